@@ -1,0 +1,178 @@
+# loom build.
+#
+#   make                 libloom.a, libloom.so and the loom command (CPU backend)
+#   make CUDA=1          also the CUDA backend (cuBLASLt, cuDNN, NCCL)
+#   make test            builds with address/undefined-behaviour sanitizers and runs the tests
+#   make fuzz            libFuzzer targets (clang) for FUZZ_SECONDS each (default 60)
+#   make check           test + fuzz: what CI runs
+#
+# Knobs: CC, BUILD (output dir), SAN=1 (sanitizers), WERROR=1, DEBUG=1,
+#        BLAS=auto|openblas|blas|none, OPENMP=1|0,
+#        CUDA=1 with CUDA_HOME, NCCL_HOME, CUDNN_HOME, CUDA_ARCH (default 90).
+
+CC      ?= cc
+BUILD   ?= build
+SAN     ?= 0
+WERROR  ?= 0
+DEBUG   ?= 0
+BLAS    ?= auto
+OPENMP  ?= 1
+CUDA    ?= 0
+PYTHON  ?= python3
+FUZZ_SECONDS ?= 60
+
+CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wno-unused-parameter \
+               -Iinclude -fPIC -MMD -MP
+ifeq ($(DEBUG),1)
+  OPT := -O0 -g3
+else
+  OPT := -O2 -g
+endif
+ifeq ($(SAN),1)
+  OPT := -O1 -g -fno-omit-frame-pointer
+  SANFLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined
+endif
+ifeq ($(WERROR),1)
+  CFLAGS_BASE += -Werror
+endif
+ifeq ($(OPENMP),1)
+  CFLAGS_BASE += -fopenmp
+  LDLIBS += -fopenmp
+endif
+
+# ---- BLAS: probe for a CBLAS that links (OpenBLAS first, then the reference) ----
+HASH := \#
+blas_probe = $(shell printf '$(HASH)include <cblas.h>\nint main(void){float a=1,b=1,c=0;cblas_sgemm(CblasRowMajor,CblasNoTrans,CblasNoTrans,1,1,1,1.f,&a,1,&b,1,0.f,&c,1);return c!=1;}\n' \
+               | $(CC) -x c - $(1) -o /dev/null >/dev/null 2>&1 && echo ok)
+ifeq ($(BLAS),auto)
+  ifeq ($(call blas_probe,-lopenblas),ok)
+    BLAS_LIB := -lopenblas
+  else ifeq ($(call blas_probe,-lcblas),ok)
+    BLAS_LIB := -lcblas
+  else ifeq ($(call blas_probe,-lblas),ok)
+    BLAS_LIB := -lblas
+  endif
+else ifeq ($(BLAS),openblas)
+  BLAS_LIB := -lopenblas
+else ifeq ($(BLAS),blas)
+  BLAS_LIB := -lblas
+endif
+ifneq ($(BLAS_LIB),)
+  CFLAGS_BASE += -DLOOM_HAVE_BLAS
+  LDLIBS += $(BLAS_LIB)
+endif
+LDLIBS += -lm -lpthread
+
+# ---- CUDA: toolkit, cuDNN and NCCL under CUDA_HOME or a Python env's nvidia/* ----
+ifeq ($(CUDA),1)
+  NVCC_PATH := $(shell command -v nvcc 2>/dev/null)
+  CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,$(patsubst %/bin/nvcc,%,$(NVCC_PATH)))
+  NVCC := $(CUDA_HOME)/bin/nvcc
+  ifeq ($(wildcard $(NVCC)),)
+    $(error CUDA=1: no nvcc at $(NVCC); set CUDA_HOME to the CUDA toolkit (the directory with bin/nvcc))
+  endif
+  py_pkg = $(shell $(PYTHON) -c 'import importlib.util,os;s=importlib.util.find_spec("nvidia.$(1)");print(list(s.submodule_search_locations)[0] if s else "")' 2>/dev/null)
+  find_home = $(firstword $(foreach d,$(2),$(if $(wildcard $(d)/include/$(1)),$(d))))
+  NCCL_HOME  ?= $(call find_home,nccl.h,$(CUDA_HOME) /usr $(call py_pkg,nccl))
+  CUDNN_HOME ?= $(call find_home,cudnn.h,$(CUDA_HOME) /usr $(call py_pkg,cudnn))
+  ifeq ($(NCCL_HOME),)
+    $(error CUDA=1: nccl.h not found under $(CUDA_HOME), /usr or a Python nvidia-nccl package; set NCCL_HOME)
+  endif
+  ifeq ($(CUDNN_HOME),)
+    $(error CUDA=1: cudnn.h not found under $(CUDA_HOME), /usr or a Python nvidia-cudnn package; set CUDNN_HOME)
+  endif
+  libdir = $(firstword $(foreach d,$(1)/lib64 $(1)/lib $(1)/lib/x86_64-linux-gnu,$(if $(wildcard $(d)/$(2)*),$(d))))
+  NCCL_LIBDIR  := $(call libdir,$(NCCL_HOME),libnccl.so)
+  CUDNN_LIBDIR := $(call libdir,$(CUDNN_HOME),libcudnn.so)
+  CUDA_LIBDIR  := $(call libdir,$(CUDA_HOME),libcublasLt.so)
+  # Python wheels ship only libX.so.N (no unversioned link): link by that name.
+  libname = $(if $(wildcard $(1)/lib$(2).so),-l$(2),-l:$(notdir $(firstword $(wildcard $(1)/lib$(2).so.*))))
+  CUDA_ARCH ?= 90
+  NVCCFLAGS := -O2 -g -std=c++17 -Iinclude -I$(NCCL_HOME)/include -I$(CUDNN_HOME)/include \
+               -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unused-parameter -MMD -MP \
+               $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a))
+  CFLAGS_BASE += -DLOOM_HAVE_CUDA -I$(CUDA_HOME)/include
+  LDLIBS += -L$(CUDA_LIBDIR) -L$(NCCL_LIBDIR) -L$(CUDNN_LIBDIR) \
+            -Wl,-rpath,$(CUDA_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDNN_LIBDIR) \
+            -lcublasLt -lcublas $(call libname,$(CUDNN_LIBDIR),cudnn) \
+            $(call libname,$(NCCL_LIBDIR),nccl) -lcudart -lstdc++
+  CU_SRC := $(wildcard src/backend/cuda/*.cu)
+endif
+
+CFLAGS := $(CFLAGS_BASE) $(OPT) $(SANFLAGS) $(EXTRA_CFLAGS)
+LDFLAGS += $(SANFLAGS)
+
+LIB_SRC  := $(wildcard src/*/*.c src/*/*/*.c)
+CLI_SRC  := $(wildcard cli/*.c)
+TEST_SRC := $(wildcard tests/*.c)
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(CU_SRC:%.cu=$(BUILD)/obj/%.o)
+CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
+TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
+
+.PHONY: all lib test test-fast fuzz check clean config
+all: $(BUILD)/libloom.a $(BUILD)/libloom.so $(BUILD)/loom
+
+config:
+	@echo "CC=$(CC) BLAS=$(if $(BLAS_LIB),$(BLAS_LIB),none (C fallback)) OPENMP=$(OPENMP) CUDA=$(CUDA) SAN=$(SAN)"
+ifeq ($(CUDA),1)
+	@echo "CUDA_HOME=$(CUDA_HOME) NCCL_HOME=$(NCCL_HOME) CUDNN_HOME=$(CUDNN_HOME) CUDA_ARCH=$(CUDA_ARCH)"
+endif
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(BUILD)/libloom.a: $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/libloom.so: $(LIB_OBJ)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/loom: $(CLI_OBJ) $(BUILD)/libloom.a
+	$(CC) $(LDFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libloom.a $(LDLIBS)
+
+$(BUILD)/loom_tests: $(TEST_OBJ) $(BUILD)/libloom.a
+	$(CC) $(LDFLAGS) -o $@ $(TEST_OBJ) -Wl,--whole-archive $(BUILD)/libloom.a -Wl,--no-whole-archive $(LDLIBS)
+
+# Tests run against the sanitizer build; a sanitizer report aborts (a signal),
+# which the tests of the command line count as a crash.
+SAN_ENV := ASAN_OPTIONS=abort_on_error=1:detect_leaks=1:allocator_may_return_null=1 \
+           UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:abort_on_error=1
+test:
+	$(MAKE) --no-print-directory BUILD=build-san SAN=1 WERROR=1 build-san/loom build-san/loom_tests
+	$(SAN_ENV) LOOM_BIN=build-san/loom build-san/loom_tests $(T)
+
+# Same tests, optimised build, no sanitizers.
+test-fast: $(BUILD)/loom $(BUILD)/loom_tests
+	LOOM_BIN=$(BUILD)/loom $(BUILD)/loom_tests $(T)
+
+# ---- fuzzing (clang + libFuzzer) ----
+FUZZ_CC ?= clang
+FUZZ_LIB_SRC := src/core/core.c src/core/dtype.c src/core/json.c src/io/safetensors.c
+FUZZ_TARGETS := json safetensors
+build-fuzz/fuzz_%: fuzz/fuzz_%.c $(FUZZ_LIB_SRC)
+	@mkdir -p build-fuzz
+	$(FUZZ_CC) -std=c11 -D_GNU_SOURCE -Iinclude -g -O1 -fsanitize=fuzzer,address,undefined \
+	    -fno-sanitize-recover=undefined -o $@ $^ -lm
+
+fuzz: $(FUZZ_TARGETS:%=build-fuzz/fuzz_%)
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	    mkdir -p build-fuzz/corpus-$$t; \
+	    echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
+	    build-fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=0 \
+	        -artifact_prefix=build-fuzz/crash-$$t- build-fuzz/corpus-$$t fuzz/corpus/$$t \
+	        2>build-fuzz/fuzz_$$t.log || { tail -n 60 build-fuzz/fuzz_$$t.log; exit 1; }; \
+	    grep -E '^#[0-9]+ *DONE' build-fuzz/fuzz_$$t.log | tail -n 1; \
+	done
+
+check: test fuzz
+
+clean:
+	rm -rf build build-san build-fuzz
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -1,0 +1,3 @@
+#include <stdio.h>
+#include "loom.h"
+int main(void) { printf("loom %s\n", loom_version()); return 0; }

@@ -1,0 +1,198 @@
+/* Test runner: runs every registered test in a child process (so a crash is
+ * reported as a failure of that test, not of the run), prints failures, and
+ * closes with "N passed, M failed". Arguments are substrings: only tests
+ * whose name contains one of them run. */
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+#define MAX_TESTS 4096
+
+static struct {
+    const char *name, *file;
+    loom_test_fn fn;
+} tests[MAX_TESTS];
+static int n_tests;
+static int n_fail_in_test;
+static char tmpdir_path[512];
+bool loom_test_abort;
+
+void loom_test_register(const char *name, const char *file, loom_test_fn fn) {
+    if (n_tests >= MAX_TESTS) {
+        fprintf(stderr, "too many tests\n");
+        exit(2);
+    }
+    tests[n_tests].name = name;
+    tests[n_tests].file = file;
+    tests[n_tests].fn = fn;
+    n_tests++;
+}
+
+void loom_test_fail(const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "    %s:%d: ", file, line);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    n_fail_in_test++;
+}
+
+const char *loom_test_fixtures(void) {
+    const char *e = getenv("LOOM_FIXTURES");
+    return e && *e ? e : "../shared/fixtures";
+}
+
+const char *loom_test_bin(void) {
+    const char *e = getenv("LOOM_BIN");
+    return e && *e ? e : "build/loom";
+}
+
+static void rm_rf(const char *path) {
+    DIR *d = opendir(path);
+    if (d) {
+        struct dirent *de;
+        while ((de = readdir(d))) {
+            if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+            char sub[1024];
+            snprintf(sub, sizeof sub, "%s/%s", path, de->d_name);
+            rm_rf(sub);
+        }
+        closedir(d);
+        rmdir(path);
+    } else {
+        unlink(path);
+    }
+}
+
+const char *loom_test_tmpdir(void) {
+    if (!tmpdir_path[0]) {
+        const char *base = getenv("TMPDIR");
+        snprintf(tmpdir_path, sizeof tmpdir_path, "%s/loom-test-XXXXXX",
+                 base && *base ? base : "/tmp");
+        if (!mkdtemp(tmpdir_path)) {
+            perror("mkdtemp");
+            exit(2);
+        }
+    }
+    return tmpdir_path;
+}
+
+const char *loom_test_write(const char *name, const void *data, size_t len) {
+    static char path[1024];
+    snprintf(path, sizeof path, "%s/%s", loom_test_tmpdir(), name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(data, 1, len, f) != len || fclose(f) != 0) {
+        fprintf(stderr, "cannot write %s\n", path);
+        exit(2);
+    }
+    return path;
+}
+
+int loom_test_run(char **out, const char *const argv[]) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/cmd-out-XXXXXX", loom_test_tmpdir());
+    int fd = mkstemp(path);
+    if (fd < 0) return -1;
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        int nul = open("/dev/null", O_RDONLY);
+        dup2(nul, 0);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        execvp(argv[0], (char *const *)argv);
+        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    close(fd);
+    if (out) {
+        size_t len;
+        if (loom_read_file(NULL, path, 0, out, &len) != LOOM_OK) *out = NULL;
+    }
+    unlink(path);
+    if (WIFEXITED(status)) return WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+    return -1;
+}
+
+void loom_test_skip(const char *reason) {
+    fprintf(stderr, "    skipped: %s\n", reason);
+    fflush(stderr);
+    if (tmpdir_path[0]) rm_rf(tmpdir_path);
+    _exit(77);
+}
+
+static bool selected(const char *name, int argc, char **argv) {
+    if (argc <= 1) return true;
+    for (int i = 1; i < argc; i++)
+        if (strstr(name, argv[i])) return true;
+    return false;
+}
+
+int main(int argc, char **argv) {
+    int passed = 0, failed = 0, skipped = 0;
+    bool nofork = getenv("LOOM_TEST_NOFORK") != NULL;
+    for (int i = 0; i < n_tests; i++) {
+        if (!selected(tests[i].name, argc, argv)) continue;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        bool ok, skip = false;
+        if (nofork) {
+            n_fail_in_test = 0;
+            loom_test_abort = false;
+            tests[i].fn();
+            ok = n_fail_in_test == 0;
+        } else {
+            fflush(stdout);
+            fflush(stderr);
+            pid_t pid = fork();
+            if (pid == 0) {
+                n_fail_in_test = 0;
+                tmpdir_path[0] = '\0';
+                tests[i].fn();
+                if (tmpdir_path[0]) rm_rf(tmpdir_path);
+                fflush(stderr);
+                _exit(n_fail_in_test == 0 ? 0 : 1);
+            }
+            int status = 0;
+            while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+            }
+            ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+            skip = WIFEXITED(status) && WEXITSTATUS(status) == 77;
+            if (WIFSIGNALED(status))
+                fprintf(stderr, "    killed by signal %d\n", WTERMSIG(status));
+            else if (WIFEXITED(status) && WEXITSTATUS(status) > 1 && !skip)
+                fprintf(stderr, "    exited with status %d\n", WEXITSTATUS(status));
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
+        printf("%s %-48s %8.1f ms  (%s)\n", ok ? "ok  " : skip ? "skip" : "FAIL", tests[i].name,
+               ms, tests[i].file);
+        fflush(stdout);
+        if (ok)
+            passed++;
+        else if (skip)
+            skipped++;
+        else
+            failed++;
+    }
+    if (tmpdir_path[0]) rm_rf(tmpdir_path);
+    if (skipped)
+        printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    else
+        printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
