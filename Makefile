@@ -170,9 +170,11 @@ fuzz: $(FUZZ_TARGETS:%=build-fuzz/fuzz_%)
 	    grep -E '^#[0-9]+ *DONE' build-fuzz/fuzz_$$t.log | tail -n 1; \
 	done
 
-check: test fuzz
+check:
+	$(MAKE) --no-print-directory test
+	$(MAKE) --no-print-directory fuzz
 
 clean:
-	rm -rf build build-san build-fuzz
+	rm -rf build build-san build-fuzz build-cuda
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -1,3 +1,141 @@
-#include <stdio.h>
-#include "loom.h"
-int main(void) { printf("loom %s\n", loom_version()); return 0; }
+/* loom: command-line entry point. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#ifdef LOOM_HAVE_CUDA
+#include "../src/backend/cuda/cuda_backend.h"
+#endif
+
+static const loom_cli_cmd commands[] = {
+    {"inspect", LOOM_CMD_INSPECT, "inspect [MODEL_DIR] [options]",
+     "describe a model: architecture, parameters per component, tensors found vs expected "
+     "(with --preset instead of a directory: a built-in shape)",
+     loom_cmd_inspect, 1},
+    {"init", LOOM_CMD_INIT, "init --out DIR [options]",
+     "write a Hugging Face model directory with random weights of a built-in shape",
+     loom_cmd_init, 0},
+    {"convert", LOOM_CMD_CONVERT, "convert --model DIR --out DIR [options]",
+     "rewrite a checkpoint: change the dtype, re-shard, check every tensor on the way",
+     loom_cmd_convert, 0},
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
+static void usage(FILE *f) {
+    fprintf(f, "loom %s: train and fine-tune Hugging Face LLMs\n\nusage: loom COMMAND [options]\n\n"
+               "commands:\n", loom_version());
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].about);
+    fprintf(f, "  %-10s %s\n", "version", "print the version and build features");
+    fprintf(f, "\n'loom help COMMAND' lists the options of a command.\n");
+}
+
+static void command_help(FILE *f, const loom_cli_cmd *c) {
+    fprintf(f, "usage: loom %s\n\n%s\n\noptions:\n", c->usage, c->about);
+    loom_options_help(f, c->mask);
+}
+
+static const loom_cli_cmd *find_command(const char *name) {
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        if (!strcmp(commands[i].name, name)) return &commands[i];
+    return NULL;
+}
+
+static void version(void) {
+    printf("loom %s\nfeatures: cpu", loom_version());
+#ifdef _OPENMP
+    printf(" openmp");
+#endif
+#ifdef LOOM_HAVE_BLAS
+    printf(" blas");
+#endif
+#ifdef LOOM_HAVE_CUDA
+    printf(" cuda");
+#endif
+    printf("\n");
+#ifdef LOOM_HAVE_CUDA
+    loom_ctx *ctx;
+    if (loom_ctx_create(&ctx) == LOOM_OK) {
+        loom_cuda_info info;
+        if (loom_cuda_query(ctx, 0, &info) == LOOM_OK)
+            printf("gpu 0: %s (sm_%d%d, %d of %d visible)\n", info.name, info.cc_major,
+                   info.cc_minor, 1, info.device_count);
+        else
+            printf("gpu: %s\n", loom_last_error(ctx));
+        printf("cuda runtime %d, cuBLASLt %zu, cuDNN %zu, NCCL %d\n", info.runtime_version,
+               info.cublaslt_version, info.cudnn_version, info.nccl_version);
+        loom_ctx_free(ctx);
+    }
+#endif
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *name = argv[1];
+    if (!strcmp(name, "-h") || !strcmp(name, "--help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(name, "version") || !strcmp(name, "--version")) {
+        version();
+        return 0;
+    }
+    if (!strcmp(name, "help")) {
+        const loom_cli_cmd *c = argc > 2 ? find_command(argv[2]) : NULL;
+        if (c)
+            command_help(stdout, c);
+        else
+            usage(stdout);
+        return 0;
+    }
+    const loom_cli_cmd *cmd = find_command(name);
+    if (!cmd) {
+        fprintf(stderr, "loom: error: unknown command '%s'\n\n", name);
+        usage(stderr);
+        return 2;
+    }
+    for (int i = 2; i < argc; i++)
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            command_help(stdout, cmd);
+            return 0;
+        }
+
+    loom_ctx *ctx;
+    if (loom_ctx_create(&ctx) != LOOM_OK) {
+        fprintf(stderr, "loom: error: out of memory\n");
+        return 1;
+    }
+    loom_settings s;
+    const char *pos[8];
+    int npos = 0, rc;
+    if (loom_settings_init(ctx, &s) ||
+        loom_settings_parse_args(ctx, &s, cmd->mask, argc - 2, argv + 2, pos, cmd->max_positional,
+                                 &npos)) {
+        fprintf(stderr, "loom %s: error: %s\n(see 'loom help %s')\n", cmd->name,
+                loom_last_error(ctx), cmd->name);
+        rc = 2;
+    } else {
+        static const char *levels[] = {"error", "warn", "info", "debug"};
+        for (int l = 0; l < 4; l++)
+            if (!strcmp(s.log_level, levels[l])) loom_ctx_set_log_level(ctx, (loom_log_level)l);
+        rc = cmd->run(ctx, &s, npos, pos);
+    }
+    loom_settings_free(&s);
+    loom_ctx_free(ctx);
+    return rc;
+}
+
+int loom_cli_fail(loom_ctx *ctx) {
+    fprintf(stderr, "loom: error: %s\n", loom_last_error(ctx));
+    return 1;
+}
+
+loom_dtype loom_cli_save_dtype(const loom_settings *s, loom_dtype fallback) {
+    if (!strcmp(s->save_dtype, "float32")) return LOOM_F32;
+    if (!strcmp(s->save_dtype, "bfloat16")) return LOOM_BF16;
+    if (!strcmp(s->save_dtype, "float16")) return LOOM_F16;
+    return fallback;
+}

@@ -121,3 +121,49 @@ TEST(dtype_convert) {
     CHECK(g[2] == 300.0f);
     loom_ctx_free(ctx);
 }
+
+TEST(core_logging_rank_prefix_and_levels) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    REQUIRE(f);
+    ctx->log_stream = f;
+    LOOM_LOG_I(ctx, "one %d", 1);
+    loom_ctx_set_rank(ctx, 3, 8);
+    LOOM_LOG_W(ctx, "two");
+    LOOM_LOG_D(ctx, "hidden at info level");
+    loom_ctx_set_log_level(ctx, LOOM_LOG_DEBUG);
+    LOOM_LOG_D(ctx, "three\n");
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    LOOM_LOG_W(ctx, "hidden at error level");
+    LOOM_LOG_E(ctx, "four");
+    fclose(f);
+    CHECK_STR(buf, "one 1\n[rank 3/8] warning: two\n[rank 3/8] debug: three\n"
+                   "[rank 3/8] error: four\n");
+    free(buf);
+    loom_ctx_free(ctx);
+}
+
+TEST(core_files) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/a/b/c", loom_test_tmpdir());
+    REQUIRE_OK(ctx, loom_mkdirs(ctx, dir));
+    CHECK(loom_dir_exists(dir));
+    char *p = loom_path_join(ctx, dir, "f.txt");
+    REQUIRE_OK(ctx, loom_write_file_atomic(ctx, p, "hello", 5));
+    char *data;
+    size_t len;
+    REQUIRE_OK(ctx, loom_read_file(ctx, p, 0, &data, &len));
+    CHECK(len == 5 && !strcmp(data, "hello"));
+    free(data);
+    CHECK(loom_read_file(ctx, p, 3, &data, &len) == LOOM_ERR_FORMAT); /* over the limit */
+    CHECK(loom_read_file(ctx, dir, 0, &data, &len) == LOOM_ERR_IO);
+    CHECK_CONTAINS(loom_last_error(ctx), "is a directory");
+    CHECK(loom_mkdirs(ctx, p) == LOOM_ERR_IO); /* a file is in the way */
+    free(p);
+    loom_ctx_free(ctx);
+}

@@ -1,0 +1,26 @@
+/* The loom command: shared helpers of the subcommands. Only cli/ exits. */
+#ifndef LOOM_CLI_H
+#define LOOM_CLI_H
+
+#include "../src/core/core.h"
+#include "../src/core/options.h"
+
+typedef struct loom_cli_cmd {
+    const char *name;
+    unsigned mask;     /* LOOM_CMD_* */
+    const char *usage; /* "inspect [MODEL_DIR] [options]" */
+    const char *about;
+    int (*run)(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
+    int max_positional;
+} loom_cli_cmd;
+
+/* Prints "loom: error: <last error>" and returns the exit code 1. */
+int loom_cli_fail(loom_ctx *ctx);
+/* Maps a save_dtype setting to a dtype; "auto" gives `fallback`. */
+loom_dtype loom_cli_save_dtype(const loom_settings *s, loom_dtype fallback);
+
+int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
+int loom_cmd_init(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
+int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
+
+#endif

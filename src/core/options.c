@@ -1,0 +1,443 @@
+/* The option table and its three uses: flags, JSON config files, and the
+ * settings table printed at start. */
+#include "options.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define OFF(field) offsetof(loom_settings, field)
+#define CMD_MODEL (LOOM_CMD_INSPECT | LOOM_CMD_CONVERT)
+
+static const loom_option table[] = {
+    {"config", LOOM_OPT_STRING, NULL,
+     "JSON file of settings (keys are the option names with '_'); flags override it",
+     OFF(config), NULL, LOOM_CMD_ALL, 0, 0},
+    {"model", LOOM_OPT_STRING, NULL,
+     "Hugging Face model directory (config.json + *.safetensors)", OFF(model), NULL, CMD_MODEL,
+     0, 0},
+    {"out", LOOM_OPT_STRING, NULL, "output directory", OFF(out), NULL,
+     LOOM_CMD_INIT | LOOM_CMD_CONVERT, 0, 0},
+    {"preset", LOOM_OPT_CHOICE, "tiny-qwen3", "built-in model shape", OFF(preset),
+     "tiny-qwen3|tiny-qwen2|tiny-llama|tiny-qwen3-moe|qwen3-0.6b|qwen3-4b|qwen3-8b|qwen3-30b-a3b",
+     LOOM_CMD_INIT | LOOM_CMD_INSPECT, 0, 0},
+    {"save_dtype", LOOM_OPT_CHOICE, "auto",
+     "dtype of the weights written (auto: as read; float32 for init)", OFF(save_dtype),
+     "auto|float32|bfloat16|float16", LOOM_CMD_INIT | LOOM_CMD_CONVERT, 0, 0},
+    {"max_shard_size", LOOM_OPT_SIZE, "5GB",
+     "largest safetensors shard written (e.g. 5GB, 500MB, 2GiB)", OFF(max_shard_size), NULL,
+     LOOM_CMD_INIT | LOOM_CMD_CONVERT, 1, INT64_MAX},
+    {"seed", LOOM_OPT_INT, "1234", "random seed", OFF(seed), NULL, LOOM_CMD_INIT, 0,
+     INT64_MAX},
+    {"format", LOOM_OPT_CHOICE, "text", "output format", OFF(format), "text|json",
+     LOOM_CMD_INSPECT, 0, 0},
+    {"log_level", LOOM_OPT_CHOICE, "info", "log verbosity", OFF(log_level),
+     "error|warn|info|debug", LOOM_CMD_ALL, 0, 0},
+};
+#define N_OPTIONS (sizeof table / sizeof table[0])
+_Static_assert(N_OPTIONS <= sizeof(((loom_settings *)0)->src) / sizeof(loom_opt_source),
+               "grow loom_settings.src");
+
+const loom_option *loom_options(size_t *count) {
+    *count = N_OPTIONS;
+    return table;
+}
+
+/* Flag names use '-', JSON keys '_'; compare ignoring the difference. */
+static bool name_eq(const char *a, const char *b, size_t blen) {
+    size_t i = 0;
+    for (; a[i] && i < blen; i++) {
+        char x = a[i] == '-' ? '_' : a[i], y = b[i] == '-' ? '_' : b[i];
+        if (x != y) return false;
+    }
+    return a[i] == '\0' && i == blen;
+}
+
+static const loom_option *find_n(const char *name, size_t len) {
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        if (name_eq(table[i].name, name, len)) return &table[i];
+    return NULL;
+}
+
+const loom_option *loom_option_find(const char *name) { return find_n(name, strlen(name)); }
+
+static size_t edit_distance(const char *a, const char *b) {
+    size_t la = strlen(a), lb = strlen(b);
+    if (la > 63 || lb > 63) return 64;
+    size_t d[64][64];
+    for (size_t i = 0; i <= la; i++) d[i][0] = i;
+    for (size_t j = 0; j <= lb; j++) d[0][j] = j;
+    for (size_t i = 1; i <= la; i++)
+        for (size_t j = 1; j <= lb; j++) {
+            char x = a[i - 1] == '-' ? '_' : a[i - 1], y = b[j - 1] == '-' ? '_' : b[j - 1];
+            size_t best = d[i - 1][j - 1] + (x != y);
+            if (d[i - 1][j] + 1 < best) best = d[i - 1][j] + 1;
+            if (d[i][j - 1] + 1 < best) best = d[i][j - 1] + 1;
+            d[i][j] = best;
+        }
+    return d[la][lb];
+}
+
+/* " (did you mean --max-shard-size?)" or "" */
+static void suggest(char *buf, size_t n, const char *name, bool as_flag) {
+    const loom_option *best = NULL;
+    size_t bd = 4;
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        size_t d = edit_distance(name, table[i].name);
+        if (d < bd) {
+            bd = d;
+            best = &table[i];
+        }
+    }
+    buf[0] = '\0';
+    if (!best) return;
+    char flag[64];
+    snprintf(flag, sizeof flag, "%s", best->name);
+    if (as_flag) {
+        for (char *p = flag; *p; p++)
+            if (*p == '_') *p = '-';
+        snprintf(buf, n, " (did you mean --%s?)", flag);
+    } else {
+        snprintf(buf, n, " (did you mean '%s'?)", flag);
+    }
+}
+
+bool loom_parse_size(const char *text, int64_t *out) {
+    errno = 0;
+    char *end;
+    double v = strtod(text, &end);
+    if (end == text || errno || !(v >= 0) || !isfinite(v)) return false;
+    while (*end == ' ') end++;
+    static const struct {
+        const char *unit;
+        double mult;
+    } units[] = {{"", 1},        {"B", 1},        {"KB", 1e3},        {"MB", 1e6},
+                 {"GB", 1e9},    {"TB", 1e12},    {"KiB", 1024.0},    {"MiB", 1048576.0},
+                 {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"K", 1e3}, {"M", 1e6},
+                 {"G", 1e9}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcasecmp(end, units[i].unit) == 0) {
+            double b = v * units[i].mult;
+            if (b >= 9.2e18 || b != floor(b)) return false;
+            *out = (int64_t)b;
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool choice_ok(const char *choices, const char *v) {
+    size_t n = strlen(v);
+    for (const char *p = choices; *p;) {
+        const char *bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && strncmp(p, v, n) == 0) return true;
+        if (!bar) break;
+        p = bar + 1;
+    }
+    return false;
+}
+
+loom_status loom_settings_set(loom_ctx *ctx, loom_settings *s, const loom_option *opt,
+                              const char *value, loom_opt_source src, const char *what) {
+    char *field = (char *)s + opt->offset;
+    switch (opt->type) {
+    case LOOM_OPT_BOOL: {
+        bool b;
+        if (!strcmp(value, "true") || !strcmp(value, "1") || !strcmp(value, "yes"))
+            b = true;
+        else if (!strcmp(value, "false") || !strcmp(value, "0") || !strcmp(value, "no"))
+            b = false;
+        else
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: '%s' is not a boolean (true or false)",
+                             what, value);
+        memcpy(field, &b, sizeof b);
+        break;
+    }
+    case LOOM_OPT_INT:
+    case LOOM_OPT_SIZE: {
+        int64_t v;
+        if (opt->type == LOOM_OPT_INT) {
+            errno = 0;
+            char *end;
+            long long x = strtoll(value, &end, 10);
+            if (end == value || *end || errno)
+                return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: '%s' is not an integer", what, value);
+            v = x;
+        } else if (!loom_parse_size(value, &v)) {
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "%s: '%s' is not a size (give bytes or a number with a unit: "
+                             "500MB, 5GB, 2GiB)",
+                             what, value);
+        }
+        if (opt->min < opt->max && (v < opt->min || v > opt->max))
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "%s: %s is out of range [%" PRId64 ", %" PRId64 "]", what, value,
+                             opt->min, opt->max);
+        memcpy(field, &v, sizeof v);
+        break;
+    }
+    case LOOM_OPT_FLOAT: {
+        errno = 0;
+        char *end;
+        double v = strtod(value, &end);
+        if (end == value || *end || errno || !isfinite(v))
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: '%s' is not a finite number", what, value);
+        memcpy(field, &v, sizeof v);
+        break;
+    }
+    case LOOM_OPT_CHOICE:
+        if (!choice_ok(opt->choices, value))
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: '%s' is not one of %s", what, value,
+                             opt->choices);
+        /* fallthrough */
+    case LOOM_OPT_STRING: {
+        char *copy = loom_strdup(ctx, value);
+        if (!copy) return LOOM_ERR_OOM;
+        char *old;
+        memcpy(&old, field, sizeof old);
+        free(old);
+        memcpy(field, &copy, sizeof copy);
+        break;
+    }
+    }
+    s->src[opt - table] = src;
+    return LOOM_OK;
+}
+
+loom_status loom_settings_init(loom_ctx *ctx, loom_settings *s) {
+    memset(s, 0, sizeof *s);
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        if (!table[i].def) continue;
+        loom_status st = loom_settings_set(ctx, s, &table[i], table[i].def, LOOM_SRC_DEFAULT,
+                                           "default");
+        if (st) return loom_err_prefix(ctx, "option table row '%s'", table[i].name);
+    }
+    return LOOM_OK;
+}
+
+void loom_settings_free(loom_settings *s) {
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        if (table[i].type != LOOM_OPT_STRING && table[i].type != LOOM_OPT_CHOICE) continue;
+        char *p;
+        memcpy(&p, (char *)s + table[i].offset, sizeof p);
+        free(p);
+    }
+    memset(s, 0, sizeof *s);
+}
+
+loom_status loom_settings_apply_json(loom_ctx *ctx, loom_settings *s, const loom_json *obj,
+                                     const char *what) {
+    if (!obj || obj->type != LOOM_JSON_OBJECT)
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: settings must be a JSON object", what);
+    for (size_t i = 0; i < obj->n; i++) {
+        const char *key = obj->keys[i];
+        const loom_json *v = obj->items[i];
+        const loom_option *opt = loom_option_find(key);
+        if (!opt || strchr(key, '-')) {
+            char sug[96];
+            suggest(sug, sizeof sug, key, false);
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: unknown setting '%s'%s", what, key, sug);
+        }
+        if (!strcmp(opt->name, "config"))
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: 'config' cannot be set inside a config file",
+                             what);
+        char where[256];
+        snprintf(where, sizeof where, "%s: '%s'", what, key);
+        char text[64];
+        const char *val = NULL;
+        bool type_ok;
+        switch (opt->type) {
+        case LOOM_OPT_BOOL:
+            type_ok = v->type == LOOM_JSON_BOOL;
+            val = v->b ? "true" : "false";
+            break;
+        case LOOM_OPT_INT:
+            type_ok = v->type == LOOM_JSON_NUMBER && v->is_int;
+            snprintf(text, sizeof text, "%" PRId64, v->i);
+            val = text;
+            break;
+        case LOOM_OPT_SIZE:
+            type_ok = (v->type == LOOM_JSON_NUMBER && v->is_int) || v->type == LOOM_JSON_STRING;
+            if (v->type == LOOM_JSON_NUMBER) {
+                snprintf(text, sizeof text, "%" PRId64, v->i);
+                val = text;
+            } else {
+                val = v->s;
+            }
+            break;
+        case LOOM_OPT_FLOAT:
+            type_ok = v->type == LOOM_JSON_NUMBER;
+            snprintf(text, sizeof text, "%.17g", v->d);
+            val = text;
+            break;
+        default:
+            type_ok = v->type == LOOM_JSON_STRING;
+            val = v->s;
+            break;
+        }
+        if (!type_ok) {
+            static const char *want[] = {"a boolean", "an integer", "a number", "a string",
+                                         "a string", "a size (bytes or a string like \"5GB\")"};
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s must be %s, got %s", where,
+                             want[opt->type], loom_json_type_name(v->type));
+        }
+        loom_status st = loom_settings_set(ctx, s, opt, val, LOOM_SRC_CONFIG, where);
+        if (st) return st;
+    }
+    return LOOM_OK;
+}
+
+static loom_status apply_config_file(loom_ctx *ctx, loom_settings *s, const char *path) {
+    loom_json *doc;
+    loom_status st = loom_json_parse_file(ctx, path, &doc);
+    if (st) return st;
+    st = loom_settings_apply_json(ctx, s, doc, path);
+    loom_json_free(doc);
+    return st;
+}
+
+loom_status loom_settings_parse_args(loom_ctx *ctx, loom_settings *s, unsigned command, int argc,
+                                     char **argv, const char **positional, int max_positional,
+                                     int *n_positional) {
+    *n_positional = 0;
+    /* pass 1: --config, so that flags override the file wherever they stand */
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--config") || !strncmp(a, "--config=", 9)) {
+            const char *path = a[8] == '=' ? a + 9 : (i + 1 < argc ? argv[i + 1] : NULL);
+            if (!path || !*path)
+                return loom_errf(ctx, LOOM_ERR_CONFIG, "--config needs a file name");
+            loom_status st = apply_config_file(ctx, s, path);
+            if (st) return st;
+            st = loom_settings_set(ctx, s, loom_option_find("config"), path, LOOM_SRC_FLAG,
+                                   "--config");
+            if (st) return st;
+        }
+    }
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "--", 2) != 0 || !strcmp(a, "--")) {
+            if (!strcmp(a, "--")) { /* everything after -- is positional */
+                for (i++; i < argc; i++) {
+                    if (*n_positional >= max_positional)
+                        return loom_errf(ctx, LOOM_ERR_CONFIG, "unexpected argument '%s'", argv[i]);
+                    positional[(*n_positional)++] = argv[i];
+                }
+                break;
+            }
+            if (*n_positional >= max_positional)
+                return loom_errf(ctx, LOOM_ERR_CONFIG, "unexpected argument '%s'", a);
+            positional[(*n_positional)++] = a;
+            continue;
+        }
+        const char *name = a + 2;
+        const char *eq = strchr(name, '=');
+        size_t nlen = eq ? (size_t)(eq - name) : strlen(name);
+        const loom_option *opt = find_n(name, nlen);
+        bool negated = false;
+        if (!opt && nlen > 3 && !strncmp(name, "no-", 3)) {
+            const loom_option *o = find_n(name + 3, nlen - 3);
+            if (o && o->type == LOOM_OPT_BOOL && !eq) {
+                opt = o;
+                negated = true;
+            }
+        }
+        char flag[128];
+        snprintf(flag, sizeof flag, "--%.*s", (int)(nlen < 100 ? nlen : 100), name);
+        if (!opt || !(opt->commands & command)) {
+            char sug[96], key[128];
+            snprintf(key, sizeof key, "%.*s", (int)(nlen < 100 ? nlen : 100), name);
+            suggest(sug, sizeof sug, key, true);
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "unknown option %s%s", flag,
+                             opt ? " for this command" : sug);
+        }
+        const char *value;
+        if (eq) {
+            value = eq + 1;
+        } else if (opt->type == LOOM_OPT_BOOL) {
+            value = negated ? "false" : "true";
+        } else {
+            if (i + 1 >= argc) return loom_errf(ctx, LOOM_ERR_CONFIG, "%s needs a value", flag);
+            value = argv[++i];
+        }
+        if (!strcmp(opt->name, "config")) continue; /* applied in pass 1 */
+        loom_status st = loom_settings_set(ctx, s, opt, value, LOOM_SRC_FLAG, flag);
+        if (st) return st;
+    }
+    return LOOM_OK;
+}
+
+static void format_value(char *buf, size_t n, const loom_settings *s, const loom_option *o) {
+    const char *field = (const char *)s + o->offset;
+    switch (o->type) {
+    case LOOM_OPT_BOOL: {
+        bool b;
+        memcpy(&b, field, sizeof b);
+        snprintf(buf, n, "%s", b ? "true" : "false");
+        break;
+    }
+    case LOOM_OPT_INT: {
+        int64_t v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, n, "%" PRId64, v);
+        break;
+    }
+    case LOOM_OPT_SIZE: {
+        int64_t v;
+        memcpy(&v, field, sizeof v);
+        char b[32];
+        snprintf(buf, n, "%" PRId64 " (%s)", v, loom_fmt_bytes(b, (uint64_t)v));
+        break;
+    }
+    case LOOM_OPT_FLOAT: {
+        double v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, n, "%g", v);
+        break;
+    }
+    default: {
+        const char *p;
+        memcpy(&p, field, sizeof p);
+        snprintf(buf, n, "%s", p ? p : "-");
+        break;
+    }
+    }
+}
+
+void loom_settings_print(const loom_ctx *ctx, const loom_settings *s, unsigned command) {
+    static const char *srcs[] = {"default", "config", "flag"};
+    loom_log(ctx, LOOM_LOG_INFO, "settings:");
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        if (!(table[i].commands & command)) continue;
+        char v[256];
+        format_value(v, sizeof v, s, &table[i]);
+        loom_log(ctx, LOOM_LOG_INFO, "  %-18s %-32s %s", table[i].name, v, srcs[s->src[i]]);
+    }
+}
+
+void loom_options_help(FILE *f, unsigned command) {
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        const loom_option *o = &table[i];
+        if (!(o->commands & command)) continue;
+        char flag[64];
+        snprintf(flag, sizeof flag, "--%s", o->name);
+        for (char *p = flag; *p; p++)
+            if (*p == '_') *p = '-';
+        const char *arg = o->type == LOOM_OPT_BOOL     ? ""
+                          : o->type == LOOM_OPT_INT    ? " N"
+                          : o->type == LOOM_OPT_FLOAT  ? " X"
+                          : o->type == LOOM_OPT_SIZE   ? " SIZE"
+                          : o->type == LOOM_OPT_CHOICE ? " CHOICE"
+                                                       : " TEXT";
+        char left[96];
+        snprintf(left, sizeof left, "%s%s", flag, arg);
+        fprintf(f, "  %-26s %s", left, o->help);
+        if (o->type == LOOM_OPT_CHOICE) fprintf(f, " [%s]", o->choices);
+        if (o->def) fprintf(f, " (default %s)", o->def);
+        fputc('\n', f);
+    }
+}

@@ -1,0 +1,93 @@
+/* The option table: one row per setting (name, type, default, help, where it
+ * is stored). It drives the `loom` flags (--max-shard-size 2GB), the JSON
+ * config file (--config FILE: {"max_shard_size": "2GB"}; flags override it)
+ * and the settings table printed at start. Adding a setting is adding a
+ * field to loom_settings and a row to the table in options.c. */
+#ifndef LOOM_OPTIONS_H
+#define LOOM_OPTIONS_H
+
+#include "core.h"
+#include "json.h"
+
+/* Commands, as bits: a row lists the commands that take it as a flag. */
+enum {
+    LOOM_CMD_INSPECT = 1u << 0,
+    LOOM_CMD_INIT = 1u << 1,
+    LOOM_CMD_CONVERT = 1u << 2,
+    LOOM_CMD_ALL = 0xffffffffu,
+};
+
+typedef enum loom_opt_type {
+    LOOM_OPT_BOOL,
+    LOOM_OPT_INT,    /* int64 */
+    LOOM_OPT_FLOAT,  /* double */
+    LOOM_OPT_STRING, /* char *, owned */
+    LOOM_OPT_CHOICE, /* char *, one of `choices` ("a|b|c") */
+    LOOM_OPT_SIZE,   /* int64 bytes; "5GB" = 5e9, "2GiB" = 2^31, plain bytes */
+} loom_opt_type;
+
+typedef enum loom_opt_source { LOOM_SRC_DEFAULT = 0, LOOM_SRC_CONFIG, LOOM_SRC_FLAG } loom_opt_source;
+
+typedef struct loom_option {
+    const char *name;    /* JSON key; the flag is --name with '_' -> '-' */
+    loom_opt_type type;
+    const char *def;     /* default, as flag text; NULL: unset */
+    const char *help;
+    size_t offset;       /* offsetof(loom_settings, field) */
+    const char *choices; /* CHOICE only */
+    unsigned commands;   /* LOOM_CMD_* bits */
+    int64_t min, max;    /* INT / SIZE range (inclusive), when min < max */
+} loom_option;
+
+typedef struct loom_settings {
+    char *config;          /* --config: JSON file of settings */
+    char *model;           /* model directory */
+    char *out;             /* output directory */
+    char *preset;          /* built-in model shape for `init` / `inspect` */
+    char *save_dtype;      /* dtype of written weights */
+    int64_t max_shard_size;/* bytes per safetensors shard */
+    int64_t seed;          /* random seed */
+    char *format;          /* output format of inspect: text | json */
+    char *log_level;       /* error | warn | info | debug */
+    loom_opt_source src[32]; /* where each row's value came from, by row index */
+} loom_settings;
+
+const loom_option *loom_options(size_t *count);
+const loom_option *loom_option_find(const char *name); /* by JSON key or flag name */
+
+/* Sets every row to its default. */
+loom_status loom_settings_init(loom_ctx *ctx, loom_settings *s);
+void loom_settings_free(loom_settings *s);
+
+/* Applies one value given as text (flag syntax) to the named row. `what`
+ * names the origin in errors ("--seed", "run.json"). */
+loom_status loom_settings_set(loom_ctx *ctx, loom_settings *s, const loom_option *opt,
+                              const char *value, loom_opt_source src, const char *what);
+/* Applies a JSON object of settings ({"seed": 3, "max_shard_size": "2GB"}).
+ * Unknown keys are refused with a suggestion; values must have the row's
+ * type (numbers for INT/FLOAT, booleans for BOOL, strings otherwise; SIZE
+ * takes a number of bytes or a string with a unit). */
+loom_status loom_settings_apply_json(loom_ctx *ctx, loom_settings *s, const loom_json *obj,
+                                     const char *what);
+
+/* Parses the arguments of a command (argv[0] is the first argument after the
+ * command name). --config FILE is applied first wherever it appears, then the
+ * flags in order, so flags override the file. Accepts --name VALUE,
+ * --name=VALUE, and for BOOL --name / --no-name. Arguments that do not start
+ * with "--" are returned in positional (at most max_positional; the array
+ * points into argv). A flag that is not in the table, or not taken by this
+ * command, is refused with the closest known name suggested. */
+loom_status loom_settings_parse_args(loom_ctx *ctx, loom_settings *s, unsigned command, int argc,
+                                     char **argv, const char **positional, int max_positional,
+                                     int *n_positional);
+
+/* Prints the settings a command uses: name, value, and where it came from. */
+void loom_settings_print(const loom_ctx *ctx, const loom_settings *s, unsigned command);
+/* Prints the flags of a command with their defaults and help. */
+void loom_options_help(FILE *f, unsigned command);
+
+/* Parses a size with an optional unit (B, KB, MB, GB, TB = powers of 1000;
+ * KiB, MiB, GiB, TiB = powers of 1024). Returns false on bad text. */
+bool loom_parse_size(const char *text, int64_t *out);
+
+#endif /* LOOM_OPTIONS_H */

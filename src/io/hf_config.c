@@ -1,0 +1,331 @@
+/* config.json of Hugging Face checkpoints: qwen2, qwen3, llama, qwen3_moe. */
+#include "hf_config.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *arch_names[LOOM_ARCH_COUNT] = {"qwen2", "qwen3", "llama", "qwen3_moe"};
+
+const char *loom_arch_name(loom_arch a) {
+    return (int)a >= 0 && a < LOOM_ARCH_COUNT ? arch_names[a] : "?";
+}
+
+const char *loom_rope_type_name(loom_rope_type t) {
+    switch (t) {
+    case LOOM_ROPE_DEFAULT: return "default";
+    case LOOM_ROPE_LINEAR: return "linear";
+    case LOOM_ROPE_LLAMA3: return "llama3";
+    }
+    return "?";
+}
+
+void loom_config_free(loom_model_config *cfg) {
+    if (!cfg) return;
+    loom_json_free(cfg->raw);
+    free(cfg->mlp_only);
+    memset(cfg, 0, sizeof *cfg);
+}
+
+bool loom_config_layer_is_moe(const loom_model_config *cfg, int64_t layer) {
+    if (cfg->num_experts <= 0 || layer < 0 || layer >= cfg->num_layers) return false;
+    if (cfg->mlp_only && cfg->mlp_only[layer]) return false;
+    int64_t step = cfg->decoder_sparse_step > 0 ? cfg->decoder_sparse_step : 1;
+    return (layer + 1) % step == 0;
+}
+
+/* A positive integer field; `required` says whether absence is an error. */
+static loom_status get_pos(loom_ctx *ctx, const loom_json *doc, const char *key, const char *what,
+                           bool required, int64_t *out) {
+    loom_status st = required ? loom_json_get_int(ctx, doc, key, what, out)
+                              : loom_json_get_int_opt(ctx, doc, key, what, out);
+    if (st == LOOM_ERR_NOT_FOUND) {
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: missing required field '%s'", what, key);
+    }
+    if (st) return st;
+    if (*out <= 0 && (required || loom_json_get(doc, key)))
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: '%s' must be a positive integer, got %lld",
+                         what, key, (long long)*out);
+    return LOOM_OK;
+}
+
+/* Rope: "rope_parameters" (v5) or "rope_theta" + "rope_scaling" (classic). */
+static loom_status parse_rope(loom_ctx *ctx, const loom_json *doc, const char *what,
+                              loom_model_config *cfg) {
+    cfg->rope_type = LOOM_ROPE_DEFAULT;
+    cfg->rope_theta = 10000.0;
+    cfg->rope_factor = 1.0;
+    const loom_json *params = loom_json_get(doc, "rope_parameters");
+    const loom_json *scaling = NULL;
+    loom_status st;
+    if (params && params->type != LOOM_JSON_NULL) {
+        cfg->v5_layout = true;
+        if (params->type != LOOM_JSON_OBJECT)
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: 'rope_parameters' must be an object, got %s",
+                             what, loom_json_type_name(params->type));
+        /* per-layer-type form: {"full_attention": {...}} */
+        const loom_json *full = loom_json_get(params, "full_attention");
+        if (full && full->type == LOOM_JSON_OBJECT) params = full;
+        st = loom_json_get_num_opt(ctx, params, "rope_theta", what, &cfg->rope_theta);
+        if (st) return st;
+        scaling = params;
+    } else {
+        st = loom_json_get_num_opt(ctx, doc, "rope_theta", what, &cfg->rope_theta);
+        if (st) return st;
+        scaling = loom_json_get(doc, "rope_scaling");
+        if (scaling && scaling->type == LOOM_JSON_NULL) scaling = NULL;
+        if (scaling && scaling->type != LOOM_JSON_OBJECT)
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: 'rope_scaling' must be an object or null, got %s",
+                             what, loom_json_type_name(scaling->type));
+    }
+    if (!(cfg->rope_theta > 0) || !isfinite(cfg->rope_theta))
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: rope_theta must be positive, got %g", what,
+                         cfg->rope_theta);
+    if (!scaling) return LOOM_OK;
+    const char *type = NULL;
+    st = loom_json_get_str_opt(ctx, scaling, "rope_type", what, &type);
+    if (st) return st;
+    if (!type) {
+        st = loom_json_get_str_opt(ctx, scaling, "type", what, &type);
+        if (st) return st;
+    }
+    if (!type || !strcmp(type, "default")) return LOOM_OK;
+    if (!strcmp(type, "linear")) {
+        cfg->rope_type = LOOM_ROPE_LINEAR;
+        st = loom_json_get_num(ctx, scaling, "factor", what, &cfg->rope_factor);
+        if (st) return st;
+    } else if (!strcmp(type, "llama3")) {
+        cfg->rope_type = LOOM_ROPE_LLAMA3;
+        if ((st = loom_json_get_num(ctx, scaling, "factor", what, &cfg->rope_factor)) ||
+            (st = loom_json_get_num(ctx, scaling, "low_freq_factor", what,
+                                    &cfg->rope_low_freq_factor)) ||
+            (st = loom_json_get_num(ctx, scaling, "high_freq_factor", what,
+                                    &cfg->rope_high_freq_factor)) ||
+            (st = loom_json_get_int(ctx, scaling, "original_max_position_embeddings", what,
+                                    &cfg->rope_original_max_pos)))
+            return st == LOOM_ERR_NOT_FOUND ? loom_err_prefix(ctx, "llama3 rope scaling") : st;
+        if (!(cfg->rope_high_freq_factor > cfg->rope_low_freq_factor) ||
+            cfg->rope_original_max_pos <= 0)
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "%s: llama3 rope scaling needs high_freq_factor > low_freq_factor "
+                             "and original_max_position_embeddings > 0",
+                             what);
+    } else {
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s: rope scaling type '%s' is not implemented (loom implements default, "
+                         "linear and llama3); remove the rope scaling entry to train at the "
+                         "model's original context length",
+                         what, type);
+    }
+    if (!(cfg->rope_factor > 0) || !isfinite(cfg->rope_factor))
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: rope scaling factor must be positive, got %g",
+                         what, cfg->rope_factor);
+    return LOOM_OK;
+}
+
+static loom_status parse_moe(loom_ctx *ctx, const loom_json *doc, const char *what,
+                             loom_model_config *cfg) {
+    loom_status st;
+    const char *experts_key = loom_json_get(doc, "num_local_experts") ? "num_local_experts"
+                                                                      : "num_experts";
+    if (!strcmp(experts_key, "num_local_experts")) cfg->v5_layout = true;
+    if ((st = get_pos(ctx, doc, experts_key, what, true, &cfg->num_experts)) ||
+        (st = get_pos(ctx, doc, "num_experts_per_tok", what, true, &cfg->num_experts_per_tok)) ||
+        (st = get_pos(ctx, doc, "moe_intermediate_size", what, true,
+                      &cfg->moe_intermediate_size)))
+        return st;
+    if (cfg->num_experts_per_tok > cfg->num_experts)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "%s: num_experts_per_tok=%lld is larger than the number of experts (%lld)",
+                         what, (long long)cfg->num_experts_per_tok, (long long)cfg->num_experts);
+    cfg->decoder_sparse_step = 1;
+    if ((st = get_pos(ctx, doc, "decoder_sparse_step", what, false, &cfg->decoder_sparse_step)))
+        return st;
+    cfg->norm_topk_prob = false;
+    if ((st = loom_json_get_bool_opt(ctx, doc, "norm_topk_prob", what, &cfg->norm_topk_prob)))
+        return st;
+    cfg->router_aux_loss_coef = 0.001;
+    if ((st = loom_json_get_num_opt(ctx, doc, "router_aux_loss_coef", what,
+                                    &cfg->router_aux_loss_coef)))
+        return st;
+    cfg->mlp_only = loom_calloc(ctx, (size_t)cfg->num_layers, sizeof(bool), "mlp_only_layers");
+    if (!cfg->mlp_only) return LOOM_ERR_OOM;
+    const loom_json *mol = loom_json_get(doc, "mlp_only_layers");
+    if (mol && mol->type != LOOM_JSON_NULL) {
+        if (mol->type != LOOM_JSON_ARRAY)
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: 'mlp_only_layers' must be a list, got %s",
+                             what, loom_json_type_name(mol->type));
+        for (size_t i = 0; i < mol->n; i++) {
+            const loom_json *e = mol->items[i];
+            if (e->type != LOOM_JSON_NUMBER || !e->is_int || e->i < 0 || e->i >= cfg->num_layers)
+                return loom_errf(ctx, LOOM_ERR_CONFIG,
+                                 "%s: mlp_only_layers[%zu] must be a layer index in [0, %lld)",
+                                 what, i, (long long)cfg->num_layers);
+            cfg->mlp_only[e->i] = true;
+        }
+    }
+    return LOOM_OK;
+}
+
+loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *what,
+                              loom_model_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    if (!doc || doc->type != LOOM_JSON_OBJECT)
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: must be a JSON object", what);
+    loom_status st;
+    const char *mt = NULL;
+    if ((st = loom_json_get_str(ctx, doc, "model_type", what, &mt)))
+        return st == LOOM_ERR_NOT_FOUND
+                   ? loom_errf(ctx, LOOM_ERR_CONFIG, "%s: missing required field 'model_type'", what)
+                   : st;
+    int arch = -1;
+    for (int a = 0; a < LOOM_ARCH_COUNT; a++)
+        if (!strcmp(mt, arch_names[a])) arch = a;
+    if (arch < 0)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s: model_type '%s' is not supported (loom supports qwen2, qwen3, llama "
+                         "and qwen3_moe)",
+                         what, mt);
+    cfg->arch = (loom_arch)arch;
+    cfg->model_type = arch_names[arch];
+    bool moe = cfg->arch == LOOM_ARCH_QWEN3_MOE;
+
+    if ((st = get_pos(ctx, doc, "vocab_size", what, true, &cfg->vocab_size)) ||
+        (st = get_pos(ctx, doc, "hidden_size", what, true, &cfg->hidden_size)) ||
+        (st = get_pos(ctx, doc, "intermediate_size", what, !moe, &cfg->intermediate_size)) ||
+        (st = get_pos(ctx, doc, "num_hidden_layers", what, true, &cfg->num_layers)) ||
+        (st = get_pos(ctx, doc, "num_attention_heads", what, true, &cfg->num_heads)))
+        return st;
+    cfg->num_kv_heads = cfg->num_heads;
+    if ((st = get_pos(ctx, doc, "num_key_value_heads", what, false, &cfg->num_kv_heads))) return st;
+    if (cfg->num_heads % cfg->num_kv_heads != 0)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "%s: num_attention_heads=%lld is not a multiple of "
+                         "num_key_value_heads=%lld",
+                         what, (long long)cfg->num_heads, (long long)cfg->num_kv_heads);
+    const loom_json *hd = loom_json_get(doc, "head_dim");
+    cfg->head_dim_given = hd && hd->type != LOOM_JSON_NULL;
+    if (cfg->head_dim_given) {
+        if ((st = get_pos(ctx, doc, "head_dim", what, true, &cfg->head_dim))) return st;
+    } else {
+        if (cfg->hidden_size % cfg->num_heads != 0)
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "%s: no head_dim given and hidden_size=%lld is not a multiple of "
+                             "num_attention_heads=%lld",
+                             what, (long long)cfg->hidden_size, (long long)cfg->num_heads);
+        cfg->head_dim = cfg->hidden_size / cfg->num_heads;
+    }
+    if (cfg->head_dim % 2 != 0)
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: head_dim=%lld must be even for rotary embeddings",
+                         what, (long long)cfg->head_dim);
+    if ((st = get_pos(ctx, doc, "max_position_embeddings", what, false,
+                      &cfg->max_position_embeddings)))
+        return st;
+    cfg->rms_norm_eps = 1e-6;
+    if ((st = loom_json_get_num_opt(ctx, doc, "rms_norm_eps", what, &cfg->rms_norm_eps))) return st;
+    if (!(cfg->rms_norm_eps > 0) || !isfinite(cfg->rms_norm_eps))
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: rms_norm_eps must be positive, got %g", what,
+                         cfg->rms_norm_eps);
+    if ((st = loom_json_get_bool_opt(ctx, doc, "tie_word_embeddings", what,
+                                     &cfg->tie_word_embeddings)))
+        return st;
+
+    const char *act = "silu";
+    if ((st = loom_json_get_str_opt(ctx, doc, "hidden_act", what, &act))) return st;
+    if (strcmp(act, "silu") != 0)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s: hidden_act '%s' is not supported (loom implements silu)", what, act);
+    bool sliding = false;
+    if ((st = loom_json_get_bool_opt(ctx, doc, "use_sliding_window", what, &sliding))) return st;
+    if (sliding)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s: use_sliding_window=true is not supported (loom implements full "
+                         "causal attention)",
+                         what);
+    const loom_json *lt = loom_json_get(doc, "layer_types");
+    if (lt && lt->type == LOOM_JSON_ARRAY)
+        for (size_t i = 0; i < lt->n; i++)
+            if (lt->items[i]->type != LOOM_JSON_STRING ||
+                strcmp(lt->items[i]->s, "full_attention") != 0)
+                return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                                 "%s: layer_types[%zu] is not 'full_attention' (loom implements "
+                                 "full causal attention only)",
+                                 what, i);
+
+    cfg->qk_norm = cfg->arch == LOOM_ARCH_QWEN3 || moe;
+    if (cfg->arch == LOOM_ARCH_QWEN2) {
+        cfg->qkv_bias = true; /* Qwen2 attention always has q/k/v biases */
+    } else {
+        bool ab = false;
+        if ((st = loom_json_get_bool_opt(ctx, doc, "attention_bias", what, &ab))) return st;
+        cfg->qkv_bias = ab; /* Llama and Qwen3: attention_bias covers q, k, v and o */
+        cfg->o_bias = ab;
+    }
+    if (cfg->arch == LOOM_ARCH_LLAMA) {
+        if ((st = loom_json_get_bool_opt(ctx, doc, "mlp_bias", what, &cfg->mlp_bias))) return st;
+    }
+    if ((st = parse_rope(ctx, doc, what, cfg))) return st;
+    if (moe && (st = parse_moe(ctx, doc, what, cfg))) return st;
+    if (!moe && loom_json_get(doc, "num_local_experts")) cfg->v5_layout = true;
+
+    const char *dt = NULL;
+    if ((st = loom_json_get_str_opt(ctx, doc, "dtype", what, &dt))) return st;
+    if (dt) {
+        cfg->v5_layout = true;
+    } else if ((st = loom_json_get_str_opt(ctx, doc, "torch_dtype", what, &dt))) {
+        return st;
+    }
+    if (dt) snprintf(cfg->dtype, sizeof cfg->dtype, "%s", dt);
+
+    cfg->raw = loom_json_clone(ctx, doc);
+    if (!cfg->raw) return LOOM_ERR_OOM;
+    return LOOM_OK;
+}
+
+loom_status loom_config_load(loom_ctx *ctx, const char *path, loom_model_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    char *file = loom_dir_exists(path) ? loom_path_join(ctx, path, "config.json")
+                                       : loom_strdup(ctx, path);
+    if (!file) return LOOM_ERR_OOM;
+    if (!loom_file_exists(file)) {
+        loom_status st = loom_errf(ctx, LOOM_ERR_NOT_FOUND,
+                                   "%s: not found (a model directory holds config.json and "
+                                   "*.safetensors files)",
+                                   file);
+        free(file);
+        return st;
+    }
+    loom_json *doc;
+    loom_status st = loom_json_parse_file(ctx, file, &doc);
+    if (st == LOOM_OK) {
+        st = loom_config_parse(ctx, doc, file, cfg);
+        loom_json_free(doc);
+        if (st) loom_config_free(cfg);
+    }
+    free(file);
+    return st;
+}
+
+static const char *torch_dtype_name(loom_dtype dt) {
+    return dt == LOOM_BF16 ? "bfloat16" : dt == LOOM_F16 ? "float16" : "float32";
+}
+
+loom_status loom_config_save(loom_ctx *ctx, const loom_model_config *cfg, const char *dir,
+                             loom_dtype dtype) {
+    loom_json *doc = loom_json_clone(ctx, cfg->raw);
+    if (!doc) return LOOM_ERR_OOM;
+    const char *key = cfg->v5_layout ? "dtype" : "torch_dtype";
+    loom_status st = loom_json_set(ctx, doc, key, loom_json_new_str(ctx, torch_dtype_name(dtype)));
+    loom_sb sb;
+    loom_sb_init(&sb);
+    if (!st) st = loom_json_write(ctx, doc, 2, &sb);
+    if (!st) loom_sb_putc(&sb, '\n');
+    if (!st && sb.failed) st = loom_errf(ctx, LOOM_ERR_OOM, "out of memory writing config.json");
+    char *path = st ? NULL : loom_path_join(ctx, dir, "config.json");
+    if (!st && !path) st = LOOM_ERR_OOM;
+    if (!st) st = loom_write_file_atomic(ctx, path, sb.buf, sb.len);
+    free(path);
+    loom_sb_free(&sb);
+    loom_json_free(doc);
+    return st;
+}

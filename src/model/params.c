@@ -1,0 +1,283 @@
+/* Parameter plans, built-in model shapes, and random-weight checkpoints. */
+#include "params.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/rng.h"
+#include "../io/safetensors.h"
+
+static const char *comp_names[LOOM_COMP_COUNT] = {
+    "embedding", "attention", "mlp", "router", "experts", "norms", "lm_head"};
+
+const char *loom_component_name(loom_component c) {
+    return (int)c >= 0 && c < LOOM_COMP_COUNT ? comp_names[c] : "?";
+}
+
+int64_t loom_param_numel(const loom_param_spec *p) {
+    return p->ndim == 1 ? p->shape[0] : p->shape[0] * p->shape[1];
+}
+
+void loom_param_plan_free(loom_param_plan *plan) {
+    if (!plan) return;
+    for (size_t i = 0; i < plan->n; i++) free(plan->p[i].name);
+    free(plan->p);
+    plan->p = NULL;
+    plan->n = 0;
+}
+
+typedef struct {
+    loom_ctx *ctx;
+    loom_param_plan *plan;
+    size_t cap;
+    loom_status st;
+} builder;
+
+static void add(builder *b, loom_component comp, int64_t layer, int64_t expert, int64_t d0,
+                int64_t d1, const char *fmt, ...) LOOM_PRINTF(7, 8);
+
+static void add(builder *b, loom_component comp, int64_t layer, int64_t expert, int64_t d0,
+                int64_t d1, const char *fmt, ...) {
+    if (b->st) return;
+    if (b->plan->n == b->cap) {
+        size_t cap = b->cap ? 2 * b->cap : 64;
+        loom_param_spec *p = loom_realloc(b->ctx, b->plan->p, cap * sizeof *p, "parameter plan");
+        if (!p) {
+            b->st = LOOM_ERR_OOM;
+            return;
+        }
+        b->plan->p = p;
+        b->cap = cap;
+    }
+    char name[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof name, fmt, ap);
+    va_end(ap);
+    loom_param_spec *s = &b->plan->p[b->plan->n];
+    s->name = loom_strdup(b->ctx, name);
+    if (!s->name) {
+        b->st = LOOM_ERR_OOM;
+        return;
+    }
+    s->ndim = d1 > 0 ? 2 : 1;
+    s->shape[0] = d0;
+    s->shape[1] = d1 > 0 ? d1 : 0;
+    s->comp = comp;
+    s->layer = layer;
+    s->expert = expert;
+    b->plan->n++;
+}
+
+/* gate/up/down of width `inter` under `prefix` ("model.layers.3.mlp" or
+ * "model.layers.3.mlp.experts.5"). */
+static void add_mlp(builder *b, const loom_model_config *c, loom_component comp, int64_t l,
+                    int64_t e, int64_t inter, const char *prefix) {
+    const int64_t H = c->hidden_size;
+    add(b, comp, l, e, inter, H, "%s.gate_proj.weight", prefix);
+    add(b, comp, l, e, inter, H, "%s.up_proj.weight", prefix);
+    add(b, comp, l, e, H, inter, "%s.down_proj.weight", prefix);
+    if (c->mlp_bias) {
+        add(b, comp, l, e, inter, 0, "%s.gate_proj.bias", prefix);
+        add(b, comp, l, e, inter, 0, "%s.up_proj.bias", prefix);
+        add(b, comp, l, e, H, 0, "%s.down_proj.bias", prefix);
+    }
+}
+
+loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *c,
+                                  loom_param_plan *plan) {
+    memset(plan, 0, sizeof *plan);
+    builder b = {ctx, plan, 0, LOOM_OK};
+    const int64_t H = c->hidden_size, D = c->head_dim;
+    const int64_t q = c->num_heads * D, kv = c->num_kv_heads * D;
+    add(&b, LOOM_COMP_EMBED, -1, -1, c->vocab_size, H, "model.embed_tokens.weight");
+    for (int64_t l = 0; l < c->num_layers; l++) {
+        char pre[96];
+        snprintf(pre, sizeof pre, "model.layers.%lld", (long long)l);
+        add(&b, LOOM_COMP_NORM, l, -1, H, 0, "%s.input_layernorm.weight", pre);
+        add(&b, LOOM_COMP_ATTN, l, -1, q, H, "%s.self_attn.q_proj.weight", pre);
+        add(&b, LOOM_COMP_ATTN, l, -1, kv, H, "%s.self_attn.k_proj.weight", pre);
+        add(&b, LOOM_COMP_ATTN, l, -1, kv, H, "%s.self_attn.v_proj.weight", pre);
+        add(&b, LOOM_COMP_ATTN, l, -1, H, q, "%s.self_attn.o_proj.weight", pre);
+        if (c->qkv_bias) {
+            add(&b, LOOM_COMP_ATTN, l, -1, q, 0, "%s.self_attn.q_proj.bias", pre);
+            add(&b, LOOM_COMP_ATTN, l, -1, kv, 0, "%s.self_attn.k_proj.bias", pre);
+            add(&b, LOOM_COMP_ATTN, l, -1, kv, 0, "%s.self_attn.v_proj.bias", pre);
+        }
+        if (c->o_bias) add(&b, LOOM_COMP_ATTN, l, -1, H, 0, "%s.self_attn.o_proj.bias", pre);
+        if (c->qk_norm) {
+            add(&b, LOOM_COMP_ATTN, l, -1, D, 0, "%s.self_attn.q_norm.weight", pre);
+            add(&b, LOOM_COMP_ATTN, l, -1, D, 0, "%s.self_attn.k_norm.weight", pre);
+        }
+        add(&b, LOOM_COMP_NORM, l, -1, H, 0, "%s.post_attention_layernorm.weight", pre);
+        char mlp[128];
+        snprintf(mlp, sizeof mlp, "%s.mlp", pre);
+        if (loom_config_layer_is_moe(c, l)) {
+            add(&b, LOOM_COMP_ROUTER, l, -1, c->num_experts, H, "%s.gate.weight", mlp);
+            for (int64_t e = 0; e < c->num_experts; e++) {
+                char ex[160];
+                snprintf(ex, sizeof ex, "%s.experts.%lld", mlp, (long long)e);
+                add_mlp(&b, c, LOOM_COMP_EXPERTS, l, e, c->moe_intermediate_size, ex);
+            }
+        } else {
+            if (c->intermediate_size <= 0 && !b.st)
+                b.st = loom_errf(ctx, LOOM_ERR_CONFIG,
+                                 "layer %lld has a dense MLP but the config has no "
+                                 "intermediate_size",
+                                 (long long)l);
+            add_mlp(&b, c, LOOM_COMP_MLP, l, -1, c->intermediate_size, mlp);
+        }
+    }
+    add(&b, LOOM_COMP_NORM, -1, -1, H, 0, "model.norm.weight");
+    if (!c->tie_word_embeddings) add(&b, LOOM_COMP_HEAD, -1, -1, c->vocab_size, H, "lm_head.weight");
+    if (b.st) loom_param_plan_free(plan);
+    return b.st;
+}
+
+int64_t loom_param_plan_count(const loom_param_plan *plan, int64_t *counts) {
+    int64_t total = 0;
+    if (counts) memset(counts, 0, sizeof(int64_t) * LOOM_COMP_COUNT);
+    for (size_t i = 0; i < plan->n; i++) {
+        int64_t n = loom_param_numel(&plan->p[i]);
+        total += n;
+        if (counts) counts[plan->p[i].comp] += n;
+    }
+    return total;
+}
+
+/* ---- built-in shapes ---- */
+
+#define QWEN3_COMMON                                                                         \
+    "\"attention_bias\": false, \"attention_dropout\": 0.0, \"hidden_act\": \"silu\", "      \
+    "\"initializer_range\": 0.02, \"rms_norm_eps\": 1e-06, \"rope_scaling\": null, "         \
+    "\"sliding_window\": null, \"use_cache\": true, \"use_sliding_window\": false, "
+
+static const struct {
+    const char *name, *json;
+} presets[] = {
+    {"tiny-qwen3",
+     "{\"architectures\": [\"Qwen3ForCausalLM\"], \"model_type\": \"qwen3\", " QWEN3_COMMON
+     "\"head_dim\": 16, \"hidden_size\": 64, \"intermediate_size\": 128, "
+     "\"max_position_embeddings\": 512, \"num_attention_heads\": 4, \"num_hidden_layers\": 4, "
+     "\"num_key_value_heads\": 2, \"rope_theta\": 1000000.0, \"tie_word_embeddings\": true, "
+     "\"torch_dtype\": \"float32\", \"vocab_size\": 1024}"},
+    {"tiny-qwen2",
+     "{\"architectures\": [\"Qwen2ForCausalLM\"], \"model_type\": \"qwen2\", "
+     "\"hidden_act\": \"silu\", \"initializer_range\": 0.02, \"rms_norm_eps\": 1e-06, "
+     "\"hidden_size\": 64, \"intermediate_size\": 128, \"max_position_embeddings\": 512, "
+     "\"num_attention_heads\": 4, \"num_hidden_layers\": 4, \"num_key_value_heads\": 2, "
+     "\"rope_theta\": 1000000.0, \"tie_word_embeddings\": false, \"use_sliding_window\": false, "
+     "\"torch_dtype\": \"float32\", \"vocab_size\": 1024}"},
+    {"tiny-llama",
+     "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", "
+     "\"attention_bias\": false, \"mlp_bias\": false, \"hidden_act\": \"silu\", "
+     "\"initializer_range\": 0.02, \"rms_norm_eps\": 1e-06, \"hidden_size\": 64, "
+     "\"intermediate_size\": 128, \"max_position_embeddings\": 512, \"num_attention_heads\": 4, "
+     "\"num_hidden_layers\": 4, \"num_key_value_heads\": 2, \"rope_theta\": 500000.0, "
+     "\"tie_word_embeddings\": false, \"torch_dtype\": \"float32\", \"vocab_size\": 1024}"},
+    {"tiny-qwen3-moe",
+     "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"model_type\": \"qwen3_moe\", " QWEN3_COMMON
+     "\"head_dim\": 16, \"hidden_size\": 64, \"intermediate_size\": 128, "
+     "\"moe_intermediate_size\": 32, \"num_experts\": 8, \"num_experts_per_tok\": 2, "
+     "\"norm_topk_prob\": true, \"decoder_sparse_step\": 1, \"mlp_only_layers\": [], "
+     "\"router_aux_loss_coef\": 0.01, \"max_position_embeddings\": 512, "
+     "\"num_attention_heads\": 4, \"num_hidden_layers\": 4, \"num_key_value_heads\": 2, "
+     "\"rope_theta\": 1000000.0, \"tie_word_embeddings\": false, \"torch_dtype\": \"float32\", "
+     "\"vocab_size\": 1024}"},
+    {"qwen3-0.6b",
+     "{\"architectures\": [\"Qwen3ForCausalLM\"], \"model_type\": \"qwen3\", " QWEN3_COMMON
+     "\"bos_token_id\": 151643, \"eos_token_id\": 151645, \"head_dim\": 128, "
+     "\"hidden_size\": 1024, \"intermediate_size\": 3072, \"max_position_embeddings\": 40960, "
+     "\"max_window_layers\": 28, \"num_attention_heads\": 16, \"num_hidden_layers\": 28, "
+     "\"num_key_value_heads\": 8, \"rope_theta\": 1000000, \"tie_word_embeddings\": true, "
+     "\"torch_dtype\": \"bfloat16\", \"vocab_size\": 151936}"},
+    {"qwen3-4b",
+     "{\"architectures\": [\"Qwen3ForCausalLM\"], \"model_type\": \"qwen3\", " QWEN3_COMMON
+     "\"bos_token_id\": 151643, \"eos_token_id\": 151645, \"head_dim\": 128, "
+     "\"hidden_size\": 2560, \"intermediate_size\": 9728, \"max_position_embeddings\": 40960, "
+     "\"max_window_layers\": 36, \"num_attention_heads\": 32, \"num_hidden_layers\": 36, "
+     "\"num_key_value_heads\": 8, \"rope_theta\": 1000000, \"tie_word_embeddings\": true, "
+     "\"torch_dtype\": \"bfloat16\", \"vocab_size\": 151936}"},
+    {"qwen3-8b",
+     "{\"architectures\": [\"Qwen3ForCausalLM\"], \"model_type\": \"qwen3\", " QWEN3_COMMON
+     "\"bos_token_id\": 151643, \"eos_token_id\": 151645, \"head_dim\": 128, "
+     "\"hidden_size\": 4096, \"intermediate_size\": 12288, \"max_position_embeddings\": 40960, "
+     "\"max_window_layers\": 36, \"num_attention_heads\": 32, \"num_hidden_layers\": 36, "
+     "\"num_key_value_heads\": 8, \"rope_theta\": 1000000, \"tie_word_embeddings\": false, "
+     "\"torch_dtype\": \"bfloat16\", \"vocab_size\": 151936}"},
+    {"qwen3-30b-a3b",
+     "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"model_type\": \"qwen3_moe\", " QWEN3_COMMON
+     "\"bos_token_id\": 151643, \"eos_token_id\": 151645, \"head_dim\": 128, "
+     "\"hidden_size\": 2048, \"intermediate_size\": 6144, \"moe_intermediate_size\": 768, "
+     "\"num_experts\": 128, \"num_experts_per_tok\": 8, \"norm_topk_prob\": true, "
+     "\"decoder_sparse_step\": 1, \"mlp_only_layers\": [], \"router_aux_loss_coef\": 0.001, "
+     "\"max_position_embeddings\": 40960, \"max_window_layers\": 48, "
+     "\"num_attention_heads\": 32, \"num_hidden_layers\": 48, \"num_key_value_heads\": 4, "
+     "\"rope_theta\": 1000000.0, \"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\", "
+     "\"vocab_size\": 151936}"},
+};
+
+const char *loom_preset_config(const char *name) {
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
+        if (!strcmp(presets[i].name, name)) return presets[i].json;
+    return NULL;
+}
+
+/* ---- random checkpoints ---- */
+
+loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
+                                    const char *out_dir, uint64_t seed, loom_dtype dtype,
+                                    uint64_t max_shard_bytes) {
+    double std = 0.02;
+    loom_status st = loom_json_get_num_opt(ctx, cfg->raw, "initializer_range", "config", &std);
+    if (st) return st;
+    loom_param_plan plan;
+    if ((st = loom_param_plan_build(ctx, cfg, &plan))) return st;
+    if ((st = loom_mkdirs(ctx, out_dir))) goto done_plan;
+    loom_st_writer *w = NULL;
+    loom_json *meta = loom_json_new_object(ctx);
+    if (!meta || loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt"))) {
+        st = LOOM_ERR_OOM;
+        loom_json_free(meta);
+        goto done_plan;
+    }
+    st = loom_st_writer_create(ctx, out_dir, "model", max_shard_bytes, meta, &w);
+    loom_json_free(meta);
+    if (st) goto done_plan;
+    for (size_t i = 0; i < plan.n && !st; i++)
+        st = loom_st_writer_declare(ctx, w, plan.p[i].name, dtype, plan.p[i].ndim, plan.p[i].shape);
+    float *buf = NULL;
+    size_t cap = 0;
+    for (size_t i = 0; i < plan.n && !st; i++) {
+        const loom_param_spec *p = &plan.p[i];
+        size_t n = (size_t)loom_param_numel(p);
+        if (n > cap) {
+            float *nb = loom_realloc(ctx, buf, n * sizeof *buf, p->name);
+            if (!nb) {
+                st = LOOM_ERR_OOM;
+                break;
+            }
+            buf = nb;
+            cap = n;
+        }
+        const char *leaf = strrchr(p->name, '.');
+        bool is_bias = leaf && !strcmp(leaf, ".bias");
+        if (p->ndim == 1) {
+            float v = is_bias ? 0.0f : 1.0f; /* norms start at 1, biases at 0 */
+            for (size_t j = 0; j < n; j++) buf[j] = v;
+        } else {
+            uint64_t key = loom_hash_str(p->name);
+#pragma omp parallel for schedule(static)
+            for (size_t j = 0; j < n; j++) buf[j] = (float)(std * loom_rng_normal(seed, key, j));
+        }
+        st = loom_st_writer_write(ctx, w, p->name, LOOM_F32, buf);
+    }
+    free(buf);
+    if (!st) st = loom_st_writer_finish(ctx, w);
+    loom_st_writer_free(w);
+    if (!st) st = loom_config_save(ctx, cfg, out_dir, dtype);
+done_plan:
+    loom_param_plan_free(&plan);
+    return st;
+}

@@ -1,0 +1,56 @@
+/* The parameter plan of an architecture: every tensor a checkpoint of this
+ * config holds, with its Hugging Face name, shape and component. It is how
+ * loom checks a checkpoint against its config, counts parameters, and later
+ * lays out and shards the weights. */
+#ifndef LOOM_PARAMS_H
+#define LOOM_PARAMS_H
+
+#include "../io/hf_config.h"
+
+typedef enum loom_component {
+    LOOM_COMP_EMBED = 0, /* token embedding */
+    LOOM_COMP_ATTN,      /* q/k/v/o projections, their biases, q/k norms */
+    LOOM_COMP_MLP,       /* dense gate/up/down */
+    LOOM_COMP_ROUTER,    /* MoE router */
+    LOOM_COMP_EXPERTS,   /* MoE expert gate/up/down */
+    LOOM_COMP_NORM,      /* input / post-attention / final RMSNorm weights */
+    LOOM_COMP_HEAD,      /* output layer (absent when tied) */
+    LOOM_COMP_COUNT
+} loom_component;
+
+typedef struct loom_param_spec {
+    char *name;          /* HF name, e.g. "model.layers.0.self_attn.q_proj.weight" */
+    int ndim;            /* 1 or 2 */
+    int64_t shape[2];
+    loom_component comp;
+    int64_t layer;       /* -1 outside the decoder layers */
+    int64_t expert;      /* -1 unless an expert weight */
+} loom_param_spec;
+
+typedef struct loom_param_plan {
+    loom_param_spec *p;
+    size_t n;
+} loom_param_plan;
+
+loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *cfg,
+                                  loom_param_plan *plan);
+void loom_param_plan_free(loom_param_plan *plan);
+int64_t loom_param_numel(const loom_param_spec *p);
+const char *loom_component_name(loom_component c);
+/* Total parameter count, and per component (counts[LOOM_COMP_COUNT], may be NULL). */
+int64_t loom_param_plan_count(const loom_param_plan *plan, int64_t *counts);
+
+/* Built-in model shapes (config.json text in the classic hub layout):
+ * tiny-qwen3, tiny-qwen2, tiny-llama, tiny-qwen3-moe, qwen3-0.6b, qwen3-4b,
+ * qwen3-8b, qwen3-30b-a3b. NULL for an unknown name. */
+const char *loom_preset_config(const char *name);
+
+/* Writes a model directory (config.json + safetensors) with random weights:
+ * matrices and embeddings ~ N(0, initializer_range (default 0.02)), norm
+ * weights 1, biases 0. Values depend only on (seed, tensor name, element
+ * index), not on the shard layout. */
+loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
+                                    const char *out_dir, uint64_t seed, loom_dtype dtype,
+                                    uint64_t max_shard_bytes);
+
+#endif /* LOOM_PARAMS_H */

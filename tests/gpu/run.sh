@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# GPU tests: builds loom with CUDA on a GPU machine and runs the whole test
+# suite there (CPU tests, and the CUDA-vs-CPU tests that skip elsewhere), then
+# prints a summary. Usage: bash tests/gpu/run.sh [test-name-filter...]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+# NCCL and cuDNN of a PyTorch installation live in its nvidia/* packages.
+py_lib() { python3 -c "import importlib.util as u; s=u.find_spec('nvidia.$1'); print(list(s.submodule_search_locations)[0]+'/lib' if s else '')" 2>/dev/null || true; }
+export LD_LIBRARY_PATH="$(py_lib nccl):$(py_lib cudnn):${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+make -j"$(nproc)" CUDA=1 BUILD=build-cuda config build-cuda/loom build-cuda/loom_tests
+build-cuda/loom version
+LOOM_BIN=build-cuda/loom build-cuda/loom_tests "$@" | tee build-cuda/gpu-tests.log
+echo "summary:"
+grep -E '^(ok|FAIL|skip) ' build-cuda/gpu-tests.log | awk '{print $1}' | sort | uniq -c

@@ -1,0 +1,247 @@
+/* HF config.json parsing (both layouts), parameter plans and presets. */
+#include <stdlib.h>
+
+#include "../src/io/hf_config.h"
+#include "../src/model/params.h"
+#include "harness.h"
+
+static loom_status parse_text(loom_ctx *ctx, const char *text, loom_model_config *cfg) {
+    loom_json *doc;
+    loom_status st = loom_json_parse(ctx, text, strlen(text), "config.json", &doc);
+    if (st) return st;
+    st = loom_config_parse(ctx, doc, "config.json", cfg);
+    loom_json_free(doc);
+    return st;
+}
+
+static loom_status load_fixture(loom_ctx *ctx, const char *model, loom_model_config *cfg) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/%s", loom_test_fixtures(), model);
+    return loom_config_load(ctx, path, cfg);
+}
+
+TEST(config_fixtures_v5_layout) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_model_config c;
+    REQUIRE_OK(ctx, load_fixture(ctx, "tiny-qwen3", &c));
+    CHECK(c.arch == LOOM_ARCH_QWEN3);
+    CHECK(c.v5_layout);
+    CHECK_EQ_INT(c.hidden_size, 64);
+    CHECK_EQ_INT(c.num_layers, 4);
+    CHECK_EQ_INT(c.num_heads, 4);
+    CHECK_EQ_INT(c.num_kv_heads, 2);
+    CHECK_EQ_INT(c.head_dim, 16);
+    CHECK_EQ_INT(c.vocab_size, 1024);
+    CHECK(c.rope_theta == 1000000.0);
+    CHECK(c.rms_norm_eps == 1e-6);
+    CHECK(c.tie_word_embeddings && c.qk_norm && !c.qkv_bias);
+    loom_config_free(&c);
+
+    REQUIRE_OK(ctx, load_fixture(ctx, "tiny-qwen3-untied", &c));
+    CHECK(!c.tie_word_embeddings);
+    loom_config_free(&c);
+
+    REQUIRE_OK(ctx, load_fixture(ctx, "tiny-qwen2", &c));
+    CHECK(c.arch == LOOM_ARCH_QWEN2 && c.qkv_bias && !c.o_bias && !c.qk_norm);
+    CHECK(!c.head_dim_given || c.head_dim == 16);
+    loom_config_free(&c);
+
+    REQUIRE_OK(ctx, load_fixture(ctx, "tiny-llama", &c));
+    CHECK(c.arch == LOOM_ARCH_LLAMA && !c.qkv_bias && !c.mlp_bias);
+    CHECK(c.rope_theta == 500000.0);
+    loom_config_free(&c);
+
+    REQUIRE_OK(ctx, load_fixture(ctx, "tiny-qwen3-moe", &c));
+    CHECK(c.arch == LOOM_ARCH_QWEN3_MOE && c.v5_layout);
+    CHECK_EQ_INT(c.num_experts, 8);
+    CHECK_EQ_INT(c.num_experts_per_tok, 2);
+    CHECK_EQ_INT(c.moe_intermediate_size, 32);
+    CHECK(c.norm_topk_prob);
+    CHECK(c.router_aux_loss_coef == 0.01);
+    for (int l = 0; l < 4; l++) CHECK(loom_config_layer_is_moe(&c, l));
+    loom_config_free(&c);
+    loom_ctx_free(ctx);
+}
+
+/* The classic hub layout of the same model gives the same numbers. */
+TEST(config_classic_layout) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_model_config c;
+    REQUIRE_OK(ctx, parse_text(ctx,
+                               "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 1024, "
+                               "\"hidden_size\": 64, \"intermediate_size\": 128, "
+                               "\"num_hidden_layers\": 4, \"num_attention_heads\": 4, "
+                               "\"num_key_value_heads\": 2, \"head_dim\": 16, "
+                               "\"rope_theta\": 1000000.0, \"rope_scaling\": null, "
+                               "\"num_experts\": 8, \"num_experts_per_tok\": 2, "
+                               "\"moe_intermediate_size\": 32, \"decoder_sparse_step\": 2, "
+                               "\"mlp_only_layers\": [3], \"torch_dtype\": \"bfloat16\"}",
+                               &c));
+    CHECK(!c.v5_layout);
+    CHECK_EQ_INT(c.num_experts, 8);
+    CHECK(c.rope_theta == 1000000.0);
+    CHECK_STR(c.dtype, "bfloat16");
+    /* sparse step 2: layers 1 and 3 are MoE, but 3 is listed as dense */
+    CHECK(!loom_config_layer_is_moe(&c, 0));
+    CHECK(loom_config_layer_is_moe(&c, 1));
+    CHECK(!loom_config_layer_is_moe(&c, 2));
+    CHECK(!loom_config_layer_is_moe(&c, 3));
+    loom_param_plan plan;
+    REQUIRE_OK(ctx, loom_param_plan_build(ctx, &c, &plan));
+    int64_t counts[LOOM_COMP_COUNT];
+    loom_param_plan_count(&plan, counts);
+    CHECK_EQ_INT(counts[LOOM_COMP_EXPERTS], 8 * 3 * 32 * 64);     /* one MoE layer */
+    CHECK_EQ_INT(counts[LOOM_COMP_MLP], 3 * 3 * 128 * 64);        /* three dense layers */
+    CHECK_EQ_INT(counts[LOOM_COMP_ROUTER], 8 * 64);
+    loom_param_plan_free(&plan);
+    loom_config_free(&c);
+
+    /* llama: head_dim derived, llama3 rope scaling in rope_scaling */
+    REQUIRE_OK(ctx, parse_text(ctx,
+                               "{\"model_type\": \"llama\", \"vocab_size\": 128256, "
+                               "\"hidden_size\": 4096, \"intermediate_size\": 14336, "
+                               "\"num_hidden_layers\": 32, \"num_attention_heads\": 32, "
+                               "\"num_key_value_heads\": 8, \"rope_theta\": 500000.0, "
+                               "\"rope_scaling\": {\"factor\": 8.0, \"low_freq_factor\": 1.0, "
+                               "\"high_freq_factor\": 4.0, "
+                               "\"original_max_position_embeddings\": 8192, "
+                               "\"rope_type\": \"llama3\"}, \"tie_word_embeddings\": false}",
+                               &c));
+    CHECK_EQ_INT(c.head_dim, 128);
+    CHECK(!c.head_dim_given);
+    CHECK(c.rope_type == LOOM_ROPE_LLAMA3 && c.rope_factor == 8.0);
+    CHECK_EQ_INT(c.rope_original_max_pos, 8192);
+    REQUIRE_OK(ctx, loom_param_plan_build(ctx, &c, &plan));
+    CHECK_EQ_INT(loom_param_plan_count(&plan, NULL), 8030261248LL); /* Llama-3.1-8B */
+    loom_param_plan_free(&plan);
+    loom_config_free(&c);
+
+    /* v5 rope_parameters with linear scaling */
+    REQUIRE_OK(ctx, parse_text(ctx,
+                               "{\"model_type\": \"qwen2\", \"vocab_size\": 100, "
+                               "\"hidden_size\": 32, \"intermediate_size\": 64, "
+                               "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                               "\"rope_parameters\": {\"rope_type\": \"linear\", \"factor\": 2.0, "
+                               "\"rope_theta\": 10000.0}}",
+                               &c));
+    CHECK(c.v5_layout && c.rope_type == LOOM_ROPE_LINEAR && c.rope_factor == 2.0);
+    CHECK_EQ_INT(c.num_kv_heads, 2); /* defaults to the query heads */
+    loom_config_free(&c);
+    loom_ctx_free(ctx);
+}
+
+TEST(config_bad_input) {
+    static const struct {
+        const char *json, *fragment;
+        loom_status st;
+    } cases[] = {
+        {"{\"vocab_size\": 10}", "missing required field 'model_type'", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"mistral\", \"vocab_size\": 10}", "model_type 'mistral' is not supported",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"model_type\": 3}", "'model_type' must be a string", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_attention_heads\": 2}",
+         "missing required field 'num_hidden_layers'", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": \"8\", "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2}",
+         "'hidden_size' must be an integer, got string", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8.5, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2}",
+         "'hidden_size' must be an integer", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 0, \"num_attention_heads\": 2}",
+         "'num_hidden_layers' must be a positive integer", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, "
+         "\"num_key_value_heads\": 3}",
+         "not a multiple of num_key_value_heads=3", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 10, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4}",
+         "no head_dim given", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+         "\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}}",
+         "rope scaling type 'yarn' is not implemented", LOOM_ERR_UNSUPPORTED},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+         "\"rope_parameters\": {\"rope_type\": \"dynamic\", \"factor\": 2.0}}",
+         "rope scaling type 'dynamic' is not implemented", LOOM_ERR_UNSUPPORTED},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+         "\"hidden_act\": \"gelu\"}",
+         "hidden_act 'gelu' is not supported", LOOM_ERR_UNSUPPORTED},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+         "\"tie_word_embeddings\": \"yes\"}",
+         "'tie_word_embeddings' must be a boolean", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3_moe\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_experts\": 4, "
+         "\"num_experts_per_tok\": 8, \"moe_intermediate_size\": 4}",
+         "num_experts_per_tok=8 is larger than the number of experts (4)", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3_moe\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_experts_per_tok\": 2, "
+         "\"moe_intermediate_size\": 4}",
+         "missing required field 'num_experts'", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+         "\"use_sliding_window\": true}",
+         "use_sliding_window=true is not supported", LOOM_ERR_UNSUPPORTED},
+        {"[1, 2]", "must be a JSON object", LOOM_ERR_CONFIG},
+    };
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        loom_model_config c;
+        loom_status st = parse_text(ctx, cases[i].json, &c);
+        CHECK_MSG(st == cases[i].st, "case %zu: status %s, want %s (%s)", i, loom_status_str(st),
+                  loom_status_str(cases[i].st), loom_last_error(ctx));
+        CHECK_CONTAINS(loom_last_error(ctx), cases[i].fragment);
+        CHECK_CONTAINS(loom_last_error(ctx), "config.json");
+        loom_config_free(&c);
+    }
+    loom_ctx_free(ctx);
+}
+
+TEST(config_file_errors_name_the_file) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_model_config c;
+    CHECK(loom_config_load(ctx, "/nonexistent/dir", &c) == LOOM_ERR_NOT_FOUND);
+    CHECK_CONTAINS(loom_last_error(ctx), "/nonexistent/dir");
+    const char *p = loom_test_write("config.json", "{\"model_type\": \"qwen3\",", 24);
+    CHECK(loom_config_load(ctx, p, &c) == LOOM_ERR_FORMAT);
+    CHECK_CONTAINS(loom_last_error(ctx), p);
+    loom_ctx_free(ctx);
+}
+
+/* Parameter counts of the built-in shapes, against the published model sizes
+ * worked out by hand from their configs. */
+TEST(presets_parameter_counts) {
+    static const struct {
+        const char *name;
+        int64_t total;
+    } want[] = {
+        {"qwen3-0.6b", 596049920LL},  {"qwen3-4b", 4022468096LL},
+        {"qwen3-8b", 8190735360LL},   {"qwen3-30b-a3b", 30532122624LL},
+        {"tiny-qwen3", 65536 + 4 * (64 * 64 * 2 + 32 * 64 * 2 + 32 + 3 * 128 * 64 + 128) + 64},
+    };
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        loom_model_config c;
+        const char *text = loom_preset_config(want[i].name);
+        REQUIRE(text);
+        REQUIRE_OK(ctx, parse_text(ctx, text, &c));
+        loom_param_plan plan;
+        REQUIRE_OK(ctx, loom_param_plan_build(ctx, &c, &plan));
+        int64_t total = loom_param_plan_count(&plan, NULL);
+        CHECK_MSG(total == want[i].total, "%s: %lld parameters, want %lld", want[i].name,
+                  (long long)total, (long long)want[i].total);
+        loom_param_plan_free(&plan);
+        loom_config_free(&c);
+    }
+    CHECK(loom_preset_config("gpt2") == NULL);
+    loom_ctx_free(ctx);
+}
