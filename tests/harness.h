@@ -95,7 +95,7 @@ void loom_test_skip(const char *reason) __attribute__((noreturn));
     } while (0)
 
 /* Paths: the repository root (where the tests run) and ../shared/fixtures. */
-const char *loom_test_fixtures(void); /* "../shared/fixtures" or $LOOM_FIXTURES */
+const char *loom_test_fixtures(void); /* $LOOM_FIXTURES, ../shared/fixtures or shared/fixtures */
 /* A fresh empty temporary directory for this test (removed at exit). */
 const char *loom_test_tmpdir(void);
 /* Writes bytes to tmpdir/name and returns the full path (static buffer per call

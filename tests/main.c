@@ -49,7 +49,11 @@ void loom_test_fail(const char *file, int line, const char *fmt, ...) {
 
 const char *loom_test_fixtures(void) {
     const char *e = getenv("LOOM_FIXTURES");
-    return e && *e ? e : "../shared/fixtures";
+    if (e && *e) return e;
+    /* beside the checkout (CI, developers), or inside it (the GPU machine) */
+    return loom_dir_exists("../shared/fixtures") || !loom_dir_exists("shared/fixtures")
+               ? "../shared/fixtures"
+               : "shared/fixtures";
 }
 
 const char *loom_test_bin(void) {
