@@ -155,10 +155,10 @@ test-fast: $(BUILD)/loom $(BUILD)/loom_tests
 FUZZ_CC ?= clang
 FUZZ_LIB_SRC := src/core/core.c src/core/dtype.c src/core/json.c src/io/safetensors.c
 FUZZ_TARGETS := json safetensors
-build-fuzz/fuzz_%: fuzz/fuzz_%.c $(FUZZ_LIB_SRC)
+build-fuzz/fuzz_%: fuzz/fuzz_%.c $(FUZZ_LIB_SRC) $(wildcard include/*.h src/*/*.h)
 	@mkdir -p build-fuzz
 	$(FUZZ_CC) -std=c11 -D_GNU_SOURCE -Iinclude -g -O1 -fsanitize=fuzzer,address,undefined \
-	    -fno-sanitize-recover=undefined -o $@ $^ -lm
+	    -fno-sanitize-recover=undefined -o $@ $(filter %.c,$^) -lm
 
 fuzz: $(FUZZ_TARGETS:%=build-fuzz/fuzz_%)
 	@set -e; for t in $(FUZZ_TARGETS); do \
@@ -167,7 +167,7 @@ fuzz: $(FUZZ_TARGETS:%=build-fuzz/fuzz_%)
 	    build-fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=0 \
 	        -artifact_prefix=build-fuzz/crash-$$t- build-fuzz/corpus-$$t fuzz/corpus/$$t \
 	        2>build-fuzz/fuzz_$$t.log || { tail -n 60 build-fuzz/fuzz_$$t.log; exit 1; }; \
-	    grep -E '^#[0-9]+ *DONE' build-fuzz/fuzz_$$t.log | tail -n 1; \
+	    grep -E '^#[0-9]+[[:space:]]+DONE' build-fuzz/fuzz_$$t.log | tail -n 1; \
 	done
 
 check:

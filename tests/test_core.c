@@ -119,6 +119,17 @@ TEST(dtype_convert) {
     float g[3];
     CHECK_OK(ctx, loom_convert(ctx, g, LOOM_F32, ids, LOOM_I64, 3));
     CHECK(g[2] == 300.0f);
+    /* integers a float cannot hold exactly are refused (found by the fuzzer:
+     * these used to convert back through an out-of-range cast) */
+    int64_t huge[2] = {INT64_MAX - 2, 16777217};
+    CHECK(loom_convert(ctx, g, LOOM_F32, huge, LOOM_I64, 1) == LOOM_ERR_FORMAT);
+    CHECK(loom_convert(ctx, g, LOOM_F32, huge + 1, LOOM_I64, 1) == LOOM_ERR_FORMAT); /* 2^24+1 */
+    double dd;
+    CHECK_OK(ctx, loom_convert(ctx, &dd, LOOM_F64, huge + 1, LOOM_I64, 1));
+    int32_t big32 = 70000;
+    uint16_t h;
+    CHECK(loom_convert(ctx, &h, LOOM_F16, &big32, LOOM_I32, 1) == LOOM_ERR_FORMAT); /* inf */
+    CHECK_CONTAINS(loom_last_error(ctx), "70000");
     loom_ctx_free(ctx);
 }
 

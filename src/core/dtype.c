@@ -199,11 +199,16 @@ loom_status loom_convert(loom_ctx *ctx, void *dst, loom_dtype d, const void *src
         }
         return LOOM_OK;
     }
-    if (!sf && df) { /* ints to floats: exact only below 2^24 / 2^53 etc.; check */
+    if (!sf && df) { /* ints to floats: only values the float holds exactly */
         for (size_t i = 0; i < n; i++) {
             int64_t v = load_i(src, s, i);
-            store_f(dst, d, i, (double)v);
-            if ((int64_t)load_f(dst, d, i) != v || fabs((double)v) > 9007199254740992.0)
+            bool exact = v >= -9007199254740992LL && v <= 9007199254740992LL; /* |v| <= 2^53 */
+            if (exact) {
+                store_f(dst, d, i, (double)v);
+                double back = load_f(dst, d, i); /* finite and within 2^53 unless inf */
+                exact = back == (double)v;
+            }
+            if (!exact)
                 return loom_errf(ctx, LOOM_ERR_FORMAT,
                                  "element %zu: integer %lld is not exactly representable in %s", i,
                                  (long long)v, loom_dtype_name(d));
