@@ -86,7 +86,7 @@ static int utf8_seq(const uint8_t *s, size_t n, uint32_t *cp_out) {
     return need + 1;
 }
 
-static bool utf8_valid(const char *s, size_t n) {
+bool loom_utf8_valid(const char *s, size_t n) {
     uint32_t cp;
     for (size_t i = 0; i < n;) {
         int k = utf8_seq((const uint8_t *)s + i, n - i, &cp);
@@ -1067,7 +1067,7 @@ static loom_status write_value(loom_ctx *ctx, const loom_json *v, int indent, in
         }
         return LOOM_OK;
     case LOOM_JSON_STRING:
-        if (!v->s || !utf8_valid(v->s, v->slen))
+        if (!v->s || !loom_utf8_valid(v->s, v->slen))
             return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "JSON write: string is not valid UTF-8");
         loom_json_write_string(out, v->s, v->slen);
         return LOOM_OK;
@@ -1085,7 +1085,7 @@ static loom_status write_value(loom_ctx *ctx, const loom_json *v, int indent, in
         if (indent >= 0) newline(out, indent, level + 1);
         if (obj) {
             size_t kl = strlen(v->keys[k]);
-            if (!utf8_valid(v->keys[k], kl))
+            if (!loom_utf8_valid(v->keys[k], kl))
                 return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "JSON write: key is not valid UTF-8");
             loom_json_write_string(out, v->keys[k], kl);
             loom_sb_puts(out, indent >= 0 ? ": " : ":");

@@ -106,6 +106,9 @@ bool loom_json_remove(loom_json *obj, const char *key);
  * use the shortest text that reads back to the same value; non-finite
  * doubles are refused (JSON has no NaN/Infinity) with LOOM_ERR_INVALID_ARG. */
 loom_status loom_json_write(loom_ctx *ctx, const loom_json *v, int indent, loom_sb *out);
+/* Strict UTF-8 check (no overlong forms, surrogates, or code points past
+ * U+10FFFF), as the parser applies it. */
+bool loom_utf8_valid(const char *s, size_t n);
 /* Appends s as a JSON string literal (quoted, escaped). */
 void loom_json_write_string(loom_sb *out, const char *s, size_t len);
 /* Appends the shortest round-tripping text of a finite double. */

@@ -13,30 +13,6 @@
 
 /* ---- shared helpers ---- */
 
-/* Strict UTF-8 (no overlong forms, surrogates or code points past U+10FFFF):
- * the writer refuses names it could not write as valid JSON. */
-static bool utf8_ok(const char *str, size_t n) {
-    const unsigned char *s = (const unsigned char *)str;
-    for (size_t i = 0; i < n;) {
-        unsigned c = s[i];
-        size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3
-                   : (c & 0xf8) == 0xf0 ? 4 : 0;
-        if (len == 0 || n - i < len) return false;
-        if (len == 1) {
-            i++;
-            continue;
-        }
-        uint32_t cp = c & (0x7fu >> len), min = len == 2 ? 0x80 : len == 3 ? 0x800 : 0x10000;
-        for (size_t k = 1; k < len; k++) {
-            if ((s[i + k] & 0xc0) != 0x80) return false;
-            cp = (cp << 6) | (s[i + k] & 0x3f);
-        }
-        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
-        i += len;
-    }
-    return true;
-}
-
 /* "[2, 3]" into buf. */
 static const char *fmt_shape(char *buf, size_t cap, int ndim, const int64_t *shape) {
     size_t o = (size_t)snprintf(buf, cap, "[");
@@ -681,8 +657,8 @@ loom_status loom_st_writer_create(loom_ctx *ctx, const char *dir, const char *ba
                          loom_json_type_name(metadata->type));
     for (size_t i = 0; metadata && i < metadata->n; i++) {
         const loom_json *v = metadata->items[i];
-        if (v->type != LOOM_JSON_STRING || !utf8_ok(v->s, v->slen) ||
-            !utf8_ok(metadata->keys[i], strlen(metadata->keys[i])))
+        if (v->type != LOOM_JSON_STRING || !loom_utf8_valid(v->s, v->slen) ||
+            !loom_utf8_valid(metadata->keys[i], strlen(metadata->keys[i])))
             return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                              "safetensors writer: metadata['%s'] must be a UTF-8 string, got %s",
                              metadata->keys[i], loom_json_type_name(v->type));
@@ -710,7 +686,7 @@ loom_status loom_st_writer_declare(loom_ctx *ctx, loom_st_writer *w, const char 
     if (w->planned)
         return loom_errf(ctx, E, "safetensors writer: cannot declare '%s' after writing has "
                                  "started: declare every tensor first", name);
-    if (strcmp(name, "__metadata__") == 0 || !utf8_ok(name, strlen(name)))
+    if (strcmp(name, "__metadata__") == 0 || !loom_utf8_valid(name, strlen(name)))
         return loom_errf(ctx, E, "safetensors writer: '%s' cannot be a tensor name (reserved or "
                                  "not UTF-8)", name);
     if ((int)dt < 0 || dt >= LOOM_DTYPE_COUNT)
