@@ -149,6 +149,11 @@ static bool selected(const char *name, int argc, char **argv) {
 int main(int argc, char **argv) {
     int passed = 0, failed = 0, skipped = 0;
     bool nofork = getenv("LOOM_TEST_NOFORK") != NULL;
+    if (!loom_dir_exists(loom_test_fixtures()))
+        fprintf(stderr,
+                "warning: no fixtures at %s: tests that compare with Hugging Face will fail "
+                "(clone beside ../shared, or set LOOM_FIXTURES)\n",
+                loom_test_fixtures());
     for (int i = 0; i < n_tests; i++) {
         if (!selected(tests[i].name, argc, argv)) continue;
         struct timespec t0, t1;
