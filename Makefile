@@ -38,6 +38,8 @@ endif
 ifeq ($(OPENMP),1)
   CFLAGS_BASE += -fopenmp
   LDLIBS += -fopenmp
+else
+  CFLAGS_BASE += -Wno-unknown-pragmas
 endif
 
 # ---- BLAS: probe for a CBLAS that links (OpenBLAS first, then the reference) ----
