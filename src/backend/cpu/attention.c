@@ -38,16 +38,18 @@ void loom_cpu_attention_fwd(const float *q, const float *k, const float *v, int6
         int64_t i = row / Hq, h = row % Hq, hk = h / group, s, e;
         doc_bounds(cu_seqlens, ndocs, i, &s, &e);
         const float *qi = q + row * D;
-        /* pass 1: the row maximum; pass 2: sum of exp and the weighted values */
-        double m = -INFINITY;
-        for (int64_t j = s; j <= i; j++) {
-            double sc = scale * dot(qi, k + (j * Hkv + hk) * D, D);
-            if (sc > m) m = sc;
-        }
-        double acc[LOOM_CPU_ATTN_MAX_D], l = 0;
+        /* one pass, online softmax: rescale the running sums when the max grows */
+        double m = -INFINITY, acc[LOOM_CPU_ATTN_MAX_D], l = 0;
         for (int64_t d = 0; d < D; d++) acc[d] = 0;
         for (int64_t j = s; j <= i; j++) {
-            double p = exp(scale * dot(qi, k + (j * Hkv + hk) * D, D) - m);
+            double sc = scale * dot(qi, k + (j * Hkv + hk) * D, D);
+            if (sc > m) {
+                double c = exp(m - sc); /* 0 on the first key */
+                l *= c;
+                for (int64_t d = 0; d < D; d++) acc[d] *= c;
+                m = sc;
+            }
+            double p = exp(sc - m);
             const float *vj = v + (j * Hkv + hk) * D;
             l += p;
             for (int64_t d = 0; d < D; d++) acc[d] += p * vj[d];
