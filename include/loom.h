@@ -77,6 +77,163 @@ size_t loom_dtype_size(loom_dtype dt);
 /* Returns 0 and sets *out when the name is known, -1 otherwise. */
 int loom_dtype_from_name(const char *name, loom_dtype *out);
 
+/* ---- Learning-rate and weight-decay schedule (Megatron's
+ * OptimizerParamScheduler). The k-th optimizer step uses lr(k-1), wd(k-1). */
+typedef enum loom_lr_decay_style {
+    LOOM_LR_CONSTANT = 0,
+    LOOM_LR_LINEAR,
+    LOOM_LR_COSINE,
+    LOOM_LR_INVERSE_SQRT, /* "inverse-square-root" */
+    LOOM_LR_WSD,          /* warmup-stable-decay: constant, then anneal over wsd_decay_steps */
+    LOOM_LR_STYLE_COUNT
+} loom_lr_decay_style;
+
+/* How WSD anneals over its last wsd_decay_steps steps. */
+typedef enum loom_wsd_style {
+    LOOM_WSD_LINEAR = 0,
+    LOOM_WSD_COSINE,
+    LOOM_WSD_EXPONENTIAL, /* Megatron's default for --lr-wsd-decay-style */
+    LOOM_WSD_MINUS_SQRT,
+    LOOM_WSD_STYLE_COUNT
+} loom_wsd_style;
+
+typedef enum loom_wd_incr_style {
+    LOOM_WD_CONSTANT = 0,
+    LOOM_WD_LINEAR,
+    LOOM_WD_COSINE,
+    LOOM_WD_STYLE_COUNT
+} loom_wd_incr_style;
+
+typedef struct loom_sched_config {
+    double init_lr, max_lr, min_lr;   /* warmup goes init_lr -> max_lr; decay max_lr -> min_lr */
+    int64_t lr_warmup_steps;          /* 0: no warmup */
+    int64_t lr_decay_steps;           /* > lr_warmup_steps; after it lr = min_lr */
+    loom_lr_decay_style lr_decay_style;
+    int64_t wsd_decay_steps;          /* WSD only: length of the anneal; -1 = not set */
+    loom_wsd_style lr_wsd_decay_style;
+    double start_wd, end_wd;          /* weight decay goes start_wd -> end_wd */
+    int64_t wd_incr_steps;            /* after it wd = end_wd */
+    loom_wd_incr_style wd_incr_style;
+} loom_sched_config;
+
+/* Defaults: constant lr 1e-4 (init 0, min 0), no warmup, decay_steps 1,
+ * wd 0.01 constant. */
+loom_sched_config loom_sched_config_default(void);
+
+/* ---- Models ----
+ * A model is created from a Hugging Face directory (config.json and
+ * model.safetensors, or shards with model.safetensors.index.json). It keeps
+ * the parameters under their HF names. Training follows the verbs of
+ * Megatron's MegatronModel: set_optimizer, set_lr_scheduler,
+ * forward_backward (any number of calls accumulate gradients),
+ * clip_grad_and_step. */
+typedef struct loom_model loom_model;
+
+typedef struct loom_model_options {
+    /* JSON object whose keys replace those of config.json before it is read,
+     * e.g. {"num_hidden_layers": 2}; NULL for none. */
+    const char *config_overrides;
+    /* Compute dtype; the CPU backend computes in LOOM_F32. */
+    loom_dtype dtype;
+    /* The output layer and embedding are padded to a multiple of this many
+     * rows (0: 128); padded rows never receive probability and are not saved. */
+    int64_t vocab_pad_multiple;
+} loom_model_options;
+
+void loom_model_options_default(loom_model_options *o);
+loom_status loom_model_create(loom_ctx *ctx, const char *dir, const loom_model_options *opts,
+                              loom_model **out);
+void loom_model_free(loom_model *m);
+
+/* Shapes of the loaded model (after overrides). */
+typedef struct loom_model_info {
+    const char *model_type;   /* "qwen3", "qwen2", "llama", ... */
+    int64_t vocab_size;       /* as in config.json */
+    int64_t padded_vocab_size;
+    int64_t hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim;
+    int64_t num_params;       /* distinct trainable parameters (tied counted once) */
+    int64_t num_tensors;      /* HF tensors */
+} loom_model_info;
+void loom_model_get_info(const loom_model *m, loom_model_info *info);
+
+/* AdamW (torch semantics, fp32 master weights; no weight decay on 1-D
+ * parameters). Without a scheduler lr and weight_decay are constant. */
+typedef struct loom_optimizer_config {
+    double lr;           /* default 1e-4 */
+    double beta1, beta2; /* default 0.9, 0.999 */
+    double eps;          /* default 1e-8 */
+    double weight_decay; /* default 0.01 */
+} loom_optimizer_config;
+loom_optimizer_config loom_optimizer_config_default(void);
+loom_status loom_model_set_optimizer(loom_model *m, const loom_optimizer_config *c);
+/* From now on lr and weight decay come from the schedule (its max_lr,
+ * start_wd/end_wd replace the optimizer's lr and weight_decay). */
+loom_status loom_model_set_lr_scheduler(loom_model *m, const loom_sched_config *c);
+
+/* A batch of `rows` sequences of `seq_len` tokens, row-major. */
+typedef struct loom_batch {
+    int64_t rows, seq_len;
+    const int32_t *input_ids;    /* (rows, seq_len), each in [0, vocab_size) */
+    const int32_t *targets;      /* (rows, seq_len): the token position t predicts; -100: no loss */
+    /* Optional. Packed documents: cu_seqlens (n_docs + 1) are document starts
+     * over the flattened rows*seq_len tokens (0 first, rows*seq_len last,
+     * every row start included); attention never crosses a document. NULL:
+     * each row is one document. */
+    const int32_t *cu_seqlens;
+    int64_t n_docs;
+    /* Optional (rows, seq_len); NULL: positions restart at 0 in every document. */
+    const int32_t *position_ids;
+} loom_batch;
+
+typedef struct loom_fb_result {
+    double loss;      /* loss_sum / n_tokens of this call (0 when no token has a target) */
+    double loss_sum;  /* sum of token losses of this call */
+    int64_t n_tokens; /* tokens with a target in this call */
+} loom_fb_result;
+
+/* Runs the batch split into num_micro_batches (dividing rows) and adds the
+ * gradient of the summed token losses to the fp32 main grads. The gradient
+ * applied at the step is that of the mean loss over every token of every
+ * call since the last step. A non-finite loss is an error; the gradients
+ * accumulated since the last step are then discarded. */
+loom_status loom_model_forward_backward(loom_model *m, const loom_batch *b,
+                                        int64_t num_micro_batches, loom_fb_result *out);
+/* Forward only. Any output may be NULL: token_logprobs and entropy are
+ * (rows*seq_len) (0 logprob where target is -100), logits (rows*seq_len,
+ * vocab_size). */
+loom_status loom_model_forward_only(loom_model *m, const loom_batch *b, int64_t num_micro_batches,
+                                    float *token_logprobs, float *entropy, float *logits,
+                                    loom_fb_result *out);
+
+typedef struct loom_step_result {
+    int stepped;          /* 1 when the optimizer stepped */
+    double grad_norm;     /* global L2 norm of the mean-loss gradient before clipping */
+    double lr, weight_decay; /* used by this step */
+    int64_t step;         /* optimizer steps taken so far */
+    double loss;          /* mean loss over the tokens of the accumulated calls */
+    int64_t n_tokens;     /* tokens those calls had */
+} loom_step_result;
+/* Counts a call; every accumulation_steps-th call (1: every call) scales the
+ * accumulated gradient to the mean loss, clips it to max_grad_norm (<= 0: no
+ * clipping), takes an AdamW step, advances the schedule and zeroes the
+ * gradients. Without a set_optimizer call the defaults are used. */
+loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
+                                          int64_t accumulation_steps, loom_step_result *out);
+void loom_model_zero_grad(loom_model *m);
+
+/* Parameters by HF name (i < num_tensors). get_param copies fp32 values;
+ * get_grad copies the gradient of the mean loss over the tokens accumulated
+ * since the last step (n = the tensor's element count). */
+const char *loom_model_tensor_name(const loom_model *m, int64_t i, int *ndim, int64_t shape[2]);
+loom_status loom_model_get_param(loom_model *m, const char *name, float *dst, int64_t n);
+loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int64_t n);
+
+/* Writes an HF directory: config.json in the layout it was read in and the
+ * weights in `dtype` (LOOM_DTYPE_COUNT: the checkpoint's own), vocabulary
+ * padding removed, split into shards of at most max_shard_bytes (0: 5 GB). */
+loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
+                               uint64_t max_shard_bytes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -28,42 +28,7 @@
 
 #include "../core/core.h"
 
-typedef enum loom_lr_decay_style {
-    LOOM_LR_CONSTANT = 0,
-    LOOM_LR_LINEAR,
-    LOOM_LR_COSINE,
-    LOOM_LR_INVERSE_SQRT, /* "inverse-square-root" */
-    LOOM_LR_WSD,          /* warmup-stable-decay: constant, then anneal over wsd_decay_steps */
-    LOOM_LR_STYLE_COUNT
-} loom_lr_decay_style;
-
-/* How WSD anneals over its last wsd_decay_steps steps. */
-typedef enum loom_wsd_style {
-    LOOM_WSD_LINEAR = 0,
-    LOOM_WSD_COSINE,
-    LOOM_WSD_EXPONENTIAL, /* Megatron's default for --lr-wsd-decay-style */
-    LOOM_WSD_MINUS_SQRT,
-    LOOM_WSD_STYLE_COUNT
-} loom_wsd_style;
-
-typedef enum loom_wd_incr_style {
-    LOOM_WD_CONSTANT = 0,
-    LOOM_WD_LINEAR,
-    LOOM_WD_COSINE,
-    LOOM_WD_STYLE_COUNT
-} loom_wd_incr_style;
-
-typedef struct loom_sched_config {
-    double init_lr, max_lr, min_lr;   /* warmup goes init_lr -> max_lr; decay max_lr -> min_lr */
-    int64_t lr_warmup_steps;          /* 0: no warmup */
-    int64_t lr_decay_steps;           /* > lr_warmup_steps; after it lr = min_lr */
-    loom_lr_decay_style lr_decay_style;
-    int64_t wsd_decay_steps;          /* WSD only: length of the anneal; -1 = not set */
-    loom_wsd_style lr_wsd_decay_style;
-    double start_wd, end_wd;          /* weight decay goes start_wd -> end_wd */
-    int64_t wd_incr_steps;            /* after it wd = end_wd */
-    loom_wd_incr_style wd_incr_style;
-} loom_sched_config;
+/* loom_sched_config and its enums are public: include/loom.h. */
 
 /* Defaults: constant lr 1e-4 (init 0, min 0), no warmup, decay_steps 1,
  * WSD unset (exponential), constant wd 0.01. Fill in, then validate. */
