@@ -155,8 +155,9 @@ test-fast: $(BUILD)/loom $(BUILD)/loom_tests
 
 # ---- fuzzing (clang + libFuzzer) ----
 FUZZ_CC ?= clang
-FUZZ_LIB_SRC := src/core/core.c src/core/dtype.c src/core/json.c src/io/safetensors.c
-FUZZ_TARGETS := json safetensors
+FUZZ_LIB_SRC := src/core/core.c src/core/dtype.c src/core/json.c src/io/safetensors.c \
+                src/data/tokens.c
+FUZZ_TARGETS := json safetensors tokens
 build-fuzz/fuzz_%: fuzz/fuzz_%.c $(FUZZ_LIB_SRC) $(wildcard include/*.h src/*/*.h)
 	@mkdir -p build-fuzz
 	$(FUZZ_CC) -std=c11 -D_GNU_SOURCE -Iinclude -g -O1 -fsanitize=fuzzer,address,undefined \

@@ -19,8 +19,14 @@ int loom_cli_fail(loom_ctx *ctx);
 /* Maps a save_dtype setting to a dtype; "auto" gives `fallback`. */
 loom_dtype loom_cli_save_dtype(const loom_settings *s, loom_dtype fallback);
 
+/* Copies the tokenizer and other files that travel with the weights. */
+loom_status loom_cli_copy_side_files(loom_ctx *ctx, const char *from_dir, const char *to_dir);
+
+int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
+int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_init(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
+int loom_cmd_data(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 
 #endif

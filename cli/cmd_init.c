@@ -57,6 +57,13 @@ static loom_status copy_file(loom_ctx *ctx, const char *from_dir, const char *to
     return st;
 }
 
+loom_status loom_cli_copy_side_files(loom_ctx *ctx, const char *from_dir, const char *to_dir) {
+    loom_status st = LOOM_OK;
+    for (size_t i = 0; i < sizeof side_files / sizeof side_files[0] && !st; i++)
+        st = copy_file(ctx, from_dir, to_dir, side_files[i]);
+    return st;
+}
+
 int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
     if (!s->model) {
         loom_errf(ctx, LOOM_ERR_CONFIG, "loom convert needs --model DIR (the checkpoint to read)");
@@ -121,8 +128,7 @@ int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
     }
     if (!st) st = loom_st_writer_finish(ctx, w);
     if (!st) st = loom_config_save(ctx, &cfg, s->out, out_dt);
-    for (size_t i = 0; i < sizeof side_files / sizeof side_files[0] && !st; i++)
-        st = copy_file(ctx, s->model, s->out, side_files[i]);
+    if (!st) st = loom_cli_copy_side_files(ctx, s->model, s->out);
     if (!st) {
         size_t extra = loom_st_count(in) > plan.n ? loom_st_count(in) - plan.n : 0;
         if (extra)

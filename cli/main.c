@@ -15,9 +15,18 @@ static const loom_cli_cmd commands[] = {
     {"init", LOOM_CMD_INIT, "init --out DIR [options]",
      "write a Hugging Face model directory with random weights of a built-in shape",
      loom_cmd_init, 0},
+    {"train", LOOM_CMD_TRAIN, "train --model DIR --data FILE.tokens [options]",
+     "train a model on a token file; print step, loss, grad norm, lr, tokens/s; "
+     "--save-hf DIR writes the result", loom_cmd_train, 0},
+    {"golden", LOOM_CMD_GOLDEN, "golden --model DIR --batch IN.safetensors --out OUT.safetensors",
+     "run one batch and write logits, token log-probs, entropy, loss and every gradient",
+     loom_cmd_golden, 0},
     {"convert", LOOM_CMD_CONVERT, "convert --model DIR --out DIR [options]",
      "rewrite a checkpoint: change the dtype, re-shard, check every tensor on the way",
      loom_cmd_convert, 0},
+    {"data", LOOM_CMD_DATA, "data --text FILE --out OUT.tokens\n       loom data FILE.tokens",
+     "make a token file from text (byte-level demo encoder), or describe a token file",
+     loom_cmd_data, 1},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -46,7 +46,9 @@ static void check_case(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float 
 }
 
 TEST(gemm_all_transposes) {
-    const int64_t shapes[][3] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 9}, {64, 48, 80}, {5, 1, 130}};
+    /* the last two are large enough to be split over threads: by rows, by columns */
+    const int64_t shapes[][3] = {{1, 1, 1},   {3, 5, 7},      {17, 33, 9},   {64, 48, 80},
+                                 {5, 1, 130}, {300, 70, 200}, {12, 400, 600}};
     for (int ref = 0; ref < 2; ref++)
         for (int t = 0; t < 4; t++)
             for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {

@@ -14,6 +14,9 @@ enum {
     LOOM_CMD_INSPECT = 1u << 0,
     LOOM_CMD_INIT = 1u << 1,
     LOOM_CMD_CONVERT = 1u << 2,
+    LOOM_CMD_TRAIN = 1u << 3,
+    LOOM_CMD_GOLDEN = 1u << 4,
+    LOOM_CMD_DATA = 1u << 5,
     LOOM_CMD_ALL = 0xffffffffu,
 };
 
@@ -49,7 +52,23 @@ typedef struct loom_settings {
     int64_t seed;          /* random seed */
     char *format;          /* output format of inspect: text | json */
     char *log_level;       /* error | warn | info | debug */
-    loom_opt_source src[32]; /* where each row's value came from, by row index */
+    char *text;            /* data: UTF-8 text file to encode */
+    char *inspect;         /* data: .tokens file to describe */
+    /* train / golden */
+    char *data;            /* .tokens file to train on */
+    char *batch;           /* golden: safetensors file with input_ids and targets */
+    char *config_override; /* JSON object replacing keys of config.json */
+    char *save_hf;         /* train: write the trained model here */
+    int64_t train_steps;
+    int64_t seq_len;
+    int64_t micro_batch_size;
+    int64_t global_batch_size;
+    double lr, min_lr;
+    int64_t lr_warmup_steps, lr_decay_steps;
+    char *lr_decay_style;
+    double weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad;
+    int64_t log_interval;
+    loom_opt_source src[96]; /* where each row's value came from, by row index */
 } loom_settings;
 
 const loom_option *loom_options(size_t *count);

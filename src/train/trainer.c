@@ -152,12 +152,14 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
                                   logits ? logits + t0 * m->V : NULL, &s, &n);
         if (st) {
             if (backward) {
+                char why[256];
+                snprintf(why, sizeof why, "%s", loom_last_error(m->ctx));
                 loom_model_zero_grad(m);
                 return loom_errf(m->ctx, st,
                                  "%s at micro-batch %lld of %lld; the gradients accumulated "
                                  "since the last step were discarded. Lower the learning rate, "
                                  "or check the data and the checkpoint (loom inspect)",
-                                 loom_last_error(m->ctx), (long long)mb + 1, (long long)nmicro);
+                                 why, (long long)mb + 1, (long long)nmicro);
             }
             return st;
         }

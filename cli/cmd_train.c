@@ -1,0 +1,122 @@
+/* loom train: a model directory and a token file in, steps printed, an HF
+ * directory out. Built on the public model API only. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../src/data/tokens.h"
+#include "../src/train/scheduler.h"
+#include "cli.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Optimizer and schedule from the settings. */
+static loom_status setup_optimizer(loom_ctx *ctx, loom_model *m, const loom_settings *s) {
+    loom_optimizer_config oc = {.lr = s->lr, .beta1 = s->adam_beta1, .beta2 = s->adam_beta2,
+                                .eps = s->adam_eps, .weight_decay = s->weight_decay};
+    loom_status st = loom_model_set_optimizer(m, &oc);
+    if (st) return st;
+    loom_sched_config sc = loom_sched_config_default();
+    sc.init_lr = 0.0;
+    sc.max_lr = s->lr;
+    sc.min_lr = s->min_lr;
+    sc.lr_warmup_steps = s->lr_warmup_steps;
+    sc.lr_decay_steps = s->lr_decay_steps ? s->lr_decay_steps : s->train_steps;
+    if ((st = loom_lr_decay_style_parse(ctx, s->lr_decay_style, &sc.lr_decay_style))) return st;
+    if (sc.lr_decay_style == LOOM_LR_WSD) sc.wsd_decay_steps = sc.lr_decay_steps / 10 + 1;
+    if (sc.lr_decay_steps <= sc.lr_warmup_steps) sc.lr_decay_steps = sc.lr_warmup_steps + 1;
+    sc.start_wd = sc.end_wd = s->weight_decay;
+    return loom_model_set_lr_scheduler(m, &sc);
+}
+
+int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
+    if (!s->model || !s->data) {
+        loom_errf(ctx, LOOM_ERR_CONFIG,
+                  "loom train needs --model DIR (an HF model directory; `loom init` makes one) "
+                  "and --data FILE.tokens (`loom data` makes one)");
+        return loom_cli_fail(ctx);
+    }
+    if (s->global_batch_size % s->micro_batch_size) {
+        loom_errf(ctx, LOOM_ERR_CONFIG,
+                  "global_batch_size=%" PRId64 " is not a multiple of micro_batch_size=%" PRId64,
+                  s->global_batch_size, s->micro_batch_size);
+        return loom_cli_fail(ctx);
+    }
+    loom_settings_print(ctx, s, LOOM_CMD_TRAIN);
+
+    loom_model_options mo;
+    loom_model_options_default(&mo);
+    mo.config_overrides = s->config_override;
+    loom_model *m = NULL;
+    loom_tokfile *tf = NULL;
+    loom_packer *pk = NULL;
+    int rc = 1;
+    loom_status st = loom_model_create(ctx, s->model, &mo, &m);
+    if (st) goto done;
+    loom_model_info info;
+    loom_model_get_info(m, &info);
+    char nb[32];
+    LOOM_LOG_I(ctx, "model %s: %s, %" PRId64 " layers, hidden %" PRId64 ", vocab %" PRId64
+               ", %s parameters", s->model, info.model_type, info.num_layers, info.hidden_size,
+               info.vocab_size, loom_fmt_int(nb, info.num_params));
+    if ((st = loom_tokfile_open(ctx, s->data, &tf))) goto done;
+    if ((int64_t)loom_tokfile_max_id(tf) >= info.vocab_size) {
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                       "%s holds token id %" PRIu32 ", outside the vocabulary [0, %" PRId64
+                       ") of %s; the data was made for another tokenizer",
+                       s->data, loom_tokfile_max_id(tf), info.vocab_size, s->model);
+        goto done;
+    }
+    LOOM_LOG_I(ctx, "data %s: %s tokens in %" PRId64 " documents", s->data,
+               loom_fmt_int(nb, loom_tokfile_n_tokens(tf)), loom_tokfile_n_docs(tf));
+    if ((st = loom_packer_create(ctx, tf, s->seq_len, s->global_batch_size, &pk))) goto done;
+    if ((st = setup_optimizer(ctx, m, s))) goto done;
+
+    const int64_t nmicro = s->global_batch_size / s->micro_batch_size;
+    double first_loss = NAN, last_loss = NAN, t_start = now_s();
+    int64_t tokens_total = 0;
+    for (int64_t step = 1; step <= s->train_steps; step++) {
+        double t0 = now_s();
+        loom_packed_batch pb;
+        if ((st = loom_packer_next(ctx, pk, &pb))) goto done;
+        loom_batch b = {.rows = pb.rows, .seq_len = pb.seq_len, .input_ids = pb.input_ids,
+                        .targets = pb.targets, .cu_seqlens = pb.cu_seqlens,
+                        .n_docs = pb.n_segments, .position_ids = pb.position_ids};
+        loom_fb_result fr;
+        loom_step_result sr;
+        if ((st = loom_model_forward_backward(m, &b, nmicro, &fr))) goto done;
+        if ((st = loom_model_clip_grad_and_step(m, s->clip_grad, 1, &sr))) goto done;
+        double dt = now_s() - t0;
+        tokens_total += pb.rows * pb.seq_len;
+        if (step == 1) first_loss = fr.loss;
+        last_loss = fr.loss;
+        if (step % s->log_interval == 0 || step == s->train_steps || step == 1)
+            LOOM_LOG_I(ctx,
+                       "step %" PRId64 "/%" PRId64 " | loss %.4f | grad norm %.3f | lr %.3e | "
+                       "%.0f tokens/s%s",
+                       step, s->train_steps, fr.loss, sr.grad_norm, sr.lr,
+                       (double)(pb.rows * pb.seq_len) / dt, sr.stepped ? "" : " | step skipped");
+    }
+    double total = now_s() - t_start;
+    LOOM_LOG_I(ctx, "trained %" PRId64 " steps in %.1f s (%.0f tokens/s): loss %.4f -> %.4f",
+               s->train_steps, total, (double)tokens_total / total, first_loss, last_loss);
+    if (s->save_hf) {
+        loom_dtype dt = loom_cli_save_dtype(s, LOOM_DTYPE_COUNT);
+        if ((st = loom_model_save_hf(m, s->save_hf, dt, (uint64_t)s->max_shard_size))) goto done;
+        if ((st = loom_cli_copy_side_files(ctx, s->model, s->save_hf))) goto done;
+        LOOM_LOG_I(ctx, "wrote %s", s->save_hf);
+    }
+    rc = 0;
+done:
+    if (rc) loom_cli_fail(ctx);
+    loom_packer_free(pk);
+    loom_tokfile_free(tf);
+    loom_model_free(m);
+    return rc;
+}

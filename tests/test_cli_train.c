@@ -1,0 +1,193 @@
+/* `loom train` and `loom golden` end to end. */
+#include <stdlib.h>
+
+#include "../src/io/safetensors.h"
+#include "harness.h"
+
+#define RUN(out, ...) loom_test_run(out, (const char *const[]){loom_test_bin(), __VA_ARGS__, NULL})
+
+static const char *tmp_path(char *buf, size_t n, const char *name) {
+    snprintf(buf, n, "%s/%s", loom_test_tmpdir(), name);
+    return buf;
+}
+
+/* Loss printed on the line of `step k/`. */
+static double loss_at(const char *out, const char *step) {
+    const char *p = strstr(out, step);
+    if (!p || !(p = strstr(p, "loss "))) return NAN;
+    return atof(p + 5);
+}
+
+TEST(cli_train_loss_falls_and_saves_hf) {
+    char model[1024], text[1024], data[1024], saved[1024], *out;
+    tmp_path(model, sizeof model, "tiny");
+    tmp_path(text, sizeof text, "corpus.txt");
+    tmp_path(data, sizeof data, "corpus.tokens");
+    tmp_path(saved, sizeof saved, "trained");
+    FILE *f = fopen(text, "w");
+    REQUIRE(f);
+    for (int i = 0; i < 40; i++)
+        fprintf(f, "the quick brown fox jumps over the lazy dog %d times.\n%s", i,
+                i % 5 == 4 ? "\n" : "");
+    fclose(f);
+    REQUIRE(RUN(&out, "init", "--out", model, "--log-level", "warn") == 0);
+    free(out);
+    REQUIRE(RUN(&out, "data", "--text", text, "--out", data) == 0);
+    free(out);
+    int rc = RUN(&out, "train", "--model", model, "--data", data, "--train-steps", "15",
+                 "--seq-len", "64", "--global-batch-size", "4", "--micro-batch-size", "2",
+                 "--lr", "3e-3", "--lr-warmup-steps", "2", "--save-hf", saved, "--save-dtype",
+                 "bfloat16");
+    CHECK_EQ_INT(rc, 0);
+    CHECK_CONTAINS(out, "step 15/15 | loss ");
+    CHECK_CONTAINS(out, "tokens/s");
+    CHECK_CONTAINS(out, "grad norm");
+    double first = loss_at(out, "step 1/15"), last = loss_at(out, "step 15/15");
+    CHECK_MSG(first > 6.5 && last < first - 1.0, "loss %g -> %g does not fall", first, last);
+    free(out);
+    /* the saved model is an HF directory in bf16 that loom reads back */
+    CHECK_EQ_INT(RUN(&out, "inspect", saved), 0);
+    CHECK_CONTAINS(out, "BF16");
+    free(out);
+}
+
+TEST(cli_train_refuses_bad_input) {
+    char data[1024], model[1024], *out;
+    snprintf(model, sizeof model, "%s/models/tiny-qwen3", loom_test_fixtures());
+    CHECK_EQ_INT(RUN(&out, "train", "--model", model), 1);
+    CHECK_CONTAINS(out, "needs --model DIR");
+    free(out);
+    /* a file that is not a token file */
+    tmp_path(data, sizeof data, "bad.tokens");
+    FILE *f = fopen(data, "w");
+    REQUIRE(f);
+    fputs("hello", f);
+    fclose(f);
+    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data), 1);
+    CHECK_CONTAINS(out, "bad.tokens");
+    free(out);
+    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data, "--global-batch-size", "3",
+                     "--micro-batch-size", "2"),
+                 1);
+    CHECK_CONTAINS(out, "not a multiple of micro_batch_size=2");
+    free(out);
+}
+
+/* golden on the fixture batch reproduces the HF fixture. */
+TEST(cli_golden_matches_fixture) {
+    char model[1024], batch[1024], outf[1024], *out;
+    snprintf(model, sizeof model, "%s/models/tiny-qwen2", loom_test_fixtures());
+    snprintf(batch, sizeof batch, "%s/golden/tiny-qwen2.safetensors", loom_test_fixtures());
+    tmp_path(outf, sizeof outf, "golden.safetensors");
+    CHECK_EQ_INT(RUN(&out, "golden", "--model", model, "--batch", batch, "--out", outf), 0);
+    CHECK_CONTAINS(out, "over 41 tokens");
+    free(out);
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    loom_safetensors *got, *ref;
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, outf, &got));
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, batch, &ref));
+    int compared = 0;
+    for (size_t i = 0; i < loom_st_count(got); i++) {
+        const loom_st_tensor *t = loom_st_at(got, i);
+        const loom_st_tensor *r = loom_st_find(ref, t->name);
+        if (!strcmp(t->name, "loss")) {
+            float l;
+            CHECK_EQ_INT(t->ndim, 0);
+            CHECK_OK(ctx, loom_st_read(ctx, t, LOOM_F32, &l, 1));
+            CHECK_NEAR(l, 7.0, 1.0);
+            continue;
+        }
+        REQUIRE(r);
+        CHECK_EQ_INT(t->numel, r->numel);
+        float *a = malloc(t->numel * 4), *b = malloc(t->numel * 4);
+        CHECK_OK(ctx, loom_st_read(ctx, t, LOOM_F32, a, t->numel));
+        CHECK_OK(ctx, loom_st_read(ctx, r, LOOM_F32, b, r->numel));
+        double md = 0, mr = 0;
+        for (uint64_t k = 0; k < t->numel; k++) {
+            md = fmax(md, fabs((double)a[k] - b[k]));
+            mr = fmax(mr, fabs((double)b[k]));
+        }
+        CHECK_MSG(md <= 1e-4 * mr, "%s: relative error %.3g", t->name, md / mr);
+        compared++;
+        free(a);
+        free(b);
+    }
+    CHECK_EQ_INT(compared, 3 + 51); /* logits, token_logprobs, entropy, 51 gradients */
+    loom_st_close(got);
+    loom_st_close(ref);
+    loom_ctx_free(ctx);
+}
+
+/* Packed documents through golden: cu_seqlens and position_ids are read. */
+TEST(cli_golden_packed_batch) {
+    char model[1024], ref_path[1024], batch[1024], outf[1024], *out;
+    snprintf(model, sizeof model, "%s/models/tiny-llama", loom_test_fixtures());
+    snprintf(ref_path, sizeof ref_path, "%s/golden/tiny-llama.safetensors", loom_test_fixtures());
+    tmp_path(batch, sizeof batch, "packed.safetensors");
+    tmp_path(outf, sizeof outf, "out.safetensors");
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    loom_safetensors *ref;
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, ref_path, &ref));
+    int32_t ids[28], pos[28], cu[4], tgt[28];
+    float want[28], tlp[28];
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(ref, "packed.input_ids"), LOOM_I32, ids, 28));
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(ref, "packed.position_ids"), LOOM_I32, pos, 28));
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(ref, "packed.cu_seqlens"), LOOM_I32, cu, 4));
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(ref, "packed.token_logprobs"), LOOM_F32, want, 28));
+    for (int d = 0; d < 3; d++)
+        for (int t = cu[d]; t < cu[d + 1]; t++) tgt[t] = t + 1 < cu[d + 1] ? ids[t + 1] : -100;
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s", loom_test_tmpdir());
+    loom_st_writer *w;
+    REQUIRE_OK(ctx, loom_st_writer_create(ctx, dir, "packed", 0, NULL, &w));
+    int64_t sh[2] = {1, 28}, shc[1] = {4};
+    CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "input_ids", LOOM_I64, 2, sh));
+    CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "targets", LOOM_I64, 2, sh));
+    CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "position_ids", LOOM_I64, 2, sh));
+    CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "cu_seqlens", LOOM_I32, 1, shc));
+    CHECK_OK(ctx, loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids));
+    CHECK_OK(ctx, loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt));
+    CHECK_OK(ctx, loom_st_writer_write(ctx, w, "position_ids", LOOM_I32, pos));
+    CHECK_OK(ctx, loom_st_writer_write(ctx, w, "cu_seqlens", LOOM_I32, cu));
+    REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
+    loom_st_writer_free(w);
+    CHECK_EQ_INT(RUN(&out, "golden", "--model", model, "--batch", batch, "--out", outf), 0);
+    free(out);
+    loom_safetensors *got;
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, outf, &got));
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(got, "token_logprobs"), LOOM_F32, tlp, 28));
+    for (int t = 0; t < 28; t++) CHECK_NEAR(tlp[t], want[t], 1e-4 * fabs(want[t]) + 1e-6);
+    loom_st_close(got);
+    loom_st_close(ref);
+    loom_ctx_free(ctx);
+}
+
+TEST(cli_golden_refuses_bad_batches) {
+    char model[1024], batch[1024], outf[1024], *out;
+    snprintf(model, sizeof model, "%s/models/tiny-qwen3", loom_test_fixtures());
+    tmp_path(batch, sizeof batch, "b.safetensors");
+    tmp_path(outf, sizeof outf, "o.safetensors");
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    /* targets missing; then targets of another shape; then an id past the vocabulary */
+    for (int c = 0; c < 3; c++) {
+        loom_st_writer *w;
+        REQUIRE_OK(ctx, loom_st_writer_create(ctx, loom_test_tmpdir(), "b", 0, NULL, &w));
+        int32_t ids[8] = {1, 2, 3, 4, 5, 6, 7, c == 2 ? 4000 : 8}, tgt[8] = {2, 3, 4, 5, 6, 7, 8, -100};
+        int64_t sh[2] = {1, 8}, sh2[2] = {2, 4};
+        CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "input_ids", LOOM_I32, 2, sh));
+        if (c) CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "targets", LOOM_I32, 2, c == 1 ? sh2 : sh));
+        CHECK_OK(ctx, loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids));
+        if (c) CHECK_OK(ctx, loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt));
+        REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
+        loom_st_writer_free(w);
+        CHECK_EQ_INT(RUN(&out, "golden", "--model", model, "--batch", batch, "--out", outf), 1);
+        CHECK_CONTAINS(out, c == 0 ? "has no tensor 'targets'"
+                            : c == 1 ? "'targets' has shape [2, 4] but input_ids has [1, 8]"
+                                     : "input_ids[0, 7] = 4000 is outside the vocabulary");
+        free(out);
+    }
+    loom_ctx_free(ctx);
+}
