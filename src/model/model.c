@@ -105,7 +105,7 @@ static loom_status build_slots(loom_model *m) {
         sl->shape[1] = p->ndim == 2 ? p->shape[1] : 1;
         sl->rows = p->shape[0];
         sl->decay = p->ndim >= 2;
-        int64_t l;
+        int64_t l = -1;
         const char *leaf = layer_leaf(p->name, &l);
         if (!strcmp(p->name, "model.embed_tokens.weight")) {
             m->embed = s;
