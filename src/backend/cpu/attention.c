@@ -29,13 +29,20 @@ static double dot(const float *a, const float *b, int64_t D) {
 void loom_cpu_attention_fwd(const float *q, const float *k, const float *v, int64_t T,
                             int64_t Hq, int64_t Hkv, int64_t D, const int32_t *cu_seqlens,
                             int64_t ndocs, float scale, float *out, float *lse) {
-    // q, out: (T, Hq, D); k, v: (T, Hkv, D); cu_seqlens: (ndocs+1); lse: (T, Hq)
+    loom_cpu_attention_fwd_q(q, NULL, T, k, v, T, Hq, Hkv, D, cu_seqlens, ndocs, scale, out, lse);
+}
+
+void loom_cpu_attention_fwd_q(const float *q, const int32_t *qidx, int64_t Tq, const float *k,
+                              const float *v, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                              const int32_t *cu_seqlens, int64_t ndocs, float scale, float *out,
+                              float *lse) {
+    // q, out: (Tq, Hq, D); k, v: (T, Hkv, D); cu_seqlens: (ndocs+1); lse: (Tq, Hq)
     LOOM_ASSERT(Hkv > 0 && Hq % Hkv == 0 && D <= LOOM_CPU_ATTN_MAX_D);
     LOOM_ASSERT(ndocs >= 1 && cu_seqlens[0] == 0 && cu_seqlens[ndocs] == T);
     const int64_t group = Hq / Hkv;
-#pragma omp parallel for schedule(dynamic, 16) if (T * Hq > 64)
-    for (int64_t row = 0; row < T * Hq; row++) {
-        int64_t i = row / Hq, h = row % Hq, hk = h / group, s, e;
+#pragma omp parallel for schedule(dynamic, 16) if (Tq * Hq > 64)
+    for (int64_t row = 0; row < Tq * Hq; row++) {
+        int64_t i = qidx ? qidx[row / Hq] : row / Hq, h = row % Hq, hk = h / group, s, e;
         doc_bounds(cu_seqlens, ndocs, i, &s, &e);
         const float *qi = q + row * D;
         /* one pass, online softmax: rescale the running sums when the max grows */
@@ -64,6 +71,29 @@ void loom_cpu_attention_bwd(const float *dout, const float *q, const float *k, c
                             const float *out, const float *lse, int64_t T, int64_t Hq,
                             int64_t Hkv, int64_t D, const int32_t *cu_seqlens, int64_t ndocs,
                             float scale, float *dq, float *dk, float *dv) {
+    loom_cpu_attention_bwd_q(dout, q, NULL, T, k, v, out, lse, T, Hq, Hkv, D, cu_seqlens, ndocs,
+                             scale, dq, dk, dv);
+}
+
+/* First local query whose global index is >= g (qidx ascending). */
+static int64_t first_query_at(const int32_t *qidx, int64_t Tq, int64_t g) {
+    if (!qidx) return g;
+    int64_t lo = 0, hi = Tq;
+    while (lo < hi) {
+        int64_t mid = (lo + hi) / 2;
+        if (qidx[mid] < g)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+void loom_cpu_attention_bwd_q(const float *dout, const float *q, const int32_t *qidx, int64_t Tq,
+                              const float *k, const float *v, const float *out, const float *lse,
+                              int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                              const int32_t *cu_seqlens, int64_t ndocs, float scale, float *dq,
+                              float *dk, float *dv) {
     // dout, q, out, dq: (T, Hq, D); k, v, dk, dv: (T, Hkv, D); lse: (T, Hq).
     // P_ij = exp(s_ij - lse_i), dP_ij = dout_i . v_j, D_i = dout_i . out_i,
     // dS_ij = P_ij (dP_ij - D_i); dq_i = scale sum_j dS_ij k_j,
@@ -72,9 +102,9 @@ void loom_cpu_attention_bwd(const float *dout, const float *q, const float *k, c
     LOOM_ASSERT(Hkv > 0 && Hq % Hkv == 0 && D <= LOOM_CPU_ATTN_MAX_D);
     LOOM_ASSERT(ndocs >= 1 && cu_seqlens[0] == 0 && cu_seqlens[ndocs] == T);
     const int64_t group = Hq / Hkv;
-#pragma omp parallel for schedule(dynamic, 16) if (T * Hq > 64)
-    for (int64_t row = 0; row < T * Hq; row++) {
-        int64_t i = row / Hq, h = row % Hq, hk = h / group, s, e;
+#pragma omp parallel for schedule(dynamic, 16) if (Tq * Hq > 64)
+    for (int64_t row = 0; row < Tq * Hq; row++) {
+        int64_t i = qidx ? qidx[row / Hq] : row / Hq, h = row % Hq, hk = h / group, s, e;
         doc_bounds(cu_seqlens, ndocs, i, &s, &e);
         const float *qi = q + row * D, *doi = dout + row * D;
         double Di = dot(doi, out + row * D, D), li = lse[row];
@@ -96,7 +126,8 @@ void loom_cpu_attention_bwd(const float *dout, const float *q, const float *k, c
         const float *kj = k + row * D, *vj = v + row * D;
         double ak[LOOM_CPU_ATTN_MAX_D], av[LOOM_CPU_ATTN_MAX_D];
         for (int64_t d = 0; d < D; d++) ak[d] = av[d] = 0;
-        for (int64_t i = j; i < e; i++)
+        int64_t i1 = first_query_at(qidx, Tq, e);
+        for (int64_t i = first_query_at(qidx, Tq, j); i < i1; i++)
             for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
                 int64_t qrow = i * Hq + h;
                 const float *qi = q + qrow * D, *doi = dout + qrow * D;

@@ -77,6 +77,20 @@ void loom_cpu_attention_bwd(const float *dout, const float *q, const float *k, c
                             int64_t Hkv, int64_t D, const int32_t *cu_seqlens, int64_t ndocs,
                             float scale, float *dq, float *dk, float *dv);
 
+/* The same for Tq local queries of a longer sequence (context parallel):
+ * query t is token qidx[t] (ascending) of the T tokens that k, v and
+ * cu_seqlens describe; qidx NULL means qidx[t] = t and Tq = T. dk and dv
+ * (T, Hkv, D) receive the contributions of these queries only. */
+void loom_cpu_attention_fwd_q(const float *q, const int32_t *qidx, int64_t Tq, const float *k,
+                              const float *v, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                              const int32_t *cu_seqlens, int64_t ndocs, float scale, float *out,
+                              float *lse);
+void loom_cpu_attention_bwd_q(const float *dout, const float *q, const int32_t *qidx, int64_t Tq,
+                              const float *k, const float *v, const float *out, const float *lse,
+                              int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                              const int32_t *cu_seqlens, int64_t ndocs, float scale, float *dq,
+                              float *dk, float *dv);
+
 /* SwiGLU: h = silu(g) * u over n elements, silu(x) = x * sigmoid(x).
  * bwd: dg, du overwritten (dg may alias g or dh; du may alias u or dh). */
 void loom_cpu_swiglu_fwd(const float *g, const float *u, int64_t n, float *h);
