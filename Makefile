@@ -3,11 +3,12 @@
 #   make                 libloom.a, libloom.so and the loom command (CPU backend)
 #   make CUDA=1          also the CUDA backend (cuBLASLt, cuDNN, NCCL)
 #   make test            builds with address/undefined-behaviour sanitizers and runs the tests
+#   make test-mpi        the collectives and the mesh under mpirun -np 1..4 (sanitizer build)
 #   make fuzz            libFuzzer targets (clang) for FUZZ_SECONDS each (default 60)
-#   make check           test + fuzz: what CI runs
+#   make check           test + test-mpi + fuzz: what CI runs
 #
 # Knobs: CC, BUILD (output dir), SAN=1 (sanitizers), WERROR=1, DEBUG=1,
-#        BLAS=auto|openblas|blas|none, OPENMP=1|0,
+#        BLAS=auto|openblas|blas|none, OPENMP=1|0, MPI=auto|0 (OpenMPI's mpicc),
 #        CUDA=1 with CUDA_HOME, NCCL_HOME, CUDNN_HOME, CUDA_ARCH (default 90).
 
 CC      ?= cc
@@ -18,6 +19,7 @@ DEBUG   ?= 0
 BLAS    ?= auto
 OPENMP  ?= 1
 CUDA    ?= 0
+MPI     ?= auto
 PYTHON  ?= python3
 FUZZ_SECONDS ?= 60
 
@@ -65,6 +67,18 @@ ifneq ($(BLAS_LIB),)
 endif
 LDLIBS += -lm -lpthread
 
+# ---- MPI (CPU ranks): OpenMPI's wrapper says how to compile and link ----
+ifneq ($(MPI),0)
+  MPI_COMPILE := $(shell mpicc --showme:compile 2>/dev/null)
+  MPI_LINK    := $(shell mpicc --showme:link 2>/dev/null)
+  ifneq ($(MPI_LINK),)
+    HAVE_MPI := 1
+    # -isystem: warnings inside mpi.h are not ours
+    CFLAGS_BASE += -DLOOM_HAVE_MPI $(patsubst -I%,-isystem %,$(MPI_COMPILE))
+    LDLIBS += $(MPI_LINK)
+  endif
+endif
+
 # ---- CUDA: toolkit, cuDNN and NCCL under CUDA_HOME or a Python env's nvidia/* ----
 ifeq ($(CUDA),1)
   NVCC_PATH := $(shell command -v nvcc 2>/dev/null)
@@ -107,15 +121,17 @@ LDFLAGS += $(SANFLAGS)
 LIB_SRC  := $(wildcard src/*/*.c src/*/*/*.c)
 CLI_SRC  := $(wildcard cli/*.c)
 TEST_SRC := $(wildcard tests/*.c)
+MPI_TEST_SRC := $(wildcard tests/mpi/*.c)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(CU_SRC:%.cu=$(BUILD)/obj/%.o)
 CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
+MPI_TEST_OBJ := $(MPI_TEST_SRC:%.c=$(BUILD)/obj/%.o)
 
-.PHONY: all lib test test-fast fuzz check clean config
+.PHONY: all lib test test-fast test-mpi fuzz check clean config
 all: $(BUILD)/libloom.a $(BUILD)/libloom.so $(BUILD)/loom
 
 config:
-	@echo "CC=$(CC) BLAS=$(if $(BLAS_LIB),$(BLAS_LIB),none (C fallback)) OPENMP=$(OPENMP) CUDA=$(CUDA) SAN=$(SAN)"
+	@echo "CC=$(CC) BLAS=$(if $(BLAS_LIB),$(BLAS_LIB),none (C fallback)) OPENMP=$(OPENMP) MPI=$(if $(HAVE_MPI),$(MPI_LINK),none) CUDA=$(CUDA) SAN=$(SAN)"
 ifeq ($(CUDA),1)
 	@echo "CUDA_HOME=$(CUDA_HOME) NCCL_HOME=$(NCCL_HOME) CUDNN_HOME=$(CUDNN_HOME) CUDA_ARCH=$(CUDA_ARCH)"
 endif
@@ -141,6 +157,9 @@ $(BUILD)/loom: $(CLI_OBJ) $(BUILD)/libloom.a
 $(BUILD)/loom_tests: $(TEST_OBJ) $(BUILD)/libloom.a
 	$(CC) $(LDFLAGS) -o $@ $(TEST_OBJ) -Wl,--whole-archive $(BUILD)/libloom.a -Wl,--no-whole-archive $(LDLIBS)
 
+$(BUILD)/loom_mpi_tests: $(MPI_TEST_OBJ) $(BUILD)/libloom.a
+	$(CC) $(LDFLAGS) -o $@ $(MPI_TEST_OBJ) -Wl,--whole-archive $(BUILD)/libloom.a -Wl,--no-whole-archive $(LDLIBS)
+
 # Tests run against the sanitizer build; a sanitizer report aborts (a signal),
 # which the tests of the command line count as a crash.
 SAN_ENV := ASAN_OPTIONS=abort_on_error=1:detect_leaks=1:allocator_may_return_null=1 \
@@ -152,6 +171,27 @@ test:
 # Same tests, optimised build, no sanitizers.
 test-fast: $(BUILD)/loom $(BUILD)/loom_tests
 	LOOM_BIN=$(BUILD)/loom $(BUILD)/loom_tests $(T)
+
+# The MPI tests: one program run by every rank under mpirun -np N for each
+# N in MPI_NP (sanitizer build; leak detection off, OpenMPI itself leaks).
+# LOOM_COMM_TIMEOUT turns a hang into a failure; mpirun --timeout is the backstop.
+MPI_NP ?= 1 2 3 4
+MPIRUN ?= mpirun
+MPIRUN_FLAGS ?= --oversubscribe --allow-run-as-root --timeout 120
+# (no CMA single-copy: containers often forbid process_vm_readv)
+MPI_ENV := ASAN_OPTIONS=abort_on_error=1:detect_leaks=0:allocator_may_return_null=1 \
+           UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:abort_on_error=1 \
+           LOOM_COMM_TIMEOUT=30 OMPI_MCA_btl_vader_single_copy_mechanism=none
+test-mpi:
+ifeq ($(HAVE_MPI),1)
+	$(MAKE) --no-print-directory BUILD=build-san SAN=1 WERROR=1 build-san/loom_mpi_tests
+	@set -e; for n in $(MPI_NP); do \
+	    echo "test-mpi: $$n process(es)"; \
+	    $(MPI_ENV) $(MPIRUN) $(MPIRUN_FLAGS) -np $$n build-san/loom_mpi_tests $(T); \
+	done
+else
+	@echo "test-mpi: skipped: no MPI (mpicc --showme failed, or MPI=0); install openmpi-bin and libopenmpi-dev"
+endif
 
 # ---- fuzzing (clang + libFuzzer) ----
 FUZZ_CC ?= clang
@@ -175,6 +215,7 @@ fuzz: $(FUZZ_TARGETS:%=build-fuzz/fuzz_%)
 
 check:
 	$(MAKE) --no-print-directory test
+	$(MAKE) --no-print-directory test-mpi
 	$(MAKE) --no-print-directory fuzz
 
 clean:

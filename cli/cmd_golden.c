@@ -70,12 +70,14 @@ static loom_status read_batch(loom_ctx *ctx, const char *file, golden_in *in) {
     return s;
 }
 
-static loom_status write_out(loom_ctx *ctx, loom_model *m, const char *out, const golden_in *in,
-                             const float *logits, const float *tlp, const float *ent, double loss,
-                             int64_t ntok) {
-    loom_model_info info;
-    loom_model_get_info(m, &info);
-    /* The output file goes into the directory of `out`. */
+/* Rank 0 writes; every rank takes part in the collective gathers. */
+typedef struct golden_out {
+    loom_st_writer *w; /* rank 0 only */
+    float *buf;
+    size_t cap;
+} golden_out;
+
+static loom_status out_open(loom_ctx *ctx, const char *out, golden_out *o) {
     char *dir = loom_strdup(ctx, out);
     if (!dir) return LOOM_ERR_OOM;
     char *slash = strrchr(dir, '/');
@@ -83,57 +85,114 @@ static loom_status write_out(loom_ctx *ctx, loom_model *m, const char *out, cons
     if (slash) *slash = 0;
     size_t bl = strlen(base);
     loom_status s = LOOM_OK;
-    if (bl < 13 || strcmp(base + bl - 12, ".safetensors"))
+    if (bl < 13 || strcmp(base + bl - 12, ".safetensors")) {
         s = loom_errf(ctx, LOOM_ERR_INVALID_ARG, "--out %s: give a file name ending in .safetensors",
                       out);
-    char stem[512];
-    if (!s) snprintf(stem, sizeof stem, "%.*s", (int)(bl - 12), base);
-    loom_json *meta = s ? NULL : loom_json_new_object(ctx);
-    char lbuf[64], nbuf[32];
-    snprintf(lbuf, sizeof lbuf, "%.17g", loss);
-    snprintf(nbuf, sizeof nbuf, "%" PRId64, ntok);
-    if (!s && (!meta || loom_json_set(ctx, meta, "loss", loom_json_new_str(ctx, lbuf)) ||
-               loom_json_set(ctx, meta, "n_valid_tokens", loom_json_new_str(ctx, nbuf))))
-        s = LOOM_ERR_OOM;
-    loom_st_writer *w = NULL;
-    if (!s) s = loom_st_writer_create(ctx, slash ? dir : ".", stem, 0, meta, &w);
-    loom_json_free(meta);
-    int64_t sh3[3] = {in->rows, in->seq, info.vocab_size}, sh2[2] = {in->rows, in->seq};
-    if (!s) s = loom_st_writer_declare(ctx, w, "logits", LOOM_F32, 3, sh3);
-    if (!s) s = loom_st_writer_declare(ctx, w, "token_logprobs", LOOM_F32, 2, sh2);
-    if (!s) s = loom_st_writer_declare(ctx, w, "entropy", LOOM_F32, 2, sh2);
-    if (!s) s = loom_st_writer_declare(ctx, w, "loss", LOOM_F32, 0, NULL);
-    char name[512];
-    for (int64_t i = 0; i < info.num_tensors && !s; i++) {
-        int nd;
-        int64_t shape[2];
-        snprintf(name, sizeof name, "grad.%s", loom_model_tensor_name(m, i, &nd, shape));
-        s = loom_st_writer_declare(ctx, w, name, LOOM_F32, nd, shape);
+    } else {
+        char stem[512];
+        snprintf(stem, sizeof stem, "%.*s", (int)(bl - 12), base);
+        s = loom_st_writer_create(ctx, slash ? dir : ".", stem, 0, NULL, &o->w);
     }
-    float lossf = (float)loss;
-    if (!s) s = loom_st_writer_write(ctx, w, "logits", LOOM_F32, logits);
-    if (!s) s = loom_st_writer_write(ctx, w, "token_logprobs", LOOM_F32, tlp);
-    if (!s) s = loom_st_writer_write(ctx, w, "entropy", LOOM_F32, ent);
-    if (!s) s = loom_st_writer_write(ctx, w, "loss", LOOM_F32, &lossf);
-    float *g = NULL;
-    for (int64_t i = 0; i < info.num_tensors && !s; i++) {
+    free(dir);
+    return s;
+}
+
+static float *out_buf(golden_out *o, size_t n) {
+    if (n > o->cap) {
+        float *nb = realloc(o->buf, n * sizeof *nb);
+        if (!nb) return NULL;
+        o->buf = nb;
+        o->cap = n;
+    }
+    return o->buf;
+}
+
+/* Gathers every parameter's gradient (grads) or value and writes it as
+ * prefix<name>. */
+static loom_status write_tensors(loom_ctx *ctx, loom_model *m, golden_out *o, const char *prefix,
+                                 bool grads) {
+    loom_model_info info;
+    loom_model_get_info(m, &info);
+    char name[512];
+    for (int64_t i = 0; i < info.num_tensors; i++) {
         int nd;
         int64_t shape[2];
         const char *pn = loom_model_tensor_name(m, i, &nd, shape);
         int64_t n = nd == 2 ? shape[0] * shape[1] : shape[0];
-        free(g);
-        if (!(g = loom_malloc(ctx, (size_t)n * sizeof *g, "gradient"))) {
-            s = LOOM_ERR_OOM;
-            break;
-        }
-        snprintf(name, sizeof name, "grad.%s", pn);
-        if (!(s = loom_model_get_grad(m, pn, g, n))) s = loom_st_writer_write(ctx, w, name, LOOM_F32, g);
+        float *g = out_buf(o, (size_t)n);
+        if (!g) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering %s", pn);
+        loom_status s = grads ? loom_model_get_grad(m, pn, g, n) : loom_model_get_param(m, pn, g, n);
+        if (s) return s;
+        snprintf(name, sizeof name, "%s%s", prefix, pn);
+        if (o->w && (s = loom_st_writer_write(ctx, o->w, name, LOOM_F32, g))) return s;
     }
-    free(g);
-    if (!s) s = loom_st_writer_finish(ctx, w);
-    loom_st_writer_free(w);
-    free(dir);
+    return LOOM_OK;
+}
+
+static loom_status declare_all(loom_ctx *ctx, loom_model *m, golden_out *o, const golden_in *in,
+                               int64_t steps) {
+    loom_model_info info;
+    loom_model_get_info(m, &info);
+    int64_t sh3[3] = {in->rows, in->seq, info.vocab_size}, sh2[2] = {in->rows, in->seq};
+    int64_t shs[1] = {steps};
+    loom_status s = loom_st_writer_declare(ctx, o->w, "logits", LOOM_F32, 3, sh3);
+    if (!s) s = loom_st_writer_declare(ctx, o->w, "token_logprobs", LOOM_F32, 2, sh2);
+    if (!s) s = loom_st_writer_declare(ctx, o->w, "entropy", LOOM_F32, 2, sh2);
+    if (!s) s = loom_st_writer_declare(ctx, o->w, "loss", LOOM_F32, 0, NULL);
+    char name[512];
+    for (int pass = 0; pass < (steps ? 2 : 1) && !s; pass++) {
+        if (pass) {
+            s = loom_st_writer_declare(ctx, o->w, "adamw_losses", LOOM_F64, 1, shs);
+            if (!s) s = loom_st_writer_declare(ctx, o->w, "adamw_grad_norms", LOOM_F64, 1, shs);
+        }
+        for (int64_t i = 0; i < info.num_tensors && !s; i++) {
+            int nd;
+            int64_t shape[2];
+            const char *pn = loom_model_tensor_name(m, i, &nd, shape);
+            snprintf(name, sizeof name, "%s%s", pass ? "final." : "grad.", pn);
+            s = loom_st_writer_declare(ctx, o->w, name, LOOM_F32, nd, shape);
+        }
+    }
     return s;
+}
+
+/* One optimizer step's worth of calls: the batch's rows cut into `accum`
+ * consecutive parts, each through forward_backward, clip_grad_and_step after
+ * each (it steps at the last). */
+static loom_status accumulate(loom_model *m, const golden_in *in, int64_t accum, int64_t nmicro,
+                              bool step, double clip, loom_fb_result *fr, loom_step_result *sr) {
+    const int64_t rows = in->rows / accum;
+    double sum = 0;
+    int64_t ntok = 0;
+    for (int64_t k = 0; k < accum; k++) {
+        const int64_t t0 = k * rows * in->seq;
+        loom_batch b = {.rows = rows, .seq_len = in->seq, .input_ids = in->ids + t0,
+                        .targets = in->tgt + t0, .position_ids = in->pos ? in->pos + t0 : NULL};
+        /* packed documents: the part's own cu_seqlens */
+        int32_t *cu = NULL;
+        if (in->cu) {
+            cu = malloc(sizeof *cu * (size_t)(in->ndocs + 1));
+            if (!cu) return LOOM_ERR_OOM;
+            int64_t nd = 0;
+            cu[0] = 0;
+            for (int64_t d = 1; d <= in->ndocs; d++)
+                if (in->cu[d] > t0 && in->cu[d] <= t0 + rows * in->seq)
+                    cu[++nd] = (int32_t)(in->cu[d] - t0);
+            b.cu_seqlens = cu;
+            b.n_docs = nd;
+        }
+        loom_fb_result r;
+        loom_status s = loom_model_forward_backward(m, &b, nmicro, &r);
+        free(cu);
+        if (s) return s;
+        sum += r.loss_sum;
+        ntok += r.n_tokens;
+        if (step && (s = loom_model_clip_grad_and_step(m, clip, accum, sr))) return s;
+    }
+    fr->loss_sum = sum;
+    fr->n_tokens = ntok;
+    fr->loss = ntok ? sum / (double)ntok : 0.0;
+    return LOOM_OK;
 }
 
 int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
@@ -143,43 +202,101 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
                   "and --out OUT.safetensors");
         return loom_cli_fail(ctx);
     }
+    loom_comm *world = NULL;
+    if (loom_cli_world(ctx, &world)) return loom_cli_fail(ctx);
     loom_settings_print(ctx, s, LOOM_CMD_GOLDEN);
     golden_in in = {0};
+    golden_out o = {0};
     loom_model *m = NULL;
     float *logits = NULL, *tlp = NULL, *ent = NULL;
+    double *losses = NULL, *norms = NULL;
     int rc = 1;
     loom_status st = read_batch(ctx, s->batch, &in);
     if (st) goto done;
+    if (in.rows % s->accumulation_steps) {
+        st = loom_errf(ctx, LOOM_ERR_CONFIG,
+                       "the batch's %lld rows cannot be cut into accumulation_steps=%lld calls",
+                       (long long)in.rows, (long long)s->accumulation_steps);
+        goto done;
+    }
     loom_model_options mo;
-    loom_model_options_default(&mo);
-    mo.config_overrides = s->config_override;
-    if ((st = loom_model_create(ctx, s->model, &mo, &m))) goto done;
+    loom_cli_model_options(s, &mo);
+    if ((st = loom_model_create_in(ctx, s->model, &mo, world, &m))) goto done;
+    loom_optimizer_config oc = {.lr = s->lr, .beta1 = s->adam_beta1, .beta2 = s->adam_beta2,
+                                .eps = s->adam_eps, .weight_decay = s->weight_decay};
+    if ((st = loom_model_set_optimizer(m, &oc))) goto done;
     loom_model_info info;
     loom_model_get_info(m, &info);
     int64_t T = in.rows * in.seq;
     logits = loom_malloc(ctx, (size_t)(T * info.vocab_size) * sizeof(float), "logits");
     tlp = loom_malloc(ctx, (size_t)T * sizeof(float), "token log-probs");
     ent = loom_malloc(ctx, (size_t)T * sizeof(float), "entropy");
-    if (!logits || !tlp || !ent) {
+    losses = loom_calloc(ctx, (size_t)s->steps + 1, sizeof *losses, "losses");
+    norms = loom_calloc(ctx, (size_t)s->steps + 1, sizeof *norms, "grad norms");
+    if (!logits || !tlp || !ent || !losses || !norms) {
         st = LOOM_ERR_OOM;
         goto done;
     }
     loom_batch b = {.rows = in.rows, .seq_len = in.seq, .input_ids = in.ids, .targets = in.tgt,
                     .cu_seqlens = in.cu, .n_docs = in.ndocs, .position_ids = in.pos};
     loom_fb_result fr;
-    if ((st = loom_model_forward_only(m, &b, 1, tlp, ent, logits, &fr))) goto done;
-    if ((st = loom_model_forward_backward(m, &b, 1, &fr))) goto done;
+    loom_step_result sr;
+    if ((st = loom_model_forward_only(m, &b, s->num_micro_batches, tlp, ent, logits, &fr)))
+        goto done;
+    if ((st = accumulate(m, &in, s->accumulation_steps, s->num_micro_batches, false, 0, &fr, &sr)))
+        goto done;
     if (fr.n_tokens == 0) {
         st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                        "%s: every target is -100, so there is no loss and no gradient", s->batch);
         goto done;
     }
-    if ((st = write_out(ctx, m, s->out, &in, logits, tlp, ent, fr.loss, fr.n_tokens))) goto done;
-    LOOM_LOG_I(ctx, "loss %.9g over %" PRId64 " tokens; wrote %s", fr.loss, fr.n_tokens, s->out);
+    const double loss = fr.loss;
+    if (loom_model_rank(m) == 0) {
+        if ((st = out_open(ctx, s->out, &o))) goto done;
+        if ((st = declare_all(ctx, m, &o, &in, s->steps))) goto done;
+        float lossf = (float)loss;
+        if ((st = loom_st_writer_write(ctx, o.w, "logits", LOOM_F32, logits)) ||
+            (st = loom_st_writer_write(ctx, o.w, "token_logprobs", LOOM_F32, tlp)) ||
+            (st = loom_st_writer_write(ctx, o.w, "entropy", LOOM_F32, ent)) ||
+            (st = loom_st_writer_write(ctx, o.w, "loss", LOOM_F32, &lossf)))
+            goto done;
+    }
+    if ((st = write_tensors(ctx, m, &o, "grad.", true))) goto done;
+    /* AdamW steps on the same batch: the gradients above are the first step's */
+    for (int64_t k = 0; k < s->steps; k++) {
+        if (k && (st = accumulate(m, &in, s->accumulation_steps, s->num_micro_batches, false, 0,
+                                  &fr, &sr)))
+            goto done;
+        losses[k] = fr.loss;
+        /* the calls above accumulated; count them toward the step */
+        for (int64_t c = 0; c < s->accumulation_steps; c++)
+            if ((st = loom_model_clip_grad_and_step(m, s->clip_grad, s->accumulation_steps, &sr)))
+                goto done;
+        if (!sr.stepped) {
+            st = loom_errf(ctx, LOOM_ERR_INTERNAL, "step %lld was not taken", (long long)k + 1);
+            goto done;
+        }
+        norms[k] = sr.grad_norm;
+        LOOM_LOG_I(ctx, "step %lld: loss %.9g, grad norm %.9g", (long long)k + 1, losses[k],
+                   norms[k]);
+    }
+    if (s->steps) {
+        if (o.w && ((st = loom_st_writer_write(ctx, o.w, "adamw_losses", LOOM_F64, losses)) ||
+                    (st = loom_st_writer_write(ctx, o.w, "adamw_grad_norms", LOOM_F64, norms))))
+            goto done;
+        if ((st = write_tensors(ctx, m, &o, "final.", false))) goto done;
+    }
+    if (o.w && (st = loom_st_writer_finish(ctx, o.w))) goto done;
+    char mesh[128];
+    LOOM_LOG_I(ctx, "loss %.9g over %lld tokens (mesh %s); wrote %s", loss, (long long)fr.n_tokens,
+               loom_mesh_describe(&m->mesh->n, mesh, sizeof mesh), s->out);
     rc = 0;
 done:
-    if (rc) loom_cli_fail(ctx);
+    if (rc) loom_cli_fail_job(ctx, world);
+    loom_st_writer_free(o.w);
+    free(o.buf);
     loom_model_free(m);
+    loom_comm_free(world);
     free(in.ids);
     free(in.tgt);
     free(in.pos);
@@ -187,5 +304,7 @@ done:
     free(logits);
     free(tlp);
     free(ent);
+    free(losses);
+    free(norms);
     return rc;
 }

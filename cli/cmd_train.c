@@ -48,17 +48,28 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                   s->global_batch_size, s->micro_batch_size);
         return loom_cli_fail(ctx);
     }
+    loom_comm *world = NULL;
+    if (loom_cli_world(ctx, &world)) return loom_cli_fail(ctx);
     loom_settings_print(ctx, s, LOOM_CMD_TRAIN);
 
     loom_model_options mo;
-    loom_model_options_default(&mo);
-    mo.config_overrides = s->config_override;
+    loom_cli_model_options(s, &mo);
     loom_model *m = NULL;
     loom_tokfile *tf = NULL;
     loom_packer *pk = NULL;
     int rc = 1;
-    loom_status st = loom_model_create(ctx, s->model, &mo, &m);
+    loom_status st = loom_model_create_in(ctx, s->model, &mo, world, &m);
     if (st) goto done;
+    if (s->global_batch_size % (s->micro_batch_size * m->dp)) {
+        st = loom_errf(ctx, LOOM_ERR_CONFIG,
+                       "global_batch_size=%" PRId64 " must be a multiple of micro_batch_size=%"
+                       PRId64 " x dp=%d",
+                       s->global_batch_size, s->micro_batch_size, m->dp);
+        goto done;
+    }
+    char mesh[128];
+    LOOM_LOG_I(ctx, "mesh: %s on %d process%s", loom_mesh_describe(&m->mesh->n, mesh, sizeof mesh),
+               loom_model_world_size(m), loom_model_world_size(m) == 1 ? "" : "es");
     loom_model_info info;
     loom_model_get_info(m, &info);
     char nb[32];
@@ -78,7 +89,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     if ((st = loom_packer_create(ctx, tf, s->seq_len, s->global_batch_size, &pk))) goto done;
     if ((st = setup_optimizer(ctx, m, s))) goto done;
 
-    const int64_t nmicro = s->global_batch_size / s->micro_batch_size;
+    const int64_t nmicro = s->global_batch_size / (s->micro_batch_size * m->dp);
     double first_loss = NAN, last_loss = NAN, t_start = now_s();
     int64_t tokens_total = 0;
     for (int64_t step = 1; step <= s->train_steps; step++) {
@@ -109,14 +120,16 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     if (s->save_hf) {
         loom_dtype dt = loom_cli_save_dtype(s, LOOM_DTYPE_COUNT);
         if ((st = loom_model_save_hf(m, s->save_hf, dt, (uint64_t)s->max_shard_size))) goto done;
-        if ((st = loom_cli_copy_side_files(ctx, s->model, s->save_hf))) goto done;
+        if (loom_model_rank(m) == 0 && (st = loom_cli_copy_side_files(ctx, s->model, s->save_hf)))
+            goto done;
         LOOM_LOG_I(ctx, "wrote %s", s->save_hf);
     }
     rc = 0;
 done:
-    if (rc) loom_cli_fail(ctx);
+    if (rc) loom_cli_fail_job(ctx, world);
     loom_packer_free(pk);
     loom_tokfile_free(tf);
     loom_model_free(m);
+    loom_comm_free(world);
     return rc;
 }

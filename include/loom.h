@@ -136,8 +136,16 @@ typedef struct loom_model_options {
     /* Compute dtype; the CPU backend computes in LOOM_F32. */
     loom_dtype dtype;
     /* The output layer and embedding are padded to a multiple of this many
-     * rows (0: 128); padded rows never receive probability and are not saved. */
+     * rows times tp (0: 128); padded rows never receive probability and are
+     * not saved. */
     int64_t vocab_pad_multiple;
+    /* Parallel layout (Megatron's DeviceMesh.from_sizes): 0 means 1, except
+     * dp, where 0 means what the world size leaves. Every process of a job
+     * (mpirun -np N) calls loom_model_create with the same options. */
+    int tp, cp, dp, pp, vpp, ep, etp;
+    int sequence_parallel;
+    /* Distributed-optimizer bucket size in parameters (0: 40M). */
+    int64_t bucket_elems;
 } loom_model_options;
 
 void loom_model_options_default(loom_model_options *o);
@@ -155,6 +163,9 @@ typedef struct loom_model_info {
     int64_t num_tensors;      /* HF tensors */
 } loom_model_info;
 void loom_model_get_info(const loom_model *m, loom_model_info *info);
+/* This process's rank and the world size of the model's job. */
+int loom_model_rank(const loom_model *m);
+int loom_model_world_size(const loom_model *m);
 
 /* AdamW (torch semantics, fp32 master weights; no weight decay on 1-D
  * parameters). Without a scheduler lr and weight_decay are constant. */
@@ -170,7 +181,9 @@ loom_status loom_model_set_optimizer(loom_model *m, const loom_optimizer_config 
  * start_wd/end_wd replace the optimizer's lr and weight_decay). */
 loom_status loom_model_set_lr_scheduler(loom_model *m, const loom_sched_config *c);
 
-/* A batch of `rows` sequences of `seq_len` tokens, row-major. */
+/* A batch of `rows` sequences of `seq_len` tokens, row-major. Under a
+ * parallel layout every rank passes the same global batch; each takes its
+ * data-parallel rows and its context-parallel tokens. */
 typedef struct loom_batch {
     int64_t rows, seq_len;
     const int32_t *input_ids;    /* (rows, seq_len), each in [0, vocab_size) */
@@ -223,14 +236,17 @@ void loom_model_zero_grad(loom_model *m);
 
 /* Parameters by HF name (i < num_tensors). get_param copies fp32 values;
  * get_grad copies the gradient of the mean loss over the tokens accumulated
- * since the last step (n = the tensor's element count). */
+ * since the last step (n = the tensor's element count). Under a parallel
+ * layout both are collective (every rank calls them, with the same name)
+ * and give every rank the whole, unsharded tensor. */
 const char *loom_model_tensor_name(const loom_model *m, int64_t i, int *ndim, int64_t shape[2]);
 loom_status loom_model_get_param(loom_model *m, const char *name, float *dst, int64_t n);
 loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int64_t n);
 
 /* Writes an HF directory: config.json in the layout it was read in and the
  * weights in `dtype` (LOOM_DTYPE_COUNT: the checkpoint's own), vocabulary
- * padding removed, split into shards of at most max_shard_bytes (0: 5 GB). */
+ * padding removed, split into shards of at most max_shard_bytes (0: 5 GB).
+ * Collective: every rank calls it; rank 0 writes the unsharded tensors. */
 loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
                                uint64_t max_shard_bytes);
 

@@ -68,6 +68,11 @@ typedef struct loom_settings {
     char *lr_decay_style;
     double weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad;
     int64_t log_interval;
+    /* parallel layout (train, golden) */
+    int64_t tp, cp, dp, pp, vpp;
+    bool sequence_parallel;
+    /* golden */
+    int64_t num_micro_batches, steps, accumulation_steps;
     loom_opt_source src[96]; /* where each row's value came from, by row index */
 } loom_settings;
 

@@ -1,14 +1,19 @@
-/* Forward and backward of one micro-batch through a dense decoder (Qwen3,
- * Qwen2, Llama) on the CPU ops, fp32. The shape of one layer:
+/* Forward and backward of one model chunk on one micro-batch, with tensor,
+ * sequence and context parallelism (model.h says who holds what). One
+ * layer, as DESIGN.md draws it:
  *
- *   h1 = rmsnorm(x)                     q = h1 Wq^T (+bq), k, v likewise
- *   q, k = qk_norm (qwen3), rope(pos)   o = attention(q, k, v; cu_seqlens)
- *   xmid = x + o Wo^T (+bo)             h2 = rmsnorm(xmid)
- *   x' = xmid + (silu(h2 Wg^T) * (h2 Wu^T)) Wd^T
+ *   h1 = rmsnorm(x)               SP: all-gather over tp
+ *   q,k,v = h1 W^T (+b)           column-parallel: this rank's heads
+ *   q,k = qk_norm (qwen3), rope   CP: k, v all-gathered over cp
+ *   o = attention(q, k, v)        causal, GQA, documents from cu_seqlens
+ *   x += o Wo^T (+bo)             row-parallel: SP reduce-scatter, else all-reduce
+ *   h2 = rmsnorm(x)               SP: all-gather
+ *   x += (silu(h2 Wg^T) * h2 Wu^T) Wd^T (+bd)   row-parallel as above
  *
- * then hf = rmsnorm(x_L), logits = hf Whead^T in row chunks, cross-entropy.
- * HF weights are (out, in): y = x W^T. The backward walks the same steps in
- * reverse; parameter gradients accumulate (+=) into m->g. */
+ * then the final norm, the vocab-parallel output layer and loss, a block of
+ * rows at a time, with the loss backward fused in. Each backward walks the
+ * same steps in reverse, with the dual collectives. HF weights are
+ * (out, in): y = x W^T. Parameter gradients accumulate (+=) into m->g. */
 #include <math.h>
 #include <string.h>
 
@@ -30,161 +35,351 @@ static void lin_dw(const float *dy, const float *x, int64_t T, int64_t out, int6
     loom_cpu_sgemm(true, false, out, in, T, 1.0f, dy, out, x, in, 1.0f, dW, in);
 }
 
-#define AT(buf, l, per) ((buf) + (size_t)(l) * (size_t)(per))
+#define AT(buf, i, per) ((buf) + (size_t)(i) * (size_t)(per))
+#define CK(expr)                                                                          \
+    do {                                                                                  \
+        loom_status st_ = (expr);                                                         \
+        if (st_) return st_;                                                              \
+    } while (0)
 
-static void layer_fwd(loom_model *m, int64_t l, int64_t T, const int32_t *pos, const int32_t *cu,
-                      int64_t ndocs) {
-    loom_acts *a = &m->a;
-    const loom_layer_slots *s = &m->layer[l];
-    const int64_t H = m->H, I = m->I, QD = m->Hq * m->D, KD = m->Hkv * m->D;
-    const float eps = (float)m->cfg.rms_norm_eps;
-    const float *x = AT(a->x, l, T * H);
-    float *xn = AT(a->x, l + 1, T * H);
-    float *h1 = AT(a->h1, l, T * H), *h2 = AT(a->h2, l, T * H), *xmid = AT(a->xmid, l, T * H);
-    float *q = AT(a->q, l, T * QD), *k = AT(a->k, l, T * KD), *v = AT(a->v, l, T * KD);
-    float *o = AT(a->o, l, T * QD);
+/* ---- tensor-parallel collectives on (tokens, H) activations ---- */
 
-    loom_cpu_rmsnorm_fwd(x, loom_w(m, s->ln1), T, H, eps, h1, AT(a->rstd1, l, T));
-    float *qdst = m->cfg.qk_norm ? AT(a->qpre, l, T * QD) : q;
-    float *kdst = m->cfg.qk_norm ? AT(a->kpre, l, T * KD) : k;
-    lin_fwd(h1, T, H, loom_w(m, s->wq), QD, 0.0f, qdst);
-    lin_fwd(h1, T, H, loom_w(m, s->wk), KD, 0.0f, kdst);
-    lin_fwd(h1, T, H, loom_w(m, s->wv), KD, 0.0f, v);
-    if (s->bq >= 0) loom_cpu_add_bias_fwd(qdst, loom_w(m, s->bq), T, QD);
-    if (s->bk >= 0) loom_cpu_add_bias_fwd(kdst, loom_w(m, s->bk), T, KD);
-    if (s->bv >= 0) loom_cpu_add_bias_fwd(v, loom_w(m, s->bv), T, KD);
-    if (m->cfg.qk_norm) {
-        loom_cpu_rmsnorm_fwd(qdst, loom_w(m, s->qn), T * m->Hq, m->D, eps, q,
-                             AT(a->rstdq, l, T * m->Hq));
-        loom_cpu_rmsnorm_fwd(kdst, loom_w(m, s->kn), T * m->Hkv, m->D, eps, k,
-                             AT(a->rstdk, l, T * m->Hkv));
-    }
-    loom_cpu_rope_fwd(q, T, m->Hq, m->D, pos, m->inv_freq);
-    loom_cpu_rope_fwd(k, T, m->Hkv, m->D, pos, m->inv_freq);
-    loom_cpu_attention_fwd(q, k, v, T, m->Hq, m->Hkv, m->D, cu, ndocs, m->attn_scale, o,
-                           AT(a->lse, l, T * m->Hq));
-
-    memcpy(xmid, x, (size_t)(T * H) * sizeof *x);
-    lin_fwd(o, T, QD, loom_w(m, s->wo), H, 1.0f, xmid);
-    if (s->bo >= 0) loom_cpu_add_bias_fwd(xmid, loom_w(m, s->bo), T, H);
-
-    float *g = AT(a->gate, l, T * I), *u = AT(a->up, l, T * I), *act = AT(a->act, l, T * I);
-    loom_cpu_rmsnorm_fwd(xmid, loom_w(m, s->ln2), T, H, eps, h2, AT(a->rstd2, l, T));
-    lin_fwd(h2, T, H, loom_w(m, s->wg), I, 0.0f, g);
-    lin_fwd(h2, T, H, loom_w(m, s->wu), I, 0.0f, u);
-    if (s->bg >= 0) loom_cpu_add_bias_fwd(g, loom_w(m, s->bg), T, I);
-    if (s->bu >= 0) loom_cpu_add_bias_fwd(u, loom_w(m, s->bu), T, I);
-    loom_cpu_swiglu_fwd(g, u, T * I, act);
-    memcpy(xn, xmid, (size_t)(T * H) * sizeof *x);
-    lin_fwd(act, T, I, loom_w(m, s->wd), H, 1.0f, xn);
-    if (s->bdn >= 0) loom_cpu_add_bias_fwd(xn, loom_w(m, s->bdn), T, H);
+/* Sequence-parallel gather: src (Tn, H) -> dst (Tc, H); without SP a copy
+ * (or nothing when dst == src). */
+static loom_status sp_gather(loom_model *m, const float *src, float *dst) {
+    size_t n = (size_t)(m->Tn * m->H);
+    if (m->sp) return loom_comm_allgather(m->mesh->tp, src, dst, n, LOOM_F32);
+    if (dst != src) memcpy(dst, src, n * sizeof *dst);
+    return LOOM_OK;
 }
 
-/* a->dx holds d loss / d x_{l+1} on entry and d loss / d x_l on return. */
-static void layer_bwd(loom_model *m, int64_t l, int64_t T, const int32_t *pos, const int32_t *cu,
-                      int64_t ndocs) {
-    loom_acts *a = &m->a;
+/* Sum of the tp ranks' partial results: src (Tc, H), modified -> dst (Tn, H):
+ * reduce-scatter under SP, else all-reduce. */
+static loom_status tp_reduce(loom_model *m, float *src, float *dst) {
+    size_t n = (size_t)(m->Tn * m->H);
+    if (m->sp) return loom_comm_reduce_scatter(m->mesh->tp, src, dst, n, LOOM_F32, LOOM_RED_SUM);
+    if (m->tp > 1) CK(loom_comm_allreduce(m->mesh->tp, src, n, LOOM_F32, LOOM_RED_SUM));
+    if (dst != src) memcpy(dst, src, n * sizeof *dst);
+    return LOOM_OK;
+}
+
+/* ---- context parallel: keys and values of the whole micro-batch ---- */
+
+/* loc (Tc, w) of every cp rank -> full (T, w) in token order. */
+static loom_status cp_gather(loom_model *m, const float *loc, int64_t w, float *full) {
+    if (m->cp == 1) {
+        if (full != loc) memcpy(full, loc, (size_t)(m->Tc * w) * sizeof *full);
+        return LOOM_OK;
+    }
+    CK(loom_comm_allgather(m->mesh->cp, loc, m->kvblk, (size_t)(m->Tc * w), LOOM_F32));
+    for (int64_t j = 0; j < m->T; j++)
+        memcpy(full + (int64_t)m->perm[j] * w, m->kvblk + j * w, (size_t)w * sizeof *full);
+    return LOOM_OK;
+}
+
+/* full (T, w) gradients from this rank's queries -> loc (Tc, w) summed over cp. */
+static loom_status cp_reduce(loom_model *m, const float *full, int64_t w, float *loc) {
+    if (m->cp == 1) {
+        if (loc != full) memcpy(loc, full, (size_t)(m->Tc * w) * sizeof *loc);
+        return LOOM_OK;
+    }
+    for (int64_t j = 0; j < m->T; j++)
+        memcpy(m->kvblk + j * w, full + (int64_t)m->perm[j] * w, (size_t)w * sizeof *loc);
+    return loom_comm_reduce_scatter(m->mesh->cp, m->kvblk, loc, (size_t)(m->Tc * w), LOOM_F32,
+                                    LOOM_RED_SUM);
+}
+
+/* Global token index (within the micro-batch) of this rank's local tokens. */
+static const int32_t *my_qidx(const loom_model *m) {
+    return m->cp == 1 ? NULL : m->perm + (int64_t)m->mesh->cp_rank * m->Tc;
+}
+
+/* ---- one layer ---- */
+
+static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
+                             const loom_micro *mb) {
     const loom_layer_slots *s = &m->layer[l];
-    const int64_t H = m->H, I = m->I, QD = m->Hq * m->D, KD = m->Hkv * m->D;
-    const float *x = AT(a->x, l, T * H);
-    const float *h1 = AT(a->h1, l, T * H), *h2 = AT(a->h2, l, T * H);
-    const float *xmid = AT(a->xmid, l, T * H);
-    const float *q = AT(a->q, l, T * QD), *k = AT(a->k, l, T * KD), *v = AT(a->v, l, T * KD);
-    const float *o = AT(a->o, l, T * QD);
-    const float *g = AT(a->gate, l, T * I), *u = AT(a->up, l, T * I);
-    const float *act = AT(a->act, l, T * I);
-    float *dx = a->dx, *dtmp = a->dtmp, *dg = a->dg, *du = a->du;
-    float *dq = a->dq, *dk = a->dk, *dv = a->dv, *dout = a->dout;
+    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    const int64_t T = m->T, Tc = m->Tc, Tn = m->Tn;
+    const float eps = (float)m->cfg.rms_norm_eps;
+    const float *x = AT(a->x, i, Tn * H);
+    float *xn = AT(a->x, i + 1, Tn * H), *xmid = AT(a->xmid, i, Tn * H);
+    float *h1 = AT(a->h1, i, Tc * H), *h2 = AT(a->h2, i, Tc * H);
+    float *q = AT(a->q, i, Tc * QD), *k = AT(a->k, i, T * KD), *v = AT(a->v, i, T * KD);
+    float *o = AT(a->o, i, Tc * QD);
+    /* k and v of the local tokens: straight into the full buffers without cp */
+    float *kl = m->cp == 1 ? k : m->dkl, *vl = m->cp == 1 ? v : m->dvl;
+
+    loom_cpu_rmsnorm_fwd(x, loom_w(m, s->ln1), Tn, H, eps, m->sp ? m->dtmp : h1,
+                         AT(a->rstd1, i, Tn));
+    if (m->sp) CK(sp_gather(m, m->dtmp, h1));
+    float *qdst = m->cfg.qk_norm ? AT(a->qpre, i, Tc * QD) : q;
+    float *kdst = m->cfg.qk_norm ? AT(a->kpre, i, Tc * KD) : kl;
+    lin_fwd(h1, Tc, H, loom_w(m, s->wq), QD, 0.0f, qdst);
+    lin_fwd(h1, Tc, H, loom_w(m, s->wk), KD, 0.0f, kdst);
+    lin_fwd(h1, Tc, H, loom_w(m, s->wv), KD, 0.0f, vl);
+    if (s->bq >= 0) loom_cpu_add_bias_fwd(qdst, loom_w(m, s->bq), Tc, QD);
+    if (s->bk >= 0) loom_cpu_add_bias_fwd(kdst, loom_w(m, s->bk), Tc, KD);
+    if (s->bv >= 0) loom_cpu_add_bias_fwd(vl, loom_w(m, s->bv), Tc, KD);
+    if (m->cfg.qk_norm) {
+        loom_cpu_rmsnorm_fwd(qdst, loom_w(m, s->qn), Tc * m->Hql, m->D, eps, q,
+                             AT(a->rstdq, i, Tc * m->Hql));
+        loom_cpu_rmsnorm_fwd(kdst, loom_w(m, s->kn), Tc * m->Hkvl, m->D, eps, kl,
+                             AT(a->rstdk, i, Tc * m->Hkvl));
+    }
+    loom_cpu_rope_fwd(q, Tc, m->Hql, m->D, mb->pos, m->inv_freq);
+    loom_cpu_rope_fwd(kl, Tc, m->Hkvl, m->D, mb->pos, m->inv_freq);
+    CK(cp_gather(m, kl, KD, k));
+    CK(cp_gather(m, vl, KD, v));
+    loom_cpu_attention_fwd_q(q, my_qidx(m), Tc, k, v, T, m->Hql, m->Hkvl, m->D, mb->cu, mb->ndocs,
+                             m->attn_scale, o, AT(a->lse, i, Tc * m->Hql));
+
+    lin_fwd(o, Tc, QD, loom_w(m, s->wo), H, 0.0f, m->dtmp);
+    CK(tp_reduce(m, m->dtmp, xmid));
+    loom_cpu_residual_add(xmid, x, Tn * H);
+    if (s->bo >= 0) loom_cpu_add_bias_fwd(xmid, loom_w(m, s->bo), Tn, H);
+
+    float *g = AT(a->gate, i, Tc * Il), *u = AT(a->up, i, Tc * Il), *act = AT(a->act, i, Tc * Il);
+    loom_cpu_rmsnorm_fwd(xmid, loom_w(m, s->ln2), Tn, H, eps, m->sp ? m->dtmp : h2,
+                         AT(a->rstd2, i, Tn));
+    if (m->sp) CK(sp_gather(m, m->dtmp, h2));
+    lin_fwd(h2, Tc, H, loom_w(m, s->wg), Il, 0.0f, g);
+    lin_fwd(h2, Tc, H, loom_w(m, s->wu), Il, 0.0f, u);
+    if (s->bg >= 0) loom_cpu_add_bias_fwd(g, loom_w(m, s->bg), Tc, Il);
+    if (s->bu >= 0) loom_cpu_add_bias_fwd(u, loom_w(m, s->bu), Tc, Il);
+    loom_cpu_swiglu_fwd(g, u, Tc * Il, act);
+    lin_fwd(act, Tc, Il, loom_w(m, s->wd), H, 0.0f, m->dtmp);
+    CK(tp_reduce(m, m->dtmp, xn));
+    loom_cpu_residual_add(xn, xmid, Tn * H);
+    if (s->bdn >= 0) loom_cpu_add_bias_fwd(xn, loom_w(m, s->bdn), Tn, H);
+    return LOOM_OK;
+}
+
+/* m->dx holds d loss / d x[i+1] (Tn, H) on entry and d loss / d x[i] on return. */
+static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
+                             const loom_micro *mb) {
+    const loom_layer_slots *s = &m->layer[l];
+    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    const int64_t T = m->T, Tc = m->Tc, Tn = m->Tn;
+    const float *x = AT(a->x, i, Tn * H), *xmid = AT(a->xmid, i, Tn * H);
+    const float *h1 = AT(a->h1, i, Tc * H), *h2 = AT(a->h2, i, Tc * H);
+    const float *q = AT(a->q, i, Tc * QD), *k = AT(a->k, i, T * KD), *v = AT(a->v, i, T * KD);
+    const float *o = AT(a->o, i, Tc * QD);
+    const float *g = AT(a->gate, i, Tc * Il), *u = AT(a->up, i, Tc * Il);
+    const float *act = AT(a->act, i, Tc * Il);
+    float *dx = m->dx, *dtmp = m->dtmp, *dg = m->dg, *du = m->du;
+    float *dfull = m->sp ? m->dfull : m->dx;
+    float *dq = m->dq, *dk = m->dk, *dv = m->dv, *dout = m->dout;
+    float *dkl = m->cp == 1 ? dk : m->dkl, *dvl = m->cp == 1 ? dv : m->dvl;
 
     /* MLP */
-    if (s->bdn >= 0) loom_cpu_add_bias_bwd(dx, T, H, loom_g(m, s->bdn));
-    lin_dx(dx, T, H, loom_w(m, s->wd), I, 0.0f, dg);
-    lin_dw(dx, act, T, H, I, loom_g(m, s->wd));
-    loom_cpu_swiglu_bwd(dg, g, u, T * I, dg, du);
-    if (s->bg >= 0) loom_cpu_add_bias_bwd(dg, T, I, loom_g(m, s->bg));
-    if (s->bu >= 0) loom_cpu_add_bias_bwd(du, T, I, loom_g(m, s->bu));
-    lin_dx(dg, T, I, loom_w(m, s->wg), H, 0.0f, dtmp);
-    lin_dx(du, T, I, loom_w(m, s->wu), H, 1.0f, dtmp);
-    lin_dw(dg, h2, T, I, H, loom_g(m, s->wg));
-    lin_dw(du, h2, T, I, H, loom_g(m, s->wu));
-    loom_cpu_rmsnorm_bwd(dtmp, xmid, loom_w(m, s->ln2), AT(a->rstd2, l, T), T, H, dtmp,
+    if (s->bdn >= 0) loom_cpu_add_bias_bwd(dx, Tn, H, loom_g(m, s->bdn));
+    if (m->sp) CK(sp_gather(m, dx, dfull));
+    lin_dx(dfull, Tc, H, loom_w(m, s->wd), Il, 0.0f, dg);
+    lin_dw(dfull, act, Tc, H, Il, loom_g(m, s->wd));
+    loom_cpu_swiglu_bwd(dg, g, u, Tc * Il, dg, du);
+    if (s->bg >= 0) loom_cpu_add_bias_bwd(dg, Tc, Il, loom_g(m, s->bg));
+    if (s->bu >= 0) loom_cpu_add_bias_bwd(du, Tc, Il, loom_g(m, s->bu));
+    lin_dx(dg, Tc, Il, loom_w(m, s->wg), H, 0.0f, dtmp);
+    lin_dx(du, Tc, Il, loom_w(m, s->wu), H, 1.0f, dtmp);
+    lin_dw(dg, h2, Tc, Il, H, loom_g(m, s->wg));
+    lin_dw(du, h2, Tc, Il, H, loom_g(m, s->wu));
+    float *red = m->sp ? m->dfull : dtmp; /* reduce-scatter needs distinct buffers */
+    CK(tp_reduce(m, dtmp, red));
+    loom_cpu_rmsnorm_bwd(red, xmid, loom_w(m, s->ln2), AT(a->rstd2, i, Tn), Tn, H, red,
                          loom_g(m, s->ln2));
-    loom_cpu_residual_add(dx, dtmp, T * H);
+    loom_cpu_residual_add(dx, red, Tn * H);
 
     /* attention */
-    if (s->bo >= 0) loom_cpu_add_bias_bwd(dx, T, H, loom_g(m, s->bo));
-    lin_dx(dx, T, H, loom_w(m, s->wo), QD, 0.0f, dout);
-    lin_dw(dx, o, T, H, QD, loom_g(m, s->wo));
-    loom_cpu_attention_bwd(dout, q, k, v, o, AT(a->lse, l, T * m->Hq), T, m->Hq, m->Hkv, m->D, cu,
-                           ndocs, m->attn_scale, dq, dk, dv);
-    loom_cpu_rope_bwd(dq, T, m->Hq, m->D, pos, m->inv_freq);
-    loom_cpu_rope_bwd(dk, T, m->Hkv, m->D, pos, m->inv_freq);
+    if (s->bo >= 0) loom_cpu_add_bias_bwd(dx, Tn, H, loom_g(m, s->bo));
+    if (m->sp) CK(sp_gather(m, dx, dfull));
+    lin_dx(dfull, Tc, H, loom_w(m, s->wo), QD, 0.0f, dout);
+    lin_dw(dfull, o, Tc, H, QD, loom_g(m, s->wo));
+    loom_cpu_attention_bwd_q(dout, q, my_qidx(m), Tc, k, v, o, AT(a->lse, i, Tc * m->Hql), T,
+                             m->Hql, m->Hkvl, m->D, mb->cu, mb->ndocs, m->attn_scale, dq, dk, dv);
+    CK(cp_reduce(m, dk, KD, dkl));
+    CK(cp_reduce(m, dv, KD, dvl));
+    loom_cpu_rope_bwd(dq, Tc, m->Hql, m->D, mb->pos, m->inv_freq);
+    loom_cpu_rope_bwd(dkl, Tc, m->Hkvl, m->D, mb->pos, m->inv_freq);
     if (m->cfg.qk_norm) {
-        loom_cpu_rmsnorm_bwd(dq, AT(a->qpre, l, T * QD), loom_w(m, s->qn),
-                             AT(a->rstdq, l, T * m->Hq), T * m->Hq, m->D, dq, loom_g(m, s->qn));
-        loom_cpu_rmsnorm_bwd(dk, AT(a->kpre, l, T * KD), loom_w(m, s->kn),
-                             AT(a->rstdk, l, T * m->Hkv), T * m->Hkv, m->D, dk, loom_g(m, s->kn));
+        loom_cpu_rmsnorm_bwd(dq, AT(a->qpre, i, Tc * QD), loom_w(m, s->qn),
+                             AT(a->rstdq, i, Tc * m->Hql), Tc * m->Hql, m->D, dq,
+                             loom_g(m, s->qn));
+        loom_cpu_rmsnorm_bwd(dkl, AT(a->kpre, i, Tc * KD), loom_w(m, s->kn),
+                             AT(a->rstdk, i, Tc * m->Hkvl), Tc * m->Hkvl, m->D, dkl,
+                             loom_g(m, s->kn));
     }
-    if (s->bq >= 0) loom_cpu_add_bias_bwd(dq, T, QD, loom_g(m, s->bq));
-    if (s->bk >= 0) loom_cpu_add_bias_bwd(dk, T, KD, loom_g(m, s->bk));
-    if (s->bv >= 0) loom_cpu_add_bias_bwd(dv, T, KD, loom_g(m, s->bv));
-    lin_dx(dq, T, QD, loom_w(m, s->wq), H, 0.0f, dtmp);
-    lin_dx(dk, T, KD, loom_w(m, s->wk), H, 1.0f, dtmp);
-    lin_dx(dv, T, KD, loom_w(m, s->wv), H, 1.0f, dtmp);
-    lin_dw(dq, h1, T, QD, H, loom_g(m, s->wq));
-    lin_dw(dk, h1, T, KD, H, loom_g(m, s->wk));
-    lin_dw(dv, h1, T, KD, H, loom_g(m, s->wv));
-    loom_cpu_rmsnorm_bwd(dtmp, x, loom_w(m, s->ln1), AT(a->rstd1, l, T), T, H, dtmp,
+    if (s->bq >= 0) loom_cpu_add_bias_bwd(dq, Tc, QD, loom_g(m, s->bq));
+    if (s->bk >= 0) loom_cpu_add_bias_bwd(dkl, Tc, KD, loom_g(m, s->bk));
+    if (s->bv >= 0) loom_cpu_add_bias_bwd(dvl, Tc, KD, loom_g(m, s->bv));
+    lin_dx(dq, Tc, QD, loom_w(m, s->wq), H, 0.0f, dtmp);
+    lin_dx(dkl, Tc, KD, loom_w(m, s->wk), H, 1.0f, dtmp);
+    lin_dx(dvl, Tc, KD, loom_w(m, s->wv), H, 1.0f, dtmp);
+    lin_dw(dq, h1, Tc, QD, H, loom_g(m, s->wq));
+    lin_dw(dkl, h1, Tc, KD, H, loom_g(m, s->wk));
+    lin_dw(dvl, h1, Tc, KD, H, loom_g(m, s->wv));
+    CK(tp_reduce(m, dtmp, red));
+    loom_cpu_rmsnorm_bwd(red, x, loom_w(m, s->ln1), AT(a->rstd1, i, Tn), Tn, H, red,
                          loom_g(m, s->ln1));
-    loom_cpu_residual_add(dx, dtmp, T * H);
+    loom_cpu_residual_add(dx, red, Tn * H);
+    return LOOM_OK;
 }
 
-loom_status loom_model_run_micro(loom_model *m, const int32_t *ids, const int32_t *targets,
-                                 const int32_t *pos, const int32_t *cu, int64_t ndocs, int64_t T,
-                                 bool backward, float *token_logprob, float *entropy,
-                                 float *logits, double *loss_sum, int64_t *n_tokens) {
-    loom_acts *a = &m->a;
-    LOOM_ASSERT(T <= a->cap);
-    const int64_t H = m->H, V = m->V, Vp = m->Vp;
+/* ---- embedding (vocab-parallel) ---- */
+
+static loom_status embed_fwd(loom_model *m, const loom_micro *mb, float *x0) {
+    const loom_slot *s = &m->slots[m->embed];
+    const float *W = loom_w(m, m->embed);
+    const int64_t H = m->H;
+    for (int64_t t = 0; t < m->Tc; t++) {
+        int64_t r = (int64_t)mb->ids[t] - s->row0;
+        float *dst = m->dtmp + t * H;
+        if (r >= 0 && r < s->rows)
+            memcpy(dst, W + r * H, (size_t)H * sizeof *dst);
+        else
+            memset(dst, 0, (size_t)H * sizeof *dst);
+    }
+    return tp_reduce(m, m->dtmp, x0);
+}
+
+static loom_status embed_bwd(loom_model *m, const loom_micro *mb) {
+    const loom_slot *s = &m->slots[m->embed];
+    float *dW = loom_g(m, m->embed), *dfull = m->sp ? m->dfull : m->dx;
+    const int64_t H = m->H;
+    if (m->sp) CK(sp_gather(m, m->dx, dfull));
+    for (int64_t t = 0; t < m->Tc; t++) { /* token order: deterministic */
+        int64_t r = (int64_t)mb->ids[t] - s->row0;
+        if (r < 0 || r >= s->rows) continue;
+        const float *d = dfull + t * H;
+        float *w = dW + r * H;
+        for (int64_t j = 0; j < H; j++) w[j] += d[j];
+    }
+    return LOOM_OK;
+}
+
+/* ---- output layer and loss (vocab-parallel) ---- */
+
+/* Rows [r0, r0+c) of the local logits in m->logits: log-sum-exp over the
+ * whole vocabulary from per-rank max, sum of exp, sum of p*z and the target
+ * logit, all-reduced over tp. ce[r*4 + 0..3] = lse, sum exp(z - max),
+ * sum exp(z - max) z, target logit. */
+static loom_status vocab_ce(loom_model *m, const int32_t *tgt, int64_t c, double *lse) {
+    const loom_slot *s = &m->slots[m->head];
+    const int64_t Vl = m->Vl, v0 = s->row0;
+    int64_t nvalid = m->V - v0; /* columns of this rank inside the real vocabulary */
+    if (nvalid > Vl) nvalid = Vl;
+    if (nvalid < 0) nvalid = 0;
+    double *ce = m->ce;
+    for (int64_t r = 0; r < c; r++) {
+        const float *z = m->logits + r * Vl;
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < nvalid; j++)
+            if (z[j] > mx) mx = z[j];
+        lse[r] = mx;
+    }
+    if (m->tp > 1) CK(loom_comm_allreduce(m->mesh->tp, lse, (size_t)c, LOOM_F64, LOOM_RED_MAX));
+#pragma omp parallel for schedule(static) if (c * nvalid > 65536)
+    for (int64_t r = 0; r < c; r++) {
+        const float *z = m->logits + r * Vl;
+        double se = 0, sez = 0, zt = 0, mx = lse[r];
+        for (int64_t j = 0; j < nvalid; j++) {
+            double e = exp((double)z[j] - mx);
+            se += e;
+            sez += e * z[j];
+        }
+        int64_t t = (int64_t)tgt[r] - v0;
+        if (tgt[r] != -100 && t >= 0 && t < nvalid) zt = z[t];
+        ce[r * 3 + 0] = se;
+        ce[r * 3 + 1] = sez;
+        ce[r * 3 + 2] = zt;
+    }
+    if (m->tp > 1)
+        CK(loom_comm_allreduce(m->mesh->tp, ce, (size_t)(3 * c), LOOM_F64, LOOM_RED_SUM));
+    return LOOM_OK;
+}
+
+static loom_status head_fwd_bwd(loom_model *m, loom_acts *a, const loom_micro *mb, bool backward,
+                                float *token_logprob, float *entropy, float *logits,
+                                double *loss_sum, int64_t *n_tokens) {
+    const loom_slot *s = &m->slots[m->head];
+    const int64_t H = m->H, Tn = m->Tn, Tc = m->Tc, Vl = m->Vl, v0 = s->row0;
+    const float *xL = a->x + (size_t)m->chunks[m->vpp - 1].nl * (size_t)(Tn * H);
     const float *Wh = loom_w(m, m->head);
-
-    loom_cpu_embedding_fwd(ids, T, loom_w(m, m->embed), H, a->x);
-    for (int64_t l = 0; l < m->L; l++) layer_fwd(m, l, T, pos, cu, ndocs);
-    const float *xL = AT(a->x, m->L, T * H);
-    loom_cpu_rmsnorm_fwd(xL, loom_w(m, m->final_norm), T, H, (float)m->cfg.rms_norm_eps, a->hf,
+    float *hf = m->dfull; /* (Tc, H): the final norm's output, gathered under SP */
+    loom_cpu_rmsnorm_fwd(xL, loom_w(m, m->final_norm), Tn, H, (float)m->cfg.rms_norm_eps, a->hf,
                          a->rstdf);
-
-    /* Output layer and loss, a chunk of rows at a time: the logits of the
-     * whole micro-batch never exist at once. */
+    CK(sp_gather(m, a->hf, hf));
+    const int32_t *qidx = my_qidx(m);
     double sum = 0.0;
     int64_t count = 0;
-    for (int64_t r0 = 0; r0 < T; r0 += a->chunk) {
-        int64_t c = T - r0 < a->chunk ? T - r0 : a->chunk;
-        const float *hf = a->hf + r0 * H;
-        lin_fwd(hf, c, H, Wh, Vp, 0.0f, a->logits);
-        if (logits)
-            for (int64_t r = 0; r < c; r++)
-                memcpy(logits + (r0 + r) * V, a->logits + r * Vp, (size_t)V * sizeof(float));
-        sum += loom_cpu_cross_entropy_fwd(a->logits, targets + r0, c, V, Vp,
-                                          token_logprob ? token_logprob + r0 : NULL,
-                                          entropy ? entropy + r0 : NULL, a->celse);
-        for (int64_t r = 0; r < c; r++) count += targets[r0 + r] != -100;
-        if (backward) {
-            loom_cpu_cross_entropy_bwd(a->logits, a->celse, targets + r0, c, V, Vp, 1.0f,
-                                       a->logits);
-            lin_dx(a->logits, c, Vp, Wh, H, 0.0f, a->dx + r0 * H);
-            lin_dw(a->logits, hf, c, Vp, H, loom_g(m, m->head));
+    double *lse = m->ce + 3 * m->chunk_rows; /* (chunk_rows) after the 3 sums */
+    for (int64_t r0 = 0; r0 < Tc; r0 += m->chunk_rows) {
+        int64_t c = Tc - r0 < m->chunk_rows ? Tc - r0 : m->chunk_rows;
+        lin_fwd(hf + r0 * H, c, H, Wh, Vl, 0.0f, m->logits);
+        CK(vocab_ce(m, mb->tgt + r0, c, lse));
+        for (int64_t r = 0; r < c; r++) {
+            double L = lse[r] + log(m->ce[r * 3]); /* max + log sum exp */
+            int64_t gt = mb->out0 + (qidx ? qidx[r0 + r] : r0 + r); /* global token */
+            int32_t tg = mb->tgt[r0 + r];
+            double lp = tg == -100 ? 0.0 : m->ce[r * 3 + 2] - L;
+            if (tg != -100) {
+                sum += -lp;
+                count++;
+            }
+            if (m->mesh->tp_rank == 0) { /* the same on every tp rank: written once */
+                if (token_logprob) token_logprob[gt] = (float)lp;
+                if (entropy) entropy[gt] = (float)(L - m->ce[r * 3 + 1] / m->ce[r * 3]);
+            }
+            if (logits)
+                for (int64_t j = 0; j < Vl && v0 + j < m->V; j++)
+                    logits[gt * m->V + v0 + j] = m->logits[r * Vl + j];
+            lse[r] = L;
         }
+        if (!backward) continue;
+        /* d(sum of token losses)/d logits = p - onehot(target), 0 on padding */
+        int64_t nvalid = m->V - v0 < Vl ? m->V - v0 : Vl;
+#pragma omp parallel for schedule(static) if (c * Vl > 65536)
+        for (int64_t r = 0; r < c; r++) {
+            float *z = m->logits + r * Vl;
+            int32_t tg = mb->tgt[r0 + r];
+            if (tg == -100) {
+                memset(z, 0, (size_t)Vl * sizeof *z);
+                continue;
+            }
+            for (int64_t j = 0; j < Vl; j++)
+                z[j] = j < nvalid ? (float)exp((double)z[j] - lse[r]) : 0.0f;
+            int64_t t = (int64_t)tg - v0;
+            if (t >= 0 && t < nvalid) z[t] -= 1.0f;
+        }
+        lin_dx(m->logits, c, Vl, Wh, H, 0.0f, m->dtmp + r0 * H);
+        lin_dw(m->logits, hf + r0 * H, c, Vl, H, loom_g(m, m->head));
     }
     *loss_sum = sum;
     *n_tokens = count;
     if (!backward) return LOOM_OK;
-    if (!isfinite(sum))
-        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG, "loss is %s", isnan(sum) ? "nan" : "inf");
-
-    loom_cpu_rmsnorm_bwd(a->dx, xL, loom_w(m, m->final_norm), a->rstdf, T, H, a->dx,
+    CK(tp_reduce(m, m->dtmp, a->dstash));
+    loom_cpu_rmsnorm_bwd(a->dstash, xL, loom_w(m, m->final_norm), a->rstdf, Tn, H, a->dstash,
                          loom_g(m, m->final_norm));
-    for (int64_t l = m->L - 1; l >= 0; l--) layer_bwd(m, l, T, pos, cu, ndocs);
-    loom_cpu_embedding_bwd(ids, T, a->dx, H, loom_g(m, m->embed));
+    return LOOM_OK;
+}
+
+loom_status loom_chunk_forward(loom_model *m, int c, loom_acts *a, const loom_micro *mb,
+                               bool backward, float *token_logprob, float *entropy,
+                               float *logits, double *loss_sum, int64_t *n_tokens) {
+    const loom_chunk *ch = &m->chunks[c];
+    *loss_sum = 0.0;
+    *n_tokens = 0;
+    if (ch->first) CK(embed_fwd(m, mb, a->x));
+    for (int64_t i = 0; i < ch->nl; i++) CK(layer_fwd(m, a, i, ch->l0 + i, mb));
+    if (ch->last)
+        CK(head_fwd_bwd(m, a, mb, backward, token_logprob, entropy, logits, loss_sum, n_tokens));
+    return LOOM_OK;
+}
+
+loom_status loom_chunk_backward(loom_model *m, int c, loom_acts *a, const loom_micro *mb) {
+    const loom_chunk *ch = &m->chunks[c];
+    if (ch->last) memcpy(m->dx, a->dstash, (size_t)(m->Tn * m->H) * sizeof *m->dx);
+    for (int64_t i = ch->nl - 1; i >= 0; i--) CK(layer_bwd(m, a, i, ch->l0 + i, mb));
+    if (ch->first) CK(embed_bwd(m, mb));
     return LOOM_OK;
 }

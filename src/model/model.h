@@ -1,111 +1,168 @@
-/* The model object behind include/loom.h's loom_model: parameters under
- * their HF names in one flat fp32 buffer, fp32 main grads in another, the
- * AdamW state, and the activation buffers of one micro-batch.
+/* The model object behind include/loom.h's loom_model: this rank's share of
+ * the parameters (under their HF names) in one flat fp32 buffer, fp32 main
+ * grads in the same layout, the distributed optimizer's shard of the AdamW
+ * state, and the activation buffers of the micro-batches in flight.
  *
- * Layout. Every HF tensor of the parameter plan gets a slot (offset, numel)
- * in `w` and `g`. The embedding and the output layer hold padded_vocab rows;
- * rows V..Vp-1 stay zero and are never written to files. With tied
- * embeddings lm_head.weight has no slot of its own: the output layer reads
- * and accumulates into the embedding's slot.
+ * Sharding (DESIGN.md, "One transformer layer, sharded"). A rank at mesh
+ * coordinates (tp, cp, dp, pp) holds:
+ *  - the layers of its model chunks: chunk c is virtual pipeline stage
+ *    v = c*pp + pp_rank and holds layers [v*Lc, (v+1)*Lc), Lc = L/(pp*vpp);
+ *    the first virtual stage has the embedding, the last the final norm and
+ *    the output layer (with tied embeddings and pp > 1, a copy of the
+ *    embedding whose gradient is summed with the first stage's);
+ *  - of every layer, its tensor-parallel share: q/k/v/gate/up and the
+ *    embedding/output rows split over tp (column-parallel), o/down columns
+ *    split (row-parallel), norms and q/k norms replicated;
+ *  - the vocabulary padded to a multiple of 128*tp; padded rows stay zero,
+ *    never get probability and are never written to files.
+ *
+ * Tokens. A micro-batch of T = rows*seq tokens is cut for context
+ * parallelism into 2*cp chunks per row; this rank keeps chunks cp_rank and
+ * 2cp-1-cp_rank: Tc tokens. Under sequence parallelism the residual stream
+ * holds Tn = Tc/tp of them (else Tn = Tc).
  *
  * Gradient convention. forward_backward adds the gradient of the SUM of
- * token losses into `g` and counts the tokens; clip_grad_and_step divides by
- * the count, so the step applies the gradient of the mean loss over every
- * token since the last step, however the batch was cut (DESIGN.md, "The
- * loss, exactly"). */
+ * token losses into `g` and counts the tokens of the whole mesh;
+ * clip_grad_and_step divides by that count (DESIGN.md, "The loss,
+ * exactly"), so no layout or batch cut changes the result. */
 #ifndef LOOM_MODEL_H
 #define LOOM_MODEL_H
 
 #include "../io/hf_config.h"
+#include "../parallel/mesh.h"
 #include "params.h"
 
 /* Indices into loom_model.slots of one decoder layer's tensors (-1: absent). */
 typedef struct loom_layer_slots {
     int ln1, ln2;                /* input_layernorm, post_attention_layernorm */
-    int wq, wk, wv, wo;          /* (Hq*D, H), (Hkv*D, H), (Hkv*D, H), (H, Hq*D) */
+    int wq, wk, wv, wo;          /* local: (Hq_l*D, H), (Hkv_l*D, H) x2, (H, Hq_l*D) */
     int bq, bk, bv, bo;          /* qkv biases (qwen2, llama attention_bias), o bias */
     int qn, kn;                  /* q_norm, k_norm (D) (qwen3) */
-    int wg, wu, wd;              /* gate (I, H), up (I, H), down (H, I) */
+    int wg, wu, wd;              /* gate (I_l, H), up (I_l, H), down (H, I_l) */
     int bg, bu, bdn;             /* llama mlp_bias */
 } loom_layer_slots;
+
+typedef enum loom_shard { LOOM_SHARD_NONE = 0, LOOM_SHARD_ROWS, LOOM_SHARD_COLS } loom_shard;
 
 typedef struct loom_slot {
     char *name;         /* HF name */
     int ndim;
-    int64_t shape[2];   /* as in HF files */
-    int64_t rows;       /* rows held (shape[0], or the padded vocabulary) */
-    size_t off, numel;  /* in w / g; numel counts held rows */
+    int64_t shape[2];   /* full HF shape ([n, 1] for 1-D) */
+    int64_t rows, cols; /* held here */
+    int64_t row0, col0; /* where the held block starts in the (vocab-padded) full tensor */
+    loom_shard shard;
+    size_t off, numel;  /* in w / g */
     bool decay;         /* AdamW weight decay applies (2-D) */
+    bool tp_partial;    /* its gradient is a partial sum over tp (summed before the step) */
+    bool head_copy;     /* the last stage's copy of a tied embedding (pp > 1) */
 } loom_slot;
 
-/* Activations saved by the forward of one micro-batch of T tokens, for the
- * backward. Per layer l (offsets l * stride). */
+/* Activations of one model chunk for one micro-batch, saved by the forward
+ * for the backward. Per layer i of the chunk (offsets i * stride). */
 typedef struct loom_acts {
-    int64_t cap;        /* tokens the buffers hold */
-    float *x;           /* (L+1, T, H): input of layer l; x[L] = last layer's output */
-    float *h1, *h2;     /* (L, T, H): normed inputs of attention and MLP */
-    float *rstd1, *rstd2; /* (L, T) */
-    float *xmid;        /* (L, T, H): residual after attention */
-    float *qpre, *kpre; /* (L, T, Hq*D), (L, T, Hkv*D): q, k before q/k norm (qk_norm only) */
-    float *rstdq, *rstdk; /* (L, T*Hq), (L, T*Hkv) */
-    float *q, *k, *v;   /* (L, T, Hq*D), (L, T, Hkv*D) x2: attention inputs (after rope) */
-    float *o, *lse;     /* (L, T, Hq*D), (L, T*Hq) */
-    float *gate, *up, *act; /* (L, T, I) */
-    float *hf, *rstdf;  /* (T, H), (T): final norm */
-    /* scratch */
-    float *dx, *dtmp;   /* (T, H) */
-    float *dq, *dk, *dv;/* (T, Hq*D), (T, Hkv*D) x2 */
-    float *dout;        /* (T, Hq*D): gradient of the attention output */
-    float *dg, *du;     /* (T, I) */
-    float *logits;      /* (chunk, Vp) */
-    float *celse;       /* (chunk): log-sum-exp of each logits row */
-    int64_t chunk;      /* rows of logits computed at a time */
-    int32_t *pos;       /* (T) */
-    int32_t *cu;        /* (T+1) */
+    float *x;           /* (nl+1, Tn, H): input of layer i; x[nl] = the chunk's output */
+    float *h1, *h2;     /* (nl, Tc, H): normed inputs of attention and MLP (gathered under SP) */
+    float *rstd1, *rstd2; /* (nl, Tn) */
+    float *xmid;        /* (nl, Tn, H): residual after attention */
+    float *qpre, *kpre; /* (nl, Tc, QDl), (nl, Tc, KDl): before q/k norm (qk_norm only) */
+    float *rstdq, *rstdk; /* (nl, Tc*Hq_l), (nl, Tc*Hkv_l) */
+    float *q;           /* (nl, Tc, QDl) after rope */
+    float *k, *v;       /* (nl, T, KDl): the whole micro-batch's keys and values (gathered over cp) */
+    float *o, *lse;     /* (nl, Tc, QDl), (nl, Tc*Hq_l) */
+    float *gate, *up, *act; /* (nl, Tc, I_l) */
+    float *hf, *rstdf;  /* (Tn, H), (Tn): final norm (last stage) */
+    float *dstash;      /* (Tn, H): d loss / d x[nl], from the loss (last stage) */
+    int mb;             /* micro-batch held, -1 when free */
 } loom_acts;
+
+/* One micro-batch's tokens as this rank sees them. */
+typedef struct loom_micro {
+    int32_t *ids, *tgt, *pos; /* (Tc) */
+    int32_t *cu;        /* (ndocs+1) over the micro-batch's T tokens */
+    int64_t ndocs;
+    int64_t out0;       /* flat index of the micro-batch's first token in the global batch */
+} loom_micro;
+
+typedef struct loom_chunk {
+    int64_t l0, nl;     /* first global layer, number of layers */
+    bool first, last;   /* first / last virtual stage */
+    loom_acts *pool;    /* (npool) */
+    int npool;
+} loom_chunk;
 
 struct loom_model {
     loom_ctx *ctx;
     loom_model_config cfg;
     loom_param_plan plan;
     loom_dtype file_dtype;   /* dtype of the checkpoint's weights */
+    loom_comm *world;        /* owned when own_world */
+    bool own_world;
+    loom_mesh *mesh;
+    int tp, cp, dp, pp, vpp; /* sizes */
+    bool sp;
 
-    int64_t V, Vp, H, I, L, Hq, Hkv, D;
+    int64_t V, Vp, H, I, L, Hq, Hkv, D;  /* full model */
+    int64_t Vl, Il, Hql, Hkvl;           /* per tp rank */
     float attn_scale;
 
-    loom_slot *slots;        /* one per HF tensor of the plan except a tied lm_head */
+    loom_slot *slots;        /* this rank's tensors */
     int nslots;
-    int embed, final_norm, head; /* head == embed when tied */
-    loom_layer_slots *layer; /* (L) */
-    size_t nparams;          /* total floats in w */
+    int embed, final_norm, head; /* -1 when not on this rank; head == embed when tied, pp == 1 */
+    loom_layer_slots *layer; /* (L), -1 for layers of other stages */
+    size_t nparams;          /* floats in w and g (buckets padded) */
     float *w, *g;            /* parameters (fp32 master = compute copy on CPU), main grads */
-    float *adam_m, *adam_v;  /* allocated at the first step */
     float *inv_freq;         /* (D/2) */
 
-    loom_acts a;
+    /* distributed optimizer: buckets of the flat buffer, each padded to a
+     * multiple of the dp*cp group size; this rank owns 1/(dp*cp) of each. */
+    int nbuckets;
+    size_t *bucket_off, *bucket_len; /* (nbuckets) */
+    size_t shard_numel;      /* sum of bucket_len / (dp*cp) */
+    float *gshard;           /* (shard_numel): this rank's reduced gradient shard */
+    float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step */
+    int64_t bucket_elems;
+
+    /* activations */
+    loom_chunk *chunks;      /* (vpp) */
+    int64_t cap_T;           /* micro-batch tokens the buffers were sized for */
+    int64_t T, Tc, Tn;       /* of the current micro-batch shape */
+    loom_micro *micro;       /* (cap_mb) */
+    int cap_mb;
+    int32_t *perm;           /* (T): global token index of position j of the cp-gathered blocks */
+    float *dx, *dtmp, *dfull;/* (Tc, H) each: scratch */
+    float *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
+    float *dg, *du;          /* (Tc, I_l) */
+    float *logits;           /* (chunk_rows, Vl) */
+    double *ce;              /* (chunk_rows, 4): vocab-parallel loss reductions */
+    int64_t chunk_rows;
 
     /* optimizer and schedule */
     loom_optimizer_config opt;
     bool has_sched;
     loom_sched_config sched;
     int64_t step;            /* optimizer steps taken */
-    /* accumulation since the last step */
-    int64_t acc_calls, acc_tokens;
+    int64_t acc_calls, acc_tokens; /* since the last step (tokens: whole mesh) */
     double acc_loss;
 };
 
-/* forward.c: one micro-batch. ids/targets/pos: (T); cu: (ndocs+1) over T.
- * With backward, adds d(sum of token losses)/dw into m->g. Per-token
- * outputs (token_logprob, entropy: (T); logits (T, V)) may be NULL. */
-loom_status loom_model_run_micro(loom_model *m, const int32_t *ids, const int32_t *targets,
-                                 const int32_t *pos, const int32_t *cu, int64_t ndocs, int64_t T,
-                                 bool backward, float *token_logprob, float *entropy,
-                                 float *logits, double *loss_sum, int64_t *n_tokens);
+/* loom_model_create on a given world group (borrowed; the CLI keeps it to
+ * end the job when a rank fails). */
+loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_model_options *opts,
+                                 loom_comm *world, loom_model **out);
 
-/* Grows the activation buffers to hold micro-batches of T tokens. */
-loom_status loom_model_reserve(loom_model *m, int64_t T);
-/* Slot index of an HF name, -1 when absent. */
+/* Grows the activation buffers for micro-batches of `rows` x `seq` tokens,
+ * nmb micro-batches per call and the pipeline's activations in flight. */
+loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight);
+/* Slot index of an HF name on this rank, -1 when absent (head copies are
+ * not found by name). */
 int loom_model_find_slot(const loom_model *m, const char *name);
+
+/* forward.c: one model chunk on one micro-batch. The forward takes its input
+ * from the embedding (first stage) or m->dx... see forward.c. */
+loom_status loom_chunk_forward(loom_model *m, int c, loom_acts *a, const loom_micro *mb,
+                               bool backward, float *token_logprob, float *entropy,
+                               float *logits, double *loss_sum, int64_t *n_tokens);
+loom_status loom_chunk_backward(loom_model *m, int c, loom_acts *a, const loom_micro *mb);
 
 static inline float *loom_w(loom_model *m, int s) { return s < 0 ? NULL : m->w + m->slots[s].off; }
 static inline float *loom_g(loom_model *m, int s) { return s < 0 ? NULL : m->g + m->slots[s].off; }

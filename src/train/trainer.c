@@ -8,6 +8,7 @@
 #include "../model/model.h"
 #include "adamw.h"
 #include "scheduler.h"
+#include "../parallel/schedule.h"
 
 loom_optimizer_config loom_optimizer_config_default(void) {
     loom_optimizer_config c = {.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
@@ -113,58 +114,176 @@ static loom_status check_batch(loom_model *m, const loom_batch *b, int64_t nmicr
     return LOOM_OK;
 }
 
-/* Runs every micro-batch; fills per-token outputs when given. */
+/* Global token index (within a micro-batch of rows x S) of each cp rank's
+ * tokens: each row cut in 2*cp chunks, rank r keeping chunks r and
+ * 2cp-1-r, rank blocks one after another. */
+static void build_perm(loom_model *m, int64_t rows, int64_t S) {
+    const int cp = m->cp;
+    const int64_t C = S / (2 * cp);
+    int64_t n = 0;
+    for (int r = 0; r < cp; r++)
+        for (int64_t i = 0; i < rows; i++)
+            for (int half = 0; half < 2; half++) {
+                int64_t chunk = half ? 2 * cp - 1 - r : r;
+                for (int64_t j = 0; j < C; j++) m->perm[n++] = (int32_t)(i * S + chunk * C + j);
+            }
+}
+
+/* First token of the document holding token g of cu (ndocs+1). */
+static int32_t doc_start(const int32_t *cu, int64_t ndocs, int64_t g) {
+    int64_t lo = 0, hi = ndocs;
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (cu[mid] <= g)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return cu[lo];
+}
+
+/* This rank's view of micro-batch k: rows row0.. of the global batch. */
+static void prepare_micro(loom_model *m, const loom_batch *b, int64_t row0, int64_t rows,
+                          loom_micro *u) {
+    const int64_t S = b->seq_len, T = rows * S, t0 = row0 * S;
+    u->out0 = t0;
+    u->ndocs = 0;
+    u->cu[0] = 0;
+    if (b->cu_seqlens) {
+        int64_t d = 0;
+        while (b->cu_seqlens[d + 1] <= t0) d++; /* the document starting at t0 */
+        for (; d < b->n_docs && b->cu_seqlens[d + 1] <= t0 + T; d++)
+            u->cu[++u->ndocs] = (int32_t)(b->cu_seqlens[d + 1] - t0);
+    } else {
+        for (int64_t r = 1; r <= rows; r++) u->cu[++u->ndocs] = (int32_t)(r * S);
+    }
+    const int32_t *mine = m->perm + (int64_t)m->mesh->cp_rank * m->Tc;
+    for (int64_t t = 0; t < m->Tc; t++) {
+        int64_t g = m->cp == 1 ? t : mine[t];
+        u->ids[t] = b->input_ids[t0 + g];
+        u->tgt[t] = b->targets[t0 + g];
+        u->pos[t] = b->position_ids ? b->position_ids[t0 + g]
+                                    : (int32_t)(g - doc_start(u->cu, u->ndocs, g));
+    }
+}
+
+static loom_acts *acquire(loom_chunk *ch, int mb) {
+    for (int i = 0; i < ch->npool; i++)
+        if (ch->pool[i].mb < 0) {
+            ch->pool[i].mb = mb;
+            return &ch->pool[i];
+        }
+    return NULL;
+}
+
+static loom_acts *find_acts(loom_chunk *ch, int mb) {
+    for (int i = 0; i < ch->npool; i++)
+        if (ch->pool[i].mb == mb) return &ch->pool[i];
+    return NULL;
+}
+
+/* Pipeline message tags: forward activations and backward gradients, by
+ * the receiving chunk and micro-batch. */
+#define TAG_BWD 16384
+static int msg_tag(const loom_model *m, bool fwd, int chunk, int mb, int nmb) {
+    return (fwd ? 0 : TAG_BWD) + chunk * nmb + mb;
+}
+
+/* Runs every micro-batch through this rank's chunks in the pipeline
+ * schedule; fills the per-token outputs (global batch layout) when given. */
 static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool backward,
                        float *tlp, float *ent, float *logits, loom_fb_result *out) {
+    loom_ctx *ctx = m->ctx;
     loom_status st = check_batch(m, b, nmicro);
     if (st) return st;
-    const int64_t S = b->seq_len, rows = b->rows / nmicro, Tm = rows * S;
-    if ((st = loom_model_reserve(m, Tm))) return st;
-    int32_t *pos = m->a.pos, *cu = m->a.cu;
-    double sum = 0.0;
-    int64_t count = 0;
-    int64_t d0 = 0; /* first document of the micro-batch in b->cu_seqlens */
-    for (int64_t mb = 0; mb < nmicro; mb++) {
-        const int64_t t0 = mb * Tm;
-        int64_t nd = 0;
-        if (b->cu_seqlens) {
-            cu[0] = 0;
-            while (d0 + nd < b->n_docs) {
-                int64_t e = b->cu_seqlens[d0 + nd + 1];
-                if (e > t0 + Tm) break;
-                cu[++nd] = (int32_t)(e - t0);
-                if (e == t0 + Tm) break;
+    loom_mesh_sizes n = m->mesh->n;
+    if ((st = loom_mesh_check_batch(ctx, &n, b->rows, b->seq_len, nmicro))) return st;
+    if ((int64_t)m->vpp * nmicro >= TAG_BWD)
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%lld micro-batches x vpp=%d is more than the "
+                         "pipeline can tag (%d)", (long long)nmicro, m->vpp, TAG_BWD);
+    const int nmb = (int)nmicro;
+    const int64_t S = b->seq_len, rows_dp = b->rows / m->dp, rows = rows_dp / nmb;
+    loom_pp_step *steps = NULL;
+    int nsteps = 0;
+    if ((st = loom_pp_schedule(ctx, m->pp, m->vpp, m->mesh->pp_rank, nmb, &steps, &nsteps)))
+        return st;
+    int in_flight = backward ? loom_pp_max_in_flight(steps, nsteps, m->vpp) : 1;
+    if ((st = loom_model_reserve(m, rows, S, nmb, in_flight))) goto done;
+    build_perm(m, rows, S);
+    for (int k = 0; k < nmb; k++)
+        prepare_micro(m, b, (int64_t)m->mesh->dp_rank * rows_dp + (int64_t)k * rows, rows,
+                      &m->micro[k]);
+    const int64_t T = b->rows * S;
+    if (tlp) memset(tlp, 0, (size_t)T * sizeof *tlp);
+    if (ent) memset(ent, 0, (size_t)T * sizeof *ent);
+    if (logits) memset(logits, 0, (size_t)(T * m->V) * sizeof *logits);
+
+    const int pr = m->mesh->pp_rank, next = (pr + 1) % m->pp, prev = (pr + m->pp - 1) % m->pp;
+    const size_t act_n = (size_t)(m->Tn * m->H);
+    double acc[2] = {0.0, 0.0}; /* loss sum, tokens */
+    for (int i = 0; i < nsteps && !st; i++) {
+        const loom_pp_step sp = steps[i];
+        if (!backward && !sp.forward) continue;
+        loom_chunk *ch = &m->chunks[sp.chunk];
+        const int v = sp.chunk * m->pp + pr;
+        loom_acts *a;
+        if (sp.forward) {
+            a = acquire(ch, sp.mb);
+            LOOM_ASSERT(a);
+            if (!ch->first &&
+                (st = loom_comm_recv(m->mesh->pp, a->x, act_n, LOOM_F32, prev,
+                                     msg_tag(m, true, sp.chunk, sp.mb, nmb))))
+                break;
+            double s = 0.0;
+            int64_t cnt = 0;
+            if ((st = loom_chunk_forward(m, sp.chunk, a, &m->micro[sp.mb], backward, tlp, ent,
+                                         logits, &s, &cnt)))
+                break;
+            if (ch->last && m->mesh->tp_rank == 0) {
+                acc[0] += s;
+                acc[1] += (double)cnt;
             }
-            d0 += nd;
+            if (!ch->last)
+                st = loom_comm_send(m->mesh->pp, a->x + (size_t)ch->nl * act_n, act_n, LOOM_F32,
+                                    next, msg_tag(m, true, (v + 1) / m->pp, sp.mb, nmb));
+            if (!backward) a->mb = -1;
         } else {
-            for (int64_t r = 0; r <= rows; r++) cu[r] = (int32_t)(r * S);
-            nd = rows;
+            a = find_acts(ch, sp.mb);
+            LOOM_ASSERT(a);
+            if (!ch->last &&
+                (st = loom_comm_recv(m->mesh->pp, m->dx, act_n, LOOM_F32, next,
+                                     msg_tag(m, false, sp.chunk, sp.mb, nmb))))
+                break;
+            if ((st = loom_chunk_backward(m, sp.chunk, a, &m->micro[sp.mb]))) break;
+            if (!ch->first)
+                st = loom_comm_send(m->mesh->pp, m->dx, act_n, LOOM_F32, prev,
+                                    msg_tag(m, false, (v - 1) / m->pp, sp.mb, nmb));
+            a->mb = -1;
         }
-        if (b->position_ids)
-            memcpy(pos, b->position_ids + t0, (size_t)Tm * sizeof *pos);
-        else
-            for (int64_t d = 0; d < nd; d++)
-                for (int32_t t = cu[d]; t < cu[d + 1]; t++) pos[t] = t - cu[d];
-        double s = 0.0;
-        int64_t n = 0;
-        st = loom_model_run_micro(m, b->input_ids + t0, b->targets + t0, pos, cu, nd, Tm, backward,
-                                  tlp ? tlp + t0 : NULL, ent ? ent + t0 : NULL,
-                                  logits ? logits + t0 * m->V : NULL, &s, &n);
-        if (st) {
-            if (backward) {
-                char why[256];
-                snprintf(why, sizeof why, "%s", loom_last_error(m->ctx));
-                loom_model_zero_grad(m);
-                return loom_errf(m->ctx, st,
-                                 "%s at micro-batch %lld of %lld; the gradients accumulated "
-                                 "since the last step were discarded. Lower the learning rate, "
-                                 "or check the data and the checkpoint (loom inspect)",
-                                 why, (long long)mb + 1, (long long)nmicro);
-            }
-            return st;
-        }
-        sum += s;
-        count += n;
+    }
+    if (st) goto done;
+    /* the whole mesh's loss and token count; per-token outputs from the ranks
+     * that computed them */
+    if (loom_comm_size(m->world) > 1) {
+        if ((st = loom_comm_allreduce(m->world, acc, 2, LOOM_F64, LOOM_RED_SUM))) goto done;
+        if (tlp && (st = loom_comm_allreduce(m->world, tlp, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
+            goto done;
+        if (ent && (st = loom_comm_allreduce(m->world, ent, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
+            goto done;
+        if (logits && (st = loom_comm_allreduce(m->world, logits, (size_t)(T * m->V), LOOM_F32,
+                                                LOOM_RED_SUM)))
+            goto done;
+    }
+    const double sum = acc[0];
+    const int64_t count = (int64_t)acc[1];
+    if (backward && !isfinite(sum)) {
+        loom_model_zero_grad(m);
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                       "loss is %s (over %lld micro-batch%s); the gradients accumulated since "
+                       "the last step were discarded. Lower the learning rate, or check the data "
+                       "and the checkpoint (loom inspect)",
+                       isnan(sum) ? "nan" : "inf", (long long)nmb, nmb == 1 ? "" : "es");
+        goto done;
     }
     if (backward) {
         m->acc_loss += sum;
@@ -175,7 +294,12 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
         out->n_tokens = count;
         out->loss = count ? sum / (double)count : 0.0;
     }
-    return LOOM_OK;
+done:
+    /* a failed call leaves no micro-batch in flight */
+    for (int c = 0; c < m->vpp; c++)
+        for (int i = 0; i < m->chunks[c].npool; i++) m->chunks[c].pool[i].mb = -1;
+    free(steps);
+    return st;
 }
 
 loom_status loom_model_forward_backward(loom_model *m, const loom_batch *b,
@@ -187,6 +311,69 @@ loom_status loom_model_forward_only(loom_model *m, const loom_batch *b, int64_t 
                                     float *token_logprobs, float *entropy, float *logits,
                                     loom_fb_result *out) {
     return run(m, b, num_micro_batches, false, token_logprobs, entropy, logits, out);
+}
+
+/* The part of slot i inside this rank's shard of bucket b: flat offset o0,
+ * length, and offset in the shard buffers. False when they do not meet. */
+static bool shard_part(const loom_model *m, int b, int i, size_t *o0, size_t *len, size_t *so) {
+    const int n = loom_comm_size(m->mesh->dpcp), r = loom_comm_rank(m->mesh->dpcp);
+    size_t per = m->bucket_len[b] / (size_t)n, s0 = m->bucket_off[b] + (size_t)r * per,
+           s1 = s0 + per;
+    const loom_slot *sl = &m->slots[i];
+    size_t a0 = sl->off > s0 ? sl->off : s0, a1 = sl->off + sl->numel < s1 ? sl->off + sl->numel : s1;
+    if (a0 >= a1) return false;
+    size_t shard_base = 0; /* the shard buffers hold the buckets' shards one after another */
+    for (int k = 0; k < b; k++) shard_base += m->bucket_len[k] / (size_t)n;
+    *o0 = a0;
+    *len = a1 - a0;
+    *so = shard_base + (a0 - s0);
+    return true;
+}
+
+/* Each distinct parameter enters the norm once: replicated tensors from tp
+ * rank 0 only, a tied embedding from the first stage only. */
+static bool counts_in_norm(const loom_model *m, int i) {
+    const loom_slot *s = &m->slots[i];
+    if (s->head_copy) return false;
+    return s->shard != LOOM_SHARD_NONE || m->mesh->tp_rank == 0;
+}
+
+/* Sums partial gradients over tp (replicated tensors that saw some heads or
+ * tokens), a tied embedding's two stages, then reduce-scatters every
+ * bucket over dp x cp into the shard buffer. */
+static loom_status reduce_grads(loom_model *m) {
+    loom_status st = LOOM_OK;
+    for (int i = 0; i < m->nslots && !st; i++)
+        if (m->slots[i].tp_partial)
+            st = loom_comm_allreduce(m->mesh->tp, loom_g(m, i), m->slots[i].numel, LOOM_F32,
+                                     LOOM_RED_SUM);
+    if (!st && m->mesh->embed && m->cfg.tie_word_embeddings) {
+        int s = m->mesh->pp_rank == 0 ? m->embed : m->head;
+        st = loom_comm_allreduce(m->mesh->embed, loom_g(m, s), m->slots[s].numel, LOOM_F32,
+                                 LOOM_RED_SUM);
+    }
+    const size_t n = (size_t)loom_comm_size(m->mesh->dpcp);
+    size_t so = 0;
+    for (int b = 0; b < m->nbuckets && !st; b++) {
+        size_t per = m->bucket_len[b] / n;
+        st = loom_comm_reduce_scatter(m->mesh->dpcp, m->g + m->bucket_off[b], m->gshard + so, per,
+                                      LOOM_F32, LOOM_RED_SUM);
+        so += per;
+    }
+    return st;
+}
+
+/* Every dp x cp rank's updated shard back into everyone's parameters. */
+static loom_status gather_params(loom_model *m) {
+    const size_t n = (size_t)loom_comm_size(m->mesh->dpcp);
+    const size_t r = (size_t)loom_comm_rank(m->mesh->dpcp);
+    loom_status st = LOOM_OK;
+    for (int b = 0; b < m->nbuckets && !st; b++) {
+        size_t per = m->bucket_len[b] / n;
+        float *base = m->w + m->bucket_off[b];
+        st = loom_comm_allgather(m->mesh->dpcp, base + r * per, base, per, LOOM_F32);
+    }
+    return st;
 }
 
 loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
@@ -213,20 +400,32 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
         return LOOM_OK;
     }
     if (!m->adam_m) {
-        m->adam_m = loom_calloc(ctx, m->nparams, sizeof(float), "AdamW first moments");
-        m->adam_v = loom_calloc(ctx, m->nparams, sizeof(float), "AdamW second moments");
-        if (!m->adam_m || !m->adam_v) {
+        m->adam_m = loom_calloc(ctx, m->shard_numel, sizeof(float), "AdamW first moments");
+        m->adam_v = loom_calloc(ctx, m->shard_numel, sizeof(float), "AdamW second moments");
+        m->gshard = loom_calloc(ctx, m->shard_numel, sizeof(float), "gradient shard");
+        if (!m->adam_m || !m->adam_v || !m->gshard) {
             free(m->adam_m);
             free(m->adam_v);
-            m->adam_m = m->adam_v = NULL;
+            free(m->gshard);
+            m->adam_m = m->adam_v = m->gshard = NULL;
             return LOOM_ERR_OOM;
         }
     }
-    /* The gradient of the mean loss, its norm (tensor by tensor in a fixed
-     * order), and clipping. */
-    loom_scale(m->g, m->nparams, (float)(1.0 / (double)m->acc_tokens));
+    loom_status st = reduce_grads(m);
+    if (st) return st;
+    /* The gradient of the mean loss, its global norm (each parameter once,
+     * in a fixed order), and clipping. */
+    loom_scale(m->gshard, m->shard_numel, (float)(1.0 / (double)m->acc_tokens));
     double sumsq = 0.0;
-    for (int i = 0; i < m->nslots; i++) sumsq += loom_sumsq(m->g + m->slots[i].off, m->slots[i].numel);
+    for (int b = 0; b < m->nbuckets; b++)
+        for (int i = 0; i < m->nslots; i++) {
+            size_t o0, len, so;
+            if (counts_in_norm(m, i) && shard_part(m, b, i, &o0, &len, &so))
+                sumsq += loom_sumsq(m->gshard + so, len);
+        }
+    if (loom_comm_size(m->world) > 1 &&
+        (st = loom_comm_allreduce(m->world, &sumsq, 1, LOOM_F64, LOOM_RED_SUM)))
+        return st;
     double norm = sqrt(sumsq);
     if (!isfinite(norm)) {
         loom_model_zero_grad(m);
@@ -236,7 +435,7 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
                          (long long)m->step + 1, isnan(norm) ? "nan" : "inf");
     }
     float coeff = loom_clip_coeff(norm, max_grad_norm);
-    if (coeff < 1.0f) loom_scale(m->g, m->nparams, coeff);
+    if (coeff < 1.0f) loom_scale(m->gshard, m->shard_numel, coeff);
 
     loom_adamw_hp hp = {.lr = m->opt.lr, .beta1 = m->opt.beta1, .beta2 = m->opt.beta2,
                         .eps = m->opt.eps, .weight_decay = m->opt.weight_decay};
@@ -245,11 +444,16 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
         hp.weight_decay = loom_sched_wd(&m->sched, m->step);
     }
     int64_t t = m->step + 1;
-    for (int i = 0; i < m->nslots; i++) {
-        const loom_slot *s = &m->slots[i];
-        loom_adamw_step(m->w + s->off, m->g + s->off, m->adam_m + s->off, m->adam_v + s->off,
-                        s->numel, &hp, t, s->decay);
-    }
+    /* AdamW on this rank's shard of every bucket, then every rank gets the
+     * updated parameters back */
+    for (int b = 0; b < m->nbuckets; b++)
+        for (int i = 0; i < m->nslots; i++) {
+            size_t o0, len, so;
+            if (shard_part(m, b, i, &o0, &len, &so))
+                loom_adamw_step(m->w + o0, m->gshard + so, m->adam_m + so, m->adam_v + so, len,
+                                &hp, t, m->slots[i].decay);
+        }
+    if ((st = gather_params(m))) return st;
     m->step = t;
     r.stepped = 1;
     r.grad_norm = norm;

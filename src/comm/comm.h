@@ -1,0 +1,125 @@
+/* Collectives over process groups. One interface, three backends: a
+ * one-process backend (every group has one rank; collectives copy or do
+ * nothing), MPI (CPU ranks) and, later, NCCL (GPU ranks, on CUDA streams).
+ *
+ * Semantics follow NCCL so that the NCCL backend fits without changing
+ * callers:
+ *  - buffers are plain pointers (host memory for MPI/single, device memory
+ *    for NCCL); counts are in elements of `dt` (MPI: at most INT_MAX
+ *    elements per call, counting every rank's block);
+ *  - a collective is called by every rank of the group, in the same order;
+ *  - reductions (allreduce, reduce_scatter) take F32, F64, I32 and I64;
+ *    other dtypes are refused with LOOM_ERR_UNSUPPORTED on every backend
+ *    (reduce an F32 copy of BF16/F16 data). Data movement (allgather,
+ *    broadcast, alltoall, send/recv) takes every dtype;
+ *  - send/recv between group_start() and group_end() are posted together
+ *    and all complete at group_end() (NCCL's ncclGroupStart/End), so a rank
+ *    may send to and receive from its neighbours in one group without
+ *    deadlock. Inside a group neither buffer may be touched until
+ *    group_end() returns. Collectives called inside a group run at once;
+ *  - outside a group, send returns once the data is copied (the buffer may
+ *    be reused at once) and does not wait for the receiver, so two ranks may
+ *    send to each other and then receive; recv blocks until the data is in;
+ *  - messages are matched by (peer, tag), tags in [0, 32768). The NCCL
+ *    backend will match in order instead (it has no tags): keep the order
+ *    of sends to and receives from each peer the same on both sides;
+ *  - the *_async variants return a request to wait on; the buffers must not
+ *    be touched until loom_comm_wait returns. *req may be NULL when the
+ *    operation completed at once (the single backend).
+ *
+ * A failed or timed-out operation returns LOOM_ERR_COMM with a message that
+ * names the operation, the group and the rank. Blocking waits give up after
+ * LOOM_COMM_TIMEOUT seconds (environment, read when the world is created;
+ * default 600, 0 = never) or loom_comm_set_timeout; a group whose collective
+ * timed out cannot be used again. loom_comm_abort ends every process of the
+ * job (the CLI calls it when a rank fails, so no rank waits forever on a
+ * peer that has gone). */
+#ifndef LOOM_COMM_H
+#define LOOM_COMM_H
+
+#include "../core/core.h"
+
+typedef struct loom_comm loom_comm;
+typedef struct loom_comm_req loom_comm_req;
+
+typedef enum loom_comm_backend {
+    LOOM_COMM_AUTO = 0, /* MPI when started by a launcher (OMPI_COMM_WORLD_SIZE, PMI_SIZE or
+                         * PMIX_RANK set) or MPI is already initialised, else single */
+    LOOM_COMM_SINGLE,
+    LOOM_COMM_MPI,
+} loom_comm_backend;
+
+typedef enum loom_red_op { LOOM_RED_SUM = 0, LOOM_RED_MAX } loom_red_op;
+
+/* The world group. With MPI: initialises MPI (MPI_THREAD_FUNNELED, once per
+ * process, unless the program already did), sets the context's rank for
+ * log prefixes (loom_ctx_set_rank). Errors go to `ctx` for the life of the
+ * group and of every group split from it. Backends not built in give
+ * LOOM_ERR_UNSUPPORTED with what to rebuild; AUTO started by an MPI
+ * launcher in a loom built without MPI is refused the same way (rather
+ * than running N copies that each believe they are rank 0). */
+loom_status loom_comm_world(loom_ctx *ctx, loom_comm_backend backend, loom_comm **out);
+/* Frees a group (NULL is a no-op); waits for this group's outstanding sends
+ * first. Freeing the world group finalises MPI when loom initialised it,
+ * once every group split from it is freed too. */
+void loom_comm_free(loom_comm *c);
+int loom_comm_rank(const loom_comm *c);
+int loom_comm_size(const loom_comm *c);
+const char *loom_comm_backend_name(const loom_comm *c); /* "single", "mpi" */
+const char *loom_comm_name(const loom_comm *c);         /* "world", "tp", ... */
+loom_ctx *loom_comm_ctx(const loom_comm *c);            /* where its errors go */
+/* Seconds a blocking wait on this group may take before it fails
+ * (<= 0: forever). Groups split later inherit it. */
+void loom_comm_set_timeout(loom_comm *c, double seconds);
+
+/* Partition of `parent`: ranks with the same color (>= 0) form a group,
+ * ordered by key (then parent rank). A rank passing color < 0 joins no
+ * group and gets *out = NULL. Called by every rank of the parent. `name`
+ * labels the group in messages ("tp", "dp", ...). */
+loom_status loom_comm_split(loom_comm *parent, int color, int key, const char *name,
+                            loom_comm **out);
+
+/* In place: buf (n) = op over ranks of buf. */
+loom_status loom_comm_allreduce(loom_comm *c, void *buf, size_t n, loom_dtype dt, loom_red_op op);
+/* send (n * size) -> recv (n): rank r receives op over ranks of send[r*n, (r+1)*n).
+ * recv may equal send + rank*n. */
+loom_status loom_comm_reduce_scatter(loom_comm *c, const void *send, void *recv, size_t n,
+                                     loom_dtype dt, loom_red_op op);
+/* send (n) -> recv (n * size), rank r's block at r*n. send may equal recv + rank*n. */
+loom_status loom_comm_allgather(loom_comm *c, const void *send, void *recv, size_t n,
+                                loom_dtype dt);
+loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root);
+/* send (n * size) -> recv (n * size): block r of send goes to rank r. */
+loom_status loom_comm_alltoall(loom_comm *c, const void *send, void *recv, size_t n,
+                               loom_dtype dt);
+/* Point to point, peer = rank in c, 0 <= tag < 32768 (see the top of this
+ * file for when buffers may be reused). Sending to oneself is an error on
+ * the single backend. */
+loom_status loom_comm_send(loom_comm *c, const void *buf, size_t n, loom_dtype dt, int peer,
+                           int tag);
+loom_status loom_comm_recv(loom_comm *c, void *buf, size_t n, loom_dtype dt, int peer,
+                           int tag);
+/* Per group c; they nest, and what was posted on c completes at the
+ * outermost group_end. Splitting c inside a group is refused. */
+loom_status loom_comm_group_start(loom_comm *c);
+loom_status loom_comm_group_end(loom_comm *c);
+/* Every rank of c has arrived. Does not wait for outstanding sends (their
+ * receives may come after it). */
+loom_status loom_comm_barrier(loom_comm *c);
+
+loom_status loom_comm_allreduce_async(loom_comm *c, void *buf, size_t n, loom_dtype dt,
+                                      loom_red_op op, loom_comm_req **req);
+loom_status loom_comm_reduce_scatter_async(loom_comm *c, const void *send, void *recv, size_t n,
+                                           loom_dtype dt, loom_red_op op, loom_comm_req **req);
+loom_status loom_comm_allgather_async(loom_comm *c, const void *send, void *recv, size_t n,
+                                      loom_dtype dt, loom_comm_req **req);
+/* Waits for and frees the request (NULL is a no-op). */
+loom_status loom_comm_wait(loom_comm *c, loom_comm_req *req);
+
+/* Ends every process of the job after printing "loom: error on rank R:
+ * <msg>" to stderr (MPI_Abort; single: exit(code)). Never returns. Only
+ * cli/ calls it; with cli/ it is the only code that ends the process. c may
+ * be NULL (then this process exits alone). */
+void loom_comm_abort(loom_comm *c, const char *msg, int code) __attribute__((noreturn));
+
+#endif /* LOOM_COMM_H */

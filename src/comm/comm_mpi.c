@@ -1,0 +1,606 @@
+/* The MPI backend (CPU ranks). Built only with LOOM_HAVE_MPI (the Makefile
+ * defines it when `mpicc --showme` works).
+ *
+ * Every operation is posted non-blocking (MPI_Iallreduce, MPI_Irecv, ...)
+ * and completed by polling MPI_Testall, so that a wait gives up after the
+ * group's timeout with a message naming the operation, the group and the
+ * rank, instead of hanging on a peer that has gone. Sends outside a
+ * group_start/group_end are copied and posted (MPI_Isend); the copies are
+ * released as they complete (checked at every call on the group) and at
+ * loom_comm_free. Communicators are duplicates of MPI_COMM_WORLD with
+ * MPI_ERRORS_RETURN, so loom's traffic never matches the program's own. */
+
+#include "comm_impl.h"
+
+#ifdef LOOM_HAVE_MPI
+
+#include <limits.h>
+#include <mpi.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* MPI itself is per process: whether loom initialised it (and so must
+ * finalise it) and how many loom MPI groups are alive. World creation is
+ * not thread-safe (nor is MPI_Init). */
+static bool mpi_inited_by_loom;
+static int mpi_live_groups;
+static bool mpi_any_broken; /* a collective was abandoned: MPI_Finalize could hang */
+
+typedef struct p2p_post {
+    MPI_Request r;
+    void *copy;    /* send outside a group: our copy of the data (owned) */
+    char kind;     /* 's' or 'r' */
+    int peer, tag;
+} p2p_post;
+
+typedef struct mpi_state {
+    MPI_Comm comm;
+    p2p_post *sends;   /* outstanding sends posted outside a group */
+    int n_sends, cap_sends;
+    p2p_post *group;   /* sends and receives posted inside group_start/end */
+    int n_group, cap_group;
+} mpi_state;
+
+typedef struct mpi_req {
+    loom_comm_req base; /* first: loom_comm_req * <-> mpi_req * */
+    MPI_Request r;
+    const char *what;
+    void *tmp;          /* copy of an aliased send buffer, freed at completion */
+} mpi_req;
+
+static const loom_comm_vt mpi_vt;
+
+static mpi_state *S(loom_comm *c) { return (mpi_state *)c->impl; }
+
+bool loom_comm_mpi_initialized(void) {
+    int inited = 0, fin = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&fin);
+    return inited && !fin;
+}
+
+/* ---- errors and waiting ---- */
+
+static loom_status mpi_fail(loom_comm *c, int err, const char *fn) {
+    char es[MPI_MAX_ERROR_STRING + 1] = "";
+    int len = 0;
+    if (MPI_Error_string(err, es, &len) != MPI_SUCCESS) snprintf(es, sizeof es, "error %d", err);
+    char w[96];
+    return loom_errf(c->ctx, LOOM_ERR_COMM, "%s on %s failed: %s", fn,
+                     loom_comm_where(c, w, sizeof w), es);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Spin a little, then yield (ranks often outnumber cores on CPU), then sleep
+ * briefly so a long wait does not take a core from the ranks that compute. */
+static void backoff(int *spins) {
+    int s = (*spins)++;
+    if (s < 64) return;
+    if (s < 4096) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, 50 * 1000};
+    nanosleep(&ts, NULL);
+}
+
+/* Polls until every request completes (true) or the group's timeout passes
+ * (false, requests left as they are). *err is set on an MPI error. */
+static bool poll_all(loom_comm *c, int n, MPI_Request *reqs, int *err) {
+    double t0 = now_s();
+    int spins = 0;
+    *err = MPI_SUCCESS;
+    for (;;) {
+        int flag = 0;
+        *err = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
+        if (*err != MPI_SUCCESS || flag) return true;
+        if (c->timeout_s > 0 && now_s() - t0 > c->timeout_s) return false;
+        backoff(&spins);
+    }
+}
+
+/* Waits for one collective request; on timeout the group is unusable (MPI
+ * cannot cancel a collective). */
+static loom_status wait_collective(loom_comm *c, MPI_Request *r, const char *what) {
+    int err;
+    if (poll_all(c, 1, r, &err)) {
+        if (err != MPI_SUCCESS) {
+            c->broken = true;
+            return mpi_fail(c, err, what);
+        }
+        return LOOM_OK;
+    }
+    c->broken = true;
+    mpi_any_broken = true;
+    char w[96];
+    return loom_errf(c->ctx, LOOM_ERR_COMM,
+                     "%s on %s timed out after %g s: a rank of the group did not take part "
+                     "(LOOM_COMM_TIMEOUT sets the limit)",
+                     what, loom_comm_where(c, w, sizeof w), c->timeout_s);
+}
+
+/* Gives up on posted point-to-point requests: receives are cancelled (the
+ * group stays usable); a send in flight cannot be taken back, so the group
+ * is marked unusable when one is abandoned. */
+static void abandon(loom_comm *c, p2p_post *p, int n) {
+    for (int i = 0; i < n; i++) {
+        if (p[i].r == MPI_REQUEST_NULL) continue;
+        if (p[i].kind == 'r') {
+            MPI_Cancel(&p[i].r);
+            MPI_Wait(&p[i].r, MPI_STATUS_IGNORE);
+        } else {
+            MPI_Request_free(&p[i].r);
+            c->broken = true;
+            mpi_any_broken = true;
+            /* the copy (if any) may still be read by MPI: leak it */
+            p[i].copy = NULL;
+        }
+    }
+}
+
+/* ---- outstanding sends ---- */
+
+static loom_status push(loom_comm *c, p2p_post **arr, int *n, int *cap, p2p_post p) {
+    if (*n == *cap) {
+        int nc = *cap ? *cap * 2 : 8;
+        p2p_post *np = loom_realloc(c->ctx, *arr, (size_t)nc * sizeof *np, "pending messages");
+        if (!np) return LOOM_ERR_OOM;
+        *arr = np;
+        *cap = nc;
+    }
+    (*arr)[(*n)++] = p;
+    return LOOM_OK;
+}
+
+/* Releases the copies of sends that have completed. */
+static loom_status reap_sends(loom_comm *c) {
+    mpi_state *s = S(c);
+    for (int i = 0; i < s->n_sends;) {
+        int flag = 0;
+        int err = MPI_Test(&s->sends[i].r, &flag, MPI_STATUS_IGNORE);
+        if (err != MPI_SUCCESS) return mpi_fail(c, err, "MPI_Isend");
+        if (flag) {
+            free(s->sends[i].copy);
+            s->sends[i] = s->sends[--s->n_sends];
+        } else {
+            i++;
+        }
+    }
+    return LOOM_OK;
+}
+
+/* Waits for every outstanding send (loom_comm_free). */
+static void drain_sends(loom_comm *c) {
+    mpi_state *s = S(c);
+    if (!s->n_sends) return;
+    MPI_Request *r = malloc((size_t)s->n_sends * sizeof *r);
+    bool done = false;
+    int err = MPI_SUCCESS;
+    if (r) {
+        for (int i = 0; i < s->n_sends; i++) r[i] = s->sends[i].r;
+        done = poll_all(c, s->n_sends, r, &err);
+        for (int i = 0; i < s->n_sends; i++) s->sends[i].r = r[i];
+        free(r);
+    }
+    if (!done || err != MPI_SUCCESS) {
+        char w[96];
+        loom_log(c->ctx, LOOM_LOG_WARN,
+                 "freeing %s: %d send(s) were never received (no matching recv within %g s)",
+                 loom_comm_where(c, w, sizeof w), s->n_sends, c->timeout_s);
+        abandon(c, s->sends, s->n_sends);
+    }
+    for (int i = 0; i < s->n_sends; i++) free(s->sends[i].copy);
+    s->n_sends = 0;
+}
+
+/* ---- types ---- */
+
+static MPI_Datatype mpi_type(loom_dtype dt) {
+    switch (dt) {
+    case LOOM_F32: return MPI_FLOAT;
+    case LOOM_F64: return MPI_DOUBLE;
+    case LOOM_I32: return MPI_INT32_T;
+    case LOOM_I64: return MPI_INT64_T;
+    case LOOM_I16: return MPI_INT16_T;
+    case LOOM_BF16:
+    case LOOM_F16: return MPI_UINT16_T; /* moved, never reduced */
+    case LOOM_I8: return MPI_INT8_T;
+    case LOOM_U8:
+    case LOOM_BOOL:
+    default: return MPI_UINT8_T;
+    }
+}
+
+static MPI_Op mpi_op(loom_red_op op) { return op == LOOM_RED_MAX ? MPI_MAX : MPI_SUM; }
+
+/* MPI counts are ints: n elements in each of `blocks` blocks must fit. */
+static loom_status check_count(loom_comm *c, const char *op, size_t n, size_t blocks) {
+    if (n > (size_t)INT_MAX / (blocks ? blocks : 1)) {
+        char w[96];
+        return loom_errf(c->ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s of %zu x %zu elements on %s exceeds MPI's limit of %d elements "
+                         "per call; split the buffer",
+                         op, blocks, n, loom_comm_where(c, w, sizeof w), INT_MAX);
+    }
+    return LOOM_OK;
+}
+
+static bool overlap(const void *a, size_t na, const void *b, size_t nb) {
+    const char *pa = a, *pb = b;
+    return na && nb && pa < pb + nb && pb < pa + na;
+}
+
+/* ---- world, split, free ---- */
+
+static loom_comm *wrap(loom_ctx *ctx, MPI_Comm mc, const char *name, const loom_comm *like) {
+    int rank = 0, size = 1;
+    MPI_Comm_rank(mc, &rank);
+    MPI_Comm_size(mc, &size);
+    loom_comm *c = loom_comm_new(ctx, &mpi_vt, name, rank, size, like);
+    mpi_state *s = c ? loom_calloc(ctx, 1, sizeof *s, "MPI group") : NULL;
+    if (!s) {
+        free(c);
+        MPI_Comm_free(&mc);
+        return NULL;
+    }
+    s->comm = mc;
+    c->impl = s;
+    mpi_live_groups++;
+    return c;
+}
+
+loom_status loom_comm_mpi_world(loom_ctx *ctx, loom_comm **out) {
+    int inited = 0, fin = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&fin);
+    if (fin)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "MPI was already finalised in this process (it cannot start twice); "
+                         "create the world group once and free it last");
+    double timeout;
+    loom_status st = loom_comm_env_timeout(ctx, &timeout);
+    if (st) return st;
+    if (!inited) {
+        int provided = 0;
+        int err = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
+        if (err != MPI_SUCCESS)
+            return loom_errf(ctx, LOOM_ERR_COMM, "MPI_Init_thread failed (MPI error %d)", err);
+        mpi_inited_by_loom = true;
+        if (provided < MPI_THREAD_FUNNELED)
+            loom_log(ctx, LOOM_LOG_WARN,
+                     "MPI gives thread level %d, below MPI_THREAD_FUNNELED: OpenMP threads "
+                     "inside ranks may not be safe with this MPI",
+                     provided);
+    }
+    MPI_Comm mc;
+    int err = MPI_Comm_dup(MPI_COMM_WORLD, &mc);
+    if (err != MPI_SUCCESS) return loom_errf(ctx, LOOM_ERR_COMM, "MPI_Comm_dup failed (%d)", err);
+    MPI_Comm_set_errhandler(mc, MPI_ERRORS_RETURN);
+    loom_comm *c = wrap(ctx, mc, "world", NULL);
+    if (!c) return LOOM_ERR_OOM;
+    c->timeout_s = timeout;
+    if (ctx) loom_ctx_set_rank(ctx, c->rank, c->size);
+    *out = c;
+    return LOOM_OK;
+}
+
+static void mpi_free(loom_comm *c) {
+    mpi_state *s = S(c);
+    drain_sends(c);
+    if (s->n_group) abandon(c, s->group, s->n_group); /* freed inside a group */
+    free(s->sends);
+    free(s->group);
+    MPI_Comm_free(&s->comm);
+    free(s);
+    free(c);
+    if (--mpi_live_groups == 0 && mpi_inited_by_loom && !mpi_any_broken) {
+        int fin = 0;
+        MPI_Finalized(&fin);
+        if (!fin) MPI_Finalize();
+    }
+}
+
+static loom_status mpi_barrier(loom_comm *c);
+
+static loom_status mpi_split(loom_comm *parent, int color, int key, const char *name,
+                             loom_comm **out) {
+    /* MPI_Comm_split blocks with no timeout: first make sure every rank is
+     * here, with a barrier that has one. */
+    loom_status st = mpi_barrier(parent);
+    if (st) return st;
+    MPI_Comm mc = MPI_COMM_NULL;
+    int err = MPI_Comm_split(S(parent)->comm, color < 0 ? MPI_UNDEFINED : color, key, &mc);
+    if (err != MPI_SUCCESS) return mpi_fail(parent, err, "MPI_Comm_split");
+    if (mc == MPI_COMM_NULL) return LOOM_OK;
+    MPI_Comm_set_errhandler(mc, MPI_ERRORS_RETURN);
+    loom_comm *c = wrap(parent->ctx, mc, name, parent);
+    if (!c) return LOOM_ERR_OOM;
+    *out = c;
+    return LOOM_OK;
+}
+
+/* ---- collectives ---- */
+
+/* Completes a posted collective now (q == NULL, blocking call) or hands it
+ * to the caller as a request. */
+static loom_status post_done(loom_comm *c, int err, const char *fn, mpi_req *q, MPI_Request r,
+                             void *tmp, loom_comm_req **req) {
+    if (err != MPI_SUCCESS) {
+        free(tmp);
+        free(q);
+        return mpi_fail(c, err, fn);
+    }
+    if (q) {
+        q->base.comm = c;
+        q->r = r;
+        q->what = fn;
+        q->tmp = tmp;
+        *req = &q->base;
+        return LOOM_OK;
+    }
+    loom_status st = wait_collective(c, &r, fn);
+    if (!c->broken) free(tmp); /* an abandoned collective may still read it */
+    return st;
+}
+
+/* Allocates the request first, so nothing is in flight if that fails. */
+static loom_status prepare(loom_comm *c, loom_comm_req **req, mpi_req **q) {
+    *q = NULL;
+    loom_status st = reap_sends(c);
+    if (st) return st;
+    if (req) {
+        *q = loom_calloc(c->ctx, 1, sizeof **q, "MPI request");
+        if (!*q) return LOOM_ERR_OOM;
+    }
+    return LOOM_OK;
+}
+
+static loom_status mpi_allreduce(loom_comm *c, void *buf, size_t n, loom_dtype dt,
+                                 loom_red_op op, loom_comm_req **req) {
+    mpi_req *q;
+    loom_status st = check_count(c, "allreduce", n, 1);
+    if (!st) st = prepare(c, req, &q);
+    if (st) return st;
+    MPI_Request r;
+    int err = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, mpi_type(dt), mpi_op(op),
+                             S(c)->comm, &r);
+    return post_done(c, err, "MPI_Iallreduce", q, r, NULL, req);
+}
+
+static loom_status mpi_reduce_scatter(loom_comm *c, const void *send, void *recv, size_t n,
+                                      loom_dtype dt, loom_red_op op, loom_comm_req **req) {
+    mpi_req *q;
+    loom_status st = check_count(c, "reduce_scatter", n, (size_t)c->size);
+    if (!st) st = prepare(c, req, &q);
+    if (st) return st;
+    size_t es = loom_dtype_size(dt), total = n * (size_t)c->size * es;
+    void *tmp = NULL;
+    if (overlap(send, total, recv, n * es)) {
+        tmp = loom_malloc(c->ctx, total, "reduce_scatter copy");
+        if (!tmp) {
+            free(q);
+            return LOOM_ERR_OOM;
+        }
+        memcpy(tmp, send, total);
+        send = tmp;
+    }
+    MPI_Request r;
+    int err = MPI_Ireduce_scatter_block(send, recv, (int)n, mpi_type(dt), mpi_op(op),
+                                        S(c)->comm, &r);
+    return post_done(c, err, "MPI_Ireduce_scatter_block", q, r, tmp, req);
+}
+
+static loom_status mpi_allgather(loom_comm *c, const void *send, void *recv, size_t n,
+                                 loom_dtype dt, loom_comm_req **req) {
+    mpi_req *q;
+    loom_status st = check_count(c, "allgather", n, (size_t)c->size);
+    if (!st) st = prepare(c, req, &q);
+    if (st) return st;
+    size_t es = loom_dtype_size(dt), block = n * es;
+    void *tmp = NULL;
+    if (n && send == (const char *)recv + (size_t)c->rank * block) {
+        send = MPI_IN_PLACE;
+    } else if (overlap(send, block, recv, block * (size_t)c->size)) {
+        tmp = loom_malloc(c->ctx, block, "allgather copy");
+        if (!tmp) {
+            free(q);
+            return LOOM_ERR_OOM;
+        }
+        memcpy(tmp, send, block);
+        send = tmp;
+    }
+    MPI_Request r;
+    int err = MPI_Iallgather(send, (int)n, mpi_type(dt), recv, (int)n, mpi_type(dt),
+                             S(c)->comm, &r);
+    return post_done(c, err, "MPI_Iallgather", q, r, tmp, req);
+}
+
+static loom_status mpi_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root) {
+    mpi_req *q;
+    loom_status st = check_count(c, "broadcast", n, 1);
+    if (!st) st = prepare(c, NULL, &q);
+    if (st) return st;
+    MPI_Request r;
+    int err = MPI_Ibcast(buf, (int)n, mpi_type(dt), root, S(c)->comm, &r);
+    return post_done(c, err, "MPI_Ibcast", NULL, r, NULL, NULL);
+}
+
+static loom_status mpi_alltoall(loom_comm *c, const void *send, void *recv, size_t n,
+                                loom_dtype dt) {
+    mpi_req *q;
+    loom_status st = check_count(c, "alltoall", n, (size_t)c->size);
+    if (!st) st = prepare(c, NULL, &q);
+    if (st) return st;
+    size_t total = n * (size_t)c->size * loom_dtype_size(dt);
+    void *tmp = NULL;
+    if (overlap(send, total, recv, total)) {
+        tmp = loom_malloc(c->ctx, total, "alltoall copy");
+        if (!tmp) return LOOM_ERR_OOM;
+        memcpy(tmp, send, total);
+        send = tmp;
+    }
+    MPI_Request r;
+    int err = MPI_Ialltoall(send, (int)n, mpi_type(dt), recv, (int)n, mpi_type(dt), S(c)->comm,
+                            &r);
+    return post_done(c, err, "MPI_Ialltoall", NULL, r, tmp, NULL);
+}
+
+static loom_status mpi_barrier(loom_comm *c) {
+    loom_status st = reap_sends(c);
+    if (st) return st;
+    MPI_Request r;
+    int err = MPI_Ibarrier(S(c)->comm, &r);
+    return post_done(c, err, "MPI_Ibarrier", NULL, r, NULL, NULL);
+}
+
+static loom_status mpi_wait(loom_comm *c, loom_comm_req *req) {
+    mpi_req *q = (mpi_req *)req;
+    loom_status st = wait_collective(c, &q->r, q->what);
+    if (!c->broken) free(q->tmp); /* an abandoned collective may still read it */
+    free(q);
+    return st;
+}
+
+/* ---- point to point ---- */
+
+static loom_status mpi_send(loom_comm *c, const void *buf, size_t n, loom_dtype dt, int peer,
+                            int tag) {
+    mpi_state *s = S(c);
+    loom_status st = check_count(c, "send", n, 1);
+    if (!st) st = reap_sends(c);
+    if (st) return st;
+    p2p_post p = {.r = MPI_REQUEST_NULL, .kind = 's', .peer = peer, .tag = tag};
+    const void *from = buf;
+    if (c->group_depth == 0) {
+        size_t bytes = n * loom_dtype_size(dt);
+        p.copy = loom_malloc(c->ctx, bytes ? bytes : 1, "send copy");
+        if (!p.copy) return LOOM_ERR_OOM;
+        if (bytes) memcpy(p.copy, buf, bytes);
+        from = p.copy;
+    }
+    /* reserve the slot before posting, so a failed push leaves nothing in flight */
+    p2p_post **arr = c->group_depth ? &s->group : &s->sends;
+    int *cnt = c->group_depth ? &s->n_group : &s->n_sends;
+    int *cap = c->group_depth ? &s->cap_group : &s->cap_sends;
+    st = push(c, arr, cnt, cap, p);
+    if (st) {
+        free(p.copy);
+        return st;
+    }
+    p2p_post *slot = &(*arr)[*cnt - 1];
+    int err = MPI_Isend(from, (int)n, mpi_type(dt), peer, tag, s->comm, &slot->r);
+    if (err != MPI_SUCCESS) {
+        free(slot->copy);
+        (*cnt)--;
+        return mpi_fail(c, err, "MPI_Isend");
+    }
+    return LOOM_OK;
+}
+
+static loom_status mpi_recv(loom_comm *c, void *buf, size_t n, loom_dtype dt, int peer,
+                            int tag) {
+    mpi_state *s = S(c);
+    loom_status st = check_count(c, "recv", n, 1);
+    if (!st) st = reap_sends(c);
+    if (st) return st;
+    p2p_post p = {.r = MPI_REQUEST_NULL, .kind = 'r', .peer = peer, .tag = tag};
+    if (c->group_depth) {
+        st = push(c, &s->group, &s->n_group, &s->cap_group, p);
+        if (st) return st;
+        p2p_post *slot = &s->group[s->n_group - 1];
+        int err = MPI_Irecv(buf, (int)n, mpi_type(dt), peer, tag, s->comm, &slot->r);
+        if (err != MPI_SUCCESS) {
+            s->n_group--;
+            return mpi_fail(c, err, "MPI_Irecv");
+        }
+        return LOOM_OK;
+    }
+    int err = MPI_Irecv(buf, (int)n, mpi_type(dt), peer, tag, s->comm, &p.r);
+    if (err != MPI_SUCCESS) return mpi_fail(c, err, "MPI_Irecv");
+    if (poll_all(c, 1, &p.r, &err))
+        return err == MPI_SUCCESS ? LOOM_OK : mpi_fail(c, err, "MPI_Irecv");
+    MPI_Status status;
+    int cancelled = 0;
+    MPI_Cancel(&p.r);
+    MPI_Wait(&p.r, &status);
+    MPI_Test_cancelled(&status, &cancelled);
+    if (!cancelled) return LOOM_OK; /* it arrived as we gave up */
+    char w[96];
+    return loom_errf(c->ctx, LOOM_ERR_COMM,
+                     "recv from rank %d (tag %d) on %s timed out after %g s (LOOM_COMM_TIMEOUT "
+                     "sets the limit)",
+                     peer, tag, loom_comm_where(c, w, sizeof w), c->timeout_s);
+}
+
+static loom_status mpi_group_end(loom_comm *c) {
+    mpi_state *s = S(c);
+    int n = s->n_group;
+    if (!n) return LOOM_OK;
+    MPI_Request *r = loom_malloc(c->ctx, (size_t)n * sizeof *r, "group requests");
+    if (!r) {
+        abandon(c, s->group, n);
+        s->n_group = 0;
+        return LOOM_ERR_OOM;
+    }
+    for (int i = 0; i < n; i++) r[i] = s->group[i].r;
+    int err;
+    bool done = poll_all(c, n, r, &err);
+    loom_status st = LOOM_OK;
+    if (done && err != MPI_SUCCESS) {
+        st = mpi_fail(c, err, "MPI_Testall (group_end)");
+    } else if (!done) {
+        /* name the first message that did not arrive */
+        int first = -1;
+        for (int i = 0; i < n; i++) {
+            int flag = 0;
+            MPI_Test(&r[i], &flag, MPI_STATUS_IGNORE);
+            s->group[i].r = r[i];
+            if (!flag && first < 0) first = i;
+        }
+        char w[96];
+        const p2p_post *p = &s->group[first < 0 ? 0 : first];
+        st = loom_errf(c->ctx, LOOM_ERR_COMM,
+                       "group_end on %s timed out after %g s waiting for the %s rank %d (tag "
+                       "%d) (LOOM_COMM_TIMEOUT sets the limit)",
+                       loom_comm_where(c, w, sizeof w), c->timeout_s,
+                       p->kind == 's' ? "send to" : "recv from", p->peer, p->tag);
+        abandon(c, s->group, n);
+    }
+    free(r);
+    s->n_group = 0;
+    if (!st) st = reap_sends(c);
+    return st;
+}
+
+__attribute__((noreturn)) static void mpi_abort(loom_comm *c, int code) {
+    MPI_Abort(S(c)->comm, code ? code : 1);
+    exit(code);
+}
+
+static const loom_comm_vt mpi_vt = {
+    .name = "mpi",
+    .free = mpi_free,
+    .split = mpi_split,
+    .allreduce = mpi_allreduce,
+    .reduce_scatter = mpi_reduce_scatter,
+    .allgather = mpi_allgather,
+    .broadcast = mpi_broadcast,
+    .alltoall = mpi_alltoall,
+    .send = mpi_send,
+    .recv = mpi_recv,
+    .group_end = mpi_group_end,
+    .barrier = mpi_barrier,
+    .wait = mpi_wait,
+    .abort = mpi_abort,
+};
+
+#else  /* !LOOM_HAVE_MPI: comm.c answers LOOM_COMM_MPI with what to install */
+typedef int loom_comm_mpi_not_built; /* a translation unit may not be empty */
+#endif

@@ -1,0 +1,345 @@
+/* The mesh's size resolution and its checks against models and batches
+ * (messages included), and the one-process communication backend. The
+ * same interfaces over MPI are tested by `make test-mpi` (tests/mpi/). */
+
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../src/comm/comm.h"
+#include "../src/parallel/mesh.h"
+#include "harness.h"
+
+static loom_mesh_sizes resolved(int tp, int cp, int dp, int pp, int vpp) {
+    return (loom_mesh_sizes){.tp = tp, .cp = cp, .dp = dp, .pp = pp, .vpp = vpp, .ep = 1,
+                             .etp = 1};
+}
+
+TEST(mesh_sizes_resolve) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_mesh_sizes out;
+    CHECK_OK(ctx, loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){0}, 8, &out));
+    CHECK(out.tp == 1 && out.cp == 1 && out.pp == 1 && out.vpp == 1 && out.ep == 1 &&
+          out.etp == 1);
+    CHECK_EQ_INT(out.dp, 8);
+    CHECK_OK(ctx, loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.tp = 2, .pp = 2, .vpp = 2},
+                                          8, &out));
+    CHECK(out.tp == 2 && out.dp == 2 && out.pp == 2 && out.vpp == 2);
+
+    CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.tp = 2, .cp = 1, .dp = 2,
+                                                                 .pp = 2},
+                                         4, &out),
+                 LOOM_ERR_CONFIG);
+    CHECK_STR(loom_last_error(ctx),
+              "mesh: tp=2 x cp=1 x dp=2 x pp=2 = 8 ranks, but the job has 4 (mpirun -np); "
+              "change the sizes or the number of processes");
+    CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.tp = 4}, 6, &out),
+                 LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "world size 6 is not divisible by tp*cp*pp = 4");
+    CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.tp = 2, .cp = 2, .pp = 2},
+                                         4, &out),
+                 LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "world size 4 is not divisible by tp*cp*pp = 8");
+    CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.cp = -2}, 4, &out),
+                 LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "cp=-2 must be >= 1");
+    CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.vpp = 2}, 4, &out),
+                 LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "vpp=2 needs pipeline parallelism");
+    /* huge sizes do not overflow into a match */
+    CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.tp = 65536, .cp = 65536,
+                                                                 .dp = 65536, .pp = 65536},
+                                         1, &out),
+                 LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "= 18446744073709551616 ranks");
+    CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){0}, 0, &out),
+                 LOOM_ERR_INVALID_ARG);
+    loom_ctx_free(ctx);
+}
+
+TEST(mesh_rank_of_and_describe) {
+    loom_mesh_sizes n = resolved(2, 2, 3, 2, 1);
+    /* rank = tp + tp_size*(cp + cp_size*(dp + dp_size*pp)) */
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 0, 0, 0, 0), 0);
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 1, 0, 0, 0), 1);
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 0, 1, 0, 0), 2);
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 0, 0, 1, 0), 4);
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 0, 0, 0, 1), 12);
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 1, 1, 2, 1), 23);
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 2, 0, 0, 0), -1);
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 0, 0, 3, 0), -1);
+    CHECK_EQ_INT(loom_mesh_rank_of(&n, 0, 0, 0, -1), -1);
+    char buf[128];
+    loom_mesh_sizes d = resolved(2, 1, 2, 2, 1);
+    CHECK_STR(loom_mesh_describe(&d, buf, sizeof buf), "tp=2 cp=1 dp=2 pp=2 vpp=1 sp=off");
+    d.sequence_parallel = true;
+    d.vpp = 2;
+    d.ep = 2;
+    CHECK_STR(loom_mesh_describe(&d, buf, sizeof buf),
+              "tp=2 cp=1 dp=2 pp=2 vpp=2 sp=on ep=2 etp=1");
+}
+
+static bool load(loom_ctx *ctx, const char *model, loom_model_config *cfg) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models/%s", loom_test_fixtures(), model);
+    loom_status st = loom_config_load(ctx, path, cfg);
+    if (st) loom_test_fail(__FILE__, __LINE__, "%s: %s", path, loom_last_error(ctx));
+    return st == LOOM_OK;
+}
+
+TEST(mesh_check_model) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_model_config cfg; /* tiny-qwen3: 4 heads, 2 kv heads, 4 layers, intermediate 128 */
+    REQUIRE(load(ctx, "tiny-qwen3", &cfg));
+    loom_mesh_sizes m = resolved(2, 2, 1, 2, 2);
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    m = resolved(3, 1, 1, 1, 1);
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "num_attention_heads=4 is not divisible by "
+                                         "tensor-parallel size tp=3");
+    m = resolved(4, 1, 1, 1, 1);
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "num_key_value_heads=2 is not divisible by "
+                                         "tensor-parallel size tp=4");
+    m = resolved(2, 1, 1, 2, 3);
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx),
+                   "num_hidden_layers=4 cannot be split into pp=2 x vpp=3 = 6 model chunks");
+    m = resolved(1, 1, 1, 3, 1);
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "pp=3 x vpp=1 = 3 model chunks");
+    m = resolved(2, 1, 2, 1, 1);
+    m.ep = 2;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "expert parallelism needs a mixture-of-experts model");
+    m.ep = 1;
+    m.etp = 2;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "etp=2");
+    cfg.intermediate_size = 100; /* a shape the fixture lacks */
+    m = resolved(2, 1, 1, 1, 1);
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    cfg.intermediate_size = 99;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "intermediate_size=99 is not divisible by "
+                                         "tensor-parallel size tp=2");
+    loom_config_free(&cfg);
+
+    /* tiny-qwen3-moe: 8 experts, moe_intermediate_size 32, every layer sparse */
+    REQUIRE(load(ctx, "tiny-qwen3-moe", &cfg));
+    m = resolved(2, 1, 2, 1, 1);
+    m.ep = 4;
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    m.ep = 2;
+    m.etp = 2;
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    m.ep = 3;
+    m.etp = 1;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "num_experts=8 is not divisible by expert-parallel "
+                                         "size ep=3");
+    m.ep = 8;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "ep=8 does not divide tp*cp*dp/etp = 4/1 = 4");
+    m.ep = 4;
+    m.etp = 2;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "ep=4 does not divide tp*cp*dp/etp = 4/2 = 2");
+    m.ep = 1;
+    m.etp = 3;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "etp=3 does not divide tp*cp*dp = 4");
+    loom_config_free(&cfg);
+    loom_ctx_free(ctx);
+}
+
+TEST(mesh_check_batch) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_mesh_sizes m = resolved(1, 2, 1, 1, 1);
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 8, 32, 2));
+    CHECK_EQ_INT(loom_mesh_check_batch(ctx, &m, 8, 30, 2), LOOM_ERR_CONFIG);
+    CHECK_STR(loom_last_error(ctx), "seq_len=30 must be divisible by 2*cp = 4 (load-balanced "
+                                    "context parallel cuts each sequence into 2*cp chunks)");
+    /* sequence parallel: tokens per cp rank split over tp */
+    m = resolved(4, 2, 1, 1, 1);
+    m.sequence_parallel = true;
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 0, 32, 0));
+    CHECK_EQ_INT(loom_mesh_check_batch(ctx, &m, 0, 36, 0), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "seq_len=36 / cp=2 = 18 tokens per context-parallel "
+                                         "rank is not divisible by tp=4");
+    m.cp = 1;
+    CHECK_EQ_INT(loom_mesh_check_batch(ctx, &m, 0, 30, 0), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "seq_len=30 is not divisible by tp=4");
+    m.sequence_parallel = false;
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 0, 30, 0));
+    /* rows over dp x micro-batches */
+    m = resolved(1, 1, 2, 1, 1);
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 8, 0, 4));
+    CHECK_EQ_INT(loom_mesh_check_batch(ctx, &m, 6, 0, 4), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "6 rows cannot be split over dp=2 x 4 micro-batches");
+    CHECK_EQ_INT(loom_mesh_check_batch(ctx, &m, 3, 0, 0), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "3 rows cannot be split over dp=2");
+    /* interleaved pipeline */
+    m = resolved(1, 1, 1, 2, 2);
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 4, 0, 4));
+    CHECK_EQ_INT(loom_mesh_check_batch(ctx, &m, 3, 0, 3), LOOM_ERR_CONFIG);
+    CHECK_STR(loom_last_error(ctx), "interleaved pipeline (vpp=2) needs the number of "
+                                    "micro-batches (3) to be a multiple of pp=2");
+    m.vpp = 1;
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 3, 0, 3));
+    /* non-positive values skip their checks */
+    m = resolved(2, 4, 8, 2, 2);
+    m.sequence_parallel = true;
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 0, 0, 0));
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, -1, -1, -1));
+    loom_ctx_free(ctx);
+}
+
+TEST(mesh_comm_single_collectives) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_comm *w = NULL;
+    REQUIRE_OK(ctx, loom_comm_world(ctx, LOOM_COMM_SINGLE, &w));
+    CHECK_STR(loom_comm_backend_name(w), "single");
+    CHECK_STR(loom_comm_name(w), "world");
+    CHECK_EQ_INT(loom_comm_rank(w), 0);
+    CHECK_EQ_INT(loom_comm_size(w), 1);
+    CHECK(loom_comm_ctx(w) == ctx);
+    float a[4] = {1, 2, 3, 4};
+    CHECK_OK(ctx, loom_comm_allreduce(w, a, 4, LOOM_F32, LOOM_RED_SUM));
+    CHECK_OK(ctx, loom_comm_allreduce(w, a, 4, LOOM_F32, LOOM_RED_MAX));
+    CHECK(a[0] == 1 && a[3] == 4);
+    CHECK_EQ_INT(loom_comm_allreduce(w, a, 2, LOOM_BF16, LOOM_RED_SUM), LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(ctx), "allreduce of BF16 is not supported");
+    CHECK_EQ_INT(loom_comm_allreduce(w, a, 4, LOOM_F32, (loom_red_op)7), LOOM_ERR_INVALID_ARG);
+    int64_t s[3] = {5, 6, 7}, r[3] = {0, 0, 0};
+    CHECK_OK(ctx, loom_comm_reduce_scatter(w, s, r, 3, LOOM_I64, LOOM_RED_SUM));
+    CHECK(r[0] == 5 && r[1] == 6 && r[2] == 7);
+    memset(r, 0, sizeof r);
+    CHECK_OK(ctx, loom_comm_allgather(w, s, r, 3, LOOM_I64));
+    CHECK(r[0] == 5 && r[2] == 7);
+    CHECK_OK(ctx, loom_comm_allgather(w, r, r, 3, LOOM_I64)); /* in place */
+    CHECK(r[0] == 5 && r[2] == 7);
+    int32_t o[5] = {1, 2, 3, 4, 5};
+    CHECK_OK(ctx, loom_comm_alltoall(w, o, o + 1, 4, LOOM_I32)); /* overlapping: memmove */
+    CHECK(o[0] == 1 && o[1] == 1 && o[2] == 2 && o[4] == 4);
+    CHECK_OK(ctx, loom_comm_broadcast(w, o, 5, LOOM_I32, 0));
+    CHECK_EQ_INT(loom_comm_broadcast(w, o, 5, LOOM_I32, 1), LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(ctx), "root 1 is not a rank of the group");
+    CHECK_EQ_INT(loom_comm_send(w, o, 1, LOOM_I32, 0, 0), LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(ctx), "send to self is not supported by the single backend");
+    CHECK_EQ_INT(loom_comm_recv(w, o, 1, LOOM_I32, 0, 0), LOOM_ERR_UNSUPPORTED);
+    CHECK_EQ_INT(loom_comm_send(w, o, 1, LOOM_I32, 1, 0), LOOM_ERR_INVALID_ARG);
+    CHECK_EQ_INT(loom_comm_send(w, o, 1, LOOM_I32, 0, 40000), LOOM_ERR_INVALID_ARG);
+    CHECK_EQ_INT(loom_comm_send(w, NULL, 1, LOOM_I32, 0, 0), LOOM_ERR_INVALID_ARG);
+    CHECK_EQ_INT(loom_comm_allreduce(w, a, SIZE_MAX / 2, LOOM_F32, LOOM_RED_SUM),
+                 LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(ctx), "overflow");
+    CHECK_OK(ctx, loom_comm_group_start(w));
+    CHECK_OK(ctx, loom_comm_group_end(w));
+    CHECK_EQ_INT(loom_comm_group_end(w), LOOM_ERR_INVALID_ARG);
+    CHECK_OK(ctx, loom_comm_barrier(w));
+    loom_comm_req *req = (loom_comm_req *)&req;
+    CHECK_OK(ctx, loom_comm_allreduce_async(w, a, 4, LOOM_F32, LOOM_RED_SUM, &req));
+    CHECK(req == NULL);
+    CHECK_OK(ctx, loom_comm_wait(w, req));
+    CHECK_OK(ctx, loom_comm_reduce_scatter_async(w, s, r, 3, LOOM_I64, LOOM_RED_SUM, &req));
+    CHECK_OK(ctx, loom_comm_allgather_async(w, s, r, 3, LOOM_I64, &req));
+    CHECK_OK(ctx, loom_comm_wait(w, req));
+    /* split: a new one-rank group, or none for color < 0 */
+    loom_comm *g = NULL;
+    CHECK_OK(ctx, loom_comm_split(w, 3, 0, "tp", &g));
+    REQUIRE(g != NULL);
+    CHECK_STR(loom_comm_name(g), "tp");
+    CHECK_EQ_INT(loom_comm_size(g), 1);
+    CHECK(g != w);
+    loom_comm *none = (loom_comm *)&none;
+    CHECK_OK(ctx, loom_comm_split(w, -1, 0, "embed", &none));
+    CHECK(none == NULL);
+    loom_comm_free(g);
+    loom_comm_free(NULL);
+    loom_comm_free(w);
+    loom_ctx_free(ctx);
+}
+
+TEST(mesh_comm_world_auto_and_timeout_env) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+    unsetenv("PMI_SIZE");
+    unsetenv("PMIX_RANK");
+    loom_comm *w = NULL;
+    CHECK_OK(ctx, loom_comm_world(ctx, LOOM_COMM_AUTO, &w));
+    if (w) CHECK_STR(loom_comm_backend_name(w), "single");
+    loom_comm_free(w);
+    setenv("LOOM_COMM_TIMEOUT", "soon", 1);
+    CHECK_EQ_INT(loom_comm_world(ctx, LOOM_COMM_SINGLE, &w), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "LOOM_COMM_TIMEOUT='soon' is not a number of seconds");
+    CHECK(w == NULL);
+    setenv("LOOM_COMM_TIMEOUT", "2.5", 1);
+    CHECK_OK(ctx, loom_comm_world(ctx, LOOM_COMM_SINGLE, &w));
+    loom_comm_free(w);
+    unsetenv("LOOM_COMM_TIMEOUT");
+    CHECK_EQ_INT(loom_comm_world(ctx, (loom_comm_backend)9, &w), LOOM_ERR_INVALID_ARG);
+    loom_ctx_free(ctx);
+}
+
+TEST(mesh_comm_single_abort) {
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        loom_ctx *ctx;
+        loom_comm *w;
+        if (loom_ctx_create(&ctx) || loom_comm_world(ctx, LOOM_COMM_SINGLE, &w)) _exit(90);
+        loom_comm_abort(w, "the loss is NaN", 3);
+    }
+    close(fds[1]);
+    char buf[256] = "";
+    ssize_t n = read(fds[0], buf, sizeof buf - 1);
+    buf[n > 0 ? n : 0] = '\0';
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status));
+    CHECK_EQ_INT(WEXITSTATUS(status), 3);
+    CHECK_STR(buf, "loom: error on rank 0: the loss is NaN\n");
+}
+
+TEST(mesh_single_process) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_comm *w = NULL;
+    REQUIRE_OK(ctx, loom_comm_world(ctx, LOOM_COMM_SINGLE, &w));
+    loom_mesh *m = NULL;
+    CHECK_OK(ctx, loom_mesh_create(ctx, w, &(loom_mesh_sizes){0}, &m));
+    if (m) {
+        CHECK(m->n.tp == 1 && m->n.cp == 1 && m->n.dp == 1 && m->n.pp == 1 && m->n.vpp == 1);
+        CHECK(m->world == 1 && m->rank == 0 && m->world_comm == w);
+        CHECK(m->tp_rank == 0 && m->cp_rank == 0 && m->dp_rank == 0 && m->pp_rank == 0);
+        loom_comm *g[] = {m->tp, m->cp, m->dp, m->pp, m->dpcp, m->tpcp};
+        const char *names[] = {"tp", "cp", "dp", "pp", "dpcp", "tpcp"};
+        for (int i = 0; i < 6; i++) {
+            CHECK(g[i] != NULL);
+            if (g[i]) {
+                CHECK_EQ_INT(loom_comm_size(g[i]), 1);
+                CHECK_STR(loom_comm_name(g[i]), names[i]);
+            }
+        }
+        CHECK(m->embed == NULL);
+        loom_mesh_free(m);
+    }
+    m = NULL;
+    CHECK_EQ_INT(loom_mesh_create(ctx, w, &(loom_mesh_sizes){.pp = 2, .dp = 1}, &m),
+                 LOOM_ERR_CONFIG);
+    CHECK(m == NULL);
+    CHECK_CONTAINS(loom_last_error(ctx), "= 2 ranks, but the job has 1");
+    loom_comm_free(w);
+    loom_ctx_free(ctx);
+}

@@ -1,0 +1,325 @@
+/* Every parallel layout against the one-process run, on CPU ranks under
+ * mpirun: `loom golden` with a mesh writes the full, unsharded loss,
+ * gradients and (after 5 AdamW steps) weights. Loss, log-probs and every
+ * gradient must equal the one-process result within 1e-5 (max |a-b| /
+ * max |b|); the weights after the fixture's 5 steps must match the HF
+ * fixture within 1e-4 (relative L2: see test_model.c) and the per-step
+ * losses within 1e-4. */
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "../src/io/safetensors.h"
+#include "harness.h"
+
+static bool have_mpirun(void) {
+    char *out = NULL;
+    int rc = loom_test_run(&out, (const char *const[]){"mpirun", "--version", NULL});
+    free(out);
+    return rc == 0;
+}
+
+static void mpi_env(void) {
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+    /* containers often forbid the cross-process memory copy OpenMPI tries */
+    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+    setenv("LOOM_COMM_TIMEOUT", "120", 1);
+    /* OpenMPI's own allocations are not loom's leaks */
+    const char *a = getenv("ASAN_OPTIONS");
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s%sdetect_leaks=0", a ? a : "", a ? ":" : "");
+    setenv("ASAN_OPTIONS", buf, 1);
+}
+
+/* Runs `[mpirun -np N] loom golden --model M --batch B --out O <layout>` with
+ * the fixture's optimizer settings; np 0 runs one process without mpirun. */
+static int golden(int np, const char *model, const char *batch, const char *out,
+                  const char *layout, char **log) {
+    const char *argv[48];
+    int n = 0;
+    char nps[16];
+    snprintf(nps, sizeof nps, "%d", np);
+    if (np) {
+        argv[n++] = "mpirun";
+        argv[n++] = "-np";
+        argv[n++] = nps;
+    }
+    argv[n++] = loom_test_bin();
+    const char *fixed[] = {"golden", "--model", model, "--batch", batch, "--out", out,
+                           "--steps", "5", "--lr", "1e-3", "--adam-beta2", "0.95",
+                           "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-level", "warn"};
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) argv[n++] = fixed[i];
+    static char words[256];
+    snprintf(words, sizeof words, "%s", layout);
+    for (char *tok = strtok(words, " "); tok && n < 46; tok = strtok(NULL, " ")) argv[n++] = tok;
+    argv[n] = NULL;
+    return loom_test_run(log, argv);
+}
+
+typedef struct errs {
+    double fwd, grad, final, losses;
+    const char *fwd_name, *grad_name, *final_name;
+} errs;
+
+static double max_rel(const float *a, const float *b, uint64_t n) {
+    double md = 0, mr = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (!(d <= md)) md = d;
+        mr = fmax(mr, fabs((double)b[i]));
+    }
+    return md / (mr > 0 ? mr : 1);
+}
+
+static double l2_rel(const float *a, const float *b, uint64_t n) {
+    double dd = 0, rr = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        dd += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        rr += (double)b[i] * b[i];
+    }
+    return sqrt(dd / (rr > 0 ? rr : 1));
+}
+
+/* Compares tensors of `got` with `ref` whose names start with `prefix`
+ * (or equal it); returns the worst error and its name. */
+static double compare(loom_ctx *ctx, loom_safetensors *got, loom_safetensors *ref,
+                      const char *prefix, bool exact_name, bool l2, const char **worst_name,
+                      int *count) {
+    double worst = 0;
+    for (size_t i = 0; i < loom_st_count(ref); i++) {
+        const loom_st_tensor *r = loom_st_at(ref, i);
+        if (exact_name ? strcmp(r->name, prefix) : strncmp(r->name, prefix, strlen(prefix)))
+            continue;
+        const loom_st_tensor *g = loom_st_find(got, r->name);
+        if (!g) continue; /* a tied lm_head in the fixture */
+        if (g->numel != r->numel) return INFINITY;
+        float *a = malloc(g->numel * 4), *b = malloc(r->numel * 4);
+        loom_st_read(ctx, g, LOOM_F32, a, g->numel);
+        loom_st_read(ctx, r, LOOM_F32, b, r->numel);
+        double e = l2 ? l2_rel(a, b, g->numel) : max_rel(a, b, g->numel);
+        if (!(e <= worst)) {
+            worst = e;
+            *worst_name = r->name;
+        }
+        (*count)++;
+        free(a);
+        free(b);
+    }
+    return worst;
+}
+
+static char *path_in_tmp(const char *name) {
+    static char bufs[8][1024];
+    static int k;
+    char *b = bufs[k++ % 8];
+    snprintf(b, 1024, "%s/%s", loom_test_tmpdir(), name);
+    return b;
+}
+
+/* One layout of one model: the run against the one-process run of the same
+ * batch, and (when fixture_final) its trajectory against the HF fixture. */
+static void check_layout(const char *model, const char *batch, const char *one, int np,
+                         const char *layout, bool fixture_final, bool same_batch) {
+    char mdir[1024], fix[1024], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
+    snprintf(fix, sizeof fix, "%s/golden/%s.safetensors", loom_test_fixtures(), model);
+    const char *out = path_in_tmp("layout.safetensors");
+    int rc = golden(np, mdir, batch, out, layout, &log);
+    CHECK_MSG(rc == 0, "%s %s: exit %d\n%s", model, layout, rc, log ? log : "");
+    free(log);
+    if (rc) return;
+    loom_ctx *ctx;
+    loom_ctx_create(&ctx);
+    loom_safetensors *got = NULL, *ref = NULL, *hf = NULL;
+    if (loom_st_open_file(ctx, out, &got) || loom_st_open_file(ctx, one, &ref) ||
+        loom_st_open_file(ctx, fix, &hf)) {
+        loom_test_fail(__FILE__, __LINE__, "%s", loom_last_error(ctx));
+        goto done;
+    }
+    const char *wn = "";
+    int n = 0;
+    double e = 0;
+    /* a tiled batch has the same loss and gradients, its own per-token outputs */
+    const char *fwd[] = {"loss", "token_logprobs", "entropy", "logits"};
+    const int nfwd = same_batch ? 4 : 1;
+    for (int i = 0; i < nfwd; i++)
+        e = fmax(e, compare(ctx, got, ref, fwd[i], true, false, &wn, &n));
+    CHECK_MSG(e <= 1e-5 && n == nfwd, "%s %s: forward differs from one process by %.3g (%s)", model,
+              layout, e, wn);
+    n = 0;
+    e = compare(ctx, got, ref, "grad.", false, false, &wn, &n);
+    CHECK_MSG(e <= 1e-5 && n > 30, "%s %s: gradient %s differs from one process by %.3g", model,
+              layout, wn, e);
+    if (fixture_final) {
+        n = 0;
+        e = compare(ctx, got, hf, "final.", false, true, &wn, &n);
+        CHECK_MSG(e <= 1e-4 && n > 30, "%s %s: after 5 steps %s differs from HF by %.3g (L2)",
+                  model, layout, wn, e);
+        /* per-step losses against the fixture's json */
+        double losses[5];
+        const loom_st_tensor *t = loom_st_find(got, "adamw_losses");
+        char jp[1024];
+        snprintf(jp, sizeof jp, "%s/golden/%s.json", loom_test_fixtures(), model);
+        loom_json *meta = NULL;
+        if (t && !loom_st_read(ctx, t, LOOM_F64, losses, 5) &&
+            !loom_json_parse_file(ctx, jp, &meta)) {
+            const loom_json *l = loom_json_get(meta, "adamw_losses");
+            for (int s = 0; l && s < 5; s++)
+                CHECK_MSG(fabs(losses[s] - l->items[s]->d) <= 1e-4 * l->items[s]->d,
+                          "%s %s: step %d loss %.9g vs HF %.9g", model, layout, s + 1, losses[s],
+                          l->items[s]->d);
+        } else {
+            loom_test_fail(__FILE__, __LINE__, "no adamw_losses: %s", loom_last_error(ctx));
+        }
+        loom_json_free(meta);
+    }
+done:
+    loom_st_close(got);
+    loom_st_close(ref);
+    loom_st_close(hf);
+    loom_ctx_free(ctx);
+}
+
+/* The fixture's batch (2 rows of 24) and the same rows tiled 4 times (the
+ * mean loss and its gradient are unchanged, so the HF trajectory holds). */
+static void make_batches(const char *model, char *b2, char *b8) {
+    loom_ctx *ctx;
+    loom_ctx_create(&ctx);
+    char fix[1024];
+    snprintf(fix, sizeof fix, "%s/golden/%s.safetensors", loom_test_fixtures(), model);
+    snprintf(b2, 1024, "%s", fix);
+    snprintf(b8, 1024, "%s", path_in_tmp("batch8.safetensors"));
+    loom_safetensors *st;
+    if (loom_st_open_file(ctx, fix, &st)) return;
+    int32_t ids[48], tgt[48], ids8[192], tgt8[192];
+    loom_st_read(ctx, loom_st_find(st, "input_ids"), LOOM_I32, ids, 48);
+    loom_st_read(ctx, loom_st_find(st, "targets"), LOOM_I32, tgt, 48);
+    loom_st_close(st);
+    for (int r = 0; r < 4; r++) {
+        memcpy(ids8 + 48 * r, ids, sizeof ids);
+        memcpy(tgt8 + 48 * r, tgt, sizeof tgt);
+    }
+    loom_st_writer *w;
+    int64_t sh[2] = {8, 24};
+    if (!loom_st_writer_create(ctx, loom_test_tmpdir(), "batch8", 0, NULL, &w)) {
+        loom_st_writer_declare(ctx, w, "input_ids", LOOM_I64, 2, sh);
+        loom_st_writer_declare(ctx, w, "targets", LOOM_I64, 2, sh);
+        loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids8);
+        loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt8);
+        loom_st_writer_finish(ctx, w);
+        loom_st_writer_free(w);
+    }
+    loom_ctx_free(ctx);
+}
+
+static void check_model(const char *model) {
+    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    mpi_env();
+    char b2[1024], b8[1024], mdir[1024], *log = NULL;
+    make_batches(model, b2, b8);
+    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
+    const char *one = path_in_tmp("one.safetensors");
+    int rc = golden(0, mdir, b2, one, "", &log);
+    CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+    free(log);
+    if (rc) return;
+    static const struct {
+        int np;
+        const char *layout;
+        bool big;
+    } layouts[] = {
+        {2, "--tp 2", false},
+        {2, "--tp 2 --sequence-parallel", false},
+        {2, "--pp 2", false},
+        {2, "--pp 2 --vpp 2 --num-micro-batches 2", false},
+        {2, "--cp 2", false},
+        {2, "--dp 2 --num-micro-batches 4", true},
+        {2, "--dp 2 --accumulation-steps 2", true},
+        {8, "--tp 2 --pp 2 --dp 2", false},
+        {8, "--tp 2 --cp 2 --pp 2 --sequence-parallel", false},
+    };
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++)
+        check_layout(model, layouts[i].big ? b8 : b2, one, layouts[i].np, layouts[i].layout, true,
+                     !layouts[i].big);
+}
+
+TEST(parallel_layouts_qwen3) { check_model("tiny-qwen3"); }
+TEST(parallel_layouts_qwen3_untied) { check_model("tiny-qwen3-untied"); }
+
+/* Context parallel on packed documents (the fixture's three documents in
+ * one row): the log-probs of each document are its own, and loss and
+ * gradients equal the one-process run. */
+TEST(parallel_cp2_packed_documents) {
+    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    mpi_env();
+    loom_ctx *ctx;
+    loom_ctx_create(&ctx);
+    char fix[1024], mdir[1024], *log = NULL;
+    snprintf(fix, sizeof fix, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    loom_safetensors *st;
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, fix, &st));
+    int32_t ids[28], pos[28], cu[4], tgt[28];
+    float want[28];
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(st, "packed.input_ids"), LOOM_I32, ids, 28));
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(st, "packed.position_ids"), LOOM_I32, pos, 28));
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(st, "packed.cu_seqlens"), LOOM_I32, cu, 4));
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(st, "packed.token_logprobs"), LOOM_F32, want, 28));
+    loom_st_close(st);
+    for (int d = 0; d < 3; d++)
+        for (int t = cu[d]; t < cu[d + 1]; t++) tgt[t] = t + 1 < cu[d + 1] ? ids[t + 1] : -100;
+    loom_st_writer *w;
+    int64_t sh[2] = {1, 28}, shc[1] = {4};
+    REQUIRE_OK(ctx, loom_st_writer_create(ctx, loom_test_tmpdir(), "packed", 0, NULL, &w));
+    CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "input_ids", LOOM_I64, 2, sh));
+    CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "targets", LOOM_I64, 2, sh));
+    CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "position_ids", LOOM_I64, 2, sh));
+    CHECK_OK(ctx, loom_st_writer_declare(ctx, w, "cu_seqlens", LOOM_I32, 1, shc));
+    CHECK_OK(ctx, loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids));
+    CHECK_OK(ctx, loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt));
+    CHECK_OK(ctx, loom_st_writer_write(ctx, w, "position_ids", LOOM_I32, pos));
+    CHECK_OK(ctx, loom_st_writer_write(ctx, w, "cu_seqlens", LOOM_I32, cu));
+    REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
+    loom_st_writer_free(w);
+    const char *batch = path_in_tmp("packed.safetensors"), *one = path_in_tmp("one.safetensors");
+    REQUIRE(golden(0, mdir, batch, one, "", &log) == 0);
+    free(log);
+    check_layout("tiny-qwen3", batch, one, 2, "--cp 2", false, true);
+    check_layout("tiny-qwen3", batch, one, 4, "--cp 2 --tp 2 --sequence-parallel", false, true);
+    /* and the log-probs are the fixture's per-document ones */
+    loom_safetensors *got;
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, path_in_tmp("layout.safetensors"), &got));
+    float tlp[28];
+    REQUIRE_OK(ctx, loom_st_read(ctx, loom_st_find(got, "token_logprobs"), LOOM_F32, tlp, 28));
+    for (int t = 0; t < 28; t++) CHECK_NEAR(tlp[t], want[t], 1e-4 * fabs(want[t]) + 1e-6);
+    loom_st_close(got);
+    loom_ctx_free(ctx);
+}
+
+/* A mesh that does not fit fails before computing, naming the numbers. */
+TEST(parallel_bad_mesh_fails_before_compute) {
+    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    mpi_env();
+    char mdir[1024], fix[1024], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(fix, sizeof fix, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
+    const char *out = path_in_tmp("bad.safetensors");
+    static const struct {
+        int np;
+        const char *layout, *want;
+    } cases[] = {
+        {2, "--tp 4", "world size 2 is not divisible by tp*cp*pp = 4"},
+        {4, "--tp 4", "num_key_value_heads"},
+        {2, "--pp 2 --vpp 3", "cannot be split into pp=2 x vpp=3"},
+        {2, "--cp 2 --num-micro-batches 3", "rows"},
+        {2, "--pp 2 --vpp 2 --num-micro-batches 1", "multiple of pp=2"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int rc = golden(cases[i].np, mdir, fix, out, cases[i].layout, &log);
+        CHECK_MSG(rc != 0 && rc < 128, "%s: exit %d", cases[i].layout, rc);
+        CHECK_CONTAINS(log, cases[i].want);
+        CHECK_MSG(access(out, F_OK) != 0, "%s: wrote an output", cases[i].layout);
+        free(log);
+    }
+}
