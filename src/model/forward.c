@@ -13,7 +13,7 @@
  * then the final norm, the vocab-parallel output layer and loss, a block of
  * rows at a time, with the loss backward fused in. Each backward walks the
  * same steps in reverse, with the dual collectives. HF weights are
- * (out, in): y = x W^T. Parameter gradients accumulate (+=) into m->g. */
+ * (out, in): y = x W^T. Parameter gradients accumulate (+=) into m->base.g. */
 #include <math.h>
 #include <string.h>
 
@@ -228,7 +228,7 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
 /* ---- embedding (vocab-parallel) ---- */
 
 static loom_status embed_fwd(loom_model *m, const loom_micro *mb, float *x0) {
-    const loom_slot *s = &m->slots[m->embed];
+    const loom_slot *s = &m->base.slots[m->embed];
     const float *W = loom_w(m, m->embed);
     const int64_t H = m->H;
     for (int64_t t = 0; t < m->Tc; t++) {
@@ -243,7 +243,7 @@ static loom_status embed_fwd(loom_model *m, const loom_micro *mb, float *x0) {
 }
 
 static loom_status embed_bwd(loom_model *m, const loom_micro *mb) {
-    const loom_slot *s = &m->slots[m->embed];
+    const loom_slot *s = &m->base.slots[m->embed];
     float *dW = loom_g(m, m->embed), *dfull = m->sp ? m->dfull : m->dx;
     const int64_t H = m->H;
     if (m->sp) CK(sp_gather(m, m->dx, dfull));
@@ -264,7 +264,7 @@ static loom_status embed_bwd(loom_model *m, const loom_micro *mb) {
  * logit, all-reduced over tp. ce[r*4 + 0..3] = lse, sum exp(z - max),
  * sum exp(z - max) z, target logit. */
 static loom_status vocab_ce(loom_model *m, const int32_t *tgt, int64_t c, double *lse) {
-    const loom_slot *s = &m->slots[m->head];
+    const loom_slot *s = &m->base.slots[m->head];
     const int64_t Vl = m->Vl, v0 = s->row0;
     int64_t nvalid = m->V - v0; /* columns of this rank inside the real vocabulary */
     if (nvalid > Vl) nvalid = Vl;
@@ -301,7 +301,7 @@ static loom_status vocab_ce(loom_model *m, const int32_t *tgt, int64_t c, double
 static loom_status head_fwd_bwd(loom_model *m, loom_acts *a, const loom_micro *mb, bool backward,
                                 float *token_logprob, float *entropy, float *logits,
                                 double *loss_sum, int64_t *n_tokens) {
-    const loom_slot *s = &m->slots[m->head];
+    const loom_slot *s = &m->base.slots[m->head];
     const int64_t H = m->H, Tn = m->Tn, Tc = m->Tc, Vl = m->Vl, v0 = s->row0;
     const float *xL = a->x + (size_t)m->chunks[m->vpp - 1].nl * (size_t)(Tn * H);
     const float *Wh = loom_w(m, m->head);

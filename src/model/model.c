@@ -98,7 +98,7 @@ static bool holds_layer(const loom_model *m, int64_t l) {
 
 /* Adds a slot for plan entry p with the given sharding. */
 static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard shard, bool vocab) {
-    loom_slot *sl = &m->slots[m->nslots++];
+    loom_slot *sl = &m->base.slots[m->base.nslots++];
     sl->name = p->name;
     sl->ndim = p->ndim;
     sl->shape[0] = p->shape[0];
@@ -124,9 +124,9 @@ static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard s
  * of the dp*cp group) in the flat buffers. */
 static loom_status build_slots(loom_model *m) {
     loom_ctx *ctx = m->ctx;
-    m->slots = loom_calloc(ctx, m->plan.n + 1, sizeof *m->slots, "parameter slots");
+    m->base.slots = loom_calloc(ctx, m->plan.n + 1, sizeof *m->base.slots, "parameter slots");
     m->layer = loom_calloc(ctx, (size_t)m->L, sizeof *m->layer, "layer table");
-    if (!m->slots || !m->layer) return LOOM_ERR_OOM;
+    if (!m->base.slots || !m->layer) return LOOM_ERR_OOM;
     memset(m->layer, 0xff, (size_t)m->L * sizeof *m->layer); /* every index -1 */
     m->embed = m->final_norm = m->head = -1;
     const bool first = m->mesh->pp_rank == 0, last = m->mesh->pp_rank == m->pp - 1;
@@ -137,25 +137,25 @@ static loom_status build_slots(loom_model *m) {
         const char *leaf = layer_leaf(p->name, &l);
         if (!strcmp(p->name, "model.embed_tokens.weight")) {
             if (first) {
-                m->embed = m->nslots;
+                m->embed = m->base.nslots;
                 add_slot(m, p, LOOM_SHARD_ROWS, true);
             }
             if (tied && last) {
                 if (first) {
                     m->head = m->embed;
                 } else { /* the last stage's copy of the tied embedding */
-                    m->head = m->nslots;
+                    m->head = m->base.nslots;
                     add_slot(m, p, LOOM_SHARD_ROWS, true)->head_copy = true;
                 }
             }
         } else if (!strcmp(p->name, "lm_head.weight")) {
             if (last) {
-                m->head = m->nslots;
+                m->head = m->base.nslots;
                 add_slot(m, p, LOOM_SHARD_ROWS, true);
             }
         } else if (!strcmp(p->name, "model.norm.weight")) {
             if (last) {
-                m->final_norm = m->nslots;
+                m->final_norm = m->base.nslots;
                 add_slot(m, p, LOOM_SHARD_NONE, false)->tp_partial = m->sp;
             }
         } else if (leaf && l >= 0 && l < m->L) {
@@ -167,7 +167,7 @@ static loom_status build_slots(loom_model *m) {
                                  "dense decoder layer",
                                  p->name, m->cfg.model_type);
             if (!holds_layer(m, l)) continue;
-            *(int *)((char *)&m->layer[l] + leaves[k].off) = m->nslots;
+            *(int *)((char *)&m->layer[l] + leaves[k].off) = m->base.nslots;
             loom_slot *sl = add_slot(m, p, leaves[k].shard, false);
             bool qk = leaves[k].off == offsetof(loom_layer_slots, qn) ||
                       leaves[k].off == offsetof(loom_layer_slots, kn);
@@ -190,26 +190,46 @@ static loom_status build_slots(loom_model *m) {
             return loom_errf(ctx, LOOM_ERR_INTERNAL, "parameter plan lacks a tensor of layer %lld",
                              (long long)l);
     }
-    /* layout: slots 64-byte aligned, buckets closed at slot boundaries once
-     * they hold bucket_elems, each padded to a multiple of dp*cp */
+    return LOOM_OK;
+}
+
+/* Slots 64-byte aligned; buckets closed at slot boundaries once they hold
+ * bucket_elems, each padded to a multiple of dp*cp. */
+loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen) {
+    loom_ctx *ctx = m->ctx;
     const size_t grp = (size_t)(m->dp * m->cp);
-    m->bucket_off = loom_calloc(ctx, (size_t)m->nslots + 1, sizeof(size_t), "buckets");
-    m->bucket_len = loom_calloc(ctx, (size_t)m->nslots + 1, sizeof(size_t), "buckets");
-    if (!m->bucket_off || !m->bucket_len) return LOOM_ERR_OOM;
+    a->bucket_off = loom_calloc(ctx, (size_t)a->nslots + 1, sizeof(size_t), "buckets");
+    a->bucket_len = loom_calloc(ctx, (size_t)a->nslots + 1, sizeof(size_t), "buckets");
+    if (!a->bucket_off || !a->bucket_len) return LOOM_ERR_OOM;
     size_t off = 0, b0 = 0;
-    for (int i = 0; i < m->nslots; i++) {
-        m->slots[i].off = off;
-        off += (m->slots[i].numel + 15) & ~(size_t)15;
-        if (off - b0 >= (size_t)m->bucket_elems || i == m->nslots - 1) {
+    for (int i = 0; i < a->nslots; i++) {
+        a->slots[i].off = off;
+        off += (a->slots[i].numel + 15) & ~(size_t)15;
+        if (off - b0 >= (size_t)m->bucket_elems || i == a->nslots - 1) {
             size_t len = (off - b0 + grp * 16 - 1) / (grp * 16) * (grp * 16);
-            m->bucket_off[m->nbuckets] = b0;
-            m->bucket_len[m->nbuckets++] = len;
-            m->shard_numel += len / grp;
+            a->bucket_off[a->nbuckets] = b0;
+            a->bucket_len[a->nbuckets++] = len;
+            a->shard_numel += len / grp;
             off = b0 = b0 + len;
         }
     }
-    m->nparams = off;
+    a->nparams = off;
+    a->w = loom_calloc(ctx, off ? off : 1, sizeof(float), "parameters");
+    if (!frozen) a->g = loom_calloc(ctx, off ? off : 1, sizeof(float), "gradients");
+    if (!a->w || (!frozen && !a->g)) return LOOM_ERR_OOM;
     return LOOM_OK;
+}
+
+void loom_arena_free(loom_arena *a) {
+    free(a->slots);
+    free(a->w);
+    free(a->g);
+    free(a->bucket_off);
+    free(a->bucket_len);
+    free(a->gshard);
+    free(a->adam_m);
+    free(a->adam_v);
+    memset(a, 0, sizeof *a);
 }
 
 /* Reads the block [row0, row0+rows) x [col0, col0+cols) of t (rows past the
@@ -270,9 +290,9 @@ static loom_status load_weights(loom_model *m, const char *dir) {
         }
         if (m->file_dtype == LOOM_DTYPE_COUNT) m->file_dtype = t->dtype;
     }
-    for (int i = 0; i < m->nslots && !s; i++)
-        s = read_block(ctx, loom_st_find(st, m->slots[i].name), &m->slots[i],
-                       m->w + m->slots[i].off);
+    for (int i = 0; i < m->base.nslots && !s; i++)
+        s = read_block(ctx, loom_st_find(st, m->base.slots[i].name), &m->base.slots[i],
+                       m->base.w + m->base.slots[i].off);
     if (!s && m->mesh->rank == 0) {
         size_t unused = 0;
         const char *first = NULL;
@@ -381,11 +401,10 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     m->attn_scale = (float)(1.0 / sqrt((double)m->D));
     if ((st = loom_param_plan_build(ctx, c, &m->plan))) goto fail;
     if ((st = build_slots(m))) goto fail;
-    m->w = loom_calloc(ctx, m->nparams, sizeof(float), "parameters");
-    m->g = loom_calloc(ctx, m->nparams, sizeof(float), "gradients");
+    if ((st = loom_arena_layout(m, &m->base, false))) goto fail;
     m->inv_freq = loom_calloc(ctx, (size_t)(m->D / 2), sizeof(float), "rope frequencies");
     m->chunks = loom_calloc(ctx, (size_t)m->vpp, sizeof *m->chunks, "model chunks");
-    if (!m->w || !m->g || !m->inv_freq || !m->chunks) {
+    if (!m->inv_freq || !m->chunks) {
         st = LOOM_ERR_OOM;
         goto fail;
     }
@@ -402,6 +421,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
                        c->rope_original_max_pos, m->inv_freq);
     if ((st = load_weights(m, dir))) goto fail;
     m->opt = loom_optimizer_config_default();
+    m->active = -1;
     *out = m;
     return LOOM_OK;
 fail:
@@ -541,16 +561,9 @@ void loom_model_free(loom_model *m) {
     if (!m) return;
     buffers_free(m);
     free(m->chunks);
-    free(m->w);
-    free(m->g);
-    free(m->adam_m);
-    free(m->adam_v);
-    free(m->gshard);
+    loom_arena_free(&m->base);
     free(m->inv_freq);
-    free(m->slots);
     free(m->layer);
-    free(m->bucket_off);
-    free(m->bucket_len);
     loom_param_plan_free(&m->plan);
     loom_config_free(&m->cfg);
     loom_mesh_free(m->mesh);
@@ -588,8 +601,8 @@ const char *loom_model_tensor_name(const loom_model *m, int64_t i, int *ndim, in
 }
 
 int loom_model_find_slot(const loom_model *m, const char *name) {
-    for (int i = 0; i < m->nslots; i++)
-        if (!m->slots[i].head_copy && !strcmp(m->slots[i].name, name)) return i;
+    for (int i = 0; i < m->base.nslots; i++)
+        if (!m->base.slots[i].head_copy && !strcmp(m->base.slots[i].name, name)) return i;
     return -1;
 }
 
@@ -613,8 +626,8 @@ static loom_status gather_full(loom_model *m, const char *name, const float *bas
                          (long long)want, (long long)n);
     memset(dst, 0, (size_t)n * sizeof *dst);
     const loom_mesh *me = m->mesh;
-    for (int i = 0; i < m->nslots; i++) {
-        const loom_slot *s = &m->slots[i];
+    for (int i = 0; i < m->base.nslots; i++) {
+        const loom_slot *s = &m->base.slots[i];
         if (strcmp(s->name, name)) continue;
         /* parameters are the same on every dp*cp rank; gradients are summed
          * over them. Replicated tensors count once over tp unless their
@@ -632,7 +645,7 @@ static loom_status gather_full(loom_model *m, const char *name, const float *bas
 }
 
 loom_status loom_model_get_param(loom_model *m, const char *name, float *dst, int64_t n) {
-    return gather_full(m, name, m->w, 1.0f, false, dst, n);
+    return gather_full(m, name, m->base.w, 1.0f, false, dst, n);
 }
 
 loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int64_t n) {
@@ -640,7 +653,7 @@ loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
                          "no gradient: no token with a target was run through forward_backward "
                          "since the last step");
-    return gather_full(m, name, m->g, (float)(1.0 / (double)m->acc_tokens), true, dst, n);
+    return gather_full(m, name, m->base.g, (float)(1.0 / (double)m->acc_tokens), true, dst, n);
 }
 
 loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
@@ -696,4 +709,8 @@ loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
         if (!st) st = loom_config_save(ctx, &m->cfg, dir, dtype);
     }
     return st;
+}
+
+loom_arena *loom_model_trainable(loom_model *m) {
+    return &m->base; /* adapters: lora.c */
 }

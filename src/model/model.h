@@ -57,6 +57,23 @@ typedef struct loom_slot {
     bool head_copy;     /* the last stage's copy of a tied embedding (pp > 1) */
 } loom_slot;
 
+/* A set of tensors in one flat buffer: the base model's, or one adapter's.
+ * g is NULL when the arena is frozen (the base under LoRA: no gradients, no
+ * optimizer state). The distributed optimizer's buckets cut the buffer into
+ * parts padded to a multiple of dp*cp; this rank owns 1/(dp*cp) of each. */
+typedef struct loom_arena {
+    loom_slot *slots;
+    int nslots;
+    size_t nparams;          /* floats in w and g (buckets padded) */
+    float *w, *g;            /* values (fp32 master = compute copy on CPU), main grads */
+    int nbuckets;
+    size_t *bucket_off, *bucket_len; /* (nbuckets) */
+    size_t shard_numel;      /* sum of bucket_len / (dp*cp) */
+    float *gshard;           /* (shard_numel): this rank's reduced gradient shard */
+    float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step */
+    int64_t step;            /* optimizer steps taken on this arena */
+} loom_arena;
+
 /* Activations of one model chunk for one micro-batch, saved by the forward
  * for the backward. Per layer i of the chunk (offsets i * stride). */
 typedef struct loom_acts {
@@ -105,22 +122,15 @@ struct loom_model {
     int64_t Vl, Il, Hql, Hkvl;           /* per tp rank */
     float attn_scale;
 
-    loom_slot *slots;        /* this rank's tensors */
-    int nslots;
-    int embed, final_norm, head; /* -1 when not on this rank; head == embed when tied, pp == 1 */
+    loom_arena base;         /* this rank's share of the model's tensors */
+    int embed, final_norm, head; /* base slots; -1 when not on this rank; head == embed when tied, pp == 1 */
     loom_layer_slots *layer; /* (L), -1 for layers of other stages */
-    size_t nparams;          /* floats in w and g (buckets padded) */
-    float *w, *g;            /* parameters (fp32 master = compute copy on CPU), main grads */
     float *inv_freq;         /* (D/2) */
-
-    /* distributed optimizer: buckets of the flat buffer, each padded to a
-     * multiple of the dp*cp group size; this rank owns 1/(dp*cp) of each. */
-    int nbuckets;
-    size_t *bucket_off, *bucket_len; /* (nbuckets) */
-    size_t shard_numel;      /* sum of bucket_len / (dp*cp) */
-    float *gshard;           /* (shard_numel): this rank's reduced gradient shard */
-    float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step */
     int64_t bucket_elems;
+
+    /* LoRA adapters (lora.c); `active` is the one applied and trained, -1 none */
+    struct loom_adapter *adapters;
+    int nadapters, active;
 
     /* activations */
     loom_chunk *chunks;      /* (vpp) */
@@ -140,7 +150,6 @@ struct loom_model {
     loom_optimizer_config opt;
     bool has_sched;
     loom_sched_config sched;
-    int64_t step;            /* optimizer steps taken */
     int64_t acc_calls, acc_tokens; /* since the last step (tokens: whole mesh) */
     double acc_loss;
 };
@@ -164,7 +173,18 @@ loom_status loom_chunk_forward(loom_model *m, int c, loom_acts *a, const loom_mi
                                float *logits, double *loss_sum, int64_t *n_tokens);
 loom_status loom_chunk_backward(loom_model *m, int c, loom_acts *a, const loom_micro *mb);
 
-static inline float *loom_w(loom_model *m, int s) { return s < 0 ? NULL : m->w + m->slots[s].off; }
-static inline float *loom_g(loom_model *m, int s) { return s < 0 ? NULL : m->g + m->slots[s].off; }
+/* Base tensors by slot: values, and gradients (NULL when absent or frozen). */
+static inline float *loom_w(loom_model *m, int s) {
+    return s < 0 ? NULL : m->base.w + m->base.slots[s].off;
+}
+static inline float *loom_g(loom_model *m, int s) {
+    return s < 0 || !m->base.g ? NULL : m->base.g + m->base.slots[s].off;
+}
+/* The arena the optimizer trains: the active adapter's, else the base. */
+loom_arena *loom_model_trainable(loom_model *m);
+/* Lays out an arena's slots (already filled) in buckets and allocates w
+ * (and g unless frozen). */
+loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen);
+void loom_arena_free(loom_arena *a);
 
 #endif /* LOOM_MODEL_H */

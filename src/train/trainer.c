@@ -43,7 +43,8 @@ loom_status loom_model_set_lr_scheduler(loom_model *m, const loom_sched_config *
 }
 
 void loom_model_zero_grad(loom_model *m) {
-    memset(m->g, 0, m->nparams * sizeof(float));
+    loom_arena *A = loom_model_trainable(m);
+    if (A->g) memset(A->g, 0, A->nparams * sizeof(float));
     m->acc_calls = 0;
     m->acc_tokens = 0;
     m->acc_loss = 0.0;
@@ -315,15 +316,16 @@ loom_status loom_model_forward_only(loom_model *m, const loom_batch *b, int64_t 
 
 /* The part of slot i inside this rank's shard of bucket b: flat offset o0,
  * length, and offset in the shard buffers. False when they do not meet. */
-static bool shard_part(const loom_model *m, int b, int i, size_t *o0, size_t *len, size_t *so) {
+static bool shard_part(const loom_model *m, const loom_arena *A, int b, int i, size_t *o0,
+                       size_t *len, size_t *so) {
     const int n = loom_comm_size(m->mesh->dpcp), r = loom_comm_rank(m->mesh->dpcp);
-    size_t per = m->bucket_len[b] / (size_t)n, s0 = m->bucket_off[b] + (size_t)r * per,
+    size_t per = A->bucket_len[b] / (size_t)n, s0 = A->bucket_off[b] + (size_t)r * per,
            s1 = s0 + per;
-    const loom_slot *sl = &m->slots[i];
+    const loom_slot *sl = &A->slots[i];
     size_t a0 = sl->off > s0 ? sl->off : s0, a1 = sl->off + sl->numel < s1 ? sl->off + sl->numel : s1;
     if (a0 >= a1) return false;
     size_t shard_base = 0; /* the shard buffers hold the buckets' shards one after another */
-    for (int k = 0; k < b; k++) shard_base += m->bucket_len[k] / (size_t)n;
+    for (int k = 0; k < b; k++) shard_base += A->bucket_len[k] / (size_t)n;
     *o0 = a0;
     *len = a1 - a0;
     *so = shard_base + (a0 - s0);
@@ -332,8 +334,8 @@ static bool shard_part(const loom_model *m, int b, int i, size_t *o0, size_t *le
 
 /* Each distinct parameter enters the norm once: replicated tensors from tp
  * rank 0 only, a tied embedding from the first stage only. */
-static bool counts_in_norm(const loom_model *m, int i) {
-    const loom_slot *s = &m->slots[i];
+static bool counts_in_norm(const loom_model *m, const loom_arena *A, int i) {
+    const loom_slot *s = &A->slots[i];
     if (s->head_copy) return false;
     return s->shard != LOOM_SHARD_NONE || m->mesh->tp_rank == 0;
 }
@@ -341,22 +343,22 @@ static bool counts_in_norm(const loom_model *m, int i) {
 /* Sums partial gradients over tp (replicated tensors that saw some heads or
  * tokens), a tied embedding's two stages, then reduce-scatters every
  * bucket over dp x cp into the shard buffer. */
-static loom_status reduce_grads(loom_model *m) {
+static loom_status reduce_grads(loom_model *m, loom_arena *A) {
     loom_status st = LOOM_OK;
-    for (int i = 0; i < m->nslots && !st; i++)
-        if (m->slots[i].tp_partial)
-            st = loom_comm_allreduce(m->mesh->tp, loom_g(m, i), m->slots[i].numel, LOOM_F32,
-                                     LOOM_RED_SUM);
-    if (!st && m->mesh->embed && m->cfg.tie_word_embeddings) {
+    for (int i = 0; i < A->nslots && !st; i++)
+        if (A->slots[i].tp_partial)
+            st = loom_comm_allreduce(m->mesh->tp, A->g + A->slots[i].off, A->slots[i].numel,
+                                     LOOM_F32, LOOM_RED_SUM);
+    if (!st && A == &m->base && m->mesh->embed && m->cfg.tie_word_embeddings) {
         int s = m->mesh->pp_rank == 0 ? m->embed : m->head;
-        st = loom_comm_allreduce(m->mesh->embed, loom_g(m, s), m->slots[s].numel, LOOM_F32,
+        st = loom_comm_allreduce(m->mesh->embed, loom_g(m, s), A->slots[s].numel, LOOM_F32,
                                  LOOM_RED_SUM);
     }
     const size_t n = (size_t)loom_comm_size(m->mesh->dpcp);
     size_t so = 0;
-    for (int b = 0; b < m->nbuckets && !st; b++) {
-        size_t per = m->bucket_len[b] / n;
-        st = loom_comm_reduce_scatter(m->mesh->dpcp, m->g + m->bucket_off[b], m->gshard + so, per,
+    for (int b = 0; b < A->nbuckets && !st; b++) {
+        size_t per = A->bucket_len[b] / n;
+        st = loom_comm_reduce_scatter(m->mesh->dpcp, A->g + A->bucket_off[b], A->gshard + so, per,
                                       LOOM_F32, LOOM_RED_SUM);
         so += per;
     }
@@ -364,13 +366,13 @@ static loom_status reduce_grads(loom_model *m) {
 }
 
 /* Every dp x cp rank's updated shard back into everyone's parameters. */
-static loom_status gather_params(loom_model *m) {
+static loom_status gather_params(loom_model *m, loom_arena *A) {
     const size_t n = (size_t)loom_comm_size(m->mesh->dpcp);
     const size_t r = (size_t)loom_comm_rank(m->mesh->dpcp);
     loom_status st = LOOM_OK;
-    for (int b = 0; b < m->nbuckets && !st; b++) {
-        size_t per = m->bucket_len[b] / n;
-        float *base = m->w + m->bucket_off[b];
+    for (int b = 0; b < A->nbuckets && !st; b++) {
+        size_t per = A->bucket_len[b] / n;
+        float *base = A->w + A->bucket_off[b];
         st = loom_comm_allgather(m->mesh->dpcp, base + r * per, base, per, LOOM_F32);
     }
     return st;
@@ -381,11 +383,12 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     loom_ctx *ctx = m->ctx;
     loom_step_result r;
     memset(&r, 0, sizeof r);
+    loom_arena *A = loom_model_trainable(m);
     if (accumulation_steps < 1)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "accumulation_steps=%lld must be >= 1",
                          (long long)accumulation_steps);
     m->acc_calls++;
-    r.step = m->step;
+    r.step = A->step;
     r.n_tokens = m->acc_tokens;
     r.loss = m->acc_tokens ? m->acc_loss / (double)m->acc_tokens : 0.0;
     if (m->acc_calls < accumulation_steps) {
@@ -394,34 +397,34 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     }
     if (m->acc_tokens == 0) {
         LOOM_LOG_W(ctx, "step %lld skipped: the %lld accumulated call%s had no token with a target",
-                   (long long)m->step + 1, (long long)m->acc_calls, m->acc_calls == 1 ? "" : "s");
+                   (long long)A->step + 1, (long long)m->acc_calls, m->acc_calls == 1 ? "" : "s");
         loom_model_zero_grad(m);
         if (out) *out = r;
         return LOOM_OK;
     }
-    if (!m->adam_m) {
-        m->adam_m = loom_calloc(ctx, m->shard_numel, sizeof(float), "AdamW first moments");
-        m->adam_v = loom_calloc(ctx, m->shard_numel, sizeof(float), "AdamW second moments");
-        m->gshard = loom_calloc(ctx, m->shard_numel, sizeof(float), "gradient shard");
-        if (!m->adam_m || !m->adam_v || !m->gshard) {
-            free(m->adam_m);
-            free(m->adam_v);
-            free(m->gshard);
-            m->adam_m = m->adam_v = m->gshard = NULL;
+    if (!A->adam_m) {
+        A->adam_m = loom_calloc(ctx, A->shard_numel, sizeof(float), "AdamW first moments");
+        A->adam_v = loom_calloc(ctx, A->shard_numel, sizeof(float), "AdamW second moments");
+        A->gshard = loom_calloc(ctx, A->shard_numel, sizeof(float), "gradient shard");
+        if (!A->adam_m || !A->adam_v || !A->gshard) {
+            free(A->adam_m);
+            free(A->adam_v);
+            free(A->gshard);
+            A->adam_m = A->adam_v = A->gshard = NULL;
             return LOOM_ERR_OOM;
         }
     }
-    loom_status st = reduce_grads(m);
+    loom_status st = reduce_grads(m, A);
     if (st) return st;
     /* The gradient of the mean loss, its global norm (each parameter once,
      * in a fixed order), and clipping. */
-    loom_scale(m->gshard, m->shard_numel, (float)(1.0 / (double)m->acc_tokens));
+    loom_scale(A->gshard, A->shard_numel, (float)(1.0 / (double)m->acc_tokens));
     double sumsq = 0.0;
-    for (int b = 0; b < m->nbuckets; b++)
-        for (int i = 0; i < m->nslots; i++) {
+    for (int b = 0; b < A->nbuckets; b++)
+        for (int i = 0; i < A->nslots; i++) {
             size_t o0, len, so;
-            if (counts_in_norm(m, i) && shard_part(m, b, i, &o0, &len, &so))
-                sumsq += loom_sumsq(m->gshard + so, len);
+            if (counts_in_norm(m, A, i) && shard_part(m, A, b, i, &o0, &len, &so))
+                sumsq += loom_sumsq(A->gshard + so, len);
         }
     if (loom_comm_size(m->world) > 1 &&
         (st = loom_comm_allreduce(m->world, &sumsq, 1, LOOM_F64, LOOM_RED_SUM)))
@@ -432,34 +435,34 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                          "step %lld: the gradient norm is %s; the step was not taken and the "
                          "gradients were discarded. Lower the learning rate or check the data",
-                         (long long)m->step + 1, isnan(norm) ? "nan" : "inf");
+                         (long long)A->step + 1, isnan(norm) ? "nan" : "inf");
     }
     float coeff = loom_clip_coeff(norm, max_grad_norm);
-    if (coeff < 1.0f) loom_scale(m->gshard, m->shard_numel, coeff);
+    if (coeff < 1.0f) loom_scale(A->gshard, A->shard_numel, coeff);
 
     loom_adamw_hp hp = {.lr = m->opt.lr, .beta1 = m->opt.beta1, .beta2 = m->opt.beta2,
                         .eps = m->opt.eps, .weight_decay = m->opt.weight_decay};
     if (m->has_sched) {
-        hp.lr = loom_sched_lr(&m->sched, m->step);
-        hp.weight_decay = loom_sched_wd(&m->sched, m->step);
+        hp.lr = loom_sched_lr(&m->sched, A->step);
+        hp.weight_decay = loom_sched_wd(&m->sched, A->step);
     }
-    int64_t t = m->step + 1;
+    int64_t t = A->step + 1;
     /* AdamW on this rank's shard of every bucket, then every rank gets the
      * updated parameters back */
-    for (int b = 0; b < m->nbuckets; b++)
-        for (int i = 0; i < m->nslots; i++) {
+    for (int b = 0; b < A->nbuckets; b++)
+        for (int i = 0; i < A->nslots; i++) {
             size_t o0, len, so;
-            if (shard_part(m, b, i, &o0, &len, &so))
-                loom_adamw_step(m->w + o0, m->gshard + so, m->adam_m + so, m->adam_v + so, len,
-                                &hp, t, m->slots[i].decay);
+            if (shard_part(m, A, b, i, &o0, &len, &so))
+                loom_adamw_step(A->w + o0, A->gshard + so, A->adam_m + so, A->adam_v + so, len,
+                                &hp, t, A->slots[i].decay);
         }
-    if ((st = gather_params(m))) return st;
-    m->step = t;
+    if ((st = gather_params(m, A))) return st;
+    A->step = t;
     r.stepped = 1;
     r.grad_norm = norm;
     r.lr = hp.lr;
     r.weight_decay = hp.weight_decay;
-    r.step = m->step;
+    r.step = A->step;
     loom_model_zero_grad(m);
     if (out) *out = r;
     return LOOM_OK;
