@@ -243,6 +243,44 @@ const char *loom_model_tensor_name(const loom_model *m, int64_t i, int *ndim, in
 loom_status loom_model_get_param(loom_model *m, const char *name, float *dst, int64_t n);
 loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int64_t n);
 
+/* ---- LoRA adapters (PEFT's LoRA) ----
+ * target_modules: "all-linear" (q, k, v, o, gate, up and down projections;
+ * never the output layer) or a comma-separated list of those names
+ * ("q_proj,v_proj"). scale = lora_alpha / r, or lora_alpha / sqrt(r) with
+ * use_rslora. A fresh adapter starts as PEFT's: A uniform in
+ * +-1/sqrt(in_features) (from `seed`, the same on any mesh), B zero.
+ * Adding or loading an adapter freezes the base model: it then has no
+ * gradients and no optimizer state. Several adapters may live on one model;
+ * the active one (the last added or loaded, or set_adapter's) is applied in
+ * the forward and is the only one trained. */
+typedef struct loom_lora_config {
+    int r;                       /* rank, >= 1 */
+    double lora_alpha;           /* default: r (scale 1) when 0 */
+    double lora_dropout;         /* only 0 is supported for now */
+    const char *target_modules;  /* NULL: "all-linear" */
+    int use_rslora;
+    uint64_t seed;
+} loom_lora_config;
+loom_status loom_model_add_adapter(loom_model *m, const char *name, const loom_lora_config *c);
+/* Reads a PEFT adapter directory (adapter_config.json, adapter_model.safetensors;
+ * F32, BF16 or F64 weights) under `name`. */
+loom_status loom_model_load_adapter(loom_model *m, const char *name, const char *dir);
+/* Writes the adapter as PEFT does (collective; rank 0 writes). */
+loom_status loom_model_save_adapter(loom_model *m, const char *name, const char *dir,
+                                    loom_dtype dtype);
+/* Makes `name` the active adapter (NULL: none; the base stays frozen). */
+loom_status loom_model_set_adapter(loom_model *m, const char *name);
+/* W += scale * B A into the base weights (merge), or back (unmerge); a
+ * merged adapter is not applied again in the forward. */
+loom_status loom_model_merge_adapter(loom_model *m, const char *name);
+loom_status loom_model_unmerge_adapter(loom_model *m, const char *name);
+/* Adapter tensors go by their PEFT names in get_param / get_grad:
+ * "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" (the
+ * active adapter), or with the adapter named: "...q_proj.lora_A.<name>.weight".
+ * The i-th tensor of adapter `name` (NULL past the end): */
+const char *loom_model_adapter_tensor(loom_model *m, const char *name, int64_t i, char *buf,
+                                      size_t cap, int64_t shape[2]);
+
 /* Writes an HF directory: config.json in the layout it was read in and the
  * weights in `dtype` (LOOM_DTYPE_COUNT: the checkpoint's own), vocabulary
  * padding removed, split into shards of at most max_shard_bytes (0: 5 GB).

@@ -30,8 +30,9 @@ static void lin_dx(const float *dy, int64_t T, int64_t out, const float *W, int6
                    float *dx) {
     loom_cpu_sgemm(false, false, T, in, out, 1.0f, dy, out, W, in, beta, dx, in);
 }
-/* dW (out, in) += dy^T x */
+/* dW (out, in) += dy^T x; nothing for a frozen weight (dW NULL) */
 static void lin_dw(const float *dy, const float *x, int64_t T, int64_t out, int64_t in, float *dW) {
+    if (!dW) return;
     loom_cpu_sgemm(true, false, out, in, T, 1.0f, dy, out, x, in, 1.0f, dW, in);
 }
 
@@ -118,6 +119,9 @@ static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     lin_fwd(h1, Tc, H, loom_w(m, s->wq), QD, 0.0f, qdst);
     lin_fwd(h1, Tc, H, loom_w(m, s->wk), KD, 0.0f, kdst);
     lin_fwd(h1, Tc, H, loom_w(m, s->wv), KD, 0.0f, vl);
+    loom_lora_fwd(m, a, i, l, LOOM_LORA_Q, h1, Tc, qdst);
+    loom_lora_fwd(m, a, i, l, LOOM_LORA_K, h1, Tc, kdst);
+    loom_lora_fwd(m, a, i, l, LOOM_LORA_V, h1, Tc, vl);
     if (s->bq >= 0) loom_cpu_add_bias_fwd(qdst, loom_w(m, s->bq), Tc, QD);
     if (s->bk >= 0) loom_cpu_add_bias_fwd(kdst, loom_w(m, s->bk), Tc, KD);
     if (s->bv >= 0) loom_cpu_add_bias_fwd(vl, loom_w(m, s->bv), Tc, KD);
@@ -135,6 +139,7 @@ static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
                              m->attn_scale, o, AT(a->lse, i, Tc * m->Hql));
 
     lin_fwd(o, Tc, QD, loom_w(m, s->wo), H, 0.0f, m->dtmp);
+    loom_lora_fwd(m, a, i, l, LOOM_LORA_O, o, Tc, m->dtmp);
     CK(tp_reduce(m, m->dtmp, xmid));
     loom_cpu_residual_add(xmid, x, Tn * H);
     if (s->bo >= 0) loom_cpu_add_bias_fwd(xmid, loom_w(m, s->bo), Tn, H);
@@ -145,10 +150,13 @@ static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     if (m->sp) CK(sp_gather(m, m->dtmp, h2));
     lin_fwd(h2, Tc, H, loom_w(m, s->wg), Il, 0.0f, g);
     lin_fwd(h2, Tc, H, loom_w(m, s->wu), Il, 0.0f, u);
+    loom_lora_fwd(m, a, i, l, LOOM_LORA_GATE, h2, Tc, g);
+    loom_lora_fwd(m, a, i, l, LOOM_LORA_UP, h2, Tc, u);
     if (s->bg >= 0) loom_cpu_add_bias_fwd(g, loom_w(m, s->bg), Tc, Il);
     if (s->bu >= 0) loom_cpu_add_bias_fwd(u, loom_w(m, s->bu), Tc, Il);
     loom_cpu_swiglu_fwd(g, u, Tc * Il, act);
     lin_fwd(act, Tc, Il, loom_w(m, s->wd), H, 0.0f, m->dtmp);
+    loom_lora_fwd(m, a, i, l, LOOM_LORA_DOWN, act, Tc, m->dtmp);
     CK(tp_reduce(m, m->dtmp, xn));
     loom_cpu_residual_add(xn, xmid, Tn * H);
     if (s->bdn >= 0) loom_cpu_add_bias_fwd(xn, loom_w(m, s->bdn), Tn, H);
@@ -177,6 +185,7 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     if (m->sp) CK(sp_gather(m, dx, dfull));
     lin_dx(dfull, Tc, H, loom_w(m, s->wd), Il, 0.0f, dg);
     lin_dw(dfull, act, Tc, H, Il, loom_g(m, s->wd));
+    loom_lora_bwd(m, a, i, l, LOOM_LORA_DOWN, act, Tc, dfull, dg);
     loom_cpu_swiglu_bwd(dg, g, u, Tc * Il, dg, du);
     if (s->bg >= 0) loom_cpu_add_bias_bwd(dg, Tc, Il, loom_g(m, s->bg));
     if (s->bu >= 0) loom_cpu_add_bias_bwd(du, Tc, Il, loom_g(m, s->bu));
@@ -184,6 +193,8 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     lin_dx(du, Tc, Il, loom_w(m, s->wu), H, 1.0f, dtmp);
     lin_dw(dg, h2, Tc, Il, H, loom_g(m, s->wg));
     lin_dw(du, h2, Tc, Il, H, loom_g(m, s->wu));
+    loom_lora_bwd(m, a, i, l, LOOM_LORA_GATE, h2, Tc, dg, dtmp);
+    loom_lora_bwd(m, a, i, l, LOOM_LORA_UP, h2, Tc, du, dtmp);
     float *red = m->sp ? m->dfull : dtmp; /* reduce-scatter needs distinct buffers */
     CK(tp_reduce(m, dtmp, red));
     loom_cpu_rmsnorm_bwd(red, xmid, loom_w(m, s->ln2), AT(a->rstd2, i, Tn), Tn, H, red,
@@ -195,6 +206,7 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     if (m->sp) CK(sp_gather(m, dx, dfull));
     lin_dx(dfull, Tc, H, loom_w(m, s->wo), QD, 0.0f, dout);
     lin_dw(dfull, o, Tc, H, QD, loom_g(m, s->wo));
+    loom_lora_bwd(m, a, i, l, LOOM_LORA_O, o, Tc, dfull, dout);
     loom_cpu_attention_bwd_q(dout, q, my_qidx(m), Tc, k, v, o, AT(a->lse, i, Tc * m->Hql), T,
                              m->Hql, m->Hkvl, m->D, mb->cu, mb->ndocs, m->attn_scale, dq, dk, dv);
     CK(cp_reduce(m, dk, KD, dkl));
@@ -218,6 +230,9 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     lin_dw(dq, h1, Tc, QD, H, loom_g(m, s->wq));
     lin_dw(dkl, h1, Tc, KD, H, loom_g(m, s->wk));
     lin_dw(dvl, h1, Tc, KD, H, loom_g(m, s->wv));
+    loom_lora_bwd(m, a, i, l, LOOM_LORA_Q, h1, Tc, dq, dtmp);
+    loom_lora_bwd(m, a, i, l, LOOM_LORA_K, h1, Tc, dkl, dtmp);
+    loom_lora_bwd(m, a, i, l, LOOM_LORA_V, h1, Tc, dvl, dtmp);
     CK(tp_reduce(m, dtmp, red));
     loom_cpu_rmsnorm_bwd(red, x, loom_w(m, s->ln1), AT(a->rstd1, i, Tn), Tn, H, red,
                          loom_g(m, s->ln1));
@@ -246,6 +261,7 @@ static loom_status embed_bwd(loom_model *m, const loom_micro *mb) {
     const loom_slot *s = &m->base.slots[m->embed];
     float *dW = loom_g(m, m->embed), *dfull = m->sp ? m->dfull : m->dx;
     const int64_t H = m->H;
+    if (!dW) return LOOM_OK; /* frozen */
     if (m->sp) CK(sp_gather(m, m->dx, dfull));
     for (int64_t t = 0; t < m->Tc; t++) { /* token order: deterministic */
         int64_t r = (int64_t)mb->ids[t] - s->row0;

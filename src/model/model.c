@@ -96,21 +96,24 @@ static bool holds_layer(const loom_model *m, int64_t l) {
     return v % m->pp == m->mesh->pp_rank;
 }
 
-/* Adds a slot for plan entry p with the given sharding. */
-static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard shard, bool vocab) {
-    loom_slot *sl = &m->base.slots[m->base.nslots++];
-    sl->name = p->name;
-    sl->ndim = p->ndim;
-    sl->shape[0] = p->shape[0];
-    sl->shape[1] = p->ndim == 2 ? p->shape[1] : 1;
+/* Adds a slot to arena a (its slots array has room) for a tensor of full
+ * shape rows x cols (1-D: cols 1; vocab: rows padded) with the given
+ * tensor-parallel sharding. */
+loom_slot *loom_slot_add(loom_model *m, loom_arena *a, const char *name, int64_t rows,
+                         int64_t cols, int ndim, loom_shard shard, bool vocab) {
+    loom_slot *sl = &a->slots[a->nslots++];
+    sl->name = (char *)name;
+    sl->ndim = ndim;
+    sl->shape[0] = rows;
+    sl->shape[1] = cols;
     sl->shard = shard;
-    sl->decay = p->ndim >= 2;
-    int64_t rows = vocab ? m->Vp : sl->shape[0], cols = sl->shape[1];
+    sl->decay = ndim >= 2;
+    int64_t held = vocab ? m->Vp : rows;
     int tr = m->mesh->tp_rank;
-    sl->rows = rows;
+    sl->rows = held;
     sl->cols = cols;
     if (shard == LOOM_SHARD_ROWS) {
-        sl->rows = rows / m->tp;
+        sl->rows = held / m->tp;
         sl->row0 = tr * sl->rows;
     } else if (shard == LOOM_SHARD_COLS) {
         sl->cols = cols / m->tp;
@@ -118,6 +121,11 @@ static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard s
     }
     sl->numel = (size_t)(sl->rows * sl->cols);
     return sl;
+}
+
+static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard shard, bool vocab) {
+    return loom_slot_add(m, &m->base, p->name, p->shape[0], p->ndim == 2 ? p->shape[1] : 1,
+                         p->ndim, shard, vocab);
 }
 
 /* The slots this rank holds, laid out in buckets (each padded to a multiple
@@ -232,21 +240,22 @@ void loom_arena_free(loom_arena *a) {
     memset(a, 0, sizeof *a);
 }
 
-/* Reads the block [row0, row0+rows) x [col0, col0+cols) of t (rows past the
- * tensor's own are vocabulary padding: left zero). */
-static loom_status read_block(loom_ctx *ctx, const loom_st_tensor *t, const loom_slot *sl,
-                              float *dst) {
-    int64_t full_cols = sl->shape[1], esz = (int64_t)loom_dtype_size(t->dtype);
-    const char *base = t->data;
+/* Reads this rank's block [row0, row0+rows) x [col0, col0+cols) of a
+ * tensor's data (full shape sl->shape, dtype dt) as F32; rows past the
+ * tensor's own are vocabulary padding, left as they are (zero). */
+loom_status loom_slot_read(loom_ctx *ctx, const void *data, loom_dtype dt, const loom_slot *sl,
+                           float *dst) {
+    int64_t full_cols = sl->shape[1], esz = (int64_t)loom_dtype_size(dt);
+    const char *base = data;
     for (int64_t r = 0; r < sl->rows; r++) {
         int64_t gr = sl->row0 + r;
         if (gr >= sl->shape[0]) break;
         loom_status st = loom_convert(ctx, dst + r * sl->cols, LOOM_F32,
-                                      base + (gr * full_cols + sl->col0) * esz, t->dtype,
+                                      base + (gr * full_cols + sl->col0) * esz, dt,
                                       (size_t)sl->cols);
         if (st)
-            return loom_err_prefix(ctx, "tensor '%s' (%s read as F32)", t->name,
-                                   loom_dtype_name(t->dtype));
+            return loom_err_prefix(ctx, "tensor '%s' (%s read as F32)", sl->name,
+                                   loom_dtype_name(dt));
     }
     return LOOM_OK;
 }
@@ -290,9 +299,11 @@ static loom_status load_weights(loom_model *m, const char *dir) {
         }
         if (m->file_dtype == LOOM_DTYPE_COUNT) m->file_dtype = t->dtype;
     }
-    for (int i = 0; i < m->base.nslots && !s; i++)
-        s = read_block(ctx, loom_st_find(st, m->base.slots[i].name), &m->base.slots[i],
-                       m->base.w + m->base.slots[i].off);
+    for (int i = 0; i < m->base.nslots && !s; i++) {
+        const loom_st_tensor *t = loom_st_find(st, m->base.slots[i].name);
+        s = loom_slot_read(ctx, t->data, t->dtype, &m->base.slots[i],
+                           m->base.w + m->base.slots[i].off);
+    }
     if (!s && m->mesh->rank == 0) {
         size_t unused = 0;
         const char *first = NULL;
@@ -433,7 +444,7 @@ static void acts_free(loom_acts *a) {
     float **f[] = {&a->x,    &a->h1,   &a->h2,   &a->rstd1, &a->rstd2, &a->xmid,
                    &a->qpre, &a->kpre, &a->rstdq, &a->rstdk, &a->q,    &a->k,
                    &a->v,    &a->o,    &a->lse,  &a->gate,  &a->up,    &a->act,
-                   &a->hf,   &a->rstdf, &a->dstash};
+                   &a->hf,   &a->rstdf, &a->dstash, &a->lora_u};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
         free(*f[i]);
         *f[i] = NULL;
@@ -457,7 +468,7 @@ static void buffers_free(loom_model *m) {
     m->micro = NULL;
     m->cap_mb = 0;
     float **f[] = {&m->dx, &m->dtmp, &m->dfull, &m->dq, &m->dout, &m->dk,    &m->dv,
-                   &m->dkl, &m->dvl, &m->kvblk, &m->dg, &m->du,   &m->logits};
+                   &m->dkl, &m->dvl, &m->kvblk, &m->dg, &m->du,   &m->logits, &m->lora_du};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
         free(*f[i]);
         *f[i] = NULL;
@@ -467,6 +478,7 @@ static void buffers_free(loom_model *m) {
     m->ce = NULL;
     m->perm = NULL;
     m->cap_T = 0;
+    m->lora_r = 0;
 }
 
 static float *fbuf(loom_model *m, int64_t n, bool *fail) {
@@ -478,7 +490,10 @@ static float *fbuf(loom_model *m, int64_t n, bool *fail) {
 
 loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight) {
     const int64_t T = rows * seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
-    bool same = T == m->cap_T && nmb <= m->cap_mb && m->chunks[0].npool >= in_flight;
+    const loom_adapter *ad = loom_model_lora(m);
+    const int lr = ad ? ad->r : 0;
+    bool same = T == m->cap_T && nmb <= m->cap_mb && m->chunks[0].npool >= in_flight &&
+                lr == m->lora_r;
     m->T = T;
     m->Tc = Tc;
     m->Tn = Tn;
@@ -513,6 +528,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
             a->gate = fbuf(m, nl * Tc * Il, &fail);
             a->up = fbuf(m, nl * Tc * Il, &fail);
             a->act = fbuf(m, nl * Tc * Il, &fail);
+            a->lora_u = lr ? fbuf(m, nl * LOOM_LORA_NMOD * Tc * lr, &fail) : NULL;
             if (ch->last) {
                 a->hf = fbuf(m, Tn * H, &fail);
                 a->rstdf = fbuf(m, Tn, &fail);
@@ -536,6 +552,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
     m->dg = fbuf(m, Tc * Il, &fail);
     m->du = fbuf(m, Tc * Il, &fail);
     m->logits = fbuf(m, m->chunk_rows * m->Vl, &fail);
+    m->lora_du = lr ? fbuf(m, Tc * lr, &fail) : NULL;
     m->ce = loom_malloc(m->ctx, (size_t)m->chunk_rows * 4 * sizeof(double), "loss buffers");
     m->perm = loom_malloc(m->ctx, (size_t)T * sizeof(int32_t), "token permutation");
     m->micro = loom_calloc(m->ctx, (size_t)nmb, sizeof *m->micro, "micro-batches");
@@ -554,6 +571,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
         return LOOM_ERR_OOM;
     }
     m->cap_T = T;
+    m->lora_r = lr;
     return LOOM_OK;
 }
 
@@ -561,6 +579,7 @@ void loom_model_free(loom_model *m) {
     if (!m) return;
     buffers_free(m);
     free(m->chunks);
+    loom_adapters_free(m);
     loom_arena_free(&m->base);
     free(m->inv_freq);
     free(m->layer);
@@ -606,46 +625,71 @@ int loom_model_find_slot(const loom_model *m, const char *name) {
     return -1;
 }
 
-/* The whole tensor `name` on every rank: each rank that should contributes
- * its block of `base` (scaled) to a zeroed buffer, summed over the world. */
-static loom_status gather_full(loom_model *m, const char *name, const float *base, float scale,
-                               bool grads, float *dst, int64_t n) {
-    size_t pi = 0;
-    while (pi < m->plan.n && strcmp(m->plan.p[pi].name, name)) pi++;
-    if (pi == m->plan.n) {
-        if (!strcmp(name, "lm_head.weight") && m->cfg.tie_word_embeddings)
-            return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND,
-                             "lm_head.weight is tied to model.embed_tokens.weight in this model; "
-                             "ask for that one");
-        return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND, "the model has no parameter named %s", name);
-    }
-    const loom_param_spec *p = &m->plan.p[pi];
-    int64_t cols = p->ndim == 2 ? p->shape[1] : 1, want = p->shape[0] * cols;
-    if (n != want)
-        return loom_errf(m->ctx, LOOM_ERR_SHAPE, "%s holds %lld values, the buffer %lld", name,
-                         (long long)want, (long long)n);
-    memset(dst, 0, (size_t)n * sizeof *dst);
+/* The whole tensor `name` (rows x cols) on every rank: each rank that
+ * should contributes its blocks of the arena (values, or gradients scaled)
+ * to a zeroed buffer, summed over the world. Parameters are the same on
+ * every dp*cp rank; gradients are summed over them. Replicated tensors count
+ * once over tp unless their gradient is a partial sum; a tied embedding's
+ * copy adds its gradient but not its value. */
+loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int64_t rows,
+                             int64_t cols, bool grads, float scale, float *dst) {
+    const size_t n = (size_t)(rows * cols);
+    memset(dst, 0, n * sizeof *dst);
     const loom_mesh *me = m->mesh;
-    for (int i = 0; i < m->base.nslots; i++) {
-        const loom_slot *s = &m->base.slots[i];
+    const float *base = grads ? a->g : a->w;
+    for (int i = 0; base && i < a->nslots; i++) {
+        const loom_slot *s = &a->slots[i];
         if (strcmp(s->name, name)) continue;
-        /* parameters are the same on every dp*cp rank; gradients are summed
-         * over them. Replicated tensors count once over tp unless their
-         * gradient is a partial sum; a tied embedding's copy adds its
-         * gradient but not its value. */
         if (!grads && (me->dp_rank || me->cp_rank || s->head_copy)) continue;
         if (s->shard == LOOM_SHARD_NONE && me->tp_rank && !(grads && s->tp_partial)) continue;
         const float *src = base + s->off;
-        for (int64_t r = 0; r < s->rows && s->row0 + r < p->shape[0]; r++)
+        for (int64_t r = 0; r < s->rows && s->row0 + r < rows; r++)
             for (int64_t c = 0; c < s->cols; c++)
                 dst[(s->row0 + r) * cols + s->col0 + c] += src[r * s->cols + c] * scale;
     }
     if (loom_comm_size(m->world) == 1) return LOOM_OK;
-    return loom_comm_allreduce(m->world, dst, (size_t)n, LOOM_F32, LOOM_RED_SUM);
+    return loom_comm_allreduce(m->world, dst, n, LOOM_F32, LOOM_RED_SUM);
+}
+
+/* Finds `name` among the base tensors or an adapter's; its arena and shape. */
+loom_status loom_lora_find(loom_model *m, const char *name, loom_arena **a, char *key,
+                           size_t cap, int64_t *rows, int64_t *cols);
+
+static loom_status get_tensor(loom_model *m, const char *name, bool grads, float *dst,
+                              int64_t n) {
+    size_t pi = 0;
+    while (pi < m->plan.n && strcmp(m->plan.p[pi].name, name)) pi++;
+    loom_arena *a = &m->base;
+    char key[512];
+    const char *k = name;
+    int64_t rows, cols;
+    if (pi < m->plan.n) {
+        rows = m->plan.p[pi].shape[0];
+        cols = m->plan.p[pi].ndim == 2 ? m->plan.p[pi].shape[1] : 1;
+    } else if (!strcmp(name, "lm_head.weight") && m->cfg.tie_word_embeddings) {
+        return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND,
+                         "lm_head.weight is tied to model.embed_tokens.weight in this model; "
+                         "ask for that one");
+    } else {
+        loom_status st = loom_lora_find(m, name, &a, key, sizeof key, &rows, &cols);
+        if (st) return st;
+        k = key;
+    }
+    if (n != rows * cols)
+        return loom_errf(m->ctx, LOOM_ERR_SHAPE, "%s holds %lld values, the buffer %lld", name,
+                         (long long)(rows * cols), (long long)n);
+    if (grads && !a->g)
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
+                         "%s is frozen (the base model under LoRA): it has no gradient", name);
+    if (grads && a != loom_model_trainable(m))
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
+                         "%s belongs to an adapter that is not active: it has no gradient", name);
+    return loom_gather_full(m, a, k, rows, cols, grads,
+                            grads ? (float)(1.0 / (double)m->acc_tokens) : 1.0f, dst);
 }
 
 loom_status loom_model_get_param(loom_model *m, const char *name, float *dst, int64_t n) {
-    return gather_full(m, name, m->base.w, 1.0f, false, dst, n);
+    return get_tensor(m, name, false, dst, n);
 }
 
 loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int64_t n) {
@@ -653,7 +697,7 @@ loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
                          "no gradient: no token with a target was run through forward_backward "
                          "since the last step");
-    return gather_full(m, name, m->base.g, (float)(1.0 / (double)m->acc_tokens), true, dst, n);
+    return get_tensor(m, name, true, dst, n);
 }
 
 loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
@@ -709,8 +753,4 @@ loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
         if (!st) st = loom_config_save(ctx, &m->cfg, dir, dtype);
     }
     return st;
-}
-
-loom_arena *loom_model_trainable(loom_model *m) {
-    return &m->base; /* adapters: lora.c */
 }

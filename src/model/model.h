@@ -74,6 +74,22 @@ typedef struct loom_arena {
     int64_t step;            /* optimizer steps taken on this arena */
 } loom_arena;
 
+/* LoRA modules of a decoder layer, in PEFT's target names. */
+enum { LOOM_LORA_Q = 0, LOOM_LORA_K, LOOM_LORA_V, LOOM_LORA_O, LOOM_LORA_GATE, LOOM_LORA_UP,
+       LOOM_LORA_DOWN, LOOM_LORA_NMOD };
+
+typedef struct loom_adapter {
+    char *name;
+    int r;
+    double alpha, dropout;
+    bool rslora, merged;
+    float scale;                  /* alpha / r, or alpha / sqrt(r) */
+    bool target[LOOM_LORA_NMOD];
+    loom_arena ar;                /* its A and B blocks on this rank */
+    int (*slot)[LOOM_LORA_NMOD][2]; /* (L): arena slot of A [0] and B [1], -1 when absent */
+    char **names;                 /* slot names (PEFT, without the adapter name) */
+} loom_adapter;
+
 /* Activations of one model chunk for one micro-batch, saved by the forward
  * for the backward. Per layer i of the chunk (offsets i * stride). */
 typedef struct loom_acts {
@@ -89,6 +105,7 @@ typedef struct loom_acts {
     float *gate, *up, *act; /* (nl, Tc, I_l) */
     float *hf, *rstdf;  /* (Tn, H), (Tn): final norm (last stage) */
     float *dstash;      /* (Tn, H): d loss / d x[nl], from the loss (last stage) */
+    float *lora_u;      /* (nl, LOOM_LORA_NMOD, Tc, r): x A^T of the active adapter */
     int mb;             /* micro-batch held, -1 when free */
 } loom_acts;
 
@@ -142,6 +159,8 @@ struct loom_model {
     float *dx, *dtmp, *dfull;/* (Tc, H) each: scratch */
     float *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
     float *dg, *du;          /* (Tc, I_l) */
+    float *lora_du;          /* (Tc, r) */
+    int lora_r;              /* r the activation buffers were sized for (0: none) */
     float *logits;           /* (chunk_rows, Vl) */
     double *ce;              /* (chunk_rows, 4): vocab-parallel loss reductions */
     int64_t chunk_rows;
@@ -180,6 +199,27 @@ static inline float *loom_w(loom_model *m, int s) {
 static inline float *loom_g(loom_model *m, int s) {
     return s < 0 || !m->base.g ? NULL : m->base.g + m->base.slots[s].off;
 }
+/* lora.c: the active, unmerged adapter's path on one linear of layer l (i:
+ * the layer's index in its chunk). fwd: y (T, out_l) += scale (x A^T) B^T,
+ * saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) += d/dx. */
+void loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod, const float *x,
+                   int64_t T, float *y);
+void loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod, const float *x,
+                   int64_t T, const float *dy, float *dx);
+/* The active adapter when it is applied (unmerged), else NULL. */
+loom_adapter *loom_model_lora(loom_model *m);
+void loom_adapters_free(loom_model *m);
+
+/* model.c helpers shared with lora.c */
+loom_slot *loom_slot_add(loom_model *m, loom_arena *a, const char *name, int64_t rows,
+                         int64_t cols, int ndim, loom_shard shard, bool vocab);
+loom_status loom_slot_read(loom_ctx *ctx, const void *data, loom_dtype dt, const loom_slot *sl,
+                           float *dst);
+/* The whole tensor on every rank from the arena's blocks named `name` (see
+ * get_param / get_grad for who contributes). */
+loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int64_t rows,
+                             int64_t cols, bool grads, float scale, float *dst);
+
 /* The arena the optimizer trains: the active adapter's, else the base. */
 loom_arena *loom_model_trainable(loom_model *m);
 /* Lays out an arena's slots (already filled) in buckets and allocates w

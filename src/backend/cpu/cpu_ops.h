@@ -24,7 +24,8 @@ const char *loom_cpu_gemm_impl(void);
 /* ---- Transformer ops (ops.c, attention.c), fp32, row-major ----
  * T is the number of tokens of a micro-batch, all sequences flattened.
  * Backward functions overwrite their input gradients (dx, dq, ...) and
- * accumulate (+=) into parameter gradients (dW, dw, db), unless stated. */
+ * accumulate (+=) into parameter gradients (dW, dw, db), unless stated; a
+ * NULL dw or db means the parameter is frozen and gets no gradient. */
 
 /* Embedding. ids: (T) in [0, rows of W), already validated; W: (V, H);
  * out: (T, H). bwd: dW[ids[t], :] += dout[t, :], deterministic order. */

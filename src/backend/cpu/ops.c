@@ -56,9 +56,9 @@ void loom_cpu_rmsnorm_bwd(const float *dy, const float *x, const float *w, const
     // dy, x, dx: (N, H); w, dw: (H); rstd: (N).
     // y_j = w_j x_j r with r = (mean(x^2) + eps)^-1/2, dr/dx_j = -r^3 x_j / H:
     // dx_j = r w_j dy_j - x_j r^3 / H * sum_k dy_k w_k x_k;  dw_j += sum_rows dy_j x_j r.
-    // dw first: dx may alias dy.
-#pragma omp parallel for schedule(static) if (N * H > 65536)
-    for (int64_t j = 0; j < H; j++) {
+    // dw first: dx may alias dy. dw NULL: a frozen weight, no gradient.
+#pragma omp parallel for schedule(static) if (N * H > 65536 && dw)
+    for (int64_t j = 0; j < (dw ? H : 0); j++) {
         double acc = 0;
         for (int64_t r = 0; r < N; r++) acc += (double)dy[r * H + j] * x[r * H + j] * rstd[r];
         dw[j] += (float)acc;
@@ -172,7 +172,8 @@ void loom_cpu_add_bias_fwd(float *y, const float *b, int64_t T, int64_t N) {
 }
 
 void loom_cpu_add_bias_bwd(const float *dy, int64_t T, int64_t N, float *db) {
-    // dy: (T, N); db: (N), accumulated
+    // dy: (T, N); db: (N), accumulated; NULL: a frozen bias
+    if (!db) return;
 #pragma omp parallel for schedule(static) if (T * N > 65536)
     for (int64_t j = 0; j < N; j++) {
         double acc = 0;

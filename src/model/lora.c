@@ -1,0 +1,595 @@
+/* LoRA adapters (PEFT's LoRA): y = x W^T + scale * (x A^T) B^T on the
+ * targeted projections of every decoder layer, the base frozen.
+ *
+ * Tensor parallelism, without extra collectives. A column-parallel base
+ * (q, k, v, gate, up: output rows split over tp) gets A replicated and B
+ * split by rows: u = x A^T is the same on every tp rank, each adds its rows
+ * of u B^T. A row-parallel base (o, down: input columns split) gets A split
+ * by columns and B replicated: each rank's partial u_r = x_r A_r^T goes
+ * through B into the partial output that the layer already reduces over tp,
+ * and since B is linear, sum_r u_r B^T = (sum_r u_r) B^T, the same as
+ * reducing u first. The replicated halves (A of column-parallel, B of
+ * row-parallel) get partial gradients on each tp rank, summed before the
+ * step (tp_partial). Names are PEFT's: base_model.model.<hub name of the
+ * module>.lora_A.weight (adapter_model.safetensors has no adapter name). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../backend/cpu/cpu_ops.h"
+#include "../core/rng.h"
+#include "../io/safetensors.h"
+#include "model.h"
+
+static const char *const mod_name[LOOM_LORA_NMOD] = {"q_proj",    "k_proj",  "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj"};
+static const char *const mod_path[LOOM_LORA_NMOD] = {"self_attn", "self_attn", "self_attn",
+                                                     "self_attn", "mlp",       "mlp",
+                                                     "mlp"};
+
+/* in and out features of a module; row-parallel (o, down) or column-parallel */
+static void mod_shape(const loom_model *m, int mod, int64_t *in, int64_t *out, bool *row_par) {
+    const int64_t QD = m->Hq * m->D, KD = m->Hkv * m->D;
+    switch (mod) {
+    case LOOM_LORA_Q: *in = m->H, *out = QD, *row_par = false; break;
+    case LOOM_LORA_K:
+    case LOOM_LORA_V: *in = m->H, *out = KD, *row_par = false; break;
+    case LOOM_LORA_O: *in = QD, *out = m->H, *row_par = true; break;
+    case LOOM_LORA_GATE:
+    case LOOM_LORA_UP: *in = m->H, *out = m->I, *row_par = false; break;
+    default: *in = m->I, *out = m->H, *row_par = true; break;
+    }
+}
+
+static loom_adapter *find(loom_model *m, const char *name) {
+    for (int i = 0; i < m->nadapters; i++)
+        if (!strcmp(m->adapters[i].name, name)) return &m->adapters[i];
+    return NULL;
+}
+
+loom_adapter *loom_model_lora(loom_model *m) {
+    if (m->active < 0) return NULL;
+    loom_adapter *a = &m->adapters[m->active];
+    return a->merged ? NULL : a;
+}
+
+loom_arena *loom_model_trainable(loom_model *m) {
+    return m->active >= 0 ? &m->adapters[m->active].ar : &m->base;
+}
+
+static void adapter_free(loom_adapter *a) {
+    for (int i = 0; a->names && i < a->ar.nslots; i++) free(a->names[i]);
+    free(a->names);
+    free(a->slot);
+    free(a->name);
+    loom_arena_free(&a->ar);
+}
+
+void loom_adapters_free(loom_model *m) {
+    for (int i = 0; i < m->nadapters; i++) adapter_free(&m->adapters[i]);
+    free(m->adapters);
+    m->adapters = NULL;
+    m->nadapters = 0;
+    m->active = -1;
+}
+
+/* "all-linear" or a comma-separated list of module names. */
+static loom_status parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]) {
+    memset(target, 0, sizeof(bool) * LOOM_LORA_NMOD);
+    if (!spec || !strcmp(spec, "all-linear")) {
+        for (int k = 0; k < LOOM_LORA_NMOD; k++) target[k] = true;
+        return LOOM_OK;
+    }
+    const char *p = spec;
+    while (*p) {
+        const char *e = strchr(p, ',');
+        size_t n = e ? (size_t)(e - p) : strlen(p);
+        while (n && (*p == ' ')) p++, n--;
+        while (n && p[n - 1] == ' ') n--;
+        int k = 0;
+        while (k < LOOM_LORA_NMOD && (strlen(mod_name[k]) != n || strncmp(mod_name[k], p, n))) k++;
+        if (k == LOOM_LORA_NMOD)
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "LoRA target module '%.*s' is not one loom knows; use all-linear or "
+                             "a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                             "down_proj",
+                             (int)n, p);
+        target[k] = true;
+        p = e ? e + 1 : p + strlen(p);
+    }
+    for (int k = 0; k < LOOM_LORA_NMOD; k++)
+        if (target[k]) return LOOM_OK;
+    return loom_errf(ctx, LOOM_ERR_CONFIG, "LoRA target_modules is empty");
+}
+
+/* A new adapter with this rank's A and B blocks laid out (values zero). */
+static loom_status adapter_new(loom_model *m, const char *name, int r, double alpha,
+                               double dropout, bool rslora, const bool target[LOOM_LORA_NMOD],
+                               loom_adapter **out) {
+    loom_ctx *ctx = m->ctx;
+    if (!name || !*name) return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "an adapter needs a name");
+    if (find(m, name))
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "the model already has an adapter named '%s'",
+                         name);
+    if (r <= 0)
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "LoRA rank r=%d must be >= 1 (8 or 16 are usual)",
+                         r);
+    if (dropout != 0.0)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "lora_dropout=%g: loom applies LoRA without dropout for now; set it to 0",
+                         dropout);
+    if (!(alpha > 0.0) || !isfinite(alpha))
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "lora_alpha=%g must be a positive number", alpha);
+    loom_adapter *na = realloc(m->adapters, sizeof *na * (size_t)(m->nadapters + 1));
+    if (!na) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory adding adapter %s", name);
+    m->adapters = na;
+    loom_adapter *a = &m->adapters[m->nadapters];
+    memset(a, 0, sizeof *a);
+    a->name = loom_strdup(ctx, name);
+    a->r = r;
+    a->alpha = alpha;
+    a->dropout = dropout;
+    a->rslora = rslora;
+    a->scale = (float)(rslora ? alpha / sqrt((double)r) : alpha / r);
+    memcpy(a->target, target, sizeof a->target);
+    size_t maxs = (size_t)m->L * LOOM_LORA_NMOD * 2;
+    a->ar.slots = loom_calloc(ctx, maxs, sizeof *a->ar.slots, "adapter slots");
+    a->names = loom_calloc(ctx, maxs, sizeof *a->names, "adapter names");
+    a->slot = loom_calloc(ctx, (size_t)m->L, sizeof *a->slot, "adapter table");
+    loom_status st = LOOM_OK;
+    if (!a->name || !a->ar.slots || !a->names || !a->slot) st = LOOM_ERR_OOM;
+    if (!st) memset(a->slot, 0xff, (size_t)m->L * sizeof *a->slot);
+    for (int64_t l = 0; l < m->L && !st; l++) {
+        if (m->layer[l].wq < 0) continue; /* another pipeline stage's layer */
+        for (int k = 0; k < LOOM_LORA_NMOD && !st; k++) {
+            if (!target[k]) continue;
+            int64_t in, outf;
+            bool row_par;
+            mod_shape(m, k, &in, &outf, &row_par);
+            for (int ab = 0; ab < 2 && !st; ab++) {
+                char buf[256];
+                snprintf(buf, sizeof buf, "base_model.model.model.layers.%lld.%s.%s.lora_%c.weight",
+                         (long long)l, mod_path[k], mod_name[k], ab ? 'B' : 'A');
+                int s = a->ar.nslots;
+                if (!(a->names[s] = loom_strdup(ctx, buf))) {
+                    st = LOOM_ERR_OOM;
+                    break;
+                }
+                /* A (r, in): column-split for row-parallel bases; B (out, r):
+                 * row-split for column-parallel bases */
+                loom_shard sh = ab == 0 ? (row_par ? LOOM_SHARD_COLS : LOOM_SHARD_NONE)
+                                        : (row_par ? LOOM_SHARD_NONE : LOOM_SHARD_ROWS);
+                loom_slot *sl = loom_slot_add(m, &a->ar, a->names[s], ab ? outf : r, ab ? r : in,
+                                              2, sh, false);
+                sl->tp_partial = m->tp > 1 && sh == LOOM_SHARD_NONE;
+                a->slot[l][k][ab] = s;
+            }
+        }
+    }
+    if (!st) st = loom_arena_layout(m, &a->ar, false);
+    if (st) {
+        adapter_free(a);
+        return st;
+    }
+    m->nadapters++;
+    *out = a;
+    return LOOM_OK;
+}
+
+/* The base is frozen once an adapter exists: its gradients and optimizer
+ * state go. */
+static void freeze_base(loom_model *m, loom_adapter *a) {
+    free(m->base.g);
+    free(m->base.gshard);
+    free(m->base.adam_m);
+    free(m->base.adam_v);
+    m->base.g = m->base.gshard = m->base.adam_m = m->base.adam_v = NULL;
+    m->active = (int)(a - m->adapters);
+    loom_model_zero_grad(m);
+}
+
+loom_status loom_model_add_adapter(loom_model *m, const char *name, const loom_lora_config *c) {
+    bool target[LOOM_LORA_NMOD];
+    loom_status st = parse_targets(m->ctx, c->target_modules, target);
+    if (st) return st;
+    loom_adapter *a;
+    double alpha = c->lora_alpha > 0 ? c->lora_alpha : c->r;
+    if ((st = adapter_new(m, name, c->r, alpha, c->lora_dropout, c->use_rslora, target, &a)))
+        return st;
+    /* PEFT's start: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform with
+     * a = sqrt(5)), B = 0; element values from (seed, name, index) only */
+    for (int i = 0; i < a->ar.nslots; i++) {
+        const loom_slot *sl = &a->ar.slots[i];
+        if (strstr(sl->name, ".lora_B.")) continue;
+        double bound = 1.0 / sqrt((double)sl->shape[1]);
+        uint64_t key = loom_hash_str(sl->name);
+        float *w = a->ar.w + sl->off;
+        for (int64_t r = 0; r < sl->rows; r++)
+            for (int64_t k = 0; k < sl->cols; k++) {
+                uint64_t idx = (uint64_t)((sl->row0 + r) * sl->shape[1] + sl->col0 + k);
+                w[r * sl->cols + k] = (float)(bound * (2.0 * loom_rng_uniform(c->seed, key, idx) - 1.0));
+            }
+    }
+    freeze_base(m, a);
+    return LOOM_OK;
+}
+
+loom_status loom_model_set_adapter(loom_model *m, const char *name) {
+    if (!name) {
+        m->active = -1;
+        if (m->nadapters) m->active = -1; /* the base stays frozen */
+        loom_model_zero_grad(m);
+        return LOOM_OK;
+    }
+    loom_adapter *a = find(m, name);
+    if (!a) return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND, "the model has no adapter named '%s'", name);
+    m->active = (int)(a - m->adapters);
+    loom_model_zero_grad(m);
+    return LOOM_OK;
+}
+
+/* ---- PEFT files ---- */
+
+loom_status loom_model_load_adapter(loom_model *m, const char *name, const char *dir) {
+    loom_ctx *ctx = m->ctx;
+    char *cfgp = loom_path_join(ctx, dir, "adapter_config.json");
+    if (!cfgp) return LOOM_ERR_OOM;
+    loom_json *doc = NULL;
+    loom_safetensors *st = NULL;
+    loom_status s;
+    if (!loom_file_exists(cfgp)) {
+        s = loom_errf(ctx, LOOM_ERR_NOT_FOUND,
+                      "%s: not found (a PEFT adapter directory holds adapter_config.json and "
+                      "adapter_model.safetensors)",
+                      cfgp);
+        goto done;
+    }
+    if ((s = loom_json_parse_file(ctx, cfgp, &doc))) goto done;
+    const char *ptype = NULL;
+    if ((s = loom_json_get_str_opt(ctx, doc, "peft_type", cfgp, &ptype))) goto done;
+    if (ptype && strcmp(ptype, "LORA")) {
+        s = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: peft_type %s: loom reads LoRA adapters only",
+                      cfgp, ptype);
+        goto done;
+    }
+    int64_t r = 0;
+    double alpha = 0, dropout = 0;
+    bool rslora = false, dora = false, fifo = false;
+    if ((s = loom_json_get_int(ctx, doc, "r", cfgp, &r))) goto done;
+    alpha = (double)r;
+    if ((s = loom_json_get_num_opt(ctx, doc, "lora_alpha", cfgp, &alpha)) ||
+        (s = loom_json_get_num_opt(ctx, doc, "lora_dropout", cfgp, &dropout)) ||
+        (s = loom_json_get_bool_opt(ctx, doc, "use_rslora", cfgp, &rslora)) ||
+        (s = loom_json_get_bool_opt(ctx, doc, "use_dora", cfgp, &dora)) ||
+        (s = loom_json_get_bool_opt(ctx, doc, "fan_in_fan_out", cfgp, &fifo)))
+        goto done;
+    const char *unsupported = dora ? "use_dora" : fifo ? "fan_in_fan_out" : NULL;
+    static const char *const must_be_empty[] = {"rank_pattern", "alpha_pattern", "modules_to_save",
+                                                "layers_to_transform", "target_parameters"};
+    for (size_t i = 0; !unsupported && i < sizeof must_be_empty / sizeof must_be_empty[0]; i++) {
+        const loom_json *v = loom_json_get(doc, must_be_empty[i]);
+        if (v && v->type != LOOM_JSON_NULL && !((v->type == LOOM_JSON_OBJECT ||
+                                                 v->type == LOOM_JSON_ARRAY) && v->n == 0))
+            unsupported = must_be_empty[i];
+    }
+    const char *bias = NULL;
+    if ((s = loom_json_get_str_opt(ctx, doc, "bias", cfgp, &bias))) goto done;
+    if (!unsupported && bias && strcmp(bias, "none")) unsupported = "bias";
+    if (unsupported) {
+        s = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                      "%s: %s is set; loom reads plain LoRA adapters (no DoRA, per-module ranks, "
+                      "extra trained modules or biases)",
+                      cfgp, unsupported);
+        goto done;
+    }
+    /* target_modules: a list of names or "all-linear" */
+    const loom_json *tm = loom_json_get(doc, "target_modules");
+    char targets[256] = "";
+    if (tm && tm->type == LOOM_JSON_STRING) {
+        snprintf(targets, sizeof targets, "%s", tm->s);
+    } else if (tm && tm->type == LOOM_JSON_ARRAY) {
+        for (size_t i = 0; i < tm->n; i++) {
+            if (tm->items[i]->type != LOOM_JSON_STRING) {
+                s = loom_errf(ctx, LOOM_ERR_CONFIG, "%s: target_modules must hold strings", cfgp);
+                goto done;
+            }
+            snprintf(targets + strlen(targets), sizeof targets - strlen(targets), "%s%s",
+                     i ? "," : "", tm->items[i]->s);
+        }
+    } else {
+        s = loom_errf(ctx, LOOM_ERR_CONFIG,
+                      "%s: target_modules must be a list of module names or \"all-linear\"",
+                      cfgp);
+        goto done;
+    }
+    bool target[LOOM_LORA_NMOD];
+    if ((s = parse_targets(ctx, targets, target))) {
+        loom_err_prefix(ctx, "%s", cfgp);
+        goto done;
+    }
+    if (r > 1 << 20) {
+        s = loom_errf(ctx, LOOM_ERR_CONFIG, "%s: r=%lld is too large", cfgp, (long long)r);
+        goto done;
+    }
+    if ((s = loom_st_open_dir(ctx, dir, "adapter_model", &st))) goto done;
+    /* every tensor of the file must be one the config implies, and the
+     * other way round, with the shapes the base model gives */
+    loom_adapter *a;
+    if ((s = adapter_new(m, name, (int)r, alpha, dropout, rslora, target, &a))) goto done;
+    int found = 0;
+    for (size_t i = 0; i < loom_st_count(st) && !s; i++) {
+        const loom_st_tensor *t = loom_st_at(st, i);
+        /* the expected global shape, from the name */
+        long long l;
+        char mod[32], ab;
+        int n = 0;
+        bool known = sscanf(t->name, "base_model.model.model.layers.%lld.%*[a-z_].%31[a-z_].lora_%c.weight%n",
+                            &l, mod, &ab, &n) == 3 && t->name[n] == 0 && l >= 0 && l < m->L;
+        int k = 0;
+        while (known && k < LOOM_LORA_NMOD && strcmp(mod_name[k], mod)) k++;
+        if (!known || k == LOOM_LORA_NMOD || !target[k] || (ab != 'A' && ab != 'B')) {
+            s = loom_errf(ctx, LOOM_ERR_FORMAT,
+                          "%s: tensor %s is not a LoRA weight of the modules adapter_config.json "
+                          "targets on this %lld-layer model",
+                          dir, t->name, (long long)m->L);
+            break;
+        }
+        int64_t in, outf;
+        bool row_par;
+        mod_shape(m, k, &in, &outf, &row_par);
+        int64_t want0 = ab == 'A' ? r : outf, want1 = ab == 'A' ? in : r;
+        if (t->ndim != 2 || t->shape[0] != want0 || t->shape[1] != want1) {
+            s = loom_errf(ctx, LOOM_ERR_SHAPE,
+                          "%s: %s has shape [%lld, %lld], but r=%lld on this base model needs "
+                          "[%lld, %lld]; the adapter was made for another model",
+                          dir, t->name, (long long)t->shape[0],
+                          (long long)(t->ndim > 1 ? t->shape[1] : 0), (long long)r,
+                          (long long)want0, (long long)want1);
+            break;
+        }
+        if (t->dtype != LOOM_F32 && t->dtype != LOOM_BF16 && t->dtype != LOOM_F64 &&
+            t->dtype != LOOM_F16) {
+            s = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: %s is %s; LoRA weights must be floats", dir,
+                          t->name, loom_dtype_name(t->dtype));
+            break;
+        }
+        found++;
+        for (int j = 0; j < a->ar.nslots && !s; j++)
+            if (!strcmp(a->ar.slots[j].name, t->name))
+                s = loom_slot_read(ctx, t->data, t->dtype, &a->ar.slots[j],
+                                   a->ar.w + a->ar.slots[j].off);
+    }
+    int want = 0;
+    for (int k = 0; k < LOOM_LORA_NMOD; k++) want += target[k] ? 2 * (int)m->L : 0;
+    if (!s && found != want)
+        s = loom_errf(ctx, LOOM_ERR_FORMAT,
+                      "%s: adapter_model.safetensors holds %d LoRA weights, but its config "
+                      "targets %d on this %lld-layer model",
+                      dir, found, want, (long long)m->L);
+    if (s) {
+        adapter_free(&m->adapters[--m->nadapters]);
+        goto done;
+    }
+    freeze_base(m, a);
+done:
+    loom_st_close(st);
+    loom_json_free(doc);
+    free(cfgp);
+    return s;
+}
+
+/* The i-th tensor of adapter a over the whole model: layers in order, modules
+ * in order, A then B. */
+static bool global_tensor(const loom_model *m, const loom_adapter *a, int64_t i, char *buf,
+                          size_t cap, int64_t shape[2]) {
+    int nt = 0;
+    for (int k = 0; k < LOOM_LORA_NMOD; k++) nt += a->target[k];
+    if (i < 0 || i >= m->L * nt * 2) return false;
+    int64_t l = i / (nt * 2), rem = i % (nt * 2);
+    int k = -1, j = (int)(rem / 2);
+    while (j >= 0) {
+        k++;
+        if (a->target[k]) j--;
+    }
+    int ab = (int)(rem % 2);
+    int64_t in, outf;
+    bool row_par;
+    mod_shape(m, k, &in, &outf, &row_par);
+    snprintf(buf, cap, "base_model.model.model.layers.%lld.%s.%s.lora_%c.weight", (long long)l,
+             mod_path[k], mod_name[k], ab ? 'B' : 'A');
+    shape[0] = ab ? outf : a->r;
+    shape[1] = ab ? a->r : in;
+    return true;
+}
+
+const char *loom_model_adapter_tensor(loom_model *m, const char *name, int64_t i, char *buf,
+                                      size_t cap, int64_t shape[2]) {
+    loom_adapter *a = name ? find(m, name) : (m->active >= 0 ? &m->adapters[m->active] : NULL);
+    if (!a || !global_tensor(m, a, i, buf, cap, shape)) return NULL;
+    return buf;
+}
+
+/* An adapter tensor's arena, name in the arena and shape, from its PEFT
+ * name with or without ".<adapter>" before ".weight". */
+loom_status loom_lora_find(loom_model *m, const char *name, loom_arena **ar, char *key,
+                           size_t cap, int64_t *rows, int64_t *cols) {
+    const char *lw = strstr(name, ".lora_");
+    loom_adapter *a = m->active >= 0 ? &m->adapters[m->active] : NULL;
+    snprintf(key, cap, "%s", name);
+    if (lw && strlen(lw) > 14 && lw[7] == '.') { /* ".lora_A.<adapter>.weight" */
+        const char *an = lw + 8, *end = strstr(an, ".weight");
+        if (end && end[7] == 0 && end > an) {
+            char aname[128];
+            snprintf(aname, sizeof aname, "%.*s", (int)(end - an), an);
+            a = find(m, aname);
+            snprintf(key, cap, "%.*s.weight", (int)(an - 1 - name), name);
+        }
+    }
+    if (!a) return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND, "the model has no parameter named %s", name);
+    char buf[256];
+    int64_t shape[2];
+    for (int64_t i = 0; global_tensor(m, a, i, buf, sizeof buf, shape); i++)
+        if (!strcmp(buf, key)) {
+            *ar = &a->ar;
+            *rows = shape[0];
+            *cols = shape[1];
+            return LOOM_OK;
+        }
+    return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND, "adapter '%s' has no tensor %s", a->name, key);
+}
+
+loom_status loom_model_save_adapter(loom_model *m, const char *name, const char *dir,
+                                    loom_dtype dtype) {
+    loom_ctx *ctx = m->ctx;
+    loom_adapter *a = find(m, name);
+    if (!a) return loom_errf(ctx, LOOM_ERR_NOT_FOUND, "the model has no adapter named '%s'", name);
+    if (dtype == LOOM_DTYPE_COUNT) dtype = LOOM_F32;
+    if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16 && dtype != LOOM_F64)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "adapters are saved as F32, BF16, F16 or F64");
+    const bool writer = m->mesh->rank == 0;
+    loom_status st = LOOM_OK;
+    loom_st_writer *w = NULL;
+    char buf[256];
+    int64_t shape[2];
+    if (writer) {
+        if ((st = loom_mkdirs(ctx, dir))) return st;
+        loom_json *meta = loom_json_new_object(ctx);
+        if (!meta) return LOOM_ERR_OOM;
+        if (!(st = loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt"))))
+            st = loom_st_writer_create(ctx, dir, "adapter_model", 0, meta, &w);
+        loom_json_free(meta);
+        for (int64_t i = 0; !st && global_tensor(m, a, i, buf, sizeof buf, shape); i++)
+            st = loom_st_writer_declare(ctx, w, buf, dtype, 2, shape);
+    }
+    float *t = NULL;
+    for (int64_t i = 0; global_tensor(m, a, i, buf, sizeof buf, shape); i++) {
+        float *nt = realloc(t, sizeof *t * (size_t)(shape[0] * shape[1]));
+        if (!nt) {
+            free(t);
+            loom_st_writer_free(w);
+            return loom_errf(ctx, LOOM_ERR_OOM, "out of memory saving %s", buf);
+        }
+        t = nt;
+        loom_status gs = loom_gather_full(m, &a->ar, buf, shape[0], shape[1], false, 1.0f, t);
+        if (gs) {
+            free(t);
+            loom_st_writer_free(w);
+            return gs;
+        }
+        if (writer && !st) st = loom_st_writer_write(ctx, w, buf, LOOM_F32, t);
+    }
+    free(t);
+    if (!writer) return LOOM_OK;
+    if (!st) st = loom_st_writer_finish(ctx, w);
+    loom_st_writer_free(w);
+    if (st) return st;
+    /* adapter_config.json: what PEFT needs to load it */
+    loom_json *c = loom_json_new_object(ctx), *tm = loom_json_new_array(ctx);
+    if (!c || !tm) {
+        loom_json_free(c);
+        loom_json_free(tm);
+        return LOOM_ERR_OOM;
+    }
+    for (int k = 0; k < LOOM_LORA_NMOD; k++)
+        if (a->target[k]) loom_json_push(ctx, tm, loom_json_new_str(ctx, mod_name[k]));
+    struct {
+        const char *k;
+        loom_json *v;
+    } kv[] = {
+        {"peft_type", loom_json_new_str(ctx, "LORA")},
+        {"task_type", loom_json_new_str(ctx, "CAUSAL_LM")},
+        {"base_model_name_or_path", loom_json_new_str(ctx, m->cfg.model_type)},
+        {"r", loom_json_new_int(ctx, a->r)},
+        {"lora_alpha", loom_json_new_num(ctx, a->alpha)},
+        {"lora_dropout", loom_json_new_num(ctx, a->dropout)},
+        {"target_modules", tm},
+        {"use_rslora", loom_json_new_bool(ctx, a->rslora)},
+        {"use_dora", loom_json_new_bool(ctx, false)},
+        {"bias", loom_json_new_str(ctx, "none")},
+        {"fan_in_fan_out", loom_json_new_bool(ctx, false)},
+        {"inference_mode", loom_json_new_bool(ctx, true)},
+        {"init_lora_weights", loom_json_new_bool(ctx, true)},
+        {"modules_to_save", loom_json_new_null(ctx)},
+    };
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0] && !st; i++)
+        st = kv[i].v ? loom_json_set(ctx, c, kv[i].k, kv[i].v) : LOOM_ERR_OOM;
+    loom_sb sb;
+    loom_sb_init(&sb);
+    if (!st) st = loom_json_write(ctx, c, 2, &sb);
+    loom_json_free(c);
+    char *text = loom_sb_take(&sb);
+    char *path = loom_path_join(ctx, dir, "adapter_config.json");
+    if (!st && text && path) st = loom_write_file_atomic(ctx, path, text, strlen(text));
+    free(text);
+    free(path);
+    return st;
+}
+
+/* ---- merge ---- */
+
+static loom_status merge(loom_model *m, const char *name, float sign) {
+    loom_adapter *a = find(m, name);
+    if (!a) return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND, "the model has no adapter named '%s'", name);
+    if (a->merged == (sign > 0))
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG, "adapter '%s' is %s merged", name,
+                         a->merged ? "already" : "not");
+    /* every rank's base block and its A, B blocks fit: W_l += s B_l A_l */
+    for (int64_t l = 0; l < m->L; l++) {
+        const loom_layer_slots *ls = &m->layer[l];
+        const int base[LOOM_LORA_NMOD] = {ls->wq, ls->wk, ls->wv, ls->wo, ls->wg, ls->wu, ls->wd};
+        for (int k = 0; k < LOOM_LORA_NMOD; k++) {
+            if (a->slot[l][k][0] < 0) continue;
+            const loom_slot *A = &a->ar.slots[a->slot[l][k][0]], *B = &a->ar.slots[a->slot[l][k][1]];
+            const loom_slot *W = &m->base.slots[base[k]];
+            LOOM_ASSERT(W->rows == B->rows && W->cols == A->cols);
+            loom_cpu_sgemm(false, false, W->rows, W->cols, a->r, sign * a->scale, a->ar.w + B->off,
+                           a->r, a->ar.w + A->off, A->cols, 1.0f, m->base.w + W->off, W->cols);
+        }
+    }
+    a->merged = sign > 0;
+    return LOOM_OK;
+}
+
+loom_status loom_model_merge_adapter(loom_model *m, const char *name) { return merge(m, name, 1.0f); }
+loom_status loom_model_unmerge_adapter(loom_model *m, const char *name) {
+    return merge(m, name, -1.0f);
+}
+
+/* ---- forward and backward ---- */
+
+static bool lora_on(loom_model *m, int64_t l, int mod, loom_adapter **ad, const loom_slot **A,
+                    const loom_slot **B) {
+    loom_adapter *a = loom_model_lora(m);
+    if (!a || a->slot[l][mod][0] < 0) return false;
+    *ad = a;
+    *A = &a->ar.slots[a->slot[l][mod][0]];
+    *B = &a->ar.slots[a->slot[l][mod][1]];
+    return true;
+}
+
+void loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod, const float *x,
+                   int64_t T, float *y) {
+    loom_adapter *a;
+    const loom_slot *A, *B;
+    if (!lora_on(m, l, mod, &a, &A, &B)) return;
+    const int64_t r = a->r, in = A->cols, out = B->rows;
+    float *u = act->lora_u + ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
+    loom_cpu_sgemm(false, true, T, r, in, 1.0f, x, in, a->ar.w + A->off, in, 0.0f, u, r);
+    loom_cpu_sgemm(false, true, T, out, r, a->scale, u, r, a->ar.w + B->off, r, 1.0f, y, out);
+}
+
+void loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod, const float *x,
+                   int64_t T, const float *dy, float *dx) {
+    loom_adapter *a;
+    const loom_slot *A, *B;
+    if (!lora_on(m, l, mod, &a, &A, &B)) return;
+    const int64_t r = a->r, in = A->cols, out = B->rows;
+    const float *u = act->lora_u + ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
+    float *du = m->lora_du;
+    const float *Aw = a->ar.w + A->off, *Bw = a->ar.w + B->off;
+    /* dB += s dy^T u; du = s dy B; dA += du^T x; dx += du A */
+    loom_cpu_sgemm(true, false, out, r, T, a->scale, dy, out, u, r, 1.0f, a->ar.g + B->off, r);
+    loom_cpu_sgemm(false, false, T, r, out, a->scale, dy, out, Bw, r, 0.0f, du, r);
+    loom_cpu_sgemm(true, false, r, in, T, 1.0f, du, r, x, in, 1.0f, a->ar.g + A->off, in);
+    loom_cpu_sgemm(false, false, T, in, r, 1.0f, du, r, Aw, in, 1.0f, dx, in);
+}
