@@ -107,17 +107,32 @@ static float *out_buf(golden_out *o, size_t n) {
     return o->buf;
 }
 
+/* The i-th trainable tensor: the base model's, or with an adapter loaded
+ * ("default"), the adapter's under PEFT's parameter names
+ * (...lora_A.default.weight). NULL past the end. */
+static const char *trainable_tensor(loom_model *m, bool lora, int64_t i, char *buf, size_t cap,
+                                    int *nd, int64_t shape[2]) {
+    if (!lora) {
+        const char *n = loom_model_tensor_name(m, i, nd, shape);
+        if (n) snprintf(buf, cap, "%s", n);
+        return n ? buf : NULL;
+    }
+    char tmp[512];
+    if (!loom_model_adapter_tensor(m, "default", i, tmp, sizeof tmp, shape)) return NULL;
+    *nd = 2;
+    snprintf(buf, cap, "%.*s.default.weight", (int)(strlen(tmp) - 7), tmp);
+    return buf;
+}
+
 /* Gathers every parameter's gradient (grads) or value and writes it as
  * prefix<name>. */
 static loom_status write_tensors(loom_ctx *ctx, loom_model *m, golden_out *o, const char *prefix,
-                                 bool grads) {
-    loom_model_info info;
-    loom_model_get_info(m, &info);
-    char name[512];
-    for (int64_t i = 0; i < info.num_tensors; i++) {
-        int nd;
-        int64_t shape[2];
-        const char *pn = loom_model_tensor_name(m, i, &nd, shape);
+                                 bool grads, bool lora) {
+    char name[600], pbuf[512];
+    int nd;
+    int64_t shape[2];
+    const char *pn;
+    for (int64_t i = 0; (pn = trainable_tensor(m, lora, i, pbuf, sizeof pbuf, &nd, shape)); i++) {
         int64_t n = nd == 2 ? shape[0] * shape[1] : shape[0];
         float *g = out_buf(o, (size_t)n);
         if (!g) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering %s", pn);
@@ -130,7 +145,7 @@ static loom_status write_tensors(loom_ctx *ctx, loom_model *m, golden_out *o, co
 }
 
 static loom_status declare_all(loom_ctx *ctx, loom_model *m, golden_out *o, const golden_in *in,
-                               int64_t steps) {
+                               int64_t steps, bool lora) {
     loom_model_info info;
     loom_model_get_info(m, &info);
     int64_t sh3[3] = {in->rows, in->seq, info.vocab_size}, sh2[2] = {in->rows, in->seq};
@@ -139,16 +154,17 @@ static loom_status declare_all(loom_ctx *ctx, loom_model *m, golden_out *o, cons
     if (!s) s = loom_st_writer_declare(ctx, o->w, "token_logprobs", LOOM_F32, 2, sh2);
     if (!s) s = loom_st_writer_declare(ctx, o->w, "entropy", LOOM_F32, 2, sh2);
     if (!s) s = loom_st_writer_declare(ctx, o->w, "loss", LOOM_F32, 0, NULL);
-    char name[512];
+    char name[600], pbuf[512];
     for (int pass = 0; pass < (steps ? 2 : 1) && !s; pass++) {
         if (pass) {
             s = loom_st_writer_declare(ctx, o->w, "adamw_losses", LOOM_F64, 1, shs);
             if (!s) s = loom_st_writer_declare(ctx, o->w, "adamw_grad_norms", LOOM_F64, 1, shs);
         }
-        for (int64_t i = 0; i < info.num_tensors && !s; i++) {
-            int nd;
-            int64_t shape[2];
-            const char *pn = loom_model_tensor_name(m, i, &nd, shape);
+        int nd;
+        int64_t shape[2];
+        const char *pn;
+        for (int64_t i = 0; !s && (pn = trainable_tensor(m, lora, i, pbuf, sizeof pbuf, &nd, shape));
+             i++) {
             snprintf(name, sizeof name, "%s%s", pass ? "final." : "grad.", pn);
             s = loom_st_writer_declare(ctx, o->w, name, LOOM_F32, nd, shape);
         }
@@ -222,6 +238,8 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
     loom_model_options mo;
     loom_cli_model_options(s, &mo);
     if ((st = loom_model_create_in(ctx, s->model, &mo, world, &m))) goto done;
+    const bool lora = s->adapter != NULL;
+    if (lora && (st = loom_model_load_adapter(m, "default", s->adapter))) goto done;
     loom_optimizer_config oc = {.lr = s->lr, .beta1 = s->adam_beta1, .beta2 = s->adam_beta2,
                                 .eps = s->adam_eps, .weight_decay = s->weight_decay};
     if ((st = loom_model_set_optimizer(m, &oc))) goto done;
@@ -253,7 +271,7 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
     const double loss = fr.loss;
     if (loom_model_rank(m) == 0) {
         if ((st = out_open(ctx, s->out, &o))) goto done;
-        if ((st = declare_all(ctx, m, &o, &in, s->steps))) goto done;
+        if ((st = declare_all(ctx, m, &o, &in, s->steps, lora))) goto done;
         float lossf = (float)loss;
         if ((st = loom_st_writer_write(ctx, o.w, "logits", LOOM_F32, logits)) ||
             (st = loom_st_writer_write(ctx, o.w, "token_logprobs", LOOM_F32, tlp)) ||
@@ -261,7 +279,7 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
             (st = loom_st_writer_write(ctx, o.w, "loss", LOOM_F32, &lossf)))
             goto done;
     }
-    if ((st = write_tensors(ctx, m, &o, "grad.", true))) goto done;
+    if ((st = write_tensors(ctx, m, &o, "grad.", true, lora))) goto done;
     /* AdamW steps on the same batch: the gradients above are the first step's */
     for (int64_t k = 0; k < s->steps; k++) {
         if (k && (st = accumulate(m, &in, s->accumulation_steps, s->num_micro_batches, false, 0,
@@ -284,7 +302,7 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
         if (o.w && ((st = loom_st_writer_write(ctx, o.w, "adamw_losses", LOOM_F64, losses)) ||
                     (st = loom_st_writer_write(ctx, o.w, "adamw_grad_norms", LOOM_F64, norms))))
             goto done;
-        if ((st = write_tensors(ctx, m, &o, "final.", false))) goto done;
+        if ((st = write_tensors(ctx, m, &o, "final.", false, lora))) goto done;
     }
     if (o.w && (st = loom_st_writer_finish(ctx, o.w))) goto done;
     char mesh[128];

@@ -76,6 +76,27 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     LOOM_LOG_I(ctx, "model %s: %s, %" PRId64 " layers, hidden %" PRId64 ", vocab %" PRId64
                ", %s parameters", s->model, info.model_type, info.num_layers, info.hidden_size,
                info.vocab_size, loom_fmt_int(nb, info.num_params));
+    if (s->adapter && s->lora_r) {
+        st = loom_errf(ctx, LOOM_ERR_CONFIG,
+                       "give --adapter DIR (continue an adapter) or --lora-r R (a fresh one), "
+                       "not both");
+        goto done;
+    }
+    if (s->adapter) {
+        if ((st = loom_model_load_adapter(m, "default", s->adapter))) goto done;
+        LOOM_LOG_I(ctx, "LoRA adapter %s loaded; the base model is frozen", s->adapter);
+    } else if (s->lora_r) {
+        loom_lora_config lc = {.r = (int)s->lora_r, .lora_alpha = s->lora_alpha,
+                               .target_modules = s->lora_target, .use_rslora = s->use_rslora,
+                               .seed = 1234};
+        if ((st = loom_model_add_adapter(m, "default", &lc))) goto done;
+        LOOM_LOG_I(ctx, "LoRA r=%d alpha=%g on %s; the base model is frozen", lc.r,
+                   lc.lora_alpha > 0 ? lc.lora_alpha : lc.r, s->lora_target);
+    } else if (s->save_adapter || s->merge_lora) {
+        st = loom_errf(ctx, LOOM_ERR_CONFIG,
+                       "--save-adapter and --merge-lora need an adapter (--lora-r or --adapter)");
+        goto done;
+    }
     if ((st = loom_tokfile_open(ctx, s->data, &tf))) goto done;
     if ((int64_t)loom_tokfile_max_id(tf) >= info.vocab_size) {
         st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
@@ -117,6 +138,15 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     double total = now_s() - t_start;
     LOOM_LOG_I(ctx, "trained %" PRId64 " steps in %.1f s (%.0f tokens/s): loss %.4f -> %.4f",
                s->train_steps, total, (double)tokens_total / total, first_loss, last_loss);
+    bool lora = s->adapter || s->lora_r;
+    if (s->save_adapter) {
+        if ((st = loom_model_save_adapter(m, "default", s->save_adapter, LOOM_F32))) goto done;
+        LOOM_LOG_I(ctx, "wrote adapter %s", s->save_adapter);
+    }
+    if (lora && s->merge_lora && (st = loom_model_merge_adapter(m, "default"))) goto done;
+    if (lora && s->save_hf && !s->merge_lora)
+        LOOM_LOG_W(ctx, "--save-hf writes the frozen base model; add --merge-lora to fold the "
+                        "adapter in, or use --save-adapter");
     if (s->save_hf) {
         loom_dtype dt = loom_cli_save_dtype(s, LOOM_DTYPE_COUNT);
         if ((st = loom_model_save_hf(m, s->save_hf, dt, (uint64_t)s->max_shard_size))) goto done;

@@ -191,3 +191,46 @@ TEST(cli_golden_refuses_bad_batches) {
     }
     loom_ctx_free(ctx);
 }
+
+/* LoRA from the command line: a fresh adapter trains (the loss falls), is
+ * saved as PEFT files, continues from them, and merges into an HF export. */
+TEST(cli_train_lora) {
+    char model[1024], text[1024], data[1024], adapter[1024], merged[1024], *out;
+    tmp_path(model, sizeof model, "tiny");
+    tmp_path(text, sizeof text, "corpus.txt");
+    tmp_path(data, sizeof data, "corpus.tokens");
+    tmp_path(adapter, sizeof adapter, "adapter");
+    tmp_path(merged, sizeof merged, "merged");
+    FILE *f = fopen(text, "w");
+    REQUIRE(f);
+    for (int i = 0; i < 30; i++) fprintf(f, "abc abc abc %d\n\n", i % 3);
+    fclose(f);
+    REQUIRE(RUN(&out, "init", "--out", model, "--log-level", "warn") == 0);
+    free(out);
+    REQUIRE(RUN(&out, "data", "--text", text, "--out", data) == 0);
+    free(out);
+    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data, "--train-steps", "12",
+                     "--seq-len", "32", "--global-batch-size", "4", "--lr", "1e-2", "--lora-r",
+                     "8", "--lora-alpha", "16", "--save-adapter", adapter),
+                 0);
+    CHECK_CONTAINS(out, "LoRA r=8 alpha=16 on all-linear");
+    double first = loss_at(out, "step 1/12"), last = loss_at(out, "step 12/12");
+    CHECK_MSG(last < first - 0.5, "LoRA loss %g -> %g does not fall", first, last);
+    free(out);
+    char p[1100];
+    snprintf(p, sizeof p, "%s/adapter_config.json", adapter);
+    CHECK(loom_file_exists(p));
+    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data, "--train-steps", "2",
+                     "--seq-len", "32", "--global-batch-size", "4", "--adapter", adapter,
+                     "--merge-lora", "--save-hf", merged),
+                 0);
+    CHECK_CONTAINS(out, "loaded; the base model is frozen");
+    free(out);
+    CHECK_EQ_INT(RUN(&out, "inspect", merged), 0);
+    free(out);
+    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data, "--lora-r", "4",
+                     "--lora-target", "q_proj,bogus"),
+                 1);
+    CHECK_CONTAINS(out, "'bogus' is not one loom knows");
+    free(out);
+}

@@ -73,6 +73,14 @@ typedef struct loom_settings {
     bool sequence_parallel;
     /* golden */
     int64_t num_micro_batches, steps, accumulation_steps;
+    /* LoRA */
+    char *adapter;         /* PEFT adapter directory to load (train: continue it) */
+    int64_t lora_r;        /* train: add a fresh adapter of this rank (0: full fine-tuning) */
+    double lora_alpha;
+    char *lora_target;
+    bool use_rslora;
+    char *save_adapter;    /* train: write the adapter here (PEFT) */
+    bool merge_lora;       /* train: --save-hf writes the base with the adapter merged */
     loom_opt_source src[96]; /* where each row's value came from, by row index */
 } loom_settings;
 
