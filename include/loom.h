@@ -256,7 +256,7 @@ loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int
 typedef struct loom_lora_config {
     int r;                       /* rank, >= 1 */
     double lora_alpha;           /* default: r (scale 1) when 0 */
-    double lora_dropout;         /* only 0 is supported for now */
+    double lora_dropout;         /* in [0, 1): dropout on the adapter input while training */
     const char *target_modules;  /* NULL: "all-linear" */
     int use_rslora;
     uint64_t seed;

@@ -252,8 +252,9 @@ TEST(lora_bad_adapters_are_refused) {
     CHECK(loom_model_add_adapter(m, "a", &c) == LOOM_ERR_CONFIG);
     CHECK_CONTAINS(loom_last_error(ctx), "r=0 must be >= 1");
     c.r = 8;
-    c.lora_dropout = 0.1;
-    CHECK(loom_model_add_adapter(m, "a", &c) == LOOM_ERR_UNSUPPORTED);
+    c.lora_dropout = 1.0;
+    CHECK(loom_model_add_adapter(m, "a", &c) == LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "lora_dropout=1 must lie in [0, 1)");
     /* an adapter whose shapes do not fit: the fixture's weights (r=4) under a
      * config that says r=8 */
     char dir[1024], p[1100], q[1100];
@@ -318,6 +319,78 @@ TEST(lora_fresh_adapter_starts_at_the_base) {
     CHECK(sr.stepped && sr.grad_norm > 0);
     REQUIRE_OK(ctx, loom_model_forward_only(m, &b, 1, NULL, NULL, NULL, &r2));
     CHECK(r2.loss < r1.loss);
+    loom_model_free(m);
+    loom_ctx_free(ctx);
+}
+
+/* Dropout on the adapter input: off in forward_only, on in forward_backward
+ * (a new mask each call), and the gradient is the gradient of the loss under
+ * the mask (central finite differences on A and B elements, the mask held). */
+TEST(lora_dropout_gradient) {
+    loom_ctx *ctx;
+    loom_ctx_create(&ctx);
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char base[1024];
+    snprintf(base, sizeof base, "%s/models/tiny-qwen2", loom_test_fixtures());
+    loom_model *m;
+    REQUIRE_OK(ctx, loom_model_create(ctx, base, NULL, &m));
+    loom_lora_config c = {.r = 4, .lora_alpha = 8, .lora_dropout = 0.3, .seed = 5};
+    REQUIRE_OK(ctx, loom_model_add_adapter(m, "d", &c));
+    /* B starts at zero: give it values so that A matters */
+    loom_adapter *ad = &m->adapters[0];
+    for (int i = 0; i < ad->ar.nslots; i++)
+        if (strstr(ad->ar.slots[i].name, "lora_B"))
+            for (size_t k = 0; k < ad->ar.slots[i].numel; k++)
+                ad->ar.w[ad->ar.slots[i].off + k] = 0.05f * (float)((k * 7919) % 13) - 0.3f;
+    int32_t ids[24], tgt[24];
+    for (int i = 0; i < 24; i++) ids[i] = (i * 53 + 7) % 1000;
+    for (int i = 0; i < 24; i++) tgt[i] = i + 1 < 24 ? ids[i + 1] : -100;
+    loom_batch b = {.rows = 2, .seq_len = 12, .input_ids = ids, .targets = tgt};
+    loom_fb_result r0, r1, r2, e0;
+    REQUIRE_OK(ctx, loom_model_forward_only(m, &b, 1, NULL, NULL, NULL, &e0));
+    REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, 1, &r1));
+    REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, 1, &r2));
+    CHECK_MSG(r1.loss != r2.loss, "two calls drew the same dropout mask");
+    CHECK_MSG(r1.loss != e0.loss, "dropout changed nothing");
+    REQUIRE_OK(ctx, loom_model_forward_only(m, &b, 1, NULL, NULL, NULL, &r0));
+    CHECK(r0.loss == e0.loss); /* no dropout outside training */
+    /* gradient at a fixed mask */
+    loom_model_zero_grad(m);
+    m->dropout_calls = 40; /* the call counts 41 */
+    REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, 1, &r1));
+    const char *names[] = {"base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight",
+                           "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight",
+                           "base_model.model.model.layers.2.mlp.gate_proj.lora_B.weight"};
+    for (int k = 0; k < 3; k++) {
+        const loom_slot *sl = NULL;
+        for (int i = 0; i < ad->ar.nslots; i++)
+            if (!strcmp(ad->ar.slots[i].name, names[k])) sl = &ad->ar.slots[i];
+        REQUIRE(sl);
+        int64_t n = (int64_t)sl->numel;
+        float *g = malloc((size_t)n * 4);
+        REQUIRE_OK(ctx, loom_model_get_grad(m, names[k], g, n));
+        for (int e = 0; e < 3; e++) {
+            int64_t idx = (e * 37 + 5) % n;
+            float *w = ad->ar.w + sl->off + idx, w0 = *w;
+            const float h = 1e-2f;
+            double lp, lm;
+            loom_fb_result rr;
+            *w = w0 + h;
+            m->dropout_calls = 40; /* the call below counts 41 */
+            REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, 1, &rr));
+            lp = rr.loss;
+            *w = w0 - h;
+            m->dropout_calls = 40;
+            REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, 1, &rr));
+            lm = rr.loss;
+            *w = w0;
+            double fd = (lp - lm) / (2 * h);
+            CHECK_MSG(fabs(fd - g[idx]) <= 2e-3 * fmax(fabs(fd), 1e-2),
+                      "%s[%lld]: finite difference %.6g vs gradient %.6g", names[k],
+                      (long long)idx, fd, g[idx]);
+        }
+        free(g);
+    }
     loom_model_free(m);
     loom_ctx_free(ctx);
 }

@@ -6,6 +6,7 @@
  * fixture within 1e-4 (relative L2: see test_model.c) and the per-step
  * losses within 1e-4. */
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "../src/io/safetensors.h"
@@ -359,5 +360,48 @@ TEST(parallel_lora_layouts) {
         snprintf(lay, sizeof lay, "%s %s", extra, layouts[i].layout);
         check_layout_fx("tiny-qwen3", "tiny-qwen3-lora", batch, one, layouts[i].np, lay, true,
                         true);
+    }
+}
+
+/* LoRA dropout draws its mask from each element's place in the global
+ * batch and the full input, so every layout drops the same elements: the
+ * loss and gradients still equal the one-process run. */
+TEST(parallel_lora_dropout_layouts) {
+    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    mpi_env();
+    char mdir[1024], batch[1024], adir[1024], src[1100], dst[1100], extra[1200], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(batch, sizeof batch, "%s/golden/tiny-qwen3-lora.safetensors", loom_test_fixtures());
+    snprintf(adir, sizeof adir, "%s/dropout-adapter", loom_test_tmpdir());
+    mkdir(adir, 0755);
+    snprintf(src, sizeof src, "%s/models/tiny-qwen3-lora/adapter_model.safetensors",
+             loom_test_fixtures());
+    snprintf(dst, sizeof dst, "%s/adapter_model.safetensors", adir);
+    FILE *a = fopen(src, "rb"), *b = fopen(dst, "wb");
+    REQUIRE(a && b);
+    char buf[65536];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, a)) > 0) fwrite(buf, 1, n, b);
+    fclose(a);
+    fclose(b);
+    snprintf(dst, sizeof dst, "%s/adapter_config.json", adir);
+    b = fopen(dst, "w");
+    REQUIRE(b);
+    fputs("{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"lora_dropout\": 0.2, "
+          "\"target_modules\": \"all-linear\"}",
+          b);
+    fclose(b);
+    snprintf(extra, sizeof extra, "--adapter %s --weight-decay 0.01", adir);
+    const char *one = path_in_tmp("one-dropout.safetensors");
+    int rc = golden(0, mdir, batch, one, extra, &log);
+    CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+    free(log);
+    if (rc) return;
+    static const char *layouts[] = {"--tp 2", "--tp 2 --sequence-parallel", "--dp 2", "--pp 2",
+                                    "--cp 2"};
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+        char lay[1400];
+        snprintf(lay, sizeof lay, "%s %s", extra, layouts[i]);
+        check_layout_fx("tiny-qwen3", "tiny-qwen3-lora", batch, one, 2, lay, false, true);
     }
 }

@@ -385,6 +385,7 @@ loom_status loom_chunk_forward(loom_model *m, int c, loom_acts *a, const loom_mi
     const loom_chunk *ch = &m->chunks[c];
     *loss_sum = 0.0;
     *n_tokens = 0;
+    m->cur_mb = mb;
     if (ch->first) CK(embed_fwd(m, mb, a->x));
     for (int64_t i = 0; i < ch->nl; i++) CK(layer_fwd(m, a, i, ch->l0 + i, mb));
     if (ch->last)
@@ -394,6 +395,7 @@ loom_status loom_chunk_forward(loom_model *m, int c, loom_acts *a, const loom_mi
 
 loom_status loom_chunk_backward(loom_model *m, int c, loom_acts *a, const loom_micro *mb) {
     const loom_chunk *ch = &m->chunks[c];
+    m->cur_mb = mb;
     if (ch->last) memcpy(m->dx, a->dstash, (size_t)(m->Tn * m->H) * sizeof *m->dx);
     for (int64_t i = ch->nl - 1; i >= 0; i--) CK(layer_bwd(m, a, i, ch->l0 + i, mb));
     if (ch->first) CK(embed_bwd(m, mb));

@@ -114,10 +114,8 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
     if (r <= 0)
         return loom_errf(ctx, LOOM_ERR_CONFIG, "LoRA rank r=%d must be >= 1 (8 or 16 are usual)",
                          r);
-    if (dropout != 0.0)
-        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                         "lora_dropout=%g: loom applies LoRA without dropout for now; set it to 0",
-                         dropout);
+    if (!(dropout >= 0.0 && dropout < 1.0))
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "lora_dropout=%g must lie in [0, 1)", dropout);
     if (!(alpha > 0.0) || !isfinite(alpha))
         return loom_errf(ctx, LOOM_ERR_CONFIG, "lora_alpha=%g must be a positive number", alpha);
     loom_adapter *na = realloc(m->adapters, sizeof *na * (size_t)(m->nadapters + 1));
@@ -196,6 +194,7 @@ loom_status loom_model_add_adapter(loom_model *m, const char *name, const loom_l
     double alpha = c->lora_alpha > 0 ? c->lora_alpha : c->r;
     if ((st = adapter_new(m, name, c->r, alpha, c->lora_dropout, c->use_rslora, target, &a)))
         return st;
+    a->seed = c->seed;
     /* PEFT's start: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform with
      * a = sqrt(5)), B = 0; element values from (seed, name, index) only */
     for (int i = 0; i < a->ar.nslots; i++) {
@@ -567,6 +566,36 @@ static bool lora_on(loom_model *m, int64_t l, int mod, loom_adapter **ad, const 
     return true;
 }
 
+/* Dropout on the adapter's input, as PEFT applies it (training only):
+ * element (token, feature) is kept with probability 1-p and scaled by
+ * 1/(1-p). The mask is a function of (seed, call, layer, module, the
+ * token's index in the global batch, the feature's index in the full
+ * input), so every mesh drops the same elements. out (T, in) = x * mask,
+ * or with `apply_to` the mask applied to out in place. */
+static bool dropout_on(const loom_model *m, const loom_adapter *a) {
+    return m->training && a->dropout > 0.0;
+}
+
+static void dropout_mask(const loom_model *m, const loom_adapter *a, int64_t l, int mod,
+                         const loom_slot *A, const float *x, int64_t T, float *out) {
+    const int64_t in = A->cols, full = A->shape[1];
+    const uint64_t key = loom_splitmix64(((uint64_t)l << 8) ^ (uint64_t)mod ^ 0x10a4ULL);
+    const uint64_t seed = a->seed ^ loom_splitmix64(m->dropout_calls);
+    const float keep_scale = (float)(1.0 / (1.0 - a->dropout));
+    const int32_t *qidx = m->cp == 1 ? NULL : m->perm + (int64_t)m->mesh->cp_rank * m->Tc;
+    const int64_t out0 = m->cur_mb->out0;
+#pragma omp parallel for schedule(static) if (T * in > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        uint64_t g = (uint64_t)(out0 + (qidx ? qidx[t] : t));
+        for (int64_t k = 0; k < in; k++) {
+            uint64_t idx = g * (uint64_t)full + (uint64_t)(A->col0 + k);
+            bool kept = loom_rng_uniform(seed, key, idx) >= a->dropout;
+            float v = x ? x[t * in + k] : out[t * in + k];
+            out[t * in + k] = kept ? v * keep_scale : 0.0f;
+        }
+    }
+}
+
 void loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod, const float *x,
                    int64_t T, float *y) {
     loom_adapter *a;
@@ -574,6 +603,10 @@ void loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
     if (!lora_on(m, l, mod, &a, &A, &B)) return;
     const int64_t r = a->r, in = A->cols, out = B->rows;
     float *u = act->lora_u + ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
+    if (dropout_on(m, a)) {
+        dropout_mask(m, a, l, mod, A, x, T, m->lora_xd);
+        x = m->lora_xd;
+    }
     loom_cpu_sgemm(false, true, T, r, in, 1.0f, x, in, a->ar.w + A->off, in, 0.0f, u, r);
     loom_cpu_sgemm(false, true, T, out, r, a->scale, u, r, a->ar.w + B->off, r, 1.0f, y, out);
 }
@@ -587,9 +620,19 @@ void loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
     const float *u = act->lora_u + ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
     float *du = m->lora_du;
     const float *Aw = a->ar.w + A->off, *Bw = a->ar.w + B->off;
-    /* dB += s dy^T u; du = s dy B; dA += du^T x; dx += du A */
+    /* dB += s dy^T u; du = s dy B; dA += du^T x'; dx += d/dx (du A), x' the
+     * dropped-out input (recomputed from the mask) */
     loom_cpu_sgemm(true, false, out, r, T, a->scale, dy, out, u, r, 1.0f, a->ar.g + B->off, r);
     loom_cpu_sgemm(false, false, T, r, out, a->scale, dy, out, Bw, r, 0.0f, du, r);
-    loom_cpu_sgemm(true, false, r, in, T, 1.0f, du, r, x, in, 1.0f, a->ar.g + A->off, in);
-    loom_cpu_sgemm(false, false, T, in, r, 1.0f, du, r, Aw, in, 1.0f, dx, in);
+    if (!dropout_on(m, a)) {
+        loom_cpu_sgemm(true, false, r, in, T, 1.0f, du, r, x, in, 1.0f, a->ar.g + A->off, in);
+        loom_cpu_sgemm(false, false, T, in, r, 1.0f, du, r, Aw, in, 1.0f, dx, in);
+        return;
+    }
+    float *xd = m->lora_xd;
+    dropout_mask(m, a, l, mod, A, x, T, xd);
+    loom_cpu_sgemm(true, false, r, in, T, 1.0f, du, r, xd, in, 1.0f, a->ar.g + A->off, in);
+    loom_cpu_sgemm(false, false, T, in, r, 1.0f, du, r, Aw, in, 0.0f, xd, in);
+    dropout_mask(m, a, l, mod, A, NULL, T, xd);
+    loom_cpu_residual_add(dx, xd, T * in);
 }

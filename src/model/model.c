@@ -468,7 +468,7 @@ static void buffers_free(loom_model *m) {
     m->micro = NULL;
     m->cap_mb = 0;
     float **f[] = {&m->dx, &m->dtmp, &m->dfull, &m->dq, &m->dout, &m->dk,    &m->dv,
-                   &m->dkl, &m->dvl, &m->kvblk, &m->dg, &m->du,   &m->logits, &m->lora_du};
+                   &m->dkl, &m->dvl, &m->kvblk, &m->dg, &m->du,   &m->logits, &m->lora_du, &m->lora_xd};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
         free(*f[i]);
         *f[i] = NULL;
@@ -493,7 +493,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
     const loom_adapter *ad = loom_model_lora(m);
     const int lr = ad ? ad->r : 0;
     bool same = T == m->cap_T && nmb <= m->cap_mb && m->chunks[0].npool >= in_flight &&
-                lr == m->lora_r;
+                lr == m->lora_r && (!ad || ad->dropout == 0 || m->lora_xd);
     m->T = T;
     m->Tc = Tc;
     m->Tn = Tn;
@@ -553,6 +553,9 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
     m->du = fbuf(m, Tc * Il, &fail);
     m->logits = fbuf(m, m->chunk_rows * m->Vl, &fail);
     m->lora_du = lr ? fbuf(m, Tc * lr, &fail) : NULL;
+    int64_t maxin = H > m->Hql * m->D ? H : m->Hql * m->D;
+    if (Il > maxin) maxin = Il;
+    m->lora_xd = ad && ad->dropout > 0 ? fbuf(m, Tc * maxin, &fail) : NULL;
     m->ce = loom_malloc(m->ctx, (size_t)m->chunk_rows * 4 * sizeof(double), "loss buffers");
     m->perm = loom_malloc(m->ctx, (size_t)T * sizeof(int32_t), "token permutation");
     m->micro = loom_calloc(m->ctx, (size_t)nmb, sizeof *m->micro, "micro-batches");

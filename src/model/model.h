@@ -83,6 +83,7 @@ typedef struct loom_adapter {
     int r;
     double alpha, dropout;
     bool rslora, merged;
+    uint64_t seed;                /* dropout masks (and a fresh adapter's A) */
     float scale;                  /* alpha / r, or alpha / sqrt(r) */
     bool target[LOOM_LORA_NMOD];
     loom_arena ar;                /* its A and B blocks on this rank */
@@ -160,6 +161,10 @@ struct loom_model {
     float *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
     float *dg, *du;          /* (Tc, I_l) */
     float *lora_du;          /* (Tc, r) */
+    float *lora_xd;          /* (Tc, max in_l): the dropped-out LoRA input (dropout > 0) */
+    bool training;           /* forward_backward (LoRA dropout on) vs forward_only */
+    uint64_t dropout_calls;  /* forward_backward calls: part of the dropout mask's key */
+    const loom_micro *cur_mb;/* the micro-batch being run */
     int lora_r;              /* r the activation buffers were sized for (0: none) */
     float *logits;           /* (chunk_rows, Vl) */
     double *ce;              /* (chunk_rows, 4): vocab-parallel loss reductions */

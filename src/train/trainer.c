@@ -219,6 +219,8 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     if (ent) memset(ent, 0, (size_t)T * sizeof *ent);
     if (logits) memset(logits, 0, (size_t)(T * m->V) * sizeof *logits);
 
+    m->training = backward;
+    if (backward) m->dropout_calls++; /* the same count on every rank */
     const int pr = m->mesh->pp_rank, next = (pr + 1) % m->pp, prev = (pr + m->pp - 1) % m->pp;
     const size_t act_n = (size_t)(m->Tn * m->H);
     double acc[2] = {0.0, 0.0}; /* loss sum, tokens */
