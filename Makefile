@@ -107,6 +107,9 @@ ifeq ($(CUDA),1)
   NVCCFLAGS := -O2 -g -std=c++17 -Iinclude -I$(NCCL_HOME)/include -I$(CUDNN_HOME)/include \
                -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unused-parameter -MMD -MP \
                $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a))
+  ifeq ($(WERROR),1)
+    NVCCFLAGS += -Werror all-warnings -Xcompiler -Werror
+  endif
   CFLAGS_BASE += -DLOOM_HAVE_CUDA -I$(CUDA_HOME)/include
   LDLIBS += -L$(CUDA_LIBDIR) -L$(NCCL_LIBDIR) -L$(CUDNN_LIBDIR) \
             -Wl,-rpath,$(CUDA_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDNN_LIBDIR) \
@@ -127,7 +130,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
 MPI_TEST_OBJ := $(MPI_TEST_SRC:%.c=$(BUILD)/obj/%.o)
 
-.PHONY: all lib test test-fast test-mpi fuzz check clean config
+.PHONY: all lib test test-fast test-mpi fuzz check clean config bench-tokenizer
 all: $(BUILD)/libloom.a $(BUILD)/libloom.so $(BUILD)/loom
 
 config:
@@ -196,8 +199,9 @@ endif
 # ---- fuzzing (clang + libFuzzer) ----
 FUZZ_CC ?= clang
 FUZZ_LIB_SRC := src/core/core.c src/core/dtype.c src/core/json.c src/io/safetensors.c \
-                src/data/tokens.c
-FUZZ_TARGETS := json safetensors tokens
+                src/data/tokens.c src/data/dataset.c src/data/loader.c src/data/chat.c \
+                $(wildcard src/data/tokenizer*.c src/data/unicode*.c)
+FUZZ_TARGETS := json safetensors tokens dataset tokenizer
 build-fuzz/fuzz_%: fuzz/fuzz_%.c $(FUZZ_LIB_SRC) $(wildcard include/*.h src/*/*.h)
 	@mkdir -p build-fuzz
 	$(FUZZ_CC) -std=c11 -D_GNU_SOURCE -Iinclude -g -O1 -fsanitize=fuzzer,address,undefined \
@@ -212,6 +216,11 @@ fuzz: $(FUZZ_TARGETS:%=build-fuzz/fuzz_%)
 	        2>build-fuzz/fuzz_$$t.log || { tail -n 60 build-fuzz/fuzz_$$t.log; exit 1; }; \
 	    grep -E '^#[0-9]+[[:space:]]+DONE' build-fuzz/fuzz_$$t.log | tail -n 1; \
 	done
+
+# Tokenizer throughput (one thread); bench/README.md runs it against Hugging Face.
+bench-tokenizer: $(BUILD)/tokenizer_bench
+$(BUILD)/tokenizer_bench: $(BUILD)/obj/bench/tokenizer_bench.o $(BUILD)/libloom.a
+	$(CC) $(LDFLAGS) -o $@ $< $(BUILD)/libloom.a $(LDLIBS)
 
 check:
 	$(MAKE) --no-print-directory test

@@ -6,6 +6,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "../src/data/dataset.h"
+#include "../src/data/loader.h"
 #include "../src/data/tokens.h"
 #include "../src/train/scheduler.h"
 #include "cli.h"
@@ -35,11 +37,38 @@ static loom_status setup_optimizer(loom_ctx *ctx, loom_model *m, const loom_sett
     return loom_model_set_lr_scheduler(m, &sc);
 }
 
+/* JSONL data: rank 0 tokenizes it into the token cache beside it (or finds
+ * the cache), the other ranks wait at a barrier and open that cache. */
+static loom_status open_jsonl(loom_ctx *ctx, const loom_settings *s, loom_comm *world,
+                              loom_tokfile **tf) {
+    loom_dataset_config dc = loom_dataset_config_default();
+    dc.seq_len = s->seq_len;
+    dc.append_eos = s->append_eos;
+    loom_status st = loom_truncation_parse(ctx, s->truncation, &dc.truncation);
+    if (!st) st = loom_bad_lines_parse(ctx, s->bad_lines, &dc.bad_lines);
+    if (st) return st;
+    loom_dataset_encoder *enc = NULL;
+    if ((st = loom_dataset_encoder_load(ctx, s->model, &enc)))
+        return loom_err_prefix(ctx, "%s: JSONL data is tokenized with the model's tokenizer",
+                               s->data);
+    int rank = loom_comm_rank(world), size = loom_comm_size(world);
+    loom_dataset_report rep;
+    if (rank == 0) st = loom_dataset_open(ctx, s->data, enc, &dc, tf, &rep);
+    if (!st && size > 1) st = loom_comm_barrier(world);
+    if (!st && rank != 0) {
+        dc.reuse_only = true;
+        st = loom_dataset_open(ctx, s->data, enc, &dc, tf, &rep);
+    }
+    if (!st && rank == 0) loom_dataset_report_log(ctx, s->data, &rep);
+    loom_dataset_encoder_free(enc);
+    return st;
+}
+
 int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
     if (!s->model || !s->data) {
         loom_errf(ctx, LOOM_ERR_CONFIG,
                   "loom train needs --model DIR (an HF model directory; `loom init` makes one) "
-                  "and --data FILE.tokens (`loom data` makes one)");
+                  "and --data FILE.tokens (`loom data` makes one) or --data FILE.jsonl");
         return loom_cli_fail(ctx);
     }
     if (s->global_batch_size % s->micro_batch_size) {
@@ -57,6 +86,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     loom_model *m = NULL;
     loom_tokfile *tf = NULL;
     loom_packer *pk = NULL;
+    loom_loader *ld = NULL;
     int rc = 1;
     loom_status st = loom_model_create_in(ctx, s->model, &mo, world, &m);
     if (st) goto done;
@@ -97,7 +127,9 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                        "--save-adapter and --merge-lora need an adapter (--lora-r or --adapter)");
         goto done;
     }
-    if ((st = loom_tokfile_open(ctx, s->data, &tf))) goto done;
+    const bool jsonl = loom_dataset_is_jsonl(s->data);
+    if ((st = jsonl ? open_jsonl(ctx, s, world, &tf) : loom_tokfile_open(ctx, s->data, &tf)))
+        goto done;
     if ((int64_t)loom_tokfile_max_id(tf) >= info.vocab_size) {
         st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                        "%s holds token id %" PRIu32 ", outside the vocabulary [0, %" PRId64
@@ -107,16 +139,43 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     }
     LOOM_LOG_I(ctx, "data %s: %s tokens in %" PRId64 " documents", s->data,
                loom_fmt_int(nb, loom_tokfile_n_tokens(tf)), loom_tokfile_n_docs(tf));
-    if ((st = loom_packer_create(ctx, tf, s->seq_len, s->global_batch_size, &pk))) goto done;
+    const int64_t nmicro = s->global_batch_size / (s->micro_batch_size * m->dp);
+    if (jsonl) { /* shuffled whole samples, packed padding-free (src/data/loader.h) */
+        loom_loader_config lc = {.seq_len = s->seq_len, .micro_batch_size = s->micro_batch_size,
+                                 .num_micro_batches = nmicro, .dp = m->dp,
+                                 .seed = (uint64_t)s->data_seed, .truncation = LOOM_TRUNC_ERROR};
+        if ((st = loom_loader_create(ctx, tf, &lc, &ld))) {
+            loom_err_prefix(ctx, "%s", s->data);
+            goto done;
+        }
+    } else if ((st = loom_packer_create(ctx, tf, s->seq_len, s->global_batch_size, &pk))) {
+        goto done;
+    }
     if ((st = setup_optimizer(ctx, m, s))) goto done;
 
-    const int64_t nmicro = s->global_batch_size / (s->micro_batch_size * m->dp);
+    int64_t epoch = 0;
     double first_loss = NAN, last_loss = NAN, t_start = now_s();
     int64_t tokens_total = 0;
     for (int64_t step = 1; step <= s->train_steps; step++) {
         double t0 = now_s();
         loom_packed_batch pb;
-        if ((st = loom_packer_next(ctx, pk, &pb))) goto done;
+        if (ld) {
+            loom_loader_batch lb;
+            if ((st = loom_loader_next(ctx, ld, &lb))) goto done;
+            pb = (loom_packed_batch){.rows = lb.rows, .seq_len = lb.seq_len,
+                                     .input_ids = lb.input_ids, .targets = lb.targets,
+                                     .position_ids = lb.position_ids,
+                                     .cu_seqlens = lb.cu_seqlens, .n_segments = lb.n_segments,
+                                     .n_targets = lb.n_targets};
+            if (loom_loader_state(ld).epoch > epoch) {
+                epoch = loom_loader_state(ld).epoch;
+                LOOM_LOG_I(ctx, "data: epoch %" PRId64 " done at step %" PRId64
+                           "; the samples are reshuffled for epoch %" PRId64, epoch - 1, step,
+                           epoch);
+            }
+        } else if ((st = loom_packer_next(ctx, pk, &pb))) {
+            goto done;
+        }
         loom_batch b = {.rows = pb.rows, .seq_len = pb.seq_len, .input_ids = pb.input_ids,
                         .targets = pb.targets, .cu_seqlens = pb.cu_seqlens,
                         .n_docs = pb.n_segments, .position_ids = pb.position_ids};
@@ -158,6 +217,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
 done:
     if (rc) loom_cli_fail_job(ctx, world);
     loom_packer_free(pk);
+    loom_loader_free(ld);
     loom_tokfile_free(tf);
     loom_model_free(m);
     loom_comm_free(world);

@@ -15,8 +15,8 @@ static const loom_cli_cmd commands[] = {
     {"init", LOOM_CMD_INIT, "init --out DIR [options]",
      "write a Hugging Face model directory with random weights of a built-in shape",
      loom_cmd_init, 0},
-    {"train", LOOM_CMD_TRAIN, "train --model DIR --data FILE.tokens [options]",
-     "train a model on a token file; print step, loss, grad norm, lr, tokens/s; "
+    {"train", LOOM_CMD_TRAIN, "train --model DIR --data FILE.tokens|FILE.jsonl [options]",
+     "train a model on a token file or JSONL samples; print step, loss, grad norm, lr, tokens/s; "
      "--save-hf DIR writes the result", loom_cmd_train, 0},
     {"golden", LOOM_CMD_GOLDEN, "golden --model DIR --batch IN.safetensors --out OUT.safetensors",
      "run one batch and write logits, token log-probs, entropy, loss and every gradient",
@@ -27,6 +27,10 @@ static const loom_cli_cmd commands[] = {
     {"data", LOOM_CMD_DATA, "data --text FILE --out OUT.tokens\n       loom data FILE.tokens",
      "make a token file from text (byte-level demo encoder), or describe a token file",
      loom_cmd_data, 1},
+    {"tokenize", LOOM_CMD_TOKENIZE, "tokenize --tokenizer DIR < samples.jsonl",
+     "tokenize JSONL samples from stdin ({\"text\"}, {\"messages\"} or {\"prompt\", "
+     "\"completion\"}): one line of ids (and the loss mask) per sample on stdout",
+     loom_cmd_tokenize, 0},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

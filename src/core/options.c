@@ -42,7 +42,9 @@ static const loom_option table[] = {
      LOOM_CMD_DATA, 0, 0},
     {"inspect", LOOM_OPT_STRING, NULL, ".tokens file to describe (or give it as an argument)",
      OFF(inspect), NULL, LOOM_CMD_DATA, 0, 0},
-    {"data", LOOM_OPT_STRING, NULL, "token file to train on (.tokens; see docs/token-file.md)",
+    {"data", LOOM_OPT_STRING, NULL,
+     "data to train on: FILE.tokens (docs/token-file.md) or FILE.jsonl (a sample per line: "
+     "{\"messages\": ...}, {\"text\": ...} or {\"prompt\": ..., \"completion\": ...})",
      OFF(data), NULL, CMD_TRAIN, 0, 0},
     {"batch", LOOM_OPT_STRING, NULL,
      "safetensors file with input_ids and targets [B, S] (optional cu_seqlens, position_ids)",
@@ -120,6 +122,21 @@ static const loom_option table[] = {
     {"merge_lora", LOOM_OPT_BOOL, "false",
      "--save-hf writes the base with the trained adapter merged in", OFF(merge_lora), NULL,
      CMD_TRAIN, 0, 0},
+    {"tokenizer", LOOM_OPT_STRING, NULL,
+     "directory with tokenizer.json (and tokenizer_config.json, a chat template)", OFF(tokenizer),
+     NULL, LOOM_CMD_TOKENIZE, 0, 0},
+    {"data_seed", LOOM_OPT_INT, "1234", "seed of the shuffle of JSONL samples (a new order per epoch)",
+     OFF(data_seed), NULL, CMD_TRAIN, 0, INT64_MAX},
+    {"truncation", LOOM_OPT_CHOICE, "error",
+     "JSONL samples longer than seq_len: error, keep the last (left) or first (right) seq_len "
+     "tokens, or drop them (counted)",
+     OFF(truncation), "error|left|right|drop", CMD_TRAIN, 0, 0},
+    {"bad_lines", LOOM_OPT_CHOICE, "stop",
+     "a malformed JSONL line stops the run, or is skipped and counted", OFF(bad_lines),
+     "stop|skip", CMD_TRAIN, 0, 0},
+    {"append_eos", LOOM_OPT_BOOL, "true",
+     "append the tokenizer's EOS to JSONL \"text\" and \"completion\" samples (as TRL's SFTTrainer)",
+     OFF(append_eos), NULL, CMD_TRAIN, 0, 0},
 };
 #define N_OPTIONS (sizeof table / sizeof table[0])
 _Static_assert(N_OPTIONS <= sizeof(((loom_settings *)0)->src) / sizeof(loom_opt_source),

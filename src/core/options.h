@@ -17,6 +17,7 @@ enum {
     LOOM_CMD_TRAIN = 1u << 3,
     LOOM_CMD_GOLDEN = 1u << 4,
     LOOM_CMD_DATA = 1u << 5,
+    LOOM_CMD_TOKENIZE = 1u << 6,
     LOOM_CMD_ALL = 0xffffffffu,
 };
 
@@ -81,6 +82,12 @@ typedef struct loom_settings {
     bool use_rslora;
     char *save_adapter;    /* train: write the adapter here (PEFT) */
     bool merge_lora;       /* train: --save-hf writes the base with the adapter merged */
+    /* JSONL data (train) and `loom tokenize` */
+    char *tokenizer;       /* tokenize: directory with tokenizer.json (and a chat template) */
+    int64_t data_seed;     /* train: seed of the per-epoch shuffle of JSONL samples */
+    char *truncation;      /* train: samples longer than seq_len: error | left | right | drop */
+    char *bad_lines;       /* train: malformed JSONL lines: stop | skip (counted) */
+    bool append_eos;       /* train: append EOS to "text" and "completion" samples */
     loom_opt_source src[96]; /* where each row's value came from, by row index */
 } loom_settings;
 
