@@ -134,6 +134,7 @@ int loom_test_run(char **out, const char *const argv[]) {
 
 void loom_test_skip(const char *reason) {
     fprintf(stderr, "    skipped: %s\n", reason);
+    fflush(stdout);
     fflush(stderr);
     if (tmpdir_path[0]) rm_rf(tmpdir_path);
     _exit(77);
@@ -173,6 +174,7 @@ int main(int argc, char **argv) {
                 tmpdir_path[0] = '\0';
                 tests[i].fn();
                 if (tmpdir_path[0]) rm_rf(tmpdir_path);
+                fflush(stdout);
                 fflush(stderr);
                 _exit(n_fail_in_test == 0 ? 0 : 1);
             }

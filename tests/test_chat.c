@@ -611,8 +611,8 @@ TEST(chat_recognise_templates) {
 }
 
 static const char *write_in(const char *dir, const char *name, const char *text) {
-    static char path[1024];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
+    static char path[4200];
+    if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) abort();
     FILE *f = fopen(path, "w");
     if (!f) abort();
     fputs(text, f);

@@ -1,0 +1,197 @@
+/* CUDA ops: the GPU versions of the CPU reference ops (src/backend/cpu/cpu_ops.h,
+ * src/train/adamw.h), with the same semantics. C interface; implementations in
+ * src/backend/cuda/ops_*.cu (one op family per file), built with `make CUDA=1`.
+ *
+ * Conventions, for every function here:
+ * - Every tensor and index pointer is a device pointer (ids, targets,
+ *   positions, cu_seqlens, qidx too); scalars are host values.
+ * - `stream` is a cudaStream_t, or NULL for the default stream. Kernels are
+ *   queued on it and the call returns without waiting; launch errors are
+ *   returned as LOOM_ERR_DEVICE with the op's name ("cuda rmsnorm_fwd: ...").
+ *   A failure inside a kernel shows up at the next synchronisation.
+ * - Activations may be F32, BF16 or F16 (a loom_dtype says which); arithmetic
+ *   is fp32 (sums in fp32 or double, as documented per op), rounded once to
+ *   the output dtype (round to nearest even). Parameter gradients and
+ *   optimizer state are fp32.
+ * - Like the CPU ops: input gradients are overwritten, parameter gradients
+ *   (dW, dw, db) accumulate (+=), a NULL dw/db means a frozen parameter.
+ * - Every reduction runs in a fixed order that depends only on the shapes
+ *   (never on the GPU, the launch or timing): results are bit-reproducible
+ *   run to run. No atomics on floating point anywhere.
+ * - Indices (ids, targets, positions, cu_seqlens, qidx) are trusted: the
+ *   caller validates batches on the host before upload, as for the CPU ops. */
+#ifndef LOOM_CUDA_OPS_H
+#define LOOM_CUDA_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../../train/adamw.h"
+#include "loom.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- GEMM (ops_gemm.cu): cuBLASLt ----
+ * A handle owns a cuBLASLt handle, a device workspace and a cache of
+ * matmul descriptors and chosen algorithms per shape (dtypes, transposes,
+ * sizes, strides, pointer alignment). Not thread-safe; the workspace is
+ * shared by the calls made through the handle, so use one handle per
+ * stream (or keep the streams that share one ordered). */
+typedef struct loom_cuda_gemm_handle loom_cuda_gemm_handle;
+
+#define LOOM_CUDA_GEMM_WORKSPACE_DEFAULT ((size_t)32 << 20)
+/* workspace_bytes 0: LOOM_CUDA_GEMM_WORKSPACE_DEFAULT (32 MiB). */
+loom_status loom_cuda_gemm_create(loom_ctx *ctx, size_t workspace_bytes, loom_cuda_gemm_handle **out);
+void loom_cuda_gemm_free(loom_cuda_gemm_handle *h);
+
+/* C = alpha * op(A) * op(B) + beta * C, row-major, with loom_cpu_sgemm's
+ * semantics: op(A) is M x K (A is M x K, or K x M when ta), op(B) is K x N
+ * (B is K x N, or N x K when tb); lda/ldb/ldc are row strides in elements.
+ * beta == 0 overwrites C (C is not read). A and B: both F32, both BF16 or
+ * both F16; C: F32 or the dtype of A and B. Accumulation is fp32
+ * (CUBLAS_COMPUTE_32F, never TF32). beta == 1 with an F32 C accumulates
+ * into it (weight gradients into fp32 main grads). */
+loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb, int64_t M,
+                           int64_t N, int64_t K, float alpha, const void *A, loom_dtype a_dtype,
+                           int64_t lda, const void *B, loom_dtype b_dtype, int64_t ldb, float beta,
+                           void *C, loom_dtype c_dtype, int64_t ldc, void *stream);
+/* How many shapes the handle has cached (for tests and logs). */
+int loom_cuda_gemm_cached(const loom_cuda_gemm_handle *h);
+
+/* ---- embedding (ops_embedding.cu) ----
+ * ids: (T) in [0, rows of W); W: (V, H) in w_dtype; out: (T, H) in out_dtype.
+ * bwd: dW (V, H) fp32 += dout (T, H); deterministic and bit-identical to the
+ * CPU: each thread owns one column and adds the tokens in token order. */
+loom_status loom_cuda_embedding_fwd(loom_ctx *ctx, const int32_t *ids, int64_t T, const void *W,
+                                    loom_dtype w_dtype, int64_t H, void *out, loom_dtype out_dtype,
+                                    void *stream);
+loom_status loom_cuda_embedding_bwd(loom_ctx *ctx, const int32_t *ids, int64_t T, const void *dout,
+                                    loom_dtype dout_dtype, int64_t H, float *dW, void *stream);
+
+/* ---- RMSNorm (ops_rmsnorm.cu) ----
+ * y = w * (x * rstd), rstd = 1/sqrt(mean(x^2) + eps) with the mean in double
+ * (as the CPU). x: (N, H) x_dtype; w: (H) w_dtype; y: (N, H) y_dtype (may be
+ * x when the dtypes agree); rstd: (N) fp32, saved for the backward.
+ * bwd: dx (N, H) overwritten, may alias dy (same dtype); dw (H) fp32
+ * accumulated, NULL when frozen. dw is reduced deterministically: per chunk
+ * of rows into `scratch` (doubles), then the chunks in order. scratch:
+ * loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) bytes of device memory (not
+ * needed, may be NULL, when dw is NULL). */
+loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_dtype x_dtype, const void *w,
+                                  loom_dtype w_dtype, int64_t N, int64_t H, float eps, void *y,
+                                  loom_dtype y_dtype, float *rstd, void *stream);
+size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H);
+loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_dtype, const void *x,
+                                  loom_dtype x_dtype, const void *w, loom_dtype w_dtype,
+                                  const float *rstd, int64_t N, int64_t H, void *dx,
+                                  loom_dtype dx_dtype, float *dw, void *scratch, void *stream);
+
+/* ---- RoPE (ops_rope.cu) ----
+ * In place on x: (T, nh, D) in dtype, D even; pos: (T); inv_freq: (D/2) fp32
+ * (from loom_rope_inv_freq, uploaded). The CPU's exact angle rule:
+ * angle = fp32(pos * inv_freq[i]), cos/sin of it in double, rounded to fp32;
+ * the rotation in fp32 without fused multiply-adds. bwd rotates dx by -angle. */
+loom_status loom_cuda_rope_fwd(loom_ctx *ctx, void *x, loom_dtype dtype, int64_t T, int64_t nh,
+                               int64_t D, const int32_t *pos, const float *inv_freq, void *stream);
+loom_status loom_cuda_rope_bwd(loom_ctx *ctx, void *dx, loom_dtype dtype, int64_t T, int64_t nh,
+                               int64_t D, const int32_t *pos, const float *inv_freq, void *stream);
+
+/* ---- element-wise (ops_elementwise.cu) ----
+ * SwiGLU over n elements, all tensors in dtype: h = silu(g) * u.
+ * bwd: dg, du overwritten (dg may alias g or dh; du may alias u or dh). */
+loom_status loom_cuda_swiglu_fwd(loom_ctx *ctx, const void *g, const void *u, int64_t n, void *h,
+                                 loom_dtype dtype, void *stream);
+loom_status loom_cuda_swiglu_bwd(loom_ctx *ctx, const void *dh, const void *g, const void *u,
+                                 int64_t n, void *dg, void *du, loom_dtype dtype, void *stream);
+/* y += x over n elements (y_dtype and x_dtype may differ, e.g. an fp32
+ * residual stream and a bf16 branch). */
+loom_status loom_cuda_residual_add(loom_ctx *ctx, void *y, loom_dtype y_dtype, const void *x,
+                                   loom_dtype x_dtype, int64_t n, void *stream);
+/* y: (T, N) y_dtype; b: (N) b_dtype; fwd y[t, :] += b.
+ * bwd: db (N) fp32 += sum_t dy[t, :] (double, fixed order); NULL db: no-op. */
+loom_status loom_cuda_add_bias_fwd(loom_ctx *ctx, void *y, loom_dtype y_dtype, const void *b,
+                                   loom_dtype b_dtype, int64_t T, int64_t N, void *stream);
+loom_status loom_cuda_add_bias_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_dtype, int64_t T,
+                                   int64_t N, float *db, void *stream);
+
+/* ---- cross-entropy (ops_xent.cu) ----
+ * logits: (T, Vp) in dtype, the first V columns real; targets: (T) in [0, V)
+ * or -100 (ignored). Per row: max in fp32, exp in fp32 (CPU: double; ~1e-7
+ * relative), sums of exp and the entropy in double. Writes token_logprob, entropy, lse (T, fp32; each may be NULL, the
+ * backward needs lse) as loom_cpu_cross_entropy_fwd, and:
+ * token_loss: (T) double, -log p(target) (0 when ignored), may be NULL;
+ * loss: (1) double, the sum of token_loss over the T tokens (a fixed-order
+ * tree in double, not token order), may be NULL; needs token_loss.
+ * bwd: dlogits[t, c] = scale * (p(c) - [c == target]) for valid tokens and
+ * c < V, 0 for padding columns and ignored tokens; dlogits may alias logits
+ * (then dlogits_dtype must equal dtype). */
+loom_status loom_cuda_cross_entropy_fwd(loom_ctx *ctx, const void *logits, loom_dtype dtype,
+                                        const int32_t *targets, int64_t T, int64_t V, int64_t Vp,
+                                        float *token_logprob, float *entropy, float *lse,
+                                        double *token_loss, double *loss, void *stream);
+loom_status loom_cuda_cross_entropy_bwd(loom_ctx *ctx, const void *logits, loom_dtype dtype,
+                                        const float *lse, const int32_t *targets, int64_t T,
+                                        int64_t V, int64_t Vp, float scale, void *dlogits,
+                                        loom_dtype dlogits_dtype, void *stream);
+
+/* ---- attention (ops_attention.cu) ----
+ * Causal grouped-query attention with document masking, as
+ * loom_cpu_attention_*: q, out, dout, dq: (Tq, Hq, D); k, v, dk, dv:
+ * (T, Hkv, D), all in dtype (F32, BF16 or F16); cu_seqlens: (ndocs+1) with
+ * 0 = c0 < ... < c_ndocs = T; lse: (Tq, Hq) fp32 natural log-sum-exp of the
+ * scaled scores. Tiled kernels with an online softmax and fp32 accumulators.
+ * BF16/F16 with D = 64 or 128 (and 16-byte aligned tensors) run on tensor
+ * cores (mma.sync), the probabilities P and dS rounded to the input type
+ * for the products with V, K and Q, as FlashAttention does; everything else
+ * (F32, other D) on CUDA cores in fp32. D <= LOOM_CUDA_ATTN_MAX_D (refused
+ * above).
+ * The _q variants: query t is token qidx[t] (ascending) of the T tokens of
+ * k, v and cu_seqlens (context parallel); qidx NULL means qidx[t] = t, Tq = T.
+ * bwd: dq, dk, dv overwritten; dk and dv get the contributions of these Tq
+ * queries only. Deterministic: dq by one kernel over query tiles, dk/dv by
+ * one over key tiles, each summing in a fixed order (no atomics). */
+#define LOOM_CUDA_ATTN_MAX_D 256
+loom_status loom_cuda_attention_fwd(loom_ctx *ctx, const void *q, const void *k, const void *v,
+                                    loom_dtype dtype, int64_t T, int64_t Hq, int64_t Hkv,
+                                    int64_t D, const int32_t *cu_seqlens, int64_t ndocs,
+                                    float scale, void *out, float *lse, void *stream);
+loom_status loom_cuda_attention_bwd(loom_ctx *ctx, const void *dout, const void *q, const void *k,
+                                    const void *v, const void *out, const float *lse,
+                                    loom_dtype dtype, int64_t T, int64_t Hq, int64_t Hkv,
+                                    int64_t D, const int32_t *cu_seqlens, int64_t ndocs,
+                                    float scale, void *dq, void *dk, void *dv, void *stream);
+loom_status loom_cuda_attention_fwd_q(loom_ctx *ctx, const void *q, const int32_t *qidx,
+                                      int64_t Tq, const void *k, const void *v, loom_dtype dtype,
+                                      int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                                      const int32_t *cu_seqlens, int64_t ndocs, float scale,
+                                      void *out, float *lse, void *stream);
+loom_status loom_cuda_attention_bwd_q(loom_ctx *ctx, const void *dout, const void *q,
+                                      const int32_t *qidx, int64_t Tq, const void *k,
+                                      const void *v, const void *out, const float *lse,
+                                      loom_dtype dtype, int64_t T, int64_t Hq, int64_t Hkv,
+                                      int64_t D, const int32_t *cu_seqlens, int64_t ndocs,
+                                      float scale, void *dq, void *dk, void *dv, void *stream);
+
+/* ---- optimizer (ops_optim.cu): fp32 flat buffers ----
+ * AdamW: loom_adamw_step's formula with the same fp32 operations in the same
+ * order (no fused multiply-adds): the results are bit-identical to the CPU. */
+loom_status loom_cuda_adamw_step(loom_ctx *ctx, float *p, const float *g, float *m, float *v,
+                                 size_t n, const loom_adamw_hp *hp, int64_t t, bool decay,
+                                 void *stream);
+/* *result (device, one double) = sum of g[i]^2 in double. Deterministic: a
+ * fixed grid-stride split over LOOM_CUDA_SUMSQ_BLOCKS blocks, block partials
+ * into scratch (LOOM_CUDA_SUMSQ_BLOCKS doubles of device memory), then one
+ * fixed-order tree. Equal to loom_sumsq up to double rounding. */
+#define LOOM_CUDA_SUMSQ_BLOCKS 1024
+loom_status loom_cuda_sumsq(loom_ctx *ctx, const float *g, size_t n, double *result,
+                            double *scratch, void *stream);
+/* g[i] *= s. */
+loom_status loom_cuda_scale(loom_ctx *ctx, float *g, size_t n, float s, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,114 @@
+// Shared helpers of the CUDA ops (ops_*.cu): error reporting, dtype loads and
+// stores, launch sizes, warp reductions. Internal to the CUDA backend.
+#ifndef LOOM_CUDA_OPS_COMMON_CUH
+#define LOOM_CUDA_OPS_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda_ops.h"
+
+extern "C" loom_status loom_errf(loom_ctx *ctx, loom_status st, const char *fmt, ...);
+
+namespace loom_cuda {
+
+// "cuda <op>: <CUDA's message>" for a failed CUDA call or launch.
+static inline loom_status check(loom_ctx *ctx, cudaError_t e, const char *op) {
+    if (e == cudaSuccess) return LOOM_OK;
+    return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda %s: %s", op, cudaGetErrorString(e));
+}
+static inline loom_status check_launch(loom_ctx *ctx, const char *op) {
+    return check(ctx, cudaGetLastError(), op);
+}
+
+static inline bool float_dtype(loom_dtype t) {
+    return t == LOOM_F32 || t == LOOM_BF16 || t == LOOM_F16;
+}
+// Refuses a dtype other than F32/BF16/F16 for tensor `what` of op `op`.
+static inline loom_status need_float(loom_ctx *ctx, loom_dtype t, const char *op, const char *what) {
+    if (float_dtype(t)) return LOOM_OK;
+    return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda %s: %s must be F32, BF16 or F16 (got %s)", op,
+                     what, loom_dtype_name(t));
+}
+
+static inline cudaStream_t as_stream(void *s) { return (cudaStream_t)s; }
+
+// Blocks for a grid-stride loop over n items with `threads` per block.
+static inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 16) {
+    int64_t b = (n + threads - 1) / threads;
+    if (b < 1) b = 1;
+    if (b > cap) b = cap;
+    return (unsigned)b;
+}
+
+// Element i of a tensor of dtype dt as fp32 / stored from fp32 (round to
+// nearest even). dt is uniform across a launch, so the switch does not diverge.
+__device__ __forceinline__ float ld(const void *p, loom_dtype dt, int64_t i) {
+    switch (dt) {
+    case LOOM_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    case LOOM_F16: return __half2float(((const __half *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+__device__ __forceinline__ void st(void *p, loom_dtype dt, int64_t i, float v) {
+    switch (dt) {
+    case LOOM_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); break;
+    case LOOM_F16: ((__half *)p)[i] = __float2half_rn(v); break;
+    default: ((float *)p)[i] = v; break;
+    }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Fixed-order tree sum of one double per thread over a block of NT threads
+// (NT a power of two, >= 32); sh: NT/32 doubles of shared memory. The
+// result is returned to every thread.
+template <int NT>
+__device__ __forceinline__ double block_sum(double v, double *sh) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads(); // sh may still be read from a previous call
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    double r = 0;
+    if (warp == 0) {
+        r = lane < NT / 32 ? sh[lane] : 0.0;
+        r = warp_sum(r);
+        if (lane == 0) sh[0] = r;
+    }
+    __syncthreads();
+    return sh[0];
+}
+
+template <int NT>
+__device__ __forceinline__ float block_max(float v, float *sh) {
+    v = warp_max(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float r = lane < NT / 32 ? sh[lane] : -INFINITY;
+        r = warp_max(r);
+        if (lane == 0) sh[0] = r;
+    }
+    __syncthreads();
+    return sh[0];
+}
+
+} // namespace loom_cuda
+
+#endif

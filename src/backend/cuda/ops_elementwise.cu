@@ -1,0 +1,117 @@
+// Element-wise ops of a layer: SwiGLU, residual add, bias forward and backward.
+// fp32 arithmetic in the CPU's operation order without FMA contraction; only
+// expf differs from the CPU's (CUDA's is within 2 ulp).
+#include "ops_common.cuh"
+
+using namespace loom_cuda;
+
+__device__ __forceinline__ float sigmoidf_(float g) {
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+}
+
+__global__ void swiglu_fwd_kernel(const void *g, const void *u, int64_t n, void *h, loom_dtype dt) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float gi = ld(g, dt, i), ui = ld(u, dt, i);
+        st(h, dt, i, __fmul_rn(__fmul_rn(gi, sigmoidf_(gi)), ui));
+    }
+}
+
+__global__ void swiglu_bwd_kernel(const void *dh, const void *g, const void *u, int64_t n, void *dg,
+                                  void *du, loom_dtype dt) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float gi = ld(g, dt, i), ui = ld(u, dt, i), d = ld(dh, dt, i);
+        const float sg = sigmoidf_(gi);
+        // d silu(g)/dg = sig * (1 + g * (1 - sig))
+        const float dsil = __fadd_rn(1.0f, __fmul_rn(gi, __fsub_rn(1.0f, sg)));
+        const float dgi = __fmul_rn(__fmul_rn(__fmul_rn(d, ui), sg), dsil);
+        const float dui = __fmul_rn(__fmul_rn(d, gi), sg);
+        st(dg, dt, i, dgi); // all reads of element i are done: dg/du may alias g/u/dh
+        st(du, dt, i, dui);
+    }
+}
+
+__global__ void residual_kernel(void *y, loom_dtype ydt, const void *x, loom_dtype xdt, int64_t n) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        st(y, ydt, i, __fadd_rn(ld(y, ydt, i), ld(x, xdt, i)));
+}
+
+__global__ void bias_fwd_kernel(void *y, loom_dtype ydt, const void *b, loom_dtype bdt, int64_t T,
+                                int64_t N) {
+    const int64_t n = T * N, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        st(y, ydt, i, __fadd_rn(ld(y, ydt, i), ld(b, bdt, i % N)));
+}
+
+// db[j] += sum_t dy[t, j]: a block owns 32 columns; its BR row lanes sum rows
+// t = lane, lane + BR, ... in double, then the lanes are added in lane order.
+enum { BC = 32, BR = 16 };
+__global__ void bias_bwd_kernel(const void *dy, loom_dtype dt, int64_t T, int64_t N, float *db) {
+    __shared__ double part[BR][BC];
+    const int64_t j = (int64_t)blockIdx.x * BC + threadIdx.x;
+    double acc = 0;
+    if (j < N)
+        for (int64_t t = threadIdx.y; t < T; t += BR) acc += (double)ld(dy, dt, t * N + j);
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < N) {
+        double s = 0;
+        for (int r = 0; r < BR; r++) s += part[r][threadIdx.x];
+        db[j] += (float)s;
+    }
+}
+
+extern "C" loom_status loom_cuda_swiglu_fwd(loom_ctx *ctx, const void *g, const void *u, int64_t n,
+                                            void *h, loom_dtype dtype, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dtype, "swiglu_fwd", "g, u, h"))) return st;
+    if (n <= 0) return LOOM_OK;
+    swiglu_fwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(g, u, n, h, dtype);
+    return check_launch(ctx, "swiglu_fwd");
+}
+
+extern "C" loom_status loom_cuda_swiglu_bwd(loom_ctx *ctx, const void *dh, const void *g,
+                                            const void *u, int64_t n, void *dg, void *du,
+                                            loom_dtype dtype, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dtype, "swiglu_bwd", "dh, g, u, dg, du"))) return st;
+    if (n <= 0) return LOOM_OK;
+    swiglu_bwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(dh, g, u, n, dg, du, dtype);
+    return check_launch(ctx, "swiglu_bwd");
+}
+
+extern "C" loom_status loom_cuda_residual_add(loom_ctx *ctx, void *y, loom_dtype y_dtype,
+                                              const void *x, loom_dtype x_dtype, int64_t n,
+                                              void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, y_dtype, "residual_add", "y")) ||
+        (st = need_float(ctx, x_dtype, "residual_add", "x")))
+        return st;
+    if (n <= 0) return LOOM_OK;
+    residual_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(y, y_dtype, x, x_dtype, n);
+    return check_launch(ctx, "residual_add");
+}
+
+extern "C" loom_status loom_cuda_add_bias_fwd(loom_ctx *ctx, void *y, loom_dtype y_dtype,
+                                              const void *b, loom_dtype b_dtype, int64_t T,
+                                              int64_t N, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, y_dtype, "add_bias_fwd", "y")) ||
+        (st = need_float(ctx, b_dtype, "add_bias_fwd", "b")))
+        return st;
+    if (T <= 0 || N <= 0) return LOOM_OK;
+    bias_fwd_kernel<<<grid_for(T * N, 256), 256, 0, as_stream(stream)>>>(y, y_dtype, b, b_dtype, T, N);
+    return check_launch(ctx, "add_bias_fwd");
+}
+
+extern "C" loom_status loom_cuda_add_bias_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_dtype,
+                                              int64_t T, int64_t N, float *db, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dy_dtype, "add_bias_bwd", "dy"))) return st;
+    if (!db || T <= 0 || N <= 0) return LOOM_OK;
+    bias_bwd_kernel<<<(unsigned)((N + BC - 1) / BC), dim3(BC, BR), 0, as_stream(stream)>>>(
+        dy, dy_dtype, T, N, db);
+    return check_launch(ctx, "add_bias_bwd");
+}

@@ -1,0 +1,281 @@
+// Row-major GEMM through cuBLASLt with loom_cpu_sgemm's semantics.
+//
+// Row-major C (M x N) is column-major C^T (N x M), and C^T = op(B)^T op(A)^T:
+// so the column-major call is m = N, n = M, k = K with cuBLAS's "A" being our
+// B (transposed when tb) and its "B" being our A (transposed when ta), all
+// leading dimensions unchanged. Descriptors, layouts and the algorithm chosen
+// by cublasLtMatmulAlgoGetHeuristic are cached per shape in the handle.
+#include <cublasLt.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops_common.cuh"
+
+using namespace loom_cuda;
+
+namespace {
+
+struct gemm_key {
+    int64_t M, N, K, lda, ldb, ldc;
+    int32_t ta, tb, adt, cdt, beta0;
+    uint32_t align_a, align_b, align_c; // bytes, of our A, B, C pointers
+};
+
+struct gemm_entry {
+    bool used;
+    gemm_key key;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc; // cuBLAS's A (our B), B (our A), C = D
+    cublasLtMatmulAlgo_t algo;
+};
+
+enum { CACHE_SIZE = 1024 }; // a power of two; shapes past it are planned per call
+
+} // namespace
+
+struct loom_cuda_gemm_handle {
+    cublasLtHandle_t lt;
+    void *ws;
+    size_t ws_bytes;
+    gemm_entry *cache; // CACHE_SIZE entries, open addressing
+    int cached;
+};
+
+static loom_status lt_check(loom_ctx *ctx, cublasStatus_t s, const char *what) {
+    if (s == CUBLAS_STATUS_SUCCESS) return LOOM_OK;
+    return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm: %s: %s", what, cublasLtGetStatusString(s));
+}
+
+static cudaDataType_t cuda_type(loom_dtype t) {
+    switch (t) {
+    case LOOM_BF16: return CUDA_R_16BF;
+    case LOOM_F16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+    }
+}
+
+// Largest power of two (<= 256) dividing the address: what cuBLASLt may assume.
+static uint32_t ptr_align(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    uint32_t al = 256;
+    while (al > 1 && (a & (al - 1))) al >>= 1;
+    return al;
+}
+
+static uint64_t key_hash(const gemm_key *k) {
+    const unsigned char *b = (const unsigned char *)k;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < sizeof *k; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static void entry_destroy(gemm_entry *e) {
+    if (e->lc) cublasLtMatrixLayoutDestroy(e->lc);
+    if (e->lb) cublasLtMatrixLayoutDestroy(e->lb);
+    if (e->la) cublasLtMatrixLayoutDestroy(e->la);
+    if (e->op) cublasLtMatmulDescDestroy(e->op);
+    memset(e, 0, sizeof *e);
+}
+
+extern "C" loom_status loom_cuda_gemm_create(loom_ctx *ctx, size_t workspace_bytes,
+                                             loom_cuda_gemm_handle **out) {
+    *out = NULL;
+    loom_cuda_gemm_handle *h = (loom_cuda_gemm_handle *)calloc(1, sizeof *h);
+    gemm_entry *cache = (gemm_entry *)calloc(CACHE_SIZE, sizeof(gemm_entry));
+    if (!h || !cache) {
+        free(h);
+        free(cache);
+        return loom_errf(ctx, LOOM_ERR_OOM, "cuda gemm: out of host memory for the handle");
+    }
+    h->cache = cache;
+    h->ws_bytes = workspace_bytes ? workspace_bytes : LOOM_CUDA_GEMM_WORKSPACE_DEFAULT;
+    loom_status st = lt_check(ctx, cublasLtCreate(&h->lt), "cublasLtCreate");
+    if (st) {
+        h->lt = NULL;
+        loom_cuda_gemm_free(h);
+        return st;
+    }
+    cudaError_t e = cudaMalloc(&h->ws, h->ws_bytes);
+    if (e != cudaSuccess) {
+        h->ws = NULL;
+        loom_cuda_gemm_free(h);
+        return loom_errf(ctx, e == cudaErrorMemoryAllocation ? LOOM_ERR_OOM : LOOM_ERR_DEVICE,
+                         "cuda gemm: cudaMalloc of the %zu-byte workspace: %s", workspace_bytes,
+                         cudaGetErrorString(e));
+    }
+    *out = h;
+    return LOOM_OK;
+}
+
+extern "C" void loom_cuda_gemm_free(loom_cuda_gemm_handle *h) {
+    if (!h) return;
+    if (h->cache)
+        for (int i = 0; i < CACHE_SIZE; i++)
+            if (h->cache[i].used) entry_destroy(&h->cache[i]);
+    free(h->cache);
+    if (h->ws) cudaFree(h->ws);
+    if (h->lt) cublasLtDestroy(h->lt);
+    free(h);
+}
+
+extern "C" int loom_cuda_gemm_cached(const loom_cuda_gemm_handle *h) { return h ? h->cached : 0; }
+
+// Descriptors, layouts and the heuristic's first algorithm for key k.
+static loom_status plan(loom_ctx *ctx, loom_cuda_gemm_handle *h, const gemm_key *k, gemm_entry *e) {
+    memset(e, 0, sizeof *e);
+    e->key = *k;
+    const cublasOperation_t opa = k->tb ? CUBLAS_OP_T : CUBLAS_OP_N; // cuBLAS's A = our B
+    const cublasOperation_t opb = k->ta ? CUBLAS_OP_T : CUBLAS_OP_N; // cuBLAS's B = our A
+    const cudaDataType_t in = cuda_type((loom_dtype)k->adt), outt = cuda_type((loom_dtype)k->cdt);
+    loom_status st;
+    if ((st = lt_check(ctx, cublasLtMatmulDescCreate(&e->op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                       "cublasLtMatmulDescCreate")))
+        goto fail;
+    if ((st = lt_check(ctx,
+                       cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa,
+                                                      sizeof opa),
+                       "set TRANSA")))
+        goto fail;
+    if ((st = lt_check(ctx,
+                       cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb,
+                                                      sizeof opb),
+                       "set TRANSB")))
+        goto fail;
+    // cuBLAS's A (our B) as stored: N x K col-major when !tb (row-major K x N), else K x N.
+    if ((st = lt_check(ctx,
+                       cublasLtMatrixLayoutCreate(&e->la, in, k->tb ? k->K : k->N,
+                                                  k->tb ? k->N : k->K, k->ldb),
+                       "layout of B")))
+        goto fail;
+    // cuBLAS's B (our A) as stored: K x M col-major when !ta (row-major M x K), else M x K.
+    if ((st = lt_check(ctx,
+                       cublasLtMatrixLayoutCreate(&e->lb, in, k->ta ? k->M : k->K,
+                                                  k->ta ? k->K : k->M, k->lda),
+                       "layout of A")))
+        goto fail;
+    if ((st = lt_check(ctx, cublasLtMatrixLayoutCreate(&e->lc, outt, k->N, k->M, k->ldc),
+                       "layout of C")))
+        goto fail;
+    {
+        cublasLtMatmulPreference_t pref = NULL;
+        if ((st = lt_check(ctx, cublasLtMatmulPreferenceCreate(&pref), "preference")))
+            goto fail;
+        uint64_t ws = h->ws_bytes;
+        uint32_t al_a = k->align_b, al_b = k->align_a, al_c = k->align_c;
+        cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                     &al_a, sizeof al_a);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                     &al_b, sizeof al_b);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                     &al_c, sizeof al_c);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                     &al_c, sizeof al_c);
+        cublasLtMatmulHeuristicResult_t res;
+        int nres = 0;
+        memset(&res, 0, sizeof res);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatmulAlgoGetHeuristic(h->lt, e->op, e->la, e->lb, e->lc, e->lc, pref, 1,
+                                               &res, &nres);
+        cublasLtMatmulPreferenceDestroy(pref);
+        if ((st = lt_check(ctx, s, "cublasLtMatmulAlgoGetHeuristic"))) goto fail;
+        if (nres < 1 || res.state != CUBLAS_STATUS_SUCCESS) {
+            st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                           "cuda gemm: cuBLASLt has no algorithm for M=%lld N=%lld K=%lld "
+                           "(ta=%d tb=%d lda=%lld ldb=%lld ldc=%lld, %s inputs, %s output)",
+                           (long long)k->M, (long long)k->N, (long long)k->K, k->ta, k->tb,
+                           (long long)k->lda, (long long)k->ldb, (long long)k->ldc,
+                           loom_dtype_name((loom_dtype)k->adt), loom_dtype_name((loom_dtype)k->cdt));
+            goto fail;
+        }
+        e->algo = res.algo;
+    }
+    e->used = true;
+    return LOOM_OK;
+fail:
+    entry_destroy(e);
+    return st;
+}
+
+// C = beta * C (K == 0: nothing to multiply). beta == 0 writes zeros.
+__global__ void gemm_scale_c(void *C, loom_dtype dt, int64_t M, int64_t N, int64_t ldc, float beta) {
+    const int64_t n = M * N, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        int64_t r = i / N, c = i % N, o = r * ldc + c;
+        st(C, dt, o, beta == 0.0f ? 0.0f : beta * ld(C, dt, o));
+    }
+}
+
+extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb,
+                                      int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                                      loom_dtype a_dtype, int64_t lda, const void *B,
+                                      loom_dtype b_dtype, int64_t ldb, float beta, void *C,
+                                      loom_dtype c_dtype, int64_t ldc, void *stream) {
+    loom_status st;
+    if (!h) return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda gemm: no handle");
+    if ((st = need_float(ctx, a_dtype, "gemm", "A")) || (st = need_float(ctx, b_dtype, "gemm", "B")) ||
+        (st = need_float(ctx, c_dtype, "gemm", "C")))
+        return st;
+    if (a_dtype != b_dtype)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda gemm: A is %s but B is %s (must agree)",
+                         loom_dtype_name(a_dtype), loom_dtype_name(b_dtype));
+    if (c_dtype != LOOM_F32 && c_dtype != a_dtype)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda gemm: C must be F32 or %s (got %s)",
+                         loom_dtype_name(a_dtype), loom_dtype_name(c_dtype));
+    if (M < 0 || N < 0 || K < 0)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda gemm: negative size M=%lld N=%lld K=%lld",
+                         (long long)M, (long long)N, (long long)K);
+    if (M == 0 || N == 0) return LOOM_OK;
+    if (ldc < N || (K > 0 && (lda < (ta ? M : K) || ldb < (tb ? K : N))))
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "cuda gemm: row stride too small (M=%lld N=%lld K=%lld ta=%d tb=%d "
+                         "lda=%lld ldb=%lld ldc=%lld)",
+                         (long long)M, (long long)N, (long long)K, (int)ta, (int)tb, (long long)lda,
+                         (long long)ldb, (long long)ldc);
+    if (K == 0) {
+        gemm_scale_c<<<grid_for(M * N, 256), 256, 0, as_stream(stream)>>>(C, c_dtype, M, N, ldc, beta);
+        return check_launch(ctx, "gemm");
+    }
+    gemm_key k;
+    memset(&k, 0, sizeof k); // padding bytes take part in the hash and compare
+    k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc;
+    k.ta = ta, k.tb = tb, k.adt = a_dtype, k.cdt = c_dtype, k.beta0 = beta == 0.0f;
+    k.align_a = ptr_align(A), k.align_b = ptr_align(B), k.align_c = ptr_align(C);
+
+    gemm_entry tmp, *e = NULL;
+    uint64_t hs = key_hash(&k);
+    for (int probe = 0; probe < CACHE_SIZE; probe++) {
+        gemm_entry *c = &h->cache[(hs + (uint64_t)probe) & (CACHE_SIZE - 1)];
+        if (!c->used) { // not cached: plan into this free slot (or a temporary when full)
+            if (h->cached >= CACHE_SIZE / 2) break;
+            if ((st = plan(ctx, h, &k, c))) return st;
+            h->cached++;
+            e = c;
+            break;
+        }
+        if (memcmp(&c->key, &k, sizeof k) == 0) {
+            e = c;
+            break;
+        }
+    }
+    bool temporary = false;
+    if (!e) {
+        if ((st = plan(ctx, h, &k, &tmp))) return st;
+        e = &tmp;
+        temporary = true;
+    }
+    cublasStatus_t s = cublasLtMatmul(h->lt, e->op, &alpha, B, e->la, A, e->lb, &beta, C, e->lc, C,
+                                      e->lc, &e->algo, h->ws, h->ws_bytes, as_stream(stream));
+    if (temporary) entry_destroy(&tmp);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return loom_errf(ctx, LOOM_ERR_DEVICE,
+                         "cuda gemm: cublasLtMatmul (M=%lld N=%lld K=%lld ta=%d tb=%d, %s): %s",
+                         (long long)M, (long long)N, (long long)K, (int)ta, (int)tb,
+                         loom_dtype_name(a_dtype), cublasLtGetStatusString(s));
+    return check_launch(ctx, "gemm");
+}

@@ -1,0 +1,104 @@
+// Optimizer ops over flat fp32 buffers: AdamW (bit-identical to
+// loom_adamw_step), deterministic sum of squares, scaling.
+#include <math.h>
+
+#include "ops_common.cuh"
+
+using namespace loom_cuda;
+
+namespace {
+struct adamw_coef {
+    float shrink, w1, one_minus_w1, b2, c2, neg_step, bc2_sqrt, eps;
+    int do_decay, lerp_low;
+};
+constexpr int SUMSQ_THREADS = 256;
+} // namespace
+
+// The CPU loop body, each fp32 operation rounded on its own (no contraction).
+__global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, adamw_coef k) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+        if (k.do_decay) pi = __fmul_rn(pi, k.shrink);
+        mi = k.lerp_low ? __fadd_rn(mi, __fmul_rn(k.w1, __fsub_rn(gi, mi)))
+                        : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), k.one_minus_w1));
+        vi = __fmul_rn(vi, k.b2);
+        vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(k.c2, gi), gi));
+        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
+        pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+__global__ void __launch_bounds__(SUMSQ_THREADS)
+    sumsq_partial_kernel(const float *g, int64_t n, double *partial) {
+    __shared__ double sh[SUMSQ_THREADS / 32];
+    const int64_t stride = (int64_t)LOOM_CUDA_SUMSQ_BLOCKS * SUMSQ_THREADS;
+    double acc = 0;
+    for (int64_t i = (int64_t)blockIdx.x * SUMSQ_THREADS + threadIdx.x; i < n; i += stride) {
+        double x = (double)g[i];
+        acc += x * x;
+    }
+    acc = block_sum<SUMSQ_THREADS>(acc, sh);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+__global__ void __launch_bounds__(LOOM_CUDA_SUMSQ_BLOCKS)
+    sumsq_final_kernel(const double *partial, double *result) {
+    __shared__ double sh[LOOM_CUDA_SUMSQ_BLOCKS / 32];
+    double acc = block_sum<LOOM_CUDA_SUMSQ_BLOCKS>(partial[threadIdx.x], sh);
+    if (threadIdx.x == 0) *result = acc;
+}
+
+__global__ void scale_kernel(float *g, int64_t n, float s) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        g[i] = __fmul_rn(g[i], s);
+}
+
+extern "C" loom_status loom_cuda_adamw_step(loom_ctx *ctx, float *p, const float *g, float *m,
+                                            float *v, size_t n, const loom_adamw_hp *hp, int64_t t,
+                                            bool decay, void *stream) {
+    if (t < 1)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda adamw_step: step %lld (must be >= 1)",
+                         (long long)t);
+    if (n == 0) return LOOM_OK;
+    // The scalars exactly as loom_adamw_step computes them (double, rounded once).
+    adamw_coef k;
+    k.do_decay = decay && hp->weight_decay != 0.0;
+    k.shrink = (float)(1.0 - hp->lr * hp->weight_decay);
+    const double w1d = 1.0 - hp->beta1;
+    k.w1 = (float)w1d;
+    k.one_minus_w1 = (float)(1.0 - (double)k.w1);
+    k.lerp_low = k.w1 < 0.5f;
+    k.b2 = (float)hp->beta2;
+    k.c2 = (float)(1.0 - hp->beta2);
+    const double bc1 = 1.0 - pow(hp->beta1, (double)t);
+    const double bc2 = 1.0 - pow(hp->beta2, (double)t);
+    k.neg_step = (float)(-(hp->lr / bc1));
+    k.bc2_sqrt = (float)pow(bc2, 0.5);
+    k.eps = (float)hp->eps;
+    adamw_kernel<<<grid_for((int64_t)n, 256), 256, 0, as_stream(stream)>>>(p, g, m, v, (int64_t)n, k);
+    return check_launch(ctx, "adamw_step");
+}
+
+extern "C" loom_status loom_cuda_sumsq(loom_ctx *ctx, const float *g, size_t n, double *result,
+                                       double *scratch, void *stream) {
+    if (!result || !scratch)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "cuda sumsq: needs a result and a scratch of LOOM_CUDA_SUMSQ_BLOCKS doubles");
+    cudaStream_t s = as_stream(stream);
+    sumsq_partial_kernel<<<LOOM_CUDA_SUMSQ_BLOCKS, SUMSQ_THREADS, 0, s>>>(g, (int64_t)n, scratch);
+    loom_status st = check_launch(ctx, "sumsq");
+    if (st) return st;
+    sumsq_final_kernel<<<1, LOOM_CUDA_SUMSQ_BLOCKS, 0, s>>>(scratch, result);
+    return check_launch(ctx, "sumsq");
+}
+
+extern "C" loom_status loom_cuda_scale(loom_ctx *ctx, float *g, size_t n, float s, void *stream) {
+    if (n == 0) return LOOM_OK;
+    scale_kernel<<<grid_for((int64_t)n, 256), 256, 0, as_stream(stream)>>>(g, (int64_t)n, s);
+    return check_launch(ctx, "scale");
+}

@@ -1,0 +1,916 @@
+/* CUDA ops (src/backend/cuda/cuda_ops.h) against the CPU reference ops on
+ * fresh random inputs. Built only with `make CUDA=1`; skipped when no GPU is
+ * visible. Errors are max |gpu - cpu| / max |cpu| over a tensor: fp32 outputs
+ * within 1e-5, bf16/f16 outputs within 1e-2 (the CPU runs on the same
+ * rounded inputs, so only the GPU's arithmetic and output rounding differ). */
+#ifdef LOOM_HAVE_CUDA
+#include <cuda_runtime.h>
+#include <stdlib.h>
+
+#include "../src/backend/cpu/cpu_ops.h"
+#include "../src/backend/cuda/cuda_backend.h"
+#include "../src/backend/cuda/cuda_ops.h"
+#include "../src/core/rng.h"
+#include "../src/train/adamw.h"
+#include "harness.h"
+
+/* ---------------- helpers ---------------- */
+
+typedef struct gpu {
+    loom_ctx *ctx;
+    void *ptrs[512];
+    int n;
+    bool bad; /* an allocation or copy failed (already reported) */
+} gpu;
+
+static bool gpu_open(gpu *g) {
+    memset(g, 0, sizeof *g);
+    if (loom_ctx_create(&g->ctx)) return false;
+    loom_cuda_info info;
+    if (loom_cuda_query(g->ctx, 0, &info) != LOOM_OK) {
+        loom_ctx_free(g->ctx);
+        SKIP("no CUDA device visible");
+    }
+    return true;
+}
+
+static void gpu_close(gpu *g) {
+    for (int i = 0; i < g->n; i++) loom_cuda_free(g->ptrs[i]);
+    loom_ctx_free(g->ctx);
+}
+
+static void *dalloc(gpu *g, size_t bytes) {
+    void *p = NULL;
+    if (g->n >= (int)(sizeof g->ptrs / sizeof g->ptrs[0]) ||
+        loom_cuda_malloc(g->ctx, &p, bytes, "test") != LOOM_OK) {
+        loom_test_fail(__FILE__, __LINE__, "device allocation of %zu bytes: %s", bytes,
+                       loom_last_error(g->ctx));
+        g->bad = true;
+        return NULL;
+    }
+    g->ptrs[g->n++] = p;
+    return p;
+}
+
+static float *falloc(int64_t n) { return calloc((size_t)(n > 0 ? n : 1), sizeof(float)); }
+
+static void fill(float *x, int64_t n, uint64_t key, float sd) {
+    for (int64_t i = 0; i < n; i++) x[i] = sd * (float)loom_rng_normal(23, key, (uint64_t)i);
+}
+
+/* x rounded to dt and back (in place), so the CPU sees what the GPU sees. */
+static void round_to(gpu *g, float *x, int64_t n, loom_dtype dt) {
+    if (dt == LOOM_F32 || n <= 0) return;
+    void *tmp = malloc((size_t)n * loom_dtype_size(dt));
+    if (loom_convert(g->ctx, tmp, dt, x, LOOM_F32, (size_t)n) ||
+        loom_convert(g->ctx, x, LOOM_F32, tmp, dt, (size_t)n))
+        g->bad = true;
+    free(tmp);
+}
+
+/* Device copy of host fp32 x[0..n) in dtype dt. */
+static void *up(gpu *g, const float *x, int64_t n, loom_dtype dt) {
+    size_t bytes = (size_t)(n > 0 ? n : 1) * loom_dtype_size(dt);
+    void *d = dalloc(g, bytes), *tmp = malloc(bytes);
+    if (!d || loom_convert(g->ctx, tmp, dt, x, LOOM_F32, (size_t)n) ||
+        loom_cuda_memcpy_h2d(g->ctx, d, tmp, (size_t)n * loom_dtype_size(dt))) {
+        loom_test_fail(__FILE__, __LINE__, "upload: %s", loom_last_error(g->ctx));
+        g->bad = true;
+    }
+    free(tmp);
+    return d;
+}
+
+static void *up_raw(gpu *g, const void *x, size_t bytes) {
+    void *d = dalloc(g, bytes ? bytes : 1);
+    if (d && bytes && loom_cuda_memcpy_h2d(g->ctx, d, x, bytes)) {
+        loom_test_fail(__FILE__, __LINE__, "upload: %s", loom_last_error(g->ctx));
+        g->bad = true;
+    }
+    return d;
+}
+
+/* Host fp32 copy of device d[0..n) of dtype dt (synchronises first). */
+static void down(gpu *g, float *x, const void *d, int64_t n, loom_dtype dt) {
+    if (n <= 0) return;
+    size_t bytes = (size_t)n * loom_dtype_size(dt);
+    void *tmp = malloc(bytes);
+    loom_status st = loom_cuda_sync(g->ctx);
+    if (!st) st = loom_cuda_memcpy_d2h(g->ctx, tmp, d, bytes);
+    if (!st) st = loom_convert(g->ctx, x, LOOM_F32, tmp, dt, (size_t)n);
+    if (st) {
+        loom_test_fail(__FILE__, __LINE__, "download: %s", loom_last_error(g->ctx));
+        g->bad = true;
+        for (int64_t i = 0; i < n; i++) x[i] = NAN;
+    }
+    free(tmp);
+}
+
+/* max |a - b| / max |b| (NaN: infinite). */
+static double rel_err(const float *a, const float *b, int64_t n) {
+    double w = 0, m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (!(d <= w)) w = isnan(d) ? INFINITY : d;
+        m = fmax(m, fabs((double)b[i]));
+    }
+    return w / (m > 0 ? m : 1.0);
+}
+
+static double tol_for(loom_dtype dt) { return dt == LOOM_F32 ? 1e-5 : 1e-2; }
+
+/* LOOM_CUDA_OPS_VERBOSE=1 prints every comparison's error (to stderr). */
+#define CHECK_CLOSE(got, ref, n, dt, ...)                                                      \
+    do {                                                                                       \
+        double _e = rel_err((got), (ref), (n));                                                \
+        bool _bad = !(_e <= tol_for(dt));                                                      \
+        if (_bad || getenv("LOOM_CUDA_OPS_VERBOSE")) {                                         \
+            char _what[256];                                                                   \
+            snprintf(_what, sizeof _what, __VA_ARGS__);                                        \
+            if (_bad)                                                                          \
+                loom_test_fail(__FILE__, __LINE__, "%s: rel err %.3g > %.0e", _what, _e,        \
+                               tol_for(dt));                                                   \
+            else                                                                               \
+                fprintf(stderr, "    %s: rel err %.3g\n", _what, _e);                          \
+        }                                                                                      \
+    } while (0)
+
+static const char *dn(loom_dtype dt) { return loom_dtype_name(dt); }
+
+/* ---------------- GEMM ---------------- */
+
+TEST(cuda_ops_gemm) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    loom_cuda_gemm_handle *h;
+    REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 0, &h));
+    const int64_t shapes[][3] = {{37, 72, 16}, {64, 128, 256}, {5, 3, 1}, {130, 70, 33}, {1, 300, 64}};
+    const loom_dtype types[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
+    int planned = -1;
+    for (int pass = 0; pass < 2; pass++) /* the second pass must hit the handle's cache */
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            const int64_t M = shapes[si][0], N = shapes[si][1], K = shapes[si][2];
+            for (int ti = 0; ti < 3; ti++)
+                for (int ci = 0; ci < 2; ci++) {
+                    loom_dtype dt = types[ti], cdt = ci ? dt : LOOM_F32;
+                    if (ci && dt == LOOM_F32) continue;
+                    for (int v = 0; v < 8; v++) {
+                        bool ta = v & 1, tb = (v >> 1) & 1;
+                        float beta = (v >> 2) ? 1.0f : 0.0f, alpha = 0.7f;
+                        int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+                        int64_t lda = ac + 3, ldb = bc + 5, ldc = N + 2;
+                        float *A = falloc(ar * lda), *B = falloc(br * ldb), *C = falloc(M * ldc);
+                        float *ref = falloc(M * ldc), *got = falloc(M * ldc);
+                        uint64_t key = 1000 + si * 100 + (uint64_t)ti * 10 + (uint64_t)v;
+                        fill(A, ar * lda, key, 1);
+                        fill(B, br * ldb, key + 7, 1);
+                        fill(C, M * ldc, key + 13, 1);
+                        round_to(&g, A, ar * lda, dt);
+                        round_to(&g, B, br * ldb, dt);
+                        round_to(&g, C, M * ldc, cdt);
+                        memcpy(ref, C, sizeof(float) * (size_t)(M * ldc));
+                        loom_cpu_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, ref, ldc);
+                        if (beta == 0.0f) /* C must not be read */
+                            for (int64_t i = 0; i < M; i++)
+                                for (int64_t j = 0; j < N; j++) C[i * ldc + j] = NAN;
+                        void *dA = up(&g, A, ar * lda, dt), *dB = up(&g, B, br * ldb, dt);
+                        void *dC = up(&g, C, M * ldc, cdt);
+                        REQUIRE(!g.bad);
+                        REQUIRE_OK(g.ctx, loom_cuda_gemm(g.ctx, h, ta, tb, M, N, K, alpha, dA, dt, lda,
+                                                         dB, dt, ldb, beta, dC, cdt, ldc, NULL));
+                        down(&g, got, dC, M * ldc, cdt);
+                        CHECK_CLOSE(got, ref, M * ldc, cdt,
+                                    "gemm M=%lld N=%lld K=%lld ta=%d tb=%d beta=%g %s -> %s",
+                                    (long long)M, (long long)N, (long long)K, ta, tb, beta, dn(dt),
+                                    dn(cdt));
+                        for (int64_t i = 0; i < M; i++) /* the padding columns are not touched */
+                            for (int64_t j = N; j < ldc; j++)
+                                if (got[i * ldc + j] != ref[i * ldc + j]) {
+                                    loom_test_fail(__FILE__, __LINE__, "gemm wrote padding (%lld, %lld)",
+                                                   (long long)i, (long long)j);
+                                    i = M;
+                                    break;
+                                }
+                        free(A), free(B), free(C), free(ref), free(got);
+                        for (int k = 0; k < 3; k++) loom_cuda_free(g.ptrs[--g.n]);
+                    }
+                }
+            if (pass == 1 && si + 1 == sizeof shapes / sizeof shapes[0])
+                CHECK_EQ_INT(loom_cuda_gemm_cached(h), planned);
+            if (pass == 0 && si + 1 == sizeof shapes / sizeof shapes[0]) planned = loom_cuda_gemm_cached(h);
+        }
+    if (getenv("LOOM_CUDA_OPS_VERBOSE")) fprintf(stderr, "    %d gemm shapes planned and cached\n", planned);
+    /* K = 0: C = beta * C */
+    float c0[12], c1[12];
+    fill(c0, 12, 9, 1);
+    void *d = up(&g, c0, 12, LOOM_F32);
+    REQUIRE(d);
+    REQUIRE_OK(g.ctx, loom_cuda_gemm(g.ctx, h, 0, 0, 3, 4, 0, 1, d, LOOM_F32, 1, d, LOOM_F32, 4, 0.5f,
+                                     d, LOOM_F32, 4, NULL));
+    down(&g, c1, d, 12, LOOM_F32);
+    for (int i = 0; i < 12; i++) c0[i] *= 0.5f;
+    CHECK_MSG(memcmp(c0, c1, sizeof c0) == 0, "gemm with K = 0 must scale C by beta");
+    /* refused: mixed input dtypes, C in another half type */
+    d = dalloc(&g, 4096);
+    REQUIRE(d);
+    CHECK(loom_cuda_gemm(g.ctx, h, 0, 0, 4, 4, 4, 1, d, LOOM_BF16, 4, d, LOOM_F16, 4, 0, d, LOOM_F32,
+                         4, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda gemm");
+    CHECK(loom_cuda_gemm(g.ctx, h, 0, 0, 4, 4, 4, 1, d, LOOM_BF16, 4, d, LOOM_BF16, 4, 0, d,
+                         LOOM_F16, 4, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK(loom_cuda_gemm(g.ctx, h, 0, 0, 4, 4, 4, 1, d, LOOM_F32, 3, d, LOOM_F32, 4, 0, d, LOOM_F32,
+                         4, NULL) == LOOM_ERR_INVALID_ARG);
+    loom_cuda_gemm_free(h);
+    gpu_close(&g);
+}
+
+/* ---------------- embedding ---------------- */
+
+static void embedding_case(gpu *g, int64_t V, int64_t H, int64_t T, loom_dtype wdt, loom_dtype odt) {
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)T);
+    for (int64_t t = 0; t < T; t++) /* many repeats, also inside a batch of 16 tokens */
+        ids[t] = (t % 5 == 2) ? 1 : (int32_t)(loom_splitmix64((uint64_t)t * 7 + 3) % (uint64_t)V);
+    float *W = falloc(V * H), *out = falloc(T * H), *got = falloc(T * H);
+    float *dout = falloc(T * H), *dW = falloc(V * H), *gotdW = falloc(V * H);
+    fill(W, V * H, 31, 1);
+    fill(dout, T * H, 32, 1);
+    fill(dW, V * H, 33, 1);
+    round_to(g, W, V * H, wdt);
+    round_to(g, dout, T * H, odt);
+    void *dids = up_raw(g, ids, sizeof(int32_t) * (size_t)T), *dWt = up(g, W, V * H, wdt);
+    void *d_out = dalloc(g, (size_t)(T * H) * loom_dtype_size(odt));
+    void *dg = up(g, dout, T * H, odt), *ddW = up(g, dW, V * H, LOOM_F32);
+    if (g->bad) return;
+    loom_cpu_embedding_fwd(ids, T, W, H, out);
+    round_to(g, out, T * H, odt);
+    CHECK_OK(g->ctx, loom_cuda_embedding_fwd(g->ctx, dids, T, dWt, wdt, H, d_out, odt, NULL));
+    down(g, got, d_out, T * H, odt);
+    CHECK_MSG(rel_err(got, out, T * H) == 0, "embedding_fwd V=%lld H=%lld T=%lld %s -> %s differs",
+              (long long)V, (long long)H, (long long)T, dn(wdt), dn(odt));
+    loom_cpu_embedding_bwd(ids, T, dout, H, dW);
+    CHECK_OK(g->ctx, loom_cuda_embedding_bwd(g->ctx, dids, T, dg, odt, H, ddW, NULL));
+    down(g, gotdW, ddW, V * H, LOOM_F32);
+    /* same additions in the same order: bit-identical */
+    CHECK_MSG(rel_err(gotdW, dW, V * H) == 0, "embedding_bwd V=%lld H=%lld T=%lld %s: rel err %g",
+              (long long)V, (long long)H, (long long)T, dn(odt), rel_err(gotdW, dW, V * H));
+    free(ids), free(W), free(out), free(got), free(dout), free(dW), free(gotdW);
+    while (g->n > 0) loom_cuda_free(g->ptrs[--g->n]);
+}
+
+TEST(cuda_ops_embedding) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    embedding_case(&g, 50, 72, 37, LOOM_F32, LOOM_F32);
+    embedding_case(&g, 7, 200, 1000, LOOM_F32, LOOM_F32);
+    embedding_case(&g, 50, 72, 37, LOOM_BF16, LOOM_BF16);
+    embedding_case(&g, 300, 4096, 64, LOOM_F32, LOOM_BF16);
+    REQUIRE(!g.bad);
+    gpu_close(&g);
+}
+
+/* ---------------- RMSNorm ---------------- */
+
+static void rmsnorm_case(gpu *g, int64_t N, int64_t H, loom_dtype xdt, loom_dtype wdt,
+                         loom_dtype ydt) {
+    const float eps = 1e-6f;
+    float *x = falloc(N * H), *w = falloc(H), *y = falloc(N * H), *rs = falloc(N);
+    float *got = falloc(N * H), *gotrs = falloc(N);
+    float *dy = falloc(N * H), *dx = falloc(N * H), *dw = falloc(H), *gotdw = falloc(H);
+    fill(x, N * H, 41, 2);
+    fill(w, H, 42, 1);
+    fill(dy, N * H, 43, 1);
+    fill(dw, H, 44, 1);
+    round_to(g, x, N * H, xdt);
+    round_to(g, w, H, wdt);
+    round_to(g, dy, N * H, xdt);
+    void *dx_d = up(g, x, N * H, xdt), *dw_d = up(g, w, H, wdt), *dy_d = dalloc(g, (size_t)(N * H) * 4);
+    float *drs = dalloc(g, (size_t)N * 4);
+    if (g->bad) return;
+    /* forward */
+    loom_cpu_rmsnorm_fwd(x, w, N, H, eps, y, rs);
+    round_to(g, y, N * H, ydt);
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, dx_d, xdt, dw_d, wdt, N, H, eps, dy_d, ydt, drs, NULL));
+    down(g, got, dy_d, N * H, ydt);
+    down(g, gotrs, drs, N, LOOM_F32);
+    CHECK_CLOSE(got, y, N * H, ydt, "rmsnorm_fwd y N=%lld H=%lld x %s w %s y %s", (long long)N,
+                (long long)H, dn(xdt), dn(wdt), dn(ydt));
+    CHECK_CLOSE(gotrs, rs, N, LOOM_F32, "rmsnorm_fwd rstd N=%lld H=%lld", (long long)N, (long long)H);
+    /* backward: dy in x's dtype, dx written over dy (aliased), dw accumulated */
+    void *ddy = up(g, dy, N * H, xdt), *ddw = up(g, dw, H, LOOM_F32);
+    float *drs2 = up(g, rs, N, LOOM_F32);
+    void *scratch = dalloc(g, loom_cuda_rmsnorm_bwd_scratch_bytes(N, H));
+    if (g->bad) return;
+    loom_cpu_rmsnorm_bwd(dy, x, w, rs, N, H, dx, dw);
+    round_to(g, dx, N * H, xdt);
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, ddy, xdt, dx_d, xdt, dw_d, wdt, drs2, N, H, ddy,
+                                           xdt, ddw, scratch, NULL));
+    down(g, got, ddy, N * H, xdt);
+    down(g, gotdw, ddw, H, LOOM_F32);
+    CHECK_CLOSE(got, dx, N * H, xdt, "rmsnorm_bwd dx N=%lld H=%lld x %s w %s", (long long)N,
+                (long long)H, dn(xdt), dn(wdt));
+    CHECK_CLOSE(gotdw, dw, H, LOOM_F32, "rmsnorm_bwd dw N=%lld H=%lld x %s w %s", (long long)N,
+                (long long)H, dn(xdt), dn(wdt));
+    /* frozen weight: dw NULL, no scratch; dx into a separate fp32 buffer */
+    void *ddy2 = up(g, dy, N * H, xdt), *ddx = dalloc(g, (size_t)(N * H) * 4);
+    if (g->bad) return;
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, ddy2, xdt, dx_d, xdt, dw_d, wdt, drs2, N, H, ddx,
+                                           LOOM_F32, NULL, NULL, NULL));
+    loom_cpu_rmsnorm_bwd(dy, x, w, rs, N, H, dx, NULL);
+    down(g, got, ddx, N * H, LOOM_F32);
+    CHECK_CLOSE(got, dx, N * H, LOOM_F32, "rmsnorm_bwd (frozen) dx N=%lld H=%lld", (long long)N,
+                (long long)H);
+    free(x), free(w), free(y), free(rs), free(got), free(gotrs), free(dy), free(dx), free(dw),
+        free(gotdw);
+    while (g->n > 0) loom_cuda_free(g->ptrs[--g->n]);
+}
+
+TEST(cuda_ops_rmsnorm) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const int64_t shapes[][2] = {{37, 72}, {300, 128}, {6, 4096}, {2100, 16}, {70001, 8}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        rmsnorm_case(&g, shapes[i][0], shapes[i][1], LOOM_F32, LOOM_F32, LOOM_F32);
+        rmsnorm_case(&g, shapes[i][0], shapes[i][1], LOOM_BF16, LOOM_F32, LOOM_BF16);
+        rmsnorm_case(&g, shapes[i][0], shapes[i][1], LOOM_BF16, LOOM_BF16, LOOM_F32);
+    }
+    rmsnorm_case(&g, 37, 72, LOOM_F32, LOOM_BF16, LOOM_F16);
+    REQUIRE(!g.bad);
+    /* errors name the op */
+    CHECK(loom_cuda_rmsnorm_fwd(g.ctx, NULL, LOOM_I32, NULL, LOOM_F32, 1, 1, 1e-6f, NULL, LOOM_F32,
+                                NULL, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda rmsnorm_fwd");
+    gpu_close(&g);
+}
+
+/* ---------------- RoPE ---------------- */
+
+TEST(cuda_ops_rope) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    enum { T = 37, NH = 6 };
+    const int32_t cu[4] = {0, 10, 23, 37};
+    int32_t pos[T];
+    for (int d = 0; d < 3; d++) /* positions restart per document; the last one far out */
+        for (int t = cu[d]; t < cu[d + 1]; t++) pos[t] = t - cu[d] + (d == 2 ? 30000 : 0);
+    const int64_t Ds[3] = {16, 64, 128};
+    const loom_dtype types[2] = {LOOM_F32, LOOM_BF16};
+    for (int di = 0; di < 3; di++)
+        for (int ti = 0; ti < 2; ti++) {
+            const int64_t D = Ds[di], n = T * NH * D;
+            const loom_dtype dt = types[ti];
+            float inv[64], *x = falloc(n), *got = falloc(n);
+            loom_rope_inv_freq(0, 1e6, D, 1, 1, 1, 0, inv);
+            fill(x, n, 50 + (uint64_t)di, 1);
+            round_to(&g, x, n, dt);
+            void *dxp = up(&g, x, n, dt), *dpos = up_raw(&g, pos, sizeof pos),
+                 *dinv = up(&g, inv, D / 2, LOOM_F32);
+            REQUIRE(!g.bad);
+            loom_cpu_rope_fwd(x, T, NH, D, pos, inv);
+            round_to(&g, x, n, dt);
+            CHECK_OK(g.ctx, loom_cuda_rope_fwd(g.ctx, dxp, dt, T, NH, D, dpos, dinv, NULL));
+            down(&g, got, dxp, n, dt);
+            CHECK_CLOSE(got, x, n, dt, "rope_fwd D=%lld %s", (long long)D, dn(dt));
+            /* backward on the rotated buffer: both sides start from the GPU's output */
+            memcpy(x, got, sizeof(float) * (size_t)n);
+            loom_cpu_rope_bwd(x, T, NH, D, pos, inv);
+            round_to(&g, x, n, dt);
+            CHECK_OK(g.ctx, loom_cuda_rope_bwd(g.ctx, dxp, dt, T, NH, D, dpos, dinv, NULL));
+            down(&g, got, dxp, n, dt);
+            CHECK_CLOSE(got, x, n, dt, "rope_bwd D=%lld %s", (long long)D, dn(dt));
+            free(x), free(got);
+        }
+    gpu_close(&g);
+}
+
+/* ---------------- SwiGLU, residual, bias ---------------- */
+
+TEST(cuda_ops_swiglu) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const int64_t n = 100037;
+    const loom_dtype types[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
+    for (int ti = 0; ti < 3; ti++) {
+        loom_dtype dt = types[ti];
+        float *gg = falloc(n), *u = falloc(n), *h = falloc(n), *dh = falloc(n), *dg = falloc(n),
+              *du = falloc(n), *got = falloc(n);
+        fill(gg, n, 61, 3);
+        fill(u, n, 62, 1);
+        fill(dh, n, 63, 1);
+        round_to(&g, gg, n, dt);
+        round_to(&g, u, n, dt);
+        round_to(&g, dh, n, dt);
+        void *d_g = up(&g, gg, n, dt), *d_u = up(&g, u, n, dt), *d_dh = up(&g, dh, n, dt);
+        void *d_h = dalloc(&g, (size_t)n * 4);
+        REQUIRE(!g.bad);
+        loom_cpu_swiglu_fwd(gg, u, n, h);
+        round_to(&g, h, n, dt);
+        CHECK_OK(g.ctx, loom_cuda_swiglu_fwd(g.ctx, d_g, d_u, n, d_h, dt, NULL));
+        down(&g, got, d_h, n, dt);
+        CHECK_CLOSE(got, h, n, dt, "swiglu_fwd %s", dn(dt));
+        /* dg over g, du over u (aliases) */
+        loom_cpu_swiglu_bwd(dh, gg, u, n, dg, du);
+        round_to(&g, dg, n, dt);
+        round_to(&g, du, n, dt);
+        CHECK_OK(g.ctx, loom_cuda_swiglu_bwd(g.ctx, d_dh, d_g, d_u, n, d_g, d_u, dt, NULL));
+        down(&g, got, d_g, n, dt);
+        CHECK_CLOSE(got, dg, n, dt, "swiglu_bwd dg %s", dn(dt));
+        down(&g, got, d_u, n, dt);
+        CHECK_CLOSE(got, du, n, dt, "swiglu_bwd du %s", dn(dt));
+        free(gg), free(u), free(h), free(dh), free(dg), free(du), free(got);
+    }
+    gpu_close(&g);
+}
+
+TEST(cuda_ops_residual_and_bias) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const int64_t shapes[][2] = {{37, 72}, {1000, 33}, {5, 4096}};
+    const loom_dtype pairs[][2] = {{LOOM_F32, LOOM_F32}, {LOOM_F32, LOOM_BF16}, {LOOM_BF16, LOOM_BF16}};
+    for (size_t si = 0; si < 3; si++)
+        for (size_t pi = 0; pi < 3; pi++) {
+            const int64_t T = shapes[si][0], N = shapes[si][1], n = T * N;
+            const loom_dtype ydt = pairs[pi][0], xdt = pairs[pi][1];
+            float *y = falloc(n), *x = falloc(n), *b = falloc(N), *db = falloc(N), *got = falloc(n);
+            fill(y, n, 71, 1);
+            fill(x, n, 72, 1);
+            fill(b, N, 73, 1);
+            fill(db, N, 74, 1);
+            round_to(&g, y, n, ydt);
+            round_to(&g, x, n, xdt);
+            round_to(&g, b, N, xdt);
+            void *d_y = up(&g, y, n, ydt), *d_x = up(&g, x, n, xdt), *d_b = up(&g, b, N, xdt);
+            float *d_db = up(&g, db, N, LOOM_F32);
+            REQUIRE(!g.bad);
+            loom_cpu_residual_add(y, x, n);
+            round_to(&g, y, n, ydt);
+            CHECK_OK(g.ctx, loom_cuda_residual_add(g.ctx, d_y, ydt, d_x, xdt, n, NULL));
+            down(&g, got, d_y, n, ydt);
+            CHECK_CLOSE(got, y, n, ydt, "residual_add T=%lld N=%lld %s += %s", (long long)T,
+                        (long long)N, dn(ydt), dn(xdt));
+            loom_cpu_add_bias_fwd(y, b, T, N);
+            round_to(&g, y, n, ydt);
+            CHECK_OK(g.ctx, loom_cuda_add_bias_fwd(g.ctx, d_y, ydt, d_b, xdt, T, N, NULL));
+            down(&g, got, d_y, n, ydt);
+            CHECK_CLOSE(got, y, n, ydt, "add_bias_fwd T=%lld N=%lld %s + %s", (long long)T,
+                        (long long)N, dn(ydt), dn(xdt));
+            /* bwd over x (as dy) */
+            loom_cpu_add_bias_bwd(x, T, N, db);
+            CHECK_OK(g.ctx, loom_cuda_add_bias_bwd(g.ctx, d_x, xdt, T, N, d_db, NULL));
+            down(&g, got, d_db, N, LOOM_F32);
+            CHECK_CLOSE(got, db, N, LOOM_F32, "add_bias_bwd T=%lld N=%lld %s", (long long)T,
+                        (long long)N, dn(xdt));
+            CHECK_OK(g.ctx, loom_cuda_add_bias_bwd(g.ctx, d_x, xdt, T, N, NULL, NULL)); /* frozen */
+            free(y), free(x), free(b), free(db), free(got);
+        }
+    gpu_close(&g);
+}
+
+/* ---------------- cross-entropy ---------------- */
+
+static void xent_case(gpu *g, int64_t T, int64_t V, int64_t Vp, loom_dtype dt, bool alias) {
+    const int64_t n = T * Vp;
+    float *z = falloc(n), *dz = falloc(n), *got = falloc(n);
+    float *lp = falloc(T), *ent = falloc(T), *lse = falloc(T), *glp = falloc(T), *gent = falloc(T),
+          *glse = falloc(T);
+    int32_t *tg = malloc(sizeof(int32_t) * (size_t)T);
+    fill(z, n, 81, 3);
+    for (int64_t t = 0; t < T; t++) {
+        tg[t] = (int32_t)(loom_splitmix64((uint64_t)t + 99) % (uint64_t)V);
+        if (t % 7 == 3) tg[t] = -100;
+        for (int64_t c = V; c < Vp; c++) z[t * Vp + c] = 1e4f; /* padding must be ignored */
+    }
+    if (T > 5) z[5 * Vp + tg[5]] = 40.0f; /* one confident row */
+    round_to(g, z, n, dt);
+    void *dz_d = up(g, z, n, dt), *dtg = up_raw(g, tg, sizeof(int32_t) * (size_t)T);
+    float *dlp = dalloc(g, (size_t)T * 4), *dent = dalloc(g, (size_t)T * 4), *dlse = dalloc(g, (size_t)T * 4);
+    double *dtl = dalloc(g, (size_t)T * 8), *dloss = dalloc(g, 8);
+    if (g->bad) return;
+    double loss = loom_cpu_cross_entropy_fwd(z, tg, T, V, Vp, lp, ent, lse);
+    CHECK_OK(g->ctx, loom_cuda_cross_entropy_fwd(g->ctx, dz_d, dt, dtg, T, V, Vp, dlp, dent, dlse, dtl,
+                                                 dloss, NULL));
+    double gloss = NAN;
+    down(g, glp, dlp, T, LOOM_F32);
+    down(g, gent, dent, T, LOOM_F32);
+    down(g, glse, dlse, T, LOOM_F32);
+    CHECK_OK(g->ctx, loom_cuda_memcpy_d2h(g->ctx, &gloss, dloss, sizeof gloss));
+    CHECK_CLOSE(glp, lp, T, LOOM_F32, "xent token_logprob T=%lld V=%lld %s", (long long)T, (long long)V, dn(dt));
+    CHECK_CLOSE(gent, ent, T, LOOM_F32, "xent entropy T=%lld V=%lld %s", (long long)T, (long long)V, dn(dt));
+    CHECK_CLOSE(glse, lse, T, LOOM_F32, "xent lse T=%lld V=%lld %s", (long long)T, (long long)V, dn(dt));
+    CHECK_MSG(fabs(gloss - loss) <= 1e-9 * fabs(loss), "xent loss %.17g vs %.17g", gloss, loss);
+    /* backward from the CPU's lse, into dlogits of the logits' dtype */
+    float *dlse2 = up(g, lse, T, LOOM_F32);
+    void *ddz = alias ? dz_d : dalloc(g, (size_t)n * loom_dtype_size(dt));
+    if (g->bad) return;
+    const float scale = 1.0f / 29;
+    loom_cpu_cross_entropy_bwd(z, lse, tg, T, V, Vp, scale, dz);
+    round_to(g, dz, n, dt);
+    CHECK_OK(g->ctx, loom_cuda_cross_entropy_bwd(g->ctx, dz_d, dt, dlse2, dtg, T, V, Vp, scale, ddz, dt,
+                                                 NULL));
+    down(g, got, ddz, n, dt);
+    CHECK_CLOSE(got, dz, n, dt, "xent_bwd T=%lld V=%lld Vp=%lld %s%s", (long long)T, (long long)V,
+                (long long)Vp, dn(dt), alias ? " (in place)" : "");
+    free(z), free(dz), free(got), free(lp), free(ent), free(lse), free(glp), free(gent), free(glse), free(tg);
+    while (g->n > 0) loom_cuda_free(g->ptrs[--g->n]);
+}
+
+TEST(cuda_ops_cross_entropy) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    xent_case(&g, 37, 1000, 1024, LOOM_F32, false);
+    xent_case(&g, 37, 1000, 1024, LOOM_F32, true);
+    xent_case(&g, 37, 77, 77, LOOM_F32, false);
+    xent_case(&g, 37, 1000, 1024, LOOM_BF16, true);
+    xent_case(&g, 4, 151936, 152064, LOOM_F32, true);
+    REQUIRE(!g.bad);
+    gpu_close(&g);
+}
+
+/* ---------------- attention ---------------- */
+
+/* One attention case: GPU forward and backward against the CPU on the same
+ * (rounded) inputs; with qidx, the query-subset variant. The backward gets
+ * the CPU's out and lse on both sides, so it is checked on its own. */
+static void attn_case(gpu *g, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int32_t *cu,
+                      int64_t ndocs, const int32_t *qidx, int64_t Tq, loom_dtype dt, uint64_t key) {
+    const int64_t nq = Tq * Hq * D, nk = T * Hkv * D;
+    const float scale = (float)(1.0 / sqrt((double)D));
+    float *q = falloc(nq), *k = falloc(nk), *v = falloc(nk), *o = falloc(nq), *l = falloc(Tq * Hq);
+    float *dout = falloc(nq), *dq = falloc(nq), *dk = falloc(nk), *dv = falloc(nk);
+    float *go = falloc(nq), *gl = falloc(Tq * Hq), *gdq = falloc(nq), *gdk = falloc(nk),
+          *gdv = falloc(nk);
+    fill(q, nq, key, 1);
+    fill(k, nk, key + 1, 1);
+    fill(v, nk, key + 2, 1);
+    fill(dout, nq, key + 3, 1);
+    round_to(g, q, nq, dt);
+    round_to(g, k, nk, dt);
+    round_to(g, v, nk, dt);
+    round_to(g, dout, nq, dt);
+    void *d_q = up(g, q, nq, dt), *d_k = up(g, k, nk, dt), *d_v = up(g, v, nk, dt);
+    void *d_cu = up_raw(g, cu, sizeof(int32_t) * (size_t)(ndocs + 1));
+    void *d_qi = qidx ? up_raw(g, qidx, sizeof(int32_t) * (size_t)Tq) : NULL;
+    void *d_o = dalloc(g, (size_t)nq * 4);
+    float *d_l = dalloc(g, (size_t)(Tq * Hq) * 4);
+    if (g->bad) return;
+    char what[160];
+    snprintf(what, sizeof what, "attention T=%lld Tq=%lld Hq=%lld Hkv=%lld D=%lld ndocs=%lld %s%s",
+             (long long)T, (long long)Tq, (long long)Hq, (long long)Hkv, (long long)D,
+             (long long)ndocs, dn(dt), qidx ? " (query subset)" : "");
+    loom_cpu_attention_fwd_q(q, qidx, Tq, k, v, T, Hq, Hkv, D, cu, ndocs, scale, o, l);
+    if (qidx)
+        CHECK_OK(g->ctx, loom_cuda_attention_fwd_q(g->ctx, d_q, d_qi, Tq, d_k, d_v, dt, T, Hq, Hkv, D,
+                                                   d_cu, ndocs, scale, d_o, d_l, NULL));
+    else
+        CHECK_OK(g->ctx, loom_cuda_attention_fwd(g->ctx, d_q, d_k, d_v, dt, T, Hq, Hkv, D, d_cu, ndocs,
+                                                 scale, d_o, d_l, NULL));
+    down(g, go, d_o, nq, dt);
+    down(g, gl, d_l, Tq * Hq, LOOM_F32);
+    round_to(g, o, nq, dt);
+    CHECK_CLOSE(go, o, nq, dt, "%s: out", what);
+    CHECK_CLOSE(gl, l, Tq * Hq, LOOM_F32, "%s: lse", what);
+
+    /* backward from the CPU's (rounded) out and lse */
+    void *d_o2 = up(g, o, nq, dt), *d_do = up(g, dout, nq, dt);
+    float *d_l2 = up(g, l, Tq * Hq, LOOM_F32);
+    void *d_dq = dalloc(g, (size_t)nq * 4), *d_dk = dalloc(g, (size_t)nk * 4), *d_dv = dalloc(g, (size_t)nk * 4);
+    if (g->bad) return;
+    loom_cpu_attention_bwd_q(dout, q, qidx, Tq, k, v, o, l, T, Hq, Hkv, D, cu, ndocs, scale, dq, dk, dv);
+    if (qidx)
+        CHECK_OK(g->ctx, loom_cuda_attention_bwd_q(g->ctx, d_do, d_q, d_qi, Tq, d_k, d_v, d_o2, d_l2,
+                                                   dt, T, Hq, Hkv, D, d_cu, ndocs, scale, d_dq, d_dk,
+                                                   d_dv, NULL));
+    else
+        CHECK_OK(g->ctx, loom_cuda_attention_bwd(g->ctx, d_do, d_q, d_k, d_v, d_o2, d_l2, dt, T, Hq,
+                                                 Hkv, D, d_cu, ndocs, scale, d_dq, d_dk, d_dv, NULL));
+    down(g, gdq, d_dq, nq, dt);
+    down(g, gdk, d_dk, nk, dt);
+    down(g, gdv, d_dv, nk, dt);
+    round_to(g, dq, nq, dt);
+    round_to(g, dk, nk, dt);
+    round_to(g, dv, nk, dt);
+    CHECK_CLOSE(gdq, dq, nq, dt, "%s: dq", what);
+    CHECK_CLOSE(gdk, dk, nk, dt, "%s: dk", what);
+    CHECK_CLOSE(gdv, dv, nk, dt, "%s: dv", what);
+    free(q), free(k), free(v), free(o), free(l), free(dout), free(dq), free(dk), free(dv);
+    free(go), free(gl), free(gdq), free(gdk), free(gdv);
+    while (g->n > 0) loom_cuda_free(g->ptrs[--g->n]);
+}
+
+TEST(cuda_ops_attention) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const int32_t cu3[4] = {0, 10, 23, 37}, cu1[2] = {0, 37};
+    const int32_t cuL[5] = {0, 100, 101, 230, 300}; /* a one-token document */
+    const int64_t Ds[5] = {16, 64, 128, 72, 256};
+    const loom_dtype types[2] = {LOOM_F32, LOOM_BF16};
+    for (int ti = 0; ti < 2; ti++) {
+        for (int di = 0; di < 5; di++) {
+            attn_case(&g, 37, 6, 2, Ds[di], cu3, 3, NULL, 37, types[ti], 100 + (uint64_t)di);
+            attn_case(&g, 37, 4, 4, Ds[di], cu1, 1, NULL, 37, types[ti], 110 + (uint64_t)di);
+        }
+        attn_case(&g, 300, 6, 2, 64, cuL, 4, NULL, 300, types[ti], 120);
+        attn_case(&g, 300, 2, 1, 128, cuL, 4, NULL, 300, types[ti], 121);
+    }
+    attn_case(&g, 37, 6, 2, 64, cu3, 3, NULL, 37, LOOM_F16, 130);
+    attn_case(&g, 300, 4, 2, 128, cuL, 4, NULL, 300, LOOM_F16, 131);
+    const int32_t cuM[6] = {0, 1, 200, 517, 900, 1000}; /* many 64-row tiles across documents */
+    attn_case(&g, 1000, 8, 2, 128, cuM, 5, NULL, 1000, LOOM_BF16, 140);
+    attn_case(&g, 1000, 4, 4, 64, cuM, 5, NULL, 1000, LOOM_BF16, 141);
+    REQUIRE(!g.bad);
+    /* D past the limit is refused with the op's name */
+    CHECK(loom_cuda_attention_fwd(g.ctx, NULL, NULL, NULL, LOOM_F32, 4, 1, 1, 300, NULL, 1, 1.0f, NULL,
+                                  NULL, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda attention_fwd");
+    gpu_close(&g);
+}
+
+/* Context parallel cp=2: the sequence in 4 chunks, rank r holds chunks r and
+ * 3-r (as tests/test_ops.c's ops_attention_query_subset), against the CPU's
+ * query-subset ops (which that test checks against the full attention). */
+TEST(cuda_ops_attention_query_subset) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    enum { T = 96, C = T / 4 };
+    const int32_t cu[4] = {0, 17, 60, 96};
+    const loom_dtype types[2] = {LOOM_F32, LOOM_BF16};
+    const int64_t Ds[3] = {16, 64, 128};
+    for (int ti = 0; ti < 2; ti++)
+        for (int di = 0; di < 3; di++)
+            for (int r = 0; r < 2; r++) {
+                int32_t qidx[T / 2];
+                int n = 0;
+                for (int c = 0; c < 4; c++)
+                    if (c == r || c == 3 - r)
+                        for (int t = c * C; t < (c + 1) * C; t++) qidx[n++] = t;
+                attn_case(&g, T, 6, 2, Ds[di], cu, 3, qidx, n, types[ti], 200 + (uint64_t)di);
+            }
+    REQUIRE(!g.bad);
+    gpu_close(&g);
+}
+
+/* ---------------- optimizer ---------------- */
+
+TEST(cuda_ops_adamw) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const size_t n = 100003;
+    const loom_adamw_hp hps[2] = {{1e-3, 0.9, 0.999, 1e-8, 0.1}, {3e-2, 0.3, 0.95, 1e-6, 0.01}};
+    for (int hi = 0; hi < 2; hi++)
+        for (int dec = 0; dec < 2; dec++)
+            for (int64_t t = 1; t <= 7; t += 6) {
+                float *p = falloc((int64_t)n), *gr = falloc((int64_t)n), *m = falloc((int64_t)n),
+                      *v = falloc((int64_t)n);
+                float *gp = falloc((int64_t)n), *gm = falloc((int64_t)n), *gv = falloc((int64_t)n);
+                fill(p, (int64_t)n, 91, 1);
+                fill(gr, (int64_t)n, 92, 1e-2f);
+                fill(m, (int64_t)n, 93, 1e-3f);
+                fill(v, (int64_t)n, 94, 1e-3f);
+                for (size_t i = 0; i < n; i++) v[i] = v[i] * v[i];
+                if (t == 1)
+                    for (size_t i = 0; i < n; i++) m[i] = v[i] = 0;
+                float *dp = up(&g, p, (int64_t)n, LOOM_F32), *dg = up(&g, gr, (int64_t)n, LOOM_F32);
+                float *dm = up(&g, m, (int64_t)n, LOOM_F32), *dv = up(&g, v, (int64_t)n, LOOM_F32);
+                REQUIRE(!g.bad);
+                loom_adamw_step(p, gr, m, v, n, &hps[hi], t, dec);
+                CHECK_OK(g.ctx, loom_cuda_adamw_step(g.ctx, dp, dg, dm, dv, n, &hps[hi], t, dec, NULL));
+                down(&g, gp, dp, (int64_t)n, LOOM_F32);
+                down(&g, gm, dm, (int64_t)n, LOOM_F32);
+                down(&g, gv, dv, (int64_t)n, LOOM_F32);
+                size_t diff = 0;
+                for (size_t i = 0; i < n; i++)
+                    diff += memcmp(&gp[i], &p[i], 4) != 0 || memcmp(&gm[i], &m[i], 4) != 0 ||
+                            memcmp(&gv[i], &v[i], 4) != 0;
+                double e = fmax(rel_err(gp, p, (int64_t)n), fmax(rel_err(gm, m, (int64_t)n), rel_err(gv, v, (int64_t)n)));
+                CHECK_MSG(e <= 1e-6, "adamw hp %d decay %d t %lld: rel err %g", hi, dec, (long long)t, e);
+                CHECK_MSG(diff == 0, "adamw hp %d decay %d t %lld: %zu elements not bit-identical",
+                          hi, dec, (long long)t, diff);
+                free(p), free(gr), free(m), free(v), free(gp), free(gm), free(gv);
+                while (g.n > 0) loom_cuda_free(g.ptrs[--g.n]);
+            }
+    gpu_close(&g);
+}
+
+TEST(cuda_ops_sumsq_and_scale) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const size_t sizes[4] = {1, 4095, 262145, 3000017};
+    for (int si = 0; si < 4; si++) {
+        const size_t n = sizes[si];
+        float *x = falloc((int64_t)n), *got = falloc((int64_t)n);
+        fill(x, (int64_t)n, 95 + (uint64_t)si, 3);
+        float *dx = up(&g, x, (int64_t)n, LOOM_F32);
+        double *res = dalloc(&g, 2 * sizeof(double)), *scratch = dalloc(&g, LOOM_CUDA_SUMSQ_BLOCKS * sizeof(double));
+        REQUIRE(!g.bad);
+        double want = loom_sumsq(x, n), got1 = NAN, got2 = NAN;
+        CHECK_OK(g.ctx, loom_cuda_sumsq(g.ctx, dx, n, res, scratch, NULL));
+        CHECK_OK(g.ctx, loom_cuda_sumsq(g.ctx, dx, n, res + 1, scratch, NULL));
+        CHECK_OK(g.ctx, loom_cuda_sync(g.ctx));
+        CHECK_OK(g.ctx, loom_cuda_memcpy_d2h(g.ctx, &got1, res, sizeof got1));
+        CHECK_OK(g.ctx, loom_cuda_memcpy_d2h(g.ctx, &got2, res + 1, sizeof got2));
+        CHECK_MSG(fabs(got1 - want) <= 1e-12 * want, "sumsq n=%zu: %.17g vs %.17g", n, got1, want);
+        CHECK_MSG(memcmp(&got1, &got2, sizeof got1) == 0, "sumsq n=%zu not reproducible", n);
+        loom_scale(x, n, 0.37f);
+        CHECK_OK(g.ctx, loom_cuda_scale(g.ctx, dx, n, 0.37f, NULL));
+        down(&g, got, dx, (int64_t)n, LOOM_F32);
+        CHECK_MSG(memcmp(got, x, n * sizeof(float)) == 0, "scale n=%zu differs", n);
+        free(x), free(got);
+        while (g.n > 0) loom_cuda_free(g.ptrs[--g.n]);
+    }
+    gpu_close(&g);
+}
+
+/* Same inputs twice: bit-identical outputs (no atomics, fixed reduction order). */
+TEST(cuda_ops_deterministic) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    enum { T = 300, HQ = 4, HKV = 2, D = 64 };
+    const int32_t cu[3] = {0, 130, 300};
+    const int64_t nq = T * HQ * D, nk = T * HKV * D;
+    float *q = falloc(nq), *k = falloc(nk), *v = falloc(nk), *dout = falloc(nq);
+    fill(q, nq, 301, 1), fill(k, nk, 302, 1), fill(v, nk, 303, 1), fill(dout, nq, 304, 1);
+    void *d_q = up(&g, q, nq, LOOM_BF16), *d_k = up(&g, k, nk, LOOM_BF16), *d_v = up(&g, v, nk, LOOM_BF16);
+    void *d_do = up(&g, dout, nq, LOOM_BF16), *d_cu = up_raw(&g, cu, sizeof cu);
+    void *d_o = dalloc(&g, (size_t)nq * 2);
+    float *d_l = dalloc(&g, (size_t)T * HQ * 4);
+    void *grads[2][3];
+    for (int rep = 0; rep < 2; rep++)
+        for (int i = 0; i < 3; i++) grads[rep][i] = dalloc(&g, (size_t)(i ? nk : nq) * 2);
+    REQUIRE(!g.bad);
+    REQUIRE_OK(g.ctx, loom_cuda_attention_fwd(g.ctx, d_q, d_k, d_v, LOOM_BF16, T, HQ, HKV, D, d_cu, 2,
+                                              0.125f, d_o, d_l, NULL));
+    for (int rep = 0; rep < 2; rep++)
+        REQUIRE_OK(g.ctx, loom_cuda_attention_bwd(g.ctx, d_do, d_q, d_k, d_v, d_o, d_l, LOOM_BF16, T,
+                                                  HQ, HKV, D, d_cu, 2, 0.125f, grads[rep][0],
+                                                  grads[rep][1], grads[rep][2], NULL));
+    REQUIRE_OK(g.ctx, loom_cuda_sync(g.ctx));
+    for (int i = 0; i < 3; i++) {
+        size_t bytes = (size_t)(i ? nk : nq) * 2;
+        char *a = malloc(bytes), *b = malloc(bytes);
+        CHECK_OK(g.ctx, loom_cuda_memcpy_d2h(g.ctx, a, grads[0][i], bytes));
+        CHECK_OK(g.ctx, loom_cuda_memcpy_d2h(g.ctx, b, grads[1][i], bytes));
+        CHECK_MSG(memcmp(a, b, bytes) == 0, "attention_bwd output %d differs between runs", i);
+        free(a), free(b);
+    }
+    free(q), free(k), free(v), free(dout);
+    gpu_close(&g);
+}
+
+/* ---------------- timings (LOOM_CUDA_OPS_BENCH=1) ----------------
+ * Not a check: with LOOM_CUDA_OPS_BENCH=1 it prints the time of each op at
+ * training sizes (to stderr); otherwise it returns at once. */
+
+static void *bench_buf(gpu *g, int64_t n, loom_dtype dt) { /* values in [-0.5, 0.5) */
+    float *h = falloc(n);
+    for (int64_t i = 0; i < n; i++) h[i] = (float)((uint64_t)i * 2654435761u % 1000) / 1000.0f - 0.5f;
+    void *d = up(g, h, n, dt);
+    free(h);
+    return d;
+}
+
+typedef struct bench_op {
+    gpu *g;
+    cudaEvent_t a, b;
+} bench_op;
+
+/* Times `reps` calls of the statement after two warm-up calls; prints ms and
+ * work / time (work in TFLOP or TB, so T/s). */
+#define BENCH(bo, label, work, reps, call)                                                     \
+    do {                                                                                       \
+        loom_status _st = LOOM_OK;                                                             \
+        for (int _w = 0; _w < 2 && !_st; _w++) _st = (call);                                  \
+        if (_st) {                                                                             \
+            loom_test_fail(__FILE__, __LINE__, "%s: %s", label, loom_last_error((bo)->g->ctx)); \
+            break;                                                                             \
+        }                                                                                      \
+        cudaEventRecord((bo)->a, 0);                                                           \
+        for (int _r = 0; _r < (reps); _r++) (void)(call);                                      \
+        cudaEventRecord((bo)->b, 0);                                                           \
+        cudaEventSynchronize((bo)->b);                                                         \
+        float _ms = 0;                                                                         \
+        cudaEventElapsedTime(&_ms, (bo)->a, (bo)->b);                                          \
+        _ms /= (reps);                                                                         \
+        fprintf(stderr, "    %-46s %9.3f ms %8.1f T/s\n", label, _ms, (work) / (_ms * 1e-3) / 1e12); \
+    } while (0)
+
+TEST(cuda_ops_bench) {
+    if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    bench_op bo = {&g, NULL, NULL};
+    REQUIRE(cudaEventCreate(&bo.a) == cudaSuccess && cudaEventCreate(&bo.b) == cudaSuccess);
+    char lab[128];
+    { /* attention: causal FLOPs (fwd 2 matmuls, bwd 5 counted as 2.5x) */
+        const int64_t T = 4096, Hq = 32, Hkv = 8;
+        const int32_t cu[2] = {0, 4096};
+        void *dcu = up_raw(&g, cu, sizeof cu);
+        for (int64_t D = 64; D <= 128; D *= 2)
+            for (int f = 0; f < 2; f++) {
+                const loom_dtype dt = f ? LOOM_F32 : LOOM_BF16;
+                void *q = bench_buf(&g, T * Hq * D, dt), *k = bench_buf(&g, T * Hkv * D, dt);
+                void *v = bench_buf(&g, T * Hkv * D, dt), *dout = bench_buf(&g, T * Hq * D, dt);
+                void *o = dalloc(&g, (size_t)(T * Hq * D) * 4), *dq = dalloc(&g, (size_t)(T * Hq * D) * 4);
+                void *dk = dalloc(&g, (size_t)(T * Hkv * D) * 4), *dv = dalloc(&g, (size_t)(T * Hkv * D) * 4);
+                float *lse = dalloc(&g, (size_t)(T * Hq) * 4);
+                REQUIRE(!g.bad);
+                const double fl = 4.0 * T * T / 2 * D * Hq;
+                snprintf(lab, sizeof lab, "attention fwd T=%lld Hq=%lld Hkv=%lld D=%lld %s", (long long)T,
+                         (long long)Hq, (long long)Hkv, (long long)D, dn(dt));
+                BENCH(&bo, lab, fl, 3,
+                      loom_cuda_attention_fwd(g.ctx, q, k, v, dt, T, Hq, Hkv, D, dcu, 1, 0.1f, o, lse, NULL));
+                snprintf(lab, sizeof lab, "attention bwd T=%lld Hq=%lld Hkv=%lld D=%lld %s", (long long)T,
+                         (long long)Hq, (long long)Hkv, (long long)D, dn(dt));
+                BENCH(&bo, lab, 2.5 * fl, 2,
+                      loom_cuda_attention_bwd(g.ctx, dout, q, k, v, o, lse, dt, T, Hq, Hkv, D, dcu, 1,
+                                              0.1f, dq, dk, dv, NULL));
+                for (int i = 0; i < 9; i++) loom_cuda_free(g.ptrs[--g.n]);
+            }
+    }
+    { /* GEMM */
+        loom_cuda_gemm_handle *h;
+        REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 0, &h));
+        int64_t n = 8192;
+        void *A = bench_buf(&g, n * n, LOOM_BF16), *B = bench_buf(&g, n * n, LOOM_BF16);
+        void *C = dalloc(&g, (size_t)(n * n) * 4);
+        REQUIRE(!g.bad);
+        BENCH(&bo, "gemm 8192^3 bf16 -> f32 (A B^T)", 2.0 * n * n * n, 5,
+              loom_cuda_gemm(g.ctx, h, 0, 1, n, n, n, 1, A, LOOM_BF16, n, B, LOOM_BF16, n, 0, C,
+                             LOOM_F32, n, NULL));
+        BENCH(&bo, "gemm 8192^3 bf16 -> bf16 (A B)", 2.0 * n * n * n, 5,
+              loom_cuda_gemm(g.ctx, h, 0, 0, n, n, n, 1, A, LOOM_BF16, n, B, LOOM_BF16, n, 0, C,
+                             LOOM_BF16, n, NULL));
+        BENCH(&bo, "gemm 8192^3 bf16, += into f32 (A^T B)", 2.0 * n * n * n, 5,
+              loom_cuda_gemm(g.ctx, h, 1, 0, n, n, n, 1, A, LOOM_BF16, n, B, LOOM_BF16, n, 1, C,
+                             LOOM_F32, n, NULL));
+        n = 4096;
+        BENCH(&bo, "gemm 4096^3 f32 (A B^T)", 2.0 * n * n * n, 3,
+              loom_cuda_gemm(g.ctx, h, 0, 1, n, n, n, 1, A, LOOM_F32, n, B, LOOM_F32, n, 0, C,
+                             LOOM_F32, n, NULL));
+        loom_cuda_gemm_free(h);
+        for (int i = 0; i < 3; i++) loom_cuda_free(g.ptrs[--g.n]);
+    }
+    { /* loss, embedding: bytes moved (TB/s) */
+        const int64_t T = 4096, V = 151936, Vp = 152064, TT = 8192, H = 4096;
+        int32_t *tg = malloc(sizeof(int32_t) * (size_t)TT);
+        for (int64_t i = 0; i < TT; i++) tg[i] = (int32_t)((uint64_t)i * 7919u % (uint64_t)V);
+        void *dtg = up_raw(&g, tg, sizeof(int32_t) * (size_t)TT), *z = bench_buf(&g, T * Vp, LOOM_BF16);
+        float *lse = dalloc(&g, (size_t)T * 4), *lp = dalloc(&g, (size_t)T * 4), *ent = dalloc(&g, (size_t)T * 4);
+        double *tl = dalloc(&g, (size_t)T * 8), *loss = dalloc(&g, 8);
+        void *W = bench_buf(&g, V * H, LOOM_BF16), *out = dalloc(&g, (size_t)(TT * H) * 2);
+        float *dW = dalloc(&g, (size_t)(V * H) * 4);
+        REQUIRE(!g.bad);
+        BENCH(&bo, "cross_entropy fwd T=4096 V=152k bf16 (TB/s)", 2.0 * T * Vp, 3,
+              loom_cuda_cross_entropy_fwd(g.ctx, z, LOOM_BF16, dtg, T, V, Vp, lp, ent, lse, tl, loss, NULL));
+        BENCH(&bo, "cross_entropy bwd in place (TB/s)", 4.0 * T * Vp, 3,
+              loom_cuda_cross_entropy_bwd(g.ctx, z, LOOM_BF16, lse, dtg, T, V, Vp, 1e-3f, z, LOOM_BF16, NULL));
+        BENCH(&bo, "embedding fwd T=8192 H=4096 bf16 (TB/s)", 4.0 * TT * H, 5,
+              loom_cuda_embedding_fwd(g.ctx, dtg, TT, W, LOOM_BF16, H, out, LOOM_BF16, NULL));
+        BENCH(&bo, "embedding bwd T=8192 H=4096 bf16 (TB/s)", 10.0 * TT * H, 3,
+              loom_cuda_embedding_bwd(g.ctx, dtg, TT, out, LOOM_BF16, H, dW, NULL));
+        free(tg);
+        while (g.n > 0) loom_cuda_free(g.ptrs[--g.n]);
+    }
+    { /* layer element-wise ops (TB/s) */
+        const int64_t N = 8192, H = 4096, NQ = 8192 * 32;
+        void *x = bench_buf(&g, N * H, LOOM_BF16), *w = bench_buf(&g, H, LOOM_BF16);
+        void *y = dalloc(&g, (size_t)(N * H) * 2);
+        float *rs = dalloc(&g, (size_t)NQ * 4), *dw = dalloc(&g, (size_t)H * 4);
+        void *scr = dalloc(&g, loom_cuda_rmsnorm_bwd_scratch_bytes(NQ, 128) > loom_cuda_rmsnorm_bwd_scratch_bytes(N, H)
+                                   ? loom_cuda_rmsnorm_bwd_scratch_bytes(NQ, 128)
+                                   : loom_cuda_rmsnorm_bwd_scratch_bytes(N, H));
+        void *pos = dalloc(&g, (size_t)N * 4), *inv = dalloc(&g, 64 * 4);
+        REQUIRE(!g.bad);
+        REQUIRE(cudaMemset(pos, 0, (size_t)N * 4) == cudaSuccess && cudaMemset(inv, 0, 64 * 4) == cudaSuccess);
+        BENCH(&bo, "rmsnorm fwd 8192x4096 bf16 (TB/s)", 4.0 * N * H, 5,
+              loom_cuda_rmsnorm_fwd(g.ctx, x, LOOM_BF16, w, LOOM_BF16, N, H, 1e-6f, y, LOOM_BF16, rs, NULL));
+        BENCH(&bo, "rmsnorm bwd 8192x4096 bf16 (TB/s)", 8.0 * N * H, 5,
+              loom_cuda_rmsnorm_bwd(g.ctx, y, LOOM_BF16, x, LOOM_BF16, w, LOOM_BF16, rs, N, H, y,
+                                    LOOM_BF16, dw, scr, NULL));
+        BENCH(&bo, "rmsnorm bwd 262144x128 (q/k norm) (TB/s)", 8.0 * NQ * 128, 5,
+              loom_cuda_rmsnorm_bwd(g.ctx, y, LOOM_BF16, x, LOOM_BF16, w, LOOM_BF16, rs, NQ, 128, y,
+                                    LOOM_BF16, dw, scr, NULL));
+        BENCH(&bo, "swiglu fwd 8192x4096 bf16 (TB/s)", 6.0 * N * H, 5,
+              loom_cuda_swiglu_fwd(g.ctx, x, y, N * H, y, LOOM_BF16, NULL));
+        BENCH(&bo, "rope fwd T=8192 nh=32 D=128 bf16 (TB/s)", 4.0 * N * H, 5,
+              loom_cuda_rope_fwd(g.ctx, x, LOOM_BF16, N, 32, 128, pos, inv, NULL));
+        BENCH(&bo, "bias bwd T=8192 N=4096 bf16 (TB/s)", 2.0 * N * H, 5,
+              loom_cuda_add_bias_bwd(g.ctx, x, LOOM_BF16, N, H, dw, NULL));
+        while (g.n > 0) loom_cuda_free(g.ptrs[--g.n]);
+    }
+    { /* optimizer over 256M parameters (TB/s) */
+        const size_t n = (size_t)256 << 20;
+        float *p = dalloc(&g, n * 4), *gr = dalloc(&g, n * 4), *m = dalloc(&g, n * 4), *v = dalloc(&g, n * 4);
+        double *r = dalloc(&g, 8), *sc = dalloc(&g, 8 * LOOM_CUDA_SUMSQ_BLOCKS);
+        REQUIRE(!g.bad);
+        REQUIRE(cudaMemset(p, 0, n * 4) == cudaSuccess && cudaMemset(gr, 0, n * 4) == cudaSuccess &&
+                cudaMemset(m, 0, n * 4) == cudaSuccess && cudaMemset(v, 0, n * 4) == cudaSuccess);
+        const loom_adamw_hp hp = {1e-3, 0.9, 0.999, 1e-8, 0.1};
+        BENCH(&bo, "adamw 256M (TB/s)", 28.0 * (double)n, 3,
+              loom_cuda_adamw_step(g.ctx, p, gr, m, v, n, &hp, 3, true, NULL));
+        BENCH(&bo, "sumsq 256M (TB/s)", 4.0 * (double)n, 3, loom_cuda_sumsq(g.ctx, gr, n, r, sc, NULL));
+    }
+    CHECK_OK(g.ctx, loom_cuda_sync(g.ctx));
+    cudaEventDestroy(bo.a);
+    cudaEventDestroy(bo.b);
+    gpu_close(&g);
+}
+#endif
