@@ -4,7 +4,9 @@
  *    (a message naming the input, no handle) or accepts it; an accepted
  *    tokenizer then encodes a few fixed texts and the input itself (with and
  *    without the post-processor, fresh and with a reused encoder, which must
- *    agree), every id is below vocab_size, and the ids decode.
+ *    agree), every id is below vocab_size, and the ids decode. Encoding fails
+ *    only for invalid UTF-8 or where HF itself fails (crossing lstrip/rstrip
+ *    ranges of added tokens).
  * 2. The input as text, encoded by the fixture tokenizer
  *    ($LOOM_FIXTURES/tokenizer/tokenizer.json, else
  *    ../shared/fixtures/tokenizer/tokenizer.json; skipped when absent):
@@ -63,9 +65,13 @@ static void exercise(loom_ctx *ctx, const loom_tokenizer *t, const char *text, s
     loom_status st = loom_tokenizer_encode(ctx, t, text, len, &a, &na);
     if (st != LOOM_OK) {
         CHECK(a == NULL && na == 0);
-        CHECK(st == LOOM_ERR_OOM || (st == LOOM_ERR_INVALID_ARG &&
-                                     strstr(loom_last_error(ctx), "byte offset")));
-        CHECK(loom_utf8_check(text, len) < len || st == LOOM_ERR_OOM);
+        bool bad_utf8 = loom_utf8_check(text, len) < len;
+        CHECK(st == LOOM_ERR_OOM ||
+              (st == LOOM_ERR_INVALID_ARG && bad_utf8 &&
+               strstr(loom_last_error(ctx), "byte offset")) ||
+              /* lstrip/rstrip tokens whose ranges cross: HF panics, loom refuses */
+              (st == LOOM_ERR_UNSUPPORTED && !bad_utf8 &&
+               strstr(loom_last_error(ctx), "AddedVocabulary bad split")));
         return;
     }
     CHECK(loom_utf8_check(text, len) == len);

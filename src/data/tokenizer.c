@@ -90,6 +90,7 @@ typedef struct enc {
     const loom_tokenizer *t;
     loom_bpe_work *work;
     loom_ids ids;
+    int32_t bad_split; /* an added token HF cannot cut out (it panics), else -1 */
     loom_sb norm;    /* the normalized piece */
     loom_sb prefix;  /* a piece with the ByteLevel prefix space */
 } enc;
@@ -143,13 +144,17 @@ static void split_added(enc *e, const loom_trie *tr, const char *str, size_t n,
     const loom_tokenizer *t = e->t;
     const unsigned char *s = (const unsigned char *)str;
     size_t start_offset = 0, pos = 0, ms, me;
+    size_t ws_a = 1, ws_b = 0; /* [ws_a, ws_b): white space seen by the last rstrip */
     int32_t k;
     while (pos < n && trie_find(tr, s, n, pos, &ms, &me, &k)) {
         const loom_added_token *a = &t->added[k];
         size_t start = ms, stop = me;
-        if (a->lstrip) { /* back over the white space before the match */
+        if (a->lstrip) {
+            /* back over the white space before the match; stopping at
+             * start_offset gives the same max(newstart, start_offset) and
+             * keeps this linear */
             size_t ns = start;
-            while (ns > 0) {
+            while (ns > start_offset) {
                 size_t p = utf8_prev(s, ns), q = p;
                 if (!is_ws(loom_utf8_next(s, &q))) break;
                 ns = p;
@@ -157,14 +162,29 @@ static void split_added(enc *e, const loom_trie *tr, const char *str, size_t n,
             start = ns > start_offset ? ns : start_offset;
         }
         if (a->rstrip) { /* and over the white space after it */
-            while (stop < n) {
-                size_t q = stop;
-                if (!is_ws(loom_utf8_next(s, &q))) break;
-                stop = q;
+            if (stop >= ws_a && stop <= ws_b) {
+                stop = ws_b; /* inside a run already measured */
+            } else {
+                ws_a = stop;
+                while (stop < n) {
+                    size_t q = stop;
+                    if (!is_ws(loom_utf8_next(s, &q))) break;
+                    stop = q;
+                }
+                ws_b = stop;
             }
         }
+        if (start > stop) {
+            /* the white space before this token was taken by the previous
+             * one's rstrip and this one's lstrip starts after its own end:
+             * HF's split fails ("AddedVocabulary bad split" panic) */
+            e->bad_split = k;
+            return;
+        }
         if (start_offset < start) piece(e, str + start_offset, start - start_offset);
-        loom_ids_push(&e->ids, a->id);
+        if (e->bad_split >= 0) return;
+        /* HF drops empty splits, a token whose range stripping emptied too */
+        if (start < stop) loom_ids_push(&e->ids, a->id);
         start_offset = stop;
         pos = me;
     }
@@ -237,7 +257,8 @@ loom_status loom_tokenizer_encoder_encode(loom_ctx *ctx, loom_tokenizer_encoder 
                          "tokenizer encode: the text is not valid UTF-8 at byte offset %zu (byte "
                          "0x%02X)",
                          bad, (unsigned char)text[bad]);
-    enc e = {.t = t, .work = encoder->work, .norm = encoder->norm, .prefix = encoder->prefix};
+    enc e = {.t = t, .work = encoder->work, .norm = encoder->norm, .prefix = encoder->prefix,
+             .bad_split = -1};
     if (len) split_added(&e, &t->trie_raw, text, len, raw_piece);
     /* the buffers stay with the encoder; a failed one is dropped */
     encoder->norm = e.norm;
@@ -245,6 +266,16 @@ loom_status loom_tokenizer_encoder_encode(loom_ctx *ctx, loom_tokenizer_encoder 
     if (e.norm.failed) loom_sb_free(&encoder->norm);
     if (e.prefix.failed) loom_sb_free(&encoder->prefix);
     if (e.ids.failed) loom_bpe_work_reset(encoder->work);
+    if (e.bad_split >= 0) {
+        free(e.ids.v);
+        const loom_added_token *a = &t->added[e.bad_split];
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "tokenizer encode: added token %" PRId32
+                         " (lstrip) overlaps the white space the token before it took (rstrip); "
+                         "Hugging Face tokenizers fails on this text too (\"AddedVocabulary bad "
+                         "split\")",
+                         a->id);
+    }
     if (!e.ids.failed && add_special_tokens && t->n_tmpl) {
         loom_ids out = {0};
         for (int32_t k = 0; k < t->n_tmpl; k++) {
