@@ -4,6 +4,7 @@
 #   make CUDA=1          also the CUDA backend (cuBLASLt, cuDNN, NCCL)
 #   make test            builds with address/undefined-behaviour sanitizers and runs the tests
 #   make test-mpi        the collectives and the mesh under mpirun -np 1..4 (sanitizer build)
+#   make CUDA=1 test-nccl  the NCCL backend on every GPU: mpirun (with MPI) and TCP rendezvous
 #   make fuzz            libFuzzer targets (clang) for FUZZ_SECONDS each (default 60)
 #   make check           test + test-mpi + fuzz: what CI runs
 #
@@ -110,7 +111,8 @@ ifeq ($(CUDA),1)
   ifeq ($(WERROR),1)
     NVCCFLAGS += -Werror all-warnings -Xcompiler -Werror
   endif
-  CFLAGS_BASE += -DLOOM_HAVE_CUDA -I$(CUDA_HOME)/include
+  CFLAGS_BASE += -DLOOM_HAVE_CUDA -I$(CUDA_HOME)/include \
+                 $(if $(filter /usr,$(NCCL_HOME)),,-isystem $(NCCL_HOME)/include)
   LDLIBS += -L$(CUDA_LIBDIR) -L$(NCCL_LIBDIR) -L$(CUDNN_LIBDIR) \
             -Wl,-rpath,$(CUDA_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDNN_LIBDIR) \
             -lcublasLt -lcublas $(call libname,$(CUDNN_LIBDIR),cudnn) \
@@ -130,7 +132,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
 MPI_TEST_OBJ := $(MPI_TEST_SRC:%.c=$(BUILD)/obj/%.o)
 
-.PHONY: all lib test test-fast test-mpi fuzz check clean config bench-tokenizer
+.PHONY: all lib test test-fast test-mpi test-nccl fuzz check clean config bench-tokenizer
 all: $(BUILD)/libloom.a $(BUILD)/libloom.so $(BUILD)/loom
 
 config:
@@ -194,6 +196,35 @@ ifeq ($(HAVE_MPI),1)
 	done
 else
 	@echo "test-mpi: skipped: no MPI (mpicc --showme failed, or MPI=0); install openmpi-bin and libopenmpi-dev"
+endif
+
+# The NCCL tests (CUDA=1): tests/nccl/ is its own program, linked with the
+# core and comm objects only (no kernels to build). First its CPU part
+# (launcher variables, the TCP rendezvous; no GPU needed), then, with one
+# process per GPU: under mpirun when MPI is there and there are 2+ GPUs,
+# and started by the program itself (--spawn N: RANK/WORLD_SIZE/MASTER_ADDR,
+# the TCP rendezvous). Not a sanitizer build (ASan and CUDA do not mix).
+NCCL_TEST_SRC := $(wildcard tests/nccl/*.c)
+NCCL_TEST_OBJ := $(NCCL_TEST_SRC:%.c=$(BUILD)/obj/%.o)
+NCCL_LIB_OBJ  := $(filter $(BUILD)/obj/src/core/% $(BUILD)/obj/src/comm/%,$(LIB_OBJ))
+NCCL_NP  ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+NCCL_ENV := LOOM_COMM_TIMEOUT=60 OMPI_MCA_btl_vader_single_copy_mechanism=none
+$(BUILD)/loom_nccl_tests: $(NCCL_TEST_OBJ) $(NCCL_LIB_OBJ)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+test-nccl:
+ifeq ($(CUDA),1)
+	$(MAKE) --no-print-directory $(BUILD)/loom_nccl_tests
+	$(BUILD)/loom_nccl_tests --cpu $(T)
+	@set -e; n="$(NCCL_NP)"; n=$${n:-0}; \
+	if [ "$$n" -lt 1 ]; then echo "test-nccl: no GPU visible: only the CPU part ran"; exit 0; fi; \
+	if [ "$$n" -ge 2 ] && [ "$(HAVE_MPI)" = 1 ]; then \
+	    echo "test-nccl: mpirun -np $$n"; \
+	    $(NCCL_ENV) $(MPIRUN) $(MPIRUN_FLAGS) -np $$n $(BUILD)/loom_nccl_tests $(T); \
+	elif [ "$$n" -ge 2 ]; then echo "test-nccl: no MPI: the mpirun run is skipped"; fi; \
+	echo "test-nccl: $$n process(es), TCP rendezvous"; \
+	$(NCCL_ENV) $(BUILD)/loom_nccl_tests --spawn $$n $(T)
+else
+	@echo "test-nccl: needs make CUDA=1 (the NCCL backend is part of the CUDA build)"
 endif
 
 # ---- fuzzing (clang + libFuzzer) ----

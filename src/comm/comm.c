@@ -120,6 +120,14 @@ loom_status loom_comm_world(loom_ctx *ctx, loom_comm_backend backend, loom_comm 
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                          "this loom was built without MPI; install libopenmpi-dev and rebuild");
 #endif
+    case LOOM_COMM_NCCL:
+#ifdef LOOM_HAVE_CUDA
+        return loom_comm_nccl_world(ctx, out);
+#else
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "this loom was built without CUDA, so without the NCCL backend; "
+                         "rebuild with make CUDA=1");
+#endif
     case LOOM_COMM_AUTO: {
 #ifdef LOOM_HAVE_MPI
         const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"};
@@ -155,6 +163,10 @@ const char *loom_comm_backend_name(const loom_comm *c) { return c->vt->name; }
 const char *loom_comm_name(const loom_comm *c) { return c->name; }
 loom_ctx *loom_comm_ctx(const loom_comm *c) { return c->ctx; }
 void loom_comm_set_timeout(loom_comm *c, double seconds) { c->timeout_s = seconds; }
+int loom_comm_device(const loom_comm *c) { return c && c->vt->device ? c->vt->device(c) : -1; }
+void *loom_comm_stream(const loom_comm *c) {
+    return c && c->vt->stream ? c->vt->stream(c) : NULL;
+}
 
 loom_status loom_comm_split(loom_comm *parent, int color, int key, const char *name,
                             loom_comm **out) {

@@ -1,6 +1,7 @@
 /* Collectives over process groups. One interface, three backends: a
  * one-process backend (every group has one rank; collectives copy or do
- * nothing), MPI (CPU ranks) and, later, NCCL (GPU ranks, on CUDA streams).
+ * nothing), MPI (CPU ranks) and NCCL (GPU ranks, on CUDA streams; built
+ * with `make CUDA=1`, see "The NCCL backend" below).
  *
  * Semantics follow NCCL so that the NCCL backend fits without changing
  * callers:
@@ -47,6 +48,7 @@ typedef enum loom_comm_backend {
                          * PMIX_RANK set) or MPI is already initialised, else single */
     LOOM_COMM_SINGLE,
     LOOM_COMM_MPI,
+    LOOM_COMM_NCCL, /* GPU ranks (make CUDA=1); never chosen by AUTO */
 } loom_comm_backend;
 
 typedef enum loom_red_op { LOOM_RED_SUM = 0, LOOM_RED_MAX } loom_red_op;
@@ -65,12 +67,17 @@ loom_status loom_comm_world(loom_ctx *ctx, loom_comm_backend backend, loom_comm 
 void loom_comm_free(loom_comm *c);
 int loom_comm_rank(const loom_comm *c);
 int loom_comm_size(const loom_comm *c);
-const char *loom_comm_backend_name(const loom_comm *c); /* "single", "mpi" */
+const char *loom_comm_backend_name(const loom_comm *c); /* "single", "mpi", "nccl" */
 const char *loom_comm_name(const loom_comm *c);         /* "world", "tp", ... */
 loom_ctx *loom_comm_ctx(const loom_comm *c);            /* where its errors go */
 /* Seconds a blocking wait on this group may take before it fails
  * (<= 0: forever). Groups split later inherit it. */
 void loom_comm_set_timeout(loom_comm *c, double seconds);
+/* NCCL groups: the CUDA device of this rank (set current by loom_comm_world)
+ * and the cudaStream_t the group's operations run on. -1 and NULL on the
+ * other backends. */
+int loom_comm_device(const loom_comm *c);
+void *loom_comm_stream(const loom_comm *c);
 
 /* Partition of `parent`: ranks with the same color (>= 0) form a group,
  * ordered by key (then parent rank). A rank passing color < 0 joins no
@@ -121,5 +128,45 @@ loom_status loom_comm_wait(loom_comm *c, loom_comm_req *req);
  * cli/ calls it; with cli/ it is the only code that ends the process. c may
  * be NULL (then this process exits alone). */
 void loom_comm_abort(loom_comm *c, const char *msg, int code) __attribute__((noreturn));
+
+/* The NCCL backend (LOOM_COMM_NCCL; src/comm/comm_nccl.c).
+ *
+ * Start: one process per GPU. Under mpirun (a loom built with MPI) the MPI
+ * world bootstraps it: rank 0's ncclUniqueId is broadcast over MPI, which
+ * stays initialised until the last NCCL group is freed. Otherwise the
+ * launcher's variables give the ranks (RANK/WORLD_SIZE, else
+ * OMPI_COMM_WORLD_RANK/SIZE, else SLURM_PROCID/SLURM_NTASKS; none: one
+ * rank) and rank 0 hands the id to the others over TCP: it listens on
+ * MASTER_PORT (default 29500) and the others connect to MASTER_ADDR:
+ * MASTER_PORT, retrying until LOOM_COMM_TIMEOUT. Each rank uses the GPU of
+ * its local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID,
+ * else its position among the ranks on its host; GPU 0 when only one is
+ * visible). NCCL_NVLS_ENABLE=0 is set unless the environment sets it.
+ *
+ * Buffers are device memory of that GPU (host pointers are refused).
+ * Operations run on the group's stream (loom_comm_stream), which is a
+ * blocking stream: work on the legacy default stream (stream 0, cudaMemcpy)
+ * is ordered with it both ways; order work on other streams with events.
+ * Blocking calls and loom_comm_wait return when the operation is complete
+ * on the GPU; they poll the stream and ncclCommGetAsyncError and give up
+ * after the timeout, aborting the NCCL communicator (the group cannot be
+ * used again; its error names the operation, the group and the rank).
+ *
+ * Differences from MPI, which callers must respect to run on both:
+ *  - point to point is matched in the order posted to each peer, not by
+ *    tag (the tag is checked for range, then ignored): keep the order of
+ *    sends to and receives from each peer the same on both sides;
+ *  - outside a group, send is queued on the stream and returns without
+ *    waiting (stream-ordered reuse of the buffer is safe), but it completes
+ *    only when the peer receives, and recv waits for it: two ranks that
+ *    exchange data must post both directions in one group_start/group_end;
+ *    a send followed by a blocking recv from a rank that also sends first
+ *    times out;
+ *  - inside a group, point to point is posted into an NCCL group (process
+ *    wide: don't interleave the groups of two loom groups), and a
+ *    collective called after a send or recv of the same group is refused;
+ *    group_end waits for completion;
+ *  - a timed-out recv leaves the group unusable (NCCL cannot cancel);
+ *  - zero-element operations return at once without calling NCCL. */
 
 #endif /* LOOM_COMM_H */

@@ -32,6 +32,9 @@ typedef struct loom_comm_vt {
     /* Waits for and frees a request of this backend. */
     loom_status (*wait)(loom_comm *c, loom_comm_req *req);
     void (*abort)(loom_comm *c, int code) __attribute__((noreturn));
+    /* Optional (NULL: -1 / NULL): loom_comm_device, loom_comm_stream. */
+    int (*device)(const loom_comm *c);
+    void *(*stream)(const loom_comm *c);
 } loom_comm_vt;
 
 struct loom_comm {
@@ -63,5 +66,35 @@ loom_status loom_comm_env_timeout(loom_ctx *ctx, double *out);
 loom_status loom_comm_mpi_world(loom_ctx *ctx, loom_comm **out);
 bool loom_comm_mpi_initialized(void);
 #endif
+
+#ifdef LOOM_HAVE_CUDA
+loom_status loom_comm_nccl_world(loom_ctx *ctx, loom_comm **out);
+#endif
+
+/* ---- launcher variables and the TCP rendezvous (rendezvous.c) ---- */
+
+/* Where this process stands in a job started without MPI, from the
+ * launcher's environment (see "The NCCL backend" in comm.h). */
+typedef struct loom_launch {
+    int rank, size;
+    int local_rank;          /* -1: not given */
+    const char *rank_var;    /* "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", NULL (default) */
+    const char *local_var;   /* the variable local_rank came from, or NULL */
+    char addr[256];          /* MASTER_ADDR ("" when unset) */
+    int port;                /* MASTER_PORT (29500 when unset) */
+} loom_launch;
+loom_status loom_launch_from_env(loom_ctx *ctx, loom_launch *out);
+
+/* Every rank of `size` calls this once: rank 0 listens on `port` (every
+ * interface), the others connect to addr:port, retrying until timeout_s
+ * (<= 0: forever). Each rank reports `ok` and, if not, `why`; rank 0 then
+ * sends every rank its local rank (its position among the ranks with the
+ * same host name), the number of ranks on its host and, when all were ok,
+ * rank 0's `blob` (len bytes; the others receive it there). When a rank was
+ * not ok every rank fails with LOOM_ERR_COMM naming it. Errors name the
+ * address, the port and the variables they came from. */
+loom_status loom_rendezvous(loom_ctx *ctx, const char *addr, int port, int rank, int size,
+                            double timeout_s, bool ok, const char *why, void *blob, size_t len,
+                            int *local_rank, int *local_size);
 
 #endif /* LOOM_COMM_IMPL_H */
