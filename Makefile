@@ -112,7 +112,7 @@ ifeq ($(CUDA),1)
     NVCCFLAGS += -Werror all-warnings -Xcompiler -Werror
   endif
   CFLAGS_BASE += -DLOOM_HAVE_CUDA -I$(CUDA_HOME)/include \
-                 $(if $(filter /usr,$(NCCL_HOME)),,-isystem $(NCCL_HOME)/include)
+                 $(if $(filter /usr $(CUDA_HOME),$(NCCL_HOME)),,-isystem $(NCCL_HOME)/include)
   LDLIBS += -L$(CUDA_LIBDIR) -L$(NCCL_LIBDIR) -L$(CUDNN_LIBDIR) \
             -Wl,-rpath,$(CUDA_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDNN_LIBDIR) \
             -lcublasLt -lcublas $(call libname,$(CUDNN_LIBDIR),cudnn) \

@@ -15,3 +15,11 @@ build-cuda/loom version
 LOOM_BIN=build-cuda/loom build-cuda/loom_tests "$@" | tee build-cuda/gpu-tests.log
 echo "summary:"
 grep -E '^(ok|FAIL|skip) ' build-cuda/gpu-tests.log | awk '{print $1}' | sort | uniq -c
+# The NCCL backend on every GPU, when there are 2 or more: make test-nccl
+# runs its CPU part, then one rank per GPU under mpirun -np N (when MPI is
+# installed) and through the TCP rendezvous (--spawn N).
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$ngpu" -ge 2 ]; then
+    echo "NCCL tests on $ngpu GPUs:"
+    make CUDA=1 BUILD=build-cuda NCCL_NP="$ngpu" test-nccl 2>&1 | tee build-cuda/nccl-tests.log
+fi

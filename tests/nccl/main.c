@@ -1,0 +1,330 @@
+/* Runner of the NCCL tests (see nccl_harness.h). */
+
+#include <arpa/inet.h>
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <nccl.h>
+#include <netinet/in.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nccl_harness.h"
+
+#define MAX_TESTS 256
+
+static struct {
+    const char *name, *file;
+    loom_test_fn fn;
+} tests[MAX_TESTS];
+static int n_tests;
+static int n_fail_in_test;
+static const char *current;
+static jmp_buf skip_jump;
+static loom_comm *world;
+static loom_ctx *ctx;
+bool loom_test_abort;
+
+loom_comm *nt_world(void) { return world; }
+loom_ctx *nt_ctx(void) { return ctx; }
+int nt_rank(void) { return world ? loom_comm_rank(world) : 0; }
+int nt_size(void) { return world ? loom_comm_size(world) : 1; }
+
+void loom_test_register(const char *name, const char *file, loom_test_fn fn) {
+    if (n_tests >= MAX_TESTS) {
+        fprintf(stderr, "too many tests\n");
+        exit(2);
+    }
+    tests[n_tests].name = name;
+    tests[n_tests].file = file;
+    tests[n_tests].fn = fn;
+    n_tests++;
+}
+
+void loom_test_fail(const char *file, int line, const char *fmt, ...) {
+    char msg[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "    [rank %d/%d] %s: %s:%d: %s\n", nt_rank(), nt_size(), current, file,
+            line, msg);
+    fflush(stderr);
+    n_fail_in_test++;
+}
+
+void loom_test_skip(const char *reason) {
+    if (nt_rank() == 0) fprintf(stderr, "    skipped: %s\n", reason);
+    longjmp(skip_jump, 1);
+}
+
+const char *loom_test_fixtures(void) {
+    const char *e = getenv("LOOM_FIXTURES");
+    return e && *e ? e : "../shared/fixtures";
+}
+
+static bool selected(const char *name, int argc, char **argv) {
+    if (argc <= 0) return true;
+    for (int i = 0; i < argc; i++)
+        if (strstr(name, argv[i])) return true;
+    return false;
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+/* 1 when the test skipped (the setjmp is kept apart from the loops). */
+static int run_one(loom_test_fn fn) {
+    if (setjmp(skip_jump) == 0) {
+        fn();
+        return 0;
+    }
+    return 1;
+}
+
+static bool is_cpu(const char *name) { return strncmp(name, "cpu_", 4) == 0; }
+
+/* ---- --spawn N: the TCP rendezvous, started by hand ---- */
+
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    int port = 0;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0) close(fd);
+    return port ? port : 29500 + (int)(getpid() % 1000);
+}
+
+static int spawn(int n, int argc, char **argv) {
+    if (n < 1 || n > 1024) {
+        fprintf(stderr, "--spawn N: N in 1..1024\n");
+        return 2;
+    }
+    int port = free_port();
+    printf("spawn: %d rank(s), MASTER_ADDR=127.0.0.1 MASTER_PORT=%d\n", n, port);
+    fflush(stdout);
+    pid_t *pids = calloc((size_t)n, sizeof *pids);
+    int *codes = calloc((size_t)n, sizeof *codes);
+    char **args = calloc((size_t)argc + 2, sizeof *args);
+    if (!pids || !codes || !args) return 2;
+    args[0] = "loom_nccl_tests";
+    for (int i = 0; i < argc; i++) args[i + 1] = argv[i];
+    for (int r = 0; r < n; r++) {
+        pid_t p = fork();
+        if (p < 0) {
+            perror("fork");
+            return 2;
+        }
+        if (p == 0) {
+            char v[32];
+            static const char *const clear[] = {
+                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                "SLURM_LOCALID", "MPI_LOCALRANKID"};
+            for (size_t i = 0; i < sizeof clear / sizeof clear[0]; i++) unsetenv(clear[i]);
+            snprintf(v, sizeof v, "%d", r);
+            setenv("RANK", v, 1);
+            setenv("LOCAL_RANK", v, 1);
+            snprintf(v, sizeof v, "%d", n);
+            setenv("WORLD_SIZE", v, 1);
+            setenv("LOCAL_WORLD_SIZE", v, 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            snprintf(v, sizeof v, "%d", port);
+            setenv("MASTER_PORT", v, 1);
+            execv("/proc/self/exe", args);
+            perror("execv /proc/self/exe");
+            _exit(127);
+        }
+        pids[r] = p;
+    }
+    /* wait; once a rank fails, give the others a grace period, then kill */
+    const char *lim = getenv("LOOM_NCCL_SPAWN_TIMEOUT");
+    double limit_ms = (lim && *lim ? atof(lim) : 900.0) * 1e3, t0 = now_ms(), kill_at = -1;
+    int left = n, failed = 0;
+    while (left > 0) {
+        int status = 0;
+        pid_t p = waitpid(-1, &status, WNOHANG);
+        if (p > 0) {
+            for (int r = 0; r < n; r++) {
+                if (pids[r] != p) continue;
+                codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+                pids[r] = 0;
+                left--;
+                if (codes[r] != 0) {
+                    failed++;
+                    if (kill_at < 0) kill_at = now_ms() + 20e3;
+                }
+            }
+            continue;
+        }
+        double t = now_ms();
+        if ((kill_at >= 0 && t > kill_at) || t - t0 > limit_ms) {
+            for (int r = 0; r < n; r++)
+                if (pids[r] > 0) kill(pids[r], SIGKILL);
+            kill_at = t + 1e9;
+            limit_ms = 1e12;
+        }
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    for (int r = 0; r < n; r++)
+        if (codes[r]) printf("spawn: rank %d exited with status %d\n", r, codes[r]);
+    printf("spawn: %d of %d rank(s) succeeded\n", n - failed, n);
+    free(pids);
+    free(codes);
+    free(args);
+    return failed ? 1 : 0;
+}
+
+/* ---- --cpu: tests without a world ---- */
+
+static int run_cpu(int argc, char **argv) {
+    int passed = 0, failed = 0, skipped = 0;
+    for (int i = 0; i < n_tests; i++) {
+        if (!is_cpu(tests[i].name) || !selected(tests[i].name, argc, argv)) continue;
+        current = tests[i].name;
+        n_fail_in_test = 0;
+        loom_test_abort = false;
+        loom_clear_error(ctx);
+        double t0 = now_ms();
+        int skip = run_one(tests[i].fn);
+        if (n_fail_in_test)
+            failed++;
+        else if (skip)
+            skipped++;
+        else
+            passed++;
+        printf("%s %-44s %8.1f ms  (%s)\n", n_fail_in_test ? "FAIL" : skip ? "skip" : "ok  ",
+               tests[i].name, now_ms() - t0, tests[i].file);
+        fflush(stdout);
+    }
+    if (skipped)
+        printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    else
+        printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
+
+/* ---- with a world ---- */
+
+/* Every rank's (failed, skipped) through the world group. */
+static bool agree(int mine_fail, int mine_skip, int *flags, int *dev) {
+    int size = nt_size();
+    int h[2] = {mine_fail, mine_skip};
+    if (cudaMemcpy(dev, h, sizeof h, cudaMemcpyHostToDevice) != cudaSuccess) return false;
+    if (loom_comm_allgather(world, dev, dev + 2, 2, LOOM_I32) != LOOM_OK) return false;
+    return cudaMemcpy(flags, dev + 2, sizeof(int) * 2 * (size_t)size, cudaMemcpyDeviceToHost) ==
+           cudaSuccess;
+}
+
+static int run_world(int argc, char **argv) {
+    loom_status st = loom_comm_world(ctx, LOOM_COMM_NCCL, &world);
+    if (st != LOOM_OK) {
+        fprintf(stderr, "loom_nccl_tests: loom_comm_world(NCCL): %s: %s\n", loom_status_str(st),
+                loom_last_error(ctx));
+        return 2;
+    }
+    int rank = nt_rank(), size = nt_size();
+    if (rank == 0) {
+        int v = 0;
+        char name[256] = "?";
+        struct cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, loom_comm_device(world)) == cudaSuccess)
+            snprintf(name, sizeof name, "%s", prop.name);
+        cudaRuntimeGetVersion(&v);
+        int nv = 0;
+        ncclGetVersion(&nv);
+        printf("world: %d rank(s), backend %s, NCCL %d (headers %d), CUDA runtime %d, rank 0 on "
+               "GPU %d (%s), NCCL_NVLS_ENABLE=%s, started by %s\n",
+               size, loom_comm_backend_name(world), nv, NCCL_VERSION_CODE, v,
+               loom_comm_device(world), name,
+               getenv("NCCL_NVLS_ENABLE") ? getenv("NCCL_NVLS_ENABLE") : "(unset)",
+               getenv("OMPI_COMM_WORLD_SIZE") ? "mpirun" : getenv("RANK") ? "RANK/WORLD_SIZE"
+                                                                          : "nothing (one rank)");
+        fflush(stdout);
+    }
+    int *flags = calloc((size_t)size * 2, sizeof *flags), *dev = NULL;
+    if (!flags || cudaMalloc((void **)&dev, sizeof(int) * (2 + 2 * (size_t)size)) != cudaSuccess) {
+        fprintf(stderr, "loom_nccl_tests: out of memory\n");
+        return 2;
+    }
+    int passed = 0, failed = 0, skipped = 0;
+    for (int i = 0; i < n_tests; i++) {
+        if (is_cpu(tests[i].name) || !selected(tests[i].name, argc, argv)) continue;
+        current = tests[i].name;
+        n_fail_in_test = 0;
+        loom_test_abort = false;
+        loom_clear_error(ctx);
+        double t0 = now_ms();
+        int skip = run_one(tests[i].fn);
+        fflush(stdout);
+        fflush(stderr);
+        if (!agree(n_fail_in_test ? 1 : 0, skip, flags, dev)) {
+            fprintf(stderr, "[rank %d] %s: the ranks could not agree on the verdict: %s\n", rank,
+                    tests[i].name, loom_last_error(ctx));
+            loom_comm_abort(world, "verdict exchange failed", 3);
+        }
+        int n_bad = 0, any_skip = 0;
+        for (int r = 0; r < size; r++) {
+            n_bad += flags[2 * r] != 0;
+            any_skip |= flags[2 * r + 1];
+        }
+        if (n_bad)
+            failed++;
+        else if (any_skip)
+            skipped++;
+        else
+            passed++;
+        if (rank == 0) {
+            char who[256] = "";
+            if (n_bad) {
+                int len = snprintf(who, sizeof who, "  failed on rank");
+                for (int r = 0; r < size && len < (int)sizeof who - 8; r++)
+                    if (flags[2 * r])
+                        len += snprintf(who + len, sizeof who - (size_t)len, " %d", r);
+            }
+            printf("%s %-44s %8.1f ms  (np %d, %s)%s\n",
+                   n_bad ? "FAIL" : any_skip ? "skip" : "ok  ", tests[i].name, now_ms() - t0,
+                   size, tests[i].file, who);
+            fflush(stdout);
+        }
+    }
+    if (rank == 0) {
+        if (skipped)
+            printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+        else
+            printf("%d passed, %d failed\n", passed, failed);
+        fflush(stdout);
+    }
+    cudaFree(dev);
+    free(flags);
+    loom_comm_free(world); /* finalises MPI when it bootstrapped the world */
+    return failed ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc >= 3 && strcmp(argv[1], "--spawn") == 0)
+        return spawn(atoi(argv[2]), argc - 3, argv + 3);
+    if (loom_ctx_create(&ctx) != LOOM_OK) return 2;
+    int rc;
+    if (argc >= 2 && strcmp(argv[1], "--cpu") == 0)
+        rc = run_cpu(argc - 2, argv + 2);
+    else
+        rc = run_world(argc - 1, argv + 1);
+    loom_ctx_free(ctx);
+    return rc;
+}
