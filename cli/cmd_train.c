@@ -12,11 +12,6 @@
 #include "../src/train/scheduler.h"
 #include "cli.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Optimizer and schedule from the settings. */
 static loom_status setup_optimizer(loom_ctx *ctx, loom_model *m, const loom_settings *s) {
@@ -154,10 +149,10 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     if ((st = setup_optimizer(ctx, m, s))) goto done;
 
     int64_t epoch = 0;
-    double first_loss = NAN, last_loss = NAN, t_start = now_s();
+    double first_loss = NAN, last_loss = NAN, t_start = loom_now_s();
     int64_t tokens_total = 0;
     for (int64_t step = 1; step <= s->train_steps; step++) {
-        double t0 = now_s();
+        double t0 = loom_now_s();
         loom_packed_batch pb;
         if (ld) {
             loom_loader_batch lb;
@@ -183,7 +178,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         loom_step_result sr;
         if ((st = loom_model_forward_backward(m, &b, nmicro, &fr))) goto done;
         if ((st = loom_model_clip_grad_and_step(m, s->clip_grad, 1, &sr))) goto done;
-        double dt = now_s() - t0;
+        double dt = loom_now_s() - t0;
         tokens_total += pb.rows * pb.seq_len;
         if (step == 1) first_loss = fr.loss;
         last_loss = fr.loss;
@@ -194,7 +189,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                        step, s->train_steps, fr.loss, sr.grad_norm, sr.lr,
                        (double)(pb.rows * pb.seq_len) / dt, sr.stepped ? "" : " | step skipped");
     }
-    double total = now_s() - t_start;
+    double total = loom_now_s() - t_start;
     LOOM_LOG_I(ctx, "trained %" PRId64 " steps in %.1f s (%.0f tokens/s): loss %.4f -> %.4f",
                s->train_steps, total, (double)tokens_total / total, first_loss, last_loss);
     bool lora = s->adapter || s->lora_r;

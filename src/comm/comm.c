@@ -7,7 +7,9 @@
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <string.h>
+#include <time.h>
 
 #define LOOM_COMM_TAG_LIMIT 32768
 
@@ -435,3 +437,14 @@ static const loom_comm_vt single_vt = {
     .wait = single_wait,
     .abort = single_abort,
 };
+
+void loom_comm_backoff(int *spins, int spin, int yield, long sleep_us) {
+    int s = (*spins)++;
+    if (s < spin) return;
+    if (s < yield) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, sleep_us * 1000};
+    nanosleep(&ts, NULL);
+}

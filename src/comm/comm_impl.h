@@ -97,4 +97,8 @@ loom_status loom_rendezvous(loom_ctx *ctx, const char *addr, int port, int rank,
                             double timeout_s, bool ok, const char *why, void *blob, size_t len,
                             int *local_rank, int *local_size);
 
+/* A polling wait's pause: the first `spin` calls return at once, the next
+ * ones up to `yield` yield the core, later ones sleep `sleep_us`. */
+void loom_comm_backoff(int *spins, int spin, int yield, long sleep_us);
+
 #endif /* LOOM_COMM_IMPL_H */

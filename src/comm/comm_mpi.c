@@ -72,37 +72,19 @@ static loom_status mpi_fail(loom_comm *c, int err, const char *fn) {
                      loom_comm_where(c, w, sizeof w), es);
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Spin a little, then yield (ranks often outnumber cores on CPU), then sleep
- * briefly so a long wait does not take a core from the ranks that compute. */
-static void backoff(int *spins) {
-    int s = (*spins)++;
-    if (s < 64) return;
-    if (s < 4096) {
-        sched_yield();
-        return;
-    }
-    struct timespec ts = {0, 50 * 1000};
-    nanosleep(&ts, NULL);
-}
-
 /* Polls until every request completes (true) or the group's timeout passes
  * (false, requests left as they are). *err is set on an MPI error. */
 static bool poll_all(loom_comm *c, int n, MPI_Request *reqs, int *err) {
-    double t0 = now_s();
+    double t0 = loom_now_s();
     int spins = 0;
     *err = MPI_SUCCESS;
     for (;;) {
         int flag = 0;
         *err = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
         if (*err != MPI_SUCCESS || flag) return true;
-        if (c->timeout_s > 0 && now_s() - t0 > c->timeout_s) return false;
-        backoff(&spins);
+        if (c->timeout_s > 0 && loom_now_s() - t0 > c->timeout_s) return false;
+        /* ranks often outnumber cores on CPU: yield, then sleep */
+        loom_comm_backoff(&spins, 64, 4096, 50);
     }
 }
 

@@ -68,25 +68,6 @@ static const loom_comm_vt nccl_vt;
 
 static nccl_state *S(const loom_comm *c) { return (nccl_state *)c->impl; }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Spin a little, then yield, then sleep 20 us: a GPU rank has its own core,
- * but a long wait should not burn it. */
-static void backoff(int *spins) {
-    int s = (*spins)++;
-    if (s < 256) return;
-    if (s < 2048) {
-        sched_yield();
-        return;
-    }
-    struct timespec ts = {0, 20 * 1000};
-    nanosleep(&ts, NULL);
-}
-
 /* ---- errors ---- */
 
 static const char *last_nccl(void) {
@@ -140,7 +121,7 @@ static loom_status timed_out(loom_comm *c, const char *what, const char *extra) 
 
 /* Polls the communicator until NCCL's background work settles. */
 static loom_status settle_comm(loom_comm *c, ncclComm_t comm, const char *what) {
-    double t0 = now_s();
+    double t0 = loom_now_s();
     int spins = 0;
     for (;;) {
         ncclResult_t a = ncclSuccess;
@@ -148,8 +129,8 @@ static loom_status settle_comm(loom_comm *c, ncclComm_t comm, const char *what) 
         if (r != ncclSuccess) return nccl_fail(c, what, r);
         if (a == ncclSuccess) return LOOM_OK;
         if (a != ncclInProgress) return nccl_fail(c, what, a);
-        if (c->timeout_s > 0 && now_s() - t0 > c->timeout_s) return timed_out(c, what, NULL);
-        backoff(&spins);
+        if (c->timeout_s > 0 && loom_now_s() - t0 > c->timeout_s) return timed_out(c, what, NULL);
+        loom_comm_backoff(&spins, 256, 2048, 20);
     }
 }
 
@@ -163,7 +144,7 @@ static loom_status after(loom_comm *c, ncclResult_t r, const char *what) {
 static loom_status wait_event(loom_comm *c, cudaEvent_t ev, const char *what,
                               const char *extra) {
     nccl_state *s = S(c);
-    double t0 = now_s();
+    double t0 = loom_now_s();
     int spins = 0;
     for (;;) {
         cudaError_t q = cudaEventQuery(ev);
@@ -178,8 +159,8 @@ static loom_status wait_event(loom_comm *c, cudaEvent_t ev, const char *what,
             ncclCommGetAsyncError(s->comm, &a);
             if (a != ncclSuccess && a != ncclInProgress) return nccl_fail(c, what, a);
         }
-        if (c->timeout_s > 0 && now_s() - t0 > c->timeout_s) return timed_out(c, what, extra);
-        backoff(&spins);
+        if (c->timeout_s > 0 && loom_now_s() - t0 > c->timeout_s) return timed_out(c, what, extra);
+        loom_comm_backoff(&spins, 256, 2048, 20);
     }
 }
 
@@ -398,8 +379,8 @@ static void nccl_free(loom_comm *c) {
         s->comm = NULL;
     }
     /* drain the stream (an aborted kernel returns; don't hang if it does not) */
-    for (double t0 = now_s(); cudaStreamQuery(s->stream) == cudaErrorNotReady;) {
-        if (now_s() - t0 > 10.0) {
+    for (double t0 = loom_now_s(); cudaStreamQuery(s->stream) == cudaErrorNotReady;) {
+        if (loom_now_s() - t0 > 10.0) {
             char w[96];
             loom_log(c->ctx, LOOM_LOG_WARN, "freeing %s: its stream is still busy after 10 s",
                      loom_comm_where(c, w, sizeof w));

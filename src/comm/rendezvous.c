@@ -115,21 +115,16 @@ loom_status loom_launch_from_env(loom_ctx *ctx, loom_launch *out) {
 
 /* ---- sockets with deadlines ---- */
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* Milliseconds left before `deadline` (< 0: none), at most cap_ms. */
 static int left_ms(double deadline, int cap_ms) {
     if (deadline < 0) return cap_ms;
-    double l = (deadline - now_s()) * 1e3;
+    double l = (deadline - loom_now_s()) * 1e3;
     if (l <= 0) return 0;
     return l < cap_ms ? (int)l + 1 : cap_ms;
 }
 
-static bool expired(double deadline) { return deadline >= 0 && now_s() >= deadline; }
+static bool expired(double deadline) { return deadline >= 0 && loom_now_s() >= deadline; }
 
 /* Writes/reads exactly n bytes before the deadline. 0 on success, else an
  * errno value (ETIMEDOUT; ECONNRESET for end of stream). */
@@ -258,7 +253,7 @@ static int read_hello(loom_ctx *ctx, int fd, int size, int port, double deadline
                       peer *peers) {
     unsigned char h[HELLO_BYTES];
     /* a connection that says nothing for 10 s is not one of ours */
-    double d = now_s() + 10.0;
+    double d = loom_now_s() + 10.0;
     if (deadline >= 0 && deadline < d) d = deadline;
     if (recv_all(fd, h, sizeof h, d) != 0 || memcmp(h, RDV_MAGIC, 8) != 0) return 0;
     int version = get32(h + 8), rank = get32(h + 12), wsize = get32(h + 16), ok = get32(h + 20);
@@ -548,7 +543,7 @@ loom_status loom_rendezvous(loom_ctx *ctx, const char *addr, int port, int rank,
                              why && *why ? why : "(no reason given)");
         return LOOM_OK;
     }
-    double deadline = timeout_s > 0 ? now_s() + timeout_s : -1;
+    double deadline = timeout_s > 0 ? loom_now_s() + timeout_s : -1;
     if (rank == 0)
         return serve(ctx, port, size, timeout_s, deadline, ok, why, blob, len, local_rank,
                      local_size);

@@ -410,3 +410,9 @@ const char *loom_fmt_bytes(char buf[32], uint64_t v) {
         snprintf(buf, 32, "%.2f %s", x, units[u]);
     return buf;
 }
+
+double loom_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}

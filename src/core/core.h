@@ -99,6 +99,8 @@ loom_status loom_mkdirs(loom_ctx *ctx, const char *path);
 
 /* Formats an exact integer with thousands separators ("1,234,567"). */
 const char *loom_fmt_int(char buf[32], int64_t v);
+/* Seconds on the monotonic clock (for timeouts and rates). */
+double loom_now_s(void);
 /* Formats a byte count in binary units ("3.25 MiB"). */
 const char *loom_fmt_bytes(char buf[32], uint64_t v);
 
