@@ -137,6 +137,17 @@ static const loom_option table[] = {
     {"append_eos", LOOM_OPT_BOOL, "true",
      "append the tokenizer's EOS to JSONL \"text\" and \"completion\" samples (as TRL's SFTTrainer)",
      OFF(append_eos), NULL, CMD_TRAIN, 0, 0},
+    {"device", LOOM_OPT_CHOICE, "auto",
+     "where to compute: cuda (GPUs), cpu, or auto (cuda when loom was built with CUDA and a GPU "
+     "is visible)",
+     OFF(device), "auto|cpu|cuda", CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"dtype", LOOM_OPT_CHOICE, "auto",
+     "compute dtype: bf16, fp16 (dynamic loss scaling) or fp32; auto: bf16 on GPUs, fp32 on CPU",
+     OFF(dtype), "auto|bf16|fp16|fp32", CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"nproc_per_node", LOOM_OPT_INT, "0",
+     "start this many worker processes on this host, one per GPU (torchrun-style; 0: run in "
+     "this process)",
+     OFF(nproc_per_node), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 1024},
 };
 #define N_OPTIONS (sizeof table / sizeof table[0])
 _Static_assert(N_OPTIONS <= sizeof(((loom_settings *)0)->src) / sizeof(loom_opt_source),

@@ -88,6 +88,10 @@ typedef struct loom_settings {
     char *truncation;      /* train: samples longer than seq_len: error | left | right | drop */
     char *bad_lines;       /* train: malformed JSONL lines: stop | skip (counted) */
     bool append_eos;       /* train: append EOS to "text" and "completion" samples */
+    /* device (train, golden) */
+    char *device;          /* auto | cpu | cuda */
+    char *dtype;           /* compute dtype: auto (bf16 on GPUs, fp32 on CPU) | bf16 | fp16 | fp32 */
+    int64_t nproc_per_node;/* train/golden: start this many local GPU workers (0: this process) */
     loom_opt_source src[96]; /* where each row's value came from, by row index */
 } loom_settings;
 
