@@ -6,7 +6,15 @@
 
 #include <stdint.h>
 
-static inline uint64_t loom_splitmix64(uint64_t x) {
+/* The inline functions below are also compiled for the GPU (a CUDA kernel
+ * must draw the same numbers as the host, e.g. LoRA dropout masks). */
+#ifdef __CUDACC__
+#define LOOM_HD __host__ __device__
+#else
+#define LOOM_HD
+#endif
+
+static inline LOOM_HD uint64_t loom_splitmix64(uint64_t x) {
     x += 0x9e3779b97f4a7c15ull;
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
@@ -14,14 +22,14 @@ static inline uint64_t loom_splitmix64(uint64_t x) {
 }
 
 /* FNV-1a of a string, to derive a stream key from a tensor name. */
-static inline uint64_t loom_hash_str(const char *s) {
+static inline LOOM_HD uint64_t loom_hash_str(const char *s) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (; *s; s++) h = (h ^ (uint8_t)*s) * 0x100000001b3ull;
     return h;
 }
 
 /* Uniform in (0, 1): 53 random bits, never 0. */
-static inline double loom_rng_uniform(uint64_t seed, uint64_t key, uint64_t i) {
+static inline LOOM_HD double loom_rng_uniform(uint64_t seed, uint64_t key, uint64_t i) {
     uint64_t r = loom_splitmix64(loom_splitmix64(seed ^ loom_splitmix64(key)) + i);
     return ((double)(r >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }

@@ -1,0 +1,325 @@
+// Glue ops of the model (cuda_glue.h): vocab-parallel embedding and
+// cross-entropy pieces, context-parallel row permutations, LoRA dropout, and
+// memset/memcpy on a stream. Each is the CPU op of src/backend/cpu/glue.c
+// with the same arithmetic; the reductions run in a fixed order.
+#include "../../core/rng.h"
+#include "cuda_glue.h"
+#include "ops_common.cuh"
+
+using namespace loom_cuda;
+
+namespace {
+constexpr int NT = 256; // threads per row of the per-row kernels
+constexpr int EB = 16;  // tokens per batch of the embedding backward
+
+// Blocks for a loop over n rows, one block per row while that fits.
+unsigned rows_grid(int64_t n) { return grid_for(n, 1); }
+
+loom_status bad_shape(loom_ctx *ctx, const char *op, const char *what, long long v) {
+    return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda %s: bad %s %lld", op, what, v);
+}
+} // namespace
+
+/* ---------------- vocab-parallel embedding ---------------- */
+
+// One block per token (rows looped when T exceeds the grid): the in-range test
+// is made once per row, and the row's columns are read and written coalesced.
+__global__ void __launch_bounds__(NT)
+    embedding_vp_fwd_kernel(const int32_t *ids, int64_t T, const void *W, loom_dtype wdt,
+                            int64_t row0, int64_t rows, int64_t H, void *out, loom_dtype odt) {
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        const int64_t r = (int64_t)ids[t] - row0;
+        const bool here = r >= 0 && r < rows;
+        for (int64_t j = threadIdx.x; j < H; j += NT)
+            st(out, odt, t * H + j, here ? ld(W, wdt, r * H + j) : 0.0f);
+    }
+}
+
+// One thread per column j adds dout[t, j] into dW[ids[t] - row0, j] for t in
+// token order, as the CPU does; tokens of other ranks are skipped. Tokens go
+// in batches of EB: their rows and gradients are loaded together, then the
+// dW row of each distinct id of the batch is read (all reads before any
+// write, so they are in flight together), gets its tokens' gradients added in
+// token order, and is written back: the CPU's sums, bit for bit.
+__global__ void embedding_vp_bwd_kernel(const int32_t *ids, int64_t T, const void *dout,
+                                        loom_dtype ddt, int64_t row0, int64_t rows, int64_t H,
+                                        float *dW) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= H) return;
+    for (int64_t t0 = 0; t0 < T; t0 += EB) {
+        int64_t id[EB];
+        float d[EB], w[EB];
+        bool first[EB];
+#pragma unroll
+        for (int b = 0; b < EB; b++) {
+            const int64_t r = t0 + b < T ? (int64_t)ids[t0 + b] - row0 : -1;
+            id[b] = r >= 0 && r < rows ? r : -1;
+            d[b] = id[b] >= 0 ? ld(dout, ddt, (t0 + b) * H + j) : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < EB; b++) {
+            first[b] = id[b] >= 0;
+#pragma unroll
+            for (int c = 0; c < b; c++) first[b] = first[b] && id[c] != id[b];
+            w[b] = first[b] ? dW[id[b] * H + j] : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < EB; b++) {
+            if (!first[b]) continue;
+            float acc = w[b];
+#pragma unroll
+            for (int c = b; c < EB; c++)
+                if (id[c] == id[b]) acc += d[c];
+            dW[id[b] * H + j] = acc;
+        }
+    }
+}
+
+extern "C" loom_status loom_cuda_embedding_vp_fwd(loom_ctx *ctx, const int32_t *ids, int64_t T,
+                                                  const void *W, loom_dtype w_dtype, int64_t row0,
+                                                  int64_t rows, int64_t H, void *out,
+                                                  loom_dtype out_dtype, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, w_dtype, "embedding_vp_fwd", "W")) ||
+        (st = need_float(ctx, out_dtype, "embedding_vp_fwd", "out")))
+        return st;
+    if (T <= 0 || H <= 0) return LOOM_OK;
+    embedding_vp_fwd_kernel<<<rows_grid(T), NT, 0, as_stream(stream)>>>(ids, T, W, w_dtype, row0,
+                                                                        rows, H, out, out_dtype);
+    return check_launch(ctx, "embedding_vp_fwd");
+}
+
+extern "C" loom_status loom_cuda_embedding_vp_bwd(loom_ctx *ctx, const int32_t *ids, int64_t T,
+                                                  const void *dout, loom_dtype dout_dtype,
+                                                  int64_t row0, int64_t rows, int64_t H, float *dW,
+                                                  void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dout_dtype, "embedding_vp_bwd", "dout"))) return st;
+    if (T <= 0 || H <= 0 || rows <= 0 || !dW) return LOOM_OK;
+    // One warp per block spreads the few columns over many multiprocessors.
+    const int threads = 32;
+    embedding_vp_bwd_kernel<<<(unsigned)((H + threads - 1) / threads), threads, 0,
+                              as_stream(stream)>>>(ids, T, dout, dout_dtype, row0, rows, H, dW);
+    return check_launch(ctx, "embedding_vp_bwd");
+}
+
+/* ---------------- vocab-parallel cross-entropy ---------------- */
+
+// One block per row. Thread i takes columns i, i + NT, ... in order, then a
+// fixed tree combines the threads: the same order on every GPU and run.
+
+__global__ void __launch_bounds__(NT)
+    ce_vp_max_kernel(const void *logits, loom_dtype dt, int64_t ld_, int64_t nvalid, double *mx) {
+    __shared__ float sh[NT / 32];
+    const int64_t base = (int64_t)blockIdx.x * ld_;
+    // fmaxf skips NaNs as the CPU's `z > m` does; the max is exact in fp32
+    float m = -INFINITY;
+    for (int64_t j = threadIdx.x; j < nvalid; j += NT) m = fmaxf(m, ld(logits, dt, base + j));
+    m = block_max<NT>(m, sh);
+    if (threadIdx.x == 0) mx[blockIdx.x] = (double)m;
+}
+
+__global__ void __launch_bounds__(NT)
+    ce_vp_sums_kernel(const void *logits, loom_dtype dt, int64_t ld_, int64_t nvalid,
+                      const int32_t *tgt, int64_t v0, const double *mx, double *ce) {
+    __shared__ double sh[NT / 32];
+    const int64_t r = blockIdx.x, base = r * ld_;
+    const double m = mx[r];
+    double s = 0, sz = 0;
+    for (int64_t j = threadIdx.x; j < nvalid; j += NT) {
+        const double z = (double)ld(logits, dt, base + j), e = exp(z - m);
+        s += e;
+        sz += e * z;
+    }
+    s = block_sum<NT>(s, sh);
+    sz = block_sum<NT>(sz, sh);
+    if (threadIdx.x == 0) {
+        const int64_t t = (int64_t)tgt[r] - v0;
+        const bool mine = tgt[r] != -100 && t >= 0 && t < nvalid;
+        ce[3 * r + 0] = s;
+        ce[3 * r + 1] = sz;
+        ce[3 * r + 2] = mine ? (double)ld(logits, dt, base + t) : 0.0;
+    }
+}
+
+// In place: every element is read and then written by the same thread.
+__global__ void __launch_bounds__(NT)
+    ce_vp_grad_kernel(void *logits, loom_dtype dt, int64_t ld_, int64_t nvalid,
+                      const int32_t *tgt, int64_t v0, const double *L, float scale) {
+    const int64_t r = blockIdx.x, base = r * ld_;
+    const int32_t tg = tgt[r];
+    if (tg == -100) {
+        for (int64_t j = threadIdx.x; j < ld_; j += NT) st(logits, dt, base + j, 0.0f);
+        return;
+    }
+    const double l = L[r], s = (double)scale;
+    const int64_t t = (int64_t)tg - v0; // j == t only for a local target: j is in [0, nvalid)
+    for (int64_t j = threadIdx.x; j < ld_; j += NT) {
+        float v = 0.0f;
+        if (j < nvalid) {
+            v = (float)(s * exp((double)ld(logits, dt, base + j) - l));
+            if (j == t) v -= scale;
+        }
+        st(logits, dt, base + j, v);
+    }
+}
+
+// Shared argument checks of the three; *nvalid clamped to [0, ld].
+static loom_status ce_check(loom_ctx *ctx, const char *op, loom_dtype dt, int64_t c, int64_t ld_,
+                            int64_t *nvalid) {
+    loom_status st;
+    if ((st = need_float(ctx, dt, op, "logits"))) return st;
+    if (c < 0) return bad_shape(ctx, op, "row count c =", c);
+    if (ld_ < 0) return bad_shape(ctx, op, "row stride ld =", ld_);
+    if (c > 0x7fffffffLL)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda %s: c=%lld rows is too many for one call",
+                         op, (long long)c);
+    *nvalid = *nvalid < 0 ? 0 : *nvalid > ld_ ? ld_ : *nvalid;
+    return LOOM_OK;
+}
+
+extern "C" loom_status loom_cuda_ce_vp_max(loom_ctx *ctx, const void *logits, loom_dtype dtype,
+                                           int64_t c, int64_t ld, int64_t nvalid, double *mx,
+                                           void *stream) {
+    loom_status st;
+    if ((st = ce_check(ctx, "ce_vp_max", dtype, c, ld, &nvalid))) return st;
+    if (c == 0) return LOOM_OK;
+    ce_vp_max_kernel<<<(unsigned)c, NT, 0, as_stream(stream)>>>(logits, dtype, ld, nvalid, mx);
+    return check_launch(ctx, "ce_vp_max");
+}
+
+extern "C" loom_status loom_cuda_ce_vp_sums(loom_ctx *ctx, const void *logits, loom_dtype dtype,
+                                            int64_t c, int64_t ld, int64_t nvalid,
+                                            const int32_t *tgt, int64_t v0, const double *mx,
+                                            double *ce, void *stream) {
+    loom_status st;
+    if ((st = ce_check(ctx, "ce_vp_sums", dtype, c, ld, &nvalid))) return st;
+    if (c == 0) return LOOM_OK;
+    ce_vp_sums_kernel<<<(unsigned)c, NT, 0, as_stream(stream)>>>(logits, dtype, ld, nvalid, tgt,
+                                                                 v0, mx, ce);
+    return check_launch(ctx, "ce_vp_sums");
+}
+
+extern "C" loom_status loom_cuda_ce_vp_grad(loom_ctx *ctx, void *logits, loom_dtype dtype,
+                                            int64_t c, int64_t ld, int64_t nvalid,
+                                            const int32_t *tgt, int64_t v0, const double *L,
+                                            float scale, void *stream) {
+    loom_status st;
+    if ((st = ce_check(ctx, "ce_vp_grad", dtype, c, ld, &nvalid))) return st;
+    if (c == 0 || ld == 0) return LOOM_OK;
+    ce_vp_grad_kernel<<<(unsigned)c, NT, 0, as_stream(stream)>>>(logits, dtype, ld, nvalid, tgt, v0,
+                                                                 L, scale);
+    return check_launch(ctx, "ce_vp_grad");
+}
+
+/* ---------------- row permutations ---------------- */
+
+// Rows of `per` units of U (the widest of 16, 8, 4, 2, 1 bytes that divides
+// the row size and both pointers); one block per row, rows looped past the
+// grid. SCATTER: dst row idx[j] = src row j, else dst row j = src row idx[j].
+template <typename U, bool SCATTER>
+__global__ void rows_perm_kernel(U *__restrict__ dst, const U *__restrict__ src,
+                                 const int32_t *idx, int64_t n, int64_t per) {
+    for (int64_t j = blockIdx.x; j < n; j += gridDim.x) {
+        const int64_t r = idx[j];
+        U *d = dst + (SCATTER ? r : j) * per;
+        const U *s = src + (SCATTER ? j : r) * per;
+        for (int64_t k = threadIdx.x; k < per; k += blockDim.x) d[k] = s[k];
+    }
+}
+
+template <typename U>
+static loom_status rows_perm_launch(loom_ctx *ctx, const char *op, bool scatter, void *dst,
+                                    const void *src, const int32_t *idx, int64_t n, size_t row,
+                                    cudaStream_t s) {
+    const int64_t per = (int64_t)(row / sizeof(U));
+    // A warp at least; short rows (a few heads' keys) do not leave most idle.
+    const int threads = per >= NT ? NT : (int)((per + 31) / 32 * 32);
+    if (scatter)
+        rows_perm_kernel<U, true><<<rows_grid(n), threads, 0, s>>>((U *)dst, (const U *)src, idx,
+                                                                   n, per);
+    else
+        rows_perm_kernel<U, false><<<rows_grid(n), threads, 0, s>>>((U *)dst, (const U *)src, idx,
+                                                                    n, per);
+    return check_launch(ctx, op);
+}
+
+static loom_status rows_perm(loom_ctx *ctx, const char *op, bool scatter, void *dst,
+                             const void *src, const int32_t *idx, int64_t n, int64_t width,
+                             size_t esz, void *stream) {
+    if (n < 0) return bad_shape(ctx, op, "row count n =", n);
+    if (width < 0) return bad_shape(ctx, op, "width", width);
+    if (esz == 0) return bad_shape(ctx, op, "element size esz =", 0);
+    const size_t row = (size_t)width * esz;
+    if (n == 0 || row == 0) return LOOM_OK;
+    const uintptr_t a = (uintptr_t)dst | (uintptr_t)src | (uintptr_t)row;
+    cudaStream_t s = as_stream(stream);
+    if (a % 16 == 0) return rows_perm_launch<uint4>(ctx, op, scatter, dst, src, idx, n, row, s);
+    if (a % 8 == 0) return rows_perm_launch<uint2>(ctx, op, scatter, dst, src, idx, n, row, s);
+    if (a % 4 == 0) return rows_perm_launch<uint32_t>(ctx, op, scatter, dst, src, idx, n, row, s);
+    if (a % 2 == 0) return rows_perm_launch<uint16_t>(ctx, op, scatter, dst, src, idx, n, row, s);
+    return rows_perm_launch<uint8_t>(ctx, op, scatter, dst, src, idx, n, row, s);
+}
+
+extern "C" loom_status loom_cuda_rows_gather(loom_ctx *ctx, void *dst, const void *src,
+                                             const int32_t *idx, int64_t n, int64_t width,
+                                             size_t esz, void *stream) {
+    return rows_perm(ctx, "rows_gather", false, dst, src, idx, n, width, esz, stream);
+}
+
+extern "C" loom_status loom_cuda_rows_scatter(loom_ctx *ctx, void *dst, const void *src,
+                                              const int32_t *idx, int64_t n, int64_t width,
+                                              size_t esz, void *stream) {
+    return rows_perm(ctx, "rows_scatter", true, dst, src, idx, n, width, esz, stream);
+}
+
+/* ---------------- LoRA dropout ---------------- */
+
+// One block per token (rows looped past the grid): the token's global index
+// is looked up once, the features go across the threads. The draw is
+// rng.h's loom_rng_uniform, compiled for the device: the CPU's mask exactly.
+__global__ void __launch_bounds__(NT)
+    lora_dropout_kernel(void *out, const void *x, loom_dtype dt, int64_t T, int64_t in,
+                        int64_t full, int64_t col0, const int32_t *qidx, int64_t out0,
+                        uint64_t seed, uint64_t key, double p, float keep_scale) {
+    const void *src = x ? x : out;
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        const uint64_t g = (uint64_t)(out0 + (qidx ? (int64_t)qidx[t] : t));
+        for (int64_t k = threadIdx.x; k < in; k += NT) {
+            const uint64_t i = g * (uint64_t)full + (uint64_t)(col0 + k);
+            const bool kept = loom_rng_uniform(seed, key, i) >= p;
+            const float v = ld(src, dt, t * in + k);
+            st(out, dt, t * in + k, kept ? v * keep_scale : 0.0f);
+        }
+    }
+}
+
+extern "C" loom_status loom_cuda_lora_dropout(loom_ctx *ctx, void *out, const void *x, int64_t T,
+                                              int64_t in, int64_t full, int64_t col0,
+                                              const int32_t *qidx, int64_t out0, uint64_t seed,
+                                              uint64_t key, double p, loom_dtype dtype,
+                                              void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dtype, "lora_dropout", "out"))) return st;
+    if (T <= 0 || in <= 0) return LOOM_OK;
+    // The scale rounded on the host, as the CPU rounds it: the same float.
+    const float keep_scale = (float)(1.0 / (1.0 - p));
+    lora_dropout_kernel<<<rows_grid(T), NT, 0, as_stream(stream)>>>(
+        out, x, dtype, T, in, full, col0, qidx, out0, seed, key, p, keep_scale);
+    return check_launch(ctx, "lora_dropout");
+}
+
+/* ---------------- memory on a stream ---------------- */
+
+extern "C" loom_status loom_cuda_memset_async(loom_ctx *ctx, void *ptr, size_t bytes,
+                                              void *stream) {
+    if (bytes == 0) return LOOM_OK;
+    return check(ctx, cudaMemsetAsync(ptr, 0, bytes, as_stream(stream)), "memset_async");
+}
+
+extern "C" loom_status loom_cuda_memcpy_async(loom_ctx *ctx, void *dst, const void *src,
+                                              size_t bytes, void *stream) {
+    if (bytes == 0) return LOOM_OK;
+    return check(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)),
+                 "memcpy_async");
+}
