@@ -21,14 +21,39 @@ int loom_cli_fail(loom_ctx *ctx);
 /* Maps a save_dtype setting to a dtype; "auto" gives `fallback`. */
 loom_dtype loom_cli_save_dtype(const loom_settings *s, loom_dtype fallback);
 
-/* The job's world group (MPI under mpirun, else one process); ranks other
- * than 0 log warnings and errors only. */
-loom_status loom_cli_world(loom_ctx *ctx, loom_comm **out);
+/* Resolves --device auto (to cuda when loom has CUDA and a GPU is visible,
+ * else cpu; s->device is rewritten), then makes the job's world group: NCCL
+ * for GPU ranks (bootstrapped by MPI under mpirun, else RANK/WORLD_SIZE and
+ * a TCP rendezvous), MPI for CPU ranks under mpirun, else one process. Ranks
+ * other than 0 log warnings and errors only. */
+loom_status loom_cli_world(loom_ctx *ctx, loom_settings *s, loom_comm **out);
 /* Ends the whole job with this rank's message (MPI_Abort) when there are
  * several ranks, else prints the error; returns the exit code 1. */
 int loom_cli_fail_job(loom_ctx *ctx, loom_comm *world);
-/* Model options (config overrides, mesh) from the settings. */
+/* Model options (config overrides, mesh, device, dtype) from the settings
+ * (after loom_cli_world resolved the device). */
 void loom_cli_model_options(const loom_settings *s, loom_model_options *o);
+
+/* --nproc-per-node N (cli/launch.c): this process starts N local workers
+ * (GPU ranks over NCCL) and waits for them, torchrun-style. Called by train
+ * and golden right after their settings are parsed. When there is nothing
+ * to launch (nproc_per_node 0, or this process is a worker: LOOM_LAUNCHED
+ * is set) sets *launched = false and returns 0: go on. Otherwise sets
+ * *launched = true and returns the exit code of the command: the job's
+ * status, or 1 after printing why the workers could not be started (inside
+ * another launcher, --device cpu, no CUDA, too few GPUs). */
+int loom_cli_maybe_launch(loom_ctx *ctx, const loom_settings *s, bool *launched);
+/* Starts nproc copies of `exe` with `argv` (argv[0] included, NULL-ended),
+ * each with RANK = LOCAL_RANK = i, WORLD_SIZE = LOCAL_WORLD_SIZE = nproc,
+ * GROUP_RANK=0, MASTER_ADDR (kept, else 127.0.0.1), MASTER_PORT (kept, else
+ * a free port) and LOOM_LAUNCHED=1, sharing this process's stdout/stderr,
+ * and waits for all. The first that exits non-zero or dies of a signal is
+ * named on stderr, the others get SIGTERM, then SIGKILL 10 s later; SIGINT
+ * and SIGTERM received meanwhile are passed on. Returns the first failure's
+ * status (128 + signal for a death by a signal), 0 when all succeeded, or
+ * -1 with the error in ctx when they could not be started (any started are
+ * stopped and reaped first). */
+int loom_launch_local(loom_ctx *ctx, int nproc, char *const argv[], const char *exe);
 
 /* Copies the tokenizer and other files that travel with the weights. */
 loom_status loom_cli_copy_side_files(loom_ctx *ctx, const char *from_dir, const char *to_dir);

@@ -218,8 +218,11 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
                   "and --out OUT.safetensors");
         return loom_cli_fail(ctx);
     }
+    bool launched; /* --nproc-per-node: this process starts the workers and waits */
+    int launch_rc = loom_cli_maybe_launch(ctx, s, &launched);
+    if (launched) return launch_rc;
     loom_comm *world = NULL;
-    if (loom_cli_world(ctx, &world)) return loom_cli_fail(ctx);
+    if (loom_cli_world(ctx, s, &world)) return loom_cli_fail(ctx);
     loom_settings_print(ctx, s, LOOM_CMD_GOLDEN);
     golden_in in = {0};
     golden_out o = {0};

@@ -72,8 +72,11 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                   s->global_batch_size, s->micro_batch_size);
         return loom_cli_fail(ctx);
     }
+    bool launched; /* --nproc-per-node: this process starts the workers and waits */
+    int launch_rc = loom_cli_maybe_launch(ctx, s, &launched);
+    if (launched) return launch_rc;
     loom_comm *world = NULL;
-    if (loom_cli_world(ctx, &world)) return loom_cli_fail(ctx);
+    if (loom_cli_world(ctx, s, &world)) return loom_cli_fail(ctx);
     loom_settings_print(ctx, s, LOOM_CMD_TRAIN);
 
     loom_model_options mo;

@@ -8,9 +8,45 @@
 #endif
 
 #include "cli.h"
+#ifdef LOOM_HAVE_CUDA
+#include "../src/backend/cuda/cuda_backend.h"
+#endif
 
-loom_status loom_cli_world(loom_ctx *ctx, loom_comm **out) {
-    loom_status st = loom_comm_world(ctx, LOOM_COMM_AUTO, out);
+/* --device auto: a GPU when loom was built with CUDA and one is visible. */
+static loom_status resolve_device(loom_ctx *ctx, loom_settings *s) {
+    const bool want_cuda = !strcmp(s->device, "cuda");
+    if (!strcmp(s->device, "cpu")) return LOOM_OK;
+#ifdef LOOM_HAVE_CUDA
+    loom_cuda_info info;
+    loom_ctx *quiet = NULL;
+    bool have = false;
+    if (loom_ctx_create(&quiet) == LOOM_OK) {
+        have = loom_cuda_query(quiet, 0, &info) == LOOM_OK;
+        if (!have && want_cuda)
+            loom_errf(ctx, LOOM_ERR_DEVICE,
+                      "--device cuda: %s; run on the CPU with --device cpu, or on a machine "
+                      "with an NVIDIA GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)",
+                      loom_last_error(quiet));
+        loom_ctx_free(quiet);
+    }
+    if (!have && want_cuda) return LOOM_ERR_DEVICE;
+    if (!have) LOOM_LOG_I(ctx, "no GPU visible: running on the CPU (--device cpu)");
+#else
+    const bool have = false;
+    if (want_cuda)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "--device cuda: this loom was built without CUDA; rebuild with "
+                         "`make CUDA=1`, or run on the CPU (--device cpu)");
+#endif
+    free(s->device);
+    s->device = loom_strdup(ctx, have ? "cuda" : "cpu");
+    return s->device ? LOOM_OK : LOOM_ERR_OOM;
+}
+
+loom_status loom_cli_world(loom_ctx *ctx, loom_settings *s, loom_comm **out) {
+    loom_status st = resolve_device(ctx, s);
+    if (st) return st;
+    st = loom_comm_world(ctx, strcmp(s->device, "cuda") ? LOOM_COMM_AUTO : LOOM_COMM_NCCL, out);
     if (st) return st;
 #ifdef _OPENMP
     /* several ranks on one host share its cores: unless OMP_NUM_THREADS says
@@ -43,4 +79,13 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
     o->pp = (int)s->pp;
     o->vpp = (int)s->vpp;
     o->sequence_parallel = s->sequence_parallel;
+    o->device = !strcmp(s->device, "cuda") ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU;
+    if (!strcmp(s->dtype, "bf16"))
+        o->dtype = LOOM_BF16;
+    else if (!strcmp(s->dtype, "fp16"))
+        o->dtype = LOOM_F16;
+    else if (!strcmp(s->dtype, "fp32"))
+        o->dtype = LOOM_F32;
+    else /* auto */
+        o->dtype = o->device == LOOM_DEVICE_CUDA ? LOOM_BF16 : LOOM_F32;
 }

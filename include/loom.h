@@ -129,12 +129,22 @@ loom_sched_config loom_sched_config_default(void);
  * clip_grad_and_step. */
 typedef struct loom_model loom_model;
 
+/* Where a model computes. */
+typedef enum loom_device { LOOM_DEVICE_CPU = 0, LOOM_DEVICE_CUDA } loom_device;
+
 typedef struct loom_model_options {
     /* JSON object whose keys replace those of config.json before it is read,
      * e.g. {"num_hidden_layers": 2}; NULL for none. */
     const char *config_overrides;
-    /* Compute dtype; the CPU backend computes in LOOM_F32. */
+    /* Compute dtype of activations and of the weights' compute copies:
+     * LOOM_BF16 (the GPU default), LOOM_F16 (dynamic loss scaling) or
+     * LOOM_F32. Master weights, gradients and optimizer state are fp32
+     * always. The CPU backend computes in LOOM_F32 only. */
     loom_dtype dtype;
+    /* LOOM_DEVICE_CPU (default) or LOOM_DEVICE_CUDA: one GPU per process,
+     * the process's local rank's (a loom built with CUDA; several processes
+     * talk over NCCL). */
+    loom_device device;
     /* The output layer and embedding are padded to a multiple of this many
      * rows times tp (0: 128); padded rows never receive probability and are
      * not saved. */
@@ -225,6 +235,8 @@ typedef struct loom_step_result {
     int64_t step;         /* optimizer steps taken so far */
     double loss;          /* mean loss over the tokens of the accumulated calls */
     int64_t n_tokens;     /* tokens those calls had */
+    int skipped;          /* fp16: 1 when the gradients overflowed and the step was skipped */
+    double loss_scale;    /* fp16: the dynamic loss scale used by these calls (else 1) */
 } loom_step_result;
 /* Counts a call; every accumulation_steps-th call (1: every call) scales the
  * accumulated gradient to the mean loss, clips it to max_grad_norm (<= 0: no

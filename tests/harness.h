@@ -31,6 +31,8 @@ extern bool loom_test_abort;
  * machine (a Python package, a GPU); CI installs what its tests need. */
 void loom_test_skip(const char *reason) __attribute__((noreturn));
 #define SKIP(reason) loom_test_skip(reason)
+/* A CUDA build with a GPU visible (GPU tests skip otherwise). */
+bool loom_test_have_gpu(void);
 
 #define CHECK(cond)                                                                  \
     do {                                                                             \

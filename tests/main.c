@@ -14,6 +14,9 @@
 #include <unistd.h>
 
 #include "harness.h"
+#ifdef LOOM_HAVE_CUDA
+#include "../src/backend/cuda/cuda_backend.h"
+#endif
 
 #define MAX_TESTS 4096
 
@@ -130,6 +133,21 @@ int loom_test_run(char **out, const char *const argv[]) {
     if (WIFEXITED(status)) return WEXITSTATUS(status);
     if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
     return -1;
+}
+
+bool loom_test_have_gpu(void) {
+#ifdef LOOM_HAVE_CUDA
+    static int have = -1;
+    if (have < 0) {
+        loom_ctx *ctx = NULL;
+        loom_cuda_info info;
+        have = !loom_ctx_create(&ctx) && loom_cuda_query(ctx, 0, &info) == LOOM_OK;
+        loom_ctx_free(ctx);
+    }
+    return have == 1;
+#else
+    return false;
+#endif
 }
 
 void loom_test_skip(const char *reason) {

@@ -71,13 +71,22 @@ static void note_err(const char *name, double e) {
         CHECK_MSG(_e <= TOL, "%s: relative error %.3g > %g", name, _e, TOL);           \
     } while (0)
 
-static bool golden_open(golden *g, const char *model) {
+/* The model on `dev` in fp32 (a GPU test is skipped where there is none). */
+static bool golden_open(golden *g, const char *model, loom_device dev) {
     memset(g, 0, sizeof *g);
     char p[1024];
     if (loom_ctx_create(&g->ctx)) return false;
     loom_ctx_set_log_level(g->ctx, LOOM_LOG_ERROR);
     path_of(g->dir, sizeof g->dir, "models/", model, "");
-    if (loom_model_create(g->ctx, g->dir, NULL, &g->m)) goto fail;
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = dev;
+    if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) {
+        loom_ctx_free(g->ctx);
+        loom_test_skip("no GPU visible (or loom built without CUDA)");
+        return false;
+    }
+    if (loom_model_create(g->ctx, g->dir, &o, &g->m)) goto fail;
     if (loom_st_open_file(g->ctx, path_of(p, sizeof p, "golden/", model, ".safetensors"), &g->st))
         goto fail;
     if (loom_json_parse_file(g->ctx, path_of(p, sizeof p, "golden/", model, ".json"), &g->meta))
@@ -111,9 +120,9 @@ static double meta_num(golden *g, const char *key) {
 
 /* Forward outputs, loss and every gradient, as one batch and as two
  * micro-batches. */
-static void check_forward_backward(const char *model) {
+static void check_forward_backward(const char *model, loom_device dev) {
     golden g;
-    if (!golden_open(&g, model)) return;
+    if (!golden_open(&g, model, dev)) return;
     loom_batch b = batch_of(&g);
     int64_t n;
     float *ref_logits = read_tensor(&g, "logits", LOOM_F32, &n);
@@ -158,9 +167,9 @@ static void check_forward_backward(const char *model) {
 }
 
 /* Three documents packed in one row give each document's own log-probs. */
-static void check_packed(const char *model) {
+static void check_packed(const char *model, loom_device dev) {
     golden g;
-    if (!golden_open(&g, model)) return;
+    if (!golden_open(&g, model, dev)) return;
     int32_t *ids = read_tensor(&g, "packed.input_ids", LOOM_I32, NULL);
     int32_t *pos = read_tensor(&g, "packed.position_ids", LOOM_I32, NULL);
     int32_t *cu = read_tensor(&g, "packed.cu_seqlens", LOOM_I32, NULL);
@@ -188,9 +197,9 @@ static void check_packed(const char *model) {
 
 /* 5 AdamW steps on the same batch: per-step losses, grad norms before
  * clipping, and the final weights. */
-static void check_adamw(const char *model) {
+static void check_adamw(const char *model, loom_device dev) {
     golden g;
-    if (!golden_open(&g, model)) return;
+    if (!golden_open(&g, model, dev)) return;
     loom_optimizer_config oc = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
                                 .weight_decay = 0.1};
     REQUIRE_OK(g.ctx, loom_model_set_optimizer(g.m, &oc));
@@ -239,15 +248,26 @@ static void check_adamw(const char *model) {
     golden_close(&g);
 }
 
-TEST(model_qwen3_matches_hf) { check_forward_backward("tiny-qwen3"); }
-TEST(model_qwen3_untied_sharded_matches_hf) { check_forward_backward("tiny-qwen3-untied"); }
-TEST(model_qwen2_matches_hf) { check_forward_backward("tiny-qwen2"); }
-TEST(model_llama_matches_hf) { check_forward_backward("tiny-llama"); }
-TEST(model_packed_documents_qwen3) { check_packed("tiny-qwen3"); }
-TEST(model_packed_documents_untied) { check_packed("tiny-qwen3-untied"); }
-TEST(model_packed_documents_qwen2) { check_packed("tiny-qwen2"); }
-TEST(model_packed_documents_llama) { check_packed("tiny-llama"); }
-TEST(model_adamw_trajectory_qwen3) { check_adamw("tiny-qwen3"); }
-TEST(model_adamw_trajectory_untied) { check_adamw("tiny-qwen3-untied"); }
-TEST(model_adamw_trajectory_qwen2) { check_adamw("tiny-qwen2"); }
-TEST(model_adamw_trajectory_llama) { check_adamw("tiny-llama"); }
+TEST(model_qwen3_matches_hf) { check_forward_backward("tiny-qwen3", LOOM_DEVICE_CPU); }
+TEST(model_qwen3_untied_sharded_matches_hf) { check_forward_backward("tiny-qwen3-untied", LOOM_DEVICE_CPU); }
+TEST(model_qwen2_matches_hf) { check_forward_backward("tiny-qwen2", LOOM_DEVICE_CPU); }
+TEST(model_llama_matches_hf) { check_forward_backward("tiny-llama", LOOM_DEVICE_CPU); }
+TEST(model_packed_documents_qwen3) { check_packed("tiny-qwen3", LOOM_DEVICE_CPU); }
+TEST(model_packed_documents_untied) { check_packed("tiny-qwen3-untied", LOOM_DEVICE_CPU); }
+TEST(model_packed_documents_qwen2) { check_packed("tiny-qwen2", LOOM_DEVICE_CPU); }
+TEST(model_packed_documents_llama) { check_packed("tiny-llama", LOOM_DEVICE_CPU); }
+TEST(model_adamw_trajectory_qwen3) { check_adamw("tiny-qwen3", LOOM_DEVICE_CPU); }
+TEST(model_adamw_trajectory_untied) { check_adamw("tiny-qwen3-untied", LOOM_DEVICE_CPU); }
+TEST(model_adamw_trajectory_qwen2) { check_adamw("tiny-qwen2", LOOM_DEVICE_CPU); }
+TEST(model_adamw_trajectory_llama) { check_adamw("tiny-llama", LOOM_DEVICE_CPU); }
+
+/* The same on one GPU in fp32: the CUDA path must match HF like the CPU's. */
+TEST(model_cuda_qwen3_matches_hf) { check_forward_backward("tiny-qwen3", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_qwen3_untied_matches_hf) { check_forward_backward("tiny-qwen3-untied", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_qwen2_matches_hf) { check_forward_backward("tiny-qwen2", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_llama_matches_hf) { check_forward_backward("tiny-llama", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_packed_documents_qwen3) { check_packed("tiny-qwen3", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_packed_documents_qwen2) { check_packed("tiny-qwen2", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_adamw_trajectory_qwen3) { check_adamw("tiny-qwen3", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_adamw_trajectory_untied) { check_adamw("tiny-qwen3-untied", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_adamw_trajectory_llama) { check_adamw("tiny-llama", LOOM_DEVICE_CUDA); }

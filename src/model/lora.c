@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend/cpu/cpu_ops.h"
 #include "../core/rng.h"
 #include "../io/safetensors.h"
 #include "model.h"
@@ -57,16 +56,16 @@ loom_arena *loom_model_trainable(loom_model *m) {
     return m->active >= 0 ? &m->adapters[m->active].ar : &m->base;
 }
 
-static void adapter_free(loom_adapter *a) {
+static void adapter_free(loom_model *m, loom_adapter *a) {
     for (int i = 0; a->names && i < a->ar.nslots; i++) free(a->names[i]);
     free(a->names);
     free(a->slot);
     free(a->name);
-    loom_arena_free(&a->ar);
+    loom_arena_free(m, &a->ar);
 }
 
 void loom_adapters_free(loom_model *m) {
-    for (int i = 0; i < m->nadapters; i++) adapter_free(&m->adapters[i]);
+    for (int i = 0; i < m->nadapters; i++) adapter_free(m, &m->adapters[i]);
     free(m->adapters);
     m->adapters = NULL;
     m->nadapters = 0;
@@ -166,7 +165,7 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
     }
     if (!st) st = loom_arena_layout(m, &a->ar, false);
     if (st) {
-        adapter_free(a);
+        adapter_free(m, a);
         return st;
     }
     m->nadapters++;
@@ -177,11 +176,11 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
 /* The base is frozen once an adapter exists: its gradients and optimizer
  * state go. */
 static void freeze_base(loom_model *m, loom_adapter *a) {
-    free(m->base.g);
-    free(m->base.gshard);
-    free(m->base.adam_m);
-    free(m->base.adam_v);
+    loom_dev_free(m, m->base.g);
+    loom_dev_free(m, m->base.gshard); /* with the moments: one block */
+    loom_dev_free(m, m->base.d_norm);
     m->base.g = m->base.gshard = m->base.adam_m = m->base.adam_v = NULL;
+    m->base.d_norm = NULL;
     m->active = (int)(a - m->adapters);
     loom_model_zero_grad(m);
 }
@@ -208,6 +207,10 @@ loom_status loom_model_add_adapter(loom_model *m, const char *name, const loom_l
                 uint64_t idx = (uint64_t)((sl->row0 + r) * sl->shape[1] + sl->col0 + k);
                 w[r * sl->cols + k] = (float)(bound * (2.0 * loom_rng_uniform(c->seed, key, idx) - 1.0));
             }
+    }
+    if ((st = loom_arena_commit(m, &a->ar))) {
+        adapter_free(m, &m->adapters[--m->nadapters]);
+        return st;
     }
     freeze_base(m, a);
     return LOOM_OK;
@@ -365,8 +368,9 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
                       "%s: adapter_model.safetensors holds %d LoRA weights, but its config "
                       "targets %d on this %lld-layer model",
                       dir, found, want, (long long)m->L);
+    if (!s) s = loom_arena_commit(m, &a->ar);
     if (s) {
-        adapter_free(&m->adapters[--m->nadapters]);
+        adapter_free(m, &m->adapters[--m->nadapters]);
         goto done;
     }
     freeze_base(m, a);
@@ -541,12 +545,14 @@ static loom_status merge(loom_model *m, const char *name, float sign) {
             const loom_slot *A = &a->ar.slots[a->slot[l][k][0]], *B = &a->ar.slots[a->slot[l][k][1]];
             const loom_slot *W = &m->base.slots[base[k]];
             LOOM_ASSERT(W->rows == B->rows && W->cols == A->cols);
-            loom_cpu_sgemm(false, false, W->rows, W->cols, a->r, sign * a->scale, a->ar.w + B->off,
-                           a->r, a->ar.w + A->off, A->cols, 1.0f, m->base.w + W->off, W->cols);
+            loom_status st = loom_k_sgemm(m, W->rows, W->cols, a->r, sign * a->scale,
+                                          a->ar.w + B->off, a->ar.w + A->off, 1.0f,
+                                          m->base.w + W->off);
+            if (st) return st;
         }
     }
     a->merged = sign > 0;
-    return LOOM_OK;
+    return loom_arena_sync(m, &m->base);
 }
 
 loom_status loom_model_merge_adapter(loom_model *m, const char *name) { return merge(m, name, 1.0f); }
@@ -576,63 +582,63 @@ static bool dropout_on(const loom_model *m, const loom_adapter *a) {
     return m->training && a->dropout > 0.0;
 }
 
-static void dropout_mask(const loom_model *m, const loom_adapter *a, int64_t l, int mod,
-                         const loom_slot *A, const float *x, int64_t T, float *out) {
-    const int64_t in = A->cols, full = A->shape[1];
+static loom_status dropout_mask(loom_model *m, const loom_adapter *a, int64_t l, int mod,
+                                const loom_slot *A, const void *x, int64_t T, void *out) {
     const uint64_t key = loom_splitmix64(((uint64_t)l << 8) ^ (uint64_t)mod ^ 0x10a4ULL);
     const uint64_t seed = a->seed ^ loom_splitmix64(m->dropout_calls);
-    const float keep_scale = (float)(1.0 / (1.0 - a->dropout));
-    const int32_t *qidx = m->cp == 1 ? NULL : m->perm + (int64_t)m->mesh->cp_rank * m->Tc;
-    const int64_t out0 = m->cur_mb->out0;
-#pragma omp parallel for schedule(static) if (T * in > 65536)
-    for (int64_t t = 0; t < T; t++) {
-        uint64_t g = (uint64_t)(out0 + (qidx ? qidx[t] : t));
-        for (int64_t k = 0; k < in; k++) {
-            uint64_t idx = g * (uint64_t)full + (uint64_t)(A->col0 + k);
-            bool kept = loom_rng_uniform(seed, key, idx) >= a->dropout;
-            float v = x ? x[t * in + k] : out[t * in + k];
-            out[t * in + k] = kept ? v * keep_scale : 0.0f;
-        }
-    }
+    const int32_t *qidx = m->cp == 1 ? NULL : m->d_perm + (int64_t)m->mesh->cp_rank * m->Tc;
+    return loom_k_dropout(m, out, x, T, A->cols, A->shape[1], A->col0, qidx, m->cur_mb->out0, seed,
+                          key, a->dropout);
 }
 
-void loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod, const float *x,
-                   int64_t T, float *y) {
+#define CK(expr)                                                                          \
+    do {                                                                                  \
+        loom_status st_ = (expr);                                                         \
+        if (st_) return st_;                                                              \
+    } while (0)
+
+/* The adapter's compute copies of A and B, and x A^T of (layer i, mod). */
+#define WC(a, sl) ((const char *)(a)->ar.wc + (sl)->off * m->dev.esz)
+static void *lora_u(loom_model *m, loom_acts *act, int64_t i, int mod, int64_t r) {
+    size_t at = ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
+    return (char *)act->lora_u + at * m->dev.esz;
+}
+
+loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
+                          const void *x, int64_t T, void *y) {
     loom_adapter *a;
     const loom_slot *A, *B;
-    if (!lora_on(m, l, mod, &a, &A, &B)) return;
+    if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
     const int64_t r = a->r, in = A->cols, out = B->rows;
-    float *u = act->lora_u + ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
+    void *u = lora_u(m, act, i, mod, r);
     if (dropout_on(m, a)) {
-        dropout_mask(m, a, l, mod, A, x, T, m->lora_xd);
+        CK(dropout_mask(m, a, l, mod, A, x, T, m->lora_xd));
         x = m->lora_xd;
     }
-    loom_cpu_sgemm(false, true, T, r, in, 1.0f, x, in, a->ar.w + A->off, in, 0.0f, u, r);
-    loom_cpu_sgemm(false, true, T, out, r, a->scale, u, r, a->ar.w + B->off, r, 1.0f, y, out);
+    CK(loom_k_lin_fwd(m, x, T, in, WC(a, A), r, 1.0f, 0.0f, u));
+    return loom_k_lin_fwd(m, u, T, r, WC(a, B), out, a->scale, 1.0f, y);
 }
 
-void loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod, const float *x,
-                   int64_t T, const float *dy, float *dx) {
+loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
+                          const void *x, int64_t T, const void *dy, void *dx) {
     loom_adapter *a;
     const loom_slot *A, *B;
-    if (!lora_on(m, l, mod, &a, &A, &B)) return;
+    if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
     const int64_t r = a->r, in = A->cols, out = B->rows;
-    const float *u = act->lora_u + ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
-    float *du = m->lora_du;
-    const float *Aw = a->ar.w + A->off, *Bw = a->ar.w + B->off;
+    const void *u = lora_u(m, act, i, mod, r);
+    void *du = m->lora_du;
     /* dB += s dy^T u; du = s dy B; dA += du^T x'; dx += d/dx (du A), x' the
      * dropped-out input (recomputed from the mask) */
-    loom_cpu_sgemm(true, false, out, r, T, a->scale, dy, out, u, r, 1.0f, a->ar.g + B->off, r);
-    loom_cpu_sgemm(false, false, T, r, out, a->scale, dy, out, Bw, r, 0.0f, du, r);
+    CK(loom_k_lin_dw(m, dy, u, T, out, r, a->scale, a->ar.g + B->off));
+    CK(loom_k_lin_dx(m, dy, T, out, WC(a, B), r, a->scale, 0.0f, du));
     if (!dropout_on(m, a)) {
-        loom_cpu_sgemm(true, false, r, in, T, 1.0f, du, r, x, in, 1.0f, a->ar.g + A->off, in);
-        loom_cpu_sgemm(false, false, T, in, r, 1.0f, du, r, Aw, in, 1.0f, dx, in);
-        return;
+        CK(loom_k_lin_dw(m, du, x, T, r, in, 1.0f, a->ar.g + A->off));
+        return loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, 1.0f, dx);
     }
-    float *xd = m->lora_xd;
-    dropout_mask(m, a, l, mod, A, x, T, xd);
-    loom_cpu_sgemm(true, false, r, in, T, 1.0f, du, r, xd, in, 1.0f, a->ar.g + A->off, in);
-    loom_cpu_sgemm(false, false, T, in, r, 1.0f, du, r, Aw, in, 0.0f, xd, in);
-    dropout_mask(m, a, l, mod, A, NULL, T, xd);
-    loom_cpu_residual_add(dx, xd, T * in);
+    void *xd = m->lora_xd;
+    CK(dropout_mask(m, a, l, mod, A, x, T, xd));
+    CK(loom_k_lin_dw(m, du, xd, T, r, in, 1.0f, a->ar.g + A->off));
+    CK(loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, 0.0f, xd));
+    CK(dropout_mask(m, a, l, mod, A, NULL, T, xd));
+    return loom_k_add(m, dx, xd, T * in);
 }

@@ -7,6 +7,10 @@
 #include "../backend/cpu/cpu_ops.h"
 #include "../io/safetensors.h"
 #include "model.h"
+#ifdef LOOM_HAVE_CUDA
+#include "../backend/cuda/cuda_backend.h"
+#include "../backend/cuda/cuda_ops.h"
+#endif
 
 void loom_model_options_default(loom_model_options *o) {
     memset(o, 0, sizeof *o);
@@ -202,7 +206,8 @@ static loom_status build_slots(loom_model *m) {
 }
 
 /* Slots 64-byte aligned; buckets closed at slot boundaries once they hold
- * bucket_elems, each padded to a multiple of dp*cp. */
+ * bucket_elems, each padded to a multiple of dp*cp. Memory: one block per
+ * class and arena (values, compute copy, gradients, optimizer state). */
 loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen) {
     loom_ctx *ctx = m->ctx;
     const size_t grp = (size_t)(m->dp * m->cp);
@@ -223,20 +228,68 @@ loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen) {
     }
     a->nparams = off;
     a->w = loom_calloc(ctx, off ? off : 1, sizeof(float), "parameters");
-    if (!frozen) a->g = loom_calloc(ctx, off ? off : 1, sizeof(float), "gradients");
-    if (!a->w || (!frozen && !a->g)) return LOOM_ERR_OOM;
+    if (!a->w) return LOOM_ERR_OOM;
+    if (!frozen) return loom_dev_alloc(m, (void **)&a->g, off * sizeof(float), "gradients");
     return LOOM_OK;
 }
 
-void loom_arena_free(loom_arena *a) {
+loom_status loom_arena_commit(loom_model *m, loom_arena *a) {
+    loom_status st;
+    const size_t n = a->nparams;
+    if (m->dev.cuda) {
+        float *d = NULL;
+        if ((st = loom_dev_alloc(m, (void **)&d, n * sizeof(float), "parameters"))) return st;
+        if ((st = loom_k_upload(m, d, a->w, n * sizeof(float)))) {
+            loom_dev_free(m, d);
+            return st;
+        }
+        free(a->w);
+        a->w = d;
+        a->w_on_dev = true;
+    }
+    if (m->dev.adt == LOOM_F32) {
+        a->wc = a->w;
+        return LOOM_OK;
+    }
+    if ((st = loom_dev_alloc(m, &a->wc, n * m->dev.esz, "parameters (compute copy)"))) return st;
+    return loom_arena_sync(m, a);
+}
+
+loom_status loom_arena_sync(loom_model *m, loom_arena *a) {
+    if (!a->wc || a->wc == (void *)a->w) return LOOM_OK;
+    return loom_k_convert(m, a->wc, m->dev.adt, a->w, LOOM_F32, a->nparams);
+}
+
+loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grads, float **tmp,
+                            size_t *tmp_cap, const float **out) {
+    const loom_slot *s = &a->slots[i];
+    const float *src = (grads ? a->g : a->w) + s->off;
+    if (!m->dev.cuda) {
+        *out = src;
+        return LOOM_OK;
+    }
+    if (*tmp_cap < s->numel) {
+        float *t = realloc(*tmp, (s->numel ? s->numel : 1) * sizeof(float));
+        if (!t) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for a copy of %s", s->name);
+        *tmp = t;
+        *tmp_cap = s->numel;
+    }
+    *out = *tmp;
+    return loom_k_download(m, *tmp, src, s->numel * sizeof(float));
+}
+
+void loom_arena_free(loom_model *m, loom_arena *a) {
     free(a->slots);
-    free(a->w);
-    free(a->g);
+    if (a->wc != (void *)a->w) loom_dev_free(m, a->wc);
+    if (a->w_on_dev)
+        loom_dev_free(m, a->w);
+    else
+        free(a->w);
+    loom_dev_free(m, a->g);
+    loom_dev_free(m, a->gshard); /* adam_m and adam_v live in the same block */
+    loom_dev_free(m, a->d_norm);
     free(a->bucket_off);
     free(a->bucket_len);
-    free(a->gshard);
-    free(a->adam_m);
-    free(a->adam_v);
     memset(a, 0, sizeof *a);
 }
 
@@ -330,6 +383,32 @@ static loom_status load_weights(loom_model *m, const char *dir) {
     return s;
 }
 
+/* The GPU of this process: the NCCL world's (its local rank's), else the
+ * current one; a world of several ranks must be an NCCL one. */
+static loom_status pick_device(loom_model *m) {
+#ifdef LOOM_HAVE_CUDA
+    const char *be = loom_comm_backend_name(m->world);
+    if (loom_comm_size(m->world) > 1 && strcmp(be, "nccl"))
+        return loom_errf(m->ctx, LOOM_ERR_UNSUPPORTED,
+                         "GPU ranks talk over NCCL, but this job's %d ranks were set up with %s "
+                         "(create the world with LOOM_COMM_NCCL; `loom train --device cuda` does)",
+                         loom_comm_size(m->world), be);
+    int dev = loom_comm_device(m->world);
+    loom_cuda_info info;
+    loom_status st = loom_cuda_query(m->ctx, dev < 0 ? 0 : dev, &info);
+    if (st)
+        return loom_err_prefix(m->ctx, "--device cuda: cannot use a GPU; run on the CPU with "
+                                        "--device cpu, or on a machine with an NVIDIA GPU");
+    if (dev < 0) dev = 0;
+    if ((st = loom_cuda_set_device(m->ctx, dev))) return st;
+    m->dev.device = dev;
+    return LOOM_OK;
+#else
+    (void)m;
+    return LOOM_ERR_UNSUPPORTED;
+#endif
+}
+
 loom_status loom_model_create(loom_ctx *ctx, const char *dir, const loom_model_options *opts,
                               loom_model **out) {
     return loom_model_create_in(ctx, dir, opts, NULL, out);
@@ -346,11 +425,22 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     }
     if (!dir || !*dir)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "no model directory given (--model DIR)");
-    if (opts->dtype != LOOM_F32)
+    const bool cuda = opts->device == LOOM_DEVICE_CUDA;
+    if (!cuda && opts->dtype != LOOM_F32)
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                          "compute dtype %s: the CPU backend computes in F32; bf16 and fp16 "
-                         "run on the CUDA backend",
+                         "run on GPUs (--device cuda)",
                          loom_dtype_name(opts->dtype));
+    if (cuda && opts->dtype != LOOM_F32 && opts->dtype != LOOM_BF16 && opts->dtype != LOOM_F16)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "compute dtype %s: use bf16 (the default on GPUs), fp16 or fp32",
+                         loom_dtype_name(opts->dtype));
+#ifndef LOOM_HAVE_CUDA
+    if (cuda)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "this loom was built without CUDA, so it cannot run on GPUs; rebuild with "
+                         "`make CUDA=1`, or run on the CPU (--device cpu)");
+#endif
     int64_t pad = opts->vocab_pad_multiple ? opts->vocab_pad_multiple : 128;
     if (pad < 1 || pad > (1 << 20))
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
@@ -363,12 +453,16 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     if (world) {
         m->world = world;
     } else {
-        if ((st = loom_comm_world(ctx, LOOM_COMM_AUTO, &m->world))) {
+        if ((st = loom_comm_world(ctx, cuda ? LOOM_COMM_NCCL : LOOM_COMM_AUTO, &m->world))) {
             free(m);
             return st;
         }
         m->own_world = true;
     }
+    m->dev.cuda = cuda;
+    m->dev.adt = opts->dtype;
+    if (cuda && (st = pick_device(m))) goto fail;
+    if ((st = loom_dev_init(m))) goto fail;
     if ((st = load_config(ctx, dir, opts->config_overrides, &m->cfg))) goto fail;
     const loom_model_config *c = &m->cfg;
     if (c->num_experts > 0) {
@@ -409,6 +503,13 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
                        "of at most %d", dir, (long long)m->D, LOOM_CPU_ATTN_MAX_D);
         goto fail;
     }
+#ifdef LOOM_HAVE_CUDA
+    if (cuda && m->D > LOOM_CUDA_ATTN_MAX_D) {
+        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: the GPU attention takes "
+                       "head_dim up to %d", dir, (long long)m->D, LOOM_CUDA_ATTN_MAX_D);
+        goto fail;
+    }
+#endif
     m->attn_scale = (float)(1.0 / sqrt((double)m->D));
     if ((st = loom_param_plan_build(ctx, c, &m->plan))) goto fail;
     if ((st = build_slots(m))) goto fail;
@@ -431,8 +532,19 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
                        c->rope_low_freq_factor, c->rope_high_freq_factor,
                        c->rope_original_max_pos, m->inv_freq);
     if ((st = load_weights(m, dir))) goto fail;
+    if ((st = loom_arena_commit(m, &m->base))) goto fail;
+    m->d_inv_freq = m->inv_freq;
+    if (cuda) {
+        size_t b = (size_t)(m->D / 2) * sizeof(float);
+        if ((st = loom_dev_alloc(m, (void **)&m->d_inv_freq, b, "rope frequencies")) ||
+            (st = loom_k_upload(m, m->d_inv_freq, m->inv_freq, b)))
+            goto fail;
+    }
     m->opt = loom_optimizer_config_default();
     m->active = -1;
+    /* fp16: dynamic loss scaling from 2^16 (torch's GradScaler), halved on
+     * overflow, doubled after 2000 good steps */
+    m->loss_scale = m->dev.adt == LOOM_F16 ? 65536.0 : 1.0;
     *out = m;
     return LOOM_OK;
 fail:
@@ -440,20 +552,22 @@ fail:
     return st;
 }
 
-static void acts_free(loom_acts *a) {
-    float **f[] = {&a->x,    &a->h1,   &a->h2,   &a->rstd1, &a->rstd2, &a->xmid,
-                   &a->qpre, &a->kpre, &a->rstdq, &a->rstdk, &a->q,    &a->k,
-                   &a->v,    &a->o,    &a->lse,  &a->gate,  &a->up,    &a->act,
-                   &a->hf,   &a->rstdf, &a->dstash, &a->lora_u};
-    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
-        free(*f[i]);
-        *f[i] = NULL;
-    }
+/* Activation buffers are carved from one allocation (act_mem): carve()
+ * runs the layout twice, first to measure (base NULL), then to assign. */
+typedef struct carve {
+    char *base;
+    size_t used;
+} carve;
+
+static void *cv(carve *c, size_t bytes) {
+    if (!bytes) return NULL;
+    size_t off = (c->used + 255) & ~(size_t)255;
+    c->used = off + bytes;
+    return c->base ? c->base + off : NULL;
 }
 
 static void buffers_free(loom_model *m) {
     for (int c = 0; m->chunks && c < m->vpp; c++) {
-        for (int i = 0; i < m->chunks[c].npool; i++) acts_free(&m->chunks[c].pool[i]);
         free(m->chunks[c].pool);
         m->chunks[c].pool = NULL;
         m->chunks[c].npool = 0;
@@ -467,111 +581,165 @@ static void buffers_free(loom_model *m) {
     free(m->micro);
     m->micro = NULL;
     m->cap_mb = 0;
-    float **f[] = {&m->dx, &m->dtmp, &m->dfull, &m->dq, &m->dout, &m->dk,    &m->dv,
-                   &m->dkl, &m->dvl, &m->kvblk, &m->dg, &m->du,   &m->logits, &m->lora_du, &m->lora_xd};
-    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
-        free(*f[i]);
-        *f[i] = NULL;
-    }
-    free(m->ce);
+    loom_dev_free(m, m->act_mem);
+    m->act_mem = NULL;
+    m->act_bytes = 0;
+    if (m->ce_h != m->ce) free(m->ce_h);
+    m->ce = m->ce_h = NULL;
+    free(m->logits_h);
+    m->logits_h = NULL;
     free(m->perm);
-    m->ce = NULL;
-    m->perm = NULL;
+    m->perm = m->d_perm = NULL;
+    free(m->pp_stage);
+    m->pp_stage = NULL;
+    m->npp_stage = 0;
     m->cap_T = 0;
     m->lora_r = 0;
 }
 
-static float *fbuf(loom_model *m, int64_t n, bool *fail) {
-    if (n <= 0) return NULL;
-    float *p = loom_malloc(m->ctx, (size_t)n * sizeof(float), "activations");
-    if (!p) *fail = true;
-    return p;
+/* Every activation buffer of micro-batches of T tokens (Tc, Tn on this
+ * rank), `in_flight` per chunk, LoRA rank lr: pointers into c. */
+static void acts_layout(loom_model *m, carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
+                        int in_flight, int lr, bool dropout) {
+    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    const size_t e = m->dev.esz, f = sizeof(float);
+    const bool qkn = m->cfg.qk_norm;
+    for (int ci = 0; ci < m->vpp; ci++) {
+        loom_chunk *ch = &m->chunks[ci];
+        const int64_t nl = ch->nl;
+        for (int i = 0; i < in_flight; i++) {
+            loom_acts *a = &ch->pool[i];
+            a->x = cv(c, (size_t)((nl + 1) * Tn * H) * e);
+            a->h1 = cv(c, (size_t)(nl * Tc * H) * e);
+            a->h2 = cv(c, (size_t)(nl * Tc * H) * e);
+            a->rstd1 = cv(c, (size_t)(nl * Tn) * f);
+            a->rstd2 = cv(c, (size_t)(nl * Tn) * f);
+            a->xmid = cv(c, (size_t)(nl * Tn * H) * e);
+            a->qpre = qkn ? cv(c, (size_t)(nl * Tc * QD) * e) : NULL;
+            a->kpre = qkn ? cv(c, (size_t)(nl * Tc * KD) * e) : NULL;
+            a->rstdq = qkn ? cv(c, (size_t)(nl * Tc * m->Hql) * f) : NULL;
+            a->rstdk = qkn ? cv(c, (size_t)(nl * Tc * m->Hkvl) * f) : NULL;
+            a->q = cv(c, (size_t)(nl * Tc * QD) * e);
+            a->k = cv(c, (size_t)(nl * T * KD) * e);
+            a->v = cv(c, (size_t)(nl * T * KD) * e);
+            a->o = cv(c, (size_t)(nl * Tc * QD) * e);
+            a->lse = cv(c, (size_t)(nl * Tc * m->Hql) * f);
+            a->gate = cv(c, (size_t)(nl * Tc * Il) * e);
+            a->up = cv(c, (size_t)(nl * Tc * Il) * e);
+            a->act = cv(c, (size_t)(nl * Tc * Il) * e);
+            a->lora_u = lr ? cv(c, (size_t)(nl * LOOM_LORA_NMOD * Tc * lr) * e) : NULL;
+            a->hf = a->rstdf = a->dstash = NULL;
+            if (ch->last) {
+                a->hf = cv(c, (size_t)(Tn * H) * e);
+                a->rstdf = cv(c, (size_t)Tn * f);
+                a->dstash = cv(c, (size_t)(Tn * H) * e);
+            }
+        }
+    }
+    m->dx = cv(c, (size_t)(Tc * H) * e);
+    m->dtmp = cv(c, (size_t)(Tc * H) * e);
+    m->dfull = cv(c, (size_t)(Tc * H) * e);
+    m->dq = cv(c, (size_t)(Tc * QD) * e);
+    m->dout = cv(c, (size_t)(Tc * QD) * e);
+    m->dk = cv(c, (size_t)(T * KD) * e);
+    m->dv = cv(c, (size_t)(T * KD) * e);
+    m->dkl = cv(c, (size_t)(Tc * KD) * e);
+    m->dvl = cv(c, (size_t)(Tc * KD) * e);
+    m->kvblk = cv(c, (size_t)(T * KD) * e);
+    m->dg = cv(c, (size_t)(Tc * Il) * e);
+    m->du = cv(c, (size_t)(Tc * Il) * e);
+    m->logits = cv(c, (size_t)(m->chunk_rows * m->Vl) * e);
+    m->lora_du = lr ? cv(c, (size_t)(Tc * lr) * e) : NULL;
+    int64_t maxin = H > QD ? H : QD;
+    if (Il > maxin) maxin = Il;
+    m->lora_xd = dropout ? cv(c, (size_t)(Tc * maxin) * e) : NULL;
+    m->ce = cv(c, (size_t)m->chunk_rows * 4 * sizeof(double));
+    m->d_perm = cv(c, (size_t)T * sizeof(int32_t));
+    for (int i = 0; i < nmb; i++) {
+        loom_micro *u = &m->micro[i];
+        u->d_ids = cv(c, (size_t)Tc * sizeof(int32_t));
+        u->d_tgt = cv(c, (size_t)Tc * sizeof(int32_t));
+        u->d_pos = cv(c, (size_t)Tc * sizeof(int32_t));
+        u->d_cu = cv(c, (size_t)(T + 1) * sizeof(int32_t));
+    }
+    for (int i = 0; i < m->npp_stage; i++) m->pp_stage[i] = cv(c, (size_t)(Tn * H) * e);
 }
 
 loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight) {
     const int64_t T = rows * seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
     const loom_adapter *ad = loom_model_lora(m);
     const int lr = ad ? ad->r : 0;
+    const bool dropout = ad && ad->dropout > 0;
     bool same = T == m->cap_T && nmb <= m->cap_mb && m->chunks[0].npool >= in_flight &&
-                lr == m->lora_r && (!ad || ad->dropout == 0 || m->lora_xd);
+                lr == m->lora_r && (!dropout || m->lora_xd);
     m->T = T;
     m->Tc = Tc;
     m->Tn = Tn;
     if (same) return LOOM_OK;
     buffers_free(m);
-    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
-    bool fail = false, qkn = m->cfg.qk_norm;
-    for (int c = 0; c < m->vpp; c++) {
-        loom_chunk *ch = &m->chunks[c];
-        const int64_t nl = ch->nl;
-        ch->pool = loom_calloc(m->ctx, (size_t)in_flight, sizeof *ch->pool, "activations");
-        if (!ch->pool) return LOOM_ERR_OOM;
-        ch->npool = in_flight;
-        for (int i = 0; i < in_flight; i++) {
-            loom_acts *a = &ch->pool[i];
-            a->mb = -1;
-            a->x = fbuf(m, (nl + 1) * Tn * H, &fail);
-            a->h1 = fbuf(m, nl * Tc * H, &fail);
-            a->h2 = fbuf(m, nl * Tc * H, &fail);
-            a->rstd1 = fbuf(m, nl * Tn, &fail);
-            a->rstd2 = fbuf(m, nl * Tn, &fail);
-            a->xmid = fbuf(m, nl * Tn * H, &fail);
-            a->qpre = qkn ? fbuf(m, nl * Tc * QD, &fail) : NULL;
-            a->kpre = qkn ? fbuf(m, nl * Tc * KD, &fail) : NULL;
-            a->rstdq = qkn ? fbuf(m, nl * Tc * m->Hql, &fail) : NULL;
-            a->rstdk = qkn ? fbuf(m, nl * Tc * m->Hkvl, &fail) : NULL;
-            a->q = fbuf(m, nl * Tc * QD, &fail);
-            a->k = fbuf(m, nl * T * KD, &fail);
-            a->v = fbuf(m, nl * T * KD, &fail);
-            a->o = fbuf(m, nl * Tc * QD, &fail);
-            a->lse = fbuf(m, nl * Tc * m->Hql, &fail);
-            a->gate = fbuf(m, nl * Tc * Il, &fail);
-            a->up = fbuf(m, nl * Tc * Il, &fail);
-            a->act = fbuf(m, nl * Tc * Il, &fail);
-            a->lora_u = lr ? fbuf(m, nl * LOOM_LORA_NMOD * Tc * lr, &fail) : NULL;
-            if (ch->last) {
-                a->hf = fbuf(m, Tn * H, &fail);
-                a->rstdf = fbuf(m, Tn, &fail);
-                a->dstash = fbuf(m, Tn * H, &fail);
-            }
-        }
-    }
-    m->chunk_rows = (16 << 20) / m->Vl;
+    loom_ctx *ctx = m->ctx;
+    /* the output layer's logits a block of rows at a time: 16M (CPU) or 64M
+     * (GPU) elements */
+    m->chunk_rows = ((int64_t)(m->dev.cuda ? 64 : 16) << 20) / m->Vl;
     if (m->chunk_rows < 1) m->chunk_rows = 1;
     if (m->chunk_rows > Tc) m->chunk_rows = Tc;
-    m->dx = fbuf(m, Tc * H, &fail);
-    m->dtmp = fbuf(m, Tc * H, &fail);
-    m->dfull = fbuf(m, Tc * H, &fail);
-    m->dq = fbuf(m, Tc * QD, &fail);
-    m->dout = fbuf(m, Tc * QD, &fail);
-    m->dk = fbuf(m, T * KD, &fail);
-    m->dv = fbuf(m, T * KD, &fail);
-    m->dkl = fbuf(m, Tc * KD, &fail);
-    m->dvl = fbuf(m, Tc * KD, &fail);
-    m->kvblk = fbuf(m, T * KD, &fail);
-    m->dg = fbuf(m, Tc * Il, &fail);
-    m->du = fbuf(m, Tc * Il, &fail);
-    m->logits = fbuf(m, m->chunk_rows * m->Vl, &fail);
-    m->lora_du = lr ? fbuf(m, Tc * lr, &fail) : NULL;
-    int64_t maxin = H > m->Hql * m->D ? H : m->Hql * m->D;
-    if (Il > maxin) maxin = Il;
-    m->lora_xd = ad && ad->dropout > 0 ? fbuf(m, Tc * maxin, &fail) : NULL;
-    m->ce = loom_malloc(m->ctx, (size_t)m->chunk_rows * 4 * sizeof(double), "loss buffers");
-    m->perm = loom_malloc(m->ctx, (size_t)T * sizeof(int32_t), "token permutation");
-    m->micro = loom_calloc(m->ctx, (size_t)nmb, sizeof *m->micro, "micro-batches");
-    if (!m->ce || !m->perm || !m->micro) fail = true;
+    bool fail = false;
+    for (int c = 0; c < m->vpp; c++) {
+        loom_chunk *ch = &m->chunks[c];
+        ch->pool = loom_calloc(ctx, (size_t)in_flight, sizeof *ch->pool, "activations");
+        if (!ch->pool) fail = true;
+        ch->npool = ch->pool ? in_flight : 0;
+        for (int i = 0; i < ch->npool; i++) ch->pool[i].mb = -1;
+    }
+    m->micro = loom_calloc(ctx, (size_t)nmb, sizeof *m->micro, "micro-batches");
+    if (m->micro) m->cap_mb = nmb;
+    m->npp_stage = m->pp > 1 ? in_flight + 2 : 0;
+    if (m->npp_stage) {
+        m->pp_stage = loom_calloc(ctx, (size_t)m->npp_stage, sizeof *m->pp_stage, "pipeline");
+        if (!m->pp_stage) fail = true;
+    }
+    m->perm = loom_malloc(ctx, (size_t)T * sizeof(int32_t), "token permutation");
+    if (!m->micro || !m->perm) fail = true;
     for (int i = 0; !fail && i < nmb; i++) {
         loom_micro *u = &m->micro[i];
-        u->ids = loom_malloc(m->ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
-        u->tgt = loom_malloc(m->ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
-        u->pos = loom_malloc(m->ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
-        u->cu = loom_malloc(m->ctx, (size_t)(T + 1) * sizeof(int32_t), "micro-batch");
+        u->ids = loom_malloc(ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
+        u->tgt = loom_malloc(ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
+        u->pos = loom_malloc(ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
+        u->cu = loom_malloc(ctx, (size_t)(T + 1) * sizeof(int32_t), "micro-batch");
         if (!u->ids || !u->tgt || !u->pos || !u->cu) fail = true;
     }
-    if (m->micro) m->cap_mb = nmb;
     if (fail) {
         buffers_free(m);
         return LOOM_ERR_OOM;
+    }
+    carve c = {0};
+    acts_layout(m, &c, T, Tc, Tn, nmb, in_flight, lr, dropout);
+    loom_status st = loom_dev_alloc(m, &m->act_mem, c.used, "activations");
+    if (st) {
+        char b[32];
+        buffers_free(m);
+        return loom_err_prefix(ctx, "activations of %lld x %lld-token micro-batches (%s)",
+                               (long long)rows, (long long)seq, loom_fmt_bytes(b, c.used));
+    }
+    m->act_bytes = c.used;
+    c = (carve){.base = m->act_mem};
+    acts_layout(m, &c, T, Tc, Tn, nmb, in_flight, lr, dropout);
+    if (m->dev.cuda) {
+        m->ce_h = loom_malloc(ctx, (size_t)m->chunk_rows * 4 * sizeof(double), "loss buffers");
+        if (!m->ce_h) {
+            buffers_free(m);
+            return LOOM_ERR_OOM;
+        }
+    } else {
+        m->ce_h = m->ce;
+        m->d_perm = m->perm;
+        for (int i = 0; i < nmb; i++) {
+            loom_micro *u = &m->micro[i];
+            u->d_ids = u->ids;
+            u->d_tgt = u->tgt;
+            u->d_pos = u->pos;
+            u->d_cu = u->cu;
+        }
     }
     m->cap_T = T;
     m->lora_r = lr;
@@ -583,8 +751,10 @@ void loom_model_free(loom_model *m) {
     buffers_free(m);
     free(m->chunks);
     loom_adapters_free(m);
-    loom_arena_free(&m->base);
+    loom_arena_free(m, &m->base);
+    if (m->d_inv_freq != m->inv_freq) loom_dev_free(m, m->d_inv_freq);
     free(m->inv_freq);
+    loom_dev_release(m);
     free(m->layer);
     loom_param_plan_free(&m->plan);
     loom_config_free(&m->cfg);
@@ -639,17 +809,24 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
     const size_t n = (size_t)(rows * cols);
     memset(dst, 0, n * sizeof *dst);
     const loom_mesh *me = m->mesh;
-    const float *base = grads ? a->g : a->w;
-    for (int i = 0; base && i < a->nslots; i++) {
+    float *tmp = NULL;
+    size_t cap = 0;
+    for (int i = 0; (grads ? a->g : a->w) && i < a->nslots; i++) {
         const loom_slot *s = &a->slots[i];
         if (strcmp(s->name, name)) continue;
         if (!grads && (me->dp_rank || me->cp_rank || s->head_copy)) continue;
         if (s->shard == LOOM_SHARD_NONE && me->tp_rank && !(grads && s->tp_partial)) continue;
-        const float *src = base + s->off;
+        const float *src;
+        loom_status st = loom_arena_host(m, a, i, grads, &tmp, &cap, &src);
+        if (st) {
+            free(tmp);
+            return st;
+        }
         for (int64_t r = 0; r < s->rows && s->row0 + r < rows; r++)
             for (int64_t c = 0; c < s->cols; c++)
                 dst[(s->row0 + r) * cols + s->col0 + c] += src[r * s->cols + c] * scale;
     }
+    free(tmp);
     if (loom_comm_size(m->world) == 1) return LOOM_OK;
     return loom_comm_allreduce(m->world, dst, n, LOOM_F32, LOOM_RED_SUM);
 }
@@ -688,7 +865,8 @@ static loom_status get_tensor(loom_model *m, const char *name, bool grads, float
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
                          "%s belongs to an adapter that is not active: it has no gradient", name);
     return loom_gather_full(m, a, k, rows, cols, grads,
-                            grads ? (float)(1.0 / (double)m->acc_tokens) : 1.0f, dst);
+                            grads ? (float)(1.0 / ((double)m->acc_tokens * m->loss_scale)) : 1.0f,
+                            dst);
 }
 
 loom_status loom_model_get_param(loom_model *m, const char *name, float *dst, int64_t n) {

@@ -30,6 +30,7 @@
 
 #include "../io/hf_config.h"
 #include "../parallel/mesh.h"
+#include "kern.h"
 #include "params.h"
 
 /* Indices into loom_model.slots of one decoder layer's tensors (-1: absent). */
@@ -65,12 +66,15 @@ typedef struct loom_arena {
     loom_slot *slots;
     int nslots;
     size_t nparams;          /* floats in w and g (buckets padded) */
-    float *w, *g;            /* values (fp32 master = compute copy on CPU), main grads */
+    float *w, *g;            /* fp32 master values, main grads (the model's device memory) */
+    bool w_on_dev;           /* w is device memory (committed on a GPU) */
+    void *wc;                /* compute copy of w in the compute dtype (== w when that is F32) */
     int nbuckets;
     size_t *bucket_off, *bucket_len; /* (nbuckets) */
     size_t shard_numel;      /* sum of bucket_len / (dp*cp) */
     float *gshard;           /* (shard_numel): this rank's reduced gradient shard */
-    float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step */
+    float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step (one block with gshard) */
+    double *d_norm;          /* (nslots * nbuckets): per-part sums of squares (device) */
     int64_t step;            /* optimizer steps taken on this arena */
 } loom_arena;
 
@@ -94,26 +98,30 @@ typedef struct loom_adapter {
 /* Activations of one model chunk for one micro-batch, saved by the forward
  * for the backward. Per layer i of the chunk (offsets i * stride). */
 typedef struct loom_acts {
-    float *x;           /* (nl+1, Tn, H): input of layer i; x[nl] = the chunk's output */
-    float *h1, *h2;     /* (nl, Tc, H): normed inputs of attention and MLP (gathered under SP) */
+    void *x;            /* (nl+1, Tn, H): input of layer i; x[nl] = the chunk's output */
+    void *h1, *h2;      /* (nl, Tc, H): normed inputs of attention and MLP (gathered under SP) */
     float *rstd1, *rstd2; /* (nl, Tn) */
-    float *xmid;        /* (nl, Tn, H): residual after attention */
-    float *qpre, *kpre; /* (nl, Tc, QDl), (nl, Tc, KDl): before q/k norm (qk_norm only) */
+    void *xmid;         /* (nl, Tn, H): residual after attention */
+    void *qpre, *kpre;  /* (nl, Tc, QDl), (nl, Tc, KDl): before q/k norm (qk_norm only) */
     float *rstdq, *rstdk; /* (nl, Tc*Hq_l), (nl, Tc*Hkv_l) */
-    float *q;           /* (nl, Tc, QDl) after rope */
-    float *k, *v;       /* (nl, T, KDl): the whole micro-batch's keys and values (gathered over cp) */
-    float *o, *lse;     /* (nl, Tc, QDl), (nl, Tc*Hq_l) */
-    float *gate, *up, *act; /* (nl, Tc, I_l) */
-    float *hf, *rstdf;  /* (Tn, H), (Tn): final norm (last stage) */
-    float *dstash;      /* (Tn, H): d loss / d x[nl], from the loss (last stage) */
-    float *lora_u;      /* (nl, LOOM_LORA_NMOD, Tc, r): x A^T of the active adapter */
+    void *q;            /* (nl, Tc, QDl) after rope */
+    void *k, *v;        /* (nl, T, KDl): the whole micro-batch's keys and values (gathered over cp) */
+    void *o;            /* (nl, Tc, QDl) */
+    float *lse;         /* (nl, Tc*Hq_l) */
+    void *gate, *up, *act; /* (nl, Tc, I_l) */
+    void *hf;           /* (Tn, H): final norm (last stage) */
+    float *rstdf;       /* (Tn) */
+    void *dstash;       /* (Tn, H): d loss / d x[nl], from the loss (last stage) */
+    void *lora_u;       /* (nl, LOOM_LORA_NMOD, Tc, r): x A^T of the active adapter */
     int mb;             /* micro-batch held, -1 when free */
 } loom_acts;
 
-/* One micro-batch's tokens as this rank sees them. */
+/* One micro-batch's tokens as this rank sees them: on the host, and the
+ * copies the ops read (d_*: device memory on a GPU, the host arrays on CPU). */
 typedef struct loom_micro {
     int32_t *ids, *tgt, *pos; /* (Tc) */
     int32_t *cu;        /* (ndocs+1) over the micro-batch's T tokens */
+    int32_t *d_ids, *d_tgt, *d_pos, *d_cu;
     int64_t ndocs;
     int64_t out0;       /* flat index of the micro-batch's first token in the global batch */
 } loom_micro;
@@ -140,10 +148,12 @@ struct loom_model {
     int64_t Vl, Il, Hql, Hkvl;           /* per tp rank */
     float attn_scale;
 
+    loom_dev dev;            /* where it computes (kern.h) */
     loom_arena base;         /* this rank's share of the model's tensors */
     int embed, final_norm, head; /* base slots; -1 when not on this rank; head == embed when tied, pp == 1 */
     loom_layer_slots *layer; /* (L), -1 for layers of other stages */
     float *inv_freq;         /* (D/2) */
+    float *d_inv_freq;       /* its device copy (== inv_freq on CPU) */
     int64_t bucket_elems;
 
     /* LoRA adapters (lora.c); `active` is the one applied and trained, -1 none */
@@ -157,17 +167,24 @@ struct loom_model {
     loom_micro *micro;       /* (cap_mb) */
     int cap_mb;
     int32_t *perm;           /* (T): global token index of position j of the cp-gathered blocks */
-    float *dx, *dtmp, *dfull;/* (Tc, H) each: scratch */
-    float *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
-    float *dg, *du;          /* (Tc, I_l) */
-    float *lora_du;          /* (Tc, r) */
-    float *lora_xd;          /* (Tc, max in_l): the dropped-out LoRA input (dropout > 0) */
+    int32_t *d_perm;         /* its device copy */
+    void *act_mem;           /* the one allocation all activation buffers are carved from */
+    size_t act_bytes;
+    void *dx, *dtmp, *dfull; /* (Tc, H) each: scratch */
+    void *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
+    void *dg, *du;           /* (Tc, I_l) */
+    void *lora_du;           /* (Tc, r) */
+    void *lora_xd;           /* (Tc, max in_l): the dropped-out LoRA input (dropout > 0) */
+    void **pp_stage;         /* (npp_stage) (Tn, H): copies of pipeline sends not yet posted */
+    int npp_stage;
     bool training;           /* forward_backward (LoRA dropout on) vs forward_only */
     uint64_t dropout_calls;  /* forward_backward calls: part of the dropout mask's key */
     const loom_micro *cur_mb;/* the micro-batch being run */
     int lora_r;              /* r the activation buffers were sized for (0: none) */
-    float *logits;           /* (chunk_rows, Vl) */
-    double *ce;              /* (chunk_rows, 4): vocab-parallel loss reductions */
+    void *logits;            /* (chunk_rows, Vl) */
+    double *ce;              /* (chunk_rows, 4): vocab-parallel loss reductions (device) */
+    double *ce_h;            /* (chunk_rows, 4): their host copy (== ce on CPU) */
+    float *logits_h;         /* (chunk_rows, Vl) host fp32 copy for forward_only's logits (GPU) */
     int64_t chunk_rows;
 
     /* optimizer and schedule */
@@ -175,6 +192,8 @@ struct loom_model {
     bool has_sched;
     loom_sched_config sched;
     int64_t acc_calls, acc_tokens; /* since the last step (tokens: whole mesh) */
+    double loss_scale;       /* the backward's seed: 1, or fp16's dynamic loss scale */
+    int64_t good_steps;      /* fp16: steps since the scale last changed */
     double acc_loss;
 };
 
@@ -197,9 +216,13 @@ loom_status loom_chunk_forward(loom_model *m, int c, loom_acts *a, const loom_mi
                                float *logits, double *loss_sum, int64_t *n_tokens);
 loom_status loom_chunk_backward(loom_model *m, int c, loom_acts *a, const loom_micro *mb);
 
-/* Base tensors by slot: values, and gradients (NULL when absent or frozen). */
+/* Base tensors by slot: fp32 master values, compute copies (what the ops
+ * read), and gradients (NULL when absent or frozen). */
 static inline float *loom_w(loom_model *m, int s) {
     return s < 0 ? NULL : m->base.w + m->base.slots[s].off;
+}
+static inline void *loom_wc(loom_model *m, int s) {
+    return s < 0 ? NULL : (char *)m->base.wc + m->base.slots[s].off * m->dev.esz;
 }
 static inline float *loom_g(loom_model *m, int s) {
     return s < 0 || !m->base.g ? NULL : m->base.g + m->base.slots[s].off;
@@ -207,10 +230,10 @@ static inline float *loom_g(loom_model *m, int s) {
 /* lora.c: the active, unmerged adapter's path on one linear of layer l (i:
  * the layer's index in its chunk). fwd: y (T, out_l) += scale (x A^T) B^T,
  * saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) += d/dx. */
-void loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod, const float *x,
-                   int64_t T, float *y);
-void loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod, const float *x,
-                   int64_t T, const float *dy, float *dx);
+loom_status loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
+                          const void *x, int64_t T, void *y);
+loom_status loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
+                          const void *x, int64_t T, const void *dy, void *dx);
 /* The active adapter when it is applied (unmerged), else NULL. */
 loom_adapter *loom_model_lora(loom_model *m);
 void loom_adapters_free(loom_model *m);
@@ -228,8 +251,17 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
 /* The arena the optimizer trains: the active adapter's, else the base. */
 loom_arena *loom_model_trainable(loom_model *m);
 /* Lays out an arena's slots (already filled) in buckets and allocates w
- * (and g unless frozen). */
+ * in host memory, to be filled, and g (zero, on the device) unless frozen. */
 loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen);
-void loom_arena_free(loom_arena *a);
+/* Moves a filled arena's w to the model's device and makes the compute
+ * copy wc. */
+loom_status loom_arena_commit(loom_model *m, loom_arena *a);
+/* wc from w again (after the optimizer or a merge changed w). */
+loom_status loom_arena_sync(loom_model *m, loom_arena *a);
+/* This rank's values (or gradients) of slot i as host fp32: a pointer into
+ * the arena on CPU, else a copy in *tmp (grown; the caller frees it). */
+loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grads, float **tmp,
+                            size_t *tmp_cap, const float **out);
+void loom_arena_free(loom_model *m, loom_arena *a);
 
 #endif /* LOOM_MODEL_H */

@@ -44,7 +44,9 @@ loom_status loom_model_set_lr_scheduler(loom_model *m, const loom_sched_config *
 
 void loom_model_zero_grad(loom_model *m) {
     loom_arena *A = loom_model_trainable(m);
-    if (A->g) memset(A->g, 0, A->nparams * sizeof(float));
+    /* a device memset queued on the stream cannot fail short of a broken
+     * context, which the next op reports */
+    if (A->g) (void)loom_k_zero(m, A->g, A->nparams * sizeof(float));
     m->acc_calls = 0;
     m->acc_tokens = 0;
     m->acc_loss = 0.0;
@@ -143,9 +145,10 @@ static int32_t doc_start(const int32_t *cu, int64_t ndocs, int64_t g) {
     return cu[lo];
 }
 
-/* This rank's view of micro-batch k: rows row0.. of the global batch. */
-static void prepare_micro(loom_model *m, const loom_batch *b, int64_t row0, int64_t rows,
-                          loom_micro *u) {
+/* This rank's view of micro-batch k: rows row0.. of the global batch, on
+ * the host and uploaded for the ops. */
+static loom_status prepare_micro(loom_model *m, const loom_batch *b, int64_t row0, int64_t rows,
+                                 loom_micro *u) {
     const int64_t S = b->seq_len, T = rows * S, t0 = row0 * S;
     u->out0 = t0;
     u->ndocs = 0;
@@ -166,6 +169,12 @@ static void prepare_micro(loom_model *m, const loom_batch *b, int64_t row0, int6
         u->pos[t] = b->position_ids ? b->position_ids[t0 + g]
                                     : (int32_t)(g - doc_start(u->cu, u->ndocs, g));
     }
+    const size_t nb = (size_t)m->Tc * sizeof(int32_t);
+    loom_status st;
+    if ((st = loom_k_upload(m, u->d_ids, u->ids, nb)) || (st = loom_k_upload(m, u->d_tgt, u->tgt, nb)) ||
+        (st = loom_k_upload(m, u->d_pos, u->pos, nb)))
+        return st;
+    return loom_k_upload(m, u->d_cu, u->cu, (size_t)(u->ndocs + 1) * sizeof(int32_t));
 }
 
 static loom_acts *acquire(loom_chunk *ch, int mb) {
@@ -190,6 +199,52 @@ static int msg_tag(const loom_model *m, bool fwd, int chunk, int mb, int nmb) {
     return (fwd ? 0 : TAG_BWD) + chunk * nmb + mb;
 }
 
+/* Pipeline messages. A send is not posted at once: its data is copied to a
+ * staging buffer and posted together with this rank's next receive, in one
+ * group (or at the end of the schedule). On NCCL a send occupies its
+ * stream until the peer receives, so two stages that each sent before
+ * receiving would wait on each other; posted in one group with the
+ * receive, both complete (Megatron pairs send_forward with
+ * recv_backward the same way). */
+typedef struct pp_out {
+    void *buf;
+    size_t n;
+    int peer, tag;
+} pp_out;
+
+typedef struct pp_queue {
+    pp_out q[64];
+    int n;
+} pp_queue;
+
+static loom_status pp_flush(loom_model *m, pp_queue *pq, void *rbuf, size_t rn, int rpeer,
+                            int rtag) {
+    if (!pq->n && !rbuf) return LOOM_OK;
+    loom_comm *c = m->mesh->pp;
+    loom_status st = loom_comm_group_start(c), st2;
+    for (int i = 0; i < pq->n && !st; i++)
+        st = loom_comm_send(c, pq->q[i].buf, pq->q[i].n, m->dev.adt, pq->q[i].peer, pq->q[i].tag);
+    if (!st && rbuf) st = loom_comm_recv(c, rbuf, rn, m->dev.adt, rpeer, rtag);
+    st2 = loom_comm_group_end(c);
+    pq->n = 0;
+    return st ? st : st2;
+}
+
+static loom_status pp_send(loom_model *m, pp_queue *pq, const void *buf, size_t n, int peer,
+                           int tag) {
+    if (pq->n == m->npp_stage || pq->n == (int)(sizeof pq->q / sizeof pq->q[0])) {
+        loom_status st = pp_flush(m, pq, NULL, 0, 0, 0);
+        if (st) return st;
+    }
+    pp_out *o = &pq->q[pq->n];
+    o->buf = m->pp_stage[pq->n];
+    o->n = n;
+    o->peer = peer;
+    o->tag = tag;
+    pq->n++;
+    return loom_k_copy(m, o->buf, buf, n * m->dev.esz);
+}
+
 /* Runs every micro-batch through this rank's chunks in the pipeline
  * schedule; fills the per-token outputs (global batch layout) when given. */
 static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool backward,
@@ -211,9 +266,12 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     int in_flight = backward ? loom_pp_max_in_flight(steps, nsteps, m->vpp) : 1;
     if ((st = loom_model_reserve(m, rows, S, nmb, in_flight))) goto done;
     build_perm(m, rows, S);
-    for (int k = 0; k < nmb; k++)
-        prepare_micro(m, b, (int64_t)m->mesh->dp_rank * rows_dp + (int64_t)k * rows, rows,
-                      &m->micro[k]);
+    if ((st = loom_k_upload(m, m->d_perm, m->perm, (size_t)(rows * S) * sizeof(int32_t))))
+        goto done;
+    for (int k = 0; k < nmb && !st; k++)
+        st = prepare_micro(m, b, (int64_t)m->mesh->dp_rank * rows_dp + (int64_t)k * rows, rows,
+                           &m->micro[k]);
+    if (st) goto done;
     const int64_t T = b->rows * S;
     if (tlp) memset(tlp, 0, (size_t)T * sizeof *tlp);
     if (ent) memset(ent, 0, (size_t)T * sizeof *ent);
@@ -224,6 +282,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     const int pr = m->mesh->pp_rank, next = (pr + 1) % m->pp, prev = (pr + m->pp - 1) % m->pp;
     const size_t act_n = (size_t)(m->Tn * m->H);
     double acc[2] = {0.0, 0.0}; /* loss sum, tokens */
+    pp_queue pq = {.n = 0};
     for (int i = 0; i < nsteps && !st; i++) {
         const loom_pp_step sp = steps[i];
         if (!backward && !sp.forward) continue;
@@ -234,8 +293,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
             a = acquire(ch, sp.mb);
             LOOM_ASSERT(a);
             if (!ch->first &&
-                (st = loom_comm_recv(m->mesh->pp, a->x, act_n, LOOM_F32, prev,
-                                     msg_tag(m, true, sp.chunk, sp.mb, nmb))))
+                (st = pp_flush(m, &pq, a->x, act_n, prev, msg_tag(m, true, sp.chunk, sp.mb, nmb))))
                 break;
             double s = 0.0;
             int64_t cnt = 0;
@@ -247,23 +305,22 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
                 acc[1] += (double)cnt;
             }
             if (!ch->last)
-                st = loom_comm_send(m->mesh->pp, a->x + (size_t)ch->nl * act_n, act_n, LOOM_F32,
-                                    next, msg_tag(m, true, (v + 1) / m->pp, sp.mb, nmb));
+                st = pp_send(m, &pq, (char *)a->x + (size_t)ch->nl * act_n * m->dev.esz, act_n,
+                             next, msg_tag(m, true, (v + 1) / m->pp, sp.mb, nmb));
             if (!backward) a->mb = -1;
         } else {
             a = find_acts(ch, sp.mb);
             LOOM_ASSERT(a);
             if (!ch->last &&
-                (st = loom_comm_recv(m->mesh->pp, m->dx, act_n, LOOM_F32, next,
-                                     msg_tag(m, false, sp.chunk, sp.mb, nmb))))
+                (st = pp_flush(m, &pq, m->dx, act_n, next, msg_tag(m, false, sp.chunk, sp.mb, nmb))))
                 break;
             if ((st = loom_chunk_backward(m, sp.chunk, a, &m->micro[sp.mb]))) break;
             if (!ch->first)
-                st = loom_comm_send(m->mesh->pp, m->dx, act_n, LOOM_F32, prev,
-                                    msg_tag(m, false, (v - 1) / m->pp, sp.mb, nmb));
+                st = pp_send(m, &pq, m->dx, act_n, prev, msg_tag(m, false, (v - 1) / m->pp, sp.mb, nmb));
             a->mb = -1;
         }
     }
+    if (!st) st = pp_flush(m, &pq, NULL, 0, 0, 0);
     if (st) goto done;
     /* the whole mesh's loss and token count; per-token outputs from the ranks
      * that computed them */
@@ -404,34 +461,56 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
         if (out) *out = r;
         return LOOM_OK;
     }
-    if (!A->adam_m) {
-        A->adam_m = loom_calloc(ctx, A->shard_numel, sizeof(float), "AdamW first moments");
-        A->adam_v = loom_calloc(ctx, A->shard_numel, sizeof(float), "AdamW second moments");
-        A->gshard = loom_calloc(ctx, A->shard_numel, sizeof(float), "gradient shard");
-        if (!A->adam_m || !A->adam_v || !A->gshard) {
-            free(A->adam_m);
-            free(A->adam_v);
-            free(A->gshard);
-            A->adam_m = A->adam_v = A->gshard = NULL;
-            return LOOM_ERR_OOM;
+    if (!A->gshard) { /* the distributed optimizer's state: one block */
+        size_t n = A->shard_numel, parts = (size_t)A->nslots * (size_t)A->nbuckets;
+        loom_status sa = loom_dev_alloc(m, (void **)&A->gshard, 3 * n * sizeof(float),
+                                        "AdamW moments and the gradient shard");
+        if (!sa) sa = loom_dev_alloc(m, (void **)&A->d_norm, (parts ? parts : 1) * sizeof(double),
+                                     "grad-norm parts");
+        if (sa) {
+            loom_dev_free(m, A->gshard);
+            A->gshard = NULL;
+            return sa;
         }
+        A->adam_m = A->gshard + n;
+        A->adam_v = A->gshard + 2 * n;
     }
     loom_status st = reduce_grads(m, A);
     if (st) return st;
-    /* The gradient of the mean loss, its global norm (each parameter once,
-     * in a fixed order), and clipping. */
-    loom_scale(A->gshard, A->shard_numel, (float)(1.0 / (double)m->acc_tokens));
-    double sumsq = 0.0;
+    /* The gradient of the mean loss (unscaled), its global norm (each
+     * parameter once, in a fixed order), and clipping. */
+    const double unscale = 1.0 / ((double)m->acc_tokens * m->loss_scale);
+    if ((st = loom_k_scale(m, A->gshard, A->shard_numel, (float)unscale))) return st;
+    int nparts = 0;
     for (int b = 0; b < A->nbuckets; b++)
         for (int i = 0; i < A->nslots; i++) {
             size_t o0, len, so;
-            if (counts_in_norm(m, A, i) && shard_part(m, A, b, i, &o0, &len, &so))
-                sumsq += loom_sumsq(A->gshard + so, len);
+            if (counts_in_norm(m, A, i) && shard_part(m, A, b, i, &o0, &len, &so) &&
+                (st = loom_k_sumsq(m, A->gshard + so, len, A->d_norm + nparts++)))
+                return st;
         }
+    double sumsq = 0.0, *parts_h = malloc(((size_t)nparts + 1) * sizeof(double));
+    if (!parts_h) return loom_errf(ctx, LOOM_ERR_OOM, "no memory for the grad-norm parts");
+    st = loom_k_download(m, parts_h, A->d_norm, (size_t)nparts * sizeof(double));
+    for (int i = 0; i < nparts; i++) sumsq += parts_h[i];
+    free(parts_h);
+    if (st) return st;
     if (loom_comm_size(m->world) > 1 &&
         (st = loom_comm_allreduce(m->world, &sumsq, 1, LOOM_F64, LOOM_RED_SUM)))
         return st;
     double norm = sqrt(sumsq);
+    if (!isfinite(norm) && m->dev.adt == LOOM_F16) {
+        /* fp16: the loss scale was too large; skip the step and halve it */
+        r.loss_scale = m->loss_scale;
+        m->loss_scale = m->loss_scale / 2 >= 1.0 ? m->loss_scale / 2 : 1.0;
+        m->good_steps = 0;
+        LOOM_LOG_I(ctx, "step %lld skipped: fp16 gradients overflowed; loss scale %g -> %g",
+                   (long long)A->step + 1, r.loss_scale, m->loss_scale);
+        loom_model_zero_grad(m);
+        r.skipped = 1;
+        if (out) *out = r;
+        return LOOM_OK;
+    }
     if (!isfinite(norm)) {
         loom_model_zero_grad(m);
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
@@ -440,7 +519,7 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
                          (long long)A->step + 1, isnan(norm) ? "nan" : "inf");
     }
     float coeff = loom_clip_coeff(norm, max_grad_norm);
-    if (coeff < 1.0f) loom_scale(A->gshard, A->shard_numel, coeff);
+    if (coeff < 1.0f && (st = loom_k_scale(m, A->gshard, A->shard_numel, coeff))) return st;
 
     loom_adamw_hp hp = {.lr = m->opt.lr, .beta1 = m->opt.beta1, .beta2 = m->opt.beta2,
                         .eps = m->opt.eps, .weight_decay = m->opt.weight_decay};
@@ -454,17 +533,23 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     for (int b = 0; b < A->nbuckets; b++)
         for (int i = 0; i < A->nslots; i++) {
             size_t o0, len, so;
-            if (shard_part(m, A, b, i, &o0, &len, &so))
-                loom_adamw_step(A->w + o0, A->gshard + so, A->adam_m + so, A->adam_v + so, len,
-                                &hp, t, A->slots[i].decay);
+            if (shard_part(m, A, b, i, &o0, &len, &so) &&
+                (st = loom_k_adamw(m, A->w + o0, A->gshard + so, A->adam_m + so, A->adam_v + so,
+                                   len, &hp, t, A->slots[i].decay)))
+                return st;
         }
-    if ((st = gather_params(m, A))) return st;
+    if ((st = gather_params(m, A)) || (st = loom_arena_sync(m, A))) return st;
+    if (m->dev.adt == LOOM_F16 && ++m->good_steps >= 2000) { /* torch GradScaler's growth */
+        m->loss_scale *= 2;
+        m->good_steps = 0;
+    }
     A->step = t;
     r.stepped = 1;
     r.grad_norm = norm;
     r.lr = hp.lr;
     r.weight_decay = hp.weight_decay;
     r.step = A->step;
+    r.loss_scale = m->loss_scale;
     loom_model_zero_grad(m);
     if (out) *out = r;
     return LOOM_OK;

@@ -40,6 +40,10 @@ loom_status loom_cuda_memcpy_d2h(loom_ctx *ctx, void *dst, const void *src, size
 loom_status loom_cuda_convert(loom_ctx *ctx, void *dst, loom_dtype d, const void *src, loom_dtype s,
                               size_t n, void *stream);
 loom_status loom_cuda_sync(loom_ctx *ctx);
+/* Makes `device` this thread's current GPU. */
+loom_status loom_cuda_set_device(loom_ctx *ctx, int device);
+/* Free and total memory of the current GPU (bytes). */
+loom_status loom_cuda_mem_info(loom_ctx *ctx, size_t *free_bytes, size_t *total_bytes);
 
 #ifdef __cplusplus
 }

@@ -70,3 +70,17 @@ extern "C" loom_status loom_cuda_sync(loom_ctx *ctx) {
     return e == cudaSuccess ? LOOM_OK
                             : loom_errf(ctx, LOOM_ERR_DEVICE, "CUDA error: %s", cudaGetErrorString(e));
 }
+
+extern "C" loom_status loom_cuda_set_device(loom_ctx *ctx, int device) {
+    cudaError_t e = cudaSetDevice(device);
+    return e == cudaSuccess ? LOOM_OK
+                            : loom_errf(ctx, LOOM_ERR_DEVICE, "cudaSetDevice(%d): %s", device,
+                                        cudaGetErrorString(e));
+}
+
+extern "C" loom_status loom_cuda_mem_info(loom_ctx *ctx, size_t *free_bytes, size_t *total_bytes) {
+    cudaError_t e = cudaMemGetInfo(free_bytes, total_bytes);
+    return e == cudaSuccess ? LOOM_OK
+                            : loom_errf(ctx, LOOM_ERR_DEVICE, "cudaMemGetInfo: %s",
+                                        cudaGetErrorString(e));
+}

@@ -1,0 +1,402 @@
+/* kern.h: each op on the model's device, the CPU reference op or the CUDA
+ * op. The CPU ops compute in fp32 (adt is F32 there). */
+#include "kern.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../backend/cpu/cpu_glue.h"
+#include "../backend/cpu/cpu_ops.h"
+#include "model.h"
+#ifdef LOOM_HAVE_CUDA
+#include "../backend/cuda/cuda_backend.h"
+#include "../backend/cuda/cuda_glue.h"
+#include "../backend/cuda/cuda_ops.h"
+#define GPU(m) ((m)->dev.cuda)
+#else
+#define GPU(m) false
+#endif
+
+#define F(p) ((float *)(p))
+#define CF(p) ((const float *)(p))
+
+loom_status loom_dev_init(loom_model *m) {
+    loom_dev *d = &m->dev;
+    d->esz = loom_dtype_size(d->adt);
+    if (!d->cuda) {
+        d->device = -1;
+        return LOOM_OK;
+    }
+#ifdef LOOM_HAVE_CUDA
+    loom_status st = loom_cuda_gemm_create(m->ctx, 0, &d->gemm);
+    if (st) return st;
+    return loom_cuda_malloc(m->ctx, (void **)&d->sumsq_scratch,
+                            LOOM_CUDA_SUMSQ_BLOCKS * sizeof(double), "grad-norm scratch");
+#else
+    return loom_errf(m->ctx, LOOM_ERR_UNSUPPORTED,
+                     "this loom was built without CUDA; rebuild with `make CUDA=1` to run on GPUs");
+#endif
+}
+
+void loom_dev_release(loom_model *m) {
+#ifdef LOOM_HAVE_CUDA
+    loom_dev *d = &m->dev;
+    if (!d->cuda) return;
+    if (d->gemm) loom_cuda_gemm_free(d->gemm);
+    loom_cuda_free(d->sumsq_scratch);
+    loom_cuda_free(d->rms_scratch);
+    d->gemm = NULL;
+    d->sumsq_scratch = NULL;
+    d->rms_scratch = NULL;
+    d->rms_scratch_bytes = 0;
+#else
+    (void)m;
+#endif
+}
+
+loom_status loom_dev_alloc(loom_model *m, void **p, size_t bytes, const char *what) {
+    *p = NULL;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) {
+        loom_status st = loom_cuda_malloc(m->ctx, p, bytes, what);
+        if (st) return st;
+        return loom_cuda_memset_async(m->ctx, *p, bytes, m->dev.stream);
+    }
+#endif
+    *p = loom_calloc(m->ctx, bytes ? bytes : 1, 1, what);
+    return *p ? LOOM_OK : LOOM_ERR_OOM;
+}
+
+void loom_dev_free(loom_model *m, void *p) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) {
+        loom_cuda_free(p);
+        return;
+    }
+#endif
+    free(p);
+}
+
+loom_status loom_k_copy(loom_model *m, void *dst, const void *src, size_t bytes) {
+    if (dst == src || !bytes) return LOOM_OK;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_memcpy_async(m->ctx, dst, src, bytes, m->dev.stream);
+#endif
+    memmove(dst, src, bytes);
+    return LOOM_OK;
+}
+
+loom_status loom_k_zero(loom_model *m, void *p, size_t bytes) {
+    if (!bytes) return LOOM_OK;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_memset_async(m->ctx, p, bytes, m->dev.stream);
+#endif
+    memset(p, 0, bytes);
+    return LOOM_OK;
+}
+
+loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t bytes) {
+    if (host == dev || !bytes) return LOOM_OK;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_memcpy_d2h(m->ctx, host, dev, bytes);
+#endif
+    memcpy(host, dev, bytes);
+    return LOOM_OK;
+}
+
+loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t bytes) {
+    if (host == dev || !bytes) return LOOM_OK;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_memcpy_h2d(m->ctx, dev, host, bytes);
+#endif
+    memcpy(dev, host, bytes);
+    return LOOM_OK;
+}
+
+loom_status loom_k_convert(loom_model *m, void *dst, loom_dtype d, const void *src, loom_dtype s,
+                           size_t n) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_convert(m->ctx, dst, d, src, s, n, m->dev.stream);
+#endif
+    if (dst == src && d == s) return LOOM_OK;
+    return loom_convert(m->ctx, dst, d, src, s, n);
+}
+
+/* ---- GEMMs ---- */
+
+static loom_status gemm(loom_model *m, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                        float alpha, const void *A, int64_t lda, const void *B, int64_t ldb,
+                        float beta, void *C, loom_dtype cdt, int64_t ldc) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_gemm(m->ctx, m->dev.gemm, ta, tb, M, N, K, alpha, A, m->dev.adt, lda, B,
+                              m->dev.adt, ldb, beta, C, cdt, ldc, m->dev.stream);
+#endif
+    (void)cdt;
+    loom_cpu_sgemm(ta, tb, M, N, K, alpha, CF(A), lda, CF(B), ldb, beta, F(C), ldc);
+    return LOOM_OK;
+}
+
+loom_status loom_k_lin_fwd(loom_model *m, const void *x, int64_t T, int64_t in, const void *W,
+                           int64_t out, float alpha, float beta, void *y) {
+    return gemm(m, false, true, T, out, in, alpha, x, in, W, in, beta, y, m->dev.adt, out);
+}
+
+loom_status loom_k_lin_dx(loom_model *m, const void *dy, int64_t T, int64_t out, const void *W,
+                          int64_t in, float alpha, float beta, void *dx) {
+    return gemm(m, false, false, T, in, out, alpha, dy, out, W, in, beta, dx, m->dev.adt, in);
+}
+
+loom_status loom_k_lin_dw(loom_model *m, const void *dy, const void *x, int64_t T, int64_t out,
+                          int64_t in, float alpha, float *dW) {
+    if (!dW) return LOOM_OK;
+    return gemm(m, true, false, out, in, T, alpha, dy, out, x, in, 1.0f, dW, LOOM_F32, in);
+}
+
+loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha,
+                         const float *A, const float *B, float beta, float *C) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_gemm(m->ctx, m->dev.gemm, false, false, M, N, K, alpha, A, LOOM_F32, K, B,
+                              LOOM_F32, N, beta, C, LOOM_F32, N, m->dev.stream);
+#endif
+    loom_cpu_sgemm(false, false, M, N, K, alpha, A, K, B, N, beta, C, N);
+    return LOOM_OK;
+}
+
+/* ---- transformer ops ---- */
+
+loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int64_t N, int64_t H,
+                               float eps, void *y, float *rstd) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) {
+        loom_dtype t = m->dev.adt;
+        return loom_cuda_rmsnorm_fwd(m->ctx, x, t, w, t, N, H, eps, y, t, rstd, m->dev.stream);
+    }
+#endif
+    loom_cpu_rmsnorm_fwd(CF(x), CF(w), N, H, eps, F(y), rstd);
+    return LOOM_OK;
+}
+
+loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, const void *w,
+                               const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) {
+        loom_dtype t = m->dev.adt;
+        size_t need = dw ? loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) : 0;
+        if (need > m->dev.rms_scratch_bytes) { /* sized by reserve; grown here if not */
+            loom_cuda_free(m->dev.rms_scratch);
+            m->dev.rms_scratch = NULL;
+            m->dev.rms_scratch_bytes = 0;
+            loom_status st =
+                loom_cuda_malloc(m->ctx, &m->dev.rms_scratch, need, "RMSNorm backward scratch");
+            if (st) return st;
+            m->dev.rms_scratch_bytes = need;
+        }
+        return loom_cuda_rmsnorm_bwd(m->ctx, dy, t, x, t, w, t, rstd, N, H, dx, t, dw,
+                                     m->dev.rms_scratch, m->dev.stream);
+    }
+#endif
+    loom_cpu_rmsnorm_bwd(CF(dy), CF(x), CF(w), rstd, N, H, F(dx), dw);
+    return LOOM_OK;
+}
+
+loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_t nh,
+                        const int32_t *pos) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return (backward ? loom_cuda_rope_bwd : loom_cuda_rope_fwd)(
+            m->ctx, x, m->dev.adt, T, nh, m->D, pos, m->d_inv_freq, m->dev.stream);
+#endif
+    (backward ? loom_cpu_rope_bwd : loom_cpu_rope_fwd)(F(x), T, nh, m->D, pos, m->inv_freq);
+    return LOOM_OK;
+}
+
+loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, int64_t Tq,
+                            const void *k, const void *v, int64_t T, int64_t Hq, int64_t Hkv,
+                            const int32_t *cu, int64_t ndocs, void *out, float *lse) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_attention_fwd_q(m->ctx, q, qidx, Tq, k, v, m->dev.adt, T, Hq, Hkv, m->D,
+                                         cu, ndocs, m->attn_scale, out, lse, m->dev.stream);
+#endif
+    loom_cpu_attention_fwd_q(CF(q), qidx, Tq, CF(k), CF(v), T, Hq, Hkv, m->D, cu, ndocs,
+                             m->attn_scale, F(out), lse);
+    return LOOM_OK;
+}
+
+loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, const int32_t *qidx,
+                            int64_t Tq, const void *k, const void *v, const void *out,
+                            const float *lse, int64_t T, int64_t Hq, int64_t Hkv,
+                            const int32_t *cu, int64_t ndocs, void *dq, void *dk, void *dv) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_attention_bwd_q(m->ctx, dout, q, qidx, Tq, k, v, out, lse, m->dev.adt, T,
+                                         Hq, Hkv, m->D, cu, ndocs, m->attn_scale, dq, dk, dv,
+                                         m->dev.stream);
+#endif
+    loom_cpu_attention_bwd_q(CF(dout), CF(q), qidx, Tq, CF(k), CF(v), CF(out), lse, T, Hq, Hkv,
+                             m->D, cu, ndocs, m->attn_scale, F(dq), F(dk), F(dv));
+    return LOOM_OK;
+}
+
+loom_status loom_k_swiglu_fwd(loom_model *m, const void *g, const void *u, int64_t n, void *h) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_swiglu_fwd(m->ctx, g, u, n, h, m->dev.adt, m->dev.stream);
+#endif
+    loom_cpu_swiglu_fwd(CF(g), CF(u), n, F(h));
+    return LOOM_OK;
+}
+
+loom_status loom_k_swiglu_bwd(loom_model *m, const void *dh, const void *g, const void *u,
+                              int64_t n, void *dg, void *du) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_swiglu_bwd(m->ctx, dh, g, u, n, dg, du, m->dev.adt, m->dev.stream);
+#endif
+    loom_cpu_swiglu_bwd(CF(dh), CF(g), CF(u), n, F(dg), F(du));
+    return LOOM_OK;
+}
+
+loom_status loom_k_add(loom_model *m, void *y, const void *x, int64_t n) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_residual_add(m->ctx, y, m->dev.adt, x, m->dev.adt, n, m->dev.stream);
+#endif
+    loom_cpu_residual_add(F(y), CF(x), n);
+    return LOOM_OK;
+}
+
+loom_status loom_k_bias_fwd(loom_model *m, void *y, const void *b, int64_t T, int64_t N) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_add_bias_fwd(m->ctx, y, m->dev.adt, b, m->dev.adt, T, N, m->dev.stream);
+#endif
+    loom_cpu_add_bias_fwd(F(y), CF(b), T, N);
+    return LOOM_OK;
+}
+
+loom_status loom_k_bias_bwd(loom_model *m, const void *dy, int64_t T, int64_t N, float *db) {
+    if (!db) return LOOM_OK;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_add_bias_bwd(m->ctx, dy, m->dev.adt, T, N, db, m->dev.stream);
+#endif
+    loom_cpu_add_bias_bwd(CF(dy), T, N, db);
+    return LOOM_OK;
+}
+
+/* ---- vocabulary-parallel embedding and loss ---- */
+
+loom_status loom_k_embed_fwd(loom_model *m, const int32_t *ids, int64_t T, const void *W,
+                             int64_t row0, int64_t rows, void *out) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_embedding_vp_fwd(m->ctx, ids, T, W, m->dev.adt, row0, rows, m->H, out,
+                                          m->dev.adt, m->dev.stream);
+#endif
+    loom_cpu_embedding_vp_fwd(ids, T, CF(W), row0, rows, m->H, F(out));
+    return LOOM_OK;
+}
+
+loom_status loom_k_embed_bwd(loom_model *m, const int32_t *ids, int64_t T, const void *dout,
+                             int64_t row0, int64_t rows, float *dW) {
+    if (!dW) return LOOM_OK;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_embedding_vp_bwd(m->ctx, ids, T, dout, m->dev.adt, row0, rows, m->H, dW,
+                                          m->dev.stream);
+#endif
+    loom_cpu_embedding_vp_bwd(ids, T, CF(dout), row0, rows, m->H, dW);
+    return LOOM_OK;
+}
+
+loom_status loom_k_ce_max(loom_model *m, const void *z, int64_t c, int64_t ld, int64_t nvalid,
+                          double *mx) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_ce_vp_max(m->ctx, z, m->dev.adt, c, ld, nvalid, mx, m->dev.stream);
+#endif
+    loom_cpu_ce_vp_max(CF(z), c, ld, nvalid, mx);
+    return LOOM_OK;
+}
+
+loom_status loom_k_ce_sums(loom_model *m, const void *z, int64_t c, int64_t ld, int64_t nvalid,
+                           const int32_t *tgt, int64_t v0, const double *mx, double *ce) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_ce_vp_sums(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, mx, ce,
+                                    m->dev.stream);
+#endif
+    loom_cpu_ce_vp_sums(CF(z), c, ld, nvalid, tgt, v0, mx, ce);
+    return LOOM_OK;
+}
+
+loom_status loom_k_ce_grad(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,
+                           const int32_t *tgt, int64_t v0, const double *L, float scale) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_ce_vp_grad(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, L, scale,
+                                    m->dev.stream);
+#endif
+    loom_cpu_ce_vp_grad(F(z), c, ld, nvalid, tgt, v0, L, scale);
+    return LOOM_OK;
+}
+
+/* ---- permutations, dropout ---- */
+
+loom_status loom_k_rows_gather(loom_model *m, void *dst, const void *src, const int32_t *idx,
+                               int64_t n, int64_t w) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_rows_gather(m->ctx, dst, src, idx, n, w, m->dev.esz, m->dev.stream);
+#endif
+    loom_cpu_rows_gather(dst, src, idx, n, w, m->dev.esz);
+    return LOOM_OK;
+}
+
+loom_status loom_k_rows_scatter(loom_model *m, void *dst, const void *src, const int32_t *idx,
+                                int64_t n, int64_t w) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_rows_scatter(m->ctx, dst, src, idx, n, w, m->dev.esz, m->dev.stream);
+#endif
+    loom_cpu_rows_scatter(dst, src, idx, n, w, m->dev.esz);
+    return LOOM_OK;
+}
+
+loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, int64_t in,
+                           int64_t full, int64_t col0, const int32_t *qidx, int64_t out0,
+                           uint64_t seed, uint64_t key, double p) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_lora_dropout(m->ctx, out, x, T, in, full, col0, qidx, out0, seed, key, p,
+                                      m->dev.adt, m->dev.stream);
+#endif
+    loom_cpu_lora_dropout(F(out), CF(x), T, in, full, col0, qidx, out0, seed, key, p);
+    return LOOM_OK;
+}
+
+/* ---- optimizer ---- */
+
+loom_status loom_k_adamw(loom_model *m, float *p, const float *g, float *mom, float *var, size_t n,
+                         const loom_adamw_hp *hp, int64_t t, bool decay) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_adamw_step(m->ctx, p, g, mom, var, n, hp, t, decay, m->dev.stream);
+#endif
+    loom_adamw_step(p, g, mom, var, n, hp, t, decay);
+    return LOOM_OK;
+}
+
+loom_status loom_k_sumsq(loom_model *m, const float *g, size_t n, double *res) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_sumsq(m->ctx, g, n, res, m->dev.sumsq_scratch, m->dev.stream);
+#endif
+    *res = loom_sumsq(g, n);
+    return LOOM_OK;
+}
+
+loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) return loom_cuda_scale(m->ctx, g, n, s, m->dev.stream);
+#endif
+    loom_scale(g, n, s);
+    return LOOM_OK;
+}

@@ -1,0 +1,128 @@
+/* The model's ops on its device. forward.c, lora.c and the trainer call
+ * these instead of a backend directly: each runs the CPU reference op
+ * (src/backend/cpu) or the CUDA op (src/backend/cuda) with the same
+ * semantics, so one code path drives both.
+ *
+ * Buffers. Activations (`void *` here) are in the model's compute dtype
+ * m->dev.adt (F32 on CPU; BF16, F16 or F32 on a GPU), and so are the
+ * weights' compute copies (loom_wc). Statistics (rstd, lse), parameter
+ * gradients and optimizer state are fp32; loss partial sums are doubles.
+ * On a GPU every pointer passed here is device memory (token ids,
+ * positions, cu_seqlens and permutations too), and the kernels are queued
+ * on m->dev.stream (the legacy default stream: ordered with cudaMemcpy and
+ * with the NCCL groups' blocking streams).
+ *
+ * Every function returns a loom_status (CPU ops cannot fail). */
+#ifndef LOOM_MODEL_KERN_H
+#define LOOM_MODEL_KERN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../train/adamw.h"
+#include "loom.h"
+
+typedef struct loom_model loom_model;
+struct loom_cuda_gemm_handle;
+
+typedef struct loom_dev {
+    bool cuda;
+    int device;               /* CUDA device of this process, -1 on CPU */
+    loom_dtype adt;           /* compute dtype */
+    size_t esz;               /* its size in bytes */
+    void *stream;             /* cudaStream_t (NULL: legacy default) */
+    struct loom_cuda_gemm_handle *gemm;
+    double *sumsq_scratch;    /* device: the grad-norm reduction's block partials */
+    void *rms_scratch;        /* device: RMSNorm backward's dw partials */
+    size_t rms_scratch_bytes;
+} loom_dev;
+
+/* Sets up the device side of `m` (m->dev.cuda and adt already set): on a
+ * GPU, the cuBLASLt handle and the small scratch buffers. */
+loom_status loom_dev_init(loom_model *m);
+void loom_dev_release(loom_model *m);
+
+/* Memory of the model's device: zeroed on allocation; `what` names it in
+ * the out-of-memory message. */
+loom_status loom_dev_alloc(loom_model *m, void **p, size_t bytes, const char *what);
+void loom_dev_free(loom_model *m, void *p);
+/* Copies in stream order; src and dst may be host or device memory (on CPU
+ * both are host). dst == src is a no-op. */
+loom_status loom_k_copy(loom_model *m, void *dst, const void *src, size_t bytes);
+loom_status loom_k_zero(loom_model *m, void *p, size_t bytes);
+/* Copies between host and the device, returning when the data is there. */
+loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t bytes);
+loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t bytes);
+/* dst[i] = src[i] between F32/BF16/F16 device buffers (n elements). */
+loom_status loom_k_convert(loom_model *m, void *dst, loom_dtype d, const void *src, loom_dtype s,
+                           size_t n);
+
+/* ---- linear layers: x, y, dy, dx and W in adt, dW fp32 (accumulated) ---- */
+/* y (T, out) = x (T, in) W^T + beta y */
+loom_status loom_k_lin_fwd(loom_model *m, const void *x, int64_t T, int64_t in, const void *W,
+                           int64_t out, float alpha, float beta, void *y);
+/* dx (T, in) = alpha dy (T, out) W + beta dx */
+loom_status loom_k_lin_dx(loom_model *m, const void *dy, int64_t T, int64_t out, const void *W,
+                          int64_t in, float alpha, float beta, void *dx);
+/* dW (out, in) += alpha dy^T x; nothing when dW is NULL (frozen) */
+loom_status loom_k_lin_dw(loom_model *m, const void *dy, const void *x, int64_t T, int64_t out,
+                          int64_t in, float alpha, float *dW);
+/* fp32 C = alpha A B + beta C (row-major, all fp32; merges of adapters) */
+loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha,
+                         const float *A, const float *B, float beta, float *C);
+
+/* ---- the transformer ops (cpu_ops.h has their exact semantics) ---- */
+loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int64_t N, int64_t H,
+                               float eps, void *y, float *rstd);
+loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, const void *w,
+                               const float *rstd, int64_t N, int64_t H, void *dx, float *dw);
+loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_t nh,
+                        const int32_t *pos);
+loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, int64_t Tq,
+                            const void *k, const void *v, int64_t T, int64_t Hq, int64_t Hkv,
+                            const int32_t *cu, int64_t ndocs, void *out, float *lse);
+loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, const int32_t *qidx,
+                            int64_t Tq, const void *k, const void *v, const void *out,
+                            const float *lse, int64_t T, int64_t Hq, int64_t Hkv,
+                            const int32_t *cu, int64_t ndocs, void *dq, void *dk, void *dv);
+loom_status loom_k_swiglu_fwd(loom_model *m, const void *g, const void *u, int64_t n, void *h);
+loom_status loom_k_swiglu_bwd(loom_model *m, const void *dh, const void *g, const void *u,
+                              int64_t n, void *dg, void *du);
+loom_status loom_k_add(loom_model *m, void *y, const void *x, int64_t n); /* y += x */
+loom_status loom_k_bias_fwd(loom_model *m, void *y, const void *b, int64_t T, int64_t N);
+loom_status loom_k_bias_bwd(loom_model *m, const void *dy, int64_t T, int64_t N, float *db);
+
+/* ---- vocabulary-parallel embedding and loss (cpu_glue.h) ---- */
+loom_status loom_k_embed_fwd(loom_model *m, const int32_t *ids, int64_t T, const void *W,
+                             int64_t row0, int64_t rows, void *out);
+loom_status loom_k_embed_bwd(loom_model *m, const int32_t *ids, int64_t T, const void *dout,
+                             int64_t row0, int64_t rows, float *dW);
+loom_status loom_k_ce_max(loom_model *m, const void *z, int64_t c, int64_t ld, int64_t nvalid,
+                          double *mx);
+loom_status loom_k_ce_sums(loom_model *m, const void *z, int64_t c, int64_t ld, int64_t nvalid,
+                           const int32_t *tgt, int64_t v0, const double *mx, double *ce);
+loom_status loom_k_ce_grad(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,
+                           const int32_t *tgt, int64_t v0, const double *L, float scale);
+
+/* ---- context parallel: rows of `w` activations permuted ---- */
+/* dst row j = src row idx[j] */
+loom_status loom_k_rows_gather(loom_model *m, void *dst, const void *src, const int32_t *idx,
+                               int64_t n, int64_t w);
+/* dst row idx[j] = src row j */
+loom_status loom_k_rows_scatter(loom_model *m, void *dst, const void *src, const int32_t *idx,
+                                int64_t n, int64_t w);
+
+/* LoRA dropout (lora.c's mask rule; x NULL: in place on out) */
+loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, int64_t in,
+                           int64_t full, int64_t col0, const int32_t *qidx, int64_t out0,
+                           uint64_t seed, uint64_t key, double p);
+
+/* ---- optimizer, fp32 ---- */
+loom_status loom_k_adamw(loom_model *m, float *p, const float *g, float *mom, float *var, size_t n,
+                         const loom_adamw_hp *hp, int64_t t, bool decay);
+/* *res = sum of g^2 (double; res is device memory on a GPU) */
+loom_status loom_k_sumsq(loom_model *m, const float *g, size_t n, double *res);
+loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s);
+
+#endif /* LOOM_MODEL_KERN_H */
