@@ -34,6 +34,12 @@ int loom_cli_fail_job(loom_ctx *ctx, loom_comm *world);
  * (after loom_cli_world resolved the device). */
 void loom_cli_model_options(const loom_settings *s, loom_model_options *o);
 
+/* Device memory per rank for the run the settings describe (micro-batch
+ * shape, dtype, LoRA) on mesh n with nmb micro-batches per step. */
+loom_status loom_cli_predict_memory(loom_ctx *ctx, const loom_settings *s,
+                                    const loom_model_config *cfg, const loom_mesh_sizes *n,
+                                    bool cuda, int nmb, loom_mem_report *r);
+
 /* --nproc-per-node N (cli/launch.c): this process starts N local workers
  * (GPU ranks over NCCL) and waits for them, torchrun-style. Called by train
  * and golden right after their settings are parsed. When there is nothing

@@ -5,6 +5,7 @@
 
 #include "../src/io/safetensors.h"
 #include "../src/model/params.h"
+#include "../src/parallel/mesh.h"
 #include "cli.h"
 
 typedef struct {
@@ -218,6 +219,82 @@ static loom_status print_json(loom_ctx *ctx, const char *src, const loom_model_c
     return LOOM_OK;
 }
 
+/* "tp=2,pp=2,dp=2,cp=1,vpp=1,sp" -> sizes (unnamed ones 1). */
+static loom_status parse_mesh(loom_ctx *ctx, const char *spec, loom_mesh_sizes *n) {
+    memset(n, 0, sizeof *n);
+    n->tp = n->cp = n->dp = n->pp = n->vpp = 1;
+    const char *p = spec;
+    while (*p) {
+        char key[24];
+        size_t k = 0;
+        while (*p && *p != '=' && *p != ',' && k + 1 < sizeof key) key[k++] = *p++;
+        key[k] = 0;
+        long v = 1;
+        if (*p == '=') {
+            char *end;
+            v = strtol(p + 1, &end, 10);
+            if (end == p + 1 || v < 1 || v > 65536)
+                return loom_errf(ctx, LOOM_ERR_CONFIG, "--mesh %s: %s needs a size >= 1", spec,
+                                 key);
+            p = end;
+        }
+        if (!strcmp(key, "sp") || !strcmp(key, "sequence_parallel"))
+            n->sequence_parallel = v != 0;
+        else if (!strcmp(key, "tp")) n->tp = (int)v;
+        else if (!strcmp(key, "cp")) n->cp = (int)v;
+        else if (!strcmp(key, "dp")) n->dp = (int)v;
+        else if (!strcmp(key, "pp")) n->pp = (int)v;
+        else if (!strcmp(key, "vpp")) n->vpp = (int)v;
+        else
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "--mesh %s: unknown size '%s'; use tp, cp, dp, pp, vpp and sp, "
+                             "e.g. --mesh tp=2,pp=2,dp=2",
+                             spec, key);
+        if (*p == ',') p++;
+        else if (*p)
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "--mesh %s: expected ',' after %s", spec, key);
+    }
+    return LOOM_OK;
+}
+
+/* The memory table of --mesh. */
+static loom_status print_memory(loom_ctx *ctx, const loom_settings *s,
+                                const loom_model_config *cfg) {
+    loom_mesh_sizes want, n;
+    loom_status st = parse_mesh(ctx, s->mesh, &want);
+    if (st) return st;
+    int world = want.tp * want.cp * want.dp * want.pp;
+    if ((st = loom_mesh_sizes_resolve(ctx, &want, world, &n))) return st;
+    const bool cuda = strcmp(s->device, "cpu") != 0;
+    int64_t per = s->micro_batch_size * n.dp;
+    if (s->global_batch_size % per)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "global_batch_size=%lld is not a multiple of micro_batch_size=%lld x "
+                         "dp=%d",
+                         (long long)s->global_batch_size, (long long)s->micro_batch_size, n.dp);
+    int nmb = (int)(s->global_batch_size / per);
+    if ((st = loom_mesh_check_batch(ctx, &n, s->global_batch_size, s->seq_len, nmb))) return st;
+    loom_mem_report r;
+    if ((st = loom_cli_predict_memory(ctx, s, cfg, &n, cuda, nmb, &r))) return st;
+    char b[32], mesh[128];
+    printf("\nmemory per %s on mesh %s (%d ranks), %s compute, micro-batch %lld x %lld, "
+           "%d micro-batch%s per step%s:\n",
+           cuda ? "GPU" : "process", loom_mesh_describe(&n, mesh, sizeof mesh), world,
+           !strcmp(s->dtype, "auto") ? (cuda ? "bf16" : "fp32") : s->dtype,
+           (long long)s->micro_batch_size, (long long)s->seq_len, nmb, nmb == 1 ? "" : "es",
+           s->lora_r ? " (LoRA: base frozen)" : "");
+    printf("  %-13s %12s\n", "weights", loom_fmt_bytes(b, r.weights));
+    printf("  %-13s %12s\n", "gradients", loom_fmt_bytes(b, r.grads));
+    printf("  %-13s %12s   (AdamW moments and the gradient shard, over dp*cp=%d)\n", "optimizer",
+           loom_fmt_bytes(b, r.optim), n.dp * n.cp);
+    printf("  %-13s %12s   (%d micro-batch%s in flight on pipeline stage %d)\n", "activations",
+           loom_fmt_bytes(b, r.acts), r.in_flight, r.in_flight == 1 ? "" : "es", r.pp_rank);
+    printf("  %-13s %12s\n", "workspace", loom_fmt_bytes(b, r.work));
+    printf("  %-13s %12s   (plus the CUDA context, ~0.5 GiB, and NCCL's buffers)\n", "total",
+           loom_fmt_bytes(b, r.total));
+    return LOOM_OK;
+}
+
 int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
     const char *dir = npos > 0 ? pos[0] : s->model;
     if (npos > 0 && s->model && strcmp(s->model, pos[0]) != 0) {
@@ -229,7 +306,7 @@ int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
     loom_status st;
     const char *src = dir;
     if (dir) {
-        st = loom_config_load(ctx, dir, &cfg);
+        st = loom_model_load_config(ctx, dir, s->config_override, &cfg);
     } else {
         const char *text = loom_preset_config(s->preset);
         loom_json *doc = NULL;
@@ -253,6 +330,7 @@ int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
     } else {
         print_text(src, &cfg, &plan, ckpt, &m);
     }
+    if (s->mesh && (st = print_memory(ctx, s, &cfg))) goto fail;
     if (ckpt && (m.n_missing || m.n_mismatch)) {
         loom_errf(ctx, LOOM_ERR_SHAPE,
                   "%s: the checkpoint does not match config.json (%zu missing, %zu with another "

@@ -81,6 +81,28 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
 
     loom_model_options mo;
     loom_cli_model_options(s, &mo);
+    /* the memory each rank will need, from the shapes alone: printed now,
+     * and again with what to change when an allocation fails */
+    loom_mem_report mem = {0};
+    bool have_mem = false;
+    {
+        loom_model_config cfg;
+        loom_mesh_sizes want = {.tp = mo.tp, .cp = mo.cp, .dp = mo.dp, .pp = mo.pp, .vpp = mo.vpp,
+                                .sequence_parallel = mo.sequence_parallel != 0}, n;
+        loom_ctx *q = NULL; /* a failed prediction is not the run's error */
+        if (!loom_ctx_create(&q) &&
+            !loom_model_load_config(q, s->model, s->config_override, &cfg)) {
+            if (!loom_mesh_sizes_resolve(q, &want, loom_comm_size(world), &n) &&
+                s->global_batch_size % (s->micro_batch_size * n.dp) == 0) {
+                int nmb = (int)(s->global_batch_size / (s->micro_batch_size * n.dp));
+                have_mem = !loom_cli_predict_memory(q, s, &cfg, &n,
+                                                    mo.device == LOOM_DEVICE_CUDA, nmb, &mem);
+            }
+            loom_config_free(&cfg);
+        }
+        loom_ctx_free(q);
+        if (have_mem) loom_memory_print(ctx, &mem, 0, LOOM_LOG_INFO);
+    }
     loom_model *m = NULL;
     loom_tokfile *tf = NULL;
     loom_packer *pk = NULL;
@@ -193,6 +215,12 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                        (double)(pb.rows * pb.seq_len) / dt, sr.stepped ? "" : " | step skipped");
     }
     double total = loom_now_s() - t_start;
+    if (m->dev.cuda) {
+        char pkb[32], pr[32];
+        LOOM_LOG_I(ctx, "peak GPU memory %.2f GiB (%s allocated by loom on GPU %d; predicted %s)",
+                   (double)m->dev.peak / (1u << 30), loom_fmt_bytes(pkb, m->dev.peak),
+                   m->dev.device, have_mem ? loom_fmt_bytes(pr, mem.total) : "n/a");
+    }
     LOOM_LOG_I(ctx, "trained %" PRId64 " steps in %.1f s (%.0f tokens/s): loss %.4f -> %.4f",
                s->train_steps, total, (double)tokens_total / total, first_loss, last_loss);
     bool lora = s->adapter || s->lora_r;
@@ -213,6 +241,14 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     }
     rc = 0;
 done:
+    if (rc && st == LOOM_ERR_OOM && have_mem && mo.device == LOOM_DEVICE_CUDA) {
+        /* out of GPU memory: the table, and what to change */
+        loom_memory_print(ctx, &mem, 0, LOOM_LOG_ERROR);
+        loom_err_prefix(ctx, "out of GPU memory; lower --micro-batch-size or --seq-len (the "
+                             "activations), add pipeline or tensor parallelism (--pp, --tp: "
+                             "weights and activations per GPU), data parallelism (--dp: the "
+                             "optimizer is sharded over it), or train a LoRA adapter (--lora-r)");
+    }
     if (rc) loom_cli_fail_job(ctx, world);
     loom_packer_free(pk);
     loom_loader_free(ld);

@@ -89,3 +89,21 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
     else /* auto */
         o->dtype = o->device == LOOM_DEVICE_CUDA ? LOOM_BF16 : LOOM_F32;
 }
+
+loom_status loom_cli_predict_memory(loom_ctx *ctx, const loom_settings *s,
+                                    const loom_model_config *cfg, const loom_mesh_sizes *n,
+                                    bool cuda, int nmb, loom_mem_report *r) {
+    loom_mem_in in = {.n = *n, .cuda = cuda, .lora_r = (int)s->lora_r,
+                      .rows = s->micro_batch_size, .seq = s->seq_len, .nmb = nmb,
+                      .training = true};
+    loom_model_options o;
+    loom_settings tmp = *s;
+    tmp.device = (char *)(cuda ? "cuda" : "cpu");
+    loom_cli_model_options(&tmp, &o);
+    in.adt = o.dtype;
+    if (in.lora_r > 0) {
+        loom_status st = loom_lora_parse_targets(ctx, s->lora_target, in.lora_target);
+        if (st) return st;
+    }
+    return loom_memory_predict(ctx, cfg, &in, r);
+}

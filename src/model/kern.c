@@ -28,6 +28,11 @@ loom_status loom_dev_init(loom_model *m) {
         return LOOM_OK;
     }
 #ifdef LOOM_HAVE_CUDA
+    size_t free_b = 0, total_b = 0;
+    if (loom_cuda_mem_info(m->ctx, &free_b, &total_b) == LOOM_OK) {
+        d->used0 = total_b - free_b;
+        d->gpu_total = total_b;
+    }
     loom_status st = loom_cuda_gemm_create(m->ctx, 0, &d->gemm);
     if (st) return st;
     return loom_cuda_malloc(m->ctx, (void **)&d->sumsq_scratch,
@@ -60,6 +65,10 @@ loom_status loom_dev_alloc(loom_model *m, void **p, size_t bytes, const char *wh
     if (GPU(m)) {
         loom_status st = loom_cuda_malloc(m->ctx, p, bytes, what);
         if (st) return st;
+        size_t free_b, total_b;
+        if (loom_cuda_mem_info(m->ctx, &free_b, &total_b) == LOOM_OK &&
+            total_b - free_b > m->dev.used0 && total_b - free_b - m->dev.used0 > m->dev.peak)
+            m->dev.peak = total_b - free_b - m->dev.used0;
         return loom_cuda_memset_async(m->ctx, *p, bytes, m->dev.stream);
     }
 #endif
@@ -162,6 +171,11 @@ loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float a
 #endif
     loom_cpu_sgemm(false, false, M, N, K, alpha, A, K, B, N, beta, C, N);
     return LOOM_OK;
+}
+
+loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                          const void *B, float beta, void *C) {
+    return gemm(m, false, false, M, N, K, alpha, A, K, B, N, beta, C, m->dev.adt, N);
 }
 
 /* ---- transformer ops ---- */

@@ -36,6 +36,9 @@ typedef struct loom_dev {
     double *sumsq_scratch;    /* device: the grad-norm reduction's block partials */
     void *rms_scratch;        /* device: RMSNorm backward's dw partials */
     size_t rms_scratch_bytes;
+    size_t used0;             /* GPU memory in use when the model was created */
+    size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
+    size_t gpu_total;
 } loom_dev;
 
 /* Sets up the device side of `m` (m->dev.cuda and adt already set): on a
@@ -71,6 +74,10 @@ loom_status loom_k_lin_dw(loom_model *m, const void *dy, const void *x, int64_t 
 /* fp32 C = alpha A B + beta C (row-major, all fp32; merges of adapters) */
 loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha,
                          const float *A, const float *B, float beta, float *C);
+
+/* the same with A, B and C in the compute dtype (merges into a compute copy) */
+loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                          const void *B, float beta, void *C);
 
 /* ---- the transformer ops (cpu_ops.h has their exact semantics) ---- */
 loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int64_t N, int64_t H,

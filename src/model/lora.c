@@ -73,7 +73,7 @@ void loom_adapters_free(loom_model *m) {
 }
 
 /* "all-linear" or a comma-separated list of module names. */
-static loom_status parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]) {
+loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]) {
     memset(target, 0, sizeof(bool) * LOOM_LORA_NMOD);
     if (!spec || !strcmp(spec, "all-linear")) {
         for (int k = 0; k < LOOM_LORA_NMOD; k++) target[k] = true;
@@ -181,13 +181,14 @@ static void freeze_base(loom_model *m, loom_adapter *a) {
     loom_dev_free(m, m->base.d_norm);
     m->base.g = m->base.gshard = m->base.adam_m = m->base.adam_v = NULL;
     m->base.d_norm = NULL;
+    loom_arena_drop_master(m, &m->base);
     m->active = (int)(a - m->adapters);
     loom_model_zero_grad(m);
 }
 
 loom_status loom_model_add_adapter(loom_model *m, const char *name, const loom_lora_config *c) {
     bool target[LOOM_LORA_NMOD];
-    loom_status st = parse_targets(m->ctx, c->target_modules, target);
+    loom_status st = loom_lora_parse_targets(m->ctx, c->target_modules, target);
     if (st) return st;
     loom_adapter *a;
     double alpha = c->lora_alpha > 0 ? c->lora_alpha : c->r;
@@ -305,7 +306,7 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
         goto done;
     }
     bool target[LOOM_LORA_NMOD];
-    if ((s = parse_targets(ctx, targets, target))) {
+    if ((s = loom_lora_parse_targets(ctx, targets, target))) {
         loom_err_prefix(ctx, "%s", cfgp);
         goto done;
     }
@@ -545,9 +546,16 @@ static loom_status merge(loom_model *m, const char *name, float sign) {
             const loom_slot *A = &a->ar.slots[a->slot[l][k][0]], *B = &a->ar.slots[a->slot[l][k][1]];
             const loom_slot *W = &m->base.slots[base[k]];
             LOOM_ASSERT(W->rows == B->rows && W->cols == A->cols);
-            loom_status st = loom_k_sgemm(m, W->rows, W->cols, a->r, sign * a->scale,
-                                          a->ar.w + B->off, a->ar.w + A->off, 1.0f,
-                                          m->base.w + W->off);
+            /* into the fp32 master, or (a frozen GPU base without one) the
+             * compute copy, rounding once per element as PEFT does */
+            loom_status st =
+                m->base.w ? loom_k_sgemm(m, W->rows, W->cols, a->r, sign * a->scale,
+                                         a->ar.w + B->off, a->ar.w + A->off, 1.0f,
+                                         m->base.w + W->off)
+                          : loom_k_gemm_c(m, W->rows, W->cols, a->r, sign * a->scale,
+                                          (const char *)a->ar.wc + B->off * m->dev.esz,
+                                          (const char *)a->ar.wc + A->off * m->dev.esz, 1.0f,
+                                          (char *)m->base.wc + W->off * m->dev.esz);
             if (st) return st;
         }
     }

@@ -6,6 +6,7 @@
 
 #include "../backend/cpu/cpu_ops.h"
 #include "../io/safetensors.h"
+#include "../parallel/schedule.h"
 #include "model.h"
 #ifdef LOOM_HAVE_CUDA
 #include "../backend/cuda/cuda_backend.h"
@@ -208,7 +209,7 @@ static loom_status build_slots(loom_model *m) {
 /* Slots 64-byte aligned; buckets closed at slot boundaries once they hold
  * bucket_elems, each padded to a multiple of dp*cp. Memory: one block per
  * class and arena (values, compute copy, gradients, optimizer state). */
-loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen) {
+static loom_status arena_place(loom_model *m, loom_arena *a) {
     loom_ctx *ctx = m->ctx;
     const size_t grp = (size_t)(m->dp * m->cp);
     a->bucket_off = loom_calloc(ctx, (size_t)a->nslots + 1, sizeof(size_t), "buckets");
@@ -227,7 +228,14 @@ loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen) {
         }
     }
     a->nparams = off;
-    a->w = loom_calloc(ctx, off ? off : 1, sizeof(float), "parameters");
+    return LOOM_OK;
+}
+
+loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen) {
+    loom_status st = arena_place(m, a);
+    if (st) return st;
+    const size_t off = a->nparams;
+    a->w = loom_calloc(m->ctx, off ? off : 1, sizeof(float), "parameters");
     if (!a->w) return LOOM_ERR_OOM;
     if (!frozen) return loom_dev_alloc(m, (void **)&a->g, off * sizeof(float), "gradients");
     return LOOM_OK;
@@ -256,18 +264,18 @@ loom_status loom_arena_commit(loom_model *m, loom_arena *a) {
 }
 
 loom_status loom_arena_sync(loom_model *m, loom_arena *a) {
-    if (!a->wc || a->wc == (void *)a->w) return LOOM_OK;
+    if (!a->wc || !a->w || a->wc == (void *)a->w) return LOOM_OK;
     return loom_k_convert(m, a->wc, m->dev.adt, a->w, LOOM_F32, a->nparams);
 }
 
 loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grads, float **tmp,
                             size_t *tmp_cap, const float **out) {
     const loom_slot *s = &a->slots[i];
-    const float *src = (grads ? a->g : a->w) + s->off;
     if (!m->dev.cuda) {
-        *out = src;
+        *out = (grads ? a->g : a->w) + s->off;
         return LOOM_OK;
     }
+    /* room for the fp32 values, and for the compute copy's before widening */
     if (*tmp_cap < s->numel) {
         float *t = realloc(*tmp, (s->numel ? s->numel : 1) * sizeof(float));
         if (!t) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for a copy of %s", s->name);
@@ -275,7 +283,23 @@ loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grad
         *tmp_cap = s->numel;
     }
     *out = *tmp;
-    return loom_k_download(m, *tmp, src, s->numel * sizeof(float));
+    if (grads || a->w)
+        return loom_k_download(m, *tmp, (grads ? a->g : a->w) + s->off, s->numel * sizeof(float));
+    /* a frozen base kept only in the compute dtype: widen on the host */
+    loom_status st = loom_k_download(m, *tmp, (const char *)a->wc + s->off * m->dev.esz,
+                                     s->numel * m->dev.esz);
+    if (st) return st;
+    const uint16_t *h = (const uint16_t *)*tmp;
+    for (size_t j = s->numel; j-- > 0;)
+        (*tmp)[j] = m->dev.adt == LOOM_BF16 ? loom_bf16_to_f32(h[j]) : loom_f16_to_f32(h[j]);
+    return LOOM_OK;
+}
+
+void loom_arena_drop_master(loom_model *m, loom_arena *a) {
+    if (!m->dev.cuda || !a->w || a->wc == (void *)a->w) return;
+    loom_dev_free(m, a->w);
+    a->w = NULL;
+    a->w_on_dev = false;
 }
 
 void loom_arena_free(loom_model *m, loom_arena *a) {
@@ -811,7 +835,7 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
     const loom_mesh *me = m->mesh;
     float *tmp = NULL;
     size_t cap = 0;
-    for (int i = 0; (grads ? a->g : a->w) && i < a->nslots; i++) {
+    for (int i = 0; (grads ? (void *)a->g : a->wc) && i < a->nslots; i++) {
         const loom_slot *s = &a->slots[i];
         if (strcmp(s->name, name)) continue;
         if (!grads && (me->dp_rank || me->cp_rank || s->head_copy)) continue;
@@ -934,4 +958,167 @@ loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
         if (!st) st = loom_config_save(ctx, &m->cfg, dir, dtype);
     }
     return st;
+}
+
+loom_status loom_model_load_config(loom_ctx *ctx, const char *dir, const char *overrides,
+                                   loom_model_config *cfg) {
+    return load_config(ctx, dir, overrides, cfg);
+}
+
+/* ---- memory prediction ----
+ * A shadow model per pipeline stage (sizes and slots only, nothing
+ * allocated but small tables) measured with the same layout code the model
+ * allocates with: arena_place for the parameters, acts_layout for the
+ * activations. */
+static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
+                                 const loom_mem_in *in, int pp_rank, loom_mem_report *r) {
+    loom_model sh;
+    loom_mesh mesh;
+    memset(&sh, 0, sizeof sh);
+    memset(&mesh, 0, sizeof mesh);
+    memset(r, 0, sizeof *r);
+    loom_model *m = &sh;
+    const loom_mesh_sizes *n = &in->n;
+    mesh.n = *n;
+    mesh.pp_rank = pp_rank;
+    m->ctx = ctx;
+    m->cfg = *cfg; /* shallow: only read */
+    m->mesh = &mesh;
+    m->tp = n->tp;
+    m->cp = n->cp;
+    m->dp = n->dp;
+    m->pp = n->pp;
+    m->vpp = n->vpp;
+    m->sp = n->sequence_parallel && n->tp > 1;
+    m->bucket_elems = 40000000;
+    int64_t pad = in->vocab_pad > 0 ? in->vocab_pad : 128;
+    m->V = cfg->vocab_size;
+    m->Vp = (cfg->vocab_size + pad * m->tp - 1) / (pad * m->tp) * (pad * m->tp);
+    m->H = cfg->hidden_size;
+    m->I = cfg->intermediate_size;
+    m->L = cfg->num_layers;
+    m->Hq = cfg->num_heads;
+    m->Hkv = cfg->num_kv_heads;
+    m->D = cfg->head_dim;
+    m->Vl = m->Vp / m->tp;
+    m->Il = m->I / m->tp;
+    m->Hql = m->Hq / m->tp;
+    m->Hkvl = m->Hkv / m->tp;
+    m->dev.cuda = in->cuda;
+    m->dev.adt = in->adt;
+    m->dev.esz = loom_dtype_size(in->adt);
+    loom_pp_step *steps = NULL;
+    int nsteps = 0;
+    loom_status st = loom_param_plan_build(ctx, cfg, &m->plan);
+    if (!st) st = build_slots(m);
+    if (!st) st = arena_place(m, &m->base);
+    if (st) goto done;
+    const size_t P = m->base.nparams, esz = m->dev.esz;
+    const bool lora = in->lora_r > 0;
+    r->pp_rank = pp_rank;
+    r->cuda = in->cuda;
+    /* the base: fp32 master (dropped for a frozen GPU base in bf16/fp16)
+     * and the compute copy; gradients and AdamW state when trained */
+    r->weights = (lora && in->cuda && in->adt != LOOM_F32 ? 0 : P * 4) +
+                 (in->adt != LOOM_F32 ? P * esz : 0);
+    size_t train_p = P, train_shard = m->base.shard_numel;
+    if (lora) { /* adapter blocks of the layers held: A (r, in), B (out, r), tp-split */
+        const int64_t QD = m->Hq * m->D, KD = m->Hkv * m->D;
+        const int64_t io[LOOM_LORA_NMOD][3] = {
+            {m->H, QD, 0}, {m->H, KD, 0}, {m->H, KD, 0}, {QD, m->H, 1},
+            {m->H, m->I, 0}, {m->H, m->I, 0}, {m->I, m->H, 1}};
+        int64_t held = 0;
+        for (int64_t l = 0; l < m->L; l++) held += m->layer[l].wq >= 0;
+        size_t ap = 0;
+        for (int k = 0; k < LOOM_LORA_NMOD; k++) {
+            if (!in->lora_target[k]) continue;
+            int64_t a_in = io[k][2] ? io[k][0] / m->tp : io[k][0];
+            int64_t b_out = io[k][2] ? io[k][1] : io[k][1] / m->tp;
+            ap += (size_t)(held * ((int64_t)in->lora_r * a_in + b_out * in->lora_r));
+        }
+        size_t grp = (size_t)(m->dp * m->cp);
+        train_p = ap;
+        train_shard = (ap + grp - 1) / grp;
+        r->weights += ap * 4 + (in->adt != LOOM_F32 ? ap * esz : 0);
+    }
+    r->grads = train_p * 4;
+    r->optim = in->training ? 3 * train_shard * 4 : 0;
+    /* activations: the pipeline's micro-batches in flight on this stage */
+    int in_flight = 1;
+    if (in->training) {
+        if ((st = loom_pp_schedule(ctx, m->pp, m->vpp, pp_rank, in->nmb, &steps, &nsteps))) goto done;
+        in_flight = loom_pp_max_in_flight(steps, nsteps, m->vpp);
+    }
+    r->in_flight = in_flight;
+    int64_t Lc = m->L / (m->pp * m->vpp);
+    loom_chunk chunks[64];
+    if (m->vpp > 64) {
+        st = loom_errf(ctx, LOOM_ERR_CONFIG, "vpp=%d: at most 64 chunks per rank", m->vpp);
+        goto done;
+    }
+    m->chunks = chunks;
+    for (int ci = 0; ci < m->vpp; ci++) {
+        int64_t v = (int64_t)ci * m->pp + pp_rank;
+        chunks[ci] = (loom_chunk){.l0 = v * Lc, .nl = Lc, .first = v == 0,
+                                  .last = v == (int64_t)m->pp * m->vpp - 1, .npool = in_flight};
+        chunks[ci].pool = loom_calloc(ctx, (size_t)in_flight, sizeof(loom_acts), "plan");
+        if (!chunks[ci].pool) st = LOOM_ERR_OOM;
+    }
+    m->micro = loom_calloc(ctx, (size_t)in->nmb, sizeof *m->micro, "plan");
+    m->npp_stage = m->pp > 1 ? in_flight + 2 : 0;
+    m->pp_stage = m->npp_stage ? loom_calloc(ctx, (size_t)m->npp_stage, sizeof(void *), "plan") : NULL;
+    if (!m->micro || (m->npp_stage && !m->pp_stage)) st = LOOM_ERR_OOM;
+    if (!st) {
+        const int64_t T = in->rows * in->seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
+        m->chunk_rows = ((int64_t)(in->cuda ? 64 : 16) << 20) / m->Vl;
+        if (m->chunk_rows < 1) m->chunk_rows = 1;
+        if (m->chunk_rows > Tc) m->chunk_rows = Tc;
+        carve c = {0};
+        acts_layout(m, &c, T, Tc, Tn, in->nmb, in_flight, in->lora_r, false);
+        r->acts = c.used;
+        /* cuBLASLt workspace, RMSNorm and grad-norm scratch */
+        int64_t rows_max = Tc * (m->Hql > m->Hkvl ? m->Hql : m->Hkvl);
+        if (Tn > rows_max) rows_max = Tn;
+        r->work = in->cuda ? (32u << 20) + (size_t)rows_max * 8 + 1024 * 8 : 0;
+    }
+    for (int ci = 0; ci < m->vpp; ci++) free(chunks[ci].pool);
+    free(m->micro);
+    free(m->pp_stage);
+    r->total = r->weights + r->grads + r->optim + r->acts + r->work;
+done:
+    free(steps);
+    free(m->base.slots);
+    free(m->base.bucket_off);
+    free(m->base.bucket_len);
+    free(m->layer);
+    loom_param_plan_free(&m->plan);
+    return st;
+}
+
+loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,
+                                loom_mem_report *out) {
+    loom_status st = loom_mesh_check_model(ctx, &in->n, cfg);
+    if (st) return st;
+    memset(out, 0, sizeof *out);
+    for (int p = 0; p < in->n.pp; p++) {
+        loom_mem_report r;
+        if ((st = predict_stage(ctx, cfg, in, p, &r))) return st;
+        if (r.total > out->total) *out = r;
+    }
+    return LOOM_OK;
+}
+
+void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, size_t gpu_bytes,
+                       loom_log_level level) {
+    char a[32], b[32], c[32], d[32], e[32], t[32], g[32];
+    loom_log(ctx, level,
+             "memory per %s (predicted, pipeline stage %d): weights %s, gradients %s, "
+             "optimizer %s, activations %s (%d micro-batch%s in flight), workspace %s; "
+             "total %s%s%s%s",
+             r->cuda ? "GPU" : "process", r->pp_rank, loom_fmt_bytes(a, r->weights), loom_fmt_bytes(b, r->grads),
+             loom_fmt_bytes(c, r->optim), loom_fmt_bytes(d, r->acts), r->in_flight,
+             r->in_flight == 1 ? "" : "es", loom_fmt_bytes(e, r->work),
+             loom_fmt_bytes(t, r->total), gpu_bytes ? " of " : "",
+             gpu_bytes ? loom_fmt_bytes(g, gpu_bytes) : "",
+             r->cuda ? " (plus the CUDA context and NCCL buffers)" : "");
 }

@@ -66,7 +66,8 @@ typedef struct loom_arena {
     loom_slot *slots;
     int nslots;
     size_t nparams;          /* floats in w and g (buckets padded) */
-    float *w, *g;            /* fp32 master values, main grads (the model's device memory) */
+    float *w, *g;            /* fp32 master values (NULL: a frozen base kept in the compute
+                              * dtype only), main grads (the model's device memory) */
     bool w_on_dev;           /* w is device memory (committed on a GPU) */
     void *wc;                /* compute copy of w in the compute dtype (== w when that is F32) */
     int nbuckets;
@@ -262,6 +263,44 @@ loom_status loom_arena_sync(loom_model *m, loom_arena *a);
  * the arena on CPU, else a copy in *tmp (grown; the caller frees it). */
 loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grads, float **tmp,
                             size_t *tmp_cap, const float **out);
+/* A frozen arena on a GPU in bf16/fp16 needs no fp32 master: frees it (w
+ * becomes NULL; values are read from wc). */
+void loom_arena_drop_master(loom_model *m, loom_arena *a);
 void loom_arena_free(loom_model *m, loom_arena *a);
+
+/* LoRA target_modules ("all-linear" or a list of q_proj, ..., down_proj). */
+loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]);
+
+/* config.json of dir with the overrides applied (as loom_model_create reads it). */
+loom_status loom_model_load_config(loom_ctx *ctx, const char *dir, const char *overrides,
+                                   loom_model_config *cfg);
+
+/* Device memory one rank needs, predicted from the shapes alone with the
+ * layout code the model allocates with (`loom inspect --mesh`, and printed
+ * by every run). The pipeline stage that needs the most is reported. */
+typedef struct loom_mem_in {
+    loom_mesh_sizes n;        /* resolved sizes */
+    loom_dtype adt;           /* compute dtype */
+    bool cuda;
+    int lora_r;               /* 0: full fine-tuning */
+    bool lora_target[LOOM_LORA_NMOD];
+    int64_t rows, seq;        /* one micro-batch */
+    int nmb;                  /* micro-batches per forward_backward call */
+    bool training;
+    int64_t vocab_pad;        /* 0: 128 */
+} loom_mem_in;
+
+typedef struct loom_mem_report {
+    int pp_rank, in_flight;
+    bool cuda;
+    uint64_t weights;         /* master values and compute copies (base and adapter) */
+    uint64_t grads, optim, acts, work, total;
+} loom_mem_report;
+
+loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,
+                                loom_mem_report *out);
+/* One log line: each class, the total, and the GPU's size when known. */
+void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, size_t gpu_bytes,
+                       loom_log_level level);
 
 #endif /* LOOM_MODEL_H */
