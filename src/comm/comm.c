@@ -1,4 +1,5 @@
-/* Collectives: argument checks shared by every backend, dispatch, and the
+/* Collectives: argument checks shared by every backend, dispatch, the copy
+ * of buffers that may be device memory (loom_comm_copy), and the
  * one-process "single" backend (MPI is in comm_mpi.c). */
 
 #include "comm_impl.h"
@@ -10,6 +11,18 @@
 #include <sched.h>
 #include <string.h>
 #include <time.h>
+
+#ifdef LOOM_HAVE_CUDA
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <link.h>
+#include <stdatomic.h>
+/* dlopen is in libc from glibc 2.34 (before, in libdl, which loom does not link) */
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
+#include <dlfcn.h>
+#define LOOM_COMM_DLOPEN 1
+#endif
+#endif
 
 #define LOOM_COMM_TAG_LIMIT 32768
 
@@ -48,8 +61,168 @@ loom_status loom_comm_env_timeout(loom_ctx *ctx, double *out) {
     return LOOM_OK;
 }
 
-static bool reducible(loom_dtype dt) {
-    return dt == LOOM_F32 || dt == LOOM_F64 || dt == LOOM_I32 || dt == LOOM_I64;
+/* ---- copies of buffers that may be device memory ---- */
+
+#ifdef LOOM_HAVE_CUDA
+static int is_libcuda(struct dl_phdr_info *info, size_t size, void *data) {
+    const char *name = info->dlpi_name ? info->dlpi_name : "";
+    const char *base = strrchr(name, '/');
+    base = base ? base + 1 : name;
+    return strncmp(base, "libcuda.so", 10) == 0;
+}
+#endif
+
+#if defined(LOOM_HAVE_CUDA) && defined(LOOM_COMM_DLOPEN)
+typedef CUresult (*cu_ctx_get_current_fn)(CUcontext *);
+typedef CUresult (*cu_device_get_count_fn)(int *);
+typedef CUresult (*cu_device_get_fn)(CUdevice *, int);
+typedef CUresult (*cu_primary_state_fn)(CUdevice, unsigned int *, int *);
+
+/* Whether the loaded driver holds a context that device memory could
+ * belong to: one current on this thread, or a primary context (the
+ * runtime's) active on some device. Queries that initialise and create
+ * nothing; "true" when it cannot tell. */
+static bool driver_has_context(void *lib) {
+    cu_ctx_get_current_fn get_current = (cu_ctx_get_current_fn)dlsym(lib, "cuCtxGetCurrent");
+    cu_device_get_count_fn get_count = (cu_device_get_count_fn)dlsym(lib, "cuDeviceGetCount");
+    cu_device_get_fn get_device = (cu_device_get_fn)dlsym(lib, "cuDeviceGet");
+    cu_primary_state_fn get_state =
+        (cu_primary_state_fn)dlsym(lib, "cuDevicePrimaryCtxGetState");
+    if (!get_current || !get_count || !get_device || !get_state) return true;
+    CUcontext cur = NULL;
+    CUresult r = get_current(&cur);
+    if (r == CUDA_ERROR_NOT_INITIALIZED || r == CUDA_ERROR_DEINITIALIZED) return false;
+    if (r != CUDA_SUCCESS || cur) return true;
+    int n = 0;
+    if (get_count(&n) != CUDA_SUCCESS) return true;
+    for (int i = 0; i < n; i++) {
+        CUdevice d;
+        unsigned int flags = 0;
+        int active = 0;
+        if (get_device(&d, i) != CUDA_SUCCESS || get_state(d, &flags, &active) != CUDA_SUCCESS)
+            return true;
+        if (active) return true;
+    }
+    return false;
+}
+#endif
+
+/* A CPU-only run of a CUDA build must not start the driver (cuInit, a
+ * context on GPU 0) just to learn that its buffers are host memory, and
+ * device memory needs a driver that is loaded, initialised and holds a
+ * context. So: libcuda not among the loaded objects (no CUDA call was ever
+ * made), or driver_has_context false, means every pointer is host memory.
+ * (cuBLASLt loads libcuda when the program starts, and probing the devices
+ * initialises it, so neither alone says device memory exists.) Without
+ * dlopen in libc, a loaded libcuda counts as in use. */
+bool loom_comm_cuda_in_use(void) {
+#ifdef LOOM_HAVE_CUDA
+    static atomic_bool in_use;
+    if (atomic_load(&in_use)) return true;
+    if (!dl_iterate_phdr(is_libcuda, NULL)) return false;
+#ifdef LOOM_COMM_DLOPEN
+    void *lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib) {
+        bool has = driver_has_context(lib);
+        dlclose(lib);
+        if (!has) return false;
+    }
+#endif
+    atomic_store(&in_use, true);
+    return true;
+#else
+    return false;
+#endif
+}
+
+#ifdef LOOM_HAVE_CUDA
+/* Whether p is device (or managed) memory; host memory, pinned or not, is
+ * not. */
+static loom_status is_device(loom_comm *c, const char *what, const void *p, bool *dev) {
+    struct cudaPointerAttributes a;
+    memset(&a, 0, sizeof a);
+    *dev = false;
+    cudaError_t e = cudaPointerGetAttributes(&a, p);
+    if (e == cudaErrorInvalidValue) { /* runtimes before CUDA 11: unregistered host memory */
+        cudaGetLastError();
+        return LOOM_OK;
+    }
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        /* a driver that cannot run (no GPU, a stub or too old a driver)
+         * holds no device memory */
+        int n = 0;
+        cudaError_t g = cudaGetDeviceCount(&n);
+        cudaGetLastError();
+        if (g != cudaSuccess || n == 0) return LOOM_OK;
+        char w[96];
+        return loom_errf(c->ctx, LOOM_ERR_COMM, "%s on %s: cannot tell whether %p is device "
+                         "memory: CUDA error: %s",
+                         what, loom_comm_where(c, w, sizeof w), p, cudaGetErrorString(e));
+    }
+    *dev = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+    return LOOM_OK;
+}
+
+/* cudaMemcpy's ranges may not overlap: an overlapping copy goes through a
+ * temporary device buffer. A device-to-device cudaMemcpy may return before
+ * the copy is done; the legacy stream is synchronised so that the
+ * operation is complete on return, as on the other backends. */
+static loom_status device_copy(loom_comm *c, const char *what, void *dst, const void *src,
+                               size_t bytes) {
+    char w[96];
+    void *tmp = NULL;
+    const char *d = dst, *s = src;
+    cudaError_t e = cudaSuccess;
+    if (d < s + bytes && s < d + bytes) {
+        e = cudaMalloc(&tmp, bytes);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return loom_errf(c->ctx, LOOM_ERR_OOM,
+                             "%s on %s: no GPU memory for a %zu-byte copy of an overlapping "
+                             "buffer (%s)",
+                             what, loom_comm_where(c, w, sizeof w), bytes, cudaGetErrorString(e));
+        }
+        e = cudaMemcpy(tmp, src, bytes, cudaMemcpyDefault);
+        src = tmp;
+    }
+    if (e == cudaSuccess) e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
+    if (tmp) {
+        cudaError_t f = cudaFree(tmp);
+        if (e == cudaSuccess) e = f;
+    }
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return loom_errf(c->ctx, LOOM_ERR_COMM, "%s on %s: copying %zu bytes: CUDA error: %s",
+                         what, loom_comm_where(c, w, sizeof w), bytes, cudaGetErrorString(e));
+    }
+    return LOOM_OK;
+}
+#endif
+
+loom_status loom_comm_copy(loom_comm *c, const char *what, void *dst, const void *src,
+                           size_t bytes) {
+    if (bytes == 0 || dst == src) return LOOM_OK;
+#ifdef LOOM_HAVE_CUDA
+    if (loom_comm_cuda_in_use()) {
+        bool dd, sd;
+        loom_status st = is_device(c, what, dst, &dd);
+        if (!st) st = is_device(c, what, src, &sd);
+        if (st) return st;
+        if (dd || sd) return device_copy(c, what, dst, src, bytes);
+    }
+#endif
+    memmove(dst, src, bytes);
+    return LOOM_OK;
+}
+
+/* F32, F64, I32 and I64 everywhere; BF16 and F16 (GPU activations) on NCCL,
+ * and on one process, where a reduction is a copy. MPI has no 16-bit
+ * floating-point types. */
+static bool reducible(const loom_comm *c, loom_dtype dt) {
+    if (dt == LOOM_F32 || dt == LOOM_F64 || dt == LOOM_I32 || dt == LOOM_I64) return true;
+    return (dt == LOOM_BF16 || dt == LOOM_F16) && strcmp(loom_comm_backend_name(c), "mpi");
 }
 
 /* Checks shared by every operation: a usable group, a known dtype, buffers
@@ -78,10 +251,10 @@ static loom_status check_common(loom_comm *c, const char *op, loom_dtype dt, siz
 static loom_status check_reduce(loom_comm *c, const char *op, loom_dtype dt, loom_red_op rop) {
     if (rop != LOOM_RED_SUM && rop != LOOM_RED_MAX)
         return loom_errf(c->ctx, LOOM_ERR_INVALID_ARG, "%s: unknown reduction %d", op, (int)rop);
-    if (!reducible(dt))
+    if (!reducible(c, dt))
         return loom_errf(c->ctx, LOOM_ERR_UNSUPPORTED,
-                         "%s of %s is not supported (loom reduces F32, F64, I32 and I64; "
-                         "reduce an F32 copy)",
+                         "%s of %s is not supported here (loom reduces F32, F64, I32 and I64, "
+                         "and BF16 and F16 on NCCL; reduce an F32 copy)",
                          op, loom_dtype_name(dt));
     return LOOM_OK;
 }
@@ -365,8 +538,10 @@ static loom_status single_split(loom_comm *parent, int color, int key, const cha
     return LOOM_OK;
 }
 
-static void move(void *dst, const void *src, size_t n, loom_dtype dt) {
-    if (n && dst != src) memmove(dst, src, n * loom_dtype_size(dt));
+/* In a CUDA build the buffers may be device memory (loom_comm_copy). */
+static loom_status move(loom_comm *c, const char *what, void *dst, const void *src, size_t n,
+                        loom_dtype dt) {
+    return loom_comm_copy(c, what, dst, src, n * loom_dtype_size(dt));
 }
 
 static loom_status single_allreduce(loom_comm *c, void *buf, size_t n, loom_dtype dt,
@@ -376,14 +551,12 @@ static loom_status single_allreduce(loom_comm *c, void *buf, size_t n, loom_dtyp
 
 static loom_status single_reduce_scatter(loom_comm *c, const void *send, void *recv, size_t n,
                                          loom_dtype dt, loom_red_op op, loom_comm_req **req) {
-    move(recv, send, n, dt);
-    return LOOM_OK;
+    return move(c, "reduce_scatter", recv, send, n, dt);
 }
 
 static loom_status single_allgather(loom_comm *c, const void *send, void *recv, size_t n,
                                     loom_dtype dt, loom_comm_req **req) {
-    move(recv, send, n, dt);
-    return LOOM_OK;
+    return move(c, "allgather", recv, send, n, dt);
 }
 
 static loom_status single_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root) {
@@ -392,8 +565,7 @@ static loom_status single_broadcast(loom_comm *c, void *buf, size_t n, loom_dtyp
 
 static loom_status single_alltoall(loom_comm *c, const void *send, void *recv, size_t n,
                                    loom_dtype dt) {
-    move(recv, send, n, dt);
-    return LOOM_OK;
+    return move(c, "alltoall", recv, send, n, dt);
 }
 
 static loom_status single_p2p(loom_comm *c, const char *op) {

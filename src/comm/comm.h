@@ -5,13 +5,22 @@
  *
  * Semantics follow NCCL so that the NCCL backend fits without changing
  * callers:
- *  - buffers are plain pointers (host memory for MPI/single, device memory
- *    for NCCL); counts are in elements of `dt` (MPI: at most INT_MAX
- *    elements per call, counting every rank's block);
+ *  - buffers are plain pointers. MPI: host memory only (a loom built with
+ *    CUDA does not make MPI CUDA-aware; pair MPI with host buffers). NCCL:
+ *    device memory of the rank's GPU (or managed memory), or host memory
+ *    (pageable or pinned), staged through device memory; send and recv
+ *    buffers may be of either kind (see "The NCCL backend"). Single: host
+ *    or device memory; in a CUDA build its copies (send != recv) go
+ *    through cudaMemcpy when either buffer is device memory and are
+ *    complete on return; a process that never started CUDA copies with
+ *    memmove without calling CUDA.
+ *    Counts are in elements of `dt` (MPI: at most INT_MAX elements per
+ *    call, counting every rank's block);
  *  - a collective is called by every rank of the group, in the same order;
- *  - reductions (allreduce, reduce_scatter) take F32, F64, I32 and I64;
- *    other dtypes are refused with LOOM_ERR_UNSUPPORTED on every backend
- *    (reduce an F32 copy of BF16/F16 data). Data movement (allgather,
+ *  - reductions (allreduce, reduce_scatter) take F32, F64, I32 and I64 on
+ *    every backend, and BF16 and F16 on NCCL and the one-process backend
+ *    (GPU activations); MPI refuses those with LOOM_ERR_UNSUPPORTED (reduce
+ *    an F32 copy). Data movement (allgather,
  *    broadcast, alltoall, send/recv) takes every dtype;
  *  - send/recv between group_start() and group_end() are posted together
  *    and all complete at group_end() (NCCL's ncclGroupStart/End), so a rank
@@ -26,7 +35,8 @@
  *    of sends to and receives from each peer the same on both sides;
  *  - the *_async variants return a request to wait on; the buffers must not
  *    be touched until loom_comm_wait returns. *req may be NULL when the
- *    operation completed at once (the single backend).
+ *    operation completed at once (the single backend; NCCL when a buffer
+ *    is host memory); loom_comm_wait(c, NULL) returns LOOM_OK.
  *
  * A failed or timed-out operation returns LOOM_ERR_COMM with a message that
  * names the operation, the group and the rank. Blocking waits give up after
@@ -143,7 +153,28 @@ void loom_comm_abort(loom_comm *c, const char *msg, int code) __attribute__((nor
  * else its position among the ranks on its host; GPU 0 when only one is
  * visible). NCCL_NVLS_ENABLE=0 is set unless the environment sets it.
  *
- * Buffers are device memory of that GPU (host pointers are refused).
+ * Buffers are device memory of that GPU (or managed memory), used as they
+ * are, or host memory (pageable, or pinned with cudaMallocHost /
+ * cudaHostRegister), which is staged: copied into a device buffer on the
+ * group's stream when the operation reads it (allreduce; the send buffer
+ * of reduce_scatter, allgather, alltoall and send; broadcast at the root),
+ * then copied back when it writes it (allreduce; the recv buffer of
+ * reduce_scatter, allgather, alltoall and recv; broadcast except at the
+ * root). Send and recv buffers may be of different kinds. Device memory
+ * of another GPU is refused. An operation with a host buffer:
+ *  - first waits, within the timeout, for the group's earlier operations
+ *    when it copies a host buffer in;
+ *  - is complete when it returns, results written to host memory
+ *    included; so are the async variants (they give *req = NULL);
+ *  - except send outside a group: it returns once the data is on the GPU
+ *    (the host buffer may be reused at once) and stays queued like a
+ *    device send;
+ *  - inside group_start/group_end, send/recv of host buffers are posted
+ *    like device ones; the received data reaches the host buffers at
+ *    group_end, which returns when it has.
+ * Staging costs a copy each way and a wait, so it suits small buffers
+ * (losses, norms, per-token outputs); large tensors belong in device
+ * memory.
  * Operations run on the group's stream (loom_comm_stream), which is a
  * blocking stream: work on the legacy default stream (stream 0, cudaMemcpy)
  * is ordered with it both ways; order work on other streams with events.

@@ -62,6 +62,26 @@ const char *loom_comm_where(const loom_comm *c, char *buf, size_t cap);
 /* LOOM_COMM_TIMEOUT (seconds, default 600, 0 = wait forever). */
 loom_status loom_comm_env_timeout(loom_ctx *ctx, double *out);
 
+/* Copies `bytes` from src to dst (the ranges may overlap) for operation
+ * `what` of group c: the one place where src/comm copies buffers that may
+ * be device memory. Without CUDA, or when no device memory can exist yet
+ * (loom_comm_cuda_in_use), memmove, calling no CUDA function. Otherwise
+ * each pointer is looked up with cudaPointerGetAttributes: two host
+ * pointers are still memmove'd; when either is device (or managed) memory
+ * the copy is a cudaMemcpy (cudaMemcpyDefault) on the legacy default
+ * stream, finished before returning. Errors (LOOM_ERR_COMM, LOOM_ERR_OOM)
+ * name the operation, the group and the rank. The MPI backend does not use
+ * it: its buffers are host memory (comm.h). */
+loom_status loom_comm_copy(loom_comm *c, const char *what, void *dst, const void *src,
+                           size_t bytes);
+/* Whether device memory can exist in this process: false in a build
+ * without CUDA, and false while the CUDA driver (libcuda) is not loaded,
+ * not initialised, or holds no context (none current on this thread, no
+ * primary context active); with glibc before 2.34 (no dlopen in libc),
+ * false only while libcuda is not loaded. Answered without initialising or
+ * creating anything; once true, stays true. */
+bool loom_comm_cuda_in_use(void);
+
 #ifdef LOOM_HAVE_MPI
 loom_status loom_comm_mpi_world(loom_ctx *ctx, loom_comm **out);
 bool loom_comm_mpi_initialized(void);

@@ -8,7 +8,12 @@
  * group_start/group_end are copied and posted (MPI_Isend); the copies are
  * released as they complete (checked at every call on the group) and at
  * loom_comm_free. Communicators are duplicates of MPI_COMM_WORLD with
- * MPI_ERRORS_RETURN, so loom's traffic never matches the program's own. */
+ * MPI_ERRORS_RETURN, so loom's traffic never matches the program's own.
+ *
+ * Buffers are host memory, in a CUDA build too: the copies below are
+ * memcpy and MPI is not assumed to be CUDA-aware, so device pointers are
+ * not supported (nor checked: that would start CUDA in CPU runs). GPU
+ * ranks use the NCCL backend, which takes host and device buffers. */
 
 #include "comm_impl.h"
 

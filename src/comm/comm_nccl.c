@@ -14,7 +14,35 @@
  * Each group has its own blocking CUDA stream (ordered with the legacy
  * default stream), an event for blocking waits and 8 bytes of device
  * scratch for the barrier. Temporary device copies (overlapping buffers)
- * are stream-ordered allocations freed on the same stream. */
+ * are stream-ordered allocations freed on the same stream.
+ *
+ * Host buffers (pageable, or pinned: cudaMemoryTypeHost) are staged
+ * through device memory; device buffers take the direct path, unchanged.
+ * The staging copy of each host buffer is a stream-ordered allocation on
+ * the group's stream (cudaMallocAsync, as for overlapping copies), filled
+ * from the host when the operation reads the buffer, copied back when it
+ * writes it, and freed on the stream after its last use. Not one growing
+ * buffer per group: send/recv posted inside group_start/group_end each
+ * need their own staging copy alive until group_end (a buffer grown in
+ * between would move under what was already posted), and freeing a
+ * cudaMalloc'd buffer to grow it synchronises the whole device, which would
+ * wait with no deadline on the NCCL kernels of other groups; stream-ordered
+ * allocation and free never synchronise the device, and the allocator's
+ * pool serves the small host buffers the model passes (losses, norms).
+ * An operation on host buffers:
+ *  - when it copies in, first waits (with the group's deadline) for the
+ *    work already on the group's stream: a copy from pageable memory may
+ *    block the host until the stream reaches it, which would be a wait
+ *    without a deadline (the stream runs the group's operations in order
+ *    anyway, so this changes no result and no matching);
+ *  - completes before returning, results in host memory: the *_async
+ *    variants return a NULL request, as the single backend does;
+ *  - except a send outside a group, which returns once the data is on the
+ *    device (the caller may reuse its buffer) and stays queued on the
+ *    stream like a device send;
+ *  - inside a group, posts the staged send/recv into the NCCL group;
+ *    group_end copies the received data out to the host buffers once the
+ *    group has completed, then frees the staging copies. */
 
 #include "comm_impl.h"
 
@@ -45,6 +73,13 @@ static loom_comm *group_owner; /* the group whose NCCL group is open (NCCL's is 
 
 #define N_NOTE 4
 
+/* A device copy of a host buffer for one operation. */
+typedef struct staged {
+    void *dev;    /* stream-ordered allocation; NULL: nothing staged */
+    void *host;   /* where the result goes back; NULL: nothing to copy out */
+    size_t bytes;
+} staged;
+
 struct nccl_state {
     ncclComm_t comm;     /* NULL once aborted */
     cudaStream_t stream;
@@ -54,6 +89,8 @@ struct nccl_state {
     bool in_group;       /* ncclGroupStart called for p2p posted inside group_start/end */
     int n_posted;        /* p2p posted in this group */
     struct { char kind; int peer; } notes[N_NOTE]; /* the first ones, for messages */
+    staged *pending;     /* host send/recv posted in this group, staged until group_end */
+    int n_pending, cap_pending;
     nccl_state *next;
     loom_comm *self;
 };
@@ -67,6 +104,16 @@ typedef struct nccl_req {
 static const loom_comm_vt nccl_vt;
 
 static nccl_state *S(const loom_comm *c) { return (nccl_state *)c->impl; }
+
+/* Frees (stream-ordered, after what was queued) the staging copies of the
+ * host send/recv posted in the current group, without copying out. */
+static void drop_pending(loom_comm *c) {
+    nccl_state *s = S(c);
+    for (int i = 0; i < s->n_pending; i++)
+        if (s->pending[i].dev) cudaFreeAsync(s->pending[i].dev, s->stream);
+    if (s->n_pending) cudaGetLastError();
+    s->n_pending = 0;
+}
 
 /* ---- errors ---- */
 
@@ -91,6 +138,7 @@ static void kill_comm(loom_comm *c) {
         ncclCommAbort(s->comm);
         s->comm = NULL;
     }
+    drop_pending(c);
 }
 
 static loom_status nccl_fail(loom_comm *c, const char *what, ncclResult_t r) {
@@ -213,6 +261,8 @@ static ncclDataType_t red_type(loom_dtype dt) {
     case LOOM_F64: return ncclFloat64;
     case LOOM_I32: return ncclInt32;
     case LOOM_I64: return ncclInt64;
+    case LOOM_BF16: return ncclBfloat16;
+    case LOOM_F16: return ncclFloat16;
     case LOOM_F32:
     default: return ncclFloat32;
     }
@@ -220,25 +270,32 @@ static ncclDataType_t red_type(loom_dtype dt) {
 
 static ncclRedOp_t red_op(loom_red_op op) { return op == LOOM_RED_MAX ? ncclMax : ncclSum; }
 
-/* Device buffers of this rank's GPU only: a host pointer handed to NCCL
- * faults inside a kernel, far from the call that passed it. */
-static loom_status check_buf(loom_comm *c, const char *what, const void *p) {
+/* Where a buffer is: *host when it is host memory (pageable, or pinned:
+ * cudaMemoryTypeHost), to be staged; otherwise device memory of this
+ * rank's GPU or managed memory, handed to NCCL as it is. Device memory of
+ * another GPU is refused: NCCL would fault inside a kernel, far from the
+ * call that passed it. */
+static loom_status check_buf(loom_comm *c, const char *what, const void *p, bool *host) {
     struct cudaPointerAttributes a;
     memset(&a, 0, sizeof a);
+    *host = false;
     cudaError_t e = cudaPointerGetAttributes(&a, p);
     char w[96];
+    if (e == cudaErrorInvalidValue) { /* runtimes before CUDA 11: unregistered host memory */
+        cudaGetLastError();
+        *host = true;
+        return LOOM_OK;
+    }
     if (e != cudaSuccess) {
         cudaGetLastError();
         return loom_errf(c->ctx, LOOM_ERR_INVALID_ARG,
-                         "%s on %s: %p is not memory CUDA knows (%s); the NCCL backend takes "
-                         "device buffers",
-                         what, loom_comm_where(c, w, sizeof w), p, cudaGetErrorString(e));
+                         "%s on %s: cannot tell whether %p is host or device memory (%s)", what,
+                         loom_comm_where(c, w, sizeof w), p, cudaGetErrorString(e));
     }
-    if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
-        return loom_errf(c->ctx, LOOM_ERR_INVALID_ARG,
-                         "%s on %s: %p is host memory; the NCCL backend takes device buffers "
-                         "(cudaMalloc)",
-                         what, loom_comm_where(c, w, sizeof w), p);
+    if (a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered) {
+        *host = true;
+        return LOOM_OK;
+    }
     if (a.type == cudaMemoryTypeDevice && a.device != S(c)->device)
         return loom_errf(c->ctx, LOOM_ERR_INVALID_ARG,
                          "%s on %s: the buffer is on GPU %d, this rank uses GPU %d", what,
@@ -264,11 +321,18 @@ static loom_status check_no_group(loom_comm *c, const char *what) {
     return LOOM_OK;
 }
 
-static loom_status prologue(loom_comm *c, const char *what, const void *a, const void *b) {
+/* Checks before a collective; *ha, *hb: whether a, b are host memory (b
+ * may be NULL). */
+static loom_status prologue(loom_comm *c, const char *what, const void *a, bool *ha,
+                            const void *b, bool *hb) {
     loom_status st = check_no_group(c, what);
-    if (!st) st = check_buf(c, what, a);
-    if (!st && b && b != a) st = check_buf(c, what, b);
-    return st;
+    if (!st) st = check_buf(c, what, a, ha);
+    if (st || !b) return st;
+    if (b == a) {
+        *hb = *ha;
+        return LOOM_OK;
+    }
+    return check_buf(c, what, b, hb);
 }
 
 static bool overlap(const void *a, size_t na, const void *b, size_t nb) {
@@ -300,6 +364,79 @@ static loom_status tmp_copy(loom_comm *c, const char *what, const void *src, siz
 
 static void tmp_free(loom_comm *c, void *p) {
     if (p) cudaFreeAsync(p, S(c)->stream);
+}
+
+/* ---- staging of host buffers (see the top of this file) ---- */
+
+/* Waits, with the group's deadline, for the work already on the stream. */
+static loom_status drain(loom_comm *c, const char *what) {
+    nccl_state *s = S(c);
+    cudaError_t e = cudaEventRecord(s->done, s->stream);
+    if (e != cudaSuccess) return cuda_fail(c, what, e);
+    return wait_event(c, s->done, what,
+                      " (it was waiting for the group's earlier operations before copying a "
+                      "host buffer to the GPU)");
+}
+
+/* A device copy of `bytes` at host `src` (copied in when copy_in) whose
+ * result goes back to `out` (NULL: nothing to copy out). */
+static loom_status stage(loom_comm *c, const char *what, const void *src, size_t bytes,
+                         bool copy_in, void *out, staged *sg) {
+    nccl_state *s = S(c);
+    sg->dev = NULL;
+    sg->host = out;
+    sg->bytes = bytes;
+    if (copy_in) {
+        loom_status st = drain(c, what);
+        if (st) return st;
+    }
+    cudaError_t e = cudaMallocAsync(&sg->dev, bytes, s->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        sg->dev = NULL;
+        char w[96];
+        return loom_errf(c->ctx, LOOM_ERR_OOM, "%s on %s: no GPU memory for a %zu-byte device "
+                         "copy of a host buffer (%s)",
+                         what, loom_comm_where(c, w, sizeof w), bytes, cudaGetErrorString(e));
+    }
+    if (copy_in) {
+        e = cudaMemcpyAsync(sg->dev, src, bytes, cudaMemcpyHostToDevice, s->stream);
+        if (e != cudaSuccess) {
+            cudaFreeAsync(sg->dev, s->stream);
+            sg->dev = NULL;
+            return cuda_fail(c, what, e);
+        }
+    }
+    return LOOM_OK;
+}
+
+/* After the operation on the staging copies completed (st == LOOM_OK):
+ * copies the results out to host memory and waits for them; in every case
+ * frees the staging copies (stream-ordered). Returns st or the copy's
+ * error. */
+static loom_status unstage(loom_comm *c, const char *what, loom_status st, staged *sg, int k) {
+    nccl_state *s = S(c);
+    cudaError_t e = cudaSuccess;
+    bool out = false;
+    for (int i = 0; i < k && !st && e == cudaSuccess; i++) {
+        if (!sg[i].dev || !sg[i].host) continue;
+        e = cudaMemcpyAsync(sg[i].host, sg[i].dev, sg[i].bytes, cudaMemcpyDeviceToHost,
+                            s->stream);
+        out = true;
+    }
+    if (!st && e == cudaSuccess && out) e = cudaEventRecord(s->done, s->stream);
+    for (int i = 0; i < k; i++) {
+        if (!sg[i].dev) continue;
+        cudaError_t f = cudaFreeAsync(sg[i].dev, s->stream);
+        if (e == cudaSuccess) e = f;
+        sg[i].dev = NULL;
+    }
+    if (st) {
+        cudaGetLastError();
+        return st;
+    }
+    if (e != cudaSuccess) return cuda_fail(c, what, e);
+    return out ? wait_event(c, s->done, what, NULL) : LOOM_OK;
 }
 
 /* ---- world, split, free ---- */
@@ -362,6 +499,7 @@ static void release_boot(void) {
 static void nccl_free(loom_comm *c) {
     nccl_state *s = S(c);
     if (s->in_group || group_owner == c) kill_comm(c); /* freed inside a group */
+    drop_pending(c);
     if (s->comm) {
         /* flush, then destroy; a communicator that does not quiesce in time is aborted */
         ncclResult_t r = ncclCommFinalize(s->comm);
@@ -390,6 +528,7 @@ static void nccl_free(loom_comm *c) {
         nanosleep(&ts, NULL);
     }
     cudaGetLastError();
+    free(s->pending);
     cudaFree(s->scratch);
     cudaEventDestroy(s->done);
     cudaStreamDestroy(s->stream);
@@ -644,12 +783,14 @@ static loom_status nccl_split(loom_comm *parent, int color, int key, const char 
 
 /* ---- collectives ---- */
 
-static loom_status nccl_allreduce(loom_comm *c, void *buf, size_t n, loom_dtype dt,
-                                  loom_red_op op, loom_comm_req **req) {
-    if (n == 0) return LOOM_OK;
+/* Each collective: the device path (buffers of this GPU; the caller ran
+ * prologue), then the entry point, which stages host buffers around a
+ * blocking call of the device path. */
+
+static loom_status allreduce_dev(loom_comm *c, void *buf, size_t n, loom_dtype dt,
+                                 loom_red_op op, loom_comm_req **req) {
     nccl_req *q;
-    loom_status st = prologue(c, "allreduce", buf, NULL);
-    if (!st) st = new_req(c, req, &q);
+    loom_status st = new_req(c, req, &q);
     if (st) return st;
     ncclResult_t r =
         ncclAllReduce(buf, buf, n, red_type(dt), red_op(op), S(c)->comm, S(c)->stream);
@@ -661,12 +802,23 @@ static loom_status nccl_allreduce(loom_comm *c, void *buf, size_t n, loom_dtype 
     return finish(c, "allreduce", q, req);
 }
 
-static loom_status nccl_reduce_scatter(loom_comm *c, const void *send, void *recv, size_t n,
-                                       loom_dtype dt, loom_red_op op, loom_comm_req **req) {
+static loom_status nccl_allreduce(loom_comm *c, void *buf, size_t n, loom_dtype dt,
+                                  loom_red_op op, loom_comm_req **req) {
     if (n == 0) return LOOM_OK;
+    bool host;
+    loom_status st = prologue(c, "allreduce", buf, &host, NULL, NULL);
+    if (st) return st;
+    if (!host) return allreduce_dev(c, buf, n, dt, op, req);
+    staged sg;
+    st = stage(c, "allreduce", buf, n * loom_dtype_size(dt), true, buf, &sg);
+    if (!st) st = allreduce_dev(c, sg.dev, n, dt, op, NULL);
+    return unstage(c, "allreduce", st, &sg, 1);
+}
+
+static loom_status reduce_scatter_dev(loom_comm *c, const void *send, void *recv, size_t n,
+                                      loom_dtype dt, loom_red_op op, loom_comm_req **req) {
     nccl_req *q;
-    loom_status st = prologue(c, "reduce_scatter", send, recv);
-    if (!st) st = new_req(c, req, &q);
+    loom_status st = new_req(c, req, &q);
     if (st) return st;
     size_t es = loom_dtype_size(dt), total = n * (size_t)c->size * es;
     void *tmp = NULL;
@@ -691,12 +843,28 @@ static loom_status nccl_reduce_scatter(loom_comm *c, const void *send, void *rec
     return finish(c, "reduce_scatter", q, req);
 }
 
-static loom_status nccl_allgather(loom_comm *c, const void *send, void *recv, size_t n,
-                                  loom_dtype dt, loom_comm_req **req) {
+static loom_status nccl_reduce_scatter(loom_comm *c, const void *send, void *recv, size_t n,
+                                       loom_dtype dt, loom_red_op op, loom_comm_req **req) {
     if (n == 0) return LOOM_OK;
+    bool hs, hr;
+    loom_status st = prologue(c, "reduce_scatter", send, &hs, recv, &hr);
+    if (st) return st;
+    if (!hs && !hr) return reduce_scatter_dev(c, send, recv, n, dt, op, req);
+    /* staged send and recv are separate copies, so any overlap is gone */
+    size_t block = n * loom_dtype_size(dt);
+    staged sg[2] = {{0}};
+    if (hs) st = stage(c, "reduce_scatter", send, block * (size_t)c->size, true, NULL, &sg[0]);
+    if (!st && hr) st = stage(c, "reduce_scatter", NULL, block, false, recv, &sg[1]);
+    if (!st)
+        st = reduce_scatter_dev(c, hs ? sg[0].dev : send, hr ? sg[1].dev : recv, n, dt, op,
+                                NULL);
+    return unstage(c, "reduce_scatter", st, sg, 2);
+}
+
+static loom_status allgather_dev(loom_comm *c, const void *send, void *recv, size_t n,
+                                 loom_dtype dt, loom_comm_req **req) {
     nccl_req *q;
-    loom_status st = prologue(c, "allgather", send, recv);
-    if (!st) st = new_req(c, req, &q);
+    loom_status st = new_req(c, req, &q);
     if (st) return st;
     size_t block = n * loom_dtype_size(dt);
     void *tmp = NULL;
@@ -720,22 +888,46 @@ static loom_status nccl_allgather(loom_comm *c, const void *send, void *recv, si
     return finish(c, "allgather", q, req);
 }
 
-static loom_status nccl_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root) {
+static loom_status nccl_allgather(loom_comm *c, const void *send, void *recv, size_t n,
+                                  loom_dtype dt, loom_comm_req **req) {
     if (n == 0) return LOOM_OK;
-    loom_status st = prologue(c, "broadcast", buf, NULL);
+    bool hs, hr;
+    loom_status st = prologue(c, "allgather", send, &hs, recv, &hr);
     if (st) return st;
+    if (!hs && !hr) return allgather_dev(c, send, recv, n, dt, req);
+    size_t block = n * loom_dtype_size(dt);
+    staged sg[2] = {{0}};
+    if (hs) st = stage(c, "allgather", send, block, true, NULL, &sg[0]);
+    if (!st && hr) st = stage(c, "allgather", NULL, block * (size_t)c->size, false, recv, &sg[1]);
+    if (!st) st = allgather_dev(c, hs ? sg[0].dev : send, hr ? sg[1].dev : recv, n, dt, NULL);
+    return unstage(c, "allgather", st, sg, 2);
+}
+
+static loom_status broadcast_dev(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root) {
     ncclResult_t r = ncclBroadcast(buf, buf, n * loom_dtype_size(dt), ncclUint8, root,
                                    S(c)->comm, S(c)->stream);
-    st = after(c, r, "broadcast");
+    loom_status st = after(c, r, "broadcast");
     return st ? st : finish(c, "broadcast", NULL, NULL);
 }
 
-/* Grouped send/recv with every peer; this rank's own block is a copy. */
-static loom_status nccl_alltoall(loom_comm *c, const void *send, void *recv, size_t n,
-                                 loom_dtype dt) {
+static loom_status nccl_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root) {
     if (n == 0) return LOOM_OK;
-    loom_status st = prologue(c, "alltoall", send, recv);
+    bool host;
+    loom_status st = prologue(c, "broadcast", buf, &host, NULL, NULL);
     if (st) return st;
+    if (!host) return broadcast_dev(c, buf, n, dt, root);
+    /* the root's data is read, the others' buffers are written */
+    bool is_root = c->rank == root;
+    staged sg;
+    st = stage(c, "broadcast", buf, n * loom_dtype_size(dt), is_root, is_root ? NULL : buf, &sg);
+    if (!st) st = broadcast_dev(c, sg.dev, n, dt, root);
+    return unstage(c, "broadcast", st, &sg, 1);
+}
+
+/* Grouped send/recv with every peer; this rank's own block is a copy. */
+static loom_status alltoall_dev(loom_comm *c, const void *send, void *recv, size_t n,
+                                loom_dtype dt) {
+    loom_status st = LOOM_OK;
     nccl_state *s = S(c);
     size_t block = n * loom_dtype_size(dt), total = block * (size_t)c->size;
     void *tmp = NULL;
@@ -764,6 +956,21 @@ static loom_status nccl_alltoall(loom_comm *c, const void *send, void *recv, siz
     st = after(c, r, "alltoall");
     tmp_free(c, tmp);
     return st ? st : finish(c, "alltoall", NULL, NULL);
+}
+
+static loom_status nccl_alltoall(loom_comm *c, const void *send, void *recv, size_t n,
+                                 loom_dtype dt) {
+    if (n == 0) return LOOM_OK;
+    bool hs, hr;
+    loom_status st = prologue(c, "alltoall", send, &hs, recv, &hr);
+    if (st) return st;
+    if (!hs && !hr) return alltoall_dev(c, send, recv, n, dt);
+    size_t total = n * loom_dtype_size(dt) * (size_t)c->size;
+    staged sg[2] = {{0}};
+    if (hs) st = stage(c, "alltoall", send, total, true, NULL, &sg[0]);
+    if (!st && hr) st = stage(c, "alltoall", NULL, total, false, recv, &sg[1]);
+    if (!st) st = alltoall_dev(c, hs ? sg[0].dev : send, hr ? sg[1].dev : recv, n, dt);
+    return unstage(c, "alltoall", st, sg, 2);
 }
 
 static loom_status nccl_barrier(loom_comm *c) {
@@ -822,13 +1029,12 @@ static loom_status open_group(loom_comm *c, const char *what) {
     return LOOM_OK;
 }
 
-static loom_status p2p(loom_comm *c, bool is_send, void *buf, size_t n, loom_dtype dt, int peer,
-                       int tag) {
+/* Point to point on a buffer of this GPU. */
+static loom_status p2p_dev(loom_comm *c, bool is_send, void *buf, size_t n, loom_dtype dt,
+                           int peer, int tag) {
     const char *what = is_send ? "send" : "recv";
-    if (n == 0) return LOOM_OK;
     nccl_state *s = S(c);
-    loom_status st = check_buf(c, what, buf);
-    if (st) return st;
+    loom_status st;
     size_t bytes = n * loom_dtype_size(dt);
     if (c->group_depth > 0) {
         st = open_group(c, what);
@@ -855,6 +1061,71 @@ static loom_status p2p(loom_comm *c, bool is_send, void *buf, size_t n, loom_dty
                       "exchanging data do it inside one group");
 }
 
+/* Room for one more staged send/recv in the current group. */
+static loom_status reserve_pending(loom_comm *c) {
+    nccl_state *s = S(c);
+    if (s->n_pending < s->cap_pending) return LOOM_OK;
+    int cap = s->cap_pending ? 2 * s->cap_pending : 8;
+    staged *p = loom_realloc(c->ctx, s->pending, (size_t)cap * sizeof *p,
+                             "the group's staged host buffers");
+    if (!p) return LOOM_ERR_OOM;
+    s->pending = p;
+    s->cap_pending = cap;
+    return LOOM_OK;
+}
+
+/* Point to point on a host buffer, through a staging copy (see the top of
+ * this file). */
+static loom_status p2p_host(loom_comm *c, bool is_send, void *buf, size_t n, loom_dtype dt,
+                            int peer, int tag) {
+    const char *what = is_send ? "send" : "recv";
+    nccl_state *s = S(c);
+    size_t bytes = n * loom_dtype_size(dt);
+    staged sg;
+    loom_status st;
+    if (c->group_depth > 0) {
+        /* posted into the NCCL group; group_end copies a recv's data out
+         * and frees the staging copy */
+        st = open_group(c, what);
+        if (!st) st = reserve_pending(c);
+        if (!st) st = stage(c, what, buf, bytes, is_send, is_send ? NULL : buf, &sg);
+        if (st) return st;
+        st = p2p_dev(c, is_send, sg.dev, n, dt, peer, tag);
+        if (st) {
+            sg.host = NULL;
+            return unstage(c, what, st, &sg, 1);
+        }
+        s->pending[s->n_pending++] = sg;
+        return LOOM_OK;
+    }
+    st = check_no_group(c, what);
+    if (!st) st = stage(c, what, buf, bytes, is_send, is_send ? NULL : buf, &sg);
+    if (st) return st;
+    if (is_send) {
+        /* the caller may reuse its buffer once the data is on the GPU (a
+         * pinned buffer's copy is asynchronous); the send itself stays
+         * queued, as a device send does, and frees the copy after it */
+        cudaError_t e = cudaEventRecord(s->done, s->stream);
+        st = e != cudaSuccess ? cuda_fail(c, what, e)
+                              : wait_event(c, s->done, "send (copying a host buffer to the GPU)",
+                                           NULL);
+        if (!st) st = p2p_dev(c, true, sg.dev, n, dt, peer, tag);
+        return unstage(c, what, st, &sg, 1);
+    }
+    st = p2p_dev(c, false, sg.dev, n, dt, peer, tag);
+    return unstage(c, what, st, &sg, 1);
+}
+
+static loom_status p2p(loom_comm *c, bool is_send, void *buf, size_t n, loom_dtype dt, int peer,
+                       int tag) {
+    if (n == 0) return LOOM_OK;
+    bool host;
+    loom_status st = check_buf(c, is_send ? "send" : "recv", buf, &host);
+    if (st) return st;
+    return host ? p2p_host(c, is_send, buf, n, dt, peer, tag)
+                : p2p_dev(c, is_send, buf, n, dt, peer, tag);
+}
+
 static loom_status nccl_send(loom_comm *c, const void *buf, size_t n, loom_dtype dt, int peer,
                              int tag) {
     return p2p(c, true, (void *)buf, n, dt, peer, tag);
@@ -865,9 +1136,18 @@ static loom_status nccl_recv(loom_comm *c, void *buf, size_t n, loom_dtype dt, i
     return p2p(c, false, buf, n, dt, peer, tag);
 }
 
+/* The end of a group: host buffers received get their data, and every
+ * staging copy of the group is freed (also when the group failed). */
+static loom_status end_pending(loom_comm *c, loom_status st) {
+    nccl_state *s = S(c);
+    st = unstage(c, "group_end", st, s->pending, s->n_pending);
+    s->n_pending = 0;
+    return st;
+}
+
 static loom_status nccl_group_end(loom_comm *c) {
     nccl_state *s = S(c);
-    if (!s->in_group) return LOOM_OK;
+    if (!s->in_group) return end_pending(c, LOOM_OK); /* nothing posted (or dropped) */
     s->in_group = false;
     group_owner = NULL;
     char what[160];
@@ -878,12 +1158,13 @@ static loom_status nccl_group_end(loom_comm *c) {
     snprintf(what + len, sizeof what - (size_t)len, "%s)", s->n_posted > N_NOTE ? ", ..." : "");
     ncclResult_t r = ncclGroupEnd();
     loom_status st = after(c, r, "group_end");
-    if (st) return st;
+    if (st) return end_pending(c, st);
     cudaError_t e = cudaEventRecord(s->done, s->stream);
-    if (e != cudaSuccess) return cuda_fail(c, "group_end", e);
-    return wait_event(c, s->done, what,
-                      "; NCCL matches point to point in the order posted to each peer, not by "
-                      "tag");
+    if (e != cudaSuccess) return end_pending(c, cuda_fail(c, "group_end", e));
+    st = wait_event(c, s->done, what,
+                    "; NCCL matches point to point in the order posted to each peer, not by "
+                    "tag");
+    return end_pending(c, st);
 }
 
 /* ---- abort, accessors ---- */
