@@ -23,3 +23,9 @@ if [ "$ngpu" -ge 2 ]; then
     echo "NCCL tests on $ngpu GPUs:"
     make CUDA=1 BUILD=build-cuda NCCL_NP="$ngpu" test-nccl 2>&1 | tee build-cuda/nccl-tests.log
 fi
+# The model on one GPU (fixtures in fp32, 0.6B-shaped bf16 vs fp32 for 50
+# steps), then the parallel layouts against one GPU when there are 2+ GPUs.
+bash tests/gpu/model.sh build-cuda 2>&1 | tee build-cuda/model.log | grep -E "^(ok|FAIL|skip) |curves|passed"
+if [ "$ngpu" -ge 2 ]; then
+    bash tests/gpu/layouts.sh build-cuda 2>&1 | tee build-cuda/layouts.log | tail -14
+fi
