@@ -178,6 +178,7 @@ struct loom_model {
     void *lora_xd;           /* (Tc, max in_l): the dropped-out LoRA input (dropout > 0) */
     void **pp_stage;         /* (npp_stage) (Tn, H): copies of pipeline sends not yet posted */
     int npp_stage;
+    bool pp_connected;       /* the pipeline's point-to-point connections are set up */
     bool training;           /* forward_backward (LoRA dropout on) vs forward_only */
     uint64_t dropout_calls;  /* forward_backward calls: part of the dropout mask's key */
     const loom_micro *cur_mb;/* the micro-batch being run */

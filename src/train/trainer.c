@@ -245,6 +245,26 @@ static loom_status pp_send(loom_model *m, pp_queue *pq, const void *buf, size_t 
     return loom_k_copy(m, o->buf, buf, n * m->dev.esz);
 }
 
+/* NCCL connects a pair of ranks at their first point-to-point operation,
+ * and both ranks must take part; a group that waits on one direction before
+ * the peer has posted anything in the other would wait forever. So before
+ * the first schedule every rank exchanges one element with both neighbours
+ * in one group, which sets up every connection the pipeline uses. */
+#define TAG_CONNECT 32760
+static loom_status pp_connect(loom_model *m) {
+    if (m->pp == 1 || m->pp_connected) return LOOM_OK;
+    loom_comm *c = m->mesh->pp;
+    const int pr = m->mesh->pp_rank, next = (pr + 1) % m->pp, prev = (pr + m->pp - 1) % m->pp;
+    loom_status st = loom_comm_group_start(c), st2;
+    if (!st) st = loom_comm_send(c, m->pp_stage[0], 1, m->dev.adt, next, TAG_CONNECT);
+    if (!st) st = loom_comm_recv(c, m->dx, 1, m->dev.adt, prev, TAG_CONNECT);
+    if (!st) st = loom_comm_send(c, m->pp_stage[0], 1, m->dev.adt, prev, TAG_CONNECT + 1);
+    if (!st) st = loom_comm_recv(c, m->dtmp, 1, m->dev.adt, next, TAG_CONNECT + 1);
+    st2 = loom_comm_group_end(c);
+    if (!st && !st2) m->pp_connected = true;
+    return st ? st : st2;
+}
+
 /* Runs every micro-batch through this rank's chunks in the pipeline
  * schedule; fills the per-token outputs (global batch layout) when given. */
 static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool backward,
@@ -283,6 +303,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     const size_t act_n = (size_t)(m->Tn * m->H);
     double acc[2] = {0.0, 0.0}; /* loss sum, tokens */
     pp_queue pq = {.n = 0};
+    if ((st = pp_connect(m))) goto done;
     for (int i = 0; i < nsteps && !st; i++) {
         const loom_pp_step sp = steps[i];
         if (!backward && !sp.forward) continue;

@@ -20,6 +20,7 @@ static void put(void *buf, loom_dtype dt, size_t i, double v) {
     case LOOM_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
     case LOOM_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
     case LOOM_BF16: ((uint16_t *)buf)[i] = loom_f32_to_bf16((float)v); break;
+    case LOOM_F16: ((uint16_t *)buf)[i] = loom_f32_to_f16((float)v); break;
     case LOOM_U8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
     default: break;
     }
@@ -32,6 +33,7 @@ static double get(const void *buf, loom_dtype dt, size_t i) {
     case LOOM_I32: return ((const int32_t *)buf)[i];
     case LOOM_I64: return (double)((const int64_t *)buf)[i];
     case LOOM_BF16: return loom_bf16_to_f32(((const uint16_t *)buf)[i]);
+    case LOOM_F16: return loom_f16_to_f32(((const uint16_t *)buf)[i]);
     case LOOM_U8: return ((const uint8_t *)buf)[i];
     default: return 0;
     }
@@ -134,11 +136,22 @@ TEST(nccl_allreduce) {
     int size = nt_size();
     allreduce_case(7);
     allreduce_case(262147); /* 1-2 MiB: past the small-message protocols */
-    /* zero elements is fine; BF16 reductions are refused on every rank */
+    /* zero elements is fine; BF16 and F16 reduce (GPU activations), U8 does not */
     CHECK_OK(nt_ctx(), loom_comm_allreduce(w, NULL, 0, LOOM_F32, LOOM_RED_SUM));
-    uint16_t *hb = dev(4);
-    CHECK_EQ_INT(loom_comm_allreduce(w, hb, 2, LOOM_BF16, LOOM_RED_SUM), LOOM_ERR_UNSUPPORTED);
-    CHECK_CONTAINS(loom_last_error(nt_ctx()), "allreduce of BF16 is not supported");
+    for (int k = 0; k < 2; k++) {
+        loom_dtype dt = k ? LOOM_F16 : LOOM_BF16;
+        uint16_t hv[3], *db = dev(sizeof hv);
+        for (int i = 0; i < 3; i++) put(hv, dt, i, 0.5 * (i + 1) * (nt_rank() + 1));
+        cudaMemcpy(db, hv, sizeof hv, cudaMemcpyHostToDevice);
+        CHECK_OK(nt_ctx(), loom_comm_allreduce(w, db, 3, dt, LOOM_RED_SUM));
+        cudaMemcpy(hv, db, sizeof hv, cudaMemcpyDeviceToHost);
+        for (int i = 0; i < 3; i++) /* 0.5 (i+1) size (size+1) / 2: exact in 16 bits */
+            CHECK_NEAR(get(hv, dt, i), 0.25 * (i + 1) * size * (size + 1), 1e-6);
+        cudaFree(db);
+    }
+    uint8_t *hb = dev(4);
+    CHECK_EQ_INT(loom_comm_allreduce(w, hb, 2, LOOM_U8, LOOM_RED_SUM), LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(nt_ctx()), "allreduce of U8 is not supported");
     cudaFree(hb);
     /* host memory is staged (nccl_host_* test it fully) */
     float x[2] = {1, 2};
