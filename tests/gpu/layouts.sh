@@ -6,7 +6,7 @@
 # TP2.DP2, TP2.PP2, TP2.CP2+SP and PP2.VPP2.DP2; each compared with
 # tests/gpu/compare.py golden (bf16 tolerance). Workers are started by
 # `loom golden --nproc-per-node N` (NCCL over the TCP rendezvous).
-# Usage: bash tests/gpu/layouts.sh [BUILD_DIR]
+# Usage: bash tests/gpu/layouts.sh [BUILD_DIR]   (LOOM_LAYOUTS="pp2 dp2": only those)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 B=${1:-build-cuda}
@@ -24,7 +24,9 @@ ref() { $G --batch "$W/$1.safetensors" --out "$W/ref-$1.safetensors"; }
 declare -a rows
 run() { # name batch nproc flags...
     local name=$1 batch=$2 np=$3; shift 3
-    local t0=$(date +%s.%N)
+    # LOOM_LAYOUTS="pp2 tp2-pp2" runs only those
+    if [ -n "${LOOM_LAYOUTS:-}" ] && [[ " $LOOM_LAYOUTS " != *" $name "* ]]; then return 0; fi
+    local t0=$SECONDS
     if CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((np - 1))) $G --nproc-per-node "$np" "$@" \
         --batch "$W/$batch.safetensors" --out "$W/$name.safetensors" >"$W/$name.log" 2>&1; then
         local res; res=$(python3 tests/gpu/compare.py golden "$W/ref-$batch.safetensors" "$W/$name.safetensors" --tol "$TOL" 2>&1)
@@ -35,7 +37,7 @@ run() { # name batch nproc flags...
         rows+=("$(printf '%-22s %-4s %s' "$name" "FAIL" "exit status $? (log: $W/$name.log)")")
         tail -20 "$W/$name.log"
     fi
-    echo "$name: $(echo "$(date +%s.%N) - $t0" | bc) s"
+    echo "$name: $((SECONDS - t0)) s"
 }
 ref b && ref bp || { echo "reference run failed"; exit 1; }
 run tp2            b  2 --tp 2
