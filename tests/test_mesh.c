@@ -212,8 +212,13 @@ TEST(mesh_comm_single_collectives) {
     CHECK_OK(ctx, loom_comm_allreduce(w, a, 4, LOOM_F32, LOOM_RED_SUM));
     CHECK_OK(ctx, loom_comm_allreduce(w, a, 4, LOOM_F32, LOOM_RED_MAX));
     CHECK(a[0] == 1 && a[3] == 4);
-    CHECK_EQ_INT(loom_comm_allreduce(w, a, 2, LOOM_BF16, LOOM_RED_SUM), LOOM_ERR_UNSUPPORTED);
-    CHECK_CONTAINS(loom_last_error(ctx), "allreduce of BF16 is not supported");
+    /* BF16 reduces on one process (a copy: GPU activations), U8 does not */
+    uint16_t hb[2] = {0x3f80, 0x4000};
+    CHECK_OK(ctx, loom_comm_allreduce(w, hb, 2, LOOM_BF16, LOOM_RED_SUM));
+    CHECK(hb[0] == 0x3f80 && hb[1] == 0x4000);
+    uint8_t u8[2] = {1, 2};
+    CHECK_EQ_INT(loom_comm_allreduce(w, u8, 2, LOOM_U8, LOOM_RED_SUM), LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(ctx), "allreduce of U8 is not supported");
     CHECK_EQ_INT(loom_comm_allreduce(w, a, 4, LOOM_F32, (loom_red_op)7), LOOM_ERR_INVALID_ARG);
     int64_t s[3] = {5, 6, 7}, r[3] = {0, 0, 0};
     CHECK_OK(ctx, loom_comm_reduce_scatter(w, s, r, 3, LOOM_I64, LOOM_RED_SUM));

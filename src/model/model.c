@@ -537,7 +537,9 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     m->attn_scale = (float)(1.0 / sqrt((double)m->D));
     if ((st = loom_param_plan_build(ctx, c, &m->plan))) goto fail;
     if ((st = build_slots(m))) goto fail;
-    if ((st = loom_arena_layout(m, &m->base, false))) goto fail;
+    /* the base's gradients come with its first forward_backward (a LoRA run
+     * never allocates them) */
+    if ((st = loom_arena_layout(m, &m->base, true))) goto fail;
     m->inv_freq = loom_calloc(ctx, (size_t)(m->D / 2), sizeof(float), "rope frequencies");
     m->chunks = loom_calloc(ctx, (size_t)m->vpp, sizeof *m->chunks, "model chunks");
     if (!m->inv_freq || !m->chunks) {

@@ -304,6 +304,12 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     double acc[2] = {0.0, 0.0}; /* loss sum, tokens */
     pp_queue pq = {.n = 0};
     if ((st = pp_connect(m))) goto done;
+    if (backward) { /* the trained arena's gradients, at its first backward */
+        loom_arena *A = loom_model_trainable(m);
+        if (!A->g && (st = loom_dev_alloc(m, (void **)&A->g, A->nparams * sizeof(float),
+                                          "gradients")))
+            goto done;
+    }
     for (int i = 0; i < nsteps && !st; i++) {
         const loom_pp_step sp = steps[i];
         if (!backward && !sp.forward) continue;
