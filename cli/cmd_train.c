@@ -174,7 +174,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     if ((st = setup_optimizer(ctx, m, s))) goto done;
 
     int64_t epoch = 0;
-    double first_loss = NAN, last_loss = NAN, t_start = loom_now_s(), t_prof = 0;
+    double first_loss = NAN, last_loss = NAN, t_start = loom_now_s();
     int64_t tokens_total = 0;
     for (int64_t step = 1; step <= s->train_steps; step++) {
         double t0 = loom_now_s();
@@ -204,10 +204,6 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         if ((st = loom_model_forward_backward(m, &b, nmicro, &fr))) goto done;
         if ((st = loom_model_clip_grad_and_step(m, s->clip_grad, 1, &sr))) goto done;
         double dt = loom_now_s() - t0;
-        if (step == 2 && m->dev.prof) { /* LOOM_PROFILE=1: from the third step on */
-            loom_k_profile_reset(m);
-            t_prof = loom_now_s();
-        }
         tokens_total += pb.rows * pb.seq_len;
         if (step == 1) first_loss = fr.loss;
         last_loss = fr.loss;
@@ -219,8 +215,6 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                        (double)(pb.rows * pb.seq_len) / dt, sr.stepped ? "" : " | step skipped");
     }
     double total = loom_now_s() - t_start;
-    if (m->dev.prof && s->train_steps > 2)
-        loom_k_profile_report(m, s->train_steps - 2, loom_now_s() - t_prof);
     if (m->dev.cuda) {
         char pkb[32], pr[32];
         LOOM_LOG_I(ctx, "peak GPU memory %.2f GiB (%s allocated by loom on GPU %d; predicted %s)",

@@ -1,6 +1,9 @@
 /* loom: command-line entry point. */
 #include <stdlib.h>
+#include <execinfo.h>
+#include <signal.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #ifdef LOOM_HAVE_CUDA
@@ -82,7 +85,28 @@ static void version(void) {
 #endif
 }
 
+/* A crash (a bug in loom) prints where it happened before dying, so that
+ * a report can name the function: raw frames, resolvable with addr2line on
+ * the same binary. */
+static void on_fatal(int sig) {
+    static const char msg[] = "loom: fatal signal; this is a bug in loom, please report it with "
+                              "these frames:\n";
+    ssize_t w = write(2, msg, sizeof msg - 1);
+    (void)w;
+    void *frames[48];
+    int n = backtrace(frames, 48);
+    backtrace_symbols_fd(frames, n, 2);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
 int main(int argc, char **argv) {
+#ifndef __SANITIZE_ADDRESS__ /* sanitizer builds keep the sanitizer's own report */
+    signal(SIGSEGV, on_fatal);
+    signal(SIGBUS, on_fatal);
+    signal(SIGFPE, on_fatal);
+    signal(SIGILL, on_fatal);
+#endif
     if (argc < 2) {
         usage(stderr);
         return 2;

@@ -17,107 +17,6 @@
 #define GPU(m) false
 #endif
 
-/* ---- LOOM_PROFILE=1: GPU time per op class, from CUDA events ----
- * Each op on the GPU is bracketed by two events; the elapsed times are
- * collected when the pool fills or at a report, so profiling adds no
- * synchronisation to the ops themselves (only at those points). */
-enum { K_GEMM_FWD, K_GEMM_DX, K_GEMM_DW, K_GEMM_OTHER, K_NORM_F, K_NORM_B, K_ROPE, K_ATTN_F,
-       K_ATTN_B, K_SWIGLU, K_ADD, K_EMBED, K_CE, K_PERM, K_DROPOUT, K_OPTIM, K_COPY, K_XFER,
-       K_NCLASS };
-
-
-#ifdef LOOM_HAVE_CUDA
-#include <cuda_runtime_api.h>
-static const char *const k_names[K_NCLASS] = {
-    "GEMM forward (x W^T)", "GEMM input grad (dy W)", "GEMM weight grad (dy^T x)",
-    "GEMM other (merges)", "RMSNorm forward", "RMSNorm backward", "RoPE", "attention forward",
-    "attention backward", "SwiGLU", "residual add / bias", "embedding", "cross-entropy pieces",
-    "row permutations (CP)", "LoRA dropout", "optimizer (AdamW, norm, scale)",
-    "device copies / memsets / converts", "host<->device transfers"};
-#define PROF_CAP 8192
-typedef struct k_prof {
-    cudaEvent_t ev[2 * PROF_CAP];
-    unsigned char cls[PROF_CAP];
-    int n;
-    double ms[K_NCLASS];
-    long calls[K_NCLASS];
-} k_prof;
-
-static void prof_collect(k_prof *p) {
-    if (!p->n) return;
-    cudaEventSynchronize(p->ev[2 * p->n - 1]);
-    for (int i = 0; i < p->n; i++) {
-        float t = 0;
-        if (cudaEventElapsedTime(&t, p->ev[2 * i], p->ev[2 * i + 1]) == cudaSuccess)
-            p->ms[p->cls[i]] += t;
-        p->calls[p->cls[i]]++;
-    }
-    p->n = 0;
-}
-
-static void prof_begin(loom_model *m, int cls) {
-    k_prof *p = m->dev.prof;
-    if (!p) return;
-    if (p->n == PROF_CAP) prof_collect(p);
-    p->cls[p->n] = (unsigned char)cls;
-    cudaEventRecord(p->ev[2 * p->n], (cudaStream_t)m->dev.stream);
-}
-
-static loom_status prof_end(loom_model *m, loom_status st) {
-    k_prof *p = m->dev.prof;
-    if (p) cudaEventRecord(p->ev[2 * p->n++ + 1], (cudaStream_t)m->dev.stream);
-    return st;
-}
-/* return P(m, class, cuda_call(...)): the call bracketed by events */
-#define P(m, cls, call) (prof_begin((m), (cls)), prof_end((m), (call)))
-#endif
-
-void loom_k_profile_report(loom_model *m, int64_t steps, double wall_s) {
-#ifdef LOOM_HAVE_CUDA
-    k_prof *p = m->dev.prof;
-    if (!p) return;
-    prof_collect(p);
-    double tot = 0;
-    for (int c = 0; c < K_NCLASS; c++) tot += p->ms[c];
-    if (steps < 1) steps = 1;
-    LOOM_LOG_I(m->ctx, "profile (LOOM_PROFILE=1, CUDA events): GPU op time %.1f ms per step of "
-               "%.1f ms wall (%.0f%% busy)", tot / steps, 1e3 * wall_s / steps,
-               wall_s > 0 ? 100.0 * tot / (1e3 * wall_s) : 0.0);
-    int order[K_NCLASS];
-    for (int c = 0; c < K_NCLASS; c++) order[c] = c;
-    for (int i = 0; i < K_NCLASS; i++)
-        for (int j = i + 1; j < K_NCLASS; j++)
-            if (p->ms[order[j]] > p->ms[order[i]]) {
-                int t = order[i];
-                order[i] = order[j];
-                order[j] = t;
-            }
-    for (int i = 0; i < K_NCLASS; i++) {
-        int c = order[i];
-        if (!p->calls[c]) continue;
-        LOOM_LOG_I(m->ctx, "  %5.1f%% %9.2f ms/step %7ld calls/step  %s",
-                   tot > 0 ? 100.0 * p->ms[c] / tot : 0.0, p->ms[c] / steps, p->calls[c] / steps,
-                   k_names[c]);
-    }
-#else
-    (void)m;
-    (void)steps;
-    (void)wall_s;
-#endif
-}
-
-void loom_k_profile_reset(loom_model *m) {
-#ifdef LOOM_HAVE_CUDA
-    k_prof *p = m->dev.prof;
-    if (!p) return;
-    prof_collect(p);
-    memset(p->ms, 0, sizeof p->ms);
-    memset(p->calls, 0, sizeof p->calls);
-#else
-    (void)m;
-#endif
-}
-
 #define F(p) ((float *)(p))
 #define CF(p) ((const float *)(p))
 
@@ -136,17 +35,6 @@ loom_status loom_dev_init(loom_model *m) {
     }
     loom_status st = loom_cuda_gemm_create(m->ctx, 0, &d->gemm);
     if (st) return st;
-    const char *pe = getenv("LOOM_PROFILE");
-    if (pe && *pe && strcmp(pe, "0")) {
-        k_prof *p = calloc(1, sizeof *p);
-        for (int i = 0; p && i < 2 * PROF_CAP; i++)
-            if (cudaEventCreate(&p->ev[i]) != cudaSuccess) {
-                for (int j = 0; j < i; j++) cudaEventDestroy(p->ev[j]);
-                free(p);
-                p = NULL;
-            }
-        d->prof = p;
-    }
     return loom_cuda_malloc(m->ctx, (void **)&d->sumsq_scratch,
                             LOOM_CUDA_SUMSQ_BLOCKS * sizeof(double), "grad-norm scratch");
 #else
@@ -160,12 +48,6 @@ void loom_dev_release(loom_model *m) {
     loom_dev *d = &m->dev;
     if (!d->cuda) return;
     if (d->gemm) loom_cuda_gemm_free(d->gemm);
-    if (d->prof) {
-        k_prof *p = d->prof;
-        for (int i = 0; i < 2 * PROF_CAP; i++) cudaEventDestroy(p->ev[i]);
-        free(p);
-        d->prof = NULL;
-    }
     loom_cuda_free(d->sumsq_scratch);
     loom_cuda_free(d->rms_scratch);
     d->gemm = NULL;
@@ -207,9 +89,7 @@ void loom_dev_free(loom_model *m, void *p) {
 loom_status loom_k_copy(loom_model *m, void *dst, const void *src, size_t bytes) {
     if (dst == src || !bytes) return LOOM_OK;
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_COPY,
-                 loom_cuda_memcpy_async(m->ctx, dst, src, bytes, m->dev.stream));
+    if (GPU(m)) return loom_cuda_memcpy_async(m->ctx, dst, src, bytes, m->dev.stream);
 #endif
     memmove(dst, src, bytes);
     return LOOM_OK;
@@ -218,9 +98,7 @@ loom_status loom_k_copy(loom_model *m, void *dst, const void *src, size_t bytes)
 loom_status loom_k_zero(loom_model *m, void *p, size_t bytes) {
     if (!bytes) return LOOM_OK;
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_COPY,
-                 loom_cuda_memset_async(m->ctx, p, bytes, m->dev.stream));
+    if (GPU(m)) return loom_cuda_memset_async(m->ctx, p, bytes, m->dev.stream);
 #endif
     memset(p, 0, bytes);
     return LOOM_OK;
@@ -229,9 +107,7 @@ loom_status loom_k_zero(loom_model *m, void *p, size_t bytes) {
 loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t bytes) {
     if (host == dev || !bytes) return LOOM_OK;
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_XFER,
-                 loom_cuda_memcpy_d2h(m->ctx, host, dev, bytes));
+    if (GPU(m)) return loom_cuda_memcpy_d2h(m->ctx, host, dev, bytes);
 #endif
     memcpy(host, dev, bytes);
     return LOOM_OK;
@@ -240,9 +116,7 @@ loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t b
 loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t bytes) {
     if (host == dev || !bytes) return LOOM_OK;
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_XFER,
-                 loom_cuda_memcpy_h2d(m->ctx, dev, host, bytes));
+    if (GPU(m)) return loom_cuda_memcpy_h2d(m->ctx, dev, host, bytes);
 #endif
     memcpy(dev, host, bytes);
     return LOOM_OK;
@@ -251,9 +125,7 @@ loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t byt
 loom_status loom_k_convert(loom_model *m, void *dst, loom_dtype d, const void *src, loom_dtype s,
                            size_t n) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_COPY,
-                 loom_cuda_convert(m->ctx, dst, d, src, s, n, m->dev.stream));
+    if (GPU(m)) return loom_cuda_convert(m->ctx, dst, d, src, s, n, m->dev.stream);
 #endif
     if (dst == src && d == s) return LOOM_OK;
     return loom_convert(m->ctx, dst, d, src, s, n);
@@ -261,45 +133,41 @@ loom_status loom_k_convert(loom_model *m, void *dst, loom_dtype d, const void *s
 
 /* ---- GEMMs ---- */
 
-static loom_status gemm(loom_model *m, int cls, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+static loom_status gemm(loom_model *m, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
                         float alpha, const void *A, int64_t lda, const void *B, int64_t ldb,
                         float beta, void *C, loom_dtype cdt, int64_t ldc) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_COPY,
-                 P(m, cls,
-                 loom_cuda_gemm(m->ctx, m->dev.gemm, ta, tb, M, N, K, alpha, A, m->dev.adt, lda,
-                                B, m->dev.adt, ldb, beta, C, cdt, ldc, m->dev.stream)));
+        return loom_cuda_gemm(m->ctx, m->dev.gemm, ta, tb, M, N, K, alpha, A, m->dev.adt, lda, B,
+                              m->dev.adt, ldb, beta, C, cdt, ldc, m->dev.stream);
 #endif
     (void)cdt;
-    (void)cls;
     loom_cpu_sgemm(ta, tb, M, N, K, alpha, CF(A), lda, CF(B), ldb, beta, F(C), ldc);
     return LOOM_OK;
 }
 
 loom_status loom_k_lin_fwd(loom_model *m, const void *x, int64_t T, int64_t in, const void *W,
                            int64_t out, float alpha, float beta, void *y) {
-    return gemm(m, K_GEMM_FWD, false, true, T, out, in, alpha, x, in, W, in, beta, y, m->dev.adt, out);
+    return gemm(m, false, true, T, out, in, alpha, x, in, W, in, beta, y, m->dev.adt, out);
 }
 
 loom_status loom_k_lin_dx(loom_model *m, const void *dy, int64_t T, int64_t out, const void *W,
                           int64_t in, float alpha, float beta, void *dx) {
-    return gemm(m, K_GEMM_DX, false, false, T, in, out, alpha, dy, out, W, in, beta, dx, m->dev.adt, in);
+    return gemm(m, false, false, T, in, out, alpha, dy, out, W, in, beta, dx, m->dev.adt, in);
 }
 
 loom_status loom_k_lin_dw(loom_model *m, const void *dy, const void *x, int64_t T, int64_t out,
                           int64_t in, float alpha, float *dW) {
     if (!dW) return LOOM_OK;
-    return gemm(m, K_GEMM_DW, true, false, out, in, T, alpha, dy, out, x, in, 1.0f, dW, LOOM_F32, in);
+    return gemm(m, true, false, out, in, T, alpha, dy, out, x, in, 1.0f, dW, LOOM_F32, in);
 }
 
 loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha,
                          const float *A, const float *B, float beta, float *C) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_GEMM_OTHER,
-                 loom_cuda_gemm(m->ctx, m->dev.gemm, false, false, M, N, K, alpha, A, LOOM_F32, K, B,
-                              LOOM_F32, N, beta, C, LOOM_F32, N, m->dev.stream));
+        return loom_cuda_gemm(m->ctx, m->dev.gemm, false, false, M, N, K, alpha, A, LOOM_F32, K, B,
+                              LOOM_F32, N, beta, C, LOOM_F32, N, m->dev.stream);
 #endif
     loom_cpu_sgemm(false, false, M, N, K, alpha, A, K, B, N, beta, C, N);
     return LOOM_OK;
@@ -307,7 +175,7 @@ loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float a
 
 loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                           const void *B, float beta, void *C) {
-    return gemm(m, K_GEMM_OTHER, false, false, M, N, K, alpha, A, K, B, N, beta, C, m->dev.adt, N);
+    return gemm(m, false, false, M, N, K, alpha, A, K, B, N, beta, C, m->dev.adt, N);
 }
 
 /* ---- transformer ops ---- */
@@ -317,8 +185,7 @@ loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int6
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m)) {
         loom_dtype t = m->dev.adt;
-        return P(m, K_NORM_F,
-                 loom_cuda_rmsnorm_fwd(m->ctx, x, t, w, t, N, H, eps, y, t, rstd, m->dev.stream));
+        return loom_cuda_rmsnorm_fwd(m->ctx, x, t, w, t, N, H, eps, y, t, rstd, m->dev.stream);
     }
 #endif
     loom_cpu_rmsnorm_fwd(CF(x), CF(w), N, H, eps, F(y), rstd);
@@ -340,9 +207,8 @@ loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, con
             if (st) return st;
             m->dev.rms_scratch_bytes = need;
         }
-        return P(m, K_NORM_B,
-                 loom_cuda_rmsnorm_bwd(m->ctx, dy, t, x, t, w, t, rstd, N, H, dx, t, dw,
-                                       m->dev.rms_scratch, m->dev.stream));
+        return loom_cuda_rmsnorm_bwd(m->ctx, dy, t, x, t, w, t, rstd, N, H, dx, t, dw,
+                                     m->dev.rms_scratch, m->dev.stream);
     }
 #endif
     loom_cpu_rmsnorm_bwd(CF(dy), CF(x), CF(w), rstd, N, H, F(dx), dw);
@@ -353,9 +219,8 @@ loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_
                         const int32_t *pos) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_ROPE,
-                 (backward ? loom_cuda_rope_bwd : loom_cuda_rope_fwd)(
-            m->ctx, x, m->dev.adt, T, nh, m->D, pos, m->d_inv_freq, m->dev.stream));
+        return (backward ? loom_cuda_rope_bwd : loom_cuda_rope_fwd)(
+            m->ctx, x, m->dev.adt, T, nh, m->D, pos, m->d_inv_freq, m->dev.stream);
 #endif
     (backward ? loom_cpu_rope_bwd : loom_cpu_rope_fwd)(F(x), T, nh, m->D, pos, m->inv_freq);
     return LOOM_OK;
@@ -366,9 +231,8 @@ loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, i
                             const int32_t *cu, int64_t ndocs, void *out, float *lse) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_ATTN_F,
-                 loom_cuda_attention_fwd_q(m->ctx, q, qidx, Tq, k, v, m->dev.adt, T, Hq, Hkv, m->D,
-                                         cu, ndocs, m->attn_scale, out, lse, m->dev.stream));
+        return loom_cuda_attention_fwd_q(m->ctx, q, qidx, Tq, k, v, m->dev.adt, T, Hq, Hkv, m->D,
+                                         cu, ndocs, m->attn_scale, out, lse, m->dev.stream);
 #endif
     loom_cpu_attention_fwd_q(CF(q), qidx, Tq, CF(k), CF(v), T, Hq, Hkv, m->D, cu, ndocs,
                              m->attn_scale, F(out), lse);
@@ -381,10 +245,9 @@ loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, cons
                             const int32_t *cu, int64_t ndocs, void *dq, void *dk, void *dv) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_ATTN_B,
-                 loom_cuda_attention_bwd_q(m->ctx, dout, q, qidx, Tq, k, v, out, lse, m->dev.adt, T,
+        return loom_cuda_attention_bwd_q(m->ctx, dout, q, qidx, Tq, k, v, out, lse, m->dev.adt, T,
                                          Hq, Hkv, m->D, cu, ndocs, m->attn_scale, dq, dk, dv,
-                                         m->dev.stream));
+                                         m->dev.stream);
 #endif
     loom_cpu_attention_bwd_q(CF(dout), CF(q), qidx, Tq, CF(k), CF(v), CF(out), lse, T, Hq, Hkv,
                              m->D, cu, ndocs, m->attn_scale, F(dq), F(dk), F(dv));
@@ -393,9 +256,7 @@ loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, cons
 
 loom_status loom_k_swiglu_fwd(loom_model *m, const void *g, const void *u, int64_t n, void *h) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_SWIGLU,
-                 loom_cuda_swiglu_fwd(m->ctx, g, u, n, h, m->dev.adt, m->dev.stream));
+    if (GPU(m)) return loom_cuda_swiglu_fwd(m->ctx, g, u, n, h, m->dev.adt, m->dev.stream);
 #endif
     loom_cpu_swiglu_fwd(CF(g), CF(u), n, F(h));
     return LOOM_OK;
@@ -404,9 +265,7 @@ loom_status loom_k_swiglu_fwd(loom_model *m, const void *g, const void *u, int64
 loom_status loom_k_swiglu_bwd(loom_model *m, const void *dh, const void *g, const void *u,
                               int64_t n, void *dg, void *du) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_SWIGLU,
-                 loom_cuda_swiglu_bwd(m->ctx, dh, g, u, n, dg, du, m->dev.adt, m->dev.stream));
+    if (GPU(m)) return loom_cuda_swiglu_bwd(m->ctx, dh, g, u, n, dg, du, m->dev.adt, m->dev.stream);
 #endif
     loom_cpu_swiglu_bwd(CF(dh), CF(g), CF(u), n, F(dg), F(du));
     return LOOM_OK;
@@ -415,8 +274,7 @@ loom_status loom_k_swiglu_bwd(loom_model *m, const void *dh, const void *g, cons
 loom_status loom_k_add(loom_model *m, void *y, const void *x, int64_t n) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_ADD,
-                 loom_cuda_residual_add(m->ctx, y, m->dev.adt, x, m->dev.adt, n, m->dev.stream));
+        return loom_cuda_residual_add(m->ctx, y, m->dev.adt, x, m->dev.adt, n, m->dev.stream);
 #endif
     loom_cpu_residual_add(F(y), CF(x), n);
     return LOOM_OK;
@@ -425,8 +283,7 @@ loom_status loom_k_add(loom_model *m, void *y, const void *x, int64_t n) {
 loom_status loom_k_bias_fwd(loom_model *m, void *y, const void *b, int64_t T, int64_t N) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_ADD,
-                 loom_cuda_add_bias_fwd(m->ctx, y, m->dev.adt, b, m->dev.adt, T, N, m->dev.stream));
+        return loom_cuda_add_bias_fwd(m->ctx, y, m->dev.adt, b, m->dev.adt, T, N, m->dev.stream);
 #endif
     loom_cpu_add_bias_fwd(F(y), CF(b), T, N);
     return LOOM_OK;
@@ -435,9 +292,7 @@ loom_status loom_k_bias_fwd(loom_model *m, void *y, const void *b, int64_t T, in
 loom_status loom_k_bias_bwd(loom_model *m, const void *dy, int64_t T, int64_t N, float *db) {
     if (!db) return LOOM_OK;
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_ADD,
-                 loom_cuda_add_bias_bwd(m->ctx, dy, m->dev.adt, T, N, db, m->dev.stream));
+    if (GPU(m)) return loom_cuda_add_bias_bwd(m->ctx, dy, m->dev.adt, T, N, db, m->dev.stream);
 #endif
     loom_cpu_add_bias_bwd(CF(dy), T, N, db);
     return LOOM_OK;
@@ -449,9 +304,8 @@ loom_status loom_k_embed_fwd(loom_model *m, const int32_t *ids, int64_t T, const
                              int64_t row0, int64_t rows, void *out) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_EMBED,
-                 loom_cuda_embedding_vp_fwd(m->ctx, ids, T, W, m->dev.adt, row0, rows, m->H, out,
-                                          m->dev.adt, m->dev.stream));
+        return loom_cuda_embedding_vp_fwd(m->ctx, ids, T, W, m->dev.adt, row0, rows, m->H, out,
+                                          m->dev.adt, m->dev.stream);
 #endif
     loom_cpu_embedding_vp_fwd(ids, T, CF(W), row0, rows, m->H, F(out));
     return LOOM_OK;
@@ -462,9 +316,8 @@ loom_status loom_k_embed_bwd(loom_model *m, const int32_t *ids, int64_t T, const
     if (!dW) return LOOM_OK;
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_EMBED,
-                 loom_cuda_embedding_vp_bwd(m->ctx, ids, T, dout, m->dev.adt, row0, rows, m->H, dW,
-                                          m->dev.stream));
+        return loom_cuda_embedding_vp_bwd(m->ctx, ids, T, dout, m->dev.adt, row0, rows, m->H, dW,
+                                          m->dev.stream);
 #endif
     loom_cpu_embedding_vp_bwd(ids, T, CF(dout), row0, rows, m->H, dW);
     return LOOM_OK;
@@ -473,9 +326,7 @@ loom_status loom_k_embed_bwd(loom_model *m, const int32_t *ids, int64_t T, const
 loom_status loom_k_ce_max(loom_model *m, const void *z, int64_t c, int64_t ld, int64_t nvalid,
                           double *mx) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_CE,
-                 loom_cuda_ce_vp_max(m->ctx, z, m->dev.adt, c, ld, nvalid, mx, m->dev.stream));
+    if (GPU(m)) return loom_cuda_ce_vp_max(m->ctx, z, m->dev.adt, c, ld, nvalid, mx, m->dev.stream);
 #endif
     loom_cpu_ce_vp_max(CF(z), c, ld, nvalid, mx);
     return LOOM_OK;
@@ -485,9 +336,8 @@ loom_status loom_k_ce_sums(loom_model *m, const void *z, int64_t c, int64_t ld, 
                            const int32_t *tgt, int64_t v0, const double *mx, double *ce) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_CE,
-                 loom_cuda_ce_vp_sums(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, mx, ce,
-                                    m->dev.stream));
+        return loom_cuda_ce_vp_sums(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, mx, ce,
+                                    m->dev.stream);
 #endif
     loom_cpu_ce_vp_sums(CF(z), c, ld, nvalid, tgt, v0, mx, ce);
     return LOOM_OK;
@@ -497,9 +347,8 @@ loom_status loom_k_ce_grad(loom_model *m, void *z, int64_t c, int64_t ld, int64_
                            const int32_t *tgt, int64_t v0, const double *L, float scale) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_CE,
-                 loom_cuda_ce_vp_grad(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, L, scale,
-                                    m->dev.stream));
+        return loom_cuda_ce_vp_grad(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, L, scale,
+                                    m->dev.stream);
 #endif
     loom_cpu_ce_vp_grad(F(z), c, ld, nvalid, tgt, v0, L, scale);
     return LOOM_OK;
@@ -510,9 +359,7 @@ loom_status loom_k_ce_grad(loom_model *m, void *z, int64_t c, int64_t ld, int64_
 loom_status loom_k_rows_gather(loom_model *m, void *dst, const void *src, const int32_t *idx,
                                int64_t n, int64_t w) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_PERM,
-                 loom_cuda_rows_gather(m->ctx, dst, src, idx, n, w, m->dev.esz, m->dev.stream));
+    if (GPU(m)) return loom_cuda_rows_gather(m->ctx, dst, src, idx, n, w, m->dev.esz, m->dev.stream);
 #endif
     loom_cpu_rows_gather(dst, src, idx, n, w, m->dev.esz);
     return LOOM_OK;
@@ -522,8 +369,7 @@ loom_status loom_k_rows_scatter(loom_model *m, void *dst, const void *src, const
                                 int64_t n, int64_t w) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_PERM,
-                 loom_cuda_rows_scatter(m->ctx, dst, src, idx, n, w, m->dev.esz, m->dev.stream));
+        return loom_cuda_rows_scatter(m->ctx, dst, src, idx, n, w, m->dev.esz, m->dev.stream);
 #endif
     loom_cpu_rows_scatter(dst, src, idx, n, w, m->dev.esz);
     return LOOM_OK;
@@ -534,9 +380,8 @@ loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, i
                            uint64_t seed, uint64_t key, double p) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_DROPOUT,
-                 loom_cuda_lora_dropout(m->ctx, out, x, T, in, full, col0, qidx, out0, seed, key, p,
-                                      m->dev.adt, m->dev.stream));
+        return loom_cuda_lora_dropout(m->ctx, out, x, T, in, full, col0, qidx, out0, seed, key, p,
+                                      m->dev.adt, m->dev.stream);
 #endif
     loom_cpu_lora_dropout(F(out), CF(x), T, in, full, col0, qidx, out0, seed, key, p);
     return LOOM_OK;
@@ -547,9 +392,7 @@ loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, i
 loom_status loom_k_adamw(loom_model *m, float *p, const float *g, float *mom, float *var, size_t n,
                          const loom_adamw_hp *hp, int64_t t, bool decay) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_OPTIM,
-                 loom_cuda_adamw_step(m->ctx, p, g, mom, var, n, hp, t, decay, m->dev.stream));
+    if (GPU(m)) return loom_cuda_adamw_step(m->ctx, p, g, mom, var, n, hp, t, decay, m->dev.stream);
 #endif
     loom_adamw_step(p, g, mom, var, n, hp, t, decay);
     return LOOM_OK;
@@ -558,8 +401,7 @@ loom_status loom_k_adamw(loom_model *m, float *p, const float *g, float *mom, fl
 loom_status loom_k_sumsq(loom_model *m, const float *g, size_t n, double *res) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return P(m, K_OPTIM,
-                 loom_cuda_sumsq(m->ctx, g, n, res, m->dev.sumsq_scratch, m->dev.stream));
+        return loom_cuda_sumsq(m->ctx, g, n, res, m->dev.sumsq_scratch, m->dev.stream);
 #endif
     *res = loom_sumsq(g, n);
     return LOOM_OK;
@@ -567,9 +409,7 @@ loom_status loom_k_sumsq(loom_model *m, const float *g, size_t n, double *res) {
 
 loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return P(m, K_OPTIM,
-                 loom_cuda_scale(m->ctx, g, n, s, m->dev.stream));
+    if (GPU(m)) return loom_cuda_scale(m->ctx, g, n, s, m->dev.stream);
 #endif
     loom_scale(g, n, s);
     return LOOM_OK;

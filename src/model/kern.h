@@ -39,18 +39,12 @@ typedef struct loom_dev {
     size_t used0;             /* GPU memory in use when the model was created */
     size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
     size_t gpu_total;
-    void *prof;               /* LOOM_PROFILE=1: CUDA-event times per op class */
 } loom_dev;
 
 /* Sets up the device side of `m` (m->dev.cuda and adt already set): on a
  * GPU, the cuBLASLt handle and the small scratch buffers. */
 loom_status loom_dev_init(loom_model *m);
 void loom_dev_release(loom_model *m);
-
-/* LOOM_PROFILE=1 (GPU): logs the GPU time per op class over the ops since
- * the last reset, per step, against the wall time; reset starts again. */
-void loom_k_profile_report(loom_model *m, int64_t steps, double wall_s);
-void loom_k_profile_reset(loom_model *m);
 
 /* Memory of the model's device: zeroed on allocation; `what` names it in
  * the out-of-memory message. */
