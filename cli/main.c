@@ -85,6 +85,7 @@ static void version(void) {
 #endif
 }
 
+#ifndef __SANITIZE_ADDRESS__ /* sanitizer builds keep the sanitizer's own report */
 /* A crash (a bug in loom) prints where it happened before dying, so that
  * a report can name the function: raw frames, resolvable with addr2line on
  * the same binary. */
@@ -99,9 +100,10 @@ static void on_fatal(int sig) {
     signal(sig, SIG_DFL);
     raise(sig);
 }
+#endif
 
 int main(int argc, char **argv) {
-#ifndef __SANITIZE_ADDRESS__ /* sanitizer builds keep the sanitizer's own report */
+#ifndef __SANITIZE_ADDRESS__
     signal(SIGSEGV, on_fatal);
     signal(SIGBUS, on_fatal);
     signal(SIGFPE, on_fatal);
