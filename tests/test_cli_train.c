@@ -34,7 +34,7 @@ TEST(cli_train_loss_falls_and_saves_hf) {
     free(out);
     REQUIRE(RUN(&out, "data", "--text", text, "--out", data) == 0);
     free(out);
-    int rc = RUN(&out, "train", "--model", model, "--data", data, "--train-steps", "15",
+    int rc = RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, "--train-steps", "15",
                  "--seq-len", "64", "--global-batch-size", "4", "--micro-batch-size", "2",
                  "--lr", "3e-3", "--lr-warmup-steps", "2", "--save-hf", saved, "--save-dtype",
                  "bfloat16");
@@ -54,7 +54,7 @@ TEST(cli_train_loss_falls_and_saves_hf) {
 TEST(cli_train_refuses_bad_input) {
     char data[1024], model[1024], *out;
     snprintf(model, sizeof model, "%s/models/tiny-qwen3", loom_test_fixtures());
-    CHECK_EQ_INT(RUN(&out, "train", "--model", model), 1);
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model), 1);
     CHECK_CONTAINS(out, "needs --model DIR");
     free(out);
     /* a file that is not a token file */
@@ -63,10 +63,10 @@ TEST(cli_train_refuses_bad_input) {
     REQUIRE(f);
     fputs("hello", f);
     fclose(f);
-    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data), 1);
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data), 1);
     CHECK_CONTAINS(out, "bad.tokens");
     free(out);
-    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data, "--global-batch-size", "3",
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, "--global-batch-size", "3",
                      "--micro-batch-size", "2"),
                  1);
     CHECK_CONTAINS(out, "not a multiple of micro_batch_size=2");
@@ -79,7 +79,7 @@ TEST(cli_golden_matches_fixture) {
     snprintf(model, sizeof model, "%s/models/tiny-qwen2", loom_test_fixtures());
     snprintf(batch, sizeof batch, "%s/golden/tiny-qwen2.safetensors", loom_test_fixtures());
     tmp_path(outf, sizeof outf, "golden.safetensors");
-    CHECK_EQ_INT(RUN(&out, "golden", "--model", model, "--batch", batch, "--out", outf), 0);
+    CHECK_EQ_INT(RUN(&out, "golden", "--device", "cpu", "--model", model, "--batch", batch, "--out", outf), 0);
     CHECK_CONTAINS(out, "over 41 tokens");
     free(out);
     loom_ctx *ctx;
@@ -153,7 +153,7 @@ TEST(cli_golden_packed_batch) {
     CHECK_OK(ctx, loom_st_writer_write(ctx, w, "cu_seqlens", LOOM_I32, cu));
     REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
     loom_st_writer_free(w);
-    CHECK_EQ_INT(RUN(&out, "golden", "--model", model, "--batch", batch, "--out", outf), 0);
+    CHECK_EQ_INT(RUN(&out, "golden", "--device", "cpu", "--model", model, "--batch", batch, "--out", outf), 0);
     free(out);
     loom_safetensors *got;
     REQUIRE_OK(ctx, loom_st_open_file(ctx, outf, &got));
@@ -183,7 +183,7 @@ TEST(cli_golden_refuses_bad_batches) {
         if (c) CHECK_OK(ctx, loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt));
         REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
         loom_st_writer_free(w);
-        CHECK_EQ_INT(RUN(&out, "golden", "--model", model, "--batch", batch, "--out", outf), 1);
+        CHECK_EQ_INT(RUN(&out, "golden", "--device", "cpu", "--model", model, "--batch", batch, "--out", outf), 1);
         CHECK_CONTAINS(out, c == 0 ? "has no tensor 'targets'"
                             : c == 1 ? "'targets' has shape [2, 4] but input_ids has [1, 8]"
                                      : "input_ids[0, 7] = 4000 is outside the vocabulary");
@@ -209,7 +209,7 @@ TEST(cli_train_lora) {
     free(out);
     REQUIRE(RUN(&out, "data", "--text", text, "--out", data) == 0);
     free(out);
-    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data, "--train-steps", "12",
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, "--train-steps", "12",
                      "--seq-len", "32", "--global-batch-size", "4", "--lr", "1e-2", "--lora-r",
                      "8", "--lora-alpha", "16", "--save-adapter", adapter),
                  0);
@@ -220,7 +220,7 @@ TEST(cli_train_lora) {
     char p[1100];
     snprintf(p, sizeof p, "%s/adapter_config.json", adapter);
     CHECK(loom_file_exists(p));
-    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data, "--train-steps", "2",
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, "--train-steps", "2",
                      "--seq-len", "32", "--global-batch-size", "4", "--adapter", adapter,
                      "--merge-lora", "--save-hf", merged),
                  0);
@@ -228,7 +228,7 @@ TEST(cli_train_lora) {
     free(out);
     CHECK_EQ_INT(RUN(&out, "inspect", merged), 0);
     free(out);
-    CHECK_EQ_INT(RUN(&out, "train", "--model", model, "--data", data, "--lora-r", "4",
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, "--lora-r", "4",
                      "--lora-target", "q_proj,bogus"),
                  1);
     CHECK_CONTAINS(out, "'bogus' is not one loom knows");

@@ -621,7 +621,7 @@ TEST(dataset_cli_train_jsonl) {
     loom_sb_free(&sb);
     const char *model = fixture("models/tiny-qwen3");
     char *out;
-    int rc = RUN(&out, loom_test_bin(), "train", "--model", model, "--data", data, "--train-steps",
+    int rc = RUN(&out, loom_test_bin(), "train", "--device", "cpu", "--model", model, "--data", data, "--train-steps",
                  "3", "--seq-len", "64", "--global-batch-size", "4", "--micro-batch-size", "2",
                  "--lr", "1e-3");
     CHECK_EQ_INT(rc, 0);
@@ -631,7 +631,7 @@ TEST(dataset_cli_train_jsonl) {
     CHECK(isfinite(loss_at(out, "step 3/3")));
     free(out);
     /* again: the cache is reused; another seed still trains */
-    rc = RUN(&out, loom_test_bin(), "train", "--model", model, "--data", data, "--train-steps", "3",
+    rc = RUN(&out, loom_test_bin(), "train", "--device", "cpu", "--model", model, "--data", data, "--train-steps", "3",
              "--seq-len", "64", "--global-batch-size", "4", "--data-seed", "9");
     CHECK_EQ_INT(rc, 0);
     CHECK_CONTAINS(out, "(reused)");
@@ -639,24 +639,24 @@ TEST(dataset_cli_train_jsonl) {
     /* a bad line stops with FILE:LINE, or is skipped and counted */
     const char *bad = tmp_path("bad.jsonl");
     write_text(bad, "{\"text\": \"fine\"}\n{\"text\": \"oops\"\n{\"text\": \"fine too\"}\n");
-    rc = RUN(&out, loom_test_bin(), "train", "--model", model, "--data", bad, "--train-steps", "1",
+    rc = RUN(&out, loom_test_bin(), "train", "--device", "cpu", "--model", model, "--data", bad, "--train-steps", "1",
              "--seq-len", "32", "--global-batch-size", "1");
     CHECK_EQ_INT(rc, 1);
     CHECK_CONTAINS(out, "bad.jsonl:2: malformed JSON at column 16");
     free(out);
-    rc = RUN(&out, loom_test_bin(), "train", "--model", model, "--data", bad, "--train-steps", "1",
+    rc = RUN(&out, loom_test_bin(), "train", "--device", "cpu", "--model", model, "--data", bad, "--train-steps", "1",
              "--seq-len", "32", "--global-batch-size", "1", "--bad-lines", "skip");
     CHECK_EQ_INT(rc, 0);
     CHECK_CONTAINS(out, "1 bad line skipped (--bad-lines skip); the first: ");
     free(out);
     /* too long for seq_len: error by default, dropped on request */
-    rc = RUN(&out, loom_test_bin(), "train", "--model", model, "--data", data, "--train-steps", "1",
+    rc = RUN(&out, loom_test_bin(), "train", "--device", "cpu", "--model", model, "--data", data, "--train-steps", "1",
              "--seq-len", "16", "--global-batch-size", "1");
     CHECK_EQ_INT(rc, 1);
     CHECK_CONTAINS(out, "chat.jsonl:1: the sample has ");
     CHECK_CONTAINS(out, "more than seq_len = 16");
     free(out);
-    rc = RUN(&out, loom_test_bin(), "train", "--model", model, "--data", data, "--train-steps", "1",
+    rc = RUN(&out, loom_test_bin(), "train", "--device", "cpu", "--model", model, "--data", data, "--train-steps", "1",
              "--seq-len", "16", "--global-batch-size", "1", "--truncation", "drop");
     CHECK_EQ_INT(rc, 0);
     CHECK_CONTAINS(out, "longer than seq_len dropped (--truncation drop)");

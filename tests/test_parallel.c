@@ -47,7 +47,8 @@ static int golden(int np, const char *model, const char *batch, const char *out,
         argv[n++] = nps;
     }
     argv[n++] = loom_test_bin();
-    const char *fixed[] = {"golden", "--model", model, "--batch", batch, "--out", out,
+    /* CPU ranks over MPI (a GPU machine would otherwise pick --device cuda) */
+    const char *fixed[] = {"golden", "--device", "cpu", "--model", model, "--batch", batch, "--out", out,
                            "--steps", "5", "--lr", "1e-3", "--adam-beta2", "0.95",
                            "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-level", "warn"};
     for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++) argv[n++] = fixed[i];
