@@ -21,6 +21,8 @@ struct attn_args {
     void *o;             // forward output
     float *lse;          // forward output
     void *dq, *dk, *dv;  // backward outputs
+    float *di;           // backward scratch (Tq, Hq): D_i = dout_i . out_i, from the dq
+                         // kernel to the dk/dv kernel (tensor-core path)
 };
 
 // Start and end of the document holding token t (cu[lo] <= t < cu[lo + 1]).

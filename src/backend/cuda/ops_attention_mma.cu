@@ -11,7 +11,8 @@
 //            dS = P (dP - D_i) (rounded to the input type), dQ += dS K.
 //   dk, dv   block = 64 keys x 1 kv head; loop over the group's query heads
 //            and the query tiles (BQ2 rows) that see the keys:
-//            S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+//            S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, with
+//            D_i = dO_i . O_i as the dq kernel computed it (not the O tile).
 // Every output has one writer and a fixed summation order: deterministic.
 #include <stdint.h>
 
@@ -112,9 +113,6 @@ __device__ __forceinline__ void load_tile_async(T *dst, const void *src, int64_t
         cp_async16(dst + r * LDS + c * 8, valid ? s + ((r0 + r) * H + h) * DH + c * 8 : s, valid);
     }
 }
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -303,6 +301,8 @@ __global__ void __launch_bounds__(NT) attn_bwd_dq_mma_kernel(attn_args a) {
     cp_commit();
     load_rows<true, BQ>(a, t0, nq, h, gi_s, ds_s, lse_s, di_s);
     __syncthreads();
+    // D_i for the dk/dv kernel, which reads it instead of the output tile
+    for (int r = tid; r < nq; r += NT) a.di[(t0 + r) * a.Hq + h] = di_s[r];
 
     const int64_t kb = ds_s[0], ke = (int64_t)gi_s[nq - 1] + 1;
     const int ntiles = (int)((ke - kb + BK - 1) / BK);
@@ -406,10 +406,9 @@ template <typename T, int DH, int BQ2>
 __global__ void __launch_bounds__(NT) attn_bwd_dkdv_mma_kernel(attn_args a) {
     using M = mma_type<T>;
     constexpr int LDS = DH + 8, ND = DH / 8, NQ = BQ2 / 8; // n-tiles of 8 queries
-    constexpr int TPR = NT / BQ2, EPT = DH / TPR;           // D_i: threads per row, elements each
     extern __shared__ __align__(16) unsigned char smem[];
-    T *Ks = (T *)smem, *Vs = Ks + BK * LDS, *QB = Vs + BK * LDS; // QB: 2 x (Q, dO, O)
-    int *meta = (int *)(QB + 6 * BQ2 * LDS);                     // 2 x (gi, ds, lse, di)
+    T *Ks = (T *)smem, *Vs = Ks + BK * LDS, *QB = Vs + BK * LDS; // QB: 2 x (Q, dO)
+    int *meta = (int *)(QB + 4 * BQ2 * LDS);                     // 2 x (gi, ds, lse, di)
     int *range_s = meta + 8 * BQ2;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
@@ -444,13 +443,14 @@ __global__ void __launch_bounds__(NT) attn_bwd_dkdv_mma_kernel(attn_args a) {
         const int h = hk * group + it / per_head;
         const int64_t t0 = tq_begin + (int64_t)(it % per_head) * BQ2;
         const int nq = (int)(tq_end - t0 < BQ2 ? tq_end - t0 : BQ2);
-        T *Qb = QB + (it & 1) * 3 * BQ2 * LDS;
+        T *Qb = QB + (it & 1) * 2 * BQ2 * LDS;
         load_tile_async<T, DH, BQ2>(Qb, a.q, t0, nq, a.Hq, h);
         load_tile_async<T, DH, BQ2>(Qb + BQ2 * LDS, a.dout, t0, nq, a.Hq, h);
-        load_tile_async<T, DH, BQ2>(Qb + 2 * BQ2 * LDS, a.out, t0, nq, a.Hq, h);
         cp_commit();
         int *mb = meta + (it & 1) * 4 * BQ2;
         load_rows<true, BQ2, false>(a, t0, nq, h, mb, mb + BQ2, (float *)(mb + 2 * BQ2), nullptr);
+        for (int r = tid; r < BQ2; r += NT) /* D_i from the dq kernel */
+            ((float *)(mb + 3 * BQ2))[r] = r < nq ? a.di[(t0 + r) * a.Hq + h] : 0.0f;
     };
     if (ntiles > 0) stage(0);
     for (int it = 0; it < ntiles; it++) {
@@ -463,20 +463,10 @@ __global__ void __launch_bounds__(NT) attn_bwd_dkdv_mma_kernel(attn_args a) {
             cp_wait<0>();
         }
         __syncthreads();
-        const T *Qs = QB + (it & 1) * 3 * BQ2 * LDS, *dOs = Qs + BQ2 * LDS, *Os = dOs + BQ2 * LDS;
+        const T *Qs = QB + (it & 1) * 2 * BQ2 * LDS, *dOs = Qs + BQ2 * LDS;
         const int *gi_s = meta + (it & 1) * 4 * BQ2, *ds_s = gi_s + BQ2;
         const float *lse_s = (const float *)(gi_s + 2 * BQ2);
-        float *di_s = (float *)(meta + (it & 1) * 4 * BQ2 + 3 * BQ2);
-        { // D_i = dout_i . out_i (fp32) from the tiles just landed
-            const int r = tid / TPR, part = tid % TPR;
-            float acc = 0.0f;
-#pragma unroll 8
-            for (int d = part * EPT; d < (part + 1) * EPT; d++)
-                acc += to_f(dOs[r * LDS + d]) * to_f(Os[r * LDS + d]);
-#pragma unroll
-            for (int o = 1; o < TPR; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (part == 0) di_s[r] = acc;
-        }
+        const float *di_s = (const float *)(meta + (it & 1) * 4 * BQ2 + 3 * BQ2);
         __syncthreads();
         // causal: the tile's last query precedes every key of this warp
         if (w0 < nk && gi_s[nq - 1] >= wfirst) {
@@ -578,18 +568,31 @@ loom_status fwd(loom_ctx *ctx, const attn_args &a, cudaStream_t s) {
 }
 
 template <typename T, int DH>
-loom_status bwd(loom_ctx *ctx, const attn_args &a, cudaStream_t s) {
-    loom_status st;
+loom_status bwd(loom_ctx *ctx, const attn_args &args, cudaStream_t s) {
+    attn_args a = args;
+    a.di = nullptr;
+    loom_status st = LOOM_OK;
     if (a.Tq > 0) {
+        /* D_i, computed once by the dq kernel (in double) and read by the
+         * dk/dv kernel: a stream-ordered allocation, freed behind it */
+        st = check(ctx, cudaMallocAsync((void **)&a.di, (size_t)a.Tq * a.Hq * sizeof(float), s),
+                   "attention_bwd (D_i scratch)");
+        if (st) return st;
         const size_t smem = tile_bytes(2 * BQ + 4 * BK, DH) + 4 * BQ * 4;
         dim3 grid((unsigned)((a.Tq + BQ - 1) / BQ), (unsigned)a.Hq);
-        if ((st = launch(ctx, "attention_bwd", attn_bwd_dq_mma_kernel<T, DH>, grid, smem, s, a)))
-            return st;
+        st = launch(ctx, "attention_bwd", attn_bwd_dq_mma_kernel<T, DH>, grid, smem, s, a);
     }
-    constexpr int BQ2 = DH > 64 ? 32 : 64; // query rows per step of the dk/dv kernel (registers)
-    const size_t smem = tile_bytes(2 * BK + 6 * BQ2, DH) + 8 * BQ2 * 4 + 2 * sizeof(int);
-    dim3 grid((unsigned)((a.T + BK - 1) / BK), (unsigned)a.Hkv);
-    return launch(ctx, "attention_bwd", attn_bwd_dkdv_mma_kernel<T, DH, BQ2>, grid, smem, s, a);
+    if (!st) {
+        constexpr int BQ2 = DH > 64 ? 32 : 64; // query rows per step of the dk/dv kernel (registers)
+        const size_t smem = tile_bytes(2 * BK + 4 * BQ2, DH) + 8 * BQ2 * 4 + 2 * sizeof(int);
+        dim3 grid((unsigned)((a.T + BK - 1) / BK), (unsigned)a.Hkv);
+        st = launch(ctx, "attention_bwd", attn_bwd_dkdv_mma_kernel<T, DH, BQ2>, grid, smem, s, a);
+    }
+    if (a.di) {
+        loom_status sf = check(ctx, cudaFreeAsync(a.di, s), "attention_bwd (D_i scratch)");
+        if (!st) st = sf;
+    }
+    return st;
 }
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
