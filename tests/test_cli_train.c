@@ -234,3 +234,26 @@ TEST(cli_train_lora) {
     CHECK_CONTAINS(out, "'bogus' is not one loom knows");
     free(out);
 }
+
+/* --device cuda where no GPU can be used: a clear error, nothing run. */
+TEST(cli_train_device_cuda_without_gpu) {
+    if (loom_test_have_gpu()) SKIP("a GPU is visible");
+    char *out = NULL;
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cuda", "--model", "/nonexistent-model", "--data",
+                     "/nonexistent.tokens"),
+                 1);
+    CHECK_MSG(out && (strstr(out, "built without CUDA") || strstr(out, "--device cuda")), "%s",
+              out ? out : "");
+    CHECK_CONTAINS(out, "--device cpu");
+    free(out);
+    /* and bf16 on the CPU is refused with the reason */
+    char model[1024], batch[1024], outf[1100];
+    snprintf(model, sizeof model, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(batch, sizeof batch, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
+    snprintf(outf, sizeof outf, "%s/o.safetensors", loom_test_tmpdir());
+    CHECK_EQ_INT(RUN(&out, "golden", "--device", "cpu", "--dtype", "bf16", "--model", model,
+                     "--batch", batch, "--out", outf),
+                 1);
+    CHECK_CONTAINS(out, "the CPU backend computes in F32");
+    free(out);
+}

@@ -690,6 +690,71 @@ TEST(cuda_ops_adamw) {
     gpu_close(&g);
 }
 
+/* AdamW and the sum of squares over many blocks in one launch (the chunk
+ * lists of the distributed optimizer) against loom_adamw_step / double sums
+ * per block: parameters in one buffer, gradients and moments in another at
+ * other offsets, blocks with and without decay, some longer than a chunk. */
+TEST(cuda_ops_adamw_and_sumsq_chunks) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const int nb = 7;
+    const size_t lens[7] = {5, 70000, 1, 16384, 16385, 333, 40000};
+    size_t P = 0, S = 0, poff[7], soff[7];
+    for (int b = 0; b < nb; b++) {
+        poff[b] = P + 3; /* parameters padded apart, shard dense */
+        soff[b] = S;
+        P = poff[b] + lens[b];
+        S += lens[b];
+    }
+    float *p = falloc((int64_t)P), *gr = falloc((int64_t)S), *m = falloc((int64_t)S),
+          *v = falloc((int64_t)S), *gp = falloc((int64_t)P), *gm = falloc((int64_t)S),
+          *gv = falloc((int64_t)S);
+    fill(p, (int64_t)P, 71, 1);
+    fill(gr, (int64_t)S, 72, 1e-2f);
+    fill(m, (int64_t)S, 73, 1e-3f);
+    fill(v, (int64_t)S, 74, 1e-3f);
+    for (size_t i = 0; i < S; i++) v[i] = v[i] * v[i];
+    float *dp = up(&g, p, (int64_t)P, LOOM_F32), *dg = up(&g, gr, (int64_t)S, LOOM_F32);
+    float *dm = up(&g, m, (int64_t)S, LOOM_F32), *dv = up(&g, v, (int64_t)S, LOOM_F32);
+    loom_cuda_chunk ch[64];
+    double want_chunk[64];
+    int nc = 0;
+    for (int b = 0; b < nb; b++)
+        for (size_t o = 0; o < lens[b]; o += LOOM_CUDA_CHUNK) {
+            size_t len = lens[b] - o < LOOM_CUDA_CHUNK ? lens[b] - o : LOOM_CUDA_CHUNK;
+            ch[nc] = (loom_cuda_chunk){.p_off = (int64_t)(poff[b] + o),
+                                       .s_off = (int64_t)(soff[b] + o), .len = (int32_t)len,
+                                       .decay = b % 2};
+            double acc = 0;
+            for (size_t i = 0; i < len; i++) acc += (double)gr[soff[b] + o + i] * gr[soff[b] + o + i];
+            want_chunk[nc++] = acc;
+        }
+    loom_cuda_chunk *dch = up_raw(&g, ch, (size_t)nc * sizeof ch[0]);
+    double *dsum = dalloc(&g, (size_t)nc * sizeof(double));
+    REQUIRE(!g.bad);
+    const loom_adamw_hp hp = {3e-3, 0.9, 0.95, 1e-8, 0.1};
+    for (int b = 0; b < nb; b++)
+        loom_adamw_step(p + poff[b], gr + soff[b], m + soff[b], v + soff[b], lens[b], &hp, 3,
+                        b % 2);
+    CHECK_OK(g.ctx, loom_cuda_sumsq_chunks(g.ctx, dg, dch, nc, dsum, NULL));
+    CHECK_OK(g.ctx, loom_cuda_adamw_chunks(g.ctx, dp, dg, dm, dv, dch, nc, &hp, 3, NULL));
+    down(&g, gp, dp, (int64_t)P, LOOM_F32);
+    down(&g, gm, dm, (int64_t)S, LOOM_F32);
+    down(&g, gv, dv, (int64_t)S, LOOM_F32);
+    size_t diff = 0;
+    for (int b = 0; b < nb; b++) /* the padding between blocks is not touched either */
+        for (size_t i = poff[b] - 3; i < poff[b] + lens[b]; i++) diff += memcmp(&gp[i], &p[i], 4) != 0;
+    for (size_t i = 0; i < S; i++) diff += memcmp(&gm[i], &m[i], 4) || memcmp(&gv[i], &v[i], 4);
+    CHECK_MSG(diff == 0, "adamw_chunks: %zu elements differ from loom_adamw_step", diff);
+    double got[64];
+    CHECK_OK(g.ctx, loom_cuda_memcpy_d2h(g.ctx, got, dsum, (size_t)nc * sizeof(double)));
+    for (int c = 0; c < nc; c++)
+        CHECK_MSG(fabs(got[c] - want_chunk[c]) <= 1e-12 * want_chunk[c] + 1e-300,
+                  "sumsq chunk %d: %.17g vs %.17g", c, got[c], want_chunk[c]);
+    free(p), free(gr), free(m), free(v), free(gp), free(gm), free(gv);
+    gpu_close(&g);
+}
+
 TEST(cuda_ops_sumsq_and_scale) {
     gpu g;
     REQUIRE(gpu_open(&g));

@@ -271,3 +271,56 @@ TEST(model_cuda_packed_documents_qwen2) { check_packed("tiny-qwen2", LOOM_DEVICE
 TEST(model_cuda_adamw_trajectory_qwen3) { check_adamw("tiny-qwen3", LOOM_DEVICE_CUDA); }
 TEST(model_cuda_adamw_trajectory_untied) { check_adamw("tiny-qwen3-untied", LOOM_DEVICE_CUDA); }
 TEST(model_cuda_adamw_trajectory_llama) { check_adamw("tiny-llama", LOOM_DEVICE_CUDA); }
+
+/* fp16 on a GPU: the loss is seeded with the dynamic loss scale (2^10) and
+ * unscaled at the step; five AdamW steps stay finite and track the fp32
+ * trajectory of the HF fixture. */
+TEST(model_cuda_fp16_loss_scaling) {
+    if (!loom_test_have_gpu()) SKIP("no GPU visible (or loom built without CUDA)");
+    golden g;
+    memset(&g, 0, sizeof g);
+    REQUIRE(!loom_ctx_create(&g.ctx));
+    loom_ctx_set_log_level(g.ctx, LOOM_LOG_ERROR);
+    char p[1024];
+    path_of(g.dir, sizeof g.dir, "models/", "tiny-qwen3", "");
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = LOOM_DEVICE_CUDA;
+    o.dtype = LOOM_F16;
+    REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+    REQUIRE_OK(g.ctx, loom_st_open_file(g.ctx, path_of(p, sizeof p, "golden/", "tiny-qwen3",
+                                                       ".safetensors"), &g.st));
+    REQUIRE_OK(g.ctx, loom_json_parse_file(g.ctx, path_of(p, sizeof p, "golden/", "tiny-qwen3",
+                                                          ".json"), &g.meta));
+    REQUIRE_OK(g.ctx, loom_st_read_named(g.ctx, g.st, "input_ids", 2, (int64_t[]){2, 24}, LOOM_I32,
+                                         g.ids));
+    REQUIRE_OK(g.ctx, loom_st_read_named(g.ctx, g.st, "targets", 2, (int64_t[]){2, 24}, LOOM_I32,
+                                         g.tgt));
+    loom_optimizer_config oc = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                                .weight_decay = 0.1};
+    REQUIRE_OK(g.ctx, loom_model_set_optimizer(g.m, &oc));
+    const loom_json *losses = loom_json_get(g.meta, "adamw_losses");
+    REQUIRE(losses && losses->n == 5);
+    loom_batch b = batch_of(&g);
+    int stepped = 0;
+    for (int s = 0; s < 5; s++) {
+        loom_fb_result r;
+        loom_step_result sr;
+        REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 1, &r));
+        REQUIRE_OK(g.ctx, loom_model_clip_grad_and_step(g.m, 1.0, 1, &sr));
+        CHECK(isfinite(r.loss));
+        CHECK(sr.loss_scale >= 1.0 && sr.loss_scale <= 1024.0);
+        if (s == 0) {
+            CHECK_MSG(sr.stepped && sr.loss_scale == 1024.0, "step 1: stepped %d, scale %g",
+                      sr.stepped, sr.loss_scale);
+            double rn = loom_json_get(g.meta, "adamw_grad_norms_before_clip")->items[0]->d;
+            CHECK_NEAR(sr.grad_norm, rn, 2e-2 * rn);
+        }
+        /* fp16 activations: the fixture's fp32 losses within 1% while no
+         * step was skipped */
+        if (stepped == s) CHECK_NEAR(r.loss, losses->items[s]->d, 1e-2 * losses->items[s]->d);
+        stepped += sr.stepped;
+    }
+    CHECK_MSG(stepped >= 4, "%d of 5 steps taken", stepped);
+    golden_close(&g);
+}

@@ -414,3 +414,87 @@ loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s) {
     loom_scale(g, n, s);
     return LOOM_OK;
 }
+
+/* ---- the optimizer over parts ---- */
+
+#ifdef LOOM_HAVE_CUDA
+/* Cuts the parts into chunks of at most LOOM_CUDA_CHUNK elements: all of
+ * them for AdamW, then those in the norm; uploads both lists once. */
+static loom_status build_chunks(loom_model *m, loom_arena *A, const loom_k_part *parts, int n) {
+    int64_t na = 0, nn = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t c = (int64_t)((parts[i].len + LOOM_CUDA_CHUNK - 1) / LOOM_CUDA_CHUNK);
+        na += c;
+        if (parts[i].norm) nn += c;
+    }
+    loom_cuda_chunk *h = malloc((size_t)(na + nn + 1) * sizeof *h);
+    if (!h) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the optimizer's chunk list");
+    int64_t k = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < n; i++) {
+            if (pass && !parts[i].norm) continue;
+            for (size_t o = 0; o < parts[i].len; o += LOOM_CUDA_CHUNK) {
+                size_t len = parts[i].len - o < LOOM_CUDA_CHUNK ? parts[i].len - o : LOOM_CUDA_CHUNK;
+                h[k++] = (loom_cuda_chunk){.p_off = (int64_t)(parts[i].p_off + o),
+                                           .s_off = (int64_t)(parts[i].s_off + o),
+                                           .len = (int32_t)len, .decay = parts[i].decay};
+            }
+        }
+    loom_status st = loom_dev_alloc(m, &A->d_chunks, (size_t)(na + nn + 1) * sizeof *h,
+                                    "optimizer chunk list");
+    if (!st) st = loom_k_upload(m, A->d_chunks, h, (size_t)(na + nn) * sizeof *h);
+    if (!st) {
+        loom_dev_free(m, A->d_norm);
+        A->d_norm = NULL;
+        st = loom_dev_alloc(m, (void **)&A->d_norm, (size_t)(nn + 1) * sizeof(double),
+                            "grad-norm chunks");
+    }
+    free(h);
+    if (st) return st;
+    A->n_adam = na;
+    A->n_norm = nn;
+    return LOOM_OK;
+}
+#endif
+
+loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
+                               int n, const loom_adamw_hp *hp, int64_t t) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) {
+        loom_status st = A->d_chunks ? LOOM_OK : build_chunks(m, A, parts, n);
+        if (st) return st;
+        return loom_cuda_adamw_chunks(m->ctx, A->w, A->gshard, A->adam_m, A->adam_v,
+                                      (const loom_cuda_chunk *)A->d_chunks, A->n_adam, hp, t,
+                                      m->dev.stream);
+    }
+#endif
+    for (int i = 0; i < n; i++)
+        loom_adamw_step(A->w + parts[i].p_off, A->gshard + parts[i].s_off,
+                        A->adam_m + parts[i].s_off, A->adam_v + parts[i].s_off, parts[i].len, hp,
+                        t, parts[i].decay);
+    return LOOM_OK;
+}
+
+loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
+                               int n, double *sum) {
+    *sum = 0.0;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) {
+        loom_status st = A->d_chunks ? LOOM_OK : build_chunks(m, A, parts, n);
+        if (st) return st;
+        const loom_cuda_chunk *norm = (const loom_cuda_chunk *)A->d_chunks + A->n_adam;
+        if ((st = loom_cuda_sumsq_chunks(m->ctx, A->gshard, norm, A->n_norm, A->d_norm,
+                                         m->dev.stream)))
+            return st;
+        double *h = malloc((size_t)(A->n_norm + 1) * sizeof *h);
+        if (!h) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the grad-norm chunks");
+        st = loom_k_download(m, h, A->d_norm, (size_t)A->n_norm * sizeof *h);
+        for (int64_t i = 0; !st && i < A->n_norm; i++) *sum += h[i]; /* chunk order */
+        free(h);
+        return st;
+    }
+#endif
+    for (int i = 0; i < n; i++)
+        if (parts[i].norm) *sum += loom_sumsq(A->gshard + parts[i].s_off, parts[i].len);
+    return LOOM_OK;
+}

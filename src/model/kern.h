@@ -24,6 +24,7 @@
 #include "loom.h"
 
 typedef struct loom_model loom_model;
+struct loom_arena;
 struct loom_cuda_gemm_handle;
 
 typedef struct loom_dev {
@@ -128,6 +129,21 @@ loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, i
 /* ---- optimizer, fp32 ---- */
 loom_status loom_k_adamw(loom_model *m, float *p, const float *g, float *mom, float *var, size_t n,
                          const loom_adamw_hp *hp, int64_t t, bool decay);
+/* One part of the optimizer's work: `len` parameters at A->w + p_off whose
+ * gradient and moments are at shard offset s_off. */
+typedef struct loom_k_part {
+    size_t p_off, s_off, len;
+    bool decay;   /* AdamW weight decay applies */
+    bool norm;    /* counts in the gradient norm */
+} loom_k_part;
+/* AdamW over every part, and the sum of g^2 over the parts that count in
+ * the norm (*sum, host), in a few launches on a GPU: the parts are cut in
+ * chunks once per arena (the layout never changes) and kept on the device. */
+loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
+                               int n, const loom_adamw_hp *hp, int64_t t);
+loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
+                               int n, double *sum);
+
 /* *res = sum of g^2 (double; res is device memory on a GPU) */
 loom_status loom_k_sumsq(loom_model *m, const float *g, size_t n, double *res);
 loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s);

@@ -179,8 +179,10 @@ static void freeze_base(loom_model *m, loom_adapter *a) {
     loom_dev_free(m, m->base.g);
     loom_dev_free(m, m->base.gshard); /* with the moments: one block */
     loom_dev_free(m, m->base.d_norm);
+    loom_dev_free(m, m->base.d_chunks);
     m->base.g = m->base.gshard = m->base.adam_m = m->base.adam_v = NULL;
     m->base.d_norm = NULL;
+    m->base.d_chunks = NULL;
     loom_arena_drop_master(m, &m->base);
     m->active = (int)(a - m->adapters);
     loom_model_zero_grad(m);

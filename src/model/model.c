@@ -312,6 +312,7 @@ void loom_arena_free(loom_model *m, loom_arena *a) {
     loom_dev_free(m, a->g);
     loom_dev_free(m, a->gshard); /* adam_m and adam_v live in the same block */
     loom_dev_free(m, a->d_norm);
+    loom_dev_free(m, a->d_chunks);
     free(a->bucket_off);
     free(a->bucket_len);
     memset(a, 0, sizeof *a);
@@ -568,9 +569,13 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     }
     m->opt = loom_optimizer_config_default();
     m->active = -1;
-    /* fp16: dynamic loss scaling from 2^16 (torch's GradScaler), halved on
-     * overflow, doubled after 2000 good steps */
-    m->loss_scale = m->dev.adt == LOOM_F16 ? 65536.0 : 1.0;
+    /* fp16: dynamic loss scaling, halved on overflow, doubled after 2000
+     * good steps (torch's GradScaler rule). The backward here starts from
+     * the gradient of the SUM of token losses (each logit's gradient up to
+     * the scale itself), where torch's starts from the mean over N tokens,
+     * so the start is 2^10 rather than torch's 2^16: a logit gradient of
+     * 65536 would already overflow fp16. */
+    m->loss_scale = m->dev.adt == LOOM_F16 ? 1024.0 : 1.0;
     *out = m;
     return LOOM_OK;
 fail:

@@ -75,7 +75,9 @@ typedef struct loom_arena {
     size_t shard_numel;      /* sum of bucket_len / (dp*cp) */
     float *gshard;           /* (shard_numel): this rank's reduced gradient shard */
     float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step (one block with gshard) */
-    double *d_norm;          /* (nslots * nbuckets): per-part sums of squares (device) */
+    double *d_norm;          /* GPU: per-chunk sums of squares (n_norm) */
+    void *d_chunks;          /* GPU: the optimizer's chunk lists, AdamW (n_adam) then norm */
+    int64_t n_adam, n_norm;
     int64_t step;            /* optimizer steps taken on this arena */
 } loom_arena;
 

@@ -464,6 +464,9 @@ static loom_status gather_params(loom_model *m, loom_arena *A) {
     return st;
 }
 
+static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *parts, int nparts,
+                              double max_grad_norm, loom_step_result *rp, loom_step_result *out);
+
 loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
                                           int64_t accumulation_steps, loom_step_result *out) {
     loom_ctx *ctx = m->ctx;
@@ -489,39 +492,44 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
         return LOOM_OK;
     }
     if (!A->gshard) { /* the distributed optimizer's state: one block */
-        size_t n = A->shard_numel, parts = (size_t)A->nslots * (size_t)A->nbuckets;
+        size_t n = A->shard_numel;
         loom_status sa = loom_dev_alloc(m, (void **)&A->gshard, 3 * n * sizeof(float),
                                         "AdamW moments and the gradient shard");
-        if (!sa) sa = loom_dev_alloc(m, (void **)&A->d_norm, (parts ? parts : 1) * sizeof(double),
-                                     "grad-norm parts");
-        if (sa) {
-            loom_dev_free(m, A->gshard);
-            A->gshard = NULL;
-            return sa;
-        }
+        if (sa) return sa;
         A->adam_m = A->gshard + n;
         A->adam_v = A->gshard + 2 * n;
     }
+    /* this rank's parts of every bucket: what AdamW updates and what the
+     * norm counts (each parameter once over the mesh) */
+    loom_k_part *parts = malloc(((size_t)A->nbuckets * (size_t)A->nslots + 1) * sizeof *parts);
+    if (!parts) return loom_errf(ctx, LOOM_ERR_OOM, "no memory for the optimizer's parts");
+    int nparts = 0;
+    for (int b = 0; b < A->nbuckets; b++)
+        for (int i = 0; i < A->nslots; i++) {
+            size_t o0, len, so;
+            if (shard_part(m, A, b, i, &o0, &len, &so))
+                parts[nparts++] = (loom_k_part){.p_off = o0, .s_off = so, .len = len,
+                                                .decay = A->slots[i].decay,
+                                                .norm = counts_in_norm(m, A, i)};
+        }
+    loom_status st = step_parts(m, A, parts, nparts, max_grad_norm, &r, out);
+    free(parts);
+    return st;
+}
+
+/* The step proper, on the parts of this rank's shard. */
+static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *parts, int nparts,
+                              double max_grad_norm, loom_step_result *rp, loom_step_result *out) {
+    loom_ctx *ctx = m->ctx;
+    loom_step_result r = *rp;
     loom_status st = reduce_grads(m, A);
     if (st) return st;
     /* The gradient of the mean loss (unscaled), its global norm (each
      * parameter once, in a fixed order), and clipping. */
     const double unscale = 1.0 / ((double)m->acc_tokens * m->loss_scale);
     if ((st = loom_k_scale(m, A->gshard, A->shard_numel, (float)unscale))) return st;
-    int nparts = 0;
-    for (int b = 0; b < A->nbuckets; b++)
-        for (int i = 0; i < A->nslots; i++) {
-            size_t o0, len, so;
-            if (counts_in_norm(m, A, i) && shard_part(m, A, b, i, &o0, &len, &so) &&
-                (st = loom_k_sumsq(m, A->gshard + so, len, A->d_norm + nparts++)))
-                return st;
-        }
-    double sumsq = 0.0, *parts_h = malloc(((size_t)nparts + 1) * sizeof(double));
-    if (!parts_h) return loom_errf(ctx, LOOM_ERR_OOM, "no memory for the grad-norm parts");
-    st = loom_k_download(m, parts_h, A->d_norm, (size_t)nparts * sizeof(double));
-    for (int i = 0; i < nparts; i++) sumsq += parts_h[i];
-    free(parts_h);
-    if (st) return st;
+    double sumsq = 0.0;
+    if ((st = loom_k_sumsq_parts(m, A, parts, nparts, &sumsq))) return st;
     if (loom_comm_size(m->world) > 1 &&
         (st = loom_comm_allreduce(m->world, &sumsq, 1, LOOM_F64, LOOM_RED_SUM)))
         return st;
@@ -557,14 +565,7 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     int64_t t = A->step + 1;
     /* AdamW on this rank's shard of every bucket, then every rank gets the
      * updated parameters back */
-    for (int b = 0; b < A->nbuckets; b++)
-        for (int i = 0; i < A->nslots; i++) {
-            size_t o0, len, so;
-            if (shard_part(m, A, b, i, &o0, &len, &so) &&
-                (st = loom_k_adamw(m, A->w + o0, A->gshard + so, A->adam_m + so, A->adam_v + so,
-                                   len, &hp, t, A->slots[i].decay)))
-                return st;
-        }
+    if ((st = loom_k_adamw_parts(m, A, parts, nparts, &hp, t))) return st;
     if ((st = gather_params(m, A)) || (st = loom_arena_sync(m, A))) return st;
     if (m->dev.adt == LOOM_F16 && ++m->good_steps >= 2000) { /* torch GradScaler's growth */
         m->loss_scale *= 2;

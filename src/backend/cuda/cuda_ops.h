@@ -191,6 +191,24 @@ loom_status loom_cuda_sumsq(loom_ctx *ctx, const float *g, size_t n, double *res
 /* g[i] *= s. */
 loom_status loom_cuda_scale(loom_ctx *ctx, float *g, size_t n, float s, void *stream);
 
+/* The optimizer over many parameter blocks in one launch: a list of chunks
+ * (device memory), each up to LOOM_CUDA_CHUNK elements of one block:
+ * parameters at p + p_off, gradient and moments at g/m/v + s_off. AdamW
+ * applies weight decay where decay is 1 (bit-identical to loom_adamw_step
+ * on each block); sumsq writes out[c] = sum over chunk c of g^2 (double, a
+ * fixed order; decay is ignored). */
+#define LOOM_CUDA_CHUNK 16384
+typedef struct loom_cuda_chunk {
+    int64_t p_off, s_off;
+    int32_t len;
+    int32_t decay;
+} loom_cuda_chunk;
+loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const float *g, float *m, float *v,
+                                   const loom_cuda_chunk *chunks, int64_t nchunks,
+                                   const loom_adamw_hp *hp, int64_t t, void *stream);
+loom_status loom_cuda_sumsq_chunks(loom_ctx *ctx, const float *g, const loom_cuda_chunk *chunks,
+                                   int64_t nchunks, double *out, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -32,6 +32,43 @@ __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64
     }
 }
 
+// One block per chunk of a part list: the same element operations as
+// adamw_kernel, so the results are bit-identical to the CPU's per part.
+__global__ void adamw_chunks_kernel(float *p, const float *g, float *m, float *v,
+                                    const loom_cuda_chunk *c, adamw_coef k) {
+    const loom_cuda_chunk ch = c[blockIdx.x];
+    const int do_decay = k.do_decay && ch.decay;
+    float *pp = p + ch.p_off, *mm = m + ch.s_off, *vv = v + ch.s_off;
+    const float *gg = g + ch.s_off;
+    for (int i = threadIdx.x; i < ch.len; i += blockDim.x) {
+        float pi = pp[i], gi = gg[i], mi = mm[i], vi = vv[i];
+        if (do_decay) pi = __fmul_rn(pi, k.shrink);
+        mi = k.lerp_low ? __fadd_rn(mi, __fmul_rn(k.w1, __fsub_rn(gi, mi)))
+                        : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), k.one_minus_w1));
+        vi = __fmul_rn(vi, k.b2);
+        vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(k.c2, gi), gi));
+        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
+        pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
+        pp[i] = pi;
+        mm[i] = mi;
+        vv[i] = vi;
+    }
+}
+
+// One block per chunk: out[chunk] = sum of g^2 over it (double, fixed order).
+__global__ void __launch_bounds__(SUMSQ_THREADS)
+    sumsq_chunks_kernel(const float *g, const loom_cuda_chunk *c, double *out) {
+    __shared__ double sh[SUMSQ_THREADS / 32];
+    const loom_cuda_chunk ch = c[blockIdx.x];
+    double acc = 0;
+    for (int i = threadIdx.x; i < ch.len; i += SUMSQ_THREADS) {
+        double x = (double)g[ch.s_off + i];
+        acc += x * x;
+    }
+    acc = block_sum<SUMSQ_THREADS>(acc, sh);
+    if (threadIdx.x == 0) out[blockIdx.x] = acc;
+}
+
 __global__ void __launch_bounds__(SUMSQ_THREADS)
     sumsq_partial_kernel(const float *g, int64_t n, double *partial) {
     __shared__ double sh[SUMSQ_THREADS / 32];
@@ -58,14 +95,8 @@ __global__ void scale_kernel(float *g, int64_t n, float s) {
         g[i] = __fmul_rn(g[i], s);
 }
 
-extern "C" loom_status loom_cuda_adamw_step(loom_ctx *ctx, float *p, const float *g, float *m,
-                                            float *v, size_t n, const loom_adamw_hp *hp, int64_t t,
-                                            bool decay, void *stream) {
-    if (t < 1)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda adamw_step: step %lld (must be >= 1)",
-                         (long long)t);
-    if (n == 0) return LOOM_OK;
-    // The scalars exactly as loom_adamw_step computes them (double, rounded once).
+// The scalars exactly as loom_adamw_step computes them (double, rounded once).
+static adamw_coef coef_of(const loom_adamw_hp *hp, int64_t t, bool decay) {
     adamw_coef k;
     k.do_decay = decay && hp->weight_decay != 0.0;
     k.shrink = (float)(1.0 - hp->lr * hp->weight_decay);
@@ -80,8 +111,46 @@ extern "C" loom_status loom_cuda_adamw_step(loom_ctx *ctx, float *p, const float
     k.neg_step = (float)(-(hp->lr / bc1));
     k.bc2_sqrt = (float)pow(bc2, 0.5);
     k.eps = (float)hp->eps;
+    return k;
+}
+
+extern "C" loom_status loom_cuda_adamw_step(loom_ctx *ctx, float *p, const float *g, float *m,
+                                            float *v, size_t n, const loom_adamw_hp *hp, int64_t t,
+                                            bool decay, void *stream) {
+    if (t < 1)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda adamw_step: step %lld (must be >= 1)",
+                         (long long)t);
+    if (n == 0) return LOOM_OK;
+    adamw_coef k = coef_of(hp, t, decay);
     adamw_kernel<<<grid_for((int64_t)n, 256), 256, 0, as_stream(stream)>>>(p, g, m, v, (int64_t)n, k);
     return check_launch(ctx, "adamw_step");
+}
+
+extern "C" loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const float *g, float *m,
+                                              float *v, const loom_cuda_chunk *chunks,
+                                              int64_t nchunks, const loom_adamw_hp *hp, int64_t t,
+                                              void *stream) {
+    if (t < 1)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda adamw_chunks: step %lld (must be >= 1)",
+                         (long long)t);
+    if (nchunks <= 0) return LOOM_OK;
+    if (nchunks > 0x7fffffff)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda adamw_chunks: %lld chunks",
+                         (long long)nchunks);
+    adamw_chunks_kernel<<<(unsigned)nchunks, 256, 0, as_stream(stream)>>>(
+        p, g, m, v, chunks, coef_of(hp, t, true));
+    return check_launch(ctx, "adamw_chunks");
+}
+
+extern "C" loom_status loom_cuda_sumsq_chunks(loom_ctx *ctx, const float *g,
+                                              const loom_cuda_chunk *chunks, int64_t nchunks,
+                                              double *out, void *stream) {
+    if (nchunks <= 0) return LOOM_OK;
+    if (nchunks > 0x7fffffff)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda sumsq_chunks: %lld chunks",
+                         (long long)nchunks);
+    sumsq_chunks_kernel<<<(unsigned)nchunks, SUMSQ_THREADS, 0, as_stream(stream)>>>(g, chunks, out);
+    return check_launch(ctx, "sumsq_chunks");
 }
 
 extern "C" loom_status loom_cuda_sumsq(loom_ctx *ctx, const float *g, size_t n, double *result,
