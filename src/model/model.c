@@ -408,6 +408,30 @@ static loom_status load_weights(loom_model *m, const char *dir) {
     return s;
 }
 
+/* The mesh sizes and the model's shapes, whole and per tensor-parallel rank
+ * (the vocabulary padded to a multiple of pad * tp). */
+static void set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_model_config *c,
+                      int64_t pad) {
+    m->tp = n->tp;
+    m->cp = n->cp;
+    m->dp = n->dp;
+    m->pp = n->pp;
+    m->vpp = n->vpp;
+    m->sp = n->sequence_parallel && n->tp > 1;
+    m->V = c->vocab_size;
+    m->Vp = (c->vocab_size + pad * m->tp - 1) / (pad * m->tp) * (pad * m->tp);
+    m->H = c->hidden_size;
+    m->I = c->intermediate_size;
+    m->L = c->num_layers;
+    m->Hq = c->num_heads;
+    m->Hkv = c->num_kv_heads;
+    m->D = c->head_dim;
+    m->Vl = m->Vp / m->tp;
+    m->Il = m->I / m->tp;
+    m->Hql = m->Hq / m->tp;
+    m->Hkvl = m->Hkv / m->tp;
+}
+
 /* The GPU of this process: the NCCL world's (its local rank's), else the
  * current one; a world of several ranks must be an NCCL one. */
 static loom_status pick_device(loom_model *m) {
@@ -504,25 +528,8 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     if ((st = loom_mesh_sizes_resolve(ctx, &want, loom_comm_size(m->world), &n))) goto fail;
     if ((st = loom_mesh_check_model(ctx, &n, c))) goto fail;
     if ((st = loom_mesh_create(ctx, m->world, &n, &m->mesh))) goto fail;
-    m->tp = n.tp;
-    m->cp = n.cp;
-    m->dp = n.dp;
-    m->pp = n.pp;
-    m->vpp = n.vpp;
-    m->sp = n.sequence_parallel && n.tp > 1;
+    set_sizes(m, &n, c, pad);
     m->bucket_elems = opts->bucket_elems > 0 ? opts->bucket_elems : 40000000;
-    m->V = c->vocab_size;
-    m->Vp = (c->vocab_size + pad * m->tp - 1) / (pad * m->tp) * (pad * m->tp);
-    m->H = c->hidden_size;
-    m->I = c->intermediate_size;
-    m->L = c->num_layers;
-    m->Hq = c->num_heads;
-    m->Hkv = c->num_kv_heads;
-    m->D = c->head_dim;
-    m->Vl = m->Vp / m->tp;
-    m->Il = m->I / m->tp;
-    m->Hql = m->Hq / m->tp;
-    m->Hkvl = m->Hkv / m->tp;
     if (m->D > LOOM_CPU_ATTN_MAX_D || m->D % 2) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: loom needs an even head_dim "
                        "of at most %d", dir, (long long)m->D, LOOM_CPU_ATTN_MAX_D);
@@ -991,26 +998,8 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     m->ctx = ctx;
     m->cfg = *cfg; /* shallow: only read */
     m->mesh = &mesh;
-    m->tp = n->tp;
-    m->cp = n->cp;
-    m->dp = n->dp;
-    m->pp = n->pp;
-    m->vpp = n->vpp;
-    m->sp = n->sequence_parallel && n->tp > 1;
+    set_sizes(m, n, cfg, in->vocab_pad > 0 ? in->vocab_pad : 128);
     m->bucket_elems = 40000000;
-    int64_t pad = in->vocab_pad > 0 ? in->vocab_pad : 128;
-    m->V = cfg->vocab_size;
-    m->Vp = (cfg->vocab_size + pad * m->tp - 1) / (pad * m->tp) * (pad * m->tp);
-    m->H = cfg->hidden_size;
-    m->I = cfg->intermediate_size;
-    m->L = cfg->num_layers;
-    m->Hq = cfg->num_heads;
-    m->Hkv = cfg->num_kv_heads;
-    m->D = cfg->head_dim;
-    m->Vl = m->Vp / m->tp;
-    m->Il = m->I / m->tp;
-    m->Hql = m->Hq / m->tp;
-    m->Hkvl = m->Hkv / m->tp;
     m->dev.cuda = in->cuda;
     m->dev.adt = in->adt;
     m->dev.esz = loom_dtype_size(in->adt);

@@ -15,21 +15,24 @@ constexpr int SUMSQ_THREADS = 256;
 } // namespace
 
 // The CPU loop body, each fp32 operation rounded on its own (no contraction).
+__device__ __forceinline__ void adamw_elem(float *p, const float *g, float *m, float *v,
+                                           const adamw_coef &k, int do_decay) {
+    float pi = *p, gi = *g, mi = *m, vi = *v;
+    if (do_decay) pi = __fmul_rn(pi, k.shrink);
+    mi = k.lerp_low ? __fadd_rn(mi, __fmul_rn(k.w1, __fsub_rn(gi, mi)))
+                    : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), k.one_minus_w1));
+    vi = __fmul_rn(vi, k.b2);
+    vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(k.c2, gi), gi));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
+    *p = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
+    *m = mi;
+    *v = vi;
+}
+
 __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, adamw_coef k) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
-        if (k.do_decay) pi = __fmul_rn(pi, k.shrink);
-        mi = k.lerp_low ? __fadd_rn(mi, __fmul_rn(k.w1, __fsub_rn(gi, mi)))
-                        : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), k.one_minus_w1));
-        vi = __fmul_rn(vi, k.b2);
-        vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(k.c2, gi), gi));
-        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
-        pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
-        p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
-    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        adamw_elem(p + i, g + i, m + i, v + i, k, k.do_decay);
 }
 
 // One block per chunk of a part list: the same element operations as
@@ -40,19 +43,8 @@ __global__ void adamw_chunks_kernel(float *p, const float *g, float *m, float *v
     const int do_decay = k.do_decay && ch.decay;
     float *pp = p + ch.p_off, *mm = m + ch.s_off, *vv = v + ch.s_off;
     const float *gg = g + ch.s_off;
-    for (int i = threadIdx.x; i < ch.len; i += blockDim.x) {
-        float pi = pp[i], gi = gg[i], mi = mm[i], vi = vv[i];
-        if (do_decay) pi = __fmul_rn(pi, k.shrink);
-        mi = k.lerp_low ? __fadd_rn(mi, __fmul_rn(k.w1, __fsub_rn(gi, mi)))
-                        : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), k.one_minus_w1));
-        vi = __fmul_rn(vi, k.b2);
-        vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(k.c2, gi), gi));
-        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
-        pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
-        pp[i] = pi;
-        mm[i] = mi;
-        vv[i] = vi;
-    }
+    for (int i = threadIdx.x; i < ch.len; i += blockDim.x)
+        adamw_elem(pp + i, gg + i, mm + i, vv + i, k, do_decay);
 }
 
 // One block per chunk: out[chunk] = sum of g^2 over it (double, fixed order).
