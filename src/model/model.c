@@ -590,6 +590,16 @@ fail:
     return st;
 }
 
+/* Rows of the output layer's logits computed at a time (of Tc): 16M
+ * elements on CPU; on a GPU 256M (512 MiB of bf16 at most), few blocks so
+ * that the loss synchronises with the host rarely and the output GEMMs are
+ * tall. */
+static int64_t loss_block_rows(bool cuda, int64_t Vl, int64_t Tc) {
+    int64_t r = ((int64_t)(cuda ? 256 : 16) << 20) / Vl;
+    if (r < 1) r = 1;
+    return r > Tc ? Tc : r;
+}
+
 /* Activation buffers are carved from one allocation (act_mem): carve()
  * runs the layout twice, first to measure (base NULL), then to assign. */
 typedef struct carve {
@@ -716,11 +726,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
     if (same) return LOOM_OK;
     buffers_free(m);
     loom_ctx *ctx = m->ctx;
-    /* the output layer's logits a block of rows at a time: 16M (CPU) or 64M
-     * (GPU) elements */
-    m->chunk_rows = ((int64_t)(m->dev.cuda ? 64 : 16) << 20) / m->Vl;
-    if (m->chunk_rows < 1) m->chunk_rows = 1;
-    if (m->chunk_rows > Tc) m->chunk_rows = Tc;
+    m->chunk_rows = loss_block_rows(m->dev.cuda, m->Vl, Tc);
     bool fail = false;
     for (int c = 0; c < m->vpp; c++) {
         loom_chunk *ch = &m->chunks[c];
@@ -1066,9 +1072,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     if (!m->micro || (m->npp_stage && !m->pp_stage)) st = LOOM_ERR_OOM;
     if (!st) {
         const int64_t T = in->rows * in->seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
-        m->chunk_rows = ((int64_t)(in->cuda ? 64 : 16) << 20) / m->Vl;
-        if (m->chunk_rows < 1) m->chunk_rows = 1;
-        if (m->chunk_rows > Tc) m->chunk_rows = Tc;
+        m->chunk_rows = loss_block_rows(in->cuda, m->Vl, Tc);
         carve c = {0};
         acts_layout(m, &c, T, Tc, Tn, in->nmb, in_flight, in->lora_r, false);
         r->acts = c.used;
