@@ -14,110 +14,7 @@
 #include "../src/train/adamw.h"
 #include "harness.h"
 
-/* ---------------- helpers ---------------- */
-
-typedef struct gpu {
-    loom_ctx *ctx;
-    void *ptrs[512];
-    int n;
-    bool bad; /* an allocation or copy failed (already reported) */
-} gpu;
-
-static bool gpu_open(gpu *g) {
-    memset(g, 0, sizeof *g);
-    if (loom_ctx_create(&g->ctx)) return false;
-    loom_cuda_info info;
-    if (loom_cuda_query(g->ctx, 0, &info) != LOOM_OK) {
-        loom_ctx_free(g->ctx);
-        SKIP("no CUDA device visible");
-    }
-    return true;
-}
-
-static void gpu_close(gpu *g) {
-    for (int i = 0; i < g->n; i++) loom_cuda_free(g->ptrs[i]);
-    loom_ctx_free(g->ctx);
-}
-
-static void *dalloc(gpu *g, size_t bytes) {
-    void *p = NULL;
-    if (g->n >= (int)(sizeof g->ptrs / sizeof g->ptrs[0]) ||
-        loom_cuda_malloc(g->ctx, &p, bytes, "test") != LOOM_OK) {
-        loom_test_fail(__FILE__, __LINE__, "device allocation of %zu bytes: %s", bytes,
-                       loom_last_error(g->ctx));
-        g->bad = true;
-        return NULL;
-    }
-    g->ptrs[g->n++] = p;
-    return p;
-}
-
-static float *falloc(int64_t n) { return calloc((size_t)(n > 0 ? n : 1), sizeof(float)); }
-
-static void fill(float *x, int64_t n, uint64_t key, float sd) {
-    for (int64_t i = 0; i < n; i++) x[i] = sd * (float)loom_rng_normal(23, key, (uint64_t)i);
-}
-
-/* x rounded to dt and back (in place), so the CPU sees what the GPU sees. */
-static void round_to(gpu *g, float *x, int64_t n, loom_dtype dt) {
-    if (dt == LOOM_F32 || n <= 0) return;
-    void *tmp = malloc((size_t)n * loom_dtype_size(dt));
-    if (loom_convert(g->ctx, tmp, dt, x, LOOM_F32, (size_t)n) ||
-        loom_convert(g->ctx, x, LOOM_F32, tmp, dt, (size_t)n))
-        g->bad = true;
-    free(tmp);
-}
-
-/* Device copy of host fp32 x[0..n) in dtype dt. */
-static void *up(gpu *g, const float *x, int64_t n, loom_dtype dt) {
-    size_t bytes = (size_t)(n > 0 ? n : 1) * loom_dtype_size(dt);
-    void *d = dalloc(g, bytes), *tmp = malloc(bytes);
-    if (!d || loom_convert(g->ctx, tmp, dt, x, LOOM_F32, (size_t)n) ||
-        loom_cuda_memcpy_h2d(g->ctx, d, tmp, (size_t)n * loom_dtype_size(dt))) {
-        loom_test_fail(__FILE__, __LINE__, "upload: %s", loom_last_error(g->ctx));
-        g->bad = true;
-    }
-    free(tmp);
-    return d;
-}
-
-static void *up_raw(gpu *g, const void *x, size_t bytes) {
-    void *d = dalloc(g, bytes ? bytes : 1);
-    if (d && bytes && loom_cuda_memcpy_h2d(g->ctx, d, x, bytes)) {
-        loom_test_fail(__FILE__, __LINE__, "upload: %s", loom_last_error(g->ctx));
-        g->bad = true;
-    }
-    return d;
-}
-
-/* Host fp32 copy of device d[0..n) of dtype dt (synchronises first). */
-static void down(gpu *g, float *x, const void *d, int64_t n, loom_dtype dt) {
-    if (n <= 0) return;
-    size_t bytes = (size_t)n * loom_dtype_size(dt);
-    void *tmp = malloc(bytes);
-    loom_status st = loom_cuda_sync(g->ctx);
-    if (!st) st = loom_cuda_memcpy_d2h(g->ctx, tmp, d, bytes);
-    if (!st) st = loom_convert(g->ctx, x, LOOM_F32, tmp, dt, (size_t)n);
-    if (st) {
-        loom_test_fail(__FILE__, __LINE__, "download: %s", loom_last_error(g->ctx));
-        g->bad = true;
-        for (int64_t i = 0; i < n; i++) x[i] = NAN;
-    }
-    free(tmp);
-}
-
-/* max |a - b| / max |b| (NaN: infinite). */
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double w = 0, m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        if (!(d <= w)) w = isnan(d) ? INFINITY : d;
-        m = fmax(m, fabs((double)b[i]));
-    }
-    return w / (m > 0 ? m : 1.0);
-}
-
-static double tol_for(loom_dtype dt) { return dt == LOOM_F32 ? 1e-5 : 1e-2; }
+#include "cuda_test.h"
 
 /* LOOM_CUDA_OPS_VERBOSE=1 prints every comparison's error (to stderr). */
 #define CHECK_CLOSE(got, ref, n, dt, ...)                                                      \
@@ -135,7 +32,7 @@ static double tol_for(loom_dtype dt) { return dt == LOOM_F32 ? 1e-5 : 1e-2; }
         }                                                                                      \
     } while (0)
 
-static const char *dn(loom_dtype dt) { return loom_dtype_name(dt); }
+
 
 /* ---------------- GEMM ---------------- */
 
