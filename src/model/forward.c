@@ -277,16 +277,7 @@ static loom_status put_logits(loom_model *m, int64_t r0, int64_t c, int64_t v0,
                                       "logits (host copy)");
             if (!m->logits_h) return LOOM_ERR_OOM;
         }
-        if (m->dev.adt == LOOM_F32) {
-            CK(loom_k_download(m, m->logits_h, m->logits, (size_t)(c * Vl) * sizeof(float)));
-        } else {
-            CK(loom_k_download(m, m->logits_h, m->logits, (size_t)(c * Vl) * m->dev.esz));
-            /* widen in place from the back so no element is overwritten before it is read */
-            const uint16_t *h = (const uint16_t *)m->logits_h;
-            for (int64_t j = c * Vl - 1; j >= 0; j--)
-                m->logits_h[j] = m->dev.adt == LOOM_BF16 ? loom_bf16_to_f32(h[j])
-                                                          : loom_f16_to_f32(h[j]);
-        }
+        CK(loom_k_download_f32(m, m->logits_h, m->logits, (size_t)(c * Vl)));
         z = m->logits_h;
     }
     const int32_t *qidx = my_qidx(m);

@@ -113,6 +113,17 @@ loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t b
     return LOOM_OK;
 }
 
+loom_status loom_k_download_f32(loom_model *m, float *host, const void *dev, size_t n) {
+    loom_status st = loom_k_download(m, host, dev, n * m->dev.esz);
+    if (st || m->dev.adt == LOOM_F32) return st;
+    /* element j (2 bytes at 2j) lands at 4j: from the back, nothing unread
+     * is overwritten */
+    const uint16_t *h = (const uint16_t *)host;
+    for (size_t j = n; j-- > 0;)
+        host[j] = m->dev.adt == LOOM_BF16 ? loom_bf16_to_f32(h[j]) : loom_f16_to_f32(h[j]);
+    return LOOM_OK;
+}
+
 loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t bytes) {
     if (host == dev || !bytes) return LOOM_OK;
 #ifdef LOOM_HAVE_CUDA

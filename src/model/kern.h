@@ -58,6 +58,9 @@ loom_status loom_k_zero(loom_model *m, void *p, size_t bytes);
 /* Copies between host and the device, returning when the data is there. */
 loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t bytes);
 loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t bytes);
+/* host (n floats) = the n compute-dtype elements at dev, widened to fp32
+ * (in place on the host, from the back). */
+loom_status loom_k_download_f32(loom_model *m, float *host, const void *dev, size_t n);
 /* dst[i] = src[i] between F32/BF16/F16 device buffers (n elements). */
 loom_status loom_k_convert(loom_model *m, void *dst, loom_dtype d, const void *src, loom_dtype s,
                            size_t n);

@@ -285,14 +285,8 @@ loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grad
     *out = *tmp;
     if (grads || a->w)
         return loom_k_download(m, *tmp, (grads ? a->g : a->w) + s->off, s->numel * sizeof(float));
-    /* a frozen base kept only in the compute dtype: widen on the host */
-    loom_status st = loom_k_download(m, *tmp, (const char *)a->wc + s->off * m->dev.esz,
-                                     s->numel * m->dev.esz);
-    if (st) return st;
-    const uint16_t *h = (const uint16_t *)*tmp;
-    for (size_t j = s->numel; j-- > 0;)
-        (*tmp)[j] = m->dev.adt == LOOM_BF16 ? loom_bf16_to_f32(h[j]) : loom_f16_to_f32(h[j]);
-    return LOOM_OK;
+    /* a frozen base kept only in the compute dtype */
+    return loom_k_download_f32(m, *tmp, (const char *)a->wc + s->off * m->dev.esz, s->numel);
 }
 
 void loom_arena_drop_master(loom_model *m, loom_arena *a) {
