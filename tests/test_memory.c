@@ -83,6 +83,20 @@ TEST(memory_inspect_mesh_table) {
     CHECK_EQ_INT(loom_test_run(&out, bad), 1);
     CHECK_CONTAINS(out, "unknown size 'tq'");
     free(out);
+    const char *zero[] = {loom_test_bin(), "inspect", "--preset", "qwen3-8b", "--mesh", "tp=0", NULL};
+    CHECK_EQ_INT(loom_test_run(&out, zero), 1);
+    CHECK_CONTAINS(out, "tp needs a size >= 1");
+    free(out);
+    const char *junk[] = {loom_test_bin(), "inspect", "--preset", "qwen3-8b", "--mesh", "tp=2x,pp=2",
+                          NULL};
+    CHECK_EQ_INT(loom_test_run(&out, junk), 1);
+    CHECK_CONTAINS(out, "expected ',' after tp");
+    free(out);
+    const char *batch[] = {loom_test_bin(), "inspect", "--preset", "qwen3-8b", "--mesh", "dp=3",
+                           "--global-batch-size", "8", NULL};
+    CHECK_EQ_INT(loom_test_run(&out, batch), 1);
+    CHECK_CONTAINS(out, "not a multiple of micro_batch_size=1 x dp=3");
+    free(out);
     const char *nofit[] = {loom_test_bin(), "inspect", "--preset", "qwen3-8b", "--mesh", "tp=3", NULL};
     CHECK_EQ_INT(loom_test_run(&out, nofit), 1);
     CHECK_CONTAINS(out, "tp=3");
