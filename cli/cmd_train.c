@@ -101,7 +101,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             loom_config_free(&cfg);
         }
         loom_ctx_free(q);
-        if (have_mem) loom_memory_print(ctx, &mem, 0, LOOM_LOG_INFO);
+        if (have_mem) loom_memory_print(ctx, &mem, LOOM_LOG_INFO);
     }
     loom_model *m = NULL;
     loom_tokfile *tf = NULL;
@@ -243,7 +243,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
 done:
     if (rc && st == LOOM_ERR_OOM && have_mem && mo.device == LOOM_DEVICE_CUDA) {
         /* out of GPU memory: the table, and what to change */
-        loom_memory_print(ctx, &mem, 0, LOOM_LOG_ERROR);
+        loom_memory_print(ctx, &mem, LOOM_LOG_ERROR);
         loom_err_prefix(ctx, "out of GPU memory; lower --micro-batch-size or --seq-len (the "
                              "activations), add pipeline or tensor parallelism (--pp, --tp: "
                              "weights and activations per GPU), data parallelism (--dp: the "

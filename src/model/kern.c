@@ -400,24 +400,6 @@ loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, i
 
 /* ---- optimizer ---- */
 
-loom_status loom_k_adamw(loom_model *m, float *p, const float *g, float *mom, float *var, size_t n,
-                         const loom_adamw_hp *hp, int64_t t, bool decay) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_adamw_step(m->ctx, p, g, mom, var, n, hp, t, decay, m->dev.stream);
-#endif
-    loom_adamw_step(p, g, mom, var, n, hp, t, decay);
-    return LOOM_OK;
-}
-
-loom_status loom_k_sumsq(loom_model *m, const float *g, size_t n, double *res) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return loom_cuda_sumsq(m->ctx, g, n, res, m->dev.sumsq_scratch, m->dev.stream);
-#endif
-    *res = loom_sumsq(g, n);
-    return LOOM_OK;
-}
-
 loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m)) return loom_cuda_scale(m->ctx, g, n, s, m->dev.stream);

@@ -130,8 +130,6 @@ loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, i
                            uint64_t seed, uint64_t key, double p);
 
 /* ---- optimizer, fp32 ---- */
-loom_status loom_k_adamw(loom_model *m, float *p, const float *g, float *mom, float *var, size_t n,
-                         const loom_adamw_hp *hp, int64_t t, bool decay);
 /* One part of the optimizer's work: `len` parameters at A->w + p_off whose
  * gradient and moments are at shard offset s_off. */
 typedef struct loom_k_part {
@@ -147,8 +145,6 @@ loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k
 loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
                                int n, double *sum);
 
-/* *res = sum of g^2 (double; res is device memory on a GPU) */
-loom_status loom_k_sumsq(loom_model *m, const float *g, size_t n, double *res);
 loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s);
 
 #endif /* LOOM_MODEL_KERN_H */

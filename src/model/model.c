@@ -1102,17 +1102,15 @@ loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, con
     return LOOM_OK;
 }
 
-void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, size_t gpu_bytes,
-                       loom_log_level level) {
-    char a[32], b[32], c[32], d[32], e[32], t[32], g[32];
+void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, loom_log_level level) {
+    char a[32], b[32], c[32], d[32], e[32], t[32];
     loom_log(ctx, level,
              "memory per %s (predicted, pipeline stage %d): weights %s, gradients %s, "
              "optimizer %s, activations %s (%d micro-batch%s in flight), workspace %s; "
-             "total %s%s%s%s",
-             r->cuda ? "GPU" : "process", r->pp_rank, loom_fmt_bytes(a, r->weights), loom_fmt_bytes(b, r->grads),
-             loom_fmt_bytes(c, r->optim), loom_fmt_bytes(d, r->acts), r->in_flight,
-             r->in_flight == 1 ? "" : "es", loom_fmt_bytes(e, r->work),
-             loom_fmt_bytes(t, r->total), gpu_bytes ? " of " : "",
-             gpu_bytes ? loom_fmt_bytes(g, gpu_bytes) : "",
+             "total %s%s",
+             r->cuda ? "GPU" : "process", r->pp_rank, loom_fmt_bytes(a, r->weights),
+             loom_fmt_bytes(b, r->grads), loom_fmt_bytes(c, r->optim), loom_fmt_bytes(d, r->acts),
+             r->in_flight, r->in_flight == 1 ? "" : "es", loom_fmt_bytes(e, r->work),
+             loom_fmt_bytes(t, r->total),
              r->cuda ? " (plus the CUDA context and NCCL buffers)" : "");
 }

@@ -302,8 +302,7 @@ typedef struct loom_mem_report {
 
 loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,
                                 loom_mem_report *out);
-/* One log line: each class, the total, and the GPU's size when known. */
-void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, size_t gpu_bytes,
-                       loom_log_level level);
+/* One log line: each class and the total. */
+void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, loom_log_level level);
 
 #endif /* LOOM_MODEL_H */
