@@ -450,9 +450,11 @@ static void attn_case(gpu *g, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, con
     float *d_l = dalloc(g, (size_t)(Tq * Hq) * 4);
     if (g->bad) return;
     char what[160];
-    snprintf(what, sizeof what, "attention T=%lld Tq=%lld Hq=%lld Hkv=%lld D=%lld ndocs=%lld %s%s",
+    const char *det = getenv("LOOM_ATTN_DETERMINISTIC");
+    snprintf(what, sizeof what, "attention T=%lld Tq=%lld Hq=%lld Hkv=%lld D=%lld ndocs=%lld %s%s%s",
              (long long)T, (long long)Tq, (long long)Hq, (long long)Hkv, (long long)D,
-             (long long)ndocs, dn(dt), qidx ? " (query subset)" : "");
+             (long long)ndocs, dn(dt), qidx ? " (query subset)" : "",
+             det && strcmp(det, "1") == 0 ? " (deterministic backward)" : "");
     loom_cpu_attention_fwd_q(q, qidx, Tq, k, v, T, Hq, Hkv, D, cu, ndocs, scale, o, l);
     if (qidx)
         CHECK_OK(g->ctx, loom_cuda_attention_fwd_q(g->ctx, d_q, d_qi, Tq, d_k, d_v, dt, T, Hq, Hkv, D,
@@ -493,6 +495,9 @@ static void attn_case(gpu *g, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, con
     while (g->n > 0) loom_cuda_free(g->ptrs[--g->n]);
 }
 
+/* Both backwards of the tensor-core path: the fused one (dQ by atomics) and,
+ * with LOOM_ATTN_DETERMINISTIC=1, the two-kernel one; the F32 and odd-D
+ * cases (CUDA-core path) run twice alike. */
 TEST(cuda_ops_attention) {
     gpu g;
     REQUIRE(gpu_open(&g));
@@ -500,6 +505,8 @@ TEST(cuda_ops_attention) {
     const int32_t cuL[5] = {0, 100, 101, 230, 300}; /* a one-token document */
     const int64_t Ds[5] = {16, 64, 128, 72, 256};
     const loom_dtype types[2] = {LOOM_F32, LOOM_BF16};
+    for (int mode = 0; mode < 2; mode++) {
+    setenv("LOOM_ATTN_DETERMINISTIC", mode ? "1" : "0", 1);
     for (int ti = 0; ti < 2; ti++) {
         for (int di = 0; di < 5; di++) {
             attn_case(&g, 37, 6, 2, Ds[di], cu3, 3, NULL, 37, types[ti], 100 + (uint64_t)di);
@@ -513,6 +520,8 @@ TEST(cuda_ops_attention) {
     const int32_t cuM[6] = {0, 1, 200, 517, 900, 1000}; /* many 64-row tiles across documents */
     attn_case(&g, 1000, 8, 2, 128, cuM, 5, NULL, 1000, LOOM_BF16, 140);
     attn_case(&g, 1000, 4, 4, 64, cuM, 5, NULL, 1000, LOOM_BF16, 141);
+    }
+    unsetenv("LOOM_ATTN_DETERMINISTIC");
     REQUIRE(!g.bad);
     /* D past the limit is refused with the op's name */
     CHECK(loom_cuda_attention_fwd(g.ctx, NULL, NULL, NULL, LOOM_F32, 4, 1, 1, 300, NULL, 1, 1.0f, NULL,
@@ -531,16 +540,20 @@ TEST(cuda_ops_attention_query_subset) {
     const int32_t cu[4] = {0, 17, 60, 96};
     const loom_dtype types[2] = {LOOM_F32, LOOM_BF16};
     const int64_t Ds[3] = {16, 64, 128};
-    for (int ti = 0; ti < 2; ti++)
-        for (int di = 0; di < 3; di++)
-            for (int r = 0; r < 2; r++) {
-                int32_t qidx[T / 2];
-                int n = 0;
-                for (int c = 0; c < 4; c++)
-                    if (c == r || c == 3 - r)
-                        for (int t = c * C; t < (c + 1) * C; t++) qidx[n++] = t;
-                attn_case(&g, T, 6, 2, Ds[di], cu, 3, qidx, n, types[ti], 200 + (uint64_t)di);
-            }
+    for (int mode = 0; mode < 2; mode++) { /* fused, then deterministic backward */
+        setenv("LOOM_ATTN_DETERMINISTIC", mode ? "1" : "0", 1);
+        for (int ti = 0; ti < 2; ti++)
+            for (int di = 0; di < 3; di++)
+                for (int r = 0; r < 2; r++) {
+                    int32_t qidx[T / 2];
+                    int n = 0;
+                    for (int c = 0; c < 4; c++)
+                        if (c == r || c == 3 - r)
+                            for (int t = c * C; t < (c + 1) * C; t++) qidx[n++] = t;
+                    attn_case(&g, T, 6, 2, Ds[di], cu, 3, qidx, n, types[ti], 200 + (uint64_t)di);
+                }
+    }
+    unsetenv("LOOM_ATTN_DETERMINISTIC");
     REQUIRE(!g.bad);
     gpu_close(&g);
 }
@@ -681,10 +694,12 @@ TEST(cuda_ops_sumsq_and_scale) {
     gpu_close(&g);
 }
 
-/* Same inputs twice: bit-identical outputs (no atomics, fixed reduction order). */
+/* Same inputs twice: bit-identical outputs from the deterministic backward
+ * (LOOM_ATTN_DETERMINISTIC=1: no atomics, fixed reduction order). */
 TEST(cuda_ops_deterministic) {
     gpu g;
     REQUIRE(gpu_open(&g));
+    setenv("LOOM_ATTN_DETERMINISTIC", "1", 1);
     enum { T = 300, HQ = 4, HKV = 2, D = 64 };
     const int32_t cu[3] = {0, 130, 300};
     const int64_t nq = T * HQ * D, nk = T * HKV * D;
@@ -713,6 +728,7 @@ TEST(cuda_ops_deterministic) {
         CHECK_MSG(memcmp(a, b, bytes) == 0, "attention_bwd output %d differs between runs", i);
         free(a), free(b);
     }
+    unsetenv("LOOM_ATTN_DETERMINISTIC");
     free(q), free(k), free(v), free(dout);
     gpu_close(&g);
 }
@@ -784,6 +800,15 @@ TEST(cuda_ops_bench) {
                 BENCH(&bo, lab, 2.5 * fl, 2,
                       loom_cuda_attention_bwd(g.ctx, dout, q, k, v, o, lse, dt, T, Hq, Hkv, D, dcu, 1,
                                               0.1f, dq, dk, dv, NULL));
+                if (dt != LOOM_F32) { /* the bitwise-repeatable backward */
+                    setenv("LOOM_ATTN_DETERMINISTIC", "1", 1);
+                    snprintf(lab, sizeof lab, "attention bwd T=%lld Hq=%lld Hkv=%lld D=%lld %s determ.",
+                             (long long)T, (long long)Hq, (long long)Hkv, (long long)D, dn(dt));
+                    BENCH(&bo, lab, 2.5 * fl, 2,
+                          loom_cuda_attention_bwd(g.ctx, dout, q, k, v, o, lse, dt, T, Hq, Hkv, D, dcu,
+                                                  1, 0.1f, dq, dk, dv, NULL));
+                    unsetenv("LOOM_ATTN_DETERMINISTIC");
+                }
                 for (int i = 0; i < 9; i++) loom_cuda_free(g.ptrs[--g.n]);
             }
     }

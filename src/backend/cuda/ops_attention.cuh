@@ -23,6 +23,9 @@ struct attn_args {
     void *dq, *dk, *dv;  // backward outputs
     float *di;           // backward scratch (Tq, Hq): D_i = dout_i . out_i, from the dq
                          // kernel to the dk/dv kernel (tensor-core path)
+    float *dkv_part;     // backward scratch (2, T, Hq, D): dK, dV of each query head
+                         // (tensor-core path), added over the groups at the end
+    float *dq_acc;       // fused backward scratch (Tq, Hq, D): dQ / scale in fp32
 };
 
 // Start and end of the document holding token t (cu[lo] <= t < cu[lo + 1]).
@@ -57,12 +60,12 @@ __device__ __forceinline__ int64_t first_query_at(const int32_t *qidx, int64_t T
 // Query row metadata of a tile of ROWS queries starting at local query t0
 // with n valid rows: global index (-1 past n), document start (INT_MAX past
 // n), and with BWD lse and (DI) D_i = dout_i . out_i (double, a warp per
-// row). Needs a __syncthreads() before use.
-template <bool BWD, int ROWS, bool DI = BWD>
+// row), by NTH threads. Needs a __syncthreads() before use.
+template <bool BWD, int ROWS, bool DI = BWD, int NTH = ATTN_NT>
 __device__ __forceinline__ void load_rows(const attn_args &a, int64_t t0, int n, int h, int *gi_s,
                                           int *ds_s, float *lse_s, float *di_s) {
     const int tid = threadIdx.x;
-    for (int r = tid; r < ROWS; r += ATTN_NT) {
+    for (int r = tid; r < ROWS; r += NTH) {
         int gi = -1, ds = 0x7fffffff;
         float l = 0.0f;
         if (r < n) {
@@ -78,7 +81,7 @@ __device__ __forceinline__ void load_rows(const attn_args &a, int64_t t0, int n,
     }
     if constexpr (DI) {
         const int lane = tid & 31;
-        for (int r = tid >> 5; r < ROWS; r += ATTN_NT / 32) {
+        for (int r = tid >> 5; r < ROWS; r += NTH / 32) {
             double acc = 0;
             if (r < n) {
                 const int64_t off = ((t0 + r) * a.Hq + h) * (int64_t)a.D;
