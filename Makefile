@@ -227,6 +227,16 @@ else
 	@echo "test-nccl: needs make CUDA=1 (the NCCL backend is part of the CUDA build)"
 endif
 
+# A per-kernel GPU time profiler (CUPTI activity records), for LD_PRELOAD
+# under any CUDA program: bench/kprof.c says how. CUDA=1 only.
+ifeq ($(CUDA),1)
+CUPTI_LIBDIR := $(firstword $(foreach d,$(CUDA_HOME)/extras/CUPTI/lib64 $(CUDA_HOME)/lib64 $(CUDA_HOME)/lib,$(if $(wildcard $(d)/libcupti.so*),$(d))))
+$(BUILD)/libloom_kprof.so: bench/kprof.c
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -std=c11 -Wall -Wextra -shared -fPIC -I$(CUDA_HOME)/include \
+	    -I$(CUDA_HOME)/extras/CUPTI/include -o $@ $< -L$(CUPTI_LIBDIR) -Wl,-rpath,$(CUPTI_LIBDIR) -lcupti
+endif
+
 # ---- fuzzing (clang + libFuzzer) ----
 FUZZ_CC ?= clang
 FUZZ_LIB_SRC := src/core/core.c src/core/dtype.c src/core/json.c src/io/safetensors.c \
