@@ -216,10 +216,23 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     }
     double total = loom_now_s() - t_start;
     if (m->dev.cuda) {
-        char pkb[32], pr[32];
-        LOOM_LOG_I(ctx, "peak GPU memory %.2f GiB (%s allocated by loom on GPU %d; predicted %s)",
+        /* every GPU rank reports its own peak (the other lines are rank 0's):
+         * ranks other than 0 were lowered to warnings by loom_cli_world, so
+         * they are let through at info for this line unless the user asked
+         * for less (--log-level warn|error) */
+        char pkb[32], pr[32], where[96] = "";
+        const loom_log_level lv = loom_ctx_log_level(ctx);
+        const bool say = !strcmp(s->log_level, "info") || !strcmp(s->log_level, "debug");
+        if (say && lv < LOOM_LOG_INFO) loom_ctx_set_log_level(ctx, LOOM_LOG_INFO);
+        if (loom_model_world_size(m) > 1)
+            snprintf(where, sizeof where, ", pipeline stage %d, tp rank %d, dp rank %d",
+                     m->mesh->pp_rank, m->mesh->tp_rank, m->mesh->dp_rank);
+        LOOM_LOG_I(ctx,
+                   "peak GPU memory %.2f GiB (%s allocated by loom on GPU %d%s; predicted %s%s)",
                    (double)m->dev.peak / (1u << 30), loom_fmt_bytes(pkb, m->dev.peak),
-                   m->dev.device, have_mem ? loom_fmt_bytes(pr, mem.total) : "n/a");
+                   m->dev.device, where, have_mem ? loom_fmt_bytes(pr, mem.total) : "n/a",
+                   have_mem && m->mesh->n.pp > 1 ? " for the largest stage" : "");
+        loom_ctx_set_log_level(ctx, lv);
     }
     LOOM_LOG_I(ctx, "trained %" PRId64 " steps in %.1f s (%.0f tokens/s): loss %.4f -> %.4f",
                s->train_steps, total, (double)tokens_total / total, first_loss, last_loss);
