@@ -3,10 +3,10 @@
 //
 // FlashAttention-2 structure on mma.sync.m16n8k16 (fp32 accumulators), tiles
 // in shared memory (rows padded by 16 bytes: conflict-free ldmatrix), loaded
-// with cp.async two tiles deep; NW warps per block, each warp owning 16 rows
-// of the block's tile. Softmax in base 2 (scores times scale * log2 e, then
+// with cp.async two tiles deep; 4 warps per block, each warp owning 16 rows
+// (the forward at D = 128: 32) of the block's tile. Softmax in base 2 (scores times scale * log2 e, then
 // ex2.approx), the log-sum-exp written in natural units.
-//   forward  block = 16 NW queries x 1 head; loop over 64-key tiles; online
+//   forward  block = 64 (D = 128: 128) queries x 1 head; loop over 64-key tiles; online
 //            softmax in registers; P (rounded to the input type) times V.
 //   backward (default, fused) D_i = dO_i . O_i first; then per block of 64
 //            keys x 1 query head, a loop over the query tiles (BQ2 rows) that
@@ -14,7 +14,7 @@
 //            dV += P^T dO, dK += dS^T Q, and dQ += dS K added into an fp32
 //            buffer with vector atomics (so dQ's last bits vary by run).
 //   backward (LOOM_ATTN_DETERMINISTIC=1) the same block loop without dQ, and
-//            a dq kernel: block = 16 NW queries x 1 head, per key tile
+//            a dq kernel: block = 64 queries x 1 head, per key tile
 //            S = QK^T, dP = dO V^T, dS = P (dP - D_i), dQ += dS K (S and dP
 //            computed twice, every output with one writer: bitwise repeatable).
 //   Both write dK, dV as fp32 partial sums per query head, added over each kv
@@ -31,7 +31,7 @@
 namespace loom_cuda {
 namespace {
 
-constexpr int NT = ATTN_NT; // threads per block of the dk/dv kernel
+constexpr int NT = ATTN_NT; // threads of a block (default of the loaders)
 constexpr int BK = 64;      // keys per tile (forward, dq) and per block (dk, dv)
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr double LN2 = 0.6931471805599453;
@@ -164,12 +164,13 @@ __device__ __forceinline__ void store2(void *base, int64_t off, float x, float y
 
 // ---- forward ----
 // K and V tiles are double-buffered: the next tile's cp.async runs while the
-// current one is multiplied.
-template <typename T, int DH, int NW>
+// current one is multiplied. Each warp owns MT m-tiles of 16 query rows: a K
+// or V fragment read from shared memory serves all MT of them.
+template <typename T, int DH, int NW, int MT>
 __global__ void __launch_bounds__(32 * NW) attn_fwd_mma_kernel(attn_args a) {
     using M = mma_type<T>;
     constexpr int LDS = DH + 8, ND = DH / 8; // n-tiles of 8 head columns
-    constexpr int NTH = 32 * NW, BQ = 16 * NW;
+    constexpr int NTH = 32 * NW, WR = 16 * MT, BQ = WR * NW;
     extern __shared__ __align__(16) unsigned char smem[];
     T *Qs = (T *)smem, *KV = Qs + BQ * LDS; // KV: 2 buffers of K then V tiles
     int *gi_s = (int *)(KV + 4 * BK * LDS), *ds_s = gi_s + BQ;
@@ -187,18 +188,29 @@ __global__ void __launch_bounds__(32 * NW) attn_fwd_mma_kernel(attn_args a) {
 
     const int64_t kb = ds_s[0], ke = (int64_t)gi_s[nq - 1] + 1;
     const int ntiles = (int)((ke - kb + BK - 1) / BK);
-    const int w0 = warp * 16, wlast = w0 + 15 < nq - 1 ? w0 + 15 : nq - 1;
+    const int w0 = warp * WR, wlast = w0 + WR - 1 < nq - 1 ? w0 + WR - 1 : nq - 1;
     const bool wvalid = w0 < nq;
     // this warp's keys: [first row's doc start, last row]; all-visible test bounds
     const int64_t wlo = wvalid ? ds_s[w0] : 0, whi = wvalid ? gi_s[wlast] : -1;
-    const int64_t ds_max = ds_s[w0 + 15], gi_min = gi_s[w0];
-    const int r0 = w0 + g, r1 = r0 + 8;
-    const int gi0 = gi_s[r0], gi1 = gi_s[r1], ds0 = ds_s[r0], ds1 = ds_s[r1];
-
-    float of[ND][4];
+    const int64_t ds_max = ds_s[w0 + WR - 1], gi_min = gi_s[w0];
+    int gi[MT][2], ds[MT][2]; // this lane's rows w0 + 16 mt + g (+ 8)
 #pragma unroll
-    for (int j = 0; j < ND; j++) of[j][0] = of[j][1] = of[j][2] = of[j][3] = 0.0f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f; // m: base-2 units
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            gi[mt][c] = gi_s[w0 + 16 * mt + g + 8 * c];
+            ds[mt][c] = ds_s[w0 + 16 * mt + g + 8 * c];
+        }
+
+    float of[MT][ND][4];
+    float m[MT][2], l[MT][2]; // m: base-2 units
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int j = 0; j < ND; j++) of[mt][j][0] = of[mt][j][1] = of[mt][j][2] = of[mt][j][3] = 0.0f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
 
     auto stage = [&](int it) {
         const int64_t k0 = kb + (int64_t)it * BK;
@@ -220,97 +232,111 @@ __global__ void __launch_bounds__(32 * NW) attn_fwd_mma_kernel(attn_args a) {
         __syncthreads();
         const T *Ks = KV + (it & 1) * 2 * BK * LDS, *Vs = Ks + BK * LDS;
         if (wvalid && k0 <= whi && k0 + BK - 1 >= wlo) { // some key visible to this warp
-            float sf[8][4];
+            float sf[MT][8][4];
 #pragma unroll
-            for (int j = 0; j < 8; j++) sf[j][0] = sf[j][1] = sf[j][2] = sf[j][3] = 0.0f;
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) sf[mt][j][0] = sf[mt][j][1] = sf[mt][j][2] = sf[mt][j][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < DH / 16; kk++) {
-                uint32_t af[4];
-                ldsm_x4(af, a_addr<LDS>(Qs, w0, kk * 16, lane));
+                uint32_t af[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) ldsm_x4(af[mt], a_addr<LDS>(Qs, w0 + 16 * mt, kk * 16, lane));
 #pragma unroll
                 for (int np = 0; np < 4; np++) {
                     uint32_t bf[4];
                     ldsm_x4(bf, b_addr<LDS>(Ks, np * 16, kk * 16, lane));
-                    M::mma(sf[2 * np], af, bf[0], bf[1]);
-                    M::mma(sf[2 * np + 1], af, bf[2], bf[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        M::mma(sf[mt][2 * np], af[mt], bf[0], bf[1]);
+                        M::mma(sf[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+                    }
                 }
             }
             const bool full = k0 >= ds_max && k0 + BK - 1 <= gi_min; // all keys visible to all rows
-            float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+            for (int mt = 0; mt < MT; mt++) {
+                float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float s = sf[j][e]; // unscaled (scale > 0: the same maximum)
-                    if (!full) {
-                        const int64_t key = k0 + 8 * j + 2 * tig + (e & 1);
-                        const bool ok = e < 2 ? key >= ds0 && key <= gi0 : key >= ds1 && key <= gi1;
-                        if (!ok) s = -INFINITY;
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float s = sf[mt][j][e]; // unscaled (scale > 0: the same maximum)
+                        if (!full) {
+                            const int64_t key = k0 + 8 * j + 2 * tig + (e & 1);
+                            const int c = e >> 1;
+                            if (!(key >= ds[mt][c] && key <= gi[mt][c])) s = -INFINITY;
+                        }
+                        sf[mt][j][e] = s;
+                        if (e < 2)
+                            mx0 = fmaxf(mx0, s);
+                        else
+                            mx1 = fmaxf(mx1, s);
                     }
-                    sf[j][e] = s;
-                    if (e < 2)
-                        mx0 = fmaxf(mx0, s);
-                    else
-                        mx1 = fmaxf(mx1, s);
+                mx0 = quad_max(mx0) * sl2;
+                mx1 = quad_max(mx1) * sl2;
+                const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+                const float al0 = m[mt][0] == -INFINITY ? 0.0f : ex2(m[mt][0] - mn0);
+                const float al1 = m[mt][1] == -INFINITY ? 0.0f : ex2(m[mt][1] - mn1);
+                const float sub0 = mn0 == -INFINITY ? 0.0f : mn0, sub1 = mn1 == -INFINITY ? 0.0f : mn1;
+                float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    sf[mt][j][0] = ex2(fmaf(sf[mt][j][0], sl2, -sub0));
+                    sf[mt][j][1] = ex2(fmaf(sf[mt][j][1], sl2, -sub0));
+                    sf[mt][j][2] = ex2(fmaf(sf[mt][j][2], sl2, -sub1));
+                    sf[mt][j][3] = ex2(fmaf(sf[mt][j][3], sl2, -sub1));
+                    ps0 += sf[mt][j][0] + sf[mt][j][1];
+                    ps1 += sf[mt][j][2] + sf[mt][j][3];
                 }
-            mx0 = quad_max(mx0) * sl2;
-            mx1 = quad_max(mx1) * sl2;
-            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-            const float al0 = m0 == -INFINITY ? 0.0f : ex2(m0 - mn0);
-            const float al1 = m1 == -INFINITY ? 0.0f : ex2(m1 - mn1);
-            const float sub0 = mn0 == -INFINITY ? 0.0f : mn0, sub1 = mn1 == -INFINITY ? 0.0f : mn1;
-            float ps0 = 0.0f, ps1 = 0.0f;
+                l[mt][0] = l[mt][0] * al0 + ps0; // per-lane partial sums; the quad is added at the end
+                l[mt][1] = l[mt][1] * al1 + ps1;
+                m[mt][0] = mn0;
+                m[mt][1] = mn1;
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                sf[j][0] = ex2(fmaf(sf[j][0], sl2, -sub0));
-                sf[j][1] = ex2(fmaf(sf[j][1], sl2, -sub0));
-                sf[j][2] = ex2(fmaf(sf[j][2], sl2, -sub1));
-                sf[j][3] = ex2(fmaf(sf[j][3], sl2, -sub1));
-                ps0 += sf[j][0] + sf[j][1];
-                ps1 += sf[j][2] + sf[j][3];
-            }
-            l0 = l0 * al0 + ps0; // per-lane partial sums; the quad is added at the end
-            l1 = l1 * al1 + ps1;
-            m0 = mn0;
-            m1 = mn1;
+                for (int j = 0; j < ND; j++) {
+                    of[mt][j][0] *= al0;
+                    of[mt][j][1] *= al0;
+                    of[mt][j][2] *= al1;
+                    of[mt][j][3] *= al1;
+                }
 #pragma unroll
-            for (int j = 0; j < ND; j++) {
-                of[j][0] *= al0;
-                of[j][1] *= al0;
-                of[j][2] *= al1;
-                of[j][3] *= al1;
-            }
+                for (int kk = 0; kk < BK / 16; kk++) { // O += P V (V fragments read per m-tile)
+                    uint32_t pa[4];
+                    pa[0] = M::pack(sf[mt][2 * kk][0], sf[mt][2 * kk][1]);
+                    pa[1] = M::pack(sf[mt][2 * kk][2], sf[mt][2 * kk][3]);
+                    pa[2] = M::pack(sf[mt][2 * kk + 1][0], sf[mt][2 * kk + 1][1]);
+                    pa[3] = M::pack(sf[mt][2 * kk + 1][2], sf[mt][2 * kk + 1][3]);
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++) {
-                uint32_t pa[4];
-                pa[0] = M::pack(sf[2 * kk][0], sf[2 * kk][1]);
-                pa[1] = M::pack(sf[2 * kk][2], sf[2 * kk][3]);
-                pa[2] = M::pack(sf[2 * kk + 1][0], sf[2 * kk + 1][1]);
-                pa[3] = M::pack(sf[2 * kk + 1][2], sf[2 * kk + 1][3]);
-#pragma unroll
-                for (int dp = 0; dp < DH / 16; dp++) {
-                    uint32_t bf[4];
-                    ldsm_x4_t(bf, bt_addr<LDS>(Vs, kk * 16, dp * 16, lane));
-                    M::mma(of[2 * dp], pa, bf[0], bf[1]);
-                    M::mma(of[2 * dp + 1], pa, bf[2], bf[3]);
+                    for (int dp = 0; dp < DH / 16; dp++) {
+                        uint32_t bf[4];
+                        ldsm_x4_t(bf, bt_addr<LDS>(Vs, kk * 16, dp * 16, lane));
+                        M::mma(of[mt][2 * dp], pa, bf[0], bf[1]);
+                        M::mma(of[mt][2 * dp + 1], pa, bf[2], bf[3]);
+                    }
                 }
             }
         }
         __syncthreads(); // this buffer is refilled two tiles on
     }
 
-    l0 = quad_sum(l0);
-    l1 = quad_sum(l1);
-    const float inv0 = r0 < nq ? 1.0f / l0 : 0.0f, inv1 = r1 < nq ? 1.0f / l1 : 0.0f;
 #pragma unroll
-    for (int j = 0; j < ND; j++) {
-        const int d = j * 8 + 2 * tig;
-        if (r0 < nq) store2<T>(a.o, ((t0 + r0) * a.Hq + h) * DH + d, of[j][0] * inv0, of[j][1] * inv0);
-        if (r1 < nq) store2<T>(a.o, ((t0 + r1) * a.Hq + h) * DH + d, of[j][2] * inv1, of[j][3] * inv1);
-    }
-    if (tig == 0) {
-        if (r0 < nq) a.lse[(t0 + r0) * a.Hq + h] = (float)((double)m0 * LN2 + log((double)l0));
-        if (r1 < nq) a.lse[(t0 + r1) * a.Hq + h] = (float)((double)m1 * LN2 + log((double)l1));
+    for (int mt = 0; mt < MT; mt++) {
+        const int r0 = w0 + 16 * mt + g, r1 = r0 + 8;
+        const float l0 = quad_sum(l[mt][0]), l1 = quad_sum(l[mt][1]);
+        const float inv0 = r0 < nq ? 1.0f / l0 : 0.0f, inv1 = r1 < nq ? 1.0f / l1 : 0.0f;
+#pragma unroll
+        for (int j = 0; j < ND; j++) {
+            const int d = j * 8 + 2 * tig;
+            if (r0 < nq)
+                store2<T>(a.o, ((t0 + r0) * a.Hq + h) * DH + d, of[mt][j][0] * inv0, of[mt][j][1] * inv0);
+            if (r1 < nq)
+                store2<T>(a.o, ((t0 + r1) * a.Hq + h) * DH + d, of[mt][j][2] * inv1, of[mt][j][3] * inv1);
+        }
+        if (tig == 0) {
+            if (r0 < nq) a.lse[(t0 + r0) * a.Hq + h] = (float)((double)m[mt][0] * LN2 + log((double)l0));
+            if (r1 < nq) a.lse[(t0 + r1) * a.Hq + h] = (float)((double)m[mt][1] * LN2 + log((double)l1));
+        }
     }
 }
 
@@ -444,9 +470,10 @@ __global__ void __launch_bounds__(32 * NW) attn_bwd_dq_mma_kernel(attn_args a) {
 // 16 query rows x 64 head columns per warp), added into a.dq_acc (fp32) with
 // vector atomics: one pass instead of the dq kernel's second computation of
 // S and dP, but the order of the additions, so dQ's last bits, vary by run.
-template <typename T, int DH, int BQ2, bool FUSED>
-__global__ void __launch_bounds__(NT) attn_bwd_dkdv_mma_kernel(attn_args a) {
+template <typename T, int DH, int BQ2, bool FUSED, int KW>
+__global__ void __launch_bounds__(32 * KW) attn_bwd_dkdv_mma_kernel(attn_args a) {
     using M = mma_type<T>;
+    constexpr int NTK = 32 * KW, BK = 16 * KW; // KW warps of 16 keys
     constexpr int LDS = DH + 8, ND = DH / 8, NQ = BQ2 / 8; // n-tiles of 8 queries
     constexpr int LDD = BQ2 + 8;                           // row stride of the dS^T tile
     extern __shared__ __align__(16) unsigned char smem[];
@@ -461,8 +488,8 @@ __global__ void __launch_bounds__(NT) attn_bwd_dkdv_mma_kernel(attn_args a) {
     const int nk = (int)(a.T - j0 < BK ? a.T - j0 : BK);
     const float sl2 = a.scale * LOG2E;
 
-    load_tile_async<T, DH, BK>(Ks, a.k, j0, nk, a.Hkv, hk);
-    load_tile_async<T, DH, BK>(Vs, a.v, j0, nk, a.Hkv, hk);
+    load_tile_async<T, DH, BK, NTK>(Ks, a.k, j0, nk, a.Hkv, hk);
+    load_tile_async<T, DH, BK, NTK>(Vs, a.v, j0, nk, a.Hkv, hk);
     cp_commit();
     if (tid == 0) { // local queries that can see a key of this tile
         int64_t s, e;
@@ -488,12 +515,12 @@ __global__ void __launch_bounds__(NT) attn_bwd_dkdv_mma_kernel(attn_args a) {
         const int64_t t0 = tq_begin + (int64_t)it * BQ2;
         const int nq = (int)(tq_end - t0 < BQ2 ? tq_end - t0 : BQ2);
         T *Qb = QB + (it & 1) * 2 * BQ2 * LDS;
-        load_tile_async<T, DH, BQ2>(Qb, a.q, t0, nq, a.Hq, h);
-        load_tile_async<T, DH, BQ2>(Qb + BQ2 * LDS, a.dout, t0, nq, a.Hq, h);
+        load_tile_async<T, DH, BQ2, NTK>(Qb, a.q, t0, nq, a.Hq, h);
+        load_tile_async<T, DH, BQ2, NTK>(Qb + BQ2 * LDS, a.dout, t0, nq, a.Hq, h);
         cp_commit();
         int *mb = meta + (it & 1) * 4 * BQ2;
-        load_rows<true, BQ2, false>(a, t0, nq, h, mb, mb + BQ2, (float *)(mb + 2 * BQ2), nullptr);
-        for (int r = tid; r < BQ2; r += NT) /* D_i from the dq kernel */
+        load_rows<true, BQ2, false, NTK>(a, t0, nq, h, mb, mb + BQ2, (float *)(mb + 2 * BQ2), nullptr);
+        for (int r = tid; r < BQ2; r += NTK) /* D_i */
             ((float *)(mb + 3 * BQ2))[r] = r < nq ? a.di[(t0 + r) * a.Hq + h] : 0.0f;
     };
     if (ntiles > 0) stage(0);
@@ -596,20 +623,21 @@ __global__ void __launch_bounds__(NT) attn_bwd_dkdv_mma_kernel(attn_args a) {
         if constexpr (FUSED) {
             __syncthreads(); // the whole dS^T tile
             if (gi_s[nq - 1] >= j0) { // some key of the block is visible
-                // warp: query rows qr..qr+15 of each 32, head columns dc..dc+DH/2-1
-                const int dc = (warp >> 1) * (DH / 2);
+                // warp: query rows qr..qr+15 of each 32, head columns dc..dc+WC-1
+                constexpr int WC = DH / (KW / 2);
+                const int dc = (warp >> 1) * WC;
 #pragma unroll
                 for (int mi = 0; mi < BQ2 / 32; mi++) {
                     const int qr = mi * 32 + (warp & 1) * 16;
-                    float acc[DH / 16][4];
+                    float acc[WC / 8][4];
 #pragma unroll
-                    for (int n = 0; n < DH / 16; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+                    for (int n = 0; n < WC / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 #pragma unroll
                     for (int kk = 0; kk < BK / 16; kk++) {
                         uint32_t da[4];
                         ldsm_x4_t(da, at_addr<LDD>(dSs, qr, kk * 16, lane));
 #pragma unroll
-                        for (int dp = 0; dp < DH / 32; dp++) {
+                        for (int dp = 0; dp < WC / 16; dp++) {
                             uint32_t bk[4];
                             ldsm_x4_t(bk, bt_addr<LDS>(Ks, kk * 16, dc + dp * 16, lane));
                             M::mma(acc[2 * dp], da, bk[0], bk[1]);
@@ -619,7 +647,7 @@ __global__ void __launch_bounds__(NT) attn_bwd_dkdv_mma_kernel(attn_args a) {
                     const int r0 = qr + g, r1 = r0 + 8;
                     float *row0 = a.dq_acc + ((t0 + r0) * a.Hq + h) * DH, *row1 = row0 + 8 * a.Hq * DH;
 #pragma unroll
-                    for (int n = 0; n < DH / 16; n++) {
+                    for (int n = 0; n < WC / 8; n++) {
                         const int d = dc + n * 8 + 2 * tig;
                         if (r0 < nq) red_add2(row0 + d, acc[n][0], acc[n][1]);
                         if (r1 < nq) red_add2(row1 + d, acc[n][2], acc[n][3]);
@@ -716,12 +744,20 @@ constexpr size_t tile_bytes(int rows, int DH) { return (size_t)rows * (DH + 8) *
 // (128-row tiles) measured 5-10% slower than 4 on the H100 (bench/RESULTS.md).
 constexpr int QW = 4;
 
-template <typename T, int DH>
-loom_status fwd(loom_ctx *ctx, const attn_args &a, cudaStream_t s) {
-    constexpr int NW = QW, BQ = 16 * NW;
+template <typename T, int DH, int MT>
+loom_status fwd_mt(loom_ctx *ctx, const attn_args &a, cudaStream_t s) {
+    constexpr int NW = QW, BQ = 16 * NW * MT;
     const size_t smem = tile_bytes(BQ + 4 * BK, DH) + 2 * BQ * sizeof(int);
     dim3 grid((unsigned)((a.Tq + BQ - 1) / BQ), (unsigned)a.Hq);
-    return launch(ctx, "attention_fwd", attn_fwd_mma_kernel<T, DH, NW>, grid, 32 * NW, smem, s, a);
+    return launch(ctx, "attention_fwd", attn_fwd_mma_kernel<T, DH, NW, MT>, grid, 32 * NW, smem, s, a);
+}
+
+// m-tiles per warp of the forward: 2 for D = 128 (0.80 -> 0.74 ms on the H100
+// at T=4096, 32/8 heads; a little register spilling), 1 for D = 64 (2 was 2%
+// slower there).
+template <typename T, int DH>
+loom_status fwd(loom_ctx *ctx, const attn_args &a, cudaStream_t s) {
+    return fwd_mt<T, DH, DH == 128 ? 2 : 1>(ctx, a, s);
 }
 
 template <typename T, int DH>
@@ -739,6 +775,10 @@ bool deterministic() {
     const char *e = getenv("LOOM_ATTN_DETERMINISTIC");
     return e && *e && strcmp(e, "0") != 0;
 }
+
+// Warps (16 keys each) per block of the dk/dv kernel: 8 (128 keys, half the
+// dQ atomics, one block per SM) measured 4-6% slower than 4 on the H100.
+constexpr int KW = 4;
 
 unsigned grid_for(int64_t n, int per_block) {
     const int64_t b = (n + per_block - 1) / per_block;
@@ -761,8 +801,9 @@ loom_status bwd(loom_ctx *ctx, const attn_args &args, cudaStream_t s) {
     a.dq_acc = fused ? a.dkv_part + part : nullptr;
     a.di = a.dkv_part + part + dqn;
     constexpr int BQ2 = DH > 64 ? 32 : 64; // query rows per step of the dk/dv kernel (registers)
-    size_t smem = tile_bytes(2 * BK + 4 * BQ2, DH) + 8 * BQ2 * 4 + 2 * sizeof(int);
-    dim3 grid((unsigned)((a.T + BK - 1) / BK), (unsigned)a.Hq);
+    constexpr int BKK = 16 * KW;
+    size_t smem = tile_bytes(2 * BKK + 4 * BQ2, DH) + 8 * BQ2 * 4 + 2 * sizeof(int);
+    dim3 grid((unsigned)((a.T + BKK - 1) / BKK), (unsigned)a.Hq);
     if (fused) {
         if (a.Tq > 0) {
             st = check(ctx, cudaMemsetAsync(a.dq_acc, 0, dqn * sizeof(float), s), "attention_bwd");
@@ -771,9 +812,10 @@ loom_status bwd(loom_ctx *ctx, const attn_args &args, cudaStream_t s) {
                 st = check_launch(ctx, "attention_bwd");
             }
         }
-        smem += (size_t)BK * (BQ2 + 8) * sizeof(T);
+        smem += (size_t)BKK * (BQ2 + 8) * sizeof(T);
         if (!st)
-            st = launch(ctx, "attention_bwd", attn_bwd_dkdv_mma_kernel<T, DH, BQ2, true>, grid, NT, smem, s, a);
+            st = launch(ctx, "attention_bwd", attn_bwd_dkdv_mma_kernel<T, DH, BQ2, true, KW>, grid,
+                        32 * KW, smem, s, a);
         if (!st && a.Tq > 0) {
             attn_dq_store_kernel<T><<<grid_for((int64_t)dqn / 2, 256), 256, 0, s>>>(a, (int64_t)dqn);
             st = check_launch(ctx, "attention_bwd");
@@ -781,7 +823,8 @@ loom_status bwd(loom_ctx *ctx, const attn_args &args, cudaStream_t s) {
     } else {
         if (a.Tq > 0) st = dq<T, DH>(ctx, a, s);
         if (!st)
-            st = launch(ctx, "attention_bwd", attn_bwd_dkdv_mma_kernel<T, DH, BQ2, false>, grid, NT, smem, s, a);
+            st = launch(ctx, "attention_bwd", attn_bwd_dkdv_mma_kernel<T, DH, BQ2, false, KW>, grid,
+                        32 * KW, smem, s, a);
     }
     if (!st) {
         attn_dkdv_sum_kernel<T, DH><<<grid_for(a.T * a.Hkv * (DH / 2), 256), 256, 0, s>>>(a);
