@@ -231,6 +231,8 @@ TEST(cuda_ops_rmsnorm) {
         rmsnorm_case(&g, shapes[i][0], shapes[i][1], LOOM_BF16, LOOM_BF16, LOOM_F32);
     }
     rmsnorm_case(&g, 37, 72, LOOM_F32, LOOM_BF16, LOOM_F16);
+    rmsnorm_case(&g, 300, 1024, LOOM_F16, LOOM_F16, LOOM_F16); /* the F16 vector path */
+    rmsnorm_case(&g, 33, 2560, LOOM_BF16, LOOM_BF16, LOOM_BF16);
     REQUIRE(!g.bad);
     /* errors name the op */
     CHECK(loom_cuda_rmsnorm_fwd(g.ctx, NULL, LOOM_I32, NULL, LOOM_F32, 1, 1, 1e-6f, NULL, LOOM_F32,
@@ -284,10 +286,10 @@ TEST(cuda_ops_rope) {
 TEST(cuda_ops_swiglu) {
     gpu g;
     REQUIRE(gpu_open(&g));
-    const int64_t n = 100037;
     const loom_dtype types[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
-    for (int ti = 0; ti < 3; ti++) {
-        loom_dtype dt = types[ti];
+    for (int ti = 0; ti < 6; ti++) { /* n % 8 != 0, then n % 8 == 0 (16-bit vector path) */
+        const loom_dtype dt = types[ti % 3];
+        const int64_t n = ti < 3 ? 100037 : 100032;
         float *gg = falloc(n), *u = falloc(n), *h = falloc(n), *dh = falloc(n), *dg = falloc(n),
               *du = falloc(n), *got = falloc(n);
         fill(gg, n, 61, 3);
@@ -303,16 +305,16 @@ TEST(cuda_ops_swiglu) {
         round_to(&g, h, n, dt);
         CHECK_OK(g.ctx, loom_cuda_swiglu_fwd(g.ctx, d_g, d_u, n, d_h, dt, NULL));
         down(&g, got, d_h, n, dt);
-        CHECK_CLOSE(got, h, n, dt, "swiglu_fwd %s", dn(dt));
+        CHECK_CLOSE(got, h, n, dt, "swiglu_fwd %s n=%lld", dn(dt), (long long)n);
         /* dg over g, du over u (aliases) */
         loom_cpu_swiglu_bwd(dh, gg, u, n, dg, du);
         round_to(&g, dg, n, dt);
         round_to(&g, du, n, dt);
         CHECK_OK(g.ctx, loom_cuda_swiglu_bwd(g.ctx, d_dh, d_g, d_u, n, d_g, d_u, dt, NULL));
         down(&g, got, d_g, n, dt);
-        CHECK_CLOSE(got, dg, n, dt, "swiglu_bwd dg %s", dn(dt));
+        CHECK_CLOSE(got, dg, n, dt, "swiglu_bwd dg %s n=%lld", dn(dt), (long long)n);
         down(&g, got, d_u, n, dt);
-        CHECK_CLOSE(got, du, n, dt, "swiglu_bwd du %s", dn(dt));
+        CHECK_CLOSE(got, du, n, dt, "swiglu_bwd du %s n=%lld", dn(dt), (long long)n);
         free(gg), free(u), free(h), free(dh), free(dg), free(du), free(got);
     }
     gpu_close(&g);

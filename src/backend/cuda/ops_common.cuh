@@ -60,6 +60,39 @@ __device__ __forceinline__ void st(void *p, loom_dtype dt, int64_t i, float v) {
     }
 }
 
+// 8 BF16/F16 elements per 16-byte access (the vector paths of the
+// memory-bound ops): widened to fp32 / rounded from fp32 (nearest even).
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T>
+__device__ __forceinline__ void ld8(const T *p, float (&v)[8]) {
+    const uint4 u = *(const uint4 *)p;
+    const T *e = (const T *)&u;
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = to_f(e[i]);
+}
+template <typename T>
+__device__ __forceinline__ void st8(T *p, const float (&v)[8]) {
+    uint4 u;
+    T *e = (T *)&u;
+#pragma unroll
+    for (int i = 0; i < 8; i++) e[i] = from_f<T>(v[i]);
+    *(uint4 *)p = u;
+}
+
+// A BF16/F16 tensor of n elements that the vector paths take: n a multiple of
+// 8 and every pointer 16-byte aligned.
+static inline bool vec8_ok(loom_dtype t, int64_t n, const void *a, const void *b) {
+    return (t == LOOM_BF16 || t == LOOM_F16) && n % 8 == 0 && ((uintptr_t)a & 15) == 0 &&
+           ((uintptr_t)b & 15) == 0;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

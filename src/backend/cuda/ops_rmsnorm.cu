@@ -1,6 +1,8 @@
 // RMSNorm forward and backward. One warp per row; sums of squares and dot
 // products in double (as the CPU), the output rounded as HF: w * (x * rstd).
 // The weight gradient is reduced in two fixed-order stages through scratch.
+// BF16/F16 rows whose length is a multiple of 8 (16-byte aligned) take the
+// vector kernels: 8 elements per 16-byte load, same math.
 #include "ops_common.cuh"
 
 using namespace loom_cuda;
@@ -80,6 +82,63 @@ __global__ void rmsnorm_dx_kernel(const void *dy, loom_dtype dydt, const void *x
     }
 }
 
+// ---- 16-byte vector path (x, y, dy, dx all BF16 or all F16) ----
+template <typename T>
+__global__ void rmsnorm_fwd_vec_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int64_t H,
+                                       float eps, T *y, float *rstd) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (r >= N) return;
+    const T *xr = x + r * H;
+    double ss = 0;
+    for (int64_t j = lane * 8; j < H; j += 256) {
+        float v[8];
+        ld8(xr + j, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) ss += (double)v[i] * (double)v[i];
+    }
+    ss = warp_sum(ss);
+    const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
+    if (lane == 0) rstd[r] = rs;
+    for (int64_t j = lane * 8; j < H; j += 256) {
+        float v[8];
+        ld8(xr + j, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(ld(w, wdt, j + i), __fmul_rn(v[i], rs));
+        st8(y + r * H + j, v);
+    }
+}
+
+template <typename T>
+__global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt,
+                                      const float *rstd, int64_t N, int64_t H, T *dx) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (r >= N) return;
+    const int64_t base = r * H;
+    double dot = 0;
+    for (int64_t j = lane * 8; j < H; j += 256) {
+        float g[8], v[8];
+        ld8(dy + base + j, g);
+        ld8(x + base + j, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) dot += (double)g[i] * (double)ld(w, wdt, j + i) * (double)v[i];
+    }
+    dot = warp_sum(dot);
+    const double rs = (double)rstd[r];
+    const double c = dot * rs * rs * rs / (double)H;
+    // each lane rewrites only the elements it read: dx may alias dy
+    for (int64_t j = lane * 8; j < H; j += 256) {
+        float g[8], v[8];
+        ld8(dy + base + j, g);
+        ld8(x + base + j, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            g[i] = (float)(rs * (double)ld(w, wdt, j + i) * (double)g[i] - c * (double)v[i]);
+        st8(dx + base + j, g);
+    }
+}
+
 extern "C" loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_dtype x_dtype,
                                              const void *w, loom_dtype w_dtype, int64_t N,
                                              int64_t H, float eps, void *y, loom_dtype y_dtype,
@@ -94,8 +153,18 @@ extern "C" loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_
                          "cuda rmsnorm_fwd: y aliases x with another dtype (%s vs %s)",
                          loom_dtype_name(y_dtype), loom_dtype_name(x_dtype));
     if (N <= 0 || H <= 0) return LOOM_OK;
-    rmsnorm_fwd_kernel<<<(unsigned)((N + WARPS - 1) / WARPS), WARPS * 32, 0, as_stream(stream)>>>(
-        x, x_dtype, w, w_dtype, N, H, eps, y, y_dtype, rstd);
+    const unsigned blocks = (unsigned)((N + WARPS - 1) / WARPS);
+    if (x_dtype == y_dtype && vec8_ok(x_dtype, H, x, y)) {
+        if (x_dtype == LOOM_BF16)
+            rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(
+                (const __nv_bfloat16 *)x, w, w_dtype, N, H, eps, (__nv_bfloat16 *)y, rstd);
+        else
+            rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(
+                (const __half *)x, w, w_dtype, N, H, eps, (__half *)y, rstd);
+        return check_launch(ctx, "rmsnorm_fwd");
+    }
+    rmsnorm_fwd_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(x, x_dtype, w, w_dtype, N, H, eps,
+                                                                      y, y_dtype, rstd);
     return check_launch(ctx, "rmsnorm_fwd");
 }
 
@@ -137,7 +206,19 @@ extern "C" loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom
             (const double *)scratch, nchunk, H, dw);
         if ((st = check_launch(ctx, "rmsnorm_bwd"))) return st;
     }
-    rmsnorm_dx_kernel<<<(unsigned)((N + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(
-        dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, N, H, dx, dx_dtype);
+    const unsigned blocks = (unsigned)((N + WARPS - 1) / WARPS);
+    if (dy_dtype == x_dtype && dx_dtype == x_dtype && vec8_ok(x_dtype, H, dy, x) &&
+        vec8_ok(x_dtype, H, dx, dx)) {
+        if (x_dtype == LOOM_BF16)
+            rmsnorm_dx_vec_kernel<<<blocks, WARPS * 32, 0, s>>>(
+                (const __nv_bfloat16 *)dy, (const __nv_bfloat16 *)x, w, w_dtype, rstd, N, H,
+                (__nv_bfloat16 *)dx);
+        else
+            rmsnorm_dx_vec_kernel<<<blocks, WARPS * 32, 0, s>>>((const __half *)dy, (const __half *)x, w,
+                                                                w_dtype, rstd, N, H, (__half *)dx);
+        return check_launch(ctx, "rmsnorm_bwd");
+    }
+    rmsnorm_dx_kernel<<<blocks, WARPS * 32, 0, s>>>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, N, H, dx,
+                                                    dx_dtype);
     return check_launch(ctx, "rmsnorm_bwd");
 }
