@@ -278,11 +278,12 @@ static loom_status print_memory(loom_ctx *ctx, const loom_settings *s,
     if ((st = loom_cli_predict_memory(ctx, s, cfg, &n, cuda, nmb, &r))) return st;
     char b[32], mesh[128];
     printf("\nmemory per %s on mesh %s (%d ranks), %s compute, micro-batch %lld x %lld, "
-           "%d micro-batch%s per step%s:\n",
+           "%d micro-batch%s per step%s%s%s:\n",
            cuda ? "GPU" : "process", loom_mesh_describe(&n, mesh, sizeof mesh), world,
            !strcmp(s->dtype, "auto") ? (cuda ? "bf16" : "fp32") : s->dtype,
            (long long)s->micro_batch_size, (long long)s->seq_len, nmb, nmb == 1 ? "" : "es",
-           s->lora_r ? " (LoRA: base frozen)" : "");
+           s->lora_r ? " (LoRA: base frozen)" : "", strcmp(s->recompute, "none") ? ", recompute " : "",
+           strcmp(s->recompute, "none") ? s->recompute : "");
     printf("  %-13s %12s\n", "weights", loom_fmt_bytes(b, r.weights));
     printf("  %-13s %12s\n", "gradients", loom_fmt_bytes(b, r.grads));
     printf("  %-13s %12s   (AdamW moments and the gradient shard, over dp*cp=%d)\n", "optimizer",

@@ -79,6 +79,9 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
     o->pp = (int)s->pp;
     o->vpp = (int)s->vpp;
     o->sequence_parallel = s->sequence_parallel;
+    o->recompute = !strcmp(s->recompute, "full")  ? LOOM_RECOMPUTE_FULL
+                   : !strcmp(s->recompute, "mlp") ? LOOM_RECOMPUTE_MLP
+                                                  : LOOM_RECOMPUTE_NONE;
     o->device = !strcmp(s->device, "cuda") ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU;
     if (!strcmp(s->dtype, "bf16"))
         o->dtype = LOOM_BF16;
@@ -101,6 +104,7 @@ loom_status loom_cli_predict_memory(loom_ctx *ctx, const loom_settings *s,
     tmp.device = (char *)(cuda ? "cuda" : "cpu");
     loom_cli_model_options(&tmp, &o);
     in.adt = o.dtype;
+    in.recompute = o.recompute;
     if (in.lora_r > 0) {
         loom_status st = loom_lora_parse_targets(ctx, s->lora_target, in.lora_target);
         if (st) return st;

@@ -132,6 +132,21 @@ typedef struct loom_model loom_model;
 /* Where a model computes. */
 typedef enum loom_device { LOOM_DEVICE_CPU = 0, LOOM_DEVICE_CUDA } loom_device;
 
+/* Activation recomputation: compute traded for memory, same results.
+ *   NONE  every layer keeps its activations for the backward;
+ *   MLP   ("selective") the MLP's gate, up and SwiGLU outputs, the largest
+ *         tensors of a layer, are not kept: they are computed again from the
+ *         kept normed input just before the layer's backward (2 of its 7
+ *         matmuls again);
+ *   FULL  each layer keeps only its input and runs its forward again just
+ *         before its backward (Megatron's full, uniform recomputation of
+ *         one layer at a time). */
+typedef enum loom_recompute {
+    LOOM_RECOMPUTE_NONE = 0,
+    LOOM_RECOMPUTE_MLP,
+    LOOM_RECOMPUTE_FULL
+} loom_recompute;
+
 typedef struct loom_model_options {
     /* JSON object whose keys replace those of config.json before it is read,
      * e.g. {"num_hidden_layers": 2}; NULL for none. */
@@ -156,6 +171,8 @@ typedef struct loom_model_options {
     int sequence_parallel;
     /* Distributed-optimizer bucket size in parameters (0: 40M). */
     int64_t bucket_elems;
+    /* What the backward recomputes instead of keeping (loom_recompute). */
+    loom_recompute recompute;
 } loom_model_options;
 
 void loom_model_options_default(loom_model_options *o);

@@ -8,7 +8,8 @@
 #include "../src/model/model.h"
 #include "harness.h"
 
-static void check_predicted(loom_device dev, loom_dtype adt, int lora_r) {
+static void check_predicted_rc(loom_device dev, loom_dtype adt, int lora_r, loom_recompute rc,
+                               uint64_t *acts) {
     if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) SKIP("no GPU visible");
     loom_ctx *ctx;
     REQUIRE(!loom_ctx_create(&ctx));
@@ -19,6 +20,7 @@ static void check_predicted(loom_device dev, loom_dtype adt, int lora_r) {
     loom_model_options_default(&o);
     o.device = dev;
     o.dtype = adt;
+    o.recompute = rc;
     loom_model *m = NULL;
     REQUIRE_OK(ctx, loom_model_create(ctx, dir, &o, &m));
     if (lora_r) {
@@ -40,12 +42,13 @@ static void check_predicted(loom_device dev, loom_dtype adt, int lora_r) {
 
     loom_mem_in in = {.n = m->mesh->n, .adt = adt, .cuda = dev == LOOM_DEVICE_CUDA,
                       .lora_r = lora_r, .rows = rows / 2, .seq = seq, .nmb = 2,
-                      .training = true};
+                      .training = true, .recompute = rc};
     for (int k = 0; k < LOOM_LORA_NMOD; k++) in.lora_target[k] = true;
     loom_mem_report p;
     REQUIRE_OK(ctx, loom_memory_predict(ctx, &m->cfg, &in, &p));
     /* activations: the one allocation, byte for byte */
     CHECK_EQ_INT((int64_t)p.acts, (int64_t)m->act_bytes);
+    if (acts) *acts = p.acts;
     /* parameters, gradients and optimizer state of what is trained */
     const loom_arena *A = loom_model_trainable(m);
     size_t esz = loom_dtype_size(adt), P = m->base.nparams;
@@ -62,10 +65,28 @@ static void check_predicted(loom_device dev, loom_dtype adt, int lora_r) {
     loom_ctx_free(ctx);
 }
 
+static void check_predicted(loom_device dev, loom_dtype adt, int lora_r) {
+    check_predicted_rc(dev, adt, lora_r, LOOM_RECOMPUTE_NONE, NULL);
+}
+
 TEST(memory_prediction_cpu_full) { check_predicted(LOOM_DEVICE_CPU, LOOM_F32, 0); }
 TEST(memory_prediction_cpu_lora) { check_predicted(LOOM_DEVICE_CPU, LOOM_F32, 4); }
 TEST(memory_prediction_cuda_bf16_full) { check_predicted(LOOM_DEVICE_CUDA, LOOM_BF16, 0); }
 TEST(memory_prediction_cuda_bf16_lora) { check_predicted(LOOM_DEVICE_CUDA, LOOM_BF16, 4); }
+
+/* Recomputation: the prediction still equals the allocation, and each
+ * level keeps less (mlp: not the MLP's three wide tensors; full: only each
+ * layer's input). */
+TEST(memory_prediction_recompute) {
+    for (int lr = 0; lr <= 4; lr += 4) {
+        uint64_t a[3] = {0, 0, 0};
+        check_predicted_rc(LOOM_DEVICE_CPU, LOOM_F32, lr, LOOM_RECOMPUTE_NONE, &a[0]);
+        check_predicted_rc(LOOM_DEVICE_CPU, LOOM_F32, lr, LOOM_RECOMPUTE_MLP, &a[1]);
+        check_predicted_rc(LOOM_DEVICE_CPU, LOOM_F32, lr, LOOM_RECOMPUTE_FULL, &a[2]);
+        CHECK_MSG(a[0] > a[1] && a[1] > a[2], "activations none %llu, mlp %llu, full %llu (lora r=%d)",
+                  (unsigned long long)a[0], (unsigned long long)a[1], (unsigned long long)a[2], lr);
+    }
+}
 
 /* `loom inspect --mesh`: the table for an 8-GPU layout of a preset, and a
  * clear error for a mesh it cannot parse or that does not fit. */

@@ -364,22 +364,20 @@ TEST(parallel_lora_layouts) {
     }
 }
 
-/* LoRA dropout draws its mask from each element's place in the global
- * batch and the full input, so every layout drops the same elements: the
- * loss and gradients still equal the one-process run. */
-TEST(parallel_lora_dropout_layouts) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
-    char mdir[1024], batch[1024], adir[1024], src[1100], dst[1100], extra[1200], *log = NULL;
-    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
-    snprintf(batch, sizeof batch, "%s/golden/tiny-qwen3-lora.safetensors", loom_test_fixtures());
-    snprintf(adir, sizeof adir, "%s/dropout-adapter", loom_test_tmpdir());
+/* A copy of the fixture's LoRA adapter with dropout 0.2, in adir. */
+static bool make_dropout_adapter(char *adir, size_t cap) {
+    char src[1100], dst[1100];
+    snprintf(adir, cap, "%s/dropout-adapter", loom_test_tmpdir());
     mkdir(adir, 0755);
     snprintf(src, sizeof src, "%s/models/tiny-qwen3-lora/adapter_model.safetensors",
              loom_test_fixtures());
     snprintf(dst, sizeof dst, "%s/adapter_model.safetensors", adir);
     FILE *a = fopen(src, "rb"), *b = fopen(dst, "wb");
-    REQUIRE(a && b);
+    if (!a || !b) {
+        if (a) fclose(a);
+        if (b) fclose(b);
+        return false;
+    }
     char buf[65536];
     size_t n;
     while ((n = fread(buf, 1, sizeof buf, a)) > 0) fwrite(buf, 1, n, b);
@@ -387,11 +385,24 @@ TEST(parallel_lora_dropout_layouts) {
     fclose(b);
     snprintf(dst, sizeof dst, "%s/adapter_config.json", adir);
     b = fopen(dst, "w");
-    REQUIRE(b);
+    if (!b) return false;
     fputs("{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"lora_dropout\": 0.2, "
           "\"target_modules\": \"all-linear\"}",
           b);
     fclose(b);
+    return true;
+}
+
+/* LoRA dropout draws its mask from each element's place in the global
+ * batch and the full input, so every layout drops the same elements: the
+ * loss and gradients still equal the one-process run. */
+TEST(parallel_lora_dropout_layouts) {
+    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    mpi_env();
+    char mdir[1024], batch[1024], adir[1024], extra[1200], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(batch, sizeof batch, "%s/golden/tiny-qwen3-lora.safetensors", loom_test_fixtures());
+    REQUIRE(make_dropout_adapter(adir, sizeof adir));
     snprintf(extra, sizeof extra, "--adapter %s --weight-decay 0.01", adir);
     const char *one = path_in_tmp("one-dropout.safetensors");
     int rc = golden(0, mdir, batch, one, extra, &log);
@@ -404,5 +415,77 @@ TEST(parallel_lora_dropout_layouts) {
         char lay[1400];
         snprintf(lay, sizeof lay, "%s %s", extra, layouts[i]);
         check_layout_fx("tiny-qwen3", "tiny-qwen3-lora", batch, one, 2, lay, false, true);
+    }
+}
+
+/* The whole of a file, or NULL. */
+static char *slurp(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *p = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (p && fread(p, 1, (size_t)n, f) != (size_t)n) {
+        free(p);
+        p = NULL;
+    }
+    fclose(f);
+    *len = (size_t)n;
+    return p;
+}
+
+/* Activation recomputation runs the same ops on the same inputs again, so
+ * `--recompute mlp` and `--recompute full` give the golden file of the run
+ * without it bit for bit (loss, log-probs, every gradient, the weights after
+ * the steps): on one process, with LoRA dropout (the masks drawn again), and
+ * under tensor, sequence, context and (interleaved) pipeline parallelism. */
+TEST(parallel_recompute_same_results) {
+    char mdir[1024], full_batch[1024], lora_batch[1024], adir[1024], lora[1200];
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(full_batch, sizeof full_batch, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
+    snprintf(lora_batch, sizeof lora_batch, "%s/golden/tiny-qwen3-lora.safetensors",
+             loom_test_fixtures());
+    REQUIRE(make_dropout_adapter(adir, sizeof adir));
+    snprintf(lora, sizeof lora, "--adapter %s", adir);
+    const bool mpi = have_mpirun();
+    if (mpi) mpi_env();
+    static const struct {
+        int np;
+        bool lora;
+        const char *layout;
+    } cases[] = {
+        {0, false, ""},
+        {0, true, ""},
+        {8, false, "--tp 2 --pp 2 --dp 2"},
+        {8, true, "--tp 2 --cp 2 --pp 2 --sequence-parallel"},
+        {2, false, "--pp 2 --vpp 2 --num-micro-batches 2"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (cases[i].np && !mpi) continue; /* parallel_layouts_* report the skip */
+        char *ref = NULL;
+        size_t nref = 0;
+        for (int r = 0; r < 3; r++) {
+            static const char *mode[3] = {"none", "mlp", "full"};
+            char lay[1600], *log = NULL;
+            snprintf(lay, sizeof lay, "%s %s --recompute %s", cases[i].lora ? lora : "",
+                     cases[i].layout, mode[r]);
+            const char *out = path_in_tmp(r ? "recompute.safetensors" : "recompute-ref.safetensors");
+            int rc = golden(cases[i].np, mdir, cases[i].lora ? lora_batch : full_batch, out, lay, &log);
+            CHECK_MSG(rc == 0, "%s: exit %d\n%s", lay, rc, log ? log : "");
+            free(log);
+            if (rc) break;
+            size_t n = 0;
+            char *got = slurp(out, &n);
+            CHECK_MSG(got != NULL, "%s: no output", lay);
+            if (!r) {
+                ref = got, nref = n;
+            } else {
+                CHECK_MSG(got && ref && n == nref && !memcmp(got, ref, n),
+                          "%s: the golden file differs from --recompute none's", lay);
+                free(got);
+            }
+        }
+        free(ref);
     }
 }

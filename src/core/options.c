@@ -96,6 +96,11 @@ static const loom_option table[] = {
     {"sequence_parallel", LOOM_OPT_BOOL, "false",
      "split the norms' tokens over tp (all-gather / reduce-scatter around them)",
      OFF(sequence_parallel), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"recompute", LOOM_OPT_CHOICE, "none",
+     "activation recomputation, memory for compute (same results): mlp recomputes each layer's "
+     "gate, up and SwiGLU outputs before its backward; full keeps only each layer's input and "
+     "runs its forward again",
+     OFF(recompute), "none|mlp|full", CMD_TRAIN | LOOM_CMD_GOLDEN | LOOM_CMD_INSPECT, 0, 0},
     {"num_micro_batches", LOOM_OPT_INT, "1",
      "micro-batches each data-parallel rank cuts its rows into", OFF(num_micro_batches), NULL,
      LOOM_CMD_GOLDEN, 1, 1 << 20},

@@ -91,6 +91,7 @@ typedef struct loom_settings {
     /* device (train, golden) */
     char *device;          /* auto | cpu | cuda */
     char *dtype;           /* compute dtype: auto (bf16 on GPUs, fp32 on CPU) | bf16 | fp16 | fp32 */
+    char *recompute;       /* activation recomputation: none | mlp | full */
     int64_t nproc_per_node;/* train/golden: start this many local GPU workers (0: this process) */
     char *mesh;            /* inspect: predict per-rank memory on this mesh ("tp=2,pp=2,dp=2,sp") */
     loom_opt_source src[96]; /* where each row's value came from, by row index */

@@ -75,30 +75,65 @@ static const int32_t *my_qidx_d(const loom_model *m) {
 }
 
 #define LIN(x, T, in, W, out, y) CK(loom_k_lin_fwd(m, x, T, in, W, out, 1.0f, 0.0f, y))
-#define LORA_F(mod, x, T, y) CK(loom_lora_fwd(m, a, i, l, mod, x, T, y))
-#define LORA_B(mod, x, T, dy, dx) CK(loom_lora_bwd(m, a, i, l, mod, x, T, dy, dx))
+#define LORA_F(mod, x, T, y) CK(loom_lora_fwd(m, b->la, b->li, l, mod, x, T, y))
+#define LORA_B(mod, x, T, dy, dx) CK(loom_lora_bwd(m, b->la, b->li, l, mod, x, T, dy, dx))
 
 /* ---- one layer ---- */
 
-static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
-                             const loom_micro *mb) {
-    const loom_layer_slots *s = &m->layer[l];
+/* Where layer i's activations are: its input and output in a->x; the rest
+ * in a (kept for the backward) or, for the groups recomputed, in m->rc
+ * (one layer; model.h). */
+typedef struct lbuf {
+    const void *x;
+    void *xn, *xmid, *h1, *h2, *qpre, *kpre, *q, *k, *v, *o, *g, *u, *act;
+    float *rstd1, *rstd2, *rstdq, *rstdk, *lse;
+    loom_acts *la; /* LoRA's x A^T stash: la->lora_u at layer li */
+    int64_t li;
+} lbuf;
+
+static void layer_bufs(loom_model *m, loom_acts *a, int64_t i, lbuf *b) {
     const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
     const int64_t T = m->T, Tc = m->Tc, Tn = m->Tn;
+    const bool full = m->recompute == LOOM_RECOMPUTE_FULL;
+    loom_acts *w = full ? &m->rc : a, *p = m->recompute != LOOM_RECOMPUTE_NONE ? &m->rc : a;
+    const int64_t wi = full ? 0 : i, pi = p == a ? i : 0;
+    b->x = AT(a->x, i, Tn * H);
+    b->xn = AT(a->x, i + 1, Tn * H);
+    b->xmid = AT(w->xmid, wi, Tn * H);
+    b->h1 = AT(w->h1, wi, Tc * H);
+    b->h2 = AT(w->h2, wi, Tc * H);
+    b->qpre = m->cfg.qk_norm ? AT(w->qpre, wi, Tc * QD) : NULL;
+    b->kpre = m->cfg.qk_norm ? AT(w->kpre, wi, Tc * KD) : NULL;
+    b->q = AT(w->q, wi, Tc * QD);
+    b->k = AT(w->k, wi, T * KD);
+    b->v = AT(w->v, wi, T * KD);
+    b->o = AT(w->o, wi, Tc * QD);
+    b->rstd1 = ATF(w->rstd1, wi, Tn);
+    b->rstd2 = ATF(w->rstd2, wi, Tn);
+    b->rstdq = m->cfg.qk_norm ? ATF(w->rstdq, wi, Tc * m->Hql) : NULL;
+    b->rstdk = m->cfg.qk_norm ? ATF(w->rstdk, wi, Tc * m->Hkvl) : NULL;
+    b->lse = ATF(w->lse, wi, Tc * m->Hql);
+    b->g = AT(p->gate, pi, Tc * Il);
+    b->u = AT(p->up, pi, Tc * Il);
+    b->act = AT(p->act, pi, Tc * Il);
+    b->la = w;
+    b->li = wi;
+}
+
+/* Attention half: x -> h1, q, k, v, o -> xmid = x + o Wo^T, then h2 = norm(xmid). */
+static loom_status attn_fwd(loom_model *m, const lbuf *b, int64_t l, const loom_micro *mb) {
+    const loom_layer_slots *s = &m->layer[l];
+    const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    const int64_t T = m->T, Tc = m->Tc, Tn = m->Tn;
     const float eps = (float)m->cfg.rms_norm_eps;
-    const void *x = AT(a->x, i, Tn * H);
-    void *xn = AT(a->x, i + 1, Tn * H), *xmid = AT(a->xmid, i, Tn * H);
-    void *h1 = AT(a->h1, i, Tc * H), *h2 = AT(a->h2, i, Tc * H);
-    void *q = AT(a->q, i, Tc * QD), *k = AT(a->k, i, T * KD), *v = AT(a->v, i, T * KD);
-    void *o = AT(a->o, i, Tc * QD);
+    void *h1 = b->h1, *q = b->q, *k = b->k, *v = b->v, *o = b->o, *xmid = b->xmid;
     /* k and v of the local tokens: straight into the full buffers without cp */
     void *kl = m->cp == 1 ? k : m->dkl, *vl = m->cp == 1 ? v : m->dvl;
 
-    CK(loom_k_rmsnorm_fwd(m, x, loom_wc(m, s->ln1), Tn, H, eps, m->sp ? m->dtmp : h1,
-                          ATF(a->rstd1, i, Tn)));
+    CK(loom_k_rmsnorm_fwd(m, b->x, loom_wc(m, s->ln1), Tn, H, eps, m->sp ? m->dtmp : h1, b->rstd1));
     if (m->sp) CK(sp_gather(m, m->dtmp, h1));
-    void *qdst = m->cfg.qk_norm ? AT(a->qpre, i, Tc * QD) : q;
-    void *kdst = m->cfg.qk_norm ? AT(a->kpre, i, Tc * KD) : kl;
+    void *qdst = m->cfg.qk_norm ? b->qpre : q;
+    void *kdst = m->cfg.qk_norm ? b->kpre : kl;
     LIN(h1, Tc, H, loom_wc(m, s->wq), QD, qdst);
     LIN(h1, Tc, H, loom_wc(m, s->wk), KD, kdst);
     LIN(h1, Tc, H, loom_wc(m, s->wv), KD, vl);
@@ -109,40 +144,64 @@ static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     if (s->bk >= 0) CK(loom_k_bias_fwd(m, kdst, loom_wc(m, s->bk), Tc, KD));
     if (s->bv >= 0) CK(loom_k_bias_fwd(m, vl, loom_wc(m, s->bv), Tc, KD));
     if (m->cfg.qk_norm) {
-        CK(loom_k_rmsnorm_fwd(m, qdst, loom_wc(m, s->qn), Tc * m->Hql, m->D, eps, q,
-                              ATF(a->rstdq, i, Tc * m->Hql)));
-        CK(loom_k_rmsnorm_fwd(m, kdst, loom_wc(m, s->kn), Tc * m->Hkvl, m->D, eps, kl,
-                              ATF(a->rstdk, i, Tc * m->Hkvl)));
+        CK(loom_k_rmsnorm_fwd(m, qdst, loom_wc(m, s->qn), Tc * m->Hql, m->D, eps, q, b->rstdq));
+        CK(loom_k_rmsnorm_fwd(m, kdst, loom_wc(m, s->kn), Tc * m->Hkvl, m->D, eps, kl, b->rstdk));
     }
     CK(loom_k_rope(m, false, q, Tc, m->Hql, mb->d_pos));
     CK(loom_k_rope(m, false, kl, Tc, m->Hkvl, mb->d_pos));
     CK(cp_gather(m, kl, KD, k));
     CK(cp_gather(m, vl, KD, v));
     CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs, o,
-                       ATF(a->lse, i, Tc * m->Hql)));
+                       b->lse));
 
     LIN(o, Tc, QD, loom_wc(m, s->wo), H, m->dtmp);
     LORA_F(LOOM_LORA_O, o, Tc, m->dtmp);
     CK(tp_reduce(m, m->dtmp, xmid));
-    CK(loom_k_add(m, xmid, x, Tn * H));
+    CK(loom_k_add(m, xmid, b->x, Tn * H));
     if (s->bo >= 0) CK(loom_k_bias_fwd(m, xmid, loom_wc(m, s->bo), Tn, H));
+    CK(loom_k_rmsnorm_fwd(m, xmid, loom_wc(m, s->ln2), Tn, H, eps, m->sp ? m->dtmp : b->h2, b->rstd2));
+    if (m->sp) CK(sp_gather(m, m->dtmp, b->h2));
+    return LOOM_OK;
+}
 
-    void *g = AT(a->gate, i, Tc * Il), *u = AT(a->up, i, Tc * Il), *act = AT(a->act, i, Tc * Il);
-    CK(loom_k_rmsnorm_fwd(m, xmid, loom_wc(m, s->ln2), Tn, H, eps, m->sp ? m->dtmp : h2,
-                          ATF(a->rstd2, i, Tn)));
-    if (m->sp) CK(sp_gather(m, m->dtmp, h2));
-    LIN(h2, Tc, H, loom_wc(m, s->wg), Il, g);
-    LIN(h2, Tc, H, loom_wc(m, s->wu), Il, u);
-    LORA_F(LOOM_LORA_GATE, h2, Tc, g);
-    LORA_F(LOOM_LORA_UP, h2, Tc, u);
-    if (s->bg >= 0) CK(loom_k_bias_fwd(m, g, loom_wc(m, s->bg), Tc, Il));
-    if (s->bu >= 0) CK(loom_k_bias_fwd(m, u, loom_wc(m, s->bu), Tc, Il));
-    CK(loom_k_swiglu_fwd(m, g, u, Tc * Il, act));
-    LIN(act, Tc, Il, loom_wc(m, s->wd), H, m->dtmp);
-    LORA_F(LOOM_LORA_DOWN, act, Tc, m->dtmp);
-    CK(tp_reduce(m, m->dtmp, xn));
-    CK(loom_k_add(m, xn, xmid, Tn * H));
-    if (s->bdn >= 0) CK(loom_k_bias_fwd(m, xn, loom_wc(m, s->bdn), Tn, H));
+/* MLP up to the down projection's input: act = silu(h2 Wg^T) * h2 Wu^T. */
+static loom_status mlp_front(loom_model *m, const lbuf *b, int64_t l) {
+    const loom_layer_slots *s = &m->layer[l];
+    const int64_t H = m->H, Il = m->Il, Tc = m->Tc;
+    LIN(b->h2, Tc, H, loom_wc(m, s->wg), Il, b->g);
+    LIN(b->h2, Tc, H, loom_wc(m, s->wu), Il, b->u);
+    LORA_F(LOOM_LORA_GATE, b->h2, Tc, b->g);
+    LORA_F(LOOM_LORA_UP, b->h2, Tc, b->u);
+    if (s->bg >= 0) CK(loom_k_bias_fwd(m, b->g, loom_wc(m, s->bg), Tc, Il));
+    if (s->bu >= 0) CK(loom_k_bias_fwd(m, b->u, loom_wc(m, s->bu), Tc, Il));
+    return loom_k_swiglu_fwd(m, b->g, b->u, Tc * Il, b->act);
+}
+
+static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
+                             const loom_micro *mb) {
+    const loom_layer_slots *s = &m->layer[l];
+    const int64_t H = m->H, Il = m->Il, Tc = m->Tc, Tn = m->Tn;
+    lbuf bb, *b = &bb;
+    layer_bufs(m, a, i, b);
+    CK(attn_fwd(m, b, l, mb));
+    CK(mlp_front(m, b, l));
+    LIN(b->act, Tc, Il, loom_wc(m, s->wd), H, m->dtmp);
+    LORA_F(LOOM_LORA_DOWN, b->act, Tc, m->dtmp);
+    CK(tp_reduce(m, m->dtmp, b->xn));
+    CK(loom_k_add(m, b->xn, b->xmid, Tn * H));
+    if (s->bdn >= 0) CK(loom_k_bias_fwd(m, b->xn, loom_wc(m, s->bdn), Tn, H));
+    return LOOM_OK;
+}
+
+/* Before layer i's backward: what recomputation left out, computed again
+ * from the kept inputs with the same ops (so the same values). FULL: the
+ * layer's forward but its output (the down projection itself is not needed;
+ * LoRA's down stash is, and its output lands in scratch). */
+static loom_status layer_recompute(loom_model *m, const lbuf *b, int64_t l, const loom_micro *mb) {
+    if (m->recompute == LOOM_RECOMPUTE_NONE) return LOOM_OK;
+    if (m->recompute == LOOM_RECOMPUTE_FULL) CK(attn_fwd(m, b, l, mb));
+    CK(mlp_front(m, b, l));
+    if (m->recompute == LOOM_RECOMPUTE_FULL) LORA_F(LOOM_LORA_DOWN, b->act, m->Tc, m->dtmp);
     return LOOM_OK;
 }
 
@@ -155,12 +214,12 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     const loom_layer_slots *s = &m->layer[l];
     const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
     const int64_t T = m->T, Tc = m->Tc, Tn = m->Tn;
-    const void *x = AT(a->x, i, Tn * H), *xmid = AT(a->xmid, i, Tn * H);
-    const void *h1 = AT(a->h1, i, Tc * H), *h2 = AT(a->h2, i, Tc * H);
-    const void *q = AT(a->q, i, Tc * QD), *k = AT(a->k, i, T * KD), *v = AT(a->v, i, T * KD);
-    const void *o = AT(a->o, i, Tc * QD);
-    const void *g = AT(a->gate, i, Tc * Il), *u = AT(a->up, i, Tc * Il);
-    const void *act = AT(a->act, i, Tc * Il);
+    lbuf bb, *b = &bb;
+    layer_bufs(m, a, i, b);
+    CK(layer_recompute(m, b, l, mb));
+    const void *x = b->x, *xmid = b->xmid, *h1 = b->h1, *h2 = b->h2;
+    const void *q = b->q, *k = b->k, *v = b->v, *o = b->o;
+    const void *g = b->g, *u = b->u, *act = b->act;
     void *dx = m->dx, *dtmp = m->dtmp, *dg = m->dg, *du = m->du;
     void *dfull = m->sp ? m->dfull : m->dx;
     void *dq = m->dq, *dk = m->dk, *dv = m->dv, *dout = m->dout;
@@ -183,8 +242,7 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     LORA_B(LOOM_LORA_UP, h2, Tc, du, dtmp);
     void *red = m->sp ? m->dfull : dtmp; /* reduce-scatter needs distinct buffers */
     CK(tp_reduce(m, dtmp, red));
-    CK(loom_k_rmsnorm_bwd(m, red, xmid, loom_wc(m, s->ln2), ATF(a->rstd2, i, Tn), Tn, H, red,
-                          loom_g(m, s->ln2)));
+    CK(loom_k_rmsnorm_bwd(m, red, xmid, loom_wc(m, s->ln2), b->rstd2, Tn, H, red, loom_g(m, s->ln2)));
     CK(loom_k_add(m, dx, red, Tn * H));
 
     /* attention */
@@ -193,18 +251,16 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     DX(dfull, Tc, H, loom_wc(m, s->wo), QD, 0.0f, dout);
     DW(dfull, o, Tc, H, QD, loom_g(m, s->wo));
     LORA_B(LOOM_LORA_O, o, Tc, dfull, dout);
-    CK(loom_k_attn_bwd(m, dout, q, my_qidx_d(m), Tc, k, v, o, ATF(a->lse, i, Tc * m->Hql), T,
-                       m->Hql, m->Hkvl, mb->d_cu, mb->ndocs, dq, dk, dv));
+    CK(loom_k_attn_bwd(m, dout, q, my_qidx_d(m), Tc, k, v, o, b->lse, T, m->Hql, m->Hkvl, mb->d_cu,
+                       mb->ndocs, dq, dk, dv));
     CK(cp_reduce(m, dk, KD, dkl));
     CK(cp_reduce(m, dv, KD, dvl));
     CK(loom_k_rope(m, true, dq, Tc, m->Hql, mb->d_pos));
     CK(loom_k_rope(m, true, dkl, Tc, m->Hkvl, mb->d_pos));
     if (m->cfg.qk_norm) {
-        CK(loom_k_rmsnorm_bwd(m, dq, AT(a->qpre, i, Tc * QD), loom_wc(m, s->qn),
-                              ATF(a->rstdq, i, Tc * m->Hql), Tc * m->Hql, m->D, dq,
+        CK(loom_k_rmsnorm_bwd(m, dq, b->qpre, loom_wc(m, s->qn), b->rstdq, Tc * m->Hql, m->D, dq,
                               loom_g(m, s->qn)));
-        CK(loom_k_rmsnorm_bwd(m, dkl, AT(a->kpre, i, Tc * KD), loom_wc(m, s->kn),
-                              ATF(a->rstdk, i, Tc * m->Hkvl), Tc * m->Hkvl, m->D, dkl,
+        CK(loom_k_rmsnorm_bwd(m, dkl, b->kpre, loom_wc(m, s->kn), b->rstdk, Tc * m->Hkvl, m->D, dkl,
                               loom_g(m, s->kn)));
     }
     if (s->bq >= 0) CK(loom_k_bias_bwd(m, dq, Tc, QD, loom_g(m, s->bq)));
@@ -220,8 +276,7 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     LORA_B(LOOM_LORA_K, h1, Tc, dkl, dtmp);
     LORA_B(LOOM_LORA_V, h1, Tc, dvl, dtmp);
     CK(tp_reduce(m, dtmp, red));
-    CK(loom_k_rmsnorm_bwd(m, red, x, loom_wc(m, s->ln1), ATF(a->rstd1, i, Tn), Tn, H, red,
-                          loom_g(m, s->ln1)));
+    CK(loom_k_rmsnorm_bwd(m, red, x, loom_wc(m, s->ln1), b->rstd1, Tn, H, red, loom_g(m, s->ln1)));
     CK(loom_k_add(m, dx, red, Tn * H));
     return LOOM_OK;
 }

@@ -524,6 +524,12 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     if ((st = loom_mesh_create(ctx, m->world, &n, &m->mesh))) goto fail;
     set_sizes(m, &n, c, pad);
     m->bucket_elems = opts->bucket_elems > 0 ? opts->bucket_elems : 40000000;
+    if (opts->recompute < LOOM_RECOMPUTE_NONE || opts->recompute > LOOM_RECOMPUTE_FULL) {
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                       "recompute = %d: use LOOM_RECOMPUTE_NONE, _MLP or _FULL", (int)opts->recompute);
+        goto fail;
+    }
+    m->recompute = opts->recompute;
     if (m->D > LOOM_CPU_ATTN_MAX_D || m->D % 2) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: loom needs an even head_dim "
                        "of at most %d", dir, (long long)m->D, LOOM_CPU_ATTN_MAX_D);
@@ -641,36 +647,56 @@ static void buffers_free(loom_model *m) {
 
 /* Every activation buffer of micro-batches of T tokens (Tc, Tn on this
  * rank), `in_flight` per chunk, LoRA rank lr: pointers into c. */
+/* The per-layer buffers of n layers into a: the attention group (norms,
+ * residual, q/k/v/o, LoRA's x A^T) and/or the MLP group (gate, up, act). */
+enum { GRP_ATTN = 1, GRP_MLP = 2 };
+static void layer_acts(loom_model *m, carve *c, loom_acts *a, int64_t n, int grp, int64_t T,
+                       int64_t Tc, int64_t Tn, int lr) {
+    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    const size_t e = m->dev.esz, f = sizeof(float);
+    const bool qkn = m->cfg.qk_norm;
+    if (grp & GRP_ATTN) {
+        a->h1 = cv(c, (size_t)(n * Tc * H) * e);
+        a->h2 = cv(c, (size_t)(n * Tc * H) * e);
+        a->rstd1 = cv(c, (size_t)(n * Tn) * f);
+        a->rstd2 = cv(c, (size_t)(n * Tn) * f);
+        a->xmid = cv(c, (size_t)(n * Tn * H) * e);
+        a->qpre = qkn ? cv(c, (size_t)(n * Tc * QD) * e) : NULL;
+        a->kpre = qkn ? cv(c, (size_t)(n * Tc * KD) * e) : NULL;
+        a->rstdq = qkn ? cv(c, (size_t)(n * Tc * m->Hql) * f) : NULL;
+        a->rstdk = qkn ? cv(c, (size_t)(n * Tc * m->Hkvl) * f) : NULL;
+        a->q = cv(c, (size_t)(n * Tc * QD) * e);
+        a->k = cv(c, (size_t)(n * T * KD) * e);
+        a->v = cv(c, (size_t)(n * T * KD) * e);
+        a->o = cv(c, (size_t)(n * Tc * QD) * e);
+        a->lse = cv(c, (size_t)(n * Tc * m->Hql) * f);
+        a->lora_u = lr ? cv(c, (size_t)(n * LOOM_LORA_NMOD * Tc * lr) * e) : NULL;
+    }
+    if (grp & GRP_MLP) {
+        a->gate = cv(c, (size_t)(n * Tc * Il) * e);
+        a->up = cv(c, (size_t)(n * Tc * Il) * e);
+        a->act = cv(c, (size_t)(n * Tc * Il) * e);
+    }
+}
+
 static void acts_layout(loom_model *m, carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
                         int in_flight, int lr, bool dropout) {
     const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
     const size_t e = m->dev.esz, f = sizeof(float);
-    const bool qkn = m->cfg.qk_norm;
+    /* kept per layer and micro-batch in flight / recomputed one layer at a time */
+    const int keep = m->recompute == LOOM_RECOMPUTE_FULL ? 0
+                     : m->recompute == LOOM_RECOMPUTE_MLP ? GRP_ATTN
+                                                          : GRP_ATTN | GRP_MLP;
     for (int ci = 0; ci < m->vpp; ci++) {
         loom_chunk *ch = &m->chunks[ci];
         const int64_t nl = ch->nl;
         for (int i = 0; i < in_flight; i++) {
             loom_acts *a = &ch->pool[i];
+            const int mb = a->mb;
+            memset(a, 0, sizeof *a);
+            a->mb = mb;
             a->x = cv(c, (size_t)((nl + 1) * Tn * H) * e);
-            a->h1 = cv(c, (size_t)(nl * Tc * H) * e);
-            a->h2 = cv(c, (size_t)(nl * Tc * H) * e);
-            a->rstd1 = cv(c, (size_t)(nl * Tn) * f);
-            a->rstd2 = cv(c, (size_t)(nl * Tn) * f);
-            a->xmid = cv(c, (size_t)(nl * Tn * H) * e);
-            a->qpre = qkn ? cv(c, (size_t)(nl * Tc * QD) * e) : NULL;
-            a->kpre = qkn ? cv(c, (size_t)(nl * Tc * KD) * e) : NULL;
-            a->rstdq = qkn ? cv(c, (size_t)(nl * Tc * m->Hql) * f) : NULL;
-            a->rstdk = qkn ? cv(c, (size_t)(nl * Tc * m->Hkvl) * f) : NULL;
-            a->q = cv(c, (size_t)(nl * Tc * QD) * e);
-            a->k = cv(c, (size_t)(nl * T * KD) * e);
-            a->v = cv(c, (size_t)(nl * T * KD) * e);
-            a->o = cv(c, (size_t)(nl * Tc * QD) * e);
-            a->lse = cv(c, (size_t)(nl * Tc * m->Hql) * f);
-            a->gate = cv(c, (size_t)(nl * Tc * Il) * e);
-            a->up = cv(c, (size_t)(nl * Tc * Il) * e);
-            a->act = cv(c, (size_t)(nl * Tc * Il) * e);
-            a->lora_u = lr ? cv(c, (size_t)(nl * LOOM_LORA_NMOD * Tc * lr) * e) : NULL;
-            a->hf = a->rstdf = a->dstash = NULL;
+            layer_acts(m, c, a, nl, keep, T, Tc, Tn, lr);
             if (ch->last) {
                 a->hf = cv(c, (size_t)(Tn * H) * e);
                 a->rstdf = cv(c, (size_t)Tn * f);
@@ -678,6 +704,8 @@ static void acts_layout(loom_model *m, carve *c, int64_t T, int64_t Tc, int64_t 
             }
         }
     }
+    memset(&m->rc, 0, sizeof m->rc);
+    if (keep != (GRP_ATTN | GRP_MLP)) layer_acts(m, c, &m->rc, 1, ~keep & (GRP_ATTN | GRP_MLP), T, Tc, Tn, lr);
     m->dx = cv(c, (size_t)(Tc * H) * e);
     m->dtmp = cv(c, (size_t)(Tc * H) * e);
     m->dfull = cv(c, (size_t)(Tc * H) * e);
@@ -1000,6 +1028,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     m->mesh = &mesh;
     set_sizes(m, n, cfg, in->vocab_pad > 0 ? in->vocab_pad : 128);
     m->bucket_elems = 40000000;
+    m->recompute = in->recompute;
     m->dev.cuda = in->cuda;
     m->dev.adt = in->adt;
     m->dev.esz = loom_dtype_size(in->adt);

@@ -100,6 +100,10 @@ typedef struct loom_adapter {
 
 /* Activations of one model chunk for one micro-batch, saved by the forward
  * for the backward. Per layer i of the chunk (offsets i * stride). */
+/* Activations of a chunk's layers for one micro-batch in flight. With
+ * recomputation the groups not kept are NULL here and live, for one layer,
+ * in the model's rc (the layer being recomputed): MLP leaves out gate, up
+ * and act; FULL everything but x, hf, rstdf and dstash. */
 typedef struct loom_acts {
     void *x;            /* (nl+1, Tn, H): input of layer i; x[nl] = the chunk's output */
     void *h1, *h2;      /* (nl, Tc, H): normed inputs of attention and MLP (gathered under SP) */
@@ -165,6 +169,8 @@ struct loom_model {
 
     /* activations */
     loom_chunk *chunks;      /* (vpp) */
+    loom_recompute recompute;/* what the backward recomputes (loom.h) */
+    loom_acts rc;            /* with recompute: the groups not kept, for one layer */
     int64_t cap_T;           /* micro-batch tokens the buffers were sized for */
     int64_t T, Tc, Tn;       /* of the current micro-batch shape */
     loom_micro *micro;       /* (cap_mb) */
@@ -291,6 +297,7 @@ typedef struct loom_mem_in {
     int nmb;                  /* micro-batches per forward_backward call */
     bool training;
     int64_t vocab_pad;        /* 0: 128 */
+    loom_recompute recompute;
 } loom_mem_in;
 
 typedef struct loom_mem_report {

@@ -2,7 +2,8 @@
 # The model on one GPU: the fixture tests on CUDA (tests/test_model.c's
 # model_cuda_*), then a Qwen3-0.6B-shaped model with random weights trained
 # 50 steps in bf16 and in fp32 on the same data; the two loss curves must
-# agree within bf16 noise (tests/gpu/compare.py curves).
+# agree within bf16 noise (tests/gpu/compare.py curves); then activation
+# recomputation against none, byte for byte (LoRA, deterministic attention).
 # Usage: bash tests/gpu/model.sh [BUILD_DIR]   (default build-cuda, built by tests/gpu/run.sh)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,3 +22,18 @@ for dt in fp32 bf16; do
         2>&1 | tee "$W/train-$dt.log" | grep -E "^(step +(1|10|25|50) |trained|memory)" || true
 done
 python3 tests/gpu/compare.py curves "$W/train-fp32.log" "$W/train-bf16.log"
+# Activation recomputation on the GPU: with the bitwise-repeatable attention
+# backward, `--recompute mlp` and `--recompute full` give the golden file of
+# the run without it byte for byte (LoRA with dropout: no atomics left in the
+# step; the masks are drawn again).
+F=${LOOM_FIXTURES:-../shared/fixtures}
+mkdir -p "$W/dad"
+cp "$F/models/tiny-qwen3-lora/adapter_model.safetensors" "$W/dad/"
+echo '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.2, "target_modules": "all-linear"}' > "$W/dad/adapter_config.json"
+for r in none mlp full; do
+    LOOM_ATTN_DETERMINISTIC=1 $B/loom golden --device cuda --dtype bf16 --model "$F/models/tiny-qwen3" \
+        --batch "$F/golden/tiny-qwen3-lora.safetensors" --adapter "$W/dad" --steps 3 --lr 1e-3 \
+        --recompute $r --out "$W/rc-$r.safetensors" --log-level warn
+done
+cmp "$W/rc-none.safetensors" "$W/rc-mlp.safetensors" && cmp "$W/rc-none.safetensors" "$W/rc-full.safetensors" &&
+    echo "recompute: mlp and full give the same golden file as none on the GPU"
