@@ -539,6 +539,9 @@ static loom_status merge(loom_model *m, const char *name, float sign) {
     if (a->merged == (sign > 0))
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG, "adapter '%s' is %s merged", name,
                          a->merged ? "already" : "not");
+    /* the fp32 master of a base not trained yet is on the host: merge there on the GPU */
+    loom_status sm = loom_arena_master_to_device(m, &m->base);
+    if (sm) return sm;
     /* every rank's base block and its A, B blocks fit: W_l += s B_l A_l */
     for (int64_t l = 0; l < m->L; l++) {
         const loom_layer_slots *ls = &m->layer[l];

@@ -241,9 +241,29 @@ loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen) {
     return LOOM_OK;
 }
 
-loom_status loom_arena_commit(loom_model *m, loom_arena *a) {
+loom_status loom_arena_commit_ex(loom_model *m, loom_arena *a, bool defer_master) {
     loom_status st;
     const size_t n = a->nparams;
+    if (m->dev.cuda && defer_master && m->dev.adt != LOOM_F32) {
+        /* the compute copy only, converted on the GPU through a bounded fp32
+         * staging buffer; the master stays in host memory until the arena is
+         * trained (loom_arena_master_to_device) or frozen (dropped), so a
+         * base that LoRA freezes never holds its fp32 copy on the GPU */
+        if ((st = loom_dev_alloc(m, &a->wc, n * m->dev.esz, "parameters (compute copy)"))) return st;
+        const size_t chunk = n < ((size_t)32 << 20) ? n : ((size_t)32 << 20);
+        float *stage = NULL;
+        if ((st = loom_dev_alloc(m, (void **)&stage, (chunk ? chunk : 1) * sizeof(float),
+                                 "parameters (staging)")))
+            return st;
+        for (size_t off = 0; off < n && !st; off += chunk) {
+            const size_t len = n - off < chunk ? n - off : chunk;
+            st = loom_k_upload(m, stage, a->w + off, len * sizeof(float));
+            if (!st) st = loom_k_convert(m, (char *)a->wc + off * m->dev.esz, m->dev.adt, stage,
+                                         LOOM_F32, len);
+        }
+        loom_dev_free(m, stage);
+        return st;
+    }
     if (m->dev.cuda) {
         float *d = NULL;
         if ((st = loom_dev_alloc(m, (void **)&d, n * sizeof(float), "parameters"))) return st;
@@ -263,6 +283,22 @@ loom_status loom_arena_commit(loom_model *m, loom_arena *a) {
     return loom_arena_sync(m, a);
 }
 
+loom_status loom_arena_commit(loom_model *m, loom_arena *a) {
+    return loom_arena_commit_ex(m, a, false);
+}
+
+loom_status loom_arena_master_to_device(loom_model *m, loom_arena *a) {
+    if (!m->dev.cuda || !a->w || a->w_on_dev) return LOOM_OK;
+    float *d = NULL;
+    loom_status st = loom_dev_alloc(m, (void **)&d, a->nparams * sizeof(float), "parameters");
+    if (!st && (st = loom_k_upload(m, d, a->w, a->nparams * sizeof(float)))) loom_dev_free(m, d);
+    if (st) return st;
+    free(a->w);
+    a->w = d;
+    a->w_on_dev = true;
+    return LOOM_OK;
+}
+
 loom_status loom_arena_sync(loom_model *m, loom_arena *a) {
     if (!a->wc || !a->w || a->wc == (void *)a->w) return LOOM_OK;
     return loom_k_convert(m, a->wc, m->dev.adt, a->w, LOOM_F32, a->nparams);
@@ -271,7 +307,7 @@ loom_status loom_arena_sync(loom_model *m, loom_arena *a) {
 loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grads, float **tmp,
                             size_t *tmp_cap, const float **out) {
     const loom_slot *s = &a->slots[i];
-    if (!m->dev.cuda) {
+    if (!m->dev.cuda || (!grads && a->w && !a->w_on_dev)) { /* CPU, or a master still on the host */
         *out = (grads ? a->g : a->w) + s->off;
         return LOOM_OK;
     }
@@ -291,6 +327,11 @@ loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grad
 
 void loom_arena_drop_master(loom_model *m, loom_arena *a) {
     if (!m->dev.cuda || !a->w || a->wc == (void *)a->w) return;
+    if (!a->w_on_dev) { /* never moved to the GPU */
+        free(a->w);
+        a->w = NULL;
+        return;
+    }
     loom_dev_free(m, a->w);
     a->w = NULL;
     a->w_on_dev = false;
@@ -566,7 +607,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
                        c->rope_low_freq_factor, c->rope_high_freq_factor,
                        c->rope_original_max_pos, m->inv_freq);
     if ((st = load_weights(m, dir))) goto fail;
-    if ((st = loom_arena_commit(m, &m->base))) goto fail;
+    if ((st = loom_arena_commit_ex(m, &m->base, true))) goto fail;
     m->d_inv_freq = m->inv_freq;
     if (cuda) {
         size_t b = (size_t)(m->D / 2) * sizeof(float);

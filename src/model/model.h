@@ -266,6 +266,11 @@ loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen);
 /* Moves a filled arena's w to the model's device and makes the compute
  * copy wc. */
 loom_status loom_arena_commit(loom_model *m, loom_arena *a);
+/* With defer_master (a GPU model in bf16/fp16): the compute copy only; w
+ * stays in host memory until loom_arena_master_to_device (the arena is
+ * trained) or loom_arena_drop_master (it is frozen). */
+loom_status loom_arena_commit_ex(loom_model *m, loom_arena *a, bool defer_master);
+loom_status loom_arena_master_to_device(loom_model *m, loom_arena *a);
 /* wc from w again (after the optimizer or a merge changed w). */
 loom_status loom_arena_sync(loom_model *m, loom_arena *a);
 /* This rank's values (or gradients) of slot i as host fp32: a pointer into

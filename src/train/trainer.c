@@ -306,6 +306,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     if ((st = pp_connect(m))) goto done;
     if (backward) { /* the trained arena's gradients, at its first backward */
         loom_arena *A = loom_model_trainable(m);
+        if ((st = loom_arena_master_to_device(m, A))) goto done;
         if (!A->g && (st = loom_dev_alloc(m, (void **)&A->g, A->nparams * sizeof(float),
                                           "gradients")))
             goto done;
