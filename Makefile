@@ -125,8 +125,9 @@ LDFLAGS += $(SANFLAGS)
 
 LIB_SRC  := $(wildcard src/*/*.c src/*/*/*.c)
 CLI_SRC  := $(wildcard cli/*.c)
-TEST_SRC := $(wildcard tests/*.c)
-MPI_TEST_SRC := $(wildcard tests/mpi/*.c)
+# tests/common: the runner parts the three test programs share
+TEST_SRC := $(wildcard tests/*.c) tests/common/runner.c
+MPI_TEST_SRC := $(wildcard tests/mpi/*.c) tests/common/runner.c tests/common/ranks.c
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(CU_SRC:%.cu=$(BUILD)/obj/%.o)
 CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
@@ -204,7 +205,7 @@ endif
 # process per GPU: under mpirun when MPI is there and there are 2+ GPUs,
 # and started by the program itself (--spawn N: RANK/WORLD_SIZE/MASTER_ADDR,
 # the TCP rendezvous). Not a sanitizer build (ASan and CUDA do not mix).
-NCCL_TEST_SRC := $(wildcard tests/nccl/*.c)
+NCCL_TEST_SRC := $(wildcard tests/nccl/*.c) tests/common/runner.c tests/common/ranks.c
 NCCL_TEST_OBJ := $(NCCL_TEST_SRC:%.c=$(BUILD)/obj/%.o)
 NCCL_LIB_OBJ  := $(filter $(BUILD)/obj/src/core/% $(BUILD)/obj/src/comm/%,$(LIB_OBJ))
 NCCL_NP  ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')

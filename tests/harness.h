@@ -14,6 +14,28 @@
 
 typedef void (*loom_test_fn)(void);
 void loom_test_register(const char *name, const char *file, loom_test_fn fn);
+
+/* The registry and what every runner needs (tests/common/runner.c). */
+typedef struct loom_test_entry {
+    const char *name, *file;
+    loom_test_fn fn;
+} loom_test_entry;
+int loom_test_count(void);
+const loom_test_entry *loom_test_at(int i);
+/* No args: every test; else those whose name contains one of them. */
+bool loom_test_selected(const char *name, int nargs, char *const *args);
+double loom_test_now_ms(void);
+/* "N passed, M failed[, K skipped]" */
+void loom_test_summary(int passed, int failed, int skipped);
+
+/* Runners of in-process tests on every rank (tests/common/ranks.c): the
+ * world's rank and size for the messages; one test's run (1 when it
+ * skipped; *failed_here when a check failed on this rank); rank 0's line
+ * from every rank's failed flag (failed[r * stride]). */
+void loom_ranks_init(int (*rank)(void), int (*size)(void));
+int loom_ranks_run(const loom_test_entry *t, bool *failed_here);
+void loom_ranks_verdict(const loom_test_entry *t, double t0_ms, int n_bad, bool any_skip,
+                        const int *failed, int stride);
 void loom_test_fail(const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Set when the current test must stop (REQUIRE failed). */

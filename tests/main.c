@@ -18,27 +18,9 @@
 #include "../src/backend/cuda/cuda_backend.h"
 #endif
 
-#define MAX_TESTS 4096
-
-static struct {
-    const char *name, *file;
-    loom_test_fn fn;
-} tests[MAX_TESTS];
-static int n_tests;
 static int n_fail_in_test;
 static char tmpdir_path[512];
 bool loom_test_abort;
-
-void loom_test_register(const char *name, const char *file, loom_test_fn fn) {
-    if (n_tests >= MAX_TESTS) {
-        fprintf(stderr, "too many tests\n");
-        exit(2);
-    }
-    tests[n_tests].name = name;
-    tests[n_tests].file = file;
-    tests[n_tests].fn = fn;
-    n_tests++;
-}
 
 void loom_test_fail(const char *file, int line, const char *fmt, ...) {
     va_list ap;
@@ -48,15 +30,6 @@ void loom_test_fail(const char *file, int line, const char *fmt, ...) {
     fputc('\n', stderr);
     va_end(ap);
     n_fail_in_test++;
-}
-
-const char *loom_test_fixtures(void) {
-    const char *e = getenv("LOOM_FIXTURES");
-    if (e && *e) return e;
-    /* beside the checkout (CI, developers), or inside it (the GPU machine) */
-    return loom_dir_exists("../shared/fixtures") || !loom_dir_exists("shared/fixtures")
-               ? "../shared/fixtures"
-               : "shared/fixtures";
 }
 
 const char *loom_test_bin(void) {
@@ -158,13 +131,6 @@ void loom_test_skip(const char *reason) {
     _exit(77);
 }
 
-static bool selected(const char *name, int argc, char **argv) {
-    if (argc <= 1) return true;
-    for (int i = 1; i < argc; i++)
-        if (strstr(name, argv[i])) return true;
-    return false;
-}
-
 int main(int argc, char **argv) {
     int passed = 0, failed = 0, skipped = 0;
     bool nofork = getenv("LOOM_TEST_NOFORK") != NULL;
@@ -173,15 +139,15 @@ int main(int argc, char **argv) {
                 "warning: no fixtures at %s: tests that compare with Hugging Face will fail "
                 "(clone beside ../shared, or set LOOM_FIXTURES)\n",
                 loom_test_fixtures());
-    for (int i = 0; i < n_tests; i++) {
-        if (!selected(tests[i].name, argc, argv)) continue;
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < loom_test_count(); i++) {
+        const loom_test_entry *t = loom_test_at(i);
+        if (!loom_test_selected(t->name, argc - 1, argv + 1)) continue;
+        const double t0 = loom_test_now_ms();
         bool ok, skip = false;
         if (nofork) {
             n_fail_in_test = 0;
             loom_test_abort = false;
-            tests[i].fn();
+            t->fn();
             ok = n_fail_in_test == 0;
         } else {
             fflush(stdout);
@@ -190,7 +156,7 @@ int main(int argc, char **argv) {
             if (pid == 0) {
                 n_fail_in_test = 0;
                 tmpdir_path[0] = '\0';
-                tests[i].fn();
+                t->fn();
                 if (tmpdir_path[0]) rm_rf(tmpdir_path);
                 fflush(stdout);
                 fflush(stderr);
@@ -206,10 +172,8 @@ int main(int argc, char **argv) {
             else if (WIFEXITED(status) && WEXITSTATUS(status) > 1 && !skip)
                 fprintf(stderr, "    exited with status %d\n", WEXITSTATUS(status));
         }
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
-        printf("%s %-48s %8.1f ms  (%s)\n", ok ? "ok  " : skip ? "skip" : "FAIL", tests[i].name,
-               ms, tests[i].file);
+        printf("%s %-48s %8.1f ms  (%s)\n", ok ? "ok  " : skip ? "skip" : "FAIL", t->name,
+               loom_test_now_ms() - t0, t->file);
         fflush(stdout);
         if (ok)
             passed++;
@@ -219,9 +183,6 @@ int main(int argc, char **argv) {
             failed++;
     }
     if (tmpdir_path[0]) rm_rf(tmpdir_path);
-    if (skipped)
-        printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
-    else
-        printf("%d passed, %d failed\n", passed, failed);
+    loom_test_summary(passed, failed, skipped);
     return failed ? 1 : 0;
 }

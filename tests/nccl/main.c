@@ -5,9 +5,7 @@
 #include <errno.h>
 #include <nccl.h>
 #include <netinet/in.h>
-#include <setjmp.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -16,79 +14,13 @@
 
 #include "nccl_harness.h"
 
-#define MAX_TESTS 256
-
-static struct {
-    const char *name, *file;
-    loom_test_fn fn;
-} tests[MAX_TESTS];
-static int n_tests;
-static int n_fail_in_test;
-static const char *current;
-static jmp_buf skip_jump;
 static loom_comm *world;
 static loom_ctx *ctx;
-bool loom_test_abort;
 
 loom_comm *nt_world(void) { return world; }
 loom_ctx *nt_ctx(void) { return ctx; }
 int nt_rank(void) { return world ? loom_comm_rank(world) : 0; }
 int nt_size(void) { return world ? loom_comm_size(world) : 1; }
-
-void loom_test_register(const char *name, const char *file, loom_test_fn fn) {
-    if (n_tests >= MAX_TESTS) {
-        fprintf(stderr, "too many tests\n");
-        exit(2);
-    }
-    tests[n_tests].name = name;
-    tests[n_tests].file = file;
-    tests[n_tests].fn = fn;
-    n_tests++;
-}
-
-void loom_test_fail(const char *file, int line, const char *fmt, ...) {
-    char msg[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "    [rank %d/%d] %s: %s:%d: %s\n", nt_rank(), nt_size(), current, file,
-            line, msg);
-    fflush(stderr);
-    n_fail_in_test++;
-}
-
-void loom_test_skip(const char *reason) {
-    if (nt_rank() == 0) fprintf(stderr, "    skipped: %s\n", reason);
-    longjmp(skip_jump, 1);
-}
-
-const char *loom_test_fixtures(void) {
-    const char *e = getenv("LOOM_FIXTURES");
-    return e && *e ? e : "../shared/fixtures";
-}
-
-static bool selected(const char *name, int argc, char **argv) {
-    if (argc <= 0) return true;
-    for (int i = 0; i < argc; i++)
-        if (strstr(name, argv[i])) return true;
-    return false;
-}
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
-}
-
-/* 1 when the test skipped (the setjmp is kept apart from the loops). */
-static int run_one(loom_test_fn fn) {
-    if (setjmp(skip_jump) == 0) {
-        fn();
-        return 0;
-    }
-    return 1;
-}
 
 static bool is_cpu(const char *name) { return strncmp(name, "cpu_", 4) == 0; }
 
@@ -153,7 +85,7 @@ static int spawn(int n, int argc, char **argv) {
     }
     /* wait; once a rank fails, give the others a grace period, then kill */
     const char *lim = getenv("LOOM_NCCL_SPAWN_TIMEOUT");
-    double limit_ms = (lim && *lim ? atof(lim) : 900.0) * 1e3, t0 = now_ms(), kill_at = -1;
+    double limit_ms = (lim && *lim ? atof(lim) : 900.0) * 1e3, t0 = loom_test_now_ms(), kill_at = -1;
     int left = n, failed = 0;
     while (left > 0) {
         int status = 0;
@@ -166,12 +98,12 @@ static int spawn(int n, int argc, char **argv) {
                 left--;
                 if (codes[r] != 0) {
                     failed++;
-                    if (kill_at < 0) kill_at = now_ms() + 20e3;
+                    if (kill_at < 0) kill_at = loom_test_now_ms() + 20e3;
                 }
             }
             continue;
         }
-        double t = now_ms();
+        double t = loom_test_now_ms();
         if ((kill_at >= 0 && t > kill_at) || t - t0 > limit_ms) {
             for (int r = 0; r < n; r++)
                 if (pids[r] > 0) kill(pids[r], SIGKILL);
@@ -194,28 +126,24 @@ static int spawn(int n, int argc, char **argv) {
 
 static int run_cpu(int argc, char **argv) {
     int passed = 0, failed = 0, skipped = 0;
-    for (int i = 0; i < n_tests; i++) {
-        if (!is_cpu(tests[i].name) || !selected(tests[i].name, argc, argv)) continue;
-        current = tests[i].name;
-        n_fail_in_test = 0;
-        loom_test_abort = false;
+    for (int i = 0; i < loom_test_count(); i++) {
+        const loom_test_entry *t = loom_test_at(i);
+        if (!is_cpu(t->name) || !loom_test_selected(t->name, argc, argv)) continue;
         loom_clear_error(ctx);
-        double t0 = now_ms();
-        int skip = run_one(tests[i].fn);
-        if (n_fail_in_test)
+        const double t0 = loom_test_now_ms();
+        bool bad = false;
+        int skip = loom_ranks_run(t, &bad);
+        if (bad)
             failed++;
         else if (skip)
             skipped++;
         else
             passed++;
-        printf("%s %-44s %8.1f ms  (%s)\n", n_fail_in_test ? "FAIL" : skip ? "skip" : "ok  ",
-               tests[i].name, now_ms() - t0, tests[i].file);
+        printf("%s %-44s %8.1f ms  (%s)\n", bad ? "FAIL" : skip ? "skip" : "ok  ", t->name,
+               loom_test_now_ms() - t0, t->file);
         fflush(stdout);
     }
-    if (skipped)
-        printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
-    else
-        printf("%d passed, %d failed\n", passed, failed);
+    loom_test_summary(passed, failed, skipped);
     return failed ? 1 : 0;
 }
 
@@ -263,19 +191,16 @@ static int run_world(int argc, char **argv) {
         return 2;
     }
     int passed = 0, failed = 0, skipped = 0;
-    for (int i = 0; i < n_tests; i++) {
-        if (is_cpu(tests[i].name) || !selected(tests[i].name, argc, argv)) continue;
-        current = tests[i].name;
-        n_fail_in_test = 0;
-        loom_test_abort = false;
+    for (int i = 0; i < loom_test_count(); i++) {
+        const loom_test_entry *t = loom_test_at(i);
+        if (is_cpu(t->name) || !loom_test_selected(t->name, argc, argv)) continue;
         loom_clear_error(ctx);
-        double t0 = now_ms();
-        int skip = run_one(tests[i].fn);
-        fflush(stdout);
-        fflush(stderr);
-        if (!agree(n_fail_in_test ? 1 : 0, skip, flags, dev)) {
+        const double t0 = loom_test_now_ms();
+        bool bad = false;
+        int skip = loom_ranks_run(t, &bad);
+        if (!agree(bad ? 1 : 0, skip, flags, dev)) {
             fprintf(stderr, "[rank %d] %s: the ranks could not agree on the verdict: %s\n", rank,
-                    tests[i].name, loom_last_error(ctx));
+                    t->name, loom_last_error(ctx));
             loom_comm_abort(world, "verdict exchange failed", 3);
         }
         int n_bad = 0, any_skip = 0;
@@ -289,27 +214,9 @@ static int run_world(int argc, char **argv) {
             skipped++;
         else
             passed++;
-        if (rank == 0) {
-            char who[256] = "";
-            if (n_bad) {
-                int len = snprintf(who, sizeof who, "  failed on rank");
-                for (int r = 0; r < size && len < (int)sizeof who - 8; r++)
-                    if (flags[2 * r])
-                        len += snprintf(who + len, sizeof who - (size_t)len, " %d", r);
-            }
-            printf("%s %-44s %8.1f ms  (np %d, %s)%s\n",
-                   n_bad ? "FAIL" : any_skip ? "skip" : "ok  ", tests[i].name, now_ms() - t0,
-                   size, tests[i].file, who);
-            fflush(stdout);
-        }
+        if (rank == 0) loom_ranks_verdict(t, t0, n_bad, any_skip, flags, 2);
     }
-    if (rank == 0) {
-        if (skipped)
-            printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
-        else
-            printf("%d passed, %d failed\n", passed, failed);
-        fflush(stdout);
-    }
+    if (rank == 0) loom_test_summary(passed, failed, skipped);
     cudaFree(dev);
     free(flags);
     loom_comm_free(world); /* finalises MPI when it bootstrapped the world */
@@ -320,6 +227,7 @@ int main(int argc, char **argv) {
     if (argc >= 3 && strcmp(argv[1], "--spawn") == 0)
         return spawn(atoi(argv[2]), argc - 3, argv + 3);
     if (loom_ctx_create(&ctx) != LOOM_OK) return 2;
+    loom_ranks_init(nt_rank, nt_size);
     int rc;
     if (argc >= 2 && strcmp(argv[1], "--cpu") == 0)
         rc = run_cpu(argc - 2, argv + 2);
