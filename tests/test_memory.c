@@ -123,3 +123,27 @@ TEST(memory_inspect_mesh_table) {
     CHECK_CONTAINS(out, "tp=3");
     free(out);
 }
+
+/* A recompute level that does not exist: the API refuses it and names the
+ * levels; the command line lists the choices. */
+TEST(memory_recompute_bad_values) {
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.recompute = (loom_recompute)7;
+    loom_model *m = NULL;
+    CHECK(loom_model_create(ctx, dir, &o, &m) == LOOM_ERR_INVALID_ARG);
+    CHECK(m == NULL);
+    CHECK_CONTAINS(loom_last_error(ctx), "LOOM_RECOMPUTE_NONE");
+    loom_ctx_free(ctx);
+    char *out = NULL;
+    const char *argv[] = {loom_test_bin(), "inspect", "--preset", "qwen3-0.6b", "--mesh", "tp=1",
+                          "--recompute", "some", NULL};
+    CHECK_EQ_INT(loom_test_run(&out, argv), 2); /* a usage error */
+    CHECK_CONTAINS(out, "none|mlp|full");
+    free(out);
+}
