@@ -233,6 +233,9 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                    m->dev.device, where, have_mem ? loom_fmt_bytes(pr, mem.total) : "n/a",
                    have_mem && m->mesh->n.pp > 1 ? " for the largest stage" : "");
         loom_ctx_set_log_level(ctx, lv);
+        char an[400];
+        loom_dev_attn_note(m, an, sizeof an);
+        LOOM_LOG_I(ctx, "attention: %s", an);
     }
     LOOM_LOG_I(ctx, "trained %" PRId64 " steps in %.1f s (%.0f tokens/s): loss %.4f -> %.4f",
                s->train_steps, total, (double)tokens_total / total, first_loss, last_loss);

@@ -429,8 +429,9 @@ TEST(cuda_ops_cross_entropy) {
 /* One attention case: GPU forward and backward against the CPU on the same
  * (rounded) inputs; with qidx, the query-subset variant. The backward gets
  * the CPU's out and lse on both sides, so it is checked on its own. */
-static void attn_case(gpu *g, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int32_t *cu,
-                      int64_t ndocs, const int32_t *qidx, int64_t Tq, loom_dtype dt, uint64_t key) {
+static void attn_case_h(gpu *g, loom_cuda_attn_handle *h, int64_t T, int64_t Hq, int64_t Hkv,
+                        int64_t D, const int32_t *cu, int64_t ndocs, const int32_t *qidx, int64_t Tq,
+                        loom_dtype dt, uint64_t key) {
     const int64_t nq = Tq * Hq * D, nk = T * Hkv * D;
     const float scale = (float)(1.0 / sqrt((double)D));
     float *q = falloc(nq), *k = falloc(nk), *v = falloc(nk), *o = falloc(nq), *l = falloc(Tq * Hq);
@@ -456,9 +457,16 @@ static void attn_case(gpu *g, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, con
     snprintf(what, sizeof what, "attention T=%lld Tq=%lld Hq=%lld Hkv=%lld D=%lld ndocs=%lld %s%s%s",
              (long long)T, (long long)Tq, (long long)Hq, (long long)Hkv, (long long)D,
              (long long)ndocs, dn(dt), qidx ? " (query subset)" : "",
-             det && strcmp(det, "1") == 0 ? " (deterministic backward)" : "");
+             h ? " (cuDNN)" : det && strcmp(det, "1") == 0 ? " (deterministic backward)" : "");
     loom_cpu_attention_fwd_q(q, qidx, Tq, k, v, T, Hq, Hkv, D, cu, ndocs, scale, o, l);
-    if (qidx)
+    bool taken = false;
+    if (h) { /* equal documents: T / ndocs tokens each */
+        CHECK_OK(g->ctx, loom_cuda_attention_cudnn_fwd(g->ctx, h, d_q, d_k, d_v, dt, T, T / ndocs, Hq,
+                                                       Hkv, D, scale, d_o, d_l, NULL, &taken));
+        const char *why;
+        loom_cuda_attn_counts(h, NULL, NULL, &why);
+        CHECK_MSG(taken, "%s: cuDNN did not take the forward: %s", what, why);
+    } else if (qidx)
         CHECK_OK(g->ctx, loom_cuda_attention_fwd_q(g->ctx, d_q, d_qi, Tq, d_k, d_v, dt, T, Hq, Hkv, D,
                                                    d_cu, ndocs, scale, d_o, d_l, NULL));
     else
@@ -476,7 +484,14 @@ static void attn_case(gpu *g, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, con
     void *d_dq = dalloc(g, (size_t)nq * 4), *d_dk = dalloc(g, (size_t)nk * 4), *d_dv = dalloc(g, (size_t)nk * 4);
     if (g->bad) return;
     loom_cpu_attention_bwd_q(dout, q, qidx, Tq, k, v, o, l, T, Hq, Hkv, D, cu, ndocs, scale, dq, dk, dv);
-    if (qidx)
+    if (h) {
+        CHECK_OK(g->ctx, loom_cuda_attention_cudnn_bwd(g->ctx, h, d_do, d_q, d_k, d_v, d_o2, d_l2, dt, T,
+                                                       T / ndocs, Hq, Hkv, D, scale, d_dq, d_dk, d_dv,
+                                                       NULL, &taken));
+        const char *why;
+        loom_cuda_attn_counts(h, NULL, NULL, &why);
+        CHECK_MSG(taken, "%s: cuDNN did not take the backward: %s", what, why);
+    } else if (qidx)
         CHECK_OK(g->ctx, loom_cuda_attention_bwd_q(g->ctx, d_do, d_q, d_qi, Tq, d_k, d_v, d_o2, d_l2,
                                                    dt, T, Hq, Hkv, D, d_cu, ndocs, scale, d_dq, d_dk,
                                                    d_dv, NULL));
@@ -495,6 +510,11 @@ static void attn_case(gpu *g, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, con
     free(q), free(k), free(v), free(o), free(l), free(dout), free(dq), free(dk), free(dv);
     free(go), free(gl), free(gdq), free(gdk), free(gdv);
     while (g->n > 0) loom_cuda_free(g->ptrs[--g->n]);
+}
+
+static void attn_case(gpu *g, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int32_t *cu,
+                      int64_t ndocs, const int32_t *qidx, int64_t Tq, loom_dtype dt, uint64_t key) {
+    attn_case_h(g, NULL, T, Hq, Hkv, D, cu, ndocs, qidx, Tq, dt, key);
 }
 
 /* Both backwards of the tensor-core path: the fused one (dQ by atomics) and,
@@ -529,6 +549,45 @@ TEST(cuda_ops_attention) {
     CHECK(loom_cuda_attention_fwd(g.ctx, NULL, NULL, NULL, LOOM_F32, 4, 1, 1, 300, NULL, 1, 1.0f, NULL,
                                   NULL, NULL) == LOOM_ERR_UNSUPPORTED);
     CHECK_CONTAINS(loom_last_error(g.ctx), "cuda attention_fwd");
+    gpu_close(&g);
+}
+
+/* cuDNN's fused attention on equal documents (B sequences of L tokens)
+ * against the CPU, under grouped and plain heads, D 64, 72 and 128, BF16 and
+ * F16, L not a multiple of the engines' tiles; inputs it does not take come
+ * back untaken, with no error. */
+TEST(cuda_ops_attention_cudnn) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    loom_cuda_attn_handle *h = NULL;
+    REQUIRE_OK(g.ctx, loom_cuda_attn_create(g.ctx, &h));
+    const int32_t cu1[2] = {0, 256}, cu2[3] = {0, 100, 200}, cu3[4] = {0, 37, 74, 111};
+    attn_case_h(&g, h, 256, 4, 2, 128, cu1, 1, NULL, 256, LOOM_BF16, 200);
+    attn_case_h(&g, h, 256, 8, 2, 64, cu1, 1, NULL, 256, LOOM_BF16, 201);
+    attn_case_h(&g, h, 200, 4, 4, 128, cu2, 2, NULL, 200, LOOM_BF16, 202);
+    attn_case_h(&g, h, 200, 6, 2, 128, cu2, 2, NULL, 200, LOOM_F16, 203);
+    attn_case_h(&g, h, 111, 2, 1, 64, cu3, 3, NULL, 111, LOOM_BF16, 204);
+    attn_case_h(&g, h, 200, 4, 2, 72, cu2, 2, NULL, 200, LOOM_BF16, 205);
+    attn_case_h(&g, h, 256, 4, 2, 128, cu1, 1, NULL, 256, LOOM_BF16, 206); /* a cached plan */
+    long long nf = 0, nb = 0;
+    loom_cuda_attn_counts(h, &nf, &nb, NULL);
+    CHECK_MSG(nf == 7 && nb == 7, "cuDNN ran %lld forwards and %lld backwards of 7", nf, nb);
+    /* F32 and D = 36 are not for cuDNN: untaken, no error, nothing run */
+    void *buf = dalloc(&g, 256 * 4 * 128 * 4);
+    float *lse = dalloc(&g, 256 * 4 * 4);
+    REQUIRE(!g.bad);
+    bool taken = true;
+    CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_F32, 256, 256, 4, 2,
+                                                  128, 0.1f, buf, lse, NULL, &taken));
+    CHECK(!taken);
+    taken = true;
+    CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_BF16, 256, 256, 4, 2,
+                                                  36, 0.1f, buf, lse, NULL, &taken));
+    CHECK(!taken);
+    loom_cuda_attn_counts(h, &nf, NULL, NULL);
+    CHECK(nf == 7);
+    loom_cuda_attn_free(h);
+    REQUIRE(!g.bad);
     gpu_close(&g);
 }
 
@@ -802,6 +861,24 @@ TEST(cuda_ops_bench) {
                 BENCH(&bo, lab, 2.5 * fl, 2,
                       loom_cuda_attention_bwd(g.ctx, dout, q, k, v, o, lse, dt, T, Hq, Hkv, D, dcu, 1,
                                               0.1f, dq, dk, dv, NULL));
+                if (dt != LOOM_F32) { /* cuDNN's fused attention on the same inputs */
+                    loom_cuda_attn_handle *ah = NULL;
+                    bool tk = false;
+                    REQUIRE_OK(g.ctx, loom_cuda_attn_create(g.ctx, &ah));
+                    snprintf(lab, sizeof lab, "attention fwd T=%lld Hq=%lld Hkv=%lld D=%lld %s cuDNN",
+                             (long long)T, (long long)Hq, (long long)Hkv, (long long)D, dn(dt));
+                    BENCH(&bo, lab, fl, 3,
+                          loom_cuda_attention_cudnn_fwd(g.ctx, ah, q, k, v, dt, T, T, Hq, Hkv, D, 0.1f,
+                                                        o, lse, NULL, &tk));
+                    CHECK_MSG(tk, "cuDNN did not take the forward");
+                    snprintf(lab, sizeof lab, "attention bwd T=%lld Hq=%lld Hkv=%lld D=%lld %s cuDNN",
+                             (long long)T, (long long)Hq, (long long)Hkv, (long long)D, dn(dt));
+                    BENCH(&bo, lab, 2.5 * fl, 2,
+                          loom_cuda_attention_cudnn_bwd(g.ctx, ah, dout, q, k, v, o, lse, dt, T, T, Hq,
+                                                        Hkv, D, 0.1f, dq, dk, dv, NULL, &tk));
+                    CHECK_MSG(tk, "cuDNN did not take the backward");
+                    loom_cuda_attn_free(ah);
+                }
                 if (dt != LOOM_F32) { /* the bitwise-repeatable backward */
                     setenv("LOOM_ATTN_DETERMINISTIC", "1", 1);
                     snprintf(lab, sizeof lab, "attention bwd T=%lld Hq=%lld Hkv=%lld D=%lld %s determ.",

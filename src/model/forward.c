@@ -74,6 +74,15 @@ static const int32_t *my_qidx_d(const loom_model *m) {
     return m->cp == 1 ? NULL : m->d_perm + (int64_t)m->mesh->cp_rank * m->Tc;
 }
 
+/* The length of every document of the micro-batch when all are equally long
+ * (B sequences of L tokens), else 0. */
+static int64_t even_docs(const loom_micro *mb) {
+    const int64_t L = mb->cu[1] - mb->cu[0];
+    for (int64_t d = 1; d < mb->ndocs; d++)
+        if (mb->cu[d + 1] - mb->cu[d] != L) return 0;
+    return L;
+}
+
 #define LIN(x, T, in, W, out, y) CK(loom_k_lin_fwd(m, x, T, in, W, out, 1.0f, 0.0f, y))
 #define LORA_F(mod, x, T, y) CK(loom_lora_fwd(m, b->la, b->li, l, mod, x, T, y))
 #define LORA_B(mod, x, T, dy, dx) CK(loom_lora_bwd(m, b->la, b->li, l, mod, x, T, dy, dx))
@@ -151,8 +160,8 @@ static loom_status attn_fwd(loom_model *m, const lbuf *b, int64_t l, const loom_
     CK(loom_k_rope(m, false, kl, Tc, m->Hkvl, mb->d_pos));
     CK(cp_gather(m, kl, KD, k));
     CK(cp_gather(m, vl, KD, v));
-    CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs, o,
-                       b->lse));
+    CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
+                       even_docs(mb), o, b->lse));
 
     LIN(o, Tc, QD, loom_wc(m, s->wo), H, m->dtmp);
     LORA_F(LOOM_LORA_O, o, Tc, m->dtmp);
@@ -252,7 +261,7 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     DW(dfull, o, Tc, H, QD, loom_g(m, s->wo));
     LORA_B(LOOM_LORA_O, o, Tc, dfull, dout);
     CK(loom_k_attn_bwd(m, dout, q, my_qidx_d(m), Tc, k, v, o, b->lse, T, m->Hql, m->Hkvl, mb->d_cu,
-                       mb->ndocs, dq, dk, dv));
+                       mb->ndocs, even_docs(mb), dq, dk, dv));
     CK(cp_reduce(m, dk, KD, dkl));
     CK(cp_reduce(m, dv, KD, dvl));
     CK(loom_k_rope(m, true, dq, Tc, m->Hql, mb->d_pos));

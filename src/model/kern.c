@@ -35,6 +35,15 @@ loom_status loom_dev_init(loom_model *m) {
     }
     loom_status st = loom_cuda_gemm_create(m->ctx, 0, &d->gemm);
     if (st) return st;
+    /* cuDNN's fused attention unless loom's own kernels are asked for (by name,
+     * or for the bitwise-repeatable backward, which cuDNN's is not) */
+    const char *a = getenv("LOOM_ATTN"), *det = getenv("LOOM_ATTN_DETERMINISTIC");
+    if (a && *a && strcmp(a, "cudnn") != 0 && strcmp(a, "loom") != 0)
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
+                         "LOOM_ATTN=%s: the attention kernels are `cudnn` (the default) or `loom`", a);
+    if (!(a && strcmp(a, "loom") == 0) && !(det && *det && strcmp(det, "0") != 0) &&
+        (st = loom_cuda_attn_create(m->ctx, &d->attn)))
+        return st;
     return loom_cuda_malloc(m->ctx, (void **)&d->sumsq_scratch,
                             LOOM_CUDA_SUMSQ_BLOCKS * sizeof(double), "grad-norm scratch");
 #else
@@ -43,11 +52,31 @@ loom_status loom_dev_init(loom_model *m) {
 #endif
 }
 
+void loom_dev_attn_note(const loom_model *m, char *buf, size_t n) {
+    const loom_dev *d = &m->dev;
+#ifdef LOOM_HAVE_CUDA
+    if (d->cuda && d->attn) {
+        long long f = 0, b = 0;
+        const char *why = "";
+        loom_cuda_attn_counts(d->attn, &f, &b, &why);
+        const bool all = f == d->attn_calls[0] && b == d->attn_calls[1];
+        snprintf(buf, n, "cuDNN fused attention ran %lld/%lld forwards, %lld/%lld backwards%s%s%s", f,
+                 d->attn_calls[0], b, d->attn_calls[1], all ? "" : "; loom's kernels the rest (",
+                 all ? "" : why[0] ? why : "context parallel, or documents of unequal length",
+                 all ? "" : ")");
+        return;
+    }
+#endif
+    snprintf(buf, n, "loom's attention kernels%s", d->cuda ? " (LOOM_ATTN=loom or LOOM_ATTN_DETERMINISTIC=1)" : "");
+}
+
 void loom_dev_release(loom_model *m) {
 #ifdef LOOM_HAVE_CUDA
     loom_dev *d = &m->dev;
     if (!d->cuda) return;
     if (d->gemm) loom_cuda_gemm_free(d->gemm);
+    loom_cuda_attn_free(d->attn);
+    d->attn = NULL;
     loom_cuda_free(d->sumsq_scratch);
     loom_cuda_free(d->rms_scratch);
     d->gemm = NULL;
@@ -239,12 +268,22 @@ loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_
 
 loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, int64_t Tq,
                             const void *k, const void *v, int64_t T, int64_t Hq, int64_t Hkv,
-                            const int32_t *cu, int64_t ndocs, void *out, float *lse) {
+                            const int32_t *cu, int64_t ndocs, int64_t seqlen, void *out, float *lse) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
+    if (GPU(m)) {
+        bool taken = false;
+        m->dev.attn_calls[0]++;
+        if (!qidx && seqlen > 0 && m->dev.attn) {
+            loom_status st = loom_cuda_attention_cudnn_fwd(m->ctx, m->dev.attn, q, k, v, m->dev.adt,
+                                                           T, seqlen, Hq, Hkv, m->D, m->attn_scale,
+                                                           out, lse, m->dev.stream, &taken);
+            if (st || taken) return st;
+        }
         return loom_cuda_attention_fwd_q(m->ctx, q, qidx, Tq, k, v, m->dev.adt, T, Hq, Hkv, m->D,
                                          cu, ndocs, m->attn_scale, out, lse, m->dev.stream);
+    }
 #endif
+    (void)seqlen;
     loom_cpu_attention_fwd_q(CF(q), qidx, Tq, CF(k), CF(v), T, Hq, Hkv, m->D, cu, ndocs,
                              m->attn_scale, F(out), lse);
     return LOOM_OK;
@@ -253,13 +292,24 @@ loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, i
 loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, const int32_t *qidx,
                             int64_t Tq, const void *k, const void *v, const void *out,
                             const float *lse, int64_t T, int64_t Hq, int64_t Hkv,
-                            const int32_t *cu, int64_t ndocs, void *dq, void *dk, void *dv) {
+                            const int32_t *cu, int64_t ndocs, int64_t seqlen, void *dq, void *dk,
+                            void *dv) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
+    if (GPU(m)) {
+        bool taken = false;
+        m->dev.attn_calls[1]++;
+        if (!qidx && seqlen > 0 && m->dev.attn) {
+            loom_status st = loom_cuda_attention_cudnn_bwd(
+                m->ctx, m->dev.attn, dout, q, k, v, out, lse, m->dev.adt, T, seqlen, Hq, Hkv, m->D,
+                m->attn_scale, dq, dk, dv, m->dev.stream, &taken);
+            if (st || taken) return st;
+        }
         return loom_cuda_attention_bwd_q(m->ctx, dout, q, qidx, Tq, k, v, out, lse, m->dev.adt, T,
                                          Hq, Hkv, m->D, cu, ndocs, m->attn_scale, dq, dk, dv,
                                          m->dev.stream);
+    }
 #endif
+    (void)seqlen;
     loom_cpu_attention_bwd_q(CF(dout), CF(q), qidx, Tq, CF(k), CF(v), CF(out), lse, T, Hq, Hkv,
                              m->D, cu, ndocs, m->attn_scale, F(dq), F(dk), F(dv));
     return LOOM_OK;

@@ -26,6 +26,7 @@
 typedef struct loom_model loom_model;
 struct loom_arena;
 struct loom_cuda_gemm_handle;
+struct loom_cuda_attn_handle;
 
 typedef struct loom_dev {
     bool cuda;
@@ -34,6 +35,9 @@ typedef struct loom_dev {
     size_t esz;               /* its size in bytes */
     void *stream;             /* cudaStream_t (NULL: legacy default) */
     struct loom_cuda_gemm_handle *gemm;
+    struct loom_cuda_attn_handle *attn; /* cuDNN's fused attention; NULL: loom's kernels only
+                                           (LOOM_ATTN=loom or LOOM_ATTN_DETERMINISTIC=1) */
+    long long attn_calls[2];  /* GPU attention forwards and backwards run */
     double *sumsq_scratch;    /* device: the grad-norm reduction's block partials */
     void *rms_scratch;        /* device: RMSNorm backward's dw partials */
     size_t rms_scratch_bytes;
@@ -46,6 +50,10 @@ typedef struct loom_dev {
  * GPU, the cuBLASLt handle and the small scratch buffers. */
 loom_status loom_dev_init(loom_model *m);
 void loom_dev_release(loom_model *m);
+
+/* Which kernels ran the GPU attention: "cuDNN N/N forward, M/M backward",
+ * with why cuDNN was not used where it was not. */
+void loom_dev_attn_note(const loom_model *m, char *buf, size_t n);
 
 /* Memory of the model's device: zeroed on allocation; `what` names it in
  * the out-of-memory message. */
@@ -90,13 +98,16 @@ loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, con
                                const float *rstd, int64_t N, int64_t H, void *dx, float *dw);
 loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_t nh,
                         const int32_t *pos);
+/* seqlen: the length of every document when all are equally long, else 0
+ * (with every query, a GPU then tries cuDNN's fused attention first). */
 loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, int64_t Tq,
                             const void *k, const void *v, int64_t T, int64_t Hq, int64_t Hkv,
-                            const int32_t *cu, int64_t ndocs, void *out, float *lse);
+                            const int32_t *cu, int64_t ndocs, int64_t seqlen, void *out, float *lse);
 loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, const int32_t *qidx,
                             int64_t Tq, const void *k, const void *v, const void *out,
                             const float *lse, int64_t T, int64_t Hq, int64_t Hkv,
-                            const int32_t *cu, int64_t ndocs, void *dq, void *dk, void *dv);
+                            const int32_t *cu, int64_t ndocs, int64_t seqlen, void *dq, void *dk,
+                            void *dv);
 loom_status loom_k_swiglu_fwd(loom_model *m, const void *g, const void *u, int64_t n, void *h);
 loom_status loom_k_swiglu_bwd(loom_model *m, const void *dh, const void *g, const void *u,
                               int64_t n, void *dg, void *du);

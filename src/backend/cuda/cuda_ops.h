@@ -175,6 +175,36 @@ loom_status loom_cuda_attention_bwd_q(loom_ctx *ctx, const void *dout, const voi
                                       int64_t D, const int32_t *cu_seqlens, int64_t ndocs,
                                       float scale, void *dq, void *dk, void *dv, void *stream);
 
+/* ---- attention through cuDNN (ops_attention_cudnn.cu) ----
+ * cuDNN's fused flash-attention engines, reached through its graph API, for
+ * B = T / L sequences of L tokens each (every document L long, every query):
+ * the contract of loom_cuda_attention_fwd/bwd (layouts, natural-log lse,
+ * overwritten outputs), BF16/F16, D a multiple of 8 up to 128, 16-byte
+ * aligned tensors. The backward adds dQ with atomics (its last bits vary by
+ * run), like loom's fused backward.
+ * A handle owns a cuDNN handle and the plans built per shape (the first
+ * call of a shape builds them). *taken is false, with LOOM_OK, when the
+ * inputs do not fit or cuDNN has no engine for the shape (the reason is kept,
+ * see loom_cuda_attn_counts): the caller then runs loom's kernels. Not
+ * thread-safe: one handle per stream. */
+typedef struct loom_cuda_attn_handle loom_cuda_attn_handle;
+loom_status loom_cuda_attn_create(loom_ctx *ctx, loom_cuda_attn_handle **out);
+void loom_cuda_attn_free(loom_cuda_attn_handle *h);
+/* Calls run through cuDNN so far, and why cuDNN last refused a shape ("" if
+ * it never did). */
+void loom_cuda_attn_counts(const loom_cuda_attn_handle *h, long long *fwd, long long *bwd,
+                           const char **why);
+loom_status loom_cuda_attention_cudnn_fwd(loom_ctx *ctx, loom_cuda_attn_handle *h, const void *q,
+                                          const void *k, const void *v, loom_dtype dtype, int64_t T,
+                                          int64_t L, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                                          void *out, float *lse, void *stream, bool *taken);
+loom_status loom_cuda_attention_cudnn_bwd(loom_ctx *ctx, loom_cuda_attn_handle *h, const void *dout,
+                                          const void *q, const void *k, const void *v,
+                                          const void *out, const float *lse, loom_dtype dtype,
+                                          int64_t T, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
+                                          float scale, void *dq, void *dk, void *dv, void *stream,
+                                          bool *taken);
+
 /* ---- optimizer (ops_optim.cu): fp32 flat buffers ----
  * AdamW: loom_adamw_step's formula with the same fp32 operations in the same
  * order (no fused multiply-adds): the results are bit-identical to the CPU. */

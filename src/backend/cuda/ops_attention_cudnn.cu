@@ -1,0 +1,563 @@
+// Causal grouped-query attention through cuDNN's fused flash-attention
+// engines, for B sequences of L tokens (every document L long, every query).
+//
+// cuDNN has no attention call in its C API: its engines recognise a pattern
+// in an operation graph (the backend API of cudnn_graph.h). The forward
+// graph is S = Q K^T (fp32), S * scale, the causal mask (row index >= column
+// index, else -inf), the softmax written out as max, subtract, exp, sum and
+// divide, with Stats = max + log(sum) (the natural log-sum-exp of the scaled
+// scores), and O = P V. The backward graph recomputes P = exp(S * scale -
+// Stats) under the same mask and forms dV = P^T dO, dP = dO V^T, dS = P (dP -
+// rowsum(dO * O)) * scale, dK = dS^T Q, dQ = dS K (into an fp32 buffer,
+// rounded by an identity op). Under grouped-query attention the per-query-head
+// dK and dV are added over each group by a reduction. This is the graph the
+// cuDNN frontend lowers its SDPA node to for cuDNN 9 (read from the backend's
+// API log); the engines run it as one flash-attention kernel each way.
+//
+// Layouts: q, out, dout, dq are (T, Hq, D) and k, v, dk, dv (T, Hkv, D),
+// token-major, which the graph takes as [B, H, L, D] with strides
+// [L*H*D, D, H*D, 1]. cuDNN keeps Stats as [B, Hq, L]; lse here is (T, Hq) as
+// everywhere in loom, so two small kernels transpose it on the way out and in.
+// The results match loom_cuda_attention_fwd/bwd up to rounding: both paths
+// produce the same lse, so either backward can follow either forward.
+#include <cudnn.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops_common.cuh"
+
+using namespace loom_cuda;
+
+namespace {
+
+// Tensor unique ids of the two graphs.
+enum : int64_t {
+    U_Q = 1, U_KT, U_V, U_VT, U_O, U_DO, U_STATS, U_SCALE, U_NEG_INF, U_ONE, U_SOFTMAX_SUM, U_DQ_ACC,
+    U_DQ, U_DK, U_DV,
+    U_VIRTUAL = 100, // intermediates from here on
+};
+
+enum { FWD = 0, BWD = 1 };
+
+struct plan_key {
+    int dir;
+    loom_dtype dt;
+    int64_t B, L, Hq, Hkv, D;
+};
+
+constexpr int MAX_DESC = 96;   // descriptors of one graph (the backward needs ~80)
+constexpr int CACHE = 8;       // shapes kept per handle
+
+struct plan_entry {
+    bool used, refused;
+    plan_key key;
+    cudnnBackendDescriptor_t desc[MAX_DESC]; // everything the plan was built from
+    int ndesc;
+    cudnnBackendDescriptor_t plan;
+    int64_t ws_bytes;
+};
+
+bool same_key(const plan_key &a, const plan_key &b) {
+    return a.dir == b.dir && a.dt == b.dt && a.B == b.B && a.L == b.L && a.Hq == b.Hq &&
+           a.Hkv == b.Hkv && a.D == b.D;
+}
+
+void entry_release(plan_entry *e) {
+    if (e->plan) cudnnBackendDestroyDescriptor(e->plan);
+    for (int i = e->ndesc - 1; i >= 0; i--) cudnnBackendDestroyDescriptor(e->desc[i]);
+    memset(e, 0, sizeof *e);
+}
+
+// Builds descriptors into a plan entry, keeping the first failure (later
+// calls are skipped once one has failed) and what it was.
+struct builder {
+    plan_entry *e;
+    cudnnStatus_t st;
+    const char *what;
+
+    cudnnBackendDescriptor_t make(cudnnBackendDescriptorType_t t, const char *w) {
+        cudnnBackendDescriptor_t d = nullptr;
+        if (st) return nullptr;
+        if (e->ndesc == MAX_DESC) {
+            st = CUDNN_STATUS_INTERNAL_ERROR, what = "too many descriptors";
+            return nullptr;
+        }
+        if ((st = cudnnBackendCreateDescriptor(t, &d)) != CUDNN_STATUS_SUCCESS) {
+            what = w;
+            return nullptr;
+        }
+        e->desc[e->ndesc++] = d;
+        return d;
+    }
+    void set(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t a, cudnnBackendAttributeType_t t,
+             int64_t n, const void *v, const char *w) {
+        if (st) return;
+        if ((st = cudnnBackendSetAttribute(d, a, t, n, v)) != CUDNN_STATUS_SUCCESS) what = w;
+    }
+    void link(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t a, cudnnBackendDescriptor_t v,
+              const char *w) {
+        set(d, a, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &v, w);
+    }
+    void fin(cudnnBackendDescriptor_t d, const char *w) {
+        if (st) return;
+        if ((st = cudnnBackendFinalize(d)) != CUDNN_STATUS_SUCCESS) what = w;
+    }
+
+    cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t t, const int64_t (&dim)[4],
+                                    const int64_t (&str)[4], bool virt, bool by_value = false) {
+        cudnnBackendDescriptor_t d = make(CUDNN_BACKEND_TENSOR_DESCRIPTOR, "tensor");
+        const int64_t align = 16;
+        set(d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &t, "tensor type");
+        set(d, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dim, "tensor dims");
+        set(d, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, str, "tensor strides");
+        set(d, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid, "tensor id");
+        set(d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &align, "tensor alignment");
+        if (virt) set(d, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &virt, "tensor virtual");
+        if (by_value)
+            set(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value, "tensor by value");
+        fin(d, "tensor");
+        return d;
+    }
+    // A scalar passed by value at execution (fp32).
+    cudnnBackendDescriptor_t scalar(int64_t uid) {
+        static const int64_t one[4] = {1, 1, 1, 1};
+        return tensor(uid, CUDNN_DATA_FLOAT, one, one, false, true);
+    }
+
+    // y = mode(x[, b][, t]); axis >= 0 for GEN_INDEX.
+    cudnnBackendDescriptor_t pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t prec,
+                                       cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
+                                       cudnnBackendDescriptor_t t, cudnnBackendDescriptor_t y,
+                                       int64_t axis = -1) {
+        cudnnBackendDescriptor_t p = make(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, "pointwise");
+        set(p, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode, "pointwise mode");
+        set(p, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &prec, "pointwise precision");
+        if (axis >= 0) set(p, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis, "pointwise axis");
+        fin(p, "pointwise");
+        cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pointwise op");
+        link(op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, p, "pointwise op");
+        link(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x, "pointwise x");
+        if (b) link(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b, "pointwise b");
+        if (t) link(op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t, "pointwise t");
+        link(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y, "pointwise y");
+        fin(op, "pointwise op");
+        return op;
+    }
+    cudnnBackendDescriptor_t reduce(cudnnReduceTensorOp_t how, cudnnBackendDescriptor_t x,
+                                    cudnnBackendDescriptor_t y) {
+        const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+        cudnnBackendDescriptor_t r = make(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, "reduction");
+        set(r, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32, "reduction type");
+        set(r, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &how,
+            "reduction operator");
+        fin(r, "reduction");
+        cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "reduction op");
+        link(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, r, "reduction op");
+        link(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x, "reduction x");
+        link(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y, "reduction y");
+        fin(op, "reduction op");
+        return op;
+    }
+    cudnnBackendDescriptor_t matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
+                                    cudnnBackendDescriptor_t c) {
+        const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+        cudnnBackendDescriptor_t m = make(CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul");
+        set(m, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32, "matmul type");
+        fin(m, "matmul");
+        cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul op");
+        link(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, a, "matmul a");
+        link(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b, "matmul b");
+        link(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c, "matmul c");
+        link(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, m, "matmul op");
+        fin(op, "matmul op");
+        return op;
+    }
+    cudnnBackendDescriptor_t reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
+        cudnnBackendDescriptor_t op = make(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, "reshape op");
+        link(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x, "reshape x");
+        link(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y, "reshape y");
+        fin(op, "reshape op");
+        return op;
+    }
+};
+
+// Shapes and strides of the graph tensors.
+struct dims {
+    int64_t B, L, Hq, Hkv, D;
+    // token-major (T, H, D) as [B, H, L, D]
+    void rows(int64_t H, int64_t (&d)[4], int64_t (&s)[4]) const {
+        d[0] = B, d[1] = H, d[2] = L, d[3] = D;
+        s[0] = L * H * D, s[1] = D, s[2] = H * D, s[3] = 1;
+    }
+    // the same memory as [B, H, D, L] (K^T, V^T)
+    void cols(int64_t H, int64_t (&d)[4], int64_t (&s)[4]) const {
+        d[0] = B, d[1] = H, d[2] = D, d[3] = L;
+        s[0] = L * H * D, s[1] = D, s[2] = 1, s[3] = H * D;
+    }
+    void scores(int64_t (&d)[4], int64_t (&s)[4], bool transposed = false) const {
+        d[0] = B, d[1] = Hq, d[2] = L, d[3] = L;
+        s[0] = Hq * L * L, s[1] = L * L, s[2] = transposed ? 1 : L, s[3] = transposed ? L : 1;
+    }
+    void per_row(int64_t (&d)[4], int64_t (&s)[4]) const { // [B, Hq, L, 1], packed
+        d[0] = B, d[1] = Hq, d[2] = L, d[3] = 1;
+        s[0] = Hq * L, s[1] = L, s[2] = 1, s[3] = 1;
+    }
+    void packed(int64_t H, int64_t (&d)[4], int64_t (&s)[4]) const { // [B, H, L, D], packed
+        d[0] = B, d[1] = H, d[2] = L, d[3] = D;
+        s[0] = H * L * D, s[1] = L * D, s[2] = D, s[3] = 1;
+    }
+};
+
+// The causal mask on scores x (fp32, virtual): y = row >= col ? x : -inf.
+cudnnBackendDescriptor_t causal_mask(builder &g, const dims &z, cudnnBackendDescriptor_t x,
+                                     cudnnBackendDescriptor_t neg_inf, int64_t &uid,
+                                     cudnnBackendDescriptor_t *ops, int &nops) {
+    int64_t d[4], s[4];
+    z.scores(d, s);
+    cudnnBackendDescriptor_t row = g.tensor(uid++, CUDNN_DATA_INT32, d, s, true);
+    cudnnBackendDescriptor_t col = g.tensor(uid++, CUDNN_DATA_INT32, d, s, true);
+    cudnnBackendDescriptor_t keep = g.tensor(uid++, CUDNN_DATA_BOOLEAN, d, s, true);
+    cudnnBackendDescriptor_t y = g.tensor(uid++, CUDNN_DATA_FLOAT, d, s, true);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_FLOAT, x, nullptr, nullptr, row, 2);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_FLOAT, x, nullptr, nullptr, col, 3);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, row, col, nullptr, keep);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, x, neg_inf, keep, y);
+    return y;
+}
+
+// Forward: Q, K^T, V -> O and Stats.
+int build_fwd(builder &g, const dims &z, cudnnDataType_t io, cudnnBackendDescriptor_t *ops) {
+    int nops = 0;
+    int64_t uid = U_VIRTUAL, d[4], s[4];
+    const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+    z.rows(z.Hq, d, s);
+    cudnnBackendDescriptor_t q = g.tensor(U_Q, io, d, s, false), o = g.tensor(U_O, io, d, s, false);
+    z.cols(z.Hkv, d, s);
+    cudnnBackendDescriptor_t kt = g.tensor(U_KT, io, d, s, false);
+    z.rows(z.Hkv, d, s);
+    cudnnBackendDescriptor_t v = g.tensor(U_V, io, d, s, false);
+    z.per_row(d, s);
+    cudnnBackendDescriptor_t stats = g.tensor(U_STATS, f32, d, s, false);
+    cudnnBackendDescriptor_t mx = g.tensor(uid++, f32, d, s, true), sum = g.tensor(uid++, f32, d, s, true),
+                             lg = g.tensor(uid++, f32, d, s, true);
+    cudnnBackendDescriptor_t scale = g.scalar(U_SCALE), neg_inf = g.scalar(U_NEG_INF);
+    z.scores(d, s);
+    cudnnBackendDescriptor_t sc = g.tensor(uid++, f32, d, s, true), ss = g.tensor(uid++, f32, d, s, true);
+    cudnnBackendDescriptor_t sub = g.tensor(uid++, f32, d, s, true), ex = g.tensor(uid++, f32, d, s, true);
+    cudnnBackendDescriptor_t p = g.tensor(uid++, io, d, s, true);
+
+    ops[nops++] = g.matmul(q, kt, sc);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, sc, scale, nullptr, ss);
+    cudnnBackendDescriptor_t sm = causal_mask(g, z, ss, neg_inf, uid, ops, nops);
+    ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_MAX, sm, mx);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_SUB, f32, sm, mx, nullptr, sub);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_EXP, f32, sub, nullptr, nullptr, ex);
+    ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_ADD, ex, sum);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_LOG, f32, sum, nullptr, nullptr, lg);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_ADD, f32, mx, lg, nullptr, stats);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_DIV, f32, ex, sum, nullptr, p);
+    ops[nops++] = g.matmul(p, v, o);
+    return nops;
+}
+
+// Backward: Q, K^T, V^T, O, dO, Stats -> dQ, dK, dV (and the fp32 softmax_sum
+// and dQ accumulator, given as buffers).
+int build_bwd(builder &g, const dims &z, cudnnDataType_t io, cudnnBackendDescriptor_t *ops) {
+    int nops = 0;
+    int64_t uid = U_VIRTUAL, d[4], s[4];
+    const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+    const bool grouped = z.Hq != z.Hkv;
+    z.rows(z.Hq, d, s);
+    cudnnBackendDescriptor_t q = g.tensor(U_Q, io, d, s, false), o = g.tensor(U_O, io, d, s, false);
+    cudnnBackendDescriptor_t dout = g.tensor(U_DO, io, d, s, false), dq = g.tensor(U_DQ, io, d, s, false);
+    // dO * O, with the strides the frontend gives it
+    int64_t dos[4] = {z.Hq * z.L * z.D, z.L * z.D, z.Hq * z.D, 1};
+    cudnnBackendDescriptor_t doo = g.tensor(uid++, f32, d, dos, true);
+    cudnnBackendDescriptor_t dv_h = nullptr, dk_h = nullptr;
+    if (grouped) dv_h = g.tensor(uid++, io, d, s, true), dk_h = g.tensor(uid++, io, d, s, true);
+    z.cols(z.Hkv, d, s);
+    cudnnBackendDescriptor_t kt = g.tensor(U_KT, io, d, s, false), vt = g.tensor(U_VT, io, d, s, false);
+    z.rows(z.Hkv, d, s);
+    cudnnBackendDescriptor_t dk = g.tensor(U_DK, io, d, s, false), dv = g.tensor(U_DV, io, d, s, false);
+    z.packed(z.Hkv, d, s);
+    cudnnBackendDescriptor_t k32 = g.tensor(uid++, f32, d, s, true);
+    z.packed(z.Hq, d, s);
+    cudnnBackendDescriptor_t dq_acc = g.tensor(U_DQ_ACC, f32, d, s, false);
+    z.per_row(d, s);
+    cudnnBackendDescriptor_t stats = g.tensor(U_STATS, f32, d, s, false);
+    cudnnBackendDescriptor_t ssum = g.tensor(U_SOFTMAX_SUM, f32, d, s, false);
+    cudnnBackendDescriptor_t rsum = g.tensor(uid++, f32, d, s, true);
+    cudnnBackendDescriptor_t scale = g.scalar(U_SCALE), neg_inf = g.scalar(U_NEG_INF), one = g.scalar(U_ONE);
+    z.scores(d, s);
+    cudnnBackendDescriptor_t sc = g.tensor(uid++, f32, d, s, true), ss = g.tensor(uid++, f32, d, s, true);
+    cudnnBackendDescriptor_t sub = g.tensor(uid++, f32, d, s, true), p = g.tensor(uid++, f32, d, s, true);
+    cudnnBackendDescriptor_t dp = g.tensor(uid++, f32, d, s, true), dps = g.tensor(uid++, f32, d, s, true);
+    cudnnBackendDescriptor_t ds0 = g.tensor(uid++, f32, d, s, true), ds = g.tensor(uid++, f32, d, s, true);
+    z.scores(d, s, true);
+    cudnnBackendDescriptor_t pt = g.tensor(uid++, io, d, s, true), dst = g.tensor(uid++, io, d, s, true);
+
+    // softmax_sum = rowsum(dO * O) * 1
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, dout, o, nullptr, doo);
+    ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_ADD, doo, rsum);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, rsum, one, nullptr, ssum);
+    // P = exp(mask(Q K^T * scale - Stats))
+    ops[nops++] = g.matmul(q, kt, sc);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, sc, scale, nullptr, ss);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_SUB, f32, ss, stats, nullptr, sub);
+    cudnnBackendDescriptor_t sm = causal_mask(g, z, sub, neg_inf, uid, ops, nops);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_EXP, f32, sm, nullptr, nullptr, p);
+    // dV = P^T dO (per query head, then over each group)
+    ops[nops++] = g.reshape(p, pt);
+    ops[nops++] = g.matmul(pt, dout, grouped ? dv_h : dv);
+    if (grouped) ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_ADD, dv_h, dv);
+    // dS = P (dO V^T - softmax_sum) * scale
+    ops[nops++] = g.matmul(dout, vt, dp);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_SUB, f32, dp, ssum, nullptr, dps);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, dps, p, nullptr, ds0);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, ds0, scale, nullptr, ds);
+    // dK = dS^T Q
+    ops[nops++] = g.reshape(ds, dst);
+    ops[nops++] = g.matmul(dst, q, grouped ? dk_h : dk);
+    if (grouped) ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_ADD, dk_h, dk);
+    // dQ = dS K in fp32, then rounded
+    ops[nops++] = g.reshape(kt, k32);
+    ops[nops++] = g.matmul(ds, k32, dq_acc);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_IDENTITY, f32, dq_acc, nullptr, nullptr, dq);
+    return nops;
+}
+
+} // namespace
+
+struct loom_cuda_attn_handle {
+    cudnnHandle_t h;
+    plan_entry cache[CACHE];
+    int next;                // the slot a new shape replaces when all are used
+    long long calls[2];      // forward and backward calls run through cuDNN
+    char why[320];           // why cuDNN last refused a shape ("" if it never did)
+};
+
+namespace {
+
+// "what: cuDNN's status (its last error message)".
+void describe(char *buf, size_t n, const char *what, cudnnStatus_t st) {
+    char last[256] = "";
+    cudnnGetLastErrorString(last, sizeof last);
+    snprintf(buf, n, "%s: %s%s%s", what ? what : "cuDNN", cudnnGetErrorString(st), last[0] ? " (" : "",
+             last[0] ? last : "");
+    if (last[0]) strncat(buf, ")", n - strlen(buf) - 1);
+}
+
+// Builds the graph for key k and the first plan of cuDNN's heuristics that
+// finalizes. On failure the entry is marked refused, with the reason in h->why.
+void build_plan(loom_cuda_attn_handle *h, const plan_key &k, plan_entry *e) {
+    memset(e, 0, sizeof *e);
+    e->used = true, e->key = k;
+    builder g = {e, CUDNN_STATUS_SUCCESS, nullptr};
+    const dims z = {k.B, k.L, k.Hq, k.Hkv, k.D};
+    const cudnnDataType_t io = k.dt == LOOM_BF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF;
+    cudnnBackendDescriptor_t ops[40];
+    const int nops = k.dir == FWD ? build_fwd(g, z, io, ops) : build_bwd(g, z, io, ops);
+    cudnnBackendDescriptor_t graph = g.make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph");
+    g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, nops, ops, "graph ops");
+    g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h->h, "graph handle");
+    g.fin(graph, "operation graph");
+    cudnnBackendDescriptor_t heur = g.make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "heuristics");
+    const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+    g.link(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph, "heuristics graph");
+    g.set(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "heuristics mode");
+    g.fin(heur, "heuristics");
+    int64_t n = 0;
+    if (!g.st && (g.st = cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                                  CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &n, nullptr)))
+        g.what = "heuristics results";
+    if (n > 8) n = 8;
+    cudnnBackendDescriptor_t cfg[8];
+    for (int64_t i = 0; i < n; i++) cfg[i] = g.make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, "engine config");
+    if (!g.st && n > 0 &&
+        (g.st = cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                         CUDNN_TYPE_BACKEND_DESCRIPTOR, n, &n, cfg)))
+        g.what = "heuristics results";
+    cudnnStatus_t last = CUDNN_STATUS_NOT_SUPPORTED;
+    for (int64_t i = 0; i < n && !g.st && !e->plan; i++) {
+        cudnnBackendDescriptor_t p = nullptr;
+        if ((g.st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &p))) {
+            g.what = "execution plan";
+            break;
+        }
+        last = cudnnBackendSetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                                        CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfg[i]);
+        if (!last) last = cudnnBackendFinalize(p);
+        if (!last)
+            last = cudnnBackendGetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                            CUDNN_TYPE_INT64, 1, nullptr, &e->ws_bytes);
+        if (last)
+            cudnnBackendDestroyDescriptor(p);
+        else
+            e->plan = p;
+    }
+    if (!g.st && !e->plan) g.st = last, g.what = n ? "every engine config" : "no engine for the graph";
+    if (g.st) {
+        describe(h->why, sizeof h->why, g.what, g.st);
+        const plan_key kk = e->key;
+        entry_release(e);
+        e->used = true, e->refused = true, e->key = kk;
+    }
+}
+
+plan_entry *find_plan(loom_cuda_attn_handle *h, const plan_key &k) {
+    for (int i = 0; i < CACHE; i++)
+        if (h->cache[i].used && same_key(h->cache[i].key, k)) return &h->cache[i];
+    plan_entry *e = &h->cache[h->next];
+    h->next = (h->next + 1) % CACHE;
+    entry_release(e);
+    build_plan(h, k, e);
+    return e;
+}
+
+loom_status run_plan(loom_ctx *ctx, loom_cuda_attn_handle *h, plan_entry *e, const int64_t *uids,
+                     void *const *ptrs, int n, void *ws, cudaStream_t s, const char *op) {
+    cudnnStatus_t st = cudnnSetStream(h->h, s);
+    cudnnBackendDescriptor_t vp = nullptr;
+    const char *what = "set stream";
+    if (!st) what = "variant pack", st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
+    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids);
+    if (!st)
+        st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, n, ptrs);
+    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
+    if (!st) st = cudnnBackendFinalize(vp);
+    if (!st) what = "execute", st = cudnnBackendExecute(h->h, e->plan, vp);
+    if (vp) cudnnBackendDestroyDescriptor(vp);
+    if (!st) return LOOM_OK;
+    char msg[320];
+    describe(msg, sizeof msg, what, st);
+    return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda %s (cuDNN): %s", op, msg);
+}
+
+// lse (T, Hq) <-> stats (B, Hq, L).
+__global__ void stats_layout_kernel(const float *src, float *dst, int64_t B, int64_t L, int64_t Hq,
+                                    bool to_lse) {
+    const int64_t n = B * L * Hq;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t h = i % Hq, t = i / Hq, b = t / L, l = t % L;
+        const int64_t j = (b * Hq + h) * L + l;
+        if (to_lse)
+            dst[i] = src[j];
+        else
+            dst[j] = src[i];
+    }
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+// Whether cuDNN can be asked at all (the engines take BF16/F16, head sizes
+// that are multiples of 8 up to 128, 16-byte aligned tensors).
+bool fits(loom_dtype dt, int64_t T, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
+          const void *const *p, int np) {
+    if ((dt != LOOM_BF16 && dt != LOOM_F16) || D % 8 != 0 || D > 128 || L < 1 || T % L != 0)
+        return false;
+    if (Hkv < 1 || Hq % Hkv != 0) return false;
+    for (int i = 0; i < np; i++)
+        if (!aligned16(p[i])) return false;
+    return true;
+}
+
+} // namespace
+
+extern "C" loom_status loom_cuda_attn_create(loom_ctx *ctx, loom_cuda_attn_handle **out) {
+    *out = NULL;
+    loom_cuda_attn_handle *h = (loom_cuda_attn_handle *)calloc(1, sizeof *h);
+    if (!h) return loom_errf(ctx, LOOM_ERR_OOM, "cuda attention: out of host memory for the handle");
+    cudnnStatus_t st = cudnnCreate(&h->h);
+    if (st) {
+        free(h);
+        return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda attention: cudnnCreate: %s", cudnnGetErrorString(st));
+    }
+    *out = h;
+    return LOOM_OK;
+}
+
+extern "C" void loom_cuda_attn_free(loom_cuda_attn_handle *h) {
+    if (!h) return;
+    for (int i = 0; i < CACHE; i++) entry_release(&h->cache[i]);
+    cudnnDestroy(h->h);
+    free(h);
+}
+
+extern "C" void loom_cuda_attn_counts(const loom_cuda_attn_handle *h, long long *fwd, long long *bwd,
+                                      const char **why) {
+    if (fwd) *fwd = h ? h->calls[FWD] : 0;
+    if (bwd) *bwd = h ? h->calls[BWD] : 0;
+    if (why) *why = h ? h->why : "";
+}
+
+extern "C" loom_status loom_cuda_attention_cudnn_fwd(loom_ctx *ctx, loom_cuda_attn_handle *h,
+                                                     const void *q, const void *k, const void *v,
+                                                     loom_dtype dtype, int64_t T, int64_t L,
+                                                     int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                                                     void *out, float *lse, void *stream, bool *taken) {
+    *taken = false;
+    const void *p[4] = {q, k, v, out};
+    if (!h || T == 0 || !fits(dtype, T, L, Hq, Hkv, D, p, 4)) return LOOM_OK;
+    const plan_key key = {FWD, dtype, T / L, L, Hq, Hkv, D};
+    plan_entry *e = find_plan(h, key);
+    if (e->refused) return LOOM_OK;
+    const cudaStream_t s = as_stream(stream);
+    const size_t nst = (size_t)T * Hq;
+    void *scratch = nullptr;
+    loom_status st = check(ctx, cudaMallocAsync(&scratch, nst * sizeof(float) + (size_t)e->ws_bytes + 16, s),
+                           "attention_fwd (cuDNN scratch)");
+    if (st) return st;
+    float *stats = (float *)scratch;
+    void *ws = (char *)scratch + ((nst * sizeof(float) + 15) & ~(size_t)15);
+    float neg_inf = -INFINITY;
+    const int64_t uids[7] = {U_Q, U_KT, U_V, U_O, U_STATS, U_SCALE, U_NEG_INF};
+    void *const ptrs[7] = {(void *)q, (void *)k, (void *)v, out, stats, &scale, &neg_inf};
+    st = run_plan(ctx, h, e, uids, ptrs, 7, ws, s, "attention_fwd");
+    if (!st) {
+        stats_layout_kernel<<<grid_for((int64_t)nst, 256), 256, 0, s>>>(stats, lse, T / L, L, Hq, true);
+        st = check_launch(ctx, "attention_fwd");
+    }
+    loom_status sf = check(ctx, cudaFreeAsync(scratch, s), "attention_fwd (cuDNN scratch)");
+    if (!st && !sf) h->calls[FWD]++, *taken = true;
+    return st ? st : sf;
+}
+
+extern "C" loom_status loom_cuda_attention_cudnn_bwd(loom_ctx *ctx, loom_cuda_attn_handle *h,
+                                                     const void *dout, const void *q, const void *k,
+                                                     const void *v, const void *out, const float *lse,
+                                                     loom_dtype dtype, int64_t T, int64_t L, int64_t Hq,
+                                                     int64_t Hkv, int64_t D, float scale, void *dq,
+                                                     void *dk, void *dv, void *stream, bool *taken) {
+    *taken = false;
+    const void *p[8] = {dout, q, k, v, out, dq, dk, dv};
+    if (!h || T == 0 || !fits(dtype, T, L, Hq, Hkv, D, p, 8)) return LOOM_OK;
+    const plan_key key = {BWD, dtype, T / L, L, Hq, Hkv, D};
+    plan_entry *e = find_plan(h, key);
+    if (e->refused) return LOOM_OK;
+    const cudaStream_t s = as_stream(stream);
+    /* stats and softmax_sum (T * Hq each), the fp32 dQ (T * Hq * D), the plan's workspace */
+    const size_t nst = (size_t)T * Hq, nacc = nst * (size_t)D;
+    const size_t bytes = (2 * nst + nacc) * sizeof(float) + (size_t)e->ws_bytes + 16;
+    void *scratch = nullptr;
+    loom_status st = check(ctx, cudaMallocAsync(&scratch, bytes, s), "attention_bwd (cuDNN scratch)");
+    if (st) return st;
+    float *acc = (float *)scratch, *stats = acc + nacc, *ssum = stats + nst;
+    void *ws = (char *)scratch + (((2 * nst + nacc) * sizeof(float) + 15) & ~(size_t)15);
+    st = check(ctx, cudaMemsetAsync(acc, 0, nacc * sizeof(float), s), "attention_bwd");
+    if (!st) {
+        stats_layout_kernel<<<grid_for((int64_t)nst, 256), 256, 0, s>>>(lse, stats, T / L, L, Hq, false);
+        st = check_launch(ctx, "attention_bwd");
+    }
+    float neg_inf = -INFINITY, one = 1.0f;
+    const int64_t uids[14] = {U_Q,     U_KT,    U_VT,  U_O,       U_DO,          U_STATS,  U_SCALE,
+                              U_ONE,   U_NEG_INF, U_SOFTMAX_SUM, U_DQ_ACC, U_DQ, U_DK, U_DV};
+    void *const ptrs[14] = {(void *)q, (void *)k, (void *)v, (void *)out, (void *)dout, stats, &scale,
+                            &one,      &neg_inf,  ssum,      acc,         dq,           dk,    dv};
+    if (!st) st = run_plan(ctx, h, e, uids, ptrs, 14, ws, s, "attention_bwd");
+    loom_status sf = check(ctx, cudaFreeAsync(scratch, s), "attention_bwd (cuDNN scratch)");
+    if (!st && !sf) h->calls[BWD]++, *taken = true;
+    return st ? st : sf;
+}
