@@ -37,9 +37,11 @@ loom_status loom_cuda_embedding_vp_bwd(loom_ctx *ctx, const int32_t *ids, int64_
  * global ids or -100; mx (c), ce (3c) and L (c) are device doubles. One block
  * per row; its columns are split over the threads in a fixed pattern and
  * reduced by a fixed tree, so the results are reproducible and equal the
- * CPU's up to double rounding (exp in double, sums in double). The max is
- * exact. grad works in place: scale * exp(z - L) in double, rounded to fp32,
- * scale subtracted at the target in fp32, then one rounding to dtype. */
+ * CPU's up to rounding (exp in fp32 on the special-function unit, a few ulp;
+ * sums in double). The max is exact. grad works in place: scale * exp(z - L)
+ * in fp32, scale subtracted at the target, then one rounding to dtype. The
+ * exponentials in double made these kernels compute-bound at 3-4x their
+ * memory time. */
 loom_status loom_cuda_ce_vp_max(loom_ctx *ctx, const void *logits, loom_dtype dtype, int64_t c,
                                 int64_t ld, int64_t nvalid, double *mx, void *stream);
 loom_status loom_cuda_ce_vp_sums(loom_ctx *ctx, const void *logits, loom_dtype dtype, int64_t c,

@@ -124,12 +124,12 @@ __global__ void __launch_bounds__(NT)
                       const int32_t *tgt, int64_t v0, const double *mx, double *ce) {
     __shared__ double sh[NT / 32];
     const int64_t r = blockIdx.x, base = r * ld_;
-    const double m = mx[r];
+    const float m = (float)mx[r]; // the max over the ranks: an fp32 logit
     double s = 0, sz = 0;
     for (int64_t j = threadIdx.x; j < nvalid; j += NT) {
-        const double z = (double)ld(logits, dt, base + j), e = exp(z - m);
+        const float z = ld(logits, dt, base + j), e = __expf(z - m);
         s += e;
-        sz += e * z;
+        sz += (double)e * z;
     }
     s = block_sum<NT>(s, sh);
     sz = block_sum<NT>(sz, sh);
@@ -152,12 +152,12 @@ __global__ void __launch_bounds__(NT)
         for (int64_t j = threadIdx.x; j < ld_; j += NT) st(logits, dt, base + j, 0.0f);
         return;
     }
-    const double l = L[r], s = (double)scale;
+    const float l = (float)L[r];
     const int64_t t = (int64_t)tg - v0; // j == t only for a local target: j is in [0, nvalid)
     for (int64_t j = threadIdx.x; j < ld_; j += NT) {
         float v = 0.0f;
         if (j < nvalid) {
-            v = (float)(s * exp((double)ld(logits, dt, base + j) - l));
+            v = scale * __expf(ld(logits, dt, base + j) - l);
             if (j == t) v -= scale;
         }
         st(logits, dt, base + j, v);
