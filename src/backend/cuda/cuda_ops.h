@@ -77,7 +77,8 @@ loom_status loom_cuda_embedding_bwd(loom_ctx *ctx, const int32_t *ids, int64_t T
  * x when the dtypes agree); rstd: (N) fp32, saved for the backward.
  * bwd: dx (N, H) overwritten, may alias dy (same dtype); dw (H) fp32
  * accumulated, NULL when frozen. dw is reduced deterministically: per chunk
- * of rows into `scratch` (doubles), then the chunks in order. scratch:
+ * of rows into `scratch` (doubles), then the chunks by a fixed tree (a warp
+ * per column). scratch:
  * loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) bytes of device memory (not
  * needed, may be NULL, when dw is NULL). */
 loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_dtype x_dtype, const void *w,
