@@ -192,7 +192,15 @@ TEST(adamw_clip) {
     CHECK(norm == 5.0);
     float c = loom_clip_coeff(norm, 1.0);
     CHECK(c < 1.0f);
-    loom_scale(g, 2, c);
-    CHECK_NEAR(sqrt(loom_sumsq(g, 2)), 1.0, 1e-6);
-    CHECK_NEAR(g[0], 0.6, 1e-6);
+    CHECK_NEAR(sqrt(loom_sumsq_scaled(g, 2, c)), 1.0, 1e-6);
+    /* the clipped step: the same as stepping on the clipped gradient, bit for bit */
+    const loom_adamw_hp hp = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1};
+    const float gs[2] = {0.5f, c}, g2[2] = {g[0] * 0.5f * c, g[1] * 0.5f * c};
+    float p1[2] = {1.0f, -2.0f}, m1[2] = {0.1f, 0.2f}, v1[2] = {0.01f, 0.02f};
+    float p2[2] = {1.0f, -2.0f}, m2[2] = {0.1f, 0.2f}, v2[2] = {0.01f, 0.02f};
+    loom_adamw_step_scaled(p1, g, m1, v1, 2, &hp, 2, true, gs);
+    loom_adamw_step(p2, g2, m2, v2, 2, &hp, 2, true);
+    CHECK(memcmp(p1, p2, sizeof p1) == 0 && memcmp(m1, m2, sizeof m1) == 0 &&
+          memcmp(v1, v2, sizeof v1) == 0);
+    CHECK_NEAR(g2[0], 0.3, 1e-6);
 }

@@ -450,14 +450,6 @@ loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, i
 
 /* ---- optimizer ---- */
 
-loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_scale(m->ctx, g, n, s, m->dev.stream);
-#endif
-    loom_scale(g, n, s);
-    return LOOM_OK;
-}
-
 /* ---- the optimizer over parts ---- */
 
 #ifdef LOOM_HAVE_CUDA
@@ -501,32 +493,32 @@ static loom_status build_chunks(loom_model *m, loom_arena *A, const loom_k_part 
 #endif
 
 loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
-                               int n, const loom_adamw_hp *hp, int64_t t) {
+                               int n, const loom_adamw_hp *hp, int64_t t, const float gs[2]) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m)) {
         loom_status st = A->d_chunks ? LOOM_OK : build_chunks(m, A, parts, n);
         if (st) return st;
         return loom_cuda_adamw_chunks(m->ctx, A->w, A->gshard, A->adam_m, A->adam_v,
-                                      (const loom_cuda_chunk *)A->d_chunks, A->n_adam, hp, t,
+                                      (const loom_cuda_chunk *)A->d_chunks, A->n_adam, hp, t, gs,
                                       m->dev.stream);
     }
 #endif
     for (int i = 0; i < n; i++)
-        loom_adamw_step(A->w + parts[i].p_off, A->gshard + parts[i].s_off,
-                        A->adam_m + parts[i].s_off, A->adam_v + parts[i].s_off, parts[i].len, hp,
-                        t, parts[i].decay);
+        loom_adamw_step_scaled(A->w + parts[i].p_off, A->gshard + parts[i].s_off,
+                               A->adam_m + parts[i].s_off, A->adam_v + parts[i].s_off,
+                               parts[i].len, hp, t, parts[i].decay, gs);
     return LOOM_OK;
 }
 
 loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
-                               int n, double *sum) {
+                               int n, float s, double *sum) {
     *sum = 0.0;
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m)) {
         loom_status st = A->d_chunks ? LOOM_OK : build_chunks(m, A, parts, n);
         if (st) return st;
         const loom_cuda_chunk *norm = (const loom_cuda_chunk *)A->d_chunks + A->n_adam;
-        if ((st = loom_cuda_sumsq_chunks(m->ctx, A->gshard, norm, A->n_norm, A->d_norm,
+        if ((st = loom_cuda_sumsq_chunks(m->ctx, A->gshard, norm, A->n_norm, s, A->d_norm,
                                          m->dev.stream)))
             return st;
         double *h = malloc((size_t)(A->n_norm + 1) * sizeof *h);
@@ -538,6 +530,6 @@ loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k
     }
 #endif
     for (int i = 0; i < n; i++)
-        if (parts[i].norm) *sum += loom_sumsq(A->gshard + parts[i].s_off, parts[i].len);
+        if (parts[i].norm) *sum += loom_sumsq_scaled(A->gshard + parts[i].s_off, parts[i].len, s);
     return LOOM_OK;
 }

@@ -148,14 +148,14 @@ typedef struct loom_k_part {
     bool decay;   /* AdamW weight decay applies */
     bool norm;    /* counts in the gradient norm */
 } loom_k_part;
-/* AdamW over every part, and the sum of g^2 over the parts that count in
- * the norm (*sum, host), in a few launches on a GPU: the parts are cut in
- * chunks once per arena (the layout never changes) and kept on the device. */
+/* AdamW over every part on the gradients times gs[0] times gs[1], and the
+ * sum of (g s)^2 over the parts that count in the norm (*sum, host), in a
+ * few launches on a GPU: the parts are cut in chunks once per arena (the
+ * layout never changes) and kept on the device. The gradients are only
+ * read: unscaling and clipping happen inside these passes. */
 loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
-                               int n, const loom_adamw_hp *hp, int64_t t);
+                               int n, const loom_adamw_hp *hp, int64_t t, const float gs[2]);
 loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
-                               int n, double *sum);
-
-loom_status loom_k_scale(loom_model *m, float *g, size_t n, float s);
+                               int n, float s, double *sum);
 
 #endif /* LOOM_MODEL_KERN_H */

@@ -8,6 +8,12 @@
 
 void loom_adamw_step(float *p, const float *g, float *m, float *v, size_t n,
                      const loom_adamw_hp *hp, int64_t t, bool decay) {
+    const float one[2] = {1.0f, 1.0f};
+    loom_adamw_step_scaled(p, g, m, v, n, hp, t, decay, one);
+}
+
+void loom_adamw_step_scaled(float *p, const float *g, float *m, float *v, size_t n,
+                            const loom_adamw_hp *hp, int64_t t, bool decay, const float gs[2]) {
     LOOM_ASSERT(t >= 1);
     /* Scalars as torch computes them: Python floats (double), each rounded to
      * fp32 where it meets an fp32 tensor. */
@@ -23,11 +29,13 @@ void loom_adamw_step(float *p, const float *g, float *m, float *v, size_t n,
     const float neg_step = (float)(-(hp->lr / bc1));
     const float bc2_sqrt = (float)pow(bc2, 0.5);
     const float eps = (float)hp->eps;
+    const float s0 = gs[0], s1 = gs[1];
     const ptrdiff_t N = (ptrdiff_t)n;
 
 #pragma omp parallel for schedule(static)
     for (ptrdiff_t i = 0; i < N; i++) {
-        float pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+        float pi = p[i], gi = g[i] * s0, mi = m[i], vi = v[i];
+        gi = gi * s1;
         if (do_decay) pi = pi * shrink;
         /* torch lerp: the two-sided form keeps it exact at either end. */
         mi = lerp_low ? mi + w1 * (gi - mi) : gi - (gi - mi) * one_minus_w1;
@@ -43,7 +51,9 @@ void loom_adamw_step(float *p, const float *g, float *m, float *v, size_t n,
 
 bool loom_adamw_decays(int ndim) { return ndim >= 2; }
 
-double loom_sumsq(const float *g, size_t n) {
+double loom_sumsq(const float *g, size_t n) { return loom_sumsq_scaled(g, n, 1.0f); }
+
+double loom_sumsq_scaled(const float *g, size_t n, float sc) {
     if (n == 0) return 0.0;
     const size_t nchunk = (n + LOOM_SUMSQ_CHUNK - 1) / LOOM_SUMSQ_CHUNK;
     const ptrdiff_t NC = (ptrdiff_t)nchunk;
@@ -60,18 +70,15 @@ double loom_sumsq(const float *g, size_t n) {
             size_t lo = (size_t)(base + c) * LOOM_SUMSQ_CHUNK;
             size_t hi = lo + LOOM_SUMSQ_CHUNK < n ? lo + LOOM_SUMSQ_CHUNK : n;
             double s = 0.0;
-            for (size_t i = lo; i < hi; i++) s += (double)g[i] * (double)g[i];
+            for (size_t i = lo; i < hi; i++) {
+                const float x = g[i] * sc;
+                s += (double)x * (double)x;
+            }
             part[c] = s;
         }
         for (ptrdiff_t c = 0; c < nb; c++) total += part[c];
     }
     return total;
-}
-
-void loom_scale(float *g, size_t n, float s) {
-    const ptrdiff_t N = (ptrdiff_t)n;
-#pragma omp parallel for schedule(static) if (n > 65536)
-    for (ptrdiff_t i = 0; i < N; i++) g[i] *= s;
 }
 
 float loom_clip_coeff(double total_norm, double max_norm) {

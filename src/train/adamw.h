@@ -34,6 +34,13 @@ typedef struct loom_adamw_hp {
  * norm (see loom_sumsq). */
 void loom_adamw_step(float *p, const float *g, float *m, float *v, size_t n,
                      const loom_adamw_hp *hp, int64_t t, bool decay);
+/* The same step on gradients not yet scaled: each g[i] is first multiplied
+ * by gs[0], then by gs[1] (each product rounded to fp32, as two scaling
+ * passes would leave it), so the trainer unscales and clips inside the step
+ * instead of in two extra passes over the gradients. gs {1, 1} is
+ * loom_adamw_step. */
+void loom_adamw_step_scaled(float *p, const float *g, float *m, float *v, size_t n,
+                            const loom_adamw_hp *hp, int64_t t, bool decay, const float gs[2]);
 
 /* Megatron's rule: no weight decay on 1-D parameters (norm weights, biases). */
 bool loom_adamw_decays(int ndim);
@@ -45,9 +52,8 @@ bool loom_adamw_decays(int ndim);
  * caller must check isfinite(sqrt(total)) and skip the step. */
 #define LOOM_SUMSQ_CHUNK 4096
 double loom_sumsq(const float *g, size_t n);
-
-/* g[i] *= s (OpenMP). */
-void loom_scale(float *g, size_t n, float s);
+/* The same over g[i] * s (the product rounded to fp32 first). */
+double loom_sumsq_scaled(const float *g, size_t n, float s);
 
 /* Clipping coefficient (torch clip_grad_norm_ / Megatron clip_grads):
  * max_norm / (total_norm + 1e-6), computed in double and returned as float;

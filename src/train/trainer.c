@@ -526,11 +526,12 @@ static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *p
     loom_status st = reduce_grads(m, A);
     if (st) return st;
     /* The gradient of the mean loss (unscaled), its global norm (each
-     * parameter once, in a fixed order), and clipping. */
-    const double unscale = 1.0 / ((double)m->acc_tokens * m->loss_scale);
-    if ((st = loom_k_scale(m, A->gshard, A->shard_numel, (float)unscale))) return st;
+     * parameter once, in a fixed order), and clipping: the unscale and clip
+     * factors are applied inside the norm and AdamW passes (the same fp32
+     * products as scaling the gradients in place, without the two passes). */
+    const float unscale = (float)(1.0 / ((double)m->acc_tokens * m->loss_scale));
     double sumsq = 0.0;
-    if ((st = loom_k_sumsq_parts(m, A, parts, nparts, &sumsq))) return st;
+    if ((st = loom_k_sumsq_parts(m, A, parts, nparts, unscale, &sumsq))) return st;
     if (loom_comm_size(m->world) > 1 &&
         (st = loom_comm_allreduce(m->world, &sumsq, 1, LOOM_F64, LOOM_RED_SUM)))
         return st;
@@ -554,8 +555,7 @@ static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *p
                          "gradients were discarded. Lower the learning rate or check the data",
                          (long long)A->step + 1, isnan(norm) ? "nan" : "inf");
     }
-    float coeff = loom_clip_coeff(norm, max_grad_norm);
-    if (coeff < 1.0f && (st = loom_k_scale(m, A->gshard, A->shard_numel, coeff))) return st;
+    const float gs[2] = {unscale, loom_clip_coeff(norm, max_grad_norm)};
 
     loom_adamw_hp hp = {.lr = m->opt.lr, .beta1 = m->opt.beta1, .beta2 = m->opt.beta2,
                         .eps = m->opt.eps, .weight_decay = m->opt.weight_decay};
@@ -566,7 +566,7 @@ static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *p
     int64_t t = A->step + 1;
     /* AdamW on this rank's shard of every bucket, then every rank gets the
      * updated parameters back */
-    if ((st = loom_k_adamw_parts(m, A, parts, nparts, &hp, t))) return st;
+    if ((st = loom_k_adamw_parts(m, A, parts, nparts, &hp, t, gs))) return st;
     if ((st = gather_params(m, A)) || (st = loom_arena_sync(m, A))) return st;
     if (m->dev.adt == LOOM_F16 && ++m->good_steps >= 2000) { /* torch GradScaler's growth */
         m->loss_scale *= 2;

@@ -219,15 +219,14 @@ loom_status loom_cuda_adamw_step(loom_ctx *ctx, float *p, const float *g, float 
 #define LOOM_CUDA_SUMSQ_BLOCKS 1024
 loom_status loom_cuda_sumsq(loom_ctx *ctx, const float *g, size_t n, double *result,
                             double *scratch, void *stream);
-/* g[i] *= s. */
-loom_status loom_cuda_scale(loom_ctx *ctx, float *g, size_t n, float s, void *stream);
 
 /* The optimizer over many parameter blocks in one launch: a list of chunks
  * (device memory), each up to LOOM_CUDA_CHUNK elements of one block:
  * parameters at p + p_off, gradient and moments at g/m/v + s_off. AdamW
- * applies weight decay where decay is 1 (bit-identical to loom_adamw_step
- * on each block); sumsq writes out[c] = sum over chunk c of g^2 (double, a
- * fixed order; decay is ignored). */
+ * applies weight decay where decay is 1 to the gradient times gs[0] times
+ * gs[1] (bit-identical to loom_adamw_step_scaled on each block); sumsq
+ * writes out[c] = sum over chunk c of (g s)^2 (double, a fixed order; decay
+ * is ignored). The gradients are only read. */
 #define LOOM_CUDA_CHUNK 16384
 typedef struct loom_cuda_chunk {
     int64_t p_off, s_off;
@@ -236,9 +235,10 @@ typedef struct loom_cuda_chunk {
 } loom_cuda_chunk;
 loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const float *g, float *m, float *v,
                                    const loom_cuda_chunk *chunks, int64_t nchunks,
-                                   const loom_adamw_hp *hp, int64_t t, void *stream);
+                                   const loom_adamw_hp *hp, int64_t t, const float gs[2],
+                                   void *stream);
 loom_status loom_cuda_sumsq_chunks(loom_ctx *ctx, const float *g, const loom_cuda_chunk *chunks,
-                                   int64_t nchunks, double *out, void *stream);
+                                   int64_t nchunks, float s, double *out, void *stream);
 
 #ifdef __cplusplus
 }

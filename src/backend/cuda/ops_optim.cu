@@ -1,5 +1,5 @@
 // Optimizer ops over flat fp32 buffers: AdamW (bit-identical to
-// loom_adamw_step), deterministic sum of squares, scaling.
+// loom_adamw_step_scaled) and the deterministic sum of squares.
 #include <math.h>
 
 #include "ops_common.cuh"
@@ -9,6 +9,7 @@ using namespace loom_cuda;
 namespace {
 struct adamw_coef {
     float shrink, w1, one_minus_w1, b2, c2, neg_step, bc2_sqrt, eps;
+    float gs0, gs1; // the gradient is multiplied by these first (loom_adamw_step_scaled)
     int do_decay, lerp_low;
 };
 constexpr int SUMSQ_THREADS = 256;
@@ -17,7 +18,7 @@ constexpr int SUMSQ_THREADS = 256;
 // The CPU loop body, each fp32 operation rounded on its own (no contraction).
 __device__ __forceinline__ void adamw_elem(float *p, const float *g, float *m, float *v,
                                            const adamw_coef &k, int do_decay) {
-    float pi = *p, gi = *g, mi = *m, vi = *v;
+    float pi = *p, gi = __fmul_rn(__fmul_rn(*g, k.gs0), k.gs1), mi = *m, vi = *v;
     if (do_decay) pi = __fmul_rn(pi, k.shrink);
     mi = k.lerp_low ? __fadd_rn(mi, __fmul_rn(k.w1, __fsub_rn(gi, mi)))
                     : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), k.one_minus_w1));
@@ -47,14 +48,14 @@ __global__ void adamw_chunks_kernel(float *p, const float *g, float *m, float *v
         adamw_elem(pp + i, gg + i, mm + i, vv + i, k, do_decay);
 }
 
-// One block per chunk: out[chunk] = sum of g^2 over it (double, fixed order).
+// One block per chunk: out[chunk] = sum of (g s)^2 over it (double, fixed order).
 __global__ void __launch_bounds__(SUMSQ_THREADS)
-    sumsq_chunks_kernel(const float *g, const loom_cuda_chunk *c, double *out) {
+    sumsq_chunks_kernel(const float *g, const loom_cuda_chunk *c, float s, double *out) {
     __shared__ double sh[SUMSQ_THREADS / 32];
     const loom_cuda_chunk ch = c[blockIdx.x];
     double acc = 0;
     for (int i = threadIdx.x; i < ch.len; i += SUMSQ_THREADS) {
-        double x = (double)g[ch.s_off + i];
+        double x = (double)__fmul_rn(g[ch.s_off + i], s);
         acc += x * x;
     }
     acc = block_sum<SUMSQ_THREADS>(acc, sh);
@@ -81,12 +82,6 @@ __global__ void __launch_bounds__(LOOM_CUDA_SUMSQ_BLOCKS)
     if (threadIdx.x == 0) *result = acc;
 }
 
-__global__ void scale_kernel(float *g, int64_t n, float s) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        g[i] = __fmul_rn(g[i], s);
-}
-
 // The scalars exactly as loom_adamw_step computes them (double, rounded once).
 static adamw_coef coef_of(const loom_adamw_hp *hp, int64_t t, bool decay) {
     adamw_coef k;
@@ -103,6 +98,7 @@ static adamw_coef coef_of(const loom_adamw_hp *hp, int64_t t, bool decay) {
     k.neg_step = (float)(-(hp->lr / bc1));
     k.bc2_sqrt = (float)pow(bc2, 0.5);
     k.eps = (float)hp->eps;
+    k.gs0 = k.gs1 = 1.0f;
     return k;
 }
 
@@ -121,7 +117,7 @@ extern "C" loom_status loom_cuda_adamw_step(loom_ctx *ctx, float *p, const float
 extern "C" loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const float *g, float *m,
                                               float *v, const loom_cuda_chunk *chunks,
                                               int64_t nchunks, const loom_adamw_hp *hp, int64_t t,
-                                              void *stream) {
+                                              const float gs[2], void *stream) {
     if (t < 1)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda adamw_chunks: step %lld (must be >= 1)",
                          (long long)t);
@@ -129,19 +125,21 @@ extern "C" loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const flo
     if (nchunks > 0x7fffffff)
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda adamw_chunks: %lld chunks",
                          (long long)nchunks);
-    adamw_chunks_kernel<<<(unsigned)nchunks, 256, 0, as_stream(stream)>>>(
-        p, g, m, v, chunks, coef_of(hp, t, true));
+    adamw_coef k = coef_of(hp, t, true);
+    k.gs0 = gs[0], k.gs1 = gs[1];
+    adamw_chunks_kernel<<<(unsigned)nchunks, 256, 0, as_stream(stream)>>>(p, g, m, v, chunks, k);
     return check_launch(ctx, "adamw_chunks");
 }
 
 extern "C" loom_status loom_cuda_sumsq_chunks(loom_ctx *ctx, const float *g,
                                               const loom_cuda_chunk *chunks, int64_t nchunks,
-                                              double *out, void *stream) {
+                                              float s, double *out, void *stream) {
     if (nchunks <= 0) return LOOM_OK;
     if (nchunks > 0x7fffffff)
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda sumsq_chunks: %lld chunks",
                          (long long)nchunks);
-    sumsq_chunks_kernel<<<(unsigned)nchunks, SUMSQ_THREADS, 0, as_stream(stream)>>>(g, chunks, out);
+    sumsq_chunks_kernel<<<(unsigned)nchunks, SUMSQ_THREADS, 0, as_stream(stream)>>>(g, chunks, s,
+                                                                                      out);
     return check_launch(ctx, "sumsq_chunks");
 }
 
@@ -156,10 +154,4 @@ extern "C" loom_status loom_cuda_sumsq(loom_ctx *ctx, const float *g, size_t n, 
     if (st) return st;
     sumsq_final_kernel<<<1, LOOM_CUDA_SUMSQ_BLOCKS, 0, s>>>(scratch, result);
     return check_launch(ctx, "sumsq");
-}
-
-extern "C" loom_status loom_cuda_scale(loom_ctx *ctx, float *g, size_t n, float s, void *stream) {
-    if (n == 0) return LOOM_OK;
-    scale_kernel<<<grid_for((int64_t)n, 256), 256, 0, as_stream(stream)>>>(g, (int64_t)n, s);
-    return check_launch(ctx, "scale");
 }
