@@ -22,8 +22,9 @@ extern "C" {
  * W: (rows, H) in w_dtype, rows [row0, row0 + rows) of the full embedding.
  * fwd: out (T, H) in out_dtype; out[t, :] = W[ids[t] - row0, :] when that row
  * is here, else zeros. bwd: dW (rows, H) fp32 += dout[t, :] (dout_dtype) for
- * the in-range tokens: each thread owns a column and adds the tokens in token
- * order, so an fp32 dW is bit-identical to loom_cpu_embedding_vp_bwd. */
+ * the in-range tokens: each thread owns a column of a group of rows and adds
+ * their tokens in token order, so an fp32 dW is bit-identical to
+ * loom_cpu_embedding_vp_bwd. */
 loom_status loom_cuda_embedding_vp_fwd(loom_ctx *ctx, const int32_t *ids, int64_t T, const void *W,
                                        loom_dtype w_dtype, int64_t row0, int64_t rows, int64_t H,
                                        void *out, loom_dtype out_dtype, void *stream);
