@@ -83,9 +83,24 @@ static int64_t even_docs(const loom_micro *mb) {
     return L;
 }
 
-#define LIN(x, T, in, W, out, y) CK(loom_k_lin_fwd(m, x, T, in, W, out, 1.0f, 0.0f, y))
-#define LORA_F(mod, x, T, y) CK(loom_lora_fwd(m, b->la, b->li, l, mod, x, T, y))
-#define LORA_B(mod, x, T, dy, dx) CK(loom_lora_bwd(m, b->la, b->li, l, mod, x, T, dy, dx))
+/* y = x W^T plus, where an adapter covers the linear, LoRA's s (x A^T) B^T:
+ * the LoRA term is written first and the base GEMM accumulates onto it (its
+ * read of y hides under the GEMM's compute; adding the LoRA term afterwards
+ * was one more pass over y). */
+#define LIN(mod, x, T, in, W, out, y)                                                              \
+    do {                                                                                           \
+        const bool lo_ = loom_lora_covers(m, l, mod);                                              \
+        if (lo_) CK(loom_lora_fwd(m, b->la, b->li, l, mod, x, T, y, 0.0f));                        \
+        CK(loom_k_lin_fwd(m, x, T, in, W, out, 1.0f, lo_ ? 1.0f : 0.0f, y));                       \
+    } while (0)
+/* dx = d/dx of LoRA's term on `mod` + beta dx; *acc set when it wrote dx. */
+#define LORA_B(mod, x, T, dy, dx, acc)                                                             \
+    do {                                                                                           \
+        if (loom_lora_covers(m, l, mod)) {                                                         \
+            CK(loom_lora_bwd(m, b->la, b->li, l, mod, x, T, dy, dx, *(acc) ? 1.0f : 0.0f));        \
+            *(acc) = true;                                                                         \
+        }                                                                                          \
+    } while (0)
 
 /* ---- one layer ---- */
 
@@ -143,12 +158,9 @@ static loom_status attn_fwd(loom_model *m, const lbuf *b, int64_t l, const loom_
     if (m->sp) CK(sp_gather(m, m->dtmp, h1));
     void *qdst = m->cfg.qk_norm ? b->qpre : q;
     void *kdst = m->cfg.qk_norm ? b->kpre : kl;
-    LIN(h1, Tc, H, loom_wc(m, s->wq), QD, qdst);
-    LIN(h1, Tc, H, loom_wc(m, s->wk), KD, kdst);
-    LIN(h1, Tc, H, loom_wc(m, s->wv), KD, vl);
-    LORA_F(LOOM_LORA_Q, h1, Tc, qdst);
-    LORA_F(LOOM_LORA_K, h1, Tc, kdst);
-    LORA_F(LOOM_LORA_V, h1, Tc, vl);
+    LIN(LOOM_LORA_Q, h1, Tc, H, loom_wc(m, s->wq), QD, qdst);
+    LIN(LOOM_LORA_K, h1, Tc, H, loom_wc(m, s->wk), KD, kdst);
+    LIN(LOOM_LORA_V, h1, Tc, H, loom_wc(m, s->wv), KD, vl);
     if (s->bq >= 0) CK(loom_k_bias_fwd(m, qdst, loom_wc(m, s->bq), Tc, QD));
     if (s->bk >= 0) CK(loom_k_bias_fwd(m, kdst, loom_wc(m, s->bk), Tc, KD));
     if (s->bv >= 0) CK(loom_k_bias_fwd(m, vl, loom_wc(m, s->bv), Tc, KD));
@@ -163,8 +175,7 @@ static loom_status attn_fwd(loom_model *m, const lbuf *b, int64_t l, const loom_
     CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
                        even_docs(mb), o, b->lse));
 
-    LIN(o, Tc, QD, loom_wc(m, s->wo), H, m->dtmp);
-    LORA_F(LOOM_LORA_O, o, Tc, m->dtmp);
+    LIN(LOOM_LORA_O, o, Tc, QD, loom_wc(m, s->wo), H, m->dtmp);
     CK(tp_reduce(m, m->dtmp, xmid));
     CK(loom_k_add(m, xmid, b->x, Tn * H));
     if (s->bo >= 0) CK(loom_k_bias_fwd(m, xmid, loom_wc(m, s->bo), Tn, H));
@@ -177,10 +188,8 @@ static loom_status attn_fwd(loom_model *m, const lbuf *b, int64_t l, const loom_
 static loom_status mlp_front(loom_model *m, const lbuf *b, int64_t l) {
     const loom_layer_slots *s = &m->layer[l];
     const int64_t H = m->H, Il = m->Il, Tc = m->Tc;
-    LIN(b->h2, Tc, H, loom_wc(m, s->wg), Il, b->g);
-    LIN(b->h2, Tc, H, loom_wc(m, s->wu), Il, b->u);
-    LORA_F(LOOM_LORA_GATE, b->h2, Tc, b->g);
-    LORA_F(LOOM_LORA_UP, b->h2, Tc, b->u);
+    LIN(LOOM_LORA_GATE, b->h2, Tc, H, loom_wc(m, s->wg), Il, b->g);
+    LIN(LOOM_LORA_UP, b->h2, Tc, H, loom_wc(m, s->wu), Il, b->u);
     if (s->bg >= 0) CK(loom_k_bias_fwd(m, b->g, loom_wc(m, s->bg), Tc, Il));
     if (s->bu >= 0) CK(loom_k_bias_fwd(m, b->u, loom_wc(m, s->bu), Tc, Il));
     return loom_k_swiglu_fwd(m, b->g, b->u, Tc * Il, b->act);
@@ -194,8 +203,7 @@ static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     layer_bufs(m, a, i, b);
     CK(attn_fwd(m, b, l, mb));
     CK(mlp_front(m, b, l));
-    LIN(b->act, Tc, Il, loom_wc(m, s->wd), H, m->dtmp);
-    LORA_F(LOOM_LORA_DOWN, b->act, Tc, m->dtmp);
+    LIN(LOOM_LORA_DOWN, b->act, Tc, Il, loom_wc(m, s->wd), H, m->dtmp);
     CK(tp_reduce(m, m->dtmp, b->xn));
     CK(loom_k_add(m, b->xn, b->xmid, Tn * H));
     if (s->bdn >= 0) CK(loom_k_bias_fwd(m, b->xn, loom_wc(m, s->bdn), Tn, H));
@@ -210,7 +218,8 @@ static loom_status layer_recompute(loom_model *m, const lbuf *b, int64_t l, cons
     if (m->recompute == LOOM_RECOMPUTE_NONE) return LOOM_OK;
     if (m->recompute == LOOM_RECOMPUTE_FULL) CK(attn_fwd(m, b, l, mb));
     CK(mlp_front(m, b, l));
-    if (m->recompute == LOOM_RECOMPUTE_FULL) LORA_F(LOOM_LORA_DOWN, b->act, m->Tc, m->dtmp);
+    if (m->recompute == LOOM_RECOMPUTE_FULL)
+        CK(loom_lora_fwd(m, b->la, b->li, l, LOOM_LORA_DOWN, b->act, m->Tc, m->dtmp, 0.0f));
     return LOOM_OK;
 }
 
@@ -237,18 +246,22 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     /* MLP */
     if (s->bdn >= 0) CK(loom_k_bias_bwd(m, dx, Tn, H, loom_g(m, s->bdn)));
     if (m->sp) CK(sp_gather(m, dx, dfull));
-    DX(dfull, Tc, H, loom_wc(m, s->wd), Il, 0.0f, dg);
+    /* LoRA's input gradients first, then the base's accumulating onto them
+     * (as in the forward) */
+    bool acc = false;
+    LORA_B(LOOM_LORA_DOWN, act, Tc, dfull, dg, &acc);
+    DX(dfull, Tc, H, loom_wc(m, s->wd), Il, acc ? 1.0f : 0.0f, dg);
     DW(dfull, act, Tc, H, Il, loom_g(m, s->wd));
-    LORA_B(LOOM_LORA_DOWN, act, Tc, dfull, dg);
     CK(loom_k_swiglu_bwd(m, dg, g, u, Tc * Il, dg, du));
     if (s->bg >= 0) CK(loom_k_bias_bwd(m, dg, Tc, Il, loom_g(m, s->bg)));
     if (s->bu >= 0) CK(loom_k_bias_bwd(m, du, Tc, Il, loom_g(m, s->bu)));
-    DX(dg, Tc, Il, loom_wc(m, s->wg), H, 0.0f, dtmp);
+    acc = false;
+    LORA_B(LOOM_LORA_GATE, h2, Tc, dg, dtmp, &acc);
+    LORA_B(LOOM_LORA_UP, h2, Tc, du, dtmp, &acc);
+    DX(dg, Tc, Il, loom_wc(m, s->wg), H, acc ? 1.0f : 0.0f, dtmp);
     DX(du, Tc, Il, loom_wc(m, s->wu), H, 1.0f, dtmp);
     DW(dg, h2, Tc, Il, H, loom_g(m, s->wg));
     DW(du, h2, Tc, Il, H, loom_g(m, s->wu));
-    LORA_B(LOOM_LORA_GATE, h2, Tc, dg, dtmp);
-    LORA_B(LOOM_LORA_UP, h2, Tc, du, dtmp);
     void *red = m->sp ? m->dfull : dtmp; /* reduce-scatter needs distinct buffers */
     CK(tp_reduce(m, dtmp, red));
     CK(loom_k_rmsnorm_bwd(m, red, xmid, loom_wc(m, s->ln2), b->rstd2, Tn, H, red, loom_g(m, s->ln2)));
@@ -257,9 +270,10 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     /* attention */
     if (s->bo >= 0) CK(loom_k_bias_bwd(m, dx, Tn, H, loom_g(m, s->bo)));
     if (m->sp) CK(sp_gather(m, dx, dfull));
-    DX(dfull, Tc, H, loom_wc(m, s->wo), QD, 0.0f, dout);
+    acc = false;
+    LORA_B(LOOM_LORA_O, o, Tc, dfull, dout, &acc);
+    DX(dfull, Tc, H, loom_wc(m, s->wo), QD, acc ? 1.0f : 0.0f, dout);
     DW(dfull, o, Tc, H, QD, loom_g(m, s->wo));
-    LORA_B(LOOM_LORA_O, o, Tc, dfull, dout);
     CK(loom_k_attn_bwd(m, dout, q, my_qidx_d(m), Tc, k, v, o, b->lse, T, m->Hql, m->Hkvl, mb->d_cu,
                        mb->ndocs, even_docs(mb), dq, dk, dv));
     CK(cp_reduce(m, dk, KD, dkl));
@@ -275,15 +289,16 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     if (s->bq >= 0) CK(loom_k_bias_bwd(m, dq, Tc, QD, loom_g(m, s->bq)));
     if (s->bk >= 0) CK(loom_k_bias_bwd(m, dkl, Tc, KD, loom_g(m, s->bk)));
     if (s->bv >= 0) CK(loom_k_bias_bwd(m, dvl, Tc, KD, loom_g(m, s->bv)));
-    DX(dq, Tc, QD, loom_wc(m, s->wq), H, 0.0f, dtmp);
+    acc = false;
+    LORA_B(LOOM_LORA_Q, h1, Tc, dq, dtmp, &acc);
+    LORA_B(LOOM_LORA_K, h1, Tc, dkl, dtmp, &acc);
+    LORA_B(LOOM_LORA_V, h1, Tc, dvl, dtmp, &acc);
+    DX(dq, Tc, QD, loom_wc(m, s->wq), H, acc ? 1.0f : 0.0f, dtmp);
     DX(dkl, Tc, KD, loom_wc(m, s->wk), H, 1.0f, dtmp);
     DX(dvl, Tc, KD, loom_wc(m, s->wv), H, 1.0f, dtmp);
     DW(dq, h1, Tc, QD, H, loom_g(m, s->wq));
     DW(dkl, h1, Tc, KD, H, loom_g(m, s->wk));
     DW(dvl, h1, Tc, KD, H, loom_g(m, s->wv));
-    LORA_B(LOOM_LORA_Q, h1, Tc, dq, dtmp);
-    LORA_B(LOOM_LORA_K, h1, Tc, dkl, dtmp);
-    LORA_B(LOOM_LORA_V, h1, Tc, dvl, dtmp);
     CK(tp_reduce(m, dtmp, red));
     CK(loom_k_rmsnorm_bwd(m, red, x, loom_wc(m, s->ln1), b->rstd1, Tn, H, red, loom_g(m, s->ln1)));
     CK(loom_k_add(m, dx, red, Tn * H));

@@ -617,8 +617,14 @@ static void *lora_u(loom_model *m, loom_acts *act, int64_t i, int mod, int64_t r
     return (char *)act->lora_u + at * m->dev.esz;
 }
 
+bool loom_lora_covers(loom_model *m, int64_t l, int mod) {
+    loom_adapter *a;
+    const loom_slot *A, *B;
+    return lora_on(m, l, mod, &a, &A, &B);
+}
+
 loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
-                          const void *x, int64_t T, void *y) {
+                          const void *x, int64_t T, void *y, float beta) {
     loom_adapter *a;
     const loom_slot *A, *B;
     if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
@@ -629,29 +635,30 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
         x = m->lora_xd;
     }
     CK(loom_k_lin_fwd(m, x, T, in, WC(a, A), r, 1.0f, 0.0f, u));
-    return loom_k_lin_fwd(m, u, T, r, WC(a, B), out, a->scale, 1.0f, y);
+    return loom_k_lin_fwd(m, u, T, r, WC(a, B), out, a->scale, beta, y);
 }
 
 loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
-                          const void *x, int64_t T, const void *dy, void *dx) {
+                          const void *x, int64_t T, const void *dy, void *dx, float beta) {
     loom_adapter *a;
     const loom_slot *A, *B;
     if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
     const int64_t r = a->r, in = A->cols, out = B->rows;
     const void *u = lora_u(m, act, i, mod, r);
     void *du = m->lora_du;
-    /* dB += s dy^T u; du = s dy B; dA += du^T x'; dx += d/dx (du A), x' the
-     * dropped-out input (recomputed from the mask) */
+    /* dB += s dy^T u; du = s dy B; dA += du^T x'; dx = d/dx (du A) + beta dx,
+     * x' the dropped-out input (recomputed from the mask) */
     CK(loom_k_lin_dw(m, dy, u, T, out, r, a->scale, a->ar.g + B->off));
     CK(loom_k_lin_dx(m, dy, T, out, WC(a, B), r, a->scale, 0.0f, du));
     if (!dropout_on(m, a)) {
         CK(loom_k_lin_dw(m, du, x, T, r, in, 1.0f, a->ar.g + A->off));
-        return loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, 1.0f, dx);
+        return loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, beta, dx);
     }
     void *xd = m->lora_xd;
     CK(dropout_mask(m, a, l, mod, A, x, T, xd));
     CK(loom_k_lin_dw(m, du, xd, T, r, in, 1.0f, a->ar.g + A->off));
     CK(loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, 0.0f, xd));
     CK(dropout_mask(m, a, l, mod, A, NULL, T, xd));
+    if (beta == 0.0f) return loom_k_copy(m, dx, xd, (size_t)(T * in) * m->dev.esz);
     return loom_k_add(m, dx, xd, T * in);
 }

@@ -238,12 +238,15 @@ static inline float *loom_g(loom_model *m, int s) {
     return s < 0 || !m->base.g ? NULL : m->base.g + m->base.slots[s].off;
 }
 /* lora.c: the active, unmerged adapter's path on one linear of layer l (i:
- * the layer's index in its chunk). fwd: y (T, out_l) += scale (x A^T) B^T,
- * saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) += d/dx. */
+ * the layer's index in its chunk). fwd: y (T, out_l) = scale (x A^T) B^T +
+ * beta y, saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
+ * dx. beta is 0 or 1; no-ops where no adapter covers the linear
+ * (loom_lora_covers). */
 loom_status loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
-                          const void *x, int64_t T, void *y);
+                          const void *x, int64_t T, void *y, float beta);
 loom_status loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
-                          const void *x, int64_t T, const void *dy, void *dx);
+                          const void *x, int64_t T, const void *dy, void *dx, float beta);
+bool loom_lora_covers(loom_model *m, int64_t l, int mod);
 /* The active adapter when it is applied (unmerged), else NULL. */
 loom_adapter *loom_model_lora(loom_model *m);
 void loom_adapters_free(loom_model *m);
