@@ -429,6 +429,13 @@ TEST(cuda_ops_cross_entropy) {
 /* One attention case: GPU forward and backward against the CPU on the same
  * (rounded) inputs; with qidx, the query-subset variant. The backward gets
  * the CPU's out and lse on both sides, so it is checked on its own. */
+/* The cuDNN cases: equal documents by their length, others as ragged (0). */
+static int64_t cudnn_len(const int32_t *cu, int64_t ndocs) {
+    for (int64_t d = 1; d < ndocs; d++)
+        if (cu[d + 1] - cu[d] != cu[1] - cu[0]) return 0;
+    return cu[1] - cu[0];
+}
+
 static void attn_case_h(gpu *g, loom_cuda_attn_handle *h, int64_t T, int64_t Hq, int64_t Hkv,
                         int64_t D, const int32_t *cu, int64_t ndocs, const int32_t *qidx, int64_t Tq,
                         loom_dtype dt, uint64_t key) {
@@ -461,8 +468,9 @@ static void attn_case_h(gpu *g, loom_cuda_attn_handle *h, int64_t T, int64_t Hq,
     loom_cpu_attention_fwd_q(q, qidx, Tq, k, v, T, Hq, Hkv, D, cu, ndocs, scale, o, l);
     bool taken = false;
     if (h) { /* equal documents: T / ndocs tokens each */
-        CHECK_OK(g->ctx, loom_cuda_attention_cudnn_fwd(g->ctx, h, d_q, d_k, d_v, dt, T, T / ndocs, Hq,
-                                                       Hkv, D, scale, d_o, d_l, NULL, &taken));
+        CHECK_OK(g->ctx, loom_cuda_attention_cudnn_fwd(g->ctx, h, d_q, d_k, d_v, dt, T, Hq, Hkv, D,
+                                                       d_cu, ndocs, cudnn_len(cu, ndocs), scale, d_o,
+                                                       d_l, NULL, &taken));
         const char *why;
         loom_cuda_attn_counts(h, NULL, NULL, &why);
         CHECK_MSG(taken, "%s: cuDNN did not take the forward: %s", what, why);
@@ -486,8 +494,8 @@ static void attn_case_h(gpu *g, loom_cuda_attn_handle *h, int64_t T, int64_t Hq,
     loom_cpu_attention_bwd_q(dout, q, qidx, Tq, k, v, o, l, T, Hq, Hkv, D, cu, ndocs, scale, dq, dk, dv);
     if (h) {
         CHECK_OK(g->ctx, loom_cuda_attention_cudnn_bwd(g->ctx, h, d_do, d_q, d_k, d_v, d_o2, d_l2, dt, T,
-                                                       T / ndocs, Hq, Hkv, D, scale, d_dq, d_dk, d_dv,
-                                                       NULL, &taken));
+                                                       Hq, Hkv, D, d_cu, ndocs, cudnn_len(cu, ndocs),
+                                                       scale, d_dq, d_dk, d_dv, NULL, &taken));
         const char *why;
         loom_cuda_attn_counts(h, NULL, NULL, &why);
         CHECK_MSG(taken, "%s: cuDNN did not take the backward: %s", what, why);
@@ -552,10 +560,11 @@ TEST(cuda_ops_attention) {
     gpu_close(&g);
 }
 
-/* cuDNN's fused attention on equal documents (B sequences of L tokens)
- * against the CPU, under grouped and plain heads, D 64, 72 and 128, BF16 and
- * F16, L not a multiple of the engines' tiles; inputs it does not take come
- * back untaken, with no error. */
+/* cuDNN's fused attention against the CPU: equal documents (B sequences of
+ * L tokens, L not a multiple of the engines' tiles) and documents of other
+ * lengths (the ragged graphs, one-token documents included), under grouped
+ * and plain heads, D 64, 72 and 128, BF16 and F16; inputs it does not take
+ * come back untaken, with no error. */
 TEST(cuda_ops_attention_cudnn) {
     gpu g;
     REQUIRE(gpu_open(&g));
@@ -569,23 +578,39 @@ TEST(cuda_ops_attention_cudnn) {
     attn_case_h(&g, h, 111, 2, 1, 64, cu3, 3, NULL, 111, LOOM_BF16, 204);
     attn_case_h(&g, h, 200, 4, 2, 72, cu2, 2, NULL, 200, LOOM_BF16, 205);
     attn_case_h(&g, h, 256, 4, 2, 128, cu1, 1, NULL, 256, LOOM_BF16, 206); /* a cached plan */
+    const int32_t cu4[4] = {0, 10, 23, 37}, cuL[5] = {0, 100, 101, 230, 300};
+    const int32_t cuM[6] = {0, 1, 200, 517, 900, 1000};
+    attn_case_h(&g, h, 37, 6, 2, 128, cu4, 3, NULL, 37, LOOM_BF16, 210);
+    attn_case_h(&g, h, 37, 4, 4, 64, cu4, 3, NULL, 37, LOOM_BF16, 211);
+    attn_case_h(&g, h, 300, 4, 2, 128, cuL, 4, NULL, 300, LOOM_F16, 212);
+    attn_case_h(&g, h, 1000, 8, 2, 128, cuM, 5, NULL, 1000, LOOM_BF16, 213);
+    attn_case_h(&g, h, 1000, 4, 4, 64, cuM, 5, NULL, 1000, LOOM_BF16, 214);
     long long nf = 0, nb = 0;
     loom_cuda_attn_counts(h, &nf, &nb, NULL);
-    CHECK_MSG(nf == 7 && nb == 7, "cuDNN ran %lld forwards and %lld backwards of 7", nf, nb);
-    /* F32 and D = 36 are not for cuDNN: untaken, no error, nothing run */
-    void *buf = dalloc(&g, 256 * 4 * 128 * 4);
-    float *lse = dalloc(&g, 256 * 4 * 4);
+    CHECK_MSG(nf == 12 && nb == 12, "cuDNN ran %lld forwards and %lld backwards of 12", nf, nb);
+    /* F32, D = 36 and 513 documents are not for cuDNN: untaken, no error,
+     * nothing run */
+    void *buf = dalloc(&g, 600 * 4 * 128 * 4);
+    float *lse = dalloc(&g, 600 * 4 * 4);
+    int32_t many[514];
+    for (int i = 0; i <= 512; i++) many[i] = i;
+    many[513] = 600;
+    void *d_many = up_raw(&g, many, sizeof many);
     REQUIRE(!g.bad);
     bool taken = true;
-    CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_F32, 256, 256, 4, 2,
-                                                  128, 0.1f, buf, lse, NULL, &taken));
+    CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_F32, 256, 4, 2, 128,
+                                                  NULL, 1, 256, 0.1f, buf, lse, NULL, &taken));
     CHECK(!taken);
     taken = true;
-    CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_BF16, 256, 256, 4, 2,
-                                                  36, 0.1f, buf, lse, NULL, &taken));
+    CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_BF16, 256, 4, 2, 36,
+                                                  NULL, 1, 256, 0.1f, buf, lse, NULL, &taken));
+    CHECK(!taken);
+    taken = true;
+    CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_BF16, 600, 4, 2, 128,
+                                                  d_many, 513, 0, 0.1f, buf, lse, NULL, &taken));
     CHECK(!taken);
     loom_cuda_attn_counts(h, &nf, NULL, NULL);
-    CHECK(nf == 7);
+    CHECK(nf == 12);
     loom_cuda_attn_free(h);
     REQUIRE(!g.bad);
     gpu_close(&g);
@@ -863,15 +888,43 @@ TEST(cuda_ops_bench) {
                     snprintf(lab, sizeof lab, "attention fwd T=%lld Hq=%lld Hkv=%lld D=%lld %s cuDNN",
                              (long long)T, (long long)Hq, (long long)Hkv, (long long)D, dn(dt));
                     BENCH(&bo, lab, fl, 3,
-                          loom_cuda_attention_cudnn_fwd(g.ctx, ah, q, k, v, dt, T, T, Hq, Hkv, D, 0.1f,
-                                                        o, lse, NULL, &tk));
+                          loom_cuda_attention_cudnn_fwd(g.ctx, ah, q, k, v, dt, T, Hq, Hkv, D, NULL, 1,
+                                                        T, 0.1f, o, lse, NULL, &tk));
                     CHECK_MSG(tk, "cuDNN did not take the forward");
                     snprintf(lab, sizeof lab, "attention bwd T=%lld Hq=%lld Hkv=%lld D=%lld %s cuDNN",
                              (long long)T, (long long)Hq, (long long)Hkv, (long long)D, dn(dt));
                     BENCH(&bo, lab, 2.5 * fl, 2,
-                          loom_cuda_attention_cudnn_bwd(g.ctx, ah, dout, q, k, v, o, lse, dt, T, T, Hq,
-                                                        Hkv, D, 0.1f, dq, dk, dv, NULL, &tk));
+                          loom_cuda_attention_cudnn_bwd(g.ctx, ah, dout, q, k, v, o, lse, dt, T, Hq, Hkv,
+                                                        D, NULL, 1, T, 0.1f, dq, dk, dv, NULL, &tk));
                     CHECK_MSG(tk, "cuDNN did not take the backward");
+                    /* the same tokens as three documents (the ragged graph): the
+                     * causal work is 3/8 of one 4096-token sequence's */
+                    const int32_t cu3[4] = {0, 1024, 3072, 4096};
+                    void *dcu3 = up_raw(&g, cu3, sizeof cu3);
+                    const double fl3 = fl * (1024.0 * 1024 + 2048.0 * 2048 + 1024.0 * 1024) / (4096.0 * 4096);
+                    snprintf(lab, sizeof lab, "attention fwd 1024+2048+1024 D=%lld %s cuDNN ragged",
+                             (long long)D, dn(dt));
+                    BENCH(&bo, lab, fl3, 3,
+                          loom_cuda_attention_cudnn_fwd(g.ctx, ah, q, k, v, dt, T, Hq, Hkv, D, dcu3, 3,
+                                                        0, 0.1f, o, lse, NULL, &tk));
+                    CHECK_MSG(tk, "cuDNN did not take the ragged forward");
+                    snprintf(lab, sizeof lab, "attention bwd 1024+2048+1024 D=%lld %s cuDNN ragged",
+                             (long long)D, dn(dt));
+                    BENCH(&bo, lab, 2.5 * fl3, 2,
+                          loom_cuda_attention_cudnn_bwd(g.ctx, ah, dout, q, k, v, o, lse, dt, T, Hq, Hkv,
+                                                        D, dcu3, 3, 0, 0.1f, dq, dk, dv, NULL, &tk));
+                    CHECK_MSG(tk, "cuDNN did not take the ragged backward");
+                    snprintf(lab, sizeof lab, "attention fwd 1024+2048+1024 D=%lld %s loom", (long long)D,
+                             dn(dt));
+                    BENCH(&bo, lab, fl3, 3,
+                          loom_cuda_attention_fwd(g.ctx, q, k, v, dt, T, Hq, Hkv, D, dcu3, 3, 0.1f, o,
+                                                  lse, NULL));
+                    snprintf(lab, sizeof lab, "attention bwd 1024+2048+1024 D=%lld %s loom", (long long)D,
+                             dn(dt));
+                    BENCH(&bo, lab, 2.5 * fl3, 2,
+                          loom_cuda_attention_bwd(g.ctx, dout, q, k, v, o, lse, dt, T, Hq, Hkv, D, dcu3, 3,
+                                                  0.1f, dq, dk, dv, NULL));
+                    loom_cuda_free(g.ptrs[--g.n]);
                     loom_cuda_attn_free(ah);
                 }
                 if (dt != LOOM_F32) { /* the bitwise-repeatable backward */

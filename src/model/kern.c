@@ -62,7 +62,7 @@ void loom_dev_attn_note(const loom_model *m, char *buf, size_t n) {
         const bool all = f == d->attn_calls[0] && b == d->attn_calls[1];
         snprintf(buf, n, "cuDNN fused attention ran %lld/%lld forwards, %lld/%lld backwards%s%s%s", f,
                  d->attn_calls[0], b, d->attn_calls[1], all ? "" : "; loom's kernels the rest (",
-                 all ? "" : why[0] ? why : "context parallel, or documents of unequal length",
+                 all ? "" : why[0] ? why : "context parallel, or more than 512 documents",
                  all ? "" : ")");
         return;
     }
@@ -273,10 +273,11 @@ loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, i
     if (GPU(m)) {
         bool taken = false;
         m->dev.attn_calls[0]++;
-        if (!qidx && seqlen > 0 && m->dev.attn) {
+        if (!qidx && m->dev.attn) {
             loom_status st = loom_cuda_attention_cudnn_fwd(m->ctx, m->dev.attn, q, k, v, m->dev.adt,
-                                                           T, seqlen, Hq, Hkv, m->D, m->attn_scale,
-                                                           out, lse, m->dev.stream, &taken);
+                                                           T, Hq, Hkv, m->D, cu, ndocs, seqlen,
+                                                           m->attn_scale, out, lse, m->dev.stream,
+                                                           &taken);
             if (st || taken) return st;
         }
         return loom_cuda_attention_fwd_q(m->ctx, q, qidx, Tq, k, v, m->dev.adt, T, Hq, Hkv, m->D,
@@ -298,10 +299,10 @@ loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, cons
     if (GPU(m)) {
         bool taken = false;
         m->dev.attn_calls[1]++;
-        if (!qidx && seqlen > 0 && m->dev.attn) {
+        if (!qidx && m->dev.attn) {
             loom_status st = loom_cuda_attention_cudnn_bwd(
-                m->ctx, m->dev.attn, dout, q, k, v, out, lse, m->dev.adt, T, seqlen, Hq, Hkv, m->D,
-                m->attn_scale, dq, dk, dv, m->dev.stream, &taken);
+                m->ctx, m->dev.attn, dout, q, k, v, out, lse, m->dev.adt, T, Hq, Hkv, m->D, cu, ndocs,
+                seqlen, m->attn_scale, dq, dk, dv, m->dev.stream, &taken);
             if (st || taken) return st;
         }
         return loom_cuda_attention_bwd_q(m->ctx, dout, q, qidx, Tq, k, v, out, lse, m->dev.adt, T,

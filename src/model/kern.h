@@ -98,8 +98,8 @@ loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, con
                                const float *rstd, int64_t N, int64_t H, void *dx, float *dw);
 loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_t nh,
                         const int32_t *pos);
-/* seqlen: the length of every document when all are equally long, else 0
- * (with every query, a GPU then tries cuDNN's fused attention first). */
+/* seqlen: the length of every document when all are equally long, else 0.
+ * With every query, a GPU tries cuDNN's fused attention first. */
 loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, int64_t Tq,
                             const void *k, const void *v, int64_t T, int64_t Hq, int64_t Hkv,
                             const int32_t *cu, int64_t ndocs, int64_t seqlen, void *out, float *lse);

@@ -178,11 +178,13 @@ loom_status loom_cuda_attention_bwd_q(loom_ctx *ctx, const void *dout, const voi
 
 /* ---- attention through cuDNN (ops_attention_cudnn.cu) ----
  * cuDNN's fused flash-attention engines, reached through its graph API, for
- * B = T / L sequences of L tokens each (every document L long, every query):
- * the contract of loom_cuda_attention_fwd/bwd (layouts, natural-log lse,
- * overwritten outputs), BF16/F16, D a multiple of 8 up to 128, 16-byte
- * aligned tensors. The backward adds dQ with atomics (its last bits vary by
- * run), like loom's fused backward.
+ * every query of the documents of cu_seqlens: the contract of
+ * loom_cuda_attention_fwd/bwd (layouts, natural-log lse, overwritten
+ * outputs), BF16/F16, D a multiple of 8 up to 128, 16-byte aligned tensors.
+ * L > 0 says every document is L tokens long (B = T / L sequences; cu_seqlens
+ * is not read); L = 0 reads the lengths from cu_seqlens on the device (at
+ * most 512 documents; cuDNN's packed layout). The backward adds dQ with
+ * atomics (its last bits vary by run), like loom's fused backward.
  * A handle owns a cuDNN handle and the plans built per shape (the first
  * call of a shape builds them). *taken is false, with LOOM_OK, when the
  * inputs do not fit or cuDNN has no engine for the shape (the reason is kept,
@@ -197,12 +199,15 @@ void loom_cuda_attn_counts(const loom_cuda_attn_handle *h, long long *fwd, long 
                            const char **why);
 loom_status loom_cuda_attention_cudnn_fwd(loom_ctx *ctx, loom_cuda_attn_handle *h, const void *q,
                                           const void *k, const void *v, loom_dtype dtype, int64_t T,
-                                          int64_t L, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                                          void *out, float *lse, void *stream, bool *taken);
+                                          int64_t Hq, int64_t Hkv, int64_t D,
+                                          const int32_t *cu_seqlens, int64_t ndocs, int64_t L,
+                                          float scale, void *out, float *lse, void *stream,
+                                          bool *taken);
 loom_status loom_cuda_attention_cudnn_bwd(loom_ctx *ctx, loom_cuda_attn_handle *h, const void *dout,
                                           const void *q, const void *k, const void *v,
                                           const void *out, const float *lse, loom_dtype dtype,
-                                          int64_t T, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
+                                          int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                                          const int32_t *cu_seqlens, int64_t ndocs, int64_t L,
                                           float scale, void *dq, void *dk, void *dv, void *stream,
                                           bool *taken);
 

@@ -1,5 +1,5 @@
 // Causal grouped-query attention through cuDNN's fused flash-attention
-// engines, for B sequences of L tokens (every document L long, every query).
+// engines, over the documents of a micro-batch (every query).
 //
 // cuDNN has no attention call in its C API: its engines recognise a pattern
 // in an operation graph (the backend API of cudnn_graph.h). The forward
@@ -16,8 +16,17 @@
 //
 // Layouts: q, out, dout, dq are (T, Hq, D) and k, v, dk, dv (T, Hkv, D),
 // token-major, which the graph takes as [B, H, L, D] with strides
-// [L*H*D, D, H*D, 1]. cuDNN keeps Stats as [B, Hq, L]; lse here is (T, Hq) as
-// everywhere in loom, so two small kernels transpose it on the way out and in.
+// [L*H*D, D, H*D, 1].
+// - Documents all L long: B = T / L sequences. cuDNN keeps Stats as
+//   [B, Hq, L]; lse here is (T, Hq) as everywhere in loom, so two small
+//   kernels transpose it on the way out and in.
+// - Documents of other lengths ("ragged"): B = ndocs rounded up to a bucket
+//   (32, then powers of 2 to 512) and L = T, every tensor given a ragged
+//   offset per document (cuDNN's packed layout), the lengths as
+//   SEQ_LEN tensors (0 for the padding entries) that bound every matmul
+//   (M/N/K overrides) and a padding mask before the causal one. Stats is
+//   ragged too, token-major: loom's lse layout. One plan per bucket, so
+//   batches with other document counts reuse it.
 // The results match loom_cuda_attention_fwd/bwd up to rounding: both paths
 // produce the same lse, so either backward can follow either forward.
 #include <cudnn.h>
@@ -32,10 +41,11 @@ using namespace loom_cuda;
 
 namespace {
 
-// Tensor unique ids of the two graphs.
+// Tensor unique ids of the graphs.
 enum : int64_t {
     U_Q = 1, U_KT, U_V, U_VT, U_O, U_DO, U_STATS, U_SCALE, U_NEG_INF, U_ONE, U_SOFTMAX_SUM, U_DQ_ACC,
     U_DQ, U_DK, U_DV,
+    U_SEQ_Q, U_SEQ_KV, U_OFF_Q, U_OFF_KV, U_OFF_ST, U_DK_FULL, U_DV_FULL, // ragged only
     U_VIRTUAL = 100, // intermediates from here on
 };
 
@@ -45,9 +55,10 @@ struct plan_key {
     int dir;
     loom_dtype dt;
     int64_t B, L, Hq, Hkv, D;
+    bool ragged; // B a bucket of documents, L = T (see the top)
 };
 
-constexpr int MAX_DESC = 96;   // descriptors of one graph (the backward needs ~80)
+constexpr int MAX_DESC = 160;  // descriptors of one graph (the ragged backward needs ~110)
 constexpr int CACHE = 8;       // shapes kept per handle
 
 struct plan_entry {
@@ -61,7 +72,7 @@ struct plan_entry {
 
 bool same_key(const plan_key &a, const plan_key &b) {
     return a.dir == b.dir && a.dt == b.dt && a.B == b.B && a.L == b.L && a.Hq == b.Hq &&
-           a.Hkv == b.Hkv && a.D == b.D;
+           a.Hkv == b.Hkv && a.D == b.D && a.ragged == b.ragged;
 }
 
 void entry_release(plan_entry *e) {
@@ -106,7 +117,8 @@ struct builder {
     }
 
     cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t t, const int64_t (&dim)[4],
-                                    const int64_t (&str)[4], bool virt, bool by_value = false) {
+                                    const int64_t (&str)[4], bool virt, bool by_value = false,
+                                    cudnnBackendDescriptor_t ragged = nullptr) {
         cudnnBackendDescriptor_t d = make(CUDNN_BACKEND_TENSOR_DESCRIPTOR, "tensor");
         const int64_t align = 16;
         set(d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &t, "tensor type");
@@ -117,6 +129,7 @@ struct builder {
         if (virt) set(d, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &virt, "tensor virtual");
         if (by_value)
             set(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value, "tensor by value");
+        if (ragged) link(d, CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, ragged, "tensor ragged offset");
         fin(d, "tensor");
         return d;
     }
@@ -160,8 +173,11 @@ struct builder {
         fin(op, "reduction op");
         return op;
     }
+    // c = a b, with the ragged graphs' per-sequence bounds on M, N, K (or null)
     cudnnBackendDescriptor_t matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
-                                    cudnnBackendDescriptor_t c) {
+                                    cudnnBackendDescriptor_t c, cudnnBackendDescriptor_t mo = nullptr,
+                                    cudnnBackendDescriptor_t no = nullptr,
+                                    cudnnBackendDescriptor_t ko = nullptr) {
         const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
         cudnnBackendDescriptor_t m = make(CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul");
         set(m, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32, "matmul type");
@@ -171,6 +187,9 @@ struct builder {
         link(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b, "matmul b");
         link(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c, "matmul c");
         link(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, m, "matmul op");
+        if (mo) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, mo, "matmul M bound");
+        if (no) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, no, "matmul N bound");
+        if (ko) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, ko, "matmul K bound");
         fin(op, "matmul op");
         return op;
     }
@@ -183,9 +202,12 @@ struct builder {
     }
 };
 
-// Shapes and strides of the graph tensors.
+// Shapes and strides of the graph tensors, and in the ragged graphs the
+// per-sequence lengths and offsets every graph shares.
 struct dims {
     int64_t B, L, Hq, Hkv, D;
+    cudnnBackendDescriptor_t seq_q, seq_kv;         // [B] lengths (null: equal documents)
+    cudnnBackendDescriptor_t off_q, off_kv, off_st; // [B + 1] element offsets, by layout
     // token-major (T, H, D) as [B, H, L, D]
     void rows(int64_t H, int64_t (&d)[4], int64_t (&s)[4]) const {
         d[0] = B, d[1] = H, d[2] = L, d[3] = D;
@@ -200,15 +222,29 @@ struct dims {
         d[0] = B, d[1] = Hq, d[2] = L, d[3] = L;
         s[0] = Hq * L * L, s[1] = L * L, s[2] = transposed ? 1 : L, s[3] = transposed ? L : 1;
     }
-    void per_row(int64_t (&d)[4], int64_t (&s)[4]) const { // [B, Hq, L, 1], packed
+    // [B, Hq, L, 1]: packed per head, or (ragged) token-major like loom's lse
+    void per_row(int64_t (&d)[4], int64_t (&s)[4]) const {
         d[0] = B, d[1] = Hq, d[2] = L, d[3] = 1;
-        s[0] = Hq * L, s[1] = L, s[2] = 1, s[3] = 1;
+        if (seq_q)
+            s[0] = Hq * L, s[1] = 1, s[2] = Hq, s[3] = 1;
+        else
+            s[0] = Hq * L, s[1] = L, s[2] = 1, s[3] = 1;
     }
     void packed(int64_t H, int64_t (&d)[4], int64_t (&s)[4]) const { // [B, H, L, D], packed
         d[0] = B, d[1] = H, d[2] = L, d[3] = D;
         s[0] = H * L * D, s[1] = L * D, s[2] = D, s[3] = 1;
     }
 };
+
+// Ragged graphs: the lengths and offsets, created once per graph.
+void ragged_inputs(builder &g, dims &z) {
+    const int64_t one[4] = {1, 1, 1, 1}, ds[4] = {z.B, 1, 1, 1}, dof[4] = {z.B + 1, 1, 1, 1};
+    z.seq_q = g.tensor(U_SEQ_Q, CUDNN_DATA_INT32, ds, one, false);
+    z.seq_kv = g.tensor(U_SEQ_KV, CUDNN_DATA_INT32, ds, one, false);
+    z.off_q = g.tensor(U_OFF_Q, CUDNN_DATA_INT64, dof, one, false);
+    z.off_kv = g.tensor(U_OFF_KV, CUDNN_DATA_INT64, dof, one, false);
+    z.off_st = g.tensor(U_OFF_ST, CUDNN_DATA_INT64, dof, one, false);
+}
 
 // The causal mask on scores x (fp32, virtual): y = row >= col ? x : -inf.
 cudnnBackendDescriptor_t causal_mask(builder &g, const dims &z, cudnnBackendDescriptor_t x,
@@ -227,19 +263,41 @@ cudnnBackendDescriptor_t causal_mask(builder &g, const dims &z, cudnnBackendDesc
     return y;
 }
 
+// Ragged graphs, before the causal mask: y = row < len_q && col < len_kv ? x : -inf.
+cudnnBackendDescriptor_t padding_mask(builder &g, const dims &z, cudnnBackendDescriptor_t x,
+                                      cudnnBackendDescriptor_t neg_inf, int64_t &uid,
+                                      cudnnBackendDescriptor_t *ops, int &nops) {
+    int64_t d[4], s[4];
+    z.scores(d, s);
+    const cudnnDataType_t i32 = CUDNN_DATA_INT32, b8 = CUDNN_DATA_BOOLEAN;
+    cudnnBackendDescriptor_t row = g.tensor(uid++, i32, d, s, true), col = g.tensor(uid++, i32, d, s, true);
+    cudnnBackendDescriptor_t rk = g.tensor(uid++, b8, d, s, true), ck = g.tensor(uid++, b8, d, s, true);
+    cudnnBackendDescriptor_t keep = g.tensor(uid++, b8, d, s, true);
+    cudnnBackendDescriptor_t y = g.tensor(uid++, CUDNN_DATA_FLOAT, d, s, true);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, i32, x, nullptr, nullptr, row, 2);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, i32, x, nullptr, nullptr, col, 3);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_CMP_LT, b8, row, z.seq_q, nullptr, rk);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_CMP_LT, b8, col, z.seq_kv, nullptr, ck);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_LOGICAL_AND, b8, rk, ck, nullptr, keep);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, x, neg_inf, keep, y);
+    return y;
+}
+
 // Forward: Q, K^T, V -> O and Stats.
 int build_fwd(builder &g, const dims &z, cudnnDataType_t io, cudnnBackendDescriptor_t *ops) {
     int nops = 0;
     int64_t uid = U_VIRTUAL, d[4], s[4];
     const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
     z.rows(z.Hq, d, s);
-    cudnnBackendDescriptor_t q = g.tensor(U_Q, io, d, s, false), o = g.tensor(U_O, io, d, s, false);
+    cudnnBackendDescriptor_t q = g.tensor(U_Q, io, d, s, false, false, z.off_q);
+    cudnnBackendDescriptor_t o = g.tensor(U_O, io, d, s, false, false, z.off_q);
     z.cols(z.Hkv, d, s);
-    cudnnBackendDescriptor_t kt = g.tensor(U_KT, io, d, s, false);
+    cudnnBackendDescriptor_t kt = g.tensor(U_KT, io, d, s, false, false, z.off_kv);
     z.rows(z.Hkv, d, s);
-    cudnnBackendDescriptor_t v = g.tensor(U_V, io, d, s, false);
+    cudnnBackendDescriptor_t v = g.tensor(U_V, io, d, s, false, false, z.off_kv);
     z.per_row(d, s);
-    cudnnBackendDescriptor_t stats = g.tensor(U_STATS, f32, d, s, false);
+    cudnnBackendDescriptor_t stats = g.tensor(U_STATS, f32, d, s, false, false, z.off_st);
+    d[0] = z.B, d[1] = z.Hq, d[2] = z.L, d[3] = 1, s[0] = z.Hq * z.L, s[1] = z.L, s[2] = 1, s[3] = 1;
     cudnnBackendDescriptor_t mx = g.tensor(uid++, f32, d, s, true), sum = g.tensor(uid++, f32, d, s, true),
                              lg = g.tensor(uid++, f32, d, s, true);
     cudnnBackendDescriptor_t scale = g.scalar(U_SCALE), neg_inf = g.scalar(U_NEG_INF);
@@ -248,9 +306,11 @@ int build_fwd(builder &g, const dims &z, cudnnDataType_t io, cudnnBackendDescrip
     cudnnBackendDescriptor_t sub = g.tensor(uid++, f32, d, s, true), ex = g.tensor(uid++, f32, d, s, true);
     cudnnBackendDescriptor_t p = g.tensor(uid++, io, d, s, true);
 
-    ops[nops++] = g.matmul(q, kt, sc);
+    ops[nops++] = g.matmul(q, kt, sc, z.seq_q, z.seq_kv);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, sc, scale, nullptr, ss);
-    cudnnBackendDescriptor_t sm = causal_mask(g, z, ss, neg_inf, uid, ops, nops);
+    cudnnBackendDescriptor_t sm = ss;
+    if (z.seq_q) sm = padding_mask(g, z, sm, neg_inf, uid, ops, nops);
+    sm = causal_mask(g, z, sm, neg_inf, uid, ops, nops);
     ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_MAX, sm, mx);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_SUB, f32, sm, mx, nullptr, sub);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_EXP, f32, sub, nullptr, nullptr, ex);
@@ -258,36 +318,59 @@ int build_fwd(builder &g, const dims &z, cudnnDataType_t io, cudnnBackendDescrip
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_LOG, f32, sum, nullptr, nullptr, lg);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_ADD, f32, mx, lg, nullptr, stats);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_DIV, f32, ex, sum, nullptr, p);
-    ops[nops++] = g.matmul(p, v, o);
+    ops[nops++] = g.matmul(p, v, o, z.seq_q, nullptr, z.seq_kv);
     return nops;
 }
 
 // Backward: Q, K^T, V^T, O, dO, Stats -> dQ, dK, dV (and the fp32 softmax_sum
-// and dQ accumulator, given as buffers).
-int build_bwd(builder &g, const dims &z, cudnnDataType_t io, cudnnBackendDescriptor_t *ops) {
+// and dQ accumulator, and in the ragged grouped graph the per-query-head dK
+// and dV, given as buffers). pad_first: the ragged graph's padding mask
+// before subtracting Stats (an older form of the pattern).
+int build_bwd(builder &g, const dims &z, cudnnDataType_t io, bool pad_first,
+              cudnnBackendDescriptor_t *ops) {
     int nops = 0;
     int64_t uid = U_VIRTUAL, d[4], s[4];
     const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
-    const bool grouped = z.Hq != z.Hkv;
+    const bool grouped = z.Hq != z.Hkv, ragged = z.seq_q != nullptr;
     z.rows(z.Hq, d, s);
-    cudnnBackendDescriptor_t q = g.tensor(U_Q, io, d, s, false), o = g.tensor(U_O, io, d, s, false);
-    cudnnBackendDescriptor_t dout = g.tensor(U_DO, io, d, s, false), dq = g.tensor(U_DQ, io, d, s, false);
+    cudnnBackendDescriptor_t q = g.tensor(U_Q, io, d, s, false, false, z.off_q);
+    cudnnBackendDescriptor_t o = g.tensor(U_O, io, d, s, false, false, z.off_q);
+    cudnnBackendDescriptor_t dout = g.tensor(U_DO, io, d, s, false, false, z.off_q);
+    cudnnBackendDescriptor_t dq = g.tensor(U_DQ, io, d, s, false, false, z.off_q);
     // dO * O, with the strides the frontend gives it
     int64_t dos[4] = {z.Hq * z.L * z.D, z.L * z.D, z.Hq * z.D, 1};
     cudnnBackendDescriptor_t doo = g.tensor(uid++, f32, d, dos, true);
+    // per query head dK, dV under grouped heads: ragged, buffers laid out as
+    // dQ (dK's offsets, which cuDNN scales by Hq / Hkv)
     cudnnBackendDescriptor_t dv_h = nullptr, dk_h = nullptr;
-    if (grouped) dv_h = g.tensor(uid++, io, d, s, true), dk_h = g.tensor(uid++, io, d, s, true);
+    if (grouped && ragged) {
+        dv_h = g.tensor(U_DV_FULL, io, d, s, false, false, z.off_kv);
+        dk_h = g.tensor(U_DK_FULL, io, d, s, false, false, z.off_kv);
+    } else if (grouped) {
+        dv_h = g.tensor(uid++, io, d, s, true), dk_h = g.tensor(uid++, io, d, s, true);
+    }
+    cudnnBackendDescriptor_t dq_acc;
+    if (ragged) { // dQ's layout and offsets, fp32
+        dq_acc = g.tensor(U_DQ_ACC, f32, d, s, false, false, z.off_q);
+    } else {
+        z.packed(z.Hq, d, s);
+        dq_acc = g.tensor(U_DQ_ACC, f32, d, s, false);
+    }
     z.cols(z.Hkv, d, s);
-    cudnnBackendDescriptor_t kt = g.tensor(U_KT, io, d, s, false), vt = g.tensor(U_VT, io, d, s, false);
+    cudnnBackendDescriptor_t kt = g.tensor(U_KT, io, d, s, false, false, z.off_kv);
+    cudnnBackendDescriptor_t vt = g.tensor(U_VT, io, d, s, false, false, z.off_kv);
     z.rows(z.Hkv, d, s);
-    cudnnBackendDescriptor_t dk = g.tensor(U_DK, io, d, s, false), dv = g.tensor(U_DV, io, d, s, false);
-    z.packed(z.Hkv, d, s);
-    cudnnBackendDescriptor_t k32 = g.tensor(uid++, f32, d, s, true);
-    z.packed(z.Hq, d, s);
-    cudnnBackendDescriptor_t dq_acc = g.tensor(U_DQ_ACC, f32, d, s, false);
+    cudnnBackendDescriptor_t dk = g.tensor(U_DK, io, d, s, false, false, z.off_kv);
+    cudnnBackendDescriptor_t dv = g.tensor(U_DV, io, d, s, false, false, z.off_kv);
+    if (ragged)
+        z.rows(z.Hkv, d, s);
+    else
+        z.packed(z.Hkv, d, s);
+    cudnnBackendDescriptor_t k32 = g.tensor(uid++, f32, d, s, true, false, z.off_kv);
     z.per_row(d, s);
-    cudnnBackendDescriptor_t stats = g.tensor(U_STATS, f32, d, s, false);
-    cudnnBackendDescriptor_t ssum = g.tensor(U_SOFTMAX_SUM, f32, d, s, false);
+    cudnnBackendDescriptor_t stats = g.tensor(U_STATS, f32, d, s, false, false, z.off_st);
+    cudnnBackendDescriptor_t ssum = g.tensor(U_SOFTMAX_SUM, f32, d, s, false, false, z.off_st);
+    d[0] = z.B, d[1] = z.Hq, d[2] = z.L, d[3] = 1, s[0] = z.Hq * z.L, s[1] = z.L, s[2] = 1, s[3] = 1;
     cudnnBackendDescriptor_t rsum = g.tensor(uid++, f32, d, s, true);
     cudnnBackendDescriptor_t scale = g.scalar(U_SCALE), neg_inf = g.scalar(U_NEG_INF), one = g.scalar(U_ONE);
     z.scores(d, s);
@@ -303,27 +386,31 @@ int build_bwd(builder &g, const dims &z, cudnnDataType_t io, cudnnBackendDescrip
     ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_ADD, doo, rsum);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, rsum, one, nullptr, ssum);
     // P = exp(mask(Q K^T * scale - Stats))
-    ops[nops++] = g.matmul(q, kt, sc);
+    ops[nops++] = g.matmul(q, kt, sc, z.seq_q, z.seq_kv);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, sc, scale, nullptr, ss);
-    ops[nops++] = g.pointwise(CUDNN_POINTWISE_SUB, f32, ss, stats, nullptr, sub);
-    cudnnBackendDescriptor_t sm = causal_mask(g, z, sub, neg_inf, uid, ops, nops);
+    cudnnBackendDescriptor_t sm = ss;
+    if (ragged && pad_first) sm = padding_mask(g, z, sm, neg_inf, uid, ops, nops);
+    ops[nops++] = g.pointwise(CUDNN_POINTWISE_SUB, f32, sm, stats, nullptr, sub);
+    sm = sub;
+    if (ragged && !pad_first) sm = padding_mask(g, z, sm, neg_inf, uid, ops, nops);
+    sm = causal_mask(g, z, sm, neg_inf, uid, ops, nops);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_EXP, f32, sm, nullptr, nullptr, p);
     // dV = P^T dO (per query head, then over each group)
     ops[nops++] = g.reshape(p, pt);
-    ops[nops++] = g.matmul(pt, dout, grouped ? dv_h : dv);
+    ops[nops++] = g.matmul(pt, dout, grouped ? dv_h : dv, z.seq_kv, nullptr, z.seq_q);
     if (grouped) ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_ADD, dv_h, dv);
     // dS = P (dO V^T - softmax_sum) * scale
-    ops[nops++] = g.matmul(dout, vt, dp);
+    ops[nops++] = g.matmul(dout, vt, dp, z.seq_q, z.seq_kv);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_SUB, f32, dp, ssum, nullptr, dps);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, dps, p, nullptr, ds0);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_MUL, f32, ds0, scale, nullptr, ds);
     // dK = dS^T Q
     ops[nops++] = g.reshape(ds, dst);
-    ops[nops++] = g.matmul(dst, q, grouped ? dk_h : dk);
+    ops[nops++] = g.matmul(dst, q, grouped ? dk_h : dk, z.seq_kv, nullptr, z.seq_q);
     if (grouped) ops[nops++] = g.reduce(CUDNN_REDUCE_TENSOR_ADD, dk_h, dk);
     // dQ = dS K in fp32, then rounded
     ops[nops++] = g.reshape(kt, k32);
-    ops[nops++] = g.matmul(ds, k32, dq_acc);
+    ops[nops++] = g.matmul(ds, k32, dq_acc, z.seq_q, nullptr, z.seq_kv);
     ops[nops++] = g.pointwise(CUDNN_POINTWISE_IDENTITY, f32, dq_acc, nullptr, nullptr, dq);
     return nops;
 }
@@ -349,16 +436,18 @@ void describe(char *buf, size_t n, const char *what, cudnnStatus_t st) {
     if (last[0]) strncat(buf, ")", n - strlen(buf) - 1);
 }
 
-// Builds the graph for key k and the first plan of cuDNN's heuristics that
-// finalizes. On failure the entry is marked refused, with the reason in h->why.
-void build_plan(loom_cuda_attn_handle *h, const plan_key &k, plan_entry *e) {
+// Builds the graph for key k (variant: see build_bwd's pad_first) and the
+// first plan of cuDNN's heuristics that finalizes. On failure the entry is
+// marked refused, with the reason in h->why.
+void build_plan_variant(loom_cuda_attn_handle *h, const plan_key &k, plan_entry *e, bool variant) {
     memset(e, 0, sizeof *e);
     e->used = true, e->key = k;
     builder g = {e, CUDNN_STATUS_SUCCESS, nullptr};
-    const dims z = {k.B, k.L, k.Hq, k.Hkv, k.D};
+    dims z = {k.B, k.L, k.Hq, k.Hkv, k.D, nullptr, nullptr, nullptr, nullptr, nullptr};
+    if (k.ragged) ragged_inputs(g, z);
     const cudnnDataType_t io = k.dt == LOOM_BF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF;
-    cudnnBackendDescriptor_t ops[40];
-    const int nops = k.dir == FWD ? build_fwd(g, z, io, ops) : build_bwd(g, z, io, ops);
+    cudnnBackendDescriptor_t ops[48];
+    const int nops = k.dir == FWD ? build_fwd(g, z, io, ops) : build_bwd(g, z, io, variant, ops);
     cudnnBackendDescriptor_t graph = g.make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph");
     g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, nops, ops, "graph ops");
     g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h->h, "graph handle");
@@ -406,6 +495,11 @@ void build_plan(loom_cuda_attn_handle *h, const plan_key &k, plan_entry *e) {
     }
 }
 
+void build_plan(loom_cuda_attn_handle *h, const plan_key &k, plan_entry *e) {
+    build_plan_variant(h, k, e, false);
+    if (e->refused && k.ragged && k.dir == BWD) build_plan_variant(h, k, e, true);
+}
+
 plan_entry *find_plan(loom_cuda_attn_handle *h, const plan_key &k) {
     for (int i = 0; i < CACHE; i++)
         if (h->cache[i].used && same_key(h->cache[i].key, k)) return &h->cache[i];
@@ -450,19 +544,52 @@ __global__ void stats_layout_kernel(const float *src, float *dst, int64_t B, int
     }
 }
 
+// Ragged graphs: the lengths (0 past the documents) and each layout's
+// element offsets (the end of the last document past them) from cu_seqlens.
+__global__ void ragged_kernel(const int32_t *cu, int64_t ndocs, int64_t B, int64_t wq, int64_t wkv,
+                              int64_t wst, int32_t *seq, int64_t *off_q, int64_t *off_kv,
+                              int64_t *off_st) {
+    for (int64_t b = threadIdx.x; b <= B; b += blockDim.x) {
+        const int64_t c = cu[b < ndocs ? b : ndocs];
+        if (b < B) seq[b] = b < ndocs ? cu[b + 1] - cu[b] : 0;
+        off_q[b] = c * wq, off_kv[b] = c * wkv, off_st[b] = c * wst;
+    }
+}
+
 bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 // Whether cuDNN can be asked at all (the engines take BF16/F16, head sizes
-// that are multiples of 8 up to 128, 16-byte aligned tensors).
-bool fits(loom_dtype dt, int64_t T, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
-          const void *const *p, int np) {
-    if ((dt != LOOM_BF16 && dt != LOOM_F16) || D % 8 != 0 || D > 128 || L < 1 || T % L != 0)
-        return false;
-    if (Hkv < 1 || Hq % Hkv != 0) return false;
+// that are multiples of 8 up to 128, 16-byte aligned tensors), and the
+// graph's B and L: equal documents (L > 0) B = T / L; else the ragged graph,
+// B the document count rounded up to 32 or a power of 2 up to 512, L = T.
+bool shape_of(loom_dtype dt, int64_t T, int64_t L, int64_t ndocs, int64_t Hq, int64_t Hkv,
+              int64_t D, const void *const *p, int np, int64_t *B, int64_t *Lg) {
+    if ((dt != LOOM_BF16 && dt != LOOM_F16) || D % 8 != 0 || D > 128 || L < 0) return false;
+    if (Hkv < 1 || Hq % Hkv != 0 || T < 1) return false;
     for (int i = 0; i < np; i++)
         if (!aligned16(p[i])) return false;
+    if (L > 0) {
+        if (T % L) return false;
+        *B = T / L, *Lg = L;
+        return true;
+    }
+    if (ndocs < 1 || ndocs > 512) return false;
+    int64_t b = 32;
+    while (b < ndocs) b *= 2;
+    *B = b, *Lg = T;
     return true;
 }
+
+// Carves 16-byte aligned pieces off one scratch allocation.
+struct carve {
+    char *base;
+    size_t at;
+    void *take(size_t bytes) {
+        void *p = base + at;
+        at += (bytes + 15) & ~(size_t)15;
+        return p;
+    }
+};
 
 } // namespace
 
@@ -495,29 +622,45 @@ extern "C" void loom_cuda_attn_counts(const loom_cuda_attn_handle *h, long long 
 
 extern "C" loom_status loom_cuda_attention_cudnn_fwd(loom_ctx *ctx, loom_cuda_attn_handle *h,
                                                      const void *q, const void *k, const void *v,
-                                                     loom_dtype dtype, int64_t T, int64_t L,
-                                                     int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                                                     loom_dtype dtype, int64_t T, int64_t Hq,
+                                                     int64_t Hkv, int64_t D, const int32_t *cu_seqlens,
+                                                     int64_t ndocs, int64_t L, float scale,
                                                      void *out, float *lse, void *stream, bool *taken) {
     *taken = false;
     const void *p[4] = {q, k, v, out};
-    if (!h || T == 0 || !fits(dtype, T, L, Hq, Hkv, D, p, 4)) return LOOM_OK;
-    const plan_key key = {FWD, dtype, T / L, L, Hq, Hkv, D};
+    int64_t B, Lg;
+    if (!h || !shape_of(dtype, T, L, ndocs, Hq, Hkv, D, p, 4, &B, &Lg)) return LOOM_OK;
+    const bool ragged = L == 0;
+    const plan_key key = {FWD, dtype, B, Lg, Hq, Hkv, D, ragged};
     plan_entry *e = find_plan(h, key);
     if (e->refused) return LOOM_OK;
     const cudaStream_t s = as_stream(stream);
-    const size_t nst = (size_t)T * Hq;
+    /* equal documents: cuDNN's stats, transposed into lse after; ragged: the
+     * lengths and offsets (stats go straight into lse) */
+    const size_t nst = ragged ? 0 : (size_t)T * Hq;
+    const size_t bytes = nst * sizeof(float) + (size_t)B * 4 + 3 * (size_t)(B + 1) * 8 + 5 * 16 +
+                         (size_t)e->ws_bytes;
     void *scratch = nullptr;
-    loom_status st = check(ctx, cudaMallocAsync(&scratch, nst * sizeof(float) + (size_t)e->ws_bytes + 16, s),
-                           "attention_fwd (cuDNN scratch)");
+    loom_status st = check(ctx, cudaMallocAsync(&scratch, bytes, s), "attention_fwd (cuDNN scratch)");
     if (st) return st;
-    float *stats = (float *)scratch;
-    void *ws = (char *)scratch + ((nst * sizeof(float) + 15) & ~(size_t)15);
+    carve c = {(char *)scratch, 0};
+    float *stats = ragged ? lse : (float *)c.take(nst * sizeof(float));
+    int32_t *seq = (int32_t *)c.take((size_t)B * 4);
+    int64_t *off_q = (int64_t *)c.take((size_t)(B + 1) * 8), *off_kv = (int64_t *)c.take((size_t)(B + 1) * 8);
+    int64_t *off_st = (int64_t *)c.take((size_t)(B + 1) * 8);
+    void *ws = c.take((size_t)e->ws_bytes);
+    if (ragged) {
+        ragged_kernel<<<1, 256, 0, s>>>(cu_seqlens, ndocs, B, Hq * D, Hkv * D, Hq, seq, off_q, off_kv, off_st);
+        st = check_launch(ctx, "attention_fwd");
+    }
     float neg_inf = -INFINITY;
-    const int64_t uids[7] = {U_Q, U_KT, U_V, U_O, U_STATS, U_SCALE, U_NEG_INF};
-    void *const ptrs[7] = {(void *)q, (void *)k, (void *)v, out, stats, &scale, &neg_inf};
-    st = run_plan(ctx, h, e, uids, ptrs, 7, ws, s, "attention_fwd");
-    if (!st) {
-        stats_layout_kernel<<<grid_for((int64_t)nst, 256), 256, 0, s>>>(stats, lse, T / L, L, Hq, true);
+    const int64_t uids[12] = {U_Q,       U_KT,     U_V,      U_O,      U_STATS,  U_SCALE,
+                              U_NEG_INF, U_SEQ_Q,  U_SEQ_KV, U_OFF_Q,  U_OFF_KV, U_OFF_ST};
+    void *const ptrs[12] = {(void *)q, (void *)k, (void *)v, out,   stats,  &scale,
+                            &neg_inf,  seq,       seq,       off_q, off_kv, off_st};
+    if (!st) st = run_plan(ctx, h, e, uids, ptrs, ragged ? 12 : 7, ws, s, "attention_fwd");
+    if (!st && !ragged) {
+        stats_layout_kernel<<<grid_for((int64_t)nst, 256), 256, 0, s>>>(stats, lse, B, Lg, Hq, true);
         st = check_launch(ctx, "attention_fwd");
     }
     loom_status sf = check(ctx, cudaFreeAsync(scratch, s), "attention_fwd (cuDNN scratch)");
@@ -528,35 +671,53 @@ extern "C" loom_status loom_cuda_attention_cudnn_fwd(loom_ctx *ctx, loom_cuda_at
 extern "C" loom_status loom_cuda_attention_cudnn_bwd(loom_ctx *ctx, loom_cuda_attn_handle *h,
                                                      const void *dout, const void *q, const void *k,
                                                      const void *v, const void *out, const float *lse,
-                                                     loom_dtype dtype, int64_t T, int64_t L, int64_t Hq,
-                                                     int64_t Hkv, int64_t D, float scale, void *dq,
+                                                     loom_dtype dtype, int64_t T, int64_t Hq,
+                                                     int64_t Hkv, int64_t D, const int32_t *cu_seqlens,
+                                                     int64_t ndocs, int64_t L, float scale, void *dq,
                                                      void *dk, void *dv, void *stream, bool *taken) {
     *taken = false;
     const void *p[8] = {dout, q, k, v, out, dq, dk, dv};
-    if (!h || T == 0 || !fits(dtype, T, L, Hq, Hkv, D, p, 8)) return LOOM_OK;
-    const plan_key key = {BWD, dtype, T / L, L, Hq, Hkv, D};
+    int64_t B, Lg;
+    if (!h || !shape_of(dtype, T, L, ndocs, Hq, Hkv, D, p, 8, &B, &Lg)) return LOOM_OK;
+    const bool ragged = L == 0, full = ragged && Hq != Hkv;
+    const plan_key key = {BWD, dtype, B, Lg, Hq, Hkv, D, ragged};
     plan_entry *e = find_plan(h, key);
     if (e->refused) return LOOM_OK;
     const cudaStream_t s = as_stream(stream);
-    /* stats and softmax_sum (T * Hq each), the fp32 dQ (T * Hq * D), the plan's workspace */
-    const size_t nst = (size_t)T * Hq, nacc = nst * (size_t)D;
-    const size_t bytes = (2 * nst + nacc) * sizeof(float) + (size_t)e->ws_bytes + 16;
+    /* the fp32 dQ (T * Hq * D), softmax_sum and (equal documents) the stats
+     * (T * Hq each), the per-query-head dK and dV (ragged, grouped), the
+     * lengths and offsets, the plan's workspace */
+    const size_t nst = (size_t)T * Hq, nacc = nst * (size_t)D, esz = loom_dtype_size(dtype);
+    const size_t bytes = (nacc + 2 * nst) * sizeof(float) + (full ? 2 * nacc * esz : 0) +
+                         (size_t)B * 4 + 3 * (size_t)(B + 1) * 8 + 9 * 16 + (size_t)e->ws_bytes;
     void *scratch = nullptr;
     loom_status st = check(ctx, cudaMallocAsync(&scratch, bytes, s), "attention_bwd (cuDNN scratch)");
     if (st) return st;
-    float *acc = (float *)scratch, *stats = acc + nacc, *ssum = stats + nst;
-    void *ws = (char *)scratch + (((2 * nst + nacc) * sizeof(float) + 15) & ~(size_t)15);
+    carve c = {(char *)scratch, 0};
+    float *acc = (float *)c.take(nacc * sizeof(float)), *ssum = (float *)c.take(nst * sizeof(float));
+    float *stats = ragged ? (float *)lse : (float *)c.take(nst * sizeof(float));
+    void *dk_full = full ? c.take(nacc * esz) : nullptr, *dv_full = full ? c.take(nacc * esz) : nullptr;
+    int32_t *seq = (int32_t *)c.take((size_t)B * 4);
+    int64_t *off_q = (int64_t *)c.take((size_t)(B + 1) * 8), *off_kv = (int64_t *)c.take((size_t)(B + 1) * 8);
+    int64_t *off_st = (int64_t *)c.take((size_t)(B + 1) * 8);
+    void *ws = c.take((size_t)e->ws_bytes);
     st = check(ctx, cudaMemsetAsync(acc, 0, nacc * sizeof(float), s), "attention_bwd");
-    if (!st) {
-        stats_layout_kernel<<<grid_for((int64_t)nst, 256), 256, 0, s>>>(lse, stats, T / L, L, Hq, false);
+    if (!st && ragged) {
+        ragged_kernel<<<1, 256, 0, s>>>(cu_seqlens, ndocs, B, Hq * D, Hkv * D, Hq, seq, off_q, off_kv, off_st);
+        st = check_launch(ctx, "attention_bwd");
+    } else if (!st) {
+        stats_layout_kernel<<<grid_for((int64_t)nst, 256), 256, 0, s>>>(lse, stats, B, Lg, Hq, false);
         st = check_launch(ctx, "attention_bwd");
     }
     float neg_inf = -INFINITY, one = 1.0f;
-    const int64_t uids[14] = {U_Q,     U_KT,    U_VT,  U_O,       U_DO,          U_STATS,  U_SCALE,
-                              U_ONE,   U_NEG_INF, U_SOFTMAX_SUM, U_DQ_ACC, U_DQ, U_DK, U_DV};
-    void *const ptrs[14] = {(void *)q, (void *)k, (void *)v, (void *)out, (void *)dout, stats, &scale,
-                            &one,      &neg_inf,  ssum,      acc,         dq,           dk,    dv};
-    if (!st) st = run_plan(ctx, h, e, uids, ptrs, 14, ws, s, "attention_bwd");
+    const int64_t uids[21] = {U_Q,      U_KT,     U_VT,     U_O,      U_DO,      U_STATS,   U_SCALE,
+                              U_ONE,    U_NEG_INF, U_SOFTMAX_SUM, U_DQ_ACC, U_DQ, U_DK,    U_DV,
+                              U_SEQ_Q,  U_SEQ_KV, U_OFF_Q,  U_OFF_KV, U_OFF_ST,  U_DK_FULL, U_DV_FULL};
+    void *const ptrs[21] = {(void *)q, (void *)k, (void *)v, (void *)out, (void *)dout, stats,  &scale,
+                            &one,      &neg_inf,  ssum,      acc,         dq,           dk,     dv,
+                            seq,       seq,       off_q,     off_kv,      off_st,       dk_full, dv_full};
+    const int n = !ragged ? 14 : full ? 21 : 19;
+    if (!st) st = run_plan(ctx, h, e, uids, ptrs, n, ws, s, "attention_bwd");
     loom_status sf = check(ctx, cudaFreeAsync(scratch, s), "attention_bwd (cuDNN scratch)");
     if (!st && !sf) h->calls[BWD]++, *taken = true;
     return st ? st : sf;
