@@ -36,47 +36,69 @@ __global__ void __launch_bounds__(NT)
 }
 
 // One thread per column j adds dout[t, j] into dW[ids[t] - row0, j] for t in
-// token order, as the CPU does; tokens of other ranks are skipped. Tokens go
-// in batches of EB: their rows and gradients are loaded together, then the
-// dW row of each distinct id of the batch is read (all reads before any
-// write, so they are in flight together), gets its tokens' gradients added in
-// token order, and is written back: the CPU's sums, bit for bit. The rows are
-// split over gridDim.y groups (row r to group r % gridDim.y), each group's
-// blocks taking only their rows' tokens: all tokens of a row stay with one
-// thread per column, in token order, and there are gridDim.y times more
-// threads (one per column alone was latency-bound: 2.5 ms for 8192 tokens).
-__global__ void embedding_vp_bwd_kernel(const int32_t *ids, int64_t T, const void *dout,
-                                        loom_dtype ddt, int64_t row0, int64_t rows, int64_t H,
-                                        float *dW) {
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t ng = gridDim.y, grp = blockIdx.y;
-    if (j >= H) return;
-    for (int64_t t0 = 0; t0 < T; t0 += EB) {
-        int64_t id[EB];
-        float d[EB], w[EB];
-        bool first[EB];
-#pragma unroll
-        for (int b = 0; b < EB; b++) {
-            const int64_t r = t0 + b < T ? (int64_t)ids[t0 + b] - row0 : -1;
-            id[b] = r >= 0 && r < rows && r % ng == grp ? r : -1;
-            d[b] = id[b] >= 0 ? ld(dout, ddt, (t0 + b) * H + j) : 0.0f;
+// token order, as the CPU does; tokens of other ranks are skipped. The rows
+// are split over gridDim.y groups (a power of 2; row r to group
+// r & (groups - 1)), a block taking its group's tokens only: all tokens of a
+// row stay with one thread per column, in token order, and there are
+// gridDim.y times more threads (one per column alone was latency-bound: 2.5
+// ms for 8192 tokens). The block's warp first lists its tokens of a tile in
+// order (ballot compaction into shared memory: reading every id from global
+// memory in every block was a hot spot). Then they go in batches of EB:
+// their gradients are loaded together, the dW row of each distinct id of the
+// batch is read (all reads before any write, so they are in flight
+// together), gets its tokens' gradients added in token order, and is written
+// back: the CPU's sums, bit for bit.
+constexpr int EMB_TILE = 512; // tokens listed per pass (4 KiB of shared memory)
+__global__ void __launch_bounds__(32)
+    embedding_vp_bwd_kernel(const int32_t *ids, int64_t T, const void *dout, loom_dtype ddt,
+                            int64_t row0, int64_t rows, int64_t H, float *dW) {
+    __shared__ int32_t tok[EMB_TILE];
+    __shared__ int32_t rid[EMB_TILE]; // row - row0 (rows < 2^31)
+    const int lane = threadIdx.x;
+    const int64_t j = (int64_t)blockIdx.x * 32 + lane;
+    const int64_t gmask = (int64_t)gridDim.y - 1, grp = blockIdx.y;
+    const bool live = j < H;
+    for (int64_t base = 0; base < T; base += EMB_TILE) {
+        int n = 0;
+        for (int k = 0; k < EMB_TILE; k += 32) {
+            const int64_t t = base + k + lane;
+            const int64_t r = t < T ? (int64_t)ids[t] - row0 : -1;
+            const bool mine = r >= 0 && r < rows && (r & gmask) == grp;
+            const unsigned bal = __ballot_sync(0xffffffffu, mine);
+            if (mine) {
+                const int at = n + __popc(bal & ((1u << lane) - 1u));
+                tok[at] = (int32_t)(t - base), rid[at] = (int32_t)r;
+            }
+            n += __popc(bal);
         }
+        __syncwarp();
+        for (int i0 = 0; live && i0 < n; i0 += EB) {
+            int64_t id[EB];
+            float d[EB], w[EB];
+            bool first[EB];
 #pragma unroll
-        for (int b = 0; b < EB; b++) {
-            first[b] = id[b] >= 0;
+            for (int b = 0; b < EB; b++) {
+                id[b] = i0 + b < n ? rid[i0 + b] : -1;
+                d[b] = id[b] >= 0 ? ld(dout, ddt, (base + tok[i0 + b]) * H + j) : 0.0f;
+            }
 #pragma unroll
-            for (int c = 0; c < b; c++) first[b] = first[b] && id[c] != id[b];
-            w[b] = first[b] ? dW[id[b] * H + j] : 0.0f;
+            for (int b = 0; b < EB; b++) {
+                first[b] = id[b] >= 0;
+#pragma unroll
+                for (int c = 0; c < b; c++) first[b] = first[b] && id[c] != id[b];
+                w[b] = first[b] ? dW[id[b] * H + j] : 0.0f;
+            }
+#pragma unroll
+            for (int b = 0; b < EB; b++) {
+                if (!first[b]) continue;
+                float acc = w[b];
+#pragma unroll
+                for (int c = b; c < EB; c++)
+                    if (id[c] == id[b]) acc += d[c];
+                dW[id[b] * H + j] = acc;
+            }
         }
-#pragma unroll
-        for (int b = 0; b < EB; b++) {
-            if (!first[b]) continue;
-            float acc = w[b];
-#pragma unroll
-            for (int c = b; c < EB; c++)
-                if (id[c] == id[b]) acc += d[c];
-            dW[id[b] * H + j] = acc;
-        }
+        __syncwarp();
     }
 }
 
@@ -101,13 +123,15 @@ extern "C" loom_status loom_cuda_embedding_vp_bwd(loom_ctx *ctx, const int32_t *
     loom_status st;
     if ((st = need_float(ctx, dout_dtype, "embedding_vp_bwd", "dout"))) return st;
     if (T <= 0 || H <= 0 || rows <= 0 || !dW) return LOOM_OK;
+    if (rows > 0x7fffffffLL)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda embedding_vp_bwd: %lld rows is too many",
+                         (long long)rows);
     // One warp per block spreads the few columns over many multiprocessors,
     // and the row groups multiply them to about 4096 blocks.
     const int threads = 32;
     const int64_t cb = (H + threads - 1) / threads;
-    int64_t groups = 4096 / cb;
-    groups = groups < 1 ? 1 : groups > 128 ? 128 : groups;
-    if (groups > rows) groups = rows;
+    int64_t groups = 1; // a power of 2, up to 128, about 4096 blocks, at most the rows
+    while (groups < 128 && groups * 2 * cb <= 4096 && groups * 2 <= rows) groups *= 2;
     embedding_vp_bwd_kernel<<<dim3((unsigned)cb, (unsigned)groups), threads, 0, as_stream(stream)>>>(
         ids, T, dout, dout_dtype, row0, rows, H, dW);
     return check_launch(ctx, "embedding_vp_bwd");
