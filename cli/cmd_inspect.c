@@ -286,8 +286,10 @@ static loom_status print_memory(loom_ctx *ctx, const loom_settings *s,
            strcmp(s->recompute, "none") ? s->recompute : "");
     printf("  %-13s %12s\n", "weights", loom_fmt_bytes(b, r.weights));
     printf("  %-13s %12s\n", "gradients", loom_fmt_bytes(b, r.grads));
-    printf("  %-13s %12s   (AdamW moments and the gradient shard, over dp*cp=%d)\n", "optimizer",
-           loom_fmt_bytes(b, r.optim), n.dp * n.cp);
+    printf("  %-13s %12s   (AdamW moments%s, over dp*cp=%d)\n", "optimizer",
+           loom_fmt_bytes(b, r.optim),
+           n.dp * n.cp > 1 ? " and the gradient shard" : "; the gradients serve as the shard",
+           n.dp * n.cp);
     printf("  %-13s %12s   (%d micro-batch%s in flight on pipeline stage %d)\n", "activations",
            loom_fmt_bytes(b, r.acts), r.in_flight, r.in_flight == 1 ? "" : "es", r.pp_rank);
     printf("  %-13s %12s\n", "workspace", loom_fmt_bytes(b, r.work));

@@ -59,7 +59,11 @@ static void check_predicted_rc(loom_device dev, loom_dtype adt, int lora_r, loom
     double slack = lora_r ? (double)A->nslots * 16 * (4 + esz) : 0;
     CHECK_NEAR((double)p.weights, (double)w, slack);
     CHECK_NEAR((double)p.grads, (double)A->nparams * 4, lora_r ? A->nslots * 16 * 4 : 0);
-    CHECK_NEAR((double)p.optim, 3.0 * (double)A->shard_numel * 4, lora_r ? A->nslots * 16 * 12 : 0);
+    /* the moments, and the gradient shard unless the gradients are it (dp*cp = 1) */
+    const double blocks = A->gshard_is_g ? 2.0 : 3.0;
+    CHECK(A->gshard_is_g == (m->dp * m->cp == 1));
+    CHECK_NEAR((double)p.optim, blocks * (double)A->shard_numel * 4,
+               lora_r ? A->nslots * 16 * 4 * blocks : 0);
     CHECK(p.total >= p.weights + p.grads + p.optim + p.acts);
     loom_model_free(m);
     loom_ctx_free(ctx);

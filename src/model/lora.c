@@ -177,10 +177,11 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
  * state go. */
 static void freeze_base(loom_model *m, loom_adapter *a) {
     loom_dev_free(m, m->base.g);
-    loom_dev_free(m, m->base.gshard); /* with the moments: one block */
+    loom_dev_free(m, m->base.gshard_is_g ? m->base.adam_m : m->base.gshard); /* the moments' block */
     loom_dev_free(m, m->base.d_norm);
     loom_dev_free(m, m->base.d_chunks);
     m->base.g = m->base.gshard = m->base.adam_m = m->base.adam_v = NULL;
+    m->base.gshard_is_g = false;
     m->base.d_norm = NULL;
     m->base.d_chunks = NULL;
     loom_arena_drop_master(m, &m->base);

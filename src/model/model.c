@@ -345,7 +345,7 @@ void loom_arena_free(loom_model *m, loom_arena *a) {
     else
         free(a->w);
     loom_dev_free(m, a->g);
-    loom_dev_free(m, a->gshard); /* adam_m and adam_v live in the same block */
+    loom_dev_free(m, a->gshard_is_g ? a->adam_m : a->gshard); /* the block of the moments */
     loom_dev_free(m, a->d_norm);
     loom_dev_free(m, a->d_chunks);
     free(a->bucket_off);
@@ -1108,7 +1108,9 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
         r->weights += ap * 4 + (in->adt != LOOM_F32 ? ap * esz : 0);
     }
     r->grads = train_p * 4;
-    r->optim = in->training ? 3 * train_shard * 4 : 0;
+    /* the moments, and the gradient shard unless one rank holds it all (then
+     * the gradients are the shard) */
+    r->optim = in->training ? (m->dp * m->cp == 1 ? 2 : 3) * train_shard * 4 : 0;
     /* activations: the pipeline's micro-batches in flight on this stage */
     int in_flight = 1;
     if (in->training) {

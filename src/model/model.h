@@ -73,8 +73,11 @@ typedef struct loom_arena {
     int nbuckets;
     size_t *bucket_off, *bucket_len; /* (nbuckets) */
     size_t shard_numel;      /* sum of bucket_len / (dp*cp) */
-    float *gshard;           /* (shard_numel): this rank's reduced gradient shard */
-    float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step (one block with gshard) */
+    float *gshard;           /* (shard_numel): this rank's reduced gradient shard; g itself
+                              * when dp*cp = 1 (gshard_is_g) */
+    float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step (one block, with
+                              * gshard unless that is g) */
+    bool gshard_is_g;
     double *d_norm;          /* GPU: per-chunk sums of squares (n_norm) */
     void *d_chunks;          /* GPU: the optimizer's chunk lists, AdamW (n_adam) then norm */
     int64_t n_adam, n_norm;

@@ -443,7 +443,7 @@ static loom_status reduce_grads(loom_model *m, loom_arena *A) {
     }
     const size_t n = (size_t)loom_comm_size(m->mesh->dpcp);
     size_t so = 0;
-    for (int b = 0; b < A->nbuckets && !st; b++) {
+    for (int b = 0; b < A->nbuckets && !st && !A->gshard_is_g; b++) {
         size_t per = A->bucket_len[b] / n;
         st = loom_comm_reduce_scatter(m->mesh->dpcp, A->g + A->bucket_off[b], A->gshard + so, per,
                                       LOOM_F32, LOOM_RED_SUM);
@@ -494,11 +494,23 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     }
     if (!A->gshard) { /* the distributed optimizer's state: one block */
         size_t n = A->shard_numel;
-        loom_status sa = loom_dev_alloc(m, (void **)&A->gshard, 3 * n * sizeof(float),
-                                        "AdamW moments and the gradient shard");
+        /* one rank over dp x cp: the shard is the whole gradient buffer, the
+         * buckets back to back (checked), so the gradients serve as it
+         * (no copy, and one fp32 copy of the gradients less) */
+        bool is_g = loom_comm_size(m->mesh->dpcp) == 1;
+        for (int b = 0; b < A->nbuckets && is_g; b++) {
+            size_t so = 0;
+            for (int k = 0; k < b; k++) so += A->bucket_len[k];
+            is_g = A->bucket_off[b] == so;
+        }
+        float *blk = NULL;
+        loom_status sa = loom_dev_alloc(m, (void **)&blk, (is_g ? 2 : 3) * n * sizeof(float),
+                                        is_g ? "AdamW moments" : "AdamW moments and the gradient shard");
         if (sa) return sa;
-        A->adam_m = A->gshard + n;
-        A->adam_v = A->gshard + 2 * n;
+        A->gshard_is_g = is_g;
+        A->gshard = is_g ? A->g : blk;
+        A->adam_m = is_g ? blk : blk + n;
+        A->adam_v = A->adam_m + n;
     }
     /* this rank's parts of every bucket: what AdamW updates and what the
      * norm counts (each parameter once over the mesh) */
