@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(32)
     embedding_vp_bwd_kernel(const int32_t *ids, int64_t T, const void *dout, loom_dtype ddt,
                             int64_t row0, int64_t rows, int64_t H, float *dW) {
     __shared__ int32_t tok[EMB_TILE];
-    __shared__ int32_t rid[EMB_TILE]; // row - row0 (rows < 2^31)
+    __shared__ int32_t rid[EMB_TILE]; // row - row0: in [0, rows) and below an int32 id
     const int lane = threadIdx.x;
     const int64_t j = (int64_t)blockIdx.x * 32 + lane;
     const int64_t gmask = (int64_t)gridDim.y - 1, grp = blockIdx.y;
@@ -123,9 +123,6 @@ extern "C" loom_status loom_cuda_embedding_vp_bwd(loom_ctx *ctx, const int32_t *
     loom_status st;
     if ((st = need_float(ctx, dout_dtype, "embedding_vp_bwd", "dout"))) return st;
     if (T <= 0 || H <= 0 || rows <= 0 || !dW) return LOOM_OK;
-    if (rows > 0x7fffffffLL)
-        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda embedding_vp_bwd: %lld rows is too many",
-                         (long long)rows);
     // One warp per block spreads the few columns over many multiprocessors,
     // and the row groups multiply them to about 4096 blocks.
     const int threads = 32;
