@@ -324,3 +324,38 @@ TEST(model_cuda_fp16_loss_scaling) {
     CHECK_MSG(stepped >= 4, "%d of 5 steps taken", stepped);
     golden_close(&g);
 }
+
+/* LOOM_ATTN names the attention kernels: a value that is neither `cudnn` nor
+ * `loom` is refused when the model is created, on any device, saying what
+ * is allowed; the two names are accepted (on the CPU they change nothing). */
+TEST(model_attention_kernels_env) {
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char dir[1024];
+    path_of(dir, sizeof dir, "models/", "tiny-qwen3", "");
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = LOOM_DEVICE_CPU;
+    const char *old = getenv("LOOM_ATTN");
+    char *saved = old ? strdup(old) : NULL;
+    loom_model *m = NULL;
+    setenv("LOOM_ATTN", "flash", 1);
+    CHECK(loom_model_create(ctx, dir, &o, &m) == LOOM_ERR_INVALID_ARG);
+    CHECK(m == NULL);
+    CHECK_CONTAINS(loom_last_error(ctx), "LOOM_ATTN=flash");
+    CHECK_CONTAINS(loom_last_error(ctx), "`cudnn` (the default) or `loom`");
+    const char *good[2] = {"loom", "cudnn"};
+    for (int i = 0; i < 2; i++) {
+        setenv("LOOM_ATTN", good[i], 1);
+        REQUIRE_OK(ctx, loom_model_create(ctx, dir, &o, &m));
+        loom_model_free(m);
+        m = NULL;
+    }
+    if (saved)
+        setenv("LOOM_ATTN", saved, 1);
+    else
+        unsetenv("LOOM_ATTN");
+    free(saved);
+    loom_ctx_free(ctx);
+}

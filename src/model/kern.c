@@ -23,6 +23,12 @@
 loom_status loom_dev_init(loom_model *m) {
     loom_dev *d = &m->dev;
     d->esz = loom_dtype_size(d->adt);
+    /* the attention kernels asked for (checked on every device: a typo is
+     * not ignored on the CPU either) */
+    const char *a = getenv("LOOM_ATTN");
+    if (a && *a && strcmp(a, "cudnn") != 0 && strcmp(a, "loom") != 0)
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
+                         "LOOM_ATTN=%s: the attention kernels are `cudnn` (the default) or `loom`", a);
     if (!d->cuda) {
         d->device = -1;
         return LOOM_OK;
@@ -37,10 +43,7 @@ loom_status loom_dev_init(loom_model *m) {
     if (st) return st;
     /* cuDNN's fused attention unless loom's own kernels are asked for (by name,
      * or for the bitwise-repeatable backward, which cuDNN's is not) */
-    const char *a = getenv("LOOM_ATTN"), *det = getenv("LOOM_ATTN_DETERMINISTIC");
-    if (a && *a && strcmp(a, "cudnn") != 0 && strcmp(a, "loom") != 0)
-        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
-                         "LOOM_ATTN=%s: the attention kernels are `cudnn` (the default) or `loom`", a);
+    const char *det = getenv("LOOM_ATTN_DETERMINISTIC");
     if (!(a && strcmp(a, "loom") == 0) && !(det && *det && strcmp(det, "0") != 0) &&
         (st = loom_cuda_attn_create(m->ctx, &d->attn)))
         return st;
