@@ -498,11 +498,8 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
          * buckets back to back (checked), so the gradients serve as it
          * (no copy, and one fp32 copy of the gradients less) */
         bool is_g = loom_comm_size(m->mesh->dpcp) == 1;
-        for (int b = 0; b < A->nbuckets && is_g; b++) {
-            size_t so = 0;
-            for (int k = 0; k < b; k++) so += A->bucket_len[k];
+        for (size_t b = 0, so = 0; is_g && b < (size_t)A->nbuckets; so += A->bucket_len[b++])
             is_g = A->bucket_off[b] == so;
-        }
         float *blk = NULL;
         loom_status sa = loom_dev_alloc(m, (void **)&blk, (is_g ? 2 : 3) * n * sizeof(float),
                                         is_g ? "AdamW moments" : "AdamW moments and the gradient shard");
