@@ -133,4 +133,16 @@ int loom_test_run(char **out, const char *const argv[]);
 /* The loom binary under test ($LOOM_BIN or build/loom). */
 const char *loom_test_bin(void);
 
+/* Context parallel cp=2 as loom lays it out: the T tokens in 4 chunks, rank r
+ * holding chunks r and 3-r. Writes rank r's token indices (ascending) to
+ * qidx (T/2 of them) and returns how many. */
+static inline int loom_test_cp2_queries(int64_t T, int r, int32_t *qidx) {
+    const int64_t C = T / 4;
+    int n = 0;
+    for (int c = 0; c < 4; c++)
+        if (c == r || c == 3 - r)
+            for (int64_t t = c * C; t < (c + 1) * C; t++) qidx[n++] = (int32_t)t;
+    return n;
+}
+
 #endif

@@ -622,7 +622,7 @@ TEST(cuda_ops_attention_cudnn) {
 TEST(cuda_ops_attention_query_subset) {
     gpu g;
     REQUIRE(gpu_open(&g));
-    enum { T = 96, C = T / 4 };
+    enum { T = 96 };
     const int32_t cu[4] = {0, 17, 60, 96};
     const loom_dtype types[2] = {LOOM_F32, LOOM_BF16};
     const int64_t Ds[3] = {16, 64, 128};
@@ -632,10 +632,7 @@ TEST(cuda_ops_attention_query_subset) {
             for (int di = 0; di < 3; di++)
                 for (int r = 0; r < 2; r++) {
                     int32_t qidx[T / 2];
-                    int n = 0;
-                    for (int c = 0; c < 4; c++)
-                        if (c == r || c == 3 - r)
-                            for (int t = c * C; t < (c + 1) * C; t++) qidx[n++] = t;
+                    const int n = loom_test_cp2_queries(T, r, qidx);
                     attn_case(&g, T, 6, 2, Ds[di], cu, 3, qidx, n, types[ti], 200 + (uint64_t)di);
                 }
     }

@@ -499,7 +499,7 @@ TEST(ops_attention_parallel) {
  * K and V. Outputs equal the full run's rows; dk and dv of the two halves
  * sum to the full run's. */
 TEST(ops_attention_query_subset) {
-    enum { T = 48, HQ = 4, HKV = 2, D = 8, NQ = T * HQ * D, NK = T * HKV * D, C = T / 4 };
+    enum { T = 48, HQ = 4, HKV = 2, D = 8, NQ = T * HQ * D, NK = T * HKV * D };
     const int32_t cu[4] = {0, 17, 30, 48};
     float *q = falloc(NQ), *k = falloc(NK), *v = falloc(NK), *o = falloc(NQ), *l = falloc(T * HQ);
     float *dout = falloc(NQ), *dq = falloc(NQ), *dk = falloc(NK), *dv = falloc(NK);
@@ -515,10 +515,7 @@ TEST(ops_attention_query_subset) {
     double worst = 0;
     for (int r = 0; r < 2; r++) {
         int32_t qidx[T / 2];
-        int n = 0;
-        for (int c = 0; c < 4; c++)
-            if (c == r || c == 3 - r)
-                for (int t = c * C; t < (c + 1) * C; t++) qidx[n++] = t;
+        const int n = loom_test_cp2_queries(T, r, qidx);
         for (int t = 0; t < n; t++) {
             memcpy(qs + t * HQ * D, q + qidx[t] * HQ * D, HQ * D * sizeof(float));
             memcpy(dos + t * HQ * D, dout + qidx[t] * HQ * D, HQ * D * sizeof(float));
