@@ -8,16 +8,24 @@
 #include "../src/model/model.h"
 #include "harness.h"
 
+/* A context (errors only), the tiny Qwen3 fixture's directory and default
+ * model options; NULL when the context cannot be made. */
+static loom_ctx *tiny_setup(char *dir, size_t n, loom_model_options *o) {
+    loom_ctx *ctx;
+    if (loom_ctx_create(&ctx)) return NULL;
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    snprintf(dir, n, "%s/models/tiny-qwen3", loom_test_fixtures());
+    loom_model_options_default(o);
+    return ctx;
+}
+
 static void check_predicted_rc(loom_device dev, loom_dtype adt, int lora_r, loom_recompute rc,
                                uint64_t *acts) {
     if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) SKIP("no GPU visible");
-    loom_ctx *ctx;
-    REQUIRE(!loom_ctx_create(&ctx));
-    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3", loom_test_fixtures());
     loom_model_options o;
-    loom_model_options_default(&o);
+    loom_ctx *ctx = tiny_setup(dir, sizeof dir, &o);
+    REQUIRE(ctx);
     o.device = dev;
     o.dtype = adt;
     o.recompute = rc;
@@ -131,13 +139,10 @@ TEST(memory_inspect_mesh_table) {
 /* A recompute level that does not exist: the API refuses it and names the
  * levels; the command line lists the choices. */
 TEST(memory_recompute_bad_values) {
-    loom_ctx *ctx;
-    REQUIRE(!loom_ctx_create(&ctx));
-    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3", loom_test_fixtures());
     loom_model_options o;
-    loom_model_options_default(&o);
+    loom_ctx *ctx = tiny_setup(dir, sizeof dir, &o);
+    REQUIRE(ctx);
     o.recompute = (loom_recompute)7;
     loom_model *m = NULL;
     CHECK(loom_model_create(ctx, dir, &o, &m) == LOOM_ERR_INVALID_ARG);
