@@ -43,8 +43,8 @@ cd "$(dirname "$0")/.." || exit 1
 
 MODE=${1:-}
 T0=$SECONDS
-say() { echo "[$(printf '%4d' $((SECONDS - T0)))s] $*"; }
-show_cmd() { printf '$'; printf ' %q' "$@"; echo; }
+RUN_TIMEOUT_NAME=LOOM_TOPO_RUN_TIMEOUT
+. bench/lib.sh # say, show_cmd, run_logged
 
 # step_lines LOG: "STEP LOSS GRADNORM TOKENS_PER_S" for each step line of rank 0
 step_lines() {
@@ -247,27 +247,6 @@ else
     REF_CMD=("$LOOM" train "${COMMON[@]}" "${REF_SAVE[@]}")
     TOPO_CMD=("$LOOM" train --nproc-per-node "$NP" "${COMMON[@]}" "${MESH[@]}" "${TOPO_SAVE[@]}")
 fi
-
-# run_logged LOG CMD...: prints the command, runs it (under timeout) with its
-# output in LOG, shows progress lines; returns the command's status
-run_logged() {
-    local log=$1
-    shift
-    show_cmd "$@"
-    [ "$DRY" = 1 ] && return 0
-    local t=$SECONDS
-    timeout -k 15 "$RUN_TIMEOUT" "$@" > "$log" 2>&1 < /dev/null
-    local rc=$?
-    grep -E '^(\[rank 0/[0-9]+\] )?(step (1|2|[0-9]*[05])/|trained )|peak GPU memory|max RSS|[Ee]rror:|out of memory' "$log" | sed 's/^/    /'
-    [ "$rc" -eq 124 ] && echo "    (killed: over LOOM_TOPO_RUN_TIMEOUT=$RUN_TIMEOUT s)" | tee -a "$log"
-    if [ "$rc" -ne 0 ]; then
-        echo "    --- exit $rc after $((SECONDS - t)) s; the log's last lines:"
-        tail -15 "$log" | sed 's/^/    | /'
-    else
-        echo "    --- done in $((SECONDS - t)) s"
-    fi
-    return "$rc"
-}
 
 copy_out() {
     [ -n "$OUTDIR" ] && [ "$DRY" != 1 ] || return 0

@@ -69,8 +69,9 @@ done
 
 mkdir -p "$W" || exit 1
 T0=$SECONDS
-say() { echo "[$(printf '%4d' $((SECONDS - T0)))s] $*"; }
-show_cmd() { printf '$'; printf ' %q' "$@"; echo; }
+RUN_TIMEOUT_NAME=LOOM_BENCH_RUN_TIMEOUT
+DRY=0
+. bench/lib.sh # say, show_cmd, run_logged
 
 main() { # (body not indented: it holds a Python snippet)
 echo "=================== loom vs HF transformers/PEFT training benchmark ==================="
@@ -126,27 +127,6 @@ ROWS=$W/rows.md
 : > "$ROWS"
 REPORTS=$W/reports.txt
 : > "$REPORTS"
-
-# run_logged LOG CMD...: prints the command, runs it with its output in LOG
-# (under timeout), shows progress lines; returns the command's status.
-run_logged() {
-    local log=$1
-    shift
-    show_cmd "$@"
-    local t=$SECONDS
-    timeout -k 15 "$RUN_TIMEOUT" "$@" 2>&1 | tee "$log" |
-        grep --line-buffered -E '^(step (1|2|[0-9]*[05])/|trained |peak GPU memory|peer: |Traceback)|out of memory|OutOfMemory|[Ee]rror:|ERROR' |
-        sed -u 's/^/    /'
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 124 ] && echo "    (killed: over LOOM_BENCH_RUN_TIMEOUT=$RUN_TIMEOUT s)" >> "$log"
-    if [ "$rc" -ne 0 ]; then
-        echo "    --- exit $rc after $((SECONDS - t)) s; the log's last lines:"
-        tail -15 "$log" | sed 's/^/    | /'
-    else
-        echo "    --- done in $((SECONDS - t)) s"
-    fi
-    return "$rc"
-}
 
 copy_out() {
     [ -n "$OUTDIR" ] || return 0
