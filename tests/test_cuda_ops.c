@@ -233,6 +233,8 @@ TEST(cuda_ops_rmsnorm) {
     rmsnorm_case(&g, 37, 72, LOOM_F32, LOOM_BF16, LOOM_F16);
     rmsnorm_case(&g, 300, 1024, LOOM_F16, LOOM_F16, LOOM_F16); /* the F16 vector path */
     rmsnorm_case(&g, 33, 2560, LOOM_BF16, LOOM_BF16, LOOM_BF16);
+    rmsnorm_case(&g, 2000, 256, LOOM_BF16, LOOM_BF16, LOOM_BF16); /* one pass for dx and dw */
+    rmsnorm_case(&g, 70, 512, LOOM_BF16, LOOM_F32, LOOM_BF16);
     REQUIRE(!g.bad);
     /* errors name the op */
     CHECK(loom_cuda_rmsnorm_fwd(g.ctx, NULL, LOOM_I32, NULL, LOOM_F32, 1, 1, 1e-6f, NULL, LOOM_F32,
@@ -278,6 +280,180 @@ TEST(cuda_ops_rope) {
             CHECK_CLOSE(got, x, n, dt, "rope_bwd D=%lld %s", (long long)D, dn(dt));
             free(x), free(got);
         }
+    gpu_close(&g);
+}
+
+/* ---------------- fused norms ---------------- */
+
+/* Bits of two device tensors of n elements of dt the same. */
+#define CHECK_SAME(g, da, db, n, dt, ...)                                                          \
+    do {                                                                                           \
+        float *a_ = falloc(n), *b_ = falloc(n);                                                    \
+        char w_[256];                                                                              \
+        snprintf(w_, sizeof w_, __VA_ARGS__);                                                      \
+        down(g, a_, da, n, dt);                                                                    \
+        down(g, b_, db, n, dt);                                                                    \
+        int64_t k_ = n_differ(a_, b_, n);                                                          \
+        CHECK_MSG(k_ == 0, "%s: %lld of %lld elements differ", w_, (long long)k_, (long long)(n)); \
+        free(a_), free(b_);                                                                        \
+    } while (0)
+
+/* add + RMSNorm forward and RMSNorm backward + add, fused, against the ops
+ * apart on the GPU (the same bits; dw within rounding: the fused pass sums
+ * rows in another order) and against the CPU. */
+static void add_norm_case(gpu *g, int64_t N, int64_t H, loom_dtype dt, bool with_dw) {
+    const float eps = 1e-6f;
+    const int64_t n = N * H;
+    const size_t eb = (size_t)n * loom_dtype_size(dt);
+    float *x = falloc(n), *res = falloc(n), *w = falloc(H), *dy = falloc(n), *dx0 = falloc(n);
+    float *xs = falloc(n), *y = falloc(n), *rs = falloc(N), *dx = falloc(n), *dw = falloc(H);
+    float *got = falloc(n), *gdw = falloc(H);
+    fill(x, n, 61, 2), fill(res, n, 62, 1), fill(w, H, 63, 1), fill(dy, n, 64, 1);
+    fill(dx0, n, 65, 1), fill(dw, H, 66, 1);
+    round_to(g, x, n, dt), round_to(g, res, n, dt), round_to(g, w, H, dt), round_to(g, dy, n, dt);
+    round_to(g, dx0, n, dt);
+    void *d_x = up(g, x, n, dt), *d_x2 = up(g, x, n, dt), *d_res = up(g, res, n, dt);
+    void *d_w = up(g, w, H, dt), *d_y = dalloc(g, eb), *d_y2 = dalloc(g, eb);
+    float *d_rs = dalloc(g, (size_t)N * 4), *d_rs2 = dalloc(g, (size_t)N * 4);
+    void *d_dy = up(g, dy, n, dt), *d_dy2 = up(g, dy, n, dt), *d_dx = up(g, dx0, n, dt),
+         *d_dx2 = up(g, dx0, n, dt);
+    float *d_dw = with_dw ? up(g, dw, H, LOOM_F32) : NULL, *d_dw2 = with_dw ? up(g, dw, H, LOOM_F32) : NULL;
+    void *scr = dalloc(g, loom_cuda_rmsnorm_bwd_scratch_bytes(N, H));
+    if (g->bad) return;
+    /* forward, in place on x as the model runs it */
+    CHECK_OK(g->ctx, loom_cuda_add_rmsnorm_fwd(g->ctx, d_x, d_res, d_x, dt, d_w, dt, N, H, eps, d_y,
+                                               d_rs, NULL));
+    CHECK_OK(g->ctx, loom_cuda_residual_add(g->ctx, d_x2, dt, d_res, dt, n, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, d_x2, dt, d_w, dt, N, H, eps, d_y2, dt, d_rs2, NULL));
+    CHECK_SAME(g, d_x, d_x2, n, dt, "add_rmsnorm_fwd sum N=%lld H=%lld", (long long)N, (long long)H);
+    CHECK_SAME(g, d_y, d_y2, n, dt, "add_rmsnorm_fwd y N=%lld H=%lld", (long long)N, (long long)H);
+    CHECK_SAME(g, d_rs, d_rs2, N, LOOM_F32, "add_rmsnorm_fwd rstd N=%lld", (long long)N);
+    for (int64_t i = 0; i < n; i++) xs[i] = x[i] + res[i];
+    round_to(g, xs, n, dt);
+    loom_cpu_rmsnorm_fwd(xs, w, N, H, eps, y, rs);
+    round_to(g, y, n, dt);
+    down(g, got, d_y, n, dt);
+    CHECK_CLOSE(got, y, n, dt, "add_rmsnorm_fwd y vs CPU N=%lld H=%lld", (long long)N, (long long)H);
+    /* backward: dx += rmsnorm_bwd(dy) */
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd_add(g->ctx, d_dy, d_x, dt, d_w, dt, d_rs, N, H, d_dx, d_dw,
+                                               scr, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, d_rs, N, H, d_dy2, dt,
+                                           d_dw2, scr, NULL));
+    CHECK_OK(g->ctx, loom_cuda_residual_add(g->ctx, d_dx2, dt, d_dy2, dt, n, NULL));
+    CHECK_SAME(g, d_dx, d_dx2, n, dt, "rmsnorm_bwd_add dx N=%lld H=%lld", (long long)N, (long long)H);
+    down(g, got, d_rs, N, LOOM_F32);
+    float *cdw = falloc(H);
+    memcpy(cdw, dw, sizeof(float) * (size_t)H);
+    loom_cpu_rmsnorm_bwd(dy, xs, w, got, N, H, dx, with_dw ? cdw : NULL);
+    round_to(g, dx, n, dt);
+    for (int64_t i = 0; i < n; i++) dx[i] += dx0[i];
+    round_to(g, dx, n, dt);
+    down(g, got, d_dx, n, dt);
+    CHECK_CLOSE(got, dx, n, dt, "rmsnorm_bwd_add dx vs CPU N=%lld H=%lld", (long long)N, (long long)H);
+    if (with_dw) {
+        down(g, gdw, d_dw, H, LOOM_F32);
+        CHECK_CLOSE(gdw, cdw, H, LOOM_F32, "rmsnorm_bwd_add dw vs CPU N=%lld H=%lld", (long long)N,
+                    (long long)H);
+    }
+    free(x), free(res), free(w), free(dy), free(dx0), free(xs), free(y), free(rs), free(dx), free(dw),
+        free(got), free(gdw), free(cdw);
+    gpu_free_all(g);
+}
+
+/* Qwen3's q/k norm + RoPE, fused, against rmsnorm then rope (and back)
+ * apart on the GPU and on the CPU. */
+static void qknorm_rope_case(gpu *g, int64_t T, int64_t nh, int64_t D, loom_dtype dt, bool with_dw) {
+    const float eps = 1e-6f;
+    const int64_t N = T * nh, n = N * D;
+    const size_t eb = (size_t)n * loom_dtype_size(dt);
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)T);
+    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % 50 + (t >= T / 2 ? 30000 : 0));
+    float inv[128], *x = falloc(n), *w = falloc(D), *dy = falloc(n), *dw = falloc(D);
+    float *y = falloc(n), *rs = falloc(N), *got = falloc(n), *gdw = falloc(D), *cdw = falloc(D);
+    loom_rope_inv_freq(0, 1e6, D, 1, 1, 1, 0, inv);
+    fill(x, n, 71, 2), fill(w, D, 72, 1), fill(dy, n, 73, 1), fill(dw, D, 74, 1);
+    round_to(g, x, n, dt), round_to(g, w, D, dt), round_to(g, dy, n, dt);
+    void *d_x = up(g, x, n, dt), *d_w = up(g, w, D, dt), *d_y = dalloc(g, eb), *d_y2 = dalloc(g, eb);
+    float *d_rs = dalloc(g, (size_t)N * 4), *d_rs2 = dalloc(g, (size_t)N * 4);
+    void *d_pos = up_raw(g, pos, sizeof(int32_t) * (size_t)T), *d_inv = up(g, inv, D / 2, LOOM_F32);
+    float *cs = dalloc(g, (size_t)(T * D) * 4);
+    void *d_dy = up(g, dy, n, dt), *d_dy2 = up(g, dy, n, dt);
+    float *d_dw = with_dw ? up(g, dw, D, LOOM_F32) : NULL, *d_dw2 = with_dw ? up(g, dw, D, LOOM_F32) : NULL;
+    void *scr = dalloc(g, loom_cuda_rmsnorm_bwd_scratch_bytes(N, D));
+    if (g->bad) return;
+    CHECK_OK(g->ctx, loom_cuda_rope_table(g->ctx, d_pos, T, D, d_inv, cs, NULL));
+    CHECK_OK(g->ctx, loom_cuda_qknorm_rope_fwd(g->ctx, d_x, dt, d_w, dt, N, nh, D, eps, cs, d_y, d_rs,
+                                               NULL));
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, d_x, dt, d_w, dt, N, D, eps, d_y2, dt, d_rs2, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rope_fwd(g->ctx, d_y2, dt, T, nh, D, d_pos, d_inv, NULL));
+    CHECK_SAME(g, d_y, d_y2, n, dt, "qknorm_rope_fwd T=%lld nh=%lld D=%lld", (long long)T,
+               (long long)nh, (long long)D);
+    CHECK_SAME(g, d_rs, d_rs2, N, LOOM_F32, "qknorm_rope_fwd rstd D=%lld", (long long)D);
+    loom_cpu_rmsnorm_fwd(x, w, N, D, eps, y, rs);
+    round_to(g, y, n, dt);
+    loom_cpu_rope_fwd(y, T, nh, D, pos, inv);
+    round_to(g, y, n, dt);
+    down(g, got, d_y, n, dt);
+    CHECK_CLOSE(got, y, n, dt, "qknorm_rope_fwd vs CPU D=%lld", (long long)D);
+    /* backward, dx over dy */
+    CHECK_OK(g->ctx, loom_cuda_qknorm_rope_bwd(g->ctx, d_dy, d_x, dt, d_w, dt, d_rs, N, nh, D, cs,
+                                               d_dy, d_dw, scr, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rope_bwd(g->ctx, d_dy2, dt, T, nh, D, d_pos, d_inv, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, d_rs, N, D, d_dy2, dt,
+                                           d_dw2, scr, NULL));
+    CHECK_SAME(g, d_dy, d_dy2, n, dt, "qknorm_rope_bwd dx T=%lld nh=%lld D=%lld", (long long)T,
+               (long long)nh, (long long)D);
+    loom_cpu_rope_bwd(dy, T, nh, D, pos, inv);
+    round_to(g, dy, n, dt);
+    memcpy(cdw, dw, sizeof(float) * (size_t)D);
+    float *dx = falloc(n);
+    loom_cpu_rmsnorm_bwd(dy, x, w, rs, N, D, dx, with_dw ? cdw : NULL);
+    round_to(g, dx, n, dt);
+    down(g, got, d_dy, n, dt);
+    CHECK_CLOSE(got, dx, n, dt, "qknorm_rope_bwd dx vs CPU D=%lld", (long long)D);
+    if (with_dw) {
+        down(g, gdw, d_dw, D, LOOM_F32);
+        CHECK_CLOSE(gdw, cdw, D, LOOM_F32, "qknorm_rope_bwd dw vs CPU D=%lld", (long long)D);
+        down(g, got, d_dw2, D, LOOM_F32);
+        CHECK_CLOSE(gdw, got, D, LOOM_F32, "qknorm_rope_bwd dw vs the ops apart D=%lld", (long long)D);
+    }
+    free(pos), free(x), free(w), free(dy), free(dw), free(y), free(rs), free(got), free(gdw), free(cdw),
+        free(dx);
+    gpu_free_all(g);
+}
+
+TEST(cuda_ops_fused_norms) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    add_norm_case(&g, 37, 72, LOOM_BF16, true);
+    add_norm_case(&g, 300, 1024, LOOM_BF16, true); /* dx and dw in one pass */
+    add_norm_case(&g, 300, 1024, LOOM_F16, false);
+    add_norm_case(&g, 2000, 256, LOOM_BF16, true);
+    add_norm_case(&g, 33, 2560, LOOM_BF16, true);
+    add_norm_case(&g, 130, 512, LOOM_BF16, false);
+    qknorm_rope_case(&g, 37, 3, 128, LOOM_BF16, true);
+    qknorm_rope_case(&g, 700, 4, 128, LOOM_BF16, true); /* rows over many blocks */
+    qknorm_rope_case(&g, 300, 2, 64, LOOM_F16, true);
+    qknorm_rope_case(&g, 50, 5, 256, LOOM_BF16, false);
+    qknorm_rope_case(&g, 37, 3, 128, LOOM_BF16, false);
+    REQUIRE(!g.bad);
+    /* what the fused kernels do not take is refused with the op's name */
+    void *p = dalloc(&g, 4096);
+    REQUIRE(p);
+    CHECK(!loom_cuda_rmsnorm_fused_ok(LOOM_F32, 64) && !loom_cuda_rmsnorm_fused_ok(LOOM_BF16, 36));
+    CHECK(loom_cuda_add_rmsnorm_fwd(g.ctx, p, p, p, LOOM_F32, p, LOOM_F32, 2, 64, 1e-6f, p, p, NULL) ==
+          LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda add_rmsnorm_fwd");
+    CHECK(!loom_cuda_qknorm_rope_ok(LOOM_BF16, 48));
+    CHECK(loom_cuda_qknorm_rope_fwd(g.ctx, p, LOOM_BF16, p, LOOM_BF16, 4, 2, 48, 1e-6f, p, p, p, NULL) ==
+          LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda qknorm_rope_fwd");
+    CHECK(loom_cuda_qknorm_rope_fwd(g.ctx, p, LOOM_BF16, p, LOOM_BF16, 5, 2, 128, 1e-6f, p, p, p, NULL) ==
+          LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "not tokens of 2 heads");
+    CHECK(loom_cuda_rmsnorm_bwd_add(g.ctx, (char *)p + 2, p, LOOM_BF16, p, LOOM_BF16, p, 2, 64,
+                                    (char *)p + 512, NULL, NULL, NULL) == LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "16-byte aligned");
     gpu_close(&g);
 }
 

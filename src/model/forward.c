@@ -23,11 +23,6 @@
 /* Activation (compute dtype) and fp32 buffers of layer i of a chunk */
 #define AT(buf, i, per) ((void *)((char *)(buf) + (size_t)(i) * (size_t)(per) * m->dev.esz))
 #define ATF(buf, i, per) ((buf) + (size_t)(i) * (size_t)(per))
-#define CK(expr)                                                                          \
-    do {                                                                                  \
-        loom_status st_ = (expr);                                                         \
-        if (st_) return st_;                                                              \
-    } while (0)
 
 /* ---- tensor-parallel collectives on (tokens, H) activations ---- */
 
@@ -165,21 +160,28 @@ static loom_status attn_fwd(loom_model *m, const lbuf *b, int64_t l, const loom_
     if (s->bk >= 0) CK(loom_k_bias_fwd(m, kdst, loom_wc(m, s->bk), Tc, KD));
     if (s->bv >= 0) CK(loom_k_bias_fwd(m, vl, loom_wc(m, s->bv), Tc, KD));
     if (m->cfg.qk_norm) {
-        CK(loom_k_rmsnorm_fwd(m, qdst, loom_wc(m, s->qn), Tc * m->Hql, m->D, eps, q, b->rstdq));
-        CK(loom_k_rmsnorm_fwd(m, kdst, loom_wc(m, s->kn), Tc * m->Hkvl, m->D, eps, kl, b->rstdk));
+        CK(loom_k_qknorm_rope_fwd(m, mb, qdst, loom_wc(m, s->qn), m->Hql, eps, q, b->rstdq));
+        CK(loom_k_qknorm_rope_fwd(m, mb, kdst, loom_wc(m, s->kn), m->Hkvl, eps, kl, b->rstdk));
+    } else {
+        CK(loom_k_rope(m, false, q, Tc, m->Hql, mb->d_pos));
+        CK(loom_k_rope(m, false, kl, Tc, m->Hkvl, mb->d_pos));
     }
-    CK(loom_k_rope(m, false, q, Tc, m->Hql, mb->d_pos));
-    CK(loom_k_rope(m, false, kl, Tc, m->Hkvl, mb->d_pos));
     CK(cp_gather(m, kl, KD, k));
     CK(cp_gather(m, vl, KD, v));
     CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
                        even_docs(mb), o, b->lse));
 
-    LIN(LOOM_LORA_O, o, Tc, QD, loom_wc(m, s->wo), H, m->dtmp);
-    CK(tp_reduce(m, m->dtmp, xmid));
-    CK(loom_k_add(m, xmid, b->x, Tn * H));
-    if (s->bo >= 0) CK(loom_k_bias_fwd(m, xmid, loom_wc(m, s->bo), Tn, H));
-    CK(loom_k_rmsnorm_fwd(m, xmid, loom_wc(m, s->ln2), Tn, H, eps, m->sp ? m->dtmp : b->h2, b->rstd2));
+    /* the projection straight into xmid unless SP scatters it there */
+    void *part = m->sp ? m->dtmp : xmid, *h2 = m->sp ? m->dtmp : b->h2;
+    LIN(LOOM_LORA_O, o, Tc, QD, loom_wc(m, s->wo), H, part);
+    CK(tp_reduce(m, part, xmid));
+    if (s->bo >= 0) {
+        CK(loom_k_add(m, xmid, b->x, Tn * H));
+        CK(loom_k_bias_fwd(m, xmid, loom_wc(m, s->bo), Tn, H));
+        CK(loom_k_rmsnorm_fwd(m, xmid, loom_wc(m, s->ln2), Tn, H, eps, h2, b->rstd2));
+    } else {
+        CK(loom_k_add_rmsnorm_fwd(m, xmid, b->x, xmid, loom_wc(m, s->ln2), Tn, H, eps, h2, b->rstd2));
+    }
     if (m->sp) CK(sp_gather(m, m->dtmp, b->h2));
     return LOOM_OK;
 }
@@ -203,8 +205,9 @@ static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     layer_bufs(m, a, i, b);
     CK(attn_fwd(m, b, l, mb));
     CK(mlp_front(m, b, l));
-    LIN(LOOM_LORA_DOWN, b->act, Tc, Il, loom_wc(m, s->wd), H, m->dtmp);
-    CK(tp_reduce(m, m->dtmp, b->xn));
+    void *part = m->sp ? m->dtmp : b->xn;
+    LIN(LOOM_LORA_DOWN, b->act, Tc, Il, loom_wc(m, s->wd), H, part);
+    CK(tp_reduce(m, part, b->xn));
     CK(loom_k_add(m, b->xn, b->xmid, Tn * H));
     if (s->bdn >= 0) CK(loom_k_bias_fwd(m, b->xn, loom_wc(m, s->bdn), Tn, H));
     return LOOM_OK;
@@ -264,8 +267,8 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     DW(du, h2, Tc, Il, H, loom_g(m, s->wu));
     void *red = m->sp ? m->dfull : dtmp; /* reduce-scatter needs distinct buffers */
     CK(tp_reduce(m, dtmp, red));
-    CK(loom_k_rmsnorm_bwd(m, red, xmid, loom_wc(m, s->ln2), b->rstd2, Tn, H, red, loom_g(m, s->ln2)));
-    CK(loom_k_add(m, dx, red, Tn * H));
+    CK(loom_k_rmsnorm_bwd_add(m, red, xmid, loom_wc(m, s->ln2), b->rstd2, Tn, H, dx,
+                              loom_g(m, s->ln2)));
 
     /* attention */
     if (s->bo >= 0) CK(loom_k_bias_bwd(m, dx, Tn, H, loom_g(m, s->bo)));
@@ -278,13 +281,14 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
                        mb->ndocs, even_docs(mb), dq, dk, dv));
     CK(cp_reduce(m, dk, KD, dkl));
     CK(cp_reduce(m, dv, KD, dvl));
-    CK(loom_k_rope(m, true, dq, Tc, m->Hql, mb->d_pos));
-    CK(loom_k_rope(m, true, dkl, Tc, m->Hkvl, mb->d_pos));
     if (m->cfg.qk_norm) {
-        CK(loom_k_rmsnorm_bwd(m, dq, b->qpre, loom_wc(m, s->qn), b->rstdq, Tc * m->Hql, m->D, dq,
-                              loom_g(m, s->qn)));
-        CK(loom_k_rmsnorm_bwd(m, dkl, b->kpre, loom_wc(m, s->kn), b->rstdk, Tc * m->Hkvl, m->D, dkl,
-                              loom_g(m, s->kn)));
+        CK(loom_k_qknorm_rope_bwd(m, mb, dq, b->qpre, loom_wc(m, s->qn), b->rstdq, m->Hql,
+                                  loom_g(m, s->qn)));
+        CK(loom_k_qknorm_rope_bwd(m, mb, dkl, b->kpre, loom_wc(m, s->kn), b->rstdk, m->Hkvl,
+                                  loom_g(m, s->kn)));
+    } else {
+        CK(loom_k_rope(m, true, dq, Tc, m->Hql, mb->d_pos));
+        CK(loom_k_rope(m, true, dkl, Tc, m->Hkvl, mb->d_pos));
     }
     if (s->bq >= 0) CK(loom_k_bias_bwd(m, dq, Tc, QD, loom_g(m, s->bq)));
     if (s->bk >= 0) CK(loom_k_bias_bwd(m, dkl, Tc, KD, loom_g(m, s->bk)));
@@ -300,9 +304,8 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     DW(dkl, h1, Tc, KD, H, loom_g(m, s->wk));
     DW(dvl, h1, Tc, KD, H, loom_g(m, s->wv));
     CK(tp_reduce(m, dtmp, red));
-    CK(loom_k_rmsnorm_bwd(m, red, x, loom_wc(m, s->ln1), b->rstd1, Tn, H, red, loom_g(m, s->ln1)));
-    CK(loom_k_add(m, dx, red, Tn * H));
-    return LOOM_OK;
+    return loom_k_rmsnorm_bwd_add(m, red, x, loom_wc(m, s->ln1), b->rstd1, Tn, H, dx,
+                                  loom_g(m, s->ln1));
 }
 
 /* ---- embedding (vocab-parallel: rows outside this rank's block give zeros) ---- */

@@ -235,26 +235,99 @@ loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int6
     return LOOM_OK;
 }
 
+#ifdef LOOM_HAVE_CUDA
+/* The RMSNorm backward's dw scratch: sized by reserve, grown here if not. */
+static loom_status rms_scratch(loom_model *m, int64_t N, int64_t H, const float *dw) {
+    size_t need = dw ? loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) : 0;
+    if (need <= m->dev.rms_scratch_bytes) return LOOM_OK;
+    loom_cuda_free(m->dev.rms_scratch);
+    m->dev.rms_scratch = NULL;
+    m->dev.rms_scratch_bytes = 0;
+    loom_status st = loom_cuda_malloc(m->ctx, &m->dev.rms_scratch, need, "RMSNorm backward scratch");
+    if (!st) m->dev.rms_scratch_bytes = need;
+    return st;
+}
+#endif
+
 loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, const void *w,
                                const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m)) {
         loom_dtype t = m->dev.adt;
-        size_t need = dw ? loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) : 0;
-        if (need > m->dev.rms_scratch_bytes) { /* sized by reserve; grown here if not */
-            loom_cuda_free(m->dev.rms_scratch);
-            m->dev.rms_scratch = NULL;
-            m->dev.rms_scratch_bytes = 0;
-            loom_status st =
-                loom_cuda_malloc(m->ctx, &m->dev.rms_scratch, need, "RMSNorm backward scratch");
-            if (st) return st;
-            m->dev.rms_scratch_bytes = need;
-        }
+        loom_status st = rms_scratch(m, N, H, dw);
+        if (st) return st;
         return loom_cuda_rmsnorm_bwd(m->ctx, dy, t, x, t, w, t, rstd, N, H, dx, t, dw,
                                      m->dev.rms_scratch, m->dev.stream);
     }
 #endif
     loom_cpu_rmsnorm_bwd(CF(dy), CF(x), CF(w), rstd, N, H, F(dx), dw);
+    return LOOM_OK;
+}
+
+loom_status loom_k_add_rmsnorm_fwd(loom_model *m, void *x, const void *res, void *xsum,
+                                   const void *w, int64_t N, int64_t H, float eps, void *y,
+                                   float *rstd) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m) && loom_cuda_rmsnorm_fused_ok(m->dev.adt, H))
+        return loom_cuda_add_rmsnorm_fwd(m->ctx, x, res, xsum, m->dev.adt, w, m->dev.adt, N, H, eps,
+                                         y, rstd, m->dev.stream);
+#endif
+    if (xsum != x) CK(loom_k_copy(m, xsum, x, (size_t)(N * H) * m->dev.esz));
+    CK(loom_k_add(m, xsum, res, N * H));
+    return loom_k_rmsnorm_fwd(m, xsum, w, N, H, eps, y, rstd);
+}
+
+loom_status loom_k_rmsnorm_bwd_add(loom_model *m, void *dy, const void *x, const void *w,
+                                   const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m) && loom_cuda_rmsnorm_fused_ok(m->dev.adt, H)) {
+        CK(rms_scratch(m, N, H, dw));
+        return loom_cuda_rmsnorm_bwd_add(m->ctx, dy, x, m->dev.adt, w, m->dev.adt, rstd, N, H, dx,
+                                         dw, m->dev.rms_scratch, m->dev.stream);
+    }
+#endif
+    CK(loom_k_rmsnorm_bwd(m, dy, x, w, rstd, N, H, dy, dw));
+    return loom_k_add(m, dx, dy, N * H);
+}
+
+#ifdef LOOM_HAVE_CUDA
+static bool qk_fused(const loom_model *m, const loom_micro *mb) {
+    return GPU(m) && mb->d_rope && loom_cuda_qknorm_rope_ok(m->dev.adt, m->D);
+}
+#endif
+
+loom_status loom_k_qknorm_rope_fwd(loom_model *m, const loom_micro *mb, const void *x,
+                                   const void *w, int64_t nh, float eps, void *y, float *rstd) {
+#ifdef LOOM_HAVE_CUDA
+    if (qk_fused(m, mb))
+        return loom_cuda_qknorm_rope_fwd(m->ctx, x, m->dev.adt, w, m->dev.adt, m->Tc * nh, nh, m->D,
+                                         eps, mb->d_rope, y, rstd, m->dev.stream);
+#endif
+    CK(loom_k_rmsnorm_fwd(m, x, w, m->Tc * nh, m->D, eps, y, rstd));
+    return loom_k_rope(m, false, y, m->Tc, nh, mb->d_pos);
+}
+
+loom_status loom_k_qknorm_rope_bwd(loom_model *m, const loom_micro *mb, void *dy, const void *x,
+                                   const void *w, const float *rstd, int64_t nh, float *dw) {
+    const int64_t N = m->Tc * nh;
+#ifdef LOOM_HAVE_CUDA
+    if (qk_fused(m, mb)) {
+        CK(rms_scratch(m, N, m->D, dw));
+        return loom_cuda_qknorm_rope_bwd(m->ctx, dy, x, m->dev.adt, w, m->dev.adt, rstd, N, nh, m->D,
+                                         mb->d_rope, dy, dw, m->dev.rms_scratch, m->dev.stream);
+    }
+#endif
+    CK(loom_k_rope(m, true, dy, m->Tc, nh, mb->d_pos));
+    return loom_k_rmsnorm_bwd(m, dy, x, w, rstd, N, m->D, dy, dw);
+}
+
+loom_status loom_k_rope_table(loom_model *m, loom_micro *mb) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m) && mb->d_rope)
+        return loom_cuda_rope_table(m->ctx, mb->d_pos, m->Tc, m->D, m->d_inv_freq, mb->d_rope,
+                                    m->dev.stream);
+#endif
+    (void)m, (void)mb;
     return LOOM_OK;
 }
 

@@ -18,12 +18,20 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+
+/* Return the status of a call that failed (the model code's error flow). */
+#define CK(expr)                                                                          \
+    do {                                                                                  \
+        loom_status st_ = (expr);                                                         \
+        if (st_) return st_;                                                              \
+    } while (0)
 #include <stdint.h>
 
 #include "../train/adamw.h"
 #include "loom.h"
 
 typedef struct loom_model loom_model;
+typedef struct loom_micro loom_micro;
 struct loom_arena;
 struct loom_cuda_gemm_handle;
 struct loom_cuda_attn_handle;
@@ -98,6 +106,23 @@ loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, con
                                const float *rstd, int64_t N, int64_t H, void *dx, float *dw);
 loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_t nh,
                         const int32_t *pos);
+/* Two ops in one pass where the GPU can (its fused kernels give the values
+ * of the ops apart), the ops one after the other elsewhere:
+ * - add_rmsnorm_fwd: xsum = x + res (may alias x), then rmsnorm_fwd(xsum);
+ * - rmsnorm_bwd_add: dx += rmsnorm_bwd(dy); dy is left undefined;
+ * - qknorm_rope_fwd: y = rope(rmsnorm(x)) per head of Qwen3's q or k,
+ *   x (Tc, nh, D); _bwd: dy -> dx in place, dw accumulated.
+ * rope_table: the micro-batch's (cos, sin) table for the fused RoPE (GPU). */
+loom_status loom_k_add_rmsnorm_fwd(loom_model *m, void *x, const void *res, void *xsum,
+                                   const void *w, int64_t N, int64_t H, float eps, void *y,
+                                   float *rstd);
+loom_status loom_k_rmsnorm_bwd_add(loom_model *m, void *dy, const void *x, const void *w,
+                                   const float *rstd, int64_t N, int64_t H, void *dx, float *dw);
+loom_status loom_k_qknorm_rope_fwd(loom_model *m, const loom_micro *mb, const void *x,
+                                   const void *w, int64_t nh, float eps, void *y, float *rstd);
+loom_status loom_k_qknorm_rope_bwd(loom_model *m, const loom_micro *mb, void *dy, const void *x,
+                                   const void *w, const float *rstd, int64_t nh, float *dw);
+loom_status loom_k_rope_table(loom_model *m, loom_micro *mb);
 /* seqlen: the length of every document when all are equally long, else 0.
  * With every query, a GPU tries cuDNN's fused attention first. */
 loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, int64_t Tq,

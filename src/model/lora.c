@@ -605,12 +605,6 @@ static loom_status dropout_mask(loom_model *m, const loom_adapter *a, int64_t l,
                           key, a->dropout);
 }
 
-#define CK(expr)                                                                          \
-    do {                                                                                  \
-        loom_status st_ = (expr);                                                         \
-        if (st_) return st_;                                                              \
-    } while (0)
-
 /* The adapter's compute copies of A and B, and x A^T of (layer i, mod). */
 #define WC(a, sl) ((const char *)(a)->ar.wc + (sl)->off * m->dev.esz)
 static void *lora_u(loom_model *m, loom_acts *act, int64_t i, int mod, int64_t r) {

@@ -772,6 +772,7 @@ static void acts_layout(loom_model *m, carve *c, int64_t T, int64_t Tc, int64_t 
         u->d_tgt = cv(c, (size_t)Tc * sizeof(int32_t));
         u->d_pos = cv(c, (size_t)Tc * sizeof(int32_t));
         u->d_cu = cv(c, (size_t)(T + 1) * sizeof(int32_t));
+        u->d_rope = m->dev.cuda ? cv(c, (size_t)(Tc * m->D) * sizeof(float)) : NULL;
     }
     for (int i = 0; i < m->npp_stage; i++) m->pp_stage[i] = cv(c, (size_t)(Tn * H) * e);
 }

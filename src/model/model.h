@@ -128,13 +128,14 @@ typedef struct loom_acts {
 
 /* One micro-batch's tokens as this rank sees them: on the host, and the
  * copies the ops read (d_*: device memory on a GPU, the host arrays on CPU). */
-typedef struct loom_micro {
+struct loom_micro {
     int32_t *ids, *tgt, *pos; /* (Tc) */
     int32_t *cu;        /* (ndocs+1) over the micro-batch's T tokens */
     int32_t *d_ids, *d_tgt, *d_pos, *d_cu;
+    float *d_rope;      /* GPU: (Tc, D/2) cos, sin of the positions (loom_k_rope_table) */
     int64_t ndocs;
     int64_t out0;       /* flat index of the micro-batch's first token in the global batch */
-} loom_micro;
+};
 
 typedef struct loom_chunk {
     int64_t l0, nl;     /* first global layer, number of layers */

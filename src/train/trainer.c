@@ -174,7 +174,9 @@ static loom_status prepare_micro(loom_model *m, const loom_batch *b, int64_t row
     if ((st = loom_k_upload(m, u->d_ids, u->ids, nb)) || (st = loom_k_upload(m, u->d_tgt, u->tgt, nb)) ||
         (st = loom_k_upload(m, u->d_pos, u->pos, nb)))
         return st;
-    return loom_k_upload(m, u->d_cu, u->cu, (size_t)(u->ndocs + 1) * sizeof(int32_t));
+    if ((st = loom_k_upload(m, u->d_cu, u->cu, (size_t)(u->ndocs + 1) * sizeof(int32_t))))
+        return st;
+    return loom_k_rope_table(m, u);
 }
 
 static loom_acts *acquire(loom_chunk *ch, int mb) {

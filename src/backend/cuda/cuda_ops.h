@@ -90,6 +90,34 @@ loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_d
                                   const float *rstd, int64_t N, int64_t H, void *dx,
                                   loom_dtype dx_dtype, float *dw, void *scratch, void *stream);
 
+/* Fused forms (16-bit rows, 16-byte aligned; loom_cuda_rmsnorm_fused_ok /
+ * loom_cuda_qknorm_rope_ok say which shapes; others get LOOM_ERR_UNSUPPORTED),
+ * each giving the values of its ops run apart:
+ * - add_rmsnorm_fwd: xsum = x + res (rounded as loom_cuda_residual_add;
+ *   xsum may alias x or res), then rmsnorm_fwd of xsum.
+ * - rmsnorm_bwd_add: dx += rmsnorm_bwd's dx (rounded to dtype first, as
+ *   rmsnorm_bwd then residual_add); dx must not alias dy.
+ * - qknorm_rope_fwd / _bwd: the per-head norm of Qwen3's q and k, then
+ *   RoPE: x (N = T * nh rows of D), w (D); y = rope(rmsnorm(x)); bwd takes
+ *   dy of y and gives dx (may alias dy), dw as rmsnorm_bwd. cs: the
+ *   (cos, sin) table of loom_cuda_rope_table for the T tokens.
+ * With dw, rows of H <= 1024 (and heads) take one pass for dx and dw. */
+bool loom_cuda_rmsnorm_fused_ok(loom_dtype dtype, int64_t H);
+bool loom_cuda_qknorm_rope_ok(loom_dtype dtype, int64_t D);
+loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, const void *res, void *xsum,
+                                      loom_dtype dtype, const void *w, loom_dtype w_dtype, int64_t N,
+                                      int64_t H, float eps, void *y, float *rstd, void *stream);
+loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, const void *x, loom_dtype dtype,
+                                      const void *w, loom_dtype w_dtype, const float *rstd, int64_t N,
+                                      int64_t H, void *dx, float *dw, void *scratch, void *stream);
+loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, loom_dtype dtype, const void *w,
+                                      loom_dtype w_dtype, int64_t N, int64_t nh, int64_t D, float eps,
+                                      const float *cs, void *y, float *rstd, void *stream);
+loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, const void *x, loom_dtype dtype,
+                                      const void *w, loom_dtype w_dtype, const float *rstd, int64_t N,
+                                      int64_t nh, int64_t D, const float *cs, void *dx, float *dw,
+                                      void *scratch, void *stream);
+
 /* ---- RoPE (ops_rope.cu) ----
  * In place on x: (T, nh, D) in dtype, D even; pos: (T); inv_freq: (D/2) fp32
  * (from loom_rope_inv_freq, uploaded). The CPU's exact angle rule:
@@ -99,6 +127,10 @@ loom_status loom_cuda_rope_fwd(loom_ctx *ctx, void *x, loom_dtype dtype, int64_t
                                int64_t D, const int32_t *pos, const float *inv_freq, void *stream);
 loom_status loom_cuda_rope_bwd(loom_ctx *ctx, void *dx, loom_dtype dtype, int64_t T, int64_t nh,
                                int64_t D, const int32_t *pos, const float *inv_freq, void *stream);
+/* cs (T, D/2, 2) fp32: cos and sin of every token's angle per frequency, by
+ * the rule above (computed once per micro-batch for the fused ops). */
+loom_status loom_cuda_rope_table(loom_ctx *ctx, const int32_t *pos, int64_t T, int64_t D,
+                                 const float *inv_freq, float *cs, void *stream);
 
 /* ---- element-wise (ops_elementwise.cu) ----
  * SwiGLU over n elements, all tensors in dtype: h = silu(g) * u.

@@ -86,6 +86,8 @@ __device__ __forceinline__ void st8(T *p, const float (&v)[8]) {
     *(uint4 *)p = u;
 }
 
+// v rounded to T and widened back: what a store to T and a load give.
+template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
 // A BF16/F16 tensor of n elements that the vector paths take: n a multiple of
 // 8 and every pointer 16-byte aligned.
 static inline bool vec8_ok(loom_dtype t, int64_t n, const void *a, const void *b) {

@@ -88,9 +88,12 @@ __global__ void rmsnorm_dx_kernel(const void *dy, loom_dtype dydt, const void *x
 }
 
 // ---- 16-byte vector path (x, y, dy, dx all BF16 or all F16) ----
+// With res: the row is first x + res, rounded to T (as loom_cuda_residual_add)
+// and written to xsum (may alias x); the norm is of that sum.
 template <typename T>
-__global__ void rmsnorm_fwd_vec_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int64_t H,
-                                       float eps, T *y, float *rstd) {
+__global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const void *w,
+                                       loom_dtype wdt, int64_t N, int64_t H, float eps, T *y,
+                                       float *rstd) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= N) return;
@@ -99,12 +102,20 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const void *w, loom_dtype wdt
     for (int64_t j = lane * 8; j < H; j += 256) {
         float v[8];
         ld8(xr + j, v);
+        if (res) {
+            float a[8];
+            ld8(res + r * H + j, a);
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = round_to<T>(__fadd_rn(v[i], a[i]));
+            st8(xsum + r * H + j, v);
+        }
 #pragma unroll
         for (int i = 0; i < 8; i++) ss += (double)v[i] * (double)v[i];
     }
     ss = warp_sum(ss);
     const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
     if (lane == 0) rstd[r] = rs;
+    if (res) xr = xsum + r * H; // this thread's own writes
     for (int64_t j = lane * 8; j < H; j += 256) {
         float v[8];
         ld8(xr + j, v);
@@ -114,9 +125,11 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const void *w, loom_dtype wdt
     }
 }
 
+// With res: dx = res + (the gradient rounded to T), as loom_cuda_residual_add
+// after the norm's backward (res may alias dx).
 template <typename T>
 __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt,
-                                      const float *rstd, int64_t N, int64_t H, T *dx) {
+                                      const float *rstd, int64_t N, int64_t H, const T *res, T *dx) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= N) return;
@@ -140,9 +153,224 @@ __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, lo
 #pragma unroll
         for (int i = 0; i < 8; i++)
             g[i] = (float)(rs * (double)ld(w, wdt, j + i) * (double)g[i] - c * (double)v[i]);
+        if (res) {
+            float a[8];
+            ld8(res + base + j, a);
+#pragma unroll
+            for (int i = 0; i < 8; i++) g[i] = __fadd_rn(a[i], round_to<T>(g[i]));
+        }
         st8(dx + base + j, g);
     }
 }
+
+// ---- fused rows: the backward with its weight gradient in one pass, and
+// Qwen3's per-head q/k norm with RoPE ----
+// A row of H = 8 * TPR * NV elements is held by a group of TPR lanes (8
+// elements per 16-byte access, NV accesses per lane: element (v * TPR + l) * 8
+// + i), so the sums are the vector kernels' (same lanes, same order). With
+// ROPE (NV 1) the row is one head: element j's RoPE partner j + H/2 is TPR/2
+// lanes away; cs holds (cos, sin) per (token, frequency), the row's token is
+// row / nh. Groups that run out of rows keep shuffling (on a clamped row) and
+// store nothing.
+constexpr unsigned FULL = 0xffffffffu;
+constexpr int FUSED_THREADS = 256;
+
+template <int TPR> __device__ __forceinline__ double group_sum(double v) {
+#pragma unroll
+    for (int o = TPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+// (cos, sin) of the 8 frequencies of lane l's elements at token t
+template <int TPR>
+__device__ __forceinline__ void rope_cs8(const float2 *cs, int64_t t, int l, float (&c)[8],
+                                         float (&sn)[8]) {
+    const float4 *p = (const float4 *)(cs + t * (4 * TPR) + (l % (TPR / 2)) * 8);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float4 q = p[k];
+        c[2 * k] = q.x, sn[2 * k] = q.y, c[2 * k + 1] = q.z, sn[2 * k + 1] = q.w;
+    }
+}
+
+// v rotated as rope_kernel with sign (+1 forward, -1 backward); p: the partner's values
+template <int TPR>
+__device__ __forceinline__ void rope8(float (&v)[8], const float2 *cs, int64_t t, int l, float sign) {
+    float c[8], sn[8], p[8];
+    rope_cs8<TPR>(cs, t, l, c, sn);
+#pragma unroll
+    for (int i = 0; i < 8; i++) p[i] = __shfl_xor_sync(FULL, v[i], TPR / 2);
+    const bool lo = l < TPR / 2;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float s = sign * sn[i];
+        v[i] = lo ? __fsub_rn(__fmul_rn(v[i], c[i]), __fmul_rn(p[i], s))
+                  : __fadd_rn(__fmul_rn(v[i], c[i]), __fmul_rn(p[i], s));
+    }
+}
+
+// y = rope(norm(x) * w), the norm's output rounded to T first (rmsnorm_fwd
+// then rope_fwd apart). Rows of one head; a group per row.
+template <typename T, int TPR>
+__global__ void __launch_bounds__(FUSED_THREADS)
+qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int64_t nh, float eps,
+                       const float2 *cs, T *y, float *rstd) {
+    constexpr int H = 8 * TPR, GPB = FUSED_THREADS / TPR;
+    const int l = threadIdx.x % TPR;
+    const int64_t r = (int64_t)blockIdx.x * GPB + threadIdx.x / TPR;
+    const bool live = r < N;
+    const int64_t rr = live ? r : N - 1;
+    float v[8];
+    ld8(x + rr * H + l * 8, v);
+    double ss = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) ss += (double)v[i] * (double)v[i];
+    ss = group_sum<TPR>(ss);
+    const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
+    if (live && l == 0) rstd[r] = rs;
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = round_to<T>(__fmul_rn(ld(w, wdt, l * 8 + i), __fmul_rn(v[i], rs)));
+    rope8<TPR>(v, cs, rr / nh, l, 1.0f);
+    if (live) st8(y + r * H + l * 8, v);
+}
+
+// The backward of rows [b * rows, (b + 1) * rows) for block b, group g taking
+// rows g, g + GPB, ...: with ROPE, dy is first rotated back (and rounded, as
+// rope_bwd's output); dx = the norm's input gradient (+ res, rounded as
+// loom_cuda_residual_add, with ADD); with DW, the block's sum of
+// dy * x * rstd per column (each group's rows in order, then the groups in
+// order) goes to partial[b].
+template <typename T, int TPR, int NV, bool ROPE, bool DW, bool ADD>
+__global__ void __launch_bounds__(FUSED_THREADS)
+norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, const float *rstd,
+                      int64_t N, int64_t rows, int64_t nh, const float2 *cs, const T *res, T *dx,
+                      double *partial) {
+    constexpr int H = 8 * TPR * NV, GPB = FUSED_THREADS / TPR;
+    const int l = threadIdx.x % TPR, g = threadIdx.x / TPR;
+    const int64_t r0 = (int64_t)blockIdx.x * rows, r1 = r0 + rows < N ? r0 + rows : N;
+    double acc[NV][8];
+#pragma unroll
+    for (int v = 0; v < NV; v++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[v][i] = 0;
+    for (int64_t base = r0; base < r1; base += GPB) {
+        const int64_t r = base + g;
+        const bool live = r < r1;
+        const int64_t rr = live ? r : r0;
+        float gv[NV][8], xv[NV][8];
+#pragma unroll
+        for (int v = 0; v < NV; v++) {
+            ld8(dy + rr * H + (v * TPR + l) * 8, gv[v]);
+            ld8(x + rr * H + (v * TPR + l) * 8, xv[v]);
+        }
+        if (ROPE) {
+            rope8<TPR>(gv[0], cs, rr / nh, l, -1.0f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) gv[0][i] = round_to<T>(gv[0][i]);
+        }
+        double dot = 0;
+#pragma unroll
+        for (int v = 0; v < NV; v++)
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                dot += (double)gv[v][i] * (double)ld(w, wdt, (v * TPR + l) * 8 + i) * (double)xv[v][i];
+        dot = group_sum<TPR>(dot);
+        const double rs = (double)rstd[rr];
+        const double c = dot * rs * rs * rs / (double)H;
+        if (!live) continue; // no shuffles below
+#pragma unroll
+        for (int v = 0; v < NV; v++) {
+            const int64_t at = r * H + (v * TPR + l) * 8;
+            float o[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int j = (v * TPR + l) * 8 + i;
+                o[i] = (float)(rs * (double)ld(w, wdt, j) * (double)gv[v][i] - c * (double)xv[v][i]);
+                if (DW) acc[v][i] += (double)gv[v][i] * (double)xv[v][i] * rs;
+            }
+            if (ADD) {
+                float a[8];
+                ld8(res + at, a);
+#pragma unroll
+                for (int i = 0; i < 8; i++) o[i] = __fadd_rn(a[i], round_to<T>(o[i]));
+            }
+            st8(dx + at, o);
+        }
+    }
+    if constexpr (DW) {
+        __shared__ double sh[H];
+        for (int k = 0; k < GPB; k++) {
+            if (g == k)
+#pragma unroll
+                for (int v = 0; v < NV; v++)
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const int j = (v * TPR + l) * 8 + i;
+                        sh[j] = (k ? sh[j] : 0.0) + acc[v][i];
+                    }
+            __syncthreads();
+        }
+        for (int j = threadIdx.x; j < H; j += FUSED_THREADS)
+            partial[(int64_t)blockIdx.x * H + j] = sh[j];
+    }
+}
+
+namespace {
+// The fused backward's shapes: a group of TPR lanes per row, NV accesses per
+// lane; 0 when the row length has none (TPR a power of two <= 32).
+struct fused_shape {
+    int tpr, nv;
+};
+fused_shape fused_rows(int64_t H, bool rope) {
+    if (H % 8) return {0, 0};
+    const int64_t v8 = H / 8;
+    if (rope) return (v8 == 8 || v8 == 16 || v8 == 32) ? fused_shape{(int)v8, 1} : fused_shape{0, 0};
+    if (v8 % 32 == 0 && (v8 / 32 == 1 || v8 / 32 == 2 || v8 / 32 == 4)) return {32, (int)(v8 / 32)};
+    return {0, 0};
+}
+
+template <typename T, int TPR, int NV, bool ROPE, bool DW, bool ADD>
+void launch_bwd_fused(const void *dy, const void *x, const void *w, loom_dtype wdt, const float *rstd,
+                      int64_t N, int64_t rows, int64_t nh, const float *cs, const void *res, void *dx,
+                      void *scratch, cudaStream_t s) {
+    const unsigned blocks = (unsigned)((N + rows - 1) / rows);
+    norm_bwd_fused_kernel<T, TPR, NV, ROPE, DW, ADD><<<blocks, FUSED_THREADS, 0, s>>>(
+        (const T *)dy, (const T *)x, w, wdt, rstd, N, rows, nh, (const float2 *)cs, (const T *)res,
+        (T *)dx, (double *)scratch);
+}
+
+// The instantiations: rope heads of 64/128/256 (dw or not); plain rows of
+// 256/512/1024 with dw (add or not).
+template <typename T>
+bool bwd_fused(fused_shape f, bool rope, bool dw, bool add, const void *dy, const void *x,
+               const void *w, loom_dtype wdt, const float *rstd, int64_t N, int64_t rows, int64_t nh,
+               const float *cs, const void *res, void *dx, void *scratch, cudaStream_t s) {
+#define LB(TPR, NV, R, D, A)                                                                        \
+    launch_bwd_fused<T, TPR, NV, R, D, A>(dy, x, w, wdt, rstd, N, rows, nh, cs, res, dx, scratch, s)
+    if (rope && !add) {
+        switch (f.tpr * 2 + dw) {
+        case 16: LB(8, 1, true, false, false); return true;
+        case 17: LB(8, 1, true, true, false); return true;
+        case 32: LB(16, 1, true, false, false); return true;
+        case 33: LB(16, 1, true, true, false); return true;
+        case 64: LB(32, 1, true, false, false); return true;
+        case 65: LB(32, 1, true, true, false); return true;
+        }
+        return false;
+    }
+    if (rope || !dw || f.tpr != 32) return false;
+    switch (f.nv * 2 + add) {
+    case 2: LB(32, 1, false, true, false); return true;
+    case 3: LB(32, 1, false, true, true); return true;
+    case 4: LB(32, 2, false, true, false); return true;
+    case 5: LB(32, 2, false, true, true); return true;
+    case 8: LB(32, 4, false, true, false); return true;
+    case 9: LB(32, 4, false, true, true); return true;
+    }
+    return false;
+#undef LB
+}
+} // namespace
 
 extern "C" loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_dtype x_dtype,
                                              const void *w, loom_dtype w_dtype, int64_t N,
@@ -162,15 +390,60 @@ extern "C" loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_
     if (x_dtype == y_dtype && vec8_ok(x_dtype, H, x, y)) {
         if (x_dtype == LOOM_BF16)
             rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(
-                (const __nv_bfloat16 *)x, w, w_dtype, N, H, eps, (__nv_bfloat16 *)y, rstd);
+                (const __nv_bfloat16 *)x, (const __nv_bfloat16 *)nullptr, (__nv_bfloat16 *)nullptr, w,
+                w_dtype, N, H, eps,
+                (__nv_bfloat16 *)y, rstd);
         else
             rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(
-                (const __half *)x, w, w_dtype, N, H, eps, (__half *)y, rstd);
+                (const __half *)x, (const __half *)nullptr, (__half *)nullptr, w, w_dtype, N, H, eps,
+                (__half *)y, rstd);
         return check_launch(ctx, "rmsnorm_fwd");
     }
     rmsnorm_fwd_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(x, x_dtype, w, w_dtype, N, H, eps,
                                                                       y, y_dtype, rstd);
     return check_launch(ctx, "rmsnorm_fwd");
+}
+
+extern "C" bool loom_cuda_rmsnorm_fused_ok(loom_dtype dtype, int64_t H) {
+    return (dtype == LOOM_BF16 || dtype == LOOM_F16) && H > 0 && H % 8 == 0;
+}
+
+extern "C" bool loom_cuda_qknorm_rope_ok(loom_dtype dtype, int64_t D) {
+    return (dtype == LOOM_BF16 || dtype == LOOM_F16) && fused_rows(D, true).tpr > 0;
+}
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+// The fused entry points take what loom_cuda_*_ok accepts, on 16-byte aligned rows.
+static loom_status fused_args(loom_ctx *ctx, const char *op, bool ok, const void *a, const void *b,
+                              const void *c, const void *d) {
+    if (!ok)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "cuda %s: needs BF16/F16 rows whose length the fused kernels take", op);
+    if (!aligned16(a) || !aligned16(b) || !aligned16(c) || !aligned16(d))
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda %s: tensors must be 16-byte aligned", op);
+    return LOOM_OK;
+}
+
+extern "C" loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, const void *res,
+                                                 void *xsum, loom_dtype dtype, const void *w,
+                                                 loom_dtype w_dtype, int64_t N, int64_t H, float eps,
+                                                 void *y, float *rstd, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, w_dtype, "add_rmsnorm_fwd", "w")) ||
+        (st = fused_args(ctx, "add_rmsnorm_fwd", loom_cuda_rmsnorm_fused_ok(dtype, H), x, res, xsum, y)))
+        return st;
+    if (N <= 0) return LOOM_OK;
+    const unsigned blocks = (unsigned)((N + WARPS - 1) / WARPS);
+    if (dtype == LOOM_BF16)
+        rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(
+            (const __nv_bfloat16 *)x, (const __nv_bfloat16 *)res, (__nv_bfloat16 *)xsum, w, w_dtype,
+            N, H, eps, (__nv_bfloat16 *)y, rstd);
+    else
+        rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(
+            (const __half *)x, (const __half *)res, (__half *)xsum, w, w_dtype, N, H, eps,
+            (__half *)y, rstd);
+    return check_launch(ctx, "add_rmsnorm_fwd");
 }
 
 extern "C" size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H) {
@@ -179,51 +452,155 @@ extern "C" size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H) {
     return (size_t)((N + rows - 1) / rows) * (size_t)H * sizeof(double);
 }
 
-extern "C" loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_dtype,
-                                             const void *x, loom_dtype x_dtype, const void *w,
-                                             loom_dtype w_dtype, const float *rstd, int64_t N,
-                                             int64_t H, void *dx, loom_dtype dx_dtype, float *dw,
-                                             void *scratch, void *stream) {
+// The chunks' partial weight gradients (scratch) added into dw.
+static loom_status dw_final(loom_ctx *ctx, const char *op, const void *scratch, int64_t N, int64_t H,
+                            float *dw, cudaStream_t s) {
+    const int64_t rows = dw_rows_per_chunk(N), nchunk = (N + rows - 1) / rows;
+    rmsnorm_dw_final_kernel<<<(unsigned)((H + DW_COLS - 1) / DW_COLS), DW_COLS * 32, 0, s>>>(
+        (const double *)scratch, nchunk, H, dw);
+    return check_launch(ctx, op);
+}
+
+// rmsnorm_bwd, with res: dx = res + the gradient (the 16-bit vector paths only).
+static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype dy_dtype,
+                       const void *x, loom_dtype x_dtype, const void *w, loom_dtype w_dtype,
+                       const float *rstd, int64_t N, int64_t H, const void *res, void *dx,
+                       loom_dtype dx_dtype, float *dw, void *scratch, cudaStream_t s) {
     loom_status st;
-    if ((st = need_float(ctx, dy_dtype, "rmsnorm_bwd", "dy")) ||
-        (st = need_float(ctx, x_dtype, "rmsnorm_bwd", "x")) ||
-        (st = need_float(ctx, w_dtype, "rmsnorm_bwd", "w")) ||
-        (st = need_float(ctx, dx_dtype, "rmsnorm_bwd", "dx")))
-        return st;
-    if (dx == dy && dx_dtype != dy_dtype)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
-                         "cuda rmsnorm_bwd: dx aliases dy with another dtype (%s vs %s)",
-                         loom_dtype_name(dx_dtype), loom_dtype_name(dy_dtype));
-    if (dw && !scratch)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
-                         "cuda rmsnorm_bwd: dw needs scratch of "
-                         "loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) bytes");
-    if (N <= 0 || H <= 0) return LOOM_OK;
-    cudaStream_t s = as_stream(stream);
+    const bool vec = dy_dtype == x_dtype && dx_dtype == x_dtype && vec8_ok(x_dtype, H, dy, x) &&
+                     vec8_ok(x_dtype, H, dx, dx);
+    const fused_shape f = fused_rows(H, false);
+    if (vec && dw && f.tpr) { // one pass for dx and the chunks' dw
+        const int64_t rows = dw_rows_per_chunk(N);
+        const bool bf = x_dtype == LOOM_BF16;
+        if ((bf ? bwd_fused<__nv_bfloat16> : bwd_fused<__half>)(f, false, true, res != nullptr, dy, x,
+                                                                 w, w_dtype, rstd, N, rows, 1,
+                                                                 nullptr, res, dx, scratch, s)) {
+            if ((st = check_launch(ctx, op))) return st;
+            return dw_final(ctx, op, scratch, N, H, dw, s);
+        }
+    }
     if (dw) { // before dx: dx may overwrite dy
         const int64_t rows = dw_rows_per_chunk(N), nchunk = (N + rows - 1) / rows;
         const int threads = 128;
         dim3 grid((unsigned)((H + threads - 1) / threads), (unsigned)nchunk);
         rmsnorm_dw_partial_kernel<<<grid, threads, 0, s>>>(dy, dy_dtype, x, x_dtype, rstd, N, H,
                                                             rows, (double *)scratch);
-        if ((st = check_launch(ctx, "rmsnorm_bwd"))) return st;
-        rmsnorm_dw_final_kernel<<<(unsigned)((H + DW_COLS - 1) / DW_COLS), DW_COLS * 32, 0, s>>>(
-            (const double *)scratch, nchunk, H, dw);
-        if ((st = check_launch(ctx, "rmsnorm_bwd"))) return st;
+        if ((st = check_launch(ctx, op))) return st;
+        if ((st = dw_final(ctx, op, scratch, N, H, dw, s))) return st;
     }
     const unsigned blocks = (unsigned)((N + WARPS - 1) / WARPS);
-    if (dy_dtype == x_dtype && dx_dtype == x_dtype && vec8_ok(x_dtype, H, dy, x) &&
-        vec8_ok(x_dtype, H, dx, dx)) {
+    if (vec) {
         if (x_dtype == LOOM_BF16)
             rmsnorm_dx_vec_kernel<<<blocks, WARPS * 32, 0, s>>>(
                 (const __nv_bfloat16 *)dy, (const __nv_bfloat16 *)x, w, w_dtype, rstd, N, H,
-                (__nv_bfloat16 *)dx);
+                (const __nv_bfloat16 *)res, (__nv_bfloat16 *)dx);
         else
             rmsnorm_dx_vec_kernel<<<blocks, WARPS * 32, 0, s>>>((const __half *)dy, (const __half *)x, w,
-                                                                w_dtype, rstd, N, H, (__half *)dx);
-        return check_launch(ctx, "rmsnorm_bwd");
+                                                                w_dtype, rstd, N, H, (const __half *)res,
+                                                                (__half *)dx);
+        return check_launch(ctx, op);
     }
     rmsnorm_dx_kernel<<<blocks, WARPS * 32, 0, s>>>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, N, H, dx,
                                                     dx_dtype);
-    return check_launch(ctx, "rmsnorm_bwd");
+    return check_launch(ctx, op);
+}
+
+static loom_status bwd_checks(loom_ctx *ctx, const char *op, loom_dtype dy_dtype, loom_dtype x_dtype,
+                              loom_dtype w_dtype, loom_dtype dx_dtype, bool alias, const float *dw,
+                              const void *scratch) {
+    loom_status st;
+    if ((st = need_float(ctx, dy_dtype, op, "dy")) || (st = need_float(ctx, x_dtype, op, "x")) ||
+        (st = need_float(ctx, w_dtype, op, "w")) || (st = need_float(ctx, dx_dtype, op, "dx")))
+        return st;
+    if (alias && dx_dtype != dy_dtype)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda %s: dx aliases dy with another dtype (%s vs %s)",
+                         op, loom_dtype_name(dx_dtype), loom_dtype_name(dy_dtype));
+    if (dw && !scratch)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "cuda %s: dw needs scratch of loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) bytes",
+                         op);
+    return LOOM_OK;
+}
+
+extern "C" loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_dtype,
+                                             const void *x, loom_dtype x_dtype, const void *w,
+                                             loom_dtype w_dtype, const float *rstd, int64_t N,
+                                             int64_t H, void *dx, loom_dtype dx_dtype, float *dw,
+                                             void *scratch, void *stream) {
+    loom_status st;
+    if ((st = bwd_checks(ctx, "rmsnorm_bwd", dy_dtype, x_dtype, w_dtype, dx_dtype, dx == dy, dw,
+                         scratch)))
+        return st;
+    if (N <= 0 || H <= 0) return LOOM_OK;
+    return bwd(ctx, "rmsnorm_bwd", dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, N, H, nullptr, dx,
+               dx_dtype, dw, scratch, as_stream(stream));
+}
+
+extern "C" loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, const void *x,
+                                                 loom_dtype dtype, const void *w, loom_dtype w_dtype,
+                                                 const float *rstd, int64_t N, int64_t H, void *dx,
+                                                 float *dw, void *scratch, void *stream) {
+    loom_status st;
+    if ((st = bwd_checks(ctx, "rmsnorm_bwd_add", dtype, dtype, w_dtype, dtype, false, dw, scratch)) ||
+        (st = fused_args(ctx, "rmsnorm_bwd_add", loom_cuda_rmsnorm_fused_ok(dtype, H), dy, x, dx, dx)))
+        return st;
+    if (dx == dy)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda rmsnorm_bwd_add: dx must not alias dy");
+    if (N <= 0) return LOOM_OK;
+    return bwd(ctx, "rmsnorm_bwd_add", dy, dtype, x, dtype, w, w_dtype, rstd, N, H, dx, dx, dtype, dw,
+               scratch, as_stream(stream));
+}
+
+extern "C" loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, loom_dtype dtype,
+                                                 const void *w, loom_dtype w_dtype, int64_t N,
+                                                 int64_t nh, int64_t D, float eps, const float *cs,
+                                                 void *y, float *rstd, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, w_dtype, "qknorm_rope_fwd", "w")) ||
+        (st = fused_args(ctx, "qknorm_rope_fwd", loom_cuda_qknorm_rope_ok(dtype, D), x, y, cs, cs)))
+        return st;
+    if (N <= 0) return LOOM_OK;
+    if (nh <= 0 || N % nh)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda qknorm_rope_fwd: %lld rows are not tokens of %lld heads",
+                         (long long)N, (long long)nh);
+    const int tpr = (int)(D / 8);
+    const unsigned blocks = (unsigned)((N * tpr + FUSED_THREADS - 1) / FUSED_THREADS);
+    cudaStream_t s = as_stream(stream);
+#define QF(T, TPR)                                                                                  \
+    qknorm_rope_fwd_kernel<T, TPR><<<blocks, FUSED_THREADS, 0, s>>>(                                \
+        (const T *)x, w, w_dtype, N, nh, eps, (const float2 *)cs, (T *)y, rstd)
+    if (dtype == LOOM_BF16) {
+        if (tpr == 8) QF(__nv_bfloat16, 8);
+        else if (tpr == 16) QF(__nv_bfloat16, 16);
+        else QF(__nv_bfloat16, 32);
+    } else {
+        if (tpr == 8) QF(__half, 8);
+        else if (tpr == 16) QF(__half, 16);
+        else QF(__half, 32);
+    }
+#undef QF
+    return check_launch(ctx, "qknorm_rope_fwd");
+}
+
+extern "C" loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, const void *x,
+                                                 loom_dtype dtype, const void *w, loom_dtype w_dtype,
+                                                 const float *rstd, int64_t N, int64_t nh, int64_t D,
+                                                 const float *cs, void *dx, float *dw, void *scratch,
+                                                 void *stream) {
+    loom_status st;
+    if ((st = bwd_checks(ctx, "qknorm_rope_bwd", dtype, dtype, w_dtype, dtype, false, dw, scratch)) ||
+        (st = fused_args(ctx, "qknorm_rope_bwd", loom_cuda_qknorm_rope_ok(dtype, D), dy, x, dx, cs)))
+        return st;
+    if (N <= 0) return LOOM_OK;
+    if (nh <= 0 || N % nh)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda qknorm_rope_bwd: %lld rows are not tokens of %lld heads",
+                         (long long)N, (long long)nh);
+    cudaStream_t s = as_stream(stream);
+    const int64_t rows = dw_rows_per_chunk(N);
+    const fused_shape f = fused_rows(D, true);
+    (dtype == LOOM_BF16 ? bwd_fused<__nv_bfloat16> : bwd_fused<__half>)(
+        f, true, dw != nullptr, false, dy, x, w, w_dtype, rstd, N, rows, nh, cs, nullptr, dx, scratch, s);
+    if ((st = check_launch(ctx, "qknorm_rope_bwd")) || !dw) return st;
+    return dw_final(ctx, "qknorm_rope_bwd", scratch, N, D, dw, s);
 }

@@ -24,6 +24,29 @@ __global__ void rope_kernel(void *x, loom_dtype dt, int64_t T, int64_t nh, int64
     }
 }
 
+// cs[t * D/2 + i] = (cos, sin) of token t's angle for frequency i, the rule above.
+__global__ void rope_table_kernel(const int32_t *pos, const float *inv_freq, int64_t T, int64_t half,
+                                  float2 *cs) {
+    const int64_t n = T * half, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
+        const int64_t t = idx / half, i = idx - t * half;
+        const float ang = __fmul_rn((float)pos[t], inv_freq[i]);
+        double sd, cd;
+        sincos((double)ang, &sd, &cd);
+        cs[idx] = make_float2((float)cd, (float)sd);
+    }
+}
+
+extern "C" loom_status loom_cuda_rope_table(loom_ctx *ctx, const int32_t *pos, int64_t T, int64_t D,
+                                            const float *inv_freq, float *cs, void *stream) {
+    if (D % 2)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda rope_table: head size %lld is odd", (long long)D);
+    if (T <= 0 || D <= 0) return LOOM_OK;
+    rope_table_kernel<<<grid_for(T * (D / 2), 256), 256, 0, as_stream(stream)>>>(pos, inv_freq, T, D / 2,
+                                                                                (float2 *)cs);
+    return check_launch(ctx, "rope_table");
+}
+
 static loom_status rope(loom_ctx *ctx, const char *op, void *x, loom_dtype dtype, int64_t T,
                         int64_t nh, int64_t D, const int32_t *pos, const float *inv_freq,
                         float sign, void *stream) {
