@@ -88,13 +88,12 @@ static int64_t even_docs(const loom_micro *mb) {
         if (lo_) CK(loom_lora_fwd(m, b->la, b->li, l, mod, x, T, y, 0.0f));                        \
         CK(loom_k_lin_fwd(m, x, T, in, W, out, 1.0f, lo_ ? 1.0f : 0.0f, y));                       \
     } while (0)
-/* dx = d/dx of LoRA's term on `mod` + beta dx; *acc set when it wrote dx. */
+/* dx = d/dx of LoRA's term on `mod` + beta dx; *acc set once it wrote dx. */
 #define LORA_B(mod, x, T, dy, dx, acc)                                                             \
     do {                                                                                           \
-        if (loom_lora_covers(m, l, mod)) {                                                         \
-            CK(loom_lora_bwd(m, b->la, b->li, l, mod, x, T, dy, dx, *(acc) ? 1.0f : 0.0f));        \
-            *(acc) = true;                                                                         \
-        }                                                                                          \
+        bool wrote_ = false;                                                                       \
+        CK(loom_lora_bwd(m, b->la, b->li, l, mod, x, T, dy, dx, *(acc) ? 1.0f : 0.0f, &wrote_));   \
+        if (wrote_) *(acc) = true;                                                                 \
     } while (0)
 
 /* ---- one layer ---- */

@@ -189,6 +189,13 @@ static loom_status gemm(loom_model *m, bool ta, bool tb, int64_t M, int64_t N, i
     return LOOM_OK;
 }
 
+loom_status loom_k_gemm_ld(loom_model *m, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                           float alpha, const void *A, int64_t lda, const void *B, int64_t ldb,
+                           float beta, void *C, bool c_f32, int64_t ldc) {
+    return gemm(m, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, c_f32 ? LOOM_F32 : m->dev.adt,
+                ldc);
+}
+
 loom_status loom_k_lin_fwd(loom_model *m, const void *x, int64_t T, int64_t in, const void *W,
                            int64_t out, float alpha, float beta, void *y) {
     return gemm(m, false, true, T, out, in, alpha, x, in, W, in, beta, y, m->dev.adt, out);

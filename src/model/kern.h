@@ -91,6 +91,12 @@ loom_status loom_k_lin_dx(loom_model *m, const void *dy, int64_t T, int64_t out,
 /* dW (out, in) += alpha dy^T x; nothing when dW is NULL (frozen) */
 loom_status loom_k_lin_dw(loom_model *m, const void *dy, const void *x, int64_t T, int64_t out,
                           int64_t in, float alpha, float *dW);
+/* C = alpha op(A) op(B) + beta C, row-major with leading dimensions (strided
+ * blocks: LoRA's grouped projections); A, B in the compute dtype, C too or
+ * fp32 (accumulated gradients) with c_f32. */
+loom_status loom_k_gemm_ld(loom_model *m, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                           float alpha, const void *A, int64_t lda, const void *B, int64_t ldb,
+                           float beta, void *C, bool c_f32, int64_t ldc);
 /* fp32 C = alpha A B + beta C (row-major, all fp32; merges of adapters) */
 loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha,
                          const float *A, const float *B, float beta, float *C);

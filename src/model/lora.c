@@ -138,12 +138,14 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
     if (!st) memset(a->slot, 0xff, (size_t)m->L * sizeof *a->slot);
     for (int64_t l = 0; l < m->L && !st; l++) {
         if (m->layer[l].wq < 0) continue; /* another pipeline stage's layer */
-        for (int k = 0; k < LOOM_LORA_NMOD && !st; k++) {
-            if (!target[k]) continue;
-            int64_t in, outf;
-            bool row_par;
-            mod_shape(m, k, &in, &outf, &row_par);
-            for (int ab = 0; ab < 2 && !st; ab++) {
+        /* the layer's A blocks first, in module order: those of modules
+         * that share an input lie back to back (one GEMM for the group) */
+        for (int ab = 0; ab < 2 && !st; ab++) {
+            for (int k = 0; k < LOOM_LORA_NMOD && !st; k++) {
+                if (!target[k]) continue;
+                int64_t in, outf;
+                bool row_par;
+                mod_shape(m, k, &in, &outf, &row_par);
                 char buf[256];
                 snprintf(buf, sizeof buf, "base_model.model.model.layers.%lld.%s.%s.lora_%c.weight",
                          (long long)l, mod_path[k], mod_name[k], ab ? 'B' : 'A');
@@ -618,12 +620,48 @@ bool loom_lora_covers(loom_model *m, int64_t l, int mod) {
     return lora_on(m, l, mod, &a, &A, &B);
 }
 
+/* Modules that read the same input: q, k, v and gate, up. Their A
+ * projections run as one GEMM (the input read once; the input gradient one
+ * GEMM instead of one per module and its accumulation) when the adapter
+ * covers the whole group without dropout and the group's A blocks lie back
+ * to back (adapter_new lays them out so; a bucket boundary can still fall
+ * between them). Then x A^T of the group is one (T, n r) block of the stash
+ * from the first module's place on. */
+typedef struct lgroup {
+    int first, n;
+} lgroup;
+
+static bool grouped(loom_model *m, const loom_adapter *a, int64_t l, int mod, lgroup *g) {
+    *g = mod <= LOOM_LORA_V                              ? (lgroup){LOOM_LORA_Q, 3}
+         : mod == LOOM_LORA_GATE || mod == LOOM_LORA_UP ? (lgroup){LOOM_LORA_GATE, 2}
+                                                          : (lgroup){mod, 1};
+    if (g->n == 1 || dropout_on(m, a)) return false;
+    const loom_slot *prev = NULL;
+    for (int k = g->first; k < g->first + g->n; k++) {
+        if (a->slot[l][k][0] < 0) return false;
+        const loom_slot *A = &a->ar.slots[a->slot[l][k][0]];
+        if (prev && (A->off != prev->off + prev->numel || A->cols != prev->cols)) return false;
+        prev = A;
+    }
+    return true;
+}
+
 loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
                           const void *x, int64_t T, void *y, float beta) {
     loom_adapter *a;
     const loom_slot *A, *B;
     if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
     const int64_t r = a->r, in = A->cols, out = B->rows;
+    lgroup g;
+    if (grouped(m, a, l, mod, &g)) {
+        const int64_t ld = g.n * r;
+        char *u0 = lora_u(m, act, i, g.first, r);
+        if (mod == g.first) CK(loom_k_gemm_ld(m, false, true, T, ld, in, 1.0f, x, in, WC(a, A), in,
+                                              0.0f, u0, false, ld));
+        const char *u = u0 + (size_t)((mod - g.first) * r) * m->dev.esz;
+        return loom_k_gemm_ld(m, false, true, T, out, r, a->scale, u, ld, WC(a, B), r, beta, y, false,
+                              out);
+    }
     void *u = lora_u(m, act, i, mod, r);
     if (dropout_on(m, a)) {
         CK(dropout_mask(m, a, l, mod, A, x, T, m->lora_xd));
@@ -634,11 +672,33 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
 }
 
 loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
-                          const void *x, int64_t T, const void *dy, void *dx, float beta) {
+                          const void *x, int64_t T, const void *dy, void *dx, float beta,
+                          bool *wrote) {
     loom_adapter *a;
     const loom_slot *A, *B;
+    *wrote = false;
     if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
     const int64_t r = a->r, in = A->cols, out = B->rows;
+    lgroup g;
+    if (grouped(m, a, l, mod, &g)) {
+        /* dB += s dy^T u; this module's columns of the group's du = s dy B;
+         * after the last module: the group's dA += du^T x, dx = du A + beta dx */
+        const int64_t ld = g.n * r;
+        const size_t c = (size_t)((mod - g.first) * r) * m->dev.esz;
+        const char *u = (const char *)lora_u(m, act, i, g.first, r) + c;
+        CK(loom_k_gemm_ld(m, true, false, out, r, T, a->scale, dy, out, u, ld, 1.0f,
+                          a->ar.g + B->off, true, r));
+        CK(loom_k_gemm_ld(m, false, false, T, r, out, a->scale, dy, out, WC(a, B), r, 0.0f,
+                          (char *)m->lora_du + c, false, ld));
+        if (mod != g.first + g.n - 1) return LOOM_OK;
+        const loom_slot *A0 = &a->ar.slots[a->slot[l][g.first][0]];
+        CK(loom_k_gemm_ld(m, true, false, ld, in, T, 1.0f, m->lora_du, ld, x, in, 1.0f,
+                          a->ar.g + A0->off, true, in));
+        *wrote = true;
+        return loom_k_gemm_ld(m, false, false, T, in, ld, 1.0f, m->lora_du, ld, WC(a, A0), in, beta,
+                              dx, false, in);
+    }
+    *wrote = true;
     const void *u = lora_u(m, act, i, mod, r);
     void *du = m->lora_du;
     /* dB += s dy^T u; du = s dy B; dA += du^T x'; dx = d/dx (du A) + beta dx,

@@ -760,7 +760,7 @@ static void acts_layout(loom_model *m, carve *c, int64_t T, int64_t Tc, int64_t 
     m->dg = cv(c, (size_t)(Tc * Il) * e);
     m->du = cv(c, (size_t)(Tc * Il) * e);
     m->logits = cv(c, (size_t)(m->chunk_rows * m->Vl) * e);
-    m->lora_du = lr ? cv(c, (size_t)(Tc * lr) * e) : NULL;
+    m->lora_du = lr ? cv(c, (size_t)(Tc * 3 * lr) * e) : NULL; /* a group of up to 3 modules */
     int64_t maxin = H > QD ? H : QD;
     if (Il > maxin) maxin = Il;
     m->lora_xd = dropout ? cv(c, (size_t)(Tc * maxin) * e) : NULL;

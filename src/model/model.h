@@ -186,7 +186,7 @@ struct loom_model {
     void *dx, *dtmp, *dfull; /* (Tc, H) each: scratch */
     void *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
     void *dg, *du;           /* (Tc, I_l) */
-    void *lora_du;           /* (Tc, r) */
+    void *lora_du;           /* (Tc, 3 r): a LoRA group's du */
     void *lora_xd;           /* (Tc, max in_l): the dropped-out LoRA input (dropout > 0) */
     void **pp_stage;         /* (npp_stage) (Tn, H): copies of pipeline sends not yet posted */
     int npp_stage;
@@ -244,12 +244,15 @@ static inline float *loom_g(loom_model *m, int s) {
 /* lora.c: the active, unmerged adapter's path on one linear of layer l (i:
  * the layer's index in its chunk). fwd: y (T, out_l) = scale (x A^T) B^T +
  * beta y, saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
- * dx. beta is 0 or 1; no-ops where no adapter covers the linear
- * (loom_lora_covers). */
+ * dx, *wrote set when dx was written. beta is 0 or 1; no-ops where no
+ * adapter covers the linear (loom_lora_covers). Modules that share an input
+ * (q, k, v; gate, up) may run as a group: called in module order, the first
+ * computes the group's x A^T and the last writes the group's dx. */
 loom_status loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
                           const void *x, int64_t T, void *y, float beta);
 loom_status loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
-                          const void *x, int64_t T, const void *dy, void *dx, float beta);
+                          const void *x, int64_t T, const void *dy, void *dx, float beta,
+                          bool *wrote);
 bool loom_lora_covers(loom_model *m, int64_t l, int mod);
 /* The active adapter when it is applied (unmerged), else NULL. */
 loom_adapter *loom_model_lora(loom_model *m);
