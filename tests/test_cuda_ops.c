@@ -905,7 +905,18 @@ TEST(cuda_ops_adamw_and_sumsq_chunks) {
         loom_adamw_step_scaled(p + poff[b], gr + soff[b], m + soff[b], v + soff[b], lens[b], &hp, 3,
                                b % 2, gs);
     CHECK_OK(g.ctx, loom_cuda_sumsq_chunks(g.ctx, dg, dch, nc, 0.37f, dsum, NULL));
-    CHECK_OK(g.ctx, loom_cuda_adamw_chunks(g.ctx, dp, dg, dm, dv, dch, nc, &hp, 3, gs, NULL));
+    float *zero = falloc((int64_t)P);
+    void *dwc = up(&g, zero, (int64_t)P, LOOM_BF16), *dwc2 = up(&g, zero, (int64_t)P, LOOM_BF16);
+    free(zero);
+    REQUIRE(!g.bad);
+    CHECK_OK(g.ctx, loom_cuda_adamw_chunks(g.ctx, dp, dg, dm, dv, dch, nc, &hp, 3, gs, dwc, LOOM_BF16,
+                                           NULL));
+    /* the compute copy written in the same pass: the new parameters in bf16,
+     * as a convert of them gives (blocks only: the padding stays zero) */
+    for (int b = 0; b < nb; b++)
+        CHECK_OK(g.ctx, loom_cuda_convert(g.ctx, (char *)dwc2 + poff[b] * 2, LOOM_BF16, dp + poff[b],
+                                          LOOM_F32, lens[b], NULL));
+    CHECK_SAME(&g, dwc, dwc2, (int64_t)P, LOOM_BF16, "adamw_chunks compute copy");
     down(&g, gp, dp, (int64_t)P, LOOM_F32);
     down(&g, gm, dm, (int64_t)S, LOOM_F32);
     down(&g, gv, dv, (int64_t)S, LOOM_F32);

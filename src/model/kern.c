@@ -577,16 +577,21 @@ static loom_status build_chunks(loom_model *m, loom_arena *A, const loom_k_part 
 #endif
 
 loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
-                               int n, const loom_adamw_hp *hp, int64_t t, const float gs[2]) {
+                               int n, const loom_adamw_hp *hp, int64_t t, const float gs[2],
+                               bool wc_too, bool *wc_done) {
+    *wc_done = false;
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m)) {
         loom_status st = A->d_chunks ? LOOM_OK : build_chunks(m, A, parts, n);
         if (st) return st;
+        void *wc = wc_too && A->wc && A->wc != (void *)A->w ? A->wc : NULL;
+        *wc_done = wc != NULL;
         return loom_cuda_adamw_chunks(m->ctx, A->w, A->gshard, A->adam_m, A->adam_v,
                                       (const loom_cuda_chunk *)A->d_chunks, A->n_adam, hp, t, gs,
-                                      m->dev.stream);
+                                      wc, m->dev.adt, m->dev.stream);
     }
 #endif
+    (void)wc_too;
     for (int i = 0; i < n; i++)
         loom_adamw_step_scaled(A->w + parts[i].p_off, A->gshard + parts[i].s_off,
                                A->adam_m + parts[i].s_off, A->adam_v + parts[i].s_off,

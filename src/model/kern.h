@@ -184,8 +184,12 @@ typedef struct loom_k_part {
  * few launches on a GPU: the parts are cut in chunks once per arena (the
  * layout never changes) and kept on the device. The gradients are only
  * read: unscaling and clipping happen inside these passes. */
+/* wc_too: the caller will not gather other ranks' parameters (dp x cp = 1),
+ * so a GPU may write the compute copy in the same pass (*wc_done then set;
+ * otherwise loom_arena_sync is still to run). */
 loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
-                               int n, const loom_adamw_hp *hp, int64_t t, const float gs[2]);
+                               int n, const loom_adamw_hp *hp, int64_t t, const float gs[2],
+                               bool wc_too, bool *wc_done);
 loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
                                int n, float s, double *sum);
 

@@ -577,8 +577,12 @@ static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *p
     int64_t t = A->step + 1;
     /* AdamW on this rank's shard of every bucket, then every rank gets the
      * updated parameters back */
-    if ((st = loom_k_adamw_parts(m, A, parts, nparts, &hp, t, gs))) return st;
-    if ((st = gather_params(m, A)) || (st = loom_arena_sync(m, A))) return st;
+    bool wc_done;
+    if ((st = loom_k_adamw_parts(m, A, parts, nparts, &hp, t, gs,
+                                 loom_comm_size(m->mesh->dpcp) == 1, &wc_done)))
+        return st;
+    if ((st = gather_params(m, A))) return st;
+    if (!wc_done && (st = loom_arena_sync(m, A))) return st;
     if (m->dev.adt == LOOM_F16 && ++m->good_steps >= 2000) { /* torch GradScaler's growth */
         m->loss_scale *= 2;
         m->good_steps = 0;

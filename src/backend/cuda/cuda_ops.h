@@ -270,10 +270,12 @@ typedef struct loom_cuda_chunk {
     int32_t len;
     int32_t decay;
 } loom_cuda_chunk;
+/* wc: when not NULL, every updated parameter p[i] is also stored to wc[i] in
+ * wc_dtype (the compute copy, rounded as loom_cuda_convert) in the same pass. */
 loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const float *g, float *m, float *v,
                                    const loom_cuda_chunk *chunks, int64_t nchunks,
                                    const loom_adamw_hp *hp, int64_t t, const float gs[2],
-                                   void *stream);
+                                   void *wc, loom_dtype wc_dtype, void *stream);
 loom_status loom_cuda_sumsq_chunks(loom_ctx *ctx, const float *g, const loom_cuda_chunk *chunks,
                                    int64_t nchunks, float s, double *out, void *stream);
 

@@ -86,6 +86,8 @@ __device__ __forceinline__ void st8(T *p, const float (&v)[8]) {
     *(uint4 *)p = u;
 }
 
+// Bytes of an element of a float dtype (F32, BF16, F16).
+__host__ __device__ __forceinline__ size_t float_size(loom_dtype dt) { return dt == LOOM_F32 ? 4 : 2; }
 // v rounded to T and widened back: what a store to T and a load give.
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
 // A BF16/F16 tensor of n elements that the vector paths take: n a multiple of

@@ -136,32 +136,54 @@ extern "C" loom_status loom_cuda_embedding_vp_bwd(loom_ctx *ctx, const int32_t *
 
 /* ---------------- vocab-parallel cross-entropy ---------------- */
 
-// One block per row. Thread i takes columns i, i + NT, ... in order, then a
-// fixed tree combines the threads: the same order on every GPU and run.
+// One block per row. Thread i takes columns i, i + NT, ... in order (16-bit
+// rows of a multiple of 8 columns: the 8-column chunks i, i + NT, ... by
+// 16-byte accesses), then a fixed tree combines the threads: the same order
+// on every GPU and run.
 
+// f(j, z) for the columns j < n of row p that this thread takes.
+template <typename T, bool VEC, typename F>
+__device__ __forceinline__ void row_each(const void *p, loom_dtype dt, int64_t n, F f) {
+    if constexpr (VEC) {
+        const int64_t n8 = n / 8 * 8;
+        for (int64_t j = threadIdx.x * 8; j < n8; j += NT * 8) {
+            float v[8];
+            ld8((const T *)p + j, v);
+#pragma unroll
+            for (int i = 0; i < 8; i++) f(j + i, v[i]);
+        }
+        for (int64_t j = n8 + threadIdx.x; j < n; j += NT) f(j, ld(p, dt, j));
+    } else {
+        for (int64_t j = threadIdx.x; j < n; j += NT) f(j, ld(p, dt, j));
+    }
+}
+
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(NT)
     ce_vp_max_kernel(const void *logits, loom_dtype dt, int64_t ld_, int64_t nvalid, double *mx) {
     __shared__ float sh[NT / 32];
-    const int64_t base = (int64_t)blockIdx.x * ld_;
+    const void *row = (const char *)logits + (size_t)blockIdx.x * ld_ * float_size(dt);
     // fmaxf skips NaNs as the CPU's `z > m` does; the max is exact in fp32
     float m = -INFINITY;
-    for (int64_t j = threadIdx.x; j < nvalid; j += NT) m = fmaxf(m, ld(logits, dt, base + j));
+    row_each<T, VEC>(row, dt, nvalid, [&](int64_t, float z) { m = fmaxf(m, z); });
     m = block_max<NT>(m, sh);
     if (threadIdx.x == 0) mx[blockIdx.x] = (double)m;
 }
 
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(NT)
     ce_vp_sums_kernel(const void *logits, loom_dtype dt, int64_t ld_, int64_t nvalid,
                       const int32_t *tgt, int64_t v0, const double *mx, double *ce) {
     __shared__ double sh[NT / 32];
-    const int64_t r = blockIdx.x, base = r * ld_;
+    const int64_t r = blockIdx.x;
+    const void *row = (const char *)logits + (size_t)r * ld_ * float_size(dt);
     const float m = (float)mx[r]; // the max over the ranks: an fp32 logit
     double s = 0, sz = 0;
-    for (int64_t j = threadIdx.x; j < nvalid; j += NT) {
-        const float z = ld(logits, dt, base + j), e = __expf(z - m);
+    row_each<T, VEC>(row, dt, nvalid, [&](int64_t, float z) {
+        const float e = __expf(z - m);
         s += e;
         sz += (double)e * z;
-    }
+    });
     s = block_sum<NT>(s, sh);
     sz = block_sum<NT>(sz, sh);
     if (threadIdx.x == 0) {
@@ -169,31 +191,54 @@ __global__ void __launch_bounds__(NT)
         const bool mine = tgt[r] != -100 && t >= 0 && t < nvalid;
         ce[3 * r + 0] = s;
         ce[3 * r + 1] = sz;
-        ce[3 * r + 2] = mine ? (double)ld(logits, dt, base + t) : 0.0;
+        ce[3 * r + 2] = mine ? (double)ld(row, dt, t) : 0.0;
     }
 }
 
 // In place: every element is read and then written by the same thread.
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(NT)
     ce_vp_grad_kernel(void *logits, loom_dtype dt, int64_t ld_, int64_t nvalid,
                       const int32_t *tgt, int64_t v0, const double *L, float scale) {
-    const int64_t r = blockIdx.x, base = r * ld_;
+    const int64_t r = blockIdx.x;
+    void *row = (char *)logits + (size_t)r * ld_ * float_size(dt);
     const int32_t tg = tgt[r];
-    if (tg == -100) {
-        for (int64_t j = threadIdx.x; j < ld_; j += NT) st(logits, dt, base + j, 0.0f);
-        return;
-    }
+    const bool pad = tg == -100;
     const float l = (float)L[r];
     const int64_t t = (int64_t)tg - v0; // j == t only for a local target: j is in [0, nvalid)
-    for (int64_t j = threadIdx.x; j < ld_; j += NT) {
+    auto grad = [&](int64_t j, float z) {
         float v = 0.0f;
-        if (j < nvalid) {
-            v = scale * __expf(ld(logits, dt, base + j) - l);
+        if (!pad && j < nvalid) {
+            v = scale * __expf(z - l);
             if (j == t) v -= scale;
         }
-        st(logits, dt, base + j, v);
+        return v;
+    };
+    int64_t j0 = 0;
+    if constexpr (VEC) {
+        j0 = ld_ / 8 * 8;
+        for (int64_t j = threadIdx.x * 8; j < j0; j += NT * 8) {
+            float v[8];
+            ld8((const T *)row + j, v);
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = grad(j + i, v[i]);
+            st8((T *)row + j, v);
+        }
     }
+    for (int64_t j = j0 + threadIdx.x; j < ld_; j += NT) st(row, dt, j, grad(j, ld(row, dt, j)));
 }
+
+// The kernel K for the logits' dtype: 16-byte accesses where rows allow.
+#define CE_LAUNCH(K, c, logits, dt, ld_, ...)                                                        \
+    do {                                                                                           \
+        const bool v_ = vec8_ok(dt, ld_, logits, logits);                                          \
+        if (v_ && dt == LOOM_BF16)                                                                 \
+            K<__nv_bfloat16, true><<<(unsigned)(c), NT, 0, as_stream(stream)>>>(logits, dt, ld_, __VA_ARGS__); \
+        else if (v_)                                                                               \
+            K<__half, true><<<(unsigned)(c), NT, 0, as_stream(stream)>>>(logits, dt, ld_, __VA_ARGS__); \
+        else                                                                                       \
+            K<float, false><<<(unsigned)(c), NT, 0, as_stream(stream)>>>(logits, dt, ld_, __VA_ARGS__); \
+    } while (0)
 
 // Shared argument checks of the three; *nvalid clamped to [0, ld].
 static loom_status ce_check(loom_ctx *ctx, const char *op, loom_dtype dt, int64_t c, int64_t ld_,
@@ -215,7 +260,7 @@ extern "C" loom_status loom_cuda_ce_vp_max(loom_ctx *ctx, const void *logits, lo
     loom_status st;
     if ((st = ce_check(ctx, "ce_vp_max", dtype, c, ld, &nvalid))) return st;
     if (c == 0) return LOOM_OK;
-    ce_vp_max_kernel<<<(unsigned)c, NT, 0, as_stream(stream)>>>(logits, dtype, ld, nvalid, mx);
+    CE_LAUNCH(ce_vp_max_kernel, c, logits, dtype, ld, nvalid, mx);
     return check_launch(ctx, "ce_vp_max");
 }
 
@@ -226,8 +271,7 @@ extern "C" loom_status loom_cuda_ce_vp_sums(loom_ctx *ctx, const void *logits, l
     loom_status st;
     if ((st = ce_check(ctx, "ce_vp_sums", dtype, c, ld, &nvalid))) return st;
     if (c == 0) return LOOM_OK;
-    ce_vp_sums_kernel<<<(unsigned)c, NT, 0, as_stream(stream)>>>(logits, dtype, ld, nvalid, tgt,
-                                                                 v0, mx, ce);
+    CE_LAUNCH(ce_vp_sums_kernel, c, logits, dtype, ld, nvalid, tgt, v0, mx, ce);
     return check_launch(ctx, "ce_vp_sums");
 }
 
@@ -238,8 +282,7 @@ extern "C" loom_status loom_cuda_ce_vp_grad(loom_ctx *ctx, void *logits, loom_dt
     loom_status st;
     if ((st = ce_check(ctx, "ce_vp_grad", dtype, c, ld, &nvalid))) return st;
     if (c == 0 || ld == 0) return LOOM_OK;
-    ce_vp_grad_kernel<<<(unsigned)c, NT, 0, as_stream(stream)>>>(logits, dtype, ld, nvalid, tgt, v0,
-                                                                 L, scale);
+    CE_LAUNCH(ce_vp_grad_kernel, c, logits, dtype, ld, nvalid, tgt, v0, L, scale);
     return check_launch(ctx, "ce_vp_grad");
 }
 

@@ -38,14 +38,18 @@ __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64
 
 // One block per chunk of a part list: the same element operations as
 // adamw_kernel, so the results are bit-identical to the CPU's per part.
+// With wc, the new parameter also goes to the compute copy.
 __global__ void adamw_chunks_kernel(float *p, const float *g, float *m, float *v,
-                                    const loom_cuda_chunk *c, adamw_coef k) {
+                                    const loom_cuda_chunk *c, adamw_coef k, void *wc,
+                                    loom_dtype wdt) {
     const loom_cuda_chunk ch = c[blockIdx.x];
     const int do_decay = k.do_decay && ch.decay;
     float *pp = p + ch.p_off, *mm = m + ch.s_off, *vv = v + ch.s_off;
     const float *gg = g + ch.s_off;
-    for (int i = threadIdx.x; i < ch.len; i += blockDim.x)
+    for (int i = threadIdx.x; i < ch.len; i += blockDim.x) {
         adamw_elem(pp + i, gg + i, mm + i, vv + i, k, do_decay);
+        if (wc) st(wc, wdt, ch.p_off + i, pp[i]);
+    }
 }
 
 // One block per chunk: out[chunk] = sum of (g s)^2 over it (double, fixed order).
@@ -117,7 +121,10 @@ extern "C" loom_status loom_cuda_adamw_step(loom_ctx *ctx, float *p, const float
 extern "C" loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const float *g, float *m,
                                               float *v, const loom_cuda_chunk *chunks,
                                               int64_t nchunks, const loom_adamw_hp *hp, int64_t t,
-                                              const float gs[2], void *stream) {
+                                              const float gs[2], void *wc, loom_dtype wc_dtype,
+                                              void *stream) {
+    loom_status st;
+    if (wc && (st = need_float(ctx, wc_dtype, "adamw_chunks", "wc"))) return st;
     if (t < 1)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda adamw_chunks: step %lld (must be >= 1)",
                          (long long)t);
@@ -127,7 +134,8 @@ extern "C" loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const flo
                          (long long)nchunks);
     adamw_coef k = coef_of(hp, t, true);
     k.gs0 = gs[0], k.gs1 = gs[1];
-    adamw_chunks_kernel<<<(unsigned)nchunks, 256, 0, as_stream(stream)>>>(p, g, m, v, chunks, k);
+    adamw_chunks_kernel<<<(unsigned)nchunks, 256, 0, as_stream(stream)>>>(p, g, m, v, chunks, k, wc,
+                                                                          wc_dtype);
     return check_launch(ctx, "adamw_chunks");
 }
 

@@ -99,6 +99,7 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
     if (r >= N) return;
     const T *xr = x + r * H;
     double ss = 0;
+#pragma unroll 4 // loads of several chunks in flight (the row is read twice)
     for (int64_t j = lane * 8; j < H; j += 256) {
         float v[8];
         ld8(xr + j, v);
@@ -116,6 +117,7 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
     const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
     if (lane == 0) rstd[r] = rs;
     if (res) xr = xsum + r * H; // this thread's own writes
+#pragma unroll 4 // loads of several chunks in flight (the row is read twice)
     for (int64_t j = lane * 8; j < H; j += 256) {
         float v[8];
         ld8(xr + j, v);
@@ -135,6 +137,7 @@ __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, lo
     if (r >= N) return;
     const int64_t base = r * H;
     double dot = 0;
+#pragma unroll 4 // loads of several chunks in flight (the row is read twice)
     for (int64_t j = lane * 8; j < H; j += 256) {
         float g[8], v[8];
         ld8(dy + base + j, g);
@@ -146,6 +149,7 @@ __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, lo
     const double rs = (double)rstd[r];
     const double c = dot * rs * rs * rs / (double)H;
     // each lane rewrites only the elements it read: dx may alias dy
+#pragma unroll 4 // loads of several chunks in flight (the row is read twice)
     for (int64_t j = lane * 8; j < H; j += 256) {
         float g[8], v[8];
         ld8(dy + base + j, g);
@@ -241,28 +245,51 @@ qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int
 // dy * x * rstd per column (each group's rows in order, then the groups in
 // order) goes to partial[b].
 template <typename T, int TPR, int NV, bool ROPE, bool DW, bool ADD>
-__global__ void __launch_bounds__(FUSED_THREADS)
+__global__ void __launch_bounds__(FUSED_THREADS, NV == 1 && !DW ? 3 : 1)
 norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, const float *rstd,
                       int64_t N, int64_t rows, int64_t nh, const float2 *cs, const T *res, T *dx,
                       double *partial) {
     constexpr int H = 8 * TPR * NV, GPB = FUSED_THREADS / TPR;
+    // rows of one access per lane: w in registers and the next row loaded
+    // while this one is computed (wider rows have no registers to spare)
+    constexpr bool PF = NV == 1;
     const int l = threadIdx.x % TPR, g = threadIdx.x / TPR;
     const int64_t r0 = (int64_t)blockIdx.x * rows, r1 = r0 + rows < N ? r0 + rows : N;
     double acc[NV][8];
+    float wr[NV][8];
 #pragma unroll
     for (int v = 0; v < NV; v++)
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[v][i] = 0;
+        for (int i = 0; i < 8; i++) {
+            acc[v][i] = 0;
+            wr[v][i] = PF ? ld(w, wdt, (v * TPR + l) * 8 + i) : 0.0f;
+        }
+    auto wv = [&](int v, int i) { return PF ? wr[v][i] : ld(w, wdt, (v * TPR + l) * 8 + i); };
+    auto load = [&](int64_t base, float (&G)[NV][8], float (&X)[NV][8], float &R) {
+        const int64_t r = base + g, rr = r < r1 ? r : r0;
+#pragma unroll
+        for (int v = 0; v < NV; v++) {
+            ld8(dy + rr * H + (v * TPR + l) * 8, G[v]);
+            ld8(x + rr * H + (v * TPR + l) * 8, X[v]);
+        }
+        R = rstd[rr];
+    };
+    float gv[NV][8], xv[NV][8], gn[NV][8], xn[NV][8], rsf, rsn = 0;
+    if (PF) load(r0, gn, xn, rsn);
     for (int64_t base = r0; base < r1; base += GPB) {
+        if (PF) {
+#pragma unroll
+            for (int v = 0; v < NV; v++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) gv[v][i] = gn[v][i], xv[v][i] = xn[v][i];
+            rsf = rsn;
+            if (base + GPB < r1) load(base + GPB, gn, xn, rsn);
+        } else {
+            load(base, gv, xv, rsf);
+        }
         const int64_t r = base + g;
         const bool live = r < r1;
         const int64_t rr = live ? r : r0;
-        float gv[NV][8], xv[NV][8];
-#pragma unroll
-        for (int v = 0; v < NV; v++) {
-            ld8(dy + rr * H + (v * TPR + l) * 8, gv[v]);
-            ld8(x + rr * H + (v * TPR + l) * 8, xv[v]);
-        }
         if (ROPE) {
             rope8<TPR>(gv[0], cs, rr / nh, l, -1.0f);
 #pragma unroll
@@ -272,10 +299,9 @@ norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, co
 #pragma unroll
         for (int v = 0; v < NV; v++)
 #pragma unroll
-            for (int i = 0; i < 8; i++)
-                dot += (double)gv[v][i] * (double)ld(w, wdt, (v * TPR + l) * 8 + i) * (double)xv[v][i];
+            for (int i = 0; i < 8; i++) dot += (double)gv[v][i] * (double)wv(v, i) * (double)xv[v][i];
         dot = group_sum<TPR>(dot);
-        const double rs = (double)rstd[rr];
+        const double rs = (double)rsf;
         const double c = dot * rs * rs * rs / (double)H;
         if (!live) continue; // no shuffles below
 #pragma unroll
@@ -284,8 +310,7 @@ norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, co
             float o[8];
 #pragma unroll
             for (int i = 0; i < 8; i++) {
-                const int j = (v * TPR + l) * 8 + i;
-                o[i] = (float)(rs * (double)ld(w, wdt, j) * (double)gv[v][i] - c * (double)xv[v][i]);
+                o[i] = (float)(rs * (double)wv(v, i) * (double)gv[v][i] - c * (double)xv[v][i]);
                 if (DW) acc[v][i] += (double)gv[v][i] * (double)xv[v][i] * rs;
             }
             if (ADD) {
