@@ -1211,4 +1211,77 @@ TEST(cuda_ops_bench) {
     cudaEventDestroy(bo.b);
     gpu_close(&g);
 }
+
+/* The ops bench's GEMM part (LOOM_CUDA_OPS_BENCH=1): each GEMM shape of the
+ * benchmarked models, cuBLASLt's heuristic choice (what loom runs) against
+ * the fastest of its first 16 candidates. */
+TEST(cuda_ops_gemm_survey) {
+    if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    loom_cuda_gemm_handle *h = NULL;
+    REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 32u << 20, &h));
+    typedef struct {
+        const char *what;
+        bool ta, tb;
+        int64_t M, N, K;
+        float beta;
+        bool f32;
+    } shape;
+    /* y = x W^T: (T, out, in), tb; dx = dy W: (T, in, out); dW += dy^T x: ta, fp32 */
+    const shape sh[] = {
+        {"8B q/o fwd", false, true, 4096, 4096, 4096, 1, false},
+        {"8B k/v fwd", false, true, 4096, 1024, 4096, 1, false},
+        {"8B gate/up fwd", false, true, 4096, 12288, 4096, 1, false},
+        {"8B down fwd", false, true, 4096, 4096, 12288, 1, false},
+        {"8B q/o dx", false, false, 4096, 4096, 4096, 1, false},
+        {"8B k/v dx", false, false, 4096, 4096, 1024, 1, false},
+        {"8B gate/up dx", false, false, 4096, 4096, 12288, 1, false},
+        {"8B down dx", false, false, 4096, 12288, 4096, 1, false},
+        {"8B head fwd (1766 rows)", false, true, 1766, 151936, 4096, 0, false},
+        {"8B head dx", false, false, 1766, 4096, 151936, 0, false},
+        {"0.6B q fwd", false, true, 8192, 2048, 1024, 0, false},
+        {"0.6B k/v fwd", false, true, 8192, 1024, 1024, 0, false},
+        {"0.6B gate/up fwd", false, true, 8192, 3072, 1024, 0, false},
+        {"0.6B down fwd", false, true, 8192, 1024, 3072, 0, false},
+        {"0.6B o fwd", false, true, 8192, 1024, 2048, 0, false},
+        {"0.6B gate/up dx", false, false, 8192, 1024, 3072, 1, false},
+        {"0.6B down dx", false, false, 8192, 3072, 1024, 0, false},
+        {"0.6B gate/up dW", true, false, 3072, 1024, 8192, 1, true},
+        {"0.6B down dW", true, false, 1024, 3072, 8192, 1, true},
+        {"0.6B q dW", true, false, 2048, 1024, 8192, 1, true},
+        {"0.6B head fwd (1766 rows)", false, true, 1766, 151936, 1024, 0, false},
+        {"0.6B head dW", true, false, 151936, 1024, 1766, 1, true},
+    };
+    double tot_h = 0, tot_b = 0;
+    for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++) {
+        const shape *c = &sh[i];
+        const int64_t lda = c->ta ? c->M : c->K, ldb = c->tb ? c->K : c->N;
+        void *A = bench_buf(&g, c->M * c->K, LOOM_BF16), *B = bench_buf(&g, c->K * c->N, LOOM_BF16);
+        void *C = bench_buf(&g, c->M * c->N, c->f32 ? LOOM_F32 : LOOM_BF16);
+        REQUIRE(!g.bad);
+        float ms[16];
+        int n = 0;
+        CHECK_OK(g.ctx, loom_cuda_gemm_survey(g.ctx, h, c->ta, c->tb, c->M, c->N, c->K, A, LOOM_BF16,
+                                              lda, B, ldb, c->beta, C, c->f32 ? LOOM_F32 : LOOM_BF16,
+                                              c->N, 16, 10, ms, &n));
+        int best = 0;
+        for (int k = 1; k < n; k++)
+            if (ms[k] > 0 && (ms[best] <= 0 || ms[k] < ms[best])) best = k;
+        const double fl = 2.0 * (double)c->M * (double)c->N * (double)c->K;
+        if (n > 0 && ms[0] > 0) {
+            fprintf(stderr, "    gemm %-26s M=%-6lld N=%-6lld K=%-6lld heuristic %8.3f ms %6.1f T/s | best #%-2d "
+                            "of %2d %8.3f ms %6.1f T/s (%.3fx)\n",
+                    c->what, (long long)c->M, (long long)c->N, (long long)c->K, ms[0],
+                    fl / (ms[0] * 1e-3) / 1e12, best, n, ms[best], fl / (ms[best] * 1e-3) / 1e12,
+                    ms[0] / ms[best]);
+            tot_h += ms[0], tot_b += ms[best];
+        }
+        gpu_free_all(&g);
+    }
+    fprintf(stderr, "    gemm shapes above: heuristic %.3f ms, best %.3f ms (%.3fx)\n", tot_h, tot_b,
+            tot_b > 0 ? tot_h / tot_b : 0.0);
+    loom_cuda_gemm_free(h);
+    gpu_close(&g);
+}
 #endif

@@ -120,8 +120,11 @@ extern "C" void loom_cuda_gemm_free(loom_cuda_gemm_handle *h) {
 
 extern "C" int loom_cuda_gemm_cached(const loom_cuda_gemm_handle *h) { return h ? h->cached : 0; }
 
-// Descriptors, layouts and the heuristic's first algorithm for key k.
-static loom_status plan(loom_ctx *ctx, loom_cuda_gemm_handle *h, const gemm_key *k, gemm_entry *e) {
+// Descriptors, layouts and the heuristic's first algorithm for key k; with
+// more (for loom_cuda_gemm_survey), up to `want` of its candidates there.
+static loom_status plan(loom_ctx *ctx, loom_cuda_gemm_handle *h, const gemm_key *k, gemm_entry *e,
+                        int want = 1, cublasLtMatmulHeuristicResult_t *more = nullptr,
+                        int *nmore = nullptr) {
     memset(e, 0, sizeof *e);
     e->key = *k;
     const cublasOperation_t opa = k->tb ? CUBLAS_OP_T : CUBLAS_OP_N; // cuBLAS's A = our B
@@ -176,15 +179,16 @@ static loom_status plan(loom_ctx *ctx, loom_cuda_gemm_handle *h, const gemm_key 
         if (s == CUBLAS_STATUS_SUCCESS)
             s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                      &al_c, sizeof al_c);
-        cublasLtMatmulHeuristicResult_t res;
+        cublasLtMatmulHeuristicResult_t one, *res = more ? more : &one;
         int nres = 0;
-        memset(&res, 0, sizeof res);
+        memset(res, 0, sizeof *res * (size_t)want);
         if (s == CUBLAS_STATUS_SUCCESS)
-            s = cublasLtMatmulAlgoGetHeuristic(h->lt, e->op, e->la, e->lb, e->lc, e->lc, pref, 1,
-                                               &res, &nres);
+            s = cublasLtMatmulAlgoGetHeuristic(h->lt, e->op, e->la, e->lb, e->lc, e->lc, pref, want,
+                                               res, &nres);
+        if (nmore) *nmore = nres;
         cublasLtMatmulPreferenceDestroy(pref);
         if ((st = lt_check(ctx, s, "cublasLtMatmulAlgoGetHeuristic"))) goto fail;
-        if (nres < 1 || res.state != CUBLAS_STATUS_SUCCESS) {
+        if (nres < 1 || res[0].state != CUBLAS_STATUS_SUCCESS) {
             st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                            "cuda gemm: cuBLASLt has no algorithm for M=%lld N=%lld K=%lld "
                            "(ta=%d tb=%d lda=%lld ldb=%lld ldc=%lld, %s inputs, %s output)",
@@ -193,7 +197,7 @@ static loom_status plan(loom_ctx *ctx, loom_cuda_gemm_handle *h, const gemm_key 
                            loom_dtype_name((loom_dtype)k->adt), loom_dtype_name((loom_dtype)k->cdt));
             goto fail;
         }
-        e->algo = res.algo;
+        e->algo = res[0].algo;
     }
     e->used = true;
     return LOOM_OK;
@@ -211,12 +215,14 @@ __global__ void gemm_scale_c(void *C, loom_dtype dt, int64_t M, int64_t N, int64
     }
 }
 
-extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb,
-                                      int64_t M, int64_t N, int64_t K, float alpha, const void *A,
-                                      loom_dtype a_dtype, int64_t lda, const void *B,
-                                      loom_dtype b_dtype, int64_t ldb, float beta, void *C,
-                                      loom_dtype c_dtype, int64_t ldc, void *stream) {
+// The checks of loom_cuda_gemm and its cache key; *trivial when there is
+// nothing to multiply (M or N zero, or K zero: C scaled instead).
+static loom_status gemm_args(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb, int64_t M,
+                             int64_t N, int64_t K, const void *A, loom_dtype a_dtype, int64_t lda,
+                             const void *B, loom_dtype b_dtype, int64_t ldb, float beta, void *C,
+                             loom_dtype c_dtype, int64_t ldc, gemm_key *k, bool *trivial) {
     loom_status st;
+    *trivial = true;
     if (!h) return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda gemm: no handle");
     if ((st = need_float(ctx, a_dtype, "gemm", "A")) || (st = need_float(ctx, b_dtype, "gemm", "B")) ||
         (st = need_float(ctx, c_dtype, "gemm", "C")))
@@ -237,16 +243,30 @@ extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, b
                          "lda=%lld ldb=%lld ldc=%lld)",
                          (long long)M, (long long)N, (long long)K, (int)ta, (int)tb, (long long)lda,
                          (long long)ldb, (long long)ldc);
-    if (K == 0) {
+    memset(k, 0, sizeof *k); // padding bytes take part in the hash and compare
+    k->M = M, k->N = N, k->K = K, k->lda = lda, k->ldb = ldb, k->ldc = ldc;
+    k->ta = ta, k->tb = tb, k->adt = a_dtype, k->cdt = c_dtype, k->beta0 = beta == 0.0f;
+    k->align_a = ptr_align(A), k->align_b = ptr_align(B), k->align_c = ptr_align(C);
+    *trivial = K == 0;
+    return LOOM_OK;
+}
+
+extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb,
+                                      int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                                      loom_dtype a_dtype, int64_t lda, const void *B,
+                                      loom_dtype b_dtype, int64_t ldb, float beta, void *C,
+                                      loom_dtype c_dtype, int64_t ldc, void *stream) {
+    loom_status st;
+    gemm_key k;
+    bool trivial;
+    if ((st = gemm_args(ctx, h, ta, tb, M, N, K, A, a_dtype, lda, B, b_dtype, ldb, beta, C, c_dtype,
+                        ldc, &k, &trivial)) ||
+        M == 0 || N == 0)
+        return st;
+    if (trivial) { // K == 0
         gemm_scale_c<<<grid_for(M * N, 256), 256, 0, as_stream(stream)>>>(C, c_dtype, M, N, ldc, beta);
         return check_launch(ctx, "gemm");
     }
-    gemm_key k;
-    memset(&k, 0, sizeof k); // padding bytes take part in the hash and compare
-    k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc;
-    k.ta = ta, k.tb = tb, k.adt = a_dtype, k.cdt = c_dtype, k.beta0 = beta == 0.0f;
-    k.align_a = ptr_align(A), k.align_b = ptr_align(B), k.align_c = ptr_align(C);
-
     gemm_entry tmp, *e = NULL;
     uint64_t hs = key_hash(&k);
     for (int probe = 0; probe < CACHE_SIZE; probe++) {
@@ -278,4 +298,55 @@ extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, b
                          (long long)M, (long long)N, (long long)K, (int)ta, (int)tb,
                          loom_dtype_name(a_dtype), cublasLtGetStatusString(s));
     return check_launch(ctx, "gemm");
+}
+
+extern "C" loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta,
+                                             bool tb, int64_t M, int64_t N, int64_t K, const void *A,
+                                             loom_dtype a_dtype, int64_t lda, const void *B,
+                                             int64_t ldb, float beta, void *C, loom_dtype c_dtype,
+                                             int64_t ldc, int max_algos, int reps, float *ms,
+                                             int *n) {
+    loom_status st;
+    gemm_key k;
+    bool trivial;
+    *n = 0;
+    if ((st = gemm_args(ctx, h, ta, tb, M, N, K, A, a_dtype, lda, B, a_dtype, ldb, beta, C, c_dtype,
+                        ldc, &k, &trivial)))
+        return st;
+    if (trivial || max_algos < 1 || reps < 1)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda gemm_survey: nothing to time");
+    cublasLtMatmulHeuristicResult_t *res =
+        (cublasLtMatmulHeuristicResult_t *)calloc((size_t)max_algos, sizeof *res);
+    if (!res) return loom_errf(ctx, LOOM_ERR_OOM, "cuda gemm_survey: no memory");
+    gemm_entry e;
+    int nres = 0;
+    cudaEvent_t a = nullptr, b = nullptr;
+    const float alpha = 1.0f;
+    if ((st = plan(ctx, h, &k, &e, max_algos, res, &nres))) {
+        free(res);
+        return st;
+    }
+    st = check(ctx, cudaEventCreate(&a), "gemm_survey");
+    if (!st) st = check(ctx, cudaEventCreate(&b), "gemm_survey");
+    for (int i = 0; i < nres && !st; i++) {
+        ms[i] = -1.0f; // a candidate that fails to run
+        if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+        bool ok = cublasLtMatmul(h->lt, e.op, &alpha, B, e.la, A, e.lb, &beta, C, e.lc, C, e.lc,
+                                 &res[i].algo, h->ws, h->ws_bytes, 0) == CUBLAS_STATUS_SUCCESS;
+        cudaEventRecord(a, 0);
+        for (int r = 0; r < reps && ok; r++)
+            ok = cublasLtMatmul(h->lt, e.op, &alpha, B, e.la, A, e.lb, &beta, C, e.lc, C, e.lc,
+                                &res[i].algo, h->ws, h->ws_bytes, 0) == CUBLAS_STATUS_SUCCESS;
+        cudaEventRecord(b, 0);
+        float t = 0;
+        if ((st = check(ctx, cudaEventSynchronize(b), "gemm_survey"))) break;
+        cudaEventElapsedTime(&t, a, b);
+        if (ok) ms[i] = t / (float)reps;
+    }
+    if (!st) *n = nres;
+    if (a) cudaEventDestroy(a);
+    if (b) cudaEventDestroy(b);
+    entry_destroy(&e);
+    free(res);
+    return st;
 }
