@@ -82,7 +82,8 @@ loom_status loom_cuda_embedding_bwd(loom_ctx *ctx, const int32_t *ids, int64_t T
 
 /* ---- RMSNorm (ops_rmsnorm.cu) ----
  * y = w * (x * rstd), rstd = 1/sqrt(mean(x^2) + eps) with the mean in double
- * (as the CPU). x: (N, H) x_dtype; w: (H) w_dtype; y: (N, H) y_dtype (may be
+ * (as the CPU; on 16-bit rows, fp32 sums of 8 elements added in double, and
+ * the backward's element products in fp32). x: (N, H) x_dtype; w: (H) w_dtype; y: (N, H) y_dtype (may be
  * x when the dtypes agree); rstd: (N) fp32, saved for the backward.
  * bwd: dx (N, H) overwritten, may alias dy (same dtype); dw (H) fp32
  * accumulated, NULL when frozen. dw is reduced deterministically: per chunk

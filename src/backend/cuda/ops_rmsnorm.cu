@@ -1,5 +1,6 @@
 // RMSNorm forward and backward. One warp per row; sums of squares and dot
-// products in double (as the CPU), the output rounded as HF: w * (x * rstd).
+// products in double (as the CPU; the 16-bit kernels add fp32 sums of 8 in
+// double, see sumsq8), the output rounded as HF: w * (x * rstd).
 // The weight gradient is reduced in two fixed-order stages through scratch.
 // BF16/F16 rows whose length is a multiple of 8 (16-byte aligned) take the
 // vector kernels: 8 elements per 16-byte load, same math.
@@ -18,6 +19,37 @@ int64_t dw_rows_per_chunk(int64_t N) {
     return r;
 }
 } // namespace
+
+// The 16-bit kernels' per-access math (the vector and the fused kernels share
+// it, so fused ops give the bits of the ops apart): products and the sum over
+// an access's 8 elements in fp32 (each operation rounded on its own), those
+// sums added in double across the row. fp32 here instead of the CPU's
+// double: converting every element to double made these kernels bound by
+// the FP64 units, for a difference far below the 16-bit output's rounding.
+__device__ __forceinline__ float sumsq8(const float (&v)[8]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __fadd_rn(s, __fmul_rn(v[i], v[i]));
+    return s;
+}
+__device__ __forceinline__ float dot8(const float (&g)[8], const float (&w)[8], const float (&x)[8]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __fadd_rn(s, __fmul_rn(__fmul_rn(g[i], w[i]), x[i]));
+    return s;
+}
+// dx_i = rstd w_i dy_i - c x_i, c = rstd^3 / H * the row's dot (from double)
+__device__ __forceinline__ float dx1(float rs, float w, float g, float c, float x) {
+    return __fsub_rn(__fmul_rn(__fmul_rn(rs, w), g), __fmul_rn(c, x));
+}
+__device__ __forceinline__ float dx_coef(double dot, float rstd, int64_t H) {
+    const double rs = (double)rstd;
+    return (float)(dot * rs * rs * rs / (double)H);
+}
+__device__ __forceinline__ void w8(const void *w, loom_dtype wdt, int64_t j, float (&o)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) o[i] = ld(w, wdt, j + i);
+}
 
 __global__ void rmsnorm_fwd_kernel(const void *x, loom_dtype xdt, const void *w, loom_dtype wdt,
                                    int64_t N, int64_t H, float eps, void *y, loom_dtype ydt,
@@ -110,8 +142,7 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
             for (int i = 0; i < 8; i++) v[i] = round_to<T>(__fadd_rn(v[i], a[i]));
             st8(xsum + r * H + j, v);
         }
-#pragma unroll
-        for (int i = 0; i < 8; i++) ss += (double)v[i] * (double)v[i];
+        ss += (double)sumsq8(v);
     }
     ss = warp_sum(ss);
     const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
@@ -139,24 +170,23 @@ __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, lo
     double dot = 0;
 #pragma unroll 4 // loads of several chunks in flight (the row is read twice)
     for (int64_t j = lane * 8; j < H; j += 256) {
-        float g[8], v[8];
+        float g[8], v[8], wv[8];
         ld8(dy + base + j, g);
         ld8(x + base + j, v);
-#pragma unroll
-        for (int i = 0; i < 8; i++) dot += (double)g[i] * (double)ld(w, wdt, j + i) * (double)v[i];
+        w8(w, wdt, j, wv);
+        dot += (double)dot8(g, wv, v);
     }
     dot = warp_sum(dot);
-    const double rs = (double)rstd[r];
-    const double c = dot * rs * rs * rs / (double)H;
+    const float rs = rstd[r], c = dx_coef(dot, rs, H);
     // each lane rewrites only the elements it read: dx may alias dy
 #pragma unroll 4 // loads of several chunks in flight (the row is read twice)
     for (int64_t j = lane * 8; j < H; j += 256) {
-        float g[8], v[8];
+        float g[8], v[8], wv[8];
         ld8(dy + base + j, g);
         ld8(x + base + j, v);
+        w8(w, wdt, j, wv);
 #pragma unroll
-        for (int i = 0; i < 8; i++)
-            g[i] = (float)(rs * (double)ld(w, wdt, j + i) * (double)g[i] - c * (double)v[i]);
+        for (int i = 0; i < 8; i++) g[i] = dx1(rs, wv[i], g[i], c, v[i]);
         if (res) {
             float a[8];
             ld8(res + base + j, a);
@@ -226,10 +256,7 @@ qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int
     const int64_t rr = live ? r : N - 1;
     float v[8];
     ld8(x + rr * H + l * 8, v);
-    double ss = 0;
-#pragma unroll
-    for (int i = 0; i < 8; i++) ss += (double)v[i] * (double)v[i];
-    ss = group_sum<TPR>(ss);
+    const double ss = group_sum<TPR>((double)sumsq8(v));
     const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
     if (live && l == 0) rstd[r] = rs;
 #pragma unroll
@@ -245,7 +272,7 @@ qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int
 // dy * x * rstd per column (each group's rows in order, then the groups in
 // order) goes to partial[b].
 template <typename T, int TPR, int NV, bool ROPE, bool DW, bool ADD>
-__global__ void __launch_bounds__(FUSED_THREADS, NV == 1 && !DW ? 3 : 1)
+__global__ void __launch_bounds__(FUSED_THREADS, NV == 1 ? 3 : 1)
 norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, const float *rstd,
                       int64_t N, int64_t rows, int64_t nh, const float2 *cs, const T *res, T *dx,
                       double *partial) {
@@ -255,16 +282,22 @@ norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, co
     constexpr bool PF = NV == 1;
     const int l = threadIdx.x % TPR, g = threadIdx.x / TPR;
     const int64_t r0 = (int64_t)blockIdx.x * rows, r1 = r0 + rows < N ? r0 + rows : N;
-    double acc[NV][8];
+    float acc[NV][8]; // this group's rows (a few) in fp32; the groups and blocks in double
     float wr[NV][8];
 #pragma unroll
     for (int v = 0; v < NV; v++)
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            acc[v][i] = 0;
+            acc[v][i] = 0.0f;
             wr[v][i] = PF ? ld(w, wdt, (v * TPR + l) * 8 + i) : 0.0f;
         }
-    auto wv = [&](int v, int i) { return PF ? wr[v][i] : ld(w, wdt, (v * TPR + l) * 8 + i); };
+    auto wv = [&](int v, float (&o)[8]) {
+        if (PF)
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = wr[v][i];
+        else
+            w8(w, wdt, (v * TPR + l) * 8, o);
+    };
     auto load = [&](int64_t base, float (&G)[NV][8], float (&X)[NV][8], float &R) {
         const int64_t r = base + g, rr = r < r1 ? r : r0;
 #pragma unroll
@@ -297,21 +330,23 @@ norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, co
         }
         double dot = 0;
 #pragma unroll
-        for (int v = 0; v < NV; v++)
-#pragma unroll
-            for (int i = 0; i < 8; i++) dot += (double)gv[v][i] * (double)wv(v, i) * (double)xv[v][i];
+        for (int v = 0; v < NV; v++) {
+            float wk[8];
+            wv(v, wk);
+            dot += (double)dot8(gv[v], wk, xv[v]);
+        }
         dot = group_sum<TPR>(dot);
-        const double rs = (double)rsf;
-        const double c = dot * rs * rs * rs / (double)H;
+        const float c = dx_coef(dot, rsf, H);
         if (!live) continue; // no shuffles below
 #pragma unroll
         for (int v = 0; v < NV; v++) {
             const int64_t at = r * H + (v * TPR + l) * 8;
-            float o[8];
+            float o[8], wk[8];
+            wv(v, wk);
 #pragma unroll
             for (int i = 0; i < 8; i++) {
-                o[i] = (float)(rs * (double)wv(v, i) * (double)gv[v][i] - c * (double)xv[v][i]);
-                if (DW) acc[v][i] += (double)gv[v][i] * (double)xv[v][i] * rs;
+                o[i] = dx1(rsf, wk[i], gv[v][i], c, xv[v][i]);
+                if (DW) acc[v][i] = __fadd_rn(acc[v][i], __fmul_rn(__fmul_rn(gv[v][i], xv[v][i]), rsf));
             }
             if (ADD) {
                 float a[8];
@@ -331,7 +366,7 @@ norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, co
 #pragma unroll
                     for (int i = 0; i < 8; i++) {
                         const int j = (v * TPR + l) * 8 + i;
-                        sh[j] = (k ? sh[j] : 0.0) + acc[v][i];
+                        sh[j] = (k ? sh[j] : 0.0) + (double)acc[v][i];
                     }
             __syncthreads();
         }
