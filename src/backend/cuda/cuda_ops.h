@@ -111,7 +111,8 @@ loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_d
  *   RoPE: x (N = T * nh rows of D), w (D); y = rope(rmsnorm(x)); bwd takes
  *   dy of y and gives dx (may alias dy), dw as rmsnorm_bwd. cs: the
  *   (cos, sin) table of loom_cuda_rope_table for the T tokens.
- * With dw, rows of H <= 1024 (and heads) take one pass for dx and dw. */
+ * With dw, rows of 256, 512 or 1024 and heads of 64, 128 or 256 take one pass
+ * for dx and dw; other rows run the weight gradient as its own pass. */
 bool loom_cuda_rmsnorm_fused_ok(loom_dtype dtype, int64_t H);
 bool loom_cuda_qknorm_rope_ok(loom_dtype dtype, int64_t D);
 loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, const void *res, void *xsum,
