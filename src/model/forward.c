@@ -69,15 +69,6 @@ static const int32_t *my_qidx_d(const loom_model *m) {
     return m->cp == 1 ? NULL : m->d_perm + (int64_t)m->mesh->cp_rank * m->Tc;
 }
 
-/* The length of every document of the micro-batch when all are equally long
- * (B sequences of L tokens), else 0. */
-static int64_t even_docs(const loom_micro *mb) {
-    const int64_t L = mb->cu[1] - mb->cu[0];
-    for (int64_t d = 1; d < mb->ndocs; d++)
-        if (mb->cu[d + 1] - mb->cu[d] != L) return 0;
-    return L;
-}
-
 /* y = x W^T plus, where an adapter covers the linear, LoRA's s (x A^T) B^T:
  * the LoRA term is written first and the base GEMM accumulates onto it (its
  * read of y hides under the GEMM's compute; adding the LoRA term afterwards
@@ -168,7 +159,7 @@ static loom_status attn_fwd(loom_model *m, const lbuf *b, int64_t l, const loom_
     CK(cp_gather(m, kl, KD, k));
     CK(cp_gather(m, vl, KD, v));
     CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
-                       even_docs(mb), o, b->lse));
+                       mb->even_len, o, b->lse));
 
     /* the projection straight into xmid unless SP scatters it there */
     void *part = m->sp ? m->dtmp : xmid, *h2 = m->sp ? m->dtmp : b->h2;
@@ -277,7 +268,7 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     DX(dfull, Tc, H, loom_wc(m, s->wo), QD, acc ? 1.0f : 0.0f, dout);
     DW(dfull, o, Tc, H, QD, loom_g(m, s->wo));
     CK(loom_k_attn_bwd(m, dout, q, my_qidx_d(m), Tc, k, v, o, b->lse, T, m->Hql, m->Hkvl, mb->d_cu,
-                       mb->ndocs, even_docs(mb), dq, dk, dv));
+                       mb->ndocs, mb->even_len, dq, dk, dv));
     CK(cp_reduce(m, dk, KD, dkl));
     CK(cp_reduce(m, dv, KD, dvl));
     if (m->cfg.qk_norm) {

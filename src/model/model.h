@@ -134,6 +134,7 @@ struct loom_micro {
     int32_t *d_ids, *d_tgt, *d_pos, *d_cu;
     float *d_rope;      /* GPU: (Tc, D/2) cos, sin of the positions (loom_k_rope_table) */
     int64_t ndocs;
+    int64_t even_len;   /* every document's length when all are equally long, else 0 */
     int64_t out0;       /* flat index of the micro-batch's first token in the global batch */
 };
 

@@ -161,6 +161,9 @@ static loom_status prepare_micro(loom_model *m, const loom_batch *b, int64_t row
     } else {
         for (int64_t r = 1; r <= rows; r++) u->cu[++u->ndocs] = (int32_t)(r * S);
     }
+    u->even_len = u->cu[1]; /* every document as long as the first, or 0 */
+    for (int64_t d = 1; d < u->ndocs && u->even_len; d++)
+        if (u->cu[d + 1] - u->cu[d] != u->even_len) u->even_len = 0;
     const int32_t *mine = m->perm + (int64_t)m->mesh->cp_rank * m->Tc;
     for (int64_t t = 0; t < m->Tc; t++) {
         int64_t g = m->cp == 1 ? t : mine[t];
