@@ -43,6 +43,11 @@ static inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 
     return (unsigned)b;
 }
 
+// f(i) for every i < n, over the grid (a grid-stride loop).
+template <typename F> __device__ __forceinline__ void grid_each(int64_t n, F f) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
+}
 // Element i of a tensor of dtype dt as fp32 / stored from fp32 (round to
 // nearest even). dt is uniform across a launch, so the switch does not diverge.
 __device__ __forceinline__ float ld(const void *p, loom_dtype dt, int64_t i) {

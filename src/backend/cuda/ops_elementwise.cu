@@ -35,21 +35,19 @@ __global__ void swiglu_bwd_kernel(const void *dh, const void *g, const void *u, 
 // The same three ops on BF16/F16, 8 elements per 16-byte access (n8 = n / 8).
 template <typename T>
 __global__ void swiglu_fwd_vec_kernel(const T *g, const T *u, int64_t n8, T *h) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
+    grid_each(n8, [&](int64_t i) {
         float gv[8], uv[8];
         ld8(g + 8 * i, gv);
         ld8(u + 8 * i, uv);
 #pragma unroll
         for (int k = 0; k < 8; k++) gv[k] = __fmul_rn(__fmul_rn(gv[k], sigmoidf_(gv[k])), uv[k]);
         st8(h + 8 * i, gv);
-    }
+    });
 }
 
 template <typename T>
 __global__ void swiglu_bwd_vec_kernel(const T *dh, const T *g, const T *u, int64_t n8, T *dg, T *du) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
+    grid_each(n8, [&](int64_t i) {
         float gv[8], uv[8], dv[8];
         ld8(g + 8 * i, gv);
         ld8(u + 8 * i, uv);
@@ -65,20 +63,19 @@ __global__ void swiglu_bwd_vec_kernel(const T *dh, const T *g, const T *u, int64
         }
         st8(dg + 8 * i, gv); // all 8 elements were read: dg/du may alias g/u/dh
         st8(du + 8 * i, uv);
-    }
+    });
 }
 
 template <typename T>
 __global__ void residual_vec_kernel(T *y, const T *x, int64_t n8) {
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
+    grid_each(n8, [&](int64_t i) {
         float yv[8], xv[8];
         ld8(y + 8 * i, yv);
         ld8(x + 8 * i, xv);
 #pragma unroll
         for (int k = 0; k < 8; k++) yv[k] = __fadd_rn(yv[k], xv[k]);
         st8(y + 8 * i, yv);
-    }
+    });
 }
 
 __global__ void residual_kernel(void *y, loom_dtype ydt, const void *x, loom_dtype xdt, int64_t n) {

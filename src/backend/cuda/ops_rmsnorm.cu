@@ -131,7 +131,7 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
     if (r >= N) return;
     const T *xr = x + r * H;
     double ss = 0;
-#pragma unroll 4 // loads of several chunks in flight (the row is read twice)
+#pragma unroll 4 // loads of several chunks in flight
     for (int64_t j = lane * 8; j < H; j += 256) {
         float v[8];
         ld8(xr + j, v);
@@ -148,7 +148,7 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
     const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
     if (lane == 0) rstd[r] = rs;
     if (res) xr = xsum + r * H; // this thread's own writes
-#pragma unroll 4 // loads of several chunks in flight (the row is read twice)
+#pragma unroll 4 // loads of several chunks in flight
     for (int64_t j = lane * 8; j < H; j += 256) {
         float v[8];
         ld8(xr + j, v);
@@ -167,24 +167,26 @@ __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, lo
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= N) return;
     const int64_t base = r * H;
-    double dot = 0;
-#pragma unroll 4 // loads of several chunks in flight (the row is read twice)
-    for (int64_t j = lane * 8; j < H; j += 256) {
-        float g[8], v[8], wv[8];
+    // the row is read twice (dot, then dx) rather than held in registers
+    auto load = [&](int64_t j, float (&g)[8], float (&v)[8], float (&wv)[8]) {
         ld8(dy + base + j, g);
         ld8(x + base + j, v);
         w8(w, wdt, j, wv);
+    };
+    double dot = 0;
+#pragma unroll 4 // loads of several chunks in flight
+    for (int64_t j = lane * 8; j < H; j += 256) {
+        float g[8], v[8], wv[8];
+        load(j, g, v, wv);
         dot += (double)dot8(g, wv, v);
     }
     dot = warp_sum(dot);
     const float rs = rstd[r], c = dx_coef(dot, rs, H);
     // each lane rewrites only the elements it read: dx may alias dy
-#pragma unroll 4 // loads of several chunks in flight (the row is read twice)
+#pragma unroll 4
     for (int64_t j = lane * 8; j < H; j += 256) {
         float g[8], v[8], wv[8];
-        ld8(dy + base + j, g);
-        ld8(x + base + j, v);
-        w8(w, wdt, j, wv);
+        load(j, g, v, wv);
 #pragma unroll
         for (int i = 0; i < 8; i++) g[i] = dx1(rs, wv[i], g[i], c, v[i]);
         if (res) {
@@ -407,27 +409,25 @@ bool bwd_fused(fused_shape f, bool rope, bool dw, bool add, const void *dy, cons
                const float *cs, const void *res, void *dx, void *scratch, cudaStream_t s) {
 #define LB(TPR, NV, R, D, A)                                                                        \
     launch_bwd_fused<T, TPR, NV, R, D, A>(dy, x, w, wdt, rstd, N, rows, nh, cs, res, dx, scratch, s)
+#define LB_DW(TPR) (dw ? LB(TPR, 1, true, true, false) : LB(TPR, 1, true, false, false))
+#define LB_ADD(NV) (add ? LB(32, NV, false, true, true) : LB(32, NV, false, true, false))
     if (rope && !add) {
-        switch (f.tpr * 2 + dw) {
-        case 16: LB(8, 1, true, false, false); return true;
-        case 17: LB(8, 1, true, true, false); return true;
-        case 32: LB(16, 1, true, false, false); return true;
-        case 33: LB(16, 1, true, true, false); return true;
-        case 64: LB(32, 1, true, false, false); return true;
-        case 65: LB(32, 1, true, true, false); return true;
+        switch (f.tpr) {
+        case 8: LB_DW(8); return true;
+        case 16: LB_DW(16); return true;
+        case 32: LB_DW(32); return true;
         }
         return false;
     }
     if (rope || !dw || f.tpr != 32) return false;
-    switch (f.nv * 2 + add) {
-    case 2: LB(32, 1, false, true, false); return true;
-    case 3: LB(32, 1, false, true, true); return true;
-    case 4: LB(32, 2, false, true, false); return true;
-    case 5: LB(32, 2, false, true, true); return true;
-    case 8: LB(32, 4, false, true, false); return true;
-    case 9: LB(32, 4, false, true, true); return true;
+    switch (f.nv) {
+    case 1: LB_ADD(1); return true;
+    case 2: LB_ADD(2); return true;
+    case 4: LB_ADD(4); return true;
     }
     return false;
+#undef LB_ADD
+#undef LB_DW
 #undef LB
 }
 } // namespace
