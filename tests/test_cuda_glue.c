@@ -100,7 +100,7 @@ static void ce_case(gpu *g, int64_t c, int64_t ld, int64_t nvalid, int64_t v0, l
     int32_t *tgt = malloc(sizeof(int32_t) * (size_t)(c ? c : 1));
     double *mx = calloc((size_t)(c ? c : 1), sizeof(double)), *gmx = calloc((size_t)(c ? c : 1), 8);
     double *ce = calloc((size_t)(3 * c + 1), 8), *gce = calloc((size_t)(3 * c + 1), 8);
-    double *L = calloc((size_t)(c ? c : 1), 8), *sc = calloc((size_t)(3 * c + 1), 8);
+    double *sc = calloc((size_t)(3 * c + 1), 8);
     fill(z, n, key, 3);
     for (int64_t r = 0; r < c; r++) {
         for (int64_t j = nv; j < ld; j++) z[r * ld + j] = 1e4f; /* padding must be ignored */
@@ -121,7 +121,6 @@ static void ce_case(gpu *g, int64_t c, int64_t ld, int64_t nvalid, int64_t v0, l
     round_to(g, z, n, dt);
     void *dz = up(g, z, n, dt), *dtg = up_raw(g, tgt, sizeof(int32_t) * (size_t)(c ? c : 1));
     double *dmx = dalloc(g, (size_t)(c ? c : 1) * 8), *dce = dalloc(g, (size_t)(3 * c + 1) * 8);
-    double *dL = dalloc(g, (size_t)(c ? c : 1) * 8);
     if (g->bad) return;
 
     loom_cpu_ce_vp_max(z, c, ld, nvalid, mx);
@@ -160,13 +159,12 @@ static void ce_case(gpu *g, int64_t c, int64_t ld, int64_t nvalid, int64_t v0, l
     CHECK_MSG(memcmp(again, gce, (size_t)(3 * c) * 8) == 0, "ce_vp_sums not reproducible");
     free(again);
 
-    /* grad in place, from the CPU's lse (as if all-reduced) */
-    for (int64_t r = 0; r < c; r++) L[r] = mx[r] + log(ce[3 * r] > 0 ? ce[3 * r] : 1.0);
-    if (c) CHECK_OK(g->ctx, loom_cuda_memcpy_async(g->ctx, dL, L, (size_t)c * 8, NULL));
+    /* grad in place, from the CPU's max and sums (as if all-reduced) */
+    if (c) CHECK_OK(g->ctx, loom_cuda_memcpy_async(g->ctx, dce, ce, (size_t)(3 * c) * 8, NULL));
     memcpy(grad, z, sizeof(float) * (size_t)n);
-    loom_cpu_ce_vp_grad(grad, c, ld, nvalid, tgt, v0, L, scale);
+    loom_cpu_ce_vp_grad(grad, c, ld, nvalid, tgt, v0, mx, ce, scale);
     round_to(g, grad, n, dt);
-    CHECK_OK(g->ctx, loom_cuda_ce_vp_grad(g->ctx, dz, dt, c, ld, nvalid, dtg, v0, dL, scale, NULL));
+    CHECK_OK(g->ctx, loom_cuda_ce_vp_grad(g->ctx, dz, dt, c, ld, nvalid, dtg, v0, dmx, dce, scale, NULL));
     down(g, got, dz, n, dt);
     double e = rel_err(got, grad, n);
     CHECK_MSG(e <= tol_for(dt), "ce_vp_grad c=%lld ld=%lld nvalid=%lld %s: rel err %.3g",
@@ -181,8 +179,54 @@ static void ce_case(gpu *g, int64_t c, int64_t ld, int64_t nvalid, int64_t v0, l
                 bad += got[r * ld + j] != 0.0f || signbit(got[r * ld + j]);
     CHECK_MSG(bad == 0, "ce_vp_grad c=%lld ld=%lld nvalid=%lld %s: %lld padding/ignored entries "
               "not zero", (long long)c, (long long)ld, (long long)nvalid, dn(dt), (long long)bad);
-    free(z), free(grad), free(got), free(tgt), free(mx), free(gmx), free(ce), free(gce), free(L),
-        free(sc);
+
+    /* fused (one rank): against the CPU's max, sums and grad with its own max */
+    loom_cpu_ce_vp_max(z, c, ld, nvalid, mx);
+    loom_cpu_ce_vp_sums(z, c, ld, nvalid, tgt, v0, mx, ce);
+    memcpy(grad, z, sizeof(float) * (size_t)n);
+    loom_cpu_ce_vp_grad(grad, c, ld, nvalid, tgt, v0, mx, ce, scale);
+    round_to(g, grad, n, dt);
+    for (int64_t r = 0; r < c; r++) {
+        double sabs = 0;
+        for (int64_t j = 0; j < nv; j++) sabs += exp(z[r * ld + j] - mx[r]) * fabs(z[r * ld + j]);
+        sc[3 * r] = ce[3 * r], sc[3 * r + 1] = sabs, sc[3 * r + 2] = 0;
+    }
+    float *z2 = falloc(n), *got2 = falloc(n);
+    double *gce2 = calloc((size_t)(3 * c + 1), 8), *gmx2 = calloc((size_t)(c ? c : 1), 8);
+    void *dz2 = up(g, z, n, dt);
+    double *dmx2 = dalloc(g, (size_t)(c ? c : 1) * 8), *dce2 = dalloc(g, (size_t)(3 * c + 1) * 8);
+    if (g->bad) return;
+    for (int pass = 0; pass < 2; pass++) { /* without the gradient, then with it */
+        void *zz = pass ? dz2 : dz;
+        if (!pass) CHECK_OK(g->ctx, loom_cuda_memcpy_async(g->ctx, dz, dz2, (size_t)n * loom_dtype_size(dt), NULL));
+        CHECK_OK(g->ctx, loom_cuda_ce_vp_fused(g->ctx, zz, dt, c, ld, nvalid, dtg, v0, dmx2, dce2,
+                                               scale, pass == 1, NULL));
+        down_raw(g, pass ? gmx2 : gmx, dmx2, (size_t)c * 8);
+        down_raw(g, pass ? gce2 : gce, dce2, (size_t)(3 * c) * 8);
+        down(g, pass ? got2 : z2, zz, n, dt);
+    }
+    bad = 0;
+    for (int64_t r = 0; r < c; r++) bad += !(gmx[r] == mx[r]) + !(gmx2[r] == mx[r]);
+    bad += n_far(gce, ce, 3 * c, 1e-5, sc);
+    CHECK_MSG(bad == 0, "ce_vp_fused c=%lld ld=%lld nvalid=%lld %s: %lld max/sums off (row 0: "
+              "%.17g %.17g %.17g vs %.17g %.17g %.17g)", (long long)c, (long long)ld,
+              (long long)nvalid, dn(dt), (long long)bad, c ? gce[0] : 0, c ? gce[1] : 0,
+              c ? gce[2] : 0, c ? ce[0] : 0, c ? ce[1] : 0, c ? ce[2] : 0);
+    CHECK_MSG(memcmp(gce, gce2, (size_t)(3 * c) * 8) == 0,
+              "ce_vp_fused: the sums differ with and without the gradient (not reproducible)");
+    CHECK_MSG(memcmp(z2, z, sizeof(float) * (size_t)n) == 0,
+              "ce_vp_fused without grad changed the logits");
+    e = rel_err(got2, grad, n);
+    CHECK_MSG(e <= tol_for(dt), "ce_vp_fused grad c=%lld ld=%lld nvalid=%lld %s: rel err %.3g",
+              (long long)c, (long long)ld, (long long)nvalid, dn(dt), e);
+    /* its gradient is ce_vp_grad's, bit for bit, from the same max and sums */
+    CHECK_OK(g->ctx, loom_cuda_ce_vp_grad(g->ctx, dz, dt, c, ld, nvalid, dtg, v0, dmx2, dce2, scale, NULL));
+    down(g, got, dz, n, dt);
+    CHECK_MSG(memcmp(got, got2, sizeof(float) * (size_t)n) == 0,
+              "ce_vp_fused c=%lld ld=%lld %s: gradient differs from ce_vp_grad's", (long long)c,
+              (long long)ld, dn(dt));
+    free(z2), free(got2), free(gce2), free(gmx2);
+    free(z), free(grad), free(got), free(tgt), free(mx), free(gmx), free(ce), free(gce), free(sc);
     gpu_free_all(g);
 }
 
@@ -203,6 +247,10 @@ TEST(cuda_glue_ce_vp) {
     }
     ce_case(&g, 4, 152064, 151936, 0, LOOM_F32, 1.0f / 4096, 180); /* a whole Qwen vocabulary */
     ce_case(&g, 600, 512, 500, 1024, LOOM_BF16, 1.0f, 190);        /* many rows */
+    /* the fused kernel's rows of a whole vocabulary, more than SMs; a wide
+     * 16-bit row with padding past the last whole vector of real columns */
+    ce_case(&g, 160, 151936, 151936, 0, LOOM_BF16, 1.0f / 8192, 210);
+    ce_case(&g, 9, 262144, 261997, 0, LOOM_F16, 1.0f, 220);
     ce_case(&g, 0, 512, 500, 0, LOOM_F32, 1.0f, 200);              /* no rows */
     REQUIRE(!g.bad);
     /* errors name the op */
@@ -211,9 +259,12 @@ TEST(cuda_glue_ce_vp) {
     CHECK(loom_cuda_ce_vp_sums(g.ctx, NULL, LOOM_F32, -1, 1, 1, NULL, 0, NULL, NULL, NULL) ==
           LOOM_ERR_INVALID_ARG);
     CHECK_CONTAINS(loom_last_error(g.ctx), "cuda ce_vp_sums");
-    CHECK(loom_cuda_ce_vp_grad(g.ctx, NULL, LOOM_F32, 1, -1, 1, NULL, 0, NULL, 1, NULL) ==
+    CHECK(loom_cuda_ce_vp_grad(g.ctx, NULL, LOOM_F32, 1, -1, 1, NULL, 0, NULL, NULL, 1, NULL) ==
           LOOM_ERR_INVALID_ARG);
     CHECK_CONTAINS(loom_last_error(g.ctx), "cuda ce_vp_grad");
+    CHECK(loom_cuda_ce_vp_fused(g.ctx, NULL, LOOM_F32, -2, 1, 1, NULL, 0, NULL, NULL, 1, true, NULL) ==
+          LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda ce_vp_fused");
     gpu_close(&g);
 }
 

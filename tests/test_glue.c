@@ -148,7 +148,7 @@ static void ce_case(int64_t c, int64_t V, int tp, int64_t Vl, float sd, float sc
         const int64_t v0 = k * Vl, nvalid = V - v0;
         float *z = falloc(c * Vl);
         memcpy(z, loc[k], sizeof(float) * (size_t)(c * Vl));
-        loom_cpu_ce_vp_grad(z, c, Vl, nvalid, tgt, v0, L, scale);
+        loom_cpu_ce_vp_grad(z, c, Vl, nvalid, tgt, v0, mx, ce, scale);
         double worst = 0;
         int64_t nonzero = 0, inexact = 0;
         for (int64_t r = 0; r < c; r++)
@@ -192,13 +192,13 @@ TEST(glue_ce_vp_edges) {
     /* nvalid = 0: max -inf, sums 0, grad 0 everywhere; ld = 0 touches nothing */
     float z[6] = {1, 2, 3, 4, 5, 6};
     int32_t tg[2] = {0, 4};
-    double mx[2], ce[6], L[2] = {1, 1};
+    double mx[2], ce[6];
     loom_cpu_ce_vp_max(z, 2, 3, 0, mx);
     CHECK(isinf(mx[0]) && mx[0] < 0 && isinf(mx[1]) && mx[1] < 0);
     double m0[2] = {0, 0};
     loom_cpu_ce_vp_sums(z, 2, 3, 0, tg, 0, m0, ce);
     for (int i = 0; i < 6; i++) CHECK(ce[i] == 0);
-    loom_cpu_ce_vp_grad(z, 2, 3, 0, tg, 0, L, 1.0f);
+    loom_cpu_ce_vp_grad(z, 2, 3, 0, tg, 0, mx, ce, 1.0f);
     for (int i = 0; i < 6; i++) CHECK(z[i] == 0);
     /* a target on this rank but in the padding (global id >= V) is not counted */
     float y[4] = {1, 2, 3, 4};

@@ -489,14 +489,28 @@ loom_status loom_k_ce_sums(loom_model *m, const void *z, int64_t c, int64_t ld, 
 }
 
 loom_status loom_k_ce_grad(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,
-                           const int32_t *tgt, int64_t v0, const double *L, float scale) {
+                           const int32_t *tgt, int64_t v0, const double *mx, const double *ce,
+                           float scale) {
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
-        return loom_cuda_ce_vp_grad(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, L, scale,
+        return loom_cuda_ce_vp_grad(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, mx, ce, scale,
                                     m->dev.stream);
 #endif
-    loom_cpu_ce_vp_grad(F(z), c, ld, nvalid, tgt, v0, L, scale);
+    loom_cpu_ce_vp_grad(F(z), c, ld, nvalid, tgt, v0, mx, ce, scale);
     return LOOM_OK;
+}
+
+loom_status loom_k_ce_fused(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,
+                            const int32_t *tgt, int64_t v0, double *mx, double *ce, float scale,
+                            bool grad) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m))
+        return loom_cuda_ce_vp_fused(m->ctx, z, m->dev.adt, c, ld, nvalid, tgt, v0, mx, ce, scale,
+                                     grad, m->dev.stream);
+#endif
+    CK(loom_k_ce_max(m, z, c, ld, nvalid, mx));
+    CK(loom_k_ce_sums(m, z, c, ld, nvalid, tgt, v0, mx, ce));
+    return grad ? loom_k_ce_grad(m, z, c, ld, nvalid, tgt, v0, mx, ce, scale) : LOOM_OK;
 }
 
 /* ---- permutations, dropout ---- */

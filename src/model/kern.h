@@ -156,7 +156,13 @@ loom_status loom_k_ce_max(loom_model *m, const void *z, int64_t c, int64_t ld, i
 loom_status loom_k_ce_sums(loom_model *m, const void *z, int64_t c, int64_t ld, int64_t nvalid,
                            const int32_t *tgt, int64_t v0, const double *mx, double *ce);
 loom_status loom_k_ce_grad(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,
-                           const int32_t *tgt, int64_t v0, const double *L, float scale);
+                           const int32_t *tgt, int64_t v0, const double *mx, const double *ce,
+                           float scale);
+/* max, sums and (with grad) the gradient in place, when the row is all the
+ * vocabulary (tensor-parallel size 1): on a GPU one pass (ce_vp_fused) */
+loom_status loom_k_ce_fused(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,
+                            const int32_t *tgt, int64_t v0, double *mx, double *ce, float scale,
+                            bool grad);
 
 /* ---- context parallel: rows of `w` activations permuted ---- */
 /* dst row j = src row idx[j] */

@@ -764,7 +764,7 @@ static void acts_layout(loom_model *m, carve *c, int64_t T, int64_t Tc, int64_t 
     int64_t maxin = H > QD ? H : QD;
     if (Il > maxin) maxin = Il;
     m->lora_xd = dropout ? cv(c, (size_t)(Tc * maxin) * e) : NULL;
-    m->ce = cv(c, (size_t)m->chunk_rows * 4 * sizeof(double));
+    m->ce = cv(c, (size_t)Tc * 4 * sizeof(double));
     m->d_perm = cv(c, (size_t)T * sizeof(int32_t));
     for (int i = 0; i < nmb; i++) {
         loom_micro *u = &m->micro[i];
@@ -833,7 +833,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
     c = (carve){.base = m->act_mem};
     acts_layout(m, &c, T, Tc, Tn, nmb, in_flight, lr, dropout);
     if (m->dev.cuda) {
-        m->ce_h = loom_malloc(ctx, (size_t)m->chunk_rows * 4 * sizeof(double), "loss buffers");
+        m->ce_h = loom_malloc(ctx, (size_t)Tc * 4 * sizeof(double), "loss buffers");
         if (!m->ce_h) {
             buffers_free(m);
             return LOOM_ERR_OOM;

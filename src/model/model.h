@@ -197,8 +197,8 @@ struct loom_model {
     const loom_micro *cur_mb;/* the micro-batch being run */
     int lora_r;              /* r the activation buffers were sized for (0: none) */
     void *logits;            /* (chunk_rows, Vl) */
-    double *ce;              /* (chunk_rows, 4): vocab-parallel loss reductions (device) */
-    double *ce_h;            /* (chunk_rows, 4): their host copy (== ce on CPU) */
+    double *ce;              /* (Tc, 3) loss sums, then (Tc) row maxima (device) */
+    double *ce_h;            /* their host copy (== ce on CPU) */
     float *logits_h;         /* (chunk_rows, Vl) host fp32 copy for forward_only's logits (GPU) */
     int64_t chunk_rows;
 

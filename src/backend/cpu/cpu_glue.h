@@ -34,7 +34,8 @@ void loom_cpu_embedding_vp_bwd(const int32_t *ids, int64_t T, const float *dout,
  *   is one of this rank's nvalid, else 0. The caller all-reduces ce with SUM;
  *   then lse = mx + log(ce[3r]), log p(target) = ce[3r + 2] - lse and the
  *   entropy = lse - ce[3r + 1] / ce[3r].
- * grad: in place, with L[r] the global log-sum-exp of row r: an ignored row
+ * grad: in place, from mx and ce as all-reduced, with L[r] = mx[r] +
+ *   log(ce[3r]) the global log-sum-exp of row r: an ignored row
  *   (tgt == -100) becomes 0 over all ld columns; else z[j] = (float)(scale *
  *   exp((double)z[j] - L[r])) for j < nvalid, 0 for the padding, and then
  *   scale is subtracted (in fp32) at the target's column when it is local.
@@ -43,7 +44,7 @@ void loom_cpu_ce_vp_max(const float *logits, int64_t c, int64_t ld, int64_t nval
 void loom_cpu_ce_vp_sums(const float *logits, int64_t c, int64_t ld, int64_t nvalid,
                          const int32_t *tgt, int64_t v0, const double *mx, double *ce);
 void loom_cpu_ce_vp_grad(float *logits, int64_t c, int64_t ld, int64_t nvalid, const int32_t *tgt,
-                         int64_t v0, const double *L, float scale);
+                         int64_t v0, const double *mx, const double *ce, float scale);
 
 /* ---- row permutations (context parallel) ----
  * Rows of `width` elements of esz bytes each (any esz > 0).

@@ -82,7 +82,7 @@ void loom_cpu_ce_vp_sums(const float *logits, int64_t c, int64_t ld, int64_t nva
 }
 
 void loom_cpu_ce_vp_grad(float *logits, int64_t c, int64_t ld, int64_t nvalid, const int32_t *tgt,
-                         int64_t v0, const double *L, float scale) {
+                         int64_t v0, const double *mx, const double *ce, float scale) {
     nvalid = clamp_valid(nvalid, ld);
 #pragma omp parallel for schedule(static) if (c * ld > 65536)
     for (int64_t r = 0; r < c; r++) {
@@ -91,7 +91,7 @@ void loom_cpu_ce_vp_grad(float *logits, int64_t c, int64_t ld, int64_t nvalid, c
             memset(z, 0, (size_t)ld * sizeof *z);
             continue;
         }
-        const double l = L[r], s = (double)scale;
+        const double l = mx[r] + log(ce[3 * r]), s = (double)scale;
         for (int64_t j = 0; j < ld; j++)
             z[j] = j < nvalid ? (float)(s * exp((double)z[j] - l)) : 0.0f;
         const int64_t t = (int64_t)tgt[r] - v0;

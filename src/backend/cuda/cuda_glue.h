@@ -9,6 +9,7 @@
 #ifndef LOOM_CUDA_GLUE_H
 #define LOOM_CUDA_GLUE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -35,11 +36,11 @@ loom_status loom_cuda_embedding_vp_bwd(loom_ctx *ctx, const int32_t *ids, int64_
 /* ---- vocab-parallel cross-entropy pieces ----
  * As loom_cpu_ce_vp_max / _sums / _grad: logits (c rows, stride ld) in dtype,
  * nvalid clamped to [0, ld], v0 the global id of local column 0, tgt (c)
- * global ids or -100; mx (c), ce (3c) and L (c) are device doubles. One block
+ * global ids or -100; mx (c) and ce (3c) are device doubles. One block
  * per row; its columns are split over the threads in a fixed pattern and
  * reduced by a fixed tree, so the results are reproducible and equal the
  * CPU's up to rounding (exp in fp32 on the special-function unit, a few ulp;
- * sums in double). The max is exact. grad works in place: scale * exp(z - L)
+ * sums in double). The max is exact. grad works in place: scale * exp(z - L), L = mx + log(ce[3r]),
  * in fp32, scale subtracted at the target, then one rounding to dtype. The
  * exponentials in double made these kernels compute-bound at 3-4x their
  * memory time. */
@@ -50,7 +51,15 @@ loom_status loom_cuda_ce_vp_sums(loom_ctx *ctx, const void *logits, loom_dtype d
                                  const double *mx, double *ce, void *stream);
 loom_status loom_cuda_ce_vp_grad(loom_ctx *ctx, void *logits, loom_dtype dtype, int64_t c,
                                  int64_t ld, int64_t nvalid, const int32_t *tgt, int64_t v0,
-                                 const double *L, float scale, void *stream);
+                                 const double *mx, const double *ce, float scale, void *stream);
+/* The three in one pass for a tensor-parallel size of 1 (mx a row's own
+ * max): mx and ce as ce_vp_max and ce_vp_sums give them (the sums from a
+ * running max, so rounded differently within the same tolerance), and with
+ * grad the logits replaced by ce_vp_grad's gradient (the same bits for the
+ * same mx and ce). Rows go one per block over a grid of one block per SM. */
+loom_status loom_cuda_ce_vp_fused(loom_ctx *ctx, void *logits, loom_dtype dtype, int64_t c,
+                                  int64_t ld, int64_t nvalid, const int32_t *tgt, int64_t v0,
+                                  double *mx, double *ce, float scale, bool grad, void *stream);
 
 /* ---- row permutations (context parallel) ----
  * Rows of `width` elements of esz bytes (any esz > 0; 2 and 4 are the dtypes).
