@@ -632,13 +632,16 @@ fail:
 }
 
 /* Rows of the output layer's logits computed at a time (of Tc): 16M
- * elements on CPU; on a GPU 256M (512 MiB of bf16 at most), few blocks so
- * that the loss synchronises with the host rarely and the output GEMMs are
- * tall. */
+ * elements on CPU; on a GPU 640M (1.2 GiB of bf16 at most), so that the
+ * output layer's GEMMs are few and tall (the weight gradient's fp32 output
+ * is read and written once per block: two blocks of 4096 tokens made Qwen3-
+ * 0.6B's step 1.9% faster than five of 1766). Blocks of equal size. */
 static int64_t loss_block_rows(bool cuda, int64_t Vl, int64_t Tc) {
-    int64_t r = ((int64_t)(cuda ? 256 : 16) << 20) / Vl;
+    int64_t r = ((int64_t)(cuda ? 640 : 16) << 20) / Vl;
     if (r < 1) r = 1;
-    return r > Tc ? Tc : r;
+    if (r >= Tc) return Tc;
+    const int64_t n = (Tc + r - 1) / r;
+    return (Tc + n - 1) / n;
 }
 
 /* Activation buffers are carved from one allocation (act_mem): carve()
