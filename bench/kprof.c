@@ -9,7 +9,9 @@
  * sets by direction, and how much of the window the GPU was idle (the union
  * of all records against the window's span: host synchronisations, launch
  * gaps). LOOM_KPROF_SKIP=N leaves out the first N kernels (warm-up, model
- * loading); LOOM_KPROF_TOP=K prints K kernels (default 40). Names are
+ * loading); LOOM_KPROF_TOP=K prints K kernels (default 40); LOOM_KPROF_GAPS=K
+ * prints the K largest sums of idle time by the records before and after
+ * each gap (default none). Names are
  * mangled: pipe through c++filt. */
 #define _POSIX_C_SOURCE 200809L
 #include <cupti.h>
@@ -25,7 +27,13 @@ typedef struct {
 
 typedef struct {
     uint64_t start, end;
+    int what; /* a kernel group, or -1 - copy kind, or -100 for a memset */
 } span;
+
+typedef struct { /* GPU idle between two records, summed by their names */
+    int before, after;
+    uint64_t calls, ns;
+} gap;
 
 static kgroup *groups;
 static size_t ngroups, capgroups;
@@ -33,22 +41,26 @@ static span *spans;
 static size_t nspans, capspans;
 static uint64_t copy_ns[11], copy_n[11], copy_bytes[11], set_ns, set_n;
 static uint64_t kernels_seen, skip;
+static struct {
+    uint64_t bytes, calls, ns;
+} sets[64]; /* memsets by size */
+static size_t nsets;
 
-static void add_span(uint64_t s, uint64_t e) {
+static void add_span(uint64_t s, uint64_t e, int what) {
     if (nspans == capspans) {
         capspans = capspans ? 2 * capspans : 65536;
         span *p = realloc(spans, capspans * sizeof *spans);
         if (!p) abort();
         spans = p;
     }
-    spans[nspans++] = (span){s, e};
+    spans[nspans++] = (span){s, e, what};
 }
 
-static void add_kernel(const char *name, uint64_t ns) {
+static int add_kernel(const char *name, uint64_t ns) {
     for (size_t i = 0; i < ngroups; i++)
         if (!strcmp(groups[i].name, name)) {
             groups[i].calls++, groups[i].ns += ns;
-            return;
+            return (int)i;
         }
     if (ngroups == capgroups) {
         capgroups = capgroups ? 2 * capgroups : 256;
@@ -57,6 +69,7 @@ static void add_kernel(const char *name, uint64_t ns) {
         groups = p;
     }
     groups[ngroups++] = (kgroup){strdup(name ? name : "?"), 1, ns};
+    return (int)ngroups - 1;
 }
 
 static void CUPTIAPI buffer_requested(uint8_t **buf, size_t *size, size_t *max_records) {
@@ -73,19 +86,24 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
         if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || rec->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
             const CUpti_ActivityKernel10 *k = (const CUpti_ActivityKernel10 *)rec;
             if (kernels_seen++ < skip) continue;
-            add_kernel(k->name, k->end - k->start);
-            add_span(k->start, k->end);
+            add_span(k->start, k->end, add_kernel(k->name, k->end - k->start));
         } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
             const CUpti_ActivityMemcpy6 *m = (const CUpti_ActivityMemcpy6 *)rec;
             if (kernels_seen < skip) continue;
             const unsigned kind = m->copyKind < 11 ? m->copyKind : 0;
             copy_ns[kind] += m->end - m->start, copy_n[kind]++, copy_bytes[kind] += m->bytes;
-            add_span(m->start, m->end);
+            add_span(m->start, m->end, -1 - (int)kind);
         } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
             const CUpti_ActivityMemset4 *m = (const CUpti_ActivityMemset4 *)rec;
             if (kernels_seen < skip) continue;
             set_ns += m->end - m->start, set_n++;
-            add_span(m->start, m->end);
+            size_t k = 0;
+            while (k < nsets && sets[k].bytes != m->bytes) k++;
+            if (k < 64) {
+                if (k == nsets) sets[nsets++].bytes = m->bytes;
+                sets[k].calls++, sets[k].ns += m->end - m->start;
+            }
+            add_span(m->start, m->end, -100);
         }
     }
     free(buf);
@@ -93,6 +111,20 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
 
 static int by_time(const void *a, const void *b) {
     const kgroup *x = a, *y = b;
+    return x->ns < y->ns ? 1 : x->ns > y->ns ? -1 : 0;
+}
+
+static const char *what_name(int w) {
+    static const char *kinds[11] = {"memcpy ?",    "memcpy HtoD", "memcpy DtoH", "memcpy HtoA",
+                                    "memcpy AtoH", "memcpy AtoA", "memcpy AtoD", "memcpy DtoA",
+                                    "memcpy DtoD", "memcpy HtoH", "memcpy PtoP"};
+    if (w >= 0) return groups[w].name;
+    if (w == -100) return "memset";
+    return kinds[-1 - w];
+}
+
+static int by_gap(const void *a, const void *b) {
+    const gap *x = a, *y = b;
     return x->ns < y->ns ? 1 : x->ns > y->ns ? -1 : 0;
 }
 
@@ -117,17 +149,41 @@ __attribute__((destructor)) static void kprof_report(void) {
     for (size_t i = 0; i < ngroups; i++) total += groups[i].ns;
     qsort(spans, nspans, sizeof *spans, by_start);
     uint64_t cur_s = 0, cur_e = 0;
+    int cur_w = 0;
+    gap *gaps = NULL;
+    size_t ngaps = 0, capgaps = 0;
     for (size_t i = 0; i < nspans; i++) {
         if (spans[i].start < first) first = spans[i].start;
         if (spans[i].end > last) last = spans[i].end;
         if (i == 0 || spans[i].start > cur_e) {
+            if (i > 0) { /* idle from cur_e: by what ended it and what ends it */
+                size_t k = 0;
+                while (k < ngaps && !(gaps[k].before == cur_w && gaps[k].after == spans[i].what)) k++;
+                if (k == ngaps) {
+                    if (ngaps == capgaps) {
+                        capgaps = capgaps ? 2 * capgaps : 256;
+                        gap *p = realloc(gaps, capgaps * sizeof *gaps);
+                        if (!p) abort();
+                        gaps = p;
+                    }
+                    gaps[ngaps++] = (gap){cur_w, spans[i].what, 0, 0};
+                }
+                gaps[k].calls++, gaps[k].ns += spans[i].start - cur_e;
+            }
             busy += cur_e - cur_s;
-            cur_s = spans[i].start, cur_e = spans[i].end;
+            cur_s = spans[i].start, cur_e = spans[i].end, cur_w = spans[i].what;
         } else if (spans[i].end > cur_e) {
-            cur_e = spans[i].end;
+            cur_e = spans[i].end, cur_w = spans[i].what;
         }
     }
     busy += cur_e - cur_s;
+    qsort(gaps, ngaps, sizeof *gaps, by_gap);
+    const char *tg = getenv("LOOM_KPROF_GAPS");
+    size_t topg = tg ? strtoull(tg, NULL, 10) : 0;
+    for (size_t i = 0; i < ngaps && i < topg; i++)
+        fprintf(stderr, "kprof: idle %8.3f ms %6llu gaps  after %.70s  before %.70s\n", gaps[i].ns / 1e6,
+                (unsigned long long)gaps[i].calls, what_name(gaps[i].before), what_name(gaps[i].after));
+    free(gaps);
     qsort(groups, ngroups, sizeof *groups, by_time);
     const char *t = getenv("LOOM_KPROF_TOP");
     size_t top = t ? strtoull(t, NULL, 10) : 40;
@@ -150,4 +206,7 @@ __attribute__((destructor)) static void kprof_report(void) {
             fprintf(stderr, "kprof: memcpy %-5s %8llu calls %10.2f ms %12.1f MB\n", kinds[k],
                     (unsigned long long)copy_n[k], copy_ns[k] / 1e6, copy_bytes[k] / 1e6);
     if (set_n) fprintf(stderr, "kprof: memset       %8llu calls %10.2f ms\n", (unsigned long long)set_n, set_ns / 1e6);
+    for (size_t k = 0; k < nsets; k++)
+        fprintf(stderr, "kprof: memset of %12llu B %8llu calls %10.2f ms\n", (unsigned long long)sets[k].bytes,
+                (unsigned long long)sets[k].calls, sets[k].ns / 1e6);
 }
