@@ -291,14 +291,15 @@ struct run_stats {
 // the gradient reads it again from its end, which the first read left newest
 // in L2 (132 rows of 300 KB in flight for Qwen's vocabulary on an H100), so
 // much of the second read hits L2: Qwen3-0.6B's loss took 2.8 ms a step
-// against 3.5 for ce_vp_max, _sums and _grad apart. (Rows held in shared memory over a
-// cluster of two blocks, with the stats exchanged through distributed shared
-// memory, crossed HBM once each way but took 1.55 ms: the load and store
-// phases of a row did not overlap.)
+// against 3.5 for ce_vp_max, _sums and _grad apart. (Rows held in shared
+// memory over a cluster of two blocks, with the stats exchanged through
+// distributed shared memory, crossed HBM once each way but took 1.55 ms per
+// 4096 rows against 1.40: the load and store phases of a row did not
+// overlap.)
 constexpr int NTF = 1024;
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(NTF)
-    ce_vp_fused_kernel(void *logits, loom_dtype dt, int64_t c, int64_t ld_, int64_t nvalid,
+    ce_vp_fused_kernel(void *logits, loom_dtype dt, int64_t ld_, int64_t c, int64_t nvalid,
                        const int32_t *tgt, int64_t v0, double *mx, double *ce, float scale,
                        bool grad) {
     __shared__ float shf[NTF / 32];
@@ -338,20 +339,24 @@ __global__ void __launch_bounds__(NTF)
             ce[3 * r + 2] = (double)zt;
         }
         if (grad)
-            ce_grad_row<T, VEC, NTF, true>(row, dt, ld_, nvalid, tg, v0, (double)M + log(a.s), scale);
+            ce_grad_row<T, VEC, NTF, true>(row, dt, ld_, nvalid, tg, v0, (double)M + log(a.s),
+                                           scale);
     }
 }
 
-// The kernel K for the logits' dtype: 16-byte accesses where rows allow.
-#define CE_LAUNCH(K, c, logits, dt, ld_, ...)                                                        \
+// The kernel K for the logits' dtype, `grid` blocks of `threads`: 16-byte
+// accesses where rows allow.
+#define CE_LAUNCH(K, grid, threads, logits, dt, ld_, ...)                                          \
     do {                                                                                           \
         const bool v_ = vec8_ok(dt, ld_, logits, logits);                                          \
+        const cudaStream_t s_ = as_stream(stream);                                                 \
         if (v_ && dt == LOOM_BF16)                                                                 \
-            K<__nv_bfloat16, true><<<(unsigned)(c), NT, 0, as_stream(stream)>>>(logits, dt, ld_, __VA_ARGS__); \
+            K<__nv_bfloat16, true><<<(unsigned)(grid), threads, 0, s_>>>(logits, dt, ld_,          \
+                                                                         __VA_ARGS__);             \
         else if (v_)                                                                               \
-            K<__half, true><<<(unsigned)(c), NT, 0, as_stream(stream)>>>(logits, dt, ld_, __VA_ARGS__); \
+            K<__half, true><<<(unsigned)(grid), threads, 0, s_>>>(logits, dt, ld_, __VA_ARGS__);   \
         else                                                                                       \
-            K<float, false><<<(unsigned)(c), NT, 0, as_stream(stream)>>>(logits, dt, ld_, __VA_ARGS__); \
+            K<float, false><<<(unsigned)(grid), threads, 0, s_>>>(logits, dt, ld_, __VA_ARGS__);   \
     } while (0)
 
 // Shared argument checks of the three; *nvalid clamped to [0, ld].
@@ -374,7 +379,7 @@ extern "C" loom_status loom_cuda_ce_vp_max(loom_ctx *ctx, const void *logits, lo
     loom_status st;
     if ((st = ce_check(ctx, "ce_vp_max", dtype, c, ld, &nvalid))) return st;
     if (c == 0) return LOOM_OK;
-    CE_LAUNCH(ce_vp_max_kernel, c, logits, dtype, ld, nvalid, mx);
+    CE_LAUNCH(ce_vp_max_kernel, c, NT, logits, dtype, ld, nvalid, mx);
     return check_launch(ctx, "ce_vp_max");
 }
 
@@ -385,7 +390,7 @@ extern "C" loom_status loom_cuda_ce_vp_sums(loom_ctx *ctx, const void *logits, l
     loom_status st;
     if ((st = ce_check(ctx, "ce_vp_sums", dtype, c, ld, &nvalid))) return st;
     if (c == 0) return LOOM_OK;
-    CE_LAUNCH(ce_vp_sums_kernel, c, logits, dtype, ld, nvalid, tgt, v0, mx, ce);
+    CE_LAUNCH(ce_vp_sums_kernel, c, NT, logits, dtype, ld, nvalid, tgt, v0, mx, ce);
     return check_launch(ctx, "ce_vp_sums");
 }
 
@@ -396,7 +401,7 @@ extern "C" loom_status loom_cuda_ce_vp_grad(loom_ctx *ctx, void *logits, loom_dt
     loom_status st;
     if ((st = ce_check(ctx, "ce_vp_grad", dtype, c, ld, &nvalid))) return st;
     if (c == 0 || ld == 0) return LOOM_OK;
-    CE_LAUNCH(ce_vp_grad_kernel, c, logits, dtype, ld, nvalid, tgt, v0, mx, ce, scale);
+    CE_LAUNCH(ce_vp_grad_kernel, c, NT, logits, dtype, ld, nvalid, tgt, v0, mx, ce, scale);
     return check_launch(ctx, "ce_vp_grad");
 }
 
@@ -412,17 +417,8 @@ extern "C" loom_status loom_cuda_ce_vp_fused(loom_ctx *ctx, void *logits, loom_d
         (st = check(ctx, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
                     "ce_vp_fused")))
         return st;
-    const unsigned grid = (unsigned)(c < sms ? c : sms);
-    const cudaStream_t s = as_stream(stream);
-    if (vec8_ok(dtype, ld, logits, logits) && dtype == LOOM_BF16)
-        ce_vp_fused_kernel<__nv_bfloat16, true><<<grid, NTF, 0, s>>>(logits, dtype, c, ld, nvalid, tgt,
-                                                                     v0, mx, ce, scale, grad);
-    else if (vec8_ok(dtype, ld, logits, logits))
-        ce_vp_fused_kernel<__half, true><<<grid, NTF, 0, s>>>(logits, dtype, c, ld, nvalid, tgt, v0, mx,
-                                                              ce, scale, grad);
-    else
-        ce_vp_fused_kernel<float, false><<<grid, NTF, 0, s>>>(logits, dtype, c, ld, nvalid, tgt, v0, mx,
-                                                              ce, scale, grad);
+    CE_LAUNCH(ce_vp_fused_kernel, c < sms ? c : sms, NTF, logits, dtype, ld, c, nvalid, tgt, v0,
+              mx, ce, scale, grad);
     return check_launch(ctx, "ce_vp_fused");
 }
 
