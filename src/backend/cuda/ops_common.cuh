@@ -75,12 +75,16 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
+// 8 16-bit values of one 16-byte access, as floats
 template <typename T>
-__device__ __forceinline__ void ld8(const T *p, float (&v)[8]) {
-    const uint4 u = *(const uint4 *)p;
+__device__ __forceinline__ void cvt8(const uint4 &u, float (&v)[8]) {
     const T *e = (const T *)&u;
 #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = to_f(e[i]);
+}
+template <typename T>
+__device__ __forceinline__ void ld8(const T *p, float (&v)[8]) {
+    cvt8<T>(*(const uint4 *)p, v);
 }
 template <typename T>
 __device__ __forceinline__ void st8(T *p, const float (&v)[8]) {

@@ -204,10 +204,10 @@ __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, lo
 // A row of H = 8 * TPR * NV elements is held by a group of TPR lanes (8
 // elements per 16-byte access, NV accesses per lane: element (v * TPR + l) * 8
 // + i), so the sums are the vector kernels' (same lanes, same order). With
-// ROPE (NV 1) the row is one head: element j's RoPE partner j + H/2 is TPR/2
-// lanes away; cs holds (cos, sin) per (token, frequency), the row's token is
-// row / nh. Groups that run out of rows keep shuffling (on a clamped row) and
-// store nothing.
+// ROPE (NV 2) the row is one head: element j's RoPE partner j + H/2 is in
+// the same lane; cs holds (cos, sin) per (token, frequency), the row's
+// token is row / nh. Groups that run out of rows keep shuffling (on a
+// clamped row) and store nothing.
 constexpr unsigned FULL = 0xffffffffu;
 constexpr int FUSED_THREADS = 256;
 
@@ -217,163 +217,154 @@ template <int TPR> __device__ __forceinline__ double group_sum(double v) {
     return v;
 }
 
-// (cos, sin) of the 8 frequencies of lane l's elements at token t
+// Rows of one head (D = 16 * TPR) for RoPE: lane l of a row's group holds
+// elements l * 8 + i (access 0) and their RoPE partners D / 2 + l * 8 + i
+// (access 1), so the rotation stays in the lane. The row's sums add the two
+// accesses in the lane, then across the group: as the vector kernels' lanes
+// l and l + TPR and their shuffle tree, the same bits.
+// lo, hi rotated as rope_kernel with sign (+1 forward, -1 backward) by the
+// (cos, sin) of token t, frequencies l * 8 + i.
 template <int TPR>
-__device__ __forceinline__ void rope_cs8(const float2 *cs, int64_t t, int l, float (&c)[8],
-                                         float (&sn)[8]) {
-    const float4 *p = (const float4 *)(cs + t * (4 * TPR) + (l % (TPR / 2)) * 8);
+__device__ __forceinline__ void rope_pair(float (&lo)[8], float (&hi)[8], const float2 *cs, int64_t t,
+                                          int l, float sign) {
+    const float4 *p = (const float4 *)(cs + t * (8 * TPR) + l * 8);
+    float c[8], sn[8];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         const float4 q = p[k];
         c[2 * k] = q.x, sn[2 * k] = q.y, c[2 * k + 1] = q.z, sn[2 * k + 1] = q.w;
     }
-}
-
-// v rotated as rope_kernel with sign (+1 forward, -1 backward); p: the partner's values
-template <int TPR>
-__device__ __forceinline__ void rope8(float (&v)[8], const float2 *cs, int64_t t, int l, float sign) {
-    float c[8], sn[8], p[8];
-    rope_cs8<TPR>(cs, t, l, c, sn);
-#pragma unroll
-    for (int i = 0; i < 8; i++) p[i] = __shfl_xor_sync(FULL, v[i], TPR / 2);
-    const bool lo = l < TPR / 2;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        const float s = sign * sn[i];
-        v[i] = lo ? __fsub_rn(__fmul_rn(v[i], c[i]), __fmul_rn(p[i], s))
-                  : __fadd_rn(__fmul_rn(v[i], c[i]), __fmul_rn(p[i], s));
+        const float s = sign * sn[i], a = lo[i], b = hi[i];
+        lo[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s));
+        hi[i] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s));
     }
 }
 
 // y = rope(norm(x) * w), the norm's output rounded to T first (rmsnorm_fwd
-// then rope_fwd apart). Rows of one head; a group per row.
+// then rope_fwd apart). A group of TPR lanes per row.
 template <typename T, int TPR>
 __global__ void __launch_bounds__(FUSED_THREADS)
 qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int64_t nh, float eps,
                        const float2 *cs, T *y, float *rstd) {
-    constexpr int H = 8 * TPR, GPB = FUSED_THREADS / TPR;
+    constexpr int D = 16 * TPR, GPB = FUSED_THREADS / TPR;
     const int l = threadIdx.x % TPR;
     const int64_t r = (int64_t)blockIdx.x * GPB + threadIdx.x / TPR;
     const bool live = r < N;
     const int64_t rr = live ? r : N - 1;
-    float v[8];
-    ld8(x + rr * H + l * 8, v);
-    const double ss = group_sum<TPR>((double)sumsq8(v));
-    const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
+    float v[2][8];
+    ld8(x + rr * D + l * 8, v[0]);
+    ld8(x + rr * D + D / 2 + l * 8, v[1]);
+    double ss = (double)sumsq8(v[0]);
+    ss += (double)sumsq8(v[1]);
+    ss = group_sum<TPR>(ss);
+    const float rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
     if (live && l == 0) rstd[r] = rs;
 #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = round_to<T>(__fmul_rn(ld(w, wdt, l * 8 + i), __fmul_rn(v[i], rs)));
-    rope8<TPR>(v, cs, rr / nh, l, 1.0f);
-    if (live) st8(y + r * H + l * 8, v);
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            v[h][i] = round_to<T>(__fmul_rn(ld(w, wdt, h * (D / 2) + l * 8 + i), __fmul_rn(v[h][i], rs)));
+    rope_pair<TPR>(v[0], v[1], cs, rr / nh, l, 1.0f);
+    if (live) st8(y + r * D + l * 8, v[0]), st8(y + r * D + D / 2 + l * 8, v[1]);
 }
 
 // The backward of rows [b * rows, (b + 1) * rows) for block b, group g taking
-// rows g, g + GPB, ...: with ROPE, dy is first rotated back (and rounded, as
-// rope_bwd's output); dx = the norm's input gradient (+ res, rounded as
-// loom_cuda_residual_add, with ADD); with DW, the block's sum of
-// dy * x * rstd per column (each group's rows in order, then the groups in
-// order) goes to partial[b].
+// rows g, g + GPB, ...: with ROPE (NV 2, the layout above), dy is first
+// rotated back (and rounded, as rope_bwd's output); dx = the norm's input
+// gradient (+ res, rounded as loom_cuda_residual_add, with ADD); with DW,
+// the block's sum of dy * x * rstd per column (each group's rows in order,
+// then the groups in order) goes to partial[b]. Each group loads its next
+// row (dy, x, res and rstd, as stored) while it computes the current one;
+// a group's row is read before it is written, so dx may alias dy.
+template <int NV, bool ADD> struct norm_row {
+    uint4 g[NV], x[NV], r[ADD ? NV : 1];
+    float rs;
+};
+
 template <typename T, int TPR, int NV, bool ROPE, bool DW, bool ADD>
-__global__ void __launch_bounds__(FUSED_THREADS, NV == 1 ? 3 : 1)
+__global__ void __launch_bounds__(FUSED_THREADS, NV <= 2 ? 2 : 1)
 norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, const float *rstd,
                       int64_t N, int64_t rows, int64_t nh, const float2 *cs, const T *res, T *dx,
                       double *partial) {
+    static_assert(!ROPE || NV == 2, "RoPE rows are two accesses a lane");
     constexpr int H = 8 * TPR * NV, GPB = FUSED_THREADS / TPR;
-    // rows of one access per lane: w in registers and the next row loaded
-    // while this one is computed (wider rows have no registers to spare)
-    constexpr bool PF = NV == 1;
     const int l = threadIdx.x % TPR, g = threadIdx.x / TPR;
     const int64_t r0 = (int64_t)blockIdx.x * rows, r1 = r0 + rows < N ? r0 + rows : N;
     float acc[NV][8]; // this group's rows (a few) in fp32; the groups and blocks in double
     float wr[NV][8];
 #pragma unroll
-    for (int v = 0; v < NV; v++)
+    for (int v = 0; v < NV; v++) {
+        w8(w, wdt, (v * TPR + l) * 8, wr[v]);
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            acc[v][i] = 0.0f;
-            wr[v][i] = PF ? ld(w, wdt, (v * TPR + l) * 8 + i) : 0.0f;
-        }
-    auto wv = [&](int v, float (&o)[8]) {
-        if (PF)
-#pragma unroll
-            for (int i = 0; i < 8; i++) o[i] = wr[v][i];
-        else
-            w8(w, wdt, (v * TPR + l) * 8, o);
-    };
-    auto load = [&](int64_t base, float (&G)[NV][8], float (&X)[NV][8], float &R) {
+        for (int i = 0; i < 8; i++) acc[v][i] = 0.0f;
+    }
+    using row_t = norm_row<NV, ADD>;
+    // row base + g, or r0 for a group past the block's rows (computed, not stored)
+    auto load = [&](int64_t base, row_t &o) {
         const int64_t r = base + g, rr = r < r1 ? r : r0;
 #pragma unroll
         for (int v = 0; v < NV; v++) {
-            ld8(dy + rr * H + (v * TPR + l) * 8, G[v]);
-            ld8(x + rr * H + (v * TPR + l) * 8, X[v]);
+            const int64_t at = rr * H + (v * TPR + l) * 8;
+            o.g[v] = *(const uint4 *)(dy + at);
+            o.x[v] = *(const uint4 *)(x + at);
+            if constexpr (ADD) o.r[v] = *(const uint4 *)(res + at);
         }
-        R = rstd[rr];
+        o.rs = rstd[rr];
     };
-    float gv[NV][8], xv[NV][8], gn[NV][8], xn[NV][8], rsf, rsn = 0;
-    if (PF) load(r0, gn, xn, rsn);
+    row_t cur, nxt;
+    load(r0, nxt);
     for (int64_t base = r0; base < r1; base += GPB) {
-        if (PF) {
+        cur = nxt;
+        if (base + GPB < r1) load(base + GPB, nxt);
+        const int64_t r = base + g;
+        const bool live = r < r1;
+        float gv[NV][8], xv[NV][8];
+#pragma unroll
+        for (int v = 0; v < NV; v++) cvt8<T>(cur.g[v], gv[v]), cvt8<T>(cur.x[v], xv[v]);
+        if constexpr (ROPE) {
+            rope_pair<TPR>(gv[0], gv[NV - 1], cs, (live ? r : r0) / nh, l, -1.0f);
 #pragma unroll
             for (int v = 0; v < NV; v++)
 #pragma unroll
-                for (int i = 0; i < 8; i++) gv[v][i] = gn[v][i], xv[v][i] = xn[v][i];
-            rsf = rsn;
-            if (base + GPB < r1) load(base + GPB, gn, xn, rsn);
-        } else {
-            load(base, gv, xv, rsf);
-        }
-        const int64_t r = base + g;
-        const bool live = r < r1;
-        const int64_t rr = live ? r : r0;
-        if (ROPE) {
-            rope8<TPR>(gv[0], cs, rr / nh, l, -1.0f);
-#pragma unroll
-            for (int i = 0; i < 8; i++) gv[0][i] = round_to<T>(gv[0][i]);
+                for (int i = 0; i < 8; i++) gv[v][i] = round_to<T>(gv[v][i]);
         }
         double dot = 0;
 #pragma unroll
-        for (int v = 0; v < NV; v++) {
-            float wk[8];
-            wv(v, wk);
-            dot += (double)dot8(gv[v], wk, xv[v]);
-        }
+        for (int v = 0; v < NV; v++) dot += (double)dot8(gv[v], wr[v], xv[v]);
         dot = group_sum<TPR>(dot);
-        const float c = dx_coef(dot, rsf, H);
+        const float rsf = cur.rs, c = dx_coef(dot, rsf, H);
         if (!live) continue; // no shuffles below
 #pragma unroll
         for (int v = 0; v < NV; v++) {
-            const int64_t at = r * H + (v * TPR + l) * 8;
-            float o[8], wk[8];
-            wv(v, wk);
+            float o[8];
 #pragma unroll
             for (int i = 0; i < 8; i++) {
-                o[i] = dx1(rsf, wk[i], gv[v][i], c, xv[v][i]);
+                o[i] = dx1(rsf, wr[v][i], gv[v][i], c, xv[v][i]);
                 if (DW) acc[v][i] = __fadd_rn(acc[v][i], __fmul_rn(__fmul_rn(gv[v][i], xv[v][i]), rsf));
             }
-            if (ADD) {
+            if constexpr (ADD) {
                 float a[8];
-                ld8(res + at, a);
+                cvt8<T>(cur.r[v], a);
 #pragma unroll
                 for (int i = 0; i < 8; i++) o[i] = __fadd_rn(a[i], round_to<T>(o[i]));
             }
-            st8(dx + at, o);
+            st8(dx + r * H + (v * TPR + l) * 8, o);
         }
     }
-    if constexpr (DW) {
-        __shared__ double sh[H];
-        for (int k = 0; k < GPB; k++) {
-            if (g == k)
+    if constexpr (DW) { // the groups' sums in order, a column per thread (one barrier)
+        __shared__ float sh[GPB][H];
 #pragma unroll
-                for (int v = 0; v < NV; v++)
+        for (int v = 0; v < NV; v++)
 #pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        const int j = (v * TPR + l) * 8 + i;
-                        sh[j] = (k ? sh[j] : 0.0) + (double)acc[v][i];
-                    }
-            __syncthreads();
+            for (int i = 0; i < 8; i++) sh[g][(v * TPR + l) * 8 + i] = acc[v][i];
+        __syncthreads();
+        for (int j = threadIdx.x; j < H; j += FUSED_THREADS) {
+            double sum = 0.0;
+            for (int k = 0; k < GPB; k++) sum += (double)sh[k][j];
+            partial[(int64_t)blockIdx.x * H + j] = sum;
         }
-        for (int j = threadIdx.x; j < H; j += FUSED_THREADS)
-            partial[(int64_t)blockIdx.x * H + j] = sh[j];
     }
 }
 
@@ -386,9 +377,17 @@ struct fused_shape {
 fused_shape fused_rows(int64_t H, bool rope) {
     if (H % 8) return {0, 0};
     const int64_t v8 = H / 8;
-    if (rope) return (v8 == 8 || v8 == 16 || v8 == 32) ? fused_shape{(int)v8, 1} : fused_shape{0, 0};
+    if (rope) return (v8 == 8 || v8 == 16 || v8 == 32) ? fused_shape{(int)v8 / 2, 2} : fused_shape{0, 0};
     if (v8 % 32 == 0 && (v8 / 32 == 1 || v8 / 32 == 2 || v8 / 32 == 4)) return {32, (int)(v8 / 32)};
     return {0, 0};
+}
+
+// Rows per block (and dw chunk) of the fused backward: dw_rows_per_chunk's,
+// but at least 8 a group, so that the loads run ahead of more rows than a
+// block's first (a function of N and the row shape only).
+int64_t fused_chunk_rows(int64_t N, fused_shape f) {
+    const int64_t r = dw_rows_per_chunk(N), least = 8 * (FUSED_THREADS / f.tpr);
+    return r > least ? r : least;
 }
 
 template <typename T, int TPR, int NV, bool ROPE, bool DW, bool ADD>
@@ -409,13 +408,13 @@ bool bwd_fused(fused_shape f, bool rope, bool dw, bool add, const void *dy, cons
                const float *cs, const void *res, void *dx, void *scratch, cudaStream_t s) {
 #define LB(TPR, NV, R, D, A)                                                                        \
     launch_bwd_fused<T, TPR, NV, R, D, A>(dy, x, w, wdt, rstd, N, rows, nh, cs, res, dx, scratch, s)
-#define LB_DW(TPR) (dw ? LB(TPR, 1, true, true, false) : LB(TPR, 1, true, false, false))
+#define LB_DW(TPR) (dw ? LB(TPR, 2, true, true, false) : LB(TPR, 2, true, false, false))
 #define LB_ADD(NV) (add ? LB(32, NV, false, true, true) : LB(32, NV, false, true, false))
     if (rope && !add) {
         switch (f.tpr) {
+        case 4: LB_DW(4); return true;
         case 8: LB_DW(8); return true;
         case 16: LB_DW(16); return true;
-        case 32: LB_DW(32); return true;
         }
         return false;
     }
@@ -514,8 +513,8 @@ extern "C" size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H) {
 
 // The chunks' partial weight gradients (scratch) added into dw.
 static loom_status dw_final(loom_ctx *ctx, const char *op, const void *scratch, int64_t N, int64_t H,
-                            float *dw, cudaStream_t s) {
-    const int64_t rows = dw_rows_per_chunk(N), nchunk = (N + rows - 1) / rows;
+                            int64_t rows, float *dw, cudaStream_t s) {
+    const int64_t nchunk = (N + rows - 1) / rows;
     rmsnorm_dw_final_kernel<<<(unsigned)((H + DW_COLS - 1) / DW_COLS), DW_COLS * 32, 0, s>>>(
         (const double *)scratch, nchunk, H, dw);
     return check_launch(ctx, op);
@@ -531,13 +530,13 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
                      vec8_ok(x_dtype, H, dx, dx);
     const fused_shape f = fused_rows(H, false);
     if (vec && dw && f.tpr) { // one pass for dx and the chunks' dw
-        const int64_t rows = dw_rows_per_chunk(N);
+        const int64_t rows = fused_chunk_rows(N, f);
         const bool bf = x_dtype == LOOM_BF16;
         if ((bf ? bwd_fused<__nv_bfloat16> : bwd_fused<__half>)(f, false, true, res != nullptr, dy, x,
                                                                  w, w_dtype, rstd, N, rows, 1,
                                                                  nullptr, res, dx, scratch, s)) {
             if ((st = check_launch(ctx, op))) return st;
-            return dw_final(ctx, op, scratch, N, H, dw, s);
+            return dw_final(ctx, op, scratch, N, H, rows, dw, s);
         }
     }
     if (dw) { // before dx: dx may overwrite dy
@@ -547,7 +546,7 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
         rmsnorm_dw_partial_kernel<<<grid, threads, 0, s>>>(dy, dy_dtype, x, x_dtype, rstd, N, H,
                                                             rows, (double *)scratch);
         if ((st = check_launch(ctx, op))) return st;
-        if ((st = dw_final(ctx, op, scratch, N, H, dw, s))) return st;
+        if ((st = dw_final(ctx, op, scratch, N, H, rows, dw, s))) return st;
     }
     const unsigned blocks = (unsigned)((N + WARPS - 1) / WARPS);
     if (vec) {
@@ -624,20 +623,20 @@ extern "C" loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, l
     if (nh <= 0 || N % nh)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda qknorm_rope_fwd: %lld rows are not tokens of %lld heads",
                          (long long)N, (long long)nh);
-    const int tpr = (int)(D / 8);
+    const int tpr = (int)(D / 16); // lanes per row (rope_pair's layout)
     const unsigned blocks = (unsigned)((N * tpr + FUSED_THREADS - 1) / FUSED_THREADS);
     cudaStream_t s = as_stream(stream);
 #define QF(T, TPR)                                                                                  \
     qknorm_rope_fwd_kernel<T, TPR><<<blocks, FUSED_THREADS, 0, s>>>(                                \
         (const T *)x, w, w_dtype, N, nh, eps, (const float2 *)cs, (T *)y, rstd)
     if (dtype == LOOM_BF16) {
-        if (tpr == 8) QF(__nv_bfloat16, 8);
-        else if (tpr == 16) QF(__nv_bfloat16, 16);
-        else QF(__nv_bfloat16, 32);
+        if (tpr == 4) QF(__nv_bfloat16, 4);
+        else if (tpr == 8) QF(__nv_bfloat16, 8);
+        else QF(__nv_bfloat16, 16);
     } else {
-        if (tpr == 8) QF(__half, 8);
-        else if (tpr == 16) QF(__half, 16);
-        else QF(__half, 32);
+        if (tpr == 4) QF(__half, 4);
+        else if (tpr == 8) QF(__half, 8);
+        else QF(__half, 16);
     }
 #undef QF
     return check_launch(ctx, "qknorm_rope_fwd");
@@ -657,10 +656,10 @@ extern "C" loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, 
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda qknorm_rope_bwd: %lld rows are not tokens of %lld heads",
                          (long long)N, (long long)nh);
     cudaStream_t s = as_stream(stream);
-    const int64_t rows = dw_rows_per_chunk(N);
     const fused_shape f = fused_rows(D, true);
+    const int64_t rows = fused_chunk_rows(N, f);
     (dtype == LOOM_BF16 ? bwd_fused<__nv_bfloat16> : bwd_fused<__half>)(
         f, true, dw != nullptr, false, dy, x, w, w_dtype, rstd, N, rows, nh, cs, nullptr, dx, scratch, s);
     if ((st = check_launch(ctx, "qknorm_rope_bwd")) || !dw) return st;
-    return dw_final(ctx, "qknorm_rope_bwd", scratch, N, D, dw, s);
+    return dw_final(ctx, "qknorm_rope_bwd", scratch, N, D, rows, dw, s);
 }
