@@ -63,12 +63,15 @@ int loom_cuda_gemm_cached(const loom_cuda_gemm_handle *h);
 /* For the ops bench: ms[i] = the mean time of cuBLASLt's i-th candidate
  * for this GEMM (alpha 1; i = 0 is the heuristic's choice, the one
  * loom_cuda_gemm runs), reps runs each on the default stream, up to
- * max_algos of them; *n how many were timed (ms[i] = -1: it failed). */
+ * max_algos of them; *n how many were timed (ms[i] = -1: it failed).
+ * With sets, sets[i] = how many memsets the candidate launches besides its
+ * kernels (from a stream capture of one call; -1 when it cannot be
+ * captured). */
 loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb,
                                   int64_t M, int64_t N, int64_t K, const void *A, loom_dtype a_dtype,
                                   int64_t lda, const void *B, int64_t ldb, float beta, void *C,
                                   loom_dtype c_dtype, int64_t ldc, int max_algos, int reps, float *ms,
-                                  int *n);
+                                  int *sets, int *n);
 
 /* ---- embedding (ops_embedding.cu) ----
  * ids: (T) in [0, rows of W); W: (V, H) in w_dtype; out: (T, H) in out_dtype.

@@ -300,12 +300,45 @@ extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, b
     return check_launch(ctx, "gemm");
 }
 
+// How many memset nodes one call with algo puts in a stream capture (-1:
+// the capture failed). The C it would write is not touched: nothing runs.
+static int count_memsets(loom_cuda_gemm_handle *h, const gemm_entry *e, const cublasLtMatmulAlgo_t *algo,
+                         const void *A, const void *B, float beta, void *C) {
+    cudaStream_t s = nullptr;
+    cudaGraph_t g = nullptr;
+    const float alpha = 1.0f;
+    int sets = -1;
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return -1;
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+        cublasStatus_t r = cublasLtMatmul(h->lt, e->op, &alpha, B, e->la, A, e->lb, &beta, C, e->lc,
+                                          C, e->lc, algo, h->ws, h->ws_bytes, s);
+        if (cudaStreamEndCapture(s, &g) == cudaSuccess && g && r == CUBLAS_STATUS_SUCCESS) {
+            size_t n = 0;
+            cudaGraphGetNodes(g, nullptr, &n);
+            cudaGraphNode_t *nodes = (cudaGraphNode_t *)calloc(n ? n : 1, sizeof *nodes);
+            if (nodes && cudaGraphGetNodes(g, nodes, &n) == cudaSuccess) {
+                sets = 0;
+                for (size_t i = 0; i < n; i++) {
+                    cudaGraphNodeType t;
+                    if (cudaGraphNodeGetType(nodes[i], &t) == cudaSuccess && t == cudaGraphNodeTypeMemset)
+                        sets++;
+                }
+            }
+            free(nodes);
+        }
+        if (g) cudaGraphDestroy(g);
+    }
+    cudaGetLastError();
+    cudaStreamDestroy(s);
+    return sets;
+}
+
 extern "C" loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta,
                                              bool tb, int64_t M, int64_t N, int64_t K, const void *A,
                                              loom_dtype a_dtype, int64_t lda, const void *B,
                                              int64_t ldb, float beta, void *C, loom_dtype c_dtype,
                                              int64_t ldc, int max_algos, int reps, float *ms,
-                                             int *n) {
+                                             int *sets, int *n) {
     loom_status st;
     gemm_key k;
     bool trivial;
@@ -342,6 +375,7 @@ extern "C" loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handl
         if ((st = check(ctx, cudaEventSynchronize(b), "gemm_survey"))) break;
         cudaEventElapsedTime(&t, a, b);
         if (ok) ms[i] = t / (float)reps;
+        if (sets && ok) sets[i] = count_memsets(h, &e, &res[i].algo, A, B, beta, C);
     }
     if (!st) *n = nres;
     if (a) cudaEventDestroy(a);
