@@ -863,17 +863,20 @@ TEST(cuda_ops_adamw) {
  * lists of the distributed optimizer) against loom_adamw_step / double sums
  * per block: parameters in one buffer, gradients and moments in another at
  * other offsets, blocks with and without decay, some longer than a chunk. */
-TEST(cuda_ops_adamw_and_sumsq_chunks) {
-    gpu g;
-    REQUIRE(gpu_open(&g));
+/* AdamW over chunks of parameter blocks against loom_adamw_step_scaled, bit
+ * for bit, with the compute copy in wdt. align4: every block starts at a
+ * multiple of 4 elements (the kernel's 16-byte path and its ragged ends);
+ * else the offsets are odd (one element at a time). */
+static void adamw_chunks_case(gpu *g, bool align4, loom_dtype wdt) {
     const int nb = 7;
     const size_t lens[7] = {5, 70000, 1, 16384, 16385, 333, 40000};
     size_t P = 0, S = 0, poff[7], soff[7];
     for (int b = 0; b < nb; b++) {
         poff[b] = P + 3; /* parameters padded apart, shard dense */
         soff[b] = S;
+        if (align4) poff[b] = (poff[b] + 3) / 4 * 4, soff[b] = (soff[b] + 3) / 4 * 4;
         P = poff[b] + lens[b];
-        S += lens[b];
+        S = soff[b] + lens[b];
     }
     float *p = falloc((int64_t)P), *gr = falloc((int64_t)S), *m = falloc((int64_t)S),
           *v = falloc((int64_t)S), *gp = falloc((int64_t)P), *gm = falloc((int64_t)S),
@@ -883,8 +886,8 @@ TEST(cuda_ops_adamw_and_sumsq_chunks) {
     fill(m, (int64_t)S, 73, 1e-3f);
     fill(v, (int64_t)S, 74, 1e-3f);
     for (size_t i = 0; i < S; i++) v[i] = v[i] * v[i];
-    float *dp = up(&g, p, (int64_t)P, LOOM_F32), *dg = up(&g, gr, (int64_t)S, LOOM_F32);
-    float *dm = up(&g, m, (int64_t)S, LOOM_F32), *dv = up(&g, v, (int64_t)S, LOOM_F32);
+    float *dp = up(g, p, (int64_t)P, LOOM_F32), *dg = up(g, gr, (int64_t)S, LOOM_F32);
+    float *dm = up(g, m, (int64_t)S, LOOM_F32), *dv = up(g, v, (int64_t)S, LOOM_F32);
     loom_cuda_chunk ch[64];
     double want_chunk[64];
     int nc = 0;
@@ -896,41 +899,53 @@ TEST(cuda_ops_adamw_and_sumsq_chunks) {
                                        .decay = b % 2};
             want_chunk[nc++] = loom_sumsq_scaled(gr + soff[b] + o, len, 0.37f);
         }
-    loom_cuda_chunk *dch = up_raw(&g, ch, (size_t)nc * sizeof ch[0]);
-    double *dsum = dalloc(&g, (size_t)nc * sizeof(double));
-    REQUIRE(!g.bad);
+    loom_cuda_chunk *dch = up_raw(g, ch, (size_t)nc * sizeof ch[0]);
+    double *dsum = dalloc(g, (size_t)nc * sizeof(double));
+    if (g->bad) return;
     const loom_adamw_hp hp = {3e-3, 0.9, 0.95, 1e-8, 0.1};
     const float gs[2] = {0.37f, 0.61f}; /* unscale and clip inside the passes */
     for (int b = 0; b < nb; b++)
         loom_adamw_step_scaled(p + poff[b], gr + soff[b], m + soff[b], v + soff[b], lens[b], &hp, 3,
                                b % 2, gs);
-    CHECK_OK(g.ctx, loom_cuda_sumsq_chunks(g.ctx, dg, dch, nc, 0.37f, dsum, NULL));
+    CHECK_OK(g->ctx, loom_cuda_sumsq_chunks(g->ctx, dg, dch, nc, 0.37f, dsum, NULL));
     float *zero = falloc((int64_t)P);
-    void *dwc = up(&g, zero, (int64_t)P, LOOM_BF16), *dwc2 = up(&g, zero, (int64_t)P, LOOM_BF16);
+    void *dwc = up(g, zero, (int64_t)P, wdt), *dwc2 = up(g, zero, (int64_t)P, wdt);
     free(zero);
-    REQUIRE(!g.bad);
-    CHECK_OK(g.ctx, loom_cuda_adamw_chunks(g.ctx, dp, dg, dm, dv, dch, nc, &hp, 3, gs, dwc, LOOM_BF16,
-                                           NULL));
+    if (g->bad) return;
+    CHECK_OK(g->ctx, loom_cuda_adamw_chunks(g->ctx, dp, dg, dm, dv, dch, nc, &hp, 3, gs, dwc, wdt, NULL));
     /* the compute copy written in the same pass: the new parameters in bf16,
      * as a convert of them gives (blocks only: the padding stays zero) */
     for (int b = 0; b < nb; b++)
-        CHECK_OK(g.ctx, loom_cuda_convert(g.ctx, (char *)dwc2 + poff[b] * 2, LOOM_BF16, dp + poff[b],
-                                          LOOM_F32, lens[b], NULL));
-    CHECK_SAME(&g, dwc, dwc2, (int64_t)P, LOOM_BF16, "adamw_chunks compute copy");
-    down(&g, gp, dp, (int64_t)P, LOOM_F32);
-    down(&g, gm, dm, (int64_t)S, LOOM_F32);
-    down(&g, gv, dv, (int64_t)S, LOOM_F32);
+        CHECK_OK(g->ctx, loom_cuda_convert(g->ctx, (char *)dwc2 + poff[b] * loom_dtype_size(wdt), wdt,
+                                          dp + poff[b], LOOM_F32, lens[b], NULL));
+    CHECK_SAME(g, dwc, dwc2, (int64_t)P, wdt, "adamw_chunks compute copy (%s, align4 %d)",
+               loom_dtype_name(wdt), (int)align4);
+    down(g, gp, dp, (int64_t)P, LOOM_F32);
+    down(g, gm, dm, (int64_t)S, LOOM_F32);
+    down(g, gv, dv, (int64_t)S, LOOM_F32);
     size_t diff = 0;
-    for (int b = 0; b < nb; b++) /* the padding between blocks is not touched either */
-        for (size_t i = poff[b] - 3; i < poff[b] + lens[b]; i++) diff += memcmp(&gp[i], &p[i], 4) != 0;
+    for (size_t i = 0; i < P; i++) /* the padding between blocks is not touched either */
+        diff += memcmp(&gp[i], &p[i], 4) != 0;
     for (size_t i = 0; i < S; i++) diff += memcmp(&gm[i], &m[i], 4) || memcmp(&gv[i], &v[i], 4);
-    CHECK_MSG(diff == 0, "adamw_chunks: %zu elements differ from loom_adamw_step_scaled", diff);
+    CHECK_MSG(diff == 0, "adamw_chunks (align4 %d): %zu elements differ from loom_adamw_step_scaled",
+              (int)align4, diff);
     double got[64];
-    CHECK_OK(g.ctx, loom_cuda_memcpy_d2h(g.ctx, got, dsum, (size_t)nc * sizeof(double)));
+    CHECK_OK(g->ctx, loom_cuda_memcpy_d2h(g->ctx, got, dsum, (size_t)nc * sizeof(double)));
     for (int c = 0; c < nc; c++)
         CHECK_MSG(fabs(got[c] - want_chunk[c]) <= 1e-12 * want_chunk[c] + 1e-300,
                   "sumsq chunk %d: %.17g vs %.17g", c, got[c], want_chunk[c]);
     free(p), free(gr), free(m), free(v), free(gp), free(gm), free(gv);
+    gpu_free_all(g);
+}
+
+TEST(cuda_ops_adamw_and_sumsq_chunks) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    adamw_chunks_case(&g, false, LOOM_BF16);
+    adamw_chunks_case(&g, true, LOOM_BF16);
+    adamw_chunks_case(&g, true, LOOM_F32);
+    adamw_chunks_case(&g, true, LOOM_F16);
+    REQUIRE(!g.bad);
     gpu_close(&g);
 }
 

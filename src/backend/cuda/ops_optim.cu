@@ -16,18 +16,22 @@ constexpr int SUMSQ_THREADS = 256;
 } // namespace
 
 // The CPU loop body, each fp32 operation rounded on its own (no contraction).
-__device__ __forceinline__ void adamw_elem(float *p, const float *g, float *m, float *v,
-                                           const adamw_coef &k, int do_decay) {
-    float pi = *p, gi = __fmul_rn(__fmul_rn(*g, k.gs0), k.gs1), mi = *m, vi = *v;
+__device__ __forceinline__ void adamw_val(float &p, float g, float &m, float &v, const adamw_coef &k,
+                                          int do_decay) {
+    float pi = p, gi = __fmul_rn(__fmul_rn(g, k.gs0), k.gs1), mi = m, vi = v;
     if (do_decay) pi = __fmul_rn(pi, k.shrink);
     mi = k.lerp_low ? __fadd_rn(mi, __fmul_rn(k.w1, __fsub_rn(gi, mi)))
                     : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), k.one_minus_w1));
     vi = __fmul_rn(vi, k.b2);
     vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(k.c2, gi), gi));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
-    *p = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
-    *m = mi;
-    *v = vi;
+    p = __fadd_rn(pi, __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
+    m = mi;
+    v = vi;
+}
+__device__ __forceinline__ void adamw_elem(float *p, const float *g, float *m, float *v,
+                                           const adamw_coef &k, int do_decay) {
+    adamw_val(*p, *g, *m, *v, k, do_decay);
 }
 
 __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, adamw_coef k) {
@@ -38,15 +42,45 @@ __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64
 
 // One block per chunk of a part list: the same element operations as
 // adamw_kernel, so the results are bit-identical to the CPU's per part.
-// With wc, the new parameter also goes to the compute copy.
-__global__ void adamw_chunks_kernel(float *p, const float *g, float *m, float *v,
+// With wc, the new parameter also goes to the compute copy. Chunks whose
+// offsets are multiples of 4 (all but odd-sized parts' neighbours) go four
+// elements to a thread in 16-byte accesses; the rest, and the ends, one.
+__global__ void adamw_chunks_kernel(float *__restrict__ p, const float *__restrict__ g,
+                                    float *__restrict__ m, float *__restrict__ v,
                                     const loom_cuda_chunk *c, adamw_coef k, void *wc,
                                     loom_dtype wdt) {
     const loom_cuda_chunk ch = c[blockIdx.x];
     const int do_decay = k.do_decay && ch.decay;
     float *pp = p + ch.p_off, *mm = m + ch.s_off, *vv = v + ch.s_off;
     const float *gg = g + ch.s_off;
-    for (int i = threadIdx.x; i < ch.len; i += blockDim.x) {
+    int64_t i0 = 0;
+    if ((((uintptr_t)pp | (uintptr_t)gg | (uintptr_t)mm | (uintptr_t)vv) & 15) == 0 &&
+        (!wc || ((ch.p_off & 3) == 0 && ((uintptr_t)wc & 15) == 0))) {
+        const int64_t n4 = ch.len / 4;
+        for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
+            float4 P = ((float4 *)pp)[q], M = ((float4 *)mm)[q], V = ((float4 *)vv)[q];
+            const float4 G = ((const float4 *)gg)[q];
+            adamw_val(P.x, G.x, M.x, V.x, k, do_decay);
+            adamw_val(P.y, G.y, M.y, V.y, k, do_decay);
+            adamw_val(P.z, G.z, M.z, V.z, k, do_decay);
+            adamw_val(P.w, G.w, M.w, V.w, k, do_decay);
+            ((float4 *)pp)[q] = P, ((float4 *)mm)[q] = M, ((float4 *)vv)[q] = V;
+            if (wc) {
+                const int64_t o = ch.p_off + 4 * q;
+                if (wdt == LOOM_F32) {
+                    ((float4 *)wc)[o / 4] = P;
+                } else if (wdt == LOOM_BF16) {
+                    __nv_bfloat162 *d = (__nv_bfloat162 *)((__nv_bfloat16 *)wc + o);
+                    d[0] = __floats2bfloat162_rn(P.x, P.y), d[1] = __floats2bfloat162_rn(P.z, P.w);
+                } else {
+                    __half2 *d = (__half2 *)((__half *)wc + o);
+                    d[0] = __floats2half2_rn(P.x, P.y), d[1] = __floats2half2_rn(P.z, P.w);
+                }
+            }
+        }
+        i0 = n4 * 4;
+    }
+    for (int64_t i = i0 + threadIdx.x; i < ch.len; i += blockDim.x) {
         adamw_elem(pp + i, gg + i, mm + i, vv + i, k, do_decay);
         if (wc) st(wc, wdt, ch.p_off + i, pp[i]);
     }
