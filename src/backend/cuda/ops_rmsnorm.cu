@@ -46,7 +46,20 @@ __device__ __forceinline__ float dx_coef(double dot, float rstd, int64_t H) {
     const double rs = (double)rstd;
     return (float)(dot * rs * rs * rs / (double)H);
 }
+// w[j .. j + 8) as floats, j a multiple of 8: 16-byte loads where w is
+// 16-byte aligned, else one element at a time
 __device__ __forceinline__ void w8(const void *w, loom_dtype wdt, int64_t j, float (&o)[8]) {
+    if (((uintptr_t)w & 15) == 0) {
+        if (wdt == LOOM_F32) {
+            const float4 a = ((const float4 *)w)[j / 4], b = ((const float4 *)w)[j / 4 + 1];
+            o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+            return;
+        }
+        const uint4 u = ((const uint4 *)w)[j / 8];
+        if (wdt == LOOM_BF16) cvt8<__nv_bfloat16>(u, o);
+        else cvt8<__half>(u, o);
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < 8; i++) o[i] = ld(w, wdt, j + i);
 }
@@ -150,10 +163,11 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
     if (res) xr = xsum + r * H; // this thread's own writes
 #pragma unroll 4 // loads of several chunks in flight
     for (int64_t j = lane * 8; j < H; j += 256) {
-        float v[8];
+        float v[8], wv[8];
         ld8(xr + j, v);
+        w8(w, wdt, j, wv);
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(ld(w, wdt, j + i), __fmul_rn(v[i], rs));
+        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(wv[i], __fmul_rn(v[i], rs));
         st8(y + r * H + j, v);
     }
 }
@@ -262,10 +276,12 @@ qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int
     const float rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
     if (live && l == 0) rstd[r] = rs;
 #pragma unroll
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < 2; h++) {
+        float wv[8];
+        w8(w, wdt, h * (D / 2) + l * 8, wv);
 #pragma unroll
-        for (int i = 0; i < 8; i++)
-            v[h][i] = round_to<T>(__fmul_rn(ld(w, wdt, h * (D / 2) + l * 8 + i), __fmul_rn(v[h][i], rs)));
+        for (int i = 0; i < 8; i++) v[h][i] = round_to<T>(__fmul_rn(wv[i], __fmul_rn(v[h][i], rs)));
+    }
     rope_pair<TPR>(v[0], v[1], cs, rr / nh, l, 1.0f);
     if (live) st8(y + r * D + l * 8, v[0]), st8(y + r * D + D / 2 + l * 8, v[1]);
 }
