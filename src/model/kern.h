@@ -18,6 +18,10 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
+
+#include "../train/adamw.h"
+#include "loom.h"
 
 /* Return the status of a call that failed (the model code's error flow). */
 #define CK(expr)                                                                          \
@@ -25,10 +29,6 @@
         loom_status st_ = (expr);                                                         \
         if (st_) return st_;                                                              \
     } while (0)
-#include <stdint.h>
-
-#include "../train/adamw.h"
-#include "loom.h"
 
 typedef struct loom_model loom_model;
 typedef struct loom_micro loom_micro;

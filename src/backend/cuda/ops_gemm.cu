@@ -363,6 +363,7 @@ extern "C" loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handl
     if (!st) st = check(ctx, cudaEventCreate(&b), "gemm_survey");
     for (int i = 0; i < nres && !st; i++) {
         ms[i] = -1.0f; // a candidate that fails to run
+        if (sets) sets[i] = -1;
         if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
         bool ok = cublasLtMatmul(h->lt, e.op, &alpha, B, e.la, A, e.lb, &beta, C, e.lc, C, e.lc,
                                  &res[i].algo, h->ws, h->ws_bytes, 0) == CUBLAS_STATUS_SUCCESS;

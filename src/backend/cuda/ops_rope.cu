@@ -27,14 +27,13 @@ __global__ void rope_kernel(void *x, loom_dtype dt, int64_t T, int64_t nh, int64
 // cs[t * D/2 + i] = (cos, sin) of token t's angle for frequency i, the rule above.
 __global__ void rope_table_kernel(const int32_t *pos, const float *inv_freq, int64_t T, int64_t half,
                                   float2 *cs) {
-    const int64_t n = T * half, stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
+    grid_each(T * half, [&](int64_t idx) {
         const int64_t t = idx / half, i = idx - t * half;
         const float ang = __fmul_rn((float)pos[t], inv_freq[i]);
         double sd, cd;
         sincos((double)ang, &sd, &cd);
         cs[idx] = make_float2((float)cd, (float)sd);
-    }
+    });
 }
 
 extern "C" loom_status loom_cuda_rope_table(loom_ctx *ctx, const int32_t *pos, int64_t T, int64_t D,
