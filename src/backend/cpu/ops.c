@@ -136,26 +136,32 @@ void loom_cpu_rope_bwd(float *dx, int64_t T, int64_t nh, int64_t D, const int32_
 
 /* ---- SwiGLU, residual, bias ---- */
 
+static inline float swiglu1(float g, float u) {
+    float sg = 1.0f / (1.0f + expf(-g));
+    return g * sg * u;
+}
+// d silu(g)/dg = sig * (1 + g * (1 - sig))
+static inline void swiglu1_bwd(float d, float g, float u, float *dg, float *du) {
+    float sg = 1.0f / (1.0f + expf(-g));
+    *dg = d * u * sg * (1.0f + g * (1.0f - sg));
+    *du = d * g * sg;
+}
+
 void loom_cpu_swiglu_fwd(const float *g, const float *u, int64_t n, float *h) {
     // g, u, h: (n)
 #pragma omp parallel for schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) {
-        float sg = 1.0f / (1.0f + expf(-g[i]));
-        h[i] = g[i] * sg * u[i];
-    }
+    for (int64_t i = 0; i < n; i++) h[i] = swiglu1(g[i], u[i]);
 }
 
 void loom_cpu_swiglu_bwd(const float *dh, const float *g, const float *u, int64_t n, float *dg,
                          float *du) {
-    // dh, g, u, dg, du: (n). d silu(g)/dg = sig * (1 + g * (1 - sig)).
+    // dh, g, u, dg, du: (n)
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (int64_t i = 0; i < n; i++) {
-        float gi = g[i], ui = u[i], d = dh[i];
-        float sg = 1.0f / (1.0f + expf(-gi));
-        float dgi = d * ui * sg * (1.0f + gi * (1.0f - sg));
-        float dui = d * gi * sg;
-        dg[i] = dgi;
-        du[i] = dui;
+        float a, b;
+        swiglu1_bwd(dh[i], g[i], u[i], &a, &b);
+        dg[i] = a;
+        du[i] = b;
     }
 }
 

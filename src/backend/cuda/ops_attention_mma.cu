@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mma.cuh"
 #include "ops_attention.cuh"
 
 namespace loom_cuda {
@@ -43,90 +44,9 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-template <typename T> struct mma_type;
-template <> struct mma_type<__nv_bfloat16> {
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t *>(&v);
-    }
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-template <> struct mma_type<__half> {
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t *>(&v);
-    }
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
-// Shared-memory addresses of one lane for ldmatrix.x4 over a row-major tile
-// with row stride LDS (elements):
-// A operand, rows r0..r0+15, columns c0..c0+15: regs = a0..a3.
-template <int LDS, typename T>
-__device__ __forceinline__ const T *a_addr(const T *tile, int r0, int c0, int lane) {
-    return tile + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + c0 + (lane >> 4) * 8;
-}
-// B operand of two n-tiles from a tile stored [n][k] (n rows n0..n0+15, k
-// columns k0..k0+15): regs = {b0, b1} of n-tile 0, {b0, b1} of n-tile 1.
-template <int LDS, typename T>
-__device__ __forceinline__ const T *b_addr(const T *tile, int n0, int k0, int lane) {
-    return tile + (n0 + (lane & 7) + (lane >> 4) * 8) * LDS + k0 + ((lane >> 3) & 1) * 8;
-}
-// B operand of two n-tiles from a tile stored [k][n] (k rows k0..k0+15, n
-// columns n0..n0+15), loaded with .trans: same register order.
-template <int LDS, typename T>
-__device__ __forceinline__ const T *bt_addr(const T *tile, int k0, int n0, int lane) {
-    return tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + n0 + (lane >> 4) * 8;
-}
-
-// A operand (rows m0..m0+15, columns k0..k0+15) from a tile stored [k][m]
-// (the transpose), loaded with .trans: regs = a0..a3.
-template <int LDS, typename T>
-__device__ __forceinline__ const T *at_addr(const T *tile, int m0, int k0, int lane) {
-    return tile + (k0 + (lane & 7) + (lane >> 4) * 8) * LDS + m0 + ((lane >> 3) & 1) * 8;
-}
-
 // dst[0..1] += (x, y) in global memory, one vector reduction (sm_90).
 __device__ __forceinline__ void red_add2(float *dst, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(x), "f"(y) : "memory");
-}
-
-// cp.async of 16 bytes (zeros when !valid: nothing is read from src then).
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // ROWS x DH tile of a (rows, H, DH) tensor (rows r0.., n valid, head h) into

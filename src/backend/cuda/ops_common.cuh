@@ -106,6 +106,18 @@ static inline bool vec8_ok(loom_dtype t, int64_t n, const void *a, const void *b
            ((uintptr_t)b & 15) == 0;
 }
 
+// SwiGLU of one element, h = silu(g) u, and its gradients (d silu(g)/dg =
+// sig (1 + g (1 - sig))), each operation rounded on its own (the same bits
+// in every kernel that uses them).
+__device__ __forceinline__ float sigmoid1(float g) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g))); }
+__device__ __forceinline__ float swiglu1(float g, float u) { return __fmul_rn(__fmul_rn(g, sigmoid1(g)), u); }
+__device__ __forceinline__ void swiglu1_bwd(float d, float g, float u, float &dg, float &du) {
+    const float sg = sigmoid1(g);
+    const float dsil = __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg)));
+    dg = __fmul_rn(__fmul_rn(__fmul_rn(d, u), sg), dsil);
+    du = __fmul_rn(__fmul_rn(d, g), sg);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;

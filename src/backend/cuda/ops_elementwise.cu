@@ -5,15 +5,10 @@
 
 using namespace loom_cuda;
 
-__device__ __forceinline__ float sigmoidf_(float g) {
-    return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
-}
-
 __global__ void swiglu_fwd_kernel(const void *g, const void *u, int64_t n, void *h, loom_dtype dt) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float gi = ld(g, dt, i), ui = ld(u, dt, i);
-        st(h, dt, i, __fmul_rn(__fmul_rn(gi, sigmoidf_(gi)), ui));
+        st(h, dt, i, swiglu1(ld(g, dt, i), ld(u, dt, i)));
     }
 }
 
@@ -21,12 +16,8 @@ __global__ void swiglu_bwd_kernel(const void *dh, const void *g, const void *u, 
                                   void *du, loom_dtype dt) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float gi = ld(g, dt, i), ui = ld(u, dt, i), d = ld(dh, dt, i);
-        const float sg = sigmoidf_(gi);
-        // d silu(g)/dg = sig * (1 + g * (1 - sig))
-        const float dsil = __fadd_rn(1.0f, __fmul_rn(gi, __fsub_rn(1.0f, sg)));
-        const float dgi = __fmul_rn(__fmul_rn(__fmul_rn(d, ui), sg), dsil);
-        const float dui = __fmul_rn(__fmul_rn(d, gi), sg);
+        float dgi, dui;
+        swiglu1_bwd(ld(dh, dt, i), ld(g, dt, i), ld(u, dt, i), dgi, dui);
         st(dg, dt, i, dgi); // all reads of element i are done: dg/du may alias g/u/dh
         st(du, dt, i, dui);
     }
@@ -40,7 +31,7 @@ __global__ void swiglu_fwd_vec_kernel(const T *g, const T *u, int64_t n8, T *h) 
         ld8(g + 8 * i, gv);
         ld8(u + 8 * i, uv);
 #pragma unroll
-        for (int k = 0; k < 8; k++) gv[k] = __fmul_rn(__fmul_rn(gv[k], sigmoidf_(gv[k])), uv[k]);
+        for (int k = 0; k < 8; k++) gv[k] = swiglu1(gv[k], uv[k]);
         st8(h + 8 * i, gv);
     });
 }
@@ -54,10 +45,8 @@ __global__ void swiglu_bwd_vec_kernel(const T *dh, const T *g, const T *u, int64
         ld8(dh + 8 * i, dv);
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            const float sg = sigmoidf_(gv[k]);
-            const float dsil = __fadd_rn(1.0f, __fmul_rn(gv[k], __fsub_rn(1.0f, sg)));
-            const float dgi = __fmul_rn(__fmul_rn(__fmul_rn(dv[k], uv[k]), sg), dsil);
-            const float dui = __fmul_rn(__fmul_rn(dv[k], gv[k]), sg);
+            float dgi, dui;
+            swiglu1_bwd(dv[k], gv[k], uv[k], dgi, dui);
             gv[k] = dgi;
             uv[k] = dui;
         }
