@@ -5,7 +5,9 @@
 #ifndef LOOM_TESTS_CUDA_TEST_H
 #define LOOM_TESTS_CUDA_TEST_H
 
+#include <cuda_runtime.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -134,5 +136,56 @@ static inline int64_t n_differ(const float *a, const float *b, int64_t n) {
 static inline double tol_for(loom_dtype dt) { return dt == LOOM_F32 ? 1e-5 : 1e-2; }
 
 static inline const char *dn(loom_dtype dt) { return loom_dtype_name(dt); }
+
+/* LOOM_CUDA_OPS_VERBOSE=1 prints every comparison's error (to stderr). */
+#define CHECK_CLOSE(got, ref, n, dt, ...)                                                      \
+    do {                                                                                       \
+        double _e = rel_err((got), (ref), (n));                                                \
+        bool _bad = !(_e <= tol_for(dt));                                                      \
+        if (_bad || getenv("LOOM_CUDA_OPS_VERBOSE")) {                                         \
+            char _what[256];                                                                   \
+            snprintf(_what, sizeof _what, __VA_ARGS__);                                        \
+            if (_bad)                                                                          \
+                loom_test_fail(__FILE__, __LINE__, "%s: rel err %.3g > %.0e", _what, _e,        \
+                               tol_for(dt));                                                   \
+            else                                                                               \
+                fprintf(stderr, "    %s: rel err %.3g\n", _what, _e);                          \
+        }                                                                                      \
+    } while (0)
+
+/* ---- timings (LOOM_CUDA_OPS_BENCH=1): not checks ---- */
+
+static inline void *bench_buf(gpu *g, int64_t n, loom_dtype dt) { /* values in [-0.5, 0.5) */
+    float *h = falloc(n);
+    for (int64_t i = 0; i < n; i++) h[i] = (float)((uint64_t)i * 2654435761u % 1000) / 1000.0f - 0.5f;
+    void *d = up(g, h, n, dt);
+    free(h);
+    return d;
+}
+
+typedef struct bench_op {
+    gpu *g;
+    cudaEvent_t a, b;
+} bench_op;
+
+/* Times `reps` calls of the statement after two warm-up calls; prints ms and
+ * work / time (work in TFLOP or TB, so T/s). */
+#define BENCH(bo, label, work, reps, call)                                                     \
+    do {                                                                                       \
+        loom_status _st = LOOM_OK;                                                             \
+        for (int _w = 0; _w < 2 && !_st; _w++) _st = (call);                                  \
+        if (_st) {                                                                             \
+            loom_test_fail(__FILE__, __LINE__, "%s: %s", label, loom_last_error((bo)->g->ctx)); \
+            break;                                                                             \
+        }                                                                                      \
+        cudaEventRecord((bo)->a, 0);                                                           \
+        for (int _r = 0; _r < (reps); _r++) (void)(call);                                      \
+        cudaEventRecord((bo)->b, 0);                                                           \
+        cudaEventSynchronize((bo)->b);                                                         \
+        float _ms = 0;                                                                         \
+        cudaEventElapsedTime(&_ms, (bo)->a, (bo)->b);                                          \
+        _ms /= (reps);                                                                         \
+        fprintf(stderr, "    %-46s %9.3f ms %8.1f T/s\n", label, _ms, (work) / (_ms * 1e-3) / 1e12); \
+    } while (0)
 
 #endif

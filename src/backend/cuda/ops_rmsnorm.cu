@@ -18,6 +18,9 @@ int64_t dw_rows_per_chunk(int64_t N) {
     if ((N + r - 1) / r > 1024) r = (N + 1023) / 1024;
     return r;
 }
+// Rows per block of the wide backward: about 128 blocks (a function of N only).
+int64_t wide_rows(int64_t N) { return N > 128 ? (N + 127) / 128 : 1; }
+bool wide_ok(int64_t H) { return H > 1024 && H % 256 == 0 && H / 8 <= 1024; }
 } // namespace
 
 // The 16-bit kernels' per-access math (the vector and the fused kernels share
@@ -384,6 +387,73 @@ norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, co
     }
 }
 
+// Wide rows (H a multiple of 256 above 1024, up to 8192): a block per range
+// of rows, thread e holding elements 8e..8e+7 of the row (one 16-byte access)
+// and its dw columns in registers. The row's dot is the vector kernel's:
+// thread e is that kernel's lane e % 32 at its access e / 32, so each lane's
+// accesses are added in order (in double, through shared memory) and then the
+// lanes by the same shuffle tree: the same bits. The next row (dy, x, res,
+// rstd) is loaded while the current one is computed. Without DW (a frozen
+// norm) only dx.
+template <typename T, bool ADD, bool DW>
+__global__ void __launch_bounds__(1024)
+norm_bwd_wide_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, const float *rstd, int64_t N,
+                     int64_t H, int64_t rows, const T *res, T *dx, double *partial) {
+    __shared__ float dots[1024]; // [access][lane]
+    __shared__ double rowdot;
+    const int e = threadIdx.x, lane = e & 31, nacc = blockDim.x >> 5;
+    const int64_t r0 = (int64_t)blockIdx.x * rows, r1 = r0 + rows < N ? r0 + rows : N;
+    const int64_t col = (int64_t)e * 8;
+    float wr[8], acc[8];
+    w8(w, wdt, col, wr);
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] = 0.0f;
+    uint4 ng = make_uint4(0, 0, 0, 0), nx = ng, nr = ng;
+    float nrs = 0.0f;
+    auto load = [&](int64_t r) {
+        ng = *(const uint4 *)(dy + r * H + col);
+        nx = *(const uint4 *)(x + r * H + col);
+        if constexpr (ADD) nr = *(const uint4 *)(res + r * H + col);
+        nrs = rstd[r];
+    };
+    if (r0 < r1) load(r0);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint4 cg = ng, cx = nx, cr = nr;
+        const float rs = nrs;
+        if (r + 1 < r1) load(r + 1);
+        float gv[8], xv[8];
+        cvt8<T>(cg, gv);
+        cvt8<T>(cx, xv);
+        dots[(e >> 5) * 32 + lane] = dot8(gv, wr, xv);
+        __syncthreads();
+        if (e < 32) {
+            double d = 0.0;
+            for (int k = 0; k < nacc; k++) d += (double)dots[k * 32 + lane];
+            d = warp_sum(d);
+            if (lane == 0) rowdot = d;
+        }
+        __syncthreads();
+        const float c = dx_coef(rowdot, rs, H);
+        float o[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            o[i] = dx1(rs, wr[i], gv[i], c, xv[i]);
+            if constexpr (DW) acc[i] = __fadd_rn(acc[i], __fmul_rn(__fmul_rn(gv[i], xv[i]), rs));
+        }
+        if constexpr (ADD) {
+            float a[8];
+            cvt8<T>(cr, a);
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = __fadd_rn(a[i], round_to<T>(o[i]));
+        }
+        st8(dx + r * H + col, o);
+    }
+    if constexpr (DW) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) partial[(int64_t)blockIdx.x * H + col + i] = (double)acc[i];
+    }
+}
+
 namespace {
 // The fused backward's shapes: a group of TPR lanes per row, NV accesses per
 // lane; 0 when the row length has none (TPR a power of two <= 32).
@@ -523,8 +593,10 @@ extern "C" loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, c
 
 extern "C" size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H) {
     if (N <= 0 || H <= 0) return 0;
-    int64_t rows = dw_rows_per_chunk(N);
-    return (size_t)((N + rows - 1) / rows) * (size_t)H * sizeof(double);
+    const int64_t rows = dw_rows_per_chunk(N), wr = wide_rows(N);
+    int64_t chunks = (N + rows - 1) / rows;
+    if ((N + wr - 1) / wr > chunks) chunks = (N + wr - 1) / wr; /* the wide kernel's */
+    return (size_t)chunks * (size_t)H * sizeof(double);
 }
 
 // The chunks' partial weight gradients (scratch) added into dw.
@@ -554,6 +626,24 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
             if ((st = check_launch(ctx, op))) return st;
             return dw_final(ctx, op, scratch, N, H, rows, dw, s);
         }
+    }
+    // wide rows with dw or the residual add (the fused op; the plain backward
+    // without dw keeps the vector kernel, whose bits the tests compare with):
+    // one pass, a block per range of rows
+    if (vec && (dw || res) && wide_ok(H)) {
+        const int64_t rows = wide_rows(N);
+        const unsigned blocks = (unsigned)((N + rows - 1) / rows), threads = (unsigned)(H / 8);
+#define WIDE(T, A, D)                                                                               \
+    norm_bwd_wide_kernel<T, A, D><<<blocks, threads, 0, s>>>((const T *)dy, (const T *)x, w, w_dtype, rstd, \
+                                                             N, H, rows, (const T *)res, (T *)dx,   \
+                                                             (double *)scratch)
+#define WIDE_T(T) (res ? (dw ? WIDE(T, true, true) : WIDE(T, true, false)) : WIDE(T, false, true))
+        if (x_dtype == LOOM_BF16) WIDE_T(__nv_bfloat16);
+        else WIDE_T(__half);
+#undef WIDE_T
+#undef WIDE
+        if ((st = check_launch(ctx, op)) || !dw) return st;
+        return dw_final(ctx, op, scratch, N, H, rows, dw, s);
     }
     if (dw) { // before dx: dx may overwrite dy
         const int64_t rows = dw_rows_per_chunk(N), nchunk = (N + rows - 1) / rows;
