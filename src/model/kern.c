@@ -29,6 +29,13 @@ loom_status loom_dev_init(loom_model *m) {
     if (a && *a && strcmp(a, "cudnn") != 0 && strcmp(a, "loom") != 0)
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
                          "LOOM_ATTN=%s: the attention kernels are `cudnn` (the default) or `loom`", a);
+    /* LoRA's pass over dy on loom's kernel unless cuBLASLt is asked for (to compare) */
+    const char *lk = getenv("LOOM_LORA_KERNELS");
+    if (lk && *lk && strcmp(lk, "loom") != 0 && strcmp(lk, "cublas") != 0)
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
+                         "LOOM_LORA_KERNELS=%s: LoRA's backward runs on `loom` (the default) or `cublas`",
+                         lk);
+    d->lora_cublas = lk && strcmp(lk, "cublas") == 0;
     if (!d->cuda) {
         d->device = -1;
         return LOOM_OK;
@@ -41,6 +48,7 @@ loom_status loom_dev_init(loom_model *m) {
     }
     loom_status st = loom_cuda_gemm_create(m->ctx, 0, &d->gemm);
     if (st) return st;
+
     /* cuDNN's fused attention unless loom's own kernels are asked for (by name,
      * or for the bitwise-repeatable backward, which cuDNN's is not) */
     const char *det = getenv("LOOM_ATTN_DETERMINISTIC");
@@ -82,6 +90,9 @@ void loom_dev_release(loom_model *m) {
     d->attn = NULL;
     loom_cuda_free(d->sumsq_scratch);
     loom_cuda_free(d->rms_scratch);
+    loom_cuda_free(d->lora_scratch);
+    d->lora_scratch = NULL;
+    d->lora_scratch_bytes = 0;
     d->gemm = NULL;
     d->sumsq_scratch = NULL;
     d->rms_scratch = NULL;
@@ -226,6 +237,47 @@ loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float a
 loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                           const void *B, float beta, void *C) {
     return gemm(m, false, false, M, N, K, alpha, A, K, B, N, beta, C, m->dev.adt, N);
+}
+
+/* ---- LoRA's skinny products ---- */
+
+#ifdef LOOM_HAVE_CUDA
+static bool lora_kernels(const loom_model *m, int64_t k) {
+    return GPU(m) && !m->dev.lora_cublas && loom_cuda_lora_ok(m->dev.adt, k);
+}
+#endif
+
+loom_status loom_k_lora_outer(loom_model *m, int64_t T, int64_t N, int64_t k, float alpha,
+                              const void *u, int64_t ldu, const void *W, bool w_nk, int64_t ldw,
+                              float beta, void *y, int64_t ldy) {
+    return gemm(m, false, w_nk, T, N, k, alpha, u, ldu, W, ldw, beta, y, m->dev.adt, ldy);
+}
+
+loom_status loom_k_lora_pass(loom_model *m, int64_t T, int64_t K, int64_t k, const void *x,
+                             int64_t ldx, const void *W, bool w_kk, int64_t ldw, float alpha_s,
+                             void *s, int64_t lds, const void *v, int64_t ldv, float alpha_g,
+                             float *g, bool g_t, int64_t ldg) {
+#ifdef LOOM_HAVE_CUDA
+    if (s && g && lora_kernels(m, k)) { /* the products on their own: cuBLASLt was as fast */
+        const size_t need = loom_cuda_lora_pass_scratch_bytes(T, K, k, s != NULL, g != NULL);
+        if (need > m->dev.lora_scratch_bytes) { /* grown at the first call of a larger shape */
+            loom_cuda_free(m->dev.lora_scratch);
+            m->dev.lora_scratch = NULL;
+            m->dev.lora_scratch_bytes = 0;
+            CK(loom_cuda_malloc(m->ctx, &m->dev.lora_scratch, need, "LoRA pass scratch"));
+            m->dev.lora_scratch_bytes = need;
+        }
+        loom_status st = loom_cuda_lora_pass(m->ctx, T, K, k, x, ldx, W, w_kk, ldw, alpha_s, s, lds,
+                                             v, ldv, alpha_g, g, g_t, ldg, m->dev.adt,
+                                             m->dev.lora_scratch, m->dev.lora_scratch_bytes,
+                                             m->dev.stream);
+        if (st != LOOM_ERR_INVALID_ARG) return st; /* else a shape the kernels do not take */
+    }
+#endif
+    if (s) CK(gemm(m, false, w_kk, T, k, K, alpha_s, x, ldx, W, ldw, 0.0f, s, m->dev.adt, lds));
+    if (!g) return LOOM_OK;
+    if (g_t) return gemm(m, true, false, k, K, T, alpha_g, v, ldv, x, ldx, 1.0f, g, LOOM_F32, ldg);
+    return gemm(m, true, false, K, k, T, alpha_g, x, ldx, v, ldv, 1.0f, g, LOOM_F32, ldg);
 }
 
 /* ---- transformer ops ---- */

@@ -73,6 +73,27 @@ loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool 
                                   loom_dtype c_dtype, int64_t ldc, int max_algos, int reps, float *ms,
                                   int *sets, int *n);
 
+/* ---- LoRA's pass over dy (ops_lora.cu): BF16/F16 on tensor cores ----
+ * k is the small dimension (an adapter's rank, or a group's ranks side by
+ * side): a multiple of 8 up to LOOM_CUDA_LORA_MAX_K (loom_cuda_lora_ok).
+ * From one read of x (T, K; ldx), when s is not NULL s (T, k; lds, x's
+ * dtype) = alpha_s x op(W), op(W) = W^T for W (k, K; ldw) when w_kk, else W
+ * (K, k; ldw); when g is not NULL the fp32 g += alpha_g x^T v with v (T, k;
+ * ldv), g (K, k; ldg) or, with g_t, its transpose (k, K; ldg). Every operand
+ * 16-byte aligned with a row stride of whole 16-byte units, K a multiple of
+ * 8. Arithmetic in fp32, s rounded once; fixed-order sums (the split
+ * depends on the shape only). scratch: loom_cuda_lora_pass_scratch_bytes(T,
+ * K, k, s != NULL, g != NULL) bytes of device memory (the blocks' partial
+ * sums). */
+#define LOOM_CUDA_LORA_MAX_K 32
+bool loom_cuda_lora_ok(loom_dtype dtype, int64_t k);
+size_t loom_cuda_lora_pass_scratch_bytes(int64_t T, int64_t K, int64_t k, bool s, bool g);
+loom_status loom_cuda_lora_pass(loom_ctx *ctx, int64_t T, int64_t K, int64_t k, const void *x,
+                                int64_t ldx, const void *w, bool w_kk, int64_t ldw, float alpha_s,
+                                void *s, int64_t lds, const void *v, int64_t ldv, float alpha_g,
+                                float *g, bool g_t, int64_t ldg, loom_dtype dtype, void *scratch,
+                                size_t scratch_bytes, void *stream);
+
 /* ---- embedding (ops_embedding.cu) ----
  * ids: (T) in [0, rows of W); W: (V, H) in w_dtype; out: (T, H) in out_dtype.
  * bwd: dW (V, H) fp32 += dout (T, H); deterministic and bit-identical to the

@@ -1,0 +1,196 @@
+/* LoRA's pass kernel on the GPU (src/backend/cuda/ops_lora.cu) against a
+ * float64 reference on fresh random inputs: partial tiles, row strides with
+ * padding (left untouched), both weight layouts, its three uses (s alone,
+ * g alone, both), g transposed, the same bits run to run. Built only with
+ * `make CUDA=1`; skipped without a GPU. */
+#ifdef LOOM_HAVE_CUDA
+#include <stdlib.h>
+
+#include "../src/backend/cuda/cuda_ops.h"
+#include "cuda_test.h"
+
+/* c (M, N; ldc) = alpha a (M, K) b (K, N) + beta c in double, a(i, j) and
+ * b(i, j) read through strides (so transposes are strides). */
+static void ref_gemm(int64_t M, int64_t N, int64_t K, double alpha, const float *a, int64_t ar,
+                     int64_t ac, const float *b, int64_t br, int64_t bc, double beta, float *c,
+                     int64_t ldc) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double s = 0;
+            for (int64_t k = 0; k < K; k++) s += (double)a[i * ar + k * ac] * (double)b[k * br + j * bc];
+            c[i * ldc + j] = (float)(alpha * s + (beta != 0.0 ? beta * (double)c[i * ldc + j] : 0.0));
+        }
+}
+
+/* Bits of got and want equal outside the first `cols` columns of each row. */
+static void check_padding(const float *got, const float *want, int64_t rows, int64_t cols, int64_t ld,
+                          const char *what) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = cols; j < ld; j++)
+            if (memcmp(&got[i * ld + j], &want[i * ld + j], sizeof(float))) {
+                loom_test_fail(__FILE__, __LINE__, "%s wrote padding (%lld, %lld)", what, (long long)i,
+                               (long long)j);
+                return;
+            }
+}
+
+static void pass_case(gpu *g, int64_t T, int64_t K, int64_t k, bool w_kk, bool hs, bool hg, bool g_t,
+                      loom_dtype dt) {
+    const int64_t ldx = K + 8, ldw = w_kk ? K + 8 : k + 8, lds = k + 8, ldv = k + 16;
+    const int64_t wr = w_kk ? k : K, gr = g_t ? k : K, ldg = (g_t ? K : k) + 4;
+    const float as = 0.75f, ag = 1.25f;
+    float *x = falloc(T * ldx), *w = falloc(wr * ldw), *v = falloc(T * ldv), *s = falloc(T * lds);
+    float *gg = falloc(gr * ldg), *sref = falloc(T * lds), *gref = falloc(gr * ldg), *got = falloc(T * lds);
+    float *gotg = falloc(gr * ldg);
+    uint64_t key = (uint64_t)(T * 131 + K * 7 + k) * 16 + w_kk * 8 + hs * 4 + hg * 2 + g_t;
+    fill(x, T * ldx, key, 1), fill(w, wr * ldw, key + 1, 1), fill(v, T * ldv, key + 2, 1);
+    fill(s, T * lds, key + 3, 1), fill(gg, gr * ldg, key + 4, 1);
+    round_to(g, x, T * ldx, dt), round_to(g, w, wr * ldw, dt), round_to(g, v, T * ldv, dt);
+    round_to(g, s, T * lds, dt);
+    memcpy(sref, s, sizeof(float) * (size_t)(T * lds));
+    memcpy(gref, gg, sizeof(float) * (size_t)(gr * ldg));
+    if (hs) {
+        ref_gemm(T, k, K, as, x, ldx, 1, w, w_kk ? 1 : ldw, w_kk ? ldw : 1, 0.0, sref, lds);
+        round_to(g, sref, T * lds, dt);
+        for (int64_t i = 0; i < T; i++) /* s must be written, not read */
+            for (int64_t j = 0; j < k; j++) s[i * lds + j] = NAN;
+    }
+    if (hg) {
+        if (g_t) ref_gemm(k, K, T, ag, v, 1, ldv, x, ldx, 1, 1.0, gref, ldg);
+        else ref_gemm(K, k, T, ag, x, 1, ldx, v, ldv, 1, 1.0, gref, ldg);
+    }
+    void *dx = up(g, x, T * ldx, dt), *dw = up(g, w, wr * ldw, dt), *dv = up(g, v, T * ldv, dt);
+    void *ds = up(g, s, T * lds, dt);
+    float *dg = up(g, gg, gr * ldg, LOOM_F32);
+    const size_t sb = loom_cuda_lora_pass_scratch_bytes(T, K, k, hs, hg);
+    void *scr = dalloc(g, sb);
+    if (g->bad) return;
+    CHECK_OK(g->ctx, loom_cuda_lora_pass(g->ctx, T, K, k, dx, ldx, hs ? dw : NULL, w_kk, ldw, as,
+                                         hs ? ds : NULL, lds, hg ? dv : NULL, ldv, ag, hg ? dg : NULL, g_t,
+                                         ldg, dt, scr, sb, NULL));
+    char what[160];
+    snprintf(what, sizeof what, "lora_pass T=%lld K=%lld k=%lld w_kk=%d s=%d g=%d g_t=%d %s", (long long)T,
+             (long long)K, (long long)k, w_kk, hs, hg, g_t, dn(dt));
+    down(g, got, ds, T * lds, dt);
+    CHECK_CLOSE(got, sref, T * lds, dt, "%s: s", what);
+    check_padding(got, sref, T, hs ? k : 0, lds, what);
+    down(g, gotg, dg, gr * ldg, LOOM_F32);
+    CHECK_CLOSE(gotg, gref, gr * ldg, LOOM_F32, "%s: g", what);
+    check_padding(gotg, gref, gr, hg ? (g_t ? K : k) : 0, ldg, what);
+    /* again on the same scratch, into a poisoned s and the first g: the same
+     * bits (fixed-order sums) */
+    float *again = falloc(T * lds), *againg = falloc(gr * ldg);
+    void *ds2 = up(g, s, T * lds, dt);
+    float *dg2 = up(g, gg, gr * ldg, LOOM_F32);
+    if (g->bad || cudaMemset(ds2, 0xff, (size_t)(T * lds) * loom_dtype_size(dt)) != cudaSuccess) return;
+    CHECK_OK(g->ctx, loom_cuda_lora_pass(g->ctx, T, K, k, dx, ldx, hs ? dw : NULL, w_kk, ldw, as,
+                                         hs ? ds2 : NULL, lds, hg ? dv : NULL, ldv, ag, hg ? dg2 : NULL, g_t,
+                                         ldg, dt, scr, sb, NULL));
+    down(g, again, ds2, T * lds, dt);
+    down(g, againg, dg2, gr * ldg, LOOM_F32);
+    for (int64_t i = 0; hs && i < T; i++) /* s's columns (its padding was poisoned this time) */
+        if (n_differ(got + i * lds, again + i * lds, k)) {
+            loom_test_fail(__FILE__, __LINE__, "%s: s row %lld differs between runs", what, (long long)i);
+            break;
+        }
+    CHECK_MSG(n_differ(gotg, againg, gr * ldg) == 0, "%s: g differs between runs", what);
+    free(again), free(againg);
+    free(x), free(w), free(v), free(s), free(gg), free(sref), free(gref), free(got), free(gotg);
+    gpu_free_all(g);
+}
+
+TEST(cuda_ops_lora_pass) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    /* T, K, k: partial tiles; several row and column ranges; one tile; tiny */
+    const int64_t shapes[][3] = {{333, 520, 24}, {1100, 1416, 16}, {4096, 1024, 8}, {64, 128, 32}, {5, 8, 8}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const loom_dtype dt = si % 2 ? LOOM_F16 : LOOM_BF16;
+        const int64_t T = shapes[si][0], K = shapes[si][1], k = shapes[si][2];
+        pass_case(&g, T, K, k, true, true, false, false, dt);  /* u = x A^T */
+        pass_case(&g, T, K, k, false, true, true, false, dt); /* du = dy B, dB += dy^T u */
+        pass_case(&g, T, K, k, false, false, true, true, dt); /* dA += du^T x */
+        pass_case(&g, T, K, k, true, true, true, true, dt);
+    }
+    pass_case(&g, 4096, 256, 8, false, false, true, false, LOOM_BF16); /* g alone, many row ranges */
+    gpu_close(&g);
+}
+
+TEST(cuda_ops_lora_refuses) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    void *p = dalloc(&g, 1 << 16);
+    REQUIRE(p);
+    CHECK(!loom_cuda_lora_ok(LOOM_F32, 8) && !loom_cuda_lora_ok(LOOM_BF16, 12) &&
+          !loom_cuda_lora_ok(LOOM_BF16, 40) && loom_cuda_lora_ok(LOOM_F16, 32));
+    CHECK(loom_cuda_lora_pass(g.ctx, 4, 8, 12, p, 8, p, true, 8, 1, p, 16, NULL, 0, 0, NULL, false, 0,
+                              LOOM_BF16, p, 1 << 16, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda lora_pass");
+    CHECK(loom_cuda_lora_pass(g.ctx, 4, 8, 8, (char *)p + 2, 8, p, true, 8, 1, p, 8, NULL, 0, 0, NULL,
+                              false, 0, LOOM_BF16, p, 1 << 16, NULL) == LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "16-byte");
+    CHECK(loom_cuda_lora_pass(g.ctx, 4, 12, 8, p, 16, p, true, 16, 1, p, 8, NULL, 0, 0, NULL, false, 0,
+                              LOOM_BF16, p, 1 << 16, NULL) == LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda lora_pass");
+    CHECK(loom_cuda_lora_pass(g.ctx, 4096, 4096, 8, p, 4096, p, true, 4096, 1, p, 8, NULL, 0, 0, NULL,
+                              false, 0, LOOM_BF16, p, 16, NULL) == LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "scratch");
+    gpu_close(&g);
+}
+
+/* LOOM_CUDA_OPS_BENCH=1: the Qwen3-8B LoRA r=8 products (4096 tokens) the
+ * pass kernel can run, against the cuBLASLt GEMMs (TB/s over x, read once
+ * by the kernel). */
+TEST(cuda_lora_bench) {
+    if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    bench_op bo = {&g, NULL, NULL};
+    REQUIRE(cudaEventCreate(&bo.a) == cudaSuccess && cudaEventCreate(&bo.b) == cudaSuccess);
+    loom_cuda_gemm_handle *h;
+    REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 0, &h));
+    const int64_t T = 4096, big = 12288;
+    const loom_dtype dt = LOOM_BF16;
+    void *x = bench_buf(&g, T * big, dt), *w = bench_buf(&g, 32 * big, dt);
+    void *u = bench_buf(&g, T * 32, dt), *s = bench_buf(&g, T * 32, dt);
+    float *gr = dalloc(&g, (size_t)(32 * big) * 4);
+    const size_t sb = loom_cuda_lora_pass_scratch_bytes(T, big, 32, true, true);
+    void *scr = dalloc(&g, sb);
+    REQUIRE(!g.bad);
+    REQUIRE(cudaMemset(gr, 0, (size_t)(32 * big) * 4) == cudaSuccess);
+    char lab[128];
+    const int64_t pass_k[][2] = {{4096, 8}, {12288, 8}, {1024, 8}, {4096, 24}, {4096, 16}};
+    for (size_t i = 0; i < sizeof pass_k / sizeof pass_k[0]; i++) {
+        const int64_t K = pass_k[i][0], k = pass_k[i][1];
+        const double bytes = 2.0 * (double)(T * K);
+        snprintf(lab, sizeof lab, "lora du, dB from dy  K=%lld k=%lld loom", (long long)K, (long long)k);
+        BENCH(&bo, lab, bytes, 20,
+              loom_cuda_lora_pass(g.ctx, T, K, k, x, K, w, false, k, 2, s, k, u, k, 2, gr, false, k, dt, scr,
+                                  sb, NULL));
+        snprintf(lab, sizeof lab, "lora du, dB from dy  K=%lld k=%lld cuBLASLt x2", (long long)K,
+                 (long long)k);
+        BENCH(&bo, lab, bytes, 20,
+              (loom_cuda_gemm(g.ctx, h, false, false, T, k, K, 2, x, dt, K, w, dt, k, 0, s, dt, k, NULL),
+               loom_cuda_gemm(g.ctx, h, true, false, K, k, T, 2, x, dt, K, u, dt, k, 1, gr, LOOM_F32, k,
+                              NULL)));
+        snprintf(lab, sizeof lab, "lora u = x A^T  K=%lld k=%lld loom", (long long)K, (long long)k);
+        BENCH(&bo, lab, bytes, 20,
+              loom_cuda_lora_pass(g.ctx, T, K, k, x, K, w, true, K, 1, s, k, NULL, 0, 0, NULL, false, 0, dt,
+                                  scr, sb, NULL));
+        snprintf(lab, sizeof lab, "lora u = x A^T  K=%lld k=%lld cuBLASLt", (long long)K, (long long)k);
+        BENCH(&bo, lab, bytes, 20,
+              loom_cuda_gemm(g.ctx, h, false, true, T, k, K, 1, x, dt, K, w, dt, K, 0, s, dt, k, NULL));
+        snprintf(lab, sizeof lab, "lora dA += du^T x  K=%lld k=%lld loom", (long long)K, (long long)k);
+        BENCH(&bo, lab, bytes, 20,
+              loom_cuda_lora_pass(g.ctx, T, K, k, x, K, NULL, false, 0, 0, NULL, 0, u, k, 1, gr, true, K, dt,
+                                  scr, sb, NULL));
+        snprintf(lab, sizeof lab, "lora dA += du^T x  K=%lld k=%lld cuBLASLt", (long long)K, (long long)k);
+        BENCH(&bo, lab, bytes, 20,
+              loom_cuda_gemm(g.ctx, h, true, false, k, K, T, 1, u, dt, k, x, dt, K, 1, gr, LOOM_F32, K, NULL));
+    }
+    loom_cuda_gemm_free(h);
+    cudaEventDestroy(bo.a);
+    cudaEventDestroy(bo.b);
+    gpu_close(&g);
+}
+#endif
