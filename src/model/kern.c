@@ -48,7 +48,6 @@ loom_status loom_dev_init(loom_model *m) {
     }
     loom_status st = loom_cuda_gemm_create(m->ctx, 0, &d->gemm);
     if (st) return st;
-
     /* cuDNN's fused attention unless loom's own kernels are asked for (by name,
      * or for the bitwise-repeatable backward, which cuDNN's is not) */
     const char *det = getenv("LOOM_ATTN_DETERMINISTIC");
@@ -239,45 +238,29 @@ loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float 
     return gemm(m, false, false, M, N, K, alpha, A, K, B, N, beta, C, m->dev.adt, N);
 }
 
-/* ---- LoRA's skinny products ---- */
+/* ---- LoRA's backward over dy ---- */
 
+loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, float s, const void *dy,
+                           const void *B, const void *u, int64_t ldu, void *du, int64_t lddu,
+                           float *dB) {
 #ifdef LOOM_HAVE_CUDA
-static bool lora_kernels(const loom_model *m, int64_t k) {
-    return GPU(m) && !m->dev.lora_cublas && loom_cuda_lora_ok(m->dev.adt, k);
-}
-#endif
-
-loom_status loom_k_lora_outer(loom_model *m, int64_t T, int64_t N, int64_t k, float alpha,
-                              const void *u, int64_t ldu, const void *W, bool w_nk, int64_t ldw,
-                              float beta, void *y, int64_t ldy) {
-    return gemm(m, false, w_nk, T, N, k, alpha, u, ldu, W, ldw, beta, y, m->dev.adt, ldy);
-}
-
-loom_status loom_k_lora_pass(loom_model *m, int64_t T, int64_t K, int64_t k, const void *x,
-                             int64_t ldx, const void *W, bool w_kk, int64_t ldw, float alpha_s,
-                             void *s, int64_t lds, const void *v, int64_t ldv, float alpha_g,
-                             float *g, bool g_t, int64_t ldg) {
-#ifdef LOOM_HAVE_CUDA
-    if (s && g && lora_kernels(m, k)) { /* the products on their own: cuBLASLt was as fast */
-        const size_t need = loom_cuda_lora_pass_scratch_bytes(T, K, k, s != NULL, g != NULL);
+    if (GPU(m) && !m->dev.lora_cublas &&
+        loom_cuda_lora_pass_ok(m->dev.adt, T, out, r, dy, out, B, false, r, du, lddu, u, ldu, false, r)) {
+        const size_t need = loom_cuda_lora_pass_scratch_bytes(T, out, r, true, true);
         if (need > m->dev.lora_scratch_bytes) { /* grown at the first call of a larger shape */
             loom_cuda_free(m->dev.lora_scratch);
             m->dev.lora_scratch = NULL;
             m->dev.lora_scratch_bytes = 0;
-            CK(loom_cuda_malloc(m->ctx, &m->dev.lora_scratch, need, "LoRA pass scratch"));
+            CK(loom_cuda_malloc(m->ctx, &m->dev.lora_scratch, need, "LoRA backward scratch"));
             m->dev.lora_scratch_bytes = need;
         }
-        loom_status st = loom_cuda_lora_pass(m->ctx, T, K, k, x, ldx, W, w_kk, ldw, alpha_s, s, lds,
-                                             v, ldv, alpha_g, g, g_t, ldg, m->dev.adt,
-                                             m->dev.lora_scratch, m->dev.lora_scratch_bytes,
-                                             m->dev.stream);
-        if (st != LOOM_ERR_INVALID_ARG) return st; /* else a shape the kernels do not take */
+        return loom_cuda_lora_pass(m->ctx, T, out, r, dy, out, B, false, r, s, du, lddu, u, ldu, s, dB,
+                                   false, r, m->dev.adt, m->dev.lora_scratch, m->dev.lora_scratch_bytes,
+                                   m->dev.stream);
     }
 #endif
-    if (s) CK(gemm(m, false, w_kk, T, k, K, alpha_s, x, ldx, W, ldw, 0.0f, s, m->dev.adt, lds));
-    if (!g) return LOOM_OK;
-    if (g_t) return gemm(m, true, false, k, K, T, alpha_g, v, ldv, x, ldx, 1.0f, g, LOOM_F32, ldg);
-    return gemm(m, true, false, K, k, T, alpha_g, x, ldx, v, ldv, 1.0f, g, LOOM_F32, ldg);
+    CK(gemm(m, false, false, T, r, out, s, dy, out, B, r, 0.0f, du, m->dev.adt, lddu));
+    return gemm(m, true, false, out, r, T, s, dy, out, u, ldu, 1.0f, dB, LOOM_F32, r);
 }
 
 /* ---- transformer ops ---- */

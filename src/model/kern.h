@@ -51,7 +51,7 @@ typedef struct loom_dev {
     size_t rms_scratch_bytes;
     void *lora_scratch;       /* device: the LoRA pass kernels' partial sums */
     size_t lora_scratch_bytes;
-    bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's products on cuBLASLt */
+    bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: loom_k_lora_dy on cuBLASLt */
     size_t used0;             /* GPU memory in use when the model was created */
     size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
     size_t gpu_total;
@@ -108,24 +108,14 @@ loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float a
 loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                           const void *B, float beta, void *C);
 
-/* LoRA's skinny products, k small (the rank, or a group's ranks side by
- * side); x, u, v, W, s, y in adt, g fp32 (accumulated):
- * - lora_outer: y (T, N; ldy) = alpha u (T, k; ldu) op(W) + beta y, with
- *   op(W) = W^T for W (N, k; ldw) when w_nk, else W (k, N; ldw);
- * - lora_pass: from x (T, K; ldx): when s, s (T, k; lds) = alpha_s x op(W),
- *   op(W) = W^T for W (k, K; ldw) when w_kk, else W (K, k; ldw); when g,
- *   g += alpha_g x^T v with v (T, k; ldv), g (K, k; ldg) or with g_t its
- *   transpose (k, K; ldg).
- * The GEMMs of loom_k_gemm_ld; on a GPU a pass asking for both s and g (the
- * backward's du and dB over dy) reads x once in loom's kernel (BF16/F16, k a
- * multiple of 8 up to 32, 16-byte rows), unless LOOM_LORA_KERNELS=cublas. */
-loom_status loom_k_lora_outer(loom_model *m, int64_t T, int64_t N, int64_t k, float alpha,
-                              const void *u, int64_t ldu, const void *W, bool w_nk, int64_t ldw,
-                              float beta, void *y, int64_t ldy);
-loom_status loom_k_lora_pass(loom_model *m, int64_t T, int64_t K, int64_t k, const void *x,
-                             int64_t ldx, const void *W, bool w_kk, int64_t ldw, float alpha_s,
-                             void *s, int64_t lds, const void *v, int64_t ldv, float alpha_g,
-                             float *g, bool g_t, int64_t ldg);
+/* LoRA's backward over one projection's output gradient dy (T, out):
+ * du (T, r; lddu) = s dy B and dB (out, r; fp32) += s dy^T u, u (T, r; ldu),
+ * B (out, r). The two GEMMs of loom_k_gemm_ld; on a GPU one read of dy in
+ * loom's kernel (BF16/F16, r a multiple of 8 up to 32, 16-byte rows) unless
+ * LOOM_LORA_KERNELS=cublas. */
+loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, float s, const void *dy,
+                           const void *B, const void *u, int64_t ldu, void *du, int64_t lddu,
+                           float *dB);
 
 /* ---- the transformer ops (cpu_ops.h has their exact semantics) ---- */
 loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int64_t N, int64_t H,

@@ -646,50 +646,29 @@ static bool grouped(loom_model *m, const loom_adapter *a, int64_t l, int mod, lg
     return true;
 }
 
-/* This module's x A^T in the stash, and its row stride. */
-static const void *stash_u(loom_model *m, const loom_adapter *a, loom_acts *act, int64_t i, int64_t l,
-                           int mod, int64_t *ld) {
-    lgroup g;
-    if (grouped(m, a, l, mod, &g)) {
-        *ld = g.n * a->r;
-        return (const char *)lora_u(m, act, i, g.first, a->r) + (size_t)((mod - g.first) * a->r) * m->dev.esz;
-    }
-    *ld = a->r;
-    return lora_u(m, act, i, mod, a->r);
-}
-
-/* The forward's x A^T into the stash (the group's, at its first module). */
-static loom_status lora_fwd_a(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
-                              const void *x, int64_t T) {
-    loom_adapter *a;
-    const loom_slot *A, *B;
-    if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
-    const int64_t r = a->r, in = A->cols;
-    lgroup g;
-    if (grouped(m, a, l, mod, &g)) { /* the group's, at its first module */
-        if (mod != g.first) return LOOM_OK;
-        const int64_t ld = g.n * r;
-        return loom_k_lora_pass(m, T, in, ld, x, in, WC(a, A), true, in, 1.0f,
-                                lora_u(m, act, i, g.first, r), ld, NULL, 0, 0.0f, NULL, false, 0);
-    }
-    if (dropout_on(m, a)) {
-        CK(dropout_mask(m, a, l, mod, A, x, T, m->lora_xd));
-        x = m->lora_xd;
-    }
-    return loom_k_lora_pass(m, T, in, r, x, in, WC(a, A), true, in, 1.0f, lora_u(m, act, i, mod, r), r,
-                            NULL, 0, 0.0f, NULL, false, 0);
-}
-
 loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
                           const void *x, int64_t T, void *y, float beta) {
     loom_adapter *a;
     const loom_slot *A, *B;
     if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
-    CK(lora_fwd_a(m, act, i, l, mod, x, T));
-    int64_t ld;
-    const void *u = stash_u(m, a, act, i, l, mod, &ld);
-    return loom_k_lora_outer(m, T, B->rows, a->r, a->scale, u, ld, WC(a, B), true, a->r, beta, y,
-                             B->rows);
+    const int64_t r = a->r, in = A->cols, out = B->rows;
+    lgroup g;
+    if (grouped(m, a, l, mod, &g)) {
+        const int64_t ld = g.n * r;
+        char *u0 = lora_u(m, act, i, g.first, r);
+        if (mod == g.first) CK(loom_k_gemm_ld(m, false, true, T, ld, in, 1.0f, x, in, WC(a, A), in,
+                                              0.0f, u0, false, ld));
+        const char *u = u0 + (size_t)((mod - g.first) * r) * m->dev.esz;
+        return loom_k_gemm_ld(m, false, true, T, out, r, a->scale, u, ld, WC(a, B), r, beta, y, false,
+                              out);
+    }
+    void *u = lora_u(m, act, i, mod, r);
+    if (dropout_on(m, a)) {
+        CK(dropout_mask(m, a, l, mod, A, x, T, m->lora_xd));
+        x = m->lora_xd;
+    }
+    CK(loom_k_lin_fwd(m, x, T, in, WC(a, A), r, 1.0f, 0.0f, u));
+    return loom_k_lin_fwd(m, u, T, r, WC(a, B), out, a->scale, beta, y);
 }
 
 loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
@@ -708,15 +687,15 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
         const int64_t ld = g.n * r;
         const size_t c = (size_t)((mod - g.first) * r) * m->dev.esz;
         const char *u = (const char *)lora_u(m, act, i, g.first, r) + c;
-        CK(loom_k_lora_pass(m, T, out, r, dy, out, WC(a, B), false, r, a->scale,
-                            (char *)m->lora_du + c, ld, u, ld, a->scale, a->ar.g + B->off, false, r));
+        CK(loom_k_lora_dy(m, T, out, r, a->scale, dy, WC(a, B), u, ld, (char *)m->lora_du + c, ld,
+                          a->ar.g + B->off));
         if (mod != g.first + g.n - 1) return LOOM_OK;
         const loom_slot *A0 = &a->ar.slots[a->slot[l][g.first][0]];
-        CK(loom_k_lora_pass(m, T, in, ld, x, in, NULL, false, 0, 0.0f, NULL, 0, m->lora_du, ld, 1.0f,
-                            a->ar.g + A0->off, true, in));
+        CK(loom_k_gemm_ld(m, true, false, ld, in, T, 1.0f, m->lora_du, ld, x, in, 1.0f,
+                          a->ar.g + A0->off, true, in));
         *wrote = true;
-        return loom_k_lora_outer(m, T, in, ld, 1.0f, m->lora_du, ld, WC(a, A0), false, in, beta, dx,
-                                 in);
+        return loom_k_gemm_ld(m, false, false, T, in, ld, 1.0f, m->lora_du, ld, WC(a, A0), in, beta,
+                              dx, false, in);
     }
     *wrote = true;
     const void *u = lora_u(m, act, i, mod, r);
@@ -724,18 +703,15 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
     /* dB += s dy^T u and du = s dy B (one read of dy); dA += du^T x';
      * dx = d/dx (du A) + beta dx, x' the dropped-out input (recomputed from
      * the mask) */
-    CK(loom_k_lora_pass(m, T, out, r, dy, out, WC(a, B), false, r, a->scale, du, r, u, r, a->scale,
-                        a->ar.g + B->off, false, r));
+    CK(loom_k_lora_dy(m, T, out, r, a->scale, dy, WC(a, B), u, r, du, r, a->ar.g + B->off));
     if (!dropout_on(m, a)) {
-        CK(loom_k_lora_pass(m, T, in, r, x, in, NULL, false, 0, 0.0f, NULL, 0, du, r, 1.0f,
-                            a->ar.g + A->off, true, in));
-        return loom_k_lora_outer(m, T, in, r, 1.0f, du, r, WC(a, A), false, in, beta, dx, in);
+        CK(loom_k_lin_dw(m, du, x, T, r, in, 1.0f, a->ar.g + A->off));
+        return loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, beta, dx);
     }
     void *xd = m->lora_xd;
     CK(dropout_mask(m, a, l, mod, A, x, T, xd));
-    CK(loom_k_lora_pass(m, T, in, r, xd, in, NULL, false, 0, 0.0f, NULL, 0, du, r, 1.0f,
-                        a->ar.g + A->off, true, in));
-    CK(loom_k_lora_outer(m, T, in, r, 1.0f, du, r, WC(a, A), false, in, 0.0f, xd, in));
+    CK(loom_k_lin_dw(m, du, xd, T, r, in, 1.0f, a->ar.g + A->off));
+    CK(loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, 0.0f, xd));
     CK(dropout_mask(m, a, l, mod, A, NULL, T, xd));
     if (beta == 0.0f) return loom_k_copy(m, dx, xd, (size_t)(T * in) * m->dev.esz);
     return loom_k_add(m, dx, xd, T * in);

@@ -87,6 +87,10 @@ loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool 
  * sums). */
 #define LOOM_CUDA_LORA_MAX_K 32
 bool loom_cuda_lora_ok(loom_dtype dtype, int64_t k);
+/* Whether loom_cuda_lora_pass takes these operands (v NULL: no g). */
+bool loom_cuda_lora_pass_ok(loom_dtype dtype, int64_t T, int64_t K, int64_t k, const void *x,
+                            int64_t ldx, const void *w, bool w_kk, int64_t ldw, const void *s,
+                            int64_t lds, const void *v, int64_t ldv, bool g_t, int64_t ldg);
 size_t loom_cuda_lora_pass_scratch_bytes(int64_t T, int64_t K, int64_t k, bool s, bool g);
 loom_status loom_cuda_lora_pass(loom_ctx *ctx, int64_t T, int64_t K, int64_t k, const void *x,
                                 int64_t ldx, const void *w, bool w_kk, int64_t ldw, float alpha_s,

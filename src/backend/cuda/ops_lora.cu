@@ -290,6 +290,15 @@ extern "C" bool loom_cuda_lora_ok(loom_dtype dtype, int64_t k) {
     return (dtype == LOOM_BF16 || dtype == LOOM_F16) && k > 0 && k % 8 == 0 && k <= LOOM_CUDA_LORA_MAX_K;
 }
 
+extern "C" bool loom_cuda_lora_pass_ok(loom_dtype dtype, int64_t T, int64_t K, int64_t k, const void *x,
+                                       int64_t ldx, const void *w, bool w_kk, int64_t ldw, const void *s,
+                                       int64_t lds, const void *v, int64_t ldv, bool g_t, int64_t ldg) {
+    const bool hs = s != nullptr, hg = v != nullptr;
+    return loom_cuda_lora_ok(dtype, k) && T >= 0 && K >= 0 && K % 8 == 0 && rows_ok(x, ldx, K) &&
+           (!hs || (rows_ok(s, lds, k) && rows_ok(w, ldw, w_kk ? K : k))) &&
+           (!hg || (rows_ok(v, ldv, k) && ldg >= (g_t ? K : k)));
+}
+
 extern "C" size_t loom_cuda_lora_pass_scratch_bytes(int64_t T, int64_t K, int64_t k, bool s, bool g) {
     if (T <= 0 || K <= 0 || k <= 0 || (!s && !g)) return 0;
     return pass_scratch(plan_pass(T, K, s), T, K, k, s, g);
@@ -306,8 +315,7 @@ extern "C" loom_status loom_cuda_lora_pass(loom_ctx *ctx, int64_t T, int64_t K, 
                          "cuda lora_pass: needs BF16/F16 and k a multiple of 8 up to %d (got %s, k=%lld)",
                          LOOM_CUDA_LORA_MAX_K, loom_dtype_name(dtype), (long long)k);
     const bool hs = s != nullptr, hg = g != nullptr;
-    if (T < 0 || K < 0 || K % 8 || !rows_ok(x, ldx, K) || (hs && (!rows_ok(s, lds, k) || !rows_ok(w, ldw, w_kk ? K : k))) ||
-        (hg && !rows_ok(v, ldv, k)) || (hg && ldg < (g_t ? K : k)))
+    if (!loom_cuda_lora_pass_ok(dtype, T, K, k, x, ldx, w, w_kk, ldw, s, lds, hg ? v : nullptr, ldv, g_t, ldg))
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                          "cuda lora_pass: K=%lld must be a multiple of 8 and every operand 16-byte "
                          "aligned with row strides of whole 16-byte units",
