@@ -325,37 +325,49 @@ TEST(model_cuda_fp16_loss_scaling) {
     golden_close(&g);
 }
 
-/* LOOM_ATTN names the attention kernels: a value that is neither `cudnn` nor
- * `loom` is refused when the model is created, on any device, saying what
- * is allowed; the two names are accepted (on the CPU they change nothing). */
-TEST(model_attention_kernels_env) {
+/* LOOM_ATTN names the attention kernels, LOOM_LORA_KERNELS those of LoRA's
+ * backward: var=bad is refused when the model is created, on any device,
+ * naming var and its two values; each good value creates it (on the CPU
+ * they change nothing). */
+static void env_choice_case(const char *var, const char *bad, const char *values,
+                            const char *const good[2]) {
     loom_ctx *ctx;
     REQUIRE(!loom_ctx_create(&ctx));
     loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
-    char dir[1024];
+    char dir[1024], want[128];
     path_of(dir, sizeof dir, "models/", "tiny-qwen3", "");
     loom_model_options o;
     loom_model_options_default(&o);
     o.device = LOOM_DEVICE_CPU;
-    const char *old = getenv("LOOM_ATTN");
+    const char *old = getenv(var);
     char *saved = old ? strdup(old) : NULL;
     loom_model *m = NULL;
-    setenv("LOOM_ATTN", "flash", 1);
+    setenv(var, bad, 1);
     CHECK(loom_model_create(ctx, dir, &o, &m) == LOOM_ERR_INVALID_ARG);
     CHECK(m == NULL);
-    CHECK_CONTAINS(loom_last_error(ctx), "LOOM_ATTN=flash");
-    CHECK_CONTAINS(loom_last_error(ctx), "`cudnn` (the default) or `loom`");
-    const char *good[2] = {"loom", "cudnn"};
+    snprintf(want, sizeof want, "%s=%s", var, bad);
+    CHECK_CONTAINS(loom_last_error(ctx), want);
+    CHECK_CONTAINS(loom_last_error(ctx), values);
     for (int i = 0; i < 2; i++) {
-        setenv("LOOM_ATTN", good[i], 1);
+        setenv(var, good[i], 1);
         REQUIRE_OK(ctx, loom_model_create(ctx, dir, &o, &m));
         loom_model_free(m);
         m = NULL;
     }
     if (saved)
-        setenv("LOOM_ATTN", saved, 1);
+        setenv(var, saved, 1);
     else
-        unsetenv("LOOM_ATTN");
+        unsetenv(var);
     free(saved);
     loom_ctx_free(ctx);
+}
+
+TEST(model_attention_kernels_env) {
+    const char *const good[2] = {"loom", "cudnn"};
+    env_choice_case("LOOM_ATTN", "flash", "`cudnn` (the default) or `loom`", good);
+}
+
+TEST(model_lora_kernels_env) {
+    const char *const good[2] = {"loom", "cublas"};
+    env_choice_case("LOOM_LORA_KERNELS", "cuda", "`loom` (the default) or `cublas`", good);
 }
