@@ -166,6 +166,7 @@ static inline void *bench_buf(gpu *g, int64_t n, loom_dtype dt) { /* values in [
 typedef struct bench_op {
     gpu *g;
     cudaEvent_t a, b;
+    float last; /* ms a call of the last BENCH */
 } bench_op;
 
 /* Times `reps` calls of the statement after two warm-up calls; prints ms and
@@ -185,6 +186,7 @@ typedef struct bench_op {
         float _ms = 0;                                                                         \
         cudaEventElapsedTime(&_ms, (bo)->a, (bo)->b);                                          \
         _ms /= (reps);                                                                         \
+        (bo)->last = _ms;                                                                      \
         fprintf(stderr, "    %-46s %9.3f ms %8.1f T/s\n", label, _ms, (work) / (_ms * 1e-3) / 1e12); \
     } while (0)
 

@@ -145,7 +145,7 @@ TEST(cuda_lora_bench) {
     if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
     gpu g;
     REQUIRE(gpu_open(&g));
-    bench_op bo = {&g, NULL, NULL};
+    bench_op bo = {&g, NULL, NULL, 0};
     REQUIRE(cudaEventCreate(&bo.a) == cudaSuccess && cudaEventCreate(&bo.b) == cudaSuccess);
     loom_cuda_gemm_handle *h;
     REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 0, &h));
@@ -188,6 +188,94 @@ TEST(cuda_lora_bench) {
         BENCH(&bo, lab, bytes, 20,
               loom_cuda_gemm(g.ctx, h, true, false, k, K, T, 1, u, dt, k, x, dt, K, 1, gr, LOOM_F32, K, NULL));
     }
+    loom_cuda_gemm_free(h);
+    cudaEventDestroy(bo.a);
+    cudaEventDestroy(bo.b);
+    gpu_close(&g);
+}
+
+/* LOOM_CUDA_OPS_BENCH=1: LoRA's term folded into the base GEMM by
+ * concatenating along K, against the two GEMMs loom runs (Qwen3-8B, r = 8,
+ * 4096 tokens). Forward: y = [x | s u] [W | B]^T (x and W with row pitch
+ * in + e) against y = s u B^T, then y += x W^T. Input gradient: dx = [dy |
+ * du] [W ; A] (A's rows after W's) against dx = du A, then dx += dy W. e is
+ * the columns the group's u or du take (r for one module, 2r or 3r for a
+ * group sharing an input). */
+TEST(cuda_lora_fold_bench) {
+    if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    bench_op bo = {&g, NULL, NULL, 0};
+    REQUIRE(cudaEventCreate(&bo.a) == cudaSuccess && cudaEventCreate(&bo.b) == cudaSuccess);
+    loom_cuda_gemm_handle *h;
+    REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 0, &h));
+    const int64_t T = 4096, big = 12288 + 64;
+    const loom_dtype dt = LOOM_BF16;
+    void *x = bench_buf(&g, T * big, dt), *w = bench_buf(&g, big * big, dt);
+    void *u = bench_buf(&g, T * 64, dt), *ab = bench_buf(&g, 64 * big, dt);
+    void *y = bench_buf(&g, T * big, dt);
+    REQUIRE(!g.bad);
+    typedef struct {
+        const char *what;
+        int64_t in, out, e;
+    } mod;
+    const mod fw[] = {{"q fwd (e=3r)", 4096, 4096, 24},   {"k fwd (e=3r)", 4096, 1024, 24},
+                      {"v fwd (e=3r)", 4096, 1024, 24},   {"o fwd (e=r)", 4096, 4096, 8},
+                      {"gate fwd (e=2r)", 4096, 12288, 16}, {"up fwd (e=2r)", 4096, 12288, 16},
+                      {"down fwd (e=r)", 12288, 4096, 8}};
+    /* the group's input gradient folded into one module's GEMM (the
+     * others' unchanged): v for q/k/v, up for gate/up */
+    const mod bw[] = {{"qkv dx via v (e=3r)", 4096, 1024, 24}, {"o dx (e=r)", 4096, 4096, 8},
+                      {"gate/up dx via up (e=2r)", 4096, 12288, 16}, {"down dx (e=r)", 12288, 4096, 8}};
+    char lab[128];
+    double cur = 0, fold = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        const mod *ms = pass ? bw : fw;
+        const int nm = pass ? 4 : 7;
+        for (int i = 0; i < nm; i++) {
+            const mod *c = &ms[i];
+            float t0, t1;
+            if (!pass) {
+                const double fl = 2.0 * T * c->out * c->in;
+                snprintf(lab, sizeof lab, "%s: s u B^T, x W^T + y", c->what);
+                BENCH(&bo, lab, fl, 20,
+                      (loom_cuda_gemm(g.ctx, h, false, true, T, c->out, 8, 2, u, dt, c->e, ab, dt, 8, 0,
+                                      y, dt, c->out, NULL),
+                       loom_cuda_gemm(g.ctx, h, false, true, T, c->out, c->in, 1, x, dt, c->in, w, dt,
+                                      c->in, 1, y, dt, c->out, NULL)));
+                t0 = bo.last;
+                snprintf(lab, sizeof lab, "%s: [x|su] [W|B]^T", c->what);
+                BENCH(&bo, lab, fl, 20,
+                      loom_cuda_gemm(g.ctx, h, false, true, T, c->out, c->in + c->e, 1, x, dt,
+                                     c->in + c->e, w, dt, c->in + c->e, 0, y, dt, c->out, NULL));
+                t1 = bo.last;
+                if (c->e == 8) { /* o and down: the residual as C (beta 1) */
+                    snprintf(lab, sizeof lab, "%s: [x|su] [W|B]^T + res", c->what);
+                    BENCH(&bo, lab, fl, 20,
+                          loom_cuda_gemm(g.ctx, h, false, true, T, c->out, c->in + c->e, 1, x, dt,
+                                         c->in + c->e, w, dt, c->in + c->e, 1, y, dt, c->out, NULL));
+                }
+            } else {
+                const double fl = 2.0 * T * c->out * c->in;
+                snprintf(lab, sizeof lab, "%s: du A, dy W + dx", c->what);
+                BENCH(&bo, lab, fl, 20,
+                      (loom_cuda_gemm(g.ctx, h, false, false, T, c->in, c->e, 1, u, dt, c->e, ab, dt,
+                                      c->in, 0, y, dt, c->in, NULL),
+                       loom_cuda_gemm(g.ctx, h, false, false, T, c->in, c->out, 1, x, dt, c->out, w,
+                                      dt, c->in, 1, y, dt, c->in, NULL)));
+                t0 = bo.last;
+                snprintf(lab, sizeof lab, "%s: [dy|du] [W;A]", c->what);
+                BENCH(&bo, lab, fl, 20,
+                      loom_cuda_gemm(g.ctx, h, false, false, T, c->in, c->out + c->e, 1, x, dt,
+                                     c->out + c->e, w, dt, c->in, 0, y, dt, c->in, NULL));
+                t1 = bo.last;
+            }
+            cur += t0, fold += t1;
+            fprintf(stderr, "      saves %.3f ms (%.1f%%)\n", t0 - t1, 100.0 * (t0 - t1) / t0);
+        }
+    }
+    fprintf(stderr, "    a layer: two GEMMs %.3f ms, folded %.3f ms; 36 layers: %.2f ms saved a step\n", cur,
+            fold, 36.0 * (cur - fold));
     loom_cuda_gemm_free(h);
     cudaEventDestroy(bo.a);
     cudaEventDestroy(bo.b);

@@ -1010,7 +1010,7 @@ TEST(cuda_ops_bench) {
     if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
     gpu g;
     REQUIRE(gpu_open(&g));
-    bench_op bo = {&g, NULL, NULL};
+    bench_op bo = {&g, NULL, NULL, 0};
     REQUIRE(cudaEventCreate(&bo.a) == cudaSuccess && cudaEventCreate(&bo.b) == cudaSuccess);
     char lab[128];
     { /* attention: causal FLOPs (fwd 2 matmuls, bwd 5 counted as 2.5x) */
