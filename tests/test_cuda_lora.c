@@ -138,17 +138,35 @@ TEST(cuda_ops_lora_refuses) {
     gpu_close(&g);
 }
 
+/* The ops benches' GPU, events and cuBLASLt handle. */
+static bool lora_bench_open(gpu *g, bench_op *bo, loom_cuda_gemm_handle **h) {
+    *h = NULL;
+    if (!gpu_open(g)) return false;
+    *bo = (bench_op){g, NULL, NULL, 0};
+    if (cudaEventCreate(&bo->a) != cudaSuccess || cudaEventCreate(&bo->b) != cudaSuccess ||
+        loom_cuda_gemm_create(g->ctx, 0, h)) {
+        loom_test_fail(__FILE__, __LINE__, "bench setup: %s", loom_last_error(g->ctx));
+        return false;
+    }
+    return true;
+}
+
+static void lora_bench_close(gpu *g, bench_op *bo, loom_cuda_gemm_handle *h) {
+    loom_cuda_gemm_free(h);
+    cudaEventDestroy(bo->a);
+    cudaEventDestroy(bo->b);
+    gpu_close(g);
+}
+
 /* LOOM_CUDA_OPS_BENCH=1: the Qwen3-8B LoRA r=8 products (4096 tokens) the
  * pass kernel can run, against the cuBLASLt GEMMs (TB/s over x, read once
  * by the kernel). */
 TEST(cuda_lora_bench) {
     if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
     gpu g;
-    REQUIRE(gpu_open(&g));
-    bench_op bo = {&g, NULL, NULL, 0};
-    REQUIRE(cudaEventCreate(&bo.a) == cudaSuccess && cudaEventCreate(&bo.b) == cudaSuccess);
+    bench_op bo;
     loom_cuda_gemm_handle *h;
-    REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 0, &h));
+    REQUIRE(lora_bench_open(&g, &bo, &h));
     const int64_t T = 4096, big = 12288;
     const loom_dtype dt = LOOM_BF16;
     void *x = bench_buf(&g, T * big, dt), *w = bench_buf(&g, 32 * big, dt);
@@ -188,10 +206,7 @@ TEST(cuda_lora_bench) {
         BENCH(&bo, lab, bytes, 20,
               loom_cuda_gemm(g.ctx, h, true, false, k, K, T, 1, u, dt, k, x, dt, K, 1, gr, LOOM_F32, K, NULL));
     }
-    loom_cuda_gemm_free(h);
-    cudaEventDestroy(bo.a);
-    cudaEventDestroy(bo.b);
-    gpu_close(&g);
+    lora_bench_close(&g, &bo, h);
 }
 
 /* LOOM_CUDA_OPS_BENCH=1: LoRA's term folded into the base GEMM by
@@ -204,11 +219,9 @@ TEST(cuda_lora_bench) {
 TEST(cuda_lora_fold_bench) {
     if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
     gpu g;
-    REQUIRE(gpu_open(&g));
-    bench_op bo = {&g, NULL, NULL, 0};
-    REQUIRE(cudaEventCreate(&bo.a) == cudaSuccess && cudaEventCreate(&bo.b) == cudaSuccess);
+    bench_op bo;
     loom_cuda_gemm_handle *h;
-    REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 0, &h));
+    REQUIRE(lora_bench_open(&g, &bo, &h));
     const int64_t T = 4096, big = 12288 + 64;
     const loom_dtype dt = LOOM_BF16;
     void *x = bench_buf(&g, T * big, dt), *w = bench_buf(&g, big * big, dt);
@@ -276,9 +289,6 @@ TEST(cuda_lora_fold_bench) {
     }
     fprintf(stderr, "    a layer: two GEMMs %.3f ms, folded %.3f ms; 36 layers: %.2f ms saved a step\n", cur,
             fold, 36.0 * (cur - fold));
-    loom_cuda_gemm_free(h);
-    cudaEventDestroy(bo.a);
-    cudaEventDestroy(bo.b);
-    gpu_close(&g);
+    lora_bench_close(&g, &bo, h);
 }
 #endif
