@@ -15,32 +15,24 @@
 namespace loom_cuda {
 
 template <typename T> struct mma_type;
-template <> struct mma_type<__nv_bfloat16> {
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t *>(&v);
-    }
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-template <> struct mma_type<__half> {
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t *>(&v);
-    }
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
+// One specialisation per 16-bit type: the PTX type name must be a literal.
+#define LOOM_MMA_TYPE(T, T2, TO2, PTX)                                                             \
+    template <> struct mma_type<T> {                                                               \
+        static __device__ __forceinline__ uint32_t pack(float lo, float hi) {                     \
+            T2 v = TO2(lo, hi);                                                                    \
+            return *reinterpret_cast<uint32_t *>(&v);                                              \
+        }                                                                                          \
+        static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4],         \
+                                                   uint32_t b0, uint32_t b1) {                     \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, " \
+                         "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                \
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                          \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));          \
+        }                                                                                          \
+    };
+LOOM_MMA_TYPE(__nv_bfloat16, __nv_bfloat162, __floats2bfloat162_rn, "bf16")
+LOOM_MMA_TYPE(__half, __half2, __floats2half2_rn, "f16")
+#undef LOOM_MMA_TYPE
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
     const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
