@@ -283,16 +283,24 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     if (s->bq >= 0) CK(loom_k_bias_bwd(m, dq, Tc, QD, loom_g(m, s->bq)));
     if (s->bk >= 0) CK(loom_k_bias_bwd(m, dkl, Tc, KD, loom_g(m, s->bk)));
     if (s->bv >= 0) CK(loom_k_bias_bwd(m, dvl, Tc, KD, loom_g(m, s->bv)));
+    /* The first layer's input gradient feeds only the embedding's and this
+     * norm's gradients: with both frozen (LoRA) it is not formed, and the
+     * weight gradients below are all the rest of the backward. */
+    const bool want_dx = l > 0 || loom_g(m, m->embed) || loom_g(m, s->ln1);
+    void *dxa = want_dx ? dtmp : NULL;
     acc = false;
-    LORA_B(LOOM_LORA_Q, h1, Tc, dq, dtmp, &acc);
-    LORA_B(LOOM_LORA_K, h1, Tc, dkl, dtmp, &acc);
-    LORA_B(LOOM_LORA_V, h1, Tc, dvl, dtmp, &acc);
-    DX(dq, Tc, QD, loom_wc(m, s->wq), H, acc ? 1.0f : 0.0f, dtmp);
-    DX(dkl, Tc, KD, loom_wc(m, s->wk), H, 1.0f, dtmp);
-    DX(dvl, Tc, KD, loom_wc(m, s->wv), H, 1.0f, dtmp);
+    LORA_B(LOOM_LORA_Q, h1, Tc, dq, dxa, &acc);
+    LORA_B(LOOM_LORA_K, h1, Tc, dkl, dxa, &acc);
+    LORA_B(LOOM_LORA_V, h1, Tc, dvl, dxa, &acc);
+    if (want_dx) {
+        DX(dq, Tc, QD, loom_wc(m, s->wq), H, acc ? 1.0f : 0.0f, dtmp);
+        DX(dkl, Tc, KD, loom_wc(m, s->wk), H, 1.0f, dtmp);
+        DX(dvl, Tc, KD, loom_wc(m, s->wv), H, 1.0f, dtmp);
+    }
     DW(dq, h1, Tc, QD, H, loom_g(m, s->wq));
     DW(dkl, h1, Tc, KD, H, loom_g(m, s->wk));
     DW(dvl, h1, Tc, KD, H, loom_g(m, s->wv));
+    if (!want_dx) return LOOM_OK;
     CK(tp_reduce(m, dtmp, red));
     return loom_k_rmsnorm_bwd_add(m, red, x, loom_wc(m, s->ln1), b->rstd1, Tn, H, dx,
                                   loom_g(m, s->ln1));

@@ -693,11 +693,12 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
         const loom_slot *A0 = &a->ar.slots[a->slot[l][g.first][0]];
         CK(loom_k_gemm_ld(m, true, false, ld, in, T, 1.0f, m->lora_du, ld, x, in, 1.0f,
                           a->ar.g + A0->off, true, in));
+        if (!dx) return LOOM_OK;
         *wrote = true;
         return loom_k_gemm_ld(m, false, false, T, in, ld, 1.0f, m->lora_du, ld, WC(a, A0), in, beta,
                               dx, false, in);
     }
-    *wrote = true;
+    *wrote = dx != NULL;
     const void *u = lora_u(m, act, i, mod, r);
     void *du = m->lora_du;
     /* dB += s dy^T u and du = s dy B (one read of dy); dA += du^T x';
@@ -706,11 +707,12 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
     CK(loom_k_lora_dy(m, T, out, r, a->scale, dy, WC(a, B), u, r, du, r, a->ar.g + B->off));
     if (!dropout_on(m, a)) {
         CK(loom_k_lin_dw(m, du, x, T, r, in, 1.0f, a->ar.g + A->off));
-        return loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, beta, dx);
+        return dx ? loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, beta, dx) : LOOM_OK;
     }
     void *xd = m->lora_xd;
     CK(dropout_mask(m, a, l, mod, A, x, T, xd));
     CK(loom_k_lin_dw(m, du, xd, T, r, in, 1.0f, a->ar.g + A->off));
+    if (!dx) return LOOM_OK;
     CK(loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, 0.0f, xd));
     CK(dropout_mask(m, a, l, mod, A, NULL, T, xd));
     if (beta == 0.0f) return loom_k_copy(m, dx, xd, (size_t)(T * in) * m->dev.esz);

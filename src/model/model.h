@@ -245,7 +245,8 @@ static inline float *loom_g(loom_model *m, int s) {
 /* lora.c: the active, unmerged adapter's path on one linear of layer l (i:
  * the layer's index in its chunk). fwd: y (T, out_l) = scale (x A^T) B^T +
  * beta y, saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
- * dx, *wrote set when dx was written. beta is 0 or 1; no-ops where no
+ * dx, *wrote set when dx was written (dx NULL: the input gradient is not
+ * wanted, only dA and dB). beta is 0 or 1; no-ops where no
  * adapter covers the linear (loom_lora_covers). Modules that share an input
  * (q, k, v; gate, up) may run as a group: called in module order, the first
  * computes the group's x A^T and the last writes the group's dx. */
