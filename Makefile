@@ -236,6 +236,13 @@ $(BUILD)/libloom_kprof.so: bench/kprof.c
 	@mkdir -p $(dir $@)
 	$(CC) -O2 -std=c11 -Wall -Wextra -shared -fPIC -I$(CUDA_HOME)/include \
 	    -I$(CUDA_HOME)/extras/CUPTI/include -o $@ $< -L$(CUPTI_LIBDIR) -Wl,-rpath,$(CUPTI_LIBDIR) -lcupti
+
+# A Hopper GEMM probe (TMA + wgmma, sm_90a only) checked and timed against
+# cuBLASLt: bench/gemm_sm90.cu says what it measures. CUDA=1 only.
+$(BUILD)/gemm_sm90: bench/gemm_sm90.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a \
+	    $(if $(filter 1,$(WERROR)),-Werror all-warnings) -o $@ $< -L$(CUDA_LIBDIR) -lcublasLt
 endif
 
 # ---- fuzzing (clang + libFuzzer) ----
