@@ -22,6 +22,7 @@
 #include <vector>
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 #define CKL(x) do { cublasStatus_t e_ = (x); if (e_ != CUBLAS_STATUS_SUCCESS) { fprintf(stderr, "%s:%d %s: %d\n", __FILE__, __LINE__, #x, (int)e_); exit(1); } } while (0)
@@ -271,8 +272,22 @@ static int g_sms;
 template <int STAGES, int CL, int EPI = 1, bool STRONG = false, int EPC = 0>
 static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat16 *D, int M, int N, int K, int gm, int grid_cap,
                     const __nv_bfloat16 *U = nullptr, const __nv_bfloat16 *SB = nullptr, int r = 0) {
-    CUtensorMap ta = kmajor_map(A, M, K, K, BM), tb = kmajor_map(B, N, K, K, BN / CL), td = kmajor_map(D, M, N, N, 64, 64);
-    CUtensorMap tu = U ? kmajor_map(U, M, r, r, BM) : ta, tsb = U ? kmajor_map(SB, N, r, r, BN / CL) : tb;
+    // the five tensor maps, encoded once per operand set (kept off the timed loop's host path)
+    struct Maps { CUtensorMap a, b, d, u, sb; };
+    static std::map<std::vector<uintptr_t>, Maps> cache;
+    const std::vector<uintptr_t> key = {(uintptr_t)A, (uintptr_t)B, (uintptr_t)D, (uintptr_t)U, (uintptr_t)SB,
+                                        (uintptr_t)M, (uintptr_t)N, (uintptr_t)K, (uintptr_t)r};
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+        Maps mp;
+        mp.a = kmajor_map(A, M, K, K, BM);
+        mp.b = kmajor_map(B, N, K, K, BN / CL);
+        mp.d = kmajor_map(D, M, N, N, 64, 64);
+        mp.u = U ? kmajor_map(U, M, r, r, BM) : mp.a;
+        mp.sb = U ? kmajor_map(SB, N, r, r, BN / CL) : mp.b;
+        it = cache.emplace(key, mp).first;
+    }
+    const Maps &mp = it->second;
     const size_t smem = sizeof(Smem<STAGES, EPC>) + 1024;
     static bool set = false;
     if (!set) { CK(cudaFuncSetAttribute(gemm_tn<STAGES, CL, EPI, STRONG, EPC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set = true; }
@@ -284,7 +299,7 @@ static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat1
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = CL; at[0].val.clusterDim.y = 1; at[0].val.clusterDim.z = 1;
     cfg.attrs = at; cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, gemm_tn<STAGES, CL, EPI, STRONG, EPC>, ta, tb, td, tu, tsb, U ? 1 : 0, D, M, N, K, N, gm));
+    CK(cudaLaunchKernelEx(&cfg, gemm_tn<STAGES, CL, EPI, STRONG, EPC>, mp.a, mp.b, mp.d, mp.u, mp.sb, U ? 1 : 0, D, M, N, K, N, gm));
 }
 
 struct Lt {
@@ -292,24 +307,36 @@ struct Lt {
     void *ws;
     size_t wsz = 64 << 20;
     Lt() { CKL(cublasLtCreate(&h)); CK(cudaMalloc(&ws, wsz)); }
-    // row-major D[M,N] = A[M,K] B[N,K]^T  ==  col-major D^T[N,M] = B^T... : m=N, n=M, k=K, opA = T on B(K x N col-major), opB = N on A (K x M col-major)
-    void run(const void *A, const void *B, void *D, int M, int N, int K, float beta = 0.f) {
-        cublasLtMatmulDesc_t op; cublasLtMatrixLayout_t la, lb, ld;
-        CKL(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    // row-major D[M,N] = A[M,K] B[N,K]^T is column-major D^T = B A^T: m = N, n = M, k = K,
+    // B transposed. Descriptors and the heuristic's algorithm made once per shape, as loom does.
+    struct Plan { cublasLtMatmulDesc_t op; cublasLtMatrixLayout_t la, lb, ld; cublasLtMatmulAlgo_t algo; };
+    std::map<std::vector<int>, Plan> plans;
+    const Plan &plan(int M, int N, int K) {
+        auto it = plans.find({M, N, K});
+        if (it != plans.end()) return it->second;
+        Plan p;
+        CKL(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         cublasOperation_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
-        CKL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
-        CKL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof nn));
-        CKL(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, K, N, K));
-        CKL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, K, M, K));
-        CKL(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, N, M, N));
-        cublasLtMatmulPreference_t pref; CKL(cublasLtMatmulPreferenceCreate(&pref));
+        CKL(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
+        CKL(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof nn));
+        CKL(cublasLtMatrixLayoutCreate(&p.la, CUDA_R_16BF, K, N, K));
+        CKL(cublasLtMatrixLayoutCreate(&p.lb, CUDA_R_16BF, K, M, K));
+        CKL(cublasLtMatrixLayoutCreate(&p.ld, CUDA_R_16BF, N, M, N));
+        cublasLtMatmulPreference_t pref;
+        CKL(cublasLtMatmulPreferenceCreate(&pref));
         CKL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof wsz));
-        cublasLtMatmulHeuristicResult_t res; int nres = 0;
-        CKL(cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &res, &nres));
+        cublasLtMatmulHeuristicResult_t res;
+        int nres = 0;
+        CKL(cublasLtMatmulAlgoGetHeuristic(h, p.op, p.la, p.lb, p.ld, p.ld, pref, 1, &res, &nres));
+        cublasLtMatmulPreferenceDestroy(pref);
+        if (nres < 1) { fprintf(stderr, "cuBLASLt has no algorithm for %d x %d x %d\n", M, N, K); exit(1); }
+        p.algo = res.algo;
+        return plans.emplace(std::vector<int>{M, N, K}, p).first->second;
+    }
+    void run(const void *A, const void *B, void *D, int M, int N, int K, float beta = 0.f) {
+        const Plan &p = plan(M, N, K);
         float one = 1.f;
-        CKL(cublasLtMatmul(h, op, &one, B, la, A, lb, &beta, D, ld, D, ld, &res.algo, ws, wsz, 0));
-        cublasLtMatmulPreferenceDestroy(pref); cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb);
-        cublasLtMatrixLayoutDestroy(ld); cublasLtMatmulDescDestroy(op);
+        CKL(cublasLtMatmul(h, p.op, &one, B, p.la, A, p.lb, &beta, D, p.ld, D, p.ld, &p.algo, ws, wsz, 0));
     }
 };
 
@@ -366,8 +393,22 @@ static double cpu_check(const __nv_bfloat16 *dA, const __nv_bfloat16 *dB, const 
 }
 
 int main(int argc, char **argv) {
+    int gm = 8, failed = 0;
+    if (argc > 1) {
+        char *end = nullptr;
+        const long v = strtol(argv[1], &end, 10);
+        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one")) || argc > 3) {
+            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one]\n", argv[0]);
+            return 2;
+        }
+        gm = (int)v;
+    }
     cudaDeviceProp p;
     CK(cudaGetDeviceProperties(&p, 0));
+    if (p.major != 9 || p.minor != 0) {
+        fprintf(stderr, "%s is compute capability %d.%d: this probe is built for sm_90a (H100, H200) only\n", p.name, p.major, p.minor);
+        return 2;
+    }
     g_sms = p.multiProcessorCount;
     printf("%s, %d SMs, smem optin %zu\n", p.name, g_sms, (size_t)p.sharedMemPerBlockOptin);
     Lt lt;
@@ -380,7 +421,6 @@ int main(int argc, char **argv) {
     __nv_bfloat16 *A, *B, *D, *R;
     CK(cudaMalloc(&A, maxe * 2)); CK(cudaMalloc(&B, maxe * 2)); CK(cudaMalloc(&D, maxe * 2)); CK(cudaMalloc(&R, maxe * 2));
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-    int gm = argc > 1 ? atoi(argv[1]) : 8, failed = 0;
     if (argc > 2 && !strcmp(argv[2], "one")) {
         const int M = 4096, N = 4096, K = 4096;
         fill<<<1024, 256>>>(A, (size_t)M * K, 1u);
