@@ -27,246 +27,8 @@
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 #define CKL(x) do { cublasStatus_t e_ = (x); if (e_ != CUBLAS_STATUS_SUCCESS) { fprintf(stderr, "%s:%d %s: %d\n", __FILE__, __LINE__, #x, (int)e_); exit(1); } } while (0)
 
-// wgmma m64n256k16, bf16 -> f32, A and B from shared-memory descriptors; d += A B^T (d = when scale_d is 0)
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(da), "l"(db), "r"(scale_d));
-}
-
-constexpr int BM = 128, BN = 256, BK = 64;
-constexpr int NCONS = 2;
-constexpr int NTHREADS = 128 * (NCONS + 1);
-
-// EPC: output columns a consumer stages in shared memory per TMA store round (0: no staging)
-template <int STAGES, int EPC> struct Smem {
-    __nv_bfloat16 A[STAGES][BM * BK];
-    __nv_bfloat16 B[STAGES][BN * BK];
-    __nv_bfloat16 E[EPC ? NCONS : 1][EPC ? 64 * EPC : 8];
-    uint64_t full[STAGES], empty[STAGES];
-};
-
-__device__ __forceinline__ uint32_t su32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t *b, uint32_t n) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(su32(b)), "r"(n));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(su32(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(su32(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity) {
-    uint32_t ok;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(ok) : "r"(su32(b)), "r"(parity) : "memory");
-    } while (!ok);
-}
-__device__ __forceinline__ void tma_2d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-                 ::"r"(su32(dst)), "l"((uint64_t)map), "r"(su32(bar)), "r"(c0), "r"(c1) : "memory");
-}
-__device__ __forceinline__ void tma_2d_mc(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1, uint16_t mask) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;"
-                 ::"r"(su32(dst)), "l"((uint64_t)map), "r"(su32(bar)), "r"(c0), "r"(c1), "h"(mask) : "memory");
-}
-// Arrive on CTA cta's copy of barrier b. The default semantics (release at CTA scope) suffice:
-// what is released is this warpgroup's reads of the stage, done by wgmma (waited for) before.
-// A .release.cluster arrive compiles to MEMBAR.ALL.GPU before each arrive (seen in the SASS).
-template <bool STRONG>
-__device__ __forceinline__ void mbar_arrive_cta(uint64_t *b, uint32_t cta) {
-    if (STRONG)
-        asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n"
-                     ::"r"(su32(b)), "r"(cta) : "memory");
-    else
-        asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n"
-                     ::"r"(su32(b)), "r"(cta) : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
-                 ::"l"((uint64_t)map), "r"(su32(src)), "r"(c0), "r"(c1) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
-template <int N> __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t *>(&v);
-}
-// K-major operand, rows of 128 bytes under the 128-byte swizzle; 8-row groups 1024 bytes apart
-__device__ __forceinline__ uint64_t desc_k(const void *p) {
-    return (uint64_t)((su32(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void fence_acc(float (&d)[128]) {
-#pragma unroll
-    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// tile t -> (m tile, n tile): groups of GM m tiles, m fastest within a group
-__device__ __forceinline__ void tile_mn(int t, int mt, int nt, int gm, int &m, int &n) {
-    const int per = gm * nt, g = t / per, r = t % per;
-    const int m0 = g * gm, rows = min(gm, mt - m0);
-    m = m0 + r % rows;
-    n = r / rows;
-}
-
-// EPI: 0 none (the main loop alone, a diagnostic), 1 stores from registers, 2 staged in shared
-// memory (128-byte swizzle, 64 x 64 boxes) and written by TMA stores, EPC columns a round
-template <int STAGES, int CL, int EPI, bool STRONG, int EPC>
-__global__ void __launch_bounds__(NTHREADS, 1)
-gemm_tn(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
-        const __grid_constant__ CUtensorMap td, const __grid_constant__ CUtensorMap tu,
-        const __grid_constant__ CUtensorMap tsb, int lora, __nv_bfloat16 *D, int M, int N, int K, int ldd, int gm) {
-    extern __shared__ uint8_t raw[];
-    Smem<STAGES, EPC> &s = *reinterpret_cast<Smem<STAGES, EPC> *>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~(uintptr_t)1023);
-    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-    // a cluster of CL CTAs takes CL consecutive m tiles of one n tile; B is loaded in CL parts, each multicast to all
-    const int mt = (M + BM - 1) / BM, nt = (N + BN - 1) / BN, mtc = (mt + CL - 1) / CL, tiles = mtc * nt, nk = (K + BK - 1) / BK + lora;
-    const int nkx = nk - lora;  // k blocks of A B^T; with lora one more of U (s B)^T (r columns, the rest zero-filled)
-    const uint32_t rank = CL > 1 ? cluster_rank() : 0;
-    const int cid = blockIdx.x / CL, ncl = gridDim.x / CL;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < STAGES; i++) {
-            mbar_init(&s.full[i], 1);
-            mbar_init(&s.empty[i], NCONS * CL);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    if constexpr (CL > 1) cluster_sync(); else __syncthreads();
-    if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 0) {
-            int stage = 0;
-            uint32_t phase = 0;
-            for (int t = cid; t < tiles; t += ncl) {
-                int m, n;
-                tile_mn(t, mtc, nt, gm, m, n);
-                m = m * CL + rank;
-                for (int kb = 0; kb < nk; kb++) {
-                    mbar_wait(&s.empty[stage], phase ^ 1);
-                    mbar_expect_tx(&s.full[stage], (BM + BN) * BK * 2);
-                    const bool x = kb == nkx;
-                    const int k0 = x ? 0 : kb * BK;
-                    tma_2d(s.A[stage], x ? &tu : &ta, &s.full[stage], k0, m * BM);
-                    if constexpr (CL == 1)
-                        tma_2d(s.B[stage], x ? &tsb : &tb, &s.full[stage], k0, n * BN);
-                    else
-                        tma_2d_mc(s.B[stage] + rank * (BN / CL) * BK, x ? &tsb : &tb, &s.full[stage], k0, n * BN + rank * (BN / CL),
-                                  (uint16_t)((1u << CL) - 1));
-                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
-                }
-            }
-        }
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-        const int c = wg - 1, warp = tid / 32, lane = tid % 32;
-        int stage = 0;
-        uint32_t phase = 0;
-        float d[128];
-        for (int t = cid; t < tiles; t += ncl) {
-            int m, n;
-            tile_mn(t, mtc, nt, gm, m, n);
-            m = m * CL + rank;
-            int prev = -1;
-            for (int kb = 0; kb < nk; kb++) {
-                mbar_wait(&s.full[stage], phase);
-                wg_fence();
-                const __nv_bfloat16 *a = s.A[stage] + c * 64 * BK, *b = s.B[stage];
-#pragma unroll
-                for (int kk = 0; kk < BK / 16; kk++)
-                    wgmma_m64n256k16(d, desc_k(a + kk * 16), desc_k(b + kk * 16), (kb | kk) != 0);
-                wg_commit();
-                wg_wait<1>();
-                if (prev >= 0 && tid < CL) mbar_arrive_cta<STRONG>(&s.empty[prev], tid);
-                prev = stage;
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
-            }
-            wg_wait<0>();
-            fence_acc(d);
-            if (tid < CL) mbar_arrive_cta<STRONG>(&s.empty[prev], tid);
-            if (EPI == 2) {
-                const uint32_t E = su32(s.E[EPC ? c : 0]);
-                const int rl = warp * 16 + lane / 4;  // rl & 7 == lane / 4
-#pragma unroll
-                for (int h = 0; h < (EPC ? BN / EPC : 1); h++) {
-                    if (tid == 0) bulk_wait_read<0>();  // the last round's stores have read the staging
-                    named_sync(1 + c, 128);
-#pragma unroll
-                    for (int jj = 0; jj < EPC / 8; jj++) {
-                        const int j = h * (EPC / 8) + jj;
-                        const uint32_t at = E + (jj / 8) * 8192 + rl * 128 + (((jj % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
-                        st_shared(at, pack_bf16(d[4 * j], d[4 * j + 1]));
-                        st_shared(at + 8 * 128, pack_bf16(d[4 * j + 2], d[4 * j + 3]));
-                    }
-                    fence_async_smem();
-                    named_sync(1 + c, 128);
-                    if (tid == 0) {
-#pragma unroll
-                        for (int box = 0; box < EPC / 64; box++)
-                            tma_store_2d(&td, s.E[EPC ? c : 0] + box * 4096, n * BN + h * EPC + box * 64, m * BM + c * 64);
-                        bulk_commit();
-                    }
-                }
-                continue;
-            }
-            if (EPI == 0) {  // diagnostic: the main loop alone (one store keeps the work alive)
-                float acc = 0.f;
-#pragma unroll
-                for (int j = 0; j < 128; j++) acc += d[j];
-                if (acc == 1234.5f) D[0] = __float2bfloat16(acc);
-                continue;
-            }
-            const int r0 = m * BM + c * 64 + warp * 16 + lane / 4;
-            const int cb = n * BN + (lane % 4) * 2;
-#pragma unroll
-            for (int j = 0; j < 32; j++) {
-                const int col = cb + j * 8;
-                if (col < N) {
-                    if (r0 < M)
-                        *reinterpret_cast<__nv_bfloat162 *>(D + (size_t)r0 * ldd + col) = __floats2bfloat162_rn(d[4 * j], d[4 * j + 1]);
-                    if (r0 + 8 < M)
-                        *reinterpret_cast<__nv_bfloat162 *>(D + (size_t)(r0 + 8) * ldd + col) = __floats2bfloat162_rn(d[4 * j + 2], d[4 * j + 3]);
-                }
-            }
-        }
-    }
-    if (EPI == 2 && wg > 0 && tid == 0) bulk_wait<0>();
-    if constexpr (CL > 1) cluster_sync();
-}
-
-// ---- host ----
-typedef CUresult (*encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                              const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-static encode_fn get_encode() {
-    void *fn = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
-    if (!fn || q != cudaDriverEntryPointSuccess) { fprintf(stderr, "no cuTensorMapEncodeTiled\n"); exit(1); }
-    return (encode_fn)fn;
-}
-static CUtensorMap kmajor_map(const void *p, int rows, int K, int ld, int box_rows, int box_cols = BK) {
-    static encode_fn enc = get_encode();
-    CUtensorMap m;
-    cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld * 2};
-    cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows}, es[2] = {1, 1};
-    CUresult r = enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) { fprintf(stderr, "cuTensorMapEncodeTiled: %d\n", (int)r); exit(1); }
-    return m;
-}
+#include "../src/backend/cuda/gemm_sm90.cuh"
+using namespace loom_sm90;
 
 static int g_sms;
 template <int STAGES, int CL, int EPI = 1, bool STRONG = false, int EPC = 0>
@@ -280,11 +42,11 @@ static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat1
     auto it = cache.find(key);
     if (it == cache.end()) {
         Maps mp;
-        mp.a = kmajor_map(A, M, K, K, BM);
-        mp.b = kmajor_map(B, N, K, K, BN / CL);
-        mp.d = kmajor_map(D, M, N, N, 64, 64);
-        mp.u = U ? kmajor_map(U, M, r, r, BM) : mp.a;
-        mp.sb = U ? kmajor_map(SB, N, r, r, BN / CL) : mp.b;
+        bool ok = kmajor_map(&mp.a, A, M, K, K, BM) && kmajor_map(&mp.b, B, N, K, K, BN / CL) &&
+                  kmajor_map(&mp.d, D, M, N, N, 64, 64);
+        if (ok && U) ok = kmajor_map(&mp.u, U, M, r, r, BM) && kmajor_map(&mp.sb, SB, N, r, r, BN / CL);
+        if (!U) { mp.u = mp.a; mp.sb = mp.b; }
+        if (!ok) { fprintf(stderr, "cuTensorMapEncodeTiled failed (or the driver has none)\n"); exit(1); }
         it = cache.emplace(key, mp).first;
     }
     const Maps &mp = it->second;
@@ -299,7 +61,7 @@ static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat1
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = CL; at[0].val.clusterDim.y = 1; at[0].val.clusterDim.z = 1;
     cfg.attrs = at; cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, gemm_tn<STAGES, CL, EPI, STRONG, EPC>, mp.a, mp.b, mp.d, mp.u, mp.sb, U ? 1 : 0, D, M, N, K, N, gm));
+    CK(cudaLaunchKernelEx(&cfg, gemm_tn<STAGES, CL, EPI, STRONG, EPC>, mp.a, mp.b, mp.d, mp.u, mp.sb, U ? 1 : 0, 1.0f, D, M, N, K, N, gm));
 }
 
 struct Lt {
