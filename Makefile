@@ -106,8 +106,8 @@ ifeq ($(CUDA),1)
   libname = $(if $(wildcard $(1)/lib$(2).so),-l$(2),-l:$(notdir $(firstword $(wildcard $(1)/lib$(2).so.*))))
   CUDA_ARCH ?= 90
   NVCCFLAGS := -O2 -g -std=c++17 -Iinclude -I$(NCCL_HOME)/include -I$(CUDNN_HOME)/include \
-               -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unused-parameter -MMD -MP \
-               $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a))
+               -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unused-parameter -MMD -MP
+  CU_ARCH_FLAGS = $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a))
   ifeq ($(WERROR),1)
     NVCCFLAGS += -Werror all-warnings -Xcompiler -Werror
   endif
@@ -148,7 +148,11 @@ $(BUILD)/obj/%.o: %.c
 
 $(BUILD)/obj/%.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) $(CU_ARCH_FLAGS) -c $< -o $@
+
+# wgmma and setmaxnreg exist on sm_90a only: the Hopper GEMM is built for it
+# alone (loom_cuda_gemm_lora_ok refuses other devices).
+$(BUILD)/obj/src/backend/cuda/gemm_sm90.o: CU_ARCH_FLAGS := -gencode arch=compute_90a,code=sm_90a
 
 $(BUILD)/libloom.a: $(LIB_OBJ)
 	@rm -f $@
@@ -239,7 +243,7 @@ $(BUILD)/libloom_kprof.so: bench/kprof.c
 
 # A Hopper GEMM probe (TMA + wgmma, sm_90a only) checked and timed against
 # cuBLASLt: bench/gemm_sm90.cu says what it measures. CUDA=1 only.
-$(BUILD)/gemm_sm90: bench/gemm_sm90.cu
+$(BUILD)/gemm_sm90: bench/gemm_sm90.cu src/backend/cuda/gemm_sm90.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a \
 	    $(if $(filter 1,$(WERROR)),-Werror all-warnings) -o $@ $< -L$(CUDA_LIBDIR) -lcublasLt

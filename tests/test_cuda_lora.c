@@ -1,7 +1,8 @@
 /* LoRA's pass kernel on the GPU (src/backend/cuda/ops_lora.cu) against a
  * float64 reference on fresh random inputs: partial tiles, row strides with
  * padding (left untouched), both weight layouts, its three uses (s alone,
- * g alone, both), g transposed, the same bits run to run. Built only with
+ * g alone, both), g transposed, the same bits run to run. And the Hopper
+ * GEMM with LoRA's term (gemm_sm90.cu) the same way. Built only with
  * `make CUDA=1`; skipped without a GPU. */
 #ifdef LOOM_HAVE_CUDA
 #include <stdlib.h>
@@ -139,6 +140,69 @@ TEST(cuda_ops_lora_refuses) {
 }
 
 /* The ops benches' GPU, events and cuBLASLt handle. */
+/* The Hopper GEMM with LoRA's term (src/backend/cuda/gemm_sm90.cu): y = x W^T
+ * + s u B^T against float64 on fresh random inputs; u read through a row
+ * stride and a column offset (a group's slice); y poisoned first. */
+static void gemm_lora_case(gpu *g, int64_t T, int64_t N, int64_t K, int64_t r, int64_t ldu, int64_t uoff,
+                           float sc) {
+    float *x = falloc(T * K), *w = falloc(N * K), *u = falloc(T * ldu), *b = falloc(N * r);
+    float *ref = falloc(T * N), *got = falloc(T * N), *again = falloc(T * N);
+    const uint64_t key = (uint64_t)(T * 977 + N * 31 + K * 7 + r);
+    fill(x, T * K, key, 1), fill(w, N * K, key + 1, 0.05f), fill(u, T * ldu, key + 2, 1);
+    fill(b, N * r, key + 3, 0.5f);
+    round_to(g, x, T * K, LOOM_BF16), round_to(g, w, N * K, LOOM_BF16);
+    round_to(g, u, T * ldu, LOOM_BF16), round_to(g, b, N * r, LOOM_BF16);
+    ref_gemm(T, N, K, 1.0, x, K, 1, w, 1, K, 0.0, ref, N);
+    ref_gemm(T, N, r, sc, u + uoff, ldu, 1, b, 1, r, 1.0, ref, N);
+    void *dx = up(g, x, T * K, LOOM_BF16), *dw = up(g, w, N * K, LOOM_BF16);
+    void *du = up(g, u, T * ldu, LOOM_BF16), *db = up(g, b, N * r, LOOM_BF16);
+    void *dy = dalloc(g, (size_t)(T * N) * 2);
+    if (g->bad || cudaMemset(dy, 0xff, (size_t)(T * N) * 2) != cudaSuccess) return;
+    const void *dus = (const char *)du + uoff * 2;
+    char what[128];
+    snprintf(what, sizeof what, "gemm_lora T=%lld N=%lld K=%lld r=%lld ldu=%lld s=%g", (long long)T,
+             (long long)N, (long long)K, (long long)r, (long long)ldu, sc);
+    CHECK_MSG(loom_cuda_gemm_lora_ok(LOOM_BF16, T, N, K, dx, dw, dus, ldu, db, r, dy), "%s: refused", what);
+    CHECK_OK(g->ctx, loom_cuda_gemm_lora(g->ctx, T, N, K, dx, dw, dus, ldu, db, r, sc, dy, NULL));
+    down(g, got, dy, T * N, LOOM_BF16);
+    CHECK_CLOSE(got, ref, T * N, LOOM_BF16, "%s", what);
+    CHECK_OK(g->ctx, loom_cuda_gemm_lora(g->ctx, T, N, K, dx, dw, dus, ldu, db, r, sc, dy, NULL));
+    down(g, again, dy, T * N, LOOM_BF16);
+    CHECK_MSG(n_differ(got, again, T * N) == 0, "%s: differs between runs", what);
+    free(x), free(w), free(u), free(b), free(ref), free(got), free(again);
+    gpu_free_all(g);
+}
+
+TEST(cuda_ops_gemm_lora) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    struct cudaDeviceProp p;
+    REQUIRE(cudaGetDeviceProperties(&p, 0) == cudaSuccess);
+    if (p.major != 9 || p.minor != 0) {
+        gpu_close(&g);
+        SKIP("the kernel is for sm_90 (Hopper)");
+    }
+    /* partial tiles in every dimension, a group's slice (ldu 24, offset 8) */
+    gemm_lora_case(&g, 200, 264, 136, 8, 24, 8, 1.75f);
+    gemm_lora_case(&g, 333, 520, 1000, 16, 16, 0, 0.5f);
+    gemm_lora_case(&g, 1030, 768, 640, 64, 64, 0, 1.0f); /* the rank a whole k block; no scaling */
+    gemm_lora_case(&g, 2048, 2048, 128, 8, 16, 8, 2.0f); /* several tiles per cluster */
+    /* refusals: dtype, N or K not a multiple of 8, the rank, the stride, alignment */
+    void *q = dalloc(&g, 1 << 20);
+    REQUIRE(q);
+    CHECK(loom_cuda_gemm_lora_ok(LOOM_BF16, 64, 64, 64, q, q, q, 8, q, 8, q));
+    CHECK(!loom_cuda_gemm_lora_ok(LOOM_F16, 64, 64, 64, q, q, q, 8, q, 8, q));
+    CHECK(!loom_cuda_gemm_lora_ok(LOOM_BF16, 64, 60, 64, q, q, q, 8, q, 8, q));
+    CHECK(!loom_cuda_gemm_lora_ok(LOOM_BF16, 64, 64, 60, q, q, q, 8, q, 8, q));
+    CHECK(!loom_cuda_gemm_lora_ok(LOOM_BF16, 64, 64, 64, q, q, q, 8, q, 4, q));
+    CHECK(!loom_cuda_gemm_lora_ok(LOOM_BF16, 64, 64, 64, q, q, q, 72, q, 72, q));
+    CHECK(!loom_cuda_gemm_lora_ok(LOOM_BF16, 64, 64, 64, q, q, q, 12, q, 8, q));
+    CHECK(!loom_cuda_gemm_lora_ok(LOOM_BF16, 64, 64, 64, (char *)q + 2, q, q, 8, q, 8, q));
+    CHECK(loom_cuda_gemm_lora(g.ctx, 64, 60, 64, q, q, q, 8, q, 8, 1.0f, q, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda gemm_lora");
+    gpu_close(&g);
+}
+
 static bool lora_bench_open(gpu *g, bench_op *bo, loom_cuda_gemm_handle **h) {
     *h = NULL;
     if (!gpu_open(g)) return false;

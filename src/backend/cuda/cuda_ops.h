@@ -73,6 +73,19 @@ loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool 
                                   loom_dtype c_dtype, int64_t ldc, int max_algos, int reps, float *ms,
                                   int *sets, int *n);
 
+/* ---- the forward projection with LoRA's term (gemm_sm90.cu): Hopper, BF16 ----
+ * y (T, N) = x W^T + s u b^T in one GEMM: x (T, K), W (N, K), u (T, r; ldu),
+ * b (N, r), all row-major, fp32 accumulation, y written (not read). _ok says
+ * whether the kernel takes these operands on the current device (sm_90, BF16,
+ * N and K multiples of 8, r a multiple of 8 up to 64, ldu a multiple of 8,
+ * 16-byte aligned pointers); the caller runs cuBLASLt's pair where it does not. */
+bool loom_cuda_gemm_lora_ok(loom_dtype dtype, int64_t T, int64_t N, int64_t K, const void *x,
+                            const void *W, const void *u, int64_t ldu, const void *b, int64_t r,
+                            const void *y);
+loom_status loom_cuda_gemm_lora(loom_ctx *ctx, int64_t T, int64_t N, int64_t K, const void *x,
+                                const void *W, const void *u, int64_t ldu, const void *b, int64_t r,
+                                float s, void *y, void *stream);
+
 /* ---- LoRA's pass over dy (ops_lora.cu): BF16/F16 on tensor cores ----
  * k is the small dimension (an adapter's rank, or a group's ranks side by
  * side): a multiple of 8 up to LOOM_CUDA_LORA_MAX_K (loom_cuda_lora_ok).
