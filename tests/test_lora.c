@@ -137,9 +137,11 @@ TEST(lora_matches_peft_forward_and_gradients) { check_peft(LOOM_DEVICE_CPU, LOOM
 TEST(lora_cuda_matches_peft) { check_peft(LOOM_DEVICE_CUDA, LOOM_F32, TOL, TOL); }
 TEST(lora_cuda_bf16_matches_peft) { check_peft(LOOM_DEVICE_CUDA, LOOM_BF16, 3e-2, 0.1); }
 
-/* ---- LoRA's backward pass over dy on loom's GPU kernel (src/backend/cuda/ops_lora.cu) ----
+/* ---- LoRA on loom's GPU kernels: the backward's pass over dy
+ * (src/backend/cuda/ops_lora.cu) and, on Hopper, the forward's term inside
+ * the base GEMM (gemm_sm90.cu) ----
  * An adapter trained two AdamW steps on the CPU (so B is not zero), saved
- * and loaded on each side: the GPU in bf16 with loom's kernel against the
+ * and loaded on each side: the GPU in bf16 with loom's kernels against the
  * CPU in fp32 and against the same GPU run with cuBLASLt's GEMMs
  * (LOOM_LORA_KERNELS=cublas). Every module's du and dB (k = r) run on the
  * kernel (48 tokens: partial tiles everywhere), at r=8 and r=16; dropout and
@@ -270,17 +272,31 @@ static void lora_kernels_case(int r, double dropout, const char *targets) {
         return;
     char what[128];
     snprintf(what, sizeof what, "r=%d dropout=%g %s", r, dropout, targets);
+    /* Both GPU paths in bf16 against the fp32 CPU. Since loom's forward puts
+     * LoRA's term inside the base GEMM (one bf16 rounding fewer than
+     * cuBLASLt's pair), the two GPU paths differ by rounding, so each is held
+     * to the CPU's bounds, and loom's logits must be no further from the CPU
+     * than cuBLASLt's (L2, within 20%). */
+    const double lg = rel_l2(gpu.logits, cpu.logits, 48 * 1024), lc = rel_l2(cub.logits, cpu.logits, 48 * 1024);
+    if (getenv("LOOM_CUDA_OPS_VERBOSE"))
+        fprintf(stderr, "    %s: logits vs CPU: kernels %.3g (L2 %.3g), cuBLASLt %.3g (L2 %.3g)\n", what,
+                rel(gpu.logits, cpu.logits, 48 * 1024), lg, rel(cub.logits, cpu.logits, 48 * 1024), lc);
     CHECK_MSG(rel(gpu.logits, cpu.logits, 48 * 1024) <= 3e-2, "%s: logits vs CPU %.3g", what,
               rel(gpu.logits, cpu.logits, 48 * 1024));
-    CHECK_MSG(rel(gpu.logits, cub.logits, 48 * 1024) <= 1e-2, "%s: logits vs cuBLASLt %.3g", what,
+    CHECK_MSG(rel(cub.logits, cpu.logits, 48 * 1024) <= 3e-2, "%s: cuBLASLt's logits vs CPU %.3g", what,
+              rel(cub.logits, cpu.logits, 48 * 1024));
+    CHECK_MSG(lg <= 1.2 * lc, "%s: logits vs CPU, L2 %.3g against cuBLASLt's %.3g", what, lg, lc);
+    CHECK_MSG(rel(gpu.logits, cub.logits, 48 * 1024) <= 3e-2, "%s: logits vs cuBLASLt %.3g", what,
               rel(gpu.logits, cub.logits, 48 * 1024));
     CHECK_NEAR(gpu.loss, cpu.loss, 3e-2 * cpu.loss);
-    CHECK_NEAR(gpu.loss, cub.loss, 1e-2 * cub.loss);
+    CHECK_NEAR(cub.loss, cpu.loss, 3e-2 * cpu.loss);
     char w2[160];
     snprintf(w2, sizeof w2, "%s, kernels vs CPU", what);
     check_grads(dir, &gpu, &cpu, 0.1, w2);
+    snprintf(w2, sizeof w2, "%s, cuBLASLt vs CPU", what);
+    check_grads(dir, &cub, &cpu, 0.1, w2);
     snprintf(w2, sizeof w2, "%s, kernels vs cuBLASLt", what);
-    check_grads(dir, &gpu, &cub, 0.05, w2);
+    check_grads(dir, &gpu, &cub, 0.1, w2);
     lora_run *runs[3] = {&cpu, &gpu, &cub};
     for (int i = 0; i < 3; i++) free(runs[i]->logits), free(runs[i]->grads);
 }

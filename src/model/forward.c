@@ -76,8 +76,9 @@ static const int32_t *my_qidx_d(const loom_model *m) {
 #define LIN(mod, x, T, in, W, out, y)                                                              \
     do {                                                                                           \
         const bool lo_ = loom_lora_covers(m, l, mod);                                              \
-        if (lo_) CK(loom_lora_fwd(m, b->la, b->li, l, mod, x, T, y, 0.0f));                        \
-        CK(loom_k_lin_fwd(m, x, T, in, W, out, 1.0f, lo_ ? 1.0f : 0.0f, y));                       \
+        bool both_ = false;                                                                        \
+        if (lo_) CK(loom_lora_fwd(m, b->la, b->li, l, mod, x, T, y, 0.0f, W, &both_));             \
+        if (!both_) CK(loom_k_lin_fwd(m, x, T, in, W, out, 1.0f, lo_ ? 1.0f : 0.0f, y));           \
     } while (0)
 /* dx = d/dx of LoRA's term on `mod` + beta dx; *acc set once it wrote dx. */
 #define LORA_B(mod, x, T, dy, dx, acc)                                                             \
@@ -212,7 +213,8 @@ static loom_status layer_recompute(loom_model *m, const lbuf *b, int64_t l, cons
     if (m->recompute == LOOM_RECOMPUTE_FULL) CK(attn_fwd(m, b, l, mb));
     CK(mlp_front(m, b, l));
     if (m->recompute == LOOM_RECOMPUTE_FULL)
-        CK(loom_lora_fwd(m, b->la, b->li, l, LOOM_LORA_DOWN, b->act, m->Tc, m->dtmp, 0.0f));
+        CK(loom_lora_fwd(m, b->la, b->li, l, LOOM_LORA_DOWN, b->act, m->Tc, m->dtmp, 0.0f, NULL,
+                         NULL));
     return LOOM_OK;
 }
 

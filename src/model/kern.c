@@ -29,11 +29,12 @@ loom_status loom_dev_init(loom_model *m) {
     if (a && *a && strcmp(a, "cudnn") != 0 && strcmp(a, "loom") != 0)
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
                          "LOOM_ATTN=%s: the attention kernels are `cudnn` (the default) or `loom`", a);
-    /* LoRA's pass over dy on loom's kernel unless cuBLASLt is asked for (to compare) */
+    /* LoRA's forward in loom's GEMM and its pass over dy on loom's kernel, unless
+     * cuBLASLt is asked for (to compare) */
     const char *lk = getenv("LOOM_LORA_KERNELS");
     if (lk && *lk && strcmp(lk, "loom") != 0 && strcmp(lk, "cublas") != 0)
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
-                         "LOOM_LORA_KERNELS=%s: LoRA's backward runs on `loom` (the default) or `cublas`",
+                         "LOOM_LORA_KERNELS=%s: LoRA's kernels are `loom` (the default) or `cublas`",
                          lk);
     d->lora_cublas = lk && strcmp(lk, "cublas") == 0;
     if (!d->cuda) {
@@ -236,6 +237,25 @@ loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float a
 loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                           const void *B, float beta, void *C) {
     return gemm(m, false, false, M, N, K, alpha, A, K, B, N, beta, C, m->dev.adt, N);
+}
+
+/* ---- LoRA's forward inside the base GEMM ---- */
+
+loom_status loom_k_lin_lora_fwd(loom_model *m, const void *x, int64_t T, int64_t in, const void *W,
+                                int64_t out, const void *u, int64_t ldu, const void *B, int64_t r,
+                                float s, void *y, bool *done) {
+    *done = false;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m) && !m->dev.lora_cublas &&
+        loom_cuda_gemm_lora_ok(m->dev.adt, T, out, in, x, W, u, ldu, B, r, y)) {
+        *done = true;
+        return loom_cuda_gemm_lora(m->ctx, T, out, in, x, W, u, ldu, B, r, s, y, m->dev.stream);
+    }
+#else
+    (void)m, (void)x, (void)T, (void)in, (void)W, (void)out, (void)u, (void)ldu, (void)B, (void)r,
+        (void)s, (void)y;
+#endif
+    return LOOM_OK;
 }
 
 /* ---- LoRA's backward over dy ---- */

@@ -51,7 +51,7 @@ typedef struct loom_dev {
     size_t rms_scratch_bytes;
     void *lora_scratch;       /* device: the LoRA pass kernels' partial sums */
     size_t lora_scratch_bytes;
-    bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: loom_k_lora_dy on cuBLASLt */
+    bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's forward and backward on cuBLASLt */
     size_t used0;             /* GPU memory in use when the model was created */
     size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
     size_t gpu_total;
@@ -107,6 +107,14 @@ loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float a
 /* the same with A, B and C in the compute dtype (merges into a compute copy) */
 loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
                           const void *B, float beta, void *C);
+
+/* A projection with LoRA's term, y (T, out) = x W^T + s u B^T (u (T, r; ldu),
+ * B (out, r)), as one GEMM where the device has a kernel for it (Hopper,
+ * BF16: loom_cuda_gemm_lora) and LOOM_LORA_KERNELS is not cublas; *done
+ * false (nothing written) where it has not: the caller runs the pair. */
+loom_status loom_k_lin_lora_fwd(loom_model *m, const void *x, int64_t T, int64_t in, const void *W,
+                                int64_t out, const void *u, int64_t ldu, const void *B, int64_t r,
+                                float s, void *y, bool *done);
 
 /* LoRA's backward over one projection's output gradient dy (T, out):
  * du (T, r; lddu) = s dy B and dB (out, r; fp32) += s dy^T u, u (T, r; ldu),

@@ -647,28 +647,37 @@ static bool grouped(loom_model *m, const loom_adapter *a, int64_t l, int mod, lg
 }
 
 loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
-                          const void *x, int64_t T, void *y, float beta) {
+                          const void *x, int64_t T, void *y, float beta, const void *W,
+                          bool *with_base) {
     loom_adapter *a;
     const loom_slot *A, *B;
+    if (with_base) *with_base = false;
     if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
     const int64_t r = a->r, in = A->cols, out = B->rows;
+    const void *x_base = x;
+    const char *u;
+    int64_t ldu = r;
     lgroup g;
     if (grouped(m, a, l, mod, &g)) {
-        const int64_t ld = g.n * r;
+        ldu = g.n * r;
         char *u0 = lora_u(m, act, i, g.first, r);
-        if (mod == g.first) CK(loom_k_gemm_ld(m, false, true, T, ld, in, 1.0f, x, in, WC(a, A), in,
-                                              0.0f, u0, false, ld));
-        const char *u = u0 + (size_t)((mod - g.first) * r) * m->dev.esz;
-        return loom_k_gemm_ld(m, false, true, T, out, r, a->scale, u, ld, WC(a, B), r, beta, y, false,
-                              out);
+        if (mod == g.first) CK(loom_k_gemm_ld(m, false, true, T, ldu, in, 1.0f, x, in, WC(a, A), in,
+                                              0.0f, u0, false, ldu));
+        u = u0 + (size_t)((mod - g.first) * r) * m->dev.esz;
+    } else {
+        u = lora_u(m, act, i, mod, r);
+        if (dropout_on(m, a)) {
+            CK(dropout_mask(m, a, l, mod, A, x, T, m->lora_xd));
+            x = m->lora_xd;
+        }
+        CK(loom_k_lin_fwd(m, x, T, in, WC(a, A), r, 1.0f, 0.0f, (void *)u));
     }
-    void *u = lora_u(m, act, i, mod, r);
-    if (dropout_on(m, a)) {
-        CK(dropout_mask(m, a, l, mod, A, x, T, m->lora_xd));
-        x = m->lora_xd;
-    }
-    CK(loom_k_lin_fwd(m, x, T, in, WC(a, A), r, 1.0f, 0.0f, u));
-    return loom_k_lin_fwd(m, u, T, r, WC(a, B), out, a->scale, beta, y);
+    /* y = x W^T + s u B^T in one GEMM where the device has one */
+    if (W && beta == 0.0f)
+        CK(loom_k_lin_lora_fwd(m, x_base, T, in, W, out, u, ldu, WC(a, B), r, a->scale, y, with_base));
+    if (with_base && *with_base) return LOOM_OK;
+    return loom_k_gemm_ld(m, false, true, T, out, r, a->scale, u, ldu, WC(a, B), r, beta, y, false,
+                          out);
 }
 
 loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,

@@ -246,12 +246,15 @@ static inline float *loom_g(loom_model *m, int s) {
  * the layer's index in its chunk). fwd: y (T, out_l) = scale (x A^T) B^T +
  * beta y, saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
  * dx, *wrote set when dx was written (dx NULL: the input gradient is not
- * wanted, only dA and dB). beta is 0 or 1; no-ops where no
+ * wanted, only dA and dB). fwd with the base weight W (out, in) and beta 0:
+ * where the device can, y = x W^T + the term in one GEMM and *with_base set
+ * (the caller's base GEMM is then not run); W NULL: the term alone. beta is 0 or 1; no-ops where no
  * adapter covers the linear (loom_lora_covers). Modules that share an input
  * (q, k, v; gate, up) may run as a group: called in module order, the first
  * computes the group's x A^T and the last writes the group's dx. */
 loom_status loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
-                          const void *x, int64_t T, void *y, float beta);
+                          const void *x, int64_t T, void *y, float beta, const void *W,
+                          bool *with_base);
 loom_status loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
                           const void *x, int64_t T, const void *dy, void *dx, float beta,
                           bool *wrote);
