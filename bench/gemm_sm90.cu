@@ -1,12 +1,9 @@
-// A probe, not part of the library: how close does a GEMM of loom's own on Hopper come to
-// cuBLASLt on the 8B shapes? D[M,N] = A[M,K] B[N,K]^T (bf16 in and out, fp32 accumulation)
-// through TMA (128-byte swizzle) and wgmma m64n256k16: one producer warpgroup, two consumer
-// warpgroups (64 x 256 each of a 128 x 256 tile), four stages on mbarriers, a persistent grid,
-// optionally clusters of CL CTAs along M sharing the B tile by multicast, the output written
-// from registers or staged in shared memory for TMA stores. Every variant is checked against
-// cuBLASLt (all elements, the output poisoned first) and against float64 on some rows, then
-// timed against cuBLASLt interleaved (same clocks). Last, LoRA's term U (s B)^T as one more k
-// block of the same GEMM, against cuBLASLt's pair (U (s B)^T written, the base GEMM adding it).
+// A probe of loom's own Hopper GEMM (src/backend/cuda/gemm_sm90.cuh says how it works; the
+// library runs its c2-t128 configuration for LoRA's forward): how close does each variant come
+// to cuBLASLt on the 8B shapes? Every variant is checked against cuBLASLt (all elements, the
+// output poisoned first) and against float64 on some rows, then timed against cuBLASLt
+// interleaved (same clocks). Last, LoRA's term U (s B)^T as one more k block of the same GEMM,
+// against cuBLASLt's pair (U (s B)^T written, the base GEMM adding it).
 // Exits 1 when a check fails. Results: bench/RESULTS.md, tenth round.
 //
 //   make CUDA=1 BUILD=build-cuda build-cuda/gemm_sm90
