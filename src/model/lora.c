@@ -673,7 +673,7 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
         CK(loom_k_lin_fwd(m, x, T, in, WC(a, A), r, 1.0f, 0.0f, (void *)u));
     }
     /* y = x W^T + s u B^T in one GEMM where the device has one */
-    if (W && beta == 0.0f)
+    if (W && with_base && beta == 0.0f)
         CK(loom_k_lin_lora_fwd(m, x_base, T, in, W, out, u, ldu, WC(a, B), r, a->scale, y, with_base));
     if (with_base && *with_base) return LOOM_OK;
     return loom_k_gemm_ld(m, false, true, T, out, r, a->scale, u, ldu, WC(a, B), r, beta, y, false,

@@ -39,23 +39,28 @@ bool device_ready(int *dev) {
 
 bool a16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
+/* TMA: 16-byte aligned bases and row strides; one k block holds the rank */
+bool operands_ok(loom_dtype dtype, int64_t T, int64_t N, int64_t K, const void *x, const void *W,
+                 const void *u, int64_t ldu, const void *b, int64_t r, const void *y) {
+    return dtype == LOOM_BF16 && T > 0 && N > 0 && K > 0 && T < INT32_MAX && N < INT32_MAX &&
+           K < INT32_MAX && N % 8 == 0 && K % 8 == 0 && r >= 8 && r <= loom_sm90::BK && r % 8 == 0 &&
+           ldu >= r && ldu % 8 == 0 && a16(x) && a16(W) && a16(u) && a16(b) && a16(y);
+}
+
 }  // namespace
 
 extern "C" bool loom_cuda_gemm_lora_ok(loom_dtype dtype, int64_t T, int64_t N, int64_t K, const void *x,
                                        const void *W, const void *u, int64_t ldu, const void *b, int64_t r,
                                        const void *y) {
     int dev;
-    /* TMA: 16-byte aligned bases and row strides; one k block holds the rank */
-    return dtype == LOOM_BF16 && T > 0 && N > 0 && K > 0 && T < INT32_MAX && N < INT32_MAX &&
-           K < INT32_MAX && N % 8 == 0 && K % 8 == 0 && r >= 8 && r <= loom_sm90::BK && r % 8 == 0 &&
-           ldu >= r && ldu % 8 == 0 && a16(x) && a16(W) && a16(u) && a16(b) && a16(y) && device_ready(&dev);
+    return operands_ok(dtype, T, N, K, x, W, u, ldu, b, r, y) && device_ready(&dev);
 }
 
 extern "C" loom_status loom_cuda_gemm_lora(loom_ctx *ctx, int64_t T, int64_t N, int64_t K, const void *x,
                                            const void *W, const void *u, int64_t ldu, const void *b, int64_t r,
                                            float s, void *y, void *stream) {
     int dev;
-    if (!loom_cuda_gemm_lora_ok(LOOM_BF16, T, N, K, x, W, u, ldu, b, r, y) || !device_ready(&dev))
+    if (!operands_ok(LOOM_BF16, T, N, K, x, W, u, ldu, b, r, y) || !device_ready(&dev))
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                          "cuda gemm_lora: %lld x %lld x %lld, rank %lld is not for this kernel "
                          "(loom_cuda_gemm_lora_ok says why it is not taken)",
