@@ -3,11 +3,13 @@
 // to cuBLASLt on the 8B shapes? Every variant is checked against cuBLASLt (all elements, the
 // output poisoned first) and against float64 on some rows, then timed against cuBLASLt
 // interleaved (same clocks). Last, LoRA's term U (s B)^T as one more k block of the same GEMM,
-// against cuBLASLt's pair (U (s B)^T written, the base GEMM adding it).
+// against cuBLASLt's pair (U (s B)^T written, the base GEMM adding it). Then the input gradients
+// (B N-major), alone and as the sums of an 8B layer's projections with LoRA's du A.
 // Exits 1 when a check fails. Results: bench/RESULTS.md, tenth round.
 //
 //   make CUDA=1 BUILD=build-cuda build-cuda/gemm_sm90
-//   build-cuda/gemm_sm90 [group_m] [one]   (one: a single 4096^3 run of c2-t128, for a profiler)
+//   build-cuda/gemm_sm90 [group_m] [one | dx]   (one: a single 4096^3 run of c2-t128, for a profiler;
+//                                              dx: the input gradients' section alone)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -28,29 +30,39 @@
 using namespace loom_sm90;
 
 static int g_sms;
-template <int STAGES, int CL, int EPI = 1, bool STRONG = false, int EPC = 0>
-static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat16 *D, int M, int N, int K, int gm, int grid_cap,
-                    const __nv_bfloat16 *U = nullptr, const __nv_bfloat16 *SB = nullptr, int r = 0) {
-    // the five tensor maps, encoded once per operand set (kept off the timed loop's host path)
-    struct Maps { CUtensorMap a, b, d, u, sb; };
-    static std::map<std::vector<uintptr_t>, Maps> cache;
-    const std::vector<uintptr_t> key = {(uintptr_t)A, (uintptr_t)B, (uintptr_t)D, (uintptr_t)U, (uintptr_t)SB,
-                                        (uintptr_t)M, (uintptr_t)N, (uintptr_t)K, (uintptr_t)r};
+
+// One k segment of D = sum A_s op(B_s): A_s (M, K; lda) K-major; B_s (N, K) K-major, or with BT
+// (K, N) N-major
+struct Seg { const __nv_bfloat16 *a; int lda, K; const __nv_bfloat16 *b; };
+
+// The kernel's arguments, tensor maps encoded once per operand set (kept off the timed loop's host path)
+static const Args &args_for(bool bt, int CL, const std::vector<Seg> &segs, __nv_bfloat16 *D, int M, int N, int gm) {
+    static std::map<std::vector<uintptr_t>, Args> cache;
+    std::vector<uintptr_t> key = {(uintptr_t)bt, (uintptr_t)CL, (uintptr_t)D, (uintptr_t)M, (uintptr_t)N, (uintptr_t)gm};
+    for (const Seg &sg : segs) key.insert(key.end(), {(uintptr_t)sg.a, (uintptr_t)sg.lda, (uintptr_t)sg.K, (uintptr_t)sg.b});
     auto it = cache.find(key);
-    if (it == cache.end()) {
-        Maps mp;
-        bool ok = kmajor_map(&mp.a, A, M, K, K, BM) && kmajor_map(&mp.b, B, N, K, K, BN / CL) &&
-                  kmajor_map(&mp.d, D, M, N, N, 64, 64);
-        if (ok && U) ok = kmajor_map(&mp.u, U, M, r, r, BM) && kmajor_map(&mp.sb, SB, N, r, r, BN / CL);
-        if (!U) { mp.u = mp.a; mp.sb = mp.b; }
-        if (!ok) { fprintf(stderr, "cuTensorMapEncodeTiled failed (or the driver has none)\n"); exit(1); }
-        it = cache.emplace(key, mp).first;
+    if (it != cache.end()) return it->second;
+    Args p = {};
+    bool ok = segs.size() <= MAXSEG && kmajor_map(&p.d, D, M, N, N, 64, 64);
+    for (size_t i = 0; ok && i < segs.size(); i++) {
+        const Seg &sg = segs[i];
+        ok = kmajor_map(&p.a[i], sg.a, M, sg.K, sg.lda, BM) &&
+             (bt ? kmajor_map(&p.b[i], sg.b, sg.K, N, N, BK, 64) : kmajor_map(&p.b[i], sg.b, N, sg.K, sg.K, BN / CL));
+        p.nk[i] = (sg.K + BK - 1) / BK;
     }
-    const Maps &mp = it->second;
+    if (!ok) { fprintf(stderr, "cuTensorMapEncodeTiled failed (or the driver has none)\n"); exit(1); }
+    p.nseg = (int)segs.size();
+    p.s_last = 1.0f;
+    p.D = D; p.M = M; p.N = N; p.ldd = N; p.gm = gm;
+    return cache.emplace(key, p).first->second;
+}
+
+template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT>
+static void launch(const Args &p, int grid_cap) {
     const size_t smem = sizeof(Smem<STAGES, EPC>) + 1024;
     static bool set = false;
-    if (!set) { CK(cudaFuncSetAttribute(gemm_tn<STAGES, CL, EPI, STRONG, EPC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set = true; }
-    const int tiles = ((M + BM * CL - 1) / (BM * CL)) * ((N + BN - 1) / BN);
+    if (!set) { CK(cudaFuncSetAttribute(gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set = true; }
+    const int tiles = ((p.M + BM * CL - 1) / (BM * CL)) * ((p.N + BN - 1) / BN);
     int grid = std::min(tiles, (grid_cap > 0 ? grid_cap : g_sms) / CL) * CL;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid); cfg.blockDim = dim3(NTHREADS); cfg.dynamicSmemBytes = smem;
@@ -58,7 +70,20 @@ static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat1
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = CL; at[0].val.clusterDim.y = 1; at[0].val.clusterDim.z = 1;
     cfg.attrs = at; cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, gemm_tn<STAGES, CL, EPI, STRONG, EPC>, mp.a, mp.b, mp.d, mp.u, mp.sb, U ? 1 : 0, 1.0f, D, M, N, K, N, gm));
+    CK(cudaLaunchKernelEx(&cfg, gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT>, p));
+}
+
+template <int STAGES, int CL, int EPI = 1, bool STRONG = false, int EPC = 0>
+static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat16 *D, int M, int N, int K, int gm, int grid_cap,
+                    const __nv_bfloat16 *U = nullptr, const __nv_bfloat16 *SB = nullptr, int r = 0) {
+    std::vector<Seg> segs = {{A, K, K, B}};
+    if (U) segs.push_back({U, r, r, SB});
+    launch<STAGES, CL, EPI, STRONG, EPC, false>(args_for(false, CL, segs, D, M, N, gm), grid_cap);
+}
+
+// the input-gradient form: D = sum A_s B_s, B_s N-major (the library's configuration)
+static void run_dx(const std::vector<Seg> &segs, __nv_bfloat16 *D, int M, int N, int gm) {
+    launch<4, 2, 2, false, 128, true>(args_for(true, 2, segs, D, M, N, gm), 0);
 }
 
 struct Lt {
@@ -70,16 +95,19 @@ struct Lt {
     // B transposed. Descriptors and the heuristic's algorithm made once per shape, as loom does.
     struct Plan { cublasLtMatmulDesc_t op; cublasLtMatrixLayout_t la, lb, ld; cublasLtMatmulAlgo_t algo; };
     std::map<std::vector<int>, Plan> plans;
-    const Plan &plan(int M, int N, int K) {
-        auto it = plans.find({M, N, K});
+    // nn: row-major D = A[M,K] B[K,N] (B N-major), A with row stride lda (0: K)
+    const Plan &plan(int M, int N, int K, bool nn = false, int lda = 0) {
+        if (!lda) lda = K;
+        auto it = plans.find({M, N, K, nn, lda});
         if (it != plans.end()) return it->second;
         Plan p;
         CKL(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        cublasOperation_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
+        cublasOperation_t t = nn ? CUBLAS_OP_N : CUBLAS_OP_T, n_ = CUBLAS_OP_N;
         CKL(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
-        CKL(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof nn));
-        CKL(cublasLtMatrixLayoutCreate(&p.la, CUDA_R_16BF, K, N, K));
-        CKL(cublasLtMatrixLayoutCreate(&p.lb, CUDA_R_16BF, K, M, K));
+        CKL(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &n_, sizeof n_));
+        if (nn) CKL(cublasLtMatrixLayoutCreate(&p.la, CUDA_R_16BF, N, K, N));
+        else CKL(cublasLtMatrixLayoutCreate(&p.la, CUDA_R_16BF, K, N, K));
+        CKL(cublasLtMatrixLayoutCreate(&p.lb, CUDA_R_16BF, K, M, lda));
         CKL(cublasLtMatrixLayoutCreate(&p.ld, CUDA_R_16BF, N, M, N));
         cublasLtMatmulPreference_t pref;
         CKL(cublasLtMatmulPreferenceCreate(&pref));
@@ -90,10 +118,10 @@ struct Lt {
         cublasLtMatmulPreferenceDestroy(pref);
         if (nres < 1) { fprintf(stderr, "cuBLASLt has no algorithm for %d x %d x %d\n", M, N, K); exit(1); }
         p.algo = res.algo;
-        return plans.emplace(std::vector<int>{M, N, K}, p).first->second;
+        return plans.emplace(std::vector<int>{M, N, K, nn, lda}, p).first->second;
     }
-    void run(const void *A, const void *B, void *D, int M, int N, int K, float beta = 0.f) {
-        const Plan &p = plan(M, N, K);
+    void run(const void *A, const void *B, void *D, int M, int N, int K, float beta = 0.f, bool nn = false, int lda = 0) {
+        const Plan &p = plan(M, N, K, nn, lda);
         float one = 1.f;
         CKL(cublasLtMatmul(h, p.op, &one, B, p.la, A, p.lb, &beta, D, p.ld, D, p.ld, &p.algo, ws, wsz, 0));
     }
@@ -151,13 +179,112 @@ static double cpu_check(const __nv_bfloat16 *dA, const __nv_bfloat16 *dB, const 
     return sqrt(num / den);
 }
 
+// Mean ms of own() and ref(), interleaved (two passes of reps calls each, after a warm-up of
+// three of each), so both see the same clocks
+template <class F, class G>
+static void time_pair(F own, G ref, int reps, cudaEvent_t e0, cudaEvent_t e1, float *t_own, float *t_ref) {
+    *t_own = *t_ref = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int w = 0; w < 3; w++) { own(); ref(); }
+        float ms;
+        CK(cudaEventRecord(e0));
+        for (int r = 0; r < reps; r++) own();
+        CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
+        *t_own += ms / reps / 2;
+        CK(cudaEventRecord(e0));
+        for (int r = 0; r < reps; r++) ref();
+        CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
+        *t_ref += ms / reps / 2;
+    }
+}
+
+// float64 reference of D = sum A_s B_s (B_s N-major) on a few rows
+static double cpu_check_dx(const std::vector<Seg> &segs, const __nv_bfloat16 *dD, int M, int N) {
+    const int rows[] = {0, 1, 63, 64, 127, 128, M / 2 + 3, M - 1};
+    std::vector<double> ref((size_t)8 * N, 0.0);
+    for (const Seg &sg : segs) {
+        std::vector<__nv_bfloat16> A((size_t)M * sg.lda), B((size_t)sg.K * N);
+        CK(cudaMemcpy(A.data(), sg.a, A.size() * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(B.data(), sg.b, B.size() * 2, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < 8; i++) {
+            if (rows[i] < 0 || rows[i] >= M) continue;
+            for (int k = 0; k < sg.K; k++) {
+                const double a = __bfloat162float(A[(size_t)rows[i] * sg.lda + k]);
+                for (int c = 0; c < N; c++) ref[(size_t)i * N + c] += a * __bfloat162float(B[(size_t)k * N + c]);
+            }
+        }
+    }
+    std::vector<__nv_bfloat16> D((size_t)M * N);
+    CK(cudaMemcpy(D.data(), dD, D.size() * 2, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (int i = 0; i < 8; i++) {
+        if (rows[i] < 0 || rows[i] >= M) continue;
+        for (int c = 0; c < N; c++) {
+            const double g = __bfloat162float(D[(size_t)rows[i] * N + c]), v = ref[(size_t)i * N + c];
+            if (std::isnan(g)) return INFINITY;
+            num += (g - v) * (g - v); den += v * v;
+        }
+    }
+    return sqrt(num / den);
+}
+
+// The input gradients, D = sum A_s B_s with B_s N-major: alone against cuBLASLt's NN GEMM, and the
+// sums an 8B layer takes (LoRA's du A among them) against cuBLASLt's sequence (the LoRA term
+// written, then one GEMM a projection adding to it). Returns the number of failed checks.
+static int dx_section(Lt &lt, int gm, cudaEvent_t e0, cudaEvent_t e1) {
+    int failed = 0;
+    const size_t big = (size_t)4096 * 12288;
+    __nv_bfloat16 *buf[8], *D, *R;
+    for (int i = 0; i < 8; i++) { CK(cudaMalloc(&buf[i], big * 2)); fill<<<1024, 256>>>(buf[i], big, 100u + i); }
+    CK(cudaMalloc(&D, big * 2)); CK(cudaMalloc(&R, big * 2));
+    struct Case { const char *what; int M, N; std::vector<Seg> segs; };
+    const int T = 4096, H = 4096, KV = 1024, I = 12288;
+    std::vector<Case> cases = {
+        {"ragged", 200, 264, {{buf[0], 136, 136, buf[1]}}},
+        {"q/o dx", T, H, {{buf[0], H, H, buf[1]}}},
+        {"k/v dx", T, H, {{buf[0], KV, KV, buf[1]}}},
+        {"gate/up dx", T, H, {{buf[0], I, I, buf[1]}}},
+        {"down dx", T, I, {{buf[0], H, H, buf[1]}}},
+        {"ragged sum", 333, 520, {{buf[0], 1000, 1000, buf[1]}, {buf[2], 72, 40, buf[3]}, {buf[4], 24, 24, buf[5]}}},
+        {"q+k+v+lora", T, H, {{buf[6], 24, 24, buf[7]}, {buf[0], H, H, buf[1]}, {buf[2], KV, KV, buf[3]}, {buf[4], KV, KV, buf[5]}}},
+        {"gate+up+lora", T, H, {{buf[6], 16, 16, buf[7]}, {buf[0], I, I, buf[1]}, {buf[2], I, I, buf[3]}}},
+        {"o+lora", T, H, {{buf[6], 8, 8, buf[7]}, {buf[0], H, H, buf[1]}}},
+        {"down+lora", T, I, {{buf[6], 8, 8, buf[7]}, {buf[0], H, H, buf[1]}}},
+    };
+    printf("\ninput gradients: own N-major GEMM (c2-t128) against cuBLASLt (one NN GEMM a segment, the later ones adding)\n");
+    for (const Case &c : cases) {
+        const int M = c.M, N = c.N;
+        auto own = [&] { run_dx(c.segs, D, M, N, gm); };
+        auto seq = [&] {
+            for (size_t i = 0; i < c.segs.size(); i++)
+                lt.run(c.segs[i].a, c.segs[i].b, R, M, N, c.segs[i].K, i ? 1.f : 0.f, true, c.segs[i].lda);
+        };
+        poison<<<1024, 256>>>(D, (size_t)M * N);
+        own(); seq();
+        CK(cudaDeviceSynchronize());
+        size_t nan = 0;
+        const double e = relerr(D, R, (size_t)M * N, &nan), e64 = cpu_check_dx(c.segs, D, M, N), e64lt = cpu_check_dx(c.segs, R, M, N);
+        float t_own, t_lt;
+        time_pair(own, seq, 30, e0, e1, &t_own, &t_lt);
+        double fl = 0;
+        for (const Seg &sg : c.segs) fl += 2.0 * M * N * sg.K;
+        if (nan || e > 1e-2 || e64 > 1e-2) { failed++; printf("FAIL: "); }
+        printf("%-13s %5d %6d %d seg | own %.4f ms (%.0f TF), cuBLASLt %.4f ms, lt/own %.3f | err vs lt %.2e (%zu NaN), f64 own %.2e lt %.2e\n",
+               c.what, M, N, (int)c.segs.size(), t_own, fl / t_own / 1e9, t_lt, t_lt / t_own, e, nan, e64, e64lt);
+        fflush(stdout);
+    }
+    for (int i = 0; i < 8; i++) CK(cudaFree(buf[i]));
+    CK(cudaFree(D)); CK(cudaFree(R));
+    return failed;
+}
+
 int main(int argc, char **argv) {
     int gm = 8, failed = 0;
     if (argc > 1) {
         char *end = nullptr;
         const long v = strtol(argv[1], &end, 10);
-        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one")) || argc > 3) {
-            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one]\n", argv[0]);
+        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx")) || argc > 3) {
+            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx]\n", argv[0]);
             return 2;
         }
         gm = (int)v;
@@ -180,6 +307,11 @@ int main(int argc, char **argv) {
     __nv_bfloat16 *A, *B, *D, *R;
     CK(cudaMalloc(&A, maxe * 2)); CK(cudaMalloc(&B, maxe * 2)); CK(cudaMalloc(&D, maxe * 2)); CK(cudaMalloc(&R, maxe * 2));
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    if (argc > 2 && !strcmp(argv[2], "dx")) {
+        failed = dx_section(lt, gm, e0, e1);
+        if (failed) printf("%d check(s) failed\n", failed);
+        return failed ? 1 : 0;
+    }
     if (argc > 2 && !strcmp(argv[2], "one")) {
         const int M = 4096, N = 4096, K = 4096;
         fill<<<1024, 256>>>(A, (size_t)M * K, 1u);
@@ -214,20 +346,10 @@ int main(int argc, char **argv) {
             double e = noepi ? 0 : relerr(D, R, (size_t)M * N, &nan);
             const bool f64 = !noepi && K <= 4096 && (size_t)N * K <= 64ull << 20;
             double e64 = f64 ? cpu_check(A, B, D, M, N, K) : -1, e64lt = f64 ? cpu_check(A, B, R, M, N, K) : -1;
-            float t_own = 0, t_lt = 0;
+            float t_own, t_lt;
             const int reps = (double)M * N * K > 1e10 ? 20 : 50;
-            for (int pass = 0; pass < 2; pass++) {  // interleaved, so both see the same clocks
-                for (int w = 0; w < 3; w++) { v.f(A, B, D, M, N, K, gm, 0, nullptr, nullptr, 0); lt.run(A, B, R, M, N, K); }
-                float ms;
-                CK(cudaEventRecord(e0));
-                for (int r = 0; r < reps; r++) v.f(A, B, D, M, N, K, gm, 0, nullptr, nullptr, 0);
-                CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
-                t_own += ms / reps / 2;
-                CK(cudaEventRecord(e0));
-                for (int r = 0; r < reps; r++) lt.run(A, B, R, M, N, K);
-                CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
-                t_lt += ms / reps / 2;
-            }
+            time_pair([&] { v.f(A, B, D, M, N, K, gm, 0, nullptr, nullptr, 0); }, [&] { lt.run(A, B, R, M, N, K); }, reps, e0, e1,
+                      &t_own, &t_lt);
             // the same tiles' sums in the same order as cuBLASLt's so far: the bits agree
             if (nan || e > 1e-2 || e64 > 1e-2) { failed++; printf("FAIL: "); }
             double fl = 2.0 * M * N * K;
@@ -258,23 +380,13 @@ int main(int argc, char **argv) {
         double e = relerr(D, R, (size_t)M * N, &nan);
         double e64 = K <= 4096 ? cpu_check(A, B, D, M, N, K, U, SB, r) : 0;
         if (nan || e > 1e-2 || e64 > 1e-2) { failed++; printf("FAIL: "); }
-        float t_own = 0, t_lt = 0;
-        for (int pass = 0; pass < 2; pass++) {
-            for (int w = 0; w < 3; w++) { own(); pair(); }
-            float ms;
-            CK(cudaEventRecord(e0));
-            for (int i = 0; i < 30; i++) own();
-            CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
-            t_own += ms / 30 / 2;
-            CK(cudaEventRecord(e0));
-            for (int i = 0; i < 30; i++) pair();
-            CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
-            t_lt += ms / 30 / 2;
-        }
+        float t_own, t_lt;
+        time_pair(own, pair, 30, e0, e1, &t_own, &t_lt);
         printf("%-12s %5d %6d %6d | own %.4f ms, cuBLASLt pair %.4f ms, saved %.4f ms | err vs pair %.2e (%zu NaN), f64 %.2e\n",
                sh.what, M, N, K, t_own, t_lt, t_lt - t_own, e, nan, e64);
         fflush(stdout);
     }
+    failed += dx_section(lt, gm, e0, e1);
     if (failed) printf("%d check(s) failed\n", failed);
     return failed ? 1 : 0;
 }

@@ -140,6 +140,17 @@ TEST(cuda_ops_lora_refuses) {
 }
 
 /* The ops benches' GPU, events and cuBLASLt handle. */
+/* The output's bits the same as a first run's (got) */
+static void check_same_bits(gpu *g, const char *what, const void *dout, int64_t n, const float *got, float *again) {
+    down(g, again, dout, n, LOOM_BF16);
+    CHECK_MSG(n_differ(got, again, n) == 0, "%s: differs between runs", what);
+}
+
+static bool is_hopper(void) {
+    struct cudaDeviceProp p;
+    return cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major == 9 && p.minor == 0;
+}
+
 /* The Hopper GEMM with LoRA's term (src/backend/cuda/gemm_sm90.cu): y = x W^T
  * + s u B^T against float64 on fresh random inputs; u read through a row
  * stride and a column offset (a group's slice); y poisoned first. */
@@ -167,8 +178,7 @@ static void gemm_lora_case(gpu *g, int64_t T, int64_t N, int64_t K, int64_t r, i
     down(g, got, dy, T * N, LOOM_BF16);
     CHECK_CLOSE(got, ref, T * N, LOOM_BF16, "%s", what);
     CHECK_OK(g->ctx, loom_cuda_gemm_lora(g->ctx, T, N, K, dx, dw, dus, ldu, db, r, sc, dy, NULL));
-    down(g, again, dy, T * N, LOOM_BF16);
-    CHECK_MSG(n_differ(got, again, T * N) == 0, "%s: differs between runs", what);
+    check_same_bits(g, what, dy, T * N, got, again);
     free(x), free(w), free(u), free(b), free(ref), free(got), free(again);
     gpu_free_all(g);
 }
@@ -176,9 +186,7 @@ static void gemm_lora_case(gpu *g, int64_t T, int64_t N, int64_t K, int64_t r, i
 TEST(cuda_ops_gemm_lora) {
     gpu g;
     REQUIRE(gpu_open(&g));
-    struct cudaDeviceProp p;
-    REQUIRE(cudaGetDeviceProperties(&p, 0) == cudaSuccess);
-    if (p.major != 9 || p.minor != 0) {
+    if (!is_hopper()) {
         gpu_close(&g);
         SKIP("the kernel is for sm_90 (Hopper)");
     }
@@ -200,6 +208,74 @@ TEST(cuda_ops_gemm_lora) {
     CHECK(!loom_cuda_gemm_lora_ok(LOOM_BF16, 64, 64, 64, (char *)q + 2, q, q, 8, q, 8, q));
     CHECK(loom_cuda_gemm_lora(g.ctx, 64, 60, 64, q, q, q, 8, q, 8, 1.0f, q, NULL) == LOOM_ERR_UNSUPPORTED);
     CHECK_CONTAINS(loom_last_error(g.ctx), "cuda gemm_lora");
+    gpu_close(&g);
+}
+
+/* The input gradients' sum (gemm_sm90.cu): d = sum a_s b_s, b_s (K_s, N)
+ * N-major, against float64 on fresh random inputs; d poisoned first. Each
+ * segment's a has row stride lda (K_s + pad). */
+static void gemm_dx_case(gpu *g, int64_t T, int64_t N, int nseg, const int64_t *K, const int64_t *pad) {
+    float *a[4], *b[4];
+    const void *da[4], *db[4];
+    int64_t lda[4];
+    float *ref = falloc(T * N), *got = falloc(T * N), *again = falloc(T * N);
+    const uint64_t key = (uint64_t)(T * 131 + N * 7 + nseg);
+    char what[160];
+    int at = snprintf(what, sizeof what, "gemm_dx T=%lld N=%lld K=", (long long)T, (long long)N);
+    for (int i = 0; i < nseg; i++) {
+        lda[i] = K[i] + pad[i];
+        a[i] = falloc(T * lda[i]), b[i] = falloc(K[i] * N);
+        fill(a[i], T * lda[i], key + 2 * (uint64_t)i, 1), fill(b[i], K[i] * N, key + 2 * (uint64_t)i + 1, 0.05f);
+        round_to(g, a[i], T * lda[i], LOOM_BF16), round_to(g, b[i], K[i] * N, LOOM_BF16);
+        ref_gemm(T, N, K[i], 1.0, a[i], lda[i], 1, b[i], N, 1, i ? 1.0 : 0.0, ref, N);
+        da[i] = up(g, a[i], T * lda[i], LOOM_BF16), db[i] = up(g, b[i], K[i] * N, LOOM_BF16);
+        at += snprintf(what + at, sizeof what - (size_t)at, "%s%lld/%lld", i ? "+" : "", (long long)K[i],
+                       (long long)lda[i]);
+    }
+    void *dd = dalloc(g, (size_t)(T * N) * 2);
+    if (!g->bad && cudaMemset(dd, 0xff, (size_t)(T * N) * 2) == cudaSuccess) {
+        CHECK_MSG(loom_cuda_gemm_dx_ok(LOOM_BF16, T, N, nseg, da, lda, K, db, dd), "%s: refused", what);
+        CHECK_OK(g->ctx, loom_cuda_gemm_dx(g->ctx, T, N, nseg, da, lda, K, db, dd, NULL));
+        down(g, got, dd, T * N, LOOM_BF16);
+        CHECK_CLOSE(got, ref, T * N, LOOM_BF16, "%s", what);
+        CHECK_OK(g->ctx, loom_cuda_gemm_dx(g->ctx, T, N, nseg, da, lda, K, db, dd, NULL));
+        check_same_bits(g, what, dd, T * N, got, again);
+    }
+    for (int i = 0; i < nseg; i++) free(a[i]), free(b[i]);
+    free(ref), free(got), free(again);
+    gpu_free_all(g);
+}
+
+TEST(cuda_ops_gemm_dx) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    if (!is_hopper()) {
+        gpu_close(&g);
+        SKIP("the kernel is for sm_90 (Hopper)");
+    }
+    /* partial tiles in every dimension; a segment's K under one k block, not
+     * a multiple of 8, through a row stride; LoRA's du A (K 24 = 3 x r 8)
+     * first, as the library sums q, k, v; several tiles per cluster */
+    gemm_dx_case(&g, 200, 264, 1, (const int64_t[]){136}, (const int64_t[]){0});
+    gemm_dx_case(&g, 333, 520, 3, (const int64_t[]){1000, 37, 24}, (const int64_t[]){0, 3, 8});
+    gemm_dx_case(&g, 333, 520, 4, (const int64_t[]){24, 512, 128, 128}, (const int64_t[]){0, 0, 0, 0});
+    gemm_dx_case(&g, 2048, 2048, 2, (const int64_t[]){8, 192}, (const int64_t[]){0, 0});
+    /* refusals: dtype, N not a multiple of 8, the segment count, a stride, alignment */
+    void *q = dalloc(&g, 1 << 20);
+    REQUIRE(q);
+    const void *v[5] = {q, q, q, q, q}, *mis[1] = {(char *)q + 2};
+    const int64_t k8[5] = {8, 8, 8, 8, 8}, k12[1] = {12}, l4[1] = {4};
+    CHECK(loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 64, 4, v, k8, k8, v, q));
+    CHECK(!loom_cuda_gemm_dx_ok(LOOM_F16, 64, 64, 1, v, k8, k8, v, q));
+    CHECK(!loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 60, 1, v, k8, k8, v, q));
+    CHECK(!loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 64, 0, v, k8, k8, v, q));
+    CHECK(!loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 64, 5, v, k8, k8, v, q));
+    CHECK(!loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 64, 1, v, k12, k12, v, q)); /* lda 12 */
+    CHECK(!loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 64, 1, v, l4, k8, v, q));   /* lda < K */
+    CHECK(!loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 64, 1, mis, k8, k8, v, q));
+    CHECK(!loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 64, 1, v, k8, k8, mis, q));
+    CHECK(loom_cuda_gemm_dx(g.ctx, 64, 60, 1, v, k8, k8, v, q, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "cuda gemm_dx");
     gpu_close(&g);
 }
 

@@ -80,13 +80,25 @@ static const int32_t *my_qidx_d(const loom_model *m) {
         if (lo_) CK(loom_lora_fwd(m, b->la, b->li, l, mod, x, T, y, 0.0f, W, &both_));             \
         if (!both_) CK(loom_k_lin_fwd(m, x, T, in, W, out, 1.0f, lo_ ? 1.0f : 0.0f, y));           \
     } while (0)
-/* dx = d/dx of LoRA's term on `mod` + beta dx; *acc set once it wrote dx. */
-#define LORA_B(mod, x, T, dy, dx, acc)                                                             \
+/* LoRA's backward on `mod`: dx = d/dx of its term + beta dx, *acc set once
+ * it wrote dx. LORA_T, for the last LoRA backward before a block's input
+ * gradient: the term du A appended to the block's terms t[*n] instead where
+ * it can be (loom_k_lin_dx_sum then sums it with the base's in one GEMM). */
+#define LORA_BT(mod, x, T, dy, dx, acc, defer)                                                     \
     do {                                                                                           \
         bool wrote_ = false;                                                                       \
-        CK(loom_lora_bwd(m, b->la, b->li, l, mod, x, T, dy, dx, *(acc) ? 1.0f : 0.0f, &wrote_));   \
+        CK(loom_lora_bwd(m, b->la, b->li, l, mod, x, T, dy, dx, *(acc) ? 1.0f : 0.0f, &wrote_,     \
+                         defer));                                                                  \
         if (wrote_) *(acc) = true;                                                                 \
     } while (0)
+#define LORA_B(mod, x, T, dy, dx, acc) LORA_BT(mod, x, T, dy, dx, acc, NULL)
+#define LORA_T(mod, x, T, g_, dx, acc, t, n)                                                       \
+    do {                                                                                           \
+        LORA_BT(mod, x, T, g_, dx, acc, &(t)[*(n)]);                                               \
+        if ((t)[*(n)].dy) (*(n))++;                                                                \
+    } while (0)
+/* a base projection's term dy (T, out) W (out, in) of an input gradient */
+#define TERM(t, n, dy_, out_, W_) ((t)[(n)++] = (loom_dx_term){(dy_), (out_), (out_), (W_)})
 
 /* ---- one layer ---- */
 
@@ -218,7 +230,6 @@ static loom_status layer_recompute(loom_model *m, const lbuf *b, int64_t l, cons
     return LOOM_OK;
 }
 
-#define DX(dy, T, out, W, in, beta, dx) CK(loom_k_lin_dx(m, dy, T, out, W, in, 1.0f, beta, dx))
 #define DW(dy, x, T, out, in, dW) CK(loom_k_lin_dw(m, dy, x, T, out, in, 1.0f, dW))
 
 /* m->dx holds d loss / d x[i+1] (Tn, H) on entry and d loss / d x[i] on return. */
@@ -244,17 +255,22 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     /* LoRA's input gradients first, then the base's accumulating onto them
      * (as in the forward) */
     bool acc = false;
-    LORA_B(LOOM_LORA_DOWN, act, Tc, dfull, dg, &acc);
-    DX(dfull, Tc, H, loom_wc(m, s->wd), Il, acc ? 1.0f : 0.0f, dg);
+    loom_dx_term t[6];
+    int nt = 0;
+    LORA_T(LOOM_LORA_DOWN, act, Tc, dfull, dg, &acc, t, &nt);
+    TERM(t, nt, dfull, H, loom_wc(m, s->wd));
+    CK(loom_k_lin_dx_sum(m, Tc, Il, nt, t, acc ? 1.0f : 0.0f, dg));
     DW(dfull, act, Tc, H, Il, loom_g(m, s->wd));
     CK(loom_k_swiglu_bwd(m, dg, g, u, Tc * Il, dg, du));
     if (s->bg >= 0) CK(loom_k_bias_bwd(m, dg, Tc, Il, loom_g(m, s->bg)));
     if (s->bu >= 0) CK(loom_k_bias_bwd(m, du, Tc, Il, loom_g(m, s->bu)));
     acc = false;
+    nt = 0;
     LORA_B(LOOM_LORA_GATE, h2, Tc, dg, dtmp, &acc);
-    LORA_B(LOOM_LORA_UP, h2, Tc, du, dtmp, &acc);
-    DX(dg, Tc, Il, loom_wc(m, s->wg), H, acc ? 1.0f : 0.0f, dtmp);
-    DX(du, Tc, Il, loom_wc(m, s->wu), H, 1.0f, dtmp);
+    LORA_T(LOOM_LORA_UP, h2, Tc, du, dtmp, &acc, t, &nt);
+    TERM(t, nt, dg, Il, loom_wc(m, s->wg));
+    TERM(t, nt, du, Il, loom_wc(m, s->wu));
+    CK(loom_k_lin_dx_sum(m, Tc, H, nt, t, acc ? 1.0f : 0.0f, dtmp));
     DW(dg, h2, Tc, Il, H, loom_g(m, s->wg));
     DW(du, h2, Tc, Il, H, loom_g(m, s->wu));
     void *red = m->sp ? m->dfull : dtmp; /* reduce-scatter needs distinct buffers */
@@ -266,8 +282,10 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     if (s->bo >= 0) CK(loom_k_bias_bwd(m, dx, Tn, H, loom_g(m, s->bo)));
     if (m->sp) CK(sp_gather(m, dx, dfull));
     acc = false;
-    LORA_B(LOOM_LORA_O, o, Tc, dfull, dout, &acc);
-    DX(dfull, Tc, H, loom_wc(m, s->wo), QD, acc ? 1.0f : 0.0f, dout);
+    nt = 0;
+    LORA_T(LOOM_LORA_O, o, Tc, dfull, dout, &acc, t, &nt);
+    TERM(t, nt, dfull, H, loom_wc(m, s->wo));
+    CK(loom_k_lin_dx_sum(m, Tc, QD, nt, t, acc ? 1.0f : 0.0f, dout));
     DW(dfull, o, Tc, H, QD, loom_g(m, s->wo));
     CK(loom_k_attn_bwd(m, dout, q, my_qidx_d(m), Tc, k, v, o, b->lse, T, m->Hql, m->Hkvl, mb->d_cu,
                        mb->ndocs, mb->even_len, dq, dk, dv));
@@ -291,13 +309,15 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     const bool want_dx = l > 0 || loom_g(m, m->embed) || loom_g(m, s->ln1);
     void *dxa = want_dx ? dtmp : NULL;
     acc = false;
+    nt = 0;
     LORA_B(LOOM_LORA_Q, h1, Tc, dq, dxa, &acc);
     LORA_B(LOOM_LORA_K, h1, Tc, dkl, dxa, &acc);
-    LORA_B(LOOM_LORA_V, h1, Tc, dvl, dxa, &acc);
+    LORA_T(LOOM_LORA_V, h1, Tc, dvl, dxa, &acc, t, &nt);
     if (want_dx) {
-        DX(dq, Tc, QD, loom_wc(m, s->wq), H, acc ? 1.0f : 0.0f, dtmp);
-        DX(dkl, Tc, KD, loom_wc(m, s->wk), H, 1.0f, dtmp);
-        DX(dvl, Tc, KD, loom_wc(m, s->wv), H, 1.0f, dtmp);
+        TERM(t, nt, dq, QD, loom_wc(m, s->wq));
+        TERM(t, nt, dkl, KD, loom_wc(m, s->wk));
+        TERM(t, nt, dvl, KD, loom_wc(m, s->wv));
+        CK(loom_k_lin_dx_sum(m, Tc, H, nt, t, acc ? 1.0f : 0.0f, dtmp));
     }
     DW(dq, h1, Tc, QD, H, loom_g(m, s->wq));
     DW(dkl, h1, Tc, KD, H, loom_g(m, s->wk));

@@ -217,6 +217,30 @@ loom_status loom_k_lin_dx(loom_model *m, const void *dy, int64_t T, int64_t out,
     return gemm(m, false, false, T, in, out, alpha, dy, out, W, in, beta, dx, m->dev.adt, in);
 }
 
+loom_status loom_k_lin_dx_sum(loom_model *m, int64_t T, int64_t in, int n, const loom_dx_term *t,
+                              float beta, void *dx) {
+    int done = 0;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m) && !m->dev.lora_cublas && beta == 0.0f && n > 1) {
+        const void *a[4], *b[4];
+        int64_t lda[4], K[4];
+        const int k = n < 4 ? n : 4;
+        for (int i = 0; i < k; i++) a[i] = t[i].dy, lda[i] = t[i].ld, K[i] = t[i].out, b[i] = t[i].W;
+        if (loom_cuda_gemm_dx_ok(m->dev.adt, T, in, k, a, lda, K, b, dx)) {
+            CK(loom_cuda_gemm_dx(m->ctx, T, in, k, a, lda, K, b, dx, m->dev.stream));
+            done = k;
+            beta = 1.0f;
+        }
+    }
+#endif
+    for (int i = done; i < n; i++) {
+        CK(gemm(m, false, false, T, in, t[i].out, 1.0f, t[i].dy, t[i].ld, t[i].W, in, beta, dx,
+                m->dev.adt, in));
+        beta = 1.0f;
+    }
+    return LOOM_OK;
+}
+
 loom_status loom_k_lin_dw(loom_model *m, const void *dy, const void *x, int64_t T, int64_t out,
                           int64_t in, float alpha, float *dW) {
     if (!dW) return LOOM_OK;

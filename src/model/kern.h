@@ -51,7 +51,8 @@ typedef struct loom_dev {
     size_t rms_scratch_bytes;
     void *lora_scratch;       /* device: the LoRA pass kernels' partial sums */
     size_t lora_scratch_bytes;
-    bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's forward and backward on cuBLASLt */
+    bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's forward and backward, and the
+                                 input gradients' sums, on cuBLASLt (no GEMM of loom's own) */
     size_t used0;             /* GPU memory in use when the model was created */
     size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
     size_t gpu_total;
@@ -91,6 +92,19 @@ loom_status loom_k_lin_fwd(loom_model *m, const void *x, int64_t T, int64_t in, 
 /* dx (T, in) = alpha dy (T, out) W + beta dx */
 loom_status loom_k_lin_dx(loom_model *m, const void *dy, int64_t T, int64_t out, const void *W,
                           int64_t in, float alpha, float beta, void *dx);
+/* One term of an input gradient: dy (T, out; ld) times W (out, in). */
+typedef struct loom_dx_term {
+    const void *dy;
+    int64_t ld, out;
+    const void *W;
+} loom_dx_term;
+/* dx (T, in) = sum of the n terms' dy W + beta dx: the projections that
+ * share an input, with LoRA's du A among them. Where the device has the
+ * kernel (Hopper, BF16: loom_cuda_gemm_dx) and beta is 0, the first four
+ * terms are one GEMM with one fp32 accumulator; otherwise, and for any
+ * further terms, one GEMM a term accumulating in dx. */
+loom_status loom_k_lin_dx_sum(loom_model *m, int64_t T, int64_t in, int n, const loom_dx_term *t,
+                              float beta, void *dx);
 /* dW (out, in) += alpha dy^T x; nothing when dW is NULL (frozen) */
 loom_status loom_k_lin_dw(loom_model *m, const void *dy, const void *x, int64_t T, int64_t out,
                           int64_t in, float alpha, float *dW);

@@ -682,10 +682,11 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
 
 loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
                           const void *x, int64_t T, const void *dy, void *dx, float beta,
-                          bool *wrote) {
+                          bool *wrote, loom_dx_term *defer) {
     loom_adapter *a;
     const loom_slot *A, *B;
     *wrote = false;
+    if (defer) defer->dy = NULL;
     if (!lora_on(m, l, mod, &a, &A, &B)) return LOOM_OK;
     const int64_t r = a->r, in = A->cols, out = B->rows;
     lgroup g;
@@ -703,11 +704,14 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
         CK(loom_k_gemm_ld(m, true, false, ld, in, T, 1.0f, m->lora_du, ld, x, in, 1.0f,
                           a->ar.g + A0->off, true, in));
         if (!dx) return LOOM_OK;
+        if (defer) {
+            *defer = (loom_dx_term){m->lora_du, ld, ld, WC(a, A0)};
+            return LOOM_OK;
+        }
         *wrote = true;
         return loom_k_gemm_ld(m, false, false, T, in, ld, 1.0f, m->lora_du, ld, WC(a, A0), in, beta,
                               dx, false, in);
     }
-    *wrote = dx != NULL;
     const void *u = lora_u(m, act, i, mod, r);
     void *du = m->lora_du;
     /* dB += s dy^T u and du = s dy B (one read of dy); dA += du^T x';
@@ -716,8 +720,15 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
     CK(loom_k_lora_dy(m, T, out, r, a->scale, dy, WC(a, B), u, r, du, r, a->ar.g + B->off));
     if (!dropout_on(m, a)) {
         CK(loom_k_lin_dw(m, du, x, T, r, in, 1.0f, a->ar.g + A->off));
-        return dx ? loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, beta, dx) : LOOM_OK;
+        if (!dx) return LOOM_OK;
+        if (defer) {
+            *defer = (loom_dx_term){du, r, r, WC(a, A)};
+            return LOOM_OK;
+        }
+        *wrote = true;
+        return loom_k_lin_dx(m, du, T, r, WC(a, A), in, 1.0f, beta, dx);
     }
+    *wrote = dx != NULL;
     void *xd = m->lora_xd;
     CK(dropout_mask(m, a, l, mod, A, x, T, xd));
     CK(loom_k_lin_dw(m, du, xd, T, r, in, 1.0f, a->ar.g + A->off));

@@ -246,7 +246,10 @@ static inline float *loom_g(loom_model *m, int s) {
  * the layer's index in its chunk). fwd: y (T, out_l) = scale (x A^T) B^T +
  * beta y, saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
  * dx, *wrote set when dx was written (dx NULL: the input gradient is not
- * wanted, only dA and dB). fwd with the base weight W (out, in) and beta 0:
+ * wanted, only dA and dB); with defer (not NULL), where the term is du A
+ * (no dropout) it is not computed but described in *defer (defer->dy NULL
+ * otherwise) for the caller's loom_k_lin_dx_sum, which must run before the
+ * next LoRA backward (du is LoRA's scratch). fwd with the base weight W (out, in) and beta 0:
  * where the device can, y = x W^T + the term in one GEMM and *with_base set
  * (the caller's base GEMM is then not run); W NULL: the term alone. beta is 0 or 1; no-ops where no
  * adapter covers the linear (loom_lora_covers). Modules that share an input
@@ -257,7 +260,7 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int
                           bool *with_base);
 loom_status loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
                           const void *x, int64_t T, const void *dy, void *dx, float beta,
-                          bool *wrote);
+                          bool *wrote, loom_dx_term *defer);
 bool loom_lora_covers(loom_model *m, int64_t l, int mod);
 /* The active adapter when it is applied (unmerged), else NULL. */
 loom_adapter *loom_model_lora(loom_model *m);

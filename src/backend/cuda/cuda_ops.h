@@ -86,6 +86,18 @@ loom_status loom_cuda_gemm_lora(loom_ctx *ctx, int64_t T, int64_t N, int64_t K, 
                                 const void *W, const void *u, int64_t ldu, const void *b, int64_t r,
                                 float s, void *y, void *stream);
 
+/* ---- input gradients as one GEMM (gemm_sm90.cu): Hopper, BF16 ----
+ * d (T, N) = sum over s < nseg of a[s] (T, K[s]; lda[s]) b[s] (K[s], N), all
+ * row-major, one fp32 accumulator, d written (not read): the projections that
+ * share an input (dx = dq Wq + dk Wk + dv Wv) and LoRA's du A with them.
+ * _ok: sm_90, BF16, 1 to 4 segments, N and every lda a multiple of 8, 16-byte
+ * aligned pointers; the caller runs one GEMM a segment where it says no. */
+bool loom_cuda_gemm_dx_ok(loom_dtype dtype, int64_t T, int64_t N, int nseg, const void *const *a,
+                          const int64_t *lda, const int64_t *K, const void *const *b, const void *d);
+loom_status loom_cuda_gemm_dx(loom_ctx *ctx, int64_t T, int64_t N, int nseg, const void *const *a,
+                              const int64_t *lda, const int64_t *K, const void *const *b, void *d,
+                              void *stream);
+
 /* ---- LoRA's pass over dy (ops_lora.cu): BF16/F16 on tensor cores ----
  * k is the small dimension (an adapter's rank, or a group's ranks side by
  * side): a multiple of 8 up to LOOM_CUDA_LORA_MAX_K (loom_cuda_lora_ok).

@@ -20,12 +20,14 @@
 
 namespace loom_sm90 {
 
-// wgmma m64n256k16, bf16 -> f32, A and B from shared-memory descriptors; d += A B^T (d = when scale_d is 0)
+// wgmma m64n256k16, bf16 -> f32, A and B from shared-memory descriptors; d += A B^T (d = when
+// scale_d is 0); TB: B is N-major (transposed) in shared memory
+template <int TB>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(da), "l"(db), "r"(scale_d));
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
 }
 
 constexpr int BM = 128, BN = 256, BK = 64;
@@ -99,6 +101,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
 __device__ __forceinline__ uint64_t desc_k(const void *p) {
     return (uint64_t)((su32(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
+// N-major operand (BT): BK x 64 boxes of 128-byte rows under the 128-byte swizzle, 8192 bytes
+// apart along N (the leading offset), 8-row groups along K 1024 bytes apart (the stride offset)
+__device__ __forceinline__ uint64_t desc_n(const void *p) {
+    return (uint64_t)((su32(p) & 0x3FFFF) >> 4) | ((uint64_t)(64 * BK * 2 >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
@@ -115,19 +122,47 @@ __device__ __forceinline__ void tile_mn(int t, int mt, int nt, int gm, int &m, i
     n = r / rows;
 }
 
+// D[M, N] = sum over segments s of A_s B_s^T (BT false: B_s is (N, K_s), K-major) or A_s B_s (BT
+// true: B_s is (K_s, N), N-major), each A_s (M, K_s) K-major: the segments are one k loop, so one
+// fp32 accumulator sums them all. The last segment's A tile is scaled by s_last in shared memory
+// when that is not 1 (LoRA's forward: x W^T + (s U) B_l^T, B_l's columns past r read as zero).
+constexpr int MAXSEG = 4;
+struct Args {
+    CUtensorMap a[MAXSEG], b[MAXSEG], d;
+    int nk[MAXSEG];  // k blocks of each segment
+    int nseg;
+    float s_last;
+    __nv_bfloat16 *D;
+    int M, N, ldd, gm;
+};
+
+// K-major B: the (BN / CL) x BK part this CTA loads; N-major B: BK x 64 boxes, BN / 64 a stage,
+// this CTA's BN / 64 / CL of them; both multicast to the cluster
+template <int CL, bool BT>
+__device__ __forceinline__ void load_b(__nv_bfloat16 *dst, const CUtensorMap *map, uint64_t *bar, int k0, int n0, uint32_t rank) {
+    if constexpr (BT) {
+#pragma unroll
+        for (int j = rank * (BN / 64 / CL); j < (int)(rank + 1) * (BN / 64 / CL); j++) {
+            if constexpr (CL == 1) tma_2d(dst + j * 64 * BK, map, bar, n0 + j * 64, k0);
+            else tma_2d_mc(dst + j * 64 * BK, map, bar, n0 + j * 64, k0, (uint16_t)((1u << CL) - 1));
+        }
+    } else if constexpr (CL == 1) {
+        tma_2d(dst, map, bar, k0, n0);
+    } else {
+        tma_2d_mc(dst + rank * (BN / CL) * BK, map, bar, k0, n0 + rank * (BN / CL), (uint16_t)((1u << CL) - 1));
+    }
+}
+
 // EPI: 0 none (the main loop alone, a diagnostic), 1 stores from registers, 2 staged in shared
 // memory (128-byte swizzle, 64 x 64 boxes) and written by TMA stores, EPC columns a round
-template <int STAGES, int CL, int EPI, bool STRONG, int EPC>
-__global__ void __launch_bounds__(NTHREADS, 1)
-gemm_tn(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
-        const __grid_constant__ CUtensorMap td, const __grid_constant__ CUtensorMap tu,
-        const __grid_constant__ CUtensorMap tsb, int lora, float su, __nv_bfloat16 *D, int M, int N, int K, int ldd, int gm) {
+template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT = false>
+__global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__ Args p) {
     extern __shared__ uint8_t raw[];
     Smem<STAGES, EPC> &s = *reinterpret_cast<Smem<STAGES, EPC> *>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~(uintptr_t)1023);
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     // a cluster of CL CTAs takes CL consecutive m tiles of one n tile; B is loaded in CL parts, each multicast to all
-    const int mt = (M + BM - 1) / BM, nt = (N + BN - 1) / BN, mtc = (mt + CL - 1) / CL, tiles = mtc * nt, nk = (K + BK - 1) / BK + lora;
-    const int nkx = nk - lora;  // k blocks of A B^T; with lora one more of (su U) B_l^T (r columns, the rest zero-filled)
+    const int M = p.M, N = p.N, mt = (M + BM - 1) / BM, nt = (N + BN - 1) / BN, mtc = (mt + CL - 1) / CL, tiles = mtc * nt;
+    const int nseg = p.nseg;
     const uint32_t rank = CL > 1 ? cluster_rank() : 0;
     const int cid = blockIdx.x / CL, ncl = gridDim.x / CL;
     if (threadIdx.x == 0) {
@@ -145,20 +180,16 @@ gemm_tn(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensor
             uint32_t phase = 0;
             for (int t = cid; t < tiles; t += ncl) {
                 int m, n;
-                tile_mn(t, mtc, nt, gm, m, n);
+                tile_mn(t, mtc, nt, p.gm, m, n);
                 m = m * CL + rank;
-                for (int kb = 0; kb < nk; kb++) {
-                    mbar_wait(&s.empty[stage], phase ^ 1);
-                    mbar_expect_tx(&s.full[stage], (BM + BN) * BK * 2);
-                    const bool x = kb == nkx;
-                    const int k0 = x ? 0 : kb * BK;
-                    tma_2d(s.A[stage], x ? &tu : &ta, &s.full[stage], k0, m * BM);
-                    if constexpr (CL == 1)
-                        tma_2d(s.B[stage], x ? &tsb : &tb, &s.full[stage], k0, n * BN);
-                    else
-                        tma_2d_mc(s.B[stage] + rank * (BN / CL) * BK, x ? &tsb : &tb, &s.full[stage], k0, n * BN + rank * (BN / CL),
-                                  (uint16_t)((1u << CL) - 1));
-                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                for (int sg = 0; sg < nseg; sg++) {
+                    for (int kb = 0; kb < p.nk[sg]; kb++) {
+                        mbar_wait(&s.empty[stage], phase ^ 1);
+                        mbar_expect_tx(&s.full[stage], (BM + BN) * BK * 2);
+                        tma_2d(s.A[stage], &p.a[sg], &s.full[stage], kb * BK, m * BM);
+                        load_b<CL, BT>(s.B[stage], &p.b[sg], &s.full[stage], kb * BK, n * BN, rank);
+                        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                    }
                 }
             }
         }
@@ -170,33 +201,39 @@ gemm_tn(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensor
         float d[128];
         for (int t = cid; t < tiles; t += ncl) {
             int m, n;
-            tile_mn(t, mtc, nt, gm, m, n);
+            tile_mn(t, mtc, nt, p.gm, m, n);
             m = m * CL + rank;
-            int prev = -1;
-            for (int kb = 0; kb < nk; kb++) {
-                mbar_wait(&s.full[stage], phase);
-                if (kb == nkx && su != 1.0f) {  // LoRA's block: this warpgroup's rows of U times s
-                    uint4 *p = reinterpret_cast<uint4 *>(s.A[stage] + c * 64 * BK);
-                    for (int i = tid; i < 64 * BK / 8; i += 128) {
-                        uint4 v = p[i];
-                        __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&v);
+            int prev = -1, first = 1;
+            for (int sg = 0; sg < nseg; sg++) {
+                const bool scale = sg == nseg - 1 && p.s_last != 1.0f;
+                for (int kb = 0; kb < p.nk[sg]; kb++) {
+                    mbar_wait(&s.full[stage], phase);
+                    if (scale) {  // LoRA's block: this warpgroup's rows of U times s
+                        uint4 *q = reinterpret_cast<uint4 *>(s.A[stage] + c * 64 * BK);
+                        const __nv_bfloat162 f = __float2bfloat162_rn(p.s_last);
+                        for (int i = tid; i < 64 * BK / 8; i += 128) {
+                            uint4 v = q[i];
+                            __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&v);
 #pragma unroll
-                        for (int e = 0; e < 4; e++) h[e] = __hmul2(h[e], __float2bfloat162_rn(su));
-                        p[i] = v;
+                            for (int e = 0; e < 4; e++) h[e] = __hmul2(h[e], f);
+                            q[i] = v;
+                        }
+                        fence_async_smem();  // generic stores, read next by wgmma (the async proxy)
+                        named_sync(1 + c, 128);
                     }
-                    fence_async_smem();  // generic stores, read next by wgmma (the async proxy)
-                    named_sync(1 + c, 128);
-                }
-                wg_fence();
-                const __nv_bfloat16 *a = s.A[stage] + c * 64 * BK, *b = s.B[stage];
+                    wg_fence();
+                    const __nv_bfloat16 *a = s.A[stage] + c * 64 * BK, *b = s.B[stage];
 #pragma unroll
-                for (int kk = 0; kk < BK / 16; kk++)
-                    wgmma_m64n256k16(d, desc_k(a + kk * 16), desc_k(b + kk * 16), (kb | kk) != 0);
-                wg_commit();
-                wg_wait<1>();
-                if (prev >= 0 && tid < CL) mbar_arrive_cta<STRONG>(&s.empty[prev], tid);
-                prev = stage;
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                    for (int kk = 0; kk < BK / 16; kk++)
+                        wgmma_m64n256k16<BT>(d, desc_k(a + kk * 16), BT ? desc_n(b + kk * 16 * 64) : desc_k(b + kk * 16),
+                                             !(first && kk == 0));
+                    first = 0;
+                    wg_commit();
+                    wg_wait<1>();
+                    if (prev >= 0 && tid < CL) mbar_arrive_cta<STRONG>(&s.empty[prev], tid);
+                    prev = stage;
+                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                }
             }
             wg_wait<0>();
             fence_acc(d);
@@ -220,7 +257,7 @@ gemm_tn(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensor
                     if (tid == 0) {
 #pragma unroll
                         for (int box = 0; box < EPC / 64; box++)
-                            tma_store_2d(&td, s.E[EPC ? c : 0] + box * 4096, n * BN + h * EPC + box * 64, m * BM + c * 64);
+                            tma_store_2d(&p.d, s.E[EPC ? c : 0] + box * 4096, n * BN + h * EPC + box * 64, m * BM + c * 64);
                         bulk_commit();
                     }
                 }
@@ -230,7 +267,7 @@ gemm_tn(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensor
                 float acc = 0.f;
 #pragma unroll
                 for (int j = 0; j < 128; j++) acc += d[j];
-                if (acc == 1234.5f) D[0] = __float2bfloat16(acc);
+                if (acc == 1234.5f) p.D[0] = __float2bfloat16(acc);
                 continue;
             }
             const int r0 = m * BM + c * 64 + warp * 16 + lane / 4;
@@ -240,9 +277,9 @@ gemm_tn(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensor
                 const int col = cb + j * 8;
                 if (col < N) {
                     if (r0 < M)
-                        *reinterpret_cast<__nv_bfloat162 *>(D + (size_t)r0 * ldd + col) = __floats2bfloat162_rn(d[4 * j], d[4 * j + 1]);
+                        *reinterpret_cast<__nv_bfloat162 *>(p.D + (size_t)r0 * p.ldd + col) = __floats2bfloat162_rn(d[4 * j], d[4 * j + 1]);
                     if (r0 + 8 < M)
-                        *reinterpret_cast<__nv_bfloat162 *>(D + (size_t)(r0 + 8) * ldd + col) = __floats2bfloat162_rn(d[4 * j + 2], d[4 * j + 3]);
+                        *reinterpret_cast<__nv_bfloat162 *>(p.D + (size_t)(r0 + 8) * p.ldd + col) = __floats2bfloat162_rn(d[4 * j + 2], d[4 * j + 3]);
                 }
             }
         }
