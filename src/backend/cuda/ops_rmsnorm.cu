@@ -18,8 +18,15 @@ int64_t dw_rows_per_chunk(int64_t N) {
     if ((N + r - 1) / r > 1024) r = (N + 1023) / 1024;
     return r;
 }
-// Rows per block of the wide backward: about 128 blocks (a function of N only).
-int64_t wide_rows(int64_t N) { return N > 128 ? (N + 127) / 128 : 1; }
+// Rows per block of the wide backward. With dw about 128 blocks (each block's
+// partial sums are one chunk of dw's reduction: a function of N only). Without
+// dw, about 1024 blocks: several share an SM and hide each row's two barriers
+// (128 blocks of 32 rows each ran the 8B layer's norm at ~1.7 TB/s). A row's
+// bits do not depend on its block.
+int64_t wide_rows(int64_t N, bool dw) {
+    const int64_t blocks = dw ? 128 : 1024;
+    return N > blocks ? (N + blocks - 1) / blocks : 1;
+}
 bool wide_ok(int64_t H) { return H > 1024 && H % 256 == 0 && H / 8 <= 1024; }
 } // namespace
 
@@ -593,7 +600,7 @@ extern "C" loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, c
 
 extern "C" size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H) {
     if (N <= 0 || H <= 0) return 0;
-    const int64_t rows = dw_rows_per_chunk(N), wr = wide_rows(N);
+    const int64_t rows = dw_rows_per_chunk(N), wr = wide_rows(N, true);
     int64_t chunks = (N + rows - 1) / rows;
     if ((N + wr - 1) / wr > chunks) chunks = (N + wr - 1) / wr; /* the wide kernel's */
     return (size_t)chunks * (size_t)H * sizeof(double);
@@ -631,7 +638,7 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
     // without dw keeps the vector kernel, whose bits the tests compare with):
     // one pass, a block per range of rows
     if (vec && (dw || res) && wide_ok(H)) {
-        const int64_t rows = wide_rows(N);
+        const int64_t rows = wide_rows(N, dw != nullptr);
         const unsigned blocks = (unsigned)((N + rows - 1) / rows), threads = (unsigned)(H / 8);
 #define WIDE(T, A, D)                                                                               \
     norm_bwd_wide_kernel<T, A, D><<<blocks, threads, 0, s>>>((const T *)dy, (const T *)x, w, w_dtype, rstd, \
