@@ -226,7 +226,8 @@ loom_status loom_k_lin_dx_sum(loom_model *m, int64_t T, int64_t in, int n, const
         int64_t lda[4], K[4];
         const int k = n < 4 ? n : 4;
         for (int i = 0; i < k; i++) a[i] = t[i].dy, lda[i] = t[i].ld, K[i] = t[i].out, b[i] = t[i].W;
-        if (loom_cuda_gemm_dx_ok(m->dev.adt, T, in, k, a, lda, K, b, dx)) {
+        if (loom_cuda_gemm_dx_ok(m->dev.adt, T, in, k, a, lda, K, b, dx) &&
+            loom_cuda_gemm_wave_fill(T, in) >= 0.9) {
             CK(loom_cuda_gemm_dx(m->ctx, T, in, k, a, lda, K, b, dx, m->dev.stream));
             done = k;
             beta = 1.0f;

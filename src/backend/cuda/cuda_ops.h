@@ -97,6 +97,10 @@ bool loom_cuda_gemm_dx_ok(loom_dtype dtype, int64_t T, int64_t N, int nseg, cons
 loom_status loom_cuda_gemm_dx(loom_ctx *ctx, int64_t T, int64_t N, int nseg, const void *const *a,
                               const int64_t *lda, const int64_t *K, const void *const *b, void *d,
                               void *stream);
+/* How full the kernel's waves of tiles are for a (T, N) output on the current
+ * device: tiles over whole waves' worth of tile slots (0 where it does not
+ * run). Under 0.9 cuBLASLt's own tile choice can win back what the sum saves. */
+double loom_cuda_gemm_wave_fill(int64_t T, int64_t N);
 
 /* ---- LoRA's pass over dy (ops_lora.cu): BF16/F16 on tensor cores ----
  * k is the small dimension (an adapter's rank, or a group's ranks side by

@@ -153,3 +153,12 @@ extern "C" loom_status loom_cuda_gemm_dx(loom_ctx *ctx, int64_t T, int64_t N, in
     p.N = p.ldd = (int)N;
     return launch(ctx, dev, true, p, stream, "gemm_dx");
 }
+
+extern "C" double loom_cuda_gemm_wave_fill(int64_t T, int64_t N) {
+    int dev;
+    if (!device_ready(&dev) || T <= 0 || N <= 0) return 0.0;
+    using loom_sm90::BM;
+    using loom_sm90::BN;
+    const int64_t tiles = ((T + BM * CL - 1) / (BM * CL)) * ((N + BN - 1) / BN), slots = g_sms[dev] / CL;
+    return (double)tiles / (double)(((tiles + slots - 1) / slots) * slots);
+}
