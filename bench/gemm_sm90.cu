@@ -4,12 +4,13 @@
 // output poisoned first) and against float64 on some rows, then timed against cuBLASLt
 // interleaved (same clocks). Last, LoRA's term U (s B)^T as one more k block of the same GEMM,
 // against cuBLASLt's pair (U (s B)^T written, the base GEMM adding it). Then the input gradients
-// (B N-major), alone and as the sums of an 8B layer's projections with LoRA's du A.
+// (B N-major), alone and as the sums of an 8B layer's projections with LoRA's du A; and the MLP's
+// front (gate, up and SwiGLU) as one GEMM.
 // Exits 1 when a check fails. Results: bench/RESULTS.md, tenth round.
 //
 //   make CUDA=1 BUILD=build-cuda build-cuda/gemm_sm90
-//   build-cuda/gemm_sm90 [group_m] [one | dx]   (one: a single 4096^3 run of c2-t128, for a profiler;
-//                                              dx: the input gradients' section alone)
+//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu]   (one: a single 4096^3 run of c2-t128, for a
+//                                   profiler; dx, swiglu: that section alone)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -57,12 +58,13 @@ static const Args &args_for(bool bt, int CL, const std::vector<Seg> &segs, __nv_
     return cache.emplace(key, p).first->second;
 }
 
-template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT>
+template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT, class Act = NoAct, int NEB = 1>
 static void launch(const Args &p, int grid_cap) {
-    const size_t smem = sizeof(Smem<STAGES, EPC>) + 1024;
+    const size_t smem = sizeof(Smem<STAGES, EPC, NEB>) + 1024;
     static bool set = false;
-    if (!set) { CK(cudaFuncSetAttribute(gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set = true; }
-    const int tiles = ((p.M + BM * CL - 1) / (BM * CL)) * ((p.N + BN - 1) / BN);
+    if (!set) { CK(cudaFuncSetAttribute(gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT, Act, NEB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set = true; }
+    const int tn = EPI == 3 ? BN / 2 : BN;
+    const int tiles = ((p.M + BM * CL - 1) / (BM * CL)) * ((p.N + tn - 1) / tn);
     int grid = std::min(tiles, (grid_cap > 0 ? grid_cap : g_sms) / CL) * CL;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid); cfg.blockDim = dim3(NTHREADS); cfg.dynamicSmemBytes = smem;
@@ -70,7 +72,7 @@ static void launch(const Args &p, int grid_cap) {
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = CL; at[0].val.clusterDim.y = 1; at[0].val.clusterDim.z = 1;
     cfg.attrs = at; cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT>, p));
+    CK(cudaLaunchKernelEx(&cfg, gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT, Act, NEB>, p));
 }
 
 template <int STAGES, int CL, int EPI = 1, bool STRONG = false, int EPC = 0>
@@ -250,9 +252,16 @@ static int dx_section(Lt &lt, int gm, cudaEvent_t e0, cudaEvent_t e1) {
         {"gate+up+lora", T, H, {{buf[6], 16, 16, buf[7]}, {buf[0], I, I, buf[1]}, {buf[2], I, I, buf[3]}}},
         {"o+lora", T, H, {{buf[6], 8, 8, buf[7]}, {buf[0], H, H, buf[1]}}},
         {"down+lora", T, I, {{buf[6], 8, 8, buf[7]}, {buf[0], H, H, buf[1]}}},
+        // Qwen3-4B (H 2560, I 9728): 10 n tiles of 256, 2.4 waves of 66 clusters
+        {"4B q+k+v+lora", T, 2560, {{buf[6], 24, 24, buf[7]}, {buf[0], H, H, buf[1]}, {buf[2], KV, KV, buf[3]}, {buf[4], KV, KV, buf[5]}}},
+        {"4B gate+up+lora", T, 2560, {{buf[6], 16, 16, buf[7]}, {buf[0], 9728, 9728, buf[1]}, {buf[2], 9728, 9728, buf[3]}}},
+        {"4B o+lora", T, 2560, {{buf[6], 8, 8, buf[7]}, {buf[0], H, H, buf[1]}}},
+        {"4B down+lora", T, 9728, {{buf[6], 8, 8, buf[7]}, {buf[0], 2560, 2560, buf[1]}}},
     };
+    const char *only = getenv("GEMM_SM90_ONLY");  // a prefix of the cases' names to run
     printf("\ninput gradients: own N-major GEMM (c2-t128) against cuBLASLt (one NN GEMM a segment, the later ones adding)\n");
     for (const Case &c : cases) {
+        if (only && strncmp(c.what, only, strlen(only))) continue;
         const int M = c.M, N = c.N;
         auto own = [&] { run_dx(c.segs, D, M, N, gm); };
         auto seq = [&] {
@@ -278,13 +287,97 @@ static int dx_section(Lt &lt, int gm, cudaEvent_t e0, cudaEvent_t e1) {
     return failed;
 }
 
+// SwiGLU as the library computes it (ops_common.cuh's swiglu1), from the bf16 values
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fmul_rn(g, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)))), u);
+}
+struct Swiglu { __device__ static float f(float g, float u) { return silu_mul(g, u); } };
+// the same with the fast exponential and reciprocal (differs in the last bits)
+struct SwigluFast { __device__ static float f(float g, float u) { return g * __frcp_rn(1.0f + __expf(-g)) * u; } };
+// no arithmetic: the third output's stores alone
+struct Third { __device__ static float f(float g, float) { return g; } };
+__global__ void swiglu_kernel(const __nv_bfloat16 *g, const __nv_bfloat16 *u, size_t n8, __nv_bfloat16 *h) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 a = reinterpret_cast<const uint4 *>(g)[i], b = reinterpret_cast<const uint4 *>(u)[i], o;
+        const __nv_bfloat16 *x = reinterpret_cast<const __nv_bfloat16 *>(&a), *y = reinterpret_cast<const __nv_bfloat16 *>(&b);
+        __nv_bfloat16 *z = reinterpret_cast<__nv_bfloat16 *>(&o);
+#pragma unroll
+        for (int k = 0; k < 8; k++) z[k] = __float2bfloat16(silu_mul(__bfloat162float(x[k]), __bfloat162float(y[k])));
+        reinterpret_cast<uint4 *>(h)[i] = o;
+    }
+}
+
+// The MLP's front: g, up and h = silu(g) up as one GEMM (the SwiGLU pair, EPI 3) against the
+// library's path before it (two GEMMs, LoRA's term inside each, then the SwiGLU kernel).
+static int swiglu_section(int gm, cudaEvent_t e0, cudaEvent_t e1) {
+    int failed = 0;
+    struct Case { const char *what; int T, K, I, r; } cases[] = {
+        {"ragged", 333, 1000, 520, 8}, {"8B lora", 4096, 4096, 12288, 8}, {"8B", 4096, 4096, 12288, 0}, {"0.6B", 8192, 1024, 3072, 0}};
+    printf("\nSwiGLU pair: own dual GEMM (gate, up, h) against two GEMMs + the SwiGLU kernel\n");
+    for (const Case &c : cases) {
+        const int T = c.T, K = c.K, I = c.I, r = c.r;
+        __nv_bfloat16 *x, *wg, *wu, *u, *bg, *bu, *o[6];
+        CK(cudaMalloc(&x, (size_t)T * K * 2)); CK(cudaMalloc(&wg, (size_t)I * K * 2)); CK(cudaMalloc(&wu, (size_t)I * K * 2));
+        CK(cudaMalloc(&u, (size_t)T * 64 * 2)); CK(cudaMalloc(&bg, (size_t)I * 64 * 2)); CK(cudaMalloc(&bu, (size_t)I * 64 * 2));
+        for (int i = 0; i < 6; i++) { CK(cudaMalloc(&o[i], (size_t)T * I * 2)); poison<<<1024, 256>>>(o[i], (size_t)T * I); }
+        fill<<<1024, 256>>>(x, (size_t)T * K, 1u); fill<<<1024, 256>>>(wg, (size_t)I * K, 2u); fill<<<1024, 256>>>(wu, (size_t)I * K, 3u);
+        fill<<<256, 256>>>(u, (size_t)T * 64, 4u); fill<<<256, 256>>>(bg, (size_t)I * 64, 5u); fill<<<256, 256>>>(bu, (size_t)I * 64, 6u);
+        Args p = {};
+        bool ok = kmajor_map(&p.a[0], x, T, K, K, BM) && kmajor_map(&p.b[0], wg, I, K, K, BN / 2) && kmajor_map(&p.b2[0], wu, I, K, K, BN / 2) &&
+                  kmajor_map(&p.d, o[0], T, I, I, 64, 64) && kmajor_map(&p.d2, o[1], T, I, I, 64, 64) && kmajor_map(&p.d3, o[2], T, I, I, 64, 64);
+        p.nk[0] = (K + BK - 1) / BK; p.nseg = 1; p.s_last = 1.0f;
+        if (r) {
+            ok = ok && kmajor_map(&p.a[1], u, T, 2 * r, 2 * r, BM) && kmajor_map(&p.b[1], bg, I, r, r, BN / 2) && kmajor_map(&p.b2[1], bu, I, r, r, BN / 2);
+            p.nk[1] = 1; p.kb2[1] = -r; p.nseg = 2;
+        }
+        if (!ok) { fprintf(stderr, "cuTensorMapEncodeTiled failed\n"); exit(1); }
+        p.D = o[0]; p.M = T; p.N = I; p.ldd = I; p.gm = gm;
+        auto own = [&] { launch<4, 2, 3, false, 128, false, Swiglu>(p, 0); };
+        auto own3 = [&] { launch<3, 2, 3, false, 128, false, Swiglu, 2>(p, 0); };  // 3 stages, staging double-buffered
+        std::vector<Seg> sg = {{x, K, K, wg}}, su = {{x, K, K, wu}};
+        if (r) { sg.push_back({u, 2 * r, r, bg}); su.push_back({u + r, 2 * r, r, bu}); }
+        auto ref = [&] {
+            launch<4, 2, 2, false, 128, false>(args_for(false, 2, sg, o[3], T, I, gm), 0);
+            launch<4, 2, 2, false, 128, false>(args_for(false, 2, su, o[4], T, I, gm), 0);
+            swiglu_kernel<<<132 * 8, 256>>>(o[3], o[4], (size_t)T * I / 8, o[5]);
+        };
+        own(); ref();
+        CK(cudaDeviceSynchronize());
+        size_t n0 = 0, n1 = 0, n2 = 0;
+        const size_t n = (size_t)T * I;
+        const double eg = relerr(o[0], o[3], n, &n0), eu = relerr(o[1], o[4], n, &n1), eh = relerr(o[2], o[5], n, &n2);
+        float t_own, t_ref, t_own3, t_ref3;
+        time_pair(own, ref, 20, e0, e1, &t_own, &t_ref);
+        for (int i = 0; i < 3; i++) poison<<<1024, 256>>>(o[i], n);
+        own3();
+        CK(cudaDeviceSynchronize());
+        size_t m0 = 0, m1 = 0, m2 = 0;
+        const double fg = relerr(o[0], o[3], n, &m0), fu = relerr(o[1], o[4], n, &m1), fh = relerr(o[2], o[5], n, &m2);
+        time_pair(own3, ref, 20, e0, e1, &t_own3, &t_ref3);
+        float t_fast, t_third, t_r;
+        time_pair([&] { launch<4, 2, 3, false, 128, false, SwigluFast>(p, 0); }, ref, 20, e0, e1, &t_fast, &t_r);
+        time_pair([&] { launch<4, 2, 3, false, 128, false, Third>(p, 0); }, ref, 20, e0, e1, &t_third, &t_r);
+        printf("  fast exp and reciprocal %.4f ms, third output without arithmetic %.4f ms\n", t_fast, t_third);
+        if (n0 || n1 || n2 || eg > 1e-6 || eu > 1e-6 || eh > 1e-6 || m0 || m1 || m2 || fg > 1e-6 || fu > 1e-6 || fh > 1e-6) {
+            failed++;
+            printf("FAIL: ");
+        }
+        printf("%-8s T %5d K %5d I %5d r %2d | own %.4f ms (3 stages, 2 buffers: %.4f), two GEMMs + SwiGLU %.4f ms (%.4f), saved %.4f ms | vs ref g %.1e u %.1e h %.1e (NaN %zu %zu %zu), 3-stage %.1e %.1e %.1e\n",
+               c.what, T, K, I, r, t_own, t_own3, t_ref, t_ref3, t_ref - t_own, eg, eu, eh, n0, n1, n2, fg, fu, fh);
+        fflush(stdout);
+        for (void *q : {(void *)x, (void *)wg, (void *)wu, (void *)u, (void *)bg, (void *)bu}) CK(cudaFree(q));
+        for (int i = 0; i < 6; i++) CK(cudaFree(o[i]));
+    }
+    return failed;
+}
+
 int main(int argc, char **argv) {
     int gm = 8, failed = 0;
     if (argc > 1) {
         char *end = nullptr;
         const long v = strtol(argv[1], &end, 10);
-        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx")) || argc > 3) {
-            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx]\n", argv[0]);
+        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu")) || argc > 3) {
+            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu]\n", argv[0]);
             return 2;
         }
         gm = (int)v;
@@ -307,8 +400,8 @@ int main(int argc, char **argv) {
     __nv_bfloat16 *A, *B, *D, *R;
     CK(cudaMalloc(&A, maxe * 2)); CK(cudaMalloc(&B, maxe * 2)); CK(cudaMalloc(&D, maxe * 2)); CK(cudaMalloc(&R, maxe * 2));
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-    if (argc > 2 && !strcmp(argv[2], "dx")) {
-        failed = dx_section(lt, gm, e0, e1);
+    if (argc > 2 && (!strcmp(argv[2], "dx") || !strcmp(argv[2], "swiglu"))) {
+        failed = !strcmp(argv[2], "dx") ? dx_section(lt, gm, e0, e1) : swiglu_section(gm, e0, e1);
         if (failed) printf("%d check(s) failed\n", failed);
         return failed ? 1 : 0;
     }
@@ -387,6 +480,7 @@ int main(int argc, char **argv) {
         fflush(stdout);
     }
     failed += dx_section(lt, gm, e0, e1);
+    failed += swiglu_section(gm, e0, e1);
     if (failed) printf("%d check(s) failed\n", failed);
     return failed ? 1 : 0;
 }

@@ -1,6 +1,7 @@
-// A Hopper GEMM (sm_90a): D[M,N] = A[M,K] B[N,K]^T in bf16 with fp32 accumulation, both
-// operands K-major (the forward projections' layout), optionally plus LoRA's term (su U) B_l^T
-// as one more k block (U: M x r, B_l: N x r, r <= 64; columns past r read as zero).
+// A Hopper GEMM (sm_90a) in bf16 with fp32 accumulation: D[M,N] = sum over up to MAXSEG k
+// segments of A_s B_s^T (B_s[N,K_s] K-major, the forward projections' layout; LoRA's term
+// (su U) B_l^T is one more segment of one k block, columns past r read as zero) or of A_s B_s
+// (B_s[K_s,N] N-major: the input gradients dy W, LoRA's du A among them). A_s is K-major.
 //
 // TMA loads under the 128-byte swizzle complete on mbarriers (STAGES deep); one producer
 // warpgroup issues them, two consumer warpgroups run wgmma m64n256k16 on 64 x 256 halves of a
@@ -10,8 +11,10 @@
 // while the next tile runs; 1 = stores from registers; 0 = none (a diagnostic). STRONG: release
 // stages with .release.cluster arrives (slower: a MEMBAR.ALL.GPU each; kept for the probe).
 //
-// Used by the library (gemm_sm90.cu, the configuration <4, 2, 2, false, 128>) and by the probe
-// bench/gemm_sm90.cu (every variant). Device code needs -gencode arch=compute_90a,code=sm_90a.
+// Used by the library (gemm_sm90.cu: <4, 2, 2, false, 128> with B K-major for the forward, N-major
+// for the input gradients) and by the probe bench/gemm_sm90.cu (every variant, and EPI 3, the
+// SwiGLU pair: measured no faster than its two GEMMs and the SwiGLU kernel, so not in the
+// library). Device code needs -gencode arch=compute_90a,code=sm_90a.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -35,10 +38,11 @@ constexpr int NCONS = 2;
 constexpr int NTHREADS = 128 * (NCONS + 1);
 
 // EPC: output columns a consumer stages in shared memory per TMA store round (0: no staging)
-template <int STAGES, int EPC> struct Smem {
+// NEB: staging buffers per consumer (EPI 3: 2 lets a round's stores run while the next is staged)
+template <int STAGES, int EPC, int NEB = 1> struct Smem {
     __nv_bfloat16 A[STAGES][BM * BK];
     __nv_bfloat16 B[STAGES][BN * BK];
-    __nv_bfloat16 E[EPC ? NCONS : 1][EPC ? 64 * EPC : 8];
+    __nv_bfloat16 E[EPC ? NCONS * NEB : 1][EPC ? 64 * EPC : 8];
     uint64_t full[STAGES], empty[STAGES];
 };
 
@@ -126,14 +130,24 @@ __device__ __forceinline__ void tile_mn(int t, int mt, int nt, int gm, int &m, i
 // true: B_s is (K_s, N), N-major), each A_s (M, K_s) K-major: the segments are one k loop, so one
 // fp32 accumulator sums them all. The last segment's A tile is scaled by s_last in shared memory
 // when that is not 1 (LoRA's forward: x W^T + (s U) B_l^T, B_l's columns past r read as zero).
+//
+// EPI 3 (SwiGLU; B K-major): two projections of the same input side by side, gate = sum A_s B_s^T
+// and up = sum A_s B2_s^T. A tile's B holds BN / 2 rows of each (the gate's then the up's, from
+// b and b2 at k offsets kb and kb2: LoRA's group u = [u_gate | u_up] meets B_gate at its columns
+// 0..r-1 and B_up, read from k = -r, at r..2r-1), and the epilogue writes gate (d), up (d2) and
+// Act::f(gate, up) (d3) of BN / 2 columns, each from its bf16 rounding.
 constexpr int MAXSEG = 4;
 struct Args {
-    CUtensorMap a[MAXSEG], b[MAXSEG], d;
+    CUtensorMap a[MAXSEG], b[MAXSEG], b2[MAXSEG], d, d2, d3;
     int nk[MAXSEG];  // k blocks of each segment
+    int kb[MAXSEG], kb2[MAXSEG];  // EPI 3: the B halves' k offsets
     int nseg;
     float s_last;
     __nv_bfloat16 *D;
-    int M, N, ldd, gm;
+    int M, N, ldd, gm;  // EPI 3: N is each output's width
+};
+struct NoAct {
+    __device__ static float f(float g, float) { return g; }
 };
 
 // K-major B: the (BN / CL) x BK part this CTA loads; N-major B: BK x 64 boxes, BN / 64 a stage,
@@ -153,15 +167,33 @@ __device__ __forceinline__ void load_b(__nv_bfloat16 *dst, const CUtensorMap *ma
     }
 }
 
+// EPI 3: the gate's BN / 2 rows of W from b, the up's from b2; CL 2: one half each
+template <int CL>
+__device__ __forceinline__ void load_b2(__nv_bfloat16 *dst, const Args &p, int sg, uint64_t *bar, int k0, int n0, uint32_t rank) {
+    static_assert(CL <= 2, "the halves are the cluster's parts");
+    if constexpr (CL == 1) {
+        tma_2d(dst, &p.b[sg], bar, k0 + p.kb[sg], n0);
+        tma_2d(dst + (BN / 2) * BK, &p.b2[sg], bar, k0 + p.kb2[sg], n0);
+    } else {
+        tma_2d_mc(dst + rank * (BN / 2) * BK, rank ? &p.b2[sg] : &p.b[sg], bar, k0 + (rank ? p.kb2[sg] : p.kb[sg]), n0, 3);
+    }
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
 // EPI: 0 none (the main loop alone, a diagnostic), 1 stores from registers, 2 staged in shared
-// memory (128-byte swizzle, 64 x 64 boxes) and written by TMA stores, EPC columns a round
-template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT = false>
+// memory (128-byte swizzle, 64 x 64 boxes) and written by TMA stores, EPC columns a round; 3 the
+// SwiGLU pair (above), staged as 2 with EPC = BN / 2
+template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT = false, class Act = NoAct, int NEB = 1>
 __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__ Args p) {
+    static_assert(NEB == 1 || EPI == 3, "double-buffered staging: the SwiGLU pair's");
+    static_assert(EPI != 3 || (!BT && EPC == BN / 2), "the SwiGLU pair: B K-major, one half a round");
+    constexpr int TN = EPI == 3 ? BN / 2 : BN;  // output columns of a tile
     extern __shared__ uint8_t raw[];
-    Smem<STAGES, EPC> &s = *reinterpret_cast<Smem<STAGES, EPC> *>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~(uintptr_t)1023);
+    Smem<STAGES, EPC, NEB> &s = *reinterpret_cast<Smem<STAGES, EPC, NEB> *>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~(uintptr_t)1023);
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     // a cluster of CL CTAs takes CL consecutive m tiles of one n tile; B is loaded in CL parts, each multicast to all
-    const int M = p.M, N = p.N, mt = (M + BM - 1) / BM, nt = (N + BN - 1) / BN, mtc = (mt + CL - 1) / CL, tiles = mtc * nt;
+    const int M = p.M, N = p.N, mt = (M + BM - 1) / BM, nt = (N + TN - 1) / TN, mtc = (mt + CL - 1) / CL, tiles = mtc * nt;
     const int nseg = p.nseg;
     const uint32_t rank = CL > 1 ? cluster_rank() : 0;
     const int cid = blockIdx.x / CL, ncl = gridDim.x / CL;
@@ -187,7 +219,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
                         mbar_wait(&s.empty[stage], phase ^ 1);
                         mbar_expect_tx(&s.full[stage], (BM + BN) * BK * 2);
                         tma_2d(s.A[stage], &p.a[sg], &s.full[stage], kb * BK, m * BM);
-                        load_b<CL, BT>(s.B[stage], &p.b[sg], &s.full[stage], kb * BK, n * BN, rank);
+                        if constexpr (EPI == 3) load_b2<CL>(s.B[stage], p, sg, &s.full[stage], kb * BK, n * TN, rank);
+                        else load_b<CL, BT>(s.B[stage], &p.b[sg], &s.full[stage], kb * BK, n * BN, rank);
                         if (++stage == STAGES) { stage = 0; phase ^= 1; }
                     }
                 }
@@ -196,7 +229,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int c = wg - 1, warp = tid / 32, lane = tid % 32;
-        int stage = 0;
+        int stage = 0, eb = 0;
         uint32_t phase = 0;
         float d[128];
         for (int t = cid; t < tiles; t += ncl) {
@@ -238,6 +271,35 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
             wg_wait<0>();
             fence_acc(d);
             if (tid < CL) mbar_arrive_cta<STRONG>(&s.empty[prev], tid);
+            if constexpr (EPI == 3) {  // gate, up, Act(gate, up): a round each of the tile's 64 x 128 (per consumer)
+                const int rl = warp * 16 + lane / 4;
+#pragma unroll
+                for (int o = 0; o < 3; o++) {
+                    __nv_bfloat16 *buf = s.E[c * NEB + (NEB > 1 ? eb++ % NEB : 0)];
+                    const uint32_t E = su32(buf);
+                    if (tid == 0) bulk_wait_read<NEB - 1>();  // the round that last used buf has read it
+                    named_sync(1 + c, 128);
+#pragma unroll
+                    for (int jj = 0; jj < 16; jj++) {
+                        float v[4];
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            v[e] = o < 2 ? d[4 * (jj + 16 * o) + e] : Act::f(bf16_round(d[4 * jj + e]), bf16_round(d[4 * (jj + 16) + e]));
+                        const uint32_t at = E + (jj / 8) * 8192 + rl * 128 + (((jj % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
+                        st_shared(at, pack_bf16(v[0], v[1]));
+                        st_shared(at + 8 * 128, pack_bf16(v[2], v[3]));
+                    }
+                    fence_async_smem();
+                    named_sync(1 + c, 128);
+                    if (tid == 0) {
+                        const CUtensorMap *map = o == 0 ? &p.d : o == 1 ? &p.d2 : &p.d3;
+#pragma unroll
+                        for (int box = 0; box < 2; box++) tma_store_2d(map, buf + box * 4096, n * TN + box * 64, m * BM + c * 64);
+                        bulk_commit();
+                    }
+                }
+                continue;
+            }
             if (EPI == 2) {
                 const uint32_t E = su32(s.E[EPC ? c : 0]);
                 const int rl = warp * 16 + lane / 4;  // rl & 7 == lane / 4
@@ -284,7 +346,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
             }
         }
     }
-    if (EPI == 2 && wg > 0 && tid == 0) bulk_wait<0>();
+    if (EPI >= 2 && wg > 0 && tid == 0) bulk_wait<0>();
     if constexpr (CL > 1) cluster_sync();
 }
 
