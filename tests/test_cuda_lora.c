@@ -276,6 +276,15 @@ TEST(cuda_ops_gemm_dx) {
     CHECK(!loom_cuda_gemm_dx_ok(LOOM_BF16, 64, 64, 1, v, k8, k8, mis, q));
     CHECK(loom_cuda_gemm_dx(g.ctx, 64, 60, 1, v, k8, k8, v, q, NULL) == LOOM_ERR_UNSUPPORTED);
     CHECK_CONTAINS(loom_last_error(g.ctx), "cuda gemm_dx");
+    /* wave fill: tiles of 256 x 256 (clusters of two 128-row tiles), one a
+     * cluster slot, half the SMs' slots */
+    struct cudaDeviceProp p;
+    REQUIRE(cudaGetDeviceProperties(&p, 0) == cudaSuccess);
+    const int64_t slots = p.multiProcessorCount / 2;
+    CHECK(loom_cuda_gemm_wave_fill(256, 256 * slots) == 1.0);
+    CHECK(loom_cuda_gemm_wave_fill(200, 256 * slots - 8) == 1.0);
+    CHECK(fabs(loom_cuda_gemm_wave_fill(256, 256 * (slots + 1)) - (double)(slots + 1) / (double)(2 * slots)) < 1e-12);
+    CHECK(loom_cuda_gemm_wave_fill(0, 256) == 0.0);
     gpu_close(&g);
 }
 
