@@ -29,8 +29,8 @@ loom_status loom_dev_init(loom_model *m) {
     if (a && *a && strcmp(a, "cudnn") != 0 && strcmp(a, "loom") != 0)
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
                          "LOOM_ATTN=%s: the attention kernels are `cudnn` (the default) or `loom`", a);
-    /* LoRA's forward in loom's GEMM and its pass over dy on loom's kernel, unless
-     * cuBLASLt is asked for (to compare) */
+    /* LoRA's forward and the input gradients' sums in loom's GEMM, LoRA's pass
+     * over dy on loom's kernel, unless cuBLASLt is asked for (to compare) */
     const char *lk = getenv("LOOM_LORA_KERNELS");
     if (lk && *lk && strcmp(lk, "loom") != 0 && strcmp(lk, "cublas") != 0)
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
