@@ -252,10 +252,10 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
     /* MLP */
     if (s->bdn >= 0) CK(loom_k_bias_bwd(m, dx, Tn, H, loom_g(m, s->bdn)));
     if (m->sp) CK(sp_gather(m, dx, dfull));
-    /* LoRA's input gradients first, then the base's accumulating onto them
-     * (as in the forward) */
+    /* Each input gradient is LoRA's term and the base projections' as one
+     * sum (loom_k_lin_dx_sum): at most one LoRA term and three projections */
     bool acc = false;
-    loom_dx_term t[6];
+    loom_dx_term t[4];
     int nt = 0;
     LORA_T(LOOM_LORA_DOWN, act, Tc, dfull, dg, &acc, t, &nt);
     TERM(t, nt, dfull, H, loom_wc(m, s->wd));

@@ -63,11 +63,16 @@ bool dx_operands_ok(loom_dtype dtype, int64_t T, int64_t N, int nseg, const void
     return true;
 }
 
-loom_status launch(loom_ctx *ctx, int dev, bool bt, loom_sm90::Args &a, void *stream, const char *what) {
+/* the output's tiles, a cluster's (BM * CL rows, BN columns) each */
+int64_t cluster_tiles(int64_t M, int64_t N) {
     using loom_sm90::BM;
     using loom_sm90::BN;
+    return ((M + BM * CL - 1) / (BM * CL)) * ((N + BN - 1) / BN);
+}
+
+loom_status launch(loom_ctx *ctx, int dev, bool bt, loom_sm90::Args &a, void *stream, const char *what) {
     a.gm = GROUP_M;
-    const int64_t tiles = ((a.M + BM * CL - 1) / (BM * CL)) * ((a.N + BN - 1) / BN);
+    const int64_t tiles = cluster_tiles(a.M, a.N);
     const int64_t grid = (tiles < g_sms[dev] / CL ? tiles : g_sms[dev] / CL) * CL;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)grid);
@@ -157,8 +162,6 @@ extern "C" loom_status loom_cuda_gemm_dx(loom_ctx *ctx, int64_t T, int64_t N, in
 extern "C" double loom_cuda_gemm_wave_fill(int64_t T, int64_t N) {
     int dev;
     if (!device_ready(&dev) || T <= 0 || N <= 0) return 0.0;
-    using loom_sm90::BM;
-    using loom_sm90::BN;
-    const int64_t tiles = ((T + BM * CL - 1) / (BM * CL)) * ((N + BN - 1) / BN), slots = g_sms[dev] / CL;
+    const int64_t tiles = cluster_tiles(T, N), slots = g_sms[dev] / CL;
     return (double)tiles / (double)(((tiles + slots - 1) / slots) * slots);
 }
