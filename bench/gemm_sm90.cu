@@ -9,8 +9,8 @@
 // Exits 1 when a check fails. Results: bench/RESULTS.md, tenth round.
 //
 //   make CUDA=1 BUILD=build-cuda build-cuda/gemm_sm90
-//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu]   (one: a single 4096^3 run of c2-t128, for a
-//                                   profiler; dx, swiglu: that section alone)
+//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu | small]   (one: a single 4096^3 run of
+//                                   c2-t128, for a profiler; dx, swiglu, small: that section alone)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -287,6 +287,53 @@ static int dx_section(Lt &lt, int gm, cudaEvent_t e0, cudaEvent_t e1) {
     return failed;
 }
 
+// Qwen3-0.6B's products without LoRA (8192 tokens, two rows of 4096), as the library would run them
+// on its own GEMM (c2-t128: the forward K-major, a single input gradient N-major) against cuBLASLt's
+// heuristic choice (with the 4-byte memset some of its kernels launch first), and the output layer's
+// (one 4096-row chunk of the 151936-column logits). Returns the number of failed checks.
+static int small_section(Lt &lt, int gm, cudaEvent_t e0, cudaEvent_t e1) {
+    int failed = 0;
+    const size_t big = (size_t)4096 * 151936;
+    __nv_bfloat16 *A, *B, *D, *R;
+    CK(cudaMalloc(&A, big * 2)); CK(cudaMalloc(&B, big * 2)); CK(cudaMalloc(&D, big * 2)); CK(cudaMalloc(&R, big * 2));
+    fill<<<1024, 256>>>(A, big, 5u);
+    fill<<<1024, 256>>>(B, big, 6u);
+    struct Case { const char *what; int M, N, K; bool dx; };
+    const Case cases[] = {
+        {"0.6B q fwd", 8192, 2048, 1024, false},     {"0.6B k/v fwd", 8192, 1024, 1024, false},
+        {"0.6B o fwd", 8192, 1024, 2048, false},     {"0.6B gate/up fwd", 8192, 3072, 1024, false},
+        {"0.6B down fwd", 8192, 1024, 3072, false},  {"0.6B o dx", 8192, 2048, 1024, true},
+        {"0.6B down dx", 8192, 3072, 1024, true},    {"head fwd", 4096, 151936, 1024, false},
+        {"head dx", 4096, 1024, 151936, true},
+    };
+    const char *only = getenv("GEMM_SM90_ONLY");
+    printf("\nwithout LoRA: own GEMM (c2-t128) against cuBLASLt's heuristic choice\n");
+    for (const Case &c : cases) {
+        if (only && strncmp(c.what, only, strlen(only))) continue;
+        const int M = c.M, N = c.N, K = c.K;
+        const std::vector<Seg> segs = {{A, K, K, B}};
+        auto own = [&] {
+            if (c.dx) run_dx(segs, D, M, N, gm);
+            else run_own<4, 2, 2, false, 128>(A, B, D, M, N, K, gm, 0);
+        };
+        auto ref = [&] { lt.run(A, B, R, M, N, K, 0.f, c.dx); };
+        poison<<<1024, 256>>>(D, (size_t)M * N);
+        own(); ref();
+        CK(cudaDeviceSynchronize());
+        size_t nan = 0;
+        const double e = relerr(D, R, (size_t)M * N, &nan);
+        float t_own, t_lt;
+        time_pair(own, ref, (double)M * N * K > 1e11 ? 10 : 40, e0, e1, &t_own, &t_lt);
+        if (nan || e > 1e-2) { failed++; printf("FAIL: "); }
+        const double fl = 2.0 * M * N * K;
+        printf("%-16s %5d %6d %6d | own %.4f ms (%.0f TF), cuBLASLt %.4f ms (%.0f TF), lt/own %.3f | err vs lt %.2e (%zu NaN)\n",
+               c.what, M, N, K, t_own, fl / t_own / 1e9, t_lt, fl / t_lt / 1e9, t_lt / t_own, e, nan);
+        fflush(stdout);
+    }
+    CK(cudaFree(A)); CK(cudaFree(B)); CK(cudaFree(D)); CK(cudaFree(R));
+    return failed;
+}
+
 // SwiGLU as the library computes it (ops_common.cuh's swiglu1), from the bf16 values
 __device__ __forceinline__ float silu_mul(float g, float u) {
     return __fmul_rn(__fmul_rn(g, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)))), u);
@@ -376,8 +423,8 @@ int main(int argc, char **argv) {
     if (argc > 1) {
         char *end = nullptr;
         const long v = strtol(argv[1], &end, 10);
-        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu")) || argc > 3) {
-            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu]\n", argv[0]);
+        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu") && strcmp(argv[2], "small")) || argc > 3) {
+            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu | small]\n", argv[0]);
             return 2;
         }
         gm = (int)v;
@@ -400,8 +447,10 @@ int main(int argc, char **argv) {
     __nv_bfloat16 *A, *B, *D, *R;
     CK(cudaMalloc(&A, maxe * 2)); CK(cudaMalloc(&B, maxe * 2)); CK(cudaMalloc(&D, maxe * 2)); CK(cudaMalloc(&R, maxe * 2));
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-    if (argc > 2 && (!strcmp(argv[2], "dx") || !strcmp(argv[2], "swiglu"))) {
-        failed = !strcmp(argv[2], "dx") ? dx_section(lt, gm, e0, e1) : swiglu_section(gm, e0, e1);
+    if (argc > 2 && (!strcmp(argv[2], "dx") || !strcmp(argv[2], "swiglu") || !strcmp(argv[2], "small"))) {
+        failed = !strcmp(argv[2], "dx")       ? dx_section(lt, gm, e0, e1)
+                 : !strcmp(argv[2], "small") ? small_section(lt, gm, e0, e1)
+                                             : swiglu_section(gm, e0, e1);
         if (failed) printf("%d check(s) failed\n", failed);
         return failed ? 1 : 0;
     }
@@ -481,6 +530,7 @@ int main(int argc, char **argv) {
     }
     failed += dx_section(lt, gm, e0, e1);
     failed += swiglu_section(gm, e0, e1);
+    failed += small_section(lt, gm, e0, e1);
     if (failed) printf("%d check(s) failed\n", failed);
     return failed ? 1 : 0;
 }

@@ -1183,6 +1183,40 @@ TEST(cuda_ops_bench) {
     gpu_close(&g);
 }
 
+/* LOOM_CUDA_OPS_BENCH=1: every engine config cuDNN offers for the attention
+ * of the benchmarked models (one 4096-token document a row: 0.6B with two
+ * rows, 16 query heads; 8B and 4B with one, 32 heads), timed against the
+ * heuristics' choice (loom_cuda_attn_survey prints them to stderr). */
+TEST(cuda_ops_attention_cudnn_survey) {
+    if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const struct { int64_t T, Hq; } sh[] = {{8192, 16}, {4096, 32}};
+    const int64_t Hkv = 8, D = 128, L = 4096;
+    const loom_dtype dt = LOOM_BF16;
+    for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++) {
+        const int64_t T = sh[i].T, Hq = sh[i].Hq;
+        loom_cuda_attn_handle *h = NULL;
+        bool tk = false;
+        REQUIRE_OK(g.ctx, loom_cuda_attn_create(g.ctx, &h));
+        loom_cuda_attn_survey(h, stderr);
+        void *q = bench_buf(&g, T * Hq * D, dt), *k = bench_buf(&g, T * Hkv * D, dt);
+        void *v = bench_buf(&g, T * Hkv * D, dt), *dout = bench_buf(&g, T * Hq * D, dt);
+        void *o = dalloc(&g, (size_t)(T * Hq * D) * 2), *dq = dalloc(&g, (size_t)(T * Hq * D) * 2);
+        void *dk = dalloc(&g, (size_t)(T * Hkv * D) * 2), *dv = dalloc(&g, (size_t)(T * Hkv * D) * 2);
+        float *lse = dalloc(&g, (size_t)(T * Hq) * 4);
+        REQUIRE(!g.bad);
+        CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, q, k, v, dt, T, Hq, Hkv, D, NULL, T / L,
+                                                      L, 0.0883883f, o, lse, NULL, &tk));
+        CHECK(tk);
+        CHECK_OK(g.ctx, loom_cuda_attention_cudnn_bwd(g.ctx, h, dout, q, k, v, o, lse, dt, T, Hq, Hkv,
+                                                      D, NULL, T / L, L, 0.0883883f, dq, dk, dv, NULL,
+                                                      &tk));
+        CHECK(tk);
+        loom_cuda_attn_free(h);
+    }
+}
+
 /* The ops bench's GEMM part (LOOM_CUDA_OPS_BENCH=1): each GEMM shape of the
  * benchmarked models, cuBLASLt's heuristic choice (what loom runs) against
  * the fastest of its first 16 candidates. */

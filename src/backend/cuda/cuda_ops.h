@@ -26,6 +26,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "../../train/adamw.h"
 #include "loom.h"
@@ -293,6 +294,12 @@ loom_status loom_cuda_attention_bwd_q(loom_ctx *ctx, const void *dout, const voi
 typedef struct loom_cuda_attn_handle loom_cuda_attn_handle;
 loom_status loom_cuda_attn_create(loom_ctx *ctx, loom_cuda_attn_handle **out);
 void loom_cuda_attn_free(loom_cuda_attn_handle *h);
+/* A tool for the benchmarks, not for training: with out set, the first call
+ * of each shape (equal documents) also times every engine config cuDNN has
+ * for its graph (each engine's knobs: all combinations up to 128, else one at
+ * a time) on the call's own buffers, against the heuristics' choice, and
+ * prints each with the largest difference of its outputs. NULL turns it off. */
+void loom_cuda_attn_survey(loom_cuda_attn_handle *h, FILE *out);
 /* Calls run through cuDNN so far, and why cuDNN last refused a shape ("" if
  * it never did). */
 void loom_cuda_attn_counts(const loom_cuda_attn_handle *h, long long *fwd, long long *bwd,

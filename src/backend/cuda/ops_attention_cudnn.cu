@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <vector>
+
 #include "ops_common.cuh"
 
 using namespace loom_cuda;
@@ -66,8 +68,9 @@ struct plan_entry {
     plan_key key;
     cudnnBackendDescriptor_t desc[MAX_DESC]; // everything the plan was built from
     int ndesc;
-    cudnnBackendDescriptor_t plan;
+    cudnnBackendDescriptor_t graph, plan; // graph: one of desc
     int64_t ws_bytes;
+    bool surveyed;
 };
 
 bool same_key(const plan_key &a, const plan_key &b) {
@@ -423,6 +426,7 @@ struct loom_cuda_attn_handle {
     int next;                // the slot a new shape replaces when all are used
     long long calls[2];      // forward and backward calls run through cuDNN
     char why[320];           // why cuDNN last refused a shape ("" if it never did)
+    FILE *survey;            // loom_cuda_attn_survey: time every engine config here
 };
 
 namespace {
@@ -452,6 +456,7 @@ void build_plan_variant(loom_cuda_attn_handle *h, const plan_key &k, plan_entry 
     g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, nops, ops, "graph ops");
     g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h->h, "graph handle");
     g.fin(graph, "operation graph");
+    e->graph = graph;
     cudnnBackendDescriptor_t heur = g.make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "heuristics");
     const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
     g.link(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph, "heuristics graph");
@@ -498,6 +503,239 @@ void build_plan_variant(loom_cuda_attn_handle *h, const plan_key &k, plan_entry 
 void build_plan(loom_cuda_attn_handle *h, const plan_key &k, plan_entry *e) {
     build_plan_variant(h, k, e, false);
     if (e->refused && k.ragged && k.dir == BWD) build_plan_variant(h, k, e, true);
+}
+
+// ---- the survey (loom_cuda_attn_survey): every engine config, timed ----
+
+// One engine config's plan and its workspace; nullptr when cuDNN refuses it.
+cudnnBackendDescriptor_t plan_for(cudnnBackendDescriptor_t cfg, int64_t *ws) {
+    cudnnBackendDescriptor_t p = nullptr;
+    if (cudnnBackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &p)) return nullptr;
+    if (cudnnBackendSetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfg) ||
+        cudnnBackendFinalize(p) ||
+        cudnnBackendGetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
+                                 nullptr, ws)) {
+        cudnnBackendDestroyDescriptor(p);
+        return nullptr;
+    }
+    return p;
+}
+
+// "engine E knob=value ..." of an engine config.
+void cfg_name(cudnnBackendDescriptor_t cfg, char *buf, size_t n) {
+    cudnnBackendDescriptor_t eng = nullptr, ch[32] = {};
+    int64_t gi = -1, got = 0, nk = 0;
+    snprintf(buf, n, "?");
+    if (cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng)) return;
+    if (!cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                  &got, &eng))
+        cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &got, &gi);
+    cudnnBackendDestroyDescriptor(eng);
+    int at = snprintf(buf, n, "engine %lld", (long long)gi);
+    for (int i = 0; i < 32; i++) cudnnBackendCreateDescriptor(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR, &ch[i]);
+    if (!cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                  32, &nk, ch))
+        for (int64_t i = 0; i < nk && at < (int)n; i++) {
+            cudnnBackendKnobType_t t = CUDNN_KNOB_TYPE_COUNTS;
+            int64_t v = 0;
+            cudnnBackendGetAttribute(ch[i], CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &got, &t);
+            cudnnBackendGetAttribute(ch[i], CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, CUDNN_TYPE_INT64, 1, &got, &v);
+            at += snprintf(buf + at, n - at, " k%d=%lld", (int)t, (long long)v);
+        }
+    for (int i = 0; i < 32; i++) cudnnBackendDestroyDescriptor(ch[i]);
+}
+
+struct survey_io {
+    const int64_t *uids;
+    void *const *ptrs;
+    int n;
+    void *rezero;       // the backward's dQ accumulator, cleared before every run
+    size_t rezero_bytes;
+    void *out[3];       // the outputs compared with the chosen plan's
+    size_t out_bytes[3];
+};
+
+// Runs plan p (workspace ws) reps times; the mean ms, or -1 when it fails.
+float time_plan(loom_cuda_attn_handle *h, cudnnBackendDescriptor_t p, const survey_io &io, void *ws,
+                cudaStream_t s, int reps) {
+    cudnnBackendDescriptor_t vp = nullptr;
+    cudnnStatus_t st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
+    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, io.n, io.uids);
+    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, io.n, io.ptrs);
+    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
+    if (!st) st = cudnnBackendFinalize(vp);
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    float ms = -1;
+    for (int r = -1; r < reps && !st; r++) { // r = -1: the warm-up, not timed
+        if (r == 0) cudaEventRecord(e0, s);
+        if (io.rezero) cudaMemsetAsync(io.rezero, 0, io.rezero_bytes, s);
+        st = cudnnBackendExecute(h->h, p, vp);
+    }
+    if (!st) {
+        cudaEventRecord(e1, s);
+        if (cudaEventSynchronize(e1) == cudaSuccess) cudaEventElapsedTime(&ms, e0, e1), ms /= reps;
+    }
+    cudaStreamSynchronize(s);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    if (vp) cudnnBackendDestroyDescriptor(vp);
+    return st ? -1 : ms;
+}
+
+// The largest |a - b| over the outputs (16-bit floats), against ref.
+double out_diff(const survey_io &io, loom_dtype dt, const std::vector<float> *ref) {
+    double worst = 0;
+    for (int i = 0; i < 3 && io.out[i]; i++) {
+        const size_t n = io.out_bytes[i] / 2;
+        std::vector<uint16_t> b(n);
+        cudaMemcpy(b.data(), io.out[i], n * 2, cudaMemcpyDeviceToHost);
+        for (size_t j = 0; j < n; j++) {
+            const float x = dt == LOOM_BF16 ? __bfloat162float(__ushort_as_bfloat16(b[j]))
+                                            : __half2float(__ushort_as_half(b[j]));
+            const double d = fabs((double)x - (double)ref[i][j]);
+            if (!(d <= worst)) worst = d; // NaN stays
+        }
+    }
+    return worst;
+}
+
+void out_copy(const survey_io &io, loom_dtype dt, std::vector<float> *ref) {
+    for (int i = 0; i < 3 && io.out[i]; i++) {
+        const size_t n = io.out_bytes[i] / 2;
+        std::vector<uint16_t> b(n);
+        cudaMemcpy(b.data(), io.out[i], n * 2, cudaMemcpyDeviceToHost);
+        ref[i].resize(n);
+        for (size_t j = 0; j < n; j++)
+            ref[i][j] = dt == LOOM_BF16 ? __bfloat162float(__ushort_as_bfloat16(b[j]))
+                                        : __half2float(__ushort_as_half(b[j]));
+    }
+}
+
+// Every engine of e's graph, with each of its knobs' values (all combinations
+// up to 128 an engine, else one knob at a time), timed on this call's own
+// buffers against the plan the heuristics chose, with the largest output
+// difference. Printed to h->survey; the plan is unchanged.
+void survey(loom_cuda_attn_handle *h, plan_entry *e, const survey_io &io, cudaStream_t s) {
+    FILE *f = h->survey;
+    const plan_key &k = e->key;
+    const int reps = 5;
+    fprintf(f, "cudnn survey: %s B=%lld L=%lld Hq=%lld Hkv=%lld D=%lld\n", k.dir == FWD ? "forward" : "backward",
+            (long long)k.B, (long long)k.L, (long long)k.Hq, (long long)k.Hkv, (long long)k.D);
+    std::vector<float> ref[3];
+    void *ws = nullptr;
+    if (cudaMalloc(&ws, (size_t)e->ws_bytes + 16) != cudaSuccess) return;
+    const float base = time_plan(h, e->plan, io, ws, s, reps);
+    cudaFree(ws);
+    out_copy(io, k.dt, ref);
+    {
+        cudnnBackendDescriptor_t cfg = nullptr;
+        int64_t got = 0;
+        char name[256] = "?";
+        if (!cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfg) &&
+            !cudnnBackendGetAttribute(e->plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                                      CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &got, &cfg))
+            cfg_name(cfg, name, sizeof name);
+        if (cfg) cudnnBackendDestroyDescriptor(cfg);
+        fprintf(f, "cudnn survey:   heuristics' choice: %s  %.4f ms  ws %lld B\n", name, base,
+                (long long)e->ws_bytes);
+    }
+    int64_t count = 0, got = 0;
+    cudnnBackendGetAttribute(e->graph, CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT, CUDNN_TYPE_INT64,
+                             1, &got, &count);
+    for (int64_t gi = 0; gi < count; gi++) {
+        cudnnBackendDescriptor_t eng = nullptr;
+        if (cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng)) continue;
+        cudnnBackendSetAttribute(eng, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &e->graph);
+        cudnnBackendSetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &gi);
+        if (cudnnBackendFinalize(eng)) {
+            cudnnBackendDestroyDescriptor(eng);
+            continue;
+        }
+        cudnnBackendDescriptor_t info[32] = {};
+        int64_t nk = 0;
+        for (int i = 0; i < 32; i++) cudnnBackendCreateDescriptor(CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR, &info[i]);
+        cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_KNOB_INFO, CUDNN_TYPE_BACKEND_DESCRIPTOR, 32, &nk, info);
+        cudnnBackendKnobType_t kt[32];
+        int64_t lo[32], hi[32], step[32], combos = 1;
+        int nv = 0; // knobs with more than one value
+        fprintf(f, "cudnn survey:   engine %lld:", (long long)gi);
+        for (int64_t i = 0; i < nk; i++) {
+            cudnnBackendKnobType_t t = CUDNN_KNOB_TYPE_COUNTS;
+            int64_t a = 0, b = 0, c = 1;
+            cudnnBackendGetAttribute(info[i], CUDNN_ATTR_KNOB_INFO_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &got, &t);
+            cudnnBackendGetAttribute(info[i], CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE, CUDNN_TYPE_INT64, 1, &got, &a);
+            cudnnBackendGetAttribute(info[i], CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE, CUDNN_TYPE_INT64, 1, &got, &b);
+            cudnnBackendGetAttribute(info[i], CUDNN_ATTR_KNOB_INFO_STRIDE, CUDNN_TYPE_INT64, 1, &got, &c);
+            fprintf(f, " k%d in [%lld, %lld] by %lld", (int)t, (long long)a, (long long)b, (long long)c);
+            if (c < 1) c = 1;
+            if (b > a) {
+                kt[nv] = t, lo[nv] = a, hi[nv] = b, step[nv] = c, nv++;
+                combos *= (b - a) / c + 1;
+                if (combos > 1000000) combos = 1000000;
+            }
+        }
+        fprintf(f, "\n");
+        for (int i = 0; i < 32; i++) cudnnBackendDestroyDescriptor(info[i]);
+        // the candidates: all combinations, or the engine's defaults and then
+        // each knob's values alone
+        const bool all = combos <= 128;
+        int64_t ncand = 1;
+        if (all) ncand = combos;
+        else
+            for (int i = 0; i < nv; i++) ncand += (hi[i] - lo[i]) / step[i] + 1;
+        for (int64_t ci = 0; ci < ncand && ci < 400; ci++) {
+            cudnnBackendDescriptor_t ch[32] = {};
+            int nch = 0;
+            if (all) {
+                int64_t rest = ci;
+                for (int i = 0; i < nv; i++) {
+                    const int64_t m = (hi[i] - lo[i]) / step[i] + 1;
+                    const int64_t v = lo[i] + (rest % m) * step[i];
+                    rest /= m;
+                    cudnnBackendCreateDescriptor(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR, &ch[nch]);
+                    cudnnBackendSetAttribute(ch[nch], CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &kt[i]);
+                    cudnnBackendSetAttribute(ch[nch], CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, CUDNN_TYPE_INT64, 1, &v);
+                    cudnnBackendFinalize(ch[nch++]);
+                }
+            } else if (ci > 0) {
+                int64_t rest = ci - 1;
+                int i = 0;
+                while (rest >= (hi[i] - lo[i]) / step[i] + 1) rest -= (hi[i] - lo[i]) / step[i] + 1, i++;
+                const int64_t v = lo[i] + rest * step[i];
+                cudnnBackendCreateDescriptor(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR, &ch[nch]);
+                cudnnBackendSetAttribute(ch[nch], CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &kt[i]);
+                cudnnBackendSetAttribute(ch[nch], CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, CUDNN_TYPE_INT64, 1, &v);
+                cudnnBackendFinalize(ch[nch++]);
+            }
+            cudnnBackendDescriptor_t cfg = nullptr;
+            cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfg);
+            cudnnBackendSetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &eng);
+            if (nch) cudnnBackendSetAttribute(cfg, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_TYPE_BACKEND_DESCRIPTOR, nch, ch);
+            int64_t wsb = 0;
+            cudnnBackendDescriptor_t p = cudnnBackendFinalize(cfg) ? nullptr : plan_for(cfg, &wsb);
+            if (p) {
+                char name[256];
+                cfg_name(cfg, name, sizeof name);
+                void *w = nullptr;
+                float ms = -1;
+                double diff = -1;
+                if (cudaMalloc(&w, (size_t)wsb + 16) == cudaSuccess) {
+                    ms = time_plan(h, p, io, w, s, reps);
+                    cudaFree(w);
+                    if (ms >= 0) diff = out_diff(io, k.dt, ref);
+                }
+                fprintf(f, "cudnn survey:     %-60s %.4f ms (%.3fx)  diff %.3g  ws %lld B\n", name, ms,
+                        ms > 0 ? base / ms : 0.0, diff, (long long)wsb);
+                fflush(f);
+                cudnnBackendDestroyDescriptor(p);
+            }
+            cudnnBackendDestroyDescriptor(cfg);
+            for (int i = 0; i < nch; i++) cudnnBackendDestroyDescriptor(ch[i]);
+        }
+        cudnnBackendDestroyDescriptor(eng);
+    }
+    cudaGetLastError(); // a refused candidate's launch error is not the caller's
 }
 
 plan_entry *find_plan(loom_cuda_attn_handle *h, const plan_key &k) {
@@ -613,6 +851,10 @@ extern "C" void loom_cuda_attn_free(loom_cuda_attn_handle *h) {
     free(h);
 }
 
+extern "C" void loom_cuda_attn_survey(loom_cuda_attn_handle *h, FILE *out) {
+    if (h) h->survey = out;
+}
+
 extern "C" void loom_cuda_attn_counts(const loom_cuda_attn_handle *h, long long *fwd, long long *bwd,
                                       const char **why) {
     if (fwd) *fwd = h ? h->calls[FWD] : 0;
@@ -658,6 +900,11 @@ extern "C" loom_status loom_cuda_attention_cudnn_fwd(loom_ctx *ctx, loom_cuda_at
                               U_NEG_INF, U_SEQ_Q,  U_SEQ_KV, U_OFF_Q,  U_OFF_KV, U_OFF_ST};
     void *const ptrs[12] = {(void *)q, (void *)k, (void *)v, out,   stats,  &scale,
                             &neg_inf,  seq,       seq,       off_q, off_kv, off_st};
+    if (!st && h->survey && !e->surveyed && !ragged) {
+        e->surveyed = true;
+        const survey_io io = {uids, ptrs, 7, nullptr, 0, {out}, {(size_t)T * Hq * D * loom_dtype_size(dtype)}};
+        survey(h, e, io, s);
+    }
     if (!st) st = run_plan(ctx, h, e, uids, ptrs, ragged ? 12 : 7, ws, s, "attention_fwd");
     if (!st && !ragged) {
         stats_layout_kernel<<<grid_for((int64_t)nst, 256), 256, 0, s>>>(stats, lse, B, Lg, Hq, true);
@@ -717,6 +964,12 @@ extern "C" loom_status loom_cuda_attention_cudnn_bwd(loom_ctx *ctx, loom_cuda_at
                             &one,      &neg_inf,  ssum,      acc,         dq,           dk,     dv,
                             seq,       seq,       off_q,     off_kv,      off_st,       dk_full, dv_full};
     const int n = !ragged ? 14 : full ? 21 : 19;
+    if (!st && h->survey && !e->surveyed && !ragged) {
+        e->surveyed = true;
+        const survey_io io = {uids, ptrs, n, acc, nacc * sizeof(float), {dq, dk, dv},
+                              {nacc * esz, (size_t)T * Hkv * D * esz, (size_t)T * Hkv * D * esz}};
+        survey(h, e, io, s);
+    }
     if (!st) st = run_plan(ctx, h, e, uids, ptrs, n, ws, s, "attention_bwd");
     loom_status sf = check(ctx, cudaFreeAsync(scratch, s), "attention_bwd (cuDNN scratch)");
     if (!st && !sf) h->calls[BWD]++, *taken = true;
