@@ -250,6 +250,10 @@ TEST(cuda_glue_ce_vp) {
     /* the fused kernel's rows of a whole vocabulary, more than SMs; a wide
      * 16-bit row with padding past the last whole vector of real columns */
     ce_case(&g, 160, 151936, 151936, 0, LOOM_BF16, 1.0f / 8192, 210);
+    /* fewer rows than SMs with every kind of target; real columns that end
+     * early in the row (the gradient's whole-vector path and its edges) */
+    ce_case(&g, 6, 4096, 4000, 0, LOOM_BF16, 1.0f, 230);
+    ce_case(&g, 70, 2048, 300, 100, LOOM_F16, 0.25f, 240);
     ce_case(&g, 9, 262144, 261997, 0, LOOM_F16, 1.0f, 220);
     ce_case(&g, 0, 512, 500, 0, LOOM_F32, 1.0f, 200);              /* no rows */
     REQUIRE(!g.bad);
