@@ -440,6 +440,19 @@ void describe(char *buf, size_t n, const char *what, cudnnStatus_t st) {
     if (last[0]) strncat(buf, ")", n - strlen(buf) - 1);
 }
 
+// The execution plan of one engine config and its workspace (*p nullptr, and
+// cuDNN's status, where it refuses the config).
+cudnnStatus_t plan_for(cudnnBackendDescriptor_t cfg, cudnnBackendDescriptor_t *p, int64_t *ws) {
+    *p = nullptr;
+    cudnnStatus_t st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, p);
+    if (st) return st;
+    st = cudnnBackendSetAttribute(*p, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfg);
+    if (!st) st = cudnnBackendFinalize(*p);
+    if (!st) st = cudnnBackendGetAttribute(*p, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, nullptr, ws);
+    if (st) cudnnBackendDestroyDescriptor(*p), *p = nullptr;
+    return st;
+}
+
 // Builds the graph for key k (variant: see build_bwd's pad_first) and the
 // first plan of cuDNN's heuristics that finalizes. On failure the entry is
 // marked refused, with the reason in h->why.
@@ -474,23 +487,7 @@ void build_plan_variant(loom_cuda_attn_handle *h, const plan_key &k, plan_entry 
                                          CUDNN_TYPE_BACKEND_DESCRIPTOR, n, &n, cfg)))
         g.what = "heuristics results";
     cudnnStatus_t last = CUDNN_STATUS_NOT_SUPPORTED;
-    for (int64_t i = 0; i < n && !g.st && !e->plan; i++) {
-        cudnnBackendDescriptor_t p = nullptr;
-        if ((g.st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &p))) {
-            g.what = "execution plan";
-            break;
-        }
-        last = cudnnBackendSetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
-                                        CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfg[i]);
-        if (!last) last = cudnnBackendFinalize(p);
-        if (!last)
-            last = cudnnBackendGetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                                            CUDNN_TYPE_INT64, 1, nullptr, &e->ws_bytes);
-        if (last)
-            cudnnBackendDestroyDescriptor(p);
-        else
-            e->plan = p;
-    }
+    for (int64_t i = 0; i < n && !g.st && !e->plan; i++) last = plan_for(cfg[i], &e->plan, &e->ws_bytes);
     if (!g.st && !e->plan) g.st = last, g.what = n ? "every engine config" : "no engine for the graph";
     if (g.st) {
         describe(h->why, sizeof h->why, g.what, g.st);
@@ -505,22 +502,20 @@ void build_plan(loom_cuda_attn_handle *h, const plan_key &k, plan_entry *e) {
     if (e->refused && k.ragged && k.dir == BWD) build_plan_variant(h, k, e, true);
 }
 
-// ---- the survey (loom_cuda_attn_survey): every engine config, timed ----
-
-// One engine config's plan and its workspace; nullptr when cuDNN refuses it.
-cudnnBackendDescriptor_t plan_for(cudnnBackendDescriptor_t cfg, int64_t *ws) {
-    cudnnBackendDescriptor_t p = nullptr;
-    if (cudnnBackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &p)) return nullptr;
-    if (cudnnBackendSetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfg) ||
-        cudnnBackendFinalize(p) ||
-        cudnnBackendGetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
-                                 nullptr, ws)) {
-        cudnnBackendDestroyDescriptor(p);
-        return nullptr;
-    }
-    return p;
+// A finalized variant pack of n tensors (uids, ptrs) and the workspace ws;
+// *vp is the caller's to destroy (nullptr when its creation failed).
+cudnnStatus_t variant_pack(const int64_t *uids, void *const *ptrs, int n, void *ws,
+                           cudnnBackendDescriptor_t *vp) {
+    *vp = nullptr;
+    cudnnStatus_t st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, vp);
+    if (!st) st = cudnnBackendSetAttribute(*vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids);
+    if (!st) st = cudnnBackendSetAttribute(*vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, n, ptrs);
+    if (!st) st = cudnnBackendSetAttribute(*vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
+    if (!st) st = cudnnBackendFinalize(*vp);
+    return st;
 }
+
+// ---- the survey (loom_cuda_attn_survey): every engine config, timed ----
 
 // "engine E knob=value ..." of an engine config.
 void cfg_name(cudnnBackendDescriptor_t cfg, char *buf, size_t n) {
@@ -559,12 +554,8 @@ struct survey_io {
 // Runs plan p (workspace ws) reps times; the mean ms, or -1 when it fails.
 float time_plan(loom_cuda_attn_handle *h, cudnnBackendDescriptor_t p, const survey_io &io, void *ws,
                 cudaStream_t s, int reps) {
-    cudnnBackendDescriptor_t vp = nullptr;
-    cudnnStatus_t st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
-    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, io.n, io.uids);
-    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, io.n, io.ptrs);
-    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
-    if (!st) st = cudnnBackendFinalize(vp);
+    cudnnBackendDescriptor_t vp;
+    cudnnStatus_t st = variant_pack(io.uids, io.ptrs, io.n, ws, &vp);
     cudaEvent_t e0 = nullptr, e1 = nullptr;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     float ms = -1;
@@ -583,23 +574,7 @@ float time_plan(loom_cuda_attn_handle *h, cudnnBackendDescriptor_t p, const surv
     return st ? -1 : ms;
 }
 
-// The largest |a - b| over the outputs (16-bit floats), against ref.
-double out_diff(const survey_io &io, loom_dtype dt, const std::vector<float> *ref) {
-    double worst = 0;
-    for (int i = 0; i < 3 && io.out[i]; i++) {
-        const size_t n = io.out_bytes[i] / 2;
-        std::vector<uint16_t> b(n);
-        cudaMemcpy(b.data(), io.out[i], n * 2, cudaMemcpyDeviceToHost);
-        for (size_t j = 0; j < n; j++) {
-            const float x = dt == LOOM_BF16 ? __bfloat162float(__ushort_as_bfloat16(b[j]))
-                                            : __half2float(__ushort_as_half(b[j]));
-            const double d = fabs((double)x - (double)ref[i][j]);
-            if (!(d <= worst)) worst = d; // NaN stays
-        }
-    }
-    return worst;
-}
-
+// The outputs (16-bit floats) widened to float on the host.
 void out_copy(const survey_io &io, loom_dtype dt, std::vector<float> *ref) {
     for (int i = 0; i < 3 && io.out[i]; i++) {
         const size_t n = io.out_bytes[i] / 2;
@@ -610,6 +585,19 @@ void out_copy(const survey_io &io, loom_dtype dt, std::vector<float> *ref) {
             ref[i][j] = dt == LOOM_BF16 ? __bfloat162float(__ushort_as_bfloat16(b[j]))
                                         : __half2float(__ushort_as_half(b[j]));
     }
+}
+
+// The largest |a - b| over the outputs, against ref.
+double out_diff(const survey_io &io, loom_dtype dt, const std::vector<float> *ref) {
+    std::vector<float> got[3];
+    out_copy(io, dt, got);
+    double worst = 0;
+    for (int i = 0; i < 3 && io.out[i]; i++)
+        for (size_t j = 0; j < got[i].size(); j++) {
+            const double d = fabs((double)got[i][j] - (double)ref[i][j]);
+            if (!(d <= worst)) worst = d; // NaN stays
+        }
+    return worst;
 }
 
 // Every engine of e's graph, with each of its knobs' values (all combinations
@@ -713,7 +701,8 @@ void survey(loom_cuda_attn_handle *h, plan_entry *e, const survey_io &io, cudaSt
             cudnnBackendSetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &eng);
             if (nch) cudnnBackendSetAttribute(cfg, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_TYPE_BACKEND_DESCRIPTOR, nch, ch);
             int64_t wsb = 0;
-            cudnnBackendDescriptor_t p = cudnnBackendFinalize(cfg) ? nullptr : plan_for(cfg, &wsb);
+            cudnnBackendDescriptor_t p = nullptr;
+            if (!cudnnBackendFinalize(cfg)) plan_for(cfg, &p, &wsb);
             if (p) {
                 char name[256];
                 cfg_name(cfg, name, sizeof name);
@@ -753,12 +742,7 @@ loom_status run_plan(loom_ctx *ctx, loom_cuda_attn_handle *h, plan_entry *e, con
     cudnnStatus_t st = cudnnSetStream(h->h, s);
     cudnnBackendDescriptor_t vp = nullptr;
     const char *what = "set stream";
-    if (!st) what = "variant pack", st = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
-    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids);
-    if (!st)
-        st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, n, ptrs);
-    if (!st) st = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
-    if (!st) st = cudnnBackendFinalize(vp);
+    if (!st) what = "variant pack", st = variant_pack(uids, ptrs, n, ws, &vp);
     if (!st) what = "execute", st = cudnnBackendExecute(h->h, e->plan, vp);
     if (vp) cudnnBackendDestroyDescriptor(vp);
     if (!st) return LOOM_OK;
