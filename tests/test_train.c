@@ -45,8 +45,8 @@ static double max_rel(const float *a, const float *b, int64_t n) {
     return md / (mr > 0 ? mr : 1);
 }
 
-/* Every gradient of the model, concatenated (mean-loss gradient). */
-static float *all_grads(loom_model *m, int64_t *total) {
+/* Every gradient (mean-loss) or parameter of the model, concatenated. */
+static float *all_tensors(loom_model *m, bool grads, int64_t *total) {
     loom_model_info info;
     loom_model_get_info(m, &info);
     int64_t n = 0;
@@ -58,7 +58,8 @@ static float *all_grads(loom_model *m, int64_t *total) {
             const char *name = loom_model_tensor_name(m, i, &nd, sh);
             int64_t k = nd == 2 ? sh[0] * sh[1] : sh[0];
             if (pass) {
-                loom_model_get_grad(m, name, p, k);
+                if (grads) loom_model_get_grad(m, name, p, k);
+                else loom_model_get_param(m, name, p, k);
                 p += k;
             } else {
                 n += k;
@@ -71,6 +72,8 @@ static float *all_grads(loom_model *m, int64_t *total) {
     }
     return NULL;
 }
+static float *all_grads(loom_model *m, int64_t *total) { return all_tensors(m, true, total); }
+static float *all_params(loom_model *m, int64_t *total) { return all_tensors(m, false, total); }
 
 /* One call with 4 rows, the same as 4 micro-batches, the same as 2 calls of
  * 2 rows accumulated over 2 clip_grad_and_step calls: same loss, same
@@ -121,6 +124,77 @@ TEST(train_accumulation_equals_one_batch) {
     free(w[0]);
     loom_ctx_free(ctx);
 }
+
+/* zero_grad leaves the linear weights' gradients stale and their first GEMM
+ * of the step overwrites them (beta 0); norms, biases and the embedding are
+ * cleared at once. Over three steps, each of two forward_backward calls
+ * (one of two micro-batches) accumulated into one step, the losses,
+ * gradients and weights equal those of clearing everything at zero_grad: bit
+ * for bit on the CPU; on a GPU (bf16) within rounding, as cuBLASLt may pick
+ * another kernel for beta 0, where a step's gradients leaking into the
+ * next would differ by their own size. A tied embedding (head and
+ * scatter), an untied one, and biases (qwen2). */
+static void check_deferred_zeroing(loom_device dev) {
+    static const char *const models[] = {"tiny-qwen3", "tiny-qwen3-untied", "tiny-qwen2"};
+    if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) {
+        loom_test_skip("no GPU visible (or loom built without CUDA)");
+        return;
+    }
+    const double tol = dev == LOOM_DEVICE_CPU ? 0.0 : 2e-2;
+    loom_ctx *ctx = new_ctx();
+    int32_t ids[3][4 * 16], tgt[3][4 * 16];
+    for (int k = 0; k < 3; k++) make_batch(4, 16, 1000, 11 + (uint32_t)k, ids[k], tgt[k]);
+    loom_optimizer_config oc = loom_optimizer_config_default();
+    oc.lr = 1e-2;
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = dev;
+    for (size_t mi = 0; mi < sizeof models / sizeof *models; mi++) {
+        float *g[2][3] = {{NULL}}, *w[2] = {NULL};
+        int64_t n = 0, nw = 0;
+        double loss[2][3];
+        for (int mode = 0; mode < 2; mode++) {
+            loom_model *m;
+            REQUIRE_OK(ctx, loom_model_create(ctx, fixture_model(models[mi]), &o, &m));
+            REQUIRE_OK(ctx, loom_model_set_optimizer(m, &oc));
+            m->grad_memset = mode == 1;
+            for (int k = 0; k < 3; k++) {
+                loom_step_result sr;
+                for (int c = 0; c < 2; c++) {
+                    loom_batch b = {.rows = 2, .seq_len = 16, .input_ids = ids[k] + 32 * c,
+                                    .targets = tgt[k] + 32 * c};
+                    REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, c + 1, NULL));
+                    if (c == 1) g[mode][k] = all_grads(m, &n);
+                    REQUIRE_OK(ctx, loom_model_clip_grad_and_step(m, 1.0, 2, &sr));
+                }
+                CHECK(sr.stepped);
+                loss[mode][k] = sr.loss;
+            }
+            CHECK_MSG(m->base.gpending == (mode == 0), "%s: zero_grad %s", models[mi],
+                      mode ? "deferred though told not to" : "did not defer");
+            w[mode] = all_params(m, &nw);
+            loom_model_free(m);
+        }
+        for (int k = 0; k < 3; k++) {
+            CHECK_MSG(fabs(loss[0][k] - loss[1][k]) <= tol * loss[1][k],
+                      "%s step %d: loss %.17g against %.17g", models[mi], k + 1, loss[0][k],
+                      loss[1][k]);
+            const double e = max_rel(g[0][k], g[1][k], n);
+            CHECK_MSG(tol ? e <= tol : !memcmp(g[0][k], g[1][k], (size_t)n * sizeof(float)),
+                      "%s step %d: the gradients differ (largest relative %.3g)", models[mi], k + 1,
+                      e);
+            free(g[0][k]);
+            free(g[1][k]);
+        }
+        CHECK_MSG(tol ? max_rel(w[0], w[1], nw) <= tol : !memcmp(w[0], w[1], (size_t)nw * sizeof(float)),
+                  "%s: the weights differ (largest relative %.3g)", models[mi], max_rel(w[0], w[1], nw));
+        free(w[0]);
+        free(w[1]);
+    }
+    loom_ctx_free(ctx);
+}
+TEST(train_deferred_grad_zeroing_equals_clearing) { check_deferred_zeroing(LOOM_DEVICE_CPU); }
+TEST(train_cuda_deferred_grad_zeroing_equals_clearing) { check_deferred_zeroing(LOOM_DEVICE_CUDA); }
 
 /* The trainer takes the scheduler's lr for step k from lr(k-1). */
 TEST(train_uses_scheduler_per_step) {

@@ -245,7 +245,9 @@ loom_status loom_k_lin_dx_sum(loom_model *m, int64_t T, int64_t in, int n, const
 loom_status loom_k_lin_dw(loom_model *m, const void *dy, const void *x, int64_t T, int64_t out,
                           int64_t in, float alpha, float *dW) {
     if (!dW) return LOOM_OK;
-    return gemm(m, true, false, out, in, T, alpha, dy, out, x, in, 1.0f, dW, LOOM_F32, in);
+    float beta;
+    CK(loom_grad_prepare(m, dW, (size_t)(out * in), &beta));
+    return gemm(m, true, false, out, in, T, alpha, dy, out, x, in, beta, dW, LOOM_F32, in);
 }
 
 loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha,
@@ -338,6 +340,7 @@ static loom_status rms_scratch(loom_model *m, int64_t N, int64_t H, const float 
 
 loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, const void *w,
                                const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
+    if (dw) CK(loom_grad_prepare(m, dw, (size_t)H, NULL));
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m)) {
         loom_dtype t = m->dev.adt;
@@ -366,6 +369,7 @@ loom_status loom_k_add_rmsnorm_fwd(loom_model *m, void *x, const void *res, void
 
 loom_status loom_k_rmsnorm_bwd_add(loom_model *m, void *dy, const void *x, const void *w,
                                    const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
+    if (dw) CK(loom_grad_prepare(m, dw, (size_t)H, NULL));
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m) && loom_cuda_rmsnorm_fused_ok(m->dev.adt, H)) {
         CK(rms_scratch(m, N, H, dw));
@@ -397,6 +401,7 @@ loom_status loom_k_qknorm_rope_fwd(loom_model *m, const loom_micro *mb, const vo
 loom_status loom_k_qknorm_rope_bwd(loom_model *m, const loom_micro *mb, void *dy, const void *x,
                                    const void *w, const float *rstd, int64_t nh, float *dw) {
     const int64_t N = m->Tc * nh;
+    if (dw) CK(loom_grad_prepare(m, dw, (size_t)m->D, NULL));
 #ifdef LOOM_HAVE_CUDA
     if (qk_fused(m, mb)) {
         CK(rms_scratch(m, N, m->D, dw));
@@ -516,6 +521,7 @@ loom_status loom_k_bias_fwd(loom_model *m, void *y, const void *b, int64_t T, in
 
 loom_status loom_k_bias_bwd(loom_model *m, const void *dy, int64_t T, int64_t N, float *db) {
     if (!db) return LOOM_OK;
+    CK(loom_grad_prepare(m, db, (size_t)N, NULL));
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m)) return loom_cuda_add_bias_bwd(m->ctx, dy, m->dev.adt, T, N, db, m->dev.stream);
 #endif
@@ -539,6 +545,7 @@ loom_status loom_k_embed_fwd(loom_model *m, const int32_t *ids, int64_t T, const
 loom_status loom_k_embed_bwd(loom_model *m, const int32_t *ids, int64_t T, const void *dout,
                              int64_t row0, int64_t rows, float *dW) {
     if (!dW) return LOOM_OK;
+    CK(loom_grad_prepare(m, dW, (size_t)(rows * m->H), NULL));
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m))
         return loom_cuda_embedding_vp_bwd(m->ctx, ids, T, dout, m->dev.adt, row0, rows, m->H, dW,
@@ -714,5 +721,43 @@ loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k
 #endif
     for (int i = 0; i < n; i++)
         if (parts[i].norm) *sum += loom_sumsq_scaled(A->gshard + parts[i].s_off, parts[i].len, s);
+    return LOOM_OK;
+}
+
+loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) {
+        if (!A->d_gzero) { /* the slots' chunks, once: the layout never changes */
+            int64_t n = 0;
+            for (int i = 0; i < A->nslots; i++)
+                if (!A->gdefer[i])
+                    n += (int64_t)((A->slots[i].numel + LOOM_CUDA_CHUNK - 1) / LOOM_CUDA_CHUNK);
+            loom_cuda_chunk *h = malloc((size_t)(n + 1) * sizeof *h);
+            if (!h) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the gradients' chunk list");
+            int64_t k = 0;
+            for (int i = 0; i < A->nslots; i++)
+                for (size_t o = 0; !A->gdefer[i] && o < A->slots[i].numel; o += LOOM_CUDA_CHUNK) {
+                    const size_t left = A->slots[i].numel - o;
+                    h[k++] = (loom_cuda_chunk){.s_off = (int64_t)(A->slots[i].off + o),
+                                               .len = (int32_t)(left < LOOM_CUDA_CHUNK ? left
+                                                                                       : LOOM_CUDA_CHUNK)};
+                }
+            loom_status st = loom_dev_alloc(m, &A->d_gzero, (size_t)(n + 1) * sizeof *h,
+                                            "gradient chunk list");
+            if (!st) st = loom_k_upload(m, A->d_gzero, h, (size_t)n * sizeof *h);
+            free(h);
+            if (st) {
+                loom_dev_free(m, A->d_gzero);
+                A->d_gzero = NULL;
+                return st;
+            }
+            A->n_gzero = n;
+        }
+        return loom_cuda_zero_chunks(m->ctx, A->g, (const loom_cuda_chunk *)A->d_gzero, A->n_gzero,
+                                     m->dev.stream);
+    }
+#endif
+    for (int i = 0; i < A->nslots; i++)
+        if (!A->gdefer[i]) memset(A->g + A->slots[i].off, 0, A->slots[i].numel * sizeof(float));
     return LOOM_OK;
 }

@@ -235,5 +235,9 @@ loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k
                                bool wc_too, bool *wc_done);
 loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
                                int n, float s, double *sum);
+/* Clears the gradients of the slots whose zeroing is not deferred (those
+ * with A->gdefer[i] 0): on a GPU one launch over a chunk list built at the
+ * first call (A->d_gzero). */
+loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A);
 
 #endif /* LOOM_MODEL_KERN_H */

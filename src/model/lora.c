@@ -178,6 +178,7 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
 /* The base is frozen once an adapter exists: its gradients and optimizer
  * state go. */
 static void freeze_base(loom_model *m, loom_adapter *a) {
+    loom_grad_defer_reset(m, &m->base);
     loom_dev_free(m, m->base.g);
     loom_dev_free(m, m->base.gshard_is_g ? m->base.adam_m : m->base.gshard); /* the moments' block */
     loom_dev_free(m, m->base.d_norm);

@@ -348,6 +348,7 @@ void loom_arena_free(loom_model *m, loom_arena *a) {
     loom_dev_free(m, a->gshard_is_g ? a->adam_m : a->gshard); /* the block of the moments */
     loom_dev_free(m, a->d_norm);
     loom_dev_free(m, a->d_chunks);
+    loom_grad_defer_reset(m, a);
     free(a->bucket_off);
     free(a->bucket_len);
     memset(a, 0, sizeof *a);
@@ -920,6 +921,10 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
     const size_t n = (size_t)(rows * cols);
     memset(dst, 0, n * sizeof *dst);
     const loom_mesh *me = m->mesh;
+    if (grads) {
+        loom_status st = loom_grad_settle(m);
+        if (st) return st;
+    }
     float *tmp = NULL;
     size_t cap = 0;
     for (int i = 0; (grads ? (void *)a->g : a->wc) && i < a->nslots; i++) {

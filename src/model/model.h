@@ -82,6 +82,19 @@ typedef struct loom_arena {
     void *d_chunks;          /* GPU: the optimizer's chunk lists, AdamW (n_adam) then norm */
     int64_t n_adam, n_norm;
     int64_t step;            /* optimizer steps taken on this arena */
+    /* Deferred zeroing (the base model's gradients; trainer.c): after
+     * zero_grad the slots marked in gfresh hold stale values that count as
+     * zero. A linear weight's first gradient GEMM of the step overwrites its
+     * slot (beta 0) instead of adding; any other first writer clears the slot
+     * first (loom_grad_prepare); loom_grad_settle clears what no backward
+     * wrote before anything reads g. Slots only norms, biases or the
+     * embedding's scatter write are cleared at zero_grad, on a GPU by one
+     * kernel over the chunk list d_gzero. */
+    uint8_t *gdefer;         /* (nslots): 1 for a linear weight's slot; NULL until set up */
+    uint8_t *gfresh;         /* (nslots): stale, counts as zero */
+    bool gpending;           /* some slot is fresh */
+    void *d_gzero;           /* GPU: chunks of the slots cleared at zero_grad (n_gzero) */
+    int64_t n_gzero;
 } loom_arena;
 
 /* LoRA modules of a decoder layer, in PEFT's target names. */
@@ -207,6 +220,7 @@ struct loom_model {
     bool has_sched;
     loom_sched_config sched;
     int64_t acc_calls, acc_tokens; /* since the last step (tokens: whole mesh) */
+    bool grad_memset;        /* zero_grad clears every gradient at once (no deferral; tests) */
     double loss_scale;       /* the backward's seed: 1, or fp16's dynamic loss scale */
     int64_t good_steps;      /* fp16: steps since the scale last changed */
     double acc_loss;
@@ -278,6 +292,15 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
 
 /* The arena the optimizer trains: the active adapter's, else the base. */
 loom_arena *loom_model_trainable(loom_model *m);
+/* Before a kernel writes n floats of gradient at g: with beta (a GEMM that
+ * can overwrite), *beta becomes 0 when g is the whole of a slot whose
+ * zeroing was deferred (the write assigns) and 1 otherwise (it adds); with
+ * beta NULL, such a slot is cleared first. Only the base arena defers. */
+loom_status loom_grad_prepare(loom_model *m, float *g, size_t n, float *beta);
+/* Clears every slot still deferred: before the gradients are read. */
+loom_status loom_grad_settle(loom_model *m);
+/* Forgets the deferral (g freed or reallocated). */
+void loom_grad_defer_reset(loom_model *m, loom_arena *a);
 /* Lays out an arena's slots (already filled) in buckets and allocates w
  * in host memory, to be filled, and g (zero, on the device) unless frozen. */
 loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen);

@@ -42,11 +42,84 @@ loom_status loom_model_set_lr_scheduler(loom_model *m, const loom_sched_config *
     return LOOM_OK;
 }
 
+/* ---- the base model's gradients: deferred zeroing (loom_arena.gdefer) ----
+ * Clearing 2.4 GB of Qwen3-0.6B's gradients took 0.73 ms a step on an H100;
+ * each linear weight's first gradient GEMM of the step writes its slot whole
+ * anyway, so it overwrites (beta 0) instead of adding to zeros. */
+
+void loom_grad_defer_reset(loom_model *m, loom_arena *a) {
+    free(a->gdefer);
+    free(a->gfresh);
+    loom_dev_free(m, a->d_gzero);
+    a->gdefer = a->gfresh = NULL;
+    a->d_gzero = NULL;
+    a->n_gzero = 0;
+    a->gpending = false;
+}
+
+/* Marks the slots of linear weights (written by loom_k_lin_dw: every
+ * projection of the layers here, and the output layer). */
+static bool defer_setup(loom_model *m, loom_arena *A) {
+    if (A->gdefer) return true;
+    A->gdefer = calloc((size_t)A->nslots + 1, 1);
+    A->gfresh = calloc((size_t)A->nslots + 1, 1);
+    if (!A->gdefer || !A->gfresh) {
+        loom_grad_defer_reset(m, A);
+        return false;
+    }
+    for (int64_t l = 0; m->layer && l < m->L; l++) {
+        const loom_layer_slots *s = &m->layer[l];
+        const int w[7] = {s->wq, s->wk, s->wv, s->wo, s->wg, s->wu, s->wd};
+        for (int k = 0; k < 7; k++)
+            if (w[k] >= 0 && w[k] < A->nslots) A->gdefer[w[k]] = 1;
+    }
+    if (m->head >= 0 && m->head < A->nslots) A->gdefer[m->head] = 1;
+    return true;
+}
+
+loom_status loom_grad_prepare(loom_model *m, float *g, size_t n, float *beta) {
+    if (beta) *beta = 1.0f;
+    loom_arena *A = &m->base;
+    if (!A->gpending || !A->g || g < A->g || g >= A->g + A->nparams) return LOOM_OK;
+    const size_t o = (size_t)(g - A->g), e = o + n;
+    for (int i = 0; i < A->nslots; i++) { /* every fresh slot the write touches */
+        const loom_slot *s = &A->slots[i];
+        if (!A->gfresh[i] || s->off >= e || o >= s->off + s->numel) continue;
+        A->gfresh[i] = 0;
+        if (beta && s->off == o && s->numel == n) {
+            *beta = 0.0f; /* the write covers the slot: it assigns */
+            continue;
+        }
+        CK(loom_k_zero(m, A->g + s->off, s->numel * sizeof(float)));
+    }
+    return LOOM_OK;
+}
+
+loom_status loom_grad_settle(loom_model *m) {
+    loom_arena *A = &m->base;
+    if (!A->gpending) return LOOM_OK;
+    A->gpending = false;
+    for (int i = 0; i < A->nslots; i++)
+        if (A->gfresh[i]) {
+            A->gfresh[i] = 0;
+            CK(loom_k_zero(m, A->g + A->slots[i].off, A->slots[i].numel * sizeof(float)));
+        }
+    return LOOM_OK;
+}
+
 void loom_model_zero_grad(loom_model *m) {
     loom_arena *A = loom_model_trainable(m);
-    /* a device memset queued on the stream cannot fail short of a broken
-     * context, which the next op reports */
-    if (A->g) (void)loom_k_zero(m, A->g, A->nparams * sizeof(float));
+    /* a device memset or kernel queued on the stream cannot fail short of a
+     * broken context, which the next op reports */
+    if (A->g && A == &m->base && !m->grad_memset && defer_setup(m, A) &&
+        loom_k_zero_eager(m, A) == LOOM_OK) {
+        memcpy(A->gfresh, A->gdefer, (size_t)A->nslots);
+        A->gpending = true;
+    } else if (A->g) {
+        (void)loom_k_zero(m, A->g, A->nparams * sizeof(float));
+        if (A->gfresh) memset(A->gfresh, 0, (size_t)A->nslots);
+        A->gpending = false;
+    }
     m->acc_calls = 0;
     m->acc_tokens = 0;
     m->acc_loss = 0.0;
@@ -537,7 +610,8 @@ static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *p
                               double max_grad_norm, loom_step_result *rp, loom_step_result *out) {
     loom_ctx *ctx = m->ctx;
     loom_step_result r = *rp;
-    loom_status st = reduce_grads(m, A);
+    loom_status st = loom_grad_settle(m);
+    if (!st) st = reduce_grads(m, A);
     if (st) return st;
     /* The gradient of the mean loss (unscaled), its global norm (each
      * parameter once, in a fixed order), and clipping: the unscale and clip

@@ -353,6 +353,10 @@ loom_status loom_cuda_adamw_chunks(loom_ctx *ctx, float *p, const float *g, floa
                                    void *wc, loom_dtype wc_dtype, void *stream);
 loom_status loom_cuda_sumsq_chunks(loom_ctx *ctx, const float *g, const loom_cuda_chunk *chunks,
                                    int64_t nchunks, float s, double *out, void *stream);
+/* g[s_off .. s_off + len) = 0 for every chunk: one launch for many small
+ * ranges (the gradients cleared at zero_grad). */
+loom_status loom_cuda_zero_chunks(loom_ctx *ctx, float *g, const loom_cuda_chunk *chunks,
+                                  int64_t nchunks, void *stream);
 
 #ifdef __cplusplus
 }

@@ -86,6 +86,11 @@ __global__ void adamw_chunks_kernel(float *__restrict__ p, const float *__restri
     }
 }
 
+__global__ void zero_chunks_kernel(float *g, const loom_cuda_chunk *c) {
+    const loom_cuda_chunk ch = c[blockIdx.x];
+    for (int i = threadIdx.x; i < ch.len; i += blockDim.x) g[ch.s_off + i] = 0.0f;
+}
+
 // One block per chunk: out[chunk] = sum of (g s)^2 over it (double, fixed order).
 __global__ void __launch_bounds__(SUMSQ_THREADS)
     sumsq_chunks_kernel(const float *g, const loom_cuda_chunk *c, float s, double *out) {
@@ -196,4 +201,14 @@ extern "C" loom_status loom_cuda_sumsq(loom_ctx *ctx, const float *g, size_t n, 
     if (st) return st;
     sumsq_final_kernel<<<1, LOOM_CUDA_SUMSQ_BLOCKS, 0, s>>>(scratch, result);
     return check_launch(ctx, "sumsq");
+}
+
+extern "C" loom_status loom_cuda_zero_chunks(loom_ctx *ctx, float *g, const loom_cuda_chunk *chunks,
+                                             int64_t nchunks, void *stream) {
+    if (nchunks <= 0) return LOOM_OK;
+    if (nchunks > 0x7fffffff)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "cuda zero_chunks: %lld chunks",
+                         (long long)nchunks);
+    zero_chunks_kernel<<<(unsigned)nchunks, 256, 0, as_stream(stream)>>>(g, chunks);
+    return check_launch(ctx, "zero_chunks");
 }
