@@ -280,6 +280,42 @@ TEST(cuda_ops_rope) {
         free(a_), free(b_);                                                                        \
     } while (0)
 
+/* A backward's dw through a loom_cuda_dw_batch sized for one op: the batch
+ * then has no room for a second; dw stays as it was until the flush, which
+ * gives the bits of the op run on its own (want, on the device). */
+typedef struct {
+    loom_cuda_dw_batch *b;
+    float *dw, *dw0;
+    void *scratch;
+    int64_t H;
+} dw_batch;
+
+static bool dw_batch_begin(gpu *g, dw_batch *bt, int64_t N, int64_t H, const float *dw) {
+    memset(bt, 0, sizeof *bt);
+    bt->H = H;
+    loom_status st = loom_cuda_dw_batch_create(g->ctx, loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) + 255,
+                                               &bt->b);
+    CHECK_OK(g->ctx, st);
+    if (st) return false;
+    bt->dw = up(g, dw, H, LOOM_F32);
+    bt->dw0 = up(g, dw, H, LOOM_F32);
+    bt->scratch = loom_cuda_dw_batch_scratch(bt->b, N, H);
+    CHECK_MSG(bt->scratch && !loom_cuda_dw_batch_scratch(bt->b, N, H),
+              "a batch sized for one op must take one (%p) and then no more", bt->scratch);
+    return !g->bad && bt->scratch;
+}
+
+static void dw_batch_end(gpu *g, dw_batch *bt, const float *want, const char *op) {
+    CHECK_SAME(g, bt->dw, bt->dw0, bt->H, LOOM_F32, "%s with a batch: dw before the flush", op);
+    CHECK_OK(g->ctx, loom_cuda_dw_batch_flush(g->ctx, bt->b, NULL));
+    CHECK_SAME(g, bt->dw, want, bt->H, LOOM_F32, "%s with a batch: dw after the flush", op);
+    CHECK_OK(g->ctx, loom_cuda_dw_batch_flush(g->ctx, bt->b, NULL)); /* empty: adds nothing */
+    CHECK_SAME(g, bt->dw, want, bt->H, LOOM_F32, "%s: a second flush", op);
+    CHECK(loom_cuda_dw_batch_scratch(bt->b, 1, bt->H) != NULL); /* emptied by the flush */
+    loom_cuda_dw_batch_drop(bt->b);
+    loom_cuda_dw_batch_free(bt->b);
+}
+
 /* add + RMSNorm forward and RMSNorm backward + add, fused, against the ops
  * apart on the GPU (the same bits; dw within rounding: the fused pass sums
  * rows in another order) and against the CPU. */
@@ -318,7 +354,16 @@ static void add_norm_case(gpu *g, int64_t N, int64_t H, loom_dtype dt, bool with
     CHECK_CLOSE(got, y, n, dt, "add_rmsnorm_fwd y vs CPU N=%lld H=%lld", (long long)N, (long long)H);
     /* backward: dx += rmsnorm_bwd(dy) */
     CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd_add(g->ctx, d_dy, d_x, dt, d_w, dt, d_rs, N, H, d_dx, d_dw,
-                                               scr, NULL));
+                                               scr, NULL, NULL));
+    if (with_dw) { /* dw through a batch */
+        dw_batch bt;
+        void *bdx = up(g, dx0, n, dt);
+        if (dw_batch_begin(g, &bt, N, H, dw)) {
+            CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd_add(g->ctx, d_dy, d_x, dt, d_w, dt, d_rs, N, H, bdx,
+                                                       bt.dw, bt.scratch, bt.b, NULL));
+            dw_batch_end(g, &bt, d_dw, "rmsnorm_bwd_add");
+        }
+    }
     /* without dw the backward is the vector kernel: the fused kernels' dx
      * must have its bits */
     CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, d_rs, N, H, d_dy2, dt,
@@ -380,8 +425,17 @@ static void qknorm_rope_case(gpu *g, int64_t T, int64_t nh, int64_t D, loom_dtyp
     down(g, got, d_y, n, dt);
     CHECK_CLOSE(got, y, n, dt, "qknorm_rope_fwd vs CPU D=%lld", (long long)D);
     /* backward, dx over dy */
+    void *d_dy3 = up(g, dy, n, dt);
     CHECK_OK(g->ctx, loom_cuda_qknorm_rope_bwd(g->ctx, d_dy, d_x, dt, d_w, dt, d_rs, N, nh, D, cs,
-                                               d_dy, d_dw, scr, NULL));
+                                               d_dy, d_dw, scr, NULL, NULL));
+    if (with_dw) { /* dw through a batch */
+        dw_batch bt;
+        if (dw_batch_begin(g, &bt, N, D, dw)) {
+            CHECK_OK(g->ctx, loom_cuda_qknorm_rope_bwd(g->ctx, d_dy3, d_x, dt, d_w, dt, d_rs, N, nh, D,
+                                                       cs, d_dy3, bt.dw, bt.scratch, bt.b, NULL));
+            dw_batch_end(g, &bt, d_dw, "qknorm_rope_bwd");
+        }
+    }
     CHECK_OK(g->ctx, loom_cuda_rope_bwd(g->ctx, d_dy2, dt, T, nh, D, d_pos, d_inv, NULL));
     CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, d_rs, N, D, d_dy2, dt,
                                            d_dw2, scr, NULL));
@@ -441,7 +495,7 @@ TEST(cuda_ops_fused_norms) {
           LOOM_ERR_INVALID_ARG);
     CHECK_CONTAINS(loom_last_error(g.ctx), "not tokens of 2 heads");
     CHECK(loom_cuda_rmsnorm_bwd_add(g.ctx, (char *)p + 2, p, LOOM_BF16, p, LOOM_BF16, p, 2, 64,
-                                    (char *)p + 512, NULL, NULL, NULL) == LOOM_ERR_INVALID_ARG);
+                                    (char *)p + 512, NULL, NULL, NULL, NULL) == LOOM_ERR_INVALID_ARG);
     CHECK_CONTAINS(loom_last_error(g.ctx), "16-byte aligned");
     gpu_close(&g);
 }

@@ -462,6 +462,7 @@ loom_status loom_chunk_backward(loom_model *m, int c, loom_acts *a, const loom_m
     m->cur_mb = mb;
     if (ch->last) CK(loom_k_copy(m, m->dx, a->dstash, (size_t)(m->Tn * m->H) * m->dev.esz));
     for (int64_t i = ch->nl - 1; i >= 0; i--) CK(layer_bwd(m, a, i, ch->l0 + i, mb));
+    CK(loom_k_dw_flush(m)); /* the layer norms' weight gradients, batched */
     if (ch->first) CK(embed_bwd(m, mb));
     return LOOM_OK;
 }

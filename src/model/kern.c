@@ -90,6 +90,8 @@ void loom_dev_release(loom_model *m) {
     d->attn = NULL;
     loom_cuda_free(d->sumsq_scratch);
     loom_cuda_free(d->rms_scratch);
+    loom_cuda_dw_batch_free(d->dw_batch);
+    d->dw_batch = NULL;
     loom_cuda_free(d->lora_scratch);
     d->lora_scratch = NULL;
     d->lora_scratch_bytes = 0;
@@ -336,7 +338,55 @@ static loom_status rms_scratch(loom_model *m, int64_t N, int64_t H, const float 
     if (!st) m->dev.rms_scratch_bytes = need;
     return st;
 }
+
+/* Scratch for a layer norm's dw from the dw batch (made at the first call:
+ * DW_BATCH_BYTES, or one op's worth where that is more), flushed first when
+ * it is full; *batch NULL (and the model's own scratch) when even an empty
+ * batch cannot take the op. */
+#define DW_BATCH_BYTES ((size_t)64 << 20)
+static loom_status dw_batch_scratch(loom_model *m, int64_t N, int64_t H, float *dw, void **scratch,
+                                    loom_cuda_dw_batch **batch) {
+    *batch = NULL;
+    *scratch = NULL;
+    if (!dw) return LOOM_OK;
+    if (!m->dev.dw_batch) {
+        const size_t one = loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) + 256;
+        CK(loom_cuda_dw_batch_create(m->ctx, one > DW_BATCH_BYTES ? one : DW_BATCH_BYTES,
+                                     &m->dev.dw_batch));
+    }
+    void *p = loom_cuda_dw_batch_scratch(m->dev.dw_batch, N, H);
+    if (!p) {
+        CK(loom_cuda_dw_batch_flush(m->ctx, m->dev.dw_batch, m->dev.stream));
+        p = loom_cuda_dw_batch_scratch(m->dev.dw_batch, N, H);
+    }
+    if (p) {
+        *scratch = p;
+        *batch = m->dev.dw_batch;
+        return LOOM_OK;
+    }
+    CK(rms_scratch(m, N, H, dw));
+    *scratch = m->dev.rms_scratch;
+    return LOOM_OK;
+}
 #endif
+
+loom_status loom_k_dw_flush(loom_model *m) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m) && m->dev.dw_batch)
+        return loom_cuda_dw_batch_flush(m->ctx, m->dev.dw_batch, m->dev.stream);
+#else
+    (void)m;
+#endif
+    return LOOM_OK;
+}
+
+void loom_k_dw_drop(loom_model *m) {
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m)) loom_cuda_dw_batch_drop(m->dev.dw_batch);
+#else
+    (void)m;
+#endif
+}
 
 loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, const void *w,
                                const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
@@ -372,9 +422,11 @@ loom_status loom_k_rmsnorm_bwd_add(loom_model *m, void *dy, const void *x, const
     if (dw) CK(loom_grad_prepare(m, dw, (size_t)H, NULL));
 #ifdef LOOM_HAVE_CUDA
     if (GPU(m) && loom_cuda_rmsnorm_fused_ok(m->dev.adt, H)) {
-        CK(rms_scratch(m, N, H, dw));
+        void *scr;
+        loom_cuda_dw_batch *b;
+        CK(dw_batch_scratch(m, N, H, dw, &scr, &b));
         return loom_cuda_rmsnorm_bwd_add(m->ctx, dy, x, m->dev.adt, w, m->dev.adt, rstd, N, H, dx,
-                                         dw, m->dev.rms_scratch, m->dev.stream);
+                                         dw, scr, b, m->dev.stream);
     }
 #endif
     CK(loom_k_rmsnorm_bwd(m, dy, x, w, rstd, N, H, dy, dw));
@@ -404,9 +456,11 @@ loom_status loom_k_qknorm_rope_bwd(loom_model *m, const loom_micro *mb, void *dy
     if (dw) CK(loom_grad_prepare(m, dw, (size_t)m->D, NULL));
 #ifdef LOOM_HAVE_CUDA
     if (qk_fused(m, mb)) {
-        CK(rms_scratch(m, N, m->D, dw));
+        void *scr;
+        loom_cuda_dw_batch *b;
+        CK(dw_batch_scratch(m, N, m->D, dw, &scr, &b));
         return loom_cuda_qknorm_rope_bwd(m->ctx, dy, x, m->dev.adt, w, m->dev.adt, rstd, N, nh, m->D,
-                                         mb->d_rope, dy, dw, m->dev.rms_scratch, m->dev.stream);
+                                         mb->d_rope, dy, dw, scr, b, m->dev.stream);
     }
 #endif
     CK(loom_k_rope(m, true, dy, m->Tc, nh, mb->d_pos));

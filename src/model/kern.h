@@ -49,6 +49,8 @@ typedef struct loom_dev {
     double *sumsq_scratch;    /* device: the grad-norm reduction's block partials */
     void *rms_scratch;        /* device: RMSNorm backward's dw partials */
     size_t rms_scratch_bytes;
+    struct loom_cuda_dw_batch *dw_batch; /* the layers' norm weight gradients, added at
+                                            loom_k_dw_flush (made at the first use) */
     void *lora_scratch;       /* device: the LoRA pass kernels' partial sums */
     size_t lora_scratch_bytes;
     bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's forward and backward, and the
@@ -235,6 +237,11 @@ loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k
                                bool wc_too, bool *wc_done);
 loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,
                                int n, float s, double *sum);
+/* Adds the norms' weight gradients that the backward ops left pending (a
+ * GPU's dw batch); the end of every chunk's backward. */
+loom_status loom_k_dw_flush(loom_model *m);
+/* Forgets them (zero_grad: a backward that failed before its flush). */
+void loom_k_dw_drop(loom_model *m);
 /* Clears the gradients of the slots whose zeroing is not deferred (those
  * with A->gdefer[i] 0): on a GPU one launch over a chunk list built at the
  * first call (A->d_gzero). */

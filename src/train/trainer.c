@@ -109,6 +109,7 @@ loom_status loom_grad_settle(loom_model *m) {
 
 void loom_model_zero_grad(loom_model *m) {
     loom_arena *A = loom_model_trainable(m);
+    loom_k_dw_drop(m); /* what a failed backward left pending is not added later */
     /* a device memset or kernel queued on the stream cannot fail short of a
      * broken context, which the next op reports */
     if (A->g && A == &m->base && !m->grad_memset && defer_setup(m, A) &&

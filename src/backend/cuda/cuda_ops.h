@@ -176,16 +176,36 @@ bool loom_cuda_qknorm_rope_ok(loom_dtype dtype, int64_t D);
 loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, const void *res, void *xsum,
                                       loom_dtype dtype, const void *w, loom_dtype w_dtype, int64_t N,
                                       int64_t H, float eps, void *y, float *rstd, void *stream);
+/* The weight gradient's last stage deferred over many ops: with a batch,
+ * rmsnorm_bwd_add and qknorm_rope_bwd leave their chunks' partial sums in
+ * scratch taken from the batch (loom_cuda_dw_batch_scratch) and record where;
+ * loom_cuda_dw_batch_flush adds every recorded op's partials into its dw in
+ * one launch, each column by the same tree as the op's own last stage (the
+ * same bits). A layer's four norms cost one small launch a batch instead of
+ * one each. */
+typedef struct loom_cuda_dw_batch loom_cuda_dw_batch;
+loom_status loom_cuda_dw_batch_create(loom_ctx *ctx, size_t scratch_bytes, loom_cuda_dw_batch **out);
+void loom_cuda_dw_batch_free(loom_cuda_dw_batch *b);
+/* Scratch for one op of N rows of H (loom_cuda_rmsnorm_bwd_scratch_bytes),
+ * or NULL when the batch has no room left for it (flush, then ask again;
+ * still NULL: the op is larger than the whole batch). */
+void *loom_cuda_dw_batch_scratch(loom_cuda_dw_batch *b, int64_t N, int64_t H);
+/* Adds what was recorded and empties the batch (nothing recorded: no launch). */
+loom_status loom_cuda_dw_batch_flush(loom_ctx *ctx, loom_cuda_dw_batch *b, void *stream);
+/* Forgets what was recorded (after a failed backward) without adding it. */
+void loom_cuda_dw_batch_drop(loom_cuda_dw_batch *b);
+/* batch: NULL, or the batch that `scratch` came from (dw then added at its flush) */
 loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, const void *x, loom_dtype dtype,
                                       const void *w, loom_dtype w_dtype, const float *rstd, int64_t N,
-                                      int64_t H, void *dx, float *dw, void *scratch, void *stream);
+                                      int64_t H, void *dx, float *dw, void *scratch,
+                                      loom_cuda_dw_batch *batch, void *stream);
 loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, loom_dtype dtype, const void *w,
                                       loom_dtype w_dtype, int64_t N, int64_t nh, int64_t D, float eps,
                                       const float *cs, void *y, float *rstd, void *stream);
 loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, const void *x, loom_dtype dtype,
                                       const void *w, loom_dtype w_dtype, const float *rstd, int64_t N,
                                       int64_t nh, int64_t D, const float *cs, void *dx, float *dw,
-                                      void *scratch, void *stream);
+                                      void *scratch, loom_cuda_dw_batch *batch, void *stream);
 
 /* ---- RoPE (ops_rope.cu) ----
  * In place on x: (T, nh, D) in dtype, D even; pos: (T); inv_freq: (D/2) fp32

@@ -4,6 +4,9 @@
 // The weight gradient is reduced in two fixed-order stages through scratch.
 // BF16/F16 rows whose length is a multiple of 8 (16-byte aligned) take the
 // vector kernels: 8 elements per 16-byte load, same math.
+#include <stdlib.h>
+
+#include "cuda_backend.h"
 #include "ops_common.cuh"
 
 using namespace loom_cuda;
@@ -111,7 +114,8 @@ __global__ void rmsnorm_dw_partial_kernel(const void *dy, loom_dtype dydt, const
 // ... in order, then the warp's fixed shuffle tree. (One thread per column
 // walking all the chunks was latency-bound: 30 us for a 128-wide q/k norm.)
 constexpr int DW_COLS = 8; // columns (warps) per block of the final stage
-__global__ void rmsnorm_dw_final_kernel(const double *partial, int64_t nchunk, int64_t H, float *dw) {
+__device__ __forceinline__ void dw_column(const double *partial, int64_t nchunk, int64_t H,
+                                          float *dw) {
     const int lane = threadIdx.x & 31;
     const int64_t j = (int64_t)blockIdx.x * DW_COLS + (threadIdx.x >> 5);
     if (j >= H) return;
@@ -119,6 +123,24 @@ __global__ void rmsnorm_dw_final_kernel(const double *partial, int64_t nchunk, i
     for (int64_t c = lane; c < nchunk; c += 32) acc += partial[c * H + j];
     acc = warp_sum(acc);
     if (lane == 0) dw[j] += (float)acc;
+}
+__global__ void rmsnorm_dw_final_kernel(const double *partial, int64_t nchunk, int64_t H, float *dw) {
+    dw_column(partial, nchunk, H, dw);
+}
+
+// The batch's ops (blockIdx.y), each column as rmsnorm_dw_final_kernel's.
+struct dw_entry {
+    const double *partial;
+    float *dw;
+    int64_t nchunk, H;
+};
+constexpr int DW_BATCH = 96; // ops a flush takes (the arguments stay under 4 KB)
+struct dw_batch_args {
+    dw_entry e[DW_BATCH];
+};
+__global__ void rmsnorm_dw_batch_kernel(const __grid_constant__ dw_batch_args a) {
+    const dw_entry &e = a.e[blockIdx.y];
+    dw_column(e.partial, e.nchunk, e.H, e.dw);
 }
 
 // dx_j = rstd w_j dy_j - x_j rstd^3 / H * sum_k dy_k w_k x_k (double, rounded once).
@@ -606,10 +628,70 @@ extern "C" size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H) {
     return (size_t)chunks * (size_t)H * sizeof(double);
 }
 
-// The chunks' partial weight gradients (scratch) added into dw.
+struct loom_cuda_dw_batch {
+    char *scratch;
+    size_t cap, used;
+    int n;
+    int64_t maxH;
+    dw_batch_args a;
+};
+
+extern "C" loom_status loom_cuda_dw_batch_create(loom_ctx *ctx, size_t scratch_bytes,
+                                                 loom_cuda_dw_batch **out) {
+    *out = NULL;
+    loom_cuda_dw_batch *b = (loom_cuda_dw_batch *)calloc(1, sizeof *b);
+    if (!b) return loom_errf(ctx, LOOM_ERR_OOM, "cuda dw batch: out of host memory");
+    loom_status st = loom_cuda_malloc(ctx, (void **)&b->scratch, scratch_bytes ? scratch_bytes : 1,
+                                      "RMSNorm weight-gradient batch");
+    if (st) {
+        free(b);
+        return st;
+    }
+    b->cap = scratch_bytes;
+    *out = b;
+    return LOOM_OK;
+}
+
+extern "C" void loom_cuda_dw_batch_free(loom_cuda_dw_batch *b) {
+    if (!b) return;
+    loom_cuda_free(b->scratch);
+    free(b);
+}
+
+extern "C" void *loom_cuda_dw_batch_scratch(loom_cuda_dw_batch *b, int64_t N, int64_t H) {
+    const size_t need = (loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) + 255) / 256 * 256;
+    if (!b || b->n >= DW_BATCH || need > b->cap - b->used) return NULL;
+    void *p = b->scratch + b->used;
+    b->used += need;
+    return p;
+}
+
+extern "C" void loom_cuda_dw_batch_drop(loom_cuda_dw_batch *b) {
+    if (b) b->n = 0, b->used = 0, b->maxH = 0;
+}
+
+extern "C" loom_status loom_cuda_dw_batch_flush(loom_ctx *ctx, loom_cuda_dw_batch *b, void *stream) {
+    if (!b || b->n == 0) return LOOM_OK;
+    dim3 grid((unsigned)((b->maxH + DW_COLS - 1) / DW_COLS), (unsigned)b->n);
+    rmsnorm_dw_batch_kernel<<<grid, DW_COLS * 32, 0, as_stream(stream)>>>(b->a);
+    loom_cuda_dw_batch_drop(b);
+    return check_launch(ctx, "dw_batch_flush");
+}
+
+// The chunks' partial weight gradients (scratch) added into dw: now, or with
+// a batch recorded for its flush (a full batch is flushed first).
 static loom_status dw_final(loom_ctx *ctx, const char *op, const void *scratch, int64_t N, int64_t H,
-                            int64_t rows, float *dw, cudaStream_t s) {
+                            int64_t rows, float *dw, cudaStream_t s, loom_cuda_dw_batch *batch) {
     const int64_t nchunk = (N + rows - 1) / rows;
+    if (batch) {
+        if (batch->n >= DW_BATCH) {
+            loom_status st = loom_cuda_dw_batch_flush(ctx, batch, s);
+            if (st) return st;
+        }
+        batch->a.e[batch->n++] = dw_entry{(const double *)scratch, dw, nchunk, H};
+        if (H > batch->maxH) batch->maxH = H;
+        return LOOM_OK;
+    }
     rmsnorm_dw_final_kernel<<<(unsigned)((H + DW_COLS - 1) / DW_COLS), DW_COLS * 32, 0, s>>>(
         (const double *)scratch, nchunk, H, dw);
     return check_launch(ctx, op);
@@ -619,7 +701,8 @@ static loom_status dw_final(loom_ctx *ctx, const char *op, const void *scratch, 
 static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype dy_dtype,
                        const void *x, loom_dtype x_dtype, const void *w, loom_dtype w_dtype,
                        const float *rstd, int64_t N, int64_t H, const void *res, void *dx,
-                       loom_dtype dx_dtype, float *dw, void *scratch, cudaStream_t s) {
+                       loom_dtype dx_dtype, float *dw, void *scratch, cudaStream_t s,
+                       loom_cuda_dw_batch *batch) {
     loom_status st;
     const bool vec = dy_dtype == x_dtype && dx_dtype == x_dtype && vec8_ok(x_dtype, H, dy, x) &&
                      vec8_ok(x_dtype, H, dx, dx);
@@ -631,7 +714,7 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
                                                                  w, w_dtype, rstd, N, rows, 1,
                                                                  nullptr, res, dx, scratch, s)) {
             if ((st = check_launch(ctx, op))) return st;
-            return dw_final(ctx, op, scratch, N, H, rows, dw, s);
+            return dw_final(ctx, op, scratch, N, H, rows, dw, s, batch);
         }
     }
     // wide rows with dw or the residual add (the fused op; the plain backward
@@ -650,7 +733,7 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
 #undef WIDE_T
 #undef WIDE
         if ((st = check_launch(ctx, op)) || !dw) return st;
-        return dw_final(ctx, op, scratch, N, H, rows, dw, s);
+        return dw_final(ctx, op, scratch, N, H, rows, dw, s, batch);
     }
     if (dw) { // before dx: dx may overwrite dy
         const int64_t rows = dw_rows_per_chunk(N), nchunk = (N + rows - 1) / rows;
@@ -659,7 +742,7 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
         rmsnorm_dw_partial_kernel<<<grid, threads, 0, s>>>(dy, dy_dtype, x, x_dtype, rstd, N, H,
                                                             rows, (double *)scratch);
         if ((st = check_launch(ctx, op))) return st;
-        if ((st = dw_final(ctx, op, scratch, N, H, rows, dw, s))) return st;
+        if ((st = dw_final(ctx, op, scratch, N, H, rows, dw, s, batch))) return st;
     }
     const unsigned blocks = (unsigned)((N + WARPS - 1) / WARPS);
     if (vec) {
@@ -706,13 +789,14 @@ extern "C" loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom
         return st;
     if (N <= 0 || H <= 0) return LOOM_OK;
     return bwd(ctx, "rmsnorm_bwd", dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, N, H, nullptr, dx,
-               dx_dtype, dw, scratch, as_stream(stream));
+               dx_dtype, dw, scratch, as_stream(stream), nullptr);
 }
 
 extern "C" loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, const void *x,
                                                  loom_dtype dtype, const void *w, loom_dtype w_dtype,
                                                  const float *rstd, int64_t N, int64_t H, void *dx,
-                                                 float *dw, void *scratch, void *stream) {
+                                                 float *dw, void *scratch, loom_cuda_dw_batch *batch,
+                                                 void *stream) {
     loom_status st;
     if ((st = bwd_checks(ctx, "rmsnorm_bwd_add", dtype, dtype, w_dtype, dtype, false, dw, scratch)) ||
         (st = fused_args(ctx, "rmsnorm_bwd_add", loom_cuda_rmsnorm_fused_ok(dtype, H), dy, x, dx, dx)))
@@ -721,7 +805,7 @@ extern "C" loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, 
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda rmsnorm_bwd_add: dx must not alias dy");
     if (N <= 0) return LOOM_OK;
     return bwd(ctx, "rmsnorm_bwd_add", dy, dtype, x, dtype, w, w_dtype, rstd, N, H, dx, dx, dtype, dw,
-               scratch, as_stream(stream));
+               scratch, as_stream(stream), batch);
 }
 
 extern "C" loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, loom_dtype dtype,
@@ -759,7 +843,7 @@ extern "C" loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, 
                                                  loom_dtype dtype, const void *w, loom_dtype w_dtype,
                                                  const float *rstd, int64_t N, int64_t nh, int64_t D,
                                                  const float *cs, void *dx, float *dw, void *scratch,
-                                                 void *stream) {
+                                                 loom_cuda_dw_batch *batch, void *stream) {
     loom_status st;
     if ((st = bwd_checks(ctx, "qknorm_rope_bwd", dtype, dtype, w_dtype, dtype, false, dw, scratch)) ||
         (st = fused_args(ctx, "qknorm_rope_bwd", loom_cuda_qknorm_rope_ok(dtype, D), dy, x, dx, cs)))
@@ -774,5 +858,5 @@ extern "C" loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, 
     (dtype == LOOM_BF16 ? bwd_fused<__nv_bfloat16> : bwd_fused<__half>)(
         f, true, dw != nullptr, false, dy, x, w, w_dtype, rstd, N, rows, nh, cs, nullptr, dx, scratch, s);
     if ((st = check_launch(ctx, "qknorm_rope_bwd")) || !dw) return st;
-    return dw_final(ctx, "qknorm_rope_bwd", scratch, N, D, rows, dw, s);
+    return dw_final(ctx, "qknorm_rope_bwd", scratch, N, D, rows, dw, s, batch);
 }
