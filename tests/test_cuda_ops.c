@@ -992,6 +992,32 @@ TEST(cuda_ops_adamw_and_sumsq_chunks) {
     gpu_close(&g);
 }
 
+/* zero_chunks clears exactly its chunks' ranges (one element, a whole
+ * LOOM_CUDA_CHUNK, a long tail) and nothing else */
+TEST(cuda_ops_zero_chunks) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const int64_t n = 100000;
+    float *x = falloc(n), *got = falloc(n);
+    fill(x, n, 77, 1);
+    const loom_cuda_chunk ch[3] = {{.s_off = 5, .len = 1}, {.s_off = 1000, .len = LOOM_CUDA_CHUNK},
+                                   {.s_off = 60001, .len = 39999}};
+    float *dx = up(&g, x, n, LOOM_F32);
+    void *dch = up_raw(&g, ch, sizeof ch);
+    REQUIRE(!g.bad);
+    REQUIRE_OK(g.ctx, loom_cuda_zero_chunks(g.ctx, dx, dch, 3, NULL));
+    down(&g, got, dx, n, LOOM_F32);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        bool in = false;
+        for (int c = 0; c < 3; c++) in = in || (i >= ch[c].s_off && i < ch[c].s_off + ch[c].len);
+        if (in ? got[i] != 0.0f : memcmp(&got[i], &x[i], sizeof(float)) != 0) bad++;
+    }
+    CHECK_MSG(bad == 0, "zero_chunks: %lld elements wrong", (long long)bad);
+    free(x), free(got);
+    gpu_close(&g);
+}
+
 TEST(cuda_ops_sumsq) {
     gpu g;
     REQUIRE(gpu_open(&g));
@@ -1060,6 +1086,22 @@ TEST(cuda_ops_deterministic) {
  * Not a check: with LOOM_CUDA_OPS_BENCH=1 it prints the time of each op at
  * training sizes (to stderr); otherwise it returns at once. */
 
+/* Attention's inputs for T tokens (the bench's values, in dt) and outputs
+ * (o, dq, dk, dv of osz bytes an element; lse fp32): nine allocations on g. */
+typedef struct {
+    void *q, *k, *v, *dout, *o, *dq, *dk, *dv;
+    float *lse;
+} attn_bufs;
+
+static void attn_bufs_alloc(gpu *g, attn_bufs *b, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                            loom_dtype dt, size_t osz) {
+    b->q = bench_buf(g, T * Hq * D, dt), b->k = bench_buf(g, T * Hkv * D, dt);
+    b->v = bench_buf(g, T * Hkv * D, dt), b->dout = bench_buf(g, T * Hq * D, dt);
+    b->o = dalloc(g, (size_t)(T * Hq * D) * osz), b->dq = dalloc(g, (size_t)(T * Hq * D) * osz);
+    b->dk = dalloc(g, (size_t)(T * Hkv * D) * osz), b->dv = dalloc(g, (size_t)(T * Hkv * D) * osz);
+    b->lse = dalloc(g, (size_t)(T * Hq) * 4);
+}
+
 TEST(cuda_ops_bench) {
     if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
     gpu g;
@@ -1074,11 +1116,11 @@ TEST(cuda_ops_bench) {
         for (int64_t D = 64; D <= 128; D *= 2)
             for (int f = 0; f < 2; f++) {
                 const loom_dtype dt = f ? LOOM_F32 : LOOM_BF16;
-                void *q = bench_buf(&g, T * Hq * D, dt), *k = bench_buf(&g, T * Hkv * D, dt);
-                void *v = bench_buf(&g, T * Hkv * D, dt), *dout = bench_buf(&g, T * Hq * D, dt);
-                void *o = dalloc(&g, (size_t)(T * Hq * D) * 4), *dq = dalloc(&g, (size_t)(T * Hq * D) * 4);
-                void *dk = dalloc(&g, (size_t)(T * Hkv * D) * 4), *dv = dalloc(&g, (size_t)(T * Hkv * D) * 4);
-                float *lse = dalloc(&g, (size_t)(T * Hq) * 4);
+                attn_bufs ab;
+                attn_bufs_alloc(&g, &ab, T, Hq, Hkv, D, dt, 4);
+                void *q = ab.q, *k = ab.k, *v = ab.v, *dout = ab.dout, *o = ab.o, *dq = ab.dq,
+                     *dk = ab.dk, *dv = ab.dv;
+                float *lse = ab.lse;
                 REQUIRE(!g.bad);
                 const double fl = 4.0 * T * T / 2 * D * Hq;
                 snprintf(lab, sizeof lab, "attention fwd T=%lld Hq=%lld Hkv=%lld D=%lld %s", (long long)T,
@@ -1254,11 +1296,11 @@ TEST(cuda_ops_attention_cudnn_survey) {
         bool tk = false;
         REQUIRE_OK(g.ctx, loom_cuda_attn_create(g.ctx, &h));
         loom_cuda_attn_survey(h, stderr);
-        void *q = bench_buf(&g, T * Hq * D, dt), *k = bench_buf(&g, T * Hkv * D, dt);
-        void *v = bench_buf(&g, T * Hkv * D, dt), *dout = bench_buf(&g, T * Hq * D, dt);
-        void *o = dalloc(&g, (size_t)(T * Hq * D) * 2), *dq = dalloc(&g, (size_t)(T * Hq * D) * 2);
-        void *dk = dalloc(&g, (size_t)(T * Hkv * D) * 2), *dv = dalloc(&g, (size_t)(T * Hkv * D) * 2);
-        float *lse = dalloc(&g, (size_t)(T * Hq) * 4);
+        attn_bufs ab;
+        attn_bufs_alloc(&g, &ab, T, Hq, Hkv, D, dt, 2);
+        void *q = ab.q, *k = ab.k, *v = ab.v, *dout = ab.dout, *o = ab.o, *dq = ab.dq, *dk = ab.dk,
+             *dv = ab.dv;
+        float *lse = ab.lse;
         REQUIRE(!g.bad);
         CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, q, k, v, dt, T, Hq, Hkv, D, NULL, T / L,
                                                       L, 0.0883883f, o, lse, NULL, &tk));
@@ -1268,7 +1310,9 @@ TEST(cuda_ops_attention_cudnn_survey) {
                                                       &tk));
         CHECK(tk);
         loom_cuda_attn_free(h);
+        for (int b = 0; b < 9; b++) loom_cuda_free(g.ptrs[--g.n]);
     }
+    gpu_close(&g);
 }
 
 /* The ops bench's GEMM part (LOOM_CUDA_OPS_BENCH=1): each GEMM shape of the

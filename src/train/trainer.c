@@ -82,9 +82,17 @@ loom_status loom_grad_prepare(loom_model *m, float *g, size_t n, float *beta) {
     loom_arena *A = &m->base;
     if (!A->gpending || !A->g || g < A->g || g >= A->g + A->nparams) return LOOM_OK;
     const size_t o = (size_t)(g - A->g), e = o + n;
-    for (int i = 0; i < A->nslots; i++) { /* every fresh slot the write touches */
+    /* slots lie in index order (arena_place): the first that ends past o, by
+     * bisection, then every fresh one the write touches */
+    int lo = 0, hi = A->nslots;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        if (A->slots[mid].off + A->slots[mid].numel <= o) lo = mid + 1;
+        else hi = mid;
+    }
+    for (int i = lo; i < A->nslots && A->slots[i].off < e; i++) {
         const loom_slot *s = &A->slots[i];
-        if (!A->gfresh[i] || s->off >= e || o >= s->off + s->numel) continue;
+        if (!A->gfresh[i] || o >= s->off + s->numel) continue;
         A->gfresh[i] = 0;
         if (beta && s->off == o && s->numel == n) {
             *beta = 0.0f; /* the write covers the slot: it assigns */
