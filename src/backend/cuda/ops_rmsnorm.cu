@@ -679,15 +679,18 @@ extern "C" loom_status loom_cuda_dw_batch_flush(loom_ctx *ctx, loom_cuda_dw_batc
 }
 
 // The chunks' partial weight gradients (scratch) added into dw: now, or with
-// a batch recorded for its flush (a full batch is flushed first).
+// a batch recorded for its flush. The scratch came from the batch
+// (loom_cuda_dw_batch_scratch), which leaves room for the record; flushing
+// here would free that scratch while this op's partials are still in it.
 static loom_status dw_final(loom_ctx *ctx, const char *op, const void *scratch, int64_t N, int64_t H,
                             int64_t rows, float *dw, cudaStream_t s, loom_cuda_dw_batch *batch) {
     const int64_t nchunk = (N + rows - 1) / rows;
     if (batch) {
-        if (batch->n >= DW_BATCH) {
-            loom_status st = loom_cuda_dw_batch_flush(ctx, batch, s);
-            if (st) return st;
-        }
+        if (batch->n >= DW_BATCH)
+            return loom_errf(ctx, LOOM_ERR_INTERNAL,
+                             "cuda %s: the dw batch is full; its scratch must come from "
+                             "loom_cuda_dw_batch_scratch",
+                             op);
         batch->a.e[batch->n++] = dw_entry{(const double *)scratch, dw, nchunk, H};
         if (H > batch->maxH) batch->maxH = H;
         return LOOM_OK;
