@@ -13,8 +13,9 @@ using namespace loom_cuda;
 namespace {
 
 constexpr int STAGES = 4, CL = 2, EPC = 128, GROUP_M = 8;
-#define FWD_KERNEL loom_sm90::gemm_sm90<STAGES, CL, 2, false, EPC, false>
-#define DX_KERNEL loom_sm90::gemm_sm90<STAGES, CL, 2, false, EPC, true>
+constexpr bool SKIP = true; /* a segment's last k block: only the k16 steps that hold data */
+#define FWD_KERNEL loom_sm90::gemm_sm90<STAGES, CL, 2, false, EPC, false, loom_sm90::NoAct, 1, SKIP>
+#define DX_KERNEL loom_sm90::gemm_sm90<STAGES, CL, 2, false, EPC, true, loom_sm90::NoAct, 1, SKIP>
 constexpr size_t SMEM = sizeof(loom_sm90::Smem<STAGES, EPC>) + 1024;  // + alignment to 1024 bytes
 
 // Per device ordinal: 0 unknown, 1 usable (sm_90, enough shared memory, the
@@ -91,6 +92,8 @@ loom_status launch(loom_ctx *ctx, int dev, bool bt, loom_sm90::Args &a, void *st
 }
 
 int k_blocks(int64_t K) { return (int)((K + loom_sm90::BK - 1) / loom_sm90::BK); }
+/* k16 steps of the last k block that hold data (the rest is zero fill) */
+int k_last(int64_t K) { return (int)((K - 1) % loom_sm90::BK / 16 + 1); }
 
 }  // namespace
 
@@ -118,7 +121,9 @@ extern "C" loom_status loom_cuda_gemm_lora(loom_ctx *ctx, int64_t T, int64_t N, 
         !loom_sm90::kmajor_map(&a.b[1], b, N, r, r, BN / CL))
         return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm_lora: the driver refused a tensor map");
     a.nk[0] = k_blocks(K);
+    a.kl[0] = k_last(K);
     a.nk[1] = 1;
+    a.kl[1] = k_last(r);
     a.nseg = 2;
     a.s_last = s;
     a.D = (__nv_bfloat16 *)y;
@@ -148,6 +153,7 @@ extern "C" loom_status loom_cuda_gemm_dx(loom_ctx *ctx, int64_t T, int64_t N, in
             !loom_sm90::kmajor_map(&p.b[i], b[i], K[i], N, N, loom_sm90::BK, 64))
             return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm_dx: the driver refused a tensor map");
         p.nk[i] = k_blocks(K[i]);
+        p.kl[i] = k_last(K[i]);
     }
     if (!loom_sm90::kmajor_map(&p.d, d, T, N, N, 64, 64))
         return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm_dx: the driver refused a tensor map");

@@ -11,8 +11,11 @@
 // while the next tile runs; 1 = stores from registers; 0 = none (a diagnostic). STRONG: release
 // stages with .release.cluster arrives (slower: a MEMBAR.ALL.GPU each; kept for the probe).
 //
-// Used by the library (gemm_sm90.cu: <4, 2, 2, false, 128> with B K-major for the forward, N-major
-// for the input gradients) and by the probe bench/gemm_sm90.cu (every variant, and EPI 3, the
+// SKIP: a segment whose K ends inside a k block runs only that block's k16 steps that hold data
+// (LoRA's rank 8: one of four).
+//
+// Used by the library (gemm_sm90.cu: <4, 2, 2, false, 128>, SKIP, with B K-major for the forward,
+// N-major for the input gradients) and by the probe bench/gemm_sm90.cu (every variant, and EPI 3, the
 // SwiGLU pair: measured no faster than its two GEMMs and the SwiGLU kernel, so not in the
 // library). Device code needs -gencode arch=compute_90a,code=sm_90a.
 #pragma once
@@ -20,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace loom_sm90 {
 
@@ -140,6 +144,8 @@ constexpr int MAXSEG = 4;
 struct Args {
     CUtensorMap a[MAXSEG], b[MAXSEG], b2[MAXSEG], d, d2, d3;
     int nk[MAXSEG];  // k blocks of each segment
+    int kl[MAXSEG];  // SKIP: k16 steps of the segment's last k block that hold data (1..BK / 16,
+                     // 0 as BK / 16; the rest is TMA's zero fill: LoRA's rank-8 block holds 1 of 4)
     int kb[MAXSEG], kb2[MAXSEG];  // EPI 3: the B halves' k offsets
     int nseg;
     float s_last;
@@ -184,7 +190,9 @@ __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(_
 // EPI: 0 none (the main loop alone, a diagnostic), 1 stores from registers, 2 staged in shared
 // memory (128-byte swizzle, 64 x 64 boxes) and written by TMA stores, EPC columns a round; 3 the
 // SwiGLU pair (above), staged as 2 with EPC = BN / 2
-template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT = false, class Act = NoAct, int NEB = 1>
+// SKIP: a segment's last k block runs only the k16 steps that hold data (Args::kl), outside the
+// loop over the full blocks
+template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT = false, class Act = NoAct, int NEB = 1, bool SKIP = false>
 __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__ Args p) {
     static_assert(NEB == 1 || EPI == 3, "double-buffered staging: the SwiGLU pair's");
     static_assert(EPI != 3 || (!BT && EPC == BN / 2), "the SwiGLU pair: B K-major, one half a round");
@@ -237,35 +245,44 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
             tile_mn(t, mtc, nt, p.gm, m, n);
             m = m * CL + rank;
             int prev = -1, first = 1;
+            // one k block of KK k16 steps: wait for its stage, LoRA's scaling, the products, release
+            auto block = [&](auto kk_const, bool scale) {
+                constexpr int KK = decltype(kk_const)::value;
+                mbar_wait(&s.full[stage], phase);
+                if (scale) {  // LoRA's block: this warpgroup's rows of U times s
+                    uint4 *q = reinterpret_cast<uint4 *>(s.A[stage] + c * 64 * BK);
+                    const __nv_bfloat162 f = __float2bfloat162_rn(p.s_last);
+                    for (int i = tid; i < 64 * BK / 8; i += 128) {
+                        uint4 v = q[i];
+                        __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&v);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) h[e] = __hmul2(h[e], f);
+                        q[i] = v;
+                    }
+                    fence_async_smem();  // generic stores, read next by wgmma (the async proxy)
+                    named_sync(1 + c, 128);
+                }
+                wg_fence();
+                const __nv_bfloat16 *a = s.A[stage] + c * 64 * BK, *b = s.B[stage];
+#pragma unroll
+                for (int kk = 0; kk < KK; kk++)
+                    wgmma_m64n256k16<BT>(d, desc_k(a + kk * 16), BT ? desc_n(b + kk * 16 * 64) : desc_k(b + kk * 16),
+                                         !(first && kk == 0));
+                first = 0;
+                wg_commit();
+                wg_wait<1>();
+                if (prev >= 0 && tid < CL) mbar_arrive_cta<STRONG>(&s.empty[prev], tid);
+                prev = stage;
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            };
             for (int sg = 0; sg < nseg; sg++) {
                 const bool scale = sg == nseg - 1 && p.s_last != 1.0f;
-                for (int kb = 0; kb < p.nk[sg]; kb++) {
-                    mbar_wait(&s.full[stage], phase);
-                    if (scale) {  // LoRA's block: this warpgroup's rows of U times s
-                        uint4 *q = reinterpret_cast<uint4 *>(s.A[stage] + c * 64 * BK);
-                        const __nv_bfloat162 f = __float2bfloat162_rn(p.s_last);
-                        for (int i = tid; i < 64 * BK / 8; i += 128) {
-                            uint4 v = q[i];
-                            __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&v);
-#pragma unroll
-                            for (int e = 0; e < 4; e++) h[e] = __hmul2(h[e], f);
-                            q[i] = v;
-                        }
-                        fence_async_smem();  // generic stores, read next by wgmma (the async proxy)
-                        named_sync(1 + c, 128);
-                    }
-                    wg_fence();
-                    const __nv_bfloat16 *a = s.A[stage] + c * 64 * BK, *b = s.B[stage];
-#pragma unroll
-                    for (int kk = 0; kk < BK / 16; kk++)
-                        wgmma_m64n256k16<BT>(d, desc_k(a + kk * 16), BT ? desc_n(b + kk * 16 * 64) : desc_k(b + kk * 16),
-                                             !(first && kk == 0));
-                    first = 0;
-                    wg_commit();
-                    wg_wait<1>();
-                    if (prev >= 0 && tid < CL) mbar_arrive_cta<STRONG>(&s.empty[prev], tid);
-                    prev = stage;
-                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                const int kl = SKIP && p.kl[sg] > 0 ? p.kl[sg] : BK / 16, nfull = p.nk[sg] - (kl < BK / 16);
+                for (int kb = 0; kb < nfull; kb++) block(std::integral_constant<int, BK / 16>(), scale);
+                if constexpr (SKIP) {
+                    if (kl == 1) block(std::integral_constant<int, 1>(), scale);
+                    else if (kl == 2) block(std::integral_constant<int, 2>(), scale);
+                    else if (kl == 3) block(std::integral_constant<int, 3>(), scale);
                 }
             }
             wg_wait<0>();
