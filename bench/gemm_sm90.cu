@@ -9,8 +9,9 @@
 // Exits 1 when a check fails. Results: bench/RESULTS.md, tenth round.
 //
 //   make CUDA=1 BUILD=build-cuda build-cuda/gemm_sm90
-//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu | small]   (one: a single 4096^3 run of
-//                                   c2-t128, for a profiler; dx, swiglu, small: that section alone)
+//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu | small | sustain]   (one: a single 4096^3
+//                                   run of c2-t128, for a profiler; dx, swiglu, small: that section
+//                                   alone; sustain: GEMM_SM90_SECONDS (30) of an 8B layer's forward)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -50,6 +51,7 @@ static const Args &args_for(bool bt, int CL, const std::vector<Seg> &segs, __nv_
         ok = kmajor_map(&p.a[i], sg.a, M, sg.K, sg.lda, BM) &&
              (bt ? kmajor_map(&p.b[i], sg.b, sg.K, N, N, BK, 64) : kmajor_map(&p.b[i], sg.b, N, sg.K, sg.K, BN / CL));
         p.nk[i] = (sg.K + BK - 1) / BK;
+        p.kl[i] = (sg.K - 1) % BK / 16 + 1;
     }
     if (!ok) { fprintf(stderr, "cuTensorMapEncodeTiled failed (or the driver has none)\n"); exit(1); }
     p.nseg = (int)segs.size();
@@ -58,29 +60,37 @@ static const Args &args_for(bool bt, int CL, const std::vector<Seg> &segs, __nv_
     return cache.emplace(key, p).first->second;
 }
 
-template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT, class Act = NoAct, int NEB = 1>
+template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT, class Act = NoAct, int NEB = 1, bool SKIP = false>
 static void launch(const Args &p, int grid_cap) {
     const size_t smem = sizeof(Smem<STAGES, EPC, NEB>) + 1024;
-    static bool set = false;
-    if (!set) { CK(cudaFuncSetAttribute(gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT, Act, NEB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set = true; }
-    const int tn = EPI == 3 ? BN / 2 : BN;
-    const int tiles = ((p.M + BM * CL - 1) / (BM * CL)) * ((p.N + tn - 1) / tn);
-    int grid = std::min(tiles, (grid_cap > 0 ? grid_cap : g_sms) / CL) * CL;
+    auto kern = gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT, Act, NEB, SKIP>;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid); cfg.blockDim = dim3(NTHREADS); cfg.dynamicSmemBytes = smem;
+    cfg.blockDim = dim3(NTHREADS); cfg.dynamicSmemBytes = smem;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = CL; at[0].val.clusterDim.y = 1; at[0].val.clusterDim.z = 1;
     cfg.attrs = at; cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT, Act, NEB>, p));
+    static int slots = 0;  // clusters resident at once
+    if (!slots) {
+        CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        cfg.gridDim = dim3(g_sms / CL * CL);
+        CK(cudaOccupancyMaxActiveClusters(&slots, kern, &cfg));
+        if (slots < 1) { fprintf(stderr, "no cluster of %d fits\n", CL); exit(1); }
+        if (slots * CL != g_sms) printf("(clusters of %d: %d resident, %d of %d SMs)\n", CL, slots, slots * CL, g_sms);
+    }
+    const int tn = EPI == 3 ? BN / 2 : BN;
+    const int tiles = ((p.M + BM * CL - 1) / (BM * CL)) * ((p.N + tn - 1) / tn);
+    const int cap = std::min(slots, (grid_cap > 0 ? grid_cap : g_sms) / CL);
+    cfg.gridDim = dim3(std::min(tiles, cap) * CL);
+    CK(cudaLaunchKernelEx(&cfg, kern, p));
 }
 
-template <int STAGES, int CL, int EPI = 1, bool STRONG = false, int EPC = 0>
+template <int STAGES, int CL, int EPI = 1, bool STRONG = false, int EPC = 0, bool SKIP = false>
 static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat16 *D, int M, int N, int K, int gm, int grid_cap,
                     const __nv_bfloat16 *U = nullptr, const __nv_bfloat16 *SB = nullptr, int r = 0) {
     std::vector<Seg> segs = {{A, K, K, B}};
     if (U) segs.push_back({U, r, r, SB});
-    launch<STAGES, CL, EPI, STRONG, EPC, false>(args_for(false, CL, segs, D, M, N, gm), grid_cap);
+    launch<STAGES, CL, EPI, STRONG, EPC, false, NoAct, 1, SKIP>(args_for(false, CL, segs, D, M, N, gm), grid_cap);
 }
 
 // the input-gradient form: D = sum A_s B_s, B_s N-major (the library's configuration)
@@ -418,13 +428,95 @@ static int swiglu_section(int gm, cudaEvent_t e0, cudaEvent_t e1) {
     return failed;
 }
 
+// Sustained: an 8B layer's forward products (q, k, v, o, gate, up, down) back to back for `secs`
+// seconds in windows of about one second, each variant in turn, TFLOP/s per window (base FLOPs):
+// what the power cap the training step runs under (700 W on the H100 SXM) does to the rates that
+// the short interleaved timings above report. Run nvidia-smi beside it for the clocks. Each
+// variant is checked against cuBLASLt first. secs 0: one layer of each variant, unchecked (for a
+// profiler).
+static int sustain_section(Lt &lt, int gm, double secs, cudaEvent_t e0, cudaEvent_t e1) {
+    const int T = 4096, H = 4096, KV = 1024, I = 12288, r = 8;
+    struct P { int N, K; } ps[] = {{H, H}, {KV, H}, {KV, H}, {H, H}, {I, H}, {I, H}, {H, I}};
+    const size_t big = (size_t)T * I;
+    __nv_bfloat16 *X, *W, *Y, *U, *SB;
+    CK(cudaMalloc(&X, big * 2)); CK(cudaMalloc(&W, (size_t)I * H * 2)); CK(cudaMalloc(&Y, big * 2));
+    CK(cudaMalloc(&U, (size_t)T * 64 * 2)); CK(cudaMalloc(&SB, (size_t)I * 64 * 2));
+    fill<<<1024, 256>>>(X, big, 5u); fill<<<1024, 256>>>(W, (size_t)I * H, 6u);
+    fill<<<256, 256>>>(U, (size_t)T * r, 7u); fill<<<256, 256>>>(SB, (size_t)I * r, 8u);
+    double fl = 0;
+    for (const P &q : ps) fl += 2.0 * T * q.N * q.K;
+    // (also measured, bench/RESULTS.md fifteenth round, and not kept: a suspend-time hint on the
+    // barrier waits, the operands' L2 promotion at 128 bytes or none, clusters of 2 x 2)
+    struct Var { const char *name; bool lora, skip; };
+    const Var vars[] = {
+        {"lib", true, true},        // the library's: LoRA's block, its first k16 step alone
+        {"lib-noskip", true, false},  // LoRA's block whole (the library before the fifteenth round)
+        {"own", false, false},      // the base GEMM alone
+        {"lt", false, false},       // cuBLASLt, the base GEMM
+    };
+    const int nv = (int)(sizeof vars / sizeof vars[0]);
+    auto one = [&](const Var &v, const P &q) {
+        if (!strcmp(v.name, "lt")) { lt.run(X, W, Y, T, q.N, q.K); return; }
+        const __nv_bfloat16 *u = v.lora ? U : nullptr, *sb = v.lora ? SB : nullptr;
+        if (v.skip) run_own<4, 2, 2, false, 128, true>(X, W, Y, T, q.N, q.K, gm, 0, u, sb, v.lora ? r : 0);
+        else run_own<4, 2, 2, false, 128>(X, W, Y, T, q.N, q.K, gm, 0, u, sb, v.lora ? r : 0);
+    };
+    auto layer = [&](int i) { for (const P &q : ps) one(vars[i], q); };
+    if (secs <= 0) {
+        for (int i = 0; i < nv; i++) layer(i);
+        CK(cudaDeviceSynchronize());
+        return 0;
+    }
+    int failed = 0;
+    __nv_bfloat16 *R;
+    CK(cudaMalloc(&R, big * 2));
+    for (const P &q : ps)  // each variant against cuBLASLt, output poisoned first
+        for (int i = 0; i < nv - 1; i++) {
+            poison<<<1024, 256>>>(Y, (size_t)T * q.N);
+            one(vars[i], q);
+            if (vars[i].lora) { lt.run(U, SB, R, T, q.N, r); lt.run(X, W, R, T, q.N, q.K, 1.f); }
+            else lt.run(X, W, R, T, q.N, q.K);
+            CK(cudaDeviceSynchronize());
+            size_t nan = 0;
+            const double e = relerr(Y, R, (size_t)T * q.N, &nan);
+            if (nan || e > 1e-2) { failed++; printf("FAIL: "); }
+            printf("check %-8s %5d x %5d x %5d: %.2e from cuBLASLt (%zu NaN)\n", vars[i].name, T, q.N, q.K, e, nan);
+        }
+    CK(cudaFree(R));
+    for (int w = 0; w < 2; w++) for (int i = 0; i < nv; i++) layer(i);
+    CK(cudaDeviceSynchronize());
+    printf("sustain: %.0f s of an 8B layer's forward products (%.3f TFLOP a layer), windows of ~1 s\n", secs, fl / 1e12);
+    printf("%6s %8s %8s %9s %8s\n", "t s", "side", "layers", "ms/layer", "TFLOP/s");
+    double t = 0, sum[16] = {0};
+    int cnt[16] = {0};
+    for (int win = 0; t < secs; win++) {
+        const int i = win % nv;
+        const int n = 400;  // ~1 s of layers at ~2.4 ms each
+        float ms;
+        CK(cudaEventRecord(e0));
+        for (int k = 0; k < n; k++) layer(i);
+        CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
+        t += ms / 1e3;
+        const double tf = fl * n / (ms / 1e3) / 1e12;
+        if (win >= nv) sum[i] += tf, cnt[i]++;  // the first round is the power's settling
+        printf("%6.1f %8s %8d %9.4f %8.1f\n", t, vars[i].name, n, ms / n, tf);
+        fflush(stdout);
+    }
+    printf("means after the first round (TFLOP/s, ratio to cuBLASLt):");
+    for (int i = 0; i < nv; i++)
+        if (cnt[i]) printf(" %s %.1f (%.3f)", vars[i].name, sum[i] / cnt[i], (sum[i] / cnt[i]) / (sum[nv - 1] / cnt[nv - 1]));
+    printf("\n");
+    for (void *q : {(void *)X, (void *)W, (void *)Y, (void *)U, (void *)SB}) CK(cudaFree(q));
+    return failed;
+}
+
 int main(int argc, char **argv) {
     int gm = 8, failed = 0;
     if (argc > 1) {
         char *end = nullptr;
         const long v = strtol(argv[1], &end, 10);
-        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu") && strcmp(argv[2], "small")) || argc > 3) {
-            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu | small]\n", argv[0]);
+        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu") && strcmp(argv[2], "small") && strcmp(argv[2], "sustain")) || argc > 3) {
+            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu | small | sustain]\n", argv[0]);
             return 2;
         }
         gm = (int)v;
@@ -453,6 +545,10 @@ int main(int argc, char **argv) {
                                              : swiglu_section(gm, e0, e1);
         if (failed) printf("%d check(s) failed\n", failed);
         return failed ? 1 : 0;
+    }
+    if (argc > 2 && !strcmp(argv[2], "sustain")) {
+        const char *e = getenv("GEMM_SM90_SECONDS");
+        return sustain_section(lt, gm, e ? atof(e) : 30.0, e0, e1);
     }
     if (argc > 2 && !strcmp(argv[2], "one")) {
         const int M = 4096, N = 4096, K = 4096;
