@@ -1087,7 +1087,9 @@ TEST(cuda_ops_deterministic) {
  * training sizes (to stderr); otherwise it returns at once. */
 
 /* Attention's inputs for T tokens (the bench's values, in dt) and outputs
- * (o, dq, dk, dv of osz bytes an element; lse fp32): nine allocations on g. */
+ * (o, dq, dk, dv of osz bytes an element; lse fp32): ATTN_BUFS allocations on
+ * g, the last ones made. */
+enum { ATTN_BUFS = 9 };
 typedef struct {
     void *q, *k, *v, *dout, *o, *dq, *dk, *dv;
     float *lse;
@@ -1310,7 +1312,7 @@ TEST(cuda_ops_attention_cudnn_survey) {
                                                       &tk));
         CHECK(tk);
         loom_cuda_attn_free(h);
-        for (int b = 0; b < 9; b++) loom_cuda_free(g.ptrs[--g.n]);
+        for (int b = 0; b < ATTN_BUFS; b++) loom_cuda_free(g.ptrs[--g.n]);
     }
     gpu_close(&g);
 }

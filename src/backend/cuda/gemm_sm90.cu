@@ -91,10 +91,6 @@ loom_status launch(loom_ctx *ctx, int dev, bool bt, loom_sm90::Args &a, void *st
                  what);
 }
 
-int k_blocks(int64_t K) { return (int)((K + loom_sm90::BK - 1) / loom_sm90::BK); }
-/* k16 steps of the last k block that hold data (the rest is zero fill) */
-int k_last(int64_t K) { return (int)((K - 1) % loom_sm90::BK / 16 + 1); }
-
 }  // namespace
 
 extern "C" bool loom_cuda_gemm_lora_ok(loom_dtype dtype, int64_t T, int64_t N, int64_t K, const void *x,
@@ -120,10 +116,10 @@ extern "C" loom_status loom_cuda_gemm_lora(loom_ctx *ctx, int64_t T, int64_t N, 
         !loom_sm90::kmajor_map(&a.d, y, T, N, N, 64, 64) || !loom_sm90::kmajor_map(&a.a[1], u, T, r, ldu, BM) ||
         !loom_sm90::kmajor_map(&a.b[1], b, N, r, r, BN / CL))
         return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm_lora: the driver refused a tensor map");
-    a.nk[0] = k_blocks(K);
-    a.kl[0] = k_last(K);
+    a.nk[0] = loom_sm90::k_blocks(K);
+    a.kl[0] = loom_sm90::k_last(K);
     a.nk[1] = 1;
-    a.kl[1] = k_last(r);
+    a.kl[1] = loom_sm90::k_last(r);
     a.nseg = 2;
     a.s_last = s;
     a.D = (__nv_bfloat16 *)y;
@@ -152,8 +148,8 @@ extern "C" loom_status loom_cuda_gemm_dx(loom_ctx *ctx, int64_t T, int64_t N, in
         if (!loom_sm90::kmajor_map(&p.a[i], a[i], T, K[i], lda[i], loom_sm90::BM) ||
             !loom_sm90::kmajor_map(&p.b[i], b[i], K[i], N, N, loom_sm90::BK, 64))
             return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm_dx: the driver refused a tensor map");
-        p.nk[i] = k_blocks(K[i]);
-        p.kl[i] = k_last(K[i]);
+        p.nk[i] = loom_sm90::k_blocks(K[i]);
+        p.kl[i] = loom_sm90::k_last(K[i]);
     }
     if (!loom_sm90::kmajor_map(&p.d, d, T, N, N, 64, 64))
         return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm_dx: the driver refused a tensor map");

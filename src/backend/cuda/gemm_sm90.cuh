@@ -141,6 +141,10 @@ __device__ __forceinline__ void tile_mn(int t, int mt, int nt, int gm, int &m, i
 // 0..r-1 and B_up, read from k = -r, at r..2r-1), and the epilogue writes gate (d), up (d2) and
 // Act::f(gate, up) (d3) of BN / 2 columns, each from its bf16 rounding.
 constexpr int MAXSEG = 4;
+// A segment of K columns: its k blocks (Args::nk), and the k16 steps of its last block that hold
+// data (Args::kl; the rest is zero fill)
+constexpr int k_blocks(long long K) { return (int)((K + BK - 1) / BK); }
+constexpr int k_last(long long K) { return (int)((K - 1) % BK / 16 + 1); }
 struct Args {
     CUtensorMap a[MAXSEG], b[MAXSEG], b2[MAXSEG], d, d2, d3;
     int nk[MAXSEG];  // k blocks of each segment
