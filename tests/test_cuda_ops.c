@@ -6,6 +6,8 @@
 #ifdef LOOM_HAVE_CUDA
 #include <cuda_runtime.h>
 #include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "../src/backend/cpu/cpu_ops.h"
 #include "../src/backend/cuda/cuda_backend.h"
@@ -1402,6 +1404,108 @@ TEST(cuda_ops_gemm_survey) {
     fprintf(stderr, "    gemm shapes above: heuristic %.3f ms, best %.3f ms (%.3fx)\n", tot_h, tot_b,
             tot_b > 0 ? tot_h / tot_b : 0.0);
     loom_cuda_gemm_free(h);
+    gpu_close(&g);
+}
+
+/* LOOM_CUDA_OPS_SUSTAIN=S (whole seconds, 1-600): an energy bench, not a
+ * check. Three parts of the Qwen3-8B LoRA step's work (4096 tokens), each run
+ * back to back for S seconds with 3 s of idle before it, so that a power log
+ * beside the run (bench/energy.py, over nvidia-smi's energy counter) can tell
+ * what each costs under the board's power limit:
+ *   gemm       cuBLASLt's x W^T for gate, 4096 x 12288 x 4096 (TFLOP)
+ *   attention  cuDNN's forward and backward, 32/8 heads of 128, causal (TFLOP,
+ *              the causal part: forward 2 products, backward 5)
+ *   memory     the layer's memory-bound passes: residual add + norm and the
+ *              norm's backward with its add (4096 x 4096), SwiGLU forward and
+ *              backward (4096 x 12288) (TB moved)
+ * Each part's first call (cuDNN's plans, cuBLASLt's choice) runs before the
+ * idle and is not counted. Prints a line a part: "sustain <part> <t0> <t1>
+ * <calls> <work>" with t0 and t1 the wall clock (seconds since the epoch) of
+ * its first timed launch and its last completion, and work in TFLOP or TB. */
+static double wall_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+TEST(cuda_ops_sustain) {
+    const char *env = getenv("LOOM_CUDA_OPS_SUSTAIN");
+    if (!env) return;
+    char *end = NULL;
+    const long secs = strtol(env, &end, 10);
+    if (end == env || *end || secs < 1 || secs > 600) {
+        CHECK_MSG(false, "LOOM_CUDA_OPS_SUSTAIN=%s: give whole seconds from 1 to 600", env);
+        return;
+    }
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const int64_t T = 4096, H = 4096, F = 12288, Hq = 32, Hkv = 8, D = 128;
+    const loom_dtype dt = LOOM_BF16;
+    loom_cuda_gemm_handle *gh = NULL;
+    loom_cuda_attn_handle *ah = NULL;
+    REQUIRE_OK(g.ctx, loom_cuda_gemm_create(g.ctx, 32u << 20, &gh));
+    REQUIRE_OK(g.ctx, loom_cuda_attn_create(g.ctx, &ah));
+    void *x = bench_buf(&g, T * H, dt), *wg = bench_buf(&g, F * H, dt), *y = dalloc(&g, (size_t)(T * F) * 2);
+    void *res = bench_buf(&g, T * H, dt), *xs = dalloc(&g, (size_t)(T * H) * 2);
+    void *xn = dalloc(&g, (size_t)(T * H) * 2), *nw = bench_buf(&g, H, dt);
+    void *gt = bench_buf(&g, T * F, dt), *up = bench_buf(&g, T * F, dt), *dh = bench_buf(&g, T * F, dt);
+    void *dg = dalloc(&g, (size_t)(T * F) * 2), *du = dalloc(&g, (size_t)(T * F) * 2);
+    float *rs = dalloc(&g, (size_t)T * 4);
+    attn_bufs ab;
+    attn_bufs_alloc(&g, &ab, T, Hq, Hkv, D, dt, 2);
+    REQUIRE(!g.bad);
+    const double afl = 4.0 * T * T / 2 * D * Hq; /* the forward's causal FLOPs */
+    bool tk = true;
+    for (int part = 0; part < 3 && tk; part++) {
+        static const char *const names[] = {"gemm", "attention", "memory"};
+        static const int batch[] = {50, 10, 20}; /* calls between clock reads */
+        double work = 0;
+        long calls = -1; /* the first call (cuDNN's plans, cuBLASLt's choice) is not timed */
+        loom_status st = LOOM_OK;
+        double t0 = 0, t1 = 0;
+        while (!st && (calls <= 0 || t1 - t0 < (double)secs)) {
+            if (calls == 0) {
+                sleep(3);
+                t0 = t1 = wall_now(), work = 0;
+            }
+            const int n = calls < 0 ? 1 : batch[part];
+            for (int i = 0; i < n && !st; i++, calls++) {
+                if (part == 0) {
+                    st = loom_cuda_gemm(g.ctx, gh, 0, 1, T, F, H, 1, x, dt, H, wg, dt, H, 0, y, dt, F, NULL);
+                    work += 2.0 * T * F * H * 1e-12;
+                } else if (part == 1) {
+                    st = loom_cuda_attention_cudnn_fwd(g.ctx, ah, ab.q, ab.k, ab.v, dt, T, Hq, Hkv, D, NULL, 1, T,
+                                                       0.0883883f, ab.o, ab.lse, NULL, &tk);
+                    if (!st && tk)
+                        st = loom_cuda_attention_cudnn_bwd(g.ctx, ah, ab.dout, ab.q, ab.k, ab.v, ab.o, ab.lse, dt,
+                                                           T, Hq, Hkv, D, NULL, 1, T, 0.0883883f, ab.dq, ab.dk,
+                                                           ab.dv, NULL, &tk);
+                    if (!tk) break;
+                    work += 3.5 * afl * 1e-12;
+                } else {
+                    st = loom_cuda_add_rmsnorm_fwd(g.ctx, x, res, xs, dt, nw, dt, T, H, 1e-6f, xn, rs, NULL);
+                    if (!st) st = loom_cuda_swiglu_fwd(g.ctx, gt, up, T * F, y, dt, NULL);
+                    if (!st) st = loom_cuda_swiglu_bwd(g.ctx, dh, gt, up, T * F, dg, du, dt, NULL);
+                    if (!st)
+                        st = loom_cuda_rmsnorm_bwd_add(g.ctx, xn, xs, dt, nw, dt, rs, T, H, res, NULL, NULL,
+                                                       NULL, NULL);
+                    /* bytes: add + norm 4 rows of T x H, SwiGLU fwd 3 and bwd 5
+                     * of T x F, norm bwd + add 4 of T x H (bf16) */
+                    work += 2.0 * (8.0 * T * H + 8.0 * T * F) * 1e-12;
+                }
+            }
+            if (!st && !tk) break;
+            if (!st) st = loom_cuda_sync(g.ctx);
+            t1 = wall_now();
+        }
+        CHECK_OK(g.ctx, st);
+        CHECK_MSG(tk, "cuDNN did not take the attention");
+        if (st || !tk) break;
+        fprintf(stderr, "sustain %s %.3f %.3f %ld %.4f\n", names[part], t0, t1, calls, work);
+        fprintf(stderr, "    %s: %.1f T/s over %.1f s\n", names[part], work / (t1 - t0), t1 - t0);
+    }
+    loom_cuda_attn_free(ah);
+    loom_cuda_gemm_free(gh);
     gpu_close(&g);
 }
 #endif
