@@ -1410,8 +1410,8 @@ TEST(cuda_ops_gemm_survey) {
 /* LOOM_CUDA_OPS_SUSTAIN=S (whole seconds, 1-600): an energy bench, not a
  * check. Three parts of the Qwen3-8B LoRA step's work (4096 tokens), each run
  * back to back for S seconds with 3 s of idle before it, so that a power log
- * beside the run (bench/energy.py, over nvidia-smi's energy counter) can tell
- * what each costs under the board's power limit:
+ * beside the run (bench/energy.py, which integrates nvidia-smi's instant
+ * power) can tell what each costs under the board's power limit:
  *   gemm       cuBLASLt's x W^T for gate, 4096 x 12288 x 4096 (TFLOP)
  *   attention  cuDNN's forward and backward, 32/8 heads of 128, causal (TFLOP,
  *              the causal part: forward 2 products, backward 5)
@@ -1455,6 +1455,7 @@ TEST(cuda_ops_sustain) {
     attn_bufs_alloc(&g, &ab, T, Hq, Hkv, D, dt, 2);
     REQUIRE(!g.bad);
     const double afl = 4.0 * T * T / 2 * D * Hq; /* the forward's causal FLOPs */
+    const float scale = 1.0f / sqrtf((float)D);
     bool tk = true;
     for (int part = 0; part < 3 && tk; part++) {
         static const char *const names[] = {"gemm", "attention", "memory"};
@@ -1475,10 +1476,10 @@ TEST(cuda_ops_sustain) {
                     work += 2.0 * T * F * H * 1e-12;
                 } else if (part == 1) {
                     st = loom_cuda_attention_cudnn_fwd(g.ctx, ah, ab.q, ab.k, ab.v, dt, T, Hq, Hkv, D, NULL, 1, T,
-                                                       0.0883883f, ab.o, ab.lse, NULL, &tk);
+                                                       scale, ab.o, ab.lse, NULL, &tk);
                     if (!st && tk)
                         st = loom_cuda_attention_cudnn_bwd(g.ctx, ah, ab.dout, ab.q, ab.k, ab.v, ab.o, ab.lse, dt,
-                                                           T, Hq, Hkv, D, NULL, 1, T, 0.0883883f, ab.dq, ab.dk,
+                                                           T, Hq, Hkv, D, NULL, 1, T, scale, ab.dq, ab.dk,
                                                            ab.dv, NULL, &tk);
                     if (!tk) break;
                     work += 3.5 * afl * 1e-12;
