@@ -1408,16 +1408,19 @@ TEST(cuda_ops_gemm_survey) {
 }
 
 /* LOOM_CUDA_OPS_SUSTAIN=S (whole seconds, 1-600): an energy bench, not a
- * check. Three parts of the Qwen3-8B LoRA step's work (4096 tokens), each run
- * back to back for S seconds with 3 s of idle before it, so that a power log
+ * check. Parts of the Qwen3-8B LoRA step's work (4096 tokens), each run back
+ * to back for S seconds with 3 s of idle before it, so that a power log
  * beside the run (bench/energy.py, which integrates nvidia-smi's instant
  * power) can tell what each costs under the board's power limit:
- *   gemm       cuBLASLt's x W^T for gate, 4096 x 12288 x 4096 (TFLOP)
- *   attention  cuDNN's forward and backward, 32/8 heads of 128, causal (TFLOP,
- *              the causal part: forward 2 products, backward 5)
- *   memory     the layer's memory-bound passes: residual add + norm and the
- *              norm's backward with its add (4096 x 4096), SwiGLU forward and
- *              backward (4096 x 12288) (TB moved)
+ *   gemm        cuBLASLt's x W^T for gate, 4096 x 12288 x 4096 (TFLOP)
+ *   attention   cuDNN's forward and backward, 32/8 heads of 128, causal
+ *               (TFLOP, the causal part: forward 2 products, backward 5)
+ *   norm_fwd    residual add + norm, 4096 x 4096 (TB moved, here and below)
+ *   swiglu_fwd  SwiGLU, 4096 x 12288
+ *   swiglu_bwd  its backward
+ *   norm_bwd    the norm's backward with its residual add, 4096 x 4096
+ * The memory-bound parts take the random bits of bench_buf: constant inputs
+ * draw ~140 W less at the same bandwidth (bit toggling in the memory path).
  * Each part's first call (cuDNN's plans, cuBLASLt's choice) runs before the
  * idle and is not counted. Prints a line a part: "sustain <part> <t0> <t1>
  * <calls> <work>" with t0 and t1 the wall clock (seconds since the epoch) of
@@ -1457,9 +1460,10 @@ TEST(cuda_ops_sustain) {
     const double afl = 4.0 * T * T / 2 * D * Hq; /* the forward's causal FLOPs */
     const float scale = 1.0f / sqrtf((float)D);
     bool tk = true;
-    for (int part = 0; part < 3 && tk; part++) {
-        static const char *const names[] = {"gemm", "attention", "memory"};
-        static const int batch[] = {50, 10, 20}; /* calls between clock reads */
+    for (int part = 0; part < 6 && tk; part++) {
+        static const char *const names[] = {"gemm",       "attention",  "norm_fwd",
+                                            "swiglu_fwd", "swiglu_bwd", "norm_bwd"};
+        static const int batch[] = {50, 10, 80, 40, 30, 80}; /* calls between clock reads */
         double work = 0;
         long calls = -1; /* the first call (cuDNN's plans, cuBLASLt's choice) is not timed */
         loom_status st = LOOM_OK;
@@ -1471,6 +1475,7 @@ TEST(cuda_ops_sustain) {
             }
             const int n = calls < 0 ? 1 : batch[part];
             for (int i = 0; i < n && !st; i++, calls++) {
+                /* work: TFLOP, or TB of bf16 tensors read and written */
                 if (part == 0) {
                     st = loom_cuda_gemm(g.ctx, gh, 0, 1, T, F, H, 1, x, dt, H, wg, dt, H, 0, y, dt, F, NULL);
                     work += 2.0 * T * F * H * 1e-12;
@@ -1483,16 +1488,19 @@ TEST(cuda_ops_sustain) {
                                                            ab.dv, NULL, &tk);
                     if (!tk) break;
                     work += 3.5 * afl * 1e-12;
-                } else {
+                } else if (part == 2) { /* x, res in; sum, normed out */
                     st = loom_cuda_add_rmsnorm_fwd(g.ctx, x, res, xs, dt, nw, dt, T, H, 1e-6f, xn, rs, NULL);
-                    if (!st) st = loom_cuda_swiglu_fwd(g.ctx, gt, up, T * F, y, dt, NULL);
-                    if (!st) st = loom_cuda_swiglu_bwd(g.ctx, dh, gt, up, T * F, dg, du, dt, NULL);
-                    if (!st)
-                        st = loom_cuda_rmsnorm_bwd_add(g.ctx, xn, xs, dt, nw, dt, rs, T, H, res, NULL, NULL,
-                                                       NULL, NULL);
-                    /* bytes: add + norm 4 rows of T x H, SwiGLU fwd 3 and bwd 5
-                     * of T x F, norm bwd + add 4 of T x H (bf16) */
-                    work += 2.0 * (8.0 * T * H + 8.0 * T * F) * 1e-12;
+                    work += 2.0 * 4.0 * T * H * 1e-12;
+                } else if (part == 3) { /* g, u in; h out */
+                    st = loom_cuda_swiglu_fwd(g.ctx, gt, up, T * F, y, dt, NULL);
+                    work += 2.0 * 3.0 * T * F * 1e-12;
+                } else if (part == 4) { /* dh, g, u in; dg, du out */
+                    st = loom_cuda_swiglu_bwd(g.ctx, dh, gt, up, T * F, dg, du, dt, NULL);
+                    work += 2.0 * 5.0 * T * F * 1e-12;
+                } else { /* dy, x, dres in; dres out */
+                    st = loom_cuda_rmsnorm_bwd_add(g.ctx, xn, xs, dt, nw, dt, rs, T, H, res, NULL, NULL, NULL,
+                                                   NULL);
+                    work += 2.0 * 4.0 * T * H * 1e-12;
                 }
             }
             if (!st && !tk) break;
