@@ -108,11 +108,19 @@ static inline bool vec8_ok(loom_dtype t, int64_t n, const void *a, const void *b
 
 // SwiGLU of one element, h = silu(g) u, and its gradients (d silu(g)/dg =
 // sig (1 + g (1 - sig))), each operation rounded on its own (the same bits
-// in every kernel that uses them).
-__device__ __forceinline__ float sigmoid1(float g) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g))); }
-__device__ __forceinline__ float swiglu1(float g, float u) { return __fmul_rn(__fmul_rn(g, sigmoid1(g)), u); }
-__device__ __forceinline__ void swiglu1_bwd(float d, float g, float u, float &dg, float &du) {
-    const float sg = sigmoid1(g);
+// in every kernel that uses them). hw: the sigmoid on the hardware's exp2 and
+// reciprocal (__expf, __fdividef: a few fp32 ulp, far below a BF16/F16
+// rounding) instead of IEEE expf and division, which cost more instructions
+// than the pass has bytes: at 8B's shape the IEEE forward draws ~90 W more
+// at the same bandwidth. Every BF16/F16 path takes hw, F32 keeps IEEE.
+__device__ __forceinline__ float sigmoid1(float g, bool hw) {
+    return hw ? __fdividef(1.0f, __fadd_rn(1.0f, __expf(-g))) : __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+}
+__device__ __forceinline__ float swiglu1(float g, float u, bool hw) {
+    return __fmul_rn(__fmul_rn(g, sigmoid1(g, hw)), u);
+}
+__device__ __forceinline__ void swiglu1_bwd(float d, float g, float u, float &dg, float &du, bool hw) {
+    const float sg = sigmoid1(g, hw);
     const float dsil = __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg)));
     dg = __fmul_rn(__fmul_rn(__fmul_rn(d, u), sg), dsil);
     du = __fmul_rn(__fmul_rn(d, g), sg);
