@@ -472,6 +472,7 @@ TEST(cuda_ops_fused_norms) {
     add_norm_case(&g, 33, 2560, LOOM_BF16, true); /* wide rows: a block per range of rows */
     add_norm_case(&g, 300, 4096, LOOM_BF16, true);
     add_norm_case(&g, 129, 2048, LOOM_F16, true);
+    add_norm_case(&g, 50, 3072, LOOM_F16, false);
     add_norm_case(&g, 40, 8192, LOOM_BF16, true);
     add_norm_case(&g, 300, 4096, LOOM_BF16, false); /* a frozen norm: dx alone */
     add_norm_case(&g, 77, 2560, LOOM_F16, false);
