@@ -481,6 +481,9 @@ TEST(cuda_ops_fused_norms) {
     qknorm_rope_case(&g, 700, 4, 128, LOOM_BF16, true); /* rows over many blocks */
     qknorm_rope_case(&g, 300, 2, 64, LOOM_F16, true);
     qknorm_rope_case(&g, 50, 5, 256, LOOM_BF16, false);
+    qknorm_rope_case(&g, 129, 8, 128, LOOM_BF16, false); /* eight heads a lane group */
+    qknorm_rope_case(&g, 33, 32, 64, LOOM_F16, false);
+    qknorm_rope_case(&g, 40, 16, 256, LOOM_BF16, false);
     qknorm_rope_case(&g, 37, 3, 128, LOOM_BF16, false);
     REQUIRE(!g.bad);
     /* what the fused kernels do not take is refused with the op's name */
@@ -1262,6 +1265,12 @@ TEST(cuda_ops_bench) {
               loom_cuda_swiglu_fwd(g.ctx, x, y, N * H, y, LOOM_BF16, NULL));
         BENCH(&bo, "rope fwd T=8192 nh=32 D=128 bf16 (TB/s)", 4.0 * N * H, 5,
               loom_cuda_rope_fwd(g.ctx, x, LOOM_BF16, N, 32, 128, pos, inv, NULL));
+        { /* x is read as (cos, sin) pairs: any finite values */
+            const float *cs = (const float *)x;
+            BENCH(&bo, "q/k norm + rope fwd T=8192 nh=32 D=128 bf16 (TB/s)", 4.0 * N * H, 5,
+                  loom_cuda_qknorm_rope_fwd(g.ctx, x, LOOM_BF16, w, LOOM_BF16, NQ, 32, 128, 1e-6f, cs, y, rs,
+                                            NULL));
+        }
         BENCH(&bo, "bias bwd T=8192 N=4096 bf16 (TB/s)", 2.0 * N * H, 5,
               loom_cuda_add_bias_bwd(g.ctx, x, LOOM_BF16, N, H, dw, NULL));
         while (g.n > 0) loom_cuda_free(g.ptrs[--g.n]);
