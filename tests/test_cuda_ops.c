@@ -481,7 +481,7 @@ TEST(cuda_ops_fused_norms) {
     qknorm_rope_case(&g, 700, 4, 128, LOOM_BF16, true); /* rows over many blocks */
     qknorm_rope_case(&g, 300, 2, 64, LOOM_F16, true);
     qknorm_rope_case(&g, 50, 5, 256, LOOM_BF16, false);
-    qknorm_rope_case(&g, 129, 8, 128, LOOM_BF16, false); /* eight heads a lane group */
+    qknorm_rope_case(&g, 129, 8, 128, LOOM_BF16, false); /* Qwen3's head counts */
     qknorm_rope_case(&g, 33, 32, 64, LOOM_F16, false);
     qknorm_rope_case(&g, 40, 16, 256, LOOM_BF16, false);
     qknorm_rope_case(&g, 37, 3, 128, LOOM_BF16, false);

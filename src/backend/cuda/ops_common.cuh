@@ -86,13 +86,18 @@ template <typename T>
 __device__ __forceinline__ void ld8(const T *p, float (&v)[8]) {
     cvt8<T>(*(const uint4 *)p, v);
 }
+// 8 floats rounded to T, as one 16-byte access
 template <typename T>
-__device__ __forceinline__ void st8(T *p, const float (&v)[8]) {
+__device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
     uint4 u;
     T *e = (T *)&u;
 #pragma unroll
     for (int i = 0; i < 8; i++) e[i] = from_f<T>(v[i]);
-    *(uint4 *)p = u;
+    return u;
+}
+template <typename T>
+__device__ __forceinline__ void st8(T *p, const float (&v)[8]) {
+    *(uint4 *)p = pack8<T>(v);
 }
 
 // Bytes of an element of a float dtype (F32, BF16, F16).
@@ -110,9 +115,10 @@ static inline bool vec8_ok(loom_dtype t, int64_t n, const void *a, const void *b
 // sig (1 + g (1 - sig))), each operation rounded on its own (the same bits
 // in every kernel that uses them). hw: the sigmoid on the hardware's exp2 and
 // reciprocal (__expf, __fdividef: a few fp32 ulp, far below a BF16/F16
-// rounding) instead of IEEE expf and division, which cost more instructions
-// than the pass has bytes: at 8B's shape the IEEE forward draws ~90 W more
-// at the same bandwidth. Every BF16/F16 path takes hw, F32 keeps IEEE.
+// rounding) instead of IEEE expf and division, whose instruction sequences
+// show in a memory-bound pass's power: at 8B's shape the IEEE forward draws
+// ~90 W more at the same bandwidth. Every BF16/F16 path takes hw, F32 keeps
+// IEEE.
 __device__ __forceinline__ float sigmoid1(float g, bool hw) {
     return hw ? __fdividef(1.0f, __fadd_rn(1.0f, __expf(-g))) : __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
 }

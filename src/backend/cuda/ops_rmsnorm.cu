@@ -207,17 +207,10 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
 // The add + norm for H = 256 NV with the row held in registers: a lane's NV
 // accesses (columns 8 lane + 256 i, as the loop above) all loaded before any
 // arithmetic, and the normalising pass reads no memory but w. The same
-// arithmetic in the same order, so the same bits (cuda_ops_add_norm checks
-// them against residual_add then rmsnorm_fwd, which keeps the loop). The
-// loop keeps a few loads in flight and reads the row twice: 2.1 TB/s at
+// arithmetic in the same order, so the same bits (cuda_ops_fused_norms
+// checks them against residual_add then rmsnorm_fwd, which keeps the loop).
+// The loop keeps a few loads in flight and reads the row twice: 2.1 TB/s at
 // 8B's 4096 x 4096 on the H100.
-template <typename T> __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
-    uint4 u;
-    T *e = (T *)&u;
-#pragma unroll
-    for (int i = 0; i < 8; i++) e[i] = from_f<T>(v[i]);
-    return u;
-}
 
 template <typename T, int NV>
 __global__ void __launch_bounds__(WARPS * 32)
@@ -255,7 +248,7 @@ add_rmsnorm_fwd_reg_kernel(const T *x, const T *res, T *xsum, const void *w, loo
         w8(w, wdt, lane * 8 + 256 * i, wv);
 #pragma unroll
         for (int k = 0; k < 8; k++) v[k] = __fmul_rn(wv[k], __fmul_rn(v[k], rs));
-        *(uint4 *)(y + o + 256 * i) = pack8<T>(v);
+        st8(y + o + 256 * i, v);
     }
 }
 
