@@ -211,7 +211,6 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
 // checks them against residual_add then rmsnorm_fwd, which keeps the loop).
 // The loop keeps a few loads in flight and reads the row twice: 2.1 TB/s at
 // 8B's 4096 x 4096 on the H100.
-
 template <typename T, int NV>
 __global__ void __launch_bounds__(WARPS * 32)
 add_rmsnorm_fwd_reg_kernel(const T *x, const T *res, T *xsum, const void *w, loom_dtype wdt, int64_t N,
