@@ -9,9 +9,11 @@
 // Exits 1 when a check fails. Results: bench/RESULTS.md, tenth round.
 //
 //   make CUDA=1 BUILD=build-cuda build-cuda/gemm_sm90
-//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu | small | sustain]   (one: a single 4096^3
-//                                   run of c2-t128, for a profiler; dx, swiglu, small: that section
-//                                   alone; sustain: GEMM_SM90_SECONDS (30) of an 8B layer's forward)
+//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu | swiglu1 | small | sustain]   (one: a
+//                                   single 4096^3 run of c2-t128, for a profiler; dx, swiglu, small:
+//                                   that section alone; swiglu1: the SwiGLU pair and its reference
+//                                   once each on 8B's LoRA shape, unchecked, for a profiler;
+//                                   sustain: GEMM_SM90_SECONDS (30) of an 8B layer's forward)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -371,12 +373,13 @@ __global__ void swiglu_kernel(const __nv_bfloat16 *g, const __nv_bfloat16 *u, si
 
 // The MLP's front: g, up and h = silu(g) up as one GEMM (the SwiGLU pair, EPI 3) against the
 // library's path before it (two GEMMs, LoRA's term inside each, then the SwiGLU kernel).
-static int swiglu_section(int gm, cudaEvent_t e0, cudaEvent_t e1) {
+static int swiglu_section(int gm, cudaEvent_t e0, cudaEvent_t e1, bool once = false) {
     int failed = 0;
     struct Case { const char *what; int T, K, I, r; } cases[] = {
         {"ragged", 333, 1000, 520, 8}, {"8B lora", 4096, 4096, 12288, 8}, {"8B", 4096, 4096, 12288, 0}, {"0.6B", 8192, 1024, 3072, 0}};
     printf("\nSwiGLU pair: own dual GEMM (gate, up, h) against two GEMMs + the SwiGLU kernel\n");
     for (const Case &c : cases) {
+        if (once && strcmp(c.what, "8B lora")) continue;
         const int T = c.T, K = c.K, I = c.I, r = c.r;
         __nv_bfloat16 *x, *wg, *wu, *u, *bg, *bu, *o[6];
         CK(cudaMalloc(&x, (size_t)T * K * 2)); CK(cudaMalloc(&wg, (size_t)I * K * 2)); CK(cudaMalloc(&wu, (size_t)I * K * 2));
@@ -405,6 +408,7 @@ static int swiglu_section(int gm, cudaEvent_t e0, cudaEvent_t e1) {
         };
         own(); ref();
         CK(cudaDeviceSynchronize());
+        if (once) { printf("swiglu1: one of each\n"); return 0; }
         size_t n0 = 0, n1 = 0, n2 = 0;
         const size_t n = (size_t)T * I;
         const double eg = relerr(o[0], o[3], n, &n0), eu = relerr(o[1], o[4], n, &n1), eh = relerr(o[2], o[5], n, &n2);
@@ -521,8 +525,8 @@ int main(int argc, char **argv) {
     if (argc > 1) {
         char *end = nullptr;
         const long v = strtol(argv[1], &end, 10);
-        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu") && strcmp(argv[2], "small") && strcmp(argv[2], "sustain")) || argc > 3) {
-            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu | small | sustain]\n", argv[0]);
+        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu") && strcmp(argv[2], "swiglu1") && strcmp(argv[2], "small") && strcmp(argv[2], "sustain")) || argc > 3) {
+            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu | swiglu1 | small | sustain]\n", argv[0]);
             return 2;
         }
         gm = (int)v;
@@ -545,6 +549,7 @@ int main(int argc, char **argv) {
     __nv_bfloat16 *A, *B, *D, *R;
     CK(cudaMalloc(&A, maxe * 2)); CK(cudaMalloc(&B, maxe * 2)); CK(cudaMalloc(&D, maxe * 2)); CK(cudaMalloc(&R, maxe * 2));
     cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    if (argc > 2 && !strcmp(argv[2], "swiglu1")) return swiglu_section(gm, e0, e1, true);
     if (argc > 2 && (!strcmp(argv[2], "dx") || !strcmp(argv[2], "swiglu") || !strcmp(argv[2], "small"))) {
         failed = !strcmp(argv[2], "dx")       ? dx_section(lt, gm, e0, e1)
                  : !strcmp(argv[2], "small") ? small_section(lt, gm, e0, e1)
