@@ -247,6 +247,12 @@ $(BUILD)/gemm_sm90: bench/gemm_sm90.cu src/backend/cuda/gemm_sm90.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a \
 	    $(if $(filter 1,$(WERROR)),-Werror all-warnings) -o $@ $< -L$(CUDA_LIBDIR) -lcublasLt
+
+# Power probes under the board's limit: bench/power_probe.cu says what they do.
+$(BUILD)/power_probe: bench/power_probe.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a \
+	    $(if $(filter 1,$(WERROR)),-Werror all-warnings) -o $@ $< -L$(CUDA_LIBDIR) -lcublas
 endif
 
 # ---- fuzzing (clang + libFuzzer) ----

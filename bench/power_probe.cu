@@ -2,10 +2,10 @@
 // round). Not part of the library or its tests; build and run on the GPU
 // machine beside an instant-power log, then read it with bench/energy.py:
 //
-//   nvcc -O3 -arch=sm_90a -o /tmp/power_probe bench/power_probe.cu -lcublas
+//   make CUDA=1 BUILD=build-cuda build-cuda/power_probe
 //   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw.instant \
 //       --format=csv,noheader,nounits -lms 100 > power.csv &
-//   /tmp/power_probe sms 6 > parts.txt      # or: limiter 6
+//   build-cuda/power_probe sms 6 > parts.txt      # or: limiter 6
 //   python3 bench/energy.py power.csv --parts parts.txt
 //
 // sms:     a bf16 stream c = a + b over 512 MiB arrays (constant bits), first
@@ -161,18 +161,23 @@ static void probe_limiter(double secs) {
 }
 
 int main(int argc, char **argv) {
+    // the arguments first: a mistake is told before any device work
     const char *mode = argc > 1 ? argv[1] : "";
-    const double secs = argc > 2 ? atof(argv[2]) : 6;
-    if (!(secs >= 1 && secs <= 600)) {
-        fprintf(stderr, "power_probe: seconds a part must be 1-600 (got %s)\n", argv[2]);
-        return 1;
+    if (argc < 2 || argc > 3 || (strcmp(mode, "sms") && strcmp(mode, "limiter"))) {
+        fprintf(stderr, "usage: power_probe sms|limiter [seconds a part, 1-600; default 6]\n");
+        return 2;
+    }
+    double secs = 6;
+    if (argc > 2) {
+        char *end = nullptr;
+        secs = strtod(argv[2], &end);
+        if (end == argv[2] || *end || !(secs >= 1 && secs <= 600)) {
+            fprintf(stderr, "power_probe: seconds a part must be a number from 1 to 600 (got '%s')\n", argv[2]);
+            return 2;
+        }
     }
     if (!strcmp(mode, "sms")) probe_sms(secs);
-    else if (!strcmp(mode, "limiter")) probe_limiter(secs);
-    else {
-        fprintf(stderr, "usage: power_probe sms|limiter [seconds a part, 1-600]\n");
-        return 1;
-    }
+    else probe_limiter(secs);
     die("the probe", cudaGetLastError());
     return 0;
 }

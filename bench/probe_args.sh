@@ -1,0 +1,31 @@
+#!/bin/bash
+# The GPU probes' argument checks, which run before any device work and so
+# on any machine (CI runs this after the CUDA build):
+#   bash bench/probe_args.sh [build dir, default build-cuda]
+# Each bad command line must exit 2 with its message on stderr.
+set -u
+B=${1:-build-cuda}
+fail=0
+expect() { # expect <message part> <command...>
+    local want=$1 out rc
+    shift
+    out=$("$@" 2>&1 >/dev/null)
+    rc=$?
+    if [ $rc -ne 2 ] || [[ "$out" != *"$want"* ]]; then
+        echo "FAIL: $* -> rc $rc, stderr: $out (wanted rc 2 and '$want')"
+        fail=1
+    fi
+}
+expect "usage: power_probe sms|limiter" "$B/power_probe"
+expect "usage: power_probe sms|limiter" "$B/power_probe" bogus
+expect "usage: power_probe sms|limiter" "$B/power_probe" sms 6 7
+expect "must be a number from 1 to 600 (got 'x')" "$B/power_probe" sms x
+expect "must be a number from 1 to 600 (got '6x')" "$B/power_probe" limiter 6x
+expect "must be a number from 1 to 600 (got '0')" "$B/power_probe" sms 0
+expect "must be a number from 1 to 600 (got '1e9')" "$B/power_probe" sms 1e9
+expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 0
+expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8x
+expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8 nope
+expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8 dx extra
+[ $fail -eq 0 ] && echo "probe arguments: 11 checks passed"
+exit $fail
