@@ -5,10 +5,11 @@
 # Each bad command line must exit 2 with its message on stderr.
 set -u
 B=${1:-build-cuda}
-fail=0
+fail=0 n=0
 expect() { # expect <message part> <command...>
     local want=$1 out rc
     shift
+    n=$((n + 1))
     out=$("$@" 2>&1 >/dev/null)
     rc=$?
     if [ $rc -ne 2 ] || [[ "$out" != *"$want"* ]]; then
@@ -27,5 +28,5 @@ expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 0
 expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8x
 expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8 nope
 expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8 dx extra
-[ $fail -eq 0 ] && echo "probe arguments: 11 checks passed"
+[ $fail -eq 0 ] && echo "probe arguments: $n checks passed"
 exit $fail
