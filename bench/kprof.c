@@ -181,7 +181,7 @@ __attribute__((destructor)) static void kprof_report(void) {
     const char *tg = getenv("LOOM_KPROF_GAPS");
     size_t topg = tg ? strtoull(tg, NULL, 10) : 0;
     for (size_t i = 0; i < ngaps && i < topg; i++)
-        fprintf(stderr, "kprof: idle %8.3f ms %6llu gaps  after %.70s  before %.70s\n", gaps[i].ns / 1e6,
+        fprintf(stderr, "kprof: idle %8.3f ms %6llu gaps  after %s  before %s\n", gaps[i].ns / 1e6,
                 (unsigned long long)gaps[i].calls, what_name(gaps[i].before), what_name(gaps[i].after));
     free(gaps);
     qsort(groups, ngroups, sizeof *groups, by_time);

@@ -1,6 +1,7 @@
 #!/bin/bash
-# The GPU probes' argument checks, which run before any device work and so
-# on any machine (CI runs this after the CUDA build):
+# The GPU probes' and bench/profile.sh's argument checks, which run before
+# any device work and so on any machine, and bench/kprof_table.py's self-test
+# (CI runs this after the CUDA build):
 #   bash bench/probe_args.sh [build dir, default build-cuda]
 # Each bad command line must exit 2 with its message on stderr.
 set -u
@@ -28,5 +29,14 @@ expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 0
 expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8x
 expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8 nope
 expect "usage: $B/gemm_sm90 [group_m: 1..64" "$B/gemm_sm90" 8 dx extra
-[ $fail -eq 0 ] && echo "probe arguments: $n checks passed"
+expect "unknown case 'foo'" bash bench/profile.sh foo
+expect "1 <= first < last <= 1000 (got '3' '3')" bash bench/profile.sh 8b-lora 3 3
+expect "1 <= first < last <= 1000 (got '0' '3')" bash bench/profile.sh 8b-lora 0 3
+expect "usage: bash bench/profile.sh" bash bench/profile.sh 8b-lora 3 8 9
+expect "no loom binary at /nonexistent/loom" env LOOM_BIN=/nonexistent/loom bash bench/profile.sh
+expect "no tracer at /nonexistent/kprof.so" env LOOM_BIN="$B/loom" LOOM_KPROF_LIB=/nonexistent/kprof.so bash bench/profile.sh
+expect "give LOG and --steps N" python3 bench/kprof_table.py
+expect "no kprof report" python3 bench/kprof_table.py /dev/null --steps 2
+python3 bench/kprof_table.py --self-test || fail=1
+[ $fail -eq 0 ] && echo "probe and profile arguments: $n checks passed"
 exit $fail

@@ -1,47 +1,70 @@
 #!/usr/bin/env bash
-# Per-kernel GPU time of loom training, for bench/RESULTS.md: a few steps of
-# one bench case under Nsight Systems (nsys, when installed), the kernels
-# summed by name (without nsys it only runs the steps). Usage: bash bench/profile.sh [0.6b-full|4b-lora|8b-lora] [steps]
-# Needs LOOM_BIN (default build-cuda/loom); prints the top kernels.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-CASE=${1:-0.6b-full}
-STEPS=${2:-6}
-LOOM=${LOOM_BIN:-build-cuda/loom}
-W=${LOOM_BENCH_DIR:-/tmp/loom-profile}
-py_lib() { python3 -c "import importlib.util as u; s=u.find_spec('nvidia.$1'); print(list(s.submodule_search_locations)[0]+'/lib' if s else '')" 2>/dev/null || true; }
-export LD_LIBRARY_PATH="$(py_lib nccl):$(py_lib cudnn):${LD_LIBRARY_PATH:-}"
+# Where loom's training step spends its GPU time (issue 8), per step, for
+# bench/RESULTS.md: the bench case's own loom command (bench/train_bench.sh,
+# loom alone) under bench/kprof.c, a CUPTI tracer (the lent GPU machines have
+# no Nsight Systems), summed by kind of work by bench/kprof_table.py.
+#
+# Usage: bash bench/profile.sh [case] [first last]
+#   case         8b-lora (default), 4b-lora, 0.6b-full, or tiny-full / tiny-lora
+#   first last   steps (default 3 8): a run of `first` steps counts its kernels,
+#                then a run of `last` steps records only the kernels after
+#                those, so the table covers steps first+1 .. last, warm-up and
+#                model loading left out
+# Environment: LOOM_BIN (default build-cuda/loom), LOOM_KPROF_LIB (default
+# libloom_kprof.so beside LOOM_BIN: make CUDA=1 BUILD=build-cuda
+# build-cuda/libloom_kprof.so), LOOM_KPROF_GAPS (idle gaps listed, default 8),
+# LOOM_PROFILE_TOP (kernels listed, default 25), and train_bench.sh's
+# (LOOM_BENCH_DIR, default /tmp/loom-profile; the model directory is kept
+# there for the second run and later ones).
+# Exits 2 on bad arguments, 1 when a run fails or leaves no report.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+die() { echo "profile.sh: $1" >&2; exit "${2:-2}"; }
+CASE=${1:-8b-lora}
+FIRST=${2:-3}
+LAST=${3:-8}
+[ $# -le 3 ] || die "usage: bash bench/profile.sh [case] [first last]"
 case $CASE in
-    0.6b-full) PRESET=qwen3-0.6b; MB=2; LORA=() ;;
-    4b-lora) PRESET=qwen3-4b; MB=1; LORA=(--lora-r 8 --lora-alpha 16) ;;
-    8b-lora) PRESET=qwen3-8b; MB=1; LORA=(--lora-r 8 --lora-alpha 16) ;;
-    *) echo "unknown case $CASE"; exit 2 ;;
+    8b-lora | 4b-lora | 0.6b-full | tiny-full | tiny-lora) ;;
+    *) die "unknown case '$CASE' (8b-lora 4b-lora 0.6b-full tiny-full tiny-lora)" ;;
 esac
-mkdir -p "$W"
-[ -d "$W/$PRESET" ] || "$LOOM" init --preset "$PRESET" --seed 1 --save-dtype bfloat16 --out "$W/$PRESET" >/dev/null
-python3 bench/make_data.py --out "$W/data" --n-docs $((STEPS * MB)) >/dev/null
-TOK="$W/data.tokens"
-CMD=("$LOOM" train --device cuda --dtype bf16 --model "$W/$PRESET" --data "$TOK" --seq-len 4096
-     --micro-batch-size "$MB" --global-batch-size "$MB" --train-steps "$STEPS" --lr 1e-4
-     --lr-decay-style constant --log-interval 1 "${LORA[@]}")
-NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1 || true)
-if [ -z "$NSYS" ]; then
-    echo "nsys (Nsight Systems) not found: no per-kernel profile; install it or put it on PATH"
-    "${CMD[@]}" 2>&1 | grep -E "^step|peak"
-    exit 0
-fi
-"$NSYS" profile -t cuda --force-overwrite true -o "$W/prof" "${CMD[@]}" 2>&1 | grep -E "^step|peak" || true
-"$NSYS" stats -q -r cuda_gpu_kern_sum -f csv -o "$W/kern" "$W/prof.nsys-rep" >/dev/null 2>&1 || true
-python3 - "$W" <<'PY'
-import csv, glob, sys
-f = glob.glob(sys.argv[1] + "/kern*.csv")
-if not f:
-    print("nsys stats gave no kernel table"); sys.exit(0)
-rows = list(csv.DictReader(open(f[0])))
-tot = sum(float(r["Total Time (ns)"]) for r in rows)
-print(f"GPU kernel time {tot/1e9:.3f} s over {sum(int(r['Instances']) for r in rows)} launches")
-print(f"{'share':>6} {'ms':>9} {'calls':>7}  kernel")
-for r in sorted(rows, key=lambda r: -float(r["Total Time (ns)"]))[:25]:
-    t = float(r["Total Time (ns)"])
-    print(f"{100*t/tot:5.1f}% {t/1e6:9.1f} {int(r['Instances']):7d}  {r['Name'][:110]}")
-PY
+[[ $FIRST =~ ^[0-9]+$ && $LAST =~ ^[0-9]+$ ]] && [ "$FIRST" -ge 1 ] && [ "$LAST" -gt "$FIRST" ] && [ "$LAST" -le 1000 ] ||
+    die "first and last are step counts with 1 <= first < last <= 1000 (got '$FIRST' '$LAST')"
+TOP=${LOOM_PROFILE_TOP:-25}
+[[ $TOP =~ ^[0-9]+$ ]] || die "LOOM_PROFILE_TOP=$TOP: give a number of kernels"
+LOOM=${LOOM_BIN:-build-cuda/loom}
+[ -x "$LOOM" ] || die "no loom binary at $LOOM: build it (make CUDA=1 BUILD=build-cuda build-cuda/loom) or set LOOM_BIN"
+LIB=${LOOM_KPROF_LIB:-$(dirname "$LOOM")/libloom_kprof.so}
+[ -f "$LIB" ] || die "no tracer at $LIB: build it (make CUDA=1 BUILD=build-cuda build-cuda/libloom_kprof.so) or set LOOM_KPROF_LIB"
+LIB=$(cd "$(dirname "$LIB")" && pwd)/$(basename "$LIB")
+LOOM=$(cd "$(dirname "$LOOM")" && pwd)/$(basename "$LOOM")
+W=${LOOM_BENCH_DIR:-/tmp/loom-profile}
+mkdir -p "$W" || die "cannot make the work dir $W" 1
+W=$(cd "$W" && pwd)
+
+# train_bench.sh runs LOOM_BIN; this wrapper preloads the tracer into it
+WRAP=$W/loom-kprof
+printf '#!/bin/sh\nLD_PRELOAD="%s${LD_PRELOAD:+:$LD_PRELOAD}" exec "%s" "$@"\n' "$LIB" "$LOOM" > "$WRAP" && chmod +x "$WRAP" ||
+    die "cannot write $WRAP" 1
+
+# one run of the case, loom alone; its loom log (stdout and stderr) to $2
+run() {
+    local steps=$1 out=$2
+    shift 2
+    # (without OUT and LOOM_BENCH_OUT: train_bench.sh would copy its logs there)
+    env -u OUT -u LOOM_BENCH_OUT "$@" LOOM_BIN="$WRAP" LOOM_BENCH_DIR="$W" LOOM_BENCH_SIDES=loom \
+        LOOM_BENCH_KEEP_MODELS=1 LOOM_BENCH_STEPS="$steps" LOOM_BENCH_WARMUP=$((steps > 1 ? 1 : 0)) \
+        bash bench/train_bench.sh "$CASE" > "$out.bench" 2>&1
+    cp "$W/$CASE/loom.log" "$out" 2> /dev/null || { tail -20 "$out.bench"; die "the $steps-step run left no loom log (above: the end of $out.bench)" 1; }
+    grep -q "^trained \|^step $steps/$steps " "$out" || { tail -20 "$out"; die "the $steps-step run did not finish (above: the end of $out)" 1; }
+}
+
+echo "profile.sh: $CASE, steps $((FIRST + 1))..$LAST, $LOOM with $LIB; work dir $W"
+run "$FIRST" "$W/kprof-first.log" LOOM_KPROF_TOP=0
+SKIP=$(sed -n 's/^kprof: \([0-9]*\) kernels (0 skipped).*/\1/p' "$W/kprof-first.log" | tail -1)
+[ -n "$SKIP" ] || die "the $FIRST-step run printed no kprof report (was the tracer preloaded? $W/kprof-first.log)" 1
+[ "$SKIP" -gt 0 ] || die "the $FIRST-step run recorded no GPU kernels (a CPU run, or CUPTI did not start: $W/kprof-first.log)" 1
+run "$LAST" "$W/kprof-last.log" LOOM_KPROF_SKIP="$SKIP" LOOM_KPROF_TOP=100000 LOOM_KPROF_GAPS="${LOOM_KPROF_GAPS:-8}"
+grep -E "^step ($((FIRST + 1))|$LAST)/" "$W/kprof-last.log" | sed 's/^/  loom: /'
+python3 bench/kprof_table.py "$W/kprof-last.log" --steps $((LAST - FIRST)) --top "$TOP" || exit 1
