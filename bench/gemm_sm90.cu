@@ -9,11 +9,13 @@
 // Exits 1 when a check fails. Results: bench/RESULTS.md, tenth round.
 //
 //   make CUDA=1 BUILD=build-cuda build-cuda/gemm_sm90
-//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu | swiglu1 | small | sustain]   (one: a
+//   build-cuda/gemm_sm90 [group_m] [one | dx | swiglu | swiglu1 | small | sustain | dxn8]   (one: a
 //                                   single 4096^3 run of c2-t128, for a profiler; dx, swiglu, small:
 //                                   that section alone; swiglu1: the SwiGLU pair and its reference
 //                                   once each on 8B's LoRA shape, unchecked, for a profiler;
-//                                   sustain: GEMM_SM90_SECONDS (30) of an 8B layer's forward)
+//                                   sustain: GEMM_SM90_SECONDS (30) of an 8B layer's forward;
+//                                   dxn8: as long of its input-gradient sums with and without one
+//                                   more m64n8k16 product per k16 step, LoRA's du = dy B's share)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -67,10 +69,11 @@ static const Args &args_for(bool bt, int CL, const std::vector<Seg> &segs, __nv_
     return cache.emplace(key, p).first->second;
 }
 
-template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT, class Act = NoAct, int NEB = 1, bool SKIP = false>
+template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT, class Act = NoAct, int NEB = 1, bool SKIP = false, int XN = 0>
 static void launch(const Args &p, int grid_cap) {
-    const size_t smem = sizeof(Smem<STAGES, EPC, NEB>) + 1024;
-    auto kern = gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT, Act, NEB, SKIP>;
+    // (XN: an 8 x 64 tile after the stages, 1024-aligned)
+    const size_t smem = XN ? ((sizeof(Smem<STAGES, EPC, NEB>) + 1023) & ~(size_t)1023) + 2048 : sizeof(Smem<STAGES, EPC, NEB>) + 1024;
+    auto kern = gemm_sm90<STAGES, CL, EPI, STRONG, EPC, BT, Act, NEB, SKIP, XN>;
     cudaLaunchConfig_t cfg = {};
     cfg.blockDim = dim3(NTHREADS); cfg.dynamicSmemBytes = smem;
     cudaLaunchAttribute at[1];
@@ -100,9 +103,12 @@ static void run_own(const __nv_bfloat16 *A, const __nv_bfloat16 *B, __nv_bfloat1
     launch<STAGES, CL, EPI, STRONG, EPC, false, NoAct, 1, SKIP>(args_for(false, CL, segs, D, M, N, gm, s), grid_cap);
 }
 
-// the input-gradient form: D = sum A_s B_s, B_s N-major (the library's configuration)
+// the input-gradient form: D = sum A_s B_s, B_s N-major (the library's configuration; XN: the
+// extra m64n8k16 product per k16 step that fusing LoRA's du = dy B in would add; SKIP as the
+// library has it)
+template <int XN = 0, bool SKIP = false>
 static void run_dx(const std::vector<Seg> &segs, __nv_bfloat16 *D, int M, int N, int gm) {
-    launch<4, 2, 2, false, 128, true>(args_for(true, 2, segs, D, M, N, gm), 0);
+    launch<4, 2, 2, false, 128, true, NoAct, 1, SKIP, XN>(args_for(true, 2, segs, D, M, N, gm), 0);
 }
 
 struct Lt {
@@ -520,13 +526,92 @@ static int sustain_section(Lt &lt, int gm, double secs, cudaEvent_t e0, cudaEven
     return failed;
 }
 
+// What fusing LoRA's dy pass into the input-gradient sums would cost the GEMM: an 8B layer's four
+// sums (q+k+v, o, gate+up, down, each with its LoRA segment) as the library runs them, against the
+// same with one more m64n8k16 product per k16 step (XN: du = dy B's share of the work, on a fixed
+// 8 x 64 tile), back to back in windows of ~1 s, alternating, for `secs` seconds (the power cap is
+// what decides). The extra products must leave D bit for bit unchanged (checked first).
+static int dxn8_section(int gm, double secs, cudaEvent_t e0, cudaEvent_t e1) {
+    const int T = 4096, H = 4096, KV = 1024, I = 12288;
+    const size_t big = (size_t)T * I;
+    __nv_bfloat16 *buf[8], *D, *R;
+    for (int i = 0; i < 8; i++) { CK(cudaMalloc(&buf[i], big * 2)); fill<<<1024, 256>>>(buf[i], big, 300u + i); }
+    CK(cudaMalloc(&D, big * 2)); CK(cudaMalloc(&R, big * 2));
+    struct Case { int N; std::vector<Seg> segs; };
+    const std::vector<Case> cases = {
+        {H, {{buf[6], 24, 24, buf[7]}, {buf[0], H, H, buf[1]}, {buf[2], KV, KV, buf[3]}, {buf[4], KV, KV, buf[5]}}},
+        {H, {{buf[6], 8, 8, buf[7]}, {buf[0], H, H, buf[1]}}},
+        {H, {{buf[6], 16, 16, buf[7]}, {buf[0], I, I, buf[1]}, {buf[2], I, I, buf[3]}}},
+        {I, {{buf[6], 8, 8, buf[7]}, {buf[0], H, H, buf[1]}}},
+    };
+    double fl = 0;
+    for (const Case &c : cases)
+        for (const Seg &sg : c.segs) fl += 2.0 * T * c.N * sg.K;
+    int failed = 0;
+    std::vector<__nv_bfloat16> h0, h1;
+    for (const Case &c : cases) {
+        poison<<<1024, 256>>>(D, (size_t)T * c.N); poison<<<1024, 256>>>(R, (size_t)T * c.N);
+        run_dx<0, true>(c.segs, D, T, c.N, gm);
+        h0.resize((size_t)T * c.N); h1.resize((size_t)T * c.N);
+        CK(cudaMemcpy(h0.data(), D, h0.size() * 2, cudaMemcpyDeviceToHost));
+        for (int xn = 1; xn <= 2; xn++) {
+            poison<<<1024, 256>>>(R, (size_t)T * c.N);
+            if (xn == 1) run_dx<1, true>(c.segs, R, T, c.N, gm);
+            else run_dx<2, true>(c.segs, R, T, c.N, gm);
+            CK(cudaDeviceSynchronize());
+            CK(cudaMemcpy(h1.data(), R, h1.size() * 2, cudaMemcpyDeviceToHost));
+            const bool same = !memcmp(h0.data(), h1.data(), h0.size() * 2);
+            size_t nan = 0;
+            const double e64 = cpu_check_dx(c.segs, R, T, c.N);
+            for (size_t i = 0; i < h1.size(); i++) nan += std::isnan(__bfloat162float(h1[i]));
+            if (!same || nan || e64 > 1e-2) { failed++; printf("FAIL: "); }
+            printf("dxn8 check XN %d, N %d, %zu segments: %s, %zu NaN, f64 %.2e\n", xn, c.N, c.segs.size(),
+                   same ? "the same bits" : "DIFFERENT bits", nan, e64);
+        }
+    }
+    // 0: the library's sums; 1: one more wgmma m64n8k16 a k16 step on the consumers; 2: the same
+    // products by mma.sync on the producer warpgroup's three idle warps
+    auto layer = [&](int xn) {
+        for (const Case &c : cases) {
+            if (xn == 1) run_dx<1, true>(c.segs, D, T, c.N, gm);
+            else if (xn == 2) run_dx<2, true>(c.segs, D, T, c.N, gm);
+            else run_dx<0, true>(c.segs, D, T, c.N, gm);
+        }
+    };
+    for (int w = 0; w < 3; w++) { layer(0); layer(1); layer(2); }
+    CK(cudaDeviceSynchronize());
+    printf("dxn8: %.0f s of an 8B layer's input-gradient sums (%.3f TFLOP), windows of ~1 s in turn\n", secs, fl / 1e12);
+    const char *names[3] = {"base", "wgmma-n8", "mma-producer"};
+    double t = 0, sum[3] = {0, 0, 0};
+    int cnt[3] = {0, 0, 0};
+    for (int win = 0; t < secs; win++) {
+        const int xn = win % 3, n = 400;
+        float ms;
+        CK(cudaEventRecord(e0));
+        for (int k = 0; k < n; k++) layer(xn);
+        CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
+        t += ms / 1e3;
+        const double tf = fl * n / (ms / 1e3) / 1e12;
+        if (win >= 3) sum[xn] += tf, cnt[xn]++;
+        printf("%6.1f %-12s %9.4f ms/layer %8.1f TFLOP/s\n", t, names[xn], ms / n, tf);
+        fflush(stdout);
+    }
+    if (cnt[0] && cnt[1] && cnt[2])
+        printf("dxn8 means after the first round: base %.1f, wgmma n8 on the consumers %.1f (%.2f%% slower), mma.sync on "
+               "the producer's warps %.1f TFLOP/s (%.2f%% slower)\n", sum[0] / cnt[0], sum[1] / cnt[1],
+               100.0 * (sum[0] / cnt[0] / (sum[1] / cnt[1]) - 1.0), sum[2] / cnt[2], 100.0 * (sum[0] / cnt[0] / (sum[2] / cnt[2]) - 1.0));
+    for (int i = 0; i < 8; i++) CK(cudaFree(buf[i]));
+    CK(cudaFree(D)); CK(cudaFree(R));
+    return failed;
+}
+
 int main(int argc, char **argv) {
     int gm = 8, failed = 0;
     if (argc > 1) {
         char *end = nullptr;
         const long v = strtol(argv[1], &end, 10);
-        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu") && strcmp(argv[2], "swiglu1") && strcmp(argv[2], "small") && strcmp(argv[2], "sustain")) || argc > 3) {
-            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu | swiglu1 | small | sustain]\n", argv[0]);
+        if (end == argv[1] || *end || v < 1 || v > 64 || (argc > 2 && strcmp(argv[2], "one") && strcmp(argv[2], "dx") && strcmp(argv[2], "swiglu") && strcmp(argv[2], "swiglu1") && strcmp(argv[2], "small") && strcmp(argv[2], "sustain") && strcmp(argv[2], "dxn8")) || argc > 3) {
+            fprintf(stderr, "usage: %s [group_m: 1..64, default 8] [one | dx | swiglu | swiglu1 | small | sustain | dxn8]\n", argv[0]);
             return 2;
         }
         gm = (int)v;
@@ -557,13 +642,18 @@ int main(int argc, char **argv) {
         if (failed) printf("%d check(s) failed\n", failed);
         return failed ? 1 : 0;
     }
-    if (argc > 2 && !strcmp(argv[2], "sustain")) {
+    if (argc > 2 && (!strcmp(argv[2], "sustain") || !strcmp(argv[2], "dxn8"))) {
         const char *e = getenv("GEMM_SM90_SECONDS");
         char *end = nullptr;
         const double secs = e ? strtod(e, &end) : 30.0;
         if (e && (end == e || *end || !(secs >= 0 && secs <= 3600))) {
             fprintf(stderr, "GEMM_SM90_SECONDS=%s: give seconds from 0 to 3600 (0: one layer of each variant, for a profiler)\n", e);
             return 2;
+        }
+        if (!strcmp(argv[2], "dxn8")) {
+            failed = dxn8_section(gm, secs, e0, e1);
+            if (failed) printf("%d check(s) failed\n", failed);
+            return failed ? 1 : 0;
         }
         return sustain_section(lt, gm, secs, e0, e1);
     }

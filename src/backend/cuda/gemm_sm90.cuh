@@ -14,6 +14,13 @@
 // SKIP: a segment whose K ends inside a k block runs only that block's k16 steps that hold data
 // (LoRA's rank 8: one of four).
 //
+// XN (the probe's dxn8 mode alone; 0 everywhere else, where it compiles to nothing): the share of
+// the work that forming LoRA's du = dy B inside the input-gradient sums would add, one more n = 8
+// product per k16 step of the A tile and a fixed tile. 1: wgmma m64n8k16 on the consumers (a tile
+// after the stages); 2: mma.sync m16n8k16 on the producer warpgroup's idle warps 1-3, which also
+// release each stage. Sustained on an 8B layer's sums: 9.3-9.7% and 44% slower (bench/RESULTS.md,
+// twentieth round).
+//
 // Used by the library (gemm_sm90.cu: <4, 2, 2, false, 128>, SKIP, with B K-major for the forward,
 // N-major for the input gradients) and by the probe bench/gemm_sm90.cu (every variant, and EPI 3, the
 // SwiGLU pair: measured no faster than its two GEMMs and the SwiGLU kernel, so not in the
@@ -35,6 +42,13 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
                  : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+// wgmma m64n8k16, bf16 -> f32, both operands K-major in shared memory (the probe's XN)
+__device__ __forceinline__ void wgmma_m64n8k16(float (&d)[4], uint64_t da, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(da), "l"(db));
 }
 
 constexpr int BM = 128, BN = 256, BK = 64;
@@ -196,7 +210,8 @@ __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(_
 // SwiGLU pair (above), staged as 2 with EPC = BN / 2
 // SKIP: a segment's last k block runs only the k16 steps that hold data (Args::kl), outside the
 // loop over the full blocks
-template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT = false, class Act = NoAct, int NEB = 1, bool SKIP = false>
+template <int STAGES, int CL, int EPI, bool STRONG, int EPC, bool BT = false, class Act = NoAct, int NEB = 1, bool SKIP = false,
+          int XN = 0>
 __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__ Args p) {
     static_assert(NEB == 1 || EPI == 3, "double-buffered staging: the SwiGLU pair's");
     static_assert(EPI != 3 || (!BT && EPC == BN / 2), "the SwiGLU pair: B K-major, one half a round");
@@ -212,7 +227,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++) {
             mbar_init(&s.full[i], 1);
-            mbar_init(&s.empty[i], NCONS * CL);
+            mbar_init(&s.empty[i], NCONS * CL + (XN == 2 ? 3 : 0));
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -237,6 +252,49 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
                     }
                 }
             }
+        } else if constexpr (XN == 2) {
+          if (tid >= 32) {
+            // XN 2: the producer warpgroup's idle warps 1-3 run du = A b (n = 8, a fixed b) with
+            // mma.sync from each stage's A tile (ldmatrix under the 128-byte swizzle), then release
+            // the stage on this CTA's barrier
+            const int w = tid / 32 - 1, lane = tid % 32;
+            int stage = 0;
+            uint32_t phase = 0;
+            float xa[3][4] = {};
+            const uint32_t b0 = 0x3c003c00u ^ (uint32_t)lane, b1 = 0xbc003c00u ^ (uint32_t)lane;
+            for (int t = cid; t < tiles; t += ncl) {
+                for (int sg = 0; sg < nseg; sg++) {
+                    for (int kb = 0; kb < p.nk[sg]; kb++) {
+                        mbar_wait(&s.full[stage], phase);
+                        const uint32_t base = su32(s.A[stage]);
+#pragma unroll
+                        for (int j = 0; j < 3; j++) {
+                            const int mb = w + 3 * j;
+                            if (mb >= BM / 16) break;
+                            const int row = mb * 16 + (lane % 16);
+#pragma unroll
+                            for (int kk = 0; kk < BK / 16; kk++) {
+                                const int ch = kk * 2 + lane / 16;
+                                uint32_t a0, a1, a2, a3;
+                                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                                             : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+                                             : "r"(base + row * 128 + ((ch ^ (row % 8)) * 16)));
+                                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                                             : "+f"(xa[j][0]), "+f"(xa[j][1]), "+f"(xa[j][2]), "+f"(xa[j][3])
+                                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                            }
+                        }
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(&s.empty[stage]);
+                        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                    }
+                }
+            }
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 3; j++) sum += xa[j][0] + xa[j][1] + xa[j][2] + xa[j][3];
+            if (sum == 1234.5f) p.D[0] = __float2bfloat16(sum);
+          }
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
@@ -244,6 +302,15 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
         int stage = 0, eb = 0;
         uint32_t phase = 0;
         float d[128];
+        // XN (a probe of what fusing LoRA's du = dy B into this GEMM would cost): one more
+        // m64n8k16 product per k16 step, on an 8 x 64 tile placed after the stages
+        __nv_bfloat16 *const xb = XN == 1 ? reinterpret_cast<__nv_bfloat16 *>(reinterpret_cast<uint8_t *>(&s) + ((sizeof(s) + 1023) & ~(size_t)1023)) : nullptr;
+        float xd[XN == 1 ? 4 : 1] = {};
+        if constexpr (XN == 1) {
+            for (int i = threadIdx.x - 128; i < 8 * BK; i += 128 * NCONS) xb[i] = __float2bfloat16(0.01f * (i % 13) - 0.05f);
+            fence_async_smem();
+            named_sync(3, 128 * NCONS);
+        }
         for (int t = cid; t < tiles; t += ncl) {
             int m, n;
             tile_mn(t, mtc, nt, p.gm, m, n);
@@ -270,8 +337,11 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
                 const __nv_bfloat16 *a = s.A[stage] + c * 64 * BK, *b = s.B[stage];
 #pragma unroll
                 for (int kk = 0; kk < KK; kk++)
+                {
                     wgmma_m64n256k16<BT>(d, desc_k(a + kk * 16), BT ? desc_n(b + kk * 16 * 64) : desc_k(b + kk * 16),
                                          !(first && kk == 0));
+                    if constexpr (XN == 1) wgmma_m64n8k16(xd, desc_k(a + kk * 16), desc_k(xb + kk * 16));
+                }
                 first = 0;
                 wg_commit();
                 wg_wait<1>();
@@ -291,6 +361,10 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
             }
             wg_wait<0>();
             fence_acc(d);
+            if constexpr (XN == 1) {  // keep the extra products alive
+                if (xd[0] + xd[1] + xd[2] + xd[3] == 1234.5f) p.D[0] = __float2bfloat16(xd[0]);
+                xd[0] = xd[1] = xd[2] = xd[3] = 0.f;
+            }
             if (tid < CL) mbar_arrive_cta<STRONG>(&s.empty[prev], tid);
             if constexpr (EPI == 3) {  // gate, up, Act(gate, up): a round each of the tile's 64 x 128 (per consumer)
                 const int rl = warp * 16 + lane / 4;
