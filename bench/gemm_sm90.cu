@@ -443,6 +443,32 @@ static int swiglu_section(int gm, cudaEvent_t e0, cudaEvent_t e1, bool once = fa
     return failed;
 }
 
+// Windows of n layers (~1 s) of each of nv variants in turn for `secs` seconds, TFLOP/s of `fl`
+// FLOPs a layer printed per window; mean[i]: variant i's mean after the first round (the power's
+// settling), 0 when it had no window after that.
+template <class F>
+static void sustain_turns(F layer, int nv, const char *const *names, double fl, double secs, cudaEvent_t e0, cudaEvent_t e1,
+                          double *mean) {
+    const int n = 400;  // ~1 s of layers at ~2.4 ms each
+    std::vector<double> sum(nv, 0.0);
+    std::vector<int> cnt(nv, 0);
+    printf("%6s %12s %8s %9s %8s\n", "t s", "side", "layers", "ms/layer", "TFLOP/s");
+    double t = 0;
+    for (int win = 0; t < secs; win++) {
+        const int i = win % nv;
+        float ms;
+        CK(cudaEventRecord(e0));
+        for (int k = 0; k < n; k++) layer(i);
+        CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
+        t += ms / 1e3;
+        const double tf = fl * n / (ms / 1e3) / 1e12;
+        if (win >= nv) sum[i] += tf, cnt[i]++;
+        printf("%6.1f %12s %8d %9.4f %8.1f\n", t, names[i], n, ms / n, tf);
+        fflush(stdout);
+    }
+    for (int i = 0; i < nv; i++) mean[i] = cnt[i] ? sum[i] / cnt[i] : 0.0;
+}
+
 // Sustained: an 8B layer's forward products (q, k, v, o, gate, up, down) back to back for `secs`
 // seconds in windows of about one second, each variant in turn, TFLOP/s per window (base FLOPs):
 // what the power cap the training step runs under (700 W on the H100 SXM) does to the rates that
@@ -502,26 +528,17 @@ static int sustain_section(Lt &lt, int gm, double secs, cudaEvent_t e0, cudaEven
     for (int w = 0; w < 2; w++) for (int i = 0; i < nv; i++) layer(i);
     CK(cudaDeviceSynchronize());
     printf("sustain: %.0f s of an 8B layer's forward products (%.3f TFLOP a layer), windows of ~1 s\n", secs, fl / 1e12);
-    printf("%6s %8s %8s %9s %8s\n", "t s", "side", "layers", "ms/layer", "TFLOP/s");
-    double t = 0, sum[16] = {0};
-    int cnt[16] = {0};
-    for (int win = 0; t < secs; win++) {
-        const int i = win % nv;
-        const int n = 400;  // ~1 s of layers at ~2.4 ms each
-        float ms;
-        CK(cudaEventRecord(e0));
-        for (int k = 0; k < n; k++) layer(i);
-        CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
-        t += ms / 1e3;
-        const double tf = fl * n / (ms / 1e3) / 1e12;
-        if (win >= nv) sum[i] += tf, cnt[i]++;  // the first round is the power's settling
-        printf("%6.1f %8s %8d %9.4f %8.1f\n", t, vars[i].name, n, ms / n, tf);
-        fflush(stdout);
-    }
+    std::vector<const char *> names(nv);
+    std::vector<double> mean(nv);
+    for (int i = 0; i < nv; i++) names[i] = vars[i].name;
+    sustain_turns(layer, nv, names.data(), fl, secs, e0, e1, mean.data());
     printf("means after the first round (TFLOP/s, ratio to cuBLASLt):");
-    for (int i = 0; i < nv; i++)
-        if (cnt[i]) printf(" %s %.1f (%.3f)", vars[i].name, sum[i] / cnt[i], (sum[i] / cnt[i]) / (sum[nv - 1] / cnt[nv - 1]));
-    printf("\n");
+    for (int i = 0; i < nv; i++) {
+        if (!(mean[i] > 0)) continue;
+        printf(" %s %.1f", vars[i].name, mean[i]);
+        if (mean[nv - 1] > 0) printf(" (%.3f)", mean[i] / mean[nv - 1]);
+    }
+    printf("%s\n", mean[nv - 1] > 0 ? "" : " (no cuBLASLt window after the first round: give more seconds)");
     for (void *q : {(void *)X, (void *)W, (void *)Y, (void *)U, (void *)SB}) CK(cudaFree(q));
     return failed;
 }
@@ -582,24 +599,12 @@ static int dxn8_section(int gm, double secs, cudaEvent_t e0, cudaEvent_t e1) {
     CK(cudaDeviceSynchronize());
     printf("dxn8: %.0f s of an 8B layer's input-gradient sums (%.3f TFLOP), windows of ~1 s in turn\n", secs, fl / 1e12);
     const char *names[3] = {"base", "wgmma-n8", "mma-producer"};
-    double t = 0, sum[3] = {0, 0, 0};
-    int cnt[3] = {0, 0, 0};
-    for (int win = 0; t < secs; win++) {
-        const int xn = win % 3, n = 400;
-        float ms;
-        CK(cudaEventRecord(e0));
-        for (int k = 0; k < n; k++) layer(xn);
-        CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
-        t += ms / 1e3;
-        const double tf = fl * n / (ms / 1e3) / 1e12;
-        if (win >= 3) sum[xn] += tf, cnt[xn]++;
-        printf("%6.1f %-12s %9.4f ms/layer %8.1f TFLOP/s\n", t, names[xn], ms / n, tf);
-        fflush(stdout);
-    }
-    if (cnt[0] && cnt[1] && cnt[2])
+    double mean[3];
+    sustain_turns(layer, 3, names, fl, secs, e0, e1, mean);
+    if (mean[0] > 0 && mean[1] > 0 && mean[2] > 0)
         printf("dxn8 means after the first round: base %.1f, wgmma n8 on the consumers %.1f (%.2f%% slower), mma.sync on "
-               "the producer's warps %.1f TFLOP/s (%.2f%% slower)\n", sum[0] / cnt[0], sum[1] / cnt[1],
-               100.0 * (sum[0] / cnt[0] / (sum[1] / cnt[1]) - 1.0), sum[2] / cnt[2], 100.0 * (sum[0] / cnt[0] / (sum[2] / cnt[2]) - 1.0));
+               "the producer's warps %.1f TFLOP/s (%.2f%% slower)\n", mean[0], mean[1], 100.0 * (mean[0] / mean[1] - 1.0), mean[2],
+               100.0 * (mean[0] / mean[2] - 1.0));
     for (int i = 0; i < 8; i++) CK(cudaFree(buf[i]));
     CK(cudaFree(D)); CK(cudaFree(R));
     return failed;
