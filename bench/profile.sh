@@ -38,6 +38,7 @@ LOOM=${LOOM_BIN:-build-cuda/loom}
 LIB=${LOOM_KPROF_LIB:-$(dirname "$LOOM")/libloom_kprof.so}
 [ -f "$LIB" ] || die "no tracer at $LIB: build it (make CUDA=1 BUILD=build-cuda build-cuda/libloom_kprof.so) or set LOOM_KPROF_LIB"
 LIB=$(cd "$(dirname "$LIB")" && pwd)/$(basename "$LIB")
+[[ $LIB != *[[:space:]:]* ]] || die "LD_PRELOAD cannot take a path with spaces or colons ($LIB): put the tracer elsewhere and set LOOM_KPROF_LIB"
 LOOM=$(cd "$(dirname "$LOOM")" && pwd)/$(basename "$LOOM")
 W=${LOOM_BENCH_DIR:-/tmp/loom-profile}
 mkdir -p "$W" || die "cannot make the work dir $W" 1
@@ -45,7 +46,7 @@ W=$(cd "$W" && pwd)
 
 # train_bench.sh runs LOOM_BIN; this wrapper preloads the tracer into it
 WRAP=$W/loom-kprof
-printf '#!/bin/sh\nLD_PRELOAD="%s${LD_PRELOAD:+:$LD_PRELOAD}" exec "%s" "$@"\n' "$LIB" "$LOOM" > "$WRAP" && chmod +x "$WRAP" ||
+printf '#!/usr/bin/env bash\nLD_PRELOAD=%q${LD_PRELOAD:+:$LD_PRELOAD} exec %q "$@"\n' "$LIB" "$LOOM" > "$WRAP" && chmod +x "$WRAP" ||
     die "cannot write $WRAP" 1
 
 # one run of the case, loom alone; its loom log (stdout and stderr) to $2

@@ -253,48 +253,48 @@ __global__ void __launch_bounds__(NTHREADS, 1) gemm_sm90(const __grid_constant__
                 }
             }
         } else if constexpr (XN == 2) {
-          if (tid >= 32) {
-            // XN 2: the producer warpgroup's idle warps 1-3 run du = A b (n = 8, a fixed b) with
-            // mma.sync from each stage's A tile (ldmatrix under the 128-byte swizzle), then release
-            // the stage on this CTA's barrier
-            const int w = tid / 32 - 1, lane = tid % 32;
-            int stage = 0;
-            uint32_t phase = 0;
-            float xa[3][4] = {};
-            const uint32_t b0 = 0x3c003c00u ^ (uint32_t)lane, b1 = 0xbc003c00u ^ (uint32_t)lane;
-            for (int t = cid; t < tiles; t += ncl) {
-                for (int sg = 0; sg < nseg; sg++) {
-                    for (int kb = 0; kb < p.nk[sg]; kb++) {
-                        mbar_wait(&s.full[stage], phase);
-                        const uint32_t base = su32(s.A[stage]);
+            if (tid >= 32) {
+                // XN 2: the producer warpgroup's idle warps 1-3 run du = A b (n = 8, a fixed b) with
+                // mma.sync from each stage's A tile (ldmatrix under the 128-byte swizzle), then release
+                // the stage on this CTA's barrier
+                const int w = tid / 32 - 1, lane = tid % 32;
+                int stage = 0;
+                uint32_t phase = 0;
+                float xa[3][4] = {};
+                const uint32_t b0 = 0x3c003c00u ^ (uint32_t)lane, b1 = 0xbc003c00u ^ (uint32_t)lane;
+                for (int t = cid; t < tiles; t += ncl) {
+                    for (int sg = 0; sg < nseg; sg++) {
+                        for (int kb = 0; kb < p.nk[sg]; kb++) {
+                            mbar_wait(&s.full[stage], phase);
+                            const uint32_t base = su32(s.A[stage]);
 #pragma unroll
-                        for (int j = 0; j < 3; j++) {
-                            const int mb = w + 3 * j;
-                            if (mb >= BM / 16) break;
-                            const int row = mb * 16 + (lane % 16);
+                            for (int j = 0; j < 3; j++) {
+                                const int mb = w + 3 * j;
+                                if (mb >= BM / 16) break;
+                                const int row = mb * 16 + (lane % 16);
 #pragma unroll
-                            for (int kk = 0; kk < BK / 16; kk++) {
-                                const int ch = kk * 2 + lane / 16;
-                                uint32_t a0, a1, a2, a3;
-                                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                                             : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
-                                             : "r"(base + row * 128 + ((ch ^ (row % 8)) * 16)));
-                                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                                             : "+f"(xa[j][0]), "+f"(xa[j][1]), "+f"(xa[j][2]), "+f"(xa[j][3])
-                                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                                for (int kk = 0; kk < BK / 16; kk++) {
+                                    const int ch = kk * 2 + lane / 16;
+                                    uint32_t a0, a1, a2, a3;
+                                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                                                 : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+                                                 : "r"(base + row * 128 + ((ch ^ (row % 8)) * 16)));
+                                    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                                                 : "+f"(xa[j][0]), "+f"(xa[j][1]), "+f"(xa[j][2]), "+f"(xa[j][3])
+                                                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                                }
                             }
+                            __syncwarp();
+                            if (lane == 0) mbar_arrive(&s.empty[stage]);
+                            if (++stage == STAGES) { stage = 0; phase ^= 1; }
                         }
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(&s.empty[stage]);
-                        if (++stage == STAGES) { stage = 0; phase ^= 1; }
                     }
                 }
-            }
-            float sum = 0.f;
+                float sum = 0.f;
 #pragma unroll
-            for (int j = 0; j < 3; j++) sum += xa[j][0] + xa[j][1] + xa[j][2] + xa[j][3];
-            if (sum == 1234.5f) p.D[0] = __float2bfloat16(sum);
-          }
+                for (int j = 0; j < 3; j++) sum += xa[j][0] + xa[j][1] + xa[j][2] + xa[j][3];
+                if (sum == 1234.5f) p.D[0] = __float2bfloat16(sum);
+            }
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
