@@ -117,6 +117,85 @@ TEST(cuda_ops_lora_pass) {
     gpu_close(&g);
 }
 
+/* A group's dy passes in one launch (loom_cuda_lora_pass_n, as the model's
+ * q/k/v and gate/up run them): du of each module into its columns of one
+ * (T, n k) buffer and dB += of each, the same bits as the passes one at a
+ * time (each is split as it would be alone), and within tolerance of
+ * float64. Then a batch of the wrong size or of mixed k is refused. */
+static void pass_n_case(gpu *g, int64_t T, int n, const int64_t *Ks, int64_t k, loom_dtype dt) {
+    const int64_t ld = n * k;
+    float *x[3], *w[3], *gg[3], *gref[3];
+    void *dx[3], *dw[3];
+    float *dg1[3], *dgn[3];
+    float *u = falloc(T * ld), *sref = falloc(T * ld);
+    fill(u, T * ld, (uint64_t)T * 7 + n, 1), round_to(g, u, T * ld, dt);
+    void *du = up(g, u, T * ld, dt);
+    for (int i = 0; i < n; i++) {
+        const int64_t K = Ks[i];
+        x[i] = falloc(T * K), w[i] = falloc(K * k), gg[i] = falloc(K * k), gref[i] = falloc(K * k);
+        fill(x[i], T * K, 100 + i, 1), fill(w[i], K * k, 200 + i, 1), fill(gg[i], K * k, 300 + i, 1);
+        round_to(g, x[i], T * K, dt), round_to(g, w[i], K * k, dt);
+        memcpy(gref[i], gg[i], sizeof(float) * (size_t)(K * k));
+        ref_gemm(T, k, K, 0.5, x[i], K, 1, w[i], k, 1, 0.0, sref + i * k, ld);
+        ref_gemm(K, k, T, 0.5, x[i], 1, K, u + i * k, ld, 1, 1.0, gref[i], k);
+        dx[i] = up(g, x[i], T * K, dt), dw[i] = up(g, w[i], K * k, dt);
+        dg1[i] = up(g, gg[i], K * k, LOOM_F32), dgn[i] = up(g, gg[i], K * k, LOOM_F32);
+    }
+    round_to(g, sref, T * ld, dt);
+    void *s1 = dalloc(g, (size_t)(T * ld) * loom_dtype_size(dt)), *sn = dalloc(g, (size_t)(T * ld) * loom_dtype_size(dt));
+    loom_cuda_pass_op ops[3];
+    for (int i = 0; i < n; i++)
+        ops[i] = (loom_cuda_pass_op){T, Ks[i], k, dx[i], Ks[i], dw[i], false, k, 0.5f,
+                                     (char *)sn + (size_t)(i * k) * loom_dtype_size(dt), ld,
+                                     (const char *)du + (size_t)(i * k) * loom_dtype_size(dt), ld, 0.5f, dgn[i], false, k};
+    const size_t sb = loom_cuda_lora_pass_n_scratch_bytes(n, ops);
+    void *scr = dalloc(g, sb);
+    if (g->bad) return;
+    for (int i = 0; i < n; i++) /* one at a time, each with the scratch alone */
+        CHECK_OK(g->ctx, loom_cuda_lora_pass(g->ctx, T, Ks[i], k, dx[i], Ks[i], dw[i], false, k, 0.5f,
+                                             (char *)s1 + (size_t)(i * k) * loom_dtype_size(dt), ld,
+                                             (const char *)du + (size_t)(i * k) * loom_dtype_size(dt), ld, 0.5f,
+                                             dg1[i], false, k, dt, scr, sb, NULL));
+    CHECK_OK(g->ctx, loom_cuda_lora_pass_n(g->ctx, n, ops, dt, scr, sb, NULL));
+    char what[96];
+    snprintf(what, sizeof what, "lora_pass_n T=%lld n=%d k=%lld %s", (long long)T, n, (long long)k, dn(dt));
+    float *a = falloc(T * ld), *b = falloc(T * ld);
+    down(g, a, s1, T * ld, dt), down(g, b, sn, T * ld, dt);
+    CHECK_MSG(n_differ(a, b, T * ld) == 0, "%s: du differs from the passes one at a time", what);
+    CHECK_CLOSE(b, sref, T * ld, dt, "%s: du", what);
+    for (int i = 0; i < n; i++) {
+        const int64_t K = Ks[i];
+        float *c = falloc(K * k), *d = falloc(K * k);
+        down(g, c, dg1[i], K * k, LOOM_F32), down(g, d, dgn[i], K * k, LOOM_F32);
+        CHECK_MSG(n_differ(c, d, K * k) == 0, "%s: dB of pass %d differs from the pass alone", what, i);
+        CHECK_CLOSE(d, gref[i], K * k, LOOM_F32, "%s: dB of pass %d", what, i);
+        free(c), free(d);
+        free(x[i]), free(w[i]), free(gg[i]), free(gref[i]);
+    }
+    free(a), free(b), free(u), free(sref);
+    gpu_free_all(g);
+}
+
+TEST(cuda_ops_lora_pass_n) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const int64_t qkv[3] = {520, 136, 136}, gu[2] = {1416, 1416}, big[3] = {4096, 1024, 1024};
+    pass_n_case(&g, 333, 3, qkv, 8, LOOM_BF16);
+    pass_n_case(&g, 1100, 2, gu, 16, LOOM_F16);
+    pass_n_case(&g, 4096, 3, big, 8, LOOM_BF16);
+    void *p = dalloc(&g, 1 << 16);
+    REQUIRE(p);
+    loom_cuda_pass_op o[4];
+    for (int i = 0; i < 4; i++) o[i] = (loom_cuda_pass_op){4, 8, 8, p, 8, p, false, 8, 1, p, 8, p, 8, 1, p, false, 8};
+    CHECK(loom_cuda_lora_pass_n(g.ctx, 4, o, LOOM_BF16, p, 1 << 16, NULL) == LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "1 to 3 passes");
+    CHECK(loom_cuda_lora_pass_n(g.ctx, 0, o, LOOM_BF16, p, 1 << 16, NULL) == LOOM_ERR_INVALID_ARG);
+    o[1].k = 16, o[1].ldw = 16, o[1].lds = 16, o[1].ldv = 16, o[1].ldg = 16;
+    CHECK(loom_cuda_lora_pass_n(g.ctx, 2, o, LOOM_BF16, p, 1 << 16, NULL) == LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(g.ctx), "share k");
+    gpu_close(&g);
+}
+
 TEST(cuda_ops_lora_refuses) {
     gpu g;
     REQUIRE(gpu_open(&g));

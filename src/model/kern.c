@@ -289,13 +289,20 @@ loom_status loom_k_lin_lora_fwd(loom_model *m, const void *x, int64_t T, int64_t
 
 /* ---- LoRA's backward over dy ---- */
 
-loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, float s, const void *dy,
-                           const void *B, const void *u, int64_t ldu, void *du, int64_t lddu,
-                           float *dB) {
+loom_status loom_k_lora_dy_n(loom_model *m, int64_t T, int64_t r, float s, int n,
+                             const loom_lora_dy_op *ops, int64_t ldu, int64_t lddu) {
 #ifdef LOOM_HAVE_CUDA
-    if (GPU(m) && !m->dev.lora_cublas &&
-        loom_cuda_lora_pass_ok(m->dev.adt, T, out, r, dy, out, B, false, r, du, lddu, u, ldu, false, r)) {
-        const size_t need = loom_cuda_lora_pass_scratch_bytes(T, out, r, true, true);
+    bool kernel = GPU(m) && !m->dev.lora_cublas && n >= 1 && n <= 3;
+    loom_cuda_pass_op po[3];
+    for (int i = 0; kernel && i < n; i++) {
+        const loom_lora_dy_op *o = &ops[i];
+        kernel = loom_cuda_lora_pass_ok(m->dev.adt, T, o->out, r, o->dy, o->out, o->B, false, r, o->du,
+                                        lddu, o->u, ldu, false, r);
+        po[i] = (loom_cuda_pass_op){T, o->out, r, o->dy, o->out, o->B, false, r, s,
+                                    o->du, lddu, o->u, ldu, s, o->dB, false, r};
+    }
+    if (kernel) {
+        const size_t need = loom_cuda_lora_pass_n_scratch_bytes(n, po);
         if (need > m->dev.lora_scratch_bytes) { /* grown at the first call of a larger shape */
             loom_cuda_free(m->dev.lora_scratch);
             m->dev.lora_scratch = NULL;
@@ -303,13 +310,23 @@ loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, flo
             CK(loom_cuda_malloc(m->ctx, &m->dev.lora_scratch, need, "LoRA backward scratch"));
             m->dev.lora_scratch_bytes = need;
         }
-        return loom_cuda_lora_pass(m->ctx, T, out, r, dy, out, B, false, r, s, du, lddu, u, ldu, s, dB,
-                                   false, r, m->dev.adt, m->dev.lora_scratch, m->dev.lora_scratch_bytes,
-                                   m->dev.stream);
+        return loom_cuda_lora_pass_n(m->ctx, n, po, m->dev.adt, m->dev.lora_scratch,
+                                     m->dev.lora_scratch_bytes, m->dev.stream);
     }
 #endif
-    CK(gemm(m, false, false, T, r, out, s, dy, out, B, r, 0.0f, du, m->dev.adt, lddu));
-    return gemm(m, true, false, out, r, T, s, dy, out, u, ldu, 1.0f, dB, LOOM_F32, r);
+    for (int i = 0; i < n; i++) {
+        const loom_lora_dy_op *o = &ops[i];
+        CK(gemm(m, false, false, T, r, o->out, s, o->dy, o->out, o->B, r, 0.0f, o->du, m->dev.adt, lddu));
+        CK(gemm(m, true, false, o->out, r, T, s, o->dy, o->out, o->u, ldu, 1.0f, o->dB, LOOM_F32, r));
+    }
+    return LOOM_OK;
+}
+
+loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, float s, const void *dy,
+                           const void *B, const void *u, int64_t ldu, void *du, int64_t lddu,
+                           float *dB) {
+    const loom_lora_dy_op o = {out, dy, B, u, du, dB};
+    return loom_k_lora_dy_n(m, T, r, s, 1, &o, ldu, lddu);
 }
 
 /* ---- transformer ops ---- */

@@ -143,6 +143,17 @@ loom_status loom_k_lin_lora_fwd(loom_model *m, const void *x, int64_t T, int64_t
 loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, float s, const void *dy,
                            const void *B, const void *u, int64_t ldu, void *du, int64_t lddu,
                            float *dB);
+/* The same for up to 3 projections of a group (q, k, v or gate, up), all of
+ * T rows, rank r and scale s, u and du with the strides ldu and lddu: on a
+ * GPU one launch over all their dy (the same bits as one at a time). */
+typedef struct loom_lora_dy_op {
+    int64_t out;
+    const void *dy, *B, *u;
+    void *du;
+    float *dB;
+} loom_lora_dy_op;
+loom_status loom_k_lora_dy_n(loom_model *m, int64_t T, int64_t r, float s, int n,
+                             const loom_lora_dy_op *ops, int64_t ldu, int64_t lddu);
 
 /* ---- the transformer ops (cpu_ops.h has their exact semantics) ---- */
 loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int64_t N, int64_t H,

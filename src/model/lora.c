@@ -692,15 +692,23 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
     const int64_t r = a->r, in = A->cols, out = B->rows;
     lgroup g;
     if (grouped(m, a, l, mod, &g)) {
-        /* one read of dy: this module's columns of the group's du = s dy B
-         * and dB += s dy^T u; after the last module: the group's
-         * dA += du^T x, dx = du A + beta dx */
+        /* one read of each dy: the module's columns of the group's du = s dy B
+         * and dB += s dy^T u, all the group's modules in one pass at the last
+         * (the callers run a group's modules in order, their dy kept); then
+         * the group's dA += du^T x, dx = du A + beta dx */
         const int64_t ld = g.n * r;
         const size_t c = (size_t)((mod - g.first) * r) * m->dev.esz;
         const char *u = (const char *)lora_u(m, act, i, g.first, r) + c;
-        CK(loom_k_lora_dy(m, T, out, r, a->scale, dy, WC(a, B), u, ld, (char *)m->lora_du + c, ld,
-                          a->ar.g + B->off));
+        if (mod == g.first) m->lora_npend = 0, m->lora_pend_l = l;
+        if (m->lora_npend != mod - g.first || m->lora_pend_l != l)
+            return loom_errf(m->ctx, LOOM_ERR_INTERNAL,
+                             "LoRA backward: layer %lld's grouped modules came out of order (module %d after %d "
+                             "of layer %lld)",
+                             (long long)l, mod, g.first + m->lora_npend - 1, (long long)m->lora_pend_l);
+        m->lora_pend[m->lora_npend++] =
+            (loom_lora_dy_op){out, dy, WC(a, B), u, (char *)m->lora_du + c, a->ar.g + B->off};
         if (mod != g.first + g.n - 1) return LOOM_OK;
+        CK(loom_k_lora_dy_n(m, T, r, a->scale, g.n, m->lora_pend, ld, ld));
         const loom_slot *A0 = &a->ar.slots[a->slot[l][g.first][0]];
         CK(loom_k_gemm_ld(m, true, false, ld, in, T, 1.0f, m->lora_du, ld, x, in, 1.0f,
                           a->ar.g + A0->off, true, in));

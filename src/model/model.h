@@ -201,6 +201,9 @@ struct loom_model {
     void *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
     void *dg, *du;           /* (Tc, I_l) */
     void *lora_du;           /* (Tc, 3 r): a LoRA group's du */
+    loom_lora_dy_op lora_pend[3]; /* a LoRA group's dy passes, run at its last module */
+    int lora_npend;
+    int64_t lora_pend_l;     /* their layer */
     void *lora_xd;           /* (Tc, max in_l): the dropped-out LoRA input (dropout > 0) */
     void **pp_stage;         /* (npp_stage) (Tn, H): copies of pipeline sends not yet posted */
     int npp_stage;

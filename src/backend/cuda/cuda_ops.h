@@ -127,6 +127,30 @@ loom_status loom_cuda_lora_pass(loom_ctx *ctx, int64_t T, int64_t K, int64_t k, 
                                 void *s, int64_t lds, const void *v, int64_t ldv, float alpha_g,
                                 float *g, bool g_t, int64_t ldg, loom_dtype dtype, void *scratch,
                                 size_t scratch_bytes, void *stream);
+/* Up to 3 passes in one launch (and one launch of their sums), each as
+ * loom_cuda_lora_pass with its arguments below; all of one k and one w_kk.
+ * Each pass is split as it would be alone, so its results are the same bits.
+ * scratch: loom_cuda_lora_pass_n_scratch_bytes(n, ops) bytes. */
+typedef struct loom_cuda_pass_op {
+    int64_t T, K, k;
+    const void *x;
+    int64_t ldx;
+    const void *w;
+    bool w_kk;
+    int64_t ldw;
+    float alpha_s;
+    void *s;
+    int64_t lds;
+    const void *v;
+    int64_t ldv;
+    float alpha_g;
+    float *g;
+    bool g_t;
+    int64_t ldg;
+} loom_cuda_pass_op;
+size_t loom_cuda_lora_pass_n_scratch_bytes(int n, const loom_cuda_pass_op *ops);
+loom_status loom_cuda_lora_pass_n(loom_ctx *ctx, int n, const loom_cuda_pass_op *ops, loom_dtype dtype,
+                                  void *scratch, size_t scratch_bytes, void *stream);
 
 /* ---- embedding (ops_embedding.cu) ----
  * ids: (T) in [0, rows of W); W: (V, H) in w_dtype; out: (T, H) in out_dtype.
