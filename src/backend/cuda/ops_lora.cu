@@ -335,19 +335,15 @@ extern "C" bool loom_cuda_lora_pass_ok(loom_dtype dtype, int64_t T, int64_t K, i
            (!hg || (rows_ok(v, ldv, k) && ldg >= (g_t ? K : k)));
 }
 
-
-// Scratch of one pass of a batch, rounded up so that the next starts aligned
-static size_t op_scratch(const loom_cuda_pass_op &o) {
-    const bool hs = o.s != nullptr, hg = o.g != nullptr;
-    if (o.T <= 0 || o.K <= 0 || (!hs && !hg)) return 0;
-    return (pass_scratch(plan_pass(o.T, o.K, hs), o.T, o.K, o.k, hs, hg) + 255) / 256 * 256;
+// Scratch of one pass, rounded up so that the next of a batch starts aligned
+static size_t pass_bytes(int64_t T, int64_t K, int64_t k, bool hs, bool hg) {
+    if (T <= 0 || K <= 0 || k <= 0 || (!hs && !hg)) return 0;
+    return (pass_scratch(plan_pass(T, K, hs), T, K, k, hs, hg) + 255) / 256 * 256;
 }
+static size_t op_scratch(const loom_cuda_pass_op &o) { return pass_bytes(o.T, o.K, o.k, o.s != nullptr, o.g != nullptr); }
 
 extern "C" size_t loom_cuda_lora_pass_scratch_bytes(int64_t T, int64_t K, int64_t k, bool s, bool g) {
-    if (T <= 0 || K <= 0 || k <= 0) return 0;
-    loom_cuda_pass_op o = {};
-    o.T = T, o.K = K, o.k = k, o.s = s ? (void *)1 : nullptr, o.g = g ? (float *)1 : nullptr;
-    return op_scratch(o);
+    return pass_bytes(T, K, k, s, g);
 }
 
 extern "C" size_t loom_cuda_lora_pass_n_scratch_bytes(int n, const loom_cuda_pass_op *ops) {
@@ -382,7 +378,7 @@ extern "C" loom_status loom_cuda_lora_pass_n(loom_ctx *ctx, int n, const loom_cu
     const size_t need = loom_cuda_lora_pass_n_scratch_bytes(n, ops);
     if (need && (!scratch || scratch_bytes < need))
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
-                         "cuda lora_pass: needs %zu bytes of scratch (loom_cuda_lora_pass_scratch_bytes), got %zu",
+                         "cuda lora_pass: needs %zu bytes of scratch (loom_cuda_lora_pass_n_scratch_bytes), got %zu",
                          need, scratch_bytes);
     pass_batch pb = {};
     finish_batch fb = {};
