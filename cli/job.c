@@ -1,5 +1,6 @@
 /* What train and golden share: the job's world group, model options from
  * the settings, and failing the whole job when one rank fails. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -46,6 +47,22 @@ static loom_status resolve_device(loom_ctx *ctx, loom_settings *s) {
 loom_status loom_cli_world(loom_ctx *ctx, loom_settings *s, loom_comm **out) {
     loom_status st = resolve_device(ctx, s);
     if (st) return st;
+    /* --comm-timeout reaches the communicators (and, through the
+     * environment, the workers --nproc-per-node starts) as LOOM_COMM_TIMEOUT;
+     * without the flag an exported LOOM_COMM_TIMEOUT wins over the default */
+    const loom_option *opt = loom_option_find("comm_timeout");
+    size_t nopt;
+    const loom_option *table = loom_options(&nopt);
+    const char *env = getenv("LOOM_COMM_TIMEOUT");
+    if (!isfinite(s->comm_timeout) || s->comm_timeout < 0)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "--comm-timeout %g: give a number of seconds >= 0 (0 waits forever)",
+                         s->comm_timeout);
+    if (s->src[opt - table] != LOOM_SRC_DEFAULT || !env || !*env) {
+        char v[64];
+        snprintf(v, sizeof v, "%.17g", s->comm_timeout);
+        setenv("LOOM_COMM_TIMEOUT", v, 1);
+    }
     st = loom_comm_world(ctx, strcmp(s->device, "cuda") ? LOOM_COMM_AUTO : LOOM_COMM_NCCL, out);
     if (st) return st;
 #ifdef _OPENMP
@@ -78,6 +95,7 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
     o->dp = (int)s->dp;
     o->pp = (int)s->pp;
     o->vpp = (int)s->vpp;
+    o->microbatch_group = (int)s->microbatch_group;
     o->sequence_parallel = s->sequence_parallel;
     o->recompute = !strcmp(s->recompute, "full")  ? LOOM_RECOMPUTE_FULL
                    : !strcmp(s->recompute, "mlp") ? LOOM_RECOMPUTE_MLP

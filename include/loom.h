@@ -169,6 +169,11 @@ typedef struct loom_model_options {
      * (mpirun -np N) calls loom_model_create with the same options. */
     int tp, cp, dp, pp, vpp, ep, etp;
     int sequence_parallel;
+    /* Interleaved pipeline (vpp > 1): micro-batches each model chunk runs in
+     * a row, Megatron's microbatch_group_size_per_vp_stage (0: pp). The
+     * number of micro-batches must be at least this, and leave a last group
+     * of 0 or at least pp. */
+    int microbatch_group;
     /* Distributed-optimizer bucket size in parameters (0: 40M). */
     int64_t bucket_elems;
     /* What the backward recomputes instead of keeping (loom_recompute). */

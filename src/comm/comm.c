@@ -37,7 +37,7 @@ loom_comm *loom_comm_new(loom_ctx *ctx, const loom_comm_vt *vt, const char *name
     snprintf(c->name, sizeof c->name, "%s", name && *name ? name : "group");
     c->rank = rank;
     c->size = size;
-    c->timeout_s = like ? like->timeout_s : 600.0;
+    c->timeout_s = like ? like->timeout_s : 300.0;
     return c;
 }
 
@@ -47,7 +47,7 @@ const char *loom_comm_where(const loom_comm *c, char *buf, size_t cap) {
 }
 
 loom_status loom_comm_env_timeout(loom_ctx *ctx, double *out) {
-    *out = 600.0;
+    *out = 300.0;
     const char *e = getenv("LOOM_COMM_TIMEOUT");
     if (!e || !*e) return LOOM_OK;
     char *end;

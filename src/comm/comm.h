@@ -41,7 +41,7 @@
  * A failed or timed-out operation returns LOOM_ERR_COMM with a message that
  * names the operation, the group and the rank. Blocking waits give up after
  * LOOM_COMM_TIMEOUT seconds (environment, read when the world is created;
- * default 600, 0 = never) or loom_comm_set_timeout; a group whose collective
+ * default 300, 0 = never) or loom_comm_set_timeout; a group whose collective
  * timed out cannot be used again. loom_comm_abort ends every process of the
  * job (the CLI calls it when a rank fails, so no rank waits forever on a
  * peer that has gone). */

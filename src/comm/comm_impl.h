@@ -59,7 +59,7 @@ loom_comm *loom_comm_new(loom_ctx *ctx, const loom_comm_vt *vt, const char *name
                          int size, const loom_comm *like);
 /* "group 'dp' (rank 1 of 2)", for messages. */
 const char *loom_comm_where(const loom_comm *c, char *buf, size_t cap);
-/* LOOM_COMM_TIMEOUT (seconds, default 600, 0 = wait forever). */
+/* LOOM_COMM_TIMEOUT (seconds, default 300, 0 = wait forever). */
 loom_status loom_comm_env_timeout(loom_ctx *ctx, double *out);
 
 /* Copies `bytes` from src to dst (the ranges may overlap) for operation

@@ -93,6 +93,16 @@ static const loom_option table[] = {
      1, 1 << 16},
     {"vpp", LOOM_OPT_INT, "1", "model chunks per pipeline rank (interleaved 1F1B when > 1)",
      OFF(vpp), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 1, 64},
+    {"microbatch_group_size_per_virtual_pipeline_stage", LOOM_OPT_INT, "0",
+     "interleaved pipeline: micro-batches each model chunk runs in a row (Megatron's; 0: pp). "
+     "Allows micro-batch counts that are not a multiple of pp: the last group must be whole or "
+     "at least pp long",
+     OFF(microbatch_group), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 1 << 20},
+    {"comm_timeout", LOOM_OPT_FLOAT, "300",
+     "seconds a collective or pipeline message may wait before every rank stops with the rank, "
+     "the operation and the peer named (0: wait forever; LOOM_COMM_TIMEOUT sets it when the flag "
+     "is not given)",
+     OFF(comm_timeout), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
     {"sequence_parallel", LOOM_OPT_BOOL, "false",
      "split the norms' tokens over tp (all-gather / reduce-scatter around them)",
      OFF(sequence_parallel), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},

@@ -71,6 +71,8 @@ typedef struct loom_settings {
     int64_t log_interval;
     /* parallel layout (train, golden) */
     int64_t tp, cp, dp, pp, vpp;
+    int64_t microbatch_group;   /* interleaved pipeline: Megatron's microbatch_group_size_per_vp_stage */
+    double comm_timeout;        /* seconds a collective may wait (0: forever) */
     bool sequence_parallel;
     /* golden */
     int64_t num_micro_batches, steps, accumulation_steps;

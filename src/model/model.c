@@ -559,6 +559,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     }
     loom_mesh_sizes want = {.tp = opts->tp, .cp = opts->cp, .dp = opts->dp, .pp = opts->pp,
                             .ep = opts->ep, .etp = opts->etp, .vpp = opts->vpp,
+                            .vpp_group = opts->microbatch_group,
                             .sequence_parallel = opts->sequence_parallel != 0};
     loom_mesh_sizes n;
     if ((st = loom_mesh_sizes_resolve(ctx, &want, loom_comm_size(m->world), &n))) goto fail;
@@ -781,12 +782,16 @@ static void acts_layout(loom_model *m, carve *c, int64_t T, int64_t Tc, int64_t 
     for (int i = 0; i < m->npp_stage; i++) m->pp_stage[i] = cv(c, (size_t)(Tn * H) * e);
 }
 
-loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight) {
+loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight,
+                               int pp_slots) {
     const int64_t T = rows * seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
     const loom_adapter *ad = loom_model_lora(m);
     const int lr = ad ? ad->r : 0;
     const bool dropout = ad && ad->dropout > 0;
+    if (m->pp > 1 && pp_slots < 1) pp_slots = 1; /* pp_connect's one element */
+    if (m->pp == 1) pp_slots = 0;
     bool same = T == m->cap_T && nmb <= m->cap_mb && m->chunks[0].npool >= in_flight &&
+                m->npp_stage >= pp_slots &&
                 lr == m->lora_r && (!dropout || m->lora_xd);
     m->T = T;
     m->Tc = Tc;
@@ -805,7 +810,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
     }
     m->micro = loom_calloc(ctx, (size_t)nmb, sizeof *m->micro, "micro-batches");
     if (m->micro) m->cap_mb = nmb;
-    m->npp_stage = m->pp > 1 ? in_flight + 2 : 0;
+    m->npp_stage = pp_slots;
     if (m->npp_stage) {
         m->pp_stage = loom_calloc(ctx, (size_t)m->npp_stage, sizeof *m->pp_stage, "pipeline");
         if (!m->pp_stage) fail = true;
@@ -1082,8 +1087,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     m->dev.cuda = in->cuda;
     m->dev.adt = in->adt;
     m->dev.esz = loom_dtype_size(in->adt);
-    loom_pp_step *steps = NULL;
-    int nsteps = 0;
+    loom_pp_plan plan = {0};
     loom_status st = loom_param_plan_build(ctx, cfg, &m->plan);
     if (!st) st = build_slots(m);
     if (!st) st = arena_place(m, &m->base);
@@ -1121,11 +1125,10 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
      * the gradients are the shard) */
     r->optim = in->training ? (m->dp * m->cp == 1 ? 2 : 3) * train_shard * 4 : 0;
     /* activations: the pipeline's micro-batches in flight on this stage */
-    int in_flight = 1;
-    if (in->training) {
-        if ((st = loom_pp_schedule(ctx, m->pp, m->vpp, pp_rank, in->nmb, &steps, &nsteps))) goto done;
-        in_flight = loom_pp_max_in_flight(steps, nsteps, m->vpp);
-    }
+    const loom_pp_shape shape = {.pp = m->pp, .vpp = m->vpp, .group = in->n.vpp_group,
+                                 .nmb = in->nmb};
+    if ((st = loom_pp_plan_build(ctx, &shape, pp_rank, in->training, &plan))) goto done;
+    const int in_flight = plan.in_flight;
     r->in_flight = in_flight;
     int64_t Lc = m->L / (m->pp * m->vpp);
     loom_chunk chunks[64];
@@ -1142,7 +1145,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
         if (!chunks[ci].pool) st = LOOM_ERR_OOM;
     }
     m->micro = loom_calloc(ctx, (size_t)in->nmb, sizeof *m->micro, "plan");
-    m->npp_stage = m->pp > 1 ? in_flight + 2 : 0;
+    m->npp_stage = m->pp > 1 ? (plan.nslots > 1 ? plan.nslots : 1) : 0;
     m->pp_stage = m->npp_stage ? loom_calloc(ctx, (size_t)m->npp_stage, sizeof(void *), "plan") : NULL;
     if (!m->micro || (m->npp_stage && !m->pp_stage)) st = LOOM_ERR_OOM;
     if (!st) {
@@ -1161,7 +1164,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     free(m->pp_stage);
     r->total = r->weights + r->grads + r->optim + r->acts + r->work;
 done:
-    free(steps);
+    loom_pp_plan_free(&plan);
     free(m->base.slots);
     free(m->base.bucket_off);
     free(m->base.bucket_len);

@@ -205,7 +205,7 @@ struct loom_model {
     int lora_npend;
     int64_t lora_pend_l;     /* their layer */
     void *lora_xd;           /* (Tc, max in_l): the dropped-out LoRA input (dropout > 0) */
-    void **pp_stage;         /* (npp_stage) (Tn, H): copies of pipeline sends not yet posted */
+    void **pp_stage;         /* (npp_stage) (Tn, H): pipeline messages received, not yet used */
     int npp_stage;
     bool pp_connected;       /* the pipeline's point-to-point connections are set up */
     bool training;           /* forward_backward (LoRA dropout on) vs forward_only */
@@ -236,7 +236,8 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
 
 /* Grows the activation buffers for micro-batches of `rows` x `seq` tokens,
  * nmb micro-batches per call and the pipeline's activations in flight. */
-loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight);
+loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight,
+                               int pp_slots);
 /* Slot index of an HF name on this rank, -1 when absent (head copies are
  * not found by name). */
 int loom_model_find_slot(const loom_model *m, const char *name);

@@ -2,6 +2,7 @@
  * groups of one rank (DESIGN.md, "The device mesh"). */
 
 #include "mesh.h"
+#include "schedule.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +67,11 @@ loom_status loom_mesh_sizes_resolve(loom_ctx *ctx, const loom_mesh_sizes *in, in
                          "mesh: vpp=%d needs pipeline parallelism (pp > 1): the interleaved "
                          "schedule splits each pipeline rank's layers into vpp chunks",
                          r.vpp);
+    if (r.vpp_group < 0 || (r.vpp_group > 0 && r.vpp == 1))
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "mesh: a micro-batch group of %d (--microbatch-group-size-per-vp-stage) "
+                         "needs the interleaved pipeline (vpp > 1) and a size >= 1 (0 means pp)",
+                         r.vpp_group);
     *out = r;
     return LOOM_OK;
 }
@@ -150,11 +156,15 @@ loom_status loom_mesh_check_batch(loom_ctx *ctx, const loom_mesh_sizes *m, int64
                          "each sequence over tp)",
                          (long long)seq_len, tp);
     }
-    if (num_micro_batches > 0 && vpp > 1 && num_micro_batches % pp)
-        return loom_errf(ctx, LOOM_ERR_CONFIG,
-                         "interleaved pipeline (vpp=%d) needs the number of micro-batches "
-                         "(%lld) to be a multiple of pp=%d",
-                         vpp, (long long)num_micro_batches, pp);
+    if (num_micro_batches > 0 && vpp > 1) {
+        if (num_micro_batches > 1 << 20)
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "%lld micro-batches: at most %d",
+                             (long long)num_micro_batches, 1 << 20);
+        loom_pp_shape s = {.pp = pp, .vpp = vpp, .group = m->vpp_group,
+                           .nmb = (int)num_micro_batches};
+        loom_status st = loom_pp_check(ctx, &s);
+        if (st) return st;
+    }
     if (rows > 0) {
         int64_t nmb = num_micro_batches > 0 ? num_micro_batches : 1;
         int64_t parts = (int64_t)dp * nmb;
@@ -209,8 +219,9 @@ static loom_status comm_error(loom_ctx *ctx, loom_comm *world, loom_status st) {
 /* Every rank must pass the same sizes: gather them and compare, so every
  * rank reaches the same verdict. */
 static loom_status check_agree(loom_ctx *ctx, loom_comm *world, const loom_mesh_sizes *r) {
-    enum { K = 8 };
-    int32_t mine[K] = {r->tp, r->cp, r->dp, r->pp, r->vpp, r->ep, r->etp, r->sequence_parallel};
+    enum { K = 9 };
+    int32_t mine[K] = {r->tp, r->cp, r->dp, r->pp, r->vpp, r->ep, r->etp, r->sequence_parallel,
+                       r->vpp_group};
     int w = loom_comm_size(world);
     int32_t *all = loom_malloc(ctx, (size_t)w * K * sizeof *all, "mesh sizes");
     if (!all) return LOOM_ERR_OOM;
@@ -224,10 +235,11 @@ static loom_status check_agree(loom_ctx *ctx, loom_comm *world, const loom_mesh_
             const int32_t *a = all, *b = all + (size_t)q * K;
             st = loom_errf(ctx, LOOM_ERR_CONFIG,
                            "mesh: ranks disagree on the sizes: rank 0 has tp=%d cp=%d dp=%d "
-                           "pp=%d vpp=%d ep=%d etp=%d sp=%d, rank %d has tp=%d cp=%d dp=%d pp=%d "
-                           "vpp=%d ep=%d etp=%d sp=%d; give every rank the same options",
-                           a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], q, b[0], b[1], b[2],
-                           b[3], b[4], b[5], b[6], b[7]);
+                           "pp=%d vpp=%d ep=%d etp=%d sp=%d group=%d, rank %d has tp=%d cp=%d "
+                           "dp=%d pp=%d vpp=%d ep=%d etp=%d sp=%d group=%d; give every rank the "
+                           "same options",
+                           a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], q, b[0], b[1],
+                           b[2], b[3], b[4], b[5], b[6], b[7], b[8]);
             break;
         }
     }

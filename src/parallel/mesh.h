@@ -17,6 +17,9 @@ typedef struct loom_mesh_sizes {
     int tp, cp, dp, pp;  /* each >= 1; 0 means 1, except dp: 0 = world / (tp*cp*pp) */
     int ep, etp;         /* expert parallel (0 means 1); only with MoE models */
     int vpp;             /* virtual pipeline chunks per pp rank (0 means 1) */
+    /* interleaved pipeline: micro-batches each chunk runs in a row
+     * (Megatron's microbatch_group_size_per_vp_stage; 0 means pp) */
+    int vpp_group;
     bool sequence_parallel;
 } loom_mesh_sizes;
 

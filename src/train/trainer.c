@@ -280,56 +280,30 @@ static loom_acts *find_acts(loom_chunk *ch, int mb) {
 }
 
 /* Pipeline message tags: forward activations and backward gradients, by
- * the receiving chunk and micro-batch. */
+ * the receiving chunk and micro-batch (MPI matches by tag; NCCL by order,
+ * which the plan keeps the same on both ends). */
 #define TAG_BWD 16384
-static int msg_tag(const loom_model *m, bool fwd, int chunk, int mb, int nmb) {
+static int msg_tag(bool fwd, int chunk, int mb, int nmb) {
     return (fwd ? 0 : TAG_BWD) + chunk * nmb + mb;
 }
 
-/* Pipeline messages. A send is not posted at once: its data is copied to a
- * staging buffer and posted together with this rank's next receive, in one
- * group (or at the end of the schedule). On NCCL a send occupies its
- * stream until the peer receives, so two stages that each sent before
- * receiving would wait on each other; posted in one group with the
- * receive, both complete (Megatron pairs send_forward with
- * recv_backward the same way). */
-typedef struct pp_out {
-    void *buf;
-    size_t n;
-    int peer, tag;
-} pp_out;
-
-typedef struct pp_queue {
-    pp_out q[64];
-    int n;
-} pp_queue;
-
-static loom_status pp_flush(loom_model *m, pp_queue *pq, void *rbuf, size_t rn, int rpeer,
-                            int rtag) {
-    if (!pq->n && !rbuf) return LOOM_OK;
+/* One round's messages (schedule.h) as one group: sends straight from the
+ * step's output, receives into their staging slots. */
+static loom_status pp_exchange(loom_model *m, const loom_pp_plan *pl, const loom_pp_round *rd,
+                               const void *fwd_out, const void *bwd_out, size_t n, int nmb) {
+    if (!rd->nmsg) return LOOM_OK;
     loom_comm *c = m->mesh->pp;
     loom_status st = loom_comm_group_start(c), st2;
-    for (int i = 0; i < pq->n && !st; i++)
-        st = loom_comm_send(c, pq->q[i].buf, pq->q[i].n, m->dev.adt, pq->q[i].peer, pq->q[i].tag);
-    if (!st && rbuf) st = loom_comm_recv(c, rbuf, rn, m->dev.adt, rpeer, rtag);
-    st2 = loom_comm_group_end(c);
-    pq->n = 0;
-    return st ? st : st2;
-}
-
-static loom_status pp_send(loom_model *m, pp_queue *pq, const void *buf, size_t n, int peer,
-                           int tag) {
-    if (pq->n == m->npp_stage || pq->n == (int)(sizeof pq->q / sizeof pq->q[0])) {
-        loom_status st = pp_flush(m, pq, NULL, 0, 0, 0);
-        if (st) return st;
+    for (int i = 0; i < rd->nmsg && !st; i++) {
+        const loom_pp_msg *g = &pl->msgs[rd->msg0 + i];
+        const int tag = msg_tag(g->forward, g->chunk, g->mb, nmb);
+        if (g->send)
+            st = loom_comm_send(c, g->forward ? fwd_out : bwd_out, n, m->dev.adt, g->peer, tag);
+        else
+            st = loom_comm_recv(c, m->pp_stage[g->slot], n, m->dev.adt, g->peer, tag);
     }
-    pp_out *o = &pq->q[pq->n];
-    o->buf = m->pp_stage[pq->n];
-    o->n = n;
-    o->peer = peer;
-    o->tag = tag;
-    pq->n++;
-    return loom_k_copy(m, o->buf, buf, n * m->dev.esz);
+    st2 = loom_comm_group_end(c);
+    return st ? st : st2;
 }
 
 /* NCCL connects a pair of ranks at their first point-to-point operation,
@@ -366,12 +340,10 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
                          "pipeline can tag (%d)", (long long)nmicro, m->vpp, TAG_BWD);
     const int nmb = (int)nmicro;
     const int64_t S = b->seq_len, rows_dp = b->rows / m->dp, rows = rows_dp / nmb;
-    loom_pp_step *steps = NULL;
-    int nsteps = 0;
-    if ((st = loom_pp_schedule(ctx, m->pp, m->vpp, m->mesh->pp_rank, nmb, &steps, &nsteps)))
-        return st;
-    int in_flight = backward ? loom_pp_max_in_flight(steps, nsteps, m->vpp) : 1;
-    if ((st = loom_model_reserve(m, rows, S, nmb, in_flight))) goto done;
+    const loom_pp_shape shape = {.pp = m->pp, .vpp = m->vpp, .group = n.vpp_group, .nmb = nmb};
+    loom_pp_plan plan;
+    if ((st = loom_pp_plan_build(ctx, &shape, m->mesh->pp_rank, backward, &plan))) return st;
+    if ((st = loom_model_reserve(m, rows, S, nmb, plan.in_flight, plan.nslots))) goto done;
     build_perm(m, rows, S);
     if ((st = loom_k_upload(m, m->d_perm, m->perm, (size_t)(rows * S) * sizeof(int32_t))))
         goto done;
@@ -386,10 +358,8 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
 
     m->training = backward;
     if (backward) m->dropout_calls++; /* the same count on every rank */
-    const int pr = m->mesh->pp_rank, next = (pr + 1) % m->pp, prev = (pr + m->pp - 1) % m->pp;
-    const size_t act_n = (size_t)(m->Tn * m->H);
+    const size_t act_n = (size_t)(m->Tn * m->H), act_b = act_n * m->dev.esz;
     double acc[2] = {0.0, 0.0}; /* loss sum, tokens */
-    pp_queue pq = {.n = 0};
     if ((st = pp_connect(m))) goto done;
     if (backward) { /* the trained arena's gradients, at its first backward */
         loom_arena *A = loom_model_trainable(m);
@@ -398,44 +368,41 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
                                           "gradients")))
             goto done;
     }
-    for (int i = 0; i < nsteps && !st; i++) {
-        const loom_pp_step sp = steps[i];
-        if (!backward && !sp.forward) continue;
-        loom_chunk *ch = &m->chunks[sp.chunk];
-        const int v = sp.chunk * m->pp + pr;
-        loom_acts *a;
-        if (sp.forward) {
-            a = acquire(ch, sp.mb);
-            LOOM_ASSERT(a);
-            if (!ch->first &&
-                (st = pp_flush(m, &pq, a->x, act_n, prev, msg_tag(m, true, sp.chunk, sp.mb, nmb))))
-                break;
-            double s = 0.0;
-            int64_t cnt = 0;
-            if ((st = loom_chunk_forward(m, sp.chunk, a, &m->micro[sp.mb], backward, tlp, ent,
-                                         logits, &s, &cnt)))
-                break;
-            if (ch->last && m->mesh->tp_rank == 0) {
-                acc[0] += s;
-                acc[1] += (double)cnt;
+    for (int r = 0; r < plan.nrounds && !st; r++) {
+        const loom_pp_round *rd = &plan.rounds[r];
+        const void *fwd_out = NULL;
+        if (rd->step >= 0) {
+            const loom_pp_step sp = plan.steps[rd->step];
+            const int slot = plan.in_slot[rd->step];
+            loom_chunk *ch = &m->chunks[sp.chunk];
+            loom_acts *a;
+            if (sp.forward) {
+                a = acquire(ch, sp.mb);
+                LOOM_ASSERT(a);
+                if (slot >= 0 && (st = loom_k_copy(m, a->x, m->pp_stage[slot], act_b))) break;
+                double s = 0.0;
+                int64_t cnt = 0;
+                if ((st = loom_chunk_forward(m, sp.chunk, a, &m->micro[sp.mb], backward, tlp, ent,
+                                             logits, &s, &cnt)))
+                    break;
+                if (ch->last && m->mesh->tp_rank == 0) {
+                    acc[0] += s;
+                    acc[1] += (double)cnt;
+                }
+                fwd_out = (char *)a->x + (size_t)ch->nl * act_b;
+                if (!backward) a->mb = -1;
+            } else {
+                a = find_acts(ch, sp.mb);
+                LOOM_ASSERT(a);
+                if (slot >= 0 && (st = loom_k_copy(m, m->dx, m->pp_stage[slot], act_b))) break;
+                if ((st = loom_chunk_backward(m, sp.chunk, a, &m->micro[sp.mb]))) break;
+                a->mb = -1;
             }
-            if (!ch->last)
-                st = pp_send(m, &pq, (char *)a->x + (size_t)ch->nl * act_n * m->dev.esz, act_n,
-                             next, msg_tag(m, true, (v + 1) / m->pp, sp.mb, nmb));
-            if (!backward) a->mb = -1;
-        } else {
-            a = find_acts(ch, sp.mb);
-            LOOM_ASSERT(a);
-            if (!ch->last &&
-                (st = pp_flush(m, &pq, m->dx, act_n, next, msg_tag(m, false, sp.chunk, sp.mb, nmb))))
-                break;
-            if ((st = loom_chunk_backward(m, sp.chunk, a, &m->micro[sp.mb]))) break;
-            if (!ch->first)
-                st = pp_send(m, &pq, m->dx, act_n, prev, msg_tag(m, false, (v - 1) / m->pp, sp.mb, nmb));
-            a->mb = -1;
         }
+        /* a forward's output stays in its activations until its backward;
+         * the backward's dx until the next step, after this exchange */
+        st = pp_exchange(m, &plan, rd, fwd_out, m->dx, act_n, nmb);
     }
-    if (!st) st = pp_flush(m, &pq, NULL, 0, 0, 0);
     if (st) goto done;
     /* the whole mesh's loss and token count; per-token outputs from the ranks
      * that computed them */
@@ -473,7 +440,7 @@ done:
     /* a failed call leaves no micro-batch in flight */
     for (int c = 0; c < m->vpp; c++)
         for (int i = 0; i < m->chunks[c].npool; i++) m->chunks[c].pool[i].mb = -1;
-    free(steps);
+    loom_pp_plan_free(&plan);
     return st;
 }
 
