@@ -21,6 +21,7 @@ int loom_cmd_init(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
     loom_json *doc = NULL;
     loom_model_config cfg;
     loom_status st = loom_json_parse(ctx, text, strlen(text), s->preset, &doc);
+    if (!st) st = loom_config_override(ctx, doc, s->config_override);
     if (!st) st = loom_config_parse(ctx, doc, s->preset, &cfg);
     loom_json_free(doc);
     if (st) return loom_cli_fail(ctx);

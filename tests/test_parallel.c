@@ -84,7 +84,11 @@ static double l2_rel(const float *a, const float *b, uint64_t n) {
 }
 
 /* Compares tensors of `got` with `ref` whose names start with `prefix`
- * (or equal it); returns the worst error and its name. */
+ * (or equal it); returns the worst error and its name. Every tensor of
+ * `ref` must be in `got` with its size, and readable: a missing one fails
+ * the comparison (INFINITY, named), except the output layer of a tied model
+ * (HF's fixtures list lm_head beside the embedding it shares; loom writes
+ * the embedding once). */
 static double compare(loom_ctx *ctx, loom_safetensors *got, loom_safetensors *ref,
                       const char *prefix, bool exact_name, bool l2, const char **worst_name,
                       int *count) {
@@ -94,11 +98,29 @@ static double compare(loom_ctx *ctx, loom_safetensors *got, loom_safetensors *re
         if (exact_name ? strcmp(r->name, prefix) : strncmp(r->name, prefix, strlen(prefix)))
             continue;
         const loom_st_tensor *g = loom_st_find(got, r->name);
-        if (!g) continue; /* a tied lm_head in the fixture */
-        if (g->numel != r->numel) return INFINITY;
+        if (!g) {
+            const char *lm = strstr(r->name, "lm_head.weight");
+            char emb[512];
+            snprintf(emb, sizeof emb, "%.*smodel.embed_tokens.weight",
+                     lm ? (int)(lm - r->name) : 0, r->name);
+            if (lm && !lm[strlen("lm_head.weight")] && loom_st_find(got, emb) &&
+                loom_st_find(ref, emb))
+                continue; /* tied: compared as the embedding */
+            *worst_name = r->name;
+            return INFINITY;
+        }
+        if (g->numel != r->numel) {
+            *worst_name = r->name;
+            return INFINITY;
+        }
         float *a = malloc(g->numel * 4), *b = malloc(r->numel * 4);
-        loom_st_read(ctx, g, LOOM_F32, a, g->numel);
-        loom_st_read(ctx, r, LOOM_F32, b, r->numel);
+        if (!a || !b || loom_st_read(ctx, g, LOOM_F32, a, g->numel) ||
+            loom_st_read(ctx, r, LOOM_F32, b, r->numel)) {
+            free(a);
+            free(b);
+            *worst_name = r->name;
+            return INFINITY;
+        }
         double e = l2 ? l2_rel(a, b, g->numel) : max_rel(a, b, g->numel);
         if (!(e <= worst)) {
             worst = e;
@@ -109,6 +131,44 @@ static double compare(loom_ctx *ctx, loom_safetensors *got, loom_safetensors *re
         free(b);
     }
     return worst;
+}
+
+/* A named tensor of st into dst, or an error naming it when it is absent. */
+static loom_status st_get(loom_ctx *ctx, loom_safetensors *st, const char *name, loom_dtype dt,
+                          void *dst, uint64_t n) {
+    const loom_st_tensor *t = loom_st_find(st, name);
+    if (!t) return loom_errf(ctx, LOOM_ERR_NOT_FOUND, "no tensor '%s'", name);
+    return loom_st_read(ctx, t, dt, dst, n);
+}
+
+/* Writes a batch of `rows` rows of `seq` random tokens (and their next
+ * tokens as targets) to path. */
+static bool write_random_batch(const char *dir, const char *stem, int rows, int seq,
+                               unsigned seed) {
+    loom_ctx *ctx;
+    loom_ctx_create(&ctx);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(rows * seq));
+    int32_t *tgt = malloc(sizeof(int32_t) * (size_t)(rows * seq));
+    loom_status rc = ids && tgt ? LOOM_OK : LOOM_ERR_OOM;
+    for (int i = 0; !rc && i < rows * seq; i++) {
+        seed = seed * 1103515245u + 12345u;
+        ids[i] = (int32_t)((seed >> 8) % 1000);
+    }
+    for (int i = 0; !rc && i < rows * seq; i++) tgt[i] = (i + 1) % seq ? ids[i + 1] : -100;
+    loom_st_writer *w = NULL;
+    int64_t sh[2] = {rows, seq};
+    if (!rc) rc = loom_st_writer_create(ctx, dir, stem, 0, NULL, &w);
+    if (!rc) rc = loom_st_writer_declare(ctx, w, "input_ids", LOOM_I64, 2, sh);
+    if (!rc) rc = loom_st_writer_declare(ctx, w, "targets", LOOM_I64, 2, sh);
+    if (!rc) rc = loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids);
+    if (!rc) rc = loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt);
+    if (!rc) rc = loom_st_writer_finish(ctx, w);
+    if (rc) loom_test_fail(__FILE__, __LINE__, "%s/%s: %s", dir, stem, loom_last_error(ctx));
+    loom_st_writer_free(w);
+    free(ids);
+    free(tgt);
+    loom_ctx_free(ctx);
+    return rc == LOOM_OK;
 }
 
 static char *path_in_tmp(const char *name) {
@@ -194,41 +254,42 @@ static void check_layout(const char *model, const char *batch, const char *one, 
 
 /* The fixture's batch (2 rows of 24) and the same rows tiled 4 times (the
  * mean loss and its gradient are unchanged, so the HF trajectory holds). */
-static void make_batches(const char *model, char *b2, char *b8) {
+static bool make_batches(const char *model, char *b2, char *b8) {
     loom_ctx *ctx;
     loom_ctx_create(&ctx);
     char fix[1024];
     snprintf(fix, sizeof fix, "%s/golden/%s.safetensors", loom_test_fixtures(), model);
     snprintf(b2, 1024, "%s", fix);
     snprintf(b8, 1024, "%s", path_in_tmp("batch8.safetensors"));
-    loom_safetensors *st;
-    if (loom_st_open_file(ctx, fix, &st)) return;
+    loom_safetensors *st = NULL;
     int32_t ids[48], tgt[48], ids8[192], tgt8[192];
-    loom_st_read(ctx, loom_st_find(st, "input_ids"), LOOM_I32, ids, 48);
-    loom_st_read(ctx, loom_st_find(st, "targets"), LOOM_I32, tgt, 48);
+    loom_status rc = loom_st_open_file(ctx, fix, &st);
+    if (!rc) rc = st_get(ctx, st, "input_ids", LOOM_I32, ids, 48);
+    if (!rc) rc = st_get(ctx, st, "targets", LOOM_I32, tgt, 48);
     loom_st_close(st);
     for (int r = 0; r < 4; r++) {
         memcpy(ids8 + 48 * r, ids, sizeof ids);
         memcpy(tgt8 + 48 * r, tgt, sizeof tgt);
     }
-    loom_st_writer *w;
+    loom_st_writer *w = NULL;
     int64_t sh[2] = {8, 24};
-    if (!loom_st_writer_create(ctx, loom_test_tmpdir(), "batch8", 0, NULL, &w)) {
-        loom_st_writer_declare(ctx, w, "input_ids", LOOM_I64, 2, sh);
-        loom_st_writer_declare(ctx, w, "targets", LOOM_I64, 2, sh);
-        loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids8);
-        loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt8);
-        loom_st_writer_finish(ctx, w);
-        loom_st_writer_free(w);
-    }
+    if (!rc) rc = loom_st_writer_create(ctx, loom_test_tmpdir(), "batch8", 0, NULL, &w);
+    if (!rc) rc = loom_st_writer_declare(ctx, w, "input_ids", LOOM_I64, 2, sh);
+    if (!rc) rc = loom_st_writer_declare(ctx, w, "targets", LOOM_I64, 2, sh);
+    if (!rc) rc = loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids8);
+    if (!rc) rc = loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt8);
+    if (!rc) rc = loom_st_writer_finish(ctx, w);
+    if (rc) loom_test_fail(__FILE__, __LINE__, "%s: %s", fix, loom_last_error(ctx));
+    loom_st_writer_free(w);
     loom_ctx_free(ctx);
+    return rc == LOOM_OK;
 }
 
 static void check_model(const char *model) {
     if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
     mpi_env();
     char b2[1024], b8[1024], mdir[1024], *log = NULL;
-    make_batches(model, b2, b8);
+    if (!make_batches(model, b2, b8)) return;
     snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
     const char *one = path_in_tmp("one.safetensors");
     int rc = golden(0, mdir, b2, one, "", &log);
@@ -257,6 +318,140 @@ static void check_model(const char *model) {
 
 TEST(parallel_layouts_qwen3) { check_model("tiny-qwen3"); }
 TEST(parallel_layouts_qwen3_untied) { check_model("tiny-qwen3-untied"); }
+
+/* The interleaved pipeline against one process: every accepted number of
+ * micro-batches from pp to 4 pp for pp 2, 3, 4 and vpp 2, 3 (a model of
+ * pp*vpp layers, tied embeddings, random weights and tokens), and uneven
+ * counts with Megatron's micro-batch groups: loss, log-probs, entropy,
+ * logits and every gradient within 1e-5, the weights after the 5 AdamW
+ * steps within 1e-4 (L2) and their losses within 1e-5. */
+static void check_same_run(const char *label, const char *out, const char *one) {
+    loom_ctx *ctx;
+    loom_ctx_create(&ctx);
+    loom_safetensors *got = NULL, *ref = NULL;
+    if (loom_st_open_file(ctx, out, &got) || loom_st_open_file(ctx, one, &ref)) {
+        loom_test_fail(__FILE__, __LINE__, "%s: %s", label, loom_last_error(ctx));
+        goto done;
+    }
+    const char *wn = "";
+    int n = 0;
+    double e = 0;
+    const char *fwd[] = {"loss", "token_logprobs", "entropy", "logits"};
+    for (int i = 0; i < 4; i++) e = fmax(e, compare(ctx, got, ref, fwd[i], true, false, &wn, &n));
+    CHECK_MSG(e <= 1e-5 && n == 4, "%s: %s differs from one process by %.3g", label, wn, e);
+    n = 0;
+    e = compare(ctx, got, ref, "grad.", false, false, &wn, &n);
+    CHECK_MSG(e <= 1e-5 && n > 8, "%s: %s differs from one process by %.3g (%d compared)", label,
+              wn, e, n);
+    n = 0;
+    e = compare(ctx, got, ref, "final.", false, true, &wn, &n);
+    CHECK_MSG(e <= 1e-4 && n > 8, "%s: %s differs from one process by %.3g (L2)", label, wn, e);
+    n = 0;
+    e = compare(ctx, got, ref, "adamw_losses", true, false, &wn, &n);
+    CHECK_MSG(e <= 1e-5 && n == 1, "%s: the step losses differ from one process by %.3g", label, e);
+done:
+    loom_st_close(got);
+    loom_st_close(ref);
+    loom_ctx_free(ctx);
+}
+
+TEST(parallel_interleaved_pipeline_every_micro_batch_count) {
+    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    mpi_env();
+    setenv("LOOM_COMM_TIMEOUT", "60", 1); /* a hang fails in a minute, naming the rank */
+    for (int pp = 2; pp <= 4; pp++)
+        for (int vpp = 2; vpp <= 3; vpp++) {
+            char mdir[1100], over[64], stem[64], batch[1100], *log = NULL;
+            snprintf(mdir, sizeof mdir, "%s/pp%d-vpp%d-model", loom_test_tmpdir(), pp, vpp);
+            snprintf(over, sizeof over, "{\"num_hidden_layers\": %d}", pp * vpp);
+            int rc = loom_test_run(&log, (const char *const[]){loom_test_bin(), "init", "--out",
+                                                               mdir, "--config-override", over,
+                                                               "--seed", "7", "--log-level",
+                                                               "warn", NULL});
+            CHECK_MSG(rc == 0, "init: %s", log ? log : "");
+            free(log);
+            if (rc) continue;
+            /* 12 pp rows split into pp, 2pp, 3pp and 4pp micro-batches */
+            snprintf(stem, sizeof stem, "pp%d-vpp%d-batch", pp, vpp);
+            snprintf(batch, sizeof batch, "%s/%s.safetensors", loom_test_tmpdir(), stem);
+            if (!write_random_batch(loom_test_tmpdir(), stem, 12 * pp, 8, 1000u + (unsigned)pp))
+                continue;
+            const char *one = path_in_tmp("vpp-one.safetensors");
+            rc = golden(0, mdir, batch, one, "", &log);
+            CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+            free(log);
+            if (rc) continue;
+            for (int k = 1; k <= 4; k++) {
+                char lay[160], label[200];
+                snprintf(lay, sizeof lay, "--pp %d --vpp %d --num-micro-batches %d", pp, vpp, k * pp);
+                snprintf(label, sizeof label, "pp=%d vpp=%d %d micro-batches", pp, vpp, k * pp);
+                const char *out = path_in_tmp("vpp.safetensors");
+                rc = golden(pp, mdir, batch, out, lay, &log);
+                CHECK_MSG(rc == 0, "%s: exit %d\n%s", label, rc, log ? log : "");
+                free(log);
+                if (!rc) check_same_run(label, out, one);
+            }
+            /* uneven: Megatron's groups (last group whole or >= pp) */
+            static const int uneven[][3] = {{2, 3, 5}, {2, 4, 6}, {3, 4, 7}, {4, 6, 10}};
+            for (size_t u = 0; u < sizeof uneven / sizeof uneven[0]; u++) {
+                if (uneven[u][0] != pp || (12 * pp) % uneven[u][2]) continue;
+                char lay[200], label[240];
+                snprintf(lay, sizeof lay,
+                         "--pp %d --vpp %d --num-micro-batches %d "
+                         "--microbatch-group-size-per-virtual-pipeline-stage %d",
+                         pp, vpp, uneven[u][2], uneven[u][1]);
+                snprintf(label, sizeof label, "pp=%d vpp=%d %d micro-batches in groups of %d", pp,
+                         vpp, uneven[u][2], uneven[u][1]);
+                const char *out = path_in_tmp("vpp.safetensors");
+                rc = golden(pp, mdir, batch, out, lay, &log);
+                CHECK_MSG(rc == 0, "%s: exit %d\n%s", label, rc, log ? log : "");
+                free(log);
+                if (!rc) check_same_run(label, out, one);
+            }
+        }
+}
+
+/* LoRA (the PEFT fixture's adapter) under the interleaved pipeline with 4
+ * and 8 micro-batches, and 6 in groups of 3 (tiny-qwen3: 4 layers, pp 2 x
+ * vpp 2): adapter gradients equal the one-process run and the 5 AdamW steps
+ * give PEFT's weights and losses. Untied embeddings with 8 micro-batches. */
+TEST(parallel_interleaved_pipeline_lora_and_untied) {
+    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    mpi_env();
+    char mdir[1024], batch[1024], extra[1200], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(batch, sizeof batch, "%s", path_in_tmp("lora-batch8.safetensors"));
+    snprintf(extra, sizeof extra, "--adapter %s/models/tiny-qwen3-lora --weight-decay 0.01",
+             loom_test_fixtures());
+    {
+        char b2[1024], b8[1024];
+        if (!make_batches("tiny-qwen3-lora", b2, b8)) return;
+        snprintf(batch, sizeof batch, "%s", b8);
+    }
+    const char *one = path_in_tmp("one-lora8.safetensors");
+    int rc = golden(0, mdir, batch, one, extra, &log);
+    CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+    free(log);
+    if (rc) return;
+    static const char *layouts[] = {
+        "--pp 2 --vpp 2 --num-micro-batches 4", "--pp 2 --vpp 2 --num-micro-batches 8",
+        "--pp 2 --vpp 2 --num-micro-batches 8 --microbatch-group-size-per-virtual-pipeline-stage 3"};
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+        char lay[1400];
+        snprintf(lay, sizeof lay, "%s %s", extra, layouts[i]);
+        check_layout_fx("tiny-qwen3", "tiny-qwen3-lora", batch, one, 2, lay, true, true);
+    }
+    char b2[1024], b8[1024];
+    if (!make_batches("tiny-qwen3-untied", b2, b8)) return;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3-untied", loom_test_fixtures());
+    const char *one_u = path_in_tmp("one-untied8.safetensors");
+    rc = golden(0, mdir, b8, one_u, "", &log);
+    CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+    free(log);
+    if (rc) return;
+    check_layout("tiny-qwen3-untied", b8, one_u, 2, "--pp 2 --vpp 2 --num-micro-batches 8", true,
+                 true);
+}
 
 /* Context parallel on packed documents (the fixture's three documents in
  * one row): the log-probs of each document are its own, and loss and
@@ -324,7 +519,12 @@ TEST(parallel_bad_mesh_fails_before_compute) {
         {4, "--tp 4", "num_key_value_heads"},
         {2, "--pp 2 --vpp 3", "cannot be split into pp=2 x vpp=3"},
         {2, "--cp 2 --num-micro-batches 3", "rows"},
-        {2, "--pp 2 --vpp 2 --num-micro-batches 1", "multiple of pp=2"},
+        {2, "--pp 2 --vpp 2 --num-micro-batches 1", "needs at least 2 micro-batches"},
+        {2, "--pp 2 --vpp 2 --num-micro-batches 3 --dp 1", "leave a last group of 1, fewer than pp=2"},
+        {2, "--pp 2 --vpp 2 --num-micro-batches 2 --microbatch-group-size-per-virtual-pipeline-stage 3",
+         "needs at least 3 micro-batches"},
+        {2, "--pp 2 --microbatch-group-size-per-virtual-pipeline-stage 2",
+         "needs the interleaved pipeline"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int rc = golden(cases[i].np, mdir, fix, out, cases[i].layout, &log);
@@ -488,4 +688,42 @@ TEST(parallel_recompute_same_results) {
         }
         free(ref);
     }
+}
+
+/* --comm-timeout: a negative value is refused before anything is loaded;
+ * the flag is printed with its source; without it LOOM_COMM_TIMEOUT (when
+ * exported) sets the limit, and a bad one is refused naming it. */
+TEST(parallel_comm_timeout_option) {
+    char mdir[1024], fix[1024], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(fix, sizeof fix, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
+    const char *out = path_in_tmp("timeout.safetensors");
+    const char *base[] = {loom_test_bin(), "golden", "--device", "cpu", "--model", mdir,
+                          "--batch", fix, "--out", out};
+    const char *argv[16];
+    size_t n = 0;
+    for (; n < sizeof base / sizeof base[0]; n++) argv[n] = base[n];
+    argv[n] = "--comm-timeout";
+    argv[n + 1] = "-5";
+    argv[n + 2] = NULL;
+    int rc = loom_test_run(&log, argv);
+    CHECK_MSG(rc != 0 && rc < 128, "exit %d", rc);
+    CHECK_CONTAINS(log, "--comm-timeout -5: give a number of seconds >= 0");
+    free(log);
+    argv[n + 1] = "45";
+    rc = loom_test_run(&log, argv);
+    CHECK_MSG(rc == 0, "exit %d\n%s", rc, log ? log : "");
+    CHECK_CONTAINS(log, "comm_timeout       45");
+    free(log);
+    const char *keep = getenv("LOOM_COMM_TIMEOUT");
+    char saved[64];
+    snprintf(saved, sizeof saved, "%s", keep ? keep : "");
+    setenv("LOOM_COMM_TIMEOUT", "soon", 1);
+    argv[n] = NULL;
+    rc = loom_test_run(&log, argv);
+    CHECK_MSG(rc != 0 && rc < 128, "exit %d", rc);
+    CHECK_CONTAINS(log, "LOOM_COMM_TIMEOUT='soon' is not a number of seconds");
+    free(log);
+    if (keep) setenv("LOOM_COMM_TIMEOUT", saved, 1);
+    else unsetenv("LOOM_COMM_TIMEOUT");
 }

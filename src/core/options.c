@@ -51,7 +51,7 @@ static const loom_option table[] = {
      OFF(batch), NULL, LOOM_CMD_GOLDEN, 0, 0},
     {"config_override", LOOM_OPT_STRING, NULL,
      "JSON object whose keys replace those of config.json, e.g. '{\"num_hidden_layers\": 2}'",
-     OFF(config_override), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN | LOOM_CMD_INSPECT, 0, 0},
+     OFF(config_override), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN | LOOM_CMD_INSPECT | LOOM_CMD_INIT, 0, 0},
     {"save_hf", LOOM_OPT_STRING, NULL, "after training, write the model here as an HF directory",
      OFF(save_hf), NULL, CMD_TRAIN, 0, 0},
     {"train_steps", LOOM_OPT_INT, "100", "optimizer steps", OFF(train_steps), NULL, CMD_TRAIN, 1,

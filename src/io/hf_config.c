@@ -329,3 +329,19 @@ loom_status loom_config_save(loom_ctx *ctx, const loom_model_config *cfg, const 
     loom_json_free(doc);
     return st;
 }
+
+loom_status loom_config_override(loom_ctx *ctx, loom_json *doc, const char *overrides) {
+    if (!overrides || !*overrides) return LOOM_OK;
+    loom_json *ov = NULL;
+    loom_status st = loom_json_parse(ctx, overrides, strlen(overrides), "config overrides", &ov);
+    if (st) return st;
+    if (ov->type != LOOM_JSON_OBJECT || doc->type != LOOM_JSON_OBJECT)
+        st = loom_errf(ctx, LOOM_ERR_CONFIG,
+                       "config overrides must be a JSON object such as {\"num_hidden_layers\": 2}");
+    for (size_t i = 0; !st && i < ov->n; i++) {
+        loom_json *item = loom_json_clone(ctx, ov->items[i]);
+        st = item ? loom_json_set(ctx, doc, ov->keys[i], item) : LOOM_ERR_OOM;
+    }
+    loom_json_free(ov);
+    return st;
+}

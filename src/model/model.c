@@ -25,7 +25,7 @@ static loom_status load_config(loom_ctx *ctx, const char *dir, const char *overr
     if (!overrides || !*overrides) return loom_config_load(ctx, dir, cfg);
     char *file = loom_path_join(ctx, dir, "config.json");
     if (!file) return LOOM_ERR_OOM;
-    loom_json *doc = NULL, *ov = NULL;
+    loom_json *doc = NULL;
     loom_status st;
     if (!loom_file_exists(file)) {
         st = loom_errf(ctx, LOOM_ERR_NOT_FOUND,
@@ -35,17 +35,7 @@ static loom_status load_config(loom_ctx *ctx, const char *dir, const char *overr
         goto done;
     }
     if ((st = loom_json_parse_file(ctx, file, &doc))) goto done;
-    if ((st = loom_json_parse(ctx, overrides, strlen(overrides), "config overrides", &ov)))
-        goto done;
-    if (ov->type != LOOM_JSON_OBJECT || doc->type != LOOM_JSON_OBJECT) {
-        st = loom_errf(ctx, LOOM_ERR_CONFIG,
-                       "config overrides must be a JSON object such as {\"num_hidden_layers\": 2}");
-        goto done;
-    }
-    for (size_t i = 0; i < ov->n && !st; i++) {
-        loom_json *item = loom_json_clone(ctx, ov->items[i]);
-        st = item ? loom_json_set(ctx, doc, ov->keys[i], item) : LOOM_ERR_OOM;
-    }
+    st = loom_config_override(ctx, doc, overrides);
     if (!st) {
         memset(cfg, 0, sizeof *cfg);
         st = loom_config_parse(ctx, doc, file, cfg);
@@ -53,7 +43,6 @@ static loom_status load_config(loom_ctx *ctx, const char *dir, const char *overr
     }
 done:
     loom_json_free(doc);
-    loom_json_free(ov);
     free(file);
     return st;
 }

@@ -69,7 +69,7 @@ loom_status loom_mesh_sizes_resolve(loom_ctx *ctx, const loom_mesh_sizes *in, in
                          r.vpp);
     if (r.vpp_group < 0 || (r.vpp_group > 0 && r.vpp == 1))
         return loom_errf(ctx, LOOM_ERR_CONFIG,
-                         "mesh: a micro-batch group of %d (--microbatch-group-size-per-vp-stage) "
+                         "mesh: a micro-batch group of %d (--microbatch-group-size-per-virtual-pipeline-stage) "
                          "needs the interleaved pipeline (vpp > 1) and a size >= 1 (0 means pp)",
                          r.vpp_group);
     *out = r;

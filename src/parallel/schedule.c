@@ -19,14 +19,14 @@ loom_status loom_pp_check(loom_ctx *ctx, const loom_pp_shape *s) {
     if (g < pp)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "interleaved pipeline (vpp=%d): the micro-batch group "
-                         "(--microbatch-group-size-per-vp-stage %d) must be at least pp=%d",
+                         "(--microbatch-group-size-per-virtual-pipeline-stage %d) must be at least pp=%d",
                          s->vpp, g, pp);
     if (nmb < g)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "interleaved pipeline (vpp=%d) needs at least %d micro-batches (the "
                          "micro-batch group, %s%d), not %d: raise the number of micro-batches "
                          "(global batch / micro-batch size / dp)",
-                         s->vpp, g, s->group > 0 ? "--microbatch-group-size-per-vp-stage " : "pp=",
+                         s->vpp, g, s->group > 0 ? "--microbatch-group-size-per-virtual-pipeline-stage " : "pp=",
                          g, nmb);
     const int rest = nmb % g;
     if (rest && rest < pp)
@@ -35,7 +35,7 @@ loom_status loom_pp_check(loom_ctx *ctx, const loom_pp_shape *s) {
                          "a last group of %d, fewer than pp=%d (Megatron's rule: micro-batches %% "
                          "group must be 0 or at least pp). Use a multiple of %d micro-batches%s",
                          s->vpp, nmb, g, rest, pp, g,
-                         g == pp ? ", or set --microbatch-group-size-per-vp-stage to a size whose "
+                         g == pp ? ", or set --microbatch-group-size-per-virtual-pipeline-stage to a size whose "
                                    "remainder is 0 or at least pp"
                                  : "");
     return LOOM_OK;

@@ -331,10 +331,10 @@ static loom_status pp_connect(loom_model *m) {
 static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool backward,
                        float *tlp, float *ent, float *logits, loom_fb_result *out) {
     loom_ctx *ctx = m->ctx;
-    loom_status st = check_batch(m, b, nmicro);
-    if (st) return st;
     loom_mesh_sizes n = m->mesh->n;
-    if ((st = loom_mesh_check_batch(ctx, &n, b->rows, b->seq_len, nmicro))) return st;
+    /* the mesh's rules first: they name the setting to change */
+    loom_status st = loom_mesh_check_batch(ctx, &n, b ? b->rows : 0, b ? b->seq_len : 0, nmicro);
+    if (st || (st = check_batch(m, b, nmicro))) return st;
     if ((int64_t)m->vpp * nmicro >= TAG_BWD)
         return loom_errf(ctx, LOOM_ERR_CONFIG, "%lld micro-batches x vpp=%d is more than the "
                          "pipeline can tag (%d)", (long long)nmicro, m->vpp, TAG_BWD);
