@@ -727,3 +727,25 @@ TEST(parallel_comm_timeout_option) {
     if (keep) setenv("LOOM_COMM_TIMEOUT", saved, 1);
     else unsetenv("LOOM_COMM_TIMEOUT");
 }
+
+/* A rank that never reaches a collective: the others give up after
+ * --comm-timeout, each naming itself, the operation and the missing rank,
+ * and the whole job ends (not after the stalled rank's 60 s). */
+TEST(parallel_timeout_names_the_missing_rank) {
+    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    mpi_env();
+    char mdir[1024], fix[1024], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(fix, sizeof fix, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
+    setenv("LOOM_TEST_STALL", "1:60", 1); /* world rank 1 sleeps before its first collective */
+    const double t0 = loom_now_s();
+    int rc = golden(3, mdir, fix, path_in_tmp("stall.safetensors"), "--comm-timeout 2", &log);
+    const double took = loom_now_s() - t0;
+    unsetenv("LOOM_TEST_STALL");
+    CHECK_MSG(rc != 0, "exit 0");
+    CHECK_MSG(took < 40, "the job took %.0f s: the stalled rank was waited for", took);
+    CHECK_CONTAINS(log, "error on rank 0: MPI_Iallgather on group 'world' (rank 0 of 3) timed out "
+                        "after 2 s waiting for rank 1 of the group (world rank 1), which did not "
+                        "answer");
+    free(log);
+}

@@ -22,6 +22,8 @@
 #include <limits.h>
 #include <mpi.h>
 #include <sched.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -42,15 +44,27 @@ typedef struct p2p_post {
 
 typedef struct mpi_state {
     MPI_Comm comm;
+    /* A duplicate for the diagnosis of a timed-out collective: a rank that
+     * waits on this group answers "where are you?" on it (serve_diag), so the
+     * rank that gives up can name the members that are not in its
+     * collective. */
+    MPI_Comm diag;
+    uint64_t seq;      /* collectives posted on this group */
+    uint64_t wait_seq; /* the collective being waited for (waiting == 1) */
+    int waiting;       /* 0: not waiting, 1: a collective, 2: a send or receive */
+    double stall_s;    /* test hook (LOOM_TEST_STALL): sleep before the first collective */
     p2p_post *sends;   /* outstanding sends posted outside a group */
     int n_sends, cap_sends;
     p2p_post *group;   /* sends and receives posted inside group_start/end */
     int n_group, cap_group;
 } mpi_state;
 
+enum { TAG_ASK = 1, TAG_TELL = 2 };
+
 typedef struct mpi_req {
     loom_comm_req base; /* first: loom_comm_req * <-> mpi_req * */
     MPI_Request r;
+    uint64_t seq;       /* the group's collective number */
     const char *what;
     void *tmp;          /* copy of an aliased send buffer, freed at completion */
 } mpi_req;
@@ -77,6 +91,22 @@ static loom_status mpi_fail(loom_comm *c, int err, const char *fn) {
                      loom_comm_where(c, w, sizeof w), es);
 }
 
+/* Answers the "where are you?" of members whose collective timed out: this
+ * rank's state on the group (what it waits for, and which collective). */
+static void serve_diag(loom_comm *c) {
+    mpi_state *s = S(c);
+    for (int k = 0; s->diag != MPI_COMM_NULL && k < 64; k++) {
+        int flag = 0;
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_ASK, s->diag, &flag, &st) != MPI_SUCCESS || !flag)
+            return;
+        uint64_t ask = 0, tell[2] = {s->waiting == 1 ? s->wait_seq : s->seq, (uint64_t)s->waiting};
+        MPI_Recv(&ask, 1, MPI_UINT64_T, st.MPI_SOURCE, TAG_ASK, s->diag, MPI_STATUS_IGNORE);
+        /* the asker posted its receive before asking: this completes */
+        MPI_Send(tell, 2, MPI_UINT64_T, st.MPI_SOURCE, TAG_TELL, s->diag);
+    }
+}
+
 /* Polls until every request completes (true) or the group's timeout passes
  * (false, requests left as they are). *err is set on an MPI error. */
 static bool poll_all(loom_comm *c, int n, MPI_Request *reqs, int *err) {
@@ -87,30 +117,120 @@ static bool poll_all(loom_comm *c, int n, MPI_Request *reqs, int *err) {
         int flag = 0;
         *err = MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE);
         if (*err != MPI_SUCCESS || flag) return true;
+        serve_diag(c);
         if (c->timeout_s > 0 && loom_now_s() - t0 > c->timeout_s) return false;
         /* ranks often outnumber cores on CPU: yield, then sleep */
         loom_comm_backoff(&spins, 64, 4096, 50);
     }
 }
 
-/* Waits for one collective request; on timeout the group is unusable (MPI
- * cannot cancel a collective). */
-static loom_status wait_collective(loom_comm *c, MPI_Request *r, const char *what) {
+static int world_rank_of(loom_comm *c, int q) {
+    MPI_Group g, wg;
+    int w = -1;
+    if (MPI_Comm_group(S(c)->comm, &g) != MPI_SUCCESS) return -1;
+    if (MPI_Comm_group(MPI_COMM_WORLD, &wg) == MPI_SUCCESS) {
+        MPI_Group_translate_ranks(g, 1, &q, wg, &w);
+        MPI_Group_free(&wg);
+    }
+    MPI_Group_free(&g);
+    return w;
+}
+
+/* After collective `seq` timed out: asks every other member where it is
+ * (for up to 2 s, answering their questions meanwhile) and writes which
+ * members are not in this collective, and why, into out. */
+static void diagnose(loom_comm *c, uint64_t seq, char *out, size_t cap) {
+    mpi_state *s = S(c);
+    const int n = c->size;
+    MPI_Request *rr = malloc(sizeof *rr * (size_t)n), *rs = malloc(sizeof *rs * (size_t)n);
+    uint64_t(*tell)[2] = malloc(sizeof *tell * (size_t)n);
+    uint64_t ask = seq;
+    size_t len = 0;
+    out[0] = 0;
+    if (!rr || !rs || !tell || s->diag == MPI_COMM_NULL) {
+        snprintf(out, cap, "a member of the group (no memory to ask which)");
+        goto done;
+    }
+    for (int q = 0; q < n; q++) {
+        rr[q] = rs[q] = MPI_REQUEST_NULL;
+        if (q == c->rank) continue;
+        MPI_Irecv(tell[q], 2, MPI_UINT64_T, q, TAG_TELL, s->diag, &rr[q]);
+        MPI_Isend(&ask, 1, MPI_UINT64_T, q, TAG_ASK, s->diag, &rs[q]);
+    }
+    const double t0 = loom_now_s(), grace = c->timeout_s < 2.0 ? c->timeout_s : 2.0;
+    int spins = 0, all = 0;
+    while (!all && loom_now_s() - t0 < grace) {
+        MPI_Testall(n, rr, &all, MPI_STATUSES_IGNORE);
+        serve_diag(c);
+        loom_comm_backoff(&spins, 64, 4096, 50);
+    }
+    int named = 0;
+    for (int q = 0; q < n; q++) {
+        if (q == c->rank) continue;
+        int got = 0;
+        if (rr[q] != MPI_REQUEST_NULL) MPI_Test(&rr[q], &got, MPI_STATUS_IGNORE);
+        else got = 1;
+        if (got && tell[q][1] == 1 && tell[q][0] == seq) continue; /* waits here too */
+        char why[160];
+        if (!got)
+            snprintf(why, sizeof why, "did not answer (it is not waiting on this group: still "
+                                      "computing, in another group's operation, or gone)");
+        else if (tell[q][1] == 1)
+            snprintf(why, sizeof why, "waits in this group's collective #%llu, this one is #%llu "
+                                      "(the ranks call the group's collectives in another order)",
+                     (unsigned long long)tell[q][0], (unsigned long long)seq);
+        else
+            snprintf(why, sizeof why, "waits in a send or receive on this group, not in this "
+                                      "collective");
+        int w = world_rank_of(c, q);
+        int k = snprintf(out + len, cap - len, "%srank %d of the group (world rank %d), which %s",
+                         named ? "; " : "", q, w, why);
+        if (k > 0 && (size_t)k < cap - len) len += (size_t)k;
+        named++;
+    }
+    if (!named)
+        snprintf(out, cap, "every member answered from this collective (the transport itself "
+                           "stalled)");
+    for (int q = 0; q < n; q++) {
+        if (rr[q] != MPI_REQUEST_NULL) {
+            MPI_Cancel(&rr[q]);
+            MPI_Wait(&rr[q], MPI_STATUS_IGNORE);
+        }
+        if (rs[q] != MPI_REQUEST_NULL) MPI_Request_free(&rs[q]);
+    }
+done:
+    free(rr);
+    free(rs);
+    free(tell);
+}
+
+/* Waits for collective `seq`, posted as request r; on timeout the group is
+ * unusable (MPI cannot cancel a collective) and the message names the
+ * members that are not in it. */
+static loom_status wait_collective(loom_comm *c, MPI_Request *r, const char *what, uint64_t seq) {
+    mpi_state *s = S(c);
     int err;
-    if (poll_all(c, 1, r, &err)) {
+    s->waiting = 1;
+    s->wait_seq = seq;
+    bool done = poll_all(c, 1, r, &err);
+    if (done) {
+        s->waiting = 0;
         if (err != MPI_SUCCESS) {
             c->broken = true;
             return mpi_fail(c, err, what);
         }
         return LOOM_OK;
     }
+    char who[1024];
+    diagnose(c, seq, who, sizeof who); /* still "waiting" for the others' questions */
+    s->waiting = 0;
     c->broken = true;
     mpi_any_broken = true;
     char w[96];
     return loom_errf(c->ctx, LOOM_ERR_COMM,
-                     "%s on %s timed out after %g s: a rank of the group did not take part "
-                     "(LOOM_COMM_TIMEOUT sets the limit)",
-                     what, loom_comm_where(c, w, sizeof w), c->timeout_s);
+                     "%s on %s timed out after %g s waiting for %s (--comm-timeout or "
+                     "LOOM_COMM_TIMEOUT sets the limit)",
+                     what, loom_comm_where(c, w, sizeof w), c->timeout_s, who);
 }
 
 /* Gives up on posted point-to-point requests: receives are cancelled (the
@@ -238,6 +358,8 @@ static loom_comm *wrap(loom_ctx *ctx, MPI_Comm mc, const char *name, const loom_
         return NULL;
     }
     s->comm = mc;
+    if (MPI_Comm_dup(mc, &s->diag) != MPI_SUCCESS) s->diag = MPI_COMM_NULL;
+    else MPI_Comm_set_errhandler(s->diag, MPI_ERRORS_RETURN);
     c->impl = s;
     mpi_live_groups++;
     return c;
@@ -273,6 +395,11 @@ loom_status loom_comm_mpi_world(loom_ctx *ctx, loom_comm **out) {
     loom_comm *c = wrap(ctx, mc, "world", NULL);
     if (!c) return LOOM_ERR_OOM;
     c->timeout_s = timeout;
+    const char *stall = getenv("LOOM_TEST_STALL");
+    int stall_rank = -1;
+    double stall_s = 0;
+    if (stall && sscanf(stall, "%d:%lf", &stall_rank, &stall_s) == 2 && stall_rank == c->rank)
+        S(c)->stall_s = stall_s;
     if (ctx) loom_ctx_set_rank(ctx, c->rank, c->size);
     *out = c;
     return LOOM_OK;
@@ -284,6 +411,7 @@ static void mpi_free(loom_comm *c) {
     if (s->n_group) abandon(c, s->group, s->n_group); /* freed inside a group */
     free(s->sends);
     free(s->group);
+    if (s->diag != MPI_COMM_NULL) MPI_Comm_free(&s->diag);
     MPI_Comm_free(&s->comm);
     free(s);
     free(c);
@@ -324,22 +452,37 @@ static loom_status post_done(loom_comm *c, int err, const char *fn, mpi_req *q, 
         free(q);
         return mpi_fail(c, err, fn);
     }
+    const uint64_t seq = ++S(c)->seq;
     if (q) {
         q->base.comm = c;
         q->r = r;
+        q->seq = seq;
         q->what = fn;
         q->tmp = tmp;
         *req = &q->base;
         return LOOM_OK;
     }
-    loom_status st = wait_collective(c, &r, fn);
+    loom_status st = wait_collective(c, &r, fn, seq);
     if (!c->broken) free(tmp); /* an abandoned collective may still read it */
     return st;
+}
+
+/* Test hook: LOOM_TEST_STALL="RANK:SECONDS" makes world rank RANK sleep
+ * that long before its first collective on the world group, so tests can
+ * watch the others time out and name it. */
+static void stall_hook(loom_comm *c) {
+    mpi_state *s = S(c);
+    if (s->stall_s <= 0) return;
+    const double t0 = loom_now_s(), until = s->stall_s;
+    s->stall_s = 0;
+    int spins = 0;
+    while (loom_now_s() - t0 < until) loom_comm_backoff(&spins, 0, 0, 20000);
 }
 
 /* Allocates the request first, so nothing is in flight if that fails. */
 static loom_status prepare(loom_comm *c, loom_comm_req **req, mpi_req **q) {
     *q = NULL;
+    stall_hook(c);
     loom_status st = reap_sends(c);
     if (st) return st;
     if (req) {
@@ -440,6 +583,7 @@ static loom_status mpi_alltoall(loom_comm *c, const void *send, void *recv, size
 }
 
 static loom_status mpi_barrier(loom_comm *c) {
+    stall_hook(c);
     loom_status st = reap_sends(c);
     if (st) return st;
     MPI_Request r;
@@ -449,7 +593,7 @@ static loom_status mpi_barrier(loom_comm *c) {
 
 static loom_status mpi_wait(loom_comm *c, loom_comm_req *req) {
     mpi_req *q = (mpi_req *)req;
-    loom_status st = wait_collective(c, &q->r, q->what);
+    loom_status st = wait_collective(c, &q->r, q->what, q->seq);
     if (!c->broken) free(q->tmp); /* an abandoned collective may still read it */
     free(q);
     return st;
