@@ -2,6 +2,7 @@
  * the warnings for --seq-len past max_position_embeddings and for an
  * adapter trained on another base, and `loom version`'s features line. */
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "../src/core/core.h"
 #include "harness.h"
@@ -178,4 +179,17 @@ TEST(cli_version_lists_mpi) {
     CHECK_MSG(!strstr(line, " mpi "), "mpi in \"%s\" of a build without MPI", line);
 #endif
     free(out);
+}
+
+/* The directory names the adapter warning compares. */
+TEST(cli_path_name) {
+    char b[256], cwd[4096];
+    CHECK_STR(loom_path_name("a/b/", b, sizeof b), "b");
+    CHECK_STR(loom_path_name("Qwen/Qwen3-0.6B", b, sizeof b), "Qwen3-0.6B");
+    CHECK_STR(loom_path_name("tiny", b, sizeof b), "tiny");
+    CHECK_STR(loom_path_name("/", b, sizeof b), "/");
+    REQUIRE(getcwd(cwd, sizeof cwd));
+    const char *slash = strrchr(cwd, '/');
+    CHECK_STR(loom_path_name(".", b, sizeof b), slash + 1);
+    CHECK_STR(loom_path_name("tests/..", b, sizeof b), slash + 1);
 }

@@ -350,6 +350,7 @@ static void last_component(const char *p, char *buf, size_t n) {
     while (e > 1 && p[e - 1] == '/') e--;
     size_t b = e;
     while (b > 0 && p[b - 1] != '/') b--;
+    if (b == e && e) b = e - 1; /* "/" */
     snprintf(buf, n, "%.*s", (int)(e - b), p + b);
 }
 
