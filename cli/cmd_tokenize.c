@@ -8,7 +8,8 @@
  * ids are the tokenizer's encoding (HF's tokenizer(text)["input_ids"]: no
  * EOS is appended here), the chat template's rendering for messages (HF's
  * apply_chat_template(tokenize=True, return_assistant_tokens_mask=True)).
- * Blank lines are skipped; the first bad line ends the command with
+ * {"text": ""} gives {"ids": []}, as HF's tokenizer("") does (training
+ * refuses such a sample: loom_sample_parse). Blank lines are skipped; the first bad line ends the command with
  * "stdin:LINE: ..." (exit 1), after the lines before it were written. */
 #include <inttypes.h>
 #include <stdlib.h>
@@ -27,11 +28,32 @@ static loom_json *int_array(loom_ctx *ctx, const int32_t *ids, const uint8_t *ma
     return a;
 }
 
+/* Whether a line loom_sample_parse refused is {"text": ""} (no other
+ * sample field): the one refusal tokenize does not share with training. */
+static bool empty_text(loom_ctx *ctx, const char *line, size_t len) {
+    char saved[LOOM_ERR_MAX];
+    snprintf(saved, sizeof saved, "%s", loom_last_error(ctx));
+    loom_json *doc = NULL;
+    bool yes = false;
+    if (loom_json_parse(ctx, line, len, "stdin", &doc) == LOOM_OK && doc->type == LOOM_JSON_OBJECT) {
+        const loom_json *t = loom_json_get(doc, "text");
+        yes = t && t->type == LOOM_JSON_STRING && t->slen == 0 && !loom_json_get(doc, "messages") &&
+              !loom_json_get(doc, "prompt") && !loom_json_get(doc, "completion");
+    }
+    loom_json_free(doc);
+    loom_errf(ctx, LOOM_ERR_FORMAT, "%s", saved); /* the refusal's message stays the last error */
+    return yes;
+}
+
 /* One sample's output line (without the newline) into sb. */
 static loom_status tokenize_line(loom_ctx *ctx, const loom_dataset_encoder *enc, const char *line,
                                  size_t len, const char *where, loom_sb *sb) {
     loom_sample s;
     loom_status st = loom_sample_parse(ctx, line, len, where, &s);
+    if (st == LOOM_ERR_FORMAT && empty_text(ctx, line, len)) {
+        s = (loom_sample){.kind = LOOM_SAMPLE_TEXT, .text = "", .text_len = 0};
+        st = LOOM_OK;
+    }
     if (st) return st;
     int32_t *ids = NULL;
     uint8_t *mask = NULL;

@@ -127,6 +127,11 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     LOOM_LOG_I(ctx, "model %s: %s, %" PRId64 " layers, hidden %" PRId64 ", vocab %" PRId64
                ", %s parameters", s->model, info.model_type, info.num_layers, info.hidden_size,
                info.vocab_size, loom_fmt_int(nb, info.num_params));
+    const int64_t max_pos = m->cfg.max_position_embeddings; /* 0: config.json has none */
+    if (max_pos > 0 && s->seq_len > max_pos && loom_model_rank(m) == 0)
+        LOOM_LOG_W(ctx, "--seq-len %" PRId64 " exceeds the model's max_position_embeddings %" PRId64
+                   " (%s/config.json): positions past it were not trained and may behave badly",
+                   s->seq_len, max_pos, s->model);
     if (s->adapter && s->lora_r) {
         st = loom_errf(ctx, LOOM_ERR_CONFIG,
                        "give --adapter DIR (continue an adapter) or --lora-r R (a fresh one), "

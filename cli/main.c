@@ -65,6 +65,9 @@ static void version(void) {
 #ifdef LOOM_HAVE_BLAS
     printf(" blas");
 #endif
+#ifdef LOOM_HAVE_MPI
+    printf(" mpi");
+#endif
 #ifdef LOOM_HAVE_CUDA
     printf(" cuda");
 #endif

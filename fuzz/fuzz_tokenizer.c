@@ -8,8 +8,8 @@
  *    only for invalid UTF-8 or where HF itself fails (crossing lstrip/rstrip
  *    ranges of added tokens).
  * 2. The input as text, encoded by the fixture tokenizer
- *    ($LOOM_FIXTURES/tokenizer/tokenizer.json, else
- *    ../shared/fixtures/tokenizer/tokenizer.json; skipped when absent):
+ *    ($LOOM_FIXTURES/tokenizer/tokenizer.json, else the repository's
+ *    tests/fixtures/tokenizer/tokenizer.json; skipped when absent):
  *    invalid UTF-8 is an error naming the byte offset; valid text encodes,
  *    and since that vocabulary has every byte, NFC(decode(encode(x))) is
  *    NFC(x) (each piece between added tokens is normalized on its own, as
@@ -36,7 +36,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argv;
     const char *dir = getenv("LOOM_FIXTURES");
     char path[4096];
-    snprintf(path, sizeof path, "%s/tokenizer/tokenizer.json", dir && *dir ? dir : "../shared/fixtures");
+    snprintf(path, sizeof path, "%s/tokenizer/tokenizer.json", dir && *dir ? dir : "tests/fixtures");
     loom_ctx *ctx;
     if (loom_ctx_create(&ctx) != LOOM_OK) return 0;
     if (loom_file_exists(path) && loom_tokenizer_load(ctx, path, &fixture) != LOOM_OK) {

@@ -72,6 +72,19 @@ bool loom_test_have_gpu(void);
             return;                                                                  \
         }                                                                            \
     } while (0)
+/* A fixture file or directory the test needs: its absence is a failure (the
+ * fixtures are part of the repository: tests/fixtures/README.md). */
+#define REQUIRE_FIXTURE(path)                                                        \
+    do {                                                                             \
+        const char *_p = (path);                                                     \
+        if (!loom_file_exists(_p) && !loom_dir_exists(_p)) {                         \
+            loom_test_fail(__FILE__, __LINE__,                                       \
+                           "no fixture %s (tests/fixtures of the repository, or "    \
+                           "$LOOM_FIXTURES; tests run from the repository root)", _p); \
+            loom_test_abort = true;                                                  \
+            return;                                                                  \
+        }                                                                            \
+    } while (0)
 #define CHECK_EQ_INT(a, b)                                                           \
     do {                                                                             \
         long long _a = (long long)(a), _b = (long long)(b);                          \
@@ -118,8 +131,8 @@ bool loom_test_have_gpu(void);
                            #b, _a, _b, (double)(tol));                               \
     } while (0)
 
-/* Paths: the repository root (where the tests run) and ../shared/fixtures. */
-const char *loom_test_fixtures(void); /* $LOOM_FIXTURES, ../shared/fixtures or shared/fixtures */
+/* Paths: the repository root (where the tests run) and tests/fixtures. */
+const char *loom_test_fixtures(void); /* $LOOM_FIXTURES, else tests/fixtures */
 /* A fresh empty temporary directory for this test (removed at exit). */
 const char *loom_test_tmpdir(void);
 /* Writes bytes to tmpdir/name and returns the full path (static buffer per call

@@ -137,7 +137,7 @@ int main(int argc, char **argv) {
     if (!loom_dir_exists(loom_test_fixtures()))
         fprintf(stderr,
                 "warning: no fixtures at %s: tests that compare with Hugging Face will fail "
-                "(clone beside ../shared, or set LOOM_FIXTURES)\n",
+                "(run from the repository root, which has tests/fixtures, or set LOOM_FIXTURES)\n",
                 loom_test_fixtures());
     for (int i = 0; i < loom_test_count(); i++) {
         const loom_test_entry *t = loom_test_at(i);

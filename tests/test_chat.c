@@ -1,4 +1,4 @@
-/* Chat templates: every case of ../shared/fixtures/tokenizer/chat_cases.jsonl
+/* Chat templates: every case of tests/fixtures/tokenizer/chat_cases.jsonl
  * (transformers' apply_chat_template with Qwen3's template: text, ids and
  * the assistant-token mask) rendered and encoded byte for byte; Qwen2.5,
  * Qwen2 and Llama 3.0/3.1 against strings written out by hand from their

@@ -857,8 +857,7 @@ static int walk_json(loom_ctx *ctx, const char *dir) {
 TEST(json_fixtures) {
     loom_ctx *ctx = new_ctx();
     const char *fx = loom_test_fixtures();
-    struct stat st;
-    if (stat(fx, &st) != 0) SKIP("no fixtures directory");
+    REQUIRE_FIXTURE(fx);
     int n = walk_json(ctx, fx);
     CHECK_MSG(n >= 20, "only %d JSON fixtures", n);
 

@@ -1,4 +1,4 @@
-/* LoRA against PEFT (../shared/fixtures, tiny-qwen3-lora: r=4, alpha=8,
+/* LoRA against PEFT (tests/fixtures, tiny-qwen3-lora: r=4, alpha=8,
  * all-linear): logits, loss, every A and B gradient, 5 AdamW steps on the
  * adapter (weight decay 0.01) and the merged weights; PEFT files written and
  * read back; bad adapters refused. */

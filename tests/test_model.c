@@ -1,4 +1,4 @@
-/* The CPU trainer against Hugging Face transformers (../shared/fixtures):
+/* The CPU trainer against Hugging Face transformers (tests/fixtures):
  * logits, token log-probs, entropy, loss, every gradient, packed documents,
  * and the 5-step AdamW trajectory, for every dense tiny model. Relative
  * error of a tensor = max |loom - ref| / max |ref|. */

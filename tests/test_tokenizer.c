@@ -46,7 +46,7 @@ static void print_ids(const char *label, const int32_t *v, int64_t n) {
 TEST(tokenizer_fixture_encode_cases) {
     char path[1200];
     snprintf(path, sizeof path, "%s/encode_cases.jsonl", fixture_dir());
-    if (!loom_file_exists(path)) SKIP("no ../shared/fixtures/tokenizer/encode_cases.jsonl");
+    REQUIRE_FIXTURE(path);
     loom_ctx *ctx = new_ctx();
     loom_tokenizer *t = NULL;
     REQUIRE_OK(ctx, loom_tokenizer_load(ctx, fixture_dir(), &t));
@@ -124,7 +124,7 @@ TEST(tokenizer_fixture_encode_cases) {
 TEST(tokenizer_round_trip_random) {
     char tok[1200];
     snprintf(tok, sizeof tok, "%s/tokenizer.json", fixture_dir());
-    if (!loom_file_exists(tok)) SKIP("no ../shared/fixtures/tokenizer/tokenizer.json");
+    REQUIRE_FIXTURE(tok);
     loom_ctx *ctx = new_ctx();
     loom_tokenizer *t = NULL;
     REQUIRE_OK(ctx, loom_tokenizer_load(ctx, tok, &t));

@@ -345,6 +345,25 @@ char *loom_path_join(loom_ctx *ctx, const char *dir, const char *name) {
     return loom_sb_take(&sb);
 }
 
+static void last_component(const char *p, char *buf, size_t n) {
+    size_t e = strlen(p);
+    while (e > 1 && p[e - 1] == '/') e--;
+    size_t b = e;
+    while (b > 0 && p[b - 1] != '/') b--;
+    if (b == e && e) b = e - 1; /* "/" */
+    snprintf(buf, n, "%.*s", (int)(e - b), p + b);
+}
+
+const char *loom_path_name(const char *path, char *buf, size_t n) {
+    last_component(path, buf, n);
+    if (!strcmp(buf, ".") || !strcmp(buf, "..")) { /* not links: a snapshot's hash is no name */
+        char *real = realpath(path, NULL);
+        if (real) last_component(real, buf, n);
+        free(real);
+    }
+    return buf;
+}
+
 bool loom_file_exists(const char *path) {
     struct stat s;
     return stat(path, &s) == 0 && S_ISREG(s.st_mode);

@@ -92,6 +92,9 @@ loom_status loom_write_file_atomic(loom_ctx *ctx, const char *path, const void *
                                    size_t len);
 /* Joins a directory and a file name into a new string (caller frees). */
 char *loom_path_join(loom_ctx *ctx, const char *dir, const char *name);
+/* The last component of a path into buf ("a/b/" -> "b"; "." and ".." ->
+ * the name of the directory they are, links not followed); returns buf. */
+const char *loom_path_name(const char *path, char *buf, size_t n);
 bool loom_file_exists(const char *path);
 bool loom_dir_exists(const char *path);
 /* mkdir -p */

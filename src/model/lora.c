@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "../core/rng.h"
 #include "../io/safetensors.h"
@@ -239,6 +240,39 @@ loom_status loom_model_set_adapter(loom_model *m, const char *name) {
 
 /* ---- PEFT files ---- */
 
+/* A warning when adapter_config.json's base_model_name_or_path names another
+ * base than the model it is loaded onto: a local directory by its
+ * config.json's model_type, a hub id or a path elsewhere by its last
+ * component against the base directory's name. (Other hidden sizes or layer
+ * counts are errors of the tensor checks.) */
+static void check_base(loom_model *m, const loom_json *doc, const char *cfgp) {
+    const loom_json *b = loom_json_get(doc, "base_model_name_or_path");
+    if (!b || b->type != LOOM_JSON_STRING || !b->slen || loom_model_rank(m) != 0) return;
+    const char *mine = m->cfg.model_type;
+    loom_ctx *q = NULL; /* what fails here is not the load's error */
+    if (loom_ctx_create(&q)) return;
+    char *cj = loom_path_join(q, b->s, "config.json");
+    loom_json *bc = NULL;
+    const char *theirs = NULL;
+    if (cj && loom_file_exists(cj)) {
+        if (!loom_json_parse_file(q, cj, &bc) && !loom_json_get_str_opt(q, bc, "model_type", cj, &theirs) &&
+            theirs && strcmp(theirs, mine))
+            LOOM_LOG_W(m->ctx, "%s: the adapter was trained on %s (model_type %s), loading onto %s "
+                       "(model_type %s)", cfgp, b->s, theirs, m->dir_name, mine);
+    } else {
+        char name[256];
+        loom_path_name(b->s, name, sizeof name);
+        /* adapters loom saved before named the model_type there */
+        if (strcasecmp(name, m->dir_name) && strcmp(b->s, mine))
+            LOOM_LOG_W(m->ctx, "%s: the adapter was trained on %s, loading onto %s; use the base it "
+                       "was trained on, unless %s is that model under another name",
+                       cfgp, b->s, m->dir_name, m->dir_name);
+    }
+    loom_json_free(bc);
+    free(cj);
+    loom_ctx_free(q);
+}
+
 loom_status loom_model_load_adapter(loom_model *m, const char *name, const char *dir) {
     loom_ctx *ctx = m->ctx;
     char *cfgp = loom_path_join(ctx, dir, "adapter_config.json");
@@ -261,6 +295,7 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
                       cfgp, ptype);
         goto done;
     }
+    check_base(m, doc, cfgp);
     int64_t r = 0;
     double alpha = 0, dropout = 0;
     bool rslora = false, dora = false, fifo = false;

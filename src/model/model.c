@@ -523,6 +523,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     loom_model *m = loom_calloc(ctx, 1, sizeof *m, "model");
     if (!m) return LOOM_ERR_OOM;
     m->ctx = ctx;
+    loom_path_name(dir, m->dir_name, sizeof m->dir_name);
     loom_status st;
     if (world) {
         m->world = world;

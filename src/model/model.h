@@ -161,6 +161,7 @@ typedef struct loom_chunk {
 struct loom_model {
     loom_ctx *ctx;
     loom_model_config cfg;
+    char dir_name[256];      /* the model directory's own name (loom_path_name) */
     loom_param_plan plan;
     loom_dtype file_dtype;   /* dtype of the checkpoint's weights */
     loom_comm *world;        /* owned when own_world */

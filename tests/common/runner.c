@@ -39,10 +39,8 @@ double loom_test_now_ms(void) {
 const char *loom_test_fixtures(void) {
     const char *e = getenv("LOOM_FIXTURES");
     if (e && *e) return e;
-    /* beside the checkout (CI, developers), or inside it (the GPU machine) */
-    return loom_dir_exists("../shared/fixtures") || !loom_dir_exists("shared/fixtures")
-               ? "../shared/fixtures"
-               : "shared/fixtures";
+    /* the repository's copy (tools/sync_fixtures.sh); tests run from its root */
+    return "tests/fixtures";
 }
 
 void loom_test_summary(int passed, int failed, int skipped) {

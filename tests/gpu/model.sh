@@ -26,7 +26,7 @@ python3 tests/gpu/compare.py curves "$W/train-fp32.log" "$W/train-bf16.log"
 # backward, `--recompute mlp` and `--recompute full` give the golden file of
 # the run without it byte for byte (LoRA with dropout: no atomics left in the
 # step; the masks are drawn again).
-F=${LOOM_FIXTURES:-../shared/fixtures}
+F=${LOOM_FIXTURES:-tests/fixtures}
 mkdir -p "$W/dad"
 cp "$F/models/tiny-qwen3-lora/adapter_model.safetensors" "$W/dad/"
 echo '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.2, "target_modules": "all-linear"}' > "$W/dad/adapter_config.json"

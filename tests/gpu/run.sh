@@ -2,8 +2,8 @@
 # GPU tests: builds loom with CUDA on a GPU machine and runs the whole test
 # suite there (CPU tests, and the CUDA-vs-CPU tests that skip elsewhere), then
 # prints a summary. Usage: bash tests/gpu/run.sh [test-name-filter...]
-# Where ../shared is not beside the checkout (the lent GPU machine), copy the
-# fixtures into an ignored folder, carry it, and set LOOM_FIXTURES to it.
+# The fixtures are the repository's tests/fixtures (they travel with the
+# working tree; LOOM_FIXTURES overrides).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # NCCL and cuDNN of a PyTorch installation live in its nvidia/* packages.
