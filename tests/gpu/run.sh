@@ -27,5 +27,5 @@ fi
 # steps), then the parallel layouts against one GPU when there are 2+ GPUs.
 bash tests/gpu/model.sh build-cuda 2>&1 | tee build-cuda/model.log | grep -E "^(ok|FAIL|skip) |curves|passed"
 if [ "$ngpu" -ge 2 ]; then
-    bash tests/gpu/layouts.sh build-cuda 2>&1 | tee build-cuda/layouts.log | tail -14
+    bash tests/gpu/layouts.sh build-cuda 2>&1 | tee build-cuda/layouts.log | tail -24
 fi
