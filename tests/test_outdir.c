@@ -452,6 +452,7 @@ TEST(cli_resave_leaves_no_stale_shards) {
     if (base && base->type == LOOM_JSON_STRING) CHECK_STR(base->s, "rs-base");
     loom_json_free(cfg);
     loom_ctx_free(ctx);
+    CHECK_EQ_INT(temporaries(loom_test_tmpdir()), 0); /* the old directories went too */
 }
 
 /* Destinations that cannot be written are refused before any work: the
@@ -507,4 +508,59 @@ TEST(cli_outputs_checked_before_work) {
     CHECK_CONTAINS(out, "is a directory");
     CHECK_MSG(!strstr(out, "loss "), "golden ran before the check: %s", out);
     free(out);
+}
+
+/* Under mpirun rank 0 checks and writes for the job: a refused destination
+ * ends every rank before training; a tp=2 save replaces the sharded
+ * directory whole. */
+TEST(cli_outputs_under_mpirun) {
+    char *out = NULL;
+    if (loom_test_run(&out, (const char *const[]){"mpirun", "--version", NULL}) != 0) {
+        free(out);
+        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    }
+    free(out);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+    setenv("LOOM_COMM_TIMEOUT", "120", 1);
+    const char *a = getenv("ASAN_OPTIONS");
+    char asan[512];
+    snprintf(asan, sizeof asan, "%s%sdetect_leaks=0", a ? a : "", a ? ":" : "");
+    setenv("ASAN_OPTIONS", asan, 1);
+    char model[1024], text[1024], data[1024], hf[1024], file[1024], names[4096], parent[1024];
+    tmp_path(parent, sizeof parent, "mpi");
+    mkdir(parent, 0755);
+    tmp_path(model, sizeof model, "mpi/base");
+    tmp_path(text, sizeof text, "mpi/t.txt");
+    tmp_path(data, sizeof data, "mpi/t.tokens");
+    tmp_path(hf, sizeof hf, "mpi/hf");
+    tmp_path(file, sizeof file, "mpi/file");
+    put_file(file, "x");
+    put_file(text, "abc abc abc 1\n\nabc abc abc 2\n\n");
+    REQUIRE(RUN(&out, "init", "--out", model, "--log-level", "warn") == 0);
+    free(out);
+    REQUIRE(RUN(&out, "data", "--text", text, "--out", data) == 0);
+    free(out);
+    REQUIRE(RUN(&out, "convert", "--model", model, "--out", hf, "--max-shard-size", "200KB") == 0);
+    free(out);
+#define MPI_TRAIN(o, dest)                                                                      \
+    loom_test_run(o, (const char *const[]){"mpirun", "-np", "2", loom_test_bin(), "train",     \
+                                           "--device", "cpu", "--tp", "2", "--model", model,   \
+                                           "--data", data, "--train-steps", "1", "--seq-len",  \
+                                           "16", "--global-batch-size", "1", "--save-hf",      \
+                                           dest, NULL})
+    CHECK(MPI_TRAIN(&out, file) != 0);
+    CHECK_CONTAINS(out, "--save-hf");
+    CHECK_CONTAINS(out, "is a file");
+    CHECK_MSG(!strstr(out, "step 1/"), "trained before the check: %s", out);
+    free(out);
+    int rc = MPI_TRAIN(&out, hf);
+    CHECK_MSG(rc == 0, "mpirun train: %s", out);
+    free(out);
+    listing(hf, names, sizeof names);
+    CHECK_STR(names, "config.json model.safetensors");
+    CHECK_EQ_INT(temporaries(parent), 0);
+#undef MPI_TRAIN
 }
