@@ -66,6 +66,16 @@ static loom_status open_jsonl(loom_ctx *ctx, const loom_settings *s, loom_comm *
  * a destination that cannot take the output fails now, not after training. */
 static loom_status check_outputs(loom_ctx *ctx, const loom_settings *s) {
     if (!s->save_hf && !s->save_adapter) return LOOM_OK;
+    if (s->save_hf && s->save_adapter) { /* each replaces its directory whole */
+        size_t a = strlen(s->save_hf), b = strlen(s->save_adapter);
+        while (a > 1 && s->save_hf[a - 1] == '/') a--;
+        while (b > 1 && s->save_adapter[b - 1] == '/') b--;
+        if (a == b && !strncmp(s->save_hf, s->save_adapter, a))
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "--save-hf and --save-adapter name the same directory (%s): the "
+                             "model would replace the adapter; give them different directories",
+                             s->save_hf);
+    }
     loom_model_config cfg;
     loom_status st = loom_model_load_config(ctx, s->model, s->config_override, &cfg);
     if (st) return st;

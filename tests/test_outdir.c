@@ -489,6 +489,14 @@ TEST(cli_outputs_checked_before_work) {
                   dests[i]);
         free(out);
     }
+    char same[1100];
+    snprintf(same, sizeof same, "%s/both/", loom_test_tmpdir());
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data,
+                     "--lora-r", "2", "--save-hf", same, "--save-adapter", same),
+                 1);
+    CHECK_CONTAINS(out, "name the same directory");
+    CHECK_MSG(!strstr(out, "step 1/"), "training ran before the check");
+    free(out);
     CHECK_EQ_INT(RUN(&out, "init", "--out", home), 1);
     CHECK_CONTAINS(out, ".bashrc");
     free(out);
