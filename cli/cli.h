@@ -61,9 +61,6 @@ int loom_cli_maybe_launch(loom_ctx *ctx, const loom_settings *s, bool *launched)
  * stopped and reaped first). */
 int loom_launch_local(loom_ctx *ctx, int nproc, char *const argv[], const char *exe);
 
-/* Copies the tokenizer and other files that travel with the weights. */
-loom_status loom_cli_copy_side_files(loom_ctx *ctx, const char *from_dir, const char *to_dir);
-
 int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);

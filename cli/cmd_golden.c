@@ -7,7 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../src/io/outdir.h"
 #include "../src/io/safetensors.h"
+#include "../src/model/params.h"
 #include "cli.h"
 
 typedef struct golden_in {
@@ -70,31 +72,47 @@ static loom_status read_batch(loom_ctx *ctx, const char *file, golden_in *in) {
     return s;
 }
 
-/* Rank 0 writes; every rank takes part in the collective gathers. */
+/* Rank 0 writes, into a temporary file beside --out that is moved into
+ * place when complete; every rank takes part in the collective gathers. */
 typedef struct golden_out {
+    loom_out out;      /* rank 0 only */
     loom_st_writer *w; /* rank 0 only */
     float *buf;
     size_t cap;
 } golden_out;
 
-static loom_status out_open(loom_ctx *ctx, const char *out, golden_out *o) {
-    char *dir = loom_strdup(ctx, out);
-    if (!dir) return LOOM_ERR_OOM;
-    char *slash = strrchr(dir, '/');
-    const char *base = slash ? slash + 1 : dir;
-    if (slash) *slash = 0;
+/* --out must name a .safetensors file. */
+static loom_status out_name_ok(loom_ctx *ctx, const char *out) {
+    const char *slash = strrchr(out, '/');
+    const char *base = slash ? slash + 1 : out;
     size_t bl = strlen(base);
-    loom_status s = LOOM_OK;
-    if (bl < 13 || strcmp(base + bl - 12, ".safetensors")) {
-        s = loom_errf(ctx, LOOM_ERR_INVALID_ARG, "--out %s: give a file name ending in .safetensors",
-                      out);
-    } else {
-        char stem[512];
-        snprintf(stem, sizeof stem, "%.*s", (int)(bl - 12), base);
-        s = loom_st_writer_create(ctx, slash ? dir : ".", stem, 0, NULL, &o->w);
-    }
-    free(dir);
-    return s;
+    if (bl < 13 || strcmp(base + bl - 12, ".safetensors"))
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "--out %s: give a file name ending in .safetensors", out);
+    return LOOM_OK;
+}
+
+/* --out checked before the model is loaded: the name, the place, and room
+ * for the logits (T x vocab) and, without an adapter, every parameter's
+ * gradient (and final value after AdamW steps), all F32. */
+static loom_status out_check(loom_ctx *ctx, const loom_settings *s, int64_t T) {
+    loom_status st = out_name_ok(ctx, s->out);
+    loom_model_config cfg;
+    if (st || (st = loom_model_load_config(ctx, s->model, s->config_override, &cfg))) return st;
+    uint64_t est = (uint64_t)T * (uint64_t)(cfg.vocab_size + 2) * 4, params = 0;
+    if (!s->adapter && !loom_hf_save_estimate(ctx, &cfg, NULL, LOOM_F32, &params))
+        est += params * (s->steps ? 2 : 1);
+    loom_config_free(&cfg);
+    return loom_out_check(ctx, "--out", s->out, LOOM_OUT_FILE, est);
+}
+
+static loom_status out_open(loom_ctx *ctx, const char *out, golden_out *o) {
+    loom_status s = loom_out_begin(ctx, "--out", out, LOOM_OUT_FILE, &o->out);
+    if (s) return s;
+    const char *base = strrchr(o->out.file, '/') + 1;
+    char stem[512];
+    snprintf(stem, sizeof stem, "%.*s", (int)(strlen(base) - 12), base);
+    return loom_st_writer_create(ctx, o->out.tmp, stem, 0, NULL, &o->w);
 }
 
 static float *out_buf(golden_out *o, size_t n) {
@@ -238,6 +256,7 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
                        (long long)in.rows, (long long)s->accumulation_steps);
         goto done;
     }
+    if (loom_comm_rank(world) == 0 && (st = out_check(ctx, s, in.rows * in.seq))) goto done;
     loom_model_options mo;
     loom_cli_model_options(s, &mo);
     if ((st = loom_model_create_in(ctx, s->model, &mo, world, &m))) goto done;
@@ -308,6 +327,7 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
         if ((st = write_tensors(ctx, m, &o, "final.", false, lora))) goto done;
     }
     if (o.w && (st = loom_st_writer_finish(ctx, o.w))) goto done;
+    if (o.w && (st = loom_out_commit(ctx, &o.out))) goto done;
     char mesh[128];
     LOOM_LOG_I(ctx, "loss %.9g over %lld tokens (mesh %s); wrote %s", loss, (long long)fr.n_tokens,
                loom_mesh_describe(&m->mesh->n, mesh, sizeof mesh), s->out);
@@ -315,6 +335,7 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
 done:
     if (rc) loom_cli_fail_job(ctx, world);
     loom_st_writer_free(o.w);
+    loom_out_abort(&o.out);
     free(o.buf);
     loom_model_free(m);
     loom_comm_free(world);

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../src/io/outdir.h"
 #include "../src/io/safetensors.h"
 #include "../src/model/params.h"
 #include "cli.h"
@@ -26,43 +27,17 @@ int loom_cmd_init(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
     loom_json_free(doc);
     if (st) return loom_cli_fail(ctx);
     loom_dtype dt = loom_cli_save_dtype(s, LOOM_F32);
-    st = loom_write_random_model(ctx, &cfg, s->out, (uint64_t)s->seed, dt,
-                                 (uint64_t)s->max_shard_size);
+    uint64_t est = 0;
+    st = loom_hf_save_estimate(ctx, &cfg, NULL, dt, &est);
+    if (!st) st = loom_out_check(ctx, "--out", s->out, LOOM_OUT_DIR, est);
+    if (!st)
+        st = loom_write_random_model(ctx, &cfg, s->out, (uint64_t)s->seed, dt,
+                                     (uint64_t)s->max_shard_size);
     loom_config_free(&cfg);
     if (st) return loom_cli_fail(ctx);
     LOOM_LOG_I(ctx, "wrote %s (%s, random weights, %s, seed %" PRId64 ")", s->out, s->preset,
                loom_dtype_name(dt), s->seed);
     return 0;
-}
-
-/* Files of a model directory that travel unchanged with the weights. */
-static const char *side_files[] = {
-    "tokenizer.json",          "tokenizer_config.json", "special_tokens_map.json",
-    "chat_template.jinja",     "generation_config.json", "vocab.json",
-    "merges.txt",              "added_tokens.json",      "tokenizer.model",
-};
-
-static loom_status copy_file(loom_ctx *ctx, const char *from_dir, const char *to_dir,
-                             const char *name) {
-    char *src = loom_path_join(ctx, from_dir, name), *dst = loom_path_join(ctx, to_dir, name);
-    loom_status st = (!src || !dst) ? LOOM_ERR_OOM : LOOM_OK;
-    if (!st && loom_file_exists(src)) {
-        char *data;
-        size_t len;
-        st = loom_read_file(ctx, src, 0, &data, &len);
-        if (!st) st = loom_write_file_atomic(ctx, dst, data, len);
-        if (!st) free(data);
-    }
-    free(src);
-    free(dst);
-    return st;
-}
-
-loom_status loom_cli_copy_side_files(loom_ctx *ctx, const char *from_dir, const char *to_dir) {
-    loom_status st = LOOM_OK;
-    for (size_t i = 0; i < sizeof side_files / sizeof side_files[0] && !st; i++)
-        st = copy_file(ctx, from_dir, to_dir, side_files[i]);
-    return st;
 }
 
 int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
@@ -76,6 +51,7 @@ int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
     loom_param_plan plan = {0};
     loom_safetensors *in = NULL;
     loom_st_writer *w = NULL;
+    loom_out out = {0}; /* written into a temporary directory, moved into place whole */
     void *buf = NULL;
     loom_status st = loom_config_load(ctx, s->model, &cfg);
     if (st) return loom_cli_fail(ctx);
@@ -99,14 +75,17 @@ int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
                        s->model, loom_dtype_name(out_dt));
         goto done;
     }
-    if ((st = loom_mkdirs(ctx, s->out))) goto done;
+    uint64_t est = 0;
+    if ((st = loom_hf_save_estimate(ctx, &cfg, s->model, out_dt, &est))) goto done;
+    if ((st = loom_out_check(ctx, "--out", s->out, LOOM_OUT_DIR, est))) goto done;
+    if ((st = loom_out_begin(ctx, "--out", s->out, LOOM_OUT_DIR, &out))) goto done;
     loom_json *meta = loom_json_new_object(ctx);
     if (!meta || loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt"))) {
         loom_json_free(meta);
         st = LOOM_ERR_OOM;
         goto done;
     }
-    st = loom_st_writer_create(ctx, s->out, "model", (uint64_t)s->max_shard_size, meta, &w);
+    st = loom_st_writer_create(ctx, out.tmp, "model", (uint64_t)s->max_shard_size, meta, &w);
     loom_json_free(meta);
     if (st) goto done;
     for (size_t i = 0; i < plan.n && !st; i++)
@@ -128,8 +107,9 @@ int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
         if (!st) st = loom_st_writer_write(ctx, w, p->name, out_dt, buf);
     }
     if (!st) st = loom_st_writer_finish(ctx, w);
-    if (!st) st = loom_config_save(ctx, &cfg, s->out, out_dt);
-    if (!st) st = loom_cli_copy_side_files(ctx, s->model, s->out);
+    if (!st) st = loom_config_save(ctx, &cfg, out.tmp, out_dt);
+    if (!st) st = loom_out_copy_side_files(ctx, s->model, out.tmp);
+    if (!st) st = loom_out_commit(ctx, &out);
     if (!st) {
         size_t extra = loom_st_count(in) > plan.n ? loom_st_count(in) - plan.n : 0;
         if (extra)
@@ -141,6 +121,7 @@ int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
 done:
     free(buf);
     loom_st_writer_free(w);
+    loom_out_abort(&out);
     loom_st_close(in);
     loom_param_plan_free(&plan);
     loom_config_free(&cfg);

@@ -4,11 +4,14 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "../src/data/dataset.h"
 #include "../src/data/loader.h"
 #include "../src/data/tokens.h"
+#include "../src/io/outdir.h"
+#include "../src/model/params.h"
 #include "../src/train/scheduler.h"
 #include "cli.h"
 
@@ -59,6 +62,46 @@ static loom_status open_jsonl(loom_ctx *ctx, const loom_settings *s, loom_comm *
     return st;
 }
 
+/* --save-hf and --save-adapter are checked before the model is loaded:
+ * a destination that cannot take the output fails now, not after training. */
+static loom_status check_outputs(loom_ctx *ctx, const loom_settings *s) {
+    if (!s->save_hf && !s->save_adapter) return LOOM_OK;
+    if (s->save_hf && s->save_adapter) { /* each replaces its directory whole */
+        size_t a = strlen(s->save_hf), b = strlen(s->save_adapter);
+        while (a > 1 && s->save_hf[a - 1] == '/') a--;
+        while (b > 1 && s->save_adapter[b - 1] == '/') b--;
+        if (a == b && !strncmp(s->save_hf, s->save_adapter, a))
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "--save-hf and --save-adapter name the same directory (%s): the "
+                             "model would replace the adapter; give them different directories",
+                             s->save_hf);
+    }
+    loom_model_config cfg;
+    loom_status st = loom_model_load_config(ctx, s->model, s->config_override, &cfg);
+    if (st) return st;
+    uint64_t est = 0;
+    if (s->save_hf) {
+        st = loom_hf_save_estimate(ctx, &cfg, s->model, loom_cli_save_dtype(s, LOOM_DTYPE_COUNT),
+                                   &est);
+        if (!st) st = loom_out_check(ctx, "--save-hf", s->save_hf, LOOM_OUT_DIR, est);
+    }
+    if (!st && s->save_adapter) {
+        bool target[LOOM_LORA_NMOD] = {0};
+        est = 0;
+        if (s->lora_r && !loom_lora_parse_targets(ctx, s->lora_target, target))
+            est = loom_lora_save_estimate(&cfg, (int)s->lora_r, target);
+        /* bad targets are reported when the adapter is made; a continued
+         * adapter is saved in F32: at most twice its file */
+        char *ap = s->adapter ? loom_path_join(ctx, s->adapter, "adapter_model.safetensors") : NULL;
+        struct stat sb;
+        if (ap && stat(ap, &sb) == 0) est = 2 * (uint64_t)sb.st_size;
+        free(ap);
+        st = loom_out_check(ctx, "--save-adapter", s->save_adapter, LOOM_OUT_DIR, est);
+    }
+    loom_config_free(&cfg);
+    return st;
+}
+
 int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
     if (!s->model || !s->data) {
         loom_errf(ctx, LOOM_ERR_CONFIG,
@@ -78,6 +121,12 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     loom_comm *world = NULL;
     if (loom_cli_world(ctx, s, &world)) return loom_cli_fail(ctx);
     loom_settings_print(ctx, s, LOOM_CMD_TRAIN);
+    /* rank 0 writes the outputs, so rank 0 checks them, for the whole job */
+    if (loom_comm_rank(world) == 0 && check_outputs(ctx, s)) {
+        int rc = loom_cli_fail_job(ctx, world);
+        loom_comm_free(world);
+        return rc;
+    }
 
     loom_model_options mo;
     loom_cli_model_options(s, &mo);
@@ -256,9 +305,8 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                         "adapter in, or use --save-adapter");
     if (s->save_hf) {
         loom_dtype dt = loom_cli_save_dtype(s, LOOM_DTYPE_COUNT);
+        /* with the tokenizer files of --model */
         if ((st = loom_model_save_hf(m, s->save_hf, dt, (uint64_t)s->max_shard_size))) goto done;
-        if (loom_model_rank(m) == 0 && (st = loom_cli_copy_side_files(ctx, s->model, s->save_hf)))
-            goto done;
         LOOM_LOG_I(ctx, "wrote %s", s->save_hf);
     }
     rc = 0;

@@ -299,7 +299,9 @@ loom_status loom_model_add_adapter(loom_model *m, const char *name, const loom_l
 /* Reads a PEFT adapter directory (adapter_config.json, adapter_model.safetensors;
  * F32, BF16 or F64 weights) under `name`. */
 loom_status loom_model_load_adapter(loom_model *m, const char *name, const char *dir);
-/* Writes the adapter as PEFT does (collective; rank 0 writes). */
+/* Writes the adapter as PEFT does (collective; rank 0 writes; replaces `dir`
+ * whole, as loom_model_save_hf). base_model_name_or_path is the name of the
+ * directory the model was created from. */
 loom_status loom_model_save_adapter(loom_model *m, const char *name, const char *dir,
                                     loom_dtype dtype);
 /* Makes `name` the active adapter (NULL: none; the base stays frozen). */
@@ -318,7 +320,10 @@ const char *loom_model_adapter_tensor(loom_model *m, const char *name, int64_t i
 /* Writes an HF directory: config.json in the layout it was read in and the
  * weights in `dtype` (LOOM_DTYPE_COUNT: the checkpoint's own), vocabulary
  * padding removed, split into shards of at most max_shard_bytes (0: 5 GB).
- * Collective: every rank calls it; rank 0 writes the unsharded tensors. */
+ * Collective: every rank calls it; rank 0 writes the unsharded tensors, with
+ * the tokenizer files of the model's directory, into a temporary directory
+ * beside `dir` that replaces `dir` whole when complete (src/io/outdir.h); an
+ * existing `dir` holding other files than a model's is refused. */
 loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
                                uint64_t max_shard_bytes);
 

@@ -403,6 +403,10 @@ TEST(lora_save_and_reload) {
     CHECK_EQ_INT(r, 4);
     CHECK_NEAR(alpha, 8, 0);
     CHECK_EQ_INT(loom_json_get(cfg, "target_modules")->n, 7);
+    /* the base model is named by its directory (models/tiny-qwen3), not its model_type */
+    const loom_json *base = loom_json_get(cfg, "base_model_name_or_path");
+    CHECK(base && base->type == LOOM_JSON_STRING);
+    if (base && base->type == LOOM_JSON_STRING) CHECK_STR(base->s, "tiny-qwen3");
     loom_json_free(cfg);
     /* reload under another name: every tensor bit-identical */
     REQUIRE_OK(f.ctx, loom_model_load_adapter(f.m, "again", out));

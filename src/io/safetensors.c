@@ -2,6 +2,8 @@
  * See safetensors.h for the format and the rules. */
 #include "safetensors.h"
 
+#include "outdir.h" /* the test hooks */
+
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -610,6 +612,9 @@ struct loom_st_writer {
     unsigned char *buf; /* pend_len buffered bytes for file offset pend_off */
     size_t pend_len;
     uint64_t pend_off;
+    uint64_t written;     /* bytes written so far (the test hook counts them) */
+    int files_done;
+    loom_out_hooks hooks; /* LOOM_TEST_SAVE_* (outdir.h) */
 };
 
 /* Hugging Face's order of dtypes (its Dtype enum, which grows with element
@@ -669,6 +674,7 @@ loom_status loom_st_writer_create(loom_ctx *ctx, const char *dir, const char *ba
     if (!w) return LOOM_ERR_OOM;
     w->max_shard = max_shard_bytes;
     w->fd = w->cur = -1;
+    loom_out_hooks_read(&w->hooks);
     w->dir = loom_strdup(ctx, dir);
     w->base = loom_strdup(ctx, base);
     if (!w->dir || !w->base || (metadata && !(w->meta = loom_json_clone(ctx, metadata)))) {
@@ -825,11 +831,18 @@ static loom_status build_header(loom_ctx *ctx, loom_st_writer *w, size_t si, loo
 static loom_status write_at(loom_ctx *ctx, loom_st_writer *w, const void *p, size_t n,
                             uint64_t off) {
     for (const char *c = p; n;) {
-        ssize_t r = pwrite(w->fd, c, n > ((size_t)1 << 30) ? (size_t)1 << 30 : n, (off_t)off);
+        size_t k = n > ((size_t)1 << 30) ? (size_t)1 << 30 : n;
+        const uint64_t lim = w->hooks.fail_after_bytes; /* a full disk, simulated: N + 1 */
+        if (lim && w->written + k > lim - 1) k = (size_t)(lim - 1 - w->written);
+        ssize_t r = k ? pwrite(w->fd, c, k, (off_t)off) : (errno = ENOSPC, -1);
         if (r < 0 && errno == EINTR) continue;
-        if (r <= 0)
-            return loom_errf(ctx, LOOM_ERR_IO, "%s: write failed: %s", w->shards[w->cur].tmp,
-                             r < 0 ? strerror(errno) : "no progress (disk full?)");
+        if (r > 0) w->written += (uint64_t)r;
+        if (r <= 0) {
+            const bool full = r == 0 || errno == ENOSPC || errno == EDQUOT;
+            return loom_errf(ctx, LOOM_ERR_IO, "%s: write failed: %s%s", w->shards[w->cur].tmp,
+                             r < 0 ? strerror(errno) : "no progress",
+                             full ? "; the disk is full: free some space or write elsewhere" : "");
+        }
         c += r;
         n -= (size_t)r;
         off += (uint64_t)r;
@@ -897,6 +910,8 @@ static loom_status complete_shard(loom_ctx *ctx, loom_st_writer *w) {
         s = loom_errf(ctx, LOOM_ERR_IO, "%s: close failed: %s", sh->tmp, strerror(errno));
     w->fd = w->cur = -1;
     sh->complete = s == LOOM_OK;
+    if (s == LOOM_OK && ++w->files_done == w->hooks.pause_after_file)
+        loom_out_hook_pause(sh->tmp);
     return s;
 }
 

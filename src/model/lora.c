@@ -18,6 +18,7 @@
 #include <strings.h>
 
 #include "../core/rng.h"
+#include "../io/outdir.h"
 #include "../io/safetensors.h"
 #include "model.h"
 
@@ -483,52 +484,17 @@ loom_status loom_lora_find(loom_model *m, const char *name, loom_arena **ar, cha
     return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND, "adapter '%s' has no tensor %s", a->name, key);
 }
 
-loom_status loom_model_save_adapter(loom_model *m, const char *name, const char *dir,
-                                    loom_dtype dtype) {
+/* adapter_config.json: what PEFT needs to load it. base_model_name_or_path
+ * is the name of the directory the model was created from. */
+static loom_status write_adapter_config(loom_model *m, const loom_adapter *a, const char *dir) {
     loom_ctx *ctx = m->ctx;
-    loom_adapter *a = find(m, name);
-    if (!a) return loom_errf(ctx, LOOM_ERR_NOT_FOUND, "the model has no adapter named '%s'", name);
-    if (dtype == LOOM_DTYPE_COUNT) dtype = LOOM_F32;
-    if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16 && dtype != LOOM_F64)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "adapters are saved as F32, BF16, F16 or F64");
-    const bool writer = m->mesh->rank == 0;
-    loom_status st = LOOM_OK;
-    loom_st_writer *w = NULL;
-    char buf[256];
-    int64_t shape[2];
-    if (writer) {
-        if ((st = loom_mkdirs(ctx, dir))) return st;
-        loom_json *meta = loom_json_new_object(ctx);
-        if (!meta) return LOOM_ERR_OOM;
-        if (!(st = loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt"))))
-            st = loom_st_writer_create(ctx, dir, "adapter_model", 0, meta, &w);
-        loom_json_free(meta);
-        for (int64_t i = 0; !st && global_tensor(m, a, i, buf, sizeof buf, shape); i++)
-            st = loom_st_writer_declare(ctx, w, buf, dtype, 2, shape);
-    }
-    float *t = NULL;
-    for (int64_t i = 0; global_tensor(m, a, i, buf, sizeof buf, shape); i++) {
-        float *nt = realloc(t, sizeof *t * (size_t)(shape[0] * shape[1]));
-        if (!nt) {
-            free(t);
-            loom_st_writer_free(w);
-            return loom_errf(ctx, LOOM_ERR_OOM, "out of memory saving %s", buf);
-        }
-        t = nt;
-        loom_status gs = loom_gather_full(m, &a->ar, buf, shape[0], shape[1], false, 1.0f, t);
-        if (gs) {
-            free(t);
-            loom_st_writer_free(w);
-            return gs;
-        }
-        if (writer && !st) st = loom_st_writer_write(ctx, w, buf, LOOM_F32, t);
-    }
-    free(t);
-    if (!writer) return LOOM_OK;
-    if (!st) st = loom_st_writer_finish(ctx, w);
-    loom_st_writer_free(w);
-    if (st) return st;
-    /* adapter_config.json: what PEFT needs to load it */
+    char base[256];
+    const char *src = m->src_dir ? m->src_dir : m->cfg.model_type;
+    size_t n = strlen(src);
+    while (n > 1 && src[n - 1] == '/') n--; /* "models/Qwen3-0.6B/" names Qwen3-0.6B */
+    size_t b = n;
+    while (b > 0 && src[b - 1] != '/') b--;
+    snprintf(base, sizeof base, "%.*s", (int)(n - b), src + b);
     loom_json *c = loom_json_new_object(ctx), *tm = loom_json_new_array(ctx);
     if (!c || !tm) {
         loom_json_free(c);
@@ -543,7 +509,7 @@ loom_status loom_model_save_adapter(loom_model *m, const char *name, const char 
     } kv[] = {
         {"peft_type", loom_json_new_str(ctx, "LORA")},
         {"task_type", loom_json_new_str(ctx, "CAUSAL_LM")},
-        {"base_model_name_or_path", loom_json_new_str(ctx, m->cfg.model_type)},
+        {"base_model_name_or_path", loom_json_new_str(ctx, base)},
         {"r", loom_json_new_int(ctx, a->r)},
         {"lora_alpha", loom_json_new_num(ctx, a->alpha)},
         {"lora_dropout", loom_json_new_num(ctx, a->dropout)},
@@ -556,18 +522,81 @@ loom_status loom_model_save_adapter(loom_model *m, const char *name, const char 
         {"init_lora_weights", loom_json_new_bool(ctx, true)},
         {"modules_to_save", loom_json_new_null(ctx)},
     };
-    for (size_t i = 0; i < sizeof kv / sizeof kv[0] && !st; i++)
-        st = kv[i].v ? loom_json_set(ctx, c, kv[i].k, kv[i].v) : LOOM_ERR_OOM;
+    loom_status st = LOOM_OK;
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+        if (!st)
+            st = kv[i].v ? loom_json_set(ctx, c, kv[i].k, kv[i].v) : LOOM_ERR_OOM;
+        else
+            loom_json_free(kv[i].v);
     loom_sb sb;
     loom_sb_init(&sb);
     if (!st) st = loom_json_write(ctx, c, 2, &sb);
     loom_json_free(c);
     char *text = loom_sb_take(&sb);
     char *path = loom_path_join(ctx, dir, "adapter_config.json");
-    if (!st && text && path) st = loom_write_file_atomic(ctx, path, text, strlen(text));
+    if (!st && (!text || !path)) st = LOOM_ERR_OOM;
+    if (!st) st = loom_write_file_atomic(ctx, path, text, strlen(text));
     free(text);
     free(path);
     return st;
+}
+
+loom_status loom_model_save_adapter(loom_model *m, const char *name, const char *dir,
+                                    loom_dtype dtype) {
+    loom_ctx *ctx = m->ctx;
+    loom_adapter *a = find(m, name);
+    if (!a) return loom_errf(ctx, LOOM_ERR_NOT_FOUND, "the model has no adapter named '%s'", name);
+    if (dtype == LOOM_DTYPE_COUNT) dtype = LOOM_F32;
+    if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16 && dtype != LOOM_F64)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "adapters are saved as F32, BF16, F16 or F64");
+    const bool writer = m->mesh->rank == 0;
+    loom_status st = LOOM_OK;
+    loom_st_writer *w = NULL;
+    loom_out out = {0}; /* rank 0 writes into a temporary directory, moved into place whole */
+    char buf[256];
+    int64_t shape[2];
+    if (writer && !(st = loom_out_begin(ctx, "save_adapter", dir, LOOM_OUT_DIR, &out))) {
+        loom_json *meta = loom_json_new_object(ctx);
+        st = meta ? loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt")) : LOOM_ERR_OOM;
+        if (!st) st = loom_st_writer_create(ctx, out.tmp, "adapter_model", 0, meta, &w);
+        loom_json_free(meta);
+        for (int64_t i = 0; !st && global_tensor(m, a, i, buf, sizeof buf, shape); i++)
+            st = loom_st_writer_declare(ctx, w, buf, dtype, 2, shape);
+    }
+    /* every rank takes part in each gather, whatever rank 0's state */
+    float *t = NULL;
+    for (int64_t i = 0; global_tensor(m, a, i, buf, sizeof buf, shape); i++) {
+        float *nt = realloc(t, sizeof *t * (size_t)(shape[0] * shape[1]));
+        loom_status gs = nt ? LOOM_OK : loom_errf(ctx, LOOM_ERR_OOM, "out of memory saving %s", buf);
+        t = nt ? nt : t;
+        if (!gs) gs = loom_gather_full(m, &a->ar, buf, shape[0], shape[1], false, 1.0f, t);
+        if (gs) {
+            st = gs;
+            break;
+        }
+        if (writer && !st) st = loom_st_writer_write(ctx, w, buf, LOOM_F32, t);
+    }
+    free(t);
+    if (writer && !st) st = loom_st_writer_finish(ctx, w);
+    loom_st_writer_free(w);
+    if (writer && !st) st = write_adapter_config(m, a, out.tmp);
+    if (writer && !st) return loom_out_commit(ctx, &out);
+    loom_out_abort(&out);
+    return st;
+}
+
+/* Bytes of a saved adapter of rank r on the targeted modules (F32, PEFT
+ * layout) of a model of config cfg, headers not counted. */
+uint64_t loom_lora_save_estimate(const loom_model_config *cfg, int r,
+                                 const bool target[LOOM_LORA_NMOD]) {
+    const uint64_t H = (uint64_t)cfg->hidden_size, I = (uint64_t)cfg->intermediate_size,
+                   QD = (uint64_t)(cfg->num_heads * cfg->head_dim),
+                   KD = (uint64_t)(cfg->num_kv_heads * cfg->head_dim);
+    const uint64_t io[LOOM_LORA_NMOD] = {H + QD, H + KD, H + KD, QD + H, H + I, H + I, I + H};
+    uint64_t per_layer = 0;
+    for (int k = 0; k < LOOM_LORA_NMOD; k++)
+        if (target[k]) per_layer += io[k];
+    return per_layer * (uint64_t)r * (uint64_t)cfg->num_layers * 4;
 }
 
 /* ---- merge ---- */

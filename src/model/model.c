@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "../backend/cpu/cpu_ops.h"
+#include "../io/outdir.h"
 #include "../io/safetensors.h"
 #include "../parallel/schedule.h"
 #include "model.h"
@@ -538,6 +539,10 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     m->dev.adt = opts->dtype;
     if (cuda && (st = pick_device(m))) goto fail;
     if ((st = loom_dev_init(m))) goto fail;
+    if (!(m->src_dir = loom_strdup(ctx, dir))) {
+        st = LOOM_ERR_OOM;
+        goto fail;
+    }
     if ((st = load_config(ctx, dir, opts->config_overrides, &m->cfg))) goto fail;
     const loom_model_config *c = &m->cfg;
     if (c->num_experts > 0) {
@@ -865,6 +870,7 @@ void loom_model_free(loom_model *m) {
     free(m->layer);
     loom_param_plan_free(&m->plan);
     loom_config_free(&m->cfg);
+    free(m->src_dir);
     loom_mesh_free(m->mesh);
     if (m->own_world) loom_comm_free(m->world);
     free(m);
@@ -1003,12 +1009,11 @@ loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
     if (!max_shard_bytes) max_shard_bytes = 5000000000ull;
     loom_status st = LOOM_OK;
     loom_st_writer *w = NULL;
-    if (writer) {
-        if ((st = loom_mkdirs(ctx, dir))) return st;
+    loom_out out = {0}; /* rank 0 writes into a temporary directory, moved into place whole */
+    if (writer && !(st = loom_out_begin(ctx, "save_hf", dir, LOOM_OUT_DIR, &out))) {
         loom_json *meta = loom_json_new_object(ctx);
-        if (!meta) return LOOM_ERR_OOM;
-        if (!(st = loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt"))))
-            st = loom_st_writer_create(ctx, dir, "model", max_shard_bytes, meta, &w);
+        st = meta ? loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt")) : LOOM_ERR_OOM;
+        if (!st) st = loom_st_writer_create(ctx, out.tmp, "model", max_shard_bytes, meta, &w);
         loom_json_free(meta);
         for (size_t i = 0; i < m->plan.n && !st; i++)
             st = loom_st_writer_declare(ctx, w, m->plan.p[i].name, dtype, m->plan.p[i].ndim,
@@ -1020,30 +1025,27 @@ loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
     for (size_t i = 0; i < m->plan.n; i++) {
         const loom_param_spec *p = &m->plan.p[i];
         size_t n = (size_t)(p->shape[0] * (p->ndim == 2 ? p->shape[1] : 1));
+        loom_status gs = LOOM_OK;
         if (n > cap) {
             float *nb = realloc(buf, n * sizeof *buf);
-            if (!nb) {
-                free(buf);
-                loom_st_writer_free(w);
-                return loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering %s", p->name);
-            }
-            buf = nb;
-            cap = n;
+            if (!nb) gs = loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering %s", p->name);
+            buf = nb ? nb : buf;
+            cap = nb ? n : cap;
         }
-        loom_status gs = loom_model_get_param(m, p->name, buf, (int64_t)n);
+        if (!gs) gs = loom_model_get_param(m, p->name, buf, (int64_t)n);
         if (gs) {
-            free(buf);
-            loom_st_writer_free(w);
-            return gs;
+            st = gs;
+            break;
         }
         if (writer && !st) st = loom_st_writer_write(ctx, w, p->name, LOOM_F32, buf);
     }
     free(buf);
-    if (writer) {
-        if (!st) st = loom_st_writer_finish(ctx, w);
-        loom_st_writer_free(w);
-        if (!st) st = loom_config_save(ctx, &m->cfg, dir, dtype);
-    }
+    if (writer && !st) st = loom_st_writer_finish(ctx, w);
+    loom_st_writer_free(w);
+    if (writer && !st) st = loom_config_save(ctx, &m->cfg, out.tmp, dtype);
+    if (writer && !st && m->src_dir) st = loom_out_copy_side_files(ctx, m->src_dir, out.tmp);
+    if (writer && !st) return loom_out_commit(ctx, &out);
+    loom_out_abort(&out);
     return st;
 }
 

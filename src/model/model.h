@@ -164,6 +164,7 @@ struct loom_model {
     char dir_name[256];      /* the model directory's own name (loom_path_name) */
     loom_param_plan plan;
     loom_dtype file_dtype;   /* dtype of the checkpoint's weights */
+    char *src_dir;           /* the directory it was created from (side files, adapter names) */
     loom_comm *world;        /* owned when own_world */
     bool own_world;
     loom_mesh *mesh;
@@ -330,6 +331,10 @@ void loom_arena_free(loom_model *m, loom_arena *a);
 
 /* LoRA target_modules ("all-linear" or a list of q_proj, ..., down_proj). */
 loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]);
+/* Bytes of the tensors of a saved adapter (F32) of rank r on the targets,
+ * for the free-space check of --save-adapter. */
+uint64_t loom_lora_save_estimate(const loom_model_config *cfg, int r,
+                                 const bool target[LOOM_LORA_NMOD]);
 
 /* config.json of dir with the overrides applied (as loom_model_create reads it). */
 loom_status loom_model_load_config(loom_ctx *ctx, const char *dir, const char *overrides,

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../core/rng.h"
+#include "../io/outdir.h"
 #include "../io/safetensors.h"
 
 static const char *comp_names[LOOM_COMP_COUNT] = {
@@ -234,7 +235,8 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
     if (st) return st;
     loom_param_plan plan;
     if ((st = loom_param_plan_build(ctx, cfg, &plan))) return st;
-    if ((st = loom_mkdirs(ctx, out_dir))) goto done_plan;
+    loom_out out = {0}; /* written into a temporary directory, moved into place whole */
+    if ((st = loom_out_begin(ctx, "out", out_dir, LOOM_OUT_DIR, &out))) goto done_plan;
     loom_st_writer *w = NULL;
     loom_json *meta = loom_json_new_object(ctx);
     if (!meta || loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt"))) {
@@ -242,7 +244,7 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
         loom_json_free(meta);
         goto done_plan;
     }
-    st = loom_st_writer_create(ctx, out_dir, "model", max_shard_bytes, meta, &w);
+    st = loom_st_writer_create(ctx, out.tmp, "model", max_shard_bytes, meta, &w);
     loom_json_free(meta);
     if (st) goto done_plan;
     for (size_t i = 0; i < plan.n && !st; i++)
@@ -276,8 +278,34 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
     free(buf);
     if (!st) st = loom_st_writer_finish(ctx, w);
     loom_st_writer_free(w);
-    if (!st) st = loom_config_save(ctx, cfg, out_dir, dtype);
+    if (!st) st = loom_config_save(ctx, cfg, out.tmp, dtype);
+    if (!st) st = loom_out_commit(ctx, &out);
 done_plan:
+    loom_out_abort(&out);
+    loom_param_plan_free(&plan);
+    return st;
+}
+
+loom_status loom_hf_save_estimate(loom_ctx *ctx, const loom_model_config *cfg,
+                                  const char *model_dir, loom_dtype dtype, uint64_t *bytes) {
+    *bytes = 0;
+    loom_param_plan plan;
+    loom_status st = loom_param_plan_build(ctx, cfg, &plan);
+    if (st) return st;
+    if (dtype == LOOM_DTYPE_COUNT && model_dir) { /* the checkpoint's own: its first tensor's */
+        loom_safetensors *in = NULL;
+        if ((st = loom_st_open_dir(ctx, model_dir, "model", &in)) == LOOM_OK)
+            for (size_t i = 0; i < plan.n && dtype == LOOM_DTYPE_COUNT; i++) {
+                const loom_st_tensor *t = loom_st_find(in, plan.p[i].name);
+                if (t) dtype = t->dtype;
+            }
+        loom_st_close(in);
+    }
+    if (dtype == LOOM_DTYPE_COUNT) dtype = LOOM_F32;
+    if (!st) {
+        *bytes = (uint64_t)loom_param_plan_count(&plan, NULL) * loom_dtype_size(dtype);
+        if (model_dir) *bytes += loom_out_side_files_size(model_dir);
+    }
     loom_param_plan_free(&plan);
     return st;
 }

@@ -53,4 +53,11 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
                                     const char *out_dir, uint64_t seed, loom_dtype dtype,
                                     uint64_t max_shard_bytes);
 
+/* Bytes a saved HF directory of this config takes: the parameters in dtype
+ * (LOOM_DTYPE_COUNT: that of model_dir's weights, F32 when unknown) plus
+ * model_dir's tokenizer files (model_dir may be NULL). For the free-space
+ * check made before any work (src/io/outdir.h). */
+loom_status loom_hf_save_estimate(loom_ctx *ctx, const loom_model_config *cfg,
+                                  const char *model_dir, loom_dtype dtype, uint64_t *bytes);
+
 #endif /* LOOM_PARAMS_H */
