@@ -488,13 +488,9 @@ loom_status loom_lora_find(loom_model *m, const char *name, loom_arena **ar, cha
  * is the name of the directory the model was created from. */
 static loom_status write_adapter_config(loom_model *m, const loom_adapter *a, const char *dir) {
     loom_ctx *ctx = m->ctx;
-    char base[256];
-    const char *src = m->src_dir ? m->src_dir : m->cfg.model_type;
-    size_t n = strlen(src);
-    while (n > 1 && src[n - 1] == '/') n--; /* "models/Qwen3-0.6B/" names Qwen3-0.6B */
-    size_t b = n;
-    while (b > 0 && src[b - 1] != '/') b--;
-    snprintf(base, sizeof base, "%.*s", (int)(n - b), src + b);
+    /* the model directory's own name (loom_path_name: "models/Qwen3-0.6B/"
+     * and "." name the directory itself) */
+    const char *base = m->dir_name[0] ? m->dir_name : m->cfg.model_type;
     loom_json *c = loom_json_new_object(ctx), *tm = loom_json_new_array(ctx);
     if (!c || !tm) {
         loom_json_free(c);
