@@ -2,8 +2,9 @@
 # Parallel layouts on GPUs against one GPU: `loom golden` (loss, token
 # log-probs, every gradient, and the weights after 3 AdamW steps with the
 # distributed optimizer) on 1 GPU, then on each layout over 2 GPUs (TP2,
-# TP2+SP, PP2, DP2, CP2, CP2 on packed documents) and, with 4 GPUs,
-# TP2.DP2, TP2.PP2, TP2.CP2+SP and PP2.VPP2.DP2; every layout runs in bf16
+# TP2+SP, PP2, DP2, CP2, CP2 on packed documents, PP2.VPP2 with 4
+# micro-batches) and, with 4 GPUs, TP2.DP2, TP2.PP2, TP2.CP2+SP, PP2.VPP2.DP2
+# and PP4 with 4 micro-batches; every layout runs in bf16
 # and in fp32, each compared by tests/gpu/compare.py golden with the one-GPU
 # run of its dtype within the tolerances below. bf16 rounding hides a small
 # bug (a tenfold RMSNorm epsilon or an optimizer's slip stays under 3%);
@@ -80,11 +81,15 @@ run pp2            b  2 --pp 2
 run dp2            b  2 --dp 2
 run cp2            b  2 --cp 2
 run cp2-packed     bp 2 --cp 2
+# the interleaved pipeline with more micro-batches than stages (the 4 rows
+# one by one), which hung before the pipeline's messages were planned
+run pp2-vpp2-m4    b  2 --pp 2 --vpp 2 --num-micro-batches 4
 if [ "$ngpu" -ge 4 ]; then
     run tp2-dp2        b  4 --tp 2 --dp 2
     run tp2-pp2        b  4 --tp 2 --pp 2
     run tp2-cp2-sp     b  4 --tp 2 --cp 2 --sequence-parallel
     run pp2-vpp2-dp2   b  4 --pp 2 --vpp 2 --dp 2
+    run pp4-m4         b  4 --pp 4 --num-micro-batches 4
 fi
 echo
 echo "layout           dtype result  (worst relative error vs 1 GPU; tol bf16 $TOL_BF16, fp32 $TOL_FP32, fp32 weights $TOL_FP32_WEIGHTS)"
