@@ -143,6 +143,12 @@ const char *loom_test_write(const char *name, const void *data, size_t len);
  * stdin from /dev/null, captures stdout+stderr into *out (caller frees).
  * Returns the exit code, or 128+signal if it died by a signal, or -1. */
 int loom_test_run(char **out, const char *const argv[]);
+/* Whether `mpirun --version` runs; and the environment the tests run
+ * mpirun in (as root, oversubscribed, no cross-process memory copy, a
+ * 120 s communication timeout, no leak reports from OpenMPI's own
+ * allocations). */
+bool loom_test_have_mpirun(void);
+void loom_test_mpi_env(void);
 /* The loom binary under test ($LOOM_BIN or build/loom). */
 const char *loom_test_bin(void);
 

@@ -522,21 +522,10 @@ TEST(cli_outputs_checked_before_work) {
  * ends every rank before training; a tp=2 save replaces the sharded
  * directory whole. */
 TEST(cli_outputs_under_mpirun) {
-    char *out = NULL;
-    if (loom_test_run(&out, (const char *const[]){"mpirun", "--version", NULL}) != 0) {
-        free(out);
+    if (!loom_test_have_mpirun())
         SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    }
-    free(out);
-    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
-    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
-    setenv("LOOM_COMM_TIMEOUT", "120", 1);
-    const char *a = getenv("ASAN_OPTIONS");
-    char asan[512];
-    snprintf(asan, sizeof asan, "%s%sdetect_leaks=0", a ? a : "", a ? ":" : "");
-    setenv("ASAN_OPTIONS", asan, 1);
+    loom_test_mpi_env();
+    char *out = NULL;
     char model[1024], text[1024], data[1024], hf[1024], file[1024], names[4096], parent[1024];
     tmp_path(parent, sizeof parent, "mpi");
     mkdir(parent, 0755);

@@ -12,27 +12,6 @@
 #include "../src/io/safetensors.h"
 #include "harness.h"
 
-static bool have_mpirun(void) {
-    char *out = NULL;
-    int rc = loom_test_run(&out, (const char *const[]){"mpirun", "--version", NULL});
-    free(out);
-    return rc == 0;
-}
-
-static void mpi_env(void) {
-    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
-    /* containers often forbid the cross-process memory copy OpenMPI tries */
-    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
-    setenv("LOOM_COMM_TIMEOUT", "120", 1);
-    /* OpenMPI's own allocations are not loom's leaks */
-    const char *a = getenv("ASAN_OPTIONS");
-    char buf[512];
-    snprintf(buf, sizeof buf, "%s%sdetect_leaks=0", a ? a : "", a ? ":" : "");
-    setenv("ASAN_OPTIONS", buf, 1);
-}
-
 /* Runs `[mpirun -np N] loom golden --model M --batch B --out O <layout>` with
  * the fixture's optimizer settings; np 0 runs one process without mpirun. */
 static int golden(int np, const char *model, const char *batch, const char *out,
@@ -286,8 +265,8 @@ static bool make_batches(const char *model, char *b2, char *b8) {
 }
 
 static void check_model(const char *model) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
     char b2[1024], b8[1024], mdir[1024], *log = NULL;
     if (!make_batches(model, b2, b8)) return;
     snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
@@ -356,8 +335,8 @@ done:
 }
 
 TEST(parallel_interleaved_pipeline_every_micro_batch_count) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
     setenv("LOOM_COMM_TIMEOUT", "60", 1); /* a hang fails in a minute, naming the rank */
     for (int pp = 2; pp <= 4; pp++)
         for (int vpp = 2; vpp <= 3; vpp++) {
@@ -416,8 +395,8 @@ TEST(parallel_interleaved_pipeline_every_micro_batch_count) {
  * vpp 2): adapter gradients equal the one-process run and the 5 AdamW steps
  * give PEFT's weights and losses. Untied embeddings with 8 micro-batches. */
 TEST(parallel_interleaved_pipeline_lora_and_untied) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
     char mdir[1024], batch[1024], extra[1200], *log = NULL;
     snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
     snprintf(batch, sizeof batch, "%s", path_in_tmp("lora-batch8.safetensors"));
@@ -457,8 +436,8 @@ TEST(parallel_interleaved_pipeline_lora_and_untied) {
  * one row): the log-probs of each document are its own, and loss and
  * gradients equal the one-process run. */
 TEST(parallel_cp2_packed_documents) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
     loom_ctx *ctx;
     loom_ctx_create(&ctx);
     char fix[1024], mdir[1024], *log = NULL;
@@ -505,8 +484,8 @@ TEST(parallel_cp2_packed_documents) {
 
 /* A mesh that does not fit fails before computing, naming the numbers. */
 TEST(parallel_bad_mesh_fails_before_compute) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
     char mdir[1024], fix[1024], *log = NULL;
     snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
     snprintf(fix, sizeof fix, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
@@ -539,8 +518,8 @@ TEST(parallel_bad_mesh_fails_before_compute) {
  * DP2 and TP2 x PP2 x DP2: adapter gradients equal the one-process run, and
  * the 5 AdamW steps on the adapter give PEFT's losses. */
 TEST(parallel_lora_layouts) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
     char mdir[1024], batch[1024], extra[1200], *log = NULL;
     snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
     snprintf(batch, sizeof batch, "%s/golden/tiny-qwen3-lora.safetensors", loom_test_fixtures());
@@ -597,8 +576,8 @@ static bool make_dropout_adapter(char *adir, size_t cap) {
  * batch and the full input, so every layout drops the same elements: the
  * loss and gradients still equal the one-process run. */
 TEST(parallel_lora_dropout_layouts) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
     char mdir[1024], batch[1024], adir[1024], extra[1200], *log = NULL;
     snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
     snprintf(batch, sizeof batch, "%s/golden/tiny-qwen3-lora.safetensors", loom_test_fixtures());
@@ -648,8 +627,8 @@ TEST(parallel_recompute_same_results) {
              loom_test_fixtures());
     REQUIRE(make_dropout_adapter(adir, sizeof adir));
     snprintf(lora, sizeof lora, "--adapter %s", adir);
-    const bool mpi = have_mpirun();
-    if (mpi) mpi_env();
+    const bool mpi = loom_test_have_mpirun();
+    if (mpi) loom_test_mpi_env();
     static const struct {
         int np;
         bool lora;
@@ -732,8 +711,8 @@ TEST(parallel_comm_timeout_option) {
  * --comm-timeout, each naming itself, the operation and the missing rank,
  * and the whole job ends (not after the stalled rank's 60 s). */
 TEST(parallel_timeout_names_the_missing_rank) {
-    if (!have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    mpi_env();
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
     char mdir[1024], fix[1024], *log = NULL;
     snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
     snprintf(fix, sizeof fix, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
