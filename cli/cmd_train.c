@@ -244,7 +244,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             LOOM_LOG_I(ctx, "metrics: TensorBoard events to %s (tensorboard --logdir %s)",
                        loom_metrics_tb_path(mw), s->tensorboard_dir);
     }
-    int64_t epoch = 0, samples_total = 0, skipped = 0, tokens_at_log = 0;
+    int64_t epoch = 0, samples_total = 0, skipped = 0, tokens_at_log = 0, tokens_first = 0;
     double first_loss = NAN, last_loss = NAN, t_start = loom_now_s(), t_log = t_start;
     double t_first = NAN; /* end of step 1 (the ETA leaves out its start-up costs) */
     int64_t tokens_total = 0;
@@ -304,7 +304,10 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             tokens_at_log = tokens_total;
             t_log = now;
         }
-        progress_draw(ctx, &pg, step, s->train_steps, fr.loss, tps,
+        /* the progress line's rate: the mean since step 1, as its ETA */
+        if (step == 1) tokens_first = tokens_total;
+        const double rate = step > 1 ? (double)(tokens_total - tokens_first) / (now - t_first) : tps;
+        progress_draw(ctx, &pg, step, s->train_steps, fr.loss, rate,
                       loom_eta_s(step, s->train_steps, t_first, now), now);
     }
     progress_clear(ctx);

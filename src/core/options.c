@@ -166,7 +166,8 @@ static const loom_option table[] = {
      "write TensorBoard event files of the same scalars here (`tensorboard --logdir DIR`)",
      OFF(tensorboard_dir), NULL, CMD_TRAIN, 0, 0},
     {"progress", LOOM_OPT_BOOL, "true",
-     "a live progress line with an ETA on stderr while it is a terminal (never in a pipe or file)",
+     "a live progress line with an ETA on stderr while it is a terminal (never in a pipe or a "
+     "file; --no-progress: none)",
      OFF(progress), NULL, CMD_TRAIN, 0, 0},
 };
 #define N_OPTIONS (sizeof table / sizeof table[0])
