@@ -68,5 +68,6 @@ int loom_cmd_init(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_data(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_tokenize(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
+int loom_cmd_plot(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 
 #endif

@@ -6,14 +6,20 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
 
 #include "../src/data/dataset.h"
 #include "../src/data/loader.h"
 #include "../src/data/tokens.h"
 #include "../src/io/outdir.h"
 #include "../src/model/params.h"
+#include "../src/train/metrics.h"
 #include "../src/train/scheduler.h"
 #include "cli.h"
+#ifdef LOOM_HAVE_CUDA
+#include "../src/backend/cuda/cuda_backend.h"
+#endif
 
 
 /* Optimizer and schedule from the settings. */
@@ -102,6 +108,51 @@ static loom_status check_outputs(loom_ctx *ctx, const loom_settings *s) {
     return st;
 }
 
+/* The live progress line (rank 0, stderr a terminal, --progress): one line
+ * redrawn with \r at most 10 times a second; loom_log erases it before a log
+ * line (ctx->line_open) and the next draw puts it back. */
+typedef struct progress {
+    bool on;
+    double last_draw;
+} progress;
+
+static void progress_draw(loom_ctx *ctx, progress *p, int64_t step, int64_t total, double loss,
+                          double tokens_per_s, double eta_s, double now) {
+    if (!p->on || (now - p->last_draw < 0.1 && step != total && step != 1)) return;
+    struct winsize ws;
+    int width = ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1 ? ws.ws_col - 1 : 79;
+    char line[512];
+    loom_progress_line(line, sizeof line, step, total, loss, tokens_per_s, eta_s, width);
+    fprintf(stderr, "\r\033[K%s", line);
+    fflush(stderr);
+    ctx->line_open = true;
+    p->last_draw = now;
+}
+
+static void progress_clear(loom_ctx *ctx) {
+    if (!ctx->line_open) return;
+    fputs("\r\033[K", stderr);
+    fflush(stderr);
+    ctx->line_open = false;
+}
+
+/* Peak dense bf16 FLOP/s of this rank's GPU (0: CPU, or a GPU loom does not know). */
+static double gpu_peak_flops(loom_ctx *ctx, const loom_model *m) {
+#ifdef LOOM_HAVE_CUDA
+    loom_cuda_info gi;
+    if (m->dev.cuda && loom_cuda_query(ctx, m->dev.device, &gi) == LOOM_OK) {
+        double peak = loom_gpu_peak_flops(gi.name);
+        if (peak <= 0)
+            LOOM_LOG_I(ctx, "MFU: the peak FLOP/s of '%s' is unknown to loom; mfu is left out",
+                       gi.name);
+        return peak;
+    }
+#endif
+    (void)ctx;
+    (void)m;
+    return 0;
+}
+
 int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
     if (!s->model || !s->data) {
         loom_errf(ctx, LOOM_ERR_CONFIG,
@@ -126,6 +177,15 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         int rc = loom_cli_fail_job(ctx, world);
         loom_comm_free(world);
         return rc;
+    }
+    /* the metrics outputs are opened now (rank 0 writes them): a bad path
+     * fails before the model is loaded */
+    loom_metrics *mw = NULL;
+    if ((s->metrics_file || s->tensorboard_dir) && loom_comm_rank(world) == 0 &&
+        loom_metrics_open(ctx, s->metrics_file, s->tensorboard_dir, &mw)) {
+        loom_cli_fail_job(ctx, world);
+        loom_comm_free(world);
+        return 1;
     }
 
     loom_model_options mo;
@@ -228,11 +288,22 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     }
     if ((st = setup_optimizer(ctx, m, s))) goto done;
 
-    int64_t epoch = 0;
-    double first_loss = NAN, last_loss = NAN, t_start = loom_now_s();
+    /* MFU: model FLOPs per token over every GPU's peak */
+    const double peak_flops = gpu_peak_flops(ctx, m) * loom_model_world_size(m);
+    const double flops_tok = loom_flops_per_token(&m->cfg, s->seq_len, s->adapter || s->lora_r);
+    progress pg = {.on = s->progress && loom_model_rank(m) == 0 && isatty(STDERR_FILENO) &&
+                         loom_ctx_log_level(ctx) >= LOOM_LOG_INFO};
+    if (mw) {
+        if (s->metrics_file) LOOM_LOG_I(ctx, "metrics: appending to %s", s->metrics_file);
+        if (s->tensorboard_dir)
+            LOOM_LOG_I(ctx, "metrics: TensorBoard events to %s (tensorboard --logdir %s)",
+                       loom_metrics_tb_path(mw), s->tensorboard_dir);
+    }
+    int64_t epoch = 0, samples_total = 0, skipped = 0, tokens_at_log = 0, tokens_first = 0;
+    double first_loss = NAN, last_loss = NAN, t_start = loom_now_s(), t_log = t_start;
+    double t_first = NAN; /* end of step 1 (the ETA leaves out its start-up costs) */
     int64_t tokens_total = 0;
     for (int64_t step = 1; step <= s->train_steps; step++) {
-        double t0 = loom_now_s();
         loom_packed_batch pb;
         if (ld) {
             loom_loader_batch lb;
@@ -258,17 +329,43 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         loom_step_result sr;
         if ((st = loom_model_forward_backward(m, &b, nmicro, &fr))) goto done;
         if ((st = loom_model_clip_grad_and_step(m, s->clip_grad, 1, &sr))) goto done;
-        double dt = loom_now_s() - t0;
+        const double now = loom_now_s();
         tokens_total += pb.rows * pb.seq_len;
-        if (step == 1) first_loss = fr.loss;
+        samples_total += pb.rows;
+        skipped += sr.skipped != 0;
+        if (step == 1) {
+            first_loss = fr.loss;
+            t_first = now;
+        }
         last_loss = fr.loss;
-        if (step % s->log_interval == 0 || step == s->train_steps || step == 1)
+        /* tokens/s over the steps since the last logged one */
+        const double tps = (double)(tokens_total - tokens_at_log) / (now - t_log);
+        if (step % s->log_interval == 0 || step == s->train_steps || step == 1) {
             LOOM_LOG_I(ctx,
                        "step %" PRId64 "/%" PRId64 " | loss %.4f | grad norm %.3f | lr %.3e | "
                        "%.0f tokens/s%s",
-                       step, s->train_steps, fr.loss, sr.grad_norm, sr.lr,
-                       (double)(pb.rows * pb.seq_len) / dt, sr.stepped ? "" : " | step skipped");
+                       step, s->train_steps, fr.loss, sr.grad_norm, sr.lr, tps,
+                       sr.stepped ? "" : " | step skipped");
+            if (mw) {
+                loom_metrics_record r = {
+                    .step = step, .consumed_samples = samples_total,
+                    .consumed_tokens = tokens_total, .loss = fr.loss, .grad_norm = sr.grad_norm,
+                    .lr = sr.lr, .tokens_per_s = tps,
+                    .mfu = peak_flops > 0 ? tps * flops_tok / peak_flops : NAN,
+                    .peak_mem_bytes = m->dev.cuda ? (int64_t)m->dev.peak : loom_max_rss_bytes(),
+                    .skipped_steps = skipped, .elapsed_s = now - t_start};
+                if ((st = loom_metrics_write(ctx, mw, &r))) goto done;
+            }
+            tokens_at_log = tokens_total;
+            t_log = now;
+        }
+        /* the progress line's rate: the mean since step 1, as its ETA */
+        if (step == 1) tokens_first = tokens_total;
+        const double rate = step > 1 ? (double)(tokens_total - tokens_first) / (now - t_first) : tps;
+        progress_draw(ctx, &pg, step, s->train_steps, fr.loss, rate,
+                      loom_eta_s(step, s->train_steps, t_first, now), now);
     }
+    progress_clear(ctx);
     double total = loom_now_s() - t_start;
     if (m->dev.cuda) {
         /* every GPU rank reports its own peak (the other lines are rank 0's):
@@ -309,8 +406,15 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         if ((st = loom_model_save_hf(m, s->save_hf, dt, (uint64_t)s->max_shard_size))) goto done;
         LOOM_LOG_I(ctx, "wrote %s", s->save_hf);
     }
+    if ((st = loom_metrics_close(ctx, mw))) {
+        mw = NULL;
+        goto done;
+    }
+    mw = NULL;
     rc = 0;
 done:
+    progress_clear(ctx);
+    loom_metrics_close(NULL, mw);
     if (rc && st == LOOM_ERR_OOM && have_mem && mo.device == LOOM_DEVICE_CUDA) {
         /* out of GPU memory: the table, and what to change */
         loom_memory_print(ctx, &mem, LOOM_LOG_ERROR);

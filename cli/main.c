@@ -34,6 +34,10 @@ static const loom_cli_cmd commands[] = {
      "tokenize JSONL samples from stdin ({\"text\"}, {\"messages\"} or {\"prompt\", "
      "\"completion\"}): one line of ids (and the loss mask) per sample on stdout",
      loom_cmd_tokenize, 0},
+    {"plot", LOOM_CMD_PLOT, "plot FILE.jsonl [--out FILE.svg|FILE.html]",
+     "draw a --metrics-file: loss, grad norm, learning rate and tokens/s against the step, in "
+     "one self-contained SVG (default: FILE.svg beside the input) or an HTML page (--out X.html)",
+     loom_cmd_plot, 1},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -108,8 +108,10 @@ void loom_log(const loom_ctx *ctx, loom_log_level level, const char *fmt, ...) {
     static const char *tags[] = {"error", "warning", "info", "debug"};
     char line[4096];
     int n = 0;
+    if (ctx && ctx->line_open) n = snprintf(line, sizeof line, "\r\033[K"); /* erase it */
     if (ctx && ctx->world_size > 1)
-        n = snprintf(line, sizeof line, "[rank %d/%d] ", ctx->rank, ctx->world_size);
+        n += snprintf(line + n, sizeof line - (size_t)n, "[rank %d/%d] ", ctx->rank,
+                      ctx->world_size);
     if (level != LOOM_LOG_INFO)
         n += snprintf(line + n, sizeof line - (size_t)n, "%s: ", tags[level]);
     va_list ap;

@@ -19,6 +19,8 @@ struct loom_ctx {
     int rank, world_size;
     loom_log_level log_level;
     FILE *log_stream;        /* where log lines go (stderr by default) */
+    bool line_open;          /* a progress line (\r-refreshed, on a terminal) is on
+                              * log_stream: each log line erases it first */
 };
 
 #if defined(__GNUC__)

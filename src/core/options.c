@@ -20,8 +20,8 @@ static const loom_option table[] = {
     {"model", LOOM_OPT_STRING, NULL,
      "Hugging Face model directory (config.json + *.safetensors)", OFF(model), NULL, CMD_MODEL,
      0, 0},
-    {"out", LOOM_OPT_STRING, NULL, "output directory (data: the .tokens file; golden: the .safetensors file)", OFF(out), NULL,
-     LOOM_CMD_INIT | LOOM_CMD_CONVERT | LOOM_CMD_DATA | LOOM_CMD_GOLDEN, 0, 0},
+    {"out", LOOM_OPT_STRING, NULL, "output directory (data: the .tokens file; golden: the .safetensors file; plot: the .svg or .html file)", OFF(out), NULL,
+     LOOM_CMD_INIT | LOOM_CMD_CONVERT | LOOM_CMD_DATA | LOOM_CMD_GOLDEN | LOOM_CMD_PLOT, 0, 0},
     {"preset", LOOM_OPT_CHOICE, "tiny-qwen3", "built-in model shape", OFF(preset),
      "tiny-qwen3|tiny-qwen2|tiny-llama|tiny-qwen3-moe|qwen3-0.6b|qwen3-4b|qwen3-8b|qwen3-30b-a3b",
      LOOM_CMD_INIT | LOOM_CMD_INSPECT, 0, 0},
@@ -167,6 +167,18 @@ static const loom_option table[] = {
      "start this many worker processes on this host, one per GPU (torchrun-style; 0: run in "
      "this process)",
      OFF(nproc_per_node), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 1024},
+    {"metrics_file", LOOM_OPT_STRING, NULL,
+     "append one JSON object per logged step to this file (step, consumed samples and tokens, "
+     "loss, grad norm, lr, tokens/s, MFU on GPUs, peak memory, skipped steps, elapsed s); "
+     "`loom plot FILE` draws it",
+     OFF(metrics_file), NULL, CMD_TRAIN, 0, 0},
+    {"tensorboard_dir", LOOM_OPT_STRING, NULL,
+     "write TensorBoard event files of the same scalars here (`tensorboard --logdir DIR`)",
+     OFF(tensorboard_dir), NULL, CMD_TRAIN, 0, 0},
+    {"progress", LOOM_OPT_BOOL, "true",
+     "a live progress line with an ETA on stderr while it is a terminal (never in a pipe or a "
+     "file; --no-progress: none)",
+     OFF(progress), NULL, CMD_TRAIN, 0, 0},
 };
 #define N_OPTIONS (sizeof table / sizeof table[0])
 _Static_assert(N_OPTIONS <= sizeof(((loom_settings *)0)->src) / sizeof(loom_opt_source),

@@ -18,6 +18,7 @@ enum {
     LOOM_CMD_GOLDEN = 1u << 4,
     LOOM_CMD_DATA = 1u << 5,
     LOOM_CMD_TOKENIZE = 1u << 6,
+    LOOM_CMD_PLOT = 1u << 7,
     LOOM_CMD_ALL = 0xffffffffu,
 };
 
@@ -96,6 +97,10 @@ typedef struct loom_settings {
     char *recompute;       /* activation recomputation: none | mlp | full */
     int64_t nproc_per_node;/* train/golden: start this many local GPU workers (0: this process) */
     char *mesh;            /* inspect: predict per-rank memory on this mesh ("tp=2,pp=2,dp=2,sp") */
+    /* watching a run (train) */
+    char *metrics_file;    /* train: JSONL, one object per logged step (appended to) */
+    char *tensorboard_dir; /* train: TensorBoard event files go here */
+    bool progress;         /* train: a live progress line when stderr is a terminal */
     loom_opt_source src[96]; /* where each row's value came from, by row index */
 } loom_settings;
 
