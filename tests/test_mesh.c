@@ -186,8 +186,11 @@ TEST(mesh_check_batch) {
     m = resolved(1, 1, 1, 2, 2);
     CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 4, 0, 4));
     CHECK_EQ_INT(loom_mesh_check_batch(ctx, &m, 3, 0, 3), LOOM_ERR_CONFIG);
-    CHECK_STR(loom_last_error(ctx), "interleaved pipeline (vpp=2) needs the number of "
-                                    "micro-batches (3) to be a multiple of pp=2");
+    CHECK_CONTAINS(loom_last_error(ctx), "interleaved pipeline (vpp=2): 3 micro-batches in groups "
+                                         "of 2 leave a last group of 1, fewer than pp=2");
+    m.vpp_group = 3; /* Megatron's groups: 3 + a last group of 2 >= pp */
+    CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 5, 0, 5));
+    m.vpp_group = 0;
     m.vpp = 1;
     CHECK_OK(ctx, loom_mesh_check_batch(ctx, &m, 3, 0, 3));
     /* non-positive values skip their checks */

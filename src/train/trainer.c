@@ -332,9 +332,12 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
                        float *tlp, float *ent, float *logits, loom_fb_result *out) {
     loom_ctx *ctx = m->ctx;
     loom_mesh_sizes n = m->mesh->n;
-    /* the mesh's rules first: they name the setting to change */
-    loom_status st = loom_mesh_check_batch(ctx, &n, b ? b->rows : 0, b ? b->seq_len : 0, nmicro);
-    if (st || (st = check_batch(m, b, nmicro))) return st;
+    /* the pipeline's rule for the micro-batch count first (rows and length
+     * 0: only that), as it names the setting to change; then the batch */
+    loom_status st = loom_mesh_check_batch(ctx, &n, 0, 0, nmicro);
+    if (st || (st = check_batch(m, b, nmicro)) ||
+        (st = loom_mesh_check_batch(ctx, &n, b->rows, b->seq_len, nmicro)))
+        return st;
     if ((int64_t)m->vpp * nmicro >= TAG_BWD)
         return loom_errf(ctx, LOOM_ERR_CONFIG, "%lld micro-batches x vpp=%d is more than the "
                          "pipeline can tag (%d)", (long long)nmicro, m->vpp, TAG_BWD);
