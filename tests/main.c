@@ -131,6 +131,27 @@ void loom_test_skip(const char *reason) {
     _exit(77);
 }
 
+bool loom_test_have_mpirun(void) {
+    char *out = NULL;
+    int rc = loom_test_run(&out, (const char *const[]){"mpirun", "--version", NULL});
+    free(out);
+    return rc == 0;
+}
+
+void loom_test_mpi_env(void) {
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+    /* containers often forbid the cross-process memory copy OpenMPI tries */
+    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+    setenv("LOOM_COMM_TIMEOUT", "120", 1);
+    const char *a = getenv("ASAN_OPTIONS");
+    if (a && strstr(a, "detect_leaks=0")) return;
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s%sdetect_leaks=0", a ? a : "", a && *a ? ":" : "");
+    setenv("ASAN_OPTIONS", buf, 1);
+}
+
 int main(int argc, char **argv) {
     int passed = 0, failed = 0, skipped = 0;
     bool nofork = getenv("LOOM_TEST_NOFORK") != NULL;

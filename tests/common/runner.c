@@ -50,24 +50,3 @@ void loom_test_summary(int passed, int failed, int skipped) {
         printf("%d passed, %d failed\n", passed, failed);
     fflush(stdout);
 }
-
-bool loom_test_have_mpirun(void) {
-    char *out = NULL;
-    int rc = loom_test_run(&out, (const char *const[]){"mpirun", "--version", NULL});
-    free(out);
-    return rc == 0;
-}
-
-void loom_test_mpi_env(void) {
-    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
-    /* containers often forbid the cross-process memory copy OpenMPI tries */
-    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
-    setenv("LOOM_COMM_TIMEOUT", "120", 1);
-    const char *a = getenv("ASAN_OPTIONS");
-    if (a && strstr(a, "detect_leaks=0")) return;
-    char buf[512];
-    snprintf(buf, sizeof buf, "%s%sdetect_leaks=0", a ? a : "", a && *a ? ":" : "");
-    setenv("ASAN_OPTIONS", buf, 1);
-}
