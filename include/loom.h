@@ -70,6 +70,11 @@ loom_log_level loom_ctx_log_level(const loom_ctx *ctx);
 
 const char *loom_status_str(loom_status st);
 const char *loom_version(void);
+/* What this build has, space-separated: "cpu openmp blas mpi gloo cuda"
+ * (those built in). */
+const char *loom_features(void);
+/* GPUs this process can see (0 in a build without CUDA, or none visible). */
+int loom_gpu_count(void);
 
 /* dtypes: names as safetensors spells them ("F32", "BF16", ...). */
 const char *loom_dtype_name(loom_dtype dt);
@@ -198,6 +203,17 @@ void loom_model_get_info(const loom_model *m, loom_model_info *info);
 /* This process's rank and the world size of the model's job. */
 int loom_model_rank(const loom_model *m);
 int loom_model_world_size(const loom_model *m);
+/* The mesh the model runs on: sizes (resolved: no zeros) and this rank's
+ * coordinates, rank = tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank)). */
+typedef struct loom_mesh_info {
+    int world_size, rank;
+    int tp, cp, dp, pp, vpp, ep, etp, sequence_parallel, microbatch_group;
+    int tp_rank, cp_rank, dp_rank, pp_rank;
+    /* where per-token outputs and losses are computed: the last pipeline
+     * stage, tensor-parallel rank 0, context-parallel rank 0 */
+    int is_output_rank;
+} loom_mesh_info;
+void loom_model_get_mesh(const loom_model *m, loom_mesh_info *out);
 
 /* AdamW (torch semantics, fp32 master weights; no weight decay on 1-D
  * parameters). Without a scheduler lr and weight_decay are constant. */
@@ -228,6 +244,14 @@ typedef struct loom_batch {
     int64_t n_docs;
     /* Optional (rows, seq_len); NULL: positions restart at 0 in every document. */
     const int32_t *position_ids;
+    /* 0: the batch is the global batch, the same on every rank; each
+     * data-parallel rank takes its rows. 1: the rows are this data-parallel
+     * rank's own (the ranks of one replica, loom_model_mesh's `dp_rank`,
+     * pass the same rows; other replicas may pass other rows, any number
+     * and length): the way a data loader that slices by data-parallel rank
+     * feeds Megatron. Losses and token counts still cover every rank's
+     * rows; per-token outputs cover this rank's rows. */
+    int local;
 } loom_batch;
 
 typedef struct loom_fb_result {
@@ -276,6 +300,44 @@ void loom_model_zero_grad(loom_model *m);
 const char *loom_model_tensor_name(const loom_model *m, int64_t i, int *ndim, int64_t shape[2]);
 loom_status loom_model_get_param(loom_model *m, const char *name, float *dst, int64_t n);
 loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int64_t n);
+
+/* The parameter table: tensor i (< loom_model_info.num_tensors) by its HF
+ * name, its whole shape and the block this rank holds, where it lives. */
+typedef struct loom_param_info {
+    const char *name;        /* HF name; valid while the model lives */
+    int ndim;                /* 1 or 2 */
+    int64_t shape[2];        /* the whole tensor ([n, 1] for 1-D) */
+    int64_t local_shape[2];  /* held by this rank ({0, 0}: on another pipeline stage) */
+    int layer;               /* decoder layer, -1 for embedding, final norm, output layer */
+    int pp_stage;            /* pipeline rank holding it; the tied embedding's first stage */
+    int trainable;           /* 1 when it gets gradients (0 under LoRA) */
+} loom_param_info;
+loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_info *out);
+
+/* ---- Tokenizing samples with the model's tokenizer and chat template ---- */
+typedef struct loom_encoder loom_encoder;
+/* From a model or tokenizer directory: tokenizer.json, the chat template
+ * (tokenizer_config.json / chat_template.jinja) and the EOS token. */
+loom_status loom_encoder_create(loom_ctx *ctx, const char *dir, loom_encoder **out);
+void loom_encoder_free(loom_encoder *e);
+/* One sample, a JSON object as `loom train` reads in JSONL: {"text": ...},
+ * {"messages": [{"role", "content"}, ...]} (the chat template; loss on the
+ * assistant's tokens) or {"prompt", "completion"} (loss on the completion).
+ * *ids and *mask (1: the token is predicted; may be all 1) are malloc'd:
+ * free them with loom_free. append_eos: an EOS token after text and
+ * completion samples. */
+loom_status loom_encoder_encode(loom_ctx *ctx, const loom_encoder *e, const char *json,
+                                size_t len, int append_eos, int32_t **ids, uint8_t **mask,
+                                int64_t *n);
+/* Text of ids (malloc'd; loom_free). */
+loom_status loom_encoder_decode(loom_ctx *ctx, const loom_encoder *e, const int32_t *ids,
+                                int64_t n, char **text);
+int64_t loom_encoder_vocab_size(const loom_encoder *e);
+int32_t loom_encoder_eos_id(const loom_encoder *e); /* -1: none */
+/* NULL when the encoder has a chat template, else why it has none. */
+const char *loom_encoder_chat_error(const loom_encoder *e);
+/* Frees what loom allocated for the caller. */
+void loom_free(void *p);
 
 /* ---- LoRA adapters (PEFT's LoRA) ----
  * target_modules: "all-linear" (q, k, v, o, gate, up and down projections;

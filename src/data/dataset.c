@@ -329,6 +329,7 @@ loom_status loom_dataset_encoder_load(loom_ctx *ctx, const char *dir, loom_datas
     if ((st = loom_tokenizer_load(ctx, dir, &le->tok))) goto fail;
     if ((st = loom_tokenizer_encoder_create(ctx, le->tok, &le->wenc))) goto fail;
     le->e.self = le;
+    le->e.tokenizer = le->tok;
     le->e.encode_text = tok_encode_text;
     le->e.vocab_size = loom_tokenizer_vocab_size(le->tok);
     le->e.eos_id = -1;

@@ -107,6 +107,7 @@ typedef struct loom_dataset_encoder {
     const char *eos_token; /* its text, NULL when none */
     int64_t vocab_size;    /* recorded in the token file (0: none) */
     uint64_t fingerprint;  /* changes whenever the ids of some sample may change */
+    const struct loom_tokenizer *tokenizer; /* the loaded one's (decoding); NULL in tests */
 } loom_dataset_encoder;
 
 /* The encoder of a model or tokenizer directory (or a tokenizer.json path):

@@ -879,6 +879,51 @@ void loom_model_free(loom_model *m) {
 int loom_model_rank(const loom_model *m) { return loom_comm_rank(m->world); }
 int loom_model_world_size(const loom_model *m) { return loom_comm_size(m->world); }
 
+void loom_model_get_mesh(const loom_model *m, loom_mesh_info *out) {
+    const loom_mesh *me = m->mesh;
+    const loom_mesh_sizes *n = &me->n;
+    memset(out, 0, sizeof *out);
+    out->world_size = me->world;
+    out->rank = me->rank;
+    out->tp = n->tp, out->cp = n->cp, out->dp = n->dp, out->pp = n->pp;
+    out->vpp = n->vpp > 0 ? n->vpp : 1;
+    out->ep = n->ep > 0 ? n->ep : 1, out->etp = n->etp > 0 ? n->etp : 1;
+    out->sequence_parallel = n->sequence_parallel;
+    out->microbatch_group = n->vpp_group > 0 ? n->vpp_group : n->pp;
+    out->tp_rank = me->tp_rank, out->cp_rank = me->cp_rank;
+    out->dp_rank = me->dp_rank, out->pp_rank = me->pp_rank;
+    out->is_output_rank = me->pp_rank == n->pp - 1 && me->tp_rank == 0 && me->cp_rank == 0;
+}
+
+loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_info *out) {
+    if (!out) return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG, "loom_model_param_info: out is NULL");
+    if (i < 0 || i >= (int64_t)m->plan.n)
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
+                         "loom_model_param_info: tensor %lld of %zu does not exist", (long long)i,
+                         m->plan.n);
+    const loom_param_spec *p = &m->plan.p[i];
+    memset(out, 0, sizeof *out);
+    out->name = p->name;
+    out->ndim = p->ndim;
+    out->shape[0] = p->shape[0];
+    out->shape[1] = p->ndim == 2 ? p->shape[1] : 1;
+    out->layer = (int)p->layer;
+    const int pp = m->mesh->n.pp, vpp = m->vpp;
+    if (p->layer >= 0) {
+        const int64_t per = m->L / ((int64_t)pp * vpp);
+        out->pp_stage = (int)(p->layer / per % pp);
+    } else {
+        out->pp_stage = p->comp == LOOM_COMP_EMBED ? 0 : pp - 1;
+    }
+    const int s = loom_model_find_slot(m, p->name);
+    if (s >= 0) {
+        out->local_shape[0] = m->base.slots[s].rows;
+        out->local_shape[1] = m->base.slots[s].cols;
+        out->trainable = m->nadapters == 0;
+    }
+    return LOOM_OK;
+}
+
 void loom_model_get_info(const loom_model *m, loom_model_info *info) {
     memset(info, 0, sizeof *info);
     info->model_type = m->cfg.model_type;

@@ -203,7 +203,7 @@ const char *loom_mesh_describe(const loom_mesh_sizes *n, char *buf, size_t cap) 
 
 void loom_mesh_free(loom_mesh *m) {
     if (!m) return;
-    loom_comm *g[] = {m->tp, m->cp, m->dp, m->pp, m->dpcp, m->tpcp, m->embed};
+    loom_comm *g[] = {m->tp, m->cp, m->dp, m->pp, m->dpcp, m->tpcp, m->mp, m->embed};
     for (size_t i = 0; i < sizeof g / sizeof g[0]; i++) loom_comm_free(g[i]);
     free(m);
 }
@@ -283,6 +283,7 @@ loom_status loom_mesh_create(loom_ctx *ctx, loom_comm *world, const loom_mesh_si
         {&m->pp, "pp", t + T * (c + C * d), p},
         {&m->dpcp, "dpcp", t + T * p, c + C * d},
         {&m->tpcp, "tpcp", d + D * p, t + T * c},
+        {&m->mp, "mp", d, t + T * (c + C * p)},
         {&m->embed, "embed", P > 1 && (p == 0 || p == P - 1) ? t + T * (c + C * d) : -1, p},
     };
     for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++) {

@@ -34,12 +34,16 @@ typedef struct loom_mesh {
     loom_comm *dpcp;
     /* tp x cp (same dp, pp): rank in tpcp = tp_rank + tp * cp_rank */
     loom_comm *tpcp;
+    /* tp x cp x pp (same dp): one data-parallel replica of the model, where
+     * a data-parallel rank's per-token outputs are gathered; rank in mp =
+     * tp_rank + tp * (cp_rank + cp * pp_rank) */
+    loom_comm *mp;
     /* first and last pipeline stage with this rank's tp/cp/dp coordinates:
      * tied embedding gradients are summed here (rank 0 = first stage). NULL
      * when pp == 1 or this rank is on neither end. */
     loom_comm *embed;
 } loom_mesh;
-/* Groups are named "tp", "cp", "dp", "pp", "dpcp", "tpcp", "embed" in
+/* Groups are named "tp", "cp", "dp", "pp", "dpcp", "tpcp", "mp", "embed" in
  * messages; each holds the ranks that differ only in its coordinates,
  * ordered by those coordinates (loom_comm_rank(m->tp) == m->tp_rank, ...). */
 

@@ -326,6 +326,52 @@ static loom_status pp_connect(loom_model *m) {
     return st ? st : st2;
 }
 
+/* Every rank's verdict on its own batch: when some rank refused its batch,
+ * every rank returns an error (that rank its own message, the others one
+ * naming it). */
+static loom_status agree(loom_model *m, loom_status mine) {
+    loom_comm *w = m->world;
+    const int n = loom_comm_size(w);
+    if (n == 1) return mine;
+    int32_t *all = malloc((size_t)n * sizeof *all), me = (int32_t)mine;
+    if (!all) return mine ? mine : loom_errf(m->ctx, LOOM_ERR_OOM, "batch: out of memory");
+    loom_status st = loom_comm_allgather(w, &me, all, 1, LOOM_I32);
+    if (!st && !mine)
+        for (int q = 0; q < n; q++)
+            if (all[q]) {
+                st = loom_errf(m->ctx, (loom_status)all[q],
+                               "batch: rank %d refused its batch (%s; its message says why); "
+                               "no rank ran this call", q, loom_status_str((loom_status)all[q]));
+                break;
+            }
+    free(all);
+    return mine ? mine : st;
+}
+
+/* A replica's ranks (tp x cp x pp) run one batch together: with local
+ * batches they must agree on its shape, which is checked before anything
+ * waits on a peer that runs another shape. */
+static loom_status check_replica(loom_model *m, const loom_batch *b, int64_t nmicro) {
+    loom_comm *g = m->mesh->mp;
+    const int n = loom_comm_size(g);
+    if (n == 1) return LOOM_OK;
+    int64_t mine[3] = {b->rows, b->seq_len, nmicro}, *all;
+    if (!(all = loom_malloc(m->ctx, (size_t)n * sizeof mine, "batch shapes"))) return LOOM_ERR_OOM;
+    loom_status st = loom_comm_allgather(g, mine, all, 3, LOOM_I64);
+    for (int q = 0; q < n && !st; q++)
+        if (memcmp(all + 3 * q, mine, sizeof mine))
+            st = loom_errf(m->ctx, LOOM_ERR_SHAPE,
+                           "batch: the ranks of data-parallel replica %d disagree on the local "
+                           "batch: this rank has %lld rows x %lld tokens in %lld micro-batches, "
+                           "rank %d of the replica %lld x %lld in %lld; give the tensor, context "
+                           "and pipeline ranks of a replica the same rows",
+                           m->mesh->dp_rank, (long long)mine[0], (long long)mine[1],
+                           (long long)mine[2], q, (long long)all[3 * q],
+                           (long long)all[3 * q + 1], (long long)all[3 * q + 2]);
+    free(all);
+    return st;
+}
+
 /* Runs every micro-batch through this rank's chunks in the pipeline
  * schedule; fills the per-token outputs (global batch layout) when given. */
 static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool backward,
@@ -335,14 +381,20 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     /* the pipeline's rule for the micro-batch count first (rows and length
      * 0: only that), as it names the setting to change; then the batch */
     loom_status st = loom_mesh_check_batch(ctx, &n, 0, 0, nmicro);
-    if (st || (st = check_batch(m, b, nmicro)) ||
-        (st = loom_mesh_check_batch(ctx, &n, b->rows, b->seq_len, nmicro)))
-        return st;
+    if (!st) st = check_batch(m, b, nmicro);
+    if (!st)
+        st = loom_mesh_check_batch(ctx, &n, b->local ? b->rows * m->dp : b->rows, b->seq_len,
+                                   nmicro);
+    /* local batches differ between replicas: a batch refused on one rank
+     * stops every rank here, before anything waits on it */
+    if (b && b->local && (st = agree(m, st))) return st;
+    if (st || (b->local && (st = check_replica(m, b, nmicro)))) return st;
     if ((int64_t)m->vpp * nmicro >= TAG_BWD)
         return loom_errf(ctx, LOOM_ERR_CONFIG, "%lld micro-batches x vpp=%d is more than the "
                          "pipeline can tag (%d)", (long long)nmicro, m->vpp, TAG_BWD);
     const int nmb = (int)nmicro;
-    const int64_t S = b->seq_len, rows_dp = b->rows / m->dp, rows = rows_dp / nmb;
+    const int64_t S = b->seq_len, rows_dp = b->local ? b->rows : b->rows / m->dp,
+                  rows = rows_dp / nmb, row_base = b->local ? 0 : m->mesh->dp_rank * rows_dp;
     const loom_pp_shape shape = {.pp = m->pp, .vpp = m->vpp, .group = n.vpp_group, .nmb = nmb};
     loom_pp_plan plan;
     if ((st = loom_pp_plan_build(ctx, &shape, m->mesh->pp_rank, backward, &plan))) return st;
@@ -351,8 +403,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     if ((st = loom_k_upload(m, m->d_perm, m->perm, (size_t)(rows * S) * sizeof(int32_t))))
         goto done;
     for (int k = 0; k < nmb && !st; k++)
-        st = prepare_micro(m, b, (int64_t)m->mesh->dp_rank * rows_dp + (int64_t)k * rows, rows,
-                           &m->micro[k]);
+        st = prepare_micro(m, b, row_base + (int64_t)k * rows, rows, &m->micro[k]);
     if (st) goto done;
     const int64_t T = b->rows * S;
     if (tlp) memset(tlp, 0, (size_t)T * sizeof *tlp);
@@ -410,12 +461,14 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     /* the whole mesh's loss and token count; per-token outputs from the ranks
      * that computed them */
     if (loom_comm_size(m->world) > 1) {
+        /* a replica's own rows (local) are computed within its model group */
+        loom_comm *og = b->local ? m->mesh->mp : m->world;
         if ((st = loom_comm_allreduce(m->world, acc, 2, LOOM_F64, LOOM_RED_SUM))) goto done;
-        if (tlp && (st = loom_comm_allreduce(m->world, tlp, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
+        if (tlp && (st = loom_comm_allreduce(og, tlp, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
             goto done;
-        if (ent && (st = loom_comm_allreduce(m->world, ent, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
+        if (ent && (st = loom_comm_allreduce(og, ent, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
             goto done;
-        if (logits && (st = loom_comm_allreduce(m->world, logits, (size_t)(T * m->V), LOOM_F32,
+        if (logits && (st = loom_comm_allreduce(og, logits, (size_t)(T * m->V), LOOM_F32,
                                                 LOOM_RED_SUM)))
             goto done;
     }

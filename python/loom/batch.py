@@ -1,0 +1,238 @@
+"""Inputs to loom batches: samples (pre-tokenized, or text/messages through
+the model's tokenizer and chat template) packed into rows, split into
+micro-batches the pipeline schedule accepts.
+
+A sample is HF-style: input_ids and labels of the same length (labels[t] =
+input_ids[t] where token t is trained, -100 where not), or a loss_mask (1:
+trained). loom's batches are next-token style: targets[t] = labels[t + 1]
+within the sample, -100 at its last token.
+"""
+import json
+import numbers
+
+import numpy as np
+
+from .errors import InvalidArgumentError, ShapeError, ConfigError
+
+IGNORE = -100
+
+
+def _int_array(name, v, where):
+    try:
+        a = np.asarray(v)
+    except Exception as e:  # ragged lists and such
+        raise InvalidArgumentError("%s: %s cannot be read as an array (%s)" % (where, name, e))
+    if a.dtype == object or not (np.issubdtype(a.dtype, np.integer) or a.dtype == bool
+                                 or a.size == 0):
+        raise InvalidArgumentError("%s: %s must hold integers, not %s" % (where, name, a.dtype))
+    return a.astype(np.int64, copy=False)
+
+
+def _sample_from_ids(d, where):
+    ids = _int_array("input_ids", d["input_ids"], where)
+    if ids.ndim != 1:
+        raise ShapeError("%s: input_ids must be 1-D per sample, got shape %s" % (where, ids.shape))
+    if ids.size == 0:
+        raise ShapeError("%s: input_ids is empty" % where)
+    if "labels" in d and d["labels"] is not None:
+        labels = _int_array("labels", d["labels"], where)
+        if labels.shape != ids.shape:
+            raise ShapeError("%s: labels has shape %s, input_ids %s; give one label per token "
+                             "(-100 for no loss)" % (where, labels.shape, ids.shape))
+        bad = (labels != IGNORE) & (labels < 0)
+        if bad.any():
+            raise InvalidArgumentError("%s: labels[%d] = %d is negative and not -100"
+                                       % (where, int(np.argmax(bad)), int(labels[bad][0])))
+    elif "loss_mask" in d and d["loss_mask"] is not None:
+        mask = _int_array("loss_mask", d["loss_mask"], where)
+        if mask.shape != ids.shape:
+            raise ShapeError("%s: loss_mask has shape %s, input_ids %s"
+                             % (where, mask.shape, ids.shape))
+        if ((mask != 0) & (mask != 1)).any():
+            raise InvalidArgumentError("%s: loss_mask must hold 0 and 1 only" % where)
+        labels = np.where(mask == 1, ids, IGNORE)
+    else:
+        labels = ids.copy()
+    pos = None
+    if d.get("position_ids") is not None:
+        pos = _int_array("position_ids", d["position_ids"], where)
+        if pos.shape != ids.shape:
+            raise ShapeError("%s: position_ids has shape %s, input_ids %s"
+                             % (where, pos.shape, ids.shape))
+        if (pos < 0).any():
+            raise InvalidArgumentError("%s: position_ids must be >= 0" % where)
+    return ids, labels, pos
+
+
+_KNOWN = {"input_ids", "labels", "loss_mask", "position_ids", "attention_mask"}
+_RAW = {"text", "messages", "prompt", "completion"}
+
+
+def to_samples(inputs, encoder=None, append_eos=True, vocab_size=None):
+    """[(ids, labels, position_ids or None)] of the inputs (see the module)."""
+    if isinstance(inputs, dict):
+        if "input_ids" in inputs:
+            ids = np.asarray(inputs["input_ids"]) if not isinstance(inputs["input_ids"], list) \
+                else None
+            if ids is not None and ids.ndim == 2:  # a dict of (rows, seq) arrays
+                rows = []
+                am = inputs.get("attention_mask")
+                for r in range(ids.shape[0]):
+                    d = {k: np.asarray(v)[r] for k, v in inputs.items()
+                         if k in _KNOWN and v is not None}
+                    if am is not None:
+                        keep = np.asarray(d.pop("attention_mask")).astype(bool)
+                        d = {k: v[keep] for k, v in d.items()}
+                    rows.append(d)
+                inputs = rows
+            else:
+                inputs = [inputs]
+        else:
+            inputs = [inputs]
+    if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__iter__"):
+        raise InvalidArgumentError("inputs must be a list of samples (dicts with input_ids, or "
+                                   "text/messages with set_template), or a dict of arrays; got %s"
+                                   % type(inputs).__name__)
+    out = []
+    for i, s in enumerate(inputs):
+        where = "inputs[%d]" % i
+        if not isinstance(s, dict):
+            raise InvalidArgumentError("%s is a %s; each sample must be a dict" %
+                                       (where, type(s).__name__))
+        if "input_ids" in s:
+            extra = set(s) - _KNOWN - {"messages", "text"}
+            if extra and not all(k.startswith("_") for k in extra):
+                pass  # other keys (e.g. Twinkle's bookkeeping) ride along unused
+            ids, labels, pos = _sample_from_ids(s, where)
+        elif _RAW & set(s):
+            if encoder is None:
+                raise ConfigError("%s has %s but no input_ids: call set_template() first so loom "
+                                  "tokenizes it with the model's tokenizer and chat template"
+                                  % (where, "/".join(sorted(_RAW & set(s)))))
+            ids, labels = encoder.encode(s, append_eos=append_eos, where=where)
+            pos = None
+        else:
+            raise InvalidArgumentError("%s has none of input_ids, text, messages, prompt/completion "
+                                       "(keys: %s)" % (where, ", ".join(sorted(s)) or "none"))
+        if vocab_size is not None:
+            bad = (ids < 0) | (ids >= vocab_size)
+            if bad.any():
+                t = int(np.argmax(bad))
+                raise InvalidArgumentError("%s: input_ids[%d] = %d is outside the vocabulary "
+                                           "[0, %d) of this model; was it tokenized for another "
+                                           "model?" % (where, t, int(ids[t]), vocab_size))
+            bad = (labels != IGNORE) & (labels >= vocab_size)
+            if bad.any():
+                t = int(np.argmax(bad))
+                raise InvalidArgumentError("%s: labels[%d] = %d is outside the vocabulary [0, %d)"
+                                           % (where, t, int(labels[t]), vocab_size))
+        out.append((ids, labels, pos))
+    if not out:
+        raise InvalidArgumentError("inputs is empty: give at least one sample")
+    return out
+
+
+def _round_up(n, k):
+    return (n + k - 1) // k * k
+
+
+def micro_batch_count(rows, mbs, pp, vpp, group):
+    """Micro-batches for `rows` rows of `mbs`: enough, and a count the
+    interleaved schedule accepts (>= group, last group whole or >= pp)."""
+    nmb = max(1, -(-rows // mbs))
+    if vpp > 1:
+        g = group or pp
+        while nmb < g or (nmb % g and nmb % g < pp):
+            nmb += 1
+    return nmb
+
+
+class Packed:
+    """Rows of a batch and where each sample sits in them."""
+
+    def __init__(self, input_ids, targets, position_ids, cu_seqlens, places, nmb):
+        self.input_ids, self.targets, self.position_ids = input_ids, targets, position_ids
+        self.cu_seqlens, self.places, self.nmb = cu_seqlens, places, nmb
+
+    rows = property(lambda self: self.input_ids.shape[0])
+    seq_len = property(lambda self: self.input_ids.shape[1])
+
+
+def pack(samples, seq_len=None, divisor=1, micro_batch_size=None, pp=1, vpp=1, group=None):
+    """Samples into rows: with seq_len, greedily as `loom train` packs (the next
+    sample goes into the current row when it fits, else starts the next); without,
+    one sample per row padded to the longest. Row length a multiple of `divisor`.
+    Then padded with empty rows to whole micro-batches of micro_batch_size rows
+    (default: all rows in one micro-batch without a pipeline, 1 row with one)."""
+    lens = [len(s[0]) for s in samples]
+    if seq_len is not None:
+        if not isinstance(seq_len, numbers.Integral) or seq_len < 2:
+            raise InvalidArgumentError("seq_len=%r must be an int >= 2" % (seq_len,))
+        S = _round_up(int(seq_len), divisor)
+        for i, n in enumerate(lens):
+            if n > S:
+                raise ShapeError("inputs[%d] has %d tokens, more than seq_len=%d; truncate it or "
+                                 "raise seq_len" % (i, n, S))
+        rows, cur, room = [], [], S
+        for i, n in enumerate(lens):
+            if n > room and cur:
+                rows.append(cur)
+                cur, room = [], S
+            cur.append(i)
+            room -= n
+        rows.append(cur)
+    else:
+        S = _round_up(max(lens), divisor)
+        rows = [[i] for i in range(len(samples))]
+    if micro_batch_size is None:
+        mbs = len(rows) if pp == 1 else 1
+    else:
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, numbers.Integral) \
+                or micro_batch_size < 1:
+            raise InvalidArgumentError("micro_batch_size=%r must be an int >= 1"
+                                       % (micro_batch_size,))
+        mbs = int(micro_batch_size)
+    nmb = micro_batch_count(len(rows), mbs, pp, vpp, group)
+    R = nmb * mbs
+    ids = np.zeros((R, S), np.int32)
+    tg = np.full((R, S), IGNORE, np.int32)
+    pos = np.zeros((R, S), np.int32)
+    cu, places = [0], [None] * len(samples)
+    for r in range(R):
+        off = 0
+        for i in (rows[r] if r < len(rows) else ()):
+            sid, lab, p = samples[i]
+            n = len(sid)
+            ids[r, off:off + n] = sid
+            tg[r, off:off + n - 1] = lab[1:]
+            pos[r, off:off + n] = p if p is not None else np.arange(n)
+            places[i] = (r, off, n)
+            off += n
+            cu.append(r * S + off)
+        if off < S:  # padding: a segment of its own
+            pos[r, off:] = np.arange(S - off)
+            cu.append((r + 1) * S)
+    return Packed(ids, tg, pos, np.asarray(cu, np.int32), places, nmb)
+
+
+def unpack(flat, packed, shift=True):
+    """Per-sample arrays from a per-token (rows*seq_len) output, label-aligned:
+    out[t] belongs to token t (the prediction made at t-1); out[0] = 0."""
+    S = packed.seq_len
+    res = []
+    for (r, off, n) in packed.places:
+        a = np.zeros(n, flat.dtype)
+        seg = flat[r * S + off: r * S + off + n]
+        if shift:
+            a[1:] = seg[:n - 1]
+        else:
+            a[:] = seg
+        res.append(a)
+    return res
+
+
+def dumps(sample):
+    try:
+        return json.dumps(sample, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError("a sample cannot be written as JSON for the tokenizer: %s" % e)
