@@ -133,7 +133,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
 MPI_TEST_OBJ := $(MPI_TEST_SRC:%.c=$(BUILD)/obj/%.o)
 
-.PHONY: all lib test test-fast test-mpi test-nccl fuzz check clean config bench-tokenizer
+.PHONY: all lib test test-fast test-mpi test-nccl test-python fuzz check clean config bench-tokenizer
 all: $(BUILD)/libloom.a $(BUILD)/libloom.so $(BUILD)/loom
 
 config:
@@ -181,6 +181,13 @@ test:
 # Same tests, optimised build, no sanitizers.
 test-fast: $(BUILD)/loom $(BUILD)/loom_tests
 	LOOM_BIN=$(BUILD)/loom $(BUILD)/loom_tests $(T)
+
+# The Python package (python/loom) with pytest, on the optimised library of
+# $(BUILD): the API in one process, the usage example under mpirun and under
+# launcher variables without MPI (Gloo), over Ray, and `pip install .` in a
+# fresh virtual environment. T=expr picks tests (pytest -k).
+test-python: $(BUILD)/libloom.so $(BUILD)/loom
+	LOOM_BUILD=$(abspath $(BUILD)) $(PYTHON) -m pytest -q -rs tests/python $(if $(T),-k "$(T)")
 
 # The MPI tests: one program run by every rank under mpirun -np N for each
 # N in MPI_NP (sanitizer build; leak detection off, OpenMPI itself leaks).
@@ -284,6 +291,7 @@ $(BUILD)/tokenizer_bench: $(BUILD)/obj/bench/tokenizer_bench.o $(BUILD)/libloom.
 check:
 	$(MAKE) --no-print-directory test
 	$(MAKE) --no-print-directory test-mpi
+	$(MAKE) --no-print-directory test-python
 	$(MAKE) --no-print-directory fuzz
 
 clean:

@@ -253,7 +253,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     } else if (s->lora_r) {
         loom_lora_config lc = {.r = (int)s->lora_r, .lora_alpha = s->lora_alpha,
                                .target_modules = s->lora_target, .use_rslora = s->use_rslora,
-                               .seed = 1234};
+                               .seed = (uint64_t)s->seed};
         if ((st = loom_model_add_adapter(m, "default", &lc))) goto done;
         LOOM_LOG_I(ctx, "LoRA r=%d alpha=%g on %s; the base model is frozen", lc.r,
                    lc.lora_alpha > 0 ? lc.lora_alpha : lc.r, s->lora_target);

@@ -18,7 +18,7 @@ class LoraConfig:
     lora_dropout: float = 0.0
     target_modules: object = None  # None: PEFT's default (q_proj, v_proj); 'all-linear'; a list
     use_rslora: bool = False
-    seed: int = 42
+    seed: object = None  # None: the model's seed (MegatronModel's seed=, default 42)
     extra: dict = field(default_factory=dict, repr=False)
 
 
@@ -75,7 +75,7 @@ def normalize(config):
                                    "peft.LoraConfig, a dict or a PEFT directory, not %s"
                                    % type(config).__name__)
     out = {"r": 8, "lora_alpha": None, "lora_dropout": 0.0, "target_modules": None,
-           "use_rslora": False, "seed": 42}
+           "use_rslora": False, "seed": None}
     for k, v in fields.items():
         if k in _ACCEPTED:
             out[k] = v
@@ -102,4 +102,5 @@ def normalize(config):
         raise InvalidArgumentError("LoRA lora_dropout=%r must lie in [0, 1)" % drop)
     return {"r": r, "lora_alpha": alpha, "lora_dropout": drop,
             "target_modules": _targets(out["target_modules"]),
-            "use_rslora": bool(out["use_rslora"]), "seed": int(out["seed"])}
+            "use_rslora": bool(out["use_rslora"]),
+            "seed": None if out["seed"] is None else int(out["seed"])}

@@ -366,7 +366,8 @@ class MegatronModel:
             lc = L.LoraConfig_(r=cfg["r"], lora_alpha=cfg["lora_alpha"],
                                lora_dropout=cfg["lora_dropout"],
                                target_modules=cfg["target_modules"].encode(),
-                               use_rslora=int(cfg["use_rslora"]), seed=cfg["seed"])
+                               use_rslora=int(cfg["use_rslora"]),
+                               seed=self._seed if cfg["seed"] is None else cfg["seed"])
             self._ctx.check(L.lib.loom_model_add_adapter(self._h, adapter_name.encode(),
                                                          C.byref(lc)), "add_adapter_to_model")
         gas = kwargs.get("gradient_accumulation_steps", 1)
@@ -414,12 +415,12 @@ class MegatronModel:
             raise UnsupportedError("Unsupported scheduler: %r, only support "
                                    "OptimizerParamScheduler currently" % (scheduler_cls,))
         _check_kwargs("set_lr_scheduler", kwargs, _SCHED_KWARGS)
-        g = self._group(adapter_name)
-        if g.opt is None:
-            raise ConfigError("set_lr_scheduler: call set_optimizer first (Twinkle's order)")
         if "lr_decay_steps" not in kwargs:
             raise InvalidArgumentError("set_lr_scheduler: lr_decay_steps is required (the steps "
                                        "over which the lr decays)")
+        g = self._group(adapter_name)
+        if g.opt is None:
+            raise ConfigError("set_lr_scheduler: call set_optimizer first (Twinkle's order)")
         s = L.lib.loom_sched_config_default()
         w = "set_lr_scheduler"
         s.max_lr = _num(w, "max_lr", kwargs.get("max_lr", 1e-4), 0)
@@ -521,7 +522,8 @@ class MegatronModel:
         and accumulates gradients. Returns a Result: loss (of every rank's
         tokens of this call), num_tokens, loss_sum."""
         self._check_open()
-        _check_kwargs("forward_backward", kwargs, {"temperature"})
+        _check_kwargs("forward_backward", kwargs, {"inputs", "micro_batch_size", "adapter_name",
+                                                   "seq_len"})
         if inputs is None:
             raise InvalidArgumentError("forward_backward: inputs is required")
         g = self._group(adapter_name)
@@ -540,7 +542,8 @@ class MegatronModel:
         logps[i][t] = log p(token t | tokens < t), 0 at t = 0), and the loss.
         return_logits: logits[i] (len, vocab), row t predicting token t + 1."""
         self._check_open()
-        _check_kwargs("forward_only", kwargs, set())
+        _check_kwargs("forward_only", kwargs, {"inputs", "micro_batch_size", "adapter_name",
+                                               "seq_len", "temperature", "return_logits"})
         if inputs is None:
             raise InvalidArgumentError("forward_only: inputs is required")
         if temperature != 1.0:
@@ -613,8 +616,11 @@ class MegatronModel:
                 if not n:
                     break
                 a = np.empty((shape[0], shape[1]), np.float32)
-                self._ctx.check(L.lib.loom_model_get_param(self._h, n, L.f32_ptr(a), a.size),
-                                "get_state_dict")
+                key = n.decode()
+                for part in (".lora_A.", ".lora_B."):  # this adapter's, by name
+                    key = key.replace(part, part + name + ".")
+                self._ctx.check(L.lib.loom_model_get_param(self._h, key.encode(), L.f32_ptr(a),
+                                                           a.size), "get_state_dict")
                 out[n.decode()] = a
                 i += 1
             return out

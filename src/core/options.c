@@ -31,7 +31,8 @@ static const loom_option table[] = {
     {"max_shard_size", LOOM_OPT_SIZE, "5GB",
      "largest safetensors shard written (e.g. 5GB, 500MB, 2GiB)", OFF(max_shard_size), NULL,
      LOOM_CMD_INIT | LOOM_CMD_CONVERT | CMD_TRAIN, 1, INT64_MAX},
-    {"seed", LOOM_OPT_INT, "1234", "random seed", OFF(seed), NULL, LOOM_CMD_INIT, 0,
+    {"seed", LOOM_OPT_INT, "1234", "random seed (init: the weights; train: a fresh LoRA "
+     "adapter's A and its dropout)", OFF(seed), NULL, LOOM_CMD_INIT | LOOM_CMD_TRAIN, 0,
      INT64_MAX},
     {"format", LOOM_OPT_CHOICE, "text", "output format", OFF(format), "text|json",
      LOOM_CMD_INSPECT, 0, 0},

@@ -1,0 +1,367 @@
+"""MegatronModel's API in one process: results against the HF fixtures,
+Twinkle's semantics, and a clear LoomError for every bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, LOOM, ROOT, env, random_samples
+
+import loom
+from loom import DataLoader, DeviceMesh, LoraConfig, MegatronModel
+
+QWEN3 = os.path.join(FIXTURES, "models", "tiny-qwen3")
+
+
+def golden(name="tiny-qwen3"):
+    from safetensors.numpy import load_file
+    return load_file(os.path.join(FIXTURES, "golden", name + ".safetensors"))
+
+
+def model(path=QWEN3, **kw):
+    kw.setdefault("mixed_precision", "no")
+    return MegatronModel(path, **kw)
+
+
+@pytest.fixture(scope="module")
+def m():
+    x = model()
+    yield x
+    x.close()
+
+
+def label_samples(ids, targets):
+    """HF-style samples of the fixture's rows: labels[t] = targets[t - 1]."""
+    out = []
+    for i, t in zip(ids, targets):
+        lab = np.full(len(i), -100)
+        lab[1:] = t[:-1]
+        out.append({"input_ids": i, "labels": lab})
+    return out
+
+
+def test_forward_only_matches_the_hf_fixture(m):
+    g = golden()
+    r = m.forward_only(inputs=label_samples(g["input_ids"], g["targets"]), return_logits=True)
+    for i in range(2):
+        want = g["token_logprobs"][i][:-1]
+        got = r["logps"][i][1:]
+        mask = g["targets"][i][:-1] != -100
+        assert np.abs(got[mask] - want[mask]).max() < 1e-5
+        assert np.abs(r["entropy"][i][1:] - g["entropy"][i][:-1]).max() < 1e-5
+        assert np.abs(r["logits"][i] - g["logits"][i]).max() < 1e-4
+    assert abs(r["loss"] - json.load(open(os.path.join(FIXTURES, "golden", "tiny-qwen3.json")))
+               ["loss"]) < 1e-5
+
+
+def test_forward_only_packs_documents_like_the_hf_fixture(m):
+    g = golden()
+    ids, cu = g["packed.input_ids"][0], g["packed.cu_seqlens"]
+    docs = [{"input_ids": ids[a:b]} for a, b in zip(cu[:-1], cu[1:])]
+    r = m.forward_only(inputs=docs, seq_len=int(cu[-1]))
+    for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        want = g["packed.token_logprobs"][0][a:b - 1]
+        assert np.abs(r["logps"][d][1:] - want).max() < 1e-5
+
+
+def test_lengths_and_dict_of_arrays_give_the_same_logps(m):
+    s = random_samples(3, 12, seed=3)
+    a = m.forward_only(inputs=s)
+    arr = {"input_ids": np.array([x["input_ids"] for x in s])}
+    b = m.forward_only(inputs=arr)
+    for x, y in zip(a["logps"], b["logps"]):
+        assert np.array_equal(x, y)
+    # a shorter sample padded in a row of its own gives the same values
+    c = m.forward_only(inputs=[{"input_ids": s[0]["input_ids"][:5]}] + s[1:])
+    assert np.abs(c["logps"][1] - a["logps"][1]).max() < 1e-6
+    assert np.abs(c["logps"][0] - a["logps"][0][:5]).max() < 1e-6
+
+
+def test_gradient_accumulation_steps_as_twinkle():
+    x = model()
+    x.set_optimizer("default", lr=1e-3)
+    data = random_samples(8, 16, seed=1)
+    stepped = []
+    for i in range(5):
+        x.forward_backward(inputs=data[i:i + 1])
+        stepped.append(x.clip_grad_and_step(gradient_accumulation_steps=2)["stepped"])
+    assert stepped == [True, False, True, False, True]  # (calls - 1) % gas == 0
+    x.close()
+
+
+def test_accumulated_calls_equal_one_call_of_their_samples():
+    data = random_samples(6, 16, seed=2)
+    a, b = model(), model()
+    for x in (a, b):
+        x.set_optimizer("default", lr=1e-2)
+        x.forward_backward(inputs=data[:2])
+        x.clip_grad_and_step()
+    a.forward_backward(inputs=data[2:4])
+    assert not a.clip_grad_and_step(gradient_accumulation_steps=2)["stepped"]
+    a.forward_backward(inputs=data[4:6])
+    ra = a.clip_grad_and_step(gradient_accumulation_steps=2)
+    b.forward_backward(inputs=data[2:6])
+    rb = b.clip_grad_and_step()
+    assert ra["stepped"] and rb["stepped"]
+    assert abs(ra["grad_norm"] - rb["grad_norm"]) < 1e-5 * rb["grad_norm"]
+    assert abs(ra["loss"] - rb["loss"]) < 1e-6
+    sa, sb = a.get_state_dict(), b.get_state_dict()
+    for k in sb:
+        assert np.abs(sa[k] - sb[k]).max() < 1e-5, k  # AdamW at lr 1e-2: float sums
+    a.close(), b.close()
+
+
+def test_lora_save_and_reload_and_several_adapters(tmp_path):
+    x = model()
+    x.add_adapter_to_model("a", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    x.add_adapter_to_model("b", {"r": 2, "target_modules": ["q_proj", "v_proj"]})
+    x.set_optimizer("default", adapter_name="a", lr=1e-2)
+    x.set_optimizer("default", adapter_name="b", lr=1e-2)
+    b0 = x.get_state_dict(adapter_name="b")
+    data = random_samples(4, 16, seed=4)
+    for _ in range(2):
+        x.forward_backward(inputs=data, adapter_name="a")
+        x.clip_grad_and_step(adapter_name="a")
+    b1 = x.get_state_dict(adapter_name="b")
+    assert all(np.array_equal(b0[k], b1[k]) for k in b0)  # b untouched by a's training
+    sa = x.get_state_dict(adapter_name="a")
+    assert any("lora_B" in k and np.abs(v).max() > 0 for k, v in sa.items())
+    path = x.save("lora-a", output_dir=str(tmp_path), adapter_name="a")
+    assert os.path.isfile(os.path.join(path, "adapter_config.json"))
+    want = x.forward_only(inputs=data, adapter_name="a")
+    y = model()
+    y.add_adapter_to_model("a", path)
+    got = y.forward_only(inputs=data)
+    for p, q in zip(got["logps"], want["logps"]):
+        assert np.abs(p - q).max() < 1e-5
+    merged = x.save("merged", output_dir=str(tmp_path), adapter_name="a", merge_lora=True)
+    z = model(merged)
+    for p, q in zip(z.forward_only(inputs=data)["logps"], want["logps"]):
+        assert np.abs(p - q).max() < 1e-4
+    for o in (x, y, z):
+        o.close()
+
+
+def test_save_hf_and_state_dict(m, tmp_path):
+    from safetensors.numpy import load_file
+    sd = m.get_state_dict()
+    path = m.save("full", output_dir=str(tmp_path))
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    w = {}
+    for f in files:
+        w.update(load_file(os.path.join(path, f)))
+    assert set(w) == set(sd)
+    for k in sd:
+        assert np.array_equal(w[k].astype(np.float32), sd[k]), k
+    assert os.path.isfile(os.path.join(path, "tokenizer.json"))
+
+
+def test_set_template_tokenizes_as_the_chat_template(m):
+    m.set_template("Template")
+    with open(os.path.join(FIXTURES, "tokenizer", "chat_cases.jsonl")) as f:
+        case = json.loads(f.readline())
+    ids, labels = m._encoder.encode({"messages": case["messages"]})
+    assert ids.tolist() == case["ids"]
+    assert ((labels != -100).astype(int)).tolist() == case["assistant_mask"]
+    r = m.forward_only(inputs=[{"messages": case["messages"]}, {"text": "hello world"}])
+    assert len(r["logps"][0]) == len(case["ids"])
+    r2 = m.forward_only(inputs=[{"input_ids": ids, "labels": labels}])
+    assert np.abs(r["logps"][0] - r2["logps"][0]).max() < 1e-5  # another batch shape
+
+
+def test_model_id_resolution(tmp_path, monkeypatch):
+    from loom.hub import resolve_model
+    snap = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--Org--Tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--Org--Tiny" / "refs" / "main").write_text("abc")
+    ms = tmp_path / "ms" / "models" / "Org" / "Qwen3-0___6B"
+    ms.mkdir(parents=True)
+    (ms / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms"))
+    assert resolve_model("hf://Org/Tiny") == str(snap)
+    assert resolve_model("Org/Tiny") == str(snap)
+    assert resolve_model("ms://Org/Qwen3-0.6B") == str(ms)
+    with pytest.raises(loom.NotFoundError, match="looked in"):
+        resolve_model("ms://Org/Missing")
+
+
+def test_dataloader_slices_by_data_parallel_rank_and_resumes(monkeypatch):
+    data = [{"input_ids": [i]} for i in range(12)]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")  # tp=2: dp rank 1
+    mesh = DeviceMesh.from_sizes(tp_size=2)
+    assert mesh.dp_size == 2
+    dl = DataLoader(data, batch_size=4, device_mesh=mesh)
+    batches = [[s["input_ids"][0] for s in b] for b in dl]
+    assert batches == [[2, 3], [6, 7], [10, 11]]
+    dl2 = DataLoader(data, batch_size=4, device_mesh=mesh, shuffle=True, seed=5)
+    it = iter(dl2)
+    first = next(it)
+    st = dl2.state_dict()
+    rest = list(it)
+    dl3 = DataLoader(data, batch_size=4, device_mesh=mesh, shuffle=True, seed=5)
+    dl3.load_state_dict(st)
+    assert list(dl3) == rest and first not in rest
+
+
+def test_python_m_loom_runs_the_command():
+    p = subprocess.run([sys.executable, "-m", "loom", "version"], capture_output=True, text=True,
+                       env=env(), cwd=os.path.join(ROOT, "python"))
+    assert p.returncode == 0 and p.stdout.startswith("loom "), p.stderr
+
+
+def test_train_configs(m):
+    s = m.get_train_configs()
+    assert "DP size: 1" in s and "TP size: 1" in s
+
+
+# ---- bad input: every one raises a LoomError that says what is wrong ----
+
+BAD_CALLS = [
+    ("forward_backward", dict(inputs="hello"), loom.InvalidArgumentError, "list of samples"),
+    ("forward_backward", dict(inputs=[]), loom.InvalidArgumentError, "empty"),
+    ("forward_backward", dict(inputs=[[1, 2, 3]]), loom.InvalidArgumentError, "must be a dict"),
+    ("forward_backward", dict(inputs=[{"input_ids": [1, 2], "labels": [1]}]), loom.ShapeError,
+     "one label per token"),
+    ("forward_backward", dict(inputs=[{"input_ids": [1, 5000]}]), loom.InvalidArgumentError,
+     "outside the vocabulary"),
+    ("forward_backward", dict(inputs=[{"input_ids": [1.5, 2]}]), loom.InvalidArgumentError,
+     "integers"),
+    ("forward_backward", dict(inputs=[{"input_ids": [[1, 2]]}]), loom.ShapeError, "1-D"),
+    ("forward_backward", dict(inputs=[{"input_ids": [1, 2], "labels": [1, -5]}]),
+     loom.InvalidArgumentError, "negative"),
+    ("forward_backward", dict(inputs=[{"foo": 1}]), loom.InvalidArgumentError, "none of"),
+    ("forward_backward", dict(inputs=[{"input_ids": [1, 2]}], micro_batch_size=0),
+     loom.InvalidArgumentError, "micro_batch_size"),
+    ("forward_backward", dict(inputs=[{"input_ids": list(range(40))}], seq_len=8),
+     loom.ShapeError, "more than seq_len"),
+    ("forward_backward", dict(inputs=[{"input_ids": [1, 2]}], micro_batchsize=2),
+     loom.InvalidArgumentError, "did you mean 'micro_batch_size'"),
+    ("forward_only", dict(inputs=[{"input_ids": [1, 2]}], temperature=0.5),
+     loom.UnsupportedError, "temperature"),
+    ("forward_backward", dict(inputs=[{"input_ids": [1, 2]}], adapter_name="nope"),
+     loom.NotFoundError, "does not exist"),
+    ("set_optimizer", dict(optimizer_cls="SGD"), loom.UnsupportedError,
+     "only support MegatronOptimizer"),
+    ("set_optimizer", dict(lr="high"), loom.InvalidArgumentError, "must be a number"),
+    ("set_optimizer", dict(lr=-1.0), loom.InvalidArgumentError, "out of range"),
+    ("set_optimizer", dict(adam_beta1=1.0), loom.InvalidArgumentError, "out of range"),
+    ("set_optimizer", dict(learning_rate=1e-3), loom.InvalidArgumentError, "unknown option"),
+    ("set_lr_scheduler", dict(max_lr=1e-3), loom.InvalidArgumentError, "lr_decay_steps"),
+    ("set_lr_scheduler", dict(scheduler_cls="StepLR"), loom.UnsupportedError,
+     "OptimizerParamScheduler"),
+    ("clip_grad_and_step", dict(gradient_accumulation_steps=0), loom.InvalidArgumentError,
+     "gradient_accumulation_steps"),
+    ("clip_grad_and_step", dict(norm_type=1), loom.UnsupportedError, "L2"),
+    ("add_adapter_to_model", dict(adapter_name="", config_or_dir={"r": 4}),
+     loom.InvalidArgumentError, "non-empty"),
+    ("add_adapter_to_model", dict(adapter_name="x", config_or_dir={"r": 0}),
+     loom.InvalidArgumentError, "r=0"),
+    ("add_adapter_to_model", dict(adapter_name="x", config_or_dir={"r": 4, "target_modules":
+                                                                     ["lm_head"]}),
+     loom.UnsupportedError, "lm_head"),
+    ("add_adapter_to_model", dict(adapter_name="x", config_or_dir={"r": 4, "use_dora": True}),
+     loom.UnsupportedError, "use_dora"),
+    ("add_adapter_to_model", dict(adapter_name="x", config_or_dir={"rank": 4}),
+     loom.InvalidArgumentError, "unknown field"),
+    ("add_adapter_to_model", dict(adapter_name="x", config_or_dir="/nonexistent"),
+     loom.InvalidArgumentError, "adapter_config.json"),
+    ("save", dict(name="x", save_format="megatron"), loom.UnsupportedError, "save_format"),
+]
+
+
+@pytest.mark.parametrize("method,kw,err,text", BAD_CALLS,
+                         ids=["%s-%d" % (c[0], i) for i, c in enumerate(BAD_CALLS)])
+def test_bad_calls_raise_clear_errors(m, method, kw, err, text):
+    with pytest.raises(err, match=text) as e:
+        getattr(m, method)(**kw)
+    assert isinstance(e.value, loom.LoomError)
+
+
+def test_text_without_template_asks_for_set_template():
+    x = model()
+    with pytest.raises(loom.ConfigError, match="set_template"):
+        x.forward_backward(inputs=[{"text": "hi"}])
+    x.close()
+
+
+@pytest.mark.parametrize("kw,err,text", [
+    (dict(device_mesh=DeviceMesh(2, 1, 1)), loom.MeshError, "has 2 ranks"),
+    (dict(mixed_precision="int8"), loom.InvalidArgumentError, "mixed_precision"),
+    (dict(recompute_granularity="some"), loom.InvalidArgumentError, "recompute_granularity"),
+    (dict(recompute_method="block"), loom.UnsupportedError, "uniform"),
+    (dict(tensor_parallel=2), loom.InvalidArgumentError, "unknown option"),
+    (dict(sequence_paralel=True), loom.InvalidArgumentError, "did you mean 'sequence_parallel'"),
+    (dict(config=[1]), loom.InvalidArgumentError, "config must be a dict"),
+    (dict(config={"num_hidden_layers": -1}), loom.LoomError, "num_hidden_layers"),
+    (dict(device="tpu"), loom.InvalidArgumentError, "device"),
+    (dict(load_weights=False), loom.UnsupportedError, "loom init"),
+    (dict(device_mesh="tp=2"), loom.InvalidArgumentError, "DeviceMesh"),
+])
+def test_bad_constructions_raise_clear_errors(kw, err, text):
+    with pytest.raises(err, match=text):
+        model(**kw)
+
+
+def test_missing_model_names_where_it_looked():
+    with pytest.raises(loom.NotFoundError, match="looked in"):
+        MegatronModel("ms://NoSuchOrg/NoSuchModel")
+    with pytest.raises(loom.InvalidArgumentError):
+        MegatronModel(42)
+
+
+def test_bad_meshes():
+    with pytest.raises(loom.MeshError, match="vpp_size=2 needs pp_size > 1"):
+        DeviceMesh.from_sizes(vpp_size=2)
+    with pytest.raises(loom.MeshError, match=">= 1"):
+        DeviceMesh.from_sizes(tp_size=0)
+    with pytest.raises(loom.InvalidArgumentError, match="must be an int"):
+        DeviceMesh.from_sizes(tp_size="2")
+    with pytest.raises(loom.MeshError, match="8 processes, but the world has 4"):
+        DeviceMesh.from_sizes(dp_size=2, tp_size=2, pp_size=2, world_size=4)
+    with pytest.raises(loom.MeshError, match="not divisible"):
+        os.environ["WORLD_SIZE"] = "6"
+        try:
+            DeviceMesh.from_sizes(tp_size=4)
+        finally:
+            del os.environ["WORLD_SIZE"]
+
+
+def test_dataloader_bad_input(tmp_path):
+    with pytest.raises(loom.InvalidArgumentError, match="batch_size"):
+        DataLoader([{"input_ids": [1]}], batch_size=0)
+    with pytest.raises(loom.InvalidArgumentError, match="empty"):
+        DataLoader([], batch_size=1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(loom.FormatError, match="bad.jsonl:2"):
+        DataLoader(str(bad), batch_size=1)
+    with pytest.raises(loom.LoomIOError):
+        DataLoader(str(tmp_path / "missing.jsonl"), batch_size=1)
+
+
+def test_lr_scheduler_follows_megatron():
+    x = model()
+    x.set_optimizer("default", lr=1.0)
+    x.set_lr_scheduler("default", max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=6,
+                       lr_decay_style="linear")
+    data = random_samples(1, 8, seed=9)
+    got = []
+    for _ in range(8):
+        x.forward_backward(inputs=data)
+        got.append(x.clip_grad_and_step()["lr"])
+
+    def lr(n):  # Megatron's OptimizerParamScheduler.get_lr after n steps
+        if n <= 2:
+            return 1e-3 * n / 2
+        if n > 6:
+            return 1e-4
+        return 1e-4 + (1 - (n - 2) / 4) * (1e-3 - 1e-4)
+    assert np.allclose(got, [lr(k) for k in range(8)], rtol=1e-9, atol=1e-12), got
+    x.close()

@@ -1,0 +1,99 @@
+"""The usage example under mpirun and under a torchrun-style environment
+without MPI, against `loom train` on the same data and settings."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import LOOM, ROOT, env, have_mpirun, features, mpirun, random_samples, \
+    train_reference
+
+import loom
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "example.py")
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """32 samples of exactly SEQ tokens (one per row in `loom train`), as JSONL
+    for the DataLoader and as a token file for `loom train`."""
+    d = tmp_path_factory.mktemp("spmd")
+    samples = random_samples(32, SEQ, seed=7)
+    jl = str(d / "samples.jsonl")
+    with open(jl, "w") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+    tok = str(d / "samples.tokens")
+    loom.write_tokens(tok, samples, vocab_size=1024)
+    return jl, tok
+
+
+def _losses(out):
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.skipif(not have_mpirun(), reason="no mpirun, or loom built without MPI")
+def test_example_under_mpirun_matches_loom_train(tiny_model, data, tmp_path):
+    jl, tok = data
+    out = str(tmp_path / "losses.json")
+    mpirun(8, [sys.executable, SCRIPT, tiny_model, jl, out, "2", "2", "2"])
+    got = _losses(out)["losses"]
+    ref = train_reference(tiny_model, tok, steps=4, seq_len=SEQ, gbs=8, mesh="tp=2,pp=2", np_=8)
+    assert len(got) == len(ref) == 4
+    for g, r in zip(got, ref):
+        assert abs(g - r) < 1e-5, (got, ref)
+    # and the one-process run of the same script
+    out1 = str(tmp_path / "losses1.json")
+    subprocess.run([sys.executable, SCRIPT, tiny_model, jl, out1, "1", "1", "1"], check=True,
+                   env=env(), capture_output=True)
+    for g, r in zip(_losses(out1)["losses"], ref):
+        assert abs(g - r) < 1e-5
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif("gloo" not in features(),
+                    reason="loom built without Gloo: install libgloo-dev and rebuild")
+def test_example_under_torchrun_environment_without_mpi(tiny_model, data, tmp_path):
+    jl, tok = data
+    out = str(tmp_path / "losses.json")
+    port = _free_port()
+    procs = []
+    for r in range(8):
+        e = env(RANK=r, WORLD_SIZE=8, LOCAL_RANK=r, LOCAL_WORLD_SIZE=8, MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port, LOOM_COMM_TIMEOUT=60)
+        for k in list(e):
+            if k.startswith(("OMPI_", "PMI", "PMIX")) and k not in ("OMPI_ALLOW_RUN_AS_ROOT",
+                                                                    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+                del e[k]
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, tiny_model, jl, out, "2", "2",
+                                       "2"], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, "rank %d:\n%s" % (r, logs[r][-3000:])
+    ref = train_reference(tiny_model, tok, steps=4, seq_len=SEQ, gbs=8)
+    for g, rr in zip(_losses(out)["losses"], ref):
+        assert abs(g - rr) < 1e-5
+
+
+@pytest.mark.skipif(not have_mpirun(), reason="no mpirun, or loom built without MPI")
+def test_lora_example_under_mpirun_matches_loom_train(tiny_model, data, tmp_path):
+    jl, tok = data
+    out = str(tmp_path / "losses.json")
+    mpirun(4, [sys.executable, SCRIPT, tiny_model, jl, out, "2", "1", "2", "4"])
+    ref = train_reference(tiny_model, tok, steps=4, seq_len=SEQ, gbs=8,
+                          extra=["--lora-r", "4", "--lora-alpha", "8", "--lora-target",
+                                 "all-linear", "--seed", "42"])
+    got = _losses(out)["losses"]
+    for g, r in zip(got, ref):
+        assert abs(g - r) < 1e-5, (got, ref)
