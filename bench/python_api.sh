@@ -54,8 +54,9 @@ import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 n, mode, ref, got = sys.argv[3], sys.argv[4], float(sys.argv[5]), float(sys.argv[6])
 dl = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
-print("gpus=%s %-5s loom train %9.0f tok/s  python %9.0f tok/s  ratio %.4f  max |loss diff| %.2e"
-      % (n, mode, ref, got, got / ref, dl))
+print("gpus=%s %-5s loom train %9.0f tok/s  python %9.0f tok/s  ratio %.4f  loss step 1 %.6f / "
+      "%.6f, max |loss diff| %.2e" % (n, mode, ref, got, got / ref, a["losses"][0],
+                                      b["losses"][0], dl))
 PY
     done
 done

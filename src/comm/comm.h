@@ -147,8 +147,10 @@ void loom_comm_abort(loom_comm *c, const char *msg, int code) __attribute__((nor
  * launcher's variables give the ranks (RANK/WORLD_SIZE, else
  * OMPI_COMM_WORLD_RANK/SIZE, else SLURM_PROCID/SLURM_NTASKS; none: one
  * rank) and rank 0 hands the id to the others over TCP: it listens on
- * MASTER_PORT (default 29500) and the others connect to MASTER_ADDR:
- * MASTER_PORT, retrying until LOOM_COMM_TIMEOUT. Each rank uses the GPU of
+ * MASTER_PORT (default 29500; under torchrun, which holds that port for its
+ * own store, MASTER_PORT + 1; LOOM_MASTER_PORT overrides both) and the
+ * others connect to MASTER_ADDR at that port, retrying until
+ * LOOM_COMM_TIMEOUT. Each rank uses the GPU of
  * its local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID,
  * else its position among the ranks on its host; GPU 0 when only one is
  * visible). NCCL_NVLS_ENABLE=0 is set unless the environment sets it.

@@ -101,7 +101,9 @@ typedef struct loom_launch {
     const char *rank_var;    /* "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", NULL (default) */
     const char *local_var;   /* the variable local_rank came from, or NULL */
     char addr[256];          /* MASTER_ADDR ("" when unset) */
-    int port;                /* MASTER_PORT (29500 when unset) */
+    int port;                /* LOOM_MASTER_PORT, else MASTER_PORT (29500 when unset), plus
+                              * one under torchrun (TORCHELASTIC_RUN_ID set), whose agent
+                              * listens on MASTER_PORT itself */
 } loom_launch;
 loom_status loom_launch_from_env(loom_ctx *ctx, loom_launch *out);
 

@@ -109,6 +109,15 @@ loom_status loom_launch_from_env(loom_ctx *ctx, loom_launch *out) {
             return loom_errf(ctx, LOOM_ERR_CONFIG, "MASTER_PORT='%s' is not a port (1-65535)",
                              getenv("MASTER_PORT"));
         out->port = (int)p;
+        /* torchrun's agent holds MASTER_PORT for its own store: meet one above */
+        if (getenv("TORCHELASTIC_RUN_ID") && out->port < 65535) out->port++;
+    }
+    bad = false;
+    if (env_int("LOOM_MASTER_PORT", 1, 65535, &p, &bad)) {
+        if (bad)
+            return loom_errf(ctx, LOOM_ERR_CONFIG, "LOOM_MASTER_PORT='%s' is not a port (1-65535)",
+                             getenv("LOOM_MASTER_PORT"));
+        out->port = (int)p;
     }
     return LOOM_OK;
 }
