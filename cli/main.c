@@ -62,20 +62,7 @@ static const loom_cli_cmd *find_command(const char *name) {
 }
 
 static void version(void) {
-    printf("loom %s\nfeatures: cpu", loom_version());
-#ifdef _OPENMP
-    printf(" openmp");
-#endif
-#ifdef LOOM_HAVE_BLAS
-    printf(" blas");
-#endif
-#ifdef LOOM_HAVE_MPI
-    printf(" mpi");
-#endif
-#ifdef LOOM_HAVE_CUDA
-    printf(" cuda");
-#endif
-    printf("\n");
+    printf("loom %s\nfeatures: %s\n", loom_version(), loom_features());
 #ifdef LOOM_HAVE_CUDA
     loom_ctx *ctx;
     if (loom_ctx_create(&ctx) == LOOM_OK) {
