@@ -311,7 +311,21 @@ class MegatronModel:
             return
         self._wrapped = True
         for fn in self._pre_hooks + self._post_hooks:
-            fn(self.parameters_table())
+            table = self.parameters_table()
+            before = [p["trainable"] for p in table]
+            fn(table)
+            if [p["trainable"] for p in table] != before:
+                raise UnsupportedError("a wrap hook changed 'trainable': freezing single "
+                                       "parameters or layers is not implemented in loom yet "
+                                       "(LoRA freezes the whole base model)")
+
+    @classmethod
+    def meta(cls, model_id, device_mesh=None, **kwargs):
+        """Megatron-Bridge's meta_model: not implemented yet (use `loom inspect
+        DIR --mesh tp=2,pp=2` for the per-rank memory prediction)."""
+        raise UnsupportedError("MegatronModel.meta is not implemented yet; `loom inspect "
+                               "MODEL_DIR --mesh tp=2,pp=2,dp=2 --seq-len S` predicts the "
+                               "per-rank memory without loading weights")
 
     # ---- adapters ----
     def _group(self, adapter_name):

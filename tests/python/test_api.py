@@ -365,3 +365,18 @@ def test_lr_scheduler_follows_megatron():
         return 1e-4 + (1 - (n - 2) / 4) * (1e-3 - 1e-4)
     assert np.allclose(got, [lr(k) for k in range(8)], rtol=1e-9, atol=1e-12), got
     x.close()
+
+
+def test_wrap_hooks_see_the_parameter_table():
+    seen = []
+    x = model(pre_wrap_hook=lambda t: seen.append(t))
+    x.set_optimizer("default")
+    names = [p["name"] for p in seen[0]]
+    assert "model.embed_tokens.weight" in names and len(names) == x.info.num_tensors
+    p = seen[0][names.index("model.layers.1.mlp.up_proj.weight")]
+    assert p["layer"] == 1 and p["shape"] == (128, 64) and p["trainable"] and p["pp_stage"] == 0
+    y = model()
+    y.register_pre_wrap_hook(lambda t: t[0].update(trainable=False))
+    with pytest.raises(loom.UnsupportedError, match="not implemented"):
+        y.set_optimizer("default")
+    x.close(), y.close()
