@@ -4,12 +4,14 @@
 #   make CUDA=1          also the CUDA backend (cuBLASLt, cuDNN, NCCL)
 #   make test            builds with address/undefined-behaviour sanitizers and runs the tests
 #   make test-mpi        the collectives and the mesh under mpirun -np 1..4 (sanitizer build)
+#   make test-gloo       the same collectives on Gloo, ranks started with RANK/WORLD_SIZE (no MPI)
 #   make CUDA=1 test-nccl  the NCCL backend on every GPU: mpirun (with MPI) and TCP rendezvous
 #   make fuzz            libFuzzer targets (clang) for FUZZ_SECONDS each (default 60)
-#   make check           test + test-mpi + fuzz: what CI runs
+#   make check           test + test-mpi + test-gloo + fuzz: what CI runs
 #
 # Knobs: CC, BUILD (output dir), SAN=1 (sanitizers), WERROR=1, DEBUG=1,
 #        BLAS=auto|openblas|blas|none, OPENMP=1|0, MPI=auto|0 (OpenMPI's mpicc),
+#        GLOO=auto|0 (Debian's libgloo-dev: CPU collectives without MPI; CXX compiles its shim),
 #        CUDA=1 with CUDA_HOME, NCCL_HOME, CUDNN_HOME, CUDA_ARCH (default 90).
 
 CC      ?= cc
@@ -21,6 +23,7 @@ BLAS    ?= auto
 OPENMP  ?= 1
 CUDA    ?= 0
 MPI     ?= auto
+GLOO    ?= auto
 PYTHON  ?= python3
 FUZZ_SECONDS ?= 60
 
@@ -80,6 +83,17 @@ ifneq ($(MPI),0)
   endif
 endif
 
+# ---- Gloo (CPU ranks without MPI): a C++ shim over libgloo (no pkg-config file) ----
+ifneq ($(GLOO),0)
+  GLOO_PROBE := $(shell printf '$(HASH)include <gloo/transport/tcp/device.h>\nint main(){gloo::transport::tcp::attr a("localhost");return a.hostname.empty();}\n' \
+                 | $(CXX) -std=c++17 -x c++ - -lgloo -o /dev/null >/dev/null 2>&1 && echo ok)
+  ifeq ($(GLOO_PROBE),ok)
+    HAVE_GLOO := 1
+    CFLAGS_BASE += -DLOOM_HAVE_GLOO
+    LDLIBS += -lgloo -lstdc++
+  endif
+endif
+
 # ---- CUDA: toolkit, cuDNN and NCCL under CUDA_HOME or a Python env's nvidia/* ----
 ifeq ($(CUDA),1)
   NVCC_PATH := $(shell command -v nvcc 2>/dev/null)
@@ -121,23 +135,31 @@ ifeq ($(CUDA),1)
 endif
 
 CFLAGS := $(CFLAGS_BASE) $(OPT) $(SANFLAGS) $(EXTRA_CFLAGS)
+# C++ (the Gloo shim): the C flags' defines and warnings, C++17
+CXXFLAGS := -std=c++17 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wno-unused-parameter -Iinclude -fPIC \
+            -MMD -MP $(filter -D% -Werror,$(CFLAGS_BASE)) $(OPT) $(SANFLAGS)
 LDFLAGS += $(SANFLAGS)
 
 LIB_SRC  := $(wildcard src/*/*.c src/*/*/*.c)
 CLI_SRC  := $(wildcard cli/*.c)
 # tests/common: the runner parts the three test programs share
-TEST_SRC := $(wildcard tests/*.c) tests/common/runner.c
+TEST_SRC := $(wildcard tests/*.c) tests/common/runner.c tests/common/spawn.c
 MPI_TEST_SRC := $(wildcard tests/mpi/*.c) tests/common/runner.c tests/common/ranks.c
-LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(CU_SRC:%.cu=$(BUILD)/obj/%.o)
+CC_SRC   := $(if $(HAVE_GLOO),src/comm/comm_gloo.cc)
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(CU_SRC:%.cu=$(BUILD)/obj/%.o) $(CC_SRC:%.cc=$(BUILD)/obj/%.o)
 CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
 MPI_TEST_OBJ := $(MPI_TEST_SRC:%.c=$(BUILD)/obj/%.o)
+# tests/gloo: its runner and tests, and the comm and mesh tests of tests/mpi
+GLOO_TEST_SRC := $(wildcard tests/gloo/*.c) tests/mpi/test_comm.c tests/mpi/test_mesh.c \
+                 tests/common/runner.c tests/common/ranks.c tests/common/spawn.c
+GLOO_TEST_OBJ := $(GLOO_TEST_SRC:%.c=$(BUILD)/obj/%.o)
 
-.PHONY: all lib test test-fast test-mpi test-nccl fuzz check clean config bench-tokenizer
+.PHONY: all lib test test-fast test-mpi test-gloo test-nccl fuzz check clean config bench-tokenizer
 all: $(BUILD)/libloom.a $(BUILD)/libloom.so $(BUILD)/loom
 
 config:
-	@echo "CC=$(CC) BLAS=$(if $(BLAS_LIB),$(BLAS_LIB),none (C fallback)) OPENMP=$(OPENMP) MPI=$(if $(HAVE_MPI),$(MPI_LINK),none) CUDA=$(CUDA) SAN=$(SAN)"
+	@echo "CC=$(CC) BLAS=$(if $(BLAS_LIB),$(BLAS_LIB),none (C fallback)) OPENMP=$(OPENMP) MPI=$(if $(HAVE_MPI),$(MPI_LINK),none) GLOO=$(if $(HAVE_GLOO),-lgloo,none) CUDA=$(CUDA) SAN=$(SAN)"
 ifeq ($(CUDA),1)
 	@echo "CUDA_HOME=$(CUDA_HOME) NCCL_HOME=$(NCCL_HOME) CUDNN_HOME=$(CUDNN_HOME) CUDA_ARCH=$(CUDA_ARCH)"
 endif
@@ -145,6 +167,10 @@ endif
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cc
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -c $< -o $@
 
 $(BUILD)/obj/%.o: %.cu
 	@mkdir -p $(dir $@)
@@ -169,6 +195,9 @@ $(BUILD)/loom_tests: $(TEST_OBJ) $(BUILD)/libloom.a
 
 $(BUILD)/loom_mpi_tests: $(MPI_TEST_OBJ) $(BUILD)/libloom.a
 	$(CC) $(LDFLAGS) -o $@ $(MPI_TEST_OBJ) -Wl,--whole-archive $(BUILD)/libloom.a -Wl,--no-whole-archive $(LDLIBS)
+
+$(BUILD)/loom_gloo_tests: $(GLOO_TEST_OBJ) $(BUILD)/libloom.a
+	$(CC) $(LDFLAGS) -o $@ $(GLOO_TEST_OBJ) -Wl,--whole-archive $(BUILD)/libloom.a -Wl,--no-whole-archive $(LDLIBS)
 
 # Tests run against the sanitizer build; a sanitizer report aborts (a signal),
 # which the tests of the command line count as a crash.
@@ -203,13 +232,33 @@ else
 	@echo "test-mpi: skipped: no MPI (mpicc --showme failed, or MPI=0); install openmpi-bin and libopenmpi-dev"
 endif
 
+# The Gloo tests: tests/gloo/'s program starts N ranks of itself with
+# RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (--spawn N, torchrun's variables,
+# no mpirun) for each N in GLOO_NP; they run tests/mpi's collectives and
+# mesh tests and tests/gloo's own (timeouts, a rank that ends). Sanitizer
+# build (Gloo itself is not instrumented; leak detection off, as for MPI).
+GLOO_NP ?= 1 2 3 4
+GLOO_ENV := ASAN_OPTIONS=abort_on_error=1:detect_leaks=0:allocator_may_return_null=1 \
+            UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:abort_on_error=1 LOOM_COMM_TIMEOUT=30
+test-gloo:
+ifeq ($(HAVE_GLOO),1)
+	$(MAKE) --no-print-directory BUILD=build-san SAN=1 WERROR=1 build-san/loom_gloo_tests
+	@set -e; for n in $(GLOO_NP); do \
+	    echo "test-gloo: $$n process(es)"; \
+	    $(GLOO_ENV) build-san/loom_gloo_tests --spawn $$n $(T); \
+	done
+else
+	@echo "test-gloo: skipped: no Gloo (GLOO=0, or no libgloo: apt-get install libgloo-dev)"
+endif
+
 # The NCCL tests (CUDA=1): tests/nccl/ is its own program, linked with the
 # core and comm objects only (no kernels to build). First its CPU part
 # (launcher variables, the TCP rendezvous; no GPU needed), then, with one
 # process per GPU: under mpirun when MPI is there and there are 2+ GPUs,
 # and started by the program itself (--spawn N: RANK/WORLD_SIZE/MASTER_ADDR,
 # the TCP rendezvous). Not a sanitizer build (ASan and CUDA do not mix).
-NCCL_TEST_SRC := $(wildcard tests/nccl/*.c) tests/common/runner.c tests/common/ranks.c
+NCCL_TEST_SRC := $(wildcard tests/nccl/*.c) tests/common/runner.c tests/common/ranks.c \
+                 tests/common/spawn.c
 NCCL_TEST_OBJ := $(NCCL_TEST_SRC:%.c=$(BUILD)/obj/%.o)
 NCCL_LIB_OBJ  := $(filter $(BUILD)/obj/src/core/% $(BUILD)/obj/src/comm/%,$(LIB_OBJ))
 NCCL_NP  ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
@@ -284,6 +333,7 @@ $(BUILD)/tokenizer_bench: $(BUILD)/obj/bench/tokenizer_bench.o $(BUILD)/libloom.
 check:
 	$(MAKE) --no-print-directory test
 	$(MAKE) --no-print-directory test-mpi
+	$(MAKE) --no-print-directory test-gloo
 	$(MAKE) --no-print-directory fuzz
 
 clean:

@@ -36,6 +36,15 @@ void loom_ranks_init(int (*rank)(void), int (*size)(void));
 int loom_ranks_run(const loom_test_entry *t, bool *failed_here);
 void loom_ranks_verdict(const loom_test_entry *t, double t0_ms, int n_bad, bool any_skip,
                         const int *failed, int stride);
+/* Ranks started by hand (tests/common/spawn.c): a free TCP port on
+ * 127.0.0.1; torchrun's variables for rank of n (RANK, WORLD_SIZE,
+ * LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT=port),
+ * an MPI launcher's and Slurm's removed; --spawn N: n copies of this
+ * program (argv[0] = prog) with them, waited for (limit_var: the seconds
+ * before they are killed, default 900); 0 when every rank succeeded. */
+int loom_test_free_port(void);
+void loom_test_rank_env(int rank, int n, int port);
+int loom_test_spawn(int n, int argc, char **argv, const char *prog, const char *limit_var);
 void loom_test_fail(const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Set when the current test must stop (REQUIRE failed). */

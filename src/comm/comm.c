@@ -222,7 +222,8 @@ loom_status loom_comm_copy(loom_comm *c, const char *what, void *dst, const void
  * floating-point types. */
 static bool reducible(const loom_comm *c, loom_dtype dt) {
     if (dt == LOOM_F32 || dt == LOOM_F64 || dt == LOOM_I32 || dt == LOOM_I64) return true;
-    return (dt == LOOM_BF16 || dt == LOOM_F16) && strcmp(loom_comm_backend_name(c), "mpi");
+    const char *b = loom_comm_backend_name(c);
+    return (dt == LOOM_BF16 || dt == LOOM_F16) && strcmp(b, "mpi") && strcmp(b, "gloo");
 }
 
 /* Checks shared by every operation: a usable group, a known dtype, buffers
@@ -269,8 +270,8 @@ static loom_status check_rank(loom_comm *c, const char *op, const char *what, in
 
 /* ---- the public interface ---- */
 
-#ifndef LOOM_HAVE_MPI
-static const char *launcher_size(void) {
+/* The MPI launcher variable that is set, or NULL. */
+static const char *mpi_launcher(void) {
     const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
         const char *v = getenv(vars[i]);
@@ -278,13 +279,69 @@ static const char *launcher_size(void) {
     }
     return NULL;
 }
-#endif
 
 static loom_status single_world(loom_ctx *ctx, loom_comm **out);
+
+static loom_status gloo_world(loom_ctx *ctx, loom_comm **out, const char *why) {
+#ifdef LOOM_HAVE_GLOO
+    return loom_comm_gloo_world(ctx, out);
+#else
+    return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                     "%s, but this loom was built without Gloo (the CPU collectives without "
+                     "MPI): install Debian's libgloo-dev (apt-get install libgloo-dev) and "
+                     "rebuild, or start the ranks under mpirun",
+                     why);
+#endif
+}
+
+/* AUTO: MPI under an MPI launcher (in a build with MPI), else Gloo when the
+ * launcher's variables ask for several ranks, else one process. */
+static loom_status auto_world(loom_ctx *ctx, loom_comm **out) {
+    const char *mpi_var = mpi_launcher();
+#ifdef LOOM_HAVE_MPI
+    if (mpi_var || loom_comm_mpi_initialized()) return loom_comm_mpi_world(ctx, out);
+#endif
+    loom_launch l;
+    loom_status st = loom_launch_from_env(ctx, &l);
+    if (st) return st;
+    if (l.size > 1) {
+        char why[200];
+        const char *size_var = !strcmp(l.rank_var, "RANK")                   ? "WORLD_SIZE"
+                               : !strcmp(l.rank_var, "OMPI_COMM_WORLD_RANK") ? "OMPI_COMM_WORLD_SIZE"
+                                                                             : "SLURM_NTASKS";
+        snprintf(why, sizeof why, "%s=%d and %s=%d ask for %d ranks", l.rank_var, l.rank,
+                 size_var, l.size, l.size);
+        return gloo_world(ctx, out, why);
+    }
+#ifndef LOOM_HAVE_MPI
+    const char *sz = getenv("OMPI_COMM_WORLD_SIZE");
+    if (!sz) sz = getenv("PMI_SIZE");
+    if (mpi_var && !(sz && strcmp(sz, "1") == 0))
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "started by an MPI launcher (%s is set), but this loom was built "
+                         "without MPI; install libopenmpi-dev and rebuild",
+                         mpi_var);
+#endif
+    return single_world(ctx, out);
+}
 
 loom_status loom_comm_world(loom_ctx *ctx, loom_comm_backend backend, loom_comm **out) {
     if (!out) return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_comm_world: out is NULL");
     *out = NULL;
+    const char *pick = getenv("LOOM_COMM_BACKEND");
+    if (backend == LOOM_COMM_AUTO && pick && *pick) {
+        if (!strcmp(pick, "mpi"))
+            backend = LOOM_COMM_MPI;
+        else if (!strcmp(pick, "gloo"))
+            backend = LOOM_COMM_GLOO;
+        else if (!strcmp(pick, "single"))
+            backend = LOOM_COMM_SINGLE;
+        else if (strcmp(pick, "auto"))
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "LOOM_COMM_BACKEND='%s': give mpi, gloo, single or auto (CPU "
+                             "ranks; GPU ranks use NCCL)",
+                             pick);
+    }
     switch (backend) {
     case LOOM_COMM_SINGLE:
         return single_world(ctx, out);
@@ -295,6 +352,8 @@ loom_status loom_comm_world(loom_ctx *ctx, loom_comm_backend backend, loom_comm 
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                          "this loom was built without MPI; install libopenmpi-dev and rebuild");
 #endif
+    case LOOM_COMM_GLOO:
+        return gloo_world(ctx, out, "the Gloo backend was asked for");
     case LOOM_COMM_NCCL:
 #ifdef LOOM_HAVE_CUDA
         return loom_comm_nccl_world(ctx, out);
@@ -303,27 +362,8 @@ loom_status loom_comm_world(loom_ctx *ctx, loom_comm_backend backend, loom_comm 
                          "this loom was built without CUDA, so without the NCCL backend; "
                          "rebuild with make CUDA=1");
 #endif
-    case LOOM_COMM_AUTO: {
-#ifdef LOOM_HAVE_MPI
-        const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"};
-        bool launched = loom_comm_mpi_initialized();
-        for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-            const char *v = getenv(vars[i]);
-            if (v && *v) launched = true;
-        }
-        if (launched) return loom_comm_mpi_world(ctx, out);
-#else
-        const char *var = launcher_size();
-        const char *sz = getenv("OMPI_COMM_WORLD_SIZE");
-        if (!sz) sz = getenv("PMI_SIZE");
-        if (var && !(sz && strcmp(sz, "1") == 0))
-            return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                             "started by an MPI launcher (%s is set), but this loom was built "
-                             "without MPI; install libopenmpi-dev and rebuild",
-                             var);
-#endif
-        return single_world(ctx, out);
-    }
+    case LOOM_COMM_AUTO:
+        return auto_world(ctx, out);
     }
     return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "unknown communication backend %d", (int)backend);
 }

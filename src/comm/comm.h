@@ -1,7 +1,8 @@
-/* Collectives over process groups. One interface, three backends: a
+/* Collectives over process groups. One interface, four backends: a
  * one-process backend (every group has one rank; collectives copy or do
- * nothing), MPI (CPU ranks) and NCCL (GPU ranks, on CUDA streams; built
- * with `make CUDA=1`, see "The NCCL backend" below).
+ * nothing), MPI (CPU ranks under mpirun), Gloo (CPU ranks without MPI:
+ * torchrun, Slurm, Ray; see "The Gloo backend" below) and NCCL (GPU ranks,
+ * on CUDA streams; built with `make CUDA=1`, see "The NCCL backend").
  *
  * Semantics follow NCCL so that the NCCL backend fits without changing
  * callers:
@@ -14,13 +15,13 @@
  *    through cudaMemcpy when either buffer is device memory and are
  *    complete on return; a process that never started CUDA copies with
  *    memmove without calling CUDA.
- *    Counts are in elements of `dt` (MPI: at most INT_MAX elements per
- *    call, counting every rank's block);
+ *    Gloo: host memory. Counts are in elements of `dt` (MPI: at most
+ *    INT_MAX elements per call, counting every rank's block);
  *  - a collective is called by every rank of the group, in the same order;
  *  - reductions (allreduce, reduce_scatter) take F32, F64, I32 and I64 on
  *    every backend, and BF16 and F16 on NCCL and the one-process backend
- *    (GPU activations); MPI refuses those with LOOM_ERR_UNSUPPORTED (reduce
- *    an F32 copy). Data movement (allgather,
+ *    (GPU activations); MPI and Gloo refuse those with LOOM_ERR_UNSUPPORTED
+ *    (reduce an F32 copy). Data movement (allgather,
  *    broadcast, alltoall, send/recv) takes every dtype;
  *  - send/recv between group_start() and group_end() are posted together
  *    and all complete at group_end() (NCCL's ncclGroupStart/End), so a rank
@@ -54,11 +55,16 @@ typedef struct loom_comm loom_comm;
 typedef struct loom_comm_req loom_comm_req;
 
 typedef enum loom_comm_backend {
-    LOOM_COMM_AUTO = 0, /* MPI when started by a launcher (OMPI_COMM_WORLD_SIZE, PMI_SIZE or
-                         * PMIX_RANK set) or MPI is already initialised, else single */
+    LOOM_COMM_AUTO = 0, /* MPI when started by an MPI launcher (OMPI_COMM_WORLD_SIZE,
+                         * PMI_SIZE or PMIX_RANK set) or MPI is already initialised, in a
+                         * build with MPI; else Gloo when the launcher's variables ask for
+                         * several ranks (RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE,
+                         * SLURM_PROCID/SLURM_NTASKS); else single. The environment variable
+                         * LOOM_COMM_BACKEND=mpi|gloo|single|auto overrides the choice. */
     LOOM_COMM_SINGLE,
     LOOM_COMM_MPI,
     LOOM_COMM_NCCL, /* GPU ranks (make CUDA=1); never chosen by AUTO */
+    LOOM_COMM_GLOO, /* CPU ranks without MPI (a build with libgloo-dev) */
 } loom_comm_backend;
 
 typedef enum loom_red_op { LOOM_RED_SUM = 0, LOOM_RED_MAX } loom_red_op;
@@ -68,8 +74,9 @@ typedef enum loom_red_op { LOOM_RED_SUM = 0, LOOM_RED_MAX } loom_red_op;
  * log prefixes (loom_ctx_set_rank). Errors go to `ctx` for the life of the
  * group and of every group split from it. Backends not built in give
  * LOOM_ERR_UNSUPPORTED with what to rebuild; AUTO started by an MPI
- * launcher in a loom built without MPI is refused the same way (rather
- * than running N copies that each believe they are rank 0). */
+ * launcher in a loom built without MPI (and without RANK/WORLD_SIZE), or
+ * asked for several ranks in a loom without Gloo, is refused the same way
+ * (rather than running N copies that each believe they are rank 0). */
 loom_status loom_comm_world(loom_ctx *ctx, loom_comm_backend backend, loom_comm **out);
 /* Frees a group (NULL is a no-op); waits for this group's outstanding sends
  * first. Freeing the world group finalises MPI when loom initialised it,
@@ -77,7 +84,7 @@ loom_status loom_comm_world(loom_ctx *ctx, loom_comm_backend backend, loom_comm 
 void loom_comm_free(loom_comm *c);
 int loom_comm_rank(const loom_comm *c);
 int loom_comm_size(const loom_comm *c);
-const char *loom_comm_backend_name(const loom_comm *c); /* "single", "mpi", "nccl" */
+const char *loom_comm_backend_name(const loom_comm *c); /* "single", "mpi", "gloo", "nccl" */
 const char *loom_comm_name(const loom_comm *c);         /* "world", "tp", ... */
 loom_ctx *loom_comm_ctx(const loom_comm *c);            /* where its errors go */
 /* Seconds a blocking wait on this group may take before it fails
@@ -134,7 +141,8 @@ loom_status loom_comm_allgather_async(loom_comm *c, const void *send, void *recv
 loom_status loom_comm_wait(loom_comm *c, loom_comm_req *req);
 
 /* Ends every process of the job after printing "loom: error on rank R:
- * <msg>" to stderr (MPI_Abort; single: exit(code)). Never returns. Only
+ * <msg>" to stderr (MPI_Abort; single and Gloo: _exit/exit(code), see "The
+ * Gloo backend"). Never returns. Only
  * cli/ calls it; with cli/ it is the only code that ends the process. c may
  * be NULL (then this process exits alone). */
 void loom_comm_abort(loom_comm *c, const char *msg, int code) __attribute__((noreturn));
@@ -199,5 +207,35 @@ void loom_comm_abort(loom_comm *c, const char *msg, int code) __attribute__((nor
  *    group_end waits for completion;
  *  - a timed-out recv leaves the group unusable (NCCL cannot cancel);
  *  - zero-element operations return at once without calling NCCL. */
+
+/* The Gloo backend (LOOM_COMM_GLOO; src/comm/comm_gloo.cc, a C++ shim over
+ * Debian's libgloo-dev, built when the Makefile finds it: GLOO=auto|0).
+ *
+ * Start: one process per rank, told its place by the launcher's variables
+ * as for NCCL above (RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE,
+ * SLURM_PROCID/SLURM_NTASKS; MASTER_ADDR, MASTER_PORT default 29500): no
+ * MPI. Each rank opens Gloo's TCP transport on the address that routes to
+ * MASTER_ADDR (GLOO_SOCKET_IFNAME names an interface instead) and the
+ * ranks exchange their connection addresses over loom's TCP rendezvous
+ * (rank 0 listens on MASTER_PORT; a rank that cannot start fails every
+ * rank, naming it). Splits exchange theirs over the parent group.
+ *
+ * Semantics are the MPI backend's: host buffers, matching by (peer, tag),
+ * sends outside a group copied (the copies are released as they complete,
+ * by a thread of the group), send/recv inside a group posted together and
+ * completed at group_end, the *_async variants complete before they
+ * return (their request is already done), reduce_scatter is an alltoall
+ * then a reduction in rank order.
+ * Differences:
+ *  - a timed-out wait (collective, recv or group_end) leaves the group
+ *    unusable: Gloo closes every connection of the group when a wait times
+ *    out (MPI cancels a timed-out receive), so the peers' next operation on
+ *    it fails at once too;
+ *  - a failed or timed-out collective names the members not in it: a thread
+ *    of every rank answers "where are you?" on a second connection mesh of
+ *    the group, like the MPI backend's diagnosis;
+ *  - loom_comm_abort ends this process only (Gloo has no MPI_Abort): its
+ *    connections close, so a peer waiting on it fails at once, and one
+ *    waiting on another rank within the timeout, naming the missing rank. */
 
 #endif /* LOOM_COMM_H */

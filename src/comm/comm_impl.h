@@ -7,7 +7,7 @@
 #include "comm.h"
 
 typedef struct loom_comm_vt {
-    const char *name; /* "single", "mpi" */
+    const char *name; /* "single", "mpi", "gloo", "nccl" */
     void (*free)(loom_comm *c);
     loom_status (*split)(loom_comm *parent, int color, int key, const char *name,
                          loom_comm **out);
@@ -87,6 +87,11 @@ loom_status loom_comm_mpi_world(loom_ctx *ctx, loom_comm **out);
 bool loom_comm_mpi_initialized(void);
 #endif
 
+#ifdef LOOM_HAVE_GLOO
+/* comm_gloo.cc (C++, extern "C") */
+loom_status loom_comm_gloo_world(loom_ctx *ctx, loom_comm **out);
+#endif
+
 #ifdef LOOM_HAVE_CUDA
 loom_status loom_comm_nccl_world(loom_ctx *ctx, loom_comm **out);
 #endif
@@ -116,6 +121,15 @@ loom_status loom_launch_from_env(loom_ctx *ctx, loom_launch *out);
 loom_status loom_rendezvous(loom_ctx *ctx, const char *addr, int port, int rank, int size,
                             double timeout_s, bool ok, const char *why, void *blob, size_t len,
                             int *local_rank, int *local_size);
+
+/* The same meeting, where every rank brings `len` bytes (`mine`, the same
+ * len on every rank, at most 1 MiB and 64 MiB in all) and every rank
+ * receives all of them in rank order in `all` (size * len bytes). The
+ * Gloo backend exchanges its connection addresses with it. */
+loom_status loom_rendezvous_allgather(loom_ctx *ctx, const char *addr, int port, int rank,
+                                      int size, double timeout_s, bool ok, const char *why,
+                                      const void *mine, size_t len, void *all, int *local_rank,
+                                      int *local_size);
 
 /* A polling wait's pause: the first `spin` calls return at once, the next
  * ones up to `yield` yield the core, later ones sleep `sleep_us`. */

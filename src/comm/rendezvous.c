@@ -1,15 +1,19 @@
 /* Launcher variables and the TCP rendezvous that hands rank 0's NCCL id to
- * the other ranks when the job was not started by mpirun (torchrun-style:
- * RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Plain POSIX
- * sockets, built on every configuration (the NCCL backend is its only
- * user; the tests of tests/nccl/ run it without a GPU).
+ * the other ranks, or gathers every rank's Gloo addresses, when the job was
+ * not started by mpirun (torchrun-style: RANK, WORLD_SIZE, LOCAL_RANK,
+ * MASTER_ADDR, MASTER_PORT). Plain POSIX sockets, built on every
+ * configuration (the NCCL and Gloo backends use it; the tests of
+ * tests/nccl/ and tests/gloo/ run it without a GPU).
  *
  * Protocol (one TCP connection per rank > 0, closed at the end):
- *   rank r > 0 -> rank 0: hello  {magic, version, rank, size, ok, host, why}
+ *   rank r > 0 -> rank 0: hello  {magic, version, rank, size, ok, len, host,
+ *                                 why, mine[len]}
  *   rank 0 -> rank r:     reply  {magic, status, local_rank, local_size,
  *                                 bad_rank, why, len, blob[len]}
- * status 0: everyone was ok and blob is rank 0's; otherwise bad_rank/why
- * name the first rank that was not. Integers travel in network order. */
+ * status 0: everyone was ok and blob is rank 0's (loom_rendezvous) or every
+ * rank's `mine` in rank order (loom_rendezvous_allgather); otherwise
+ * bad_rank/why name the first rank that was not. Integers travel in network
+ * order. */
 
 #include "comm_impl.h"
 
@@ -28,10 +32,12 @@
 #include <unistd.h>
 
 #define RDV_MAGIC "LOOMRDV1"
-#define RDV_VERSION 1
+#define RDV_VERSION 2
 #define RDV_HOST 64
 #define RDV_WHY 200
 #define RDV_MAX_BLOB 4096
+#define RDV_MAX_EACH (1 << 20)  /* allgather: bytes per rank */
+#define RDV_MAX_ALL (64 << 20)  /* allgather: bytes in all */
 
 /* ---- launcher variables ---- */
 
@@ -187,8 +193,8 @@ static int32_t get32(const unsigned char *p) {
     return (int32_t)ntohl(n);
 }
 
-/* hello: magic 8, version 4, rank 4, size 4, ok 4, host 64, why 200 */
-enum { HELLO_BYTES = 8 + 4 * 4 + RDV_HOST + RDV_WHY };
+/* hello: magic 8, version 4, rank 4, size 4, ok 4, len 4, host 64, why 200 */
+enum { HELLO_BYTES = 8 + 5 * 4 + RDV_HOST + RDV_WHY, HELLO_HOST = 28 };
 /* reply: magic 8, status 4, local_rank 4, local_size 4, bad_rank 4, why 200, len 4 */
 enum { REPLY_BYTES = 8 + 4 * 4 + RDV_WHY + 4 };
 
@@ -196,6 +202,7 @@ typedef struct peer {
     int fd;
     int rank;
     bool ok;
+    unsigned char *mine; /* allgather: the rank's bytes (owned) */
     char host[RDV_HOST];
     char why[RDV_WHY];
 } peer;
@@ -204,6 +211,18 @@ static void my_host(char *host) {
     memset(host, 0, RDV_HOST);
     if (gethostname(host, RDV_HOST - 1) != 0) snprintf(host, RDV_HOST, "unknown");
 }
+
+/* What the ranks exchange: `mine` (each bytes, the same on every rank: the
+ * hello carries it) and the reply's payload, `out` (out_len bytes): rank
+ * 0's blob in loom_rendezvous (its `out` is sent, the others' filled), every
+ * rank's `mine` in rank order in loom_rendezvous_allgather. */
+typedef struct xchg {
+    const void *mine;
+    size_t each;
+    void *out;
+    size_t out_len;
+    bool gather;
+} xchg;
 
 /* ---- rank 0 ---- */
 
@@ -250,13 +269,14 @@ static int listen_on(int port, int *err) {
 /* Reads one hello from a fresh connection. 1: a hello; 0: not a loom rank
  * (closed, ignored); -1: fatal (message in ctx). */
 static int read_hello(loom_ctx *ctx, int fd, int size, int port, double deadline, peer *out,
-                      peer *peers) {
+                      peer *peers, const xchg *x) {
     unsigned char h[HELLO_BYTES];
     /* a connection that says nothing for 10 s is not one of ours */
     double d = loom_now_s() + 10.0;
     if (deadline >= 0 && deadline < d) d = deadline;
     if (recv_all(fd, h, sizeof h, d) != 0 || memcmp(h, RDV_MAGIC, 8) != 0) return 0;
-    int version = get32(h + 8), rank = get32(h + 12), wsize = get32(h + 16), ok = get32(h + 20);
+    int version = get32(h + 8), rank = get32(h + 12), wsize = get32(h + 16), ok = get32(h + 20),
+        len = get32(h + 24);
     if (version != RDV_VERSION) {
         loom_errf(ctx, LOOM_ERR_COMM,
                   "rendezvous on port %d: a rank speaks protocol version %d, rank 0 speaks %d "
@@ -285,19 +305,33 @@ static int read_hello(loom_ctx *ctx, int fd, int size, int port, double deadline
                   port, rank);
         return -1;
     }
+    if (len < 0 || (size_t)len != x->each) {
+        loom_errf(ctx, LOOM_ERR_COMM,
+                  "rendezvous on port %d: rank %d sent %d bytes, rank 0 expected %zu (mixed "
+                  "loom builds, or another backend on the same MASTER_PORT?)",
+                  port, rank, len, x->each);
+        return -1;
+    }
+    out->mine = len ? loom_malloc(ctx, (size_t)len, "rendezvous data") : NULL;
+    if (len && !out->mine) return -1;
+    if (len && recv_all(fd, out->mine, (size_t)len, d) != 0) {
+        free(out->mine);
+        out->mine = NULL;
+        return 0;
+    }
     out->fd = fd;
     out->rank = rank;
     out->ok = ok != 0;
-    memcpy(out->host, h + 24, RDV_HOST);
+    memcpy(out->host, h + HELLO_HOST, RDV_HOST);
     out->host[RDV_HOST - 1] = 0;
-    memcpy(out->why, h + 24 + RDV_HOST, RDV_WHY);
+    memcpy(out->why, h + HELLO_HOST + RDV_HOST, RDV_WHY);
     out->why[RDV_WHY - 1] = 0;
     return 1;
 }
 
 static loom_status serve(loom_ctx *ctx, int port, int size, double timeout_s, double deadline,
-                         bool ok, const char *why, const void *blob, size_t len,
-                         int *local_rank, int *local_size) {
+                         bool ok, const char *why, const xchg *x, int *local_rank,
+                         int *local_size) {
     int err = 0;
     int lfd = listen_on(port, &err);
     if (lfd < 0)
@@ -344,7 +378,7 @@ static loom_status serve(loom_ctx *ctx, int port, int size, double timeout_s, do
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         peer p;
         memset(&p, 0, sizeof p);
-        int k = read_hello(ctx, fd, size, port, deadline, &p, peers);
+        int k = read_hello(ctx, fd, size, port, deadline, &p, peers, x);
         if (k <= 0) {
             close(fd);
             if (k < 0) {
@@ -355,6 +389,13 @@ static loom_status serve(loom_ctx *ctx, int port, int size, double timeout_s, do
         }
         peers[p.rank] = p;
         joined++;
+    }
+    /* allgather: every rank's bytes in rank order */
+    if (x->gather) {
+        unsigned char *all = x->out;
+        if (x->each) memcpy(all, x->mine, x->each);
+        for (int r = 1; r < size; r++)
+            if (x->each) memcpy(all + (size_t)r * x->each, peers[r].mine, x->each);
     }
     /* local ranks: position among the ranks with the same host name */
     int bad = -1;
@@ -383,9 +424,9 @@ static loom_status serve(loom_ctx *ctx, int port, int size, double timeout_s, do
         put32(h + 16, ls);
         put32(h + 20, bad);
         if (bad >= 0) snprintf((char *)h + 24, RDV_WHY, "%s", peers[bad].why);
-        put32(h + 24 + RDV_WHY, bad < 0 ? (int32_t)len : 0);
+        put32(h + 24 + RDV_WHY, bad < 0 ? (int32_t)x->out_len : 0);
         int e = send_all(peers[r].fd, h, sizeof h, deadline);
-        if (!e && bad < 0 && len) e = send_all(peers[r].fd, blob, len, deadline);
+        if (!e && bad < 0 && x->out_len) e = send_all(peers[r].fd, x->out, x->out_len, deadline);
         if (e) {
             st = loom_errf(ctx, LOOM_ERR_COMM,
                            "rendezvous: rank 0 could not answer rank %d on port %d: %s", r,
@@ -397,8 +438,10 @@ static loom_status serve(loom_ctx *ctx, int port, int size, double timeout_s, do
         st = loom_errf(ctx, LOOM_ERR_COMM, "rank %d cannot take part: %s", bad,
                        peers[bad].why[0] ? peers[bad].why : "(no reason given)");
 done:
-    for (int r = 1; r < size; r++)
+    for (int r = 1; r < size; r++) {
         if (peers[r].fd >= 0) close(peers[r].fd);
+        free(peers[r].mine);
+    }
     free(peers);
     close(lfd);
     return st;
@@ -439,8 +482,8 @@ static int try_connect(struct addrinfo *ai, double deadline, int *err) {
 }
 
 static loom_status join(loom_ctx *ctx, const char *addr, int port, int rank, int size,
-                        double timeout_s, double deadline, bool ok, const char *why, void *blob,
-                        size_t len, int *local_rank, int *local_size) {
+                        double timeout_s, double deadline, bool ok, const char *why,
+                        const xchg *x, int *local_rank, int *local_size) {
     char ps[16];
     snprintf(ps, sizeof ps, "%d", port);
     struct addrinfo hints, *ai = NULL;
@@ -474,10 +517,12 @@ static loom_status join(loom_ctx *ctx, const char *addr, int port, int rank, int
     put32(h + 12, rank);
     put32(h + 16, size);
     put32(h + 20, ok ? 1 : 0);
-    my_host((char *)h + 24);
-    snprintf((char *)h + 24 + RDV_HOST, RDV_WHY, "%s", why ? why : "");
+    put32(h + 24, (int32_t)x->each);
+    my_host((char *)h + HELLO_HOST);
+    snprintf((char *)h + HELLO_HOST + RDV_HOST, RDV_WHY, "%s", why ? why : "");
     loom_status st = LOOM_OK;
     int e = send_all(fd, h, sizeof h, deadline);
+    if (!e && x->each) e = send_all(fd, x->mine, x->each, deadline);
     if (e) {
         st = loom_errf(ctx, LOOM_ERR_COMM,
                        "rendezvous: rank %d could not write to rank 0 at %s:%d: %s", rank, addr,
@@ -511,14 +556,14 @@ static loom_status join(loom_ctx *ctx, const char *addr, int port, int rank, int
                        w[0] ? w : "(no reason given)");
         goto done;
     }
-    if (n < 0 || (size_t)n != len) {
+    if (n < 0 || (size_t)n != x->out_len) {
         st = loom_errf(ctx, LOOM_ERR_COMM,
                        "rendezvous: rank 0 sent %d bytes, rank %d expected %zu (mixed loom "
                        "builds?)",
-                       n, rank, len);
+                       n, rank, x->out_len);
         goto done;
     }
-    if (len && (e = recv_all(fd, blob, len, deadline)) != 0)
+    if (x->out_len && (e = recv_all(fd, x->out, x->out_len, deadline)) != 0)
         st = loom_errf(ctx, LOOM_ERR_COMM,
                        "rendezvous: rank %d lost its connection to rank 0 at %s:%d: %s", rank,
                        addr, port, strerror(e));
@@ -527,31 +572,58 @@ done:
     return st;
 }
 
-loom_status loom_rendezvous(loom_ctx *ctx, const char *addr, int port, int rank, int size,
-                            double timeout_s, bool ok, const char *why, void *blob, size_t len,
-                            int *local_rank, int *local_size) {
-    if (size < 1 || rank < 0 || rank >= size || port < 1 || port > 65535 || len > RDV_MAX_BLOB ||
-        (len && !blob))
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
-                         "rendezvous: bad arguments (rank %d of %d, port %d, %zu bytes)", rank,
-                         size, port, len);
+static loom_status rendezvous(loom_ctx *ctx, const char *addr, int port, int rank, int size,
+                              double timeout_s, bool ok, const char *why, const xchg *x,
+                              int *local_rank, int *local_size) {
     *local_rank = 0;
     *local_size = 1;
     if (size == 1) {
         if (!ok)
             return loom_errf(ctx, LOOM_ERR_COMM, "rank 0 cannot take part: %s",
                              why && *why ? why : "(no reason given)");
+        if (x->gather && x->each) memcpy(x->out, x->mine, x->each);
         return LOOM_OK;
     }
     double deadline = timeout_s > 0 ? loom_now_s() + timeout_s : -1;
     if (rank == 0)
-        return serve(ctx, port, size, timeout_s, deadline, ok, why, blob, len, local_rank,
-                     local_size);
+        return serve(ctx, port, size, timeout_s, deadline, ok, why, x, local_rank, local_size);
     if (!addr || !*addr)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "rendezvous: rank %d of %d needs MASTER_ADDR (the host of rank 0) and "
                          "MASTER_PORT",
                          rank, size);
-    return join(ctx, addr, port, rank, size, timeout_s, deadline, ok, why, blob, len, local_rank,
+    return join(ctx, addr, port, rank, size, timeout_s, deadline, ok, why, x, local_rank,
                 local_size);
+}
+
+static bool bad_place(int rank, int size, int port) {
+    return size < 1 || rank < 0 || rank >= size || port < 1 || port > 65535;
+}
+
+loom_status loom_rendezvous(loom_ctx *ctx, const char *addr, int port, int rank, int size,
+                            double timeout_s, bool ok, const char *why, void *blob, size_t len,
+                            int *local_rank, int *local_size) {
+    if (bad_place(rank, size, port) || len > RDV_MAX_BLOB || (len && !blob))
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "rendezvous: bad arguments (rank %d of %d, port %d, %zu bytes)", rank,
+                         size, port, len);
+    xchg x = {.out = blob, .out_len = len};
+    return rendezvous(ctx, addr, port, rank, size, timeout_s, ok, why, &x, local_rank,
+                      local_size);
+}
+
+loom_status loom_rendezvous_allgather(loom_ctx *ctx, const char *addr, int port, int rank,
+                                      int size, double timeout_s, bool ok, const char *why,
+                                      const void *mine, size_t len, void *all, int *local_rank,
+                                      int *local_size) {
+    if (bad_place(rank, size, port) || len > RDV_MAX_EACH || (len && (!mine || !all)) ||
+        len * (size_t)size > RDV_MAX_ALL)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "rendezvous: bad arguments (rank %d of %d, port %d, %zu bytes from "
+                         "each rank: at most %d, and %d in all)",
+                         rank, size, port, len, RDV_MAX_EACH, RDV_MAX_ALL);
+    xchg x = {.mine = mine, .each = len, .out = all, .out_len = len * (size_t)size,
+              .gather = true};
+    return rendezvous(ctx, addr, port, rank, size, timeout_s, ok, why, &x, local_rank,
+                      local_size);
 }

@@ -14,6 +14,7 @@ loom_comm *mt_world(void) { return world; }
 loom_ctx *mt_ctx(void) { return ctx; }
 int mt_rank(void) { return loom_comm_rank(world); }
 int mt_size(void) { return loom_comm_size(world); }
+const char *mt_backend(void) { return "mpi"; }
 
 int main(int argc, char **argv) {
     if (loom_ctx_create(&ctx) != LOOM_OK) return 2;
