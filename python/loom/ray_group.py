@@ -19,6 +19,7 @@ the others through the library) leaves the group usable. Ctrl-C kills the
 group and re-raises. Ray is an optional extra: pip install 'loom-train[ray]'.
 """
 import os
+import re
 import socket
 import time
 import types
@@ -324,14 +325,13 @@ class RemoteMegatronModel:
             self._kill("%s failed on %s" % (what, self._where(dead if dead is not None
                                                                else min(errors))))
             if dead is None:
-                e = min(errors.items(), key=lambda kv: (isinstance(kv[1], CommError), kv[0]))[1]
+                e = _root(errors)
                 e.args = (e.args[0] + " (ranks %s were still busy %g s later, so the group's "
                           "actors were stopped: make a new MegatronModel)" % (
                               ", ".join(map(str, stuck)), _GRACE_S),) + e.args[1:]
                 raise e
             raise errors[dead]
-        # every rank finished: the first rank's own error (not a peer's echo of it)
-        raise min(errors.items(), key=lambda kv: (isinstance(kv[1], CommError), kv[0]))[1]
+        raise _root(errors)  # every rank finished: the group goes on
 
     def _rank_error(self, r, e, note=""):
         cause = getattr(e, "cause", None) or e
@@ -343,7 +343,7 @@ class RemoteMegatronModel:
                 out = type(cause)(msg)
             except Exception:
                 out = InternalError(msg)
-        out.rank = r
+        out.rank, out.own_message = r, str(cause)
         return out
 
     def _kill(self, why=None):
@@ -433,6 +433,20 @@ class RemoteMegatronModel:
         return "RemoteMegatronModel(group=%r, %r, %d actors, %s%s)" % (
             self.remote_group, self.device_mesh, len(self._actors), self.device,
             "" if self._dead is None else ", stopped: " + self._dead)
+
+
+def _root(errors):
+    """The error to raise of {rank: error}: the one a rank found in its own
+    inputs rather than a peer's echo of it ("rank 2 refused its batch"): an
+    error the Python layer raised (status 0) before a library error, a
+    CommError last, then the lowest rank; an echo naming a rank that failed
+    gives way to that rank's error."""
+    e = min(errors.items(), key=lambda kv: (isinstance(kv[1], CommError),
+                                            getattr(kv[1], "status", 0) != 0, kv[0]))[1]
+    m = re.search(r"\brank (\d+) refused its batch", getattr(e, "own_message", ""))
+    if m and int(m.group(1)) in errors:
+        e = errors[int(m.group(1))]
+    return e
 
 
 def _placement_timeout():
