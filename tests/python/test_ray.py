@@ -161,3 +161,19 @@ def test_checks_before_any_actor_starts(ray_cluster, tiny_model, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(loom.UnsupportedError, match="pip install 'loom-train\\[ray\\]'"):
         loom.init(mode="ray")
+
+
+def test_ctrl_c_stops_the_group(ray_cluster, groups, tiny_model):
+    """A pre-wrap hook (pickled to the actor) that sleeps in set_optimizer; Ctrl-C
+    in the driver meanwhile kills the group and re-raises KeyboardInterrupt."""
+    import signal
+    import threading
+    model = group(groups, tiny_model, dict(dp_size=1))
+    model.register_pre_wrap_hook(lambda table: time.sleep(60))
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        model.set_optimizer("default", lr=1e-3)
+    assert time.monotonic() - t < 15
+    with pytest.raises(loom.ConfigError, match=r"interrupted \(Ctrl-C\) during set_optimizer"):
+        model.forward_backward(random_samples(1, SEQ))
