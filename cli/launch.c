@@ -543,7 +543,8 @@ int loom_cli_maybe_launch(loom_ctx *ctx, const loom_settings *s, bool *launched)
     if (!strcmp(s->device, "cpu")) {
         loom_errf(ctx, LOOM_ERR_CONFIG,
                   "--nproc-per-node starts GPU workers (one per GPU, talking over NCCL), and "
-                  "--device cpu asks for CPU ranks: those run under MPI, as `mpirun -np %d loom "
+                  "--device cpu asks for CPU ranks: those run under mpirun (MPI) or under "
+                  "torchrun/srun (Gloo, no MPI needed), as `mpirun -np %d loom "
                   "%s ...` without --nproc-per-node",
                   n, cmd);
         goto fail;
@@ -552,7 +553,7 @@ int loom_cli_maybe_launch(loom_ctx *ctx, const loom_settings *s, bool *launched)
     loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
               "--nproc-per-node starts GPU workers (one per GPU, talking over NCCL), but this "
               "loom was built without CUDA: rebuild with `make CUDA=1`, or run CPU ranks under "
-              "MPI as `mpirun -np %d loom %s ...` without --nproc-per-node",
+              "mpirun or torchrun, as `mpirun -np %d loom %s ...` without --nproc-per-node",
               n, cmd);
     goto fail;
 #else
@@ -573,7 +574,8 @@ int loom_cli_maybe_launch(loom_ctx *ctx, const loom_settings *s, bool *launched)
             loom_errf(ctx, LOOM_ERR_DEVICE,
                       "--nproc-per-node %d starts one worker per GPU, but no GPU is visible "
                       "(%s; %s): check nvidia-smi and CUDA_VISIBLE_DEVICES, or run CPU ranks "
-                      "under MPI as `mpirun -np %d loom %s ...` without --nproc-per-node",
+                      "under mpirun or torchrun, as `mpirun -np %d loom %s ...` without "
+                      "--nproc-per-node",
                       n, why, vis, n, cmd);
             goto fail;
         }

@@ -5,12 +5,79 @@
  * max |b|); the weights after the fixture's 5 steps must match the HF
  * fixture within 1e-4 (relative L2: see test_model.c) and the per-step
  * losses within 1e-4. */
+#include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../src/io/safetensors.h"
 #include "harness.h"
+
+/* Runs argv as np ranks started the way torchrun starts them (RANK,
+ * WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no mpirun, so loom's CPU ranks talk
+ * over Gloo), all their output in *log. Once a rank fails, the others get
+ * `grace_s` to end on their own, then are killed (as torchrun does); rank
+ * kill_rank (>= 0) is killed after kill_after_s. Returns the first failing
+ * rank's status (128 + signal when killed), 0 when all succeeded. */
+static int run_ranks(int np, char **log, const char *const argv[], double grace_s, int kill_rank,
+                     double kill_after_s) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/ranks-out-XXXXXX", loom_test_tmpdir());
+    int fd = mkstemp(path), port = loom_test_free_port(), first = 0, left = np;
+    pid_t pids[16];
+    if (fd < 0 || np > 16) return -1;
+    for (int r = 0; r < np; r++) {
+        pids[r] = fork();
+        if (pids[r] == 0) {
+            int nul = open("/dev/null", O_RDONLY);
+            dup2(nul, 0);
+            dup2(fd, 1);
+            dup2(fd, 2);
+            loom_test_rank_env(r, np, port);
+            execvp(argv[0], (char *const *)argv);
+            _exit(127);
+        }
+    }
+    const double t0 = loom_now_s();
+    double kill_at = -1;
+    while (left > 0) {
+        int status = 0;
+        pid_t p = waitpid(-1, &status, WNOHANG);
+        for (int r = 0; p > 0 && r < np; r++) {
+            if (pids[r] != p) continue;
+            int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+            pids[r] = 0;
+            left--;
+            if (code && !first) {
+                first = code;
+                kill_at = loom_now_s() + grace_s;
+            }
+        }
+        if (p > 0) continue;
+        const double t = loom_now_s();
+        if (kill_rank >= 0 && pids[kill_rank] > 0 && t - t0 > kill_after_s) {
+            kill(pids[kill_rank], SIGKILL);
+            kill_rank = -1;
+        }
+        if (kill_at >= 0 && t > kill_at)
+            for (int r = 0; r < np; r++)
+                if (pids[r] > 0) kill(pids[r], SIGKILL);
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    close(fd);
+    size_t len;
+    if (loom_read_file(NULL, path, 0, log, &len) != LOOM_OK) *log = NULL;
+    unlink(path);
+    return first;
+}
+
+/* golden() starts its np ranks under mpirun (MPI), or as run_ranks does
+ * (Gloo) when this is set. */
+static bool ranks_by_gloo;
 
 /* Runs `[mpirun -np N] loom golden --model M --batch B --out O <layout>` with
  * the fixture's optimizer settings; np 0 runs one process without mpirun. */
@@ -20,7 +87,7 @@ static int golden(int np, const char *model, const char *batch, const char *out,
     int n = 0;
     char nps[16];
     snprintf(nps, sizeof nps, "%d", np);
-    if (np) {
+    if (np && !ranks_by_gloo) {
         argv[n++] = "mpirun";
         argv[n++] = "-np";
         argv[n++] = nps;
@@ -35,6 +102,7 @@ static int golden(int np, const char *model, const char *batch, const char *out,
     snprintf(words, sizeof words, "%s", layout);
     for (char *tok = strtok(words, " "); tok && n < 46; tok = strtok(NULL, " ")) argv[n++] = tok;
     argv[n] = NULL;
+    if (np && ranks_by_gloo) return run_ranks(np, log, argv, 5.0, -1, 0);
     return loom_test_run(log, argv);
 }
 
@@ -726,5 +794,65 @@ TEST(parallel_timeout_names_the_missing_rank) {
     CHECK_CONTAINS(log, "error on rank 0: MPI_Iallgather on group 'world' (rank 0 of 3) timed out "
                         "after 2 s waiting for rank 1 of the group (world rank 1), which did not "
                         "answer");
+    free(log);
+}
+
+/* CPU ranks without MPI: `loom golden` started 4 times with torchrun's
+ * variables runs on Gloo and matches the one-process run (tp2 x pp2, and
+ * dp2 x cp2 with sequence parallelism). */
+TEST(parallel_layouts_gloo) {
+#ifndef LOOM_HAVE_GLOO
+    SKIP("loom was built without Gloo (apt-get install libgloo-dev)");
+#endif
+    setenv("LOOM_COMM_TIMEOUT", "120", 1);
+    char mdir[1024], batch[1024], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(batch, sizeof batch, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
+    const char *one = path_in_tmp("one-gloo.safetensors");
+    int rc = golden(0, mdir, batch, one, "", &log);
+    CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+    free(log);
+    if (rc) return;
+    ranks_by_gloo = true;
+    check_layout_fx("tiny-qwen3", "tiny-qwen3", batch, one, 4, "--tp 2 --pp 2", true, true);
+    check_layout_fx("tiny-qwen3", "tiny-qwen3", batch, one, 4, "--dp 2 --tp 2 --sequence-parallel",
+                    true, true);
+    ranks_by_gloo = false;
+}
+
+/* A rank that stalls, or dies, under Gloo: the others fail naming it (its
+ * thread says it is not waiting; a dead one's connections are closed) and
+ * end, without waiting for it. */
+TEST(parallel_gloo_missing_rank) {
+#ifndef LOOM_HAVE_GLOO
+    SKIP("loom was built without Gloo (apt-get install libgloo-dev)");
+#endif
+    char mdir[1024], fix[1024], *log = NULL;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(fix, sizeof fix, "%s/golden/tiny-qwen3.safetensors", loom_test_fixtures());
+    const char *argv[] = {loom_test_bin(), "golden", "--device", "cpu", "--model", mdir,
+                          "--batch", fix, "--out", path_in_tmp("stall.safetensors"),
+                          "--comm-timeout", "2", NULL};
+    setenv("LOOM_TEST_STALL", "1:60", 1); /* world rank 1 sleeps before its first collective */
+    double t0 = loom_now_s();
+    int rc = run_ranks(3, &log, argv, 3.0, -1, 0);
+    double took = loom_now_s() - t0;
+    CHECK_MSG(rc != 0, "exit 0");
+    CHECK_MSG(took < 40, "the job took %.0f s: the stalled rank was waited for", took);
+    CHECK_CONTAINS(log, "error on rank 0: Gloo allgather on group 'world' (rank 0 of 3) timed out "
+                        "after 2 s waiting for rank 1 of the group (world rank 1), which is not "
+                        "waiting on this group");
+    free(log);
+    /* killed while the others wait for it: they fail at once, naming it */
+    argv[11] = "60";
+    t0 = loom_now_s();
+    rc = run_ranks(3, &log, argv, 10.0, 1, 3.0);
+    took = loom_now_s() - t0;
+    unsetenv("LOOM_TEST_STALL");
+    CHECK_MSG(rc != 0, "exit 0");
+    CHECK_MSG(took < 30, "the job took %.0f s with --comm-timeout 60", took);
+    CHECK_CONTAINS(log, "error on rank 0: Gloo allgather on group 'world' (rank 0 of 3) failed");
+    CHECK_CONTAINS(log, "rank 1 of the group (world rank 1), which is gone");
+    CHECK_CONTAINS(log, "error on rank 2:");
     free(log);
 }

@@ -34,9 +34,6 @@ extern "C" {
 
 #ifdef LOOM_HAVE_GLOO
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -411,33 +408,6 @@ loom_comm *wrap(loom_ctx *ctx, const char *name, int rank, int size, const loom_
                  name, clean(e.what()).c_str());
     }
     return c;
-}
-
-/* The address this host is reached at from MASTER_ADDR's host: the local
- * end of a UDP socket "connected" towards it (nothing is sent). */
-std::string route_to(const char *addr, int port) {
-    if (!addr || !*addr) return "";
-    struct addrinfo hints, *ai = nullptr;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_DGRAM;
-    char ps[16];
-    snprintf(ps, sizeof ps, "%d", port);
-    if (getaddrinfo(addr, ps, &hints, &ai) != 0 || !ai) return "";
-    std::string out;
-    int fd = socket(ai->ai_family, SOCK_DGRAM, 0);
-    if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
-        struct sockaddr_storage ss;
-        socklen_t len = sizeof ss;
-        char host[INET6_ADDRSTRLEN] = "";
-        if (getsockname(fd, (struct sockaddr *)&ss, &len) == 0 &&
-            getnameinfo((struct sockaddr *)&ss, len, host, sizeof host, nullptr, 0,
-                        NI_NUMERICHOST) == 0)
-            out = host;
-    }
-    if (fd >= 0) close(fd);
-    freeaddrinfo(ai);
-    return out;
 }
 
 /* ---- the table ---- */
@@ -943,7 +913,9 @@ extern "C" loom_status loom_comm_gloo_world(loom_ctx *ctx, loom_comm **out) {
         if (size > 1) {
             gloo::transport::tcp::attr attr;
             const char *ifname = getenv("GLOO_SOCKET_IFNAME");
-            std::string host = route_to(env.addr, env.port);
+            char route[64] = "";
+            loom_route_to(env.addr, env.port, route, sizeof route);
+            std::string host = route;
             if (ifname && *ifname) attr.iface = ifname;
             else if (!host.empty()) attr.hostname = host;
             else {

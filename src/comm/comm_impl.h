@@ -131,6 +131,11 @@ loom_status loom_rendezvous_allgather(loom_ctx *ctx, const char *addr, int port,
                                       const void *mine, size_t len, void *all, int *local_rank,
                                       int *local_size);
 
+/* The numeric address of this host on the route to addr:port (the local
+ * end of a UDP socket "connected" there; nothing is sent), or "" when it
+ * cannot be told (addr empty or unresolvable). */
+void loom_route_to(const char *addr, int port, char *out, size_t cap);
+
 /* A polling wait's pause: the first `spin` calls return at once, the next
  * ones up to `yield` yield the core, later ones sleep `sleep_us`. */
 void loom_comm_backoff(int *spins, int spin, int yield, long sleep_us);

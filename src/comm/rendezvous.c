@@ -627,3 +627,26 @@ loom_status loom_rendezvous_allgather(loom_ctx *ctx, const char *addr, int port,
     return rendezvous(ctx, addr, port, rank, size, timeout_s, ok, why, &x, local_rank,
                       local_size);
 }
+
+void loom_route_to(const char *addr, int port, char *out, size_t cap) {
+    out[0] = 0;
+    if (!addr || !*addr) return;
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_DGRAM;
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    if (getaddrinfo(addr, ps, &hints, &ai) != 0 || !ai) return;
+    int fd = socket(ai->ai_family, SOCK_DGRAM, 0);
+    if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof ss;
+        if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0 ||
+            getnameinfo((struct sockaddr *)&ss, len, out, (socklen_t)cap, NULL, 0,
+                        NI_NUMERICHOST) != 0)
+            out[0] = 0;
+    }
+    if (fd >= 0) close(fd);
+    freeaddrinfo(ai);
+}
