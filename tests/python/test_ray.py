@@ -10,10 +10,8 @@ import pytest
 
 from conftest import features, have_mpirun, random_samples, train_reference
 
-os.environ.setdefault("LOOM_COMM_TIMEOUT", "60")
-
-import loom  # noqa: E402
-from loom import DataLoader, DeviceMesh, MegatronModel  # noqa: E402
+import loom
+from loom import DataLoader, DeviceMesh, MegatronModel
 
 SEQ = 32
 MESH8 = dict(dp_size=2, tp_size=2, pp_size=2)
@@ -25,15 +23,23 @@ def need_gloo():
                     "ranks over Ray need it; install libgloo-dev and rebuild")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
+    """Ray with 8 logical CPUs; the actors get LOOM_COMM_TIMEOUT=60 (the
+    driver's LOOM_* settings travel to them)."""
     try:
         import ray
     except ImportError:
         pytest.fail("Ray is not installed: pip install 'loom-train[ray]' (or pip install ray)")
+    old = os.environ.get("LOOM_COMM_TIMEOUT")
+    os.environ["LOOM_COMM_TIMEOUT"] = "60"
     loom.init(mode="ray", num_cpus=8)
     yield ray
     ray.shutdown()
+    if old is None:
+        del os.environ["LOOM_COMM_TIMEOUT"]
+    else:
+        os.environ["LOOM_COMM_TIMEOUT"] = old
 
 
 @pytest.fixture
