@@ -118,6 +118,16 @@ def test_dead_actor_raises_and_nothing_hangs(ray_cluster, groups, tiny_model):
     assert time.monotonic() - t < 15
     with pytest.raises(loom.ConfigError, match="actors were stopped"):
         model.clip_grad_and_step()
+    # killed in the middle of a call (both ranks sleep in a pre-wrap hook)
+    import threading
+    model = group(groups, tiny_model, dict(dp_size=2), name="mid")
+    model.register_pre_wrap_hook(lambda table: time.sleep(60))
+    threading.Timer(1.0, ray_cluster.kill, (model._actors[1],)).start()
+    t = time.monotonic()
+    with pytest.raises(loom.CommError, match=r"rank 1 \(dp 1, tp 0, pp 0\) died during "
+                                             r"set_optimizer"):
+        model.set_optimizer("default")
+    assert time.monotonic() - t < 15
 
 
 def test_error_on_one_rank_reaches_the_driver(ray_cluster, groups, tiny_model):
@@ -139,6 +149,27 @@ def test_error_on_one_rank_reaches_the_driver(ray_cluster, groups, tiny_model):
     assert np.isfinite(r["loss"]) and r["num_tokens"] == 4 * (SEQ - 1)
     with pytest.raises(loom.InvalidArgumentError, match="unknown option 'lrr'"):
         model.set_optimizer("default", lrr=1.0)
+
+
+def test_error_while_other_ranks_are_stuck(ray_cluster, groups, tiny_model, monkeypatch):
+    """Rank 1 fails while rank 0 stays busy (a hook, as a rank waiting in a
+    collective would): after the grace the group is stopped, nothing hangs."""
+    need_gloo()
+    import loom.ray_group
+    monkeypatch.setattr(loom.ray_group, "_GRACE_S", 1.0)
+
+    def _fail_on_rank_1(table):  # nested: cloudpickle sends it by value
+        if os.environ["RANK"] == "1":
+            raise ValueError("rank 1's hook refuses")
+        time.sleep(60)
+    model = group(groups, tiny_model, dict(dp_size=2), pre_wrap_hook=_fail_on_rank_1)
+    t = time.monotonic()
+    with pytest.raises(ValueError, match=r"rank 1 \(dp 1.*rank 1's hook refuses \(ranks 0 were "
+                                         r"still busy 1 s later.*stopped"):
+        model.set_optimizer("default")
+    assert time.monotonic() - t < 15
+    with pytest.raises(loom.ConfigError, match="actors were stopped"):
+        model.set_optimizer("default")
 
 
 def test_two_groups_in_one_driver(ray_cluster, groups, tiny_model):
