@@ -228,11 +228,15 @@ class RemoteMegatronModel:
         """What an actor's process needs before it imports loom: the package
         (a source checkout is not on the workers' path), the driver's LOOM_*
         settings, one OpenMP thread per CPU share."""
+        import site
         pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {k: v for k, v in os.environ.items()
                if k.startswith("LOOM_") and k not in _RANK_VARS}
-        env["PYTHONPATH"] = os.pathsep.join([pkg] + [p for p in os.environ.get(
-            "PYTHONPATH", "").split(os.pathsep) if p])
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if pkg not in site.getsitepackages() + [site.getusersitepackages()]:
+            paths.insert(0, pkg)  # a source checkout
+        if paths:
+            env["PYTHONPATH"] = os.pathsep.join(paths)
         env["OMP_NUM_THREADS"] = str(max(1, int(ncpu)))
         return env
 
