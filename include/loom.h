@@ -313,6 +313,14 @@ typedef struct loom_param_info {
     int trainable;           /* 1 when it gets gradients (0 under LoRA) */
 } loom_param_info;
 loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_info *out);
+/* Full fine-tuning: trainable 0 freezes the tensor `name` (HF name; a tied
+ * embedding freezes with its output-layer copy): it then gets no gradient
+ * (loom_model_get_grad gives zeros), no optimizer state and no update, and
+ * stays out of the gradient norm; 1 makes it trainable again. Collective in
+ * effect: every rank calls it with the same names (ranks that do not hold
+ * the tensor only record it). Before the first forward_backward only, and
+ * not on a model with adapters (LoRA freezes the whole base). */
+loom_status loom_model_set_trainable(loom_model *m, const char *name, int trainable);
 
 /* ---- Tokenizing samples with the model's tokenizer and chat template ---- */
 typedef struct loom_encoder loom_encoder;

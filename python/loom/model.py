@@ -300,13 +300,34 @@ class MegatronModel:
         return out
 
     def register_pre_wrap_hook(self, fn):
-        self._pre_hooks.append(fn)
+        """fn(table) runs before the optimizer is built (the first set_optimizer):
+        it gets parameters_table() and may set an entry's 'trainable' to False
+        (or True) to freeze (or unfreeze) that tensor; frozen tensors get no
+        gradient, no optimizer state and no update."""
+        self._hook(fn, self._pre_hooks)
 
     def register_post_wrap_hook(self, fn):
-        self._post_hooks.append(fn)
+        """Like register_pre_wrap_hook, run after the pre-wrap hooks."""
+        self._hook(fn, self._post_hooks)
+
+    def _hook(self, fn, where):
+        if not callable(fn):
+            raise InvalidArgumentError("a wrap hook must be callable, not %s" % type(fn).__name__)
+        if self._wrapped:
+            raise ConfigError("wrap hooks run when the optimizer is built; register them before "
+                              "the first set_optimizer")
+        where.append(fn)
+
+    def set_trainable(self, name, trainable=True):
+        """Freezes (False) or unfreezes one tensor by HF name, before training
+        starts (every rank, the same names)."""
+        self._check_open()
+        self._ctx.check(L.lib.loom_model_set_trainable(self._h, str(name).encode(),
+                                                       int(bool(trainable))), "set_trainable")
 
     def _wrap(self):
-        """Runs the hooks once, before the first optimizer is set."""
+        """Runs the hooks once, before the first optimizer is set, applying the
+        'trainable' flags they change."""
         if self._wrapped:
             return
         self._wrapped = True
@@ -314,10 +335,9 @@ class MegatronModel:
             table = self.parameters_table()
             before = [p["trainable"] for p in table]
             fn(table)
-            if [p["trainable"] for p in table] != before:
-                raise UnsupportedError("a wrap hook changed 'trainable': freezing single "
-                                       "parameters or layers is not implemented in loom yet "
-                                       "(LoRA freezes the whole base model)")
+            for p, was in zip(table, before):
+                if bool(p["trainable"]) != was:
+                    self.set_trainable(p["name"], p["trainable"])
 
     @classmethod
     def meta(cls, model_id, device_mesh=None, **kwargs):

@@ -801,13 +801,14 @@ loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A) {
         if (!A->d_gzero) { /* the slots' chunks, once: the layout never changes */
             int64_t n = 0;
             for (int i = 0; i < A->nslots; i++)
-                if (!A->gdefer[i])
+                if (!A->gdefer[i] && !A->slots[i].frozen)
                     n += (int64_t)((A->slots[i].numel + LOOM_CUDA_CHUNK - 1) / LOOM_CUDA_CHUNK);
             loom_cuda_chunk *h = malloc((size_t)(n + 1) * sizeof *h);
             if (!h) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the gradients' chunk list");
             int64_t k = 0;
             for (int i = 0; i < A->nslots; i++)
-                for (size_t o = 0; !A->gdefer[i] && o < A->slots[i].numel; o += LOOM_CUDA_CHUNK) {
+                for (size_t o = 0; !A->gdefer[i] && !A->slots[i].frozen && o < A->slots[i].numel;
+                     o += LOOM_CUDA_CHUNK) {
                     const size_t left = A->slots[i].numel - o;
                     h[k++] = (loom_cuda_chunk){.s_off = (int64_t)(A->slots[i].off + o),
                                                .len = (int32_t)(left < LOOM_CUDA_CHUNK ? left
@@ -829,6 +830,7 @@ loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A) {
     }
 #endif
     for (int i = 0; i < A->nslots; i++)
-        if (!A->gdefer[i]) memset(A->g + A->slots[i].off, 0, A->slots[i].numel * sizeof(float));
+        if (!A->gdefer[i] && !A->slots[i].frozen)
+            memset(A->g + A->slots[i].off, 0, A->slots[i].numel * sizeof(float));
     return LOOM_OK;
 }

@@ -199,17 +199,23 @@ static loom_status build_slots(loom_model *m) {
 /* Slots 64-byte aligned; buckets closed at slot boundaries once they hold
  * bucket_elems, each padded to a multiple of dp*cp. Memory: one block per
  * class and arena (values, compute copy, gradients, optimizer state). */
-static loom_status arena_place(loom_model *m, loom_arena *a) {
+loom_status loom_arena_place(loom_model *m, loom_arena *a) {
     loom_ctx *ctx = m->ctx;
     const size_t grp = (size_t)(m->dp * m->cp);
     a->bucket_off = loom_calloc(ctx, (size_t)a->nslots + 1, sizeof(size_t), "buckets");
     a->bucket_len = loom_calloc(ctx, (size_t)a->nslots + 1, sizeof(size_t), "buckets");
     if (!a->bucket_off || !a->bucket_len) return LOOM_ERR_OOM;
+    /* frozen slots (loom_model_set_trainable sorts them last) take no part
+     * in the buckets: they follow the gradient part, ngrad */
+    int ntrain = a->nslots;
+    while (ntrain > 0 && a->slots[ntrain - 1].frozen) ntrain--;
     size_t off = 0, b0 = 0;
+    a->nbuckets = 0;
+    a->shard_numel = 0;
     for (int i = 0; i < a->nslots; i++) {
         a->slots[i].off = off;
         off += (a->slots[i].numel + 15) & ~(size_t)15;
-        if (off - b0 >= (size_t)m->bucket_elems || i == a->nslots - 1) {
+        if (i < ntrain && (off - b0 >= (size_t)m->bucket_elems || i == ntrain - 1)) {
             size_t len = (off - b0 + grp * 16 - 1) / (grp * 16) * (grp * 16);
             a->bucket_off[a->nbuckets] = b0;
             a->bucket_len[a->nbuckets++] = len;
@@ -217,17 +223,18 @@ static loom_status arena_place(loom_model *m, loom_arena *a) {
             off = b0 = b0 + len;
         }
     }
+    a->ngrad = a->nbuckets ? a->bucket_off[a->nbuckets - 1] + a->bucket_len[a->nbuckets - 1] : 0;
     a->nparams = off;
     return LOOM_OK;
 }
 
 loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen) {
-    loom_status st = arena_place(m, a);
+    loom_status st = loom_arena_place(m, a);
     if (st) return st;
     const size_t off = a->nparams;
     a->w = loom_calloc(m->ctx, off ? off : 1, sizeof(float), "parameters");
     if (!a->w) return LOOM_ERR_OOM;
-    if (!frozen) return loom_dev_alloc(m, (void **)&a->g, off * sizeof(float), "gradients");
+    if (!frozen) return loom_dev_alloc(m, (void **)&a->g, a->ngrad * sizeof(float), "gradients");
     return LOOM_OK;
 }
 
@@ -868,6 +875,7 @@ void loom_model_free(loom_model *m) {
     free(m->inv_freq);
     loom_dev_release(m);
     free(m->layer);
+    free(m->pfrozen);
     loom_param_plan_free(&m->plan);
     loom_config_free(&m->cfg);
     free(m->src_dir);
@@ -919,8 +927,8 @@ loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_inf
     if (s >= 0) {
         out->local_shape[0] = m->base.slots[s].rows;
         out->local_shape[1] = m->base.slots[s].cols;
-        out->trainable = m->nadapters == 0;
     }
+    out->trainable = m->nadapters == 0 && !(m->pfrozen && m->pfrozen[i]);
     return LOOM_OK;
 }
 
@@ -976,6 +984,7 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
     for (int i = 0; (grads ? (void *)a->g : a->wc) && i < a->nslots; i++) {
         const loom_slot *s = &a->slots[i];
         if (strcmp(s->name, name)) continue;
+        if (grads && s->frozen) continue; /* no gradient: zero */
         if (!grads && (me->dp_rank || me->cp_rank || s->head_copy)) continue;
         if (s->shard == LOOM_SHARD_NONE && me->tp_rank && !(grads && s->tp_partial)) continue;
         const float *src;
@@ -1127,7 +1136,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     loom_pp_plan plan = {0};
     loom_status st = loom_param_plan_build(ctx, cfg, &m->plan);
     if (!st) st = build_slots(m);
-    if (!st) st = arena_place(m, &m->base);
+    if (!st) st = loom_arena_place(m, &m->base);
     if (st) goto done;
     const size_t P = m->base.nparams, esz = m->dev.esz;
     const bool lora = in->lora_r > 0;
@@ -1206,6 +1215,7 @@ done:
     free(m->base.bucket_off);
     free(m->base.bucket_len);
     free(m->layer);
+    free(m->pfrozen);
     loom_param_plan_free(&m->plan);
     return st;
 }

@@ -56,6 +56,7 @@ typedef struct loom_slot {
     bool decay;         /* AdamW weight decay applies (2-D) */
     bool tp_partial;    /* its gradient is a partial sum over tp (summed before the step) */
     bool head_copy;     /* the last stage's copy of a tied embedding (pp > 1) */
+    bool frozen;        /* no gradient, no optimizer state (loom_model_set_trainable) */
 } loom_slot;
 
 /* A set of tensors in one flat buffer: the base model's, or one adapter's.
@@ -65,7 +66,8 @@ typedef struct loom_slot {
 typedef struct loom_arena {
     loom_slot *slots;
     int nslots;
-    size_t nparams;          /* floats in w and g (buckets padded) */
+    size_t nparams;          /* floats in w (buckets padded, then any frozen slots) */
+    size_t ngrad;            /* floats in g: the buckets; frozen slots lie past them, last */
     float *w, *g;            /* fp32 master values (NULL: a frozen base kept in the compute
                               * dtype only), main grads (the model's device memory) */
     bool w_on_dev;           /* w is device memory (committed on a GPU) */
@@ -186,6 +188,7 @@ struct loom_model {
     /* LoRA adapters (lora.c); `active` is the one applied and trained, -1 none */
     struct loom_adapter *adapters;
     int nadapters, active;
+    uint8_t *pfrozen;             /* (plan.n): 1 for a tensor set not trainable; NULL: none */
 
     /* activations */
     loom_chunk *chunks;      /* (vpp) */
@@ -260,7 +263,8 @@ static inline void *loom_wc(loom_model *m, int s) {
     return s < 0 ? NULL : (char *)m->base.wc + m->base.slots[s].off * m->dev.esz;
 }
 static inline float *loom_g(loom_model *m, int s) {
-    return s < 0 || !m->base.g ? NULL : m->base.g + m->base.slots[s].off;
+    return s < 0 || !m->base.g || m->base.slots[s].frozen ? NULL
+                                                          : m->base.g + m->base.slots[s].off;
 }
 /* lora.c: the active, unmerged adapter's path on one linear of layer l (i:
  * the layer's index in its chunk). fwd: y (T, out_l) = scale (x A^T) B^T +
@@ -310,6 +314,9 @@ void loom_grad_defer_reset(loom_model *m, loom_arena *a);
 /* Lays out an arena's slots (already filled) in buckets and allocates w
  * in host memory, to be filled, and g (zero, on the device) unless frozen. */
 loom_status loom_arena_layout(loom_model *m, loom_arena *a, bool frozen);
+/* Offsets of the slots in index order (64-byte aligned) and the buckets
+ * over the trainable ones; frozen slots must come last (freeze.c). */
+loom_status loom_arena_place(loom_model *m, loom_arena *a);
 /* Moves a filled arena's w to the model's device and makes the compute
  * copy wc. */
 loom_status loom_arena_commit(loom_model *m, loom_arena *a);

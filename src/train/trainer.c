@@ -71,16 +71,16 @@ static bool defer_setup(loom_model *m, loom_arena *A) {
         const loom_layer_slots *s = &m->layer[l];
         const int w[7] = {s->wq, s->wk, s->wv, s->wo, s->wg, s->wu, s->wd};
         for (int k = 0; k < 7; k++)
-            if (w[k] >= 0 && w[k] < A->nslots) A->gdefer[w[k]] = 1;
+            if (w[k] >= 0 && w[k] < A->nslots && !A->slots[w[k]].frozen) A->gdefer[w[k]] = 1;
     }
-    if (m->head >= 0 && m->head < A->nslots) A->gdefer[m->head] = 1;
+    if (m->head >= 0 && m->head < A->nslots && !A->slots[m->head].frozen) A->gdefer[m->head] = 1;
     return true;
 }
 
 loom_status loom_grad_prepare(loom_model *m, float *g, size_t n, float *beta) {
     if (beta) *beta = 1.0f;
     loom_arena *A = &m->base;
-    if (!A->gpending || !A->g || g < A->g || g >= A->g + A->nparams) return LOOM_OK;
+    if (!A->gpending || !A->g || g < A->g || g >= A->g + A->ngrad) return LOOM_OK;
     const size_t o = (size_t)(g - A->g), e = o + n;
     /* slots lie in index order (arena_place): the first that ends past o, by
      * bisection, then every fresh one the write touches */
@@ -125,7 +125,7 @@ void loom_model_zero_grad(loom_model *m) {
         memcpy(A->gfresh, A->gdefer, (size_t)A->nslots);
         A->gpending = true;
     } else if (A->g) {
-        (void)loom_k_zero(m, A->g, A->nparams * sizeof(float));
+        (void)loom_k_zero(m, A->g, A->ngrad * sizeof(float));
         if (A->gfresh) memset(A->gfresh, 0, (size_t)A->nslots);
         A->gpending = false;
     }
@@ -418,7 +418,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
     if (backward) { /* the trained arena's gradients, at its first backward */
         loom_arena *A = loom_model_trainable(m);
         if ((st = loom_arena_master_to_device(m, A))) goto done;
-        if (!A->g && (st = loom_dev_alloc(m, (void **)&A->g, A->nparams * sizeof(float),
+        if (!A->g && (st = loom_dev_alloc(m, (void **)&A->g, A->ngrad * sizeof(float),
                                           "gradients")))
             goto done;
     }
@@ -543,10 +543,11 @@ static bool counts_in_norm(const loom_model *m, const loom_arena *A, int i) {
 static loom_status reduce_grads(loom_model *m, loom_arena *A) {
     loom_status st = LOOM_OK;
     for (int i = 0; i < A->nslots && !st; i++)
-        if (A->slots[i].tp_partial)
+        if (A->slots[i].tp_partial && !A->slots[i].frozen)
             st = loom_comm_allreduce(m->mesh->tp, A->g + A->slots[i].off, A->slots[i].numel,
                                      LOOM_F32, LOOM_RED_SUM);
-    if (!st && A == &m->base && m->mesh->embed && m->cfg.tie_word_embeddings) {
+    if (!st && A == &m->base && m->mesh->embed && m->cfg.tie_word_embeddings &&
+        loom_g(m, m->mesh->pp_rank == 0 ? m->embed : m->head)) {
         int s = m->mesh->pp_rank == 0 ? m->embed : m->head;
         st = loom_comm_allreduce(m->mesh->embed, loom_g(m, s), A->slots[s].numel, LOOM_F32,
                                  LOOM_RED_SUM);

@@ -367,16 +367,36 @@ def test_lr_scheduler_follows_megatron():
     x.close()
 
 
-def test_wrap_hooks_see_the_parameter_table():
+def test_wrap_hooks_see_the_parameter_table_and_freeze():
     seen = []
-    x = model(pre_wrap_hook=lambda t: seen.append(t))
-    x.set_optimizer("default")
+
+    def freeze_layer0(table):
+        seen.append([dict(p) for p in table])
+        for p in table:
+            if p["layer"] == 0 or p["name"] == "model.norm.weight":
+                p["trainable"] = False
+
+    x = model(pre_wrap_hook=freeze_layer0)
+    before = x.get_state_dict()
+    x.set_optimizer("default", lr=1e-2)
     names = [p["name"] for p in seen[0]]
     assert "model.embed_tokens.weight" in names and len(names) == x.info.num_tensors
     p = seen[0][names.index("model.layers.1.mlp.up_proj.weight")]
     assert p["layer"] == 1 and p["shape"] == (128, 64) and p["trainable"] and p["pp_stage"] == 0
-    y = model()
-    y.register_pre_wrap_hook(lambda t: t[0].update(trainable=False))
-    with pytest.raises(loom.UnsupportedError, match="not implemented"):
-        y.set_optimizer("default")
-    x.close(), y.close()
+    table = {p["name"]: p for p in x.parameters_table()}
+    assert not table["model.layers.0.mlp.up_proj.weight"]["trainable"]
+    assert table["model.layers.1.mlp.up_proj.weight"]["trainable"]
+    for _ in range(2):
+        x.forward_backward(inputs=random_samples(2, 16, seed=5))
+        x.clip_grad_and_step()
+    after = x.get_state_dict()
+    for k in before:
+        frozen = ".layers.0." in k or k == "model.norm.weight"
+        assert np.array_equal(before[k], after[k]) == frozen, k
+    with pytest.raises(loom.ConfigError, match="before the first set_optimizer"):
+        x.register_pre_wrap_hook(lambda t: None)
+    with pytest.raises(loom.ConfigError, match="before the first forward_backward"):
+        x.set_trainable("model.norm.weight", True)
+    with pytest.raises(loom.NotFoundError):
+        model().set_trainable("no.such.weight", False)
+    x.close()

@@ -97,3 +97,22 @@ def test_lora_example_under_mpirun_matches_loom_train(tiny_model, data, tmp_path
     got = _losses(out)["losses"]
     for g, r in zip(got, ref):
         assert abs(g - r) < 1e-5, (got, ref)
+
+
+@pytest.mark.skipif(not have_mpirun(), reason="no mpirun, or loom built without MPI")
+def test_frozen_layers_under_mpirun_match_one_process(tiny_model, data, tmp_path):
+    jl, _ = data
+    runs = {}
+    for name, np_, mesh, extra in (("mesh", 8, ["2", "2", "2"], ["0", "1", "freeze"]),
+                                   ("one", 1, ["1", "1", "1"], ["0", "1", "freeze"]),
+                                   ("unfrozen", 1, ["1", "1", "1"], [])):
+        out = str(tmp_path / (name + ".json"))
+        argv = [sys.executable, SCRIPT, tiny_model, jl, out] + mesh + extra
+        if np_ > 1:
+            mpirun(np_, argv)
+        else:
+            subprocess.run(argv, check=True, env=env(), capture_output=True)
+        runs[name] = _losses(out)["losses"]
+    for g, r in zip(runs["mesh"], runs["one"]):
+        assert abs(g - r) < 1e-5, runs
+    assert abs(runs["one"][-1] - runs["unfrozen"][-1]) > 1e-4  # freezing changed training

@@ -1,7 +1,9 @@
 """The issue's usage example, as a user writes it (only the import is loom's):
 every rank runs this under mpirun / torchrun; rank 0 writes the step losses.
 
-    example.py MODEL SAMPLES.jsonl OUT.json DP TP PP [LORA_R] [GAS]
+    example.py MODEL SAMPLES.jsonl OUT.json DP TP PP [LORA_R] [GAS] [freeze]
+
+freeze: a pre-wrap hook freezes layer 0 and the embedding (full fine-tuning).
 """
 import json
 import sys
@@ -12,10 +14,19 @@ model_id, samples, out = sys.argv[1:4]
 dp, tp, pp = (int(x) for x in sys.argv[4:7])
 lora_r = int(sys.argv[7]) if len(sys.argv) > 7 else 0
 gas = int(sys.argv[8]) if len(sys.argv) > 8 else 1
+freeze = len(sys.argv) > 9 and sys.argv[9] == 'freeze'
+
+
+def freeze_first_layer(table):
+    for p in table:
+        if p['layer'] == 0 or p['name'] == 'model.embed_tokens.weight':
+            p['trainable'] = False
+
 
 model = MegatronModel(model_id=model_id,
                       device_mesh=DeviceMesh.from_sizes(dp_size=dp, tp_size=tp, pp_size=pp),
-                      mixed_precision='no')
+                      mixed_precision='no',
+                      pre_wrap_hook=freeze_first_layer if freeze else None)
 adapter = None
 if lora_r:
     adapter = 'default'
