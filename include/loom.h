@@ -322,6 +322,32 @@ loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_inf
  * not on a model with adapters (LoRA freezes the whole base). */
 loom_status loom_model_set_trainable(loom_model *m, const char *name, int trainable);
 
+/* ---- The model without its weights (Megatron-Bridge's meta model) ----
+ * From config.json alone, nothing read or allocated but tables: the
+ * parameter table as the ranks of each pipeline stage hold it, and each
+ * stage's predicted device memory for a step (the same layout code as the
+ * model allocates with). `opts` as for loom_model_create (dp 0: what
+ * world_size leaves); the mesh is checked against the model as there. */
+typedef struct loom_memory_estimate {
+    int pp_rank;           /* the stage */
+    int in_flight;         /* micro-batches whose activations it keeps */
+    uint64_t weights, grads, optimizer, activations, workspace, total; /* bytes per rank */
+} loom_memory_estimate;
+typedef struct loom_meta_query {
+    int world_size;                 /* ranks of the job */
+    int64_t micro_batch_size, seq_len, num_micro_batches;
+    int lora_r;                     /* 0: full fine-tuning */
+    const char *lora_target;        /* NULL: "all-linear" */
+} loom_meta_query;
+typedef struct loom_meta loom_meta;
+loom_status loom_meta_create(loom_ctx *ctx, const char *dir, const loom_model_options *opts,
+                             const loom_meta_query *q, loom_meta **out);
+void loom_meta_free(loom_meta *mt);
+void loom_meta_get_info(const loom_meta *mt, loom_model_info *info);
+/* local_shape: what each rank of the tensor's pipeline stage holds. */
+loom_status loom_meta_param_info(const loom_meta *mt, int64_t i, loom_param_info *out);
+loom_status loom_meta_memory(const loom_meta *mt, int pp_rank, loom_memory_estimate *out);
+
 /* ---- Tokenizing samples with the model's tokenizer and chat template ---- */
 typedef struct loom_encoder loom_encoder;
 /* From a model or tokenizer directory: tokenizer.json, the chat template

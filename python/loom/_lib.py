@@ -73,6 +73,16 @@ class ParamInfo(C.Structure):
                 ("layer", i32), ("pp_stage", i32), ("trainable", i32)]
 
 
+class MemoryEstimate(C.Structure):
+    _fields_ = [("pp_rank", i32), ("in_flight", i32), ("weights", u64), ("grads", u64),
+                ("optimizer", u64), ("activations", u64), ("workspace", u64), ("total", u64)]
+
+
+class MetaQuery(C.Structure):
+    _fields_ = [("world_size", i32), ("micro_batch_size", i64), ("seq_len", i64),
+                ("num_micro_batches", i64), ("lora_r", i32), ("lora_target", cp)]
+
+
 class OptimizerConfig(C.Structure):
     _fields_ = [("lr", f64), ("beta1", f64), ("beta2", f64), ("eps", f64),
                 ("weight_decay", f64)]
@@ -129,6 +139,11 @@ _decl("loom_model_get_info", None, vp, P(ModelInfo))
 _decl("loom_model_get_mesh", None, vp, P(MeshInfo))
 _decl("loom_model_param_info", i32, vp, i64, P(ParamInfo))
 _decl("loom_model_set_trainable", i32, vp, cp, i32)
+_decl("loom_meta_create", i32, vp, cp, P(ModelOptions), P(MetaQuery), P(vp))
+_decl("loom_meta_free", None, vp)
+_decl("loom_meta_get_info", None, vp, P(ModelInfo))
+_decl("loom_meta_param_info", i32, vp, i64, P(ParamInfo))
+_decl("loom_meta_memory", i32, vp, i32, P(MemoryEstimate))
 _decl("loom_optimizer_config_default", OptimizerConfig)
 _decl("loom_model_set_optimizer", i32, vp, P(OptimizerConfig))
 _decl("loom_sched_config_default", SchedConfig)

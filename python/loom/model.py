@@ -95,6 +95,26 @@ class Result(dict):
         return self["loss"]
 
 
+class MetaModel:
+    """MegatronModel.meta's answer: `parameters` (the parameter table, local
+    shapes as a rank of each tensor's pipeline stage holds them), `memory`
+    (per pipeline stage: bytes of weights, grads, optimizer, activations,
+    workspace and total per rank), `num_params`, `model_type`, `device_mesh`."""
+
+    def __init__(self, model_type, num_params, parameters, memory, device_mesh):
+        self.model_type, self.num_params = model_type, num_params
+        self.parameters, self.memory, self.device_mesh = parameters, memory, device_mesh
+
+    @property
+    def peak_bytes(self):
+        """The largest per-rank total over the pipeline stages."""
+        return max(m["total"] for m in self.memory)
+
+    def __repr__(self):
+        return "MetaModel(%s, %d params, %s, peak %.2f GiB per rank)" % (
+            self.model_type, self.num_params, self.device_mesh, self.peak_bytes / 2 ** 30)
+
+
 class MegatronModel:
     def __new__(cls, model_id=None, config=None, device_mesh=None, mixed_precision="bf16",
                 remote_group=None, **kwargs):
@@ -340,12 +360,77 @@ class MegatronModel:
                     self.set_trainable(p["name"], p["trainable"])
 
     @classmethod
-    def meta(cls, model_id, device_mesh=None, **kwargs):
-        """Megatron-Bridge's meta_model: not implemented yet (use `loom inspect
-        DIR --mesh tp=2,pp=2` for the per-rank memory prediction)."""
-        raise UnsupportedError("MegatronModel.meta is not implemented yet; `loom inspect "
-                               "MODEL_DIR --mesh tp=2,pp=2,dp=2 --seq-len S` predicts the "
-                               "per-rank memory without loading weights")
+    def meta(cls, model_id, device_mesh=None, config=None, mixed_precision="bf16",
+             micro_batch_size=1, seq_len=4096, num_micro_batches=None, lora_r=0,
+             lora_target="all-linear", device="cuda", **kwargs):
+        """Megatron-Bridge's meta_model: the parameter table and each pipeline
+        stage's predicted memory per rank, from config.json alone (no weight is
+        read or allocated; no launcher needed). Returns a MetaModel."""
+        _check_kwargs("MegatronModel.meta", kwargs, {"recompute_granularity", "recompute_modules",
+                                                    "recompute_method", "recompute_num_layers",
+                                                    "sequence_parallel",
+                                                    "make_vocab_size_divisible_by",
+                                                    "microbatch_group_size_per_vp_stage"})
+        if device_mesh is None:
+            device_mesh = DeviceMesh(1)
+        if not isinstance(device_mesh, DeviceMesh):
+            raise InvalidArgumentError("device_mesh must be a loom.DeviceMesh")
+        if device not in ("cpu", "cuda"):
+            raise InvalidArgumentError("device=%r: use 'cpu' or 'cuda'" % (device,))
+        ctx = L.Context()
+        o = L.ModelOptions()
+        L.lib.loom_model_options_default(C.byref(o))
+        ov = cls._config_overrides(config)
+        if ov:
+            o.config_overrides = json.dumps(ov).encode()
+        o.device = L.DEVICE_CUDA if device == "cuda" else L.DEVICE_CPU
+        mp = {"bf16": L.BF16, "fp16": L.F16, "no": L.F32, "fp32": L.F32}.get(mixed_precision)
+        if mp is None:
+            raise InvalidArgumentError("mixed_precision=%r: use 'bf16', 'fp16' or 'no'"
+                                       % (mixed_precision,))
+        o.dtype = mp if device == "cuda" else L.F32
+        o.tp, o.cp, o.dp, o.pp = (device_mesh.tp_size, device_mesh.cp_size, device_mesh.dp_size,
+                                  device_mesh.pp_size)
+        o.vpp = device_mesh.vpp_size or 1
+        o.ep, o.etp = device_mesh.ep_size, device_mesh.etp_size or 0
+        sp = kwargs.get("sequence_parallel")
+        o.sequence_parallel = int(bool(device_mesh.sequence_parallel if sp is None else sp))
+        o.microbatch_group = int(kwargs.get("microbatch_group_size_per_vp_stage") or 0)
+        if kwargs.get("make_vocab_size_divisible_by"):
+            o.vocab_pad_multiple = int(kwargs["make_vocab_size_divisible_by"])
+        o.recompute = cls._recompute(kwargs)
+        if num_micro_batches is None:
+            num_micro_batches = micro_batch_count(o.pp, 1, o.pp, o.vpp, o.microbatch_group)
+        for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len),
+                        ("num_micro_batches", num_micro_batches), ("lora_r", lora_r)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "lora_r" else 1):
+                raise InvalidArgumentError("MegatronModel.meta: %s=%r must be an int >= %d"
+                                           % (name, v, 0 if name == "lora_r" else 1))
+        q = L.MetaQuery(world_size=device_mesh.world_size, micro_batch_size=micro_batch_size,
+                        seq_len=seq_len, num_micro_batches=num_micro_batches, lora_r=lora_r,
+                        lora_target=str(lora_target).encode())
+        h = C.c_void_p()
+        ctx.check(L.lib.loom_meta_create(ctx.h, resolve_model(model_id).encode(), C.byref(o),
+                                         C.byref(q), C.byref(h)), "MegatronModel.meta")
+        try:
+            info = L.ModelInfo()
+            L.lib.loom_meta_get_info(h, C.byref(info))
+            table = []
+            for i in range(info.num_tensors):
+                p = L.ParamInfo()
+                ctx.check(L.lib.loom_meta_param_info(h, i, C.byref(p)))
+                table.append({"name": p.name.decode(), "shape": tuple(p.shape[:p.ndim]),
+                              "local_shape": tuple(p.local_shape[:p.ndim]), "dtype": "float32",
+                              "layer": None if p.layer < 0 else p.layer,
+                              "pp_stage": p.pp_stage, "trainable": not lora_r})
+            mem = []
+            for s in range(o.pp):
+                e = L.MemoryEstimate()
+                ctx.check(L.lib.loom_meta_memory(h, s, C.byref(e)))
+                mem.append({k: getattr(e, k) for k, _ in L.MemoryEstimate._fields_})
+        finally:
+            L.lib.loom_meta_free(h)
+        return MetaModel(info.model_type.decode(), int(info.num_params), table, mem, device_mesh)
 
     # ---- adapters ----
     def _group(self, adapter_name):

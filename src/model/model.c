@@ -916,13 +916,7 @@ loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_inf
     out->shape[0] = p->shape[0];
     out->shape[1] = p->ndim == 2 ? p->shape[1] : 1;
     out->layer = (int)p->layer;
-    const int pp = m->mesh->n.pp, vpp = m->vpp;
-    if (p->layer >= 0) {
-        const int64_t per = m->L / ((int64_t)pp * vpp);
-        out->pp_stage = (int)(p->layer / per % pp);
-    } else {
-        out->pp_stage = p->comp == LOOM_COMP_EMBED ? 0 : pp - 1;
-    }
+    out->pp_stage = loom_param_stage(p, m->L, m->mesh->n.pp, m->vpp);
     const int s = loom_model_find_slot(m, p->name);
     if (s >= 0) {
         out->local_shape[0] = m->base.slots[s].rows;
@@ -1138,6 +1132,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     if (!st) st = build_slots(m);
     if (!st) st = loom_arena_place(m, &m->base);
     if (st) goto done;
+    for (int i = 0; in->on_slot && i < m->base.nslots; i++) in->on_slot(in->u, &m->base.slots[i]);
     const size_t P = m->base.nparams, esz = m->dev.esz;
     const bool lora = in->lora_r > 0;
     r->pp_rank = pp_rank;
@@ -1218,6 +1213,11 @@ done:
     free(m->pfrozen);
     loom_param_plan_free(&m->plan);
     return st;
+}
+
+loom_status loom_memory_predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
+                                      const loom_mem_in *in, int pp_rank, loom_mem_report *out) {
+    return predict_stage(ctx, cfg, in, pp_rank, out);
 }
 
 loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,

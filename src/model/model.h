@@ -361,6 +361,9 @@ typedef struct loom_mem_in {
     bool training;
     int64_t vocab_pad;        /* 0: 128 */
     loom_recompute recompute;
+    /* Optional: called with each slot the stage holds (its local shape) */
+    void (*on_slot)(void *u, const struct loom_slot *s);
+    void *u;
 } loom_mem_in;
 
 typedef struct loom_mem_report {
@@ -372,6 +375,11 @@ typedef struct loom_mem_report {
 
 loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,
                                 loom_mem_report *out);
+/* The pipeline rank holding a tensor (a tied embedding: the first). */
+int loom_param_stage(const loom_param_spec *p, int64_t L, int pp, int vpp);
+/* The same for one pipeline stage. */
+loom_status loom_memory_predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
+                                      const loom_mem_in *in, int pp_rank, loom_mem_report *out);
 /* One log line: each class and the total. */
 void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, loom_log_level level);
 

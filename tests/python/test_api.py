@@ -400,3 +400,31 @@ def test_wrap_hooks_see_the_parameter_table_and_freeze():
     with pytest.raises(loom.NotFoundError):
         model().set_trainable("no.such.weight", False)
     x.close()
+
+
+def test_meta_model_without_weights(tmp_path, tiny_model):
+    import shutil
+    d = tmp_path / "config-only"
+    d.mkdir()
+    shutil.copy(os.path.join(tiny_model, "config.json"), d / "config.json")  # no weights at all
+    one = MegatronModel.meta(str(d), seq_len=64)
+    x = model(tiny_model)
+    live = x.parameters_table()
+    assert [p["name"] for p in one.parameters] == [p["name"] for p in live]
+    for a, b in zip(one.parameters, live):
+        assert a["shape"] == b["shape"] and a["local_shape"] == b["local_shape"], (a, b)
+        assert a["layer"] == b["layer"] and a["pp_stage"] == b["pp_stage"]
+    x.close()
+    mesh = MegatronModel.meta(str(d), device_mesh=DeviceMesh(2, 2, 2), seq_len=64)
+    q = {p["name"]: p for p in mesh.parameters}
+    assert q["model.layers.0.self_attn.q_proj.weight"]["local_shape"] == (32, 64)   # rows / tp
+    assert q["model.layers.0.self_attn.o_proj.weight"]["local_shape"] == (64, 32)   # cols / tp
+    assert q["model.layers.3.mlp.up_proj.weight"]["pp_stage"] == 1
+    assert len(mesh.memory) == 2 and all(m["total"] > 0 for m in mesh.memory)
+    assert mesh.memory[0]["weights"] < one.memory[0]["weights"]  # sharded 4 ways
+    lora = MegatronModel.meta(str(d), device_mesh=DeviceMesh(2, 2, 2), seq_len=64, lora_r=8)
+    assert lora.memory[0]["grads"] < mesh.memory[0]["grads"]
+    with pytest.raises(loom.ConfigError, match="num_attention_heads|heads"):
+        MegatronModel.meta(str(d), device_mesh=DeviceMesh(1, 3, 1))
+    with pytest.raises(loom.InvalidArgumentError):
+        MegatronModel.meta(str(d), seq_len=0)

@@ -116,3 +116,28 @@ def test_frozen_layers_under_mpirun_match_one_process(tiny_model, data, tmp_path
     for g, r in zip(runs["mesh"], runs["one"]):
         assert abs(g - r) < 1e-5, runs
     assert abs(runs["one"][-1] - runs["unfrozen"][-1]) > 1e-4  # freezing changed training
+
+
+META_CHECK = """
+import sys
+from loom import MegatronModel, DeviceMesh
+mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2)
+meta = {p['name']: p for p in MegatronModel.meta(sys.argv[1], device_mesh=mesh).parameters}
+m = MegatronModel(sys.argv[1], device_mesh=mesh, mixed_precision='no')
+pp = m.mesh_coords()['pp_rank']
+n = 0
+for p in m.parameters_table():
+    q = meta[p['name']]
+    assert q['pp_stage'] == p['pp_stage'], (p, q)
+    if p['local_shape'] is not None and p['pp_stage'] == pp:
+        assert q['local_shape'] == p['local_shape'], (p, q)
+        n += 1
+assert n > 0
+print('ok', n)
+"""
+
+
+@pytest.mark.skipif(not have_mpirun(), reason="no mpirun, or loom built without MPI")
+def test_meta_model_matches_what_each_rank_holds(tiny_model):
+    p = mpirun(4, [sys.executable, "-c", META_CHECK, tiny_model])
+    assert p.stdout.count("ok ") == 4
