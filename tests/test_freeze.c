@@ -25,7 +25,11 @@ static bool is_frozen(const char *name) {
 
 static int64_t numel(const int64_t sh[2], int nd) { return nd == 2 ? sh[0] * sh[1] : sh[0]; }
 
-static void check_freeze(loom_device dev) {
+/* dt: the compute dtype; bf16 (GPU only) keeps the base's fp32 master in
+ * host memory until training starts, so its layout moves host and device
+ * buffers apart. Its gradients and steps are compared loosely (the
+ * attention backward's atomics differ run to run), frozen tensors exactly. */
+static void check_freeze(loom_device dev, loom_dtype dt) {
     if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) {
         loom_test_skip("no GPU visible (or loom built without CUDA)");
         return;
@@ -38,7 +42,8 @@ static void check_freeze(loom_device dev) {
     loom_model_options o;
     loom_model_options_default(&o);
     o.device = dev;
-    o.dtype = LOOM_F32;
+    o.dtype = dt;
+    const double gtol = dt == LOOM_F32 ? 1e-6 : 2e-2, wtol = dt == LOOM_F32 ? 1e-6 : 2.5e-2;
     enum { R = 2, S = 16 };
     int32_t ids[R * S], tgt[R * S];
     for (int i = 0; i < R * S; i++) ids[i] = (i * 37 + 11) % 1000;
@@ -88,11 +93,11 @@ static void check_freeze(loom_device dev) {
             if (!is_frozen(name)) sq += (double)g0[j] * g0[j];
         }
         if (is_frozen(name)) CHECK_MSG(z == 0.0, "%s: frozen, gradient %g", name, z);
-        else CHECK_MSG(d <= 1e-6, "%s: gradient differs by %g", name, d);
+        else CHECK_MSG(d <= gtol, "%s: gradient differs by %g", name, d);
     }
     for (int k = 0; k < 2; k++) REQUIRE_OK(ctx, loom_model_clip_grad_and_step(m[k], 0.0, 1, &sr[k]));
-    CHECK_NEAR(sr[1].grad_norm, sqrt(sq), 1e-5 * sqrt(sq));
-    CHECK_NEAR(sr[1].loss, sr[0].loss, 1e-9);
+    CHECK_NEAR(sr[1].grad_norm, sqrt(sq), (dt == LOOM_F32 ? 1e-5 : 2e-2) * sqrt(sq));
+    CHECK_NEAR(sr[1].loss, sr[0].loss, dt == LOOM_F32 ? 1e-9 : 1e-3);
     /* after the step: frozen tensors as loaded, the others as with nothing frozen */
     loom_model *fresh;
     REQUIRE_OK(ctx, loom_model_create(ctx, dir, &o, &fresh));
@@ -110,7 +115,7 @@ static void check_freeze(loom_device dev) {
         const float *want = is_frozen(name) ? init : w0;
         double d = 0.0;
         for (int64_t j = 0; j < n; j++) d = fmax(d, fabs((double)want[j] - w1[j]));
-        CHECK_MSG(d <= (is_frozen(name) ? 0.0 : 1e-6), "%s: differs by %g after the step", name, d);
+        CHECK_MSG(d <= (is_frozen(name) ? 0.0 : wtol), "%s: differs by %g after the step", name, d);
     }
     /* a second step trains on (no stale gradient of a frozen slot) */
     REQUIRE_OK(ctx, loom_model_forward_backward(m[1], &b, 1, NULL));
@@ -132,5 +137,6 @@ static void check_freeze(loom_device dev) {
     loom_ctx_free(ctx);
 }
 
-TEST(freeze_tensors_in_full_fine_tuning) { check_freeze(LOOM_DEVICE_CPU); }
-TEST(cuda_freeze_tensors_in_full_fine_tuning) { check_freeze(LOOM_DEVICE_CUDA); }
+TEST(freeze_tensors_in_full_fine_tuning) { check_freeze(LOOM_DEVICE_CPU, LOOM_F32); }
+TEST(cuda_freeze_tensors_in_full_fine_tuning) { check_freeze(LOOM_DEVICE_CUDA, LOOM_F32); }
+TEST(cuda_freeze_tensors_in_full_fine_tuning_bf16) { check_freeze(LOOM_DEVICE_CUDA, LOOM_BF16); }
