@@ -63,6 +63,7 @@ def normalize(config):
             raise InvalidArgumentError("LoRA adapter %r: no adapter_config.json there; give a "
                                        "PEFT adapter directory or a LoraConfig" % d)
         return {"dir": d}
+    peft_config = False
     if isinstance(config, LoraConfig):
         fields = {k: getattr(config, k) for k in _ACCEPTED}
         fields.update(config.extra)
@@ -70,6 +71,7 @@ def normalize(config):
         fields = dict(config)
     elif hasattr(config, "to_dict") and hasattr(config, "r"):  # peft.LoraConfig
         fields = config.to_dict()
+        peft_config = True
     else:
         raise InvalidArgumentError("add_adapter_to_model: config must be a loom.LoraConfig, a "
                                    "peft.LoraConfig, a dict or a PEFT directory, not %s"
@@ -86,6 +88,12 @@ def normalize(config):
                     and not (k == "init_lora_weights" and v is True):
                 raise UnsupportedError("LoRA %s=%r is not implemented by loom (only %r)"
                                        % (k, v, _NEUTRAL[k]))
+        elif peft_config:
+            # a field of a newer PEFT: harmless at its default, refused otherwise
+            if v not in (None, False, "none", "", 0) and not (isinstance(v, (dict, list, set))
+                                                             and not v):
+                raise UnsupportedError("LoRA %s=%r (a peft.LoraConfig field) is not implemented "
+                                       "by loom" % (k, v))
         else:
             import difflib
             near = difflib.get_close_matches(k, sorted(_ACCEPTED), 1)

@@ -10,6 +10,7 @@ import ctypes as C
 import difflib
 import json
 import os
+import re
 import warnings
 
 import numpy as np
@@ -41,6 +42,19 @@ _SCHED_KWARGS = {"lr_decay_steps", "max_lr", "init_lr", "min_lr", "lr_warmup_ste
                  "lr_decay_style", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style",
                  "wsd_decay_steps", "lr_wsd_decay_style", "lr_warmup_init",
                  "use_checkpoint_opt_param_scheduler", "override_opt_param_scheduler"}
+
+
+_MESH_WORDS = re.compile(r"\bmesh:|tensor-parallel|pipeline|\b(tp|pp|cp|dp|vpp|ep|etp)=\d")
+
+
+def _check_mesh(ctx, st, what):
+    """ctx.check, with a configuration error about the mesh raised as MeshError."""
+    try:
+        ctx.check(st, what)
+    except ConfigError as e:
+        if not isinstance(e, MeshError) and _MESH_WORDS.search(str(e)):
+            raise MeshError(str(e), status=e.status) from None
+        raise
 
 
 def _unknown(what, key, known):
@@ -211,8 +225,8 @@ class MegatronModel:
             if kwargs.get(k) is not None:
                 lst.append(kwargs[k])
         h = C.c_void_p()
-        self._ctx.check(L.lib.loom_model_create(self._ctx.h, self._model_path.encode(),
-                                                C.byref(o), C.byref(h)), "MegatronModel")
+        _check_mesh(self._ctx, L.lib.loom_model_create(self._ctx.h, self._model_path.encode(),
+                                                       C.byref(o), C.byref(h)), "MegatronModel")
         self._h = h
         info = L.ModelInfo()
         L.lib.loom_model_get_info(h, C.byref(info))
@@ -410,8 +424,9 @@ class MegatronModel:
                         seq_len=seq_len, num_micro_batches=num_micro_batches, lora_r=lora_r,
                         lora_target=str(lora_target).encode())
         h = C.c_void_p()
-        ctx.check(L.lib.loom_meta_create(ctx.h, resolve_model(model_id).encode(), C.byref(o),
-                                         C.byref(q), C.byref(h)), "MegatronModel.meta")
+        _check_mesh(ctx, L.lib.loom_meta_create(ctx.h, resolve_model(model_id).encode(),
+                                                C.byref(o), C.byref(q), C.byref(h)),
+                    "MegatronModel.meta")
         try:
             info = L.ModelInfo()
             L.lib.loom_meta_get_info(h, C.byref(info))

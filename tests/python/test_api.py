@@ -424,7 +424,21 @@ def test_meta_model_without_weights(tmp_path, tiny_model):
     assert mesh.memory[0]["weights"] < one.memory[0]["weights"]  # sharded 4 ways
     lora = MegatronModel.meta(str(d), device_mesh=DeviceMesh(2, 2, 2), seq_len=64, lora_r=8)
     assert lora.memory[0]["grads"] < mesh.memory[0]["grads"]
-    with pytest.raises(loom.ConfigError, match="num_attention_heads|heads"):
+    with pytest.raises(loom.MeshError, match="num_attention_heads=4 is not divisible by"):
         MegatronModel.meta(str(d), device_mesh=DeviceMesh(1, 3, 1))
+    with pytest.raises(loom.MeshError, match="num_hidden_layers=4 cannot be split"):
+        MegatronModel.meta(str(d), device_mesh=DeviceMesh(1, 1, 3))
     with pytest.raises(loom.InvalidArgumentError):
         MegatronModel.meta(str(d), seq_len=0)
+
+
+def test_peft_lora_config_is_taken():
+    peft = pytest.importorskip("peft", reason="peft is not installed (the GPU machine has it)")
+    x = model()
+    x.add_adapter_to_model("p", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj",
+                                                                                   "v_proj"]))
+    sd = x.get_state_dict(adapter_name="p")
+    assert any(".q_proj.lora_A" in k for k in sd) and not any(".k_proj." in k for k in sd)
+    with pytest.raises(loom.UnsupportedError, match="use_dora"):
+        x.add_adapter_to_model("d", peft.LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
+    x.close()
