@@ -141,3 +141,42 @@ print('ok', n)
 def test_meta_model_matches_what_each_rank_holds(tiny_model):
     p = mpirun(4, [sys.executable, "-c", META_CHECK, tiny_model])
     assert p.stdout.count("ok ") == 4
+
+
+LOOP = """
+import sys, time
+from loom import MegatronModel, DeviceMesh
+m = MegatronModel(sys.argv[1], device_mesh=DeviceMesh.from_sizes(), mixed_precision='no')
+m.set_optimizer('default', lr=1e-3)
+data = [{'input_ids': list(range(i, i + 32))} for i in range(4)]
+print('training', flush=True)
+while True:
+    m.forward_backward(inputs=data)
+    m.clip_grad_and_step()
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ctrl_c_stops_training_cleanly(tiny_model, ranks):
+    import signal
+    import time
+    if ranks > 1 and not have_mpirun():
+        pytest.skip("no mpirun, or loom built without MPI")
+    argv = [sys.executable, "-c", LOOP, tiny_model]
+    if ranks > 1:
+        argv = ["mpirun", "-np", str(ranks)] + argv
+    p = subprocess.Popen(argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().startswith("training")
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and took < 20, (p.returncode, took)
+    assert "KeyboardInterrupt" in err or ranks > 1, err[-2000:]
