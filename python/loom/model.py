@@ -79,6 +79,33 @@ def _num(what, name, v, lo=None, hi=None, open_lo=False):
     return v
 
 
+_PRECISION = {"bf16": L.BF16, "fp16": L.F16, "no": L.F32, "fp32": L.F32}
+
+
+def _mesh_options(o, device_mesh, kwargs, recompute):
+    """The mesh and the TransformerConfig-style knobs into loom_model_options."""
+    o.tp, o.cp, o.dp, o.pp = (device_mesh.tp_size, device_mesh.cp_size, device_mesh.dp_size,
+                              device_mesh.pp_size)
+    o.vpp = device_mesh.vpp_size or 1
+    o.ep, o.etp = device_mesh.ep_size, device_mesh.etp_size or 0
+    sp = kwargs.get("sequence_parallel")
+    o.sequence_parallel = int(bool(device_mesh.sequence_parallel if sp is None else sp))
+    o.microbatch_group = int(kwargs.get("microbatch_group_size_per_vp_stage") or 0)
+    if kwargs.get("make_vocab_size_divisible_by"):
+        o.vocab_pad_multiple = int(kwargs["make_vocab_size_divisible_by"])
+    if kwargs.get("ddp_bucket_size"):
+        o.bucket_elems = int(kwargs["ddp_bucket_size"])
+    o.recompute = recompute(kwargs)
+
+
+def _precision(mixed_precision):
+    mp = _PRECISION.get(mixed_precision)
+    if mp is None:
+        raise InvalidArgumentError("mixed_precision=%r: use 'bf16', 'fp16' or 'no'"
+                                   % (mixed_precision,))
+    return mp
+
+
 class _Group:
     """Twinkle's optimizer group: one per adapter ('' = the whole model)."""
 
@@ -196,10 +223,7 @@ class MegatronModel:
                                    "with LOOM_CUDA=1 pip install . (nvcc on PATH)")
         self.device = dev
         o.device = L.DEVICE_CUDA if dev == "cuda" else L.DEVICE_CPU
-        mp = {"bf16": L.BF16, "fp16": L.F16, "no": L.F32, "fp32": L.F32}.get(mixed_precision)
-        if mp is None:
-            raise InvalidArgumentError("mixed_precision=%r: use 'bf16', 'fp16' or 'no'"
-                                       % (mixed_precision,))
+        mp = _precision(mixed_precision)
         if dev == "cpu" and mp != L.F32:
             if rank == 0:
                 warnings.warn("loom: the CPU computes in fp32; mixed_precision=%r applies on "
@@ -207,18 +231,7 @@ class MegatronModel:
             mp = L.F32
         self.mixed_precision = mixed_precision
         o.dtype = mp
-        o.tp, o.cp, o.dp, o.pp = (device_mesh.tp_size, device_mesh.cp_size, device_mesh.dp_size,
-                                  device_mesh.pp_size)
-        o.vpp = device_mesh.vpp_size or 1
-        o.ep, o.etp = device_mesh.ep_size, device_mesh.etp_size or 0
-        sp = kwargs.get("sequence_parallel")
-        o.sequence_parallel = int(bool(device_mesh.sequence_parallel if sp is None else sp))
-        o.microbatch_group = int(kwargs.get("microbatch_group_size_per_vp_stage") or 0)
-        if kwargs.get("make_vocab_size_divisible_by"):
-            o.vocab_pad_multiple = int(kwargs["make_vocab_size_divisible_by"])
-        if kwargs.get("ddp_bucket_size"):
-            o.bucket_elems = int(kwargs["ddp_bucket_size"])
-        o.recompute = self._recompute(kwargs)
+        _mesh_options(o, device_mesh, kwargs, self._recompute)
         self._options = o
         self._pre_hooks, self._post_hooks = [], []
         for k, lst in (("pre_wrap_hook", self._pre_hooks), ("post_wrap_hook", self._post_hooks)):
@@ -398,21 +411,9 @@ class MegatronModel:
         if ov:
             o.config_overrides = json.dumps(ov).encode()
         o.device = L.DEVICE_CUDA if device == "cuda" else L.DEVICE_CPU
-        mp = {"bf16": L.BF16, "fp16": L.F16, "no": L.F32, "fp32": L.F32}.get(mixed_precision)
-        if mp is None:
-            raise InvalidArgumentError("mixed_precision=%r: use 'bf16', 'fp16' or 'no'"
-                                       % (mixed_precision,))
+        mp = _precision(mixed_precision)
         o.dtype = mp if device == "cuda" else L.F32
-        o.tp, o.cp, o.dp, o.pp = (device_mesh.tp_size, device_mesh.cp_size, device_mesh.dp_size,
-                                  device_mesh.pp_size)
-        o.vpp = device_mesh.vpp_size or 1
-        o.ep, o.etp = device_mesh.ep_size, device_mesh.etp_size or 0
-        sp = kwargs.get("sequence_parallel")
-        o.sequence_parallel = int(bool(device_mesh.sequence_parallel if sp is None else sp))
-        o.microbatch_group = int(kwargs.get("microbatch_group_size_per_vp_stage") or 0)
-        if kwargs.get("make_vocab_size_divisible_by"):
-            o.vocab_pad_multiple = int(kwargs["make_vocab_size_divisible_by"])
-        o.recompute = cls._recompute(kwargs)
+        _mesh_options(o, device_mesh, kwargs, cls._recompute)
         if num_micro_batches is None:
             num_micro_batches = micro_batch_count(o.pp, 1, o.pp, o.vpp, o.microbatch_group)
         for name, v in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len),

@@ -1,12 +1,14 @@
-/* include/loom.h's loom_meta: a model described from its config alone. The
- * parameter plan gives names, shapes and layers; the memory predictor's
- * shadow model of each pipeline stage (model.c) gives what a rank of that
- * stage holds of each tensor and the memory it needs. */
+/* The model described without its weights: include/loom.h's loom_meta (from
+ * config.json alone: the parameter plan gives names, shapes and layers; the
+ * memory predictor's shadow model of each pipeline stage gives what a rank
+ * of that stage holds of each tensor and the memory it needs), the memory
+ * predictor itself, and the mesh and parameter tables of a live model. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "model.h"
 #include "params.h"
+#include "../parallel/schedule.h"
 
 struct loom_meta {
     loom_model_config cfg;
@@ -150,4 +152,187 @@ loom_status loom_meta_memory(const loom_meta *mt, int pp_rank, loom_memory_estim
     if (!out || pp_rank < 0 || pp_rank >= mt->n.pp) return LOOM_ERR_INVALID_ARG;
     *out = mt->mem[pp_rank];
     return LOOM_OK;
+}
+
+void loom_model_get_mesh(const loom_model *m, loom_mesh_info *out) {
+    const loom_mesh *me = m->mesh;
+    const loom_mesh_sizes *n = &me->n;
+    memset(out, 0, sizeof *out);
+    out->world_size = me->world;
+    out->rank = me->rank;
+    out->tp = n->tp, out->cp = n->cp, out->dp = n->dp, out->pp = n->pp;
+    out->vpp = n->vpp > 0 ? n->vpp : 1;
+    out->ep = n->ep > 0 ? n->ep : 1, out->etp = n->etp > 0 ? n->etp : 1;
+    out->sequence_parallel = n->sequence_parallel;
+    out->microbatch_group = n->vpp_group > 0 ? n->vpp_group : n->pp;
+    out->tp_rank = me->tp_rank, out->cp_rank = me->cp_rank;
+    out->dp_rank = me->dp_rank, out->pp_rank = me->pp_rank;
+    out->is_output_rank = me->pp_rank == n->pp - 1 && me->tp_rank == 0 && me->cp_rank == 0;
+}
+
+loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_info *out) {
+    if (!out) return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG, "loom_model_param_info: out is NULL");
+    if (i < 0 || i >= (int64_t)m->plan.n)
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
+                         "loom_model_param_info: tensor %lld of %zu does not exist", (long long)i,
+                         m->plan.n);
+    const loom_param_spec *p = &m->plan.p[i];
+    memset(out, 0, sizeof *out);
+    out->name = p->name;
+    out->ndim = p->ndim;
+    out->shape[0] = p->shape[0];
+    out->shape[1] = p->ndim == 2 ? p->shape[1] : 1;
+    out->layer = (int)p->layer;
+    out->pp_stage = loom_param_stage(p, m->L, m->mesh->n.pp, m->vpp);
+    const int s = loom_model_find_slot(m, p->name);
+    if (s >= 0) {
+        out->local_shape[0] = m->base.slots[s].rows;
+        out->local_shape[1] = m->base.slots[s].cols;
+    }
+    out->trainable = m->nadapters == 0 && !(m->pfrozen && m->pfrozen[i]);
+    return LOOM_OK;
+}
+
+/* ---- memory prediction ----
+ * A shadow model per pipeline stage (sizes and slots only, nothing
+ * allocated but small tables) measured with the same layout code the model
+ * allocates with: arena_place for the parameters, acts_layout for the
+ * activations. */
+static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
+                                 const loom_mem_in *in, int pp_rank, loom_mem_report *r) {
+    loom_model sh;
+    loom_mesh mesh;
+    memset(&sh, 0, sizeof sh);
+    memset(&mesh, 0, sizeof mesh);
+    memset(r, 0, sizeof *r);
+    loom_model *m = &sh;
+    const loom_mesh_sizes *n = &in->n;
+    mesh.n = *n;
+    mesh.pp_rank = pp_rank;
+    m->ctx = ctx;
+    m->cfg = *cfg; /* shallow: only read */
+    m->mesh = &mesh;
+    loom_model_set_sizes(m, n, cfg, in->vocab_pad > 0 ? in->vocab_pad : 128);
+    m->bucket_elems = 40000000;
+    m->recompute = in->recompute;
+    m->dev.cuda = in->cuda;
+    m->dev.adt = in->adt;
+    m->dev.esz = loom_dtype_size(in->adt);
+    loom_pp_plan plan = {0};
+    loom_status st = loom_param_plan_build(ctx, cfg, &m->plan);
+    if (!st) st = loom_model_build_slots(m);
+    if (!st) st = loom_arena_place(m, &m->base);
+    if (st) goto done;
+    for (int i = 0; in->on_slot && i < m->base.nslots; i++) in->on_slot(in->u, &m->base.slots[i]);
+    const size_t P = m->base.nparams, esz = m->dev.esz;
+    const bool lora = in->lora_r > 0;
+    r->pp_rank = pp_rank;
+    r->cuda = in->cuda;
+    /* the base: fp32 master (dropped for a frozen GPU base in bf16/fp16)
+     * and the compute copy; gradients and AdamW state when trained */
+    r->weights = (lora && in->cuda && in->adt != LOOM_F32 ? 0 : P * 4) +
+                 (in->adt != LOOM_F32 ? P * esz : 0);
+    size_t train_p = P, train_shard = m->base.shard_numel;
+    if (lora) { /* adapter blocks of the layers held: A (r, in), B (out, r), tp-split */
+        const int64_t QD = m->Hq * m->D, KD = m->Hkv * m->D;
+        const int64_t io[LOOM_LORA_NMOD][3] = {
+            {m->H, QD, 0}, {m->H, KD, 0}, {m->H, KD, 0}, {QD, m->H, 1},
+            {m->H, m->I, 0}, {m->H, m->I, 0}, {m->I, m->H, 1}};
+        int64_t held = 0;
+        for (int64_t l = 0; l < m->L; l++) held += m->layer[l].wq >= 0;
+        size_t ap = 0;
+        for (int k = 0; k < LOOM_LORA_NMOD; k++) {
+            if (!in->lora_target[k]) continue;
+            int64_t a_in = io[k][2] ? io[k][0] / m->tp : io[k][0];
+            int64_t b_out = io[k][2] ? io[k][1] : io[k][1] / m->tp;
+            ap += (size_t)(held * ((int64_t)in->lora_r * a_in + b_out * in->lora_r));
+        }
+        size_t grp = (size_t)(m->dp * m->cp);
+        train_p = ap;
+        train_shard = (ap + grp - 1) / grp;
+        r->weights += ap * 4 + (in->adt != LOOM_F32 ? ap * esz : 0);
+    }
+    r->grads = train_p * 4;
+    /* the moments, and the gradient shard unless one rank holds it all (then
+     * the gradients are the shard) */
+    r->optim = in->training ? (m->dp * m->cp == 1 ? 2 : 3) * train_shard * 4 : 0;
+    /* activations: the pipeline's micro-batches in flight on this stage */
+    const loom_pp_shape shape = {.pp = m->pp, .vpp = m->vpp, .group = in->n.vpp_group,
+                                 .nmb = in->nmb};
+    if ((st = loom_pp_plan_build(ctx, &shape, pp_rank, in->training, &plan))) goto done;
+    const int in_flight = plan.in_flight;
+    r->in_flight = in_flight;
+    int64_t Lc = m->L / (m->pp * m->vpp);
+    loom_chunk chunks[64];
+    if (m->vpp > 64) {
+        st = loom_errf(ctx, LOOM_ERR_CONFIG, "vpp=%d: at most 64 chunks per rank", m->vpp);
+        goto done;
+    }
+    m->chunks = chunks;
+    for (int ci = 0; ci < m->vpp; ci++) {
+        int64_t v = (int64_t)ci * m->pp + pp_rank;
+        chunks[ci] = (loom_chunk){.l0 = v * Lc, .nl = Lc, .first = v == 0,
+                                  .last = v == (int64_t)m->pp * m->vpp - 1, .npool = in_flight};
+        chunks[ci].pool = loom_calloc(ctx, (size_t)in_flight, sizeof(loom_acts), "plan");
+        if (!chunks[ci].pool) st = LOOM_ERR_OOM;
+    }
+    m->micro = loom_calloc(ctx, (size_t)in->nmb, sizeof *m->micro, "plan");
+    m->npp_stage = m->pp > 1 ? (plan.nslots > 1 ? plan.nslots : 1) : 0;
+    m->pp_stage = m->npp_stage ? loom_calloc(ctx, (size_t)m->npp_stage, sizeof(void *), "plan") : NULL;
+    if (!m->micro || (m->npp_stage && !m->pp_stage)) st = LOOM_ERR_OOM;
+    if (!st) {
+        const int64_t T = in->rows * in->seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
+        m->chunk_rows = loom_loss_block_rows(in->cuda, m->Vl, Tc);
+        loom_carve c = {0};
+        loom_acts_layout(m, &c, T, Tc, Tn, in->nmb, in_flight, in->lora_r, false);
+        r->acts = c.used;
+        /* cuBLASLt workspace, RMSNorm and grad-norm scratch */
+        int64_t rows_max = Tc * (m->Hql > m->Hkvl ? m->Hql : m->Hkvl);
+        if (Tn > rows_max) rows_max = Tn;
+        r->work = in->cuda ? (32u << 20) + (size_t)rows_max * 8 + 1024 * 8 : 0;
+    }
+    for (int ci = 0; ci < m->vpp; ci++) free(chunks[ci].pool);
+    free(m->micro);
+    free(m->pp_stage);
+    r->total = r->weights + r->grads + r->optim + r->acts + r->work;
+done:
+    loom_pp_plan_free(&plan);
+    free(m->base.slots);
+    free(m->base.bucket_off);
+    free(m->base.bucket_len);
+    free(m->layer);
+    free(m->pfrozen);
+    loom_param_plan_free(&m->plan);
+    return st;
+}
+
+loom_status loom_memory_predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
+                                      const loom_mem_in *in, int pp_rank, loom_mem_report *out) {
+    return predict_stage(ctx, cfg, in, pp_rank, out);
+}
+
+loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,
+                                loom_mem_report *out) {
+    loom_status st = loom_mesh_check_model(ctx, &in->n, cfg);
+    if (st) return st;
+    memset(out, 0, sizeof *out);
+    for (int p = 0; p < in->n.pp; p++) {
+        loom_mem_report r;
+        if ((st = predict_stage(ctx, cfg, in, p, &r))) return st;
+        if (r.total > out->total) *out = r;
+    }
+    return LOOM_OK;
+}
+
+void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, loom_log_level level) {
+    char a[32], b[32], c[32], d[32], e[32], t[32];
+    loom_log(ctx, level,
+             "memory per %s (predicted, pipeline stage %d): weights %s, gradients %s, "
+             "optimizer %s, activations %s (%d micro-batch%s in flight), workspace %s; "
+             "total %s%s",
+             r->cuda ? "GPU" : "process", r->pp_rank, loom_fmt_bytes(a, r->weights),
+             loom_fmt_bytes(b, r->grads), loom_fmt_bytes(c, r->optim), loom_fmt_bytes(d, r->acts),
+             r->in_flight, r->in_flight == 1 ? "" : "es", loom_fmt_bytes(e, r->work),
+             loom_fmt_bytes(t, r->total),
+             r->cuda ? " (plus the CUDA context and NCCL buffers)" : "");
 }

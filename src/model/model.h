@@ -375,6 +375,19 @@ typedef struct loom_mem_report {
 
 loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,
                                 loom_mem_report *out);
+/* model.c's layout code, shared with the memory predictor (meta.c). */
+loom_status loom_model_build_slots(loom_model *m);
+void loom_model_set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_model_config *c,
+                          int64_t pad);
+int64_t loom_loss_block_rows(bool cuda, int64_t Vl, int64_t Tc);
+/* Activation buffers are carved from one allocation (act_mem): the layout
+ * runs twice, first to measure (base NULL), then to assign. */
+typedef struct loom_carve {
+    char *base;
+    size_t used;
+} loom_carve;
+void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
+                      int in_flight, int lr, bool dropout);
 /* The pipeline rank holding a tensor (a tied embedding: the first). */
 int loom_param_stage(const loom_param_spec *p, int64_t L, int pp, int vpp);
 /* The same for one pipeline stage. */
