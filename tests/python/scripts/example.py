@@ -4,7 +4,10 @@ every rank runs this under mpirun / torchrun; rank 0 writes the step losses.
     example.py MODEL SAMPLES.jsonl OUT.json DP TP PP [LORA_R] [GAS] [freeze]
 
 freeze: a pre-wrap hook freezes layer 0 and the embedding (full fine-tuning).
+LOOM_EXAMPLE_CP and LOOM_EXAMPLE_SP (environment) add context and sequence
+parallelism to the mesh.
 """
+import os
 import json
 import sys
 
@@ -23,8 +26,11 @@ def freeze_first_layer(table):
             p['trainable'] = False
 
 
+cp = int(os.environ.get('LOOM_EXAMPLE_CP', '1'))
+sp = os.environ.get('LOOM_EXAMPLE_SP') == '1'
 model = MegatronModel(model_id=model_id,
-                      device_mesh=DeviceMesh.from_sizes(dp_size=dp, tp_size=tp, pp_size=pp),
+                      device_mesh=DeviceMesh.from_sizes(dp_size=dp, tp_size=tp, pp_size=pp,
+                                                        cp_size=cp, sequence_parallel=sp),
                       mixed_precision='no',
                       pre_wrap_hook=freeze_first_layer if freeze else None)
 adapter = None
