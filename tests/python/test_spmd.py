@@ -183,15 +183,15 @@ def test_ctrl_c_stops_training_cleanly(tiny_model, ranks):
 
 
 @pytest.mark.skipif(not have_mpirun(), reason="no mpirun, or loom built without MPI")
-@pytest.mark.parametrize("np_,mesh,cp,sp", [(4, ["1", "2", "1"], 2, True),
-                                            (8, ["2", "1", "2"], 2, False)],
-                         ids=["tp2-sp-cp2", "dp2-cp2-pp2"])
-def test_context_and_sequence_parallel_match_loom_train(tiny_model, data, tmp_path, np_, mesh,
-                                                        cp, sp):
+@pytest.mark.parametrize("np_,mesh,cp,sp,vpp", [(4, ["1", "2", "1"], 2, True, 1),
+                                                (8, ["2", "1", "2"], 2, False, 1),
+                                                (4, ["2", "1", "2"], 1, False, 2)],
+                         ids=["tp2-sp-cp2", "dp2-cp2-pp2", "dp2-pp2-vpp2"])
+def test_other_layouts_match_loom_train(tiny_model, data, tmp_path, np_, mesh, cp, sp, vpp):
     jl, tok = data
     out = str(tmp_path / "losses.json")
     mpirun(np_, [sys.executable, SCRIPT, tiny_model, jl, out] + mesh,
-           LOOM_EXAMPLE_CP=cp, LOOM_EXAMPLE_SP=int(sp))
+           LOOM_EXAMPLE_CP=cp, LOOM_EXAMPLE_SP=int(sp), LOOM_EXAMPLE_VPP=vpp)
     ref = train_reference(tiny_model, tok, steps=4, seq_len=SEQ, gbs=8)
     got = _losses(out)["losses"]
     for g, r in zip(got, ref):

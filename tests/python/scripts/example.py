@@ -4,8 +4,8 @@ every rank runs this under mpirun / torchrun; rank 0 writes the step losses.
     example.py MODEL SAMPLES.jsonl OUT.json DP TP PP [LORA_R] [GAS] [freeze]
 
 freeze: a pre-wrap hook freezes layer 0 and the embedding (full fine-tuning).
-LOOM_EXAMPLE_CP and LOOM_EXAMPLE_SP (environment) add context and sequence
-parallelism to the mesh.
+LOOM_EXAMPLE_CP, LOOM_EXAMPLE_SP and LOOM_EXAMPLE_VPP (environment) add
+context and sequence parallelism and virtual pipeline stages to the mesh.
 """
 import os
 import json
@@ -28,9 +28,11 @@ def freeze_first_layer(table):
 
 cp = int(os.environ.get('LOOM_EXAMPLE_CP', '1'))
 sp = os.environ.get('LOOM_EXAMPLE_SP') == '1'
+vpp = int(os.environ.get('LOOM_EXAMPLE_VPP', '1'))
 model = MegatronModel(model_id=model_id,
                       device_mesh=DeviceMesh.from_sizes(dp_size=dp, tp_size=tp, pp_size=pp,
-                                                        cp_size=cp, sequence_parallel=sp),
+                                                        cp_size=cp, sequence_parallel=sp,
+                                                        vpp_size=vpp if vpp > 1 else None),
                       mixed_precision='no',
                       pre_wrap_hook=freeze_first_layer if freeze else None)
 adapter = None
