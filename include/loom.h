@@ -322,6 +322,27 @@ loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_inf
  * not on a model with adapters (LoRA freezes the whole base). */
 loom_status loom_model_set_trainable(loom_model *m, const char *name, int trainable);
 
+/* ---- Training state (checkpoints) ----
+ * The trained tensors (the whole model's, or the active adapter's) as fp32
+ * master values, their AdamW moments, the step, the fp16 loss scale, the
+ * dropout stream, and the caller's progress, as whole tensors under their
+ * HF / PEFT names: a state saved on any mesh loads on any mesh (each rank
+ * takes its blocks and its part of the distributed optimizer's shard).
+ * Collective. save writes meta.json, model.safetensors and (optimizer, once
+ * a step was taken) optimizer.safetensors into an existing directory
+ * (rank 0 writes). load, on a model made like the one that saved (same
+ * config; same LoRA settings, adapter added), before it trains: optimizer 0
+ * takes the weights only (step 0, fresh moments). */
+typedef struct loom_train_progress {
+    int64_t step;               /* optimizer steps taken (set by load) */
+    int64_t consumed_samples, consumed_tokens;
+    int64_t data_epoch, data_index; /* the data loader's position */
+} loom_train_progress;
+loom_status loom_model_save_state(loom_model *m, const char *dir, const loom_train_progress *p,
+                                  int optimizer);
+loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
+                                  loom_train_progress *p);
+
 /* ---- The model without its weights (Megatron-Bridge's meta model) ----
  * From config.json alone, nothing read or allocated but tables: the
  * parameter table as the ranks of each pipeline stage hold it, and each

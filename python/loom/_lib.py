@@ -83,6 +83,11 @@ class MetaQuery(C.Structure):
                 ("num_micro_batches", i64), ("lora_r", i32), ("lora_target", cp)]
 
 
+class TrainProgress(C.Structure):
+    _fields_ = [("step", i64), ("consumed_samples", i64), ("consumed_tokens", i64),
+                ("data_epoch", i64), ("data_index", i64)]
+
+
 class OptimizerConfig(C.Structure):
     _fields_ = [("lr", f64), ("beta1", f64), ("beta2", f64), ("eps", f64),
                 ("weight_decay", f64)]
@@ -139,6 +144,8 @@ _decl("loom_model_get_info", None, vp, P(ModelInfo))
 _decl("loom_model_get_mesh", None, vp, P(MeshInfo))
 _decl("loom_model_param_info", i32, vp, i64, P(ParamInfo))
 _decl("loom_model_set_trainable", i32, vp, cp, i32)
+_decl("loom_model_save_state", i32, vp, cp, P(TrainProgress), i32)
+_decl("loom_model_load_state", i32, vp, cp, i32, P(TrainProgress))
 _decl("loom_meta_create", i32, vp, cp, P(ModelOptions), P(MetaQuery), P(vp))
 _decl("loom_meta_free", None, vp)
 _decl("loom_meta_get_info", None, vp, P(ModelInfo))

@@ -805,6 +805,32 @@ class MegatronModel:
             self._ctx.check(L.lib.loom_model_save_hf(self._h, path.encode(), dt, shard), "save")
         return path
 
+    def save_state(self, directory, save_optimizer=True, progress=None):
+        """The training state (fp32 master of the trained tensors, AdamW
+        moments, step, loss scale, dropout stream, and `progress`: a dict of
+        consumed_samples, consumed_tokens, data_epoch, data_index) into an
+        existing directory; any mesh can load it (load_state). Collective."""
+        self._check_open()
+        p = L.TrainProgress(**{k: int(v) for k, v in (progress or {}).items()
+                               if k in ("consumed_samples", "consumed_tokens", "data_epoch",
+                                        "data_index")})
+        os.makedirs(directory, exist_ok=True)
+        self._ctx.check(L.lib.loom_model_save_state(self._h, os.fspath(directory).encode(),
+                                                    C.byref(p), int(bool(save_optimizer))),
+                        "save_state")
+
+    def load_state(self, directory, load_optimizer=True):
+        """Loads save_state's directory (saved on any mesh) before training;
+        returns the progress (step, consumed_samples, ...). Collective."""
+        self._check_open()
+        p = L.TrainProgress()
+        self._ctx.check(L.lib.loom_model_load_state(self._h, os.fspath(directory).encode(),
+                                                    int(bool(load_optimizer)), C.byref(p)),
+                        "load_state")
+        g = self._group(None)
+        g.cur_step = int(p.step) if load_optimizer else 0
+        return {k: int(getattr(p, k)) for k, _ in L.TrainProgress._fields_}
+
     def get_train_configs(self, adapter_name=None, **kwargs):
         g = self._group(adapter_name)
         m = self.mesh_info

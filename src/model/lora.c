@@ -664,7 +664,7 @@ static loom_status dropout_mask(loom_model *m, const loom_adapter *a, int64_t l,
     const uint64_t key = loom_splitmix64(((uint64_t)l << 8) ^ (uint64_t)mod ^ 0x10a4ULL);
     const uint64_t seed = a->seed ^ loom_splitmix64(m->dropout_calls);
     const int32_t *qidx = m->cp == 1 ? NULL : m->d_perm + (int64_t)m->mesh->cp_rank * m->Tc;
-    return loom_k_dropout(m, out, x, T, A->cols, A->shape[1], A->col0, qidx, m->cur_mb->out0, seed,
+    return loom_k_dropout(m, out, x, T, A->cols, A->shape[1], A->col0, qidx, m->cur_mb->key0, seed,
                           key, a->dropout);
 }
 

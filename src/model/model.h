@@ -150,7 +150,9 @@ struct loom_micro {
     float *d_rope;      /* GPU: (Tc, D/2) cos, sin of the positions (loom_k_rope_table) */
     int64_t ndocs;
     int64_t even_len;   /* every document's length when all are equally long, else 0 */
-    int64_t out0;       /* flat index of the micro-batch's first token in the global batch */
+    int64_t out0;       /* flat index of the micro-batch's first token in the batch passed */
+    int64_t key0;       /* the same in the global batch: dropout masks are drawn by it (local
+                         * batches: as if the replicas' equal batches were one, in dp order) */
 };
 
 typedef struct loom_chunk {
@@ -388,6 +390,12 @@ typedef struct loom_carve {
 } loom_carve;
 void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
                       int in_flight, int lr, bool dropout);
+/* trainer.c: the part of slot i in this rank's shard of bucket b (flat
+ * offset, length, offset in the shard buffers); the distributed optimizer's
+ * state (moments, gradient shard), allocated zeroed once. */
+bool loom_shard_part(const loom_model *m, const loom_arena *A, int b, int i, size_t *o0,
+                     size_t *len, size_t *so);
+loom_status loom_optim_alloc(loom_model *m, loom_arena *A);
 /* The pipeline rank holding a tensor (a tied embedding: the first). */
 int loom_param_stage(const loom_param_spec *p, int64_t L, int pp, int vpp);
 /* The same for one pipeline stage. */

@@ -233,6 +233,7 @@ static loom_status prepare_micro(loom_model *m, const loom_batch *b, int64_t row
                                  loom_micro *u) {
     const int64_t S = b->seq_len, T = rows * S, t0 = row0 * S;
     u->out0 = t0;
+    u->key0 = t0 + (b->local ? (int64_t)m->mesh->dp_rank * b->rows * S : 0);
     u->ndocs = 0;
     u->cu[0] = 0;
     if (b->cu_seqlens) {
@@ -513,7 +514,7 @@ loom_status loom_model_forward_only(loom_model *m, const loom_batch *b, int64_t 
 
 /* The part of slot i inside this rank's shard of bucket b: flat offset o0,
  * length, and offset in the shard buffers. False when they do not meet. */
-static bool shard_part(const loom_model *m, const loom_arena *A, int b, int i, size_t *o0,
+bool loom_shard_part(const loom_model *m, const loom_arena *A, int b, int i, size_t *o0,
                        size_t *len, size_t *so) {
     const int n = loom_comm_size(m->mesh->dpcp), r = loom_comm_rank(m->mesh->dpcp);
     size_t per = A->bucket_len[b] / (size_t)n, s0 = A->bucket_off[b] + (size_t)r * per,
@@ -603,23 +604,8 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
         if (out) *out = r;
         return LOOM_OK;
     }
-    if (!A->gshard) { /* the distributed optimizer's state: one block */
-        size_t n = A->shard_numel;
-        /* one rank over dp x cp: the shard is the whole gradient buffer, the
-         * buckets back to back (checked), so the gradients serve as it
-         * (no copy, and one fp32 copy of the gradients less) */
-        bool is_g = loom_comm_size(m->mesh->dpcp) == 1;
-        for (size_t b = 0, so = 0; is_g && b < (size_t)A->nbuckets; so += A->bucket_len[b++])
-            is_g = A->bucket_off[b] == so;
-        float *blk = NULL;
-        loom_status sa = loom_dev_alloc(m, (void **)&blk, (is_g ? 2 : 3) * n * sizeof(float),
-                                        is_g ? "AdamW moments" : "AdamW moments and the gradient shard");
-        if (sa) return sa;
-        A->gshard_is_g = is_g;
-        A->gshard = is_g ? A->g : blk;
-        A->adam_m = is_g ? blk : blk + n;
-        A->adam_v = A->adam_m + n;
-    }
+    loom_status sa = loom_optim_alloc(m, A);
+    if (sa) return sa;
     /* this rank's parts of every bucket: what AdamW updates and what the
      * norm counts (each parameter once over the mesh) */
     loom_k_part *parts = malloc(((size_t)A->nbuckets * (size_t)A->nslots + 1) * sizeof *parts);
@@ -628,7 +614,7 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     for (int b = 0; b < A->nbuckets; b++)
         for (int i = 0; i < A->nslots; i++) {
             size_t o0, len, so;
-            if (shard_part(m, A, b, i, &o0, &len, &so))
+            if (loom_shard_part(m, A, b, i, &o0, &len, &so))
                 parts[nparts++] = (loom_k_part){.p_off = o0, .s_off = so, .len = len,
                                                 .decay = A->slots[i].decay,
                                                 .norm = counts_in_norm(m, A, i)};
@@ -636,6 +622,36 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     loom_status st = step_parts(m, A, parts, nparts, max_grad_norm, &r, out);
     free(parts);
     return st;
+}
+
+loom_status loom_optim_alloc(loom_model *m, loom_arena *A) {
+    if (A->gshard) return LOOM_OK;
+    if (!A->g) { /* the gradients first: with one rank over dp x cp they are the shard */
+        loom_status st = loom_arena_master_to_device(m, A);
+        if (!st) st = loom_dev_alloc(m, (void **)&A->g, A->ngrad * sizeof(float), "gradients");
+        if (!st) st = loom_k_zero(m, A->g, A->ngrad * sizeof(float));
+        if (st) return st;
+    }
+    size_t n = A->shard_numel;
+    /* one rank over dp x cp: the shard is the whole gradient buffer, the
+     * buckets back to back (checked), so the gradients serve as it (no
+     * copy, and one fp32 copy of the gradients less) */
+    bool is_g = loom_comm_size(m->mesh->dpcp) == 1;
+    for (size_t b = 0, so = 0; is_g && b < (size_t)A->nbuckets; so += A->bucket_len[b++])
+        is_g = A->bucket_off[b] == so;
+    float *blk = NULL;
+    loom_status sa = loom_dev_alloc(m, (void **)&blk, (is_g ? 2 : 3) * n * sizeof(float),
+                                    is_g ? "AdamW moments" : "AdamW moments and the gradient shard");
+    if (sa) return sa;
+    if ((sa = loom_k_zero(m, blk, (is_g ? 2 : 3) * n * sizeof(float)))) {
+        loom_dev_free(m, blk);
+        return sa;
+    }
+    A->gshard_is_g = is_g;
+    A->gshard = is_g ? A->g : blk;
+    A->adam_m = is_g ? blk : blk + n;
+    A->adam_v = A->adam_m + n;
+    return LOOM_OK;
 }
 
 /* The step proper, on the parts of this rank's shard. */

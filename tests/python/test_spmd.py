@@ -196,3 +196,35 @@ def test_other_layouts_match_loom_train(tiny_model, data, tmp_path, np_, mesh, c
     got = _losses(out)["losses"]
     for g, r in zip(got, ref):
         assert abs(g - r) < 1e-5, (got, ref)
+
+
+RESUME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "resume.py")
+
+
+@pytest.mark.skipif(not have_mpirun(), reason="no mpirun, or loom built without MPI")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_state_saved_on_one_mesh_resumes_on_another(tiny_model, tmp_path, lora):
+    """Saved at dp2 tp2 pp2 (8 ranks) after 2 of 4 steps; resumed in one
+    process, at dp4 and at tp2 cp2: the last 2 losses as the uninterrupted
+    one-process run's within 1e-5."""
+    extra = ["lora"] if lora else []
+    state = str(tmp_path / "state")
+    ref = str(tmp_path / "ref.json")
+    subprocess.run([sys.executable, RESUME, tiny_model, ref, "1", "1", "1", "4", "0", state]
+                   + extra, check=True, env=env(), capture_output=True)
+    want = _losses(ref)["losses"][2:]
+    mpirun(8, [sys.executable, RESUME, tiny_model, str(tmp_path / "a.json"), "2", "2", "2", "4",
+               "2", state] + extra)
+    for name, np_, mesh, more in (("one", 1, ["1", "1", "1"], {}),
+                                  ("dp4", 4, ["4", "1", "1"], {}),
+                                  ("tp2cp2", 4, ["1", "2", "1"], {"LOOM_EXAMPLE_CP": 2})):
+        out = str(tmp_path / (name + ".json"))
+        argv = [sys.executable, RESUME, tiny_model, out] + mesh + ["4", "0", state, "load"] + extra
+        if np_ > 1:
+            mpirun(np_, argv, **more)
+        else:
+            subprocess.run(argv, check=True, env=env(**more), capture_output=True)
+        got = _losses(out)
+        assert got["first"] == 2
+        for g, w in zip(got["losses"], want):
+            assert abs(g - w) < 1e-5 * max(1.0, abs(w)), (name, got, want)
