@@ -336,7 +336,8 @@ loom_status loom_model_set_trainable(loom_model *m, const char *name, int traina
 typedef struct loom_train_progress {
     int64_t step;               /* optimizer steps taken (set by load) */
     int64_t consumed_samples, consumed_tokens;
-    int64_t data_epoch, data_index; /* the data loader's position */
+    int64_t data_epoch, data_index, data_offset; /* the data loader's position (a token
+                                                   * file's packer: document and offset) */
 } loom_train_progress;
 loom_status loom_model_save_state(loom_model *m, const char *dir, const loom_train_progress *p,
                                   int optimizer);

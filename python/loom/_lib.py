@@ -85,7 +85,7 @@ class MetaQuery(C.Structure):
 
 class TrainProgress(C.Structure):
     _fields_ = [("step", i64), ("consumed_samples", i64), ("consumed_tokens", i64),
-                ("data_epoch", i64), ("data_index", i64)]
+                ("data_epoch", i64), ("data_index", i64), ("data_offset", i64)]
 
 
 class OptimizerConfig(C.Structure):

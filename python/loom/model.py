@@ -813,7 +813,7 @@ class MegatronModel:
         self._check_open()
         p = L.TrainProgress(**{k: int(v) for k, v in (progress or {}).items()
                                if k in ("consumed_samples", "consumed_tokens", "data_epoch",
-                                        "data_index")})
+                                        "data_index", "data_offset")})
         os.makedirs(directory, exist_ok=True)
         self._ctx.check(L.lib.loom_model_save_state(self._h, os.fspath(directory).encode(),
                                                     C.byref(p), int(bool(save_optimizer))),

@@ -55,6 +55,19 @@ static const loom_option table[] = {
      OFF(config_override), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN | LOOM_CMD_INSPECT | LOOM_CMD_INIT, 0, 0},
     {"save_hf", LOOM_OPT_STRING, NULL, "after training, write the model here as an HF directory",
      OFF(save_hf), NULL, CMD_TRAIN, 0, 0},
+    {"save", LOOM_OPT_STRING, NULL,
+     "write training checkpoints here (DIR/iter_0000100/ and latest_checkpointed_iteration.txt, "
+     "as Megatron): at --save-interval, at the end, and when SIGTERM or SIGINT stops the run",
+     OFF(save), NULL, CMD_TRAIN, 0, 0},
+    {"save_interval", LOOM_OPT_INT, "0", "a checkpoint every this many steps (0: at the end and "
+     "on SIGTERM only)", OFF(save_interval), NULL, CMD_TRAIN, 0, INT64_MAX},
+    {"save_keep", LOOM_OPT_INT, "0", "keep only the newest this many checkpoints (0: all)",
+     OFF(save_keep), NULL, CMD_TRAIN, 0, INT64_MAX},
+    {"load", LOOM_OPT_STRING, NULL,
+     "resume from the newest complete checkpoint in DIR (or from DIR/iter_...), on any mesh: "
+     "weights, optimizer, step, schedule, data position", OFF(load), NULL, CMD_TRAIN, 0, 0},
+    {"finetune", LOOM_OPT_BOOL, "false", "--load takes the weights only: step 0, a fresh "
+     "optimizer, the data from its start", OFF(finetune), NULL, CMD_TRAIN, 0, 0},
     {"train_steps", LOOM_OPT_INT, "100", "optimizer steps", OFF(train_steps), NULL, CMD_TRAIN, 1,
      INT64_MAX},
     {"seq_len", LOOM_OPT_INT, "256", "tokens per row", OFF(seq_len), NULL, CMD_TRAIN | LOOM_CMD_INSPECT, 2,

@@ -61,6 +61,12 @@ typedef struct loom_settings {
     char *batch;           /* golden: safetensors file with input_ids and targets */
     char *config_override; /* JSON object replacing keys of config.json */
     char *save_hf;         /* train: write the trained model here */
+    /* training checkpoints (train) */
+    char *save;            /* checkpoints go here: DIR/iter_0000100/, latest_checkpointed_iteration.txt */
+    int64_t save_interval; /* a checkpoint every this many steps (0: only at the end and on SIGTERM) */
+    int64_t save_keep;     /* keep the newest this many (0: all) */
+    char *load;            /* resume from DIR's newest complete checkpoint, or DIR/iter_... */
+    bool finetune;         /* --load takes the weights only (step 0, a fresh optimizer) */
     int64_t train_steps;
     int64_t seq_len;
     int64_t micro_batch_size;

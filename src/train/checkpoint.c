@@ -96,6 +96,7 @@ static loom_status meta_write(loom_model *m, const char *dir, const loom_train_p
     SET("consumed_tokens", loom_json_new_int(ctx, p ? p->consumed_tokens : 0));
     SET("data_epoch", loom_json_new_int(ctx, p ? p->data_epoch : 0));
     SET("data_index", loom_json_new_int(ctx, p ? p->data_index : 0));
+    SET("data_offset", loom_json_new_int(ctx, p ? p->data_offset : 0));
     SET("loss_scale", loom_json_new_num(ctx, m->loss_scale));
     SET("good_steps", loom_json_new_int(ctx, m->good_steps));
     SET("dropout_calls", loom_json_new_int(ctx, (int64_t)m->dropout_calls));
@@ -338,6 +339,7 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
     if (!st) st = loom_json_get_int(ctx, meta, "consumed_tokens", path, &pr.consumed_tokens);
     if (!st) st = loom_json_get_int(ctx, meta, "data_epoch", path, &pr.data_epoch);
     if (!st) st = loom_json_get_int(ctx, meta, "data_index", path, &pr.data_index);
+    if (!st) st = loom_json_get_int(ctx, meta, "data_offset", path, &pr.data_offset);
     if (!st) {
         A->step = moments ? step : 0;
         pr.step = step;
