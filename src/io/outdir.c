@@ -177,7 +177,7 @@ static loom_status inspect(loom_ctx *ctx, const char *what, const char *path, lo
         goto done;
     }
     if (stat(p, &s) == 0) {
-        if (kind == LOOM_OUT_DIR && !S_ISDIR(s.st_mode))
+        if (kind != LOOM_OUT_FILE && !S_ISDIR(s.st_mode))
             st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                            "%s %s: is a file, but a directory is written here; remove the file "
                            "or give another path", label(what), path);
@@ -230,7 +230,7 @@ loom_status loom_out_check(loom_ctx *ctx, const char *what, const char *path, lo
 
 /* ---- writing whole ---- */
 
-static void rm_rf(const char *path) {
+void loom_out_rm_rf(const char *path) {
     struct stat s;
     if (lstat(path, &s) != 0) return;
     if (S_ISDIR(s.st_mode)) {
@@ -242,7 +242,7 @@ static void rm_rf(const char *path) {
             char *sub = malloc(n);
             if (!sub) continue;
             snprintf(sub, n, "%s/%s", path, de->d_name);
-            rm_rf(sub);
+            loom_out_rm_rf(sub);
             free(sub);
         }
         if (d) closedir(d);
@@ -259,28 +259,25 @@ static void fsync_path(const char *path, bool dir) {
     close(fd);
 }
 
-/* Removes the temporaries of earlier saves to `name` in `parent` whose
- * process is gone: ".<name>.loom-tmp-<pid>-..." and ".<name>.loom-old-<pid>-...". */
-static void remove_stale(loom_ctx *ctx, const char *parent, const char *name) {
+void loom_out_remove_stale(loom_ctx *ctx, const char *parent, const char *name, bool prefix) {
     DIR *d = opendir(parent);
     if (!d) return;
-    size_t nl = strlen(name);
+    size_t nl = strlen(name), tl = strlen(TMP_TAG); /* OLD_TAG is as long */
     struct dirent *de;
     while ((de = readdir(d))) {
         const char *e = de->d_name;
-        if (e[0] != '.' || strncmp(e + 1, name, nl) ||
-            (strncmp(e + 1 + nl, TMP_TAG, strlen(TMP_TAG)) &&
-             strncmp(e + 1 + nl, OLD_TAG, strlen(OLD_TAG))))
-            continue;
+        if (e[0] != '.' || strncmp(e + 1, name, nl)) continue;
+        const char *tag = prefix ? strstr(e + 1 + nl, ".loom-") : e + 1 + nl;
+        if (!tag || (strncmp(tag, TMP_TAG, tl) && strncmp(tag, OLD_TAG, tl))) continue;
         char *end;
-        long pid = strtol(e + 1 + nl + strlen(TMP_TAG), &end, 10);
-        if (end == e + 1 + nl + strlen(TMP_TAG) || *end != '-' || pid <= 0) continue;
+        long pid = strtol(tag + tl, &end, 10);
+        if (end == tag + tl || *end != '-' || pid <= 0) continue;
         if (pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
         char *sub = loom_path_join(ctx, parent, e);
         if (!sub) continue;
         LOOM_LOG_I(ctx, "removing %s, left by an interrupted save (process %ld is gone)", sub,
                    pid);
-        rm_rf(sub);
+        loom_out_rm_rf(sub);
         free(sub);
     }
     closedir(d);
@@ -308,7 +305,7 @@ static unsigned fresh_number(const void *salt) {
 
 void loom_out_abort(loom_out *o) {
     if (!o) return;
-    if (o->tmp) rm_rf(o->tmp);
+    if (o->tmp) loom_out_rm_rf(o->tmp);
     free(o->dest);
     free(o->parent);
     free(o->tmp);
@@ -330,7 +327,7 @@ loom_status loom_out_begin(loom_ctx *ctx, const char *what, const char *path, lo
         goto fail;
     }
     const char *name = leaf(o->dest);
-    remove_stale(ctx, o->parent, name);
+    loom_out_remove_stale(ctx, o->parent, name, false);
     for (unsigned n = fresh_number(o), tries = 0;; n = n * 1103515245u + 12345u, tries++) {
         if (!(o->tmp = temp_name(ctx, o->parent, name, TMP_TAG, n & 0x7fffffffu))) goto oom;
         if (mkdir(o->tmp, 0755) == 0) break;
@@ -352,18 +349,50 @@ fail:
     return st;
 }
 
-/* fsync every regular file of dir, then dir. */
-static void fsync_tree(loom_ctx *ctx, const char *dir) {
+/* fsync every file under dir (depth levels of subdirectories), then dir. */
+static void fsync_tree(loom_ctx *ctx, const char *dir, int depth) {
     DIR *d = opendir(dir);
     struct dirent *de;
     while (d && (de = readdir(d))) {
         if (de->d_name[0] == '.' && (!de->d_name[1] || !strcmp(de->d_name, ".."))) continue;
         char *sub = loom_path_join(ctx, dir, de->d_name);
-        if (sub) fsync_path(sub, false);
+        struct stat s;
+        if (sub && lstat(sub, &s) == 0) {
+            if (S_ISDIR(s.st_mode) && depth > 0)
+                fsync_tree(ctx, sub, depth - 1);
+            else if (S_ISREG(s.st_mode))
+                fsync_path(sub, false);
+        }
         free(sub);
     }
     if (d) closedir(d);
     fsync_path(dir, true);
+}
+
+void loom_out_sync(loom_ctx *ctx, loom_out *o) {
+    if (!o->tmp) return;
+    fsync_tree(ctx, o->tmp, 8);
+    o->synced = true;
+}
+
+loom_status loom_out_move_aside(loom_ctx *ctx, const char *path, char **aside) {
+    *aside = NULL;
+    char *p = trimmed(ctx, path), *parent = p ? parent_of(ctx, p) : NULL;
+    loom_status st = p && parent ? LOOM_OK : LOOM_ERR_OOM;
+    char *t = st ? NULL : temp_name(ctx, parent, leaf(p), OLD_TAG, fresh_number(p));
+    if (!st && !t) st = LOOM_ERR_OOM;
+    if (!st && rename(p, t) != 0)
+        st = loom_errf(ctx, LOOM_ERR_IO, "%s: cannot rename it to %s (to remove it): %s", path,
+                       t, strerror(errno));
+    if (!st) {
+        fsync_path(parent, true);
+        *aside = t;
+    } else {
+        free(t);
+    }
+    free(p);
+    free(parent);
+    return st;
 }
 
 /* Swaps the finished directory o->tmp and the existing o->dest. */
@@ -399,7 +428,7 @@ static loom_status swap_in(loom_ctx *ctx, loom_out *o) {
 loom_status loom_out_commit(loom_ctx *ctx, loom_out *o) {
     loom_out_hooks h;
     loom_out_hooks_read(&h);
-    fsync_tree(ctx, o->tmp);
+    if (!o->synced) loom_out_sync(ctx, o);
     if (h.pause_before_move) loom_out_hook_pause(o->dest);
     loom_status st = LOOM_OK;
     struct stat s;

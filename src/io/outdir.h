@@ -31,6 +31,8 @@
 typedef enum loom_out_kind {
     LOOM_OUT_DIR = 0, /* a model or adapter directory */
     LOOM_OUT_FILE,    /* one file (loom golden --out) */
+    LOOM_OUT_TREE,    /* a directory loom owns whole (a checkpoint's iter_ directory):
+                       * an existing one is replaced without looking at its entries */
 } loom_out_kind;
 
 /* `what` names the destination in messages ("--save-hf"; NULL: "output").
@@ -44,6 +46,7 @@ typedef struct loom_out {
     char *parent; /* its directory */
     char *tmp;    /* the temporary directory: write everything here */
     char *file;   /* LOOM_OUT_FILE: tmp/<name of dest>, the file to write */
+    bool synced;  /* loom_out_sync ran: commit does not fsync again */
 } loom_out;
 
 /* Checks (as loom_out_check, no space check), creates the parents, removes
@@ -55,6 +58,22 @@ loom_status loom_out_begin(loom_ctx *ctx, const char *what, const char *path, lo
 loom_status loom_out_commit(loom_ctx *ctx, loom_out *o);
 /* Removes the temporary and frees o (safe on a zeroed or freed o). */
 void loom_out_abort(loom_out *o);
+/* fsyncs every file under o->tmp (subdirectories included) and the
+ * directories, as commit does first; for a caller that must know the data
+ * is durable before the move (commit then skips it). */
+void loom_out_sync(loom_ctx *ctx, loom_out *o);
+
+/* Removes, in parent, the temporaries of earlier saves whose process is
+ * gone: ".<name>.loom-tmp-<pid>-*" and ".<name>.loom-old-<pid>-*" for this
+ * exact name, or (prefix) for every name starting with it. */
+void loom_out_remove_stale(loom_ctx *ctx, const char *parent, const char *name, bool prefix);
+/* Renames path to a hidden temporary beside it (.<name>.loom-old-<pid>-<n>,
+ * which loom_out_remove_stale clears once this process is gone); *aside: that
+ * name, to remove with loom_out_rm_rf. A crash leaves path whole, or the
+ * temporary. */
+loom_status loom_out_move_aside(loom_ctx *ctx, const char *path, char **aside);
+/* rm -rf, links not followed; silent (what cannot be removed stays). */
+void loom_out_rm_rf(const char *path);
 
 /* Copies the tokenizer and other files that travel with the weights from
  * from_dir (those that exist) into to_dir. */
