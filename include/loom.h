@@ -343,6 +343,10 @@ loom_status loom_model_save_state(loom_model *m, const char *dir, const loom_tra
                                   int optimizer);
 loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
                                   loom_train_progress *p);
+/* Checks a saved state without a model: meta.json readable and of a known
+ * version, every file it lists present with its SHA-256. The error names
+ * the file and what is wrong. (load_state checks the same first.) */
+loom_status loom_verify_state(loom_ctx *ctx, const char *dir);
 
 /* ---- The model without its weights (Megatron-Bridge's meta model) ----
  * From config.json alone, nothing read or allocated but tables: the

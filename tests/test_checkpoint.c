@@ -141,5 +141,47 @@ static void resume_is_bitwise(int lora) {
     loom_ctx_free(ctx);
 }
 
+/* A damaged state is refused before anything is read, the file named. */
+TEST(checkpoint_damage_is_named) {
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char *dir = tmpdir("damage");
+    REQUIRE(dir);
+    loom_model *a = make(ctx, 0);
+    REQUIRE(a);
+    step(a, 0);
+    REQUIRE_OK(ctx, loom_model_save_state(a, dir, NULL, 1));
+    REQUIRE_OK(ctx, loom_verify_state(ctx, dir));
+    char cmd[600];
+    struct {
+        const char *damage, *expect;
+        loom_status st;
+    } cases[] = {
+        {"truncate -s -8 %s/optimizer.safetensors", "optimizer.safetensors is damaged", LOOM_ERR_FORMAT},
+        {"printf x >> %s/model.safetensors", "model.safetensors is damaged", LOOM_ERR_FORMAT},
+        {"rm %s/optimizer.safetensors", "optimizer.safetensors is missing", LOOM_ERR_NOT_FOUND},
+        {"sed -i 's/\"version\": 1/\"version\": 7/' %s/meta.json", "version 7", LOOM_ERR_UNSUPPORTED},
+        {"rm %s/meta.json", "meta.json", LOOM_ERR_IO},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        REQUIRE_OK(ctx, loom_model_save_state(a, dir, NULL, 1)); /* whole again */
+        snprintf(cmd, sizeof cmd, cases[i].damage, dir);
+        CHECK(system(cmd) == 0);
+        loom_model *b = make(ctx, 0);
+        REQUIRE(b);
+        loom_status st = loom_model_load_state(b, dir, 1, NULL);
+        CHECK_MSG(st == cases[i].st, "%s: status %d (%s)", cases[i].damage, st, loom_last_error(ctx));
+        CHECK_CONTAINS(loom_last_error(ctx), cases[i].expect);
+        CHECK(loom_verify_state(ctx, dir) != LOOM_OK);
+        loom_model_free(b);
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+    free(dir);
+    loom_model_free(a);
+    loom_ctx_free(ctx);
+}
+
 TEST(checkpoint_resume_is_bitwise_full) { resume_is_bitwise(0); }
 TEST(checkpoint_resume_is_bitwise_lora) { resume_is_bitwise(1); }

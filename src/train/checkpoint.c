@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "../core/json.h"
+#include "../core/sha256.h"
 #include "../io/safetensors.h"
 #include "../model/model.h"
 
@@ -76,12 +77,22 @@ static loom_status shard_host(loom_model *m, const float *buf, size_t n, float *
     return loom_k_download(m, *tmp, buf, n * sizeof **tmp);
 }
 
+static const char *const state_files[] = {"model.safetensors", "optimizer.safetensors"};
+
 static loom_status meta_write(loom_model *m, const char *dir, const loom_train_progress *p,
                               bool optimizer, int64_t step) {
     loom_ctx *ctx = m->ctx;
     loom_json *o = loom_json_new_object(ctx);
     if (!o) return LOOM_ERR_OOM;
     loom_status st = LOOM_OK;
+    loom_json *files = loom_json_new_object(ctx);
+    for (int k = 0; !st && k < (optimizer ? 2 : 1); k++) {
+        char hex[65], *f = loom_path_join(ctx, dir, state_files[k]);
+        st = f ? loom_sha256_file(ctx, f, hex) : LOOM_ERR_OOM;
+        if (!st) st = files ? loom_json_set(ctx, files, state_files[k], loom_json_new_str(ctx, hex))
+                            : LOOM_ERR_OOM;
+        free(f);
+    }
 #define SET(k, v) \
     if (!st) st = loom_json_set(ctx, o, k, v)
     SET("format", loom_json_new_str(ctx, STATE_FORMAT));
@@ -101,6 +112,7 @@ static loom_status meta_write(loom_model *m, const char *dir, const loom_train_p
     SET("good_steps", loom_json_new_int(ctx, m->good_steps));
     SET("dropout_calls", loom_json_new_int(ctx, (int64_t)m->dropout_calls));
     SET("optimizer", loom_json_new_bool(ctx, optimizer));
+    SET("files", files); /* SHA-256 of each */
     char mesh[128];
     SET("mesh", loom_json_new_str(ctx, loom_mesh_describe(&m->mesh->n, mesh, sizeof mesh)));
     if (m->active >= 0) {
@@ -243,6 +255,51 @@ static loom_status check_meta(loom_model *m, const loom_json *o, const char *pat
     return LOOM_OK;
 }
 
+loom_status loom_verify_state(loom_ctx *ctx, const char *dir) {
+    char *path = loom_path_join(ctx, dir, "meta.json");
+    if (!path) return LOOM_ERR_OOM;
+    loom_json *meta = NULL;
+    const char *fmt = NULL;
+    int64_t ver = 0;
+    loom_status st = loom_json_parse_file(ctx, path, &meta);
+    if (!st) st = loom_json_get_str(ctx, meta, "format", path, &fmt);
+    if (!st && strcmp(fmt, STATE_FORMAT))
+        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: format '%s' is not a loom training state",
+                       path, fmt);
+    if (!st) st = loom_json_get_int(ctx, meta, "version", path, &ver);
+    if (!st && ver != STATE_VERSION)
+        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                       "%s: version %lld; this loom reads version %d (a newer loom wrote it?)",
+                       path, (long long)ver, STATE_VERSION);
+    const loom_json *files = st ? NULL : loom_json_get(meta, "files");
+    if (!st && (!files || files->type != LOOM_JSON_OBJECT))
+        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: no \"files\" object of checksums", path);
+    for (size_t i = 0; !st && i < files->n; i++) {
+        const char *name = files->keys[i];
+        const char *want = files->items[i]->type == LOOM_JSON_STRING ? files->items[i]->s : NULL;
+        if (!want || strlen(want) != 64 || strchr(name, '/')) {
+            st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: files.%s is not a checksum", path, name);
+            break;
+        }
+        char hex[65], *f = loom_path_join(ctx, dir, name);
+        if (!f) {
+            st = LOOM_ERR_OOM;
+            break;
+        }
+        if (!loom_file_exists(f))
+            st = loom_errf(ctx, LOOM_ERR_NOT_FOUND, "%s is missing (meta.json lists it); the "
+                           "checkpoint is incomplete: resume from another one", f);
+        else if (!(st = loom_sha256_file(ctx, f, hex)) && strcmp(hex, want))
+            st = loom_errf(ctx, LOOM_ERR_FORMAT,
+                           "%s is damaged (truncated or altered): its SHA-256 is %.12s..., "
+                           "meta.json says %.12s...; resume from another checkpoint", f, hex, want);
+        free(f);
+    }
+    loom_json_free(meta);
+    free(path);
+    return st;
+}
+
 /* Slot i's block of the whole tensor `full` (rows x cols) into dst. */
 static void take_block(const loom_slot *s, const float *full, int64_t rows, int64_t cols,
                        float *dst) {
@@ -260,7 +317,8 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
     loom_json *meta = NULL;
     loom_safetensors *sf[2] = {NULL, NULL};
     float *w = NULL, *full = NULL, *blk = NULL, *mom[2] = {NULL, NULL};
-    loom_status st = loom_json_parse_file(ctx, path, &meta);
+    loom_status st = loom_verify_state(ctx, dir);
+    if (!st) st = loom_json_parse_file(ctx, path, &meta);
     if (!st) st = check_meta(m, meta, path);
     bool saved_moments = false;
     if (!st) st = loom_json_get_bool(ctx, meta, "optimizer", path, &saved_moments);
