@@ -13,7 +13,15 @@
  * tracker is absent or names a complete checkpoint, and the next begin
  * removes the temporaries that dead processes left (of any iteration).
  * Pruning moves a directory to a temporary name before deleting it, so a
- * half-deleted checkpoint never carries an iter_ name either. */
+ * half-deleted checkpoint never carries an iter_ name either.
+ *
+ * Limits: where renameat2(RENAME_EXCHANGE) is missing (outdir falls back to
+ * rename aside, then in), a re-save of the very iteration the tracker names
+ * has an instant in which that directory is absent; a kill then leaves it
+ * under .iter_N.loom-old-* and loom_ckpt_find says the directory is missing.
+ * Dead savers are recognised by pid on this host: one process (rank 0)
+ * begins, commits and prunes; ranks that write files into tx->path should
+ * fsync their own files before rank 0 commits when they are on other hosts. */
 #ifndef LOOM_CKPT_DIR_H
 #define LOOM_CKPT_DIR_H
 
