@@ -140,6 +140,14 @@ TEST(ckpt_commit_replace_find) {
     CHECK_STR(iters_of(ctx, root, buf, sizeof buf), "100 200");
     CHECK(loom_ckpt_begin(ctx, root, -1, &tx) == LOOM_ERR_INVALID_ARG);
     CHECK_CONTAINS(loom_last_error(ctx), "out of range");
+    /* a directory where the tracker goes: refused before anything is written */
+    snprintf(dir, sizeof dir, "%s/x/%s", root, LOOM_CKPT_TRACKER);
+    REQUIRE_OK(ctx, loom_mkdirs(ctx, dir));
+    dir[strlen(dir) - strlen(LOOM_CKPT_TRACKER) - 1] = 0;
+    CHECK(loom_ckpt_begin(ctx, dir, 1, &tx) == LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(ctx), "checkpoint tracker");
+    CHECK_CONTAINS(loom_last_error(ctx), "is a directory");
+    CHECK_EQ_INT(temporaries(dir), 0);
     /* an iter_ file where the directory goes */
     CHECK(loom_ckpt_begin(ctx, root, 400, &tx) != LOOM_OK);
     CHECK_CONTAINS(loom_last_error(ctx), "iter_0000400: is a file");

@@ -318,6 +318,11 @@ loom_status loom_ckpt_begin(loom_ctx *ctx, const char *root, int64_t iteration,
         loom_out_remove_stale(ctx, tx->root, LOOM_CKPT_TRACKER, false);
     }
     if ((st = loom_out_begin(ctx, "checkpoint", tx->dest, LOOM_OUT_TREE, &tx->out))) goto fail;
+    char *tracker = loom_path_join(ctx, tx->root, LOOM_CKPT_TRACKER);
+    st = tracker ? loom_out_check(ctx, "checkpoint tracker", tracker, LOOM_OUT_FILE, 0)
+                 : LOOM_ERR_OOM; /* refused now, not after the files are written */
+    free(tracker);
+    if (st) goto fail;
     tx->path = tx->out.tmp;
     return LOOM_OK;
 fail:
