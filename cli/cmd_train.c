@@ -2,6 +2,7 @@
  * directory out. Built on the public model API only. */
 #include <inttypes.h>
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -16,6 +17,7 @@
 #include "../src/model/params.h"
 #include "../src/train/metrics.h"
 #include "../src/train/scheduler.h"
+#include "ckpt.h"
 #include "cli.h"
 #ifdef LOOM_HAVE_CUDA
 #include "../src/backend/cuda/cuda_backend.h"
@@ -287,6 +289,26 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         goto done;
     }
     if ((st = setup_optimizer(ctx, m, s))) goto done;
+    loom_train_progress resume = {0};
+    if (s->load) {
+        if ((st = loom_cli_ckpt_load(ctx, m, s, &resume))) goto done;
+        if (resume.step >= s->train_steps) {
+            st = loom_errf(ctx, LOOM_ERR_CONFIG,
+                           "%s is at step %lld already; --train-steps %lld leaves nothing to "
+                           "train (raise it)", s->load, (long long)resume.step,
+                           (long long)s->train_steps);
+            goto done;
+        }
+        if (resume.step > 0 && ld)
+            st = loom_loader_set_state(ctx, ld, (loom_loader_pos){.epoch = resume.data_epoch,
+                                                                  .index = resume.data_index});
+        else if (resume.step > 0)
+            st = loom_packer_set_state(ctx, pk, (loom_packer_pos){.doc = resume.data_index,
+                                                                  .offset = resume.data_offset,
+                                                                  .epoch = resume.data_epoch});
+        if (st) goto done;
+    }
+    if (s->save) loom_cli_ckpt_signals(true);
 
     /* MFU: model FLOPs per token over every GPU's peak */
     const double peak_flops = gpu_peak_flops(ctx, m) * loom_model_world_size(m);
@@ -299,11 +321,14 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             LOOM_LOG_I(ctx, "metrics: TensorBoard events to %s (tensorboard --logdir %s)",
                        loom_metrics_tb_path(mw), s->tensorboard_dir);
     }
-    int64_t epoch = 0, samples_total = 0, skipped = 0, tokens_at_log = 0, tokens_first = 0;
+    int64_t epoch = resume.data_epoch, samples_total = resume.consumed_samples, skipped = 0;
+    int64_t tokens_total = resume.consumed_tokens, tokens_at_log = tokens_total, tokens_first = 0;
     double first_loss = NAN, last_loss = NAN, t_start = loom_now_s(), t_log = t_start;
-    double t_first = NAN; /* end of step 1 (the ETA leaves out its start-up costs) */
-    int64_t tokens_total = 0;
-    for (int64_t step = 1; step <= s->train_steps; step++) {
+    double t_first = NAN; /* end of the first step (the ETA leaves out its start-up costs) */
+    const int64_t step0 = resume.step + 1;
+    int64_t trained = 0;
+    bool stopped = false;
+    for (int64_t step = step0; step <= s->train_steps; step++) {
         loom_packed_batch pb;
         if (ld) {
             loom_loader_batch lb;
@@ -333,14 +358,15 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         tokens_total += pb.rows * pb.seq_len;
         samples_total += pb.rows;
         skipped += sr.skipped != 0;
-        if (step == 1) {
+        trained++;
+        if (step == step0) {
             first_loss = fr.loss;
             t_first = now;
         }
         last_loss = fr.loss;
         /* tokens/s over the steps since the last logged one */
         const double tps = (double)(tokens_total - tokens_at_log) / (now - t_log);
-        if (step % s->log_interval == 0 || step == s->train_steps || step == 1) {
+        if (step % s->log_interval == 0 || step == s->train_steps || step == step0) {
             LOOM_LOG_I(ctx,
                        "step %" PRId64 "/%" PRId64 " | loss %.4f | grad norm %.3f | lr %.3e | "
                        "%.0f tokens/s%s",
@@ -359,12 +385,37 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             tokens_at_log = tokens_total;
             t_log = now;
         }
-        /* the progress line's rate: the mean since step 1, as its ETA */
-        if (step == 1) tokens_first = tokens_total;
-        const double rate = step > 1 ? (double)(tokens_total - tokens_first) / (now - t_first) : tps;
-        progress_draw(ctx, &pg, step, s->train_steps, fr.loss, rate,
-                      loom_eta_s(step, s->train_steps, t_first, now), now);
+        /* the progress line's rate: the mean since the first step, as its ETA */
+        if (step == step0) tokens_first = tokens_total;
+        const double rate = step > step0 ? (double)(tokens_total - tokens_first) / (now - t_first)
+                                         : tps;
+        progress_draw(ctx, &pg, step - step0 + 1, s->train_steps - step0 + 1, fr.loss, rate,
+                      loom_eta_s(step - step0 + 1, s->train_steps - step0 + 1, t_first, now), now);
+        if (s->save) {
+            int sig = 0;
+            if ((st = loom_cli_ckpt_stop_asked(world, &sig))) goto done;
+            if (sig || step == s->train_steps || (s->save_interval && step % s->save_interval == 0)) {
+                progress_clear(ctx);
+                loom_train_progress p = {.consumed_samples = samples_total,
+                                         .consumed_tokens = tokens_total};
+                if (ld) {
+                    loom_loader_pos lp = loom_loader_state(ld);
+                    p.data_epoch = lp.epoch, p.data_index = lp.index;
+                } else {
+                    loom_packer_pos pp = loom_packer_state(pk);
+                    p.data_epoch = pp.epoch, p.data_index = pp.doc, p.data_offset = pp.offset;
+                }
+                if ((st = loom_cli_ckpt_save(ctx, m, world, s, step, &p))) goto done;
+            }
+            if (sig) {
+                LOOM_LOG_I(ctx, "stopped by %s after step %" PRId64 " (saved; resume with --load %s)",
+                           sig == SIGTERM ? "SIGTERM" : "SIGINT", step, s->save);
+                stopped = true;
+                break;
+            }
+        }
     }
+    loom_cli_ckpt_signals(false);
     progress_clear(ctx);
     double total = loom_now_s() - t_start;
     if (m->dev.cuda) {
@@ -390,17 +441,22 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         LOOM_LOG_I(ctx, "attention: %s", an);
     }
     LOOM_LOG_I(ctx, "trained %" PRId64 " steps in %.1f s (%.0f tokens/s): loss %.4f -> %.4f",
-               s->train_steps, total, (double)tokens_total / total, first_loss, last_loss);
+               trained, total, (double)(tokens_total - resume.consumed_tokens) / total, first_loss,
+               last_loss);
     bool lora = s->adapter || s->lora_r;
-    if (s->save_adapter) {
+    if (stopped && (s->save_adapter || s->save_hf))
+        LOOM_LOG_W(ctx, "stopped early: --save-adapter and --save-hf were not written (the run "
+                        "did not finish; resume it with --load %s)", s->save);
+    if (!stopped && s->save_adapter) {
         if ((st = loom_model_save_adapter(m, "default", s->save_adapter, LOOM_F32))) goto done;
         LOOM_LOG_I(ctx, "wrote adapter %s", s->save_adapter);
     }
-    if (lora && s->merge_lora && (st = loom_model_merge_adapter(m, "default"))) goto done;
-    if (lora && s->save_hf && !s->merge_lora)
+    if (!stopped && lora && s->merge_lora && (st = loom_model_merge_adapter(m, "default")))
+        goto done;
+    if (!stopped && lora && s->save_hf && !s->merge_lora)
         LOOM_LOG_W(ctx, "--save-hf writes the frozen base model; add --merge-lora to fold the "
                         "adapter in, or use --save-adapter");
-    if (s->save_hf) {
+    if (!stopped && s->save_hf) {
         loom_dtype dt = loom_cli_save_dtype(s, LOOM_DTYPE_COUNT);
         /* with the tokenizer files of --model */
         if ((st = loom_model_save_hf(m, s->save_hf, dt, (uint64_t)s->max_shard_size))) goto done;
@@ -413,6 +469,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     mw = NULL;
     rc = 0;
 done:
+    loom_cli_ckpt_signals(false);
     progress_clear(ctx);
     loom_metrics_close(NULL, mw);
     if (rc && st == LOOM_ERR_OOM && have_mem && mo.device == LOOM_DEVICE_CUDA) {
