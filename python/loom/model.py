@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _lib as L
 from .batch import micro_batch_count, pack, to_samples, unpack  # noqa: F401
-from .errors import (ConfigError, InvalidArgumentError, MeshError, NotFoundError,
+from .errors import (ConfigError, FormatError, InvalidArgumentError, MeshError, NotFoundError,
                      UnsupportedError)
 from .hub import resolve_model
 from .lora import normalize as lora_normalize
@@ -80,6 +80,30 @@ def _num(what, name, v, lo=None, hi=None, open_lo=False):
 
 
 _PRECISION = {"bf16": L.BF16, "fp16": L.F16, "no": L.F32, "fp32": L.F32}
+_STATE_DIR = "training_state"
+_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _find_state(d):
+    """The directory holding a training state's meta.json, from a save()
+    directory, a training_state, or a `loom train --save` root or iter_ dir."""
+    if os.path.isfile(os.path.join(d, "meta.json")):
+        return d
+    if os.path.isfile(os.path.join(d, _STATE_DIR, "meta.json")):
+        return os.path.join(d, _STATE_DIR)
+    tracker = os.path.join(d, _TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            it = f.read().strip()
+        if not it.isdigit():
+            raise FormatError("%s holds %r, not an iteration" % (tracker, it[:40]))
+        cand = os.path.join(d, "iter_%07d" % int(it))
+        if os.path.isfile(os.path.join(cand, "meta.json")):
+            return cand
+        raise NotFoundError("%s names iteration %s, but %s is missing" % (tracker, it, cand))
+    raise NotFoundError("no training state in %s (looked for meta.json, %s/meta.json and %s); "
+                        "save with save_optimizer=True or loom train --save" % (d, _STATE_DIR,
+                                                                               _TRACKER))
 
 
 def _mesh_options(o, device_mesh, kwargs, recompute):
@@ -767,12 +791,17 @@ class MegatronModel:
         return out
 
     def save(self, name=None, output_dir=None, merge_lora=False, adapter_name=None,
-             save_dtype=None, **kwargs):
+             save_dtype=None, save_optimizer=False, dataloader=None, **kwargs):
         """Writes output_dir/name (collective): a PEFT adapter directory when
         training an adapter (merge_lora: an HF directory with it merged in),
-        else an HF model directory. Returns the path."""
+        else an HF model directory. save_optimizer: also the training state
+        (fp32 master, AdamW moments, step, the dataloader's position) in
+        output_dir/name/training_state, which load / resume_from_checkpoint
+        read back on any mesh. Returns the path."""
         self._check_open()
         _check_kwargs("save", kwargs, {"interval", "save_format", "max_shard_size"})
+        if dataloader is not None and not hasattr(dataloader, "state_dict"):
+            raise InvalidArgumentError("save: dataloader must be a loom.DataLoader")
         fmt = kwargs.get("save_format", "hf")
         if fmt != "hf":
             raise UnsupportedError("save_format=%r: loom writes 'hf' (HF / PEFT files); training "
@@ -790,6 +819,10 @@ class MegatronModel:
             raise InvalidArgumentError("save_dtype=%r: use None (as read), float32, bfloat16 or "
                                        "float16" % (save_dtype,))
         shard = int(kwargs.get("max_shard_size", 0))
+        old_state = os.path.join(path, _STATE_DIR)
+        if self.rank == 0 and os.path.isfile(os.path.join(old_state, "meta.json")):
+            import shutil  # a re-save of the same name replaces our own state too
+            shutil.rmtree(old_state)
         aname = g.name
         if aname and not merge_lora:
             self._ctx.check(L.lib.loom_model_save_adapter(
@@ -803,7 +836,38 @@ class MegatronModel:
                 self._ctx.check(L.lib.loom_model_unmerge_adapter(self._h, aname.encode()), "save")
         else:
             self._ctx.check(L.lib.loom_model_save_hf(self._h, path.encode(), dt, shard), "save")
+        if save_optimizer:
+            progress = {}
+            if dataloader is not None:
+                d = dataloader.state_dict()
+                progress = {"data_epoch": d["epoch"], "data_index": d["index"],
+                            "consumed_samples": d["epoch"] * len(dataloader.dataset) + d["index"]}
+            self.save_state(os.path.join(path, _STATE_DIR), progress=progress)
         return path
+
+    def load(self, name, output_dir=None, load_optimizer=True, dataloader=None, **kwargs):
+        """Reads what save(name, output_dir, save_optimizer=True) wrote, before
+        training (a model made as the saved one: same config, adapter added):
+        the trained tensors, and with load_optimizer the optimizer state, the
+        step and the dataloader's position. Returns the progress."""
+        _check_kwargs("load", kwargs, {"adapter_name"})
+        path = os.path.join(output_dir if output_dir is not None else "output", name)
+        return self.resume_from_checkpoint(path, load_optimizer=load_optimizer,
+                                           dataloader=dataloader)
+
+    def resume_from_checkpoint(self, checkpoint_dir, load_optimizer=True, dataloader=None):
+        """The training state of a save(..., save_optimizer=True) directory, of
+        its training_state, or of a `loom train --save` root (its newest
+        complete checkpoint) or iter_ directory: weights, optimizer, step,
+        and (given a DataLoader) the data position, so the loop continues
+        where it stopped. Returns {step, consumed_samples, consumed_tokens,
+        data_epoch, data_index}. Collective."""
+        d = _find_state(os.fspath(checkpoint_dir))
+        progress = self.load_state(d, load_optimizer=load_optimizer)
+        if dataloader is not None and load_optimizer:
+            dataloader.load_state_dict({"epoch": progress["data_epoch"],
+                                        "index": progress["data_index"]})
+        return progress
 
     def save_state(self, directory, save_optimizer=True, progress=None):
         """The training state (fp32 master of the trained tensors, AdamW

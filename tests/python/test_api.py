@@ -442,3 +442,45 @@ def test_peft_lora_config_is_taken():
     with pytest.raises(loom.UnsupportedError, match="use_dora"):
         x.add_adapter_to_model("d", peft.LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
     x.close()
+
+
+def test_save_with_optimizer_and_resume_from_checkpoint(tmp_path):
+    """save(save_optimizer=True) mid-run; a fresh model and DataLoader resume
+    from it and continue bitwise as the uninterrupted run (CPU fp32)."""
+    data = random_samples(24, 16, seed=8)
+
+    def run(stop=None, resume=None):
+        x = model()
+        x.set_optimizer("default", lr=1e-2)
+        x.set_lr_scheduler("default", max_lr=1e-2, lr_warmup_steps=2, lr_decay_steps=6)
+        dl = DataLoader(data, batch_size=4, shuffle=True, seed=3)
+        if resume:
+            p = x.resume_from_checkpoint(resume, dataloader=dl)
+            assert p["step"] == 3 and p["consumed_samples"] == 12
+        losses = []
+        for batch in dl:
+            losses.append(x.forward_backward(inputs=batch)["loss"])
+            x.clip_grad_and_step()
+            if stop and len(losses) == 3:
+                x.save("ck", output_dir=str(tmp_path), save_optimizer=True, dataloader=dl)
+        x.close()
+        return losses
+
+    full = run(stop=True)
+    assert len(full) == 6
+    again = run(resume=str(tmp_path / "ck"))
+    assert again == full[3:], (again, full)
+    assert os.path.isfile(tmp_path / "ck" / "model.safetensors")  # the HF files beside it
+    with pytest.raises(loom.NotFoundError, match="no training state"):
+        model().resume_from_checkpoint(str(tmp_path))
+
+
+def test_save_with_optimizer_twice_to_one_name(tmp_path):
+    x = model()
+    x.set_optimizer("default")
+    x.forward_backward(inputs=random_samples(1, 8))
+    x.clip_grad_and_step()
+    for _ in range(2):  # the second replaces the first whole, its state included
+        x.save("same", output_dir=str(tmp_path), save_optimizer=True)
+    assert x.resume_from_checkpoint(str(tmp_path / "same"))["step"] == 1
+    x.close()
