@@ -62,6 +62,8 @@ int loom_cli_maybe_launch(loom_ctx *ctx, const loom_settings *s, bool *launched)
 int loom_launch_local(loom_ctx *ctx, int nproc, char *const argv[], const char *exe);
 
 int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
+/* convert --from-checkpoint (cli/convert_ckpt.c) */
+int loom_cmd_convert_checkpoint(loom_ctx *ctx, loom_settings *s);
 int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);
 int loom_cmd_init(loom_ctx *ctx, loom_settings *s, int npos, const char **pos);

@@ -41,6 +41,11 @@ int loom_cmd_init(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
 }
 
 int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
+    if (s->from_checkpoint) {
+        if (!need_out(ctx, s, "convert")) return loom_cli_fail(ctx);
+        loom_settings_print(ctx, s, LOOM_CMD_CONVERT);
+        return loom_cmd_convert_checkpoint(ctx, s);
+    }
     if (!s->model) {
         loom_errf(ctx, LOOM_ERR_CONFIG, "loom convert needs --model DIR (the checkpoint to read)");
         return loom_cli_fail(ctx);

@@ -24,8 +24,9 @@ static const loom_cli_cmd commands[] = {
     {"golden", LOOM_CMD_GOLDEN, "golden --model DIR --batch IN.safetensors --out OUT.safetensors",
      "run one batch and write logits, token log-probs, entropy, loss and every gradient",
      loom_cmd_golden, 0},
-    {"convert", LOOM_CMD_CONVERT, "convert --model DIR --out DIR [options]",
-     "rewrite a checkpoint: change the dtype, re-shard, check every tensor on the way",
+    {"convert", LOOM_CMD_CONVERT, "convert --model DIR --out DIR [options] | convert --from-checkpoint CK --to hf|peft --out DIR",
+     "rewrite a checkpoint: change the dtype, re-shard, check every tensor on the way; or export a "
+     "training checkpoint (loom train --save) as HF or PEFT files",
      loom_cmd_convert, 0},
     {"data", LOOM_CMD_DATA, "data --text FILE --out OUT.tokens\n       loom data FILE.tokens",
      "make a token file from text (byte-level demo encoder), or describe a token file",

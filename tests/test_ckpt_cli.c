@@ -334,3 +334,74 @@ TEST(ckpt_cli_resume_on_another_mesh_and_finetune) {
     CHECK(!isnan(x[1]) && !isnan(x[2]));
     fx_free(&f);
 }
+
+static bool same_file(const char *a, const char *b) {
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "cmp -s %.590s %.590s", a, b);
+    return system(cmd) == 0;
+}
+
+/* convert --from-checkpoint: PEFT and HF files equal to what the run itself
+ * wrote at its end (--save-adapter, --save-hf), also from a state saved at
+ * tp2 pp2; --merge-lora; the refusals. */
+TEST(ckpt_cli_convert_from_checkpoint) {
+    fx f;
+    REQUIRE(fx_make(&f));
+    char m[400], ck[400], lck[400], hf[400], peft[400], o1[400], o2[400], a[500], b[500];
+    snprintf(m, sizeof m, "%s/m.jsonl", f.dir);
+    snprintf(ck, sizeof ck, "%s/ck", f.dir);
+    snprintf(lck, sizeof lck, "%s/lck", f.dir);
+    snprintf(hf, sizeof hf, "%s/hf", f.dir);
+    snprintf(peft, sizeof peft, "%s/peft", f.dir);
+    snprintf(o1, sizeof o1, "%s/o1", f.dir);
+    snprintf(o2, sizeof o2, "%s/o2", f.dir);
+    char *out = NULL;
+    const char *lo[] = {"--lora-r", "4", "--save", lck, "--save-adapter", peft, NULL};
+    CHECK_EQ_INT(train(&f, false, 3, m, lo, &out), 0);
+    free(out);
+    const char *c1[] = {loom_test_bin(), "convert", "--from-checkpoint", lck, "--to", "peft",
+                        "--out", o1, "--log-level", "warn", NULL};
+    CHECK_MSG(loom_test_run(&out, c1) == 0, "%s", out);
+    free(out);
+    snprintf(a, sizeof a, "%s/adapter_model.safetensors", peft);
+    snprintf(b, sizeof b, "%s/adapter_model.safetensors", o1);
+    CHECK_MSG(same_file(a, b), "the PEFT export differs from --save-adapter");
+    const char *c2[] = {loom_test_bin(), "convert", "--from-checkpoint", lck, "--to", "hf",
+                        "--out", o2, "--log-level", "warn", NULL};
+    CHECK_EQ_INT(loom_test_run(&out, c2), 1);
+    CHECK_CONTAINS(out, "--merge-lora");
+    free(out);
+    const char *c3[] = {loom_test_bin(), "convert", "--from-checkpoint", lck, "--to", "hf",
+                        "--merge-lora", "--out", o2, "--log-level", "warn", NULL};
+    CHECK_MSG(loom_test_run(&out, c3) == 0, "%s", out);
+    free(out);
+    snprintf(a, sizeof a, "%s/model.safetensors", o2);
+    CHECK(loom_file_exists(a));
+    /* full fine-tuning saved at tp2 pp2: the export equals that run's --save-hf */
+    if (loom_test_have_mpirun()) {
+        loom_test_mpi_env();
+        const char *argv[] = {"mpirun", "-np", "4", loom_test_bin(), "train", "--model", f.model,
+                              "--data", f.tokens, "--seq-len", "32", "--global-batch-size", "4",
+                              "--lr", "3e-3", "--train-steps", "3", "--no-progress",
+                              "--log-level", "warn", "--tp", "2", "--pp", "2", "--save", ck,
+                              "--save-hf", hf, NULL};
+        CHECK_MSG(loom_test_run(&out, argv) == 0, "%s", out);
+        free(out);
+        snprintf(o1, sizeof o1, "%s/o3", f.dir);
+        const char *c4[] = {loom_test_bin(), "convert", "--from-checkpoint", ck, "--out", o1,
+                            "--log-level", "warn", NULL};
+        CHECK_MSG(loom_test_run(&out, c4) == 0, "%s", out);
+        free(out);
+        snprintf(a, sizeof a, "%s/model.safetensors", hf);
+        snprintf(b, sizeof b, "%s/model.safetensors", o1);
+        CHECK_MSG(same_file(a, b), "the HF export of a tp2 pp2 checkpoint differs from --save-hf");
+        const char *c5[] = {loom_test_bin(), "convert", "--from-checkpoint", ck, "--to", "peft",
+                            "--out", o2, "--log-level", "warn", NULL};
+        CHECK_EQ_INT(loom_test_run(&out, c5), 1);
+        CHECK_CONTAINS(out, "use --to hf");
+        free(out);
+    } else {
+        loom_test_skip("no mpirun: the tp2 pp2 part");
+    }
+    fx_free(&f);
+}

@@ -149,8 +149,15 @@ static const loom_option table[] = {
     {"save_adapter", LOOM_OPT_STRING, NULL, "after training, write the LoRA adapter here (PEFT)",
      OFF(save_adapter), NULL, CMD_TRAIN, 0, 0},
     {"merge_lora", LOOM_OPT_BOOL, "false",
-     "--save-hf writes the base with the trained adapter merged in", OFF(merge_lora), NULL,
-     CMD_TRAIN, 0, 0},
+     "--save-hf writes the base with the trained adapter merged in (convert --to hf: the "
+     "checkpoint's adapter merged into its base)", OFF(merge_lora), NULL,
+     CMD_TRAIN | LOOM_CMD_CONVERT, 0, 0},
+    {"from_checkpoint", LOOM_OPT_STRING, NULL,
+     "convert a training checkpoint (a --save root, an iter_ directory, or a saved state), "
+     "saved on any mesh, to HF or PEFT files (--to); --model: the base (default: the one it "
+     "trained)", OFF(from_checkpoint), NULL, LOOM_CMD_CONVERT, 0, 0},
+    {"to", LOOM_OPT_CHOICE, "hf", "convert --from-checkpoint: an HF model directory or a PEFT "
+     "adapter", OFF(to), "hf|peft", LOOM_CMD_CONVERT, 0, 0},
     {"tokenizer", LOOM_OPT_STRING, NULL,
      "directory with tokenizer.json (and tokenizer_config.json, a chat template)", OFF(tokenizer),
      NULL, LOOM_CMD_TOKENIZE, 0, 0},

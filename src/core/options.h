@@ -67,6 +67,8 @@ typedef struct loom_settings {
     int64_t save_keep;     /* keep the newest this many (0: all) */
     char *load;            /* resume from DIR's newest complete checkpoint, or DIR/iter_... */
     bool finetune;         /* --load takes the weights only (step 0, a fresh optimizer) */
+    char *from_checkpoint; /* convert: a training checkpoint (root, iter_ dir or saved state) */
+    char *to;              /* convert --from-checkpoint: hf | peft */
     int64_t train_steps;
     int64_t seq_len;
     int64_t micro_batch_size;

@@ -551,6 +551,11 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     if ((st = load_config(ctx, dir, opts->config_overrides, &m->cfg))) goto fail;
+    if (opts->config_overrides && *opts->config_overrides &&
+        !(m->overrides = loom_strdup(ctx, opts->config_overrides))) {
+        st = LOOM_ERR_OOM;
+        goto fail;
+    }
     const loom_model_config *c = &m->cfg;
     if (c->num_experts > 0) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
@@ -875,6 +880,7 @@ void loom_model_free(loom_model *m) {
     loom_param_plan_free(&m->plan);
     loom_config_free(&m->cfg);
     free(m->src_dir);
+    free(m->overrides);
     loom_mesh_free(m->mesh);
     if (m->own_world) loom_comm_free(m->world);
     free(m);

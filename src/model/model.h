@@ -169,6 +169,7 @@ struct loom_model {
     loom_param_plan plan;
     loom_dtype file_dtype;   /* dtype of the checkpoint's weights */
     char *src_dir;           /* the directory it was created from (side files, adapter names) */
+    char *overrides;         /* the config overrides it was created with (NULL: none) */
     loom_comm *world;        /* owned when own_world */
     bool own_world;
     loom_mesh *mesh;

@@ -102,6 +102,12 @@ static loom_status meta_write(loom_model *m, const char *dir, const loom_train_p
     SET("hidden_size", loom_json_new_int(ctx, m->H));
     SET("vocab_size", loom_json_new_int(ctx, m->V));
     SET("num_params", loom_json_new_int(ctx, loom_param_plan_count(&m->plan, NULL)));
+    char *abs = m->src_dir ? realpath(m->src_dir, NULL) : NULL; /* for loom convert */
+    SET("model_dir", abs ? loom_json_new_str(ctx, abs)
+                         : m->src_dir ? loom_json_new_str(ctx, m->src_dir) : loom_json_new_null(ctx));
+    free(abs);
+    SET("config_overrides", m->overrides ? loom_json_new_str(ctx, m->overrides)
+                                         : loom_json_new_null(ctx));
     SET("step", loom_json_new_int(ctx, step));
     SET("consumed_samples", loom_json_new_int(ctx, p ? p->consumed_samples : 0));
     SET("consumed_tokens", loom_json_new_int(ctx, p ? p->consumed_tokens : 0));
