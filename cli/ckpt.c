@@ -3,6 +3,7 @@
  * library's (loom_model_save_state: whole tensors, any mesh loads them);
  * the directories are src/io/ckpt_dir.c's (written whole, crash-safe);
  * this file decides when, and puts the data loader's position in. */
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,28 +54,104 @@ static loom_status verify(loom_ctx *ctx, const char *dir, void *u) {
     return loom_verify_state(ctx, dir);
 }
 
+/* ---- the background writer (Megatron's async save): rank 0 writes the
+ * snapshot's files, commits the iter_ directory and prunes on a thread of
+ * its own while training goes on; a second save waits for the first ---- */
+struct loom_cli_saver {
+    pthread_t th;
+    bool running;
+    loom_ctx *ctx;              /* the thread's own */
+    loom_state_snapshot *sn;
+    loom_ckpt_tx tx;
+    const loom_settings *s;
+    int64_t step;
+    double t0, took;
+    loom_status st;
+};
+
+static void *writer_main(void *arg) {
+    loom_cli_saver *w = arg;
+    loom_status st = loom_state_snapshot_write(w->ctx, w->sn, w->tx.path);
+    if (st) loom_ckpt_abort(&w->tx);
+    else st = loom_ckpt_commit(w->ctx, &w->tx);
+    if (!st && w->s->save_keep > 0) st = loom_ckpt_prune(w->ctx, w->s->save, (int)w->s->save_keep);
+    loom_state_snapshot_free(w->sn);
+    w->sn = NULL;
+    w->took = loom_now_s() - w->t0;
+    w->st = st;
+    return NULL;
+}
+
+loom_cli_saver *loom_cli_saver_new(void) { return calloc(1, sizeof(loom_cli_saver)); }
+
+/* Waits for the write in flight (rank 0), logging it; its error, if any,
+ * becomes this context's. */
+static loom_status saver_join(loom_ctx *ctx, loom_cli_saver *w) {
+    if (!w || !w->running) return LOOM_OK;
+    pthread_join(w->th, NULL);
+    w->running = false;
+    char name[32];
+    loom_ckpt_iter_name(w->step, name);
+    if (w->st) {
+        loom_errf(ctx, w->st, "writing checkpoint %s/%s: %s", w->s->save, name,
+                  loom_last_error(w->ctx));
+    } else {
+        LOOM_LOG_I(ctx, "checkpoint %s/%s written (%.2f s in the background)", w->s->save, name,
+                   w->took);
+    }
+    loom_ctx_free(w->ctx);
+    w->ctx = NULL;
+    return w->st;
+}
+
+loom_status loom_cli_saver_finish(loom_ctx *ctx, loom_comm *world, loom_cli_saver *w) {
+    loom_status st = saver_join(ctx, w);
+    return agree(ctx, world, st, "writing the last checkpoint");
+}
+
+void loom_cli_saver_free(loom_cli_saver *w) {
+    if (!w) return;
+    if (w->running) pthread_join(w->th, NULL);
+    loom_state_snapshot_free(w->sn);
+    loom_ckpt_abort(&w->tx);
+    loom_ctx_free(w->ctx);
+    free(w);
+}
+
 loom_status loom_cli_ckpt_save(loom_ctx *ctx, loom_model *m, loom_comm *world,
-                               const loom_settings *s, int64_t step,
+                               const loom_settings *s, loom_cli_saver *w, int64_t step,
                                const loom_train_progress *p) {
     const bool writer = !world || loom_comm_rank(world) == 0;
-    loom_ckpt_tx tx;
-    memset(&tx, 0, sizeof tx);
-    loom_status st = writer ? loom_ckpt_begin(ctx, s->save, step, &tx) : LOOM_OK;
+    /* the previous write first (a second save waits for the first) */
+    loom_status st = writer ? saver_join(ctx, w) : LOOM_OK;
+    memset(&w->tx, 0, sizeof w->tx);
+    if (!st && writer) st = loom_ckpt_begin(ctx, s->save, step, &w->tx);
     if ((st = agree(ctx, world, st, "starting the checkpoint"))) {
-        loom_ckpt_abort(&tx);
+        loom_ckpt_abort(&w->tx);
         return st;
     }
     const double t0 = loom_now_s();
-    st = loom_model_save_state(m, writer ? tx.path : s->save, p, 1);
-    if (writer) {
-        if (st) loom_ckpt_abort(&tx);
-        else st = loom_ckpt_commit(ctx, &tx);
-        if (!st && s->save_keep > 0) st = loom_ckpt_prune(ctx, s->save, (int)s->save_keep);
+    loom_state_snapshot *sn = NULL;
+    st = loom_state_snapshot_take(m, p, 1, &sn);
+    const double paused = loom_now_s() - t0;
+    if (writer && !st) {
+        w->sn = sn, w->s = s, w->step = step, w->t0 = loom_now_s(), w->st = LOOM_OK;
+        if (loom_ctx_create(&w->ctx) || pthread_create(&w->th, NULL, writer_main, w)) {
+            st = loom_errf(ctx, LOOM_ERR_OOM, "cannot start the checkpoint writer thread");
+            loom_ctx_free(w->ctx);
+            w->ctx = NULL;
+        } else {
+            w->running = true;
+            sn = NULL;
+        }
     }
-    if ((st = agree(ctx, world, st, "saving the checkpoint"))) return st;
+    loom_state_snapshot_free(sn); /* other ranks hold nothing */
+    if (writer && st) loom_ckpt_abort(&w->tx);
+    if ((st = agree(ctx, world, st, "copying the state for the checkpoint"))) return st;
     char name[32];
     loom_ckpt_iter_name(step, name);
-    LOOM_LOG_I(ctx, "saved checkpoint %s/%s in %.2f s", s->save, name, loom_now_s() - t0);
+    LOOM_LOG_I(ctx, "checkpoint %s/%s: state copied in %.2f s (the step's pause); writing in the "
+               "background", s->save, name, paused);
     return LOOM_OK;
 }
 

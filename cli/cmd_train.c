@@ -216,6 +216,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         if (have_mem) loom_memory_print(ctx, &mem, LOOM_LOG_INFO);
     }
     loom_model *m = NULL;
+    loom_cli_saver *saver = NULL;
     loom_tokfile *tf = NULL;
     loom_packer *pk = NULL;
     loom_loader *ld = NULL;
@@ -308,7 +309,13 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                                                                   .epoch = resume.data_epoch});
         if (st) goto done;
     }
-    if (s->save) loom_cli_ckpt_signals(true);
+    if (s->save) {
+        loom_cli_ckpt_signals(true);
+        if (!(saver = loom_cli_saver_new())) {
+            st = loom_errf(ctx, LOOM_ERR_OOM, "out of memory");
+            goto done;
+        }
+    }
 
     /* MFU: model FLOPs per token over every GPU's peak */
     const double peak_flops = gpu_peak_flops(ctx, m) * loom_model_world_size(m);
@@ -405,7 +412,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                     loom_packer_pos pp = loom_packer_state(pk);
                     p.data_epoch = pp.epoch, p.data_index = pp.doc, p.data_offset = pp.offset;
                 }
-                if ((st = loom_cli_ckpt_save(ctx, m, world, s, step, &p))) goto done;
+                if ((st = loom_cli_ckpt_save(ctx, m, world, s, saver, step, &p))) goto done;
             }
             if (sig) {
                 LOOM_LOG_I(ctx, "stopped by %s after step %" PRId64 " (saved; resume with --load %s)",
@@ -417,6 +424,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     }
     loom_cli_ckpt_signals(false);
     progress_clear(ctx);
+    if (saver && (st = loom_cli_saver_finish(ctx, world, saver))) goto done;
     double total = loom_now_s() - t_start;
     if (m->dev.cuda) {
         /* every GPU rank reports its own peak (the other lines are rank 0's):
@@ -480,6 +488,7 @@ done:
                              "weights and activations per GPU), data parallelism (--dp: the "
                              "optimizer is sharded over it), or train a LoRA adapter (--lora-r)");
     }
+    loom_cli_saver_free(saver); /* a write in flight is finished first */
     if (rc) loom_cli_fail_job(ctx, world);
     loom_packer_free(pk);
     loom_loader_free(ld);

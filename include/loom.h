@@ -343,6 +343,16 @@ loom_status loom_model_save_state(loom_model *m, const char *dir, const loom_tra
                                   int optimizer);
 loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
                                   loom_train_progress *p);
+/* The same in two halves, for a write in the background: take (collective)
+ * copies the whole state into rank 0's host memory (the only pause the
+ * training takes); write (rank 0's files; other ranks return at once) may
+ * run on another thread, with its own context, while training goes on. */
+typedef struct loom_state_snapshot loom_state_snapshot;
+loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p, int optimizer,
+                                     loom_state_snapshot **out);
+loom_status loom_state_snapshot_write(loom_ctx *ctx, const loom_state_snapshot *sn,
+                                      const char *dir);
+void loom_state_snapshot_free(loom_state_snapshot *sn);
 /* Checks a saved state without a model: meta.json readable and of a known
  * version, every file it lists present with its SHA-256. The error names
  * the file and what is wrong. (load_state checks the same first.) */

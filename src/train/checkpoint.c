@@ -79,20 +79,13 @@ static loom_status shard_host(loom_model *m, const float *buf, size_t n, float *
 
 static const char *const state_files[] = {"model.safetensors", "optimizer.safetensors"};
 
-static loom_status meta_write(loom_model *m, const char *dir, const loom_train_progress *p,
-                              bool optimizer, int64_t step) {
+/* meta.json's contents but the files' checksums (added when written). */
+static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool optimizer,
+                              int64_t step, loom_json **out) {
     loom_ctx *ctx = m->ctx;
     loom_json *o = loom_json_new_object(ctx);
     if (!o) return LOOM_ERR_OOM;
     loom_status st = LOOM_OK;
-    loom_json *files = loom_json_new_object(ctx);
-    for (int k = 0; !st && k < (optimizer ? 2 : 1); k++) {
-        char hex[65], *f = loom_path_join(ctx, dir, state_files[k]);
-        st = f ? loom_sha256_file(ctx, f, hex) : LOOM_ERR_OOM;
-        if (!st) st = files ? loom_json_set(ctx, files, state_files[k], loom_json_new_str(ctx, hex))
-                            : LOOM_ERR_OOM;
-        free(f);
-    }
 #define SET(k, v) \
     if (!st) st = loom_json_set(ctx, o, k, v)
     SET("format", loom_json_new_str(ctx, STATE_FORMAT));
@@ -118,7 +111,6 @@ static loom_status meta_write(loom_model *m, const char *dir, const loom_train_p
     SET("good_steps", loom_json_new_int(ctx, m->good_steps));
     SET("dropout_calls", loom_json_new_int(ctx, (int64_t)m->dropout_calls));
     SET("optimizer", loom_json_new_bool(ctx, optimizer));
-    SET("files", files); /* SHA-256 of each */
     char mesh[128];
     SET("mesh", loom_json_new_str(ctx, loom_mesh_describe(&m->mesh->n, mesh, sizeof mesh)));
     if (m->active >= 0) {
@@ -141,73 +133,168 @@ static loom_status meta_write(loom_model *m, const char *dir, const loom_train_p
         SET("adapter", ad);
     }
 #undef SET
+    if (st) {
+        loom_json_free(o);
+        return st;
+    }
+    *out = o;
+    return LOOM_OK;
+}
+
+/* ---- saving: a snapshot (collective: the whole state gathered into rank
+ * 0's host memory; the only pause training takes), then its files (rank 0
+ * alone, on any thread: loom train writes in the background) ---- */
+
+typedef struct snap_tensor {
+    char *name;
+    int ndim;
+    int64_t shape[2];
+    float *data[3]; /* value, exp_avg, exp_avg_sq (NULL without the optimizer) */
+} snap_tensor;
+
+struct loom_state_snapshot {
+    bool writer;       /* rank 0: holds the data and writes */
+    bool optimizer;
+    snap_tensor *t;
+    size_t n;
+    loom_json *meta;   /* without "files" */
+};
+
+void loom_state_snapshot_free(loom_state_snapshot *sn) {
+    if (!sn) return;
+    for (size_t i = 0; i < sn->n; i++) {
+        free(sn->t[i].name);
+        for (int k = 0; k < 3; k++) free(sn->t[i].data[k]);
+    }
+    free(sn->t);
+    loom_json_free(sn->meta);
+    free(sn);
+}
+
+loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p, int optimizer,
+                                     loom_state_snapshot **out) {
+    loom_ctx *ctx = m->ctx;
+    loom_arena *A = loom_model_trainable(m);
+    *out = NULL;
+    if (m->active >= 0 && m->adapters[m->active].merged)
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "save_state: the active adapter is merged; unmerge "
+                         "it first");
+    loom_state_snapshot *sn = loom_calloc(ctx, 1, sizeof *sn, "state snapshot");
+    if (!sn) return LOOM_ERR_OOM;
+    sn->writer = m->mesh->rank == 0;
+    sn->optimizer = optimizer && A->adam_m;
+    char name[320];
+    int64_t rows, cols;
+    size_t cap = 0;
+    while (tensor_at(m, (int64_t)cap, name, sizeof name, &rows, &cols)) cap++;
+    loom_status st = LOOM_OK;
+    if (!(sn->t = loom_calloc(ctx, cap + 1, sizeof *sn->t, "state snapshot"))) st = LOOM_ERR_OOM;
+    float *mh[2] = {NULL, NULL}, *tmp = NULL;
+    const float *sh[2] = {NULL, NULL};
+    for (int k = 0; sn->optimizer && k < 2 && !st; k++)
+        st = shard_host(m, k ? A->adam_v : A->adam_m, A->shard_numel, &mh[k], &sh[k]);
+    /* every rank takes part in each gather; rank 0 keeps the results */
+    for (size_t i = 0; !st && i < cap; i++) {
+        tensor_at(m, (int64_t)i, name, sizeof name, &rows, &cols);
+        snap_tensor *t = &sn->t[sn->n++];
+        t->ndim = cols == 1 && m->active < 0 ? 1 : 2;
+        t->shape[0] = rows, t->shape[1] = cols;
+        if (!(t->name = loom_strdup(ctx, name))) {
+            st = LOOM_ERR_OOM;
+            break;
+        }
+        for (int k = 0; k < (sn->optimizer ? 3 : 1) && !st; k++) {
+            float *d = sn->writer ? malloc(sizeof *d * (size_t)(rows * cols)) : NULL;
+            if (!sn->writer) { /* a scratch buffer for the gathers */
+                float *nt = realloc(tmp, sizeof *tmp * (size_t)(rows * cols));
+                if (nt) tmp = nt;
+                d = nt ? tmp : NULL;
+            }
+            if (!d) {
+                st = loom_errf(ctx, LOOM_ERR_OOM, "out of host memory copying %s for a checkpoint",
+                               name);
+                break;
+            }
+            if (sn->writer) t->data[k] = d;
+            st = k == 0 ? loom_gather_full(m, A, name, rows, cols, false, 1.0f, d)
+                        : gather_moment(m, A, sh[k - 1], name, rows, cols, d);
+        }
+    }
+    free(tmp);
+    free(mh[0]);
+    free(mh[1]);
+    if (!st && sn->writer) st = meta_build(m, p, sn->optimizer, A->step, &sn->meta);
+    if (st) {
+        loom_state_snapshot_free(sn);
+        return st;
+    }
+    *out = sn;
+    return LOOM_OK;
+}
+
+loom_status loom_state_snapshot_write(loom_ctx *ctx, const loom_state_snapshot *sn,
+                                      const char *dir) {
+    if (!sn->writer) return LOOM_OK;
+    loom_st_writer *w[2] = {NULL, NULL};
+    char key[352];
+    loom_status st = loom_st_writer_create(ctx, dir, "model", 0, NULL, &w[0]);
+    if (!st && sn->optimizer) st = loom_st_writer_create(ctx, dir, "optimizer", 0, NULL, &w[1]);
+    for (size_t i = 0; !st && i < sn->n; i++) {
+        const snap_tensor *t = &sn->t[i];
+        st = loom_st_writer_declare(ctx, w[0], t->name, LOOM_F32, t->ndim, t->shape);
+        for (int k = 0; !st && sn->optimizer && k < 2; k++) {
+            snprintf(key, sizeof key, "%s.%s", k ? "exp_avg_sq" : "exp_avg", t->name);
+            st = loom_st_writer_declare(ctx, w[1], key, LOOM_F32, t->ndim, t->shape);
+        }
+    }
+    for (size_t i = 0; !st && i < sn->n; i++) {
+        const snap_tensor *t = &sn->t[i];
+        st = loom_st_writer_write(ctx, w[0], t->name, LOOM_F32, t->data[0]);
+        for (int k = 0; !st && sn->optimizer && k < 2; k++) {
+            snprintf(key, sizeof key, "%s.%s", k ? "exp_avg_sq" : "exp_avg", t->name);
+            st = loom_st_writer_write(ctx, w[1], key, LOOM_F32, t->data[k + 1]);
+        }
+    }
+    for (int k = 0; k < 2; k++) {
+        if (!st && w[k]) st = loom_st_writer_finish(ctx, w[k]);
+        loom_st_writer_free(w[k]);
+    }
+    /* meta.json last, with each file's SHA-256 */
+    loom_json *meta = st ? NULL : loom_json_clone(ctx, sn->meta);
+    loom_json *files = st ? NULL : loom_json_new_object(ctx);
+    if (!st && (!meta || !files)) st = LOOM_ERR_OOM;
+    for (int k = 0; !st && k < (sn->optimizer ? 2 : 1); k++) {
+        char hex[65], *f = loom_path_join(ctx, dir, state_files[k]);
+        st = f ? loom_sha256_file(ctx, f, hex) : LOOM_ERR_OOM;
+        if (!st) st = loom_json_set(ctx, files, state_files[k], loom_json_new_str(ctx, hex));
+        free(f);
+    }
+    if (!st) {
+        st = loom_json_set(ctx, meta, "files", files);
+        files = NULL;
+    }
     loom_sb sb;
     loom_sb_init(&sb);
-    if (!st) st = loom_json_write(ctx, o, 1, &sb);
-    loom_json_free(o);
+    if (!st) st = loom_json_write(ctx, meta, 1, &sb);
     char *path = st ? NULL : loom_path_join(ctx, dir, "meta.json");
     if (!st && !path) st = LOOM_ERR_OOM;
     if (!st) st = loom_write_file_atomic(ctx, path, sb.buf, sb.len);
     free(path);
     loom_sb_free(&sb);
+    loom_json_free(files);
+    loom_json_free(meta);
     return st;
 }
 
 loom_status loom_model_save_state(loom_model *m, const char *dir, const loom_train_progress *p,
                                   int optimizer) {
     loom_ctx *ctx = m->ctx;
-    loom_arena *A = loom_model_trainable(m);
-    if (m->active >= 0 && m->adapters[m->active].merged)
-        return loom_errf(ctx, LOOM_ERR_CONFIG, "save_state: the active adapter is merged; unmerge "
-                         "it first");
-    const bool writer = m->mesh->rank == 0, moments = optimizer && A->adam_m;
-    loom_status st = LOOM_OK;
-    loom_st_writer *w[2] = {NULL, NULL};
-    char name[320], key[352];
-    int64_t rows, cols;
-    if (writer) {
-        st = loom_st_writer_create(ctx, dir, "model", 0, NULL, &w[0]);
-        if (!st && moments) st = loom_st_writer_create(ctx, dir, "optimizer", 0, NULL, &w[1]);
-        for (int64_t i = 0; !st && tensor_at(m, i, name, sizeof name, &rows, &cols); i++) {
-            const int64_t sh[2] = {rows, cols};
-            const int nd = cols == 1 && m->active < 0 ? 1 : 2;
-            st = loom_st_writer_declare(ctx, w[0], name, LOOM_F32, nd, sh);
-            for (int k = 0; !st && moments && k < 2; k++) {
-                snprintf(key, sizeof key, "%s.%s", k ? "exp_avg_sq" : "exp_avg", name);
-                st = loom_st_writer_declare(ctx, w[1], key, LOOM_F32, nd, sh);
-            }
-        }
-    }
-    /* every rank takes part in each gather, whatever rank 0's state */
-    float *t = NULL, *mh[2] = {NULL, NULL};
-    const float *sh[2] = {NULL, NULL};
-    loom_status gs = LOOM_OK;
-    for (int k = 0; moments && k < 2 && !gs; k++)
-        gs = shard_host(m, k ? A->adam_v : A->adam_m, A->shard_numel, &mh[k], &sh[k]);
-    for (int64_t i = 0; !gs && tensor_at(m, i, name, sizeof name, &rows, &cols); i++) {
-        float *nt = realloc(t, sizeof *t * (size_t)(rows * cols));
-        if (!nt) {
-            gs = loom_errf(ctx, LOOM_ERR_OOM, "out of memory saving %s", name);
-            break;
-        }
-        t = nt;
-        if ((gs = loom_gather_full(m, A, name, rows, cols, false, 1.0f, t))) break;
-        if (writer && !st) st = loom_st_writer_write(ctx, w[0], name, LOOM_F32, t);
-        for (int k = 0; moments && k < 2 && !gs; k++) {
-            if ((gs = gather_moment(m, A, sh[k], name, rows, cols, t))) break;
-            snprintf(key, sizeof key, "%s.%s", k ? "exp_avg_sq" : "exp_avg", name);
-            if (writer && !st) st = loom_st_writer_write(ctx, w[1], key, LOOM_F32, t);
-        }
-    }
-    free(t);
-    free(mh[0]);
-    free(mh[1]);
-    if (!st) st = gs;
-    for (int k = 0; k < 2; k++) {
-        if (writer && !st && w[k]) st = loom_st_writer_finish(ctx, w[k]);
-        loom_st_writer_free(w[k]);
-    }
-    if (writer && !st) st = meta_write(m, dir, p, moments, A->step);
+    loom_state_snapshot *sn = NULL;
+    loom_status st = loom_state_snapshot_take(m, p, optimizer, &sn);
+    if (st) return st;
+    st = loom_state_snapshot_write(ctx, sn, dir);
+    const bool writer = sn->writer;
+    loom_state_snapshot_free(sn);
     /* rank 0's verdict is everyone's */
     if (loom_comm_size(m->world) > 1) {
         int32_t v = (int32_t)st;
