@@ -4,7 +4,8 @@
 # with deterministic attention (LOOM_ATTN_DETERMINISTIC=1); and the step's
 # pause for a save (the state copied to host memory) beside the background
 # write's time, for 0.6B full fine-tuning and Qwen3-4B LoRA.
-# Usage: bash bench/ckpt_bench.sh   (OUT: where the logs and summary go)
+# Usage: bash bench/ckpt_bench.sh   (OUT: where the logs and summary go;
+#        LOOM_CKPT_BENCH_PARTS="resume pause" picks the parts)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 W=${LOOM_BENCH_DIR:-/tmp/loom-ckpt}
@@ -27,7 +28,9 @@ common=(--data "$W/data.tokens" --seq-len 4096 --micro-batch-size 1 --lr 1e-5 --
         --no-progress --log-level info)
 losses() { python3 -c "import json,sys; print(' '.join('%.9f' % json.loads(l)['loss'] for l in open(sys.argv[1])))" "$1"; }
 
+PARTS=${LOOM_CKPT_BENCH_PARTS:-resume pause}
 # 1. bitwise resume, bf16 full fine-tuning, deterministic attention
+if [[ " $PARTS " == *" resume "* ]]; then
 export LOOM_ATTN_DETERMINISTIC=1
 rm -rf "$W/ck" "$W"/*.jsonl
 $L train --model "$W/qwen3-0.6b" "${common[@]}" --global-batch-size 2 --train-steps 6 \
@@ -41,9 +44,10 @@ echo "0.6B bf16 deterministic: uninterrupted: $a" | tee -a "$summary"
 echo "0.6B bf16 deterministic: saved at 3 and resumed: $b" | tee -a "$summary"
 [ "$a" = "$b" ] && echo "bitwise: yes" | tee -a "$summary" || echo "bitwise: NO" | tee -a "$summary"
 unset LOOM_ATTN_DETERMINISTIC
+fi
 
 # 2. the pause and the background write (save every 2 steps)
-for c in "qwen3-0.6b full:" "qwen3-4b lora:--lora-r 8 --lora-alpha 16"; do
+[[ " $PARTS " == *" pause "* ]] && for c in "qwen3-0.6b full:" "qwen3-4b lora:--lora-r 8 --lora-alpha 16"; do
     preset=${c%%:*}; preset=${preset% *}; kind=${c%%:*}; kind=${kind#* }; extra=${c#*:}
     rm -rf "$W/ck2"
     # shellcheck disable=SC2086

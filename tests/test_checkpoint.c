@@ -24,6 +24,7 @@ static void batch(int k, int32_t *ids, int32_t *tgt) {
     for (int i = 0; i < 2 * 16; i++) tgt[i] = (i + 1) % 16 ? ids[i + 1] : -100;
 }
 
+/* lora 2: full fine-tuning with two tensors frozen */
 static loom_model *make(loom_ctx *ctx, int lora) {
     char dir[1024];
     snprintf(dir, sizeof dir, "%s/models/tiny-qwen3", loom_test_fixtures());
@@ -36,7 +37,10 @@ static loom_model *make(loom_ctx *ctx, int lora) {
     sc.max_lr = 1e-2, sc.lr_warmup_steps = 2, sc.lr_decay_steps = 10;
     sc.lr_decay_style = LOOM_LR_COSINE;
     loom_model_set_lr_scheduler(m, &sc);
-    if (lora) {
+    if (lora == 2) {
+        loom_model_set_trainable(m, "model.layers.0.mlp.up_proj.weight", 0);
+        loom_model_set_trainable(m, "model.norm.weight", 0);
+    } else if (lora) {
         loom_lora_config lc = {.r = 4, .lora_alpha = 8, .lora_dropout = 0.1, .seed = 3};
         if (loom_model_add_adapter(m, "a", &lc)) {
             loom_model_free(m);
@@ -63,7 +67,7 @@ static bool same_tensors(loom_ctx *ctx, loom_model *a, loom_model *b, int lora) 
     for (int64_t i = 0;; i++) {
         int nd = 2;
         int64_t sh[2];
-        const char *name = lora ? loom_model_adapter_tensor(a, "a", i, buf, sizeof buf, sh)
+        const char *name = lora == 1 ? loom_model_adapter_tensor(a, "a", i, buf, sizeof buf, sh)
                                 : loom_model_tensor_name(a, i, &nd, sh);
         if (!name) break;
         char key[600];
@@ -90,7 +94,7 @@ static void resume_is_bitwise(int lora) {
     loom_ctx *ctx;
     REQUIRE_OK(NULL, loom_ctx_create(&ctx));
     loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
-    char *dir = tmpdir(lora ? "lora" : "full");
+    char *dir = tmpdir(lora == 1 ? "lora" : lora ? "frozen" : "full");
     REQUIRE(dir);
     loom_model *a = make(ctx, lora), *b = make(ctx, lora);
     REQUIRE(a && b);
@@ -122,11 +126,11 @@ static void resume_is_bitwise(int lora) {
         REQUIRE_OK(ctx, loom_model_forward_backward(c, &bb, 1, NULL));
         REQUIRE_OK(ctx, loom_model_clip_grad_and_step(c, 1.0, 1, &r));
         CHECK_EQ_INT(r.step, 1);              /* the optimizer starts again */
-        CHECK(r.loss == la[3] || lora);       /* from the saved weights (LoRA: its dropout draw differs) */
+        CHECK(r.loss == la[3] || lora == 1);  /* from the saved weights (LoRA: its dropout draw differs) */
     }
     loom_model_free(c);
     /* another LoRA rank or the whole model: refused, the file named */
-    loom_model *d = make(ctx, !lora);
+    loom_model *d = make(ctx, lora != 1);
     REQUIRE(d);
     loom_status st = loom_model_load_state(d, dir, 1, &q);
     CHECK_EQ_INT(st, LOOM_ERR_CONFIG);
@@ -185,3 +189,4 @@ TEST(checkpoint_damage_is_named) {
 
 TEST(checkpoint_resume_is_bitwise_full) { resume_is_bitwise(0); }
 TEST(checkpoint_resume_is_bitwise_lora) { resume_is_bitwise(1); }
+TEST(checkpoint_resume_is_bitwise_frozen) { resume_is_bitwise(2); }

@@ -39,29 +39,63 @@ static bool tensor_at(loom_model *m, int64_t i, char *buf, size_t cap, int64_t *
     return true;
 }
 
-/* Each slot's blocks of a shard buffer (the moments, on the host) into the
- * whole tensor `name`, summed over the world: every element once (tp rank 0
- * for replicated tensors, never the tied embedding's copy). */
+/* Copies the flat range [f0, f0 + len) of slot s's block (row-major, s->cols
+ * wide) from src into its place in the whole tensor dst (rows x cols), a row
+ * at a time; rows past `rows` (vocabulary padding) are left out. */
+static void place(const loom_slot *s, size_t f0, size_t len, const float *src, int64_t rows,
+                  int64_t cols, float *dst) {
+    const size_t sc = (size_t)s->cols;
+    while (len) {
+        const size_t r = f0 / sc, c = f0 % sc, n = len < sc - c ? len : sc - c;
+        if (s->row0 + (int64_t)r < rows)
+            memcpy(dst + (s->row0 + (int64_t)r) * cols + s->col0 + (int64_t)c, src,
+                   n * sizeof *dst);
+        src += n, f0 += n, len -= n;
+    }
+}
+
+/* Whether this rank contributes slot s to a whole tensor: every element
+ * once over the mesh (tp rank 0 for replicated tensors, never the tied
+ * embedding's copy, values from dp x cp rank 0 only; a frozen tensor has
+ * values but no moments). */
+static bool contributes(const loom_model *m, const loom_slot *s, bool values) {
+    if (s->head_copy || (s->frozen && !values)) return false; /* frozen: no moments */
+    if (s->shard == LOOM_SHARD_NONE && m->mesh->tp_rank) return false;
+    return !values || (!m->mesh->dp_rank && !m->mesh->cp_rank);
+}
+
+static loom_status sum_world(loom_model *m, float *dst, int64_t n) {
+    if (loom_comm_size(m->world) == 1) return LOOM_OK;
+    return loom_comm_allreduce(m->world, dst, (size_t)n, LOOM_F32, LOOM_RED_SUM);
+}
+
+/* The whole tensor `name` from a host copy of the arena's fp32 values. */
+static loom_status gather_values(loom_model *m, loom_arena *A, const float *w, const char *name,
+                                 int64_t rows, int64_t cols, float *dst) {
+    memset(dst, 0, (size_t)(rows * cols) * sizeof *dst);
+    for (int i = 0; i < A->nslots; i++) {
+        const loom_slot *s = &A->slots[i];
+        if (!strcmp(s->name, name) && contributes(m, s, true))
+            place(s, 0, s->numel, w + s->off, rows, cols, dst);
+    }
+    return sum_world(m, dst, rows * cols);
+}
+
+/* The same from a shard buffer (the moments, on the host), through the
+ * parts of this rank's shard (loom_shard_part). */
 static loom_status gather_moment(loom_model *m, loom_arena *A, const float *shard,
                                  const char *name, int64_t rows, int64_t cols, float *dst) {
     memset(dst, 0, (size_t)(rows * cols) * sizeof *dst);
     for (int i = 0; i < A->nslots; i++) {
         const loom_slot *s = &A->slots[i];
-        if (strcmp(s->name, name) || s->head_copy || s->frozen) continue;
-        if (s->shard == LOOM_SHARD_NONE && m->mesh->tp_rank) continue;
+        if (strcmp(s->name, name) || !contributes(m, s, false)) continue;
         for (int b = 0; b < A->nbuckets; b++) {
             size_t o0, len, so;
-            if (!loom_shard_part(m, A, b, i, &o0, &len, &so)) continue;
-            for (size_t k = 0; k < len; k++) {
-                const size_t li = o0 + k - s->off;
-                const int64_t r = s->row0 + (int64_t)(li / (size_t)s->cols),
-                              c = s->col0 + (int64_t)(li % (size_t)s->cols);
-                if (r < rows) dst[r * cols + c] = shard[so + k];
-            }
+            if (loom_shard_part(m, A, b, i, &o0, &len, &so))
+                place(s, o0 - s->off, len, shard + so, rows, cols, dst);
         }
     }
-    if (loom_comm_size(m->world) == 1) return LOOM_OK;
-    return loom_comm_allreduce(m->world, dst, (size_t)(rows * cols), LOOM_F32, LOOM_RED_SUM);
+    return sum_world(m, dst, rows * cols);
 }
 
 /* A device (or host) shard buffer as host memory (*tmp when copied). */
@@ -193,6 +227,19 @@ loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p
     const float *sh[2] = {NULL, NULL};
     for (int k = 0; sn->optimizer && k < 2 && !st; k++)
         st = shard_host(m, k ? A->adam_v : A->adam_m, A->shard_numel, &mh[k], &sh[k]);
+    /* the fp32 values, once (a frozen base without its master: per tensor) */
+    float *wh = NULL;
+    const float *wv = NULL;
+    if (!st && A->w) {
+        if (!A->w_on_dev) {
+            wv = A->w;
+        } else if (!(wh = malloc((A->nparams ? A->nparams : 1) * sizeof *wh))) {
+            st = loom_errf(ctx, LOOM_ERR_OOM, "out of host memory copying the weights");
+        } else {
+            st = loom_k_download(m, wh, A->w, A->nparams * sizeof *wh);
+            wv = wh;
+        }
+    }
     /* every rank takes part in each gather; rank 0 keeps the results */
     for (size_t i = 0; !st && i < cap; i++) {
         tensor_at(m, (int64_t)i, name, sizeof name, &rows, &cols);
@@ -216,11 +263,13 @@ loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p
                 break;
             }
             if (sn->writer) t->data[k] = d;
-            st = k == 0 ? loom_gather_full(m, A, name, rows, cols, false, 1.0f, d)
-                        : gather_moment(m, A, sh[k - 1], name, rows, cols, d);
+            st = k ? gather_moment(m, A, sh[k - 1], name, rows, cols, d)
+                   : wv ? gather_values(m, A, wv, name, rows, cols, d)
+                        : loom_gather_full(m, A, name, rows, cols, false, 1.0f, d);
         }
     }
     free(tmp);
+    free(wh);
     free(mh[0]);
     free(mh[1]);
     if (!st && sn->writer) st = meta_build(m, p, sn->optimizer, A->step, &sn->meta);
