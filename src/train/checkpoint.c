@@ -145,6 +145,10 @@ static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool 
     SET("good_steps", loom_json_new_int(ctx, m->good_steps));
     SET("dropout_calls", loom_json_new_int(ctx, (int64_t)m->dropout_calls));
     SET("optimizer", loom_json_new_bool(ctx, optimizer));
+    loom_json *fz = loom_json_new_array(ctx); /* tensors set not trainable */
+    for (size_t i = 0; fz && !st && m->pfrozen && i < m->plan.n; i++)
+        if (m->pfrozen[i]) st = loom_json_push(ctx, fz, loom_json_new_str(ctx, m->plan.p[i].name));
+    SET("frozen", fz ? fz : loom_json_new_null(ctx));
     char mesh[128];
     SET("mesh", loom_json_new_str(ctx, loom_mesh_describe(&m->mesh->n, mesh, sizeof mesh)));
     if (m->active >= 0) {
@@ -468,6 +472,17 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
         st = loom_errf(ctx, LOOM_ERR_CONFIG, "%s: saved without the optimizer state; load the "
                        "weights only (--finetune) or resume from another checkpoint", dir);
     const bool moments = optimizer && saved_moments;
+    /* the frozen set of the run that saved (before anything is laid out) */
+    const loom_json *fz = st ? NULL : loom_json_get(meta, "frozen");
+    for (size_t i = 0; !st && optimizer && m->active < 0 && i < m->plan.n; i++) {
+        bool want = false;
+        for (size_t j = 0; fz && fz->type == LOOM_JSON_ARRAY && j < fz->n; j++)
+            want |= fz->items[j]->type == LOOM_JSON_STRING && !strcmp(fz->items[j]->s,
+                                                                     m->plan.p[i].name);
+        if (want != (m->pfrozen && m->pfrozen[i]))
+            st = loom_model_set_trainable(m, m->plan.p[i].name, !want);
+    }
+    A = loom_model_trainable(m);
     if (!st) {
         char *f = loom_path_join(ctx, dir, "model.safetensors");
         st = f ? loom_st_open_file(ctx, f, &sf[0]) : LOOM_ERR_OOM;
