@@ -140,7 +140,7 @@ print('ok', n)
 @pytest.mark.skipif(not have_mpirun(), reason="no mpirun, or loom built without MPI")
 def test_meta_model_matches_what_each_rank_holds(tiny_model):
     p = mpirun(4, [sys.executable, "-c", META_CHECK, tiny_model])
-    assert p.stdout.count("ok ") == 4
+    assert p.stdout.count("ok") == 4  # mpirun interleaves the ranks' lines; each asserts itself
 
 
 LOOP = """
