@@ -100,9 +100,7 @@ def to_samples(inputs, encoder=None, append_eos=True, vocab_size=None):
             raise InvalidArgumentError("%s is a %s; each sample must be a dict" %
                                        (where, type(s).__name__))
         if "input_ids" in s:
-            extra = set(s) - _KNOWN - {"messages", "text"}
-            if extra and not all(k.startswith("_") for k in extra):
-                pass  # other keys (e.g. Twinkle's bookkeeping) ride along unused
+            # other keys (e.g. Twinkle's bookkeeping) ride along unused
             ids, labels, pos = _sample_from_ids(s, where)
         elif _RAW & set(s):
             if encoder is None:

@@ -24,21 +24,6 @@ static void clear_launch_env(void) {
     for (size_t i = 0; i < N_VARS; i++) unsetenv(launch_vars[i]);
 }
 
-static int port_free(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    int port = 0;
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
-        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
-    if (fd >= 0) close(fd);
-    return port;
-}
-
 static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -164,7 +149,7 @@ static int rdv_child(int port, int rank, int size, bool ok, int bad_rank) {
 }
 
 static void run_ranks(int size, int bad_rank) {
-    int port = port_free();
+    int port = loom_test_free_port();
     REQUIRE(port > 0);
     pid_t *p = calloc((size_t)size, sizeof *p);
     REQUIRE(p);
@@ -193,7 +178,7 @@ TEST(cpu_rendezvous_errors) {
     int lr, ls;
     unsigned char id[16] = {0};
     /* nobody listens: the error names the address and the variables */
-    int port = port_free();
+    int port = loom_test_free_port();
     double t0 = now_s();
     CHECK_EQ_INT(loom_rendezvous(ctx, "127.0.0.1", port, 1, 2, 0.5, true, "", id, sizeof id, &lr,
                                  &ls),
@@ -214,7 +199,7 @@ TEST(cpu_rendezvous_errors) {
     CHECK_CONTAINS(loom_last_error(ctx), "cannot resolve MASTER_ADDR 'no-such-host.invalid'");
 
     /* rank 2 of 3 never comes: rank 0 says who is missing, rank 1 loses rank 0 */
-    port = port_free();
+    port = loom_test_free_port();
     pid_t c = fork();
     if (c == 0) {
         loom_ctx *cc = NULL;
@@ -234,7 +219,7 @@ TEST(cpu_rendezvous_errors) {
     CHECK_EQ_INT(wait_child(c), 0);
 
     /* world sizes that disagree */
-    port = port_free();
+    port = loom_test_free_port();
     c = fork();
     if (c == 0) {
         loom_ctx *cc = NULL;
@@ -322,7 +307,7 @@ TEST(cpu_nccl_world_without_gpu) {
     }
     CHECK_EQ_INT(wait_child(c), 0);
     /* two ranks through the rendezvous: both fail, naming rank 0 */
-    int port = port_free();
+    int port = loom_test_free_port();
     pid_t p[2];
     for (int r = 1; r >= 0; r--) {
         p[r] = fork();
