@@ -213,6 +213,52 @@ def pack(samples, seq_len=None, divisor=1, micro_batch_size=None, pp=1, vpp=1, g
     return Packed(ids, tg, pos, np.asarray(cu, np.int32), places, nmb)
 
 
+def rows_in_place(inputs, vocab_size, divisor, micro_batch_size, pp, vpp, group):
+    """A dict of (rows, seq) arrays whose input_ids loom can read where they
+    lie (int32, C order, seq a multiple of divisor, whole micro-batches the
+    schedule takes, no attention_mask / position_ids): a Packed holding that
+    array itself and the one array of next-token targets; else None."""
+    if not isinstance(inputs, dict):
+        return None
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, np.ndarray) or ids.ndim != 2 or ids.dtype != np.int32 or \
+            not ids.flags["C_CONTIGUOUS"] or ids.size == 0:
+        return None
+    if inputs.get("attention_mask") is not None or inputs.get("position_ids") is not None or \
+            inputs.get("loss_mask") is not None:
+        return None
+    R, S = ids.shape
+    if S < 2 or S % divisor:
+        return None
+    mbs = (R if pp == 1 else 1) if micro_batch_size is None else micro_batch_size
+    if isinstance(mbs, bool) or not isinstance(mbs, numbers.Integral) or mbs < 1 or R % mbs:
+        return None
+    nmb = R // mbs
+    if micro_batch_count(R, mbs, pp, vpp, group) != nmb:
+        return None
+    labels = inputs.get("labels")
+    if labels is None:
+        labels = ids
+    labels = np.asarray(labels)
+    if labels.shape != ids.shape or not np.issubdtype(labels.dtype, np.integer):
+        return None  # the general path names what is wrong
+    where = "inputs"
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        r, t = np.argwhere(bad)[0]
+        raise InvalidArgumentError("%s: input_ids[%d, %d] = %d is outside the vocabulary [0, %d) "
+                                   "of this model; was it tokenized for another model?"
+                                   % (where, r, t, int(ids[r, t]), vocab_size))
+    bad = (labels != IGNORE) & ((labels < 0) | (labels >= vocab_size))
+    if bad.any():
+        r, t = np.argwhere(bad)[0]
+        raise InvalidArgumentError("%s: labels[%d, %d] = %d is outside the vocabulary [0, %d) "
+                                   "and is not -100" % (where, r, t, int(labels[r, t]), vocab_size))
+    tg = np.full((R, S), IGNORE, np.int32)
+    tg[:, :-1] = labels[:, 1:]
+    return Packed(ids, tg, None, None, [(r, 0, S) for r in range(R)], nmb)
+
+
 def unpack(flat, packed, shift=True):
     """Per-sample arrays from a per-token (rows*seq_len) output, label-aligned:
     out[t] belongs to token t (the prediction made at t-1); out[0] = 0."""

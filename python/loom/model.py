@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 
 from . import _lib as L
-from .batch import micro_batch_count, pack, to_samples, unpack  # noqa: F401
+from .batch import micro_batch_count, pack, rows_in_place, to_samples, unpack  # noqa: F401
 from .errors import (ConfigError, FormatError, InvalidArgumentError, MeshError, NotFoundError,
                      UnsupportedError)
 from .hub import resolve_model
@@ -644,8 +644,13 @@ class MegatronModel:
         return d
 
     def _pack(self, inputs, micro_batch_size, seq_len):
-        samples = to_samples(inputs, self._encoder, self._append_eos, self.info.vocab_size)
         m = self.mesh_info
+        if seq_len is None and self._seq_len is None:
+            p = rows_in_place(inputs, self.info.vocab_size, self._divisor(), micro_batch_size,
+                              m.pp, m.vpp, m.microbatch_group)
+            if p is not None:  # the caller's input_ids, read where they lie
+                return p
+        samples = to_samples(inputs, self._encoder, self._append_eos, self.info.vocab_size)
         return pack(samples, seq_len if seq_len is not None else self._seq_len, self._divisor(),
                     micro_batch_size, m.pp, m.vpp, m.microbatch_group)
 
@@ -670,7 +675,8 @@ class MegatronModel:
     def _batch(self, p):
         b = L.Batch(rows=p.rows, seq_len=p.seq_len, input_ids=L.i32_ptr(p.input_ids),
                     targets=L.i32_ptr(p.targets), cu_seqlens=L.i32_ptr(p.cu_seqlens),
-                    n_docs=len(p.cu_seqlens) - 1, position_ids=L.i32_ptr(p.position_ids),
+                    n_docs=0 if p.cu_seqlens is None else len(p.cu_seqlens) - 1,
+                    position_ids=L.i32_ptr(p.position_ids),
                     local=1)
         return b
 
