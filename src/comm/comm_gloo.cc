@@ -34,6 +34,7 @@ extern "C" {
 
 #ifdef LOOM_HAVE_GLOO
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -944,6 +945,14 @@ extern "C" loom_status loom_comm_gloo_world(loom_ctx *ctx, loom_comm **out) {
     st = loom_launch_from_env(ctx, &env);
     if (st) return st;
     const int rank = env.rank, size = env.size;
+    /* Gloo's TCP pairs write with writev, which raises SIGPIPE when a peer
+     * has gone: its default action ends this process without a word, where
+     * the write's EPIPE would be reported naming the peer. A process that
+     * left SIGPIPE at its default (Python ignores it already) ignores it. */
+    struct sigaction pipe_sa;
+    if (size > 1 && sigaction(SIGPIPE, NULL, &pipe_sa) == 0 && pipe_sa.sa_handler == SIG_DFL &&
+        !(pipe_sa.sa_flags & SA_SIGINFO))
+        signal(SIGPIPE, SIG_IGN);
     Group *s = nullptr;
     Mesh m;
     std::string why;
