@@ -400,7 +400,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                       loom_eta_s(step - step0 + 1, s->train_steps - step0 + 1, t_first, now), now);
         if (s->save) {
             int sig = 0;
-            if ((st = loom_cli_ckpt_stop_asked(world, &sig))) goto done;
+            if ((st = loom_cli_ckpt_poll(ctx, m, world, saver, &sig))) goto done;
             if (sig || step == s->train_steps || (s->save_interval && step % s->save_interval == 0)) {
                 progress_clear(ctx);
                 loom_train_progress p = {.consumed_samples = samples_total,
@@ -424,7 +424,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     }
     loom_cli_ckpt_signals(false);
     progress_clear(ctx);
-    if (saver && (st = loom_cli_saver_finish(ctx, world, saver))) goto done;
+    if (saver && (st = loom_cli_saver_finish(ctx, m, world, saver))) goto done;
     double total = loom_now_s() - t_start;
     if (m->dev.cuda) {
         /* every GPU rank reports its own peak (the other lines are rank 0's):

@@ -325,14 +325,19 @@ loom_status loom_model_set_trainable(loom_model *m, const char *name, int traina
 /* ---- Training state (checkpoints) ----
  * The trained tensors (the whole model's, or the active adapter's) as fp32
  * master values, their AdamW moments, the step, the fp16 loss scale, the
- * dropout stream, and the caller's progress, as whole tensors under their
- * HF / PEFT names: a state saved on any mesh loads on any mesh (each rank
- * takes its blocks and its part of the distributed optimizer's shard).
- * Collective. save writes meta.json, model.safetensors and (optimizer, once
- * a step was taken) optimizer.safetensors into an existing directory
- * (rank 0 writes). load, on a model made like the one that saved (same
- * config; same LoRA settings, adapter added), before it trains: optimizer 0
- * takes the weights only (step 0, fresh moments). */
+ * dropout stream, and the caller's progress, under their HF / PEFT names:
+ * a state saved on any mesh loads on any mesh (each rank assembles the
+ * tensors it holds, and takes its blocks and its part of the distributed
+ * optimizer's shard).
+ * Collective. save writes into an existing directory (shared by the ranks)
+ * one file per rank, rank_NNNNN.safetensors, with the slices of the state
+ * that rank's distributed optimizer owns (fp32 master values; the AdamW
+ * moments once a step was taken and `optimizer` is set), and meta.json
+ * (rank 0): the step, progress, loss scale, dropout stream, each file's
+ * SHA-256, and for every tensor its shape and which file holds which
+ * slice. load, on a model made like the one that saved (same config; same
+ * LoRA settings, adapter added), before it trains, on any mesh: optimizer
+ * 0 takes the weights only (step 0, fresh moments). */
 typedef struct loom_train_progress {
     int64_t step;               /* optimizer steps taken (set by load) */
     int64_t consumed_samples, consumed_tokens;
@@ -343,15 +348,24 @@ loom_status loom_model_save_state(loom_model *m, const char *dir, const loom_tra
                                   int optimizer);
 loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
                                   loom_train_progress *p);
-/* The same in two halves, for a write in the background: take (collective)
- * copies the whole state into rank 0's host memory (the only pause the
- * training takes); write (rank 0's files; other ranks return at once) may
- * run on another thread, with its own context, while training goes on. */
+/* save_state in three steps, for a write in the background (Megatron's
+ * async save):
+ *  - take (every rank; no communication) copies this rank's part of the
+ *    state into host memory: the only pause training takes. *sn is NULL, or
+ *    an earlier snapshot (written or not) whose buffers are reused: on a
+ *    GPU they are page-locked, so after the first take the copy runs at the
+ *    link's speed.
+ *  - write (every rank, on any thread, with a context of that thread's)
+ *    writes this rank's file into dir and its checksum; training may go on.
+ *  - commit (collective, once every rank's write returned) gathers the
+ *    writes' verdicts, checksums and slices: rank 0 writes meta.json. The
+ *    directory is complete when commit returns LOOM_OK on every rank.
+ * free releases the snapshot and its buffers. */
 typedef struct loom_state_snapshot loom_state_snapshot;
 loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p, int optimizer,
-                                     loom_state_snapshot **out);
-loom_status loom_state_snapshot_write(loom_ctx *ctx, const loom_state_snapshot *sn,
-                                      const char *dir);
+                                     loom_state_snapshot **sn);
+loom_status loom_state_snapshot_write(loom_ctx *ctx, loom_state_snapshot *sn, const char *dir);
+loom_status loom_state_snapshot_commit(loom_model *m, loom_state_snapshot *sn, const char *dir);
 void loom_state_snapshot_free(loom_state_snapshot *sn);
 /* Checks a saved state without a model: meta.json readable and of a known
  * version, every file it lists present with its SHA-256. The error names

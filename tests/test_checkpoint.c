@@ -158,15 +158,20 @@ TEST(checkpoint_damage_is_named) {
     step(a, 0);
     REQUIRE_OK(ctx, loom_model_save_state(a, dir, NULL, 1));
     REQUIRE_OK(ctx, loom_verify_state(ctx, dir));
+    /* a write that fails is an error, not a half-made state */
+    char gone[512];
+    snprintf(gone, sizeof gone, "%s/meta.json/sub", dir); /* under a file */
+    CHECK(loom_model_save_state(a, gone, NULL, 1) != LOOM_OK);
+    CHECK_CONTAINS(loom_last_error(ctx), "meta.json: exists and is not a directory");
     char cmd[600];
     struct {
         const char *damage, *expect;
         loom_status st;
     } cases[] = {
-        {"truncate -s -8 %s/optimizer.safetensors", "optimizer.safetensors is damaged", LOOM_ERR_FORMAT},
-        {"printf x >> %s/model.safetensors", "model.safetensors is damaged", LOOM_ERR_FORMAT},
-        {"rm %s/optimizer.safetensors", "optimizer.safetensors is missing", LOOM_ERR_NOT_FOUND},
-        {"sed -i 's/\"version\": 1/\"version\": 7/' %s/meta.json", "version 7", LOOM_ERR_UNSUPPORTED},
+        {"truncate -s -8 %s/rank_00000.safetensors", "rank_00000.safetensors is damaged", LOOM_ERR_FORMAT},
+        {"printf x >> %s/rank_00000.safetensors", "rank_00000.safetensors is damaged", LOOM_ERR_FORMAT},
+        {"rm %s/rank_00000.safetensors", "rank_00000.safetensors is missing: rank 0 of the 1 ranks", LOOM_ERR_NOT_FOUND},
+        {"sed -i 's/\"version\": 2/\"version\": 7/' %s/meta.json", "version 7", LOOM_ERR_UNSUPPORTED},
         {"rm %s/meta.json", "meta.json", LOOM_ERR_IO},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

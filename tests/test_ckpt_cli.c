@@ -294,6 +294,19 @@ TEST(ckpt_cli_resume_on_another_mesh_and_finetune) {
         for (int s = 4; s <= 6; s++)
             CHECK_MSG(fabs(x[s] - r[s]) <= 1e-5 * fabs(r[s]), "step %d: resumed on one process "
                       "%.9g, uninterrupted %.9g", s, x[s], r[s]);
+        /* a file per rank; one of them missing is named */
+        char cmd[2000];
+        snprintf(cmd, sizeof cmd, "mkdir %s/gone && cp -r %s %s/gone/ && "
+                 "rm %s/gone/iter_0000003/rank_00002.safetensors && "
+                 "test -f %s/rank_00003.safetensors", f.dir, it3, f.dir, f.dir, it3);
+        CHECK(system(cmd) == 0);
+        char gone[440];
+        snprintf(gone, sizeof gone, "%s/gone/iter_0000003", f.dir);
+        const char *lg[] = {"--load", gone, NULL};
+        unlink(b);
+        CHECK_EQ_INT(train(&f, false, 6, b, lg, &out), 1);
+        CHECK_CONTAINS(out, "rank_00002.safetensors is missing: rank 2 of the 4 ranks that saved");
+        free(out);
         /* LoRA: saved by one process, resumed at dp2 x tp2 */
         const char *lo[] = {"--lora-r", "4", "--save", lsave, "--save-interval", "3", NULL};
         CHECK_EQ_INT(train(&f, false, 6, lref, lo, &out), 0);

@@ -131,6 +131,31 @@ void loom_dev_free(loom_model *m, void *p) {
     free(p);
 }
 
+loom_status loom_k_host_alloc(loom_model *m, void **p, size_t bytes, bool *pinned,
+                              const char *what) {
+    *p = NULL;
+    *pinned = false;
+#ifdef LOOM_HAVE_CUDA
+    if (GPU(m) && loom_cuda_host_alloc(m->ctx, p, bytes, what) == LOOM_OK) {
+        *pinned = true;
+        return LOOM_OK;
+    }
+#endif
+    *p = loom_malloc(m->ctx, bytes ? bytes : 1, what); /* pageable: slower copies, still right */
+    return *p ? LOOM_OK : LOOM_ERR_OOM;
+}
+
+void loom_k_host_free(void *p, bool pinned) {
+#ifdef LOOM_HAVE_CUDA
+    if (pinned) {
+        loom_cuda_host_free(p);
+        return;
+    }
+#endif
+    (void)pinned;
+    free(p);
+}
+
 loom_status loom_k_copy(loom_model *m, void *dst, const void *src, size_t bytes) {
     if (dst == src || !bytes) return LOOM_OK;
 #ifdef LOOM_HAVE_CUDA

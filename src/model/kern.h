@@ -73,6 +73,12 @@ void loom_dev_attn_note(const loom_model *m, char *buf, size_t n);
  * the out-of-memory message. */
 loom_status loom_dev_alloc(loom_model *m, void **p, size_t bytes, const char *what);
 void loom_dev_free(loom_model *m, void *p);
+/* Host memory for copies to and from the device: page-locked on a GPU
+ * (*pinned set; pageable when the system will not lock it), else malloc's.
+ * loom_k_host_free takes the flag; it needs no model (any thread). */
+loom_status loom_k_host_alloc(loom_model *m, void **p, size_t bytes, bool *pinned,
+                              const char *what);
+void loom_k_host_free(void *p, bool pinned);
 /* Copies in stream order; src and dst may be host or device memory (on CPU
  * both are host). dst == src is a no-op. */
 loom_status loom_k_copy(loom_model *m, void *dst, const void *src, size_t bytes);

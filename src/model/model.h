@@ -396,6 +396,10 @@ void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64
  * state (moments, gradient shard), allocated zeroed once. */
 bool loom_shard_part(const loom_model *m, const loom_arena *A, int b, int i, size_t *o0,
                      size_t *len, size_t *so);
+/* This rank's shard of bucket b: flat offset s0 and length per in the
+ * arena, and where it starts in the shard buffers. */
+void loom_shard_range(const loom_model *m, const loom_arena *A, int b, size_t *s0, size_t *per,
+                      size_t *base);
 loom_status loom_optim_alloc(loom_model *m, loom_arena *A);
 /* The pipeline rank holding a tensor (a tied embedding: the first). */
 int loom_param_stage(const loom_param_spec *p, int64_t L, int pp, int vpp);

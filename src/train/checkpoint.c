@@ -1,26 +1,41 @@
 /* Training state in and out (include/loom.h's loom_model_save_state /
- * loom_model_load_state): the trained tensors' fp32 master values and
- * AdamW moments as whole tensors under their HF (or PEFT) names, and a
- * meta.json with the step, the progress the caller keeps, the fp16 loss
- * scale and the dropout stream. Whole tensors make any mesh able to load
- * what any mesh saved: each rank takes its blocks, each data-parallel rank
- * its part of the distributed optimizer's shard (the same mapping,
- * loom_shard_part, as the step uses).
+ * loom_model_load_state), laid out as Megatron's distributed checkpoints
+ * are: every rank writes the part of the state it owns into a file of its
+ * own, and meta.json says, for every tensor, its whole shape and which file
+ * holds which slice, so any mesh can load what any mesh saved.
  *
- * Files (rank 0 writes; the caller gives the directory, ckpt_dir.c makes
- * it atomic): meta.json, model.safetensors, optimizer.safetensors
- * ("exp_avg.<name>", "exp_avg_sq.<name>"). */
+ * What a rank owns is what its distributed optimizer owns: for each bucket,
+ * its shard (loom_shard_range; a slot's part of it is a "piece": the slot's
+ * block of the whole tensor and a flat range of that block), holding the
+ * fp32 master values and both AdamW moments. Replicated tensors are owned
+ * by tp rank 0, a tied embedding by its first stage; a frozen tensor (no
+ * moments) is one piece, its whole block, from dp x cp rank 0. Every element
+ * of the model is in exactly one piece.
+ *
+ * Saving is three steps so the write can go on while training does
+ * (Megatron's async save): take (copies of this rank's shards into host
+ * buffers, page-locked on a GPU and reused by the next take: the only
+ * pause), write (this rank's file rank_NNNNN.safetensors and its SHA-256,
+ * on any thread), commit (collective: every rank's verdict, checksum and
+ * pieces to rank 0, which writes meta.json). Keys: "<name>@<f0>" for
+ * values, "exp_avg.<name>@<f0>" and "exp_avg_sq.<name>@<f0>" for the
+ * moments, 1-D F32.
+ *
+ * Loading assembles each tensor this rank holds from the pieces (any files),
+ * then takes its block and its shard's parts, as the step lays them out. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../core/json.h"
 #include "../core/sha256.h"
 #include "../io/safetensors.h"
+#include "../model/kern.h"
 #include "../model/model.h"
 
 #define STATE_FORMAT "loom-training-state"
-#define STATE_VERSION 1
+#define STATE_VERSION 2
 
 /* The i-th tensor of the trained arena, over the whole model: name, rows, cols. */
 static bool tensor_at(loom_model *m, int64_t i, char *buf, size_t cap, int64_t *rows,
@@ -39,79 +54,23 @@ static bool tensor_at(loom_model *m, int64_t i, char *buf, size_t cap, int64_t *
     return true;
 }
 
-/* Copies the flat range [f0, f0 + len) of slot s's block (row-major, s->cols
- * wide) from src into its place in the whole tensor dst (rows x cols), a row
- * at a time; rows past `rows` (vocabulary padding) are left out. */
-static void place(const loom_slot *s, size_t f0, size_t len, const float *src, int64_t rows,
-                  int64_t cols, float *dst) {
-    const size_t sc = (size_t)s->cols;
-    while (len) {
-        const size_t r = f0 / sc, c = f0 % sc, n = len < sc - c ? len : sc - c;
-        if (s->row0 + (int64_t)r < rows)
-            memcpy(dst + (s->row0 + (int64_t)r) * cols + s->col0 + (int64_t)c, src,
-                   n * sizeof *dst);
+/* Copies the flat range [f0, f0 + len) of a block (row-major, bcols wide,
+ * starting at row0, col0 of the vocabulary-padded whole tensor) from src
+ * into the whole tensor dst (rows x cols), a row at a time; rows past
+ * `rows` (vocabulary padding) are left out. Returns the elements placed. */
+static int64_t place(int64_t row0, int64_t col0, int64_t bcols, int64_t f0, int64_t len,
+                     const float *src, int64_t rows, int64_t cols, float *dst) {
+    int64_t placed = 0;
+    while (len > 0) {
+        const int64_t r = f0 / bcols, c = f0 % bcols, n = len < bcols - c ? len : bcols - c;
+        if (row0 + r < rows) {
+            memcpy(dst + (row0 + r) * cols + col0 + c, src, (size_t)n * sizeof *dst);
+            placed += n;
+        }
         src += n, f0 += n, len -= n;
     }
+    return placed;
 }
-
-/* Whether this rank contributes slot s to a whole tensor: every element
- * once over the mesh (tp rank 0 for replicated tensors, never the tied
- * embedding's copy, values from dp x cp rank 0 only; a frozen tensor has
- * values but no moments). */
-static bool contributes(const loom_model *m, const loom_slot *s, bool values) {
-    if (s->head_copy || (s->frozen && !values)) return false; /* frozen: no moments */
-    if (s->shard == LOOM_SHARD_NONE && m->mesh->tp_rank) return false;
-    return !values || (!m->mesh->dp_rank && !m->mesh->cp_rank);
-}
-
-static loom_status sum_world(loom_model *m, float *dst, int64_t n) {
-    if (loom_comm_size(m->world) == 1) return LOOM_OK;
-    return loom_comm_allreduce(m->world, dst, (size_t)n, LOOM_F32, LOOM_RED_SUM);
-}
-
-/* The whole tensor `name` from a host copy of the arena's fp32 values. */
-static loom_status gather_values(loom_model *m, loom_arena *A, const float *w, const char *name,
-                                 int64_t rows, int64_t cols, float *dst) {
-    memset(dst, 0, (size_t)(rows * cols) * sizeof *dst);
-    for (int i = 0; i < A->nslots; i++) {
-        const loom_slot *s = &A->slots[i];
-        if (!strcmp(s->name, name) && contributes(m, s, true))
-            place(s, 0, s->numel, w + s->off, rows, cols, dst);
-    }
-    return sum_world(m, dst, rows * cols);
-}
-
-/* The same from a shard buffer (the moments, on the host), through the
- * parts of this rank's shard (loom_shard_part). */
-static loom_status gather_moment(loom_model *m, loom_arena *A, const float *shard,
-                                 const char *name, int64_t rows, int64_t cols, float *dst) {
-    memset(dst, 0, (size_t)(rows * cols) * sizeof *dst);
-    for (int i = 0; i < A->nslots; i++) {
-        const loom_slot *s = &A->slots[i];
-        if (strcmp(s->name, name) || !contributes(m, s, false)) continue;
-        for (int b = 0; b < A->nbuckets; b++) {
-            size_t o0, len, so;
-            if (loom_shard_part(m, A, b, i, &o0, &len, &so))
-                place(s, o0 - s->off, len, shard + so, rows, cols, dst);
-        }
-    }
-    return sum_world(m, dst, rows * cols);
-}
-
-/* A device (or host) shard buffer as host memory (*tmp when copied). */
-static loom_status shard_host(loom_model *m, const float *buf, size_t n, float **tmp,
-                              const float **out) {
-    if (!m->dev.cuda) {
-        *out = buf;
-        return LOOM_OK;
-    }
-    if (!(*tmp = malloc((n ? n : 1) * sizeof **tmp)))
-        return loom_errf(m->ctx, LOOM_ERR_OOM, "out of memory reading the optimizer state");
-    *out = *tmp;
-    return loom_k_download(m, *tmp, buf, n * sizeof **tmp);
-}
-
-static const char *const state_files[] = {"model.safetensors", "optimizer.safetensors"};
 
 /* meta.json's contents but the files' checksums (added when written). */
 static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool optimizer,
@@ -179,153 +138,263 @@ static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool 
     return LOOM_OK;
 }
 
-/* ---- saving: a snapshot (collective: the whole state gathered into rank
- * 0's host memory; the only pause training takes), then its files (rank 0
- * alone, on any thread: loom train writes in the background) ---- */
+/* ---- saving ---- */
 
-typedef struct snap_tensor {
-    char *name;
-    int ndim;
-    int64_t shape[2];
-    float *data[3]; /* value, exp_avg, exp_avg_sq (NULL without the optimizer) */
-} snap_tensor;
+/* A slice this rank owns: a flat range [f0, f0 + len) of a slot's block
+ * (row0, col0, rows x cols in the vocabulary-padded whole tensor), with or
+ * without moments; its data at `at` in the snapshot's buffers. */
+typedef struct state_piece {
+    int64_t tensor; /* index in the trained tensors (tensor_at) */
+    int64_t row0, col0, rows, cols, f0, len, moments;
+    size_t at;
+    int slot;       /* its slot in the arena */
+} state_piece;
+#define PIECE_WORDS 8 /* tensor .. moments, as commit sends them */
+#define SHA_WORDS 8   /* 64 hex digits in int64 words */
 
 struct loom_state_snapshot {
-    bool writer;       /* rank 0: holds the data and writes */
-    bool optimizer;
-    snap_tensor *t;
-    size_t n;
-    loom_json *meta;   /* without "files" */
+    int rank, world;
+    bool optimizer;     /* the moments are held */
+    float *buf[3];      /* values, exp_avg, exp_avg_sq (host; page-locked on a GPU) */
+    size_t cap[3];
+    bool pinned[3];
+    state_piece *p;
+    size_t np, pcap;
+    char **names;       /* the trained tensors, over the whole model */
+    int64_t (*shape)[2];
+    int *ndim;
+    size_t nt;
+    loom_json *meta;    /* rank 0: meta.json but "files" and "tensors" */
+    char sha[65];       /* this rank's file, once written */
+    loom_status written;
 };
+
+static void drop_tensors(loom_state_snapshot *sn) {
+    for (size_t i = 0; i < sn->nt; i++) free(sn->names[i]);
+    free(sn->names);
+    free(sn->shape);
+    free(sn->ndim);
+    sn->names = NULL, sn->shape = NULL, sn->ndim = NULL, sn->nt = 0;
+}
 
 void loom_state_snapshot_free(loom_state_snapshot *sn) {
     if (!sn) return;
-    for (size_t i = 0; i < sn->n; i++) {
-        free(sn->t[i].name);
-        for (int k = 0; k < 3; k++) free(sn->t[i].data[k]);
-    }
-    free(sn->t);
+    for (int k = 0; k < 3; k++) loom_k_host_free(sn->buf[k], sn->pinned[k]);
+    drop_tensors(sn);
+    free(sn->p);
     loom_json_free(sn->meta);
     free(sn);
+}
+
+/* Buffer k holds at least n floats (reused when it does already). */
+static loom_status host_buf(loom_model *m, loom_state_snapshot *sn, int k, size_t n) {
+    if (sn->buf[k] && sn->cap[k] >= n) return LOOM_OK;
+    loom_k_host_free(sn->buf[k], sn->pinned[k]);
+    sn->buf[k] = NULL, sn->cap[k] = 0;
+    loom_status st = loom_k_host_alloc(m, (void **)&sn->buf[k], (n ? n : 1) * sizeof(float),
+                                       &sn->pinned[k], "the checkpoint's host copy");
+    if (!st) sn->cap[k] = n;
+    return st;
+}
+
+static loom_status add_piece(loom_ctx *ctx, loom_state_snapshot *sn, const state_piece *p) {
+    if (sn->np == sn->pcap) {
+        size_t cap = sn->pcap ? 2 * sn->pcap : 64;
+        state_piece *np = realloc(sn->p, cap * sizeof *np);
+        if (!np) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory listing the checkpoint's pieces");
+        sn->p = np, sn->pcap = cap;
+    }
+    sn->p[sn->np++] = *p;
+    return LOOM_OK;
+}
+
+/* The trained tensors' names and shapes (every rank: the files' keys). */
+static loom_status list_tensors(loom_model *m, loom_state_snapshot *sn) {
+    char name[320];
+    int64_t rows, cols;
+    size_t n = 0;
+    drop_tensors(sn);
+    while (tensor_at(m, (int64_t)n, name, sizeof name, &rows, &cols)) n++;
+    sn->names = calloc(n + 1, sizeof *sn->names);
+    sn->shape = calloc(n + 1, sizeof *sn->shape);
+    sn->ndim = calloc(n + 1, sizeof *sn->ndim);
+    if (!sn->names || !sn->shape || !sn->ndim)
+        return loom_errf(m->ctx, LOOM_ERR_OOM, "out of memory listing the trained tensors");
+    for (; sn->nt < n; sn->nt++) {
+        tensor_at(m, (int64_t)sn->nt, name, sizeof name, &rows, &cols);
+        if (!(sn->names[sn->nt] = loom_strdup(m->ctx, name))) return LOOM_ERR_OOM;
+        sn->shape[sn->nt][0] = rows, sn->shape[sn->nt][1] = cols;
+        sn->ndim[sn->nt] = cols == 1 && m->active < 0 ? 1 : 2;
+    }
+    return LOOM_OK;
+}
+
+/* The index of slot s's tensor (slots come in about the tensors' order:
+ * the search starts after the last one found). */
+static int64_t tensor_of(const loom_state_snapshot *sn, const loom_slot *s, size_t *hint) {
+    for (size_t k = 0; k < sn->nt; k++) {
+        size_t j = (*hint + k) % sn->nt;
+        if (!strcmp(sn->names[j], s->name)) {
+            *hint = j + 1;
+            return (int64_t)j;
+        }
+    }
+    return -1;
+}
+
+/* This rank's pieces: each slot's parts of its shards, and the whole block
+ * of a frozen slot it owns (laid after the shards in the values buffer). */
+static loom_status find_pieces(loom_model *m, loom_arena *A, loom_state_snapshot *sn,
+                               size_t *frozen_numel) {
+    const loom_mesh *me = m->mesh;
+    size_t hint = 0, fz = 0;
+    sn->np = 0;
+    for (int i = 0; i < A->nslots; i++) {
+        const loom_slot *s = &A->slots[i];
+        if (s->head_copy || (s->shard == LOOM_SHARD_NONE && me->tp_rank)) continue;
+        if (s->frozen && (me->dp_rank || me->cp_rank)) continue;
+        state_piece p = {.tensor = tensor_of(sn, s, &hint), .row0 = s->row0, .col0 = s->col0,
+                         .rows = s->rows, .cols = s->cols, .moments = !s->frozen,
+                         .slot = i};
+        if (p.tensor < 0)
+            return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "checkpoint: slot %s is no trained tensor",
+                             s->name);
+        loom_status st = LOOM_OK;
+        if (s->frozen) {
+            p.f0 = 0, p.len = (int64_t)s->numel, p.at = A->shard_numel + fz;
+            fz += s->numel;
+            st = add_piece(m->ctx, sn, &p);
+        }
+        for (int b = 0; !s->frozen && b < A->nbuckets && !st; b++) {
+            size_t o0, len, so;
+            if (!loom_shard_part(m, A, b, i, &o0, &len, &so)) continue;
+            p.f0 = (int64_t)(o0 - s->off), p.len = (int64_t)len, p.at = so;
+            st = add_piece(m->ctx, sn, &p);
+        }
+        if (st) return st;
+    }
+    *frozen_numel = fz;
+    return LOOM_OK;
 }
 
 loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p, int optimizer,
                                      loom_state_snapshot **out) {
     loom_ctx *ctx = m->ctx;
     loom_arena *A = loom_model_trainable(m);
-    *out = NULL;
     if (m->active >= 0 && m->adapters[m->active].merged)
         return loom_errf(ctx, LOOM_ERR_CONFIG, "save_state: the active adapter is merged; unmerge "
                          "it first");
-    loom_state_snapshot *sn = loom_calloc(ctx, 1, sizeof *sn, "state snapshot");
-    if (!sn) return LOOM_ERR_OOM;
-    sn->writer = m->mesh->rank == 0;
-    sn->optimizer = optimizer && A->adam_m;
-    char name[320];
-    int64_t rows, cols;
-    size_t cap = 0;
-    while (tensor_at(m, (int64_t)cap, name, sizeof name, &rows, &cols)) cap++;
-    loom_status st = LOOM_OK;
-    if (!(sn->t = loom_calloc(ctx, cap + 1, sizeof *sn->t, "state snapshot"))) st = LOOM_ERR_OOM;
-    float *mh[2] = {NULL, NULL}, *tmp = NULL;
-    const float *sh[2] = {NULL, NULL};
-    for (int k = 0; sn->optimizer && k < 2 && !st; k++)
-        st = shard_host(m, k ? A->adam_v : A->adam_m, A->shard_numel, &mh[k], &sh[k]);
-    /* the fp32 values, once (a frozen base without its master: per tensor) */
-    float *wh = NULL;
-    const float *wv = NULL;
-    if (!st && A->w) {
-        if (!A->w_on_dev) {
-            wv = A->w;
-        } else if (!(wh = malloc((A->nparams ? A->nparams : 1) * sizeof *wh))) {
-            st = loom_errf(ctx, LOOM_ERR_OOM, "out of host memory copying the weights");
-        } else {
-            st = loom_k_download(m, wh, A->w, A->nparams * sizeof *wh);
-            wv = wh;
-        }
-    }
-    /* every rank takes part in each gather; rank 0 keeps the results */
-    for (size_t i = 0; !st && i < cap; i++) {
-        tensor_at(m, (int64_t)i, name, sizeof name, &rows, &cols);
-        snap_tensor *t = &sn->t[sn->n++];
-        t->ndim = cols == 1 && m->active < 0 ? 1 : 2;
-        t->shape[0] = rows, t->shape[1] = cols;
-        if (!(t->name = loom_strdup(ctx, name))) {
-            st = LOOM_ERR_OOM;
-            break;
-        }
-        for (int k = 0; k < (sn->optimizer ? 3 : 1) && !st; k++) {
-            float *d = sn->writer ? malloc(sizeof *d * (size_t)(rows * cols)) : NULL;
-            if (!sn->writer) { /* a scratch buffer for the gathers */
-                float *nt = realloc(tmp, sizeof *tmp * (size_t)(rows * cols));
-                if (nt) tmp = nt;
-                d = nt ? tmp : NULL;
-            }
-            if (!d) {
-                st = loom_errf(ctx, LOOM_ERR_OOM, "out of host memory copying %s for a checkpoint",
-                               name);
-                break;
-            }
-            if (sn->writer) t->data[k] = d;
-            st = k ? gather_moment(m, A, sh[k - 1], name, rows, cols, d)
-                   : wv ? gather_values(m, A, wv, name, rows, cols, d)
-                        : loom_gather_full(m, A, name, rows, cols, false, 1.0f, d);
-        }
-    }
-    free(tmp);
-    free(wh);
-    free(mh[0]);
-    free(mh[1]);
-    if (!st && sn->writer) st = meta_build(m, p, sn->optimizer, A->step, &sn->meta);
-    if (st) {
-        loom_state_snapshot_free(sn);
-        return st;
-    }
+    loom_state_snapshot *sn = *out; /* an earlier snapshot's buffers are reused */
+    if (!sn && !(sn = loom_calloc(ctx, 1, sizeof *sn, "state snapshot"))) return LOOM_ERR_OOM;
     *out = sn;
-    return LOOM_OK;
+    loom_json_free(sn->meta);
+    sn->meta = NULL;
+    sn->rank = m->mesh->rank;
+    sn->world = loom_comm_size(m->world);
+    sn->optimizer = optimizer && A->adam_m;
+    sn->written = LOOM_ERR_INVALID_ARG; /* until write ran */
+    sn->sha[0] = 0;
+    size_t fz = 0;
+    loom_status st = list_tensors(m, sn);
+    if (!st) st = find_pieces(m, A, sn, &fz);
+    if (!st) st = host_buf(m, sn, 0, A->shard_numel + fz);
+    for (int k = 1; k < 3 && sn->optimizer && !st; k++) st = host_buf(m, sn, k, A->shard_numel);
+    /* the values of the shards, a bucket at a time (a frozen base's from
+     * its compute copy), then the frozen blocks */
+    for (int b = 0; b < A->nbuckets && !st; b++) {
+        size_t s0, per, base;
+        loom_shard_range(m, A, b, &s0, &per, &base);
+        st = A->w ? loom_k_download(m, sn->buf[0] + base, A->w + s0, per * sizeof(float))
+                  : loom_k_download_f32(m, sn->buf[0] + base,
+                                        (const char *)A->wc + s0 * m->dev.esz, per);
+    }
+    for (size_t i = 0; i < sn->np && !st; i++) {
+        const state_piece *q = &sn->p[i];
+        if (q->moments) continue;
+        const loom_slot *s = &A->slots[q->slot];
+        st = A->w ? loom_k_download(m, sn->buf[0] + q->at, A->w + s->off, s->numel * sizeof(float))
+                  : loom_k_download_f32(m, sn->buf[0] + q->at,
+                                        (const char *)A->wc + s->off * m->dev.esz, s->numel);
+    }
+    for (int k = 1; k < 3 && sn->optimizer && !st; k++)
+        st = loom_k_download(m, sn->buf[k], k == 1 ? A->adam_m : A->adam_v,
+                             A->shard_numel * sizeof(float));
+    if (!st && sn->rank == 0) st = meta_build(m, p, sn->optimizer, A->step, &sn->meta);
+    return st;
 }
 
-loom_status loom_state_snapshot_write(loom_ctx *ctx, const loom_state_snapshot *sn,
-                                      const char *dir) {
-    if (!sn->writer) return LOOM_OK;
-    loom_st_writer *w[2] = {NULL, NULL};
-    char key[352];
-    loom_status st = loom_st_writer_create(ctx, dir, "model", 0, NULL, &w[0]);
-    if (!st && sn->optimizer) st = loom_st_writer_create(ctx, dir, "optimizer", 0, NULL, &w[1]);
-    for (size_t i = 0; !st && i < sn->n; i++) {
-        const snap_tensor *t = &sn->t[i];
-        st = loom_st_writer_declare(ctx, w[0], t->name, LOOM_F32, t->ndim, t->shape);
-        for (int k = 0; !st && sn->optimizer && k < 2; k++) {
-            snprintf(key, sizeof key, "%s.%s", k ? "exp_avg_sq" : "exp_avg", t->name);
-            st = loom_st_writer_declare(ctx, w[1], key, LOOM_F32, t->ndim, t->shape);
+static void piece_key(const loom_state_snapshot *sn, const state_piece *q, int k, char *key,
+                      size_t cap) {
+    static const char *const pre[3] = {"", "exp_avg.", "exp_avg_sq."};
+    snprintf(key, cap, "%s%s@%lld", pre[k], sn->names[q->tensor], (long long)q->f0);
+}
+
+static void rank_file(int r, char name[40]) { snprintf(name, 40, "rank_%05d.safetensors", r); }
+
+loom_status loom_state_snapshot_write(loom_ctx *ctx, loom_state_snapshot *sn, const char *dir) {
+    loom_st_writer *w = NULL;
+    char key[400], base[40], file[40];
+    snprintf(base, sizeof base, "rank_%05d", sn->rank);
+    loom_status st = loom_st_writer_create(ctx, dir, base, 0, NULL, &w);
+    for (int pass = 0; pass < 2 && !st; pass++)
+        for (size_t i = 0; i < sn->np && !st; i++) {
+            const state_piece *q = &sn->p[i];
+            for (int k = 0; k < (q->moments && sn->optimizer ? 3 : 1) && !st; k++) {
+                piece_key(sn, q, k, key, sizeof key);
+                st = pass ? loom_st_writer_write(ctx, w, key, LOOM_F32, sn->buf[k] + q->at)
+                          : loom_st_writer_declare(ctx, w, key, LOOM_F32, 1, &q->len);
+            }
+        }
+    if (!st) st = loom_st_writer_finish(ctx, w);
+    loom_st_writer_free(w);
+    rank_file(sn->rank, file);
+    char *path = st ? NULL : loom_path_join(ctx, dir, file);
+    if (!st && !path) st = LOOM_ERR_OOM;
+    if (!st) st = loom_sha256_file(ctx, path, sn->sha);
+    free(path);
+    sn->written = st;
+    return st;
+}
+
+/* Rank 0: meta.json from the snapshot's and every rank's words (count,
+ * checksum, pieces). */
+static loom_status write_meta(loom_ctx *ctx, const loom_state_snapshot *sn, const int64_t *all,
+                              size_t words, const char *dir) {
+    loom_json *meta = loom_json_clone(ctx, sn->meta), *files = loom_json_new_object(ctx),
+              *tensors = loom_json_new_object(ctx);
+    loom_json **lists = calloc(sn->nt + 1, sizeof *lists);
+    loom_status st = meta && files && tensors && lists ? LOOM_OK : LOOM_ERR_OOM;
+    for (size_t t = 0; t < sn->nt && !st; t++) {
+        loom_json *e = loom_json_new_object(ctx), *shape = loom_json_new_array(ctx);
+        lists[t] = loom_json_new_array(ctx);
+        for (int d = 0; d < sn->ndim[t] && shape; d++)
+            st = loom_json_push(ctx, shape, loom_json_new_int(ctx, sn->shape[t][d]));
+        if (!st) st = e && shape && lists[t] ? loom_json_set(ctx, e, "shape", shape) : LOOM_ERR_OOM;
+        if (!st) st = loom_json_set(ctx, e, "pieces", lists[t]);
+        if (!st) st = loom_json_set(ctx, tensors, sn->names[t], e);
+    }
+    for (int r = 0; r < sn->world && !st; r++) {
+        const int64_t *w = all + (size_t)r * words;
+        char hex[65], file[40];
+        memcpy(hex, w + 1, 64);
+        hex[64] = 0;
+        rank_file(r, file);
+        st = loom_json_set(ctx, files, file, loom_json_new_str(ctx, hex));
+        for (int64_t i = 0; i < w[0] && !st; i++) {
+            const int64_t *q = w + 1 + SHA_WORDS + i * PIECE_WORDS;
+            loom_json *a = loom_json_new_array(ctx);
+            st = a ? loom_json_push(ctx, a, loom_json_new_int(ctx, r)) : LOOM_ERR_OOM;
+            for (int k = 1; k < PIECE_WORDS && !st; k++)
+                st = loom_json_push(ctx, a, loom_json_new_int(ctx, q[k]));
+            if (!st) st = loom_json_push(ctx, lists[q[0]], a);
         }
     }
-    for (size_t i = 0; !st && i < sn->n; i++) {
-        const snap_tensor *t = &sn->t[i];
-        st = loom_st_writer_write(ctx, w[0], t->name, LOOM_F32, t->data[0]);
-        for (int k = 0; !st && sn->optimizer && k < 2; k++) {
-            snprintf(key, sizeof key, "%s.%s", k ? "exp_avg_sq" : "exp_avg", t->name);
-            st = loom_st_writer_write(ctx, w[1], key, LOOM_F32, t->data[k + 1]);
-        }
-    }
-    for (int k = 0; k < 2; k++) {
-        if (!st && w[k]) st = loom_st_writer_finish(ctx, w[k]);
-        loom_st_writer_free(w[k]);
-    }
-    /* meta.json last, with each file's SHA-256 */
-    loom_json *meta = st ? NULL : loom_json_clone(ctx, sn->meta);
-    loom_json *files = st ? NULL : loom_json_new_object(ctx);
-    if (!st && (!meta || !files)) st = LOOM_ERR_OOM;
-    for (int k = 0; !st && k < (sn->optimizer ? 2 : 1); k++) {
-        char hex[65], *f = loom_path_join(ctx, dir, state_files[k]);
-        st = f ? loom_sha256_file(ctx, f, hex) : LOOM_ERR_OOM;
-        if (!st) st = loom_json_set(ctx, files, state_files[k], loom_json_new_str(ctx, hex));
-        free(f);
-    }
-    if (!st) {
-        st = loom_json_set(ctx, meta, "files", files);
-        files = NULL;
-    }
+    free(lists);
+    if (!st) st = loom_json_set(ctx, meta, "world_size", loom_json_new_int(ctx, sn->world));
+    if (!st) st = loom_json_set(ctx, meta, "files", files);
+    files = NULL;
+    if (!st) st = loom_json_set(ctx, meta, "tensors", tensors);
+    tensors = NULL;
     loom_sb sb;
     loom_sb_init(&sb);
     if (!st) st = loom_json_write(ctx, meta, 1, &sb);
@@ -334,29 +403,79 @@ loom_status loom_state_snapshot_write(loom_ctx *ctx, const loom_state_snapshot *
     if (!st) st = loom_write_file_atomic(ctx, path, sb.buf, sb.len);
     free(path);
     loom_sb_free(&sb);
+    /* files of ranks past this world (an earlier save into the same
+     * directory by more ranks) would only mislead */
+    for (int r = sn->world; !st; r++) {
+        char file[40], *f;
+        rank_file(r, file);
+        if (!(f = loom_path_join(ctx, dir, file))) break;
+        const bool there = unlink(f) == 0;
+        free(f);
+        if (!there) break;
+    }
     loom_json_free(files);
+    loom_json_free(tensors);
     loom_json_free(meta);
+    return st;
+}
+
+loom_status loom_state_snapshot_commit(loom_model *m, loom_state_snapshot *sn, const char *dir) {
+    loom_ctx *ctx = m->ctx;
+    loom_comm *w = m->world;
+    const bool many = loom_comm_size(w) > 1;
+    /* every rank's write, and the widest list of pieces */
+    int32_t v[2] = {sn->written ? sn->rank + 1 : 0, (int32_t)sn->np};
+    loom_status st = many ? loom_comm_allreduce(w, v, 2, LOOM_I32, LOOM_RED_MAX) : LOOM_OK;
+    if (st) return st;
+    if (v[0] && sn->written) return sn->written; /* its own message */
+    if (v[0])
+        return loom_errf(ctx, LOOM_ERR_IO, "checkpoint %s: rank %d could not write its file (its "
+                         "message says why)", dir, v[0] - 1);
+    const size_t words = 1 + SHA_WORDS + (size_t)v[1] * PIECE_WORDS;
+    int64_t *mine = calloc(words, sizeof *mine),
+            *all = calloc(words * (size_t)sn->world, sizeof *all);
+    if (!mine || !all) st = loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering the checkpoint's "
+                                      "pieces");
+    if (!st) {
+        mine[0] = (int64_t)sn->np;
+        memcpy(mine + 1, sn->sha, 64);
+        for (size_t i = 0; i < sn->np; i++) {
+            const state_piece *q = &sn->p[i];
+            const int64_t x[PIECE_WORDS] = {q->tensor, q->row0, q->col0, q->rows,
+                                            q->cols,   q->f0,   q->len,  q->moments};
+            memcpy(mine + 1 + SHA_WORDS + i * PIECE_WORDS, x, sizeof x);
+        }
+        st = many ? loom_comm_allgather(w, mine, all, words, LOOM_I64)
+                  : (memcpy(all, mine, words * sizeof *all), LOOM_OK);
+    }
+    /* a failed gather is every rank's; the rest is rank 0's, and its
+     * verdict everyone's */
+    if (!st && sn->rank == 0) st = write_meta(ctx, sn, all, words, dir);
+    free(mine);
+    free(all);
+    if (many && st != LOOM_ERR_COMM) {
+        int32_t r = (int32_t)st;
+        loom_status cs = loom_comm_broadcast(w, &r, 1, LOOM_I32, 0);
+        if (cs) return cs;
+        if (sn->rank && r)
+            return loom_errf(ctx, (loom_status)r, "checkpoint %s: rank 0 could not write "
+                             "meta.json (its message says why)", dir);
+    }
     return st;
 }
 
 loom_status loom_model_save_state(loom_model *m, const char *dir, const loom_train_progress *p,
                                   int optimizer) {
-    loom_ctx *ctx = m->ctx;
     loom_state_snapshot *sn = NULL;
     loom_status st = loom_state_snapshot_take(m, p, optimizer, &sn);
-    if (st) return st;
-    st = loom_state_snapshot_write(ctx, sn, dir);
-    const bool writer = sn->writer;
-    loom_state_snapshot_free(sn);
-    /* rank 0's verdict is everyone's */
-    if (loom_comm_size(m->world) > 1) {
-        int32_t v = (int32_t)st;
-        loom_status cs = loom_comm_broadcast(m->world, &v, 1, LOOM_I32, 0);
-        if (cs) return cs;
-        if (!writer && v)
-            return loom_errf(ctx, (loom_status)v, "save_state: rank 0 could not write %s (its "
-                             "message says why)", dir);
+    /* a rank that failed to copy still takes part in commit, so none hangs */
+    if (sn) {
+        if (!st) loom_state_snapshot_write(m->ctx, sn, dir);
+        else sn->written = st;
+        loom_status cs = loom_state_snapshot_commit(m, sn, dir);
+        if (!st) st = cs;
     }
+    loom_state_snapshot_free(sn);
     return st;
 }
 
@@ -432,7 +551,13 @@ loom_status loom_verify_state(loom_ctx *ctx, const char *dir) {
             st = LOOM_ERR_OOM;
             break;
         }
-        if (!loom_file_exists(f))
+        int r = -1, end = 0;
+        if (!loom_file_exists(f) && sscanf(name, "rank_%d.safetensors%n", &r, &end) == 1 &&
+            !name[end])
+            st = loom_errf(ctx, LOOM_ERR_NOT_FOUND, "%s is missing: rank %d of the %zu ranks that "
+                           "saved wrote it (meta.json lists it); the checkpoint is incomplete: "
+                           "resume from another one", f, r, files->n);
+        else if (!loom_file_exists(f))
             st = loom_errf(ctx, LOOM_ERR_NOT_FOUND, "%s is missing (meta.json lists it); the "
                            "checkpoint is incomplete: resume from another one", f);
         else if (!(st = loom_sha256_file(ctx, f, hex)) && strcmp(hex, want))
@@ -446,12 +571,97 @@ loom_status loom_verify_state(loom_ctx *ctx, const char *dir) {
     return st;
 }
 
-/* Slot i's block of the whole tensor `full` (rows x cols) into dst. */
+/* Slot s's block of the whole tensor `full` (rows x cols) into dst. */
 static void take_block(const loom_slot *s, const float *full, int64_t rows, int64_t cols,
                        float *dst) {
     for (int64_t r = 0; r < s->rows; r++)
         for (int64_t c = 0; c < s->cols; c++)
             dst[r * s->cols + c] = s->row0 + r < rows ? full[(s->row0 + r) * cols + s->col0 + c] : 0;
+}
+
+/* What loading reads: meta.json's tensors, and the ranks' files, each
+ * opened when a piece of it is first needed. */
+typedef struct state_reader {
+    loom_ctx *ctx;
+    const char *dir, *path; /* path: meta.json, for messages */
+    const loom_json *tensors;
+    int world;
+    loom_safetensors **sf;
+    float *scratch;
+    size_t cap;
+} state_reader;
+
+static loom_status damaged(state_reader *R, const char *name, const char *what) {
+    return loom_errf(R->ctx, LOOM_ERR_FORMAT, "%s: tensor %s: %s; the checkpoint is damaged: "
+                     "resume from another one", R->path, name, what);
+}
+
+/* The whole tensor `name` (its shape as this model has it; cols 1 for
+ * 1-D) of kind k (0 values, 1 exp_avg, 2 exp_avg_sq), from its pieces. */
+static loom_status assemble(state_reader *R, const char *name, int ndim, int64_t rows,
+                            int64_t cols, int k, float *full) {
+    loom_ctx *ctx = R->ctx;
+    const loom_json *e = loom_json_get(R->tensors, name);
+    if (!e)
+        return loom_errf(ctx, LOOM_ERR_FORMAT, "%s has no tensor %s: it was saved from another "
+                         "model or with other settings", R->path, name);
+    const loom_json *sh = loom_json_get(e, "shape"), *ps = loom_json_get(e, "pieces");
+    if (!sh || sh->type != LOOM_JSON_ARRAY || !ps || ps->type != LOOM_JSON_ARRAY)
+        return damaged(R, name, "no \"shape\" or \"pieces\" array");
+    const int64_t want[2] = {rows, cols};
+    bool same = (int)sh->n == ndim;
+    for (int d = 0; same && d < ndim; d++)
+        same = sh->items[d]->type == LOOM_JSON_NUMBER && sh->items[d]->is_int &&
+               sh->items[d]->i == want[d];
+    if (!same)
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: tensor %s has another shape than this model's "
+                         "[%lld, %lld]: it was saved from another model", R->path, name,
+                         (long long)rows, (long long)cols);
+    memset(full, 0, sizeof *full * (size_t)(rows * cols));
+    int64_t covered = 0;
+    char key[400];
+    static const char *const pre[3] = {"", "exp_avg.", "exp_avg_sq."};
+    for (size_t i = 0; i < ps->n; i++) {
+        const loom_json *a = ps->items[i];
+        int64_t x[PIECE_WORDS];
+        bool ok = a->type == LOOM_JSON_ARRAY && a->n == PIECE_WORDS;
+        for (int j = 0; ok && j < PIECE_WORDS; j++) {
+            ok = a->items[j]->type == LOOM_JSON_NUMBER && a->items[j]->is_int;
+            x[j] = ok ? a->items[j]->i : 0;
+        }
+        /* rank, row0, col0, block rows, block cols, f0, len, moments */
+        ok = ok && x[0] >= 0 && x[0] < R->world && x[1] >= 0 && x[2] >= 0 && x[3] > 0 &&
+             x[4] > 0 && x[2] + x[4] <= cols && x[3] <= ((int64_t)1 << 40) / x[4] && x[5] >= 0 &&
+             x[6] > 0 && x[5] + x[6] <= x[3] * x[4];
+        if (!ok) return damaged(R, name, "a piece is not [rank, row0, col0, rows, cols, f0, len, "
+                                         "moments] within the tensor");
+        if (k && !x[7]) return damaged(R, name, "a piece has no moments (was it frozen?)");
+        const int r = (int)x[0];
+        if (!R->sf[r]) {
+            char file[40], *f;
+            rank_file(r, file);
+            if (!(f = loom_path_join(ctx, R->dir, file))) return LOOM_ERR_OOM;
+            loom_status st = loom_st_open_file(ctx, f, &R->sf[r]);
+            free(f);
+            if (st) return st;
+        }
+        if ((size_t)x[6] > R->cap) {
+            float *t = realloc(R->scratch, (size_t)x[6] * sizeof *t);
+            if (!t) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory reading %s", name);
+            R->scratch = t, R->cap = (size_t)x[6];
+        }
+        snprintf(key, sizeof key, "%s%s@%lld", pre[k], name, (long long)x[5]);
+        loom_status st = loom_st_read_named(ctx, R->sf[r], key, 1, &x[6], LOOM_F32, R->scratch);
+        if (st) return st;
+        covered += place(x[1], x[2], x[4], x[5], x[6], R->scratch, rows, cols, full);
+    }
+    if (covered != rows * cols) {
+        char why[160];
+        snprintf(why, sizeof why, "its pieces hold %lld of its %lld elements", (long long)covered,
+                 (long long)(rows * cols));
+        return damaged(R, name, why);
+    }
+    return LOOM_OK;
 }
 
 loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
@@ -461,11 +671,21 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
     char *path = loom_path_join(ctx, dir, "meta.json");
     if (!path) return LOOM_ERR_OOM;
     loom_json *meta = NULL;
-    loom_safetensors *sf[2] = {NULL, NULL};
+    state_reader R = {.ctx = ctx, .dir = dir, .path = path};
     float *w = NULL, *full = NULL, *blk = NULL, *mom[2] = {NULL, NULL};
+    int64_t world = 0;
     loom_status st = loom_verify_state(ctx, dir);
     if (!st) st = loom_json_parse_file(ctx, path, &meta);
     if (!st) st = check_meta(m, meta, path);
+    if (!st) st = loom_json_get_int(ctx, meta, "world_size", path, &world);
+    if (!st && (world < 1 || world > (1 << 20)))
+        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: world_size %lld is not a number of ranks", path,
+                       (long long)world);
+    R.world = (int)world;
+    if (!st && (!(R.tensors = loom_json_get(meta, "tensors")) ||
+                R.tensors->type != LOOM_JSON_OBJECT))
+        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: no \"tensors\" object", path);
+    if (!st && !(R.sf = calloc((size_t)world, sizeof *R.sf))) st = LOOM_ERR_OOM;
     bool saved_moments = false;
     if (!st) st = loom_json_get_bool(ctx, meta, "optimizer", path, &saved_moments);
     if (!st && optimizer && !saved_moments)
@@ -483,16 +703,6 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
             st = loom_model_set_trainable(m, m->plan.p[i].name, !want);
     }
     A = loom_model_trainable(m);
-    if (!st) {
-        char *f = loom_path_join(ctx, dir, "model.safetensors");
-        st = f ? loom_st_open_file(ctx, f, &sf[0]) : LOOM_ERR_OOM;
-        free(f);
-    }
-    if (!st && moments) {
-        char *f = loom_path_join(ctx, dir, "optimizer.safetensors");
-        st = f ? loom_st_open_file(ctx, f, &sf[1]) : LOOM_ERR_OOM;
-        free(f);
-    }
     /* the master values: the whole arena on the host, each slot's block set */
     if (!st) st = loom_arena_master_to_device(m, A);
     const size_t n = A->nparams;
@@ -504,29 +714,21 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
         if (!(mom[k] = calloc(A->shard_numel ? A->shard_numel : 1, sizeof *mom[k])))
             st = LOOM_ERR_OOM;
     }
-    char key[352];
     for (int i = 0; !st && i < A->nslots; i++) {
         const loom_slot *s = &A->slots[i];
         const int64_t rows = s->shape[0], cols = s->shape[1];
         float *nf = realloc(full, sizeof *full * (size_t)(rows * cols));
-        if (!nf) {
+        float *nb = nf ? realloc(blk, sizeof *blk * (size_t)(s->rows * s->cols)) : NULL;
+        if (nf) full = nf;
+        if (nb) blk = nb;
+        if (!nf || !nb) {
             st = LOOM_ERR_OOM;
             break;
         }
-        full = nf;
-        const int nd = s->ndim;
-        const int64_t shp[2] = {rows, cols};
-        if ((st = loom_st_read_named(ctx, sf[0], s->name, nd, shp, LOOM_F32, full))) break;
+        if ((st = assemble(&R, s->name, s->ndim, rows, cols, 0, full))) break;
         take_block(s, full, rows, cols, w + s->off);
-        for (int k = 0; moments && k < 2 && !s->frozen; k++) {
-            snprintf(key, sizeof key, "%s.%s", k ? "exp_avg_sq" : "exp_avg", s->name);
-            if ((st = loom_st_read_named(ctx, sf[1], key, nd, shp, LOOM_F32, full))) break;
-            float *nb = realloc(blk, sizeof *blk * (size_t)(s->rows * s->cols));
-            if (!nb) {
-                st = LOOM_ERR_OOM;
-                break;
-            }
-            blk = nb;
+        for (int k = 0; moments && k < 2 && !s->frozen && !st; k++) {
+            if ((st = assemble(&R, s->name, s->ndim, rows, cols, k + 1, full))) break;
             take_block(s, full, rows, cols, blk);
             for (int b = 0; b < A->nbuckets; b++) {
                 size_t o0, len, so;
@@ -572,8 +774,9 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
     free(blk);
     free(mom[0]);
     free(mom[1]);
-    loom_st_close(sf[0]);
-    loom_st_close(sf[1]);
+    for (int r = 0; R.sf && r < R.world; r++) loom_st_close(R.sf[r]);
+    free(R.sf);
+    free(R.scratch);
     loom_json_free(meta);
     return st;
 }

@@ -512,21 +512,28 @@ loom_status loom_model_forward_only(loom_model *m, const loom_batch *b, int64_t 
     return run(m, b, num_micro_batches, false, token_logprobs, entropy, logits, out);
 }
 
+void loom_shard_range(const loom_model *m, const loom_arena *A, int b, size_t *s0, size_t *per,
+                      size_t *base) {
+    const int n = loom_comm_size(m->mesh->dpcp), r = loom_comm_rank(m->mesh->dpcp);
+    *per = A->bucket_len[b] / (size_t)n;
+    *s0 = A->bucket_off[b] + (size_t)r * *per;
+    *base = 0; /* the shard buffers hold the buckets' shards one after another */
+    for (int k = 0; k < b; k++) *base += A->bucket_len[k] / (size_t)n;
+}
+
 /* The part of slot i inside this rank's shard of bucket b: flat offset o0,
  * length, and offset in the shard buffers. False when they do not meet. */
 bool loom_shard_part(const loom_model *m, const loom_arena *A, int b, int i, size_t *o0,
-                       size_t *len, size_t *so) {
-    const int n = loom_comm_size(m->mesh->dpcp), r = loom_comm_rank(m->mesh->dpcp);
-    size_t per = A->bucket_len[b] / (size_t)n, s0 = A->bucket_off[b] + (size_t)r * per,
-           s1 = s0 + per;
+                     size_t *len, size_t *so) {
+    size_t s0, per, base;
+    loom_shard_range(m, A, b, &s0, &per, &base);
+    const size_t s1 = s0 + per;
     const loom_slot *sl = &A->slots[i];
     size_t a0 = sl->off > s0 ? sl->off : s0, a1 = sl->off + sl->numel < s1 ? sl->off + sl->numel : s1;
     if (a0 >= a1) return false;
-    size_t shard_base = 0; /* the shard buffers hold the buckets' shards one after another */
-    for (int k = 0; k < b; k++) shard_base += A->bucket_len[k] / (size_t)n;
     *o0 = a0;
     *len = a1 - a0;
-    *so = shard_base + (a0 - s0);
+    *so = base + (a0 - s0);
     return true;
 }
 

@@ -33,6 +33,10 @@ loom_status loom_cuda_malloc(loom_ctx *ctx, void **ptr, size_t bytes, const char
 void loom_cuda_free(void *ptr);
 loom_status loom_cuda_memcpy_h2d(loom_ctx *ctx, void *dst, const void *src, size_t bytes);
 loom_status loom_cuda_memcpy_d2h(loom_ctx *ctx, void *dst, const void *src, size_t bytes);
+/* Page-locked host memory (copies to and from it run at the link's speed);
+ * *ptr NULL and LOOM_ERR_OOM when the system will not lock that much. */
+loom_status loom_cuda_host_alloc(loom_ctx *ctx, void **ptr, size_t bytes, const char *what);
+void loom_cuda_host_free(void *ptr);
 
 /* dst[i] = convert(src[i]) between F32, BF16 and F16 on the device, with the
  * CPU loom_convert's rounding (round to nearest even). stream: a

@@ -53,6 +53,22 @@ extern "C" void loom_cuda_free(void *ptr) {
     if (ptr) cudaFree(ptr);
 }
 
+extern "C" loom_status loom_cuda_host_alloc(loom_ctx *ctx, void **ptr, size_t bytes,
+                                            const char *what) {
+    cudaError_t e = cudaMallocHost(ptr, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        *ptr = NULL;
+        (void)cudaGetLastError(); /* not sticky: clear it */
+        return loom_errf(ctx, LOOM_ERR_OOM, "cudaMallocHost of %zu bytes for %s: %s", bytes, what,
+                         cudaGetErrorString(e));
+    }
+    return LOOM_OK;
+}
+
+extern "C" void loom_cuda_host_free(void *ptr) {
+    if (ptr) cudaFreeHost(ptr);
+}
+
 extern "C" loom_status loom_cuda_memcpy_h2d(loom_ctx *ctx, void *dst, const void *src, size_t bytes) {
     cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
     return e == cudaSuccess ? LOOM_OK
