@@ -3,6 +3,7 @@
 #ifndef LOOM_SHA256_H
 #define LOOM_SHA256_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -13,9 +14,12 @@ typedef struct loom_sha256 {
     uint64_t total;      /* bytes hashed so far */
     uint8_t block[64];   /* a partial block */
     size_t fill;         /* its length */
+    bool portable;       /* set after init: never the CPU's SHA instructions (tests) */
 } loom_sha256;
 
 void loom_sha256_init(loom_sha256 *s);
+/* Whether this CPU hashes through its SHA instructions (x86-64 SHA-NI). */
+bool loom_sha256_accelerated(void);
 void loom_sha256_update(loom_sha256 *s, const void *data, size_t len);
 /* Writes the 32-byte digest; s must be initialised again before reuse. */
 void loom_sha256_final(loom_sha256 *s, uint8_t digest[32]);
