@@ -120,7 +120,20 @@ static void resume_case(bool jsonl) {
     CHECK(stat(iter3, &sb) != 0 && stat(iter6, &sb) == 0 && stat(iter8, &sb) == 0);
     const char *ld[] = {"--load", iter6, NULL};
     CHECK_EQ_INT(train(&f, jsonl, 8, b, ld, &out), 0);
+    CHECK_MSG(!strstr(out, "resuming with"), "same settings, yet: %s", out);
     free(out);
+    if (!jsonl) { /* another schedule is named, and applies */
+        const char *ld3[] = {"--load", iter6, "--min-lr", "1e-4", "--adam-beta2", "0.95", NULL};
+        unlink(b);
+        CHECK_EQ_INT(train(&f, jsonl, 8, b, ld3, &out), 0);
+        CHECK_CONTAINS(out, "resuming with min_lr 0.0001 where");
+        CHECK_CONTAINS(out, "has 0 (the new value applies)");
+        CHECK_CONTAINS(out, "resuming with adam_beta2 0.95 where");
+        free(out);
+        unlink(b);
+        CHECK_EQ_INT(train(&f, jsonl, 8, b, ld, &out), 0);
+        free(out);
+    }
     double r[9], x[9];
     read_losses(ref, r, 8);
     CHECK_EQ_INT(read_losses(b, x, 8), 2);

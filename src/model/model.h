@@ -228,6 +228,7 @@ struct loom_model {
 
     /* optimizer and schedule */
     loom_optimizer_config opt;
+    bool opt_set;            /* set_optimizer was called (else opt holds the defaults) */
     bool has_sched;
     loom_sched_config sched;
     int64_t acc_calls, acc_tokens; /* since the last step (tokens: whole mesh) */

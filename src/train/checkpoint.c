@@ -33,6 +33,7 @@
 #include "../io/safetensors.h"
 #include "../model/kern.h"
 #include "../model/model.h"
+#include "scheduler.h"
 
 #define STATE_FORMAT "loom-training-state"
 #define STATE_VERSION 2
@@ -72,6 +73,61 @@ static int64_t place(int64_t row0, int64_t col0, int64_t bcols, int64_t f0, int6
     return placed;
 }
 
+/* The optimizer's and the schedule's settings by name (a style by its
+ * name): saved in meta.json, compared on resume. */
+typedef struct setting {
+    const char *name, *s; /* s: a style's name, else NULL and v */
+    double v;
+} setting;
+
+static int settings_of(const loom_model *m, setting out[20]) {
+    int n = 0;
+    const loom_optimizer_config *o = &m->opt;
+    out[n++] = (setting){"lr", NULL, o->lr};
+    out[n++] = (setting){"adam_beta1", NULL, o->beta1};
+    out[n++] = (setting){"adam_beta2", NULL, o->beta2};
+    out[n++] = (setting){"adam_eps", NULL, o->eps};
+    out[n++] = (setting){"weight_decay", NULL, o->weight_decay};
+    if (!m->has_sched) return n;
+    const loom_sched_config *c = &m->sched;
+    out[n++] = (setting){"init_lr", NULL, c->init_lr};
+    out[n++] = (setting){"max_lr", NULL, c->max_lr};
+    out[n++] = (setting){"min_lr", NULL, c->min_lr};
+    out[n++] = (setting){"lr_warmup_steps", NULL, (double)c->lr_warmup_steps};
+    out[n++] = (setting){"lr_decay_steps", NULL, (double)c->lr_decay_steps};
+    out[n++] = (setting){"lr_decay_style", loom_lr_decay_style_name(c->lr_decay_style), 0};
+    out[n++] = (setting){"wsd_decay_steps", NULL, (double)c->wsd_decay_steps};
+    out[n++] = (setting){"lr_wsd_decay_style", loom_wsd_style_name(c->lr_wsd_decay_style), 0};
+    out[n++] = (setting){"start_wd", NULL, c->start_wd};
+    out[n++] = (setting){"end_wd", NULL, c->end_wd};
+    out[n++] = (setting){"wd_incr_steps", NULL, (double)c->wd_incr_steps};
+    out[n++] = (setting){"wd_incr_style", loom_wd_incr_style_name(c->wd_incr_style), 0};
+    return n;
+}
+
+/* Resuming with the optimizer set already (loom train sets it first):
+ * each setting that differs from the checkpoint's is named (the new value
+ * applies, as under Megatron's --override-opt_param-scheduler). */
+static void compare_settings(loom_model *m, const loom_json *meta, const char *path) {
+    const loom_json *saved = loom_json_get(meta, "settings");
+    if (!saved || saved->type != LOOM_JSON_OBJECT) return;
+    setting cur[20];
+    const int n = settings_of(m, cur);
+    for (int i = 0; i < n; i++) {
+        const loom_json *v = loom_json_get(saved, cur[i].name);
+        char was[64], now[64];
+        if (cur[i].s) snprintf(now, sizeof now, "%s", cur[i].s);
+        else snprintf(now, sizeof now, "%.9g", cur[i].v);
+        if (!v) snprintf(was, sizeof was, "none (no schedule)");
+        else if (v->type == LOOM_JSON_STRING) snprintf(was, sizeof was, "%s", v->s);
+        else if (v->type == LOOM_JSON_NUMBER) snprintf(was, sizeof was, "%.9g", v->d);
+        else snprintf(was, sizeof was, "?");
+        if (strcmp(was, now))
+            LOOM_LOG_W(m->ctx, "resuming with %s %s where %s has %s (the new value applies)",
+                       cur[i].name, now, path, was);
+    }
+}
+
 /* meta.json's contents but the files' checksums (added when written). */
 static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool optimizer,
                               int64_t step, loom_json **out) {
@@ -104,6 +160,15 @@ static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool 
     SET("good_steps", loom_json_new_int(ctx, m->good_steps));
     SET("dropout_calls", loom_json_new_int(ctx, (int64_t)m->dropout_calls));
     SET("optimizer", loom_json_new_bool(ctx, optimizer));
+    setting sv[20];
+    const int ns = settings_of(m, sv);
+    loom_json *so = loom_json_new_object(ctx);
+    for (int i = 0; so && !st && i < ns; i++)
+        st = loom_json_set(ctx, so, sv[i].name,
+                           sv[i].s ? loom_json_new_str(ctx, sv[i].s)
+                           : strstr(sv[i].name, "_steps") ? loom_json_new_int(ctx, (int64_t)sv[i].v)
+                                                          : loom_json_new_num(ctx, sv[i].v));
+    SET("settings", so ? so : loom_json_new_null(ctx));
     loom_json *fz = loom_json_new_array(ctx); /* tensors set not trainable */
     for (size_t i = 0; fz && !st && m->pfrozen && i < m->plan.n; i++)
         if (m->pfrozen[i]) st = loom_json_push(ctx, fz, loom_json_new_str(ctx, m->plan.p[i].name));
@@ -370,6 +435,7 @@ static loom_status write_meta(loom_ctx *ctx, const loom_state_snapshot *sn, cons
         for (int d = 0; d < sn->ndim[t] && shape; d++)
             st = loom_json_push(ctx, shape, loom_json_new_int(ctx, sn->shape[t][d]));
         if (!st) st = e && shape && lists[t] ? loom_json_set(ctx, e, "shape", shape) : LOOM_ERR_OOM;
+        if (!st) st = loom_json_set(ctx, e, "dtype", loom_json_new_str(ctx, "F32"));
         if (!st) st = loom_json_set(ctx, e, "pieces", lists[t]);
         if (!st) st = loom_json_set(ctx, tensors, sn->names[t], e);
     }
@@ -692,6 +758,7 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
         st = loom_errf(ctx, LOOM_ERR_CONFIG, "%s: saved without the optimizer state; load the "
                        "weights only (--finetune) or resume from another checkpoint", dir);
     const bool moments = optimizer && saved_moments;
+    if (!st && moments && m->opt_set && m->mesh->rank == 0) compare_settings(m, meta, path);
     /* the frozen set of the run that saved (before anything is laid out) */
     const loom_json *fz = st ? NULL : loom_json_get(meta, "frozen");
     for (size_t i = 0; !st && optimizer && m->active < 0 && i < m->plan.n; i++) {

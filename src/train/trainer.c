@@ -31,6 +31,7 @@ loom_status loom_model_set_optimizer(loom_model *m, const loom_optimizer_config 
         return loom_errf(ctx, LOOM_ERR_CONFIG, "optimizer: weight_decay=%g must be >= 0",
                          c->weight_decay);
     m->opt = *c;
+    m->opt_set = true;
     return LOOM_OK;
 }
 
