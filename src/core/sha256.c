@@ -67,6 +67,7 @@ static void compress(uint32_t h[8], const uint8_t *p) {
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_SHA_NI 1
 
@@ -107,7 +108,11 @@ __attribute__((target("sha,sse4.1"))) static void compress_ni(uint32_t h[8], con
 
 bool loom_sha256_accelerated(void) {
 #ifdef HAVE_SHA_NI
-    return __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1");
+    /* CPUID leaf 7: EBX bit 29 is SHA; leaf 1: ECX bit 19 is SSE4.1 (asked
+     * once per hash: in a VM each CPUID traps to the hypervisor) */
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << 29))) return false;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 19));
 #else
     return false;
 #endif
@@ -116,7 +121,7 @@ bool loom_sha256_accelerated(void) {
 /* n whole blocks, through the SHA extensions when the CPU has them. */
 static void blocks(loom_sha256 *s, const uint8_t *p, size_t n) {
 #ifdef HAVE_SHA_NI
-    if (!s->portable && loom_sha256_accelerated()) {
+    if (s->accel && !s->portable) {
         compress_ni(s->h, p, n);
         return;
     }
@@ -133,6 +138,7 @@ void loom_sha256_init(loom_sha256 *s) {
     s->total = 0;
     s->fill = 0;
     s->portable = false;
+    s->accel = loom_sha256_accelerated();
 }
 
 void loom_sha256_update(loom_sha256 *s, const void *data, size_t len) {

@@ -14,6 +14,7 @@ typedef struct loom_sha256 {
     uint64_t total;      /* bytes hashed so far */
     uint8_t block[64];   /* a partial block */
     size_t fill;         /* its length */
+    bool accel;          /* the CPU has SHA instructions (asked by init) */
     bool portable;       /* set after init: never the CPU's SHA instructions (tests) */
 } loom_sha256;
 
