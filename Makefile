@@ -164,17 +164,22 @@ ifeq ($(CUDA),1)
 	@echo "CUDA_HOME=$(CUDA_HOME) NCCL_HOME=$(NCCL_HOME) CUDNN_HOME=$(CUDNN_HOME) CUDA_ARCH=$(CUDA_ARCH)"
 endif
 
+# The library's objects hide every symbol include/loom.h does not declare
+# (its visibility pragma): libloom.so exports the API alone; the CLI and
+# the tests link libloom.a, where hidden symbols still resolve.
+$(BUILD)/obj/src/%.o: VISIBILITY := -fvisibility=hidden
+
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS) $(VISIBILITY) -c $< -o $@
 
 $(BUILD)/obj/%.o: %.cc
 	@mkdir -p $(dir $@)
-	$(CXX) $(CXXFLAGS) -c $< -o $@
+	$(CXX) $(CXXFLAGS) $(VISIBILITY) -c $< -o $@
 
 $(BUILD)/obj/%.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) $(CU_ARCH_FLAGS) -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) $(CU_ARCH_FLAGS) $(if $(VISIBILITY),-Xcompiler $(VISIBILITY)) -c $< -o $@
 
 # wgmma and setmaxnreg exist on sm_90a only: the Hopper GEMM is built for it
 # alone (loom_cuda_gemm_lora_ok refuses other devices).
@@ -184,8 +189,8 @@ $(BUILD)/libloom.a: $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/libloom.so: $(LIB_OBJ)
-	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
+$(BUILD)/libloom.so: $(LIB_OBJ) src/libloom.map
+	$(CC) -shared $(LDFLAGS) -Wl,--version-script=src/libloom.map -o $@ $(LIB_OBJ) $(LDLIBS)
 
 $(BUILD)/loom: $(CLI_OBJ) $(BUILD)/libloom.a
 	$(CC) $(LDFLAGS) -o $@ $(CLI_OBJ) $(BUILD)/libloom.a $(LDLIBS)

@@ -15,6 +15,12 @@
 extern "C" {
 #endif
 
+/* The library is built with hidden visibility (-fvisibility=hidden): what
+ * this header declares is all libloom.so exports. */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+
 #define LOOM_VERSION_MAJOR 0
 #define LOOM_VERSION_MINOR 1
 #define LOOM_VERSION_PATCH 0
@@ -472,6 +478,10 @@ const char *loom_model_adapter_tensor(loom_model *m, const char *name, int64_t i
  * existing `dir` holding other files than a model's is refused. */
 loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
                                uint64_t max_shard_bytes);
+
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }

@@ -508,3 +508,19 @@ def test_int32_rows_are_read_in_place(m):
     # another dtype or a non-contiguous array takes the general path, same result
     g = m.forward_only(inputs={"input_ids": ids[:, ::1].astype(np.int64), "labels": labels})
     assert abs(g["loss"] - fast["loss"]) < 1e-6
+
+
+def test_library_exports_only_its_api():
+    """libloom.so's dynamic symbols are the functions include/loom.h
+    declares, no more (the library is built hidden, with a version script)
+    and no fewer."""
+    import re
+    lib = os.environ["LOOM_LIBRARY"]
+    out = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True,
+                         check=True).stdout
+    exported = {line.split()[-1] for line in out.splitlines() if line.split()}
+    header = open(os.path.join(ROOT, "include", "loom.h")).read()
+    header = re.sub(r"/\*.*?\*/", "", header, flags=re.S)
+    declared = set(re.findall(r"\b(loom_[a-z0-9_]+)\s*\(", header))
+    assert exported - declared == set(), "exported but not in loom.h: %s" % sorted(exported - declared)
+    assert declared - exported == set(), "in loom.h but not exported: %s" % sorted(declared - exported)
