@@ -7,7 +7,7 @@
 
 #include "harness.h"
 
-#include "../src/train/adamw.h"
+#include "../src/backend/adamw.h"
 
 /* Reproducible values in [-1, 1) (splitmix64). */
 static double urand(uint64_t *s) {

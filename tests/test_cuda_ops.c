@@ -13,7 +13,7 @@
 #include "../src/backend/cuda/cuda_backend.h"
 #include "../src/backend/cuda/cuda_ops.h"
 #include "../src/core/rng.h"
-#include "../src/train/adamw.h"
+#include "../src/backend/adamw.h"
 #include "harness.h"
 
 #include "cuda_test.h"

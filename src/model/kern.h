@@ -20,7 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../train/adamw.h"
+#include "../backend/adamw.h"
 #include "loom.h"
 
 /* Return the status of a call that failed (the model code's error flow). */

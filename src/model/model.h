@@ -84,7 +84,7 @@ typedef struct loom_arena {
     void *d_chunks;          /* GPU: the optimizer's chunk lists, AdamW (n_adam) then norm */
     int64_t n_adam, n_norm;
     int64_t step;            /* optimizer steps taken on this arena */
-    /* Deferred zeroing (the base model's gradients; trainer.c): after
+    /* Deferred zeroing (the base model's gradients; grads.c): after
      * zero_grad the slots marked in gfresh hold stale values that count as
      * zero. A linear weight's first gradient GEMM of the step overwrites its
      * slot (beta 0) instead of adding; any other first writer clears the slot
@@ -392,16 +392,6 @@ typedef struct loom_carve {
 } loom_carve;
 void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
                       int in_flight, int lr, bool dropout);
-/* trainer.c: the part of slot i in this rank's shard of bucket b (flat
- * offset, length, offset in the shard buffers); the distributed optimizer's
- * state (moments, gradient shard), allocated zeroed once. */
-bool loom_shard_part(const loom_model *m, const loom_arena *A, int b, int i, size_t *o0,
-                     size_t *len, size_t *so);
-/* This rank's shard of bucket b: flat offset s0 and length per in the
- * arena, and where it starts in the shard buffers. */
-void loom_shard_range(const loom_model *m, const loom_arena *A, int b, size_t *s0, size_t *per,
-                      size_t *base);
-loom_status loom_optim_alloc(loom_model *m, loom_arena *A);
 /* The pipeline rank holding a tensor (a tied embedding: the first). */
 int loom_param_stage(const loom_param_spec *p, int64_t L, int pp, int vpp);
 /* The same for one pipeline stage. */

@@ -34,6 +34,7 @@
 #include "../model/kern.h"
 #include "../model/model.h"
 #include "scheduler.h"
+#include "trainer.h"
 
 #define STATE_FORMAT "loom-training-state"
 #define STATE_VERSION 2

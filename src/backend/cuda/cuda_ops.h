@@ -28,7 +28,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "../../train/adamw.h"
+#include "../adamw.h"
 #include "loom.h"
 
 #ifdef __cplusplus

@@ -1,10 +1,10 @@
 /* AdamW step, deterministic sum of squares, gradient scaling. See adamw.h. */
-#include "adamw.h"
+#include "../adamw.h"
 
 #include <math.h>
 #include <stdlib.h>
 
-#include "../core/core.h"
+#include "../../core/core.h"
 
 void loom_adamw_step(float *p, const float *g, float *m, float *v, size_t n,
                      const loom_adamw_hp *hp, int64_t t, bool decay) {

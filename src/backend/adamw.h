@@ -1,9 +1,10 @@
 /* AdamW on fp32 master weights (torch.optim.AdamW semantics: decoupled
  * weight decay) and global gradient-norm clipping (Megatron / torch
  * clip_grad_norm_). CPU reference; a CUDA version must give the same
- * numbers up to rounding. */
-#ifndef LOOM_TRAIN_ADAMW_H
-#define LOOM_TRAIN_ADAMW_H
+ * numbers up to rounding (src/backend/cuda/ops_optim.cu, beside this
+ * one's src/backend/cpu/adamw.c). */
+#ifndef LOOM_BACKEND_ADAMW_H
+#define LOOM_BACKEND_ADAMW_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -63,4 +64,4 @@ double loom_sumsq_scaled(const float *g, size_t n, float s);
  * the caller checks isfinite(total_norm) first). */
 float loom_clip_coeff(double total_norm, double max_norm);
 
-#endif /* LOOM_TRAIN_ADAMW_H */
+#endif /* LOOM_BACKEND_ADAMW_H */
