@@ -18,7 +18,7 @@
 #include <strings.h>
 
 #include "../core/rng.h"
-#include "../io/outdir.h"
+#include "../io/export.h"
 #include "../io/safetensors.h"
 #include "model.h"
 
@@ -246,28 +246,27 @@ loom_status loom_model_set_adapter(loom_model *m, const char *name) {
  * config.json's model_type, a hub id or a path elsewhere by its last
  * component against the base directory's name. (Other hidden sizes or layer
  * counts are errors of the tensor checks.) */
-static void check_base(loom_model *m, const loom_json *doc, const char *cfgp) {
-    const loom_json *b = loom_json_get(doc, "base_model_name_or_path");
-    if (!b || b->type != LOOM_JSON_STRING || !b->slen || loom_model_rank(m) != 0) return;
+static void check_base(loom_model *m, const char *base, const char *cfgp) {
+    if (!*base || loom_model_rank(m) != 0) return;
     const char *mine = m->cfg.model_type;
     loom_ctx *q = NULL; /* what fails here is not the load's error */
     if (loom_ctx_create(&q)) return;
-    char *cj = loom_path_join(q, b->s, "config.json");
+    char *cj = loom_path_join(q, base, "config.json");
     loom_json *bc = NULL;
     const char *theirs = NULL;
     if (cj && loom_file_exists(cj)) {
         if (!loom_json_parse_file(q, cj, &bc) && !loom_json_get_str_opt(q, bc, "model_type", cj, &theirs) &&
             theirs && strcmp(theirs, mine))
             LOOM_LOG_W(m->ctx, "%s: the adapter was trained on %s (model_type %s), loading onto %s "
-                       "(model_type %s)", cfgp, b->s, theirs, m->dir_name, mine);
+                       "(model_type %s)", cfgp, base, theirs, m->dir_name, mine);
     } else {
         char name[256];
-        loom_path_name(b->s, name, sizeof name);
+        loom_path_name(base, name, sizeof name);
         /* adapters loom saved before named the model_type there */
-        if (strcasecmp(name, m->dir_name) && strcmp(b->s, mine))
+        if (strcasecmp(name, m->dir_name) && strcmp(base, mine))
             LOOM_LOG_W(m->ctx, "%s: the adapter was trained on %s, loading onto %s; use the base it "
                        "was trained on, unless %s is that model under another name",
-                       cfgp, b->s, m->dir_name, m->dir_name);
+                       cfgp, base, m->dir_name, m->dir_name);
     }
     loom_json_free(bc);
     free(cj);
@@ -278,101 +277,34 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
     loom_ctx *ctx = m->ctx;
     char *cfgp = loom_path_join(ctx, dir, "adapter_config.json");
     if (!cfgp) return LOOM_ERR_OOM;
-    loom_json *doc = NULL;
     loom_safetensors *st = NULL;
-    loom_status s;
-    if (!loom_file_exists(cfgp)) {
-        s = loom_errf(ctx, LOOM_ERR_NOT_FOUND,
-                      "%s: not found (a PEFT adapter directory holds adapter_config.json and "
-                      "adapter_model.safetensors)",
-                      cfgp);
-        goto done;
-    }
-    if ((s = loom_json_parse_file(ctx, cfgp, &doc))) goto done;
-    const char *ptype = NULL;
-    if ((s = loom_json_get_str_opt(ctx, doc, "peft_type", cfgp, &ptype))) goto done;
-    if (ptype && strcmp(ptype, "LORA")) {
-        s = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: peft_type %s: loom reads LoRA adapters only",
-                      cfgp, ptype);
-        goto done;
-    }
-    check_base(m, doc, cfgp);
-    int64_t r = 0;
-    double alpha = 0, dropout = 0;
-    bool rslora = false, dora = false, fifo = false;
-    if ((s = loom_json_get_int(ctx, doc, "r", cfgp, &r))) goto done;
-    alpha = (double)r;
-    if ((s = loom_json_get_num_opt(ctx, doc, "lora_alpha", cfgp, &alpha)) ||
-        (s = loom_json_get_num_opt(ctx, doc, "lora_dropout", cfgp, &dropout)) ||
-        (s = loom_json_get_bool_opt(ctx, doc, "use_rslora", cfgp, &rslora)) ||
-        (s = loom_json_get_bool_opt(ctx, doc, "use_dora", cfgp, &dora)) ||
-        (s = loom_json_get_bool_opt(ctx, doc, "fan_in_fan_out", cfgp, &fifo)))
-        goto done;
-    const char *unsupported = dora ? "use_dora" : fifo ? "fan_in_fan_out" : NULL;
-    static const char *const must_be_empty[] = {"rank_pattern", "alpha_pattern", "modules_to_save",
-                                                "layers_to_transform", "target_parameters"};
-    for (size_t i = 0; !unsupported && i < sizeof must_be_empty / sizeof must_be_empty[0]; i++) {
-        const loom_json *v = loom_json_get(doc, must_be_empty[i]);
-        if (v && v->type != LOOM_JSON_NULL && !((v->type == LOOM_JSON_OBJECT ||
-                                                 v->type == LOOM_JSON_ARRAY) && v->n == 0))
-            unsupported = must_be_empty[i];
-    }
-    const char *bias = NULL;
-    if ((s = loom_json_get_str_opt(ctx, doc, "bias", cfgp, &bias))) goto done;
-    if (!unsupported && bias && strcmp(bias, "none")) unsupported = "bias";
-    if (unsupported) {
-        s = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                      "%s: %s is set; loom reads plain LoRA adapters (no DoRA, per-module ranks, "
-                      "extra trained modules or biases)",
-                      cfgp, unsupported);
-        goto done;
-    }
-    /* target_modules: a list of names or "all-linear" */
-    const loom_json *tm = loom_json_get(doc, "target_modules");
-    char targets[256] = "";
-    if (tm && tm->type == LOOM_JSON_STRING) {
-        snprintf(targets, sizeof targets, "%s", tm->s);
-    } else if (tm && tm->type == LOOM_JSON_ARRAY) {
-        for (size_t i = 0; i < tm->n; i++) {
-            if (tm->items[i]->type != LOOM_JSON_STRING) {
-                s = loom_errf(ctx, LOOM_ERR_CONFIG, "%s: target_modules must hold strings", cfgp);
-                goto done;
-            }
-            snprintf(targets + strlen(targets), sizeof targets - strlen(targets), "%s%s",
-                     i ? "," : "", tm->items[i]->s);
-        }
-    } else {
-        s = loom_errf(ctx, LOOM_ERR_CONFIG,
-                      "%s: target_modules must be a list of module names or \"all-linear\"",
-                      cfgp);
-        goto done;
-    }
+    loom_peft_config pc;
+    loom_status s = loom_peft_config_read(ctx, dir, &pc);
+    if (s) goto done;
+    check_base(m, pc.base_model, cfgp);
+    const int64_t r = pc.r;
     bool target[LOOM_LORA_NMOD];
-    if ((s = loom_lora_parse_targets(ctx, targets, target))) {
+    if ((s = loom_lora_parse_targets(ctx, pc.target_modules, target))) {
         loom_err_prefix(ctx, "%s", cfgp);
-        goto done;
-    }
-    if (r > 1 << 20) {
-        s = loom_errf(ctx, LOOM_ERR_CONFIG, "%s: r=%lld is too large", cfgp, (long long)r);
         goto done;
     }
     if ((s = loom_st_open_dir(ctx, dir, "adapter_model", &st))) goto done;
     /* every tensor of the file must be one the config implies, and the
      * other way round, with the shapes the base model gives */
     loom_adapter *a;
-    if ((s = adapter_new(m, name, (int)r, alpha, dropout, rslora, target, &a))) goto done;
+    if ((s = adapter_new(m, name, (int)r, pc.lora_alpha, pc.lora_dropout, pc.use_rslora, target,
+                         &a)))
+        goto done;
     int found = 0;
     for (size_t i = 0; i < loom_st_count(st) && !s; i++) {
         const loom_st_tensor *t = loom_st_at(st, i);
         /* the expected global shape, from the name */
-        long long l;
+        int64_t l;
         char mod[32], ab;
-        int n = 0;
-        bool known = sscanf(t->name, "base_model.model.model.layers.%lld.%*[a-z_].%31[a-z_].lora_%c.weight%n",
-                            &l, mod, &ab, &n) == 3 && t->name[n] == 0 && l >= 0 && l < m->L;
+        bool known = loom_peft_weight_parse(t->name, &l, mod, &ab) && l < m->L;
         int k = 0;
         while (known && k < LOOM_LORA_NMOD && strcmp(mod_name[k], mod)) k++;
-        if (!known || k == LOOM_LORA_NMOD || !target[k] || (ab != 'A' && ab != 'B')) {
+        if (!known || k == LOOM_LORA_NMOD || !target[k]) {
             s = loom_errf(ctx, LOOM_ERR_FORMAT,
                           "%s: tensor %s is not a LoRA weight of the modules adapter_config.json "
                           "targets on this %lld-layer model",
@@ -419,7 +351,6 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
     freeze_base(m, a);
 done:
     loom_st_close(st);
-    loom_json_free(doc);
     free(cfgp);
     return s;
 }
@@ -441,8 +372,7 @@ static bool global_tensor(const loom_model *m, const loom_adapter *a, int64_t i,
     int64_t in, outf;
     bool row_par;
     mod_shape(m, k, &in, &outf, &row_par);
-    snprintf(buf, cap, "base_model.model.model.layers.%lld.%s.%s.lora_%c.weight", (long long)l,
-             mod_path[k], mod_name[k], ab ? 'B' : 'A');
+    loom_peft_weight_name(buf, cap, l, mod_path[k], mod_name[k], ab ? 'B' : 'A');
     shape[0] = ab ? outf : a->r;
     shape[1] = ab ? a->r : in;
     return true;
@@ -484,101 +414,49 @@ loom_status loom_lora_find(loom_model *m, const char *name, loom_arena **ar, cha
     return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND, "adapter '%s' has no tensor %s", a->name, key);
 }
 
-/* adapter_config.json: what PEFT needs to load it. base_model_name_or_path
- * is the name of the directory the model was created from. */
-static loom_status write_adapter_config(loom_model *m, const loom_adapter *a, const char *dir) {
-    loom_ctx *ctx = m->ctx;
-    /* the model directory's own name (loom_path_name: "models/Qwen3-0.6B/"
-     * and "." name the directory itself) */
-    const char *base = m->dir_name[0] ? m->dir_name : m->cfg.model_type;
-    loom_json *c = loom_json_new_object(ctx), *tm = loom_json_new_array(ctx);
-    if (!c || !tm) {
-        loom_json_free(c);
-        loom_json_free(tm);
-        return LOOM_ERR_OOM;
-    }
-    for (int k = 0; k < LOOM_LORA_NMOD; k++)
-        if (a->target[k]) loom_json_push(ctx, tm, loom_json_new_str(ctx, mod_name[k]));
-    struct {
-        const char *k;
-        loom_json *v;
-    } kv[] = {
-        {"peft_type", loom_json_new_str(ctx, "LORA")},
-        {"task_type", loom_json_new_str(ctx, "CAUSAL_LM")},
-        {"base_model_name_or_path", loom_json_new_str(ctx, base)},
-        {"r", loom_json_new_int(ctx, a->r)},
-        {"lora_alpha", loom_json_new_num(ctx, a->alpha)},
-        {"lora_dropout", loom_json_new_num(ctx, a->dropout)},
-        {"target_modules", tm},
-        {"use_rslora", loom_json_new_bool(ctx, a->rslora)},
-        {"use_dora", loom_json_new_bool(ctx, false)},
-        {"bias", loom_json_new_str(ctx, "none")},
-        {"fan_in_fan_out", loom_json_new_bool(ctx, false)},
-        {"inference_mode", loom_json_new_bool(ctx, true)},
-        {"init_lora_weights", loom_json_new_bool(ctx, true)},
-        {"modules_to_save", loom_json_new_null(ctx)},
-    };
-    loom_status st = LOOM_OK;
-    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
-        if (!st)
-            st = kv[i].v ? loom_json_set(ctx, c, kv[i].k, kv[i].v) : LOOM_ERR_OOM;
-        else
-            loom_json_free(kv[i].v);
-    loom_sb sb;
-    loom_sb_init(&sb);
-    if (!st) st = loom_json_write(ctx, c, 2, &sb);
-    loom_json_free(c);
-    char *text = loom_sb_take(&sb);
-    char *path = loom_path_join(ctx, dir, "adapter_config.json");
-    if (!st && (!text || !path)) st = LOOM_ERR_OOM;
-    if (!st) st = loom_write_file_atomic(ctx, path, text, strlen(text));
-    free(text);
-    free(path);
-    return st;
+/* The adapter's tensors for io/'s writers: PEFT's names and shapes over
+ * the whole model, each gathered from the ranks that hold it. */
+typedef struct adapter_src {
+    loom_model *m;
+    loom_adapter *a;
+} adapter_src;
+
+static void adapter_info(void *u, size_t i, char *name, size_t cap, int *ndim, int64_t shape[2]) {
+    adapter_src *x = u;
+    global_tensor(x->m, x->a, (int64_t)i, name, cap, shape);
+    *ndim = 2;
+}
+
+static loom_status adapter_fetch(void *u, size_t i, float *dst) {
+    adapter_src *x = u;
+    char name[256];
+    int64_t shape[2];
+    global_tensor(x->m, x->a, (int64_t)i, name, sizeof name, shape);
+    return loom_gather_full(x->m, &x->a->ar, name, shape[0], shape[1], false, 1.0f, dst);
 }
 
 loom_status loom_model_save_adapter(loom_model *m, const char *name, const char *dir,
                                     loom_dtype dtype) {
-    loom_ctx *ctx = m->ctx;
     loom_adapter *a = find(m, name);
-    if (!a) return loom_errf(ctx, LOOM_ERR_NOT_FOUND, "the model has no adapter named '%s'", name);
+    if (!a) return loom_errf(m->ctx, LOOM_ERR_NOT_FOUND, "the model has no adapter named '%s'", name);
     if (dtype == LOOM_DTYPE_COUNT) dtype = LOOM_F32;
-    if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16 && dtype != LOOM_F64)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "adapters are saved as F32, BF16, F16 or F64");
-    const bool writer = m->mesh->rank == 0;
-    loom_status st = LOOM_OK;
-    loom_st_writer *w = NULL;
-    loom_out out = {0}; /* rank 0 writes into a temporary directory, moved into place whole */
+    adapter_src x = {m, a};
     char buf[256];
     int64_t shape[2];
-    if (writer && !(st = loom_out_begin(ctx, "save_adapter", dir, LOOM_OUT_DIR, &out))) {
-        loom_json *meta = loom_json_new_object(ctx);
-        st = meta ? loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt")) : LOOM_ERR_OOM;
-        if (!st) st = loom_st_writer_create(ctx, out.tmp, "adapter_model", 0, meta, &w);
-        loom_json_free(meta);
-        for (int64_t i = 0; !st && global_tensor(m, a, i, buf, sizeof buf, shape); i++)
-            st = loom_st_writer_declare(ctx, w, buf, dtype, 2, shape);
-    }
-    /* every rank takes part in each gather, whatever rank 0's state */
-    float *t = NULL;
-    for (int64_t i = 0; global_tensor(m, a, i, buf, sizeof buf, shape); i++) {
-        float *nt = realloc(t, sizeof *t * (size_t)(shape[0] * shape[1]));
-        loom_status gs = nt ? LOOM_OK : loom_errf(ctx, LOOM_ERR_OOM, "out of memory saving %s", buf);
-        t = nt ? nt : t;
-        if (!gs) gs = loom_gather_full(m, &a->ar, buf, shape[0], shape[1], false, 1.0f, t);
-        if (gs) {
-            st = gs;
-            break;
-        }
-        if (writer && !st) st = loom_st_writer_write(ctx, w, buf, LOOM_F32, t);
-    }
-    free(t);
-    if (writer && !st) st = loom_st_writer_finish(ctx, w);
-    loom_st_writer_free(w);
-    if (writer && !st) st = write_adapter_config(m, a, out.tmp);
-    if (writer && !st) return loom_out_commit(ctx, &out);
-    loom_out_abort(&out);
-    return st;
+    size_t n = 0;
+    while (global_tensor(m, a, (int64_t)n, buf, sizeof buf, shape)) n++;
+    const loom_tensor_source src = {&x, n, adapter_info, adapter_fetch};
+    /* base_model_name_or_path: the model directory's own name
+     * (loom_path_name: "models/Qwen3-0.6B/" and "." name the directory) */
+    loom_peft_config pc = {.r = a->r, .lora_alpha = a->alpha, .lora_dropout = a->dropout,
+                           .use_rslora = a->rslora};
+    snprintf(pc.base_model, sizeof pc.base_model, "%s",
+             m->dir_name[0] ? m->dir_name : m->cfg.model_type);
+    const char *targets[LOOM_LORA_NMOD];
+    int nt = 0;
+    for (int k = 0; k < LOOM_LORA_NMOD; k++)
+        if (a->target[k]) targets[nt++] = mod_name[k];
+    return loom_peft_dir_write(m->ctx, dir, m->mesh->rank == 0, &src, dtype, &pc, targets, nt);
 }
 
 /* Bytes of a saved adapter of rank r on the targeted modules (F32, PEFT

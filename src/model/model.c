@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "../backend/cpu/cpu_ops.h"
-#include "../io/outdir.h"
+#include "../io/export.h"
 #include "../io/safetensors.h"
 #include "../parallel/schedule.h"
 #include "model.h"
@@ -1009,55 +1009,29 @@ loom_status loom_model_get_grad(loom_model *m, const char *name, float *dst, int
     return get_tensor(m, name, true, dst, n);
 }
 
+/* The base model's tensors for io/'s writer: HF names and shapes, each
+ * gathered from the ranks that hold it. */
+static void hf_info(void *u, size_t i, char *name, size_t cap, int *ndim, int64_t shape[2]) {
+    const loom_param_spec *p = &((loom_model *)u)->plan.p[i];
+    snprintf(name, cap, "%s", p->name);
+    *ndim = p->ndim;
+    shape[0] = p->shape[0];
+    shape[1] = p->ndim == 2 ? p->shape[1] : 1;
+}
+
+static loom_status hf_fetch(void *u, size_t i, float *dst) {
+    loom_model *m = u;
+    const loom_param_spec *p = &m->plan.p[i];
+    return loom_model_get_param(m, p->name, dst,
+                                p->shape[0] * (p->ndim == 2 ? p->shape[1] : 1));
+}
+
 loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
                                uint64_t max_shard_bytes) {
-    loom_ctx *ctx = m->ctx;
-    const bool writer = m->mesh->rank == 0;
-    if (dtype == LOOM_DTYPE_COUNT) dtype = m->file_dtype;
-    if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
-                         "weights can be saved as F32, BF16 or F16, not %s", loom_dtype_name(dtype));
-    if (!max_shard_bytes) max_shard_bytes = 5000000000ull;
-    loom_status st = LOOM_OK;
-    loom_st_writer *w = NULL;
-    loom_out out = {0}; /* rank 0 writes into a temporary directory, moved into place whole */
-    if (writer && !(st = loom_out_begin(ctx, "save_hf", dir, LOOM_OUT_DIR, &out))) {
-        loom_json *meta = loom_json_new_object(ctx);
-        st = meta ? loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt")) : LOOM_ERR_OOM;
-        if (!st) st = loom_st_writer_create(ctx, out.tmp, "model", max_shard_bytes, meta, &w);
-        loom_json_free(meta);
-        for (size_t i = 0; i < m->plan.n && !st; i++)
-            st = loom_st_writer_declare(ctx, w, m->plan.p[i].name, dtype, m->plan.p[i].ndim,
-                                        m->plan.p[i].shape);
-    }
-    /* every rank takes part in each gather, whatever rank 0's state */
-    float *buf = NULL;
-    size_t cap = 0;
-    for (size_t i = 0; i < m->plan.n; i++) {
-        const loom_param_spec *p = &m->plan.p[i];
-        size_t n = (size_t)(p->shape[0] * (p->ndim == 2 ? p->shape[1] : 1));
-        loom_status gs = LOOM_OK;
-        if (n > cap) {
-            float *nb = realloc(buf, n * sizeof *buf);
-            if (!nb) gs = loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering %s", p->name);
-            buf = nb ? nb : buf;
-            cap = nb ? n : cap;
-        }
-        if (!gs) gs = loom_model_get_param(m, p->name, buf, (int64_t)n);
-        if (gs) {
-            st = gs;
-            break;
-        }
-        if (writer && !st) st = loom_st_writer_write(ctx, w, p->name, LOOM_F32, buf);
-    }
-    free(buf);
-    if (writer && !st) st = loom_st_writer_finish(ctx, w);
-    loom_st_writer_free(w);
-    if (writer && !st) st = loom_config_save(ctx, &m->cfg, out.tmp, dtype);
-    if (writer && !st && m->src_dir) st = loom_out_copy_side_files(ctx, m->src_dir, out.tmp);
-    if (writer && !st) return loom_out_commit(ctx, &out);
-    loom_out_abort(&out);
-    return st;
+    const loom_tensor_source src = {m, m->plan.n, hf_info, hf_fetch};
+    return loom_hf_dir_write(m->ctx, dir, m->mesh->rank == 0, &src,
+                             dtype == LOOM_DTYPE_COUNT ? m->file_dtype : dtype, max_shard_bytes,
+                             &m->cfg, m->src_dir);
 }
 
 loom_status loom_model_load_config(loom_ctx *ctx, const char *dir, const char *overrides,

@@ -1,0 +1,235 @@
+/* Hugging Face and PEFT directories out, adapter_config.json in (export.h). */
+#include "export.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/json.h"
+#include "outdir.h"
+#include "safetensors.h"
+
+/* <base>.safetensors (sharded past max_shard; 0: one file) from src into
+ * dir on the writer, {"format": "pt"} as its metadata, as transformers
+ * writes. Every rank fetches every tensor, whatever the writer's state. */
+static loom_status write_tensors(loom_ctx *ctx, const char *dir, const char *base,
+                                 uint64_t max_shard, loom_dtype dtype, bool writer,
+                                 const loom_tensor_source *src, loom_status st) {
+    loom_st_writer *w = NULL;
+    char name[320];
+    int ndim;
+    int64_t shape[2];
+    if (writer && !st) {
+        loom_json *meta = loom_json_new_object(ctx);
+        st = meta ? loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt")) : LOOM_ERR_OOM;
+        if (!st) st = loom_st_writer_create(ctx, dir, base, max_shard, meta, &w);
+        loom_json_free(meta);
+        for (size_t i = 0; i < src->n && !st; i++) {
+            src->info(src->u, i, name, sizeof name, &ndim, shape);
+            st = loom_st_writer_declare(ctx, w, name, dtype, ndim, shape);
+        }
+    }
+    float *buf = NULL;
+    size_t cap = 0;
+    for (size_t i = 0; i < src->n; i++) {
+        src->info(src->u, i, name, sizeof name, &ndim, shape);
+        const size_t n = (size_t)(shape[0] * (ndim == 2 ? shape[1] : 1));
+        loom_status gs = LOOM_OK;
+        if (n > cap) {
+            float *nb = realloc(buf, n * sizeof *buf);
+            if (!nb) gs = loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering %s", name);
+            buf = nb ? nb : buf;
+            cap = nb ? n : cap;
+        }
+        if (!gs) gs = src->fetch(src->u, i, buf);
+        if (gs) { /* a failed gather fails every rank alike: stop here */
+            st = gs;
+            break;
+        }
+        if (writer && !st) st = loom_st_writer_write(ctx, w, name, LOOM_F32, buf);
+    }
+    free(buf);
+    if (writer && !st) st = loom_st_writer_finish(ctx, w);
+    loom_st_writer_free(w);
+    return st;
+}
+
+loom_status loom_hf_dir_write(loom_ctx *ctx, const char *dir, bool writer,
+                              const loom_tensor_source *src, loom_dtype dtype,
+                              uint64_t max_shard_bytes, const loom_model_config *cfg,
+                              const char *side_dir) {
+    if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "weights can be saved as F32, BF16 or F16, not %s", loom_dtype_name(dtype));
+    if (!max_shard_bytes) max_shard_bytes = 5000000000ull; /* transformers' default */
+    loom_out out = {0}; /* the writer writes into a temporary directory, moved into place whole */
+    loom_status st = writer ? loom_out_begin(ctx, "save_hf", dir, LOOM_OUT_DIR, &out) : LOOM_OK;
+    st = write_tensors(ctx, out.tmp, "model", max_shard_bytes, dtype, writer, src, st);
+    if (writer && !st) st = loom_config_save(ctx, cfg, out.tmp, dtype);
+    if (writer && !st && side_dir) st = loom_out_copy_side_files(ctx, side_dir, out.tmp);
+    if (writer && !st) return loom_out_commit(ctx, &out);
+    loom_out_abort(&out);
+    return st;
+}
+
+/* ---- PEFT ---- */
+
+void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *block,
+                           const char *module, char ab) {
+    snprintf(buf, cap, "base_model.model.model.layers.%lld.%s.%s.lora_%c.weight", (long long)layer,
+             block, module, ab);
+}
+
+bool loom_peft_weight_parse(const char *name, int64_t *layer, char module[32], char *ab) {
+    long long l = -1;
+    int n = 0;
+    if (sscanf(name, "base_model.model.model.layers.%lld.%*[a-z_].%31[a-z_].lora_%c.weight%n", &l,
+               module, ab, &n) != 3 || name[n] || l < 0 || (*ab != 'A' && *ab != 'B'))
+        return false;
+    *layer = l;
+    return true;
+}
+
+/* adapter_config.json as PEFT writes it; base_model_name_or_path is c's. */
+static loom_status write_config(loom_ctx *ctx, const char *dir, const loom_peft_config *c,
+                                const char *const *targets, int ntargets) {
+    loom_json *o = loom_json_new_object(ctx), *tm = loom_json_new_array(ctx);
+    if (!o || !tm) {
+        loom_json_free(o);
+        loom_json_free(tm);
+        return LOOM_ERR_OOM;
+    }
+    for (int k = 0; k < ntargets; k++) loom_json_push(ctx, tm, loom_json_new_str(ctx, targets[k]));
+    struct {
+        const char *k;
+        loom_json *v;
+    } kv[] = {
+        {"peft_type", loom_json_new_str(ctx, "LORA")},
+        {"task_type", loom_json_new_str(ctx, "CAUSAL_LM")},
+        {"base_model_name_or_path", loom_json_new_str(ctx, c->base_model)},
+        {"r", loom_json_new_int(ctx, c->r)},
+        {"lora_alpha", loom_json_new_num(ctx, c->lora_alpha)},
+        {"lora_dropout", loom_json_new_num(ctx, c->lora_dropout)},
+        {"target_modules", tm},
+        {"use_rslora", loom_json_new_bool(ctx, c->use_rslora)},
+        {"use_dora", loom_json_new_bool(ctx, false)},
+        {"bias", loom_json_new_str(ctx, "none")},
+        {"fan_in_fan_out", loom_json_new_bool(ctx, false)},
+        {"inference_mode", loom_json_new_bool(ctx, true)},
+        {"init_lora_weights", loom_json_new_bool(ctx, true)},
+        {"modules_to_save", loom_json_new_null(ctx)},
+    };
+    loom_status st = LOOM_OK;
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+        if (!st)
+            st = kv[i].v ? loom_json_set(ctx, o, kv[i].k, kv[i].v) : LOOM_ERR_OOM;
+        else
+            loom_json_free(kv[i].v);
+    loom_sb sb;
+    loom_sb_init(&sb);
+    if (!st) st = loom_json_write(ctx, o, 2, &sb);
+    loom_json_free(o);
+    char *text = loom_sb_take(&sb);
+    char *path = loom_path_join(ctx, dir, "adapter_config.json");
+    if (!st && (!text || !path)) st = LOOM_ERR_OOM;
+    if (!st) st = loom_write_file_atomic(ctx, path, text, strlen(text));
+    free(text);
+    free(path);
+    return st;
+}
+
+loom_status loom_peft_dir_write(loom_ctx *ctx, const char *dir, bool writer,
+                                const loom_tensor_source *src, loom_dtype dtype,
+                                const loom_peft_config *c, const char *const *targets,
+                                int ntargets) {
+    if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16 && dtype != LOOM_F64)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "adapters are saved as F32, BF16, F16 or F64");
+    loom_out out = {0}; /* the writer writes into a temporary directory, moved into place whole */
+    loom_status st = writer ? loom_out_begin(ctx, "save_adapter", dir, LOOM_OUT_DIR, &out)
+                            : LOOM_OK;
+    st = write_tensors(ctx, out.tmp, "adapter_model", 0, dtype, writer, src, st);
+    if (writer && !st) st = write_config(ctx, out.tmp, c, targets, ntargets);
+    if (writer && !st) return loom_out_commit(ctx, &out);
+    loom_out_abort(&out);
+    return st;
+}
+
+loom_status loom_peft_config_read(loom_ctx *ctx, const char *dir, loom_peft_config *out) {
+    memset(out, 0, sizeof *out);
+    char *cfgp = loom_path_join(ctx, dir, "adapter_config.json");
+    if (!cfgp) return LOOM_ERR_OOM;
+    loom_json *doc = NULL;
+    loom_status s;
+    if (!loom_file_exists(cfgp)) {
+        s = loom_errf(ctx, LOOM_ERR_NOT_FOUND,
+                      "%s: not found (a PEFT adapter directory holds adapter_config.json and "
+                      "adapter_model.safetensors)",
+                      cfgp);
+        goto done;
+    }
+    if ((s = loom_json_parse_file(ctx, cfgp, &doc))) goto done;
+    const char *ptype = NULL;
+    if ((s = loom_json_get_str_opt(ctx, doc, "peft_type", cfgp, &ptype))) goto done;
+    if (ptype && strcmp(ptype, "LORA")) {
+        s = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: peft_type %s: loom reads LoRA adapters only",
+                      cfgp, ptype);
+        goto done;
+    }
+    const loom_json *b = loom_json_get(doc, "base_model_name_or_path");
+    if (b && b->type == LOOM_JSON_STRING) snprintf(out->base_model, sizeof out->base_model, "%s", b->s);
+    bool dora = false, fifo = false;
+    if ((s = loom_json_get_int(ctx, doc, "r", cfgp, &out->r))) goto done;
+    out->lora_alpha = (double)out->r;
+    if ((s = loom_json_get_num_opt(ctx, doc, "lora_alpha", cfgp, &out->lora_alpha)) ||
+        (s = loom_json_get_num_opt(ctx, doc, "lora_dropout", cfgp, &out->lora_dropout)) ||
+        (s = loom_json_get_bool_opt(ctx, doc, "use_rslora", cfgp, &out->use_rslora)) ||
+        (s = loom_json_get_bool_opt(ctx, doc, "use_dora", cfgp, &dora)) ||
+        (s = loom_json_get_bool_opt(ctx, doc, "fan_in_fan_out", cfgp, &fifo)))
+        goto done;
+    const char *unsupported = dora ? "use_dora" : fifo ? "fan_in_fan_out" : NULL;
+    static const char *const must_be_empty[] = {"rank_pattern", "alpha_pattern", "modules_to_save",
+                                                "layers_to_transform", "target_parameters"};
+    for (size_t i = 0; !unsupported && i < sizeof must_be_empty / sizeof must_be_empty[0]; i++) {
+        const loom_json *v = loom_json_get(doc, must_be_empty[i]);
+        if (v && v->type != LOOM_JSON_NULL && !((v->type == LOOM_JSON_OBJECT ||
+                                                 v->type == LOOM_JSON_ARRAY) && v->n == 0))
+            unsupported = must_be_empty[i];
+    }
+    const char *bias = NULL;
+    if ((s = loom_json_get_str_opt(ctx, doc, "bias", cfgp, &bias))) goto done;
+    if (!unsupported && bias && strcmp(bias, "none")) unsupported = "bias";
+    if (unsupported) {
+        s = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                      "%s: %s is set; loom reads plain LoRA adapters (no DoRA, per-module ranks, "
+                      "extra trained modules or biases)",
+                      cfgp, unsupported);
+        goto done;
+    }
+    /* target_modules: a list of names or "all-linear" */
+    const loom_json *tm = loom_json_get(doc, "target_modules");
+    char *targets = out->target_modules;
+    const size_t tcap = sizeof out->target_modules;
+    if (tm && tm->type == LOOM_JSON_STRING) {
+        snprintf(targets, tcap, "%s", tm->s);
+    } else if (tm && tm->type == LOOM_JSON_ARRAY) {
+        for (size_t i = 0; i < tm->n; i++) {
+            if (tm->items[i]->type != LOOM_JSON_STRING) {
+                s = loom_errf(ctx, LOOM_ERR_CONFIG, "%s: target_modules must hold strings", cfgp);
+                goto done;
+            }
+            snprintf(targets + strlen(targets), tcap - strlen(targets), "%s%s", i ? "," : "",
+                     tm->items[i]->s);
+        }
+    } else {
+        s = loom_errf(ctx, LOOM_ERR_CONFIG,
+                      "%s: target_modules must be a list of module names or \"all-linear\"",
+                      cfgp);
+        goto done;
+    }
+    if (out->r > 1 << 20) /* r <= 0 is the adapter's check */
+        s = loom_errf(ctx, LOOM_ERR_CONFIG, "%s: r=%lld is too large", cfgp, (long long)out->r);
+done:
+    loom_json_free(doc);
+    free(cfgp);
+    return s;
+}

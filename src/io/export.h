@@ -1,0 +1,65 @@
+/* The directories transformers, PEFT and vLLM load, written whole (outdir):
+ * a Hugging Face model directory and a PEFT LoRA adapter, and the adapter's
+ * adapter_config.json read back. The model hands its tensors over one at a
+ * time through a loom_tensor_source; io/ knows the file layouts, model/
+ * knows none of them. */
+#ifndef LOOM_IO_EXPORT_H
+#define LOOM_IO_EXPORT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../core/core.h"
+#include "hf_config.h"
+
+/* Tensors produced one at a time, in order. info names tensor i (0 <= i <
+ * n) and gives its shape; fetch puts its values (fp32, row-major) in dst.
+ * Under a mesh every rank calls fetch for every tensor in the same order
+ * (it gathers), whatever the writer's state; only the writer writes. */
+typedef struct loom_tensor_source {
+    void *u;
+    size_t n;
+    void (*info)(void *u, size_t i, char *name, size_t cap, int *ndim, int64_t shape[2]);
+    loom_status (*fetch)(void *u, size_t i, float *dst);
+} loom_tensor_source;
+
+/* A Hugging Face model directory at dir: model.safetensors (or shards of
+ * at most max_shard_bytes with their index) in dtype, config.json from cfg,
+ * and the tokenizer and generation files found in side_dir (may be NULL).
+ * Collective through src->fetch; writer: this rank writes. */
+loom_status loom_hf_dir_write(loom_ctx *ctx, const char *dir, bool writer,
+                              const loom_tensor_source *src, loom_dtype dtype,
+                              uint64_t max_shard_bytes, const loom_model_config *cfg,
+                              const char *side_dir);
+
+/* A PEFT LoRA adapter's settings, as adapter_config.json holds them. */
+typedef struct loom_peft_config {
+    int64_t r;
+    double lora_alpha, lora_dropout;
+    bool use_rslora;
+    char target_modules[256]; /* comma-separated module names, or "all-linear" */
+    char base_model[1024];    /* base_model_name_or_path ("" when absent) */
+} loom_peft_config;
+
+/* adapter_config.json of the adapter directory dir. Refused, naming the
+ * file and the key: a missing file, another peft_type, DoRA, fan_in_fan_out,
+ * per-module ranks or alphas, extra trained modules, layers_to_transform,
+ * target_parameters, biases, bad target_modules. */
+loom_status loom_peft_config_read(loom_ctx *ctx, const char *dir, loom_peft_config *out);
+
+/* A PEFT adapter directory at dir: adapter_model.safetensors (src, in
+ * dtype) and adapter_config.json from c, with target_modules the names
+ * given (ntargets). Collective through src->fetch; writer: this rank writes. */
+loom_status loom_peft_dir_write(loom_ctx *ctx, const char *dir, bool writer,
+                                const loom_tensor_source *src, loom_dtype dtype,
+                                const loom_peft_config *c, const char *const *targets,
+                                int ntargets);
+
+/* PEFT's name of a decoder layer's LoRA weight: "base_model.model.model.
+ * layers.<layer>.<block>.<module>.lora_<A|B>.weight" (block: self_attn or
+ * mlp). parse gives layer, module and 'A'/'B'; false for any other name. */
+void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *block,
+                           const char *module, char ab);
+bool loom_peft_weight_parse(const char *name, int64_t *layer, char module[32], char *ab);
+
+#endif /* LOOM_IO_EXPORT_H */
