@@ -337,14 +337,10 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     bool stopped = false;
     for (int64_t step = step0; step <= s->train_steps; step++) {
         loom_packed_batch pb;
+        loom_loader_batch lb;
+        const loom_batch *b = ld ? &lb.b : &pb.b; /* what the loader or packer made */
         if (ld) {
-            loom_loader_batch lb;
             if ((st = loom_loader_next(ctx, ld, &lb))) goto done;
-            pb = (loom_packed_batch){.rows = lb.rows, .seq_len = lb.seq_len,
-                                     .input_ids = lb.input_ids, .targets = lb.targets,
-                                     .position_ids = lb.position_ids,
-                                     .cu_seqlens = lb.cu_seqlens, .n_segments = lb.n_segments,
-                                     .n_targets = lb.n_targets};
             if (loom_loader_state(ld).epoch > epoch) {
                 epoch = loom_loader_state(ld).epoch;
                 LOOM_LOG_I(ctx, "data: epoch %" PRId64 " done at step %" PRId64
@@ -354,16 +350,13 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         } else if ((st = loom_packer_next(ctx, pk, &pb))) {
             goto done;
         }
-        loom_batch b = {.rows = pb.rows, .seq_len = pb.seq_len, .input_ids = pb.input_ids,
-                        .targets = pb.targets, .cu_seqlens = pb.cu_seqlens,
-                        .n_docs = pb.n_segments, .position_ids = pb.position_ids};
         loom_fb_result fr;
         loom_step_result sr;
-        if ((st = loom_model_forward_backward(m, &b, nmicro, &fr))) goto done;
+        if ((st = loom_model_forward_backward(m, b, nmicro, &fr))) goto done;
         if ((st = loom_model_clip_grad_and_step(m, s->clip_grad, 1, &sr))) goto done;
         const double now = loom_now_s();
-        tokens_total += pb.rows * pb.seq_len;
-        samples_total += pb.rows;
+        tokens_total += b->rows * b->seq_len;
+        samples_total += b->rows;
         skipped += sr.skipped != 0;
         trained++;
         if (step == step0) {

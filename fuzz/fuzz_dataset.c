@@ -118,17 +118,17 @@ static void check_loader(loom_ctx *ctx, const loom_token_data *td, int64_t S, ui
     for (int it = 0; it < 3; it++) {
         loom_loader_batch bt;
         CHECK(loom_loader_next(ctx, l, &bt) == LOOM_OK);
-        const int32_t *cu = bt.cu_seqlens;
-        CHECK(cu[0] == 0 && cu[bt.n_segments] == bt.rows * S);
+        const int32_t *cu = bt.b.cu_seqlens;
+        CHECK(cu[0] == 0 && cu[bt.b.n_docs] == bt.b.rows * S);
         int64_t ntg = 0;
-        for (int64_t s = 0; s < bt.n_segments; s++) {
+        for (int64_t s = 0; s < bt.b.n_docs; s++) {
             int64_t a = cu[s], e = cu[s + 1], d = bt.segment_doc[s];
             CHECK(a < e && a / S == (e - 1) / S);
             CHECK(d < 0 ? e % S == 0 : (uint64_t)(e - a) == off[d + 1] - off[d]);
             for (int64_t t = a; t < e; t++) {
-                CHECK(bt.position_ids[t] == t - a);
-                if (bt.targets[t] != LOOM_IGNORE_INDEX) {
-                    CHECK(t + 1 < e && bt.targets[t] == bt.input_ids[t + 1]);
+                CHECK(bt.b.position_ids[t] == t - a);
+                if (bt.b.targets[t] != LOOM_IGNORE_INDEX) {
+                    CHECK(t + 1 < e && bt.b.targets[t] == bt.b.input_ids[t + 1]);
                     ntg++;
                 }
             }

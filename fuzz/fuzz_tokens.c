@@ -23,26 +23,26 @@
     } while (0)
 
 static void check_batch(const loom_packed_batch *b, const loom_tokfile *tf) {
-    int64_t S = b->seq_len, n = b->rows * S, ntg = 0;
-    const int32_t *cu = b->cu_seqlens;
-    CHECK(b->n_segments >= b->rows && b->n_segments <= n);
-    CHECK(cu[0] == 0 && cu[b->n_segments] == n);
+    int64_t S = b->b.seq_len, n = b->b.rows * S, ntg = 0;
+    const int32_t *cu = b->b.cu_seqlens;
+    CHECK(b->b.n_docs >= b->b.rows && b->b.n_docs <= n);
+    CHECK(cu[0] == 0 && cu[b->b.n_docs] == n);
     int64_t row_ends = 0;
-    for (int64_t s = 0; s < b->n_segments; s++) {
+    for (int64_t s = 0; s < b->b.n_docs; s++) {
         int64_t a = cu[s], e = cu[s + 1];
         CHECK(a < e && a / S == (e - 1) / S);
         row_ends += e % S == 0;
         for (int64_t t = a; t < e; t++) {
-            CHECK(b->position_ids[t] == t - a);
-            CHECK(b->input_ids[t] >= 0 && (uint32_t)b->input_ids[t] <= loom_tokfile_max_id(tf));
-            if (b->targets[t] != LOOM_IGNORE_INDEX) {
-                CHECK(t + 1 < e && b->targets[t] == b->input_ids[t + 1]);
+            CHECK(b->b.position_ids[t] == t - a);
+            CHECK(b->b.input_ids[t] >= 0 && (uint32_t)b->b.input_ids[t] <= loom_tokfile_max_id(tf));
+            if (b->b.targets[t] != LOOM_IGNORE_INDEX) {
+                CHECK(t + 1 < e && b->b.targets[t] == b->b.input_ids[t + 1]);
                 ntg++;
             }
         }
-        CHECK(b->targets[e - 1] == LOOM_IGNORE_INDEX);
+        CHECK(b->b.targets[e - 1] == LOOM_IGNORE_INDEX);
     }
-    CHECK(row_ends == b->rows && ntg == b->n_targets);
+    CHECK(row_ends == b->b.rows && ntg == b->n_targets);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -92,9 +92,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             CHECK(loom_packer_set_state(ctx, q, pos) == LOOM_OK);
             CHECK(loom_packer_next(ctx, q, &c) == LOOM_OK);
             size_t bytes = (size_t)(S * B) * sizeof(int32_t);
-            CHECK(memcmp(b.input_ids, c.input_ids, bytes) == 0);
-            CHECK(memcmp(b.targets, c.targets, bytes) == 0);
-            CHECK(b.n_segments == c.n_segments);
+            CHECK(memcmp(b.b.input_ids, c.b.input_ids, bytes) == 0);
+            CHECK(memcmp(b.b.targets, c.b.targets, bytes) == 0);
+            CHECK(b.b.n_docs == c.b.n_docs);
         }
         loom_packer_free(q);
         loom_packer_free(p);

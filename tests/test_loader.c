@@ -74,22 +74,22 @@ static int check_batch(const loom_loader_batch *b, const loom_tokfile *tf) {
             if (fails++ < 5) loom_test_fail(__FILE__, __LINE__, "batch: %s", #c);    \
         }                                                                            \
     } while (0)
-    const int64_t S = b->seq_len, n = b->rows * S;
+    const int64_t S = b->b.seq_len, n = b->b.rows * S;
     const uint64_t *off = loom_tokfile_doc_offsets(tf);
     const uint32_t *ids = loom_tokfile_ids(tf);
     const uint8_t *mask = loom_tokfile_mask(tf);
-    const int32_t *cu = b->cu_seqlens;
-    BCHECK(cu[0] == 0 && cu[b->n_segments] == n);
+    const int32_t *cu = b->b.cu_seqlens;
+    BCHECK(cu[0] == 0 && cu[b->b.n_docs] == n);
     int64_t row_ends = 0, ntg = 0, nsamp = 0, ntok = 0;
-    for (int64_t s = 0; s < b->n_segments; s++) {
+    for (int64_t s = 0; s < b->b.n_docs; s++) {
         int64_t a = cu[s], e = cu[s + 1], d = b->segment_doc[s];
         BCHECK(a < e && a / S == (e - 1) / S); /* inside one row */
         row_ends += e % S == 0;
-        for (int64_t t = a; t < e; t++) BCHECK(b->position_ids[t] == t - a);
+        for (int64_t t = a; t < e; t++) BCHECK(b->b.position_ids[t] == t - a);
         if (d < 0) { /* padding: only at the end of a row */
             BCHECK(e % S == 0);
             for (int64_t t = a; t < e; t++)
-                BCHECK(b->input_ids[t] == 0 && b->targets[t] == LOOM_IGNORE_INDEX);
+                BCHECK(b->b.input_ids[t] == 0 && b->b.targets[t] == LOOM_IGNORE_INDEX);
             continue;
         }
         nsamp++;
@@ -98,14 +98,14 @@ static int check_batch(const loom_loader_batch *b, const loom_tokfile *tf) {
         BCHECK((uint64_t)(e - a) == off[d + 1] - off[d]);
         for (int64_t t = a; t < e; t++) {
             uint64_t i = off[d] + (uint64_t)(t - a);
-            BCHECK(b->input_ids[t] == (int32_t)ids[i]);
+            BCHECK(b->b.input_ids[t] == (int32_t)ids[i]);
             int32_t want = t + 1 < e && (!mask || mask[i + 1]) ? (int32_t)ids[i + 1]
                                                                : LOOM_IGNORE_INDEX;
-            BCHECK(b->targets[t] == want);
+            BCHECK(b->b.targets[t] == want);
             ntg += want != LOOM_IGNORE_INDEX;
         }
     }
-    BCHECK(row_ends == b->rows);
+    BCHECK(row_ends == b->b.rows);
     BCHECK(ntg == b->n_targets && nsamp == b->n_samples && ntok == b->n_tokens);
     return fails;
 #undef BCHECK
@@ -157,11 +157,11 @@ TEST(loader_packs_whole_samples_greedily) {
     static const int32_t ps1[12] = {0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 4, 0};
     static const int32_t cu1[5] = {0, 3, 6, 11, 12};
     static const int64_t sd1[4] = {0, -1, 1, -1};
-    CHECK(!memcmp(b.input_ids, in1, sizeof in1));
-    CHECK(!memcmp(b.targets, tg1, sizeof tg1));
-    CHECK(!memcmp(b.position_ids, ps1, sizeof ps1));
-    CHECK_EQ_INT(b.n_segments, 4);
-    CHECK(!memcmp(b.cu_seqlens, cu1, sizeof cu1));
+    CHECK(!memcmp(b.b.input_ids, in1, sizeof in1));
+    CHECK(!memcmp(b.b.targets, tg1, sizeof tg1));
+    CHECK(!memcmp(b.b.position_ids, ps1, sizeof ps1));
+    CHECK_EQ_INT(b.b.n_docs, 4);
+    CHECK(!memcmp(b.b.cu_seqlens, cu1, sizeof cu1));
     CHECK(!memcmp(b.segment_doc, sd1, sizeof sd1));
     CHECK_EQ_INT(b.n_samples, 2);
     CHECK_EQ_INT(b.n_tokens, 8);
@@ -173,8 +173,8 @@ TEST(loader_packs_whole_samples_greedily) {
     static const int32_t in2[12] = {30, 31, 10, 11, 12, 0, 20, 21, 22, 23, 24, 0};
     static const int32_t cu2[6] = {0, 2, 5, 6, 11, 12};
     static const int64_t sd2[5] = {2, 0, -1, 1, -1};
-    CHECK(!memcmp(b.input_ids, in2, sizeof in2));
-    CHECK(!memcmp(b.cu_seqlens, cu2, sizeof cu2));
+    CHECK(!memcmp(b.b.input_ids, in2, sizeof in2));
+    CHECK(!memcmp(b.b.cu_seqlens, cu2, sizeof cu2));
     CHECK(!memcmp(b.segment_doc, sd2, sizeof sd2));
     CHECK_EQ_INT(b.start.epoch, 0);
     CHECK_EQ_INT(b.start.index, 2);
@@ -203,15 +203,15 @@ TEST(loader_invariants_and_epoch_orders) {
             loom_loader_batch b;
             REQUIRE_OK(ctx, loom_loader_next(ctx, l, &b));
             REQUIRE(check_batch(&b, tf) == 0);
-            for (int64_t s = 0; s < b.n_segments; s++) {
+            for (int64_t s = 0; s < b.b.n_docs; s++) {
                 int64_t d = b.segment_doc[s];
-                int64_t len = b.cu_seqlens[s + 1] - b.cu_seqlens[s];
+                int64_t len = b.b.cu_seqlens[s + 1] - b.b.cu_seqlens[s];
                 if (d < 0) {
                     prev_pad = len;
                     continue;
                 }
                 /* greedy: a sample that starts a row did not fit in the padding before it */
-                if (b.cu_seqlens[s] % S == 0 && prev_pad >= 0) CHECK(len > prev_pad);
+                if (b.b.cu_seqlens[s] % S == 0 && prev_pad >= 0) CHECK(len > prev_pad);
                 prev_pad = -1;
                 seq[got++] = d;
             }
@@ -247,11 +247,11 @@ TEST(loader_same_seed_same_batches_other_seed_other) {
         REQUIRE_OK(ctx, loom_loader_next(ctx, a, &x));
         REQUIRE_OK(ctx, loom_loader_next(ctx, b, &y));
         REQUIRE_OK(ctx, loom_loader_next(ctx, o, &z));
-        size_t bytes = (size_t)(x.rows * x.seq_len) * sizeof(int32_t);
-        CHECK(!memcmp(x.input_ids, y.input_ids, bytes) && !memcmp(x.targets, y.targets, bytes));
-        CHECK(x.n_segments == y.n_segments &&
-              !memcmp(x.cu_seqlens, y.cu_seqlens, sizeof(int32_t) * (size_t)(x.n_segments + 1)));
-        differ += memcmp(x.input_ids, z.input_ids, bytes) != 0;
+        size_t bytes = (size_t)(x.b.rows * x.b.seq_len) * sizeof(int32_t);
+        CHECK(!memcmp(x.b.input_ids, y.b.input_ids, bytes) && !memcmp(x.b.targets, y.b.targets, bytes));
+        CHECK(x.b.n_docs == y.b.n_docs &&
+              !memcmp(x.b.cu_seqlens, y.b.cu_seqlens, sizeof(int32_t) * (size_t)(x.b.n_docs + 1)));
+        differ += memcmp(x.b.input_ids, z.b.input_ids, bytes) != 0;
     }
     CHECK(differ >= 9);
     loom_loader_free(a);
@@ -286,13 +286,13 @@ TEST(loader_dp_slices_disjoint_and_complete) {
         for (int64_t r = 0; r < dp; r++) {
             loom_loader_batch sl;
             REQUIRE_OK(ctx, loom_loader_slice(ctx, l, r, &sl));
-            CHECK_EQ_INT(sl.rows, R);
-            CHECK(sl.input_ids == g.input_ids + r * R * S);
-            CHECK(sl.targets == g.targets + r * R * S);
-            CHECK(sl.cu_seqlens[0] == 0 && sl.cu_seqlens[sl.n_segments] == R * S);
-            for (int64_t s = 0; s < sl.n_segments; s++) {
+            CHECK_EQ_INT(sl.b.rows, R);
+            CHECK(sl.b.input_ids == g.b.input_ids + r * R * S);
+            CHECK(sl.b.targets == g.b.targets + r * R * S);
+            CHECK(sl.b.cu_seqlens[0] == 0 && sl.b.cu_seqlens[sl.b.n_docs] == R * S);
+            for (int64_t s = 0; s < sl.b.n_docs; s++) {
                 /* the same segment as in the global batch, shifted */
-                CHECK(sl.cu_seqlens[s + 1] + r * R * S == g.cu_seqlens[gseg + s + 1]);
+                CHECK(sl.b.cu_seqlens[s + 1] + r * R * S == g.b.cu_seqlens[gseg + s + 1]);
                 int64_t d = sl.segment_doc[s];
                 /* count epoch-0 samples only: the first n samples met */
                 if (d >= 0 && seen < n) {
@@ -300,10 +300,10 @@ TEST(loader_dp_slices_disjoint_and_complete) {
                     seen++;
                 }
             }
-            gseg += sl.n_segments;
+            gseg += sl.b.n_docs;
             gtg += sl.n_targets;
         }
-        CHECK_EQ_INT(gseg, g.n_segments);
+        CHECK_EQ_INT(gseg, g.b.n_docs);
         CHECK_EQ_INT(gtg, g.n_targets);
     }
     for (int64_t d = 0; d < n; d++) CHECK_MSG(count[d] == 1, "sample %d seen %d times", (int)d, count[d]);
@@ -333,8 +333,8 @@ TEST(loader_resume_reproduces_the_run) {
         loom_loader_batch b;
         REQUIRE_OK(ctx, loom_loader_next(ctx, a, &b));
         CHECK(b.start.epoch == pos[s].epoch && b.start.index == pos[s].index);
-        memcpy(in[s], b.input_ids, n * 4);
-        memcpy(tg[s], b.targets, n * 4);
+        memcpy(in[s], b.b.input_ids, n * 4);
+        memcpy(tg[s], b.b.targets, n * 4);
     }
     CHECK(loom_loader_state(a).epoch >= 2); /* the run crossed epochs */
     for (int from = 0; from < STEPS; from += 3) {
@@ -344,7 +344,7 @@ TEST(loader_resume_reproduces_the_run) {
         for (int s = from; s < STEPS; s++) {
             loom_loader_batch b;
             REQUIRE_OK(ctx, loom_loader_next(ctx, r, &b));
-            CHECK_MSG(!memcmp(b.input_ids, in[s], n * 4) && !memcmp(b.targets, tg[s], n * 4),
+            CHECK_MSG(!memcmp(b.b.input_ids, in[s], n * 4) && !memcmp(b.b.targets, tg[s], n * 4),
                       "resumed at step %d: step %d differs", from, s);
         }
         loom_loader_free(r);
@@ -394,11 +394,11 @@ TEST(loader_truncation_policies) {
         loom_loader_batch b;
         REQUIRE_OK(ctx, loom_loader_next(ctx, l, &b)); /* A */
         REQUIRE_OK(ctx, loom_loader_next(ctx, l, &b)); /* B truncated, or C */
-        CHECK_MSG(!memcmp(b.input_ids, cases[k].row1, sizeof cases[k].row1), "policy %s",
+        CHECK_MSG(!memcmp(b.b.input_ids, cases[k].row1, sizeof cases[k].row1), "policy %s",
                   loom_truncation_name(cases[k].t));
         if (cases[k].t == LOOM_TRUNC_LEFT) { /* the mask moves with the tokens: 21 -> 22 masked */
             static const int32_t tg[4] = {22, 23, 24, -100};
-            CHECK(!memcmp(b.targets, tg, sizeof tg));
+            CHECK(!memcmp(b.b.targets, tg, sizeof tg));
         }
         loom_loader_free(l);
     }
@@ -458,14 +458,14 @@ TEST(loader_packed_logprobs_equal_separate_runs) {
         loom_loader_batch b;
         REQUIRE_OK(ctx, loom_loader_next(ctx, l, &b));
         REQUIRE(check_batch(&b, tf) == 0);
-        loom_batch mb = {.rows = b.rows, .seq_len = b.seq_len, .input_ids = b.input_ids,
-                         .targets = b.targets, .cu_seqlens = b.cu_seqlens,
-                         .n_docs = b.n_segments, .position_ids = b.position_ids};
+        loom_batch mb = {.rows = b.b.rows, .seq_len = b.b.seq_len, .input_ids = b.b.input_ids,
+                         .targets = b.b.targets, .cu_seqlens = b.b.cu_seqlens,
+                         .n_docs = b.b.n_docs, .position_ids = b.b.position_ids};
         float packed[48];
         REQUIRE_OK(ctx, loom_model_forward_only(m, &mb, 1, packed, NULL, NULL, NULL));
         double worst = 0, scale = 0;
-        for (int64_t s = 0; s < b.n_segments; s++) {
-            int64_t d = b.segment_doc[s], a = b.cu_seqlens[s], len = b.cu_seqlens[s + 1] - a;
+        for (int64_t s = 0; s < b.b.n_docs; s++) {
+            int64_t d = b.segment_doc[s], a = b.b.cu_seqlens[s], len = b.b.cu_seqlens[s + 1] - a;
             if (d < 0) {
                 for (int64_t t = a; t < a + len; t++) CHECK(packed[t] == 0.0f);
                 continue;
@@ -480,7 +480,7 @@ TEST(loader_packed_logprobs_equal_separate_runs) {
             float alone[24];
             REQUIRE_OK(ctx, loom_model_forward_only(m, &one, 1, alone, NULL, NULL, NULL));
             for (int64_t j = 0; j < len; j++) {
-                CHECK(b.targets[a + j] == stg[j]);
+                CHECK(b.b.targets[a + j] == stg[j]);
                 double e = fabs((double)alone[j] - packed[a + j]);
                 if (e > worst) worst = e;
                 if (fabs(alone[j]) > scale) scale = fabs(alone[j]);

@@ -294,14 +294,14 @@ static void check_arr(const char *what, const int32_t *got, const int32_t *want,
 
 static void check_batch(const loom_packed_batch *b, const int32_t *in, const int32_t *tg,
                         const int32_t *pos, const int32_t *cu, int nseg, int line) {
-    int n = (int)(b->rows * b->seq_len);
-    check_arr("input_ids", b->input_ids, in, n, line);
-    check_arr("targets", b->targets, tg, n, line);
-    check_arr("position_ids", b->position_ids, pos, n, line);
-    if (b->n_segments != nseg)
-        loom_test_fail(__FILE__, line, "n_segments = %lld, want %d", (long long)b->n_segments, nseg);
+    int n = (int)(b->b.rows * b->b.seq_len);
+    check_arr("input_ids", b->b.input_ids, in, n, line);
+    check_arr("targets", b->b.targets, tg, n, line);
+    check_arr("position_ids", b->b.position_ids, pos, n, line);
+    if (b->b.n_docs != nseg)
+        loom_test_fail(__FILE__, line, "n_segments = %lld, want %d", (long long)b->b.n_docs, nseg);
     else
-        check_arr("cu_seqlens", b->cu_seqlens, cu, nseg + 1, line);
+        check_arr("cu_seqlens", b->b.cu_seqlens, cu, nseg + 1, line);
     int valid = 0;
     for (int i = 0; i < n; i++) valid += tg[i] != X;
     if (b->n_targets != valid)
@@ -334,8 +334,8 @@ TEST(tokens_packer_split_wrap_pad) {
     loom_packed_batch b;
     CHECK_POS(loom_packer_state(p), 0, 0, 0);
     REQUIRE_OK(ctx, loom_packer_next(ctx, p, &b));
-    CHECK_EQ_INT(b.rows, 2);
-    CHECK_EQ_INT(b.seq_len, 4);
+    CHECK_EQ_INT(b.b.rows, 2);
+    CHECK_EQ_INT(b.b.seq_len, 4);
     CHECK_POS(b.start, 0, 0, 0);
     CHECK_BATCH(&b, A(10, 11, 12, 0, /**/ 20, 21, 22, 23),
                 A(11, 12, X, X, /**/ 21, 22, 23, X),
@@ -517,31 +517,31 @@ TEST(tokens_packer_invariants_random) {
                 loom_packed_batch b;
                 REQUIRE_OK(ctx, loom_packer_next(ctx, p, &b));
                 bad += b.start.doc != doc || b.start.offset != o || b.start.epoch != epoch;
-                const int32_t *cu = b.cu_seqlens;
-                bad += cu[0] != 0 || cu[b.n_segments] != S * B;
+                const int32_t *cu = b.b.cu_seqlens;
+                bad += cu[0] != 0 || cu[b.b.n_docs] != S * B;
                 int64_t ntg = 0, row_ends = 0;
-                for (int64_t s = 0; s < b.n_segments && !bad; s++) {
+                for (int64_t s = 0; s < b.b.n_docs && !bad; s++) {
                     int64_t a = cu[s], e = cu[s + 1], len = e - a;
                     bad += len < 1 || a / S != (e - 1) / S; /* inside one row */
                     row_ends += e % S == 0;
                     for (int64_t t = a; t < e; t++) {
-                        bad += b.position_ids[t] != t - a;
-                        ntg += b.targets[t] != X;
+                        bad += b.b.position_ids[t] != t - a;
+                        ntg += b.b.targets[t] != X;
                     }
                     bool pad = len == 1 && e % S == 0 && a % S != 0;
                     if (pad) {
-                        bad += b.input_ids[a] != 0 || b.targets[a] != X;
+                        bad += b.b.input_ids[a] != 0 || b.b.targets[a] != X;
                         continue;
                     }
                     bad += split && a % S != 0; /* a continued document starts a row */
                     int64_t d0 = (int64_t)off[doc] + o, left = (int64_t)off[doc + 1] - d0;
                     bad += len > left;
                     for (int64_t j = 0; j < len && !bad; j++) {
-                        bad += b.input_ids[a + j] != (int32_t)ids[d0 + j];
+                        bad += b.b.input_ids[a + j] != (int32_t)ids[d0 + j];
                         int32_t want = X;
                         if (j + 1 < len && (!use_mask || mask[d0 + j + 1]))
                             want = (int32_t)ids[d0 + j + 1];
-                        bad += b.targets[a + j] != want;
+                        bad += b.b.targets[a + j] != want;
                     }
                     split = len < left;
                     bad += split && e % S != 0; /* documents are split only at row ends */
@@ -576,12 +576,12 @@ TEST(tokens_packer_invariants_random) {
 /* ---------------------------------------------------------------------- */
 
 static bool same_batch(const loom_packed_batch *x, const loom_packed_batch *y) {
-    size_t n = (size_t)(x->rows * x->seq_len) * sizeof(int32_t);
-    return x->rows == y->rows && x->seq_len == y->seq_len && x->n_segments == y->n_segments &&
-           x->n_targets == y->n_targets && memcmp(x->input_ids, y->input_ids, n) == 0 &&
-           memcmp(x->targets, y->targets, n) == 0 &&
-           memcmp(x->position_ids, y->position_ids, n) == 0 &&
-           memcmp(x->cu_seqlens, y->cu_seqlens, (size_t)(x->n_segments + 1) * sizeof(int32_t)) == 0 &&
+    size_t n = (size_t)(x->b.rows * x->b.seq_len) * sizeof(int32_t);
+    return x->b.rows == y->b.rows && x->b.seq_len == y->b.seq_len && x->b.n_docs == y->b.n_docs &&
+           x->n_targets == y->n_targets && memcmp(x->b.input_ids, y->b.input_ids, n) == 0 &&
+           memcmp(x->b.targets, y->b.targets, n) == 0 &&
+           memcmp(x->b.position_ids, y->b.position_ids, n) == 0 &&
+           memcmp(x->b.cu_seqlens, y->b.cu_seqlens, (size_t)(x->b.n_docs + 1) * sizeof(int32_t)) == 0 &&
            x->start.doc == y->start.doc && x->start.offset == y->start.offset &&
            x->start.epoch == y->start.epoch;
 }
@@ -606,10 +606,10 @@ TEST(tokens_packer_state_resume) {
     loom_packer_pos st = loom_packer_state(p);
     REQUIRE_OK(ctx, loom_packer_next(ctx, p, &b));
     int32_t first[6];
-    memcpy(first, b.input_ids, sizeof first);
+    memcpy(first, b.b.input_ids, sizeof first);
     REQUIRE_OK(ctx, loom_packer_set_state(ctx, p, st));
     REQUIRE_OK(ctx, loom_packer_next(ctx, p, &b));
-    CHECK(memcmp(first, b.input_ids, sizeof first) == 0);
+    CHECK(memcmp(first, b.b.input_ids, sizeof first) == 0);
     /* positions outside the file are refused and leave the packer as it was */
     loom_packer_pos before = loom_packer_state(q);
     CHECK(loom_packer_set_state(ctx, q, (loom_packer_pos){3, 0, 0}) == LOOM_ERR_INVALID_ARG);
@@ -623,7 +623,7 @@ TEST(tokens_packer_state_resume) {
     CHECK_POS(loom_packer_state(q), before.doc, before.offset, before.epoch);
     CHECK_OK(ctx, loom_packer_set_state(ctx, q, (loom_packer_pos){1, 4, 9}));
     REQUIRE_OK(ctx, loom_packer_next(ctx, q, &c));
-    CHECK_EQ_INT(c.input_ids[0], 24);
+    CHECK_EQ_INT(c.b.input_ids[0], 24);
     CHECK_EQ_INT(c.start.epoch, 9);
     loom_packer_free(p);
     loom_packer_free(q);

@@ -193,6 +193,7 @@ loom_status loom_loader_next(loom_ctx *ctx, loom_loader *l, loom_loader_batch *o
     loom_loader_pos pos = l->pos;
     const int64_t *order = order_of(l, pos.epoch);
     int64_t nseg = 0, nsamp = 0, ntok = 0, ntg = 0;
+    memset(out, 0, sizeof *out); /* b.local 0: the global batch */
     out->start = pos;
     cu[0] = 0;
     for (int64_t r = 0; r < l->rows; r++) {
@@ -234,13 +235,13 @@ loom_status loom_loader_next(loom_ctx *ctx, loom_loader *l, loom_loader_batch *o
         }
     }
     l->pos = pos;
-    out->rows = l->rows;
-    out->seq_len = S;
-    out->input_ids = in;
-    out->targets = tg;
-    out->position_ids = ps;
-    out->cu_seqlens = cu;
-    out->n_segments = nseg;
+    out->b.rows = l->rows;
+    out->b.seq_len = S;
+    out->b.input_ids = in;
+    out->b.targets = tg;
+    out->b.position_ids = ps;
+    out->b.cu_seqlens = cu;
+    out->b.n_docs = nseg;
     out->segment_doc = sd;
     out->n_samples = nsamp;
     out->n_tokens = ntok;
@@ -261,27 +262,28 @@ loom_status loom_loader_slice(loom_ctx *ctx, loom_loader *l, int64_t dp_rank,
                          "loader: data-parallel rank %" PRId64 " is not in [0, %" PRId64 ")",
                          dp_rank, l->cfg.dp);
     const loom_loader_batch *g = &l->last;
-    const int64_t S = g->seq_len, R = l->rows_per_rank;
+    const int64_t S = g->b.seq_len, R = l->rows_per_rank;
     const int32_t t0 = (int32_t)(dp_rank * R * S), t1 = (int32_t)((dp_rank + 1) * R * S);
     int64_t s0 = 0;
-    while (g->cu_seqlens[s0] < t0) s0++; /* row starts are boundaries */
+    while (g->b.cu_seqlens[s0] < t0) s0++; /* row starts are boundaries */
     int64_t s1 = s0;
-    while (g->cu_seqlens[s1] < t1) s1++;
+    while (g->b.cu_seqlens[s1] < t1) s1++;
     int64_t ntok = 0, ntg = 0, nsamp = 0;
-    for (int64_t s = s0; s <= s1; s++) l->slice_cu[s - s0] = g->cu_seqlens[s] - t0;
+    for (int64_t s = s0; s <= s1; s++) l->slice_cu[s - s0] = g->b.cu_seqlens[s] - t0;
     for (int64_t s = s0; s < s1; s++)
         if (g->segment_doc[s] >= 0) {
             nsamp++;
-            ntok += g->cu_seqlens[s + 1] - g->cu_seqlens[s];
+            ntok += g->b.cu_seqlens[s + 1] - g->b.cu_seqlens[s];
         }
-    for (int32_t t = t0; t < t1; t++) ntg += g->targets[t] != LOOM_IGNORE_INDEX;
+    for (int32_t t = t0; t < t1; t++) ntg += g->b.targets[t] != LOOM_IGNORE_INDEX;
     *out = *g;
-    out->rows = R;
-    out->input_ids = g->input_ids + t0;
-    out->targets = g->targets + t0;
-    out->position_ids = g->position_ids + t0;
-    out->cu_seqlens = l->slice_cu;
-    out->n_segments = s1 - s0;
+    out->b.rows = R;
+    out->b.input_ids = g->b.input_ids + t0;
+    out->b.targets = g->b.targets + t0;
+    out->b.position_ids = g->b.position_ids + t0;
+    out->b.cu_seqlens = l->slice_cu;
+    out->b.n_docs = s1 - s0;
+    out->b.local = 1; /* this data-parallel rank's rows */
     out->segment_doc = g->segment_doc + s0;
     out->n_samples = nsamp;
     out->n_tokens = ntok;

@@ -30,7 +30,9 @@
  * Data parallelism. Data-parallel rank r trains on rows [r*R, (r+1)*R) of
  * each global batch, R = micro_batch_size x num_micro_batches
  * (loom_loader_slice). loom's trainer takes the whole global batch on every
- * rank and slices it itself: give it loom_loader_next's batch.
+ * rank and slices it itself: give it loom_loader_next's batch (its b, the
+ * model's loom_batch, marked global); a slice's b is marked local (this
+ * rank's rows), so the model takes that as well.
  *
  * Resuming. loom_loader_state is {epoch, index}: the next batch starts with
  * sample order_epoch[index]. Batches never carry anything over (a row ends
@@ -79,13 +81,12 @@ typedef struct loom_loader_pos {
 /* A batch. Arrays belong to the loader and stay valid until the next
  * loom_loader_next (a slice: until the next loom_loader_slice or next). */
 typedef struct loom_loader_batch {
-    int64_t rows, seq_len;
-    const int32_t *input_ids;    /* (rows*seq_len) */
-    const int32_t *targets;      /* (rows*seq_len), LOOM_IGNORE_INDEX where no loss */
-    const int32_t *position_ids; /* (rows*seq_len), 0 at the start of every segment */
-    const int32_t *cu_seqlens;   /* (n_segments + 1) over the flattened rows*seq_len tokens */
-    int64_t n_segments;
-    const int64_t *segment_doc;  /* (n_segments) document of the token file; -1: padding */
+    /* What the model consumes (loom_model_forward_backward takes &b):
+     * rows, seq_len, input_ids, targets (LOOM_IGNORE_INDEX where no loss),
+     * position_ids (0 at the start of every segment), cu_seqlens (n_docs + 1
+     * segment starts over the flattened rows*seq_len tokens). */
+    loom_batch b;
+    const int64_t *segment_doc;  /* (b.n_docs) document of the token file; -1: padding */
     int64_t n_samples;           /* segments that are samples */
     int64_t n_tokens;            /* tokens that are not padding */
     int64_t n_targets;           /* targets that are not LOOM_IGNORE_INDEX */

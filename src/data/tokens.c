@@ -421,6 +421,7 @@ loom_status loom_packer_next(loom_ctx *ctx, loom_packer *p, loom_packed_batch *o
     int32_t *in = p->input_ids, *tg = p->targets, *ps = p->position_ids, *cu = p->cu_seqlens;
     uint64_t doc = (uint64_t)p->pos.doc, off = (uint64_t)p->pos.offset;
     int64_t epoch = p->pos.epoch, nseg = 0, ntg = 0;
+    memset(out, 0, sizeof *out); /* b.local 0: the global batch */
     out->start = p->pos;
     cu[0] = 0;
     for (int64_t r = 0; r < p->B; r++) {
@@ -463,13 +464,13 @@ loom_status loom_packer_next(loom_ctx *ctx, loom_packer *p, loom_packed_batch *o
         }
     }
     p->pos = (loom_packer_pos){(int64_t)doc, (int64_t)off, epoch};
-    out->rows = p->B;
-    out->seq_len = p->S;
-    out->input_ids = in;
-    out->targets = tg;
-    out->position_ids = ps;
-    out->cu_seqlens = cu;
-    out->n_segments = nseg;
+    out->b.rows = p->B;
+    out->b.seq_len = p->S;
+    out->b.input_ids = in;
+    out->b.targets = tg;
+    out->b.position_ids = ps;
+    out->b.cu_seqlens = cu;
+    out->b.n_docs = nseg;
     out->n_targets = ntg;
     return LOOM_OK;
 }

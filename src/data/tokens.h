@@ -107,12 +107,11 @@ typedef struct loom_packer_pos {
 /* One batch. The arrays belong to the packer and stay valid until the next
  * loom_packer_next or loom_packer_free. */
 typedef struct loom_packed_batch {
-    int64_t rows, seq_len;  /* B, S */
-    const int32_t *input_ids;    /* (B*S) */
-    const int32_t *targets;      /* (B*S), LOOM_IGNORE_INDEX where no loss */
-    const int32_t *position_ids; /* (B*S), 0 at the start of every segment */
-    const int32_t *cu_seqlens;   /* (n_segments + 1) over the flattened B*S tokens */
-    int64_t n_segments;
+    /* What the model consumes (loom_model_forward_backward takes &b): B
+     * rows of S tokens, targets (LOOM_IGNORE_INDEX where no loss),
+     * position_ids (0 at the start of every segment), cu_seqlens (n_docs + 1
+     * segment starts over the flattened B*S tokens). */
+    loom_batch b;
     int64_t n_targets;      /* tokens whose target is not LOOM_IGNORE_INDEX */
     loom_packer_pos start;  /* where this batch began (start.epoch: its epoch) */
 } loom_packed_batch;
