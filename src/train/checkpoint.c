@@ -17,27 +17,21 @@
  * buffers, page-locked on a GPU and reused by the next take: the only
  * pause), write (this rank's file rank_NNNNN.safetensors and its SHA-256,
  * on any thread), commit (collective: every rank's verdict, checksum and
- * pieces to rank 0, which writes meta.json). Keys: "<name>@<f0>" for
- * values, "exp_avg.<name>@<f0>" and "exp_avg_sq.<name>@<f0>" for the
- * moments, 1-D F32.
+ * pieces to rank 0, which writes meta.json). The files' layout is
+ * src/io/state_format.h's.
  *
  * Loading assembles each tensor this rank holds from the pieces (any files),
  * then takes its block and its shard's parts, as the step lays them out. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "../core/json.h"
-#include "../core/sha256.h"
-#include "../io/safetensors.h"
+#include "../io/state_format.h"
 #include "../model/kern.h"
 #include "../model/model.h"
 #include "scheduler.h"
 #include "trainer.h"
-
-#define STATE_FORMAT "loom-training-state"
-#define STATE_VERSION 2
 
 /* The i-th tensor of the trained arena, over the whole model: name, rows, cols. */
 static bool tensor_at(loom_model *m, int64_t i, char *buf, size_t cap, int64_t *rows,
@@ -54,24 +48,6 @@ static bool tensor_at(loom_model *m, int64_t i, char *buf, size_t cap, int64_t *
     *rows = p->shape[0];
     *cols = p->ndim == 2 ? p->shape[1] : 1;
     return true;
-}
-
-/* Copies the flat range [f0, f0 + len) of a block (row-major, bcols wide,
- * starting at row0, col0 of the vocabulary-padded whole tensor) from src
- * into the whole tensor dst (rows x cols), a row at a time; rows past
- * `rows` (vocabulary padding) are left out. Returns the elements placed. */
-static int64_t place(int64_t row0, int64_t col0, int64_t bcols, int64_t f0, int64_t len,
-                     const float *src, int64_t rows, int64_t cols, float *dst) {
-    int64_t placed = 0;
-    while (len > 0) {
-        const int64_t r = f0 / bcols, c = f0 % bcols, n = len < bcols - c ? len : bcols - c;
-        if (row0 + r < rows) {
-            memcpy(dst + (row0 + r) * cols + col0 + c, src, (size_t)n * sizeof *dst);
-            placed += n;
-        }
-        src += n, f0 += n, len -= n;
-    }
-    return placed;
 }
 
 /* The optimizer's and the schedule's settings by name (a style by its
@@ -138,8 +114,8 @@ static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool 
     loom_status st = LOOM_OK;
 #define SET(k, v) \
     if (!st) st = loom_json_set(ctx, o, k, v)
-    SET("format", loom_json_new_str(ctx, STATE_FORMAT));
-    SET("version", loom_json_new_int(ctx, STATE_VERSION));
+    SET("format", loom_json_new_str(ctx, LOOM_STATE_FORMAT));
+    SET("version", loom_json_new_int(ctx, LOOM_STATE_VERSION));
     SET("model_type", loom_json_new_str(ctx, m->cfg.model_type));
     SET("num_layers", loom_json_new_int(ctx, m->L));
     SET("hidden_size", loom_json_new_int(ctx, m->H));
@@ -206,41 +182,28 @@ static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool 
 
 /* ---- saving ---- */
 
-/* A slice this rank owns: a flat range [f0, f0 + len) of a slot's block
- * (row0, col0, rows x cols in the vocabulary-padded whole tensor), with or
- * without moments; its data at `at` in the snapshot's buffers. */
-typedef struct state_piece {
-    int64_t tensor; /* index in the trained tensors (tensor_at) */
-    int64_t row0, col0, rows, cols, f0, len, moments;
-    size_t at;
-    int slot;       /* its slot in the arena */
-} state_piece;
-#define PIECE_WORDS 8 /* tensor .. moments, as commit sends them */
-#define SHA_WORDS 8   /* 64 hex digits in int64 words */
-
 struct loom_state_snapshot {
     int rank, world;
     bool optimizer;     /* the moments are held */
     float *buf[3];      /* values, exp_avg, exp_avg_sq (host; page-locked on a GPU) */
     size_t cap[3];
     bool pinned[3];
-    state_piece *p;
+    loom_state_piece *p; /* the slices this rank owns */
+    size_t *at;          /* (np) where each one's data lies in buf */
+    int *slot;           /* (np) its slot in the arena */
     size_t np, pcap;
-    char **names;       /* the trained tensors, over the whole model */
-    int64_t (*shape)[2];
-    int *ndim;
-    size_t nt;
-    loom_json *meta;    /* rank 0: meta.json but "files" and "tensors" */
-    char sha[65];       /* this rank's file, once written */
+    loom_state_tensors t; /* the trained tensors, over the whole model */
+    loom_json *meta;     /* rank 0: meta.json but "files" and "tensors" */
+    char sha[65];        /* this rank's file, once written */
     loom_status written;
 };
 
 static void drop_tensors(loom_state_snapshot *sn) {
-    for (size_t i = 0; i < sn->nt; i++) free(sn->names[i]);
-    free(sn->names);
-    free(sn->shape);
-    free(sn->ndim);
-    sn->names = NULL, sn->shape = NULL, sn->ndim = NULL, sn->nt = 0;
+    for (size_t i = 0; i < sn->t.n; i++) free(sn->t.names[i]);
+    free(sn->t.names);
+    free(sn->t.shape);
+    free(sn->t.ndim);
+    memset(&sn->t, 0, sizeof sn->t);
 }
 
 void loom_state_snapshot_free(loom_state_snapshot *sn) {
@@ -248,6 +211,8 @@ void loom_state_snapshot_free(loom_state_snapshot *sn) {
     for (int k = 0; k < 3; k++) loom_k_host_free(sn->buf[k], sn->pinned[k]);
     drop_tensors(sn);
     free(sn->p);
+    free(sn->at);
+    free(sn->slot);
     loom_json_free(sn->meta);
     free(sn);
 }
@@ -263,14 +228,22 @@ static loom_status host_buf(loom_model *m, loom_state_snapshot *sn, int k, size_
     return st;
 }
 
-static loom_status add_piece(loom_ctx *ctx, loom_state_snapshot *sn, const state_piece *p) {
+static loom_status add_piece(loom_ctx *ctx, loom_state_snapshot *sn, const loom_state_piece *p,
+                             size_t at, int slot) {
     if (sn->np == sn->pcap) {
         size_t cap = sn->pcap ? 2 * sn->pcap : 64;
-        state_piece *np = realloc(sn->p, cap * sizeof *np);
-        if (!np) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory listing the checkpoint's pieces");
-        sn->p = np, sn->pcap = cap;
+        loom_state_piece *np = realloc(sn->p, cap * sizeof *np);
+        if (np) sn->p = np;
+        size_t *na = np ? realloc(sn->at, cap * sizeof *na) : NULL;
+        if (na) sn->at = na;
+        int *ns = na ? realloc(sn->slot, cap * sizeof *ns) : NULL;
+        if (ns) sn->slot = ns;
+        if (!ns) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory listing the checkpoint's pieces");
+        sn->pcap = cap;
     }
-    sn->p[sn->np++] = *p;
+    sn->p[sn->np] = *p;
+    sn->at[sn->np] = at;
+    sn->slot[sn->np++] = slot;
     return LOOM_OK;
 }
 
@@ -281,16 +254,17 @@ static loom_status list_tensors(loom_model *m, loom_state_snapshot *sn) {
     size_t n = 0;
     drop_tensors(sn);
     while (tensor_at(m, (int64_t)n, name, sizeof name, &rows, &cols)) n++;
-    sn->names = calloc(n + 1, sizeof *sn->names);
-    sn->shape = calloc(n + 1, sizeof *sn->shape);
-    sn->ndim = calloc(n + 1, sizeof *sn->ndim);
-    if (!sn->names || !sn->shape || !sn->ndim)
+    loom_state_tensors *t = &sn->t;
+    t->names = calloc(n + 1, sizeof *t->names);
+    t->shape = calloc(n + 1, sizeof *t->shape);
+    t->ndim = calloc(n + 1, sizeof *t->ndim);
+    if (!t->names || !t->shape || !t->ndim)
         return loom_errf(m->ctx, LOOM_ERR_OOM, "out of memory listing the trained tensors");
-    for (; sn->nt < n; sn->nt++) {
-        tensor_at(m, (int64_t)sn->nt, name, sizeof name, &rows, &cols);
-        if (!(sn->names[sn->nt] = loom_strdup(m->ctx, name))) return LOOM_ERR_OOM;
-        sn->shape[sn->nt][0] = rows, sn->shape[sn->nt][1] = cols;
-        sn->ndim[sn->nt] = cols == 1 && m->active < 0 ? 1 : 2;
+    for (; t->n < n; t->n++) {
+        tensor_at(m, (int64_t)t->n, name, sizeof name, &rows, &cols);
+        if (!(t->names[t->n] = loom_strdup(m->ctx, name))) return LOOM_ERR_OOM;
+        t->shape[t->n][0] = rows, t->shape[t->n][1] = cols;
+        t->ndim[t->n] = cols == 1 && m->active < 0 ? 1 : 2;
     }
     return LOOM_OK;
 }
@@ -298,9 +272,9 @@ static loom_status list_tensors(loom_model *m, loom_state_snapshot *sn) {
 /* The index of slot s's tensor (slots come in about the tensors' order:
  * the search starts after the last one found). */
 static int64_t tensor_of(const loom_state_snapshot *sn, const loom_slot *s, size_t *hint) {
-    for (size_t k = 0; k < sn->nt; k++) {
-        size_t j = (*hint + k) % sn->nt;
-        if (!strcmp(sn->names[j], s->name)) {
+    for (size_t k = 0; k < sn->t.n; k++) {
+        size_t j = (*hint + k) % sn->t.n;
+        if (!strcmp(sn->t.names[j], s->name)) {
             *hint = j + 1;
             return (int64_t)j;
         }
@@ -319,23 +293,23 @@ static loom_status find_pieces(loom_model *m, loom_arena *A, loom_state_snapshot
         const loom_slot *s = &A->slots[i];
         if (s->head_copy || (s->shard == LOOM_SHARD_NONE && me->tp_rank)) continue;
         if (s->frozen && (me->dp_rank || me->cp_rank)) continue;
-        state_piece p = {.tensor = tensor_of(sn, s, &hint), .row0 = s->row0, .col0 = s->col0,
-                         .rows = s->rows, .cols = s->cols, .moments = !s->frozen,
-                         .slot = i};
+        loom_state_piece p = {.tensor = tensor_of(sn, s, &hint), .row0 = s->row0,
+                              .col0 = s->col0, .rows = s->rows, .cols = s->cols,
+                              .moments = !s->frozen};
         if (p.tensor < 0)
             return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "checkpoint: slot %s is no trained tensor",
                              s->name);
         loom_status st = LOOM_OK;
         if (s->frozen) {
-            p.f0 = 0, p.len = (int64_t)s->numel, p.at = A->shard_numel + fz;
+            p.f0 = 0, p.len = (int64_t)s->numel;
+            st = add_piece(m->ctx, sn, &p, A->shard_numel + fz, i);
             fz += s->numel;
-            st = add_piece(m->ctx, sn, &p);
         }
         for (int b = 0; !s->frozen && b < A->nbuckets && !st; b++) {
             size_t o0, len, so;
             if (!loom_shard_part(m, A, b, i, &o0, &len, &so)) continue;
-            p.f0 = (int64_t)(o0 - s->off), p.len = (int64_t)len, p.at = so;
-            st = add_piece(m->ctx, sn, &p);
+            p.f0 = (int64_t)(o0 - s->off), p.len = (int64_t)len;
+            st = add_piece(m->ctx, sn, &p, so, i);
         }
         if (st) return st;
     }
@@ -375,12 +349,12 @@ loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p
                                         (const char *)A->wc + s0 * m->dev.esz, per);
     }
     for (size_t i = 0; i < sn->np && !st; i++) {
-        const state_piece *q = &sn->p[i];
-        if (q->moments) continue;
-        const loom_slot *s = &A->slots[q->slot];
-        st = A->w ? loom_k_download(m, sn->buf[0] + q->at, A->w + s->off, s->numel * sizeof(float))
-                  : loom_k_download_f32(m, sn->buf[0] + q->at,
-                                        (const char *)A->wc + s->off * m->dev.esz, s->numel);
+        if (sn->p[i].moments) continue;
+        const loom_slot *s = &A->slots[sn->slot[i]];
+        float *dst = sn->buf[0] + sn->at[i];
+        st = A->w ? loom_k_download(m, dst, A->w + s->off, s->numel * sizeof(float))
+                  : loom_k_download_f32(m, dst, (const char *)A->wc + s->off * m->dev.esz,
+                                        s->numel);
     }
     for (int k = 1; k < 3 && sn->optimizer && !st; k++)
         st = loom_k_download(m, sn->buf[k], k == 1 ? A->adam_m : A->adam_v,
@@ -389,101 +363,10 @@ loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p
     return st;
 }
 
-static void piece_key(const loom_state_snapshot *sn, const state_piece *q, int k, char *key,
-                      size_t cap) {
-    static const char *const pre[3] = {"", "exp_avg.", "exp_avg_sq."};
-    snprintf(key, cap, "%s%s@%lld", pre[k], sn->names[q->tensor], (long long)q->f0);
-}
-
-static void rank_file(int r, char name[40]) { snprintf(name, 40, "rank_%05d.safetensors", r); }
-
 loom_status loom_state_snapshot_write(loom_ctx *ctx, loom_state_snapshot *sn, const char *dir) {
-    loom_st_writer *w = NULL;
-    char key[400], base[40], file[40];
-    snprintf(base, sizeof base, "rank_%05d", sn->rank);
-    loom_status st = loom_st_writer_create(ctx, dir, base, 0, NULL, &w);
-    for (int pass = 0; pass < 2 && !st; pass++)
-        for (size_t i = 0; i < sn->np && !st; i++) {
-            const state_piece *q = &sn->p[i];
-            for (int k = 0; k < (q->moments && sn->optimizer ? 3 : 1) && !st; k++) {
-                piece_key(sn, q, k, key, sizeof key);
-                st = pass ? loom_st_writer_write(ctx, w, key, LOOM_F32, sn->buf[k] + q->at)
-                          : loom_st_writer_declare(ctx, w, key, LOOM_F32, 1, &q->len);
-            }
-        }
-    if (!st) st = loom_st_writer_finish(ctx, w);
-    loom_st_writer_free(w);
-    rank_file(sn->rank, file);
-    char *path = st ? NULL : loom_path_join(ctx, dir, file);
-    if (!st && !path) st = LOOM_ERR_OOM;
-    if (!st) st = loom_sha256_file(ctx, path, sn->sha);
-    free(path);
-    sn->written = st;
-    return st;
-}
-
-/* Rank 0: meta.json from the snapshot's and every rank's words (count,
- * checksum, pieces). */
-static loom_status write_meta(loom_ctx *ctx, const loom_state_snapshot *sn, const int64_t *all,
-                              size_t words, const char *dir) {
-    loom_json *meta = loom_json_clone(ctx, sn->meta), *files = loom_json_new_object(ctx),
-              *tensors = loom_json_new_object(ctx);
-    loom_json **lists = calloc(sn->nt + 1, sizeof *lists);
-    loom_status st = meta && files && tensors && lists ? LOOM_OK : LOOM_ERR_OOM;
-    for (size_t t = 0; t < sn->nt && !st; t++) {
-        loom_json *e = loom_json_new_object(ctx), *shape = loom_json_new_array(ctx);
-        lists[t] = loom_json_new_array(ctx);
-        for (int d = 0; d < sn->ndim[t] && shape; d++)
-            st = loom_json_push(ctx, shape, loom_json_new_int(ctx, sn->shape[t][d]));
-        if (!st) st = e && shape && lists[t] ? loom_json_set(ctx, e, "shape", shape) : LOOM_ERR_OOM;
-        if (!st) st = loom_json_set(ctx, e, "dtype", loom_json_new_str(ctx, "F32"));
-        if (!st) st = loom_json_set(ctx, e, "pieces", lists[t]);
-        if (!st) st = loom_json_set(ctx, tensors, sn->names[t], e);
-    }
-    for (int r = 0; r < sn->world && !st; r++) {
-        const int64_t *w = all + (size_t)r * words;
-        char hex[65], file[40];
-        memcpy(hex, w + 1, 64);
-        hex[64] = 0;
-        rank_file(r, file);
-        st = loom_json_set(ctx, files, file, loom_json_new_str(ctx, hex));
-        for (int64_t i = 0; i < w[0] && !st; i++) {
-            const int64_t *q = w + 1 + SHA_WORDS + i * PIECE_WORDS;
-            loom_json *a = loom_json_new_array(ctx);
-            st = a ? loom_json_push(ctx, a, loom_json_new_int(ctx, r)) : LOOM_ERR_OOM;
-            for (int k = 1; k < PIECE_WORDS && !st; k++)
-                st = loom_json_push(ctx, a, loom_json_new_int(ctx, q[k]));
-            if (!st) st = loom_json_push(ctx, lists[q[0]], a);
-        }
-    }
-    free(lists);
-    if (!st) st = loom_json_set(ctx, meta, "world_size", loom_json_new_int(ctx, sn->world));
-    if (!st) st = loom_json_set(ctx, meta, "files", files);
-    files = NULL;
-    if (!st) st = loom_json_set(ctx, meta, "tensors", tensors);
-    tensors = NULL;
-    loom_sb sb;
-    loom_sb_init(&sb);
-    if (!st) st = loom_json_write(ctx, meta, 1, &sb);
-    char *path = st ? NULL : loom_path_join(ctx, dir, "meta.json");
-    if (!st && !path) st = LOOM_ERR_OOM;
-    if (!st) st = loom_write_file_atomic(ctx, path, sb.buf, sb.len);
-    free(path);
-    loom_sb_free(&sb);
-    /* files of ranks past this world (an earlier save into the same
-     * directory by more ranks) would only mislead */
-    for (int r = sn->world; !st; r++) {
-        char file[40], *f;
-        rank_file(r, file);
-        if (!(f = loom_path_join(ctx, dir, file))) break;
-        const bool there = unlink(f) == 0;
-        free(f);
-        if (!there) break;
-    }
-    loom_json_free(files);
-    loom_json_free(tensors);
-    loom_json_free(meta);
-    return st;
+    sn->written = loom_state_file_write(ctx, dir, sn->rank, &sn->t, sn->p, sn->at, sn->np,
+                                        sn->buf, sn->optimizer, sn->sha);
+    return sn->written;
 }
 
 loom_status loom_state_snapshot_commit(loom_model *m, loom_state_snapshot *sn, const char *dir) {
@@ -498,26 +381,20 @@ loom_status loom_state_snapshot_commit(loom_model *m, loom_state_snapshot *sn, c
     if (v[0])
         return loom_errf(ctx, LOOM_ERR_IO, "checkpoint %s: rank %d could not write its file (its "
                          "message says why)", dir, v[0] - 1);
-    const size_t words = 1 + SHA_WORDS + (size_t)v[1] * PIECE_WORDS;
+    const size_t words = loom_state_words((size_t)v[1]);
     int64_t *mine = calloc(words, sizeof *mine),
             *all = calloc(words * (size_t)sn->world, sizeof *all);
     if (!mine || !all) st = loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering the checkpoint's "
                                       "pieces");
     if (!st) {
-        mine[0] = (int64_t)sn->np;
-        memcpy(mine + 1, sn->sha, 64);
-        for (size_t i = 0; i < sn->np; i++) {
-            const state_piece *q = &sn->p[i];
-            const int64_t x[PIECE_WORDS] = {q->tensor, q->row0, q->col0, q->rows,
-                                            q->cols,   q->f0,   q->len,  q->moments};
-            memcpy(mine + 1 + SHA_WORDS + i * PIECE_WORDS, x, sizeof x);
-        }
+        loom_state_pack(mine, sn->sha, sn->p, sn->np);
         st = many ? loom_comm_allgather(w, mine, all, words, LOOM_I64)
                   : (memcpy(all, mine, words * sizeof *all), LOOM_OK);
     }
     /* a failed gather is every rank's; the rest is rank 0's, and its
      * verdict everyone's */
-    if (!st && sn->rank == 0) st = write_meta(ctx, sn, all, words, dir);
+    if (!st && sn->rank == 0)
+        st = loom_state_meta_write(ctx, dir, sn->meta, &sn->t, sn->world, all, words);
     free(mine);
     free(all);
     if (many && st != LOOM_ERR_COMM) {
@@ -553,14 +430,14 @@ static loom_status check_meta(loom_model *m, const loom_json *o, const char *pat
     const char *fmt = NULL;
     int64_t ver = 0, L = 0, H = 0, V = 0;
     loom_status st = loom_json_get_str(ctx, o, "format", path, &fmt);
-    if (!st && strcmp(fmt, STATE_FORMAT))
+    if (!st && strcmp(fmt, LOOM_STATE_FORMAT))
         return loom_errf(ctx, LOOM_ERR_FORMAT, "%s: format '%s' is not a loom training state",
                          path, fmt);
     if (!st) st = loom_json_get_int(ctx, o, "version", path, &ver);
-    if (!st && ver != STATE_VERSION)
+    if (!st && ver != LOOM_STATE_VERSION)
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                          "%s: version %lld; this loom reads version %d (a newer loom wrote it?)",
-                         path, (long long)ver, STATE_VERSION);
+                         path, (long long)ver, LOOM_STATE_VERSION);
     if (!st) st = loom_json_get_int(ctx, o, "num_layers", path, &L);
     if (!st) st = loom_json_get_int(ctx, o, "hidden_size", path, &H);
     if (!st) st = loom_json_get_int(ctx, o, "vocab_size", path, &V);
@@ -587,57 +464,6 @@ static loom_status check_meta(loom_model *m, const loom_json *o, const char *pat
     return LOOM_OK;
 }
 
-loom_status loom_verify_state(loom_ctx *ctx, const char *dir) {
-    char *path = loom_path_join(ctx, dir, "meta.json");
-    if (!path) return LOOM_ERR_OOM;
-    loom_json *meta = NULL;
-    const char *fmt = NULL;
-    int64_t ver = 0;
-    loom_status st = loom_json_parse_file(ctx, path, &meta);
-    if (!st) st = loom_json_get_str(ctx, meta, "format", path, &fmt);
-    if (!st && strcmp(fmt, STATE_FORMAT))
-        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: format '%s' is not a loom training state",
-                       path, fmt);
-    if (!st) st = loom_json_get_int(ctx, meta, "version", path, &ver);
-    if (!st && ver != STATE_VERSION)
-        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                       "%s: version %lld; this loom reads version %d (a newer loom wrote it?)",
-                       path, (long long)ver, STATE_VERSION);
-    const loom_json *files = st ? NULL : loom_json_get(meta, "files");
-    if (!st && (!files || files->type != LOOM_JSON_OBJECT))
-        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: no \"files\" object of checksums", path);
-    for (size_t i = 0; !st && i < files->n; i++) {
-        const char *name = files->keys[i];
-        const char *want = files->items[i]->type == LOOM_JSON_STRING ? files->items[i]->s : NULL;
-        if (!want || strlen(want) != 64 || strchr(name, '/')) {
-            st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: files.%s is not a checksum", path, name);
-            break;
-        }
-        char hex[65], *f = loom_path_join(ctx, dir, name);
-        if (!f) {
-            st = LOOM_ERR_OOM;
-            break;
-        }
-        int r = -1, end = 0;
-        if (!loom_file_exists(f) && sscanf(name, "rank_%d.safetensors%n", &r, &end) == 1 &&
-            !name[end])
-            st = loom_errf(ctx, LOOM_ERR_NOT_FOUND, "%s is missing: rank %d of the %zu ranks that "
-                           "saved wrote it (meta.json lists it); the checkpoint is incomplete: "
-                           "resume from another one", f, r, files->n);
-        else if (!loom_file_exists(f))
-            st = loom_errf(ctx, LOOM_ERR_NOT_FOUND, "%s is missing (meta.json lists it); the "
-                           "checkpoint is incomplete: resume from another one", f);
-        else if (!(st = loom_sha256_file(ctx, f, hex)) && strcmp(hex, want))
-            st = loom_errf(ctx, LOOM_ERR_FORMAT,
-                           "%s is damaged (truncated or altered): its SHA-256 is %.12s..., "
-                           "meta.json says %.12s...; resume from another checkpoint", f, hex, want);
-        free(f);
-    }
-    loom_json_free(meta);
-    free(path);
-    return st;
-}
-
 /* Slot s's block of the whole tensor `full` (rows x cols) into dst. */
 static void take_block(const loom_slot *s, const float *full, int64_t rows, int64_t cols,
                        float *dst) {
@@ -646,113 +472,16 @@ static void take_block(const loom_slot *s, const float *full, int64_t rows, int6
             dst[r * s->cols + c] = s->row0 + r < rows ? full[(s->row0 + r) * cols + s->col0 + c] : 0;
 }
 
-/* What loading reads: meta.json's tensors, and the ranks' files, each
- * opened when a piece of it is first needed. */
-typedef struct state_reader {
-    loom_ctx *ctx;
-    const char *dir, *path; /* path: meta.json, for messages */
-    const loom_json *tensors;
-    int world;
-    loom_safetensors **sf;
-    float *scratch;
-    size_t cap;
-} state_reader;
-
-static loom_status damaged(state_reader *R, const char *name, const char *what) {
-    return loom_errf(R->ctx, LOOM_ERR_FORMAT, "%s: tensor %s: %s; the checkpoint is damaged: "
-                     "resume from another one", R->path, name, what);
-}
-
-/* The whole tensor `name` (its shape as this model has it; cols 1 for
- * 1-D) of kind k (0 values, 1 exp_avg, 2 exp_avg_sq), from its pieces. */
-static loom_status assemble(state_reader *R, const char *name, int ndim, int64_t rows,
-                            int64_t cols, int k, float *full) {
-    loom_ctx *ctx = R->ctx;
-    const loom_json *e = loom_json_get(R->tensors, name);
-    if (!e)
-        return loom_errf(ctx, LOOM_ERR_FORMAT, "%s has no tensor %s: it was saved from another "
-                         "model or with other settings", R->path, name);
-    const loom_json *sh = loom_json_get(e, "shape"), *ps = loom_json_get(e, "pieces");
-    if (!sh || sh->type != LOOM_JSON_ARRAY || !ps || ps->type != LOOM_JSON_ARRAY)
-        return damaged(R, name, "no \"shape\" or \"pieces\" array");
-    const int64_t want[2] = {rows, cols};
-    bool same = (int)sh->n == ndim;
-    for (int d = 0; same && d < ndim; d++)
-        same = sh->items[d]->type == LOOM_JSON_NUMBER && sh->items[d]->is_int &&
-               sh->items[d]->i == want[d];
-    if (!same)
-        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: tensor %s has another shape than this model's "
-                         "[%lld, %lld]: it was saved from another model", R->path, name,
-                         (long long)rows, (long long)cols);
-    memset(full, 0, sizeof *full * (size_t)(rows * cols));
-    int64_t covered = 0;
-    char key[400];
-    static const char *const pre[3] = {"", "exp_avg.", "exp_avg_sq."};
-    for (size_t i = 0; i < ps->n; i++) {
-        const loom_json *a = ps->items[i];
-        int64_t x[PIECE_WORDS];
-        bool ok = a->type == LOOM_JSON_ARRAY && a->n == PIECE_WORDS;
-        for (int j = 0; ok && j < PIECE_WORDS; j++) {
-            ok = a->items[j]->type == LOOM_JSON_NUMBER && a->items[j]->is_int;
-            x[j] = ok ? a->items[j]->i : 0;
-        }
-        /* rank, row0, col0, block rows, block cols, f0, len, moments */
-        ok = ok && x[0] >= 0 && x[0] < R->world && x[1] >= 0 && x[2] >= 0 && x[3] > 0 &&
-             x[4] > 0 && x[2] + x[4] <= cols && x[3] <= ((int64_t)1 << 40) / x[4] && x[5] >= 0 &&
-             x[6] > 0 && x[5] + x[6] <= x[3] * x[4];
-        if (!ok) return damaged(R, name, "a piece is not [rank, row0, col0, rows, cols, f0, len, "
-                                         "moments] within the tensor");
-        if (k && !x[7]) return damaged(R, name, "a piece has no moments (was it frozen?)");
-        const int r = (int)x[0];
-        if (!R->sf[r]) {
-            char file[40], *f;
-            rank_file(r, file);
-            if (!(f = loom_path_join(ctx, R->dir, file))) return LOOM_ERR_OOM;
-            loom_status st = loom_st_open_file(ctx, f, &R->sf[r]);
-            free(f);
-            if (st) return st;
-        }
-        if ((size_t)x[6] > R->cap) {
-            float *t = realloc(R->scratch, (size_t)x[6] * sizeof *t);
-            if (!t) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory reading %s", name);
-            R->scratch = t, R->cap = (size_t)x[6];
-        }
-        snprintf(key, sizeof key, "%s%s@%lld", pre[k], name, (long long)x[5]);
-        loom_status st = loom_st_read_named(ctx, R->sf[r], key, 1, &x[6], LOOM_F32, R->scratch);
-        if (st) return st;
-        covered += place(x[1], x[2], x[4], x[5], x[6], R->scratch, rows, cols, full);
-    }
-    if (covered != rows * cols) {
-        char why[160];
-        snprintf(why, sizeof why, "its pieces hold %lld of its %lld elements", (long long)covered,
-                 (long long)(rows * cols));
-        return damaged(R, name, why);
-    }
-    return LOOM_OK;
-}
-
 loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
                                   loom_train_progress *p) {
     loom_ctx *ctx = m->ctx;
     loom_arena *A = loom_model_trainable(m);
-    char *path = loom_path_join(ctx, dir, "meta.json");
-    if (!path) return LOOM_ERR_OOM;
-    loom_json *meta = NULL;
-    state_reader R = {.ctx = ctx, .dir = dir, .path = path};
+    loom_state_reader *R = NULL;
     float *w = NULL, *full = NULL, *blk = NULL, *mom[2] = {NULL, NULL};
-    int64_t world = 0;
-    loom_status st = loom_verify_state(ctx, dir);
-    if (!st) st = loom_json_parse_file(ctx, path, &meta);
+    loom_status st = loom_state_open(ctx, dir, &R);
+    const loom_json *meta = st ? NULL : loom_state_meta(R);
+    const char *path = st ? NULL : loom_state_meta_path(R);
     if (!st) st = check_meta(m, meta, path);
-    if (!st) st = loom_json_get_int(ctx, meta, "world_size", path, &world);
-    if (!st && (world < 1 || world > (1 << 20)))
-        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: world_size %lld is not a number of ranks", path,
-                       (long long)world);
-    R.world = (int)world;
-    if (!st && (!(R.tensors = loom_json_get(meta, "tensors")) ||
-                R.tensors->type != LOOM_JSON_OBJECT))
-        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: no \"tensors\" object", path);
-    if (!st && !(R.sf = calloc((size_t)world, sizeof *R.sf))) st = LOOM_ERR_OOM;
     bool saved_moments = false;
     if (!st) st = loom_json_get_bool(ctx, meta, "optimizer", path, &saved_moments);
     if (!st && optimizer && !saved_moments)
@@ -793,10 +522,10 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
             st = LOOM_ERR_OOM;
             break;
         }
-        if ((st = assemble(&R, s->name, s->ndim, rows, cols, 0, full))) break;
+        if ((st = loom_state_read(R, s->name, s->ndim, rows, cols, 0, full))) break;
         take_block(s, full, rows, cols, w + s->off);
         for (int k = 0; moments && k < 2 && !s->frozen && !st; k++) {
-            if ((st = assemble(&R, s->name, s->ndim, rows, cols, k + 1, full))) break;
+            if ((st = loom_state_read(R, s->name, s->ndim, rows, cols, k + 1, full))) break;
             take_block(s, full, rows, cols, blk);
             for (int b = 0; b < A->nbuckets; b++) {
                 size_t o0, len, so;
@@ -836,15 +565,11 @@ loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
         loom_model_zero_grad(m);
         if (p) *p = pr;
     }
-    free(path);
     free(w);
     free(full);
     free(blk);
     free(mom[0]);
     free(mom[1]);
-    for (int r = 0; R.sf && r < R.world; r++) loom_st_close(R.sf[r]);
-    free(R.sf);
-    free(R.scratch);
-    loom_json_free(meta);
+    loom_state_close(R);
     return st;
 }
