@@ -27,29 +27,6 @@ void loom_cli_ckpt_signals(bool on) {
     if (!on) stop_signal = 0;
 }
 
-/* Rank 0's status is every rank's. */
-static loom_status agree(loom_ctx *ctx, loom_comm *world, loom_status st, const char *what) {
-    if (!world || loom_comm_size(world) == 1) return st;
-    int32_t v = (int32_t)st;
-    loom_status cs = loom_comm_broadcast(world, &v, 1, LOOM_I32, 0);
-    if (cs) return cs;
-    if (loom_comm_rank(world) != 0 && v)
-        return loom_errf(ctx, (loom_status)v, "%s failed on rank 0 (its message says why)", what);
-    return st;
-}
-
-/* Fails on every rank when it failed on any (naming the first). */
-static loom_status all_ok(loom_ctx *ctx, loom_comm *world, loom_status st, const char *what) {
-    if (!world || loom_comm_size(world) == 1) return st;
-    int32_t v = st ? loom_comm_rank(world) + 1 : 0;
-    loom_status cs = loom_comm_allreduce(world, &v, 1, LOOM_I32, LOOM_RED_MAX);
-    if (cs) return cs;
-    if (!st && v)
-        return loom_errf(ctx, LOOM_ERR_IO, "%s failed on rank %d (its message says why)", what,
-                         v - 1);
-    return st;
-}
-
 static loom_status verify(loom_ctx *ctx, const char *dir, void *u) {
     (void)u;
     return loom_verify_state(ctx, dir);
@@ -108,7 +85,7 @@ static loom_status saver_commit(loom_ctx *ctx, loom_model *m, loom_comm *world,
     w->path = NULL;
     loom_ctx_free(w->tctx);
     w->tctx = NULL;
-    if ((st = agree(ctx, world, st, "committing the checkpoint"))) return st;
+    if ((st = loom_comm_agree_root(ctx, world, st, 0, "committing the checkpoint"))) return st;
     LOOM_LOG_I(ctx, "checkpoint %s/%s written (%.2f s in the background)", w->s->save, name,
                w->took);
     return LOOM_OK;
@@ -161,7 +138,7 @@ loom_status loom_cli_ckpt_save(loom_ctx *ctx, loom_model *m, loom_comm *world,
     if (st) return st;
     memset(&w->tx, 0, sizeof w->tx);
     if (rank0) st = loom_ckpt_begin(ctx, s->save, step, &w->tx);
-    if (!(st = agree(ctx, world, st, "starting the checkpoint")))
+    if (!(st = loom_comm_agree_root(ctx, world, st, 0, "starting the checkpoint")))
         st = share_path(ctx, world, rank0 ? w->tx.path : NULL, &w->path);
     if (st) {
         loom_ckpt_abort(&w->tx);
@@ -178,7 +155,8 @@ loom_status loom_cli_ckpt_save(loom_ctx *ctx, loom_model *m, loom_comm *world,
         w->tctx = NULL;
     }
     w->running = !st;
-    if ((st = all_ok(ctx, world, st, "copying the state for the checkpoint"))) return st;
+    if ((st = loom_comm_agree_all(ctx, world, st, "copying the state for the checkpoint")))
+        return st;
     char name[32];
     loom_ckpt_iter_name(step, name);
     LOOM_LOG_I(ctx, "checkpoint %s/%s: state copied in %.2f s (the step's pause); writing in the "

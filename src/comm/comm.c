@@ -436,6 +436,34 @@ loom_status loom_comm_allgather(loom_comm *c, const void *send, void *recv, size
     return allgather(c, send, recv, n, dt, NULL);
 }
 
+loom_status loom_comm_agree_all(loom_ctx *ctx, loom_comm *c, loom_status st, const char *what) {
+    const int n = c ? loom_comm_size(c) : 1;
+    if (n == 1) return st;
+    int32_t *all = malloc((size_t)n * sizeof *all), me = (int32_t)st;
+    if (!all) return st ? st : loom_errf(ctx, LOOM_ERR_OOM, "%s: out of memory", what);
+    loom_status cs = loom_comm_allgather(c, &me, all, 1, LOOM_I32);
+    for (int q = 0; !cs && !st && q < n; q++)
+        if (all[q]) {
+            cs = loom_errf(ctx, (loom_status)all[q], "%s failed on rank %d (%s; its message says "
+                           "why)", what, q, loom_status_str((loom_status)all[q]));
+            break;
+        }
+    free(all);
+    return st ? st : cs;
+}
+
+loom_status loom_comm_agree_root(loom_ctx *ctx, loom_comm *c, loom_status st, int root,
+                                 const char *what) {
+    if (!c || loom_comm_size(c) == 1) return st;
+    int32_t v = (int32_t)st;
+    loom_status cs = loom_comm_broadcast(c, &v, 1, LOOM_I32, root);
+    if (cs) return cs;
+    if (loom_comm_rank(c) != root && v)
+        return loom_errf(ctx, (loom_status)v, "%s failed on rank %d (its message says why)", what,
+                         root);
+    return st;
+}
+
 loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root) {
     if (!c) return LOOM_ERR_INVALID_ARG;
     loom_status st = check_common(c, "broadcast", dt, n, 1, buf, buf);

@@ -113,6 +113,15 @@ loom_status loom_comm_reduce_scatter(loom_comm *c, const void *send, void *recv,
 loom_status loom_comm_allgather(loom_comm *c, const void *send, void *recv, size_t n,
                                 loom_dtype dt);
 loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root);
+/* Collective verdicts on a step every rank took (c may be NULL: one process).
+ * agree_all: each rank's status st; a rank that failed keeps its own error,
+ * the others fail with the first failing rank's code and "<what> failed on
+ * rank q (its message says why)". agree_root: root's status is every
+ * rank's (the others' message says the same of root). A failed collective
+ * is returned as it is. */
+loom_status loom_comm_agree_all(loom_ctx *ctx, loom_comm *c, loom_status st, const char *what);
+loom_status loom_comm_agree_root(loom_ctx *ctx, loom_comm *c, loom_status st, int root,
+                                 const char *what);
 /* send (n * size) -> recv (n * size): block r of send goes to rank r. */
 loom_status loom_comm_alltoall(loom_comm *c, const void *send, void *recv, size_t n,
                                loom_dtype dt);

@@ -397,15 +397,7 @@ loom_status loom_state_snapshot_commit(loom_model *m, loom_state_snapshot *sn, c
         st = loom_state_meta_write(ctx, dir, sn->meta, &sn->t, sn->world, all, words);
     free(mine);
     free(all);
-    if (many && st != LOOM_ERR_COMM) {
-        int32_t r = (int32_t)st;
-        loom_status cs = loom_comm_broadcast(w, &r, 1, LOOM_I32, 0);
-        if (cs) return cs;
-        if (sn->rank && r)
-            return loom_errf(ctx, (loom_status)r, "checkpoint %s: rank 0 could not write "
-                             "meta.json (its message says why)", dir);
-    }
-    return st;
+    return st == LOOM_ERR_COMM ? st : loom_comm_agree_root(ctx, w, st, 0, "writing meta.json");
 }
 
 loom_status loom_model_save_state(loom_model *m, const char *dir, const loom_train_progress *p,
