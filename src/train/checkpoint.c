@@ -386,7 +386,13 @@ loom_status loom_state_snapshot_commit(loom_model *m, loom_state_snapshot *sn, c
             *all = calloc(words * (size_t)sn->world, sizeof *all);
     if (!mine || !all) st = loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering the checkpoint's "
                                       "pieces");
-    if (!st) {
+    /* a rank without the buffers is not left out of the gather (the others would wait) */
+    if ((st = loom_comm_agree_all(ctx, many ? w : NULL, st, "gathering the checkpoint's pieces"))) {
+        free(mine);
+        free(all);
+        return st;
+    }
+    {
         loom_state_pack(mine, sn->sha, sn->p, sn->np);
         st = many ? loom_comm_allgather(w, mine, all, words, LOOM_I64)
                   : (memcpy(all, mine, words * sizeof *all), LOOM_OK);
