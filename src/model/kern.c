@@ -37,150 +37,49 @@ loom_status loom_dev_init(loom_model *m) {
                          "LOOM_LORA_KERNELS=%s: LoRA's kernels are `loom` (the default) or `cublas`",
                          lk);
     d->lora_cublas = lk && strcmp(lk, "cublas") == 0;
-    if (!d->cuda) {
-        d->device = -1;
-        return LOOM_OK;
-    }
-#ifdef LOOM_HAVE_CUDA
-    size_t free_b = 0, total_b = 0;
-    if (loom_cuda_mem_info(m->ctx, &free_b, &total_b) == LOOM_OK) {
-        d->used0 = total_b - free_b;
-        d->gpu_total = total_b;
-    }
-    loom_status st = loom_cuda_gemm_create(m->ctx, 0, &d->gemm);
-    if (st) return st;
-    /* cuDNN's fused attention unless loom's own kernels are asked for (by name,
-     * or for the bitwise-repeatable backward, which cuDNN's is not) */
-    const char *det = getenv("LOOM_ATTN_DETERMINISTIC");
-    if (!(a && strcmp(a, "loom") == 0) && !(det && *det && strcmp(det, "0") != 0) &&
-        (st = loom_cuda_attn_create(m->ctx, &d->attn)))
-        return st;
-    return loom_cuda_malloc(m->ctx, (void **)&d->sumsq_scratch,
-                            LOOM_CUDA_SUMSQ_BLOCKS * sizeof(double), "grad-norm scratch");
-#else
-    return loom_errf(m->ctx, LOOM_ERR_UNSUPPORTED,
-                     "this loom was built without CUDA; rebuild with `make CUDA=1` to run on GPUs");
-#endif
+    if (!(d->be = loom_backend_for(m->ctx, d->cuda))) return LOOM_ERR_UNSUPPORTED;
+    return d->be->init(d, m->ctx);
 }
 
 void loom_dev_attn_note(const loom_model *m, char *buf, size_t n) {
-    const loom_dev *d = &m->dev;
-#ifdef LOOM_HAVE_CUDA
-    if (d->cuda && d->attn) {
-        long long f = 0, b = 0;
-        const char *why = "";
-        loom_cuda_attn_counts(d->attn, &f, &b, &why);
-        const bool all = f == d->attn_calls[0] && b == d->attn_calls[1];
-        snprintf(buf, n, "cuDNN fused attention ran %lld/%lld forwards, %lld/%lld backwards%s%s%s", f,
-                 d->attn_calls[0], b, d->attn_calls[1], all ? "" : "; loom's kernels the rest (",
-                 all ? "" : why[0] ? why : "context parallel, or more than 512 documents",
-                 all ? "" : ")");
-        return;
-    }
-#endif
-    snprintf(buf, n, "loom's attention kernels%s", d->cuda ? " (LOOM_ATTN=loom or LOOM_ATTN_DETERMINISTIC=1)" : "");
+    m->dev.be->attn_note(&m->dev, buf, n);
 }
 
 void loom_dev_release(loom_model *m) {
-#ifdef LOOM_HAVE_CUDA
-    loom_dev *d = &m->dev;
-    if (!d->cuda) return;
-    if (d->gemm) loom_cuda_gemm_free(d->gemm);
-    loom_cuda_attn_free(d->attn);
-    d->attn = NULL;
-    loom_cuda_free(d->sumsq_scratch);
-    loom_cuda_free(d->rms_scratch);
-    loom_cuda_dw_batch_free(d->dw_batch);
-    d->dw_batch = NULL;
-    loom_cuda_free(d->lora_scratch);
-    d->lora_scratch = NULL;
-    d->lora_scratch_bytes = 0;
-    d->gemm = NULL;
-    d->sumsq_scratch = NULL;
-    d->rms_scratch = NULL;
-    d->rms_scratch_bytes = 0;
-#else
-    (void)m;
-#endif
+    if (m->dev.be) m->dev.be->release(&m->dev);
 }
 
 loom_status loom_dev_alloc(loom_model *m, void **p, size_t bytes, const char *what) {
     *p = NULL;
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) {
-        loom_status st = loom_cuda_malloc(m->ctx, p, bytes, what);
-        if (st) return st;
-        size_t free_b, total_b;
-        if (loom_cuda_mem_info(m->ctx, &free_b, &total_b) == LOOM_OK &&
-            total_b - free_b > m->dev.used0 && total_b - free_b - m->dev.used0 > m->dev.peak)
-            m->dev.peak = total_b - free_b - m->dev.used0;
-        return loom_cuda_memset_async(m->ctx, *p, bytes, m->dev.stream);
-    }
-#endif
-    *p = loom_calloc(m->ctx, bytes ? bytes : 1, 1, what);
-    return *p ? LOOM_OK : LOOM_ERR_OOM;
+    return m->dev.be->alloc(&m->dev, m->ctx, p, bytes, what);
 }
 
 void loom_dev_free(loom_model *m, void *p) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) {
-        loom_cuda_free(p);
-        return;
-    }
-#endif
-    free(p);
+    if (p) m->dev.be->free(&m->dev, p);
 }
 
 loom_status loom_k_host_alloc(loom_model *m, void **p, size_t bytes, bool *pinned,
                               const char *what) {
     *p = NULL;
     *pinned = false;
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m) && loom_cuda_host_alloc(m->ctx, p, bytes, what) == LOOM_OK) {
-        *pinned = true;
-        return LOOM_OK;
-    }
-#endif
-    *p = loom_malloc(m->ctx, bytes ? bytes : 1, what); /* pageable: slower copies, still right */
-    return *p ? LOOM_OK : LOOM_ERR_OOM;
+    return m->dev.be->host_alloc(&m->dev, m->ctx, p, bytes, pinned, what);
 }
 
-void loom_k_host_free(void *p, bool pinned) {
-#ifdef LOOM_HAVE_CUDA
-    if (pinned) {
-        loom_cuda_host_free(p);
-        return;
-    }
-#endif
-    (void)pinned;
-    free(p);
-}
+void loom_k_host_free(void *p, bool pinned) { loom_backend_host_free(p, pinned); }
 
 loom_status loom_k_copy(loom_model *m, void *dst, const void *src, size_t bytes) {
     if (dst == src || !bytes) return LOOM_OK;
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_memcpy_async(m->ctx, dst, src, bytes, m->dev.stream);
-#endif
-    memmove(dst, src, bytes);
-    return LOOM_OK;
+    return m->dev.be->copy(&m->dev, m->ctx, dst, src, bytes);
 }
 
 loom_status loom_k_zero(loom_model *m, void *p, size_t bytes) {
     if (!bytes) return LOOM_OK;
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_memset_async(m->ctx, p, bytes, m->dev.stream);
-#endif
-    memset(p, 0, bytes);
-    return LOOM_OK;
+    return m->dev.be->zero(&m->dev, m->ctx, p, bytes);
 }
 
 loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t bytes) {
     if (host == dev || !bytes) return LOOM_OK;
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_memcpy_d2h(m->ctx, host, dev, bytes);
-#endif
-    memcpy(host, dev, bytes);
-    return LOOM_OK;
+    return m->dev.be->download(&m->dev, m->ctx, host, dev, bytes);
 }
 
 loom_status loom_k_download_f32(loom_model *m, float *host, const void *dev, size_t n) {
@@ -196,20 +95,12 @@ loom_status loom_k_download_f32(loom_model *m, float *host, const void *dev, siz
 
 loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t bytes) {
     if (host == dev || !bytes) return LOOM_OK;
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_memcpy_h2d(m->ctx, dev, host, bytes);
-#endif
-    memcpy(dev, host, bytes);
-    return LOOM_OK;
+    return m->dev.be->upload(&m->dev, m->ctx, dev, host, bytes);
 }
 
 loom_status loom_k_convert(loom_model *m, void *dst, loom_dtype d, const void *src, loom_dtype s,
                            size_t n) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_convert(m->ctx, dst, d, src, s, n, m->dev.stream);
-#endif
-    if (dst == src && d == s) return LOOM_OK;
-    return loom_convert(m->ctx, dst, d, src, s, n);
+    return m->dev.be->convert(&m->dev, m->ctx, dst, d, src, s, n);
 }
 
 /* ---- GEMMs ---- */

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "../backend/adamw.h"
+#include "../backend/backend.h"
 #include "loom.h"
 
 /* Return the status of a call that failed (the model code's error flow). */
@@ -33,32 +34,6 @@
 typedef struct loom_model loom_model;
 typedef struct loom_micro loom_micro;
 struct loom_arena;
-struct loom_cuda_gemm_handle;
-struct loom_cuda_attn_handle;
-
-typedef struct loom_dev {
-    bool cuda;
-    int device;               /* CUDA device of this process, -1 on CPU */
-    loom_dtype adt;           /* compute dtype */
-    size_t esz;               /* its size in bytes */
-    void *stream;             /* cudaStream_t (NULL: legacy default) */
-    struct loom_cuda_gemm_handle *gemm;
-    struct loom_cuda_attn_handle *attn; /* cuDNN's fused attention; NULL: loom's kernels only
-                                           (LOOM_ATTN=loom or LOOM_ATTN_DETERMINISTIC=1) */
-    long long attn_calls[2];  /* GPU attention forwards and backwards run */
-    double *sumsq_scratch;    /* device: the grad-norm reduction's block partials */
-    void *rms_scratch;        /* device: RMSNorm backward's dw partials */
-    size_t rms_scratch_bytes;
-    struct loom_cuda_dw_batch *dw_batch; /* the layers' norm weight gradients, added at
-                                            loom_k_dw_flush (made at the first use) */
-    void *lora_scratch;       /* device: the LoRA pass kernels' partial sums */
-    size_t lora_scratch_bytes;
-    bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's forward and backward, and the
-                                 input gradients' sums, on cuBLASLt (no GEMM of loom's own) */
-    size_t used0;             /* GPU memory in use when the model was created */
-    size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
-    size_t gpu_total;
-} loom_dev;
 
 /* Sets up the device side of `m` (m->dev.cuda and adt already set): on a
  * GPU, the cuBLASLt handle and the small scratch buffers. */

@@ -1,0 +1,84 @@
+/* The backend table (ggml's seam): the ops of one kind of device, chosen
+ * once when a model is placed on its device (loom_backend_for). The CPU is
+ * a backend like any other (src/backend/cpu/backend_cpu.c); CUDA is
+ * src/backend/cuda/backend_cuda.c. Each op takes the device's state (loom_dev)
+ * and the context its errors go to.
+ *
+ * In the table so far: the device's set-up and its memory (allocation,
+ * copies, conversion). The compute ops are still chosen op by op in
+ * src/model/kern.c; they move here family by family (issue 36). */
+#ifndef LOOM_BACKEND_H
+#define LOOM_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "loom.h"
+
+struct loom_cuda_gemm_handle;
+struct loom_cuda_attn_handle;
+
+typedef struct loom_dev {
+    const struct loom_backend *be; /* the ops of this device (loom_backend_for) */
+    bool cuda;
+    int device;               /* CUDA device of this process, -1 on CPU */
+    loom_dtype adt;           /* compute dtype */
+    size_t esz;               /* its size in bytes */
+    void *stream;             /* cudaStream_t (NULL: legacy default) */
+    struct loom_cuda_gemm_handle *gemm;
+    struct loom_cuda_attn_handle *attn; /* cuDNN's fused attention; NULL: loom's kernels only
+                                           (LOOM_ATTN=loom or LOOM_ATTN_DETERMINISTIC=1) */
+    long long attn_calls[2];  /* GPU attention forwards and backwards run */
+    double *sumsq_scratch;    /* device: the grad-norm reduction's block partials */
+    void *rms_scratch;        /* device: RMSNorm backward's dw partials */
+    size_t rms_scratch_bytes;
+    struct loom_cuda_dw_batch *dw_batch; /* the layers' norm weight gradients, added at
+                                            loom_k_dw_flush (made at the first use) */
+    void *lora_scratch;       /* device: the LoRA pass kernels' partial sums */
+    size_t lora_scratch_bytes;
+    bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's forward and backward, and the
+                                 input gradients' sums, on cuBLASLt (no GEMM of loom's own) */
+    size_t used0;             /* GPU memory in use when the model was created */
+    size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
+    size_t gpu_total;
+} loom_dev;
+
+typedef struct loom_backend {
+    const char *name;
+    /* Sets up d (d->adt, d->esz, d->device set): handles, scratch buffers,
+     * the memory in use now; release frees them. */
+    loom_status (*init)(loom_dev *d, loom_ctx *ctx);
+    void (*release)(loom_dev *d);
+    /* Which kernels ran the attention, in words. */
+    void (*attn_note)(const loom_dev *d, char *buf, size_t n);
+    /* Device memory, zeroed (the peak in use updated); free takes NULL. */
+    loom_status (*alloc)(loom_dev *d, loom_ctx *ctx, void **p, size_t bytes, const char *what);
+    void (*free)(loom_dev *d, void *p);
+    /* Host memory for copies to and from the device: page-locked where the
+     * device has such (*pinned set), else malloc's. */
+    loom_status (*host_alloc)(loom_dev *d, loom_ctx *ctx, void **p, size_t bytes, bool *pinned,
+                              const char *what);
+    /* In stream order (copy, zero) or returning when the data is there
+     * (download, upload); bytes > 0 and distinct pointers (the caller
+     * checks). */
+    loom_status (*copy)(loom_dev *d, loom_ctx *ctx, void *dst, const void *src, size_t bytes);
+    loom_status (*zero)(loom_dev *d, loom_ctx *ctx, void *p, size_t bytes);
+    loom_status (*download)(loom_dev *d, loom_ctx *ctx, void *host, const void *dev,
+                            size_t bytes);
+    loom_status (*upload)(loom_dev *d, loom_ctx *ctx, void *dev, const void *host, size_t bytes);
+    /* dst[i] = src[i] between F32, BF16 and F16 (n elements, on the device). */
+    loom_status (*convert)(loom_dev *d, loom_ctx *ctx, void *dst, loom_dtype dt, const void *src,
+                           loom_dtype sdt, size_t n);
+} loom_backend;
+
+const loom_backend *loom_backend_cpu(void);
+/* NULL when loom was built without CUDA. */
+const loom_backend *loom_backend_cuda(void);
+/* The backend of a device: CUDA or the CPU; NULL with an error in ctx when
+ * that backend is not built in. */
+const loom_backend *loom_backend_for(loom_ctx *ctx, bool cuda);
+/* Frees what a host_alloc of any backend returned (no device needed: any
+ * thread, after the model is gone). */
+void loom_backend_host_free(void *p, bool pinned);
+
+#endif /* LOOM_BACKEND_H */

@@ -1,0 +1,132 @@
+/* The CUDA backend's table (backend.h): device memory through the CUDA
+ * runtime, copies queued on the model's stream, page-locked host buffers.
+ * Built only with CUDA (an empty unit otherwise). */
+#ifdef LOOM_HAVE_CUDA
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../core/core.h"
+#include "../backend.h"
+#include "cuda_backend.h"
+#include "cuda_glue.h"
+#include "cuda_ops.h"
+
+static loom_status cuda_init(loom_dev *d, loom_ctx *ctx) {
+    size_t free_b = 0, total_b = 0;
+    if (loom_cuda_mem_info(ctx, &free_b, &total_b) == LOOM_OK) {
+        d->used0 = total_b - free_b;
+        d->gpu_total = total_b;
+    }
+    loom_status st = loom_cuda_gemm_create(ctx, 0, &d->gemm);
+    if (st) return st;
+    /* cuDNN's fused attention unless loom's own kernels are asked for (by
+     * name, or for the bitwise-repeatable backward, which cuDNN's is not) */
+    const char *a = getenv("LOOM_ATTN"), *det = getenv("LOOM_ATTN_DETERMINISTIC");
+    if (!(a && strcmp(a, "loom") == 0) && !(det && *det && strcmp(det, "0") != 0) &&
+        (st = loom_cuda_attn_create(ctx, &d->attn)))
+        return st;
+    return loom_cuda_malloc(ctx, (void **)&d->sumsq_scratch,
+                            LOOM_CUDA_SUMSQ_BLOCKS * sizeof(double), "grad-norm scratch");
+}
+
+static void cuda_release(loom_dev *d) {
+    if (d->gemm) loom_cuda_gemm_free(d->gemm);
+    loom_cuda_attn_free(d->attn);
+    d->attn = NULL;
+    loom_cuda_free(d->sumsq_scratch);
+    loom_cuda_free(d->rms_scratch);
+    loom_cuda_dw_batch_free(d->dw_batch);
+    d->dw_batch = NULL;
+    loom_cuda_free(d->lora_scratch);
+    d->lora_scratch = NULL;
+    d->lora_scratch_bytes = 0;
+    d->gemm = NULL;
+    d->sumsq_scratch = NULL;
+    d->rms_scratch = NULL;
+    d->rms_scratch_bytes = 0;
+}
+
+static void cuda_attn_note(const loom_dev *d, char *buf, size_t n) {
+    if (!d->attn) {
+        snprintf(buf, n, "loom's attention kernels (LOOM_ATTN=loom or LOOM_ATTN_DETERMINISTIC=1)");
+        return;
+    }
+    long long f = 0, b = 0;
+    const char *why = "";
+    loom_cuda_attn_counts(d->attn, &f, &b, &why);
+    const bool all = f == d->attn_calls[0] && b == d->attn_calls[1];
+    snprintf(buf, n, "cuDNN fused attention ran %lld/%lld forwards, %lld/%lld backwards%s%s%s", f,
+             d->attn_calls[0], b, d->attn_calls[1], all ? "" : "; loom's kernels the rest (",
+             all ? "" : why[0] ? why : "context parallel, or more than 512 documents",
+             all ? "" : ")");
+}
+
+static loom_status cuda_alloc(loom_dev *d, loom_ctx *ctx, void **p, size_t bytes,
+                              const char *what) {
+    loom_status st = loom_cuda_malloc(ctx, p, bytes, what);
+    if (st) return st;
+    size_t free_b, total_b;
+    if (loom_cuda_mem_info(ctx, &free_b, &total_b) == LOOM_OK && total_b - free_b > d->used0 &&
+        total_b - free_b - d->used0 > d->peak)
+        d->peak = total_b - free_b - d->used0;
+    return loom_cuda_memset_async(ctx, *p, bytes, d->stream);
+}
+
+static void cuda_free(loom_dev *d, void *p) {
+    (void)d;
+    loom_cuda_free(p);
+}
+
+static loom_status cuda_host_alloc(loom_dev *d, loom_ctx *ctx, void **p, size_t bytes,
+                                   bool *pinned, const char *what) {
+    (void)d;
+    *pinned = loom_cuda_host_alloc(ctx, p, bytes, what) == LOOM_OK;
+    if (*pinned) return LOOM_OK;
+    *p = loom_malloc(ctx, bytes ? bytes : 1, what); /* pageable: slower copies, still right */
+    return *p ? LOOM_OK : LOOM_ERR_OOM;
+}
+
+static loom_status cuda_copy(loom_dev *d, loom_ctx *ctx, void *dst, const void *src,
+                             size_t bytes) {
+    return loom_cuda_memcpy_async(ctx, dst, src, bytes, d->stream);
+}
+
+static loom_status cuda_zero(loom_dev *d, loom_ctx *ctx, void *p, size_t bytes) {
+    return loom_cuda_memset_async(ctx, p, bytes, d->stream);
+}
+
+static loom_status cuda_download(loom_dev *d, loom_ctx *ctx, void *host, const void *dev,
+                                 size_t bytes) {
+    (void)d;
+    return loom_cuda_memcpy_d2h(ctx, host, dev, bytes);
+}
+
+static loom_status cuda_upload(loom_dev *d, loom_ctx *ctx, void *dev, const void *host,
+                               size_t bytes) {
+    (void)d;
+    return loom_cuda_memcpy_h2d(ctx, dev, host, bytes);
+}
+
+static loom_status cuda_convert(loom_dev *d, loom_ctx *ctx, void *dst, loom_dtype dt,
+                                const void *src, loom_dtype sdt, size_t n) {
+    return loom_cuda_convert(ctx, dst, dt, src, sdt, n, d->stream);
+}
+
+const loom_backend *loom_backend_cuda(void) {
+    static const loom_backend be = {
+        .name = "cuda",
+        .init = cuda_init,
+        .release = cuda_release,
+        .attn_note = cuda_attn_note,
+        .alloc = cuda_alloc,
+        .free = cuda_free,
+        .host_alloc = cuda_host_alloc,
+        .copy = cuda_copy,
+        .zero = cuda_zero,
+        .download = cuda_download,
+        .upload = cuda_upload,
+        .convert = cuda_convert,
+    };
+    return &be;
+}
+#endif /* LOOM_HAVE_CUDA */
