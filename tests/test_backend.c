@@ -2,6 +2,7 @@
  * usable here runs its ops on fresh random bytes and is held to the CPU
  * backend's results (ggml's test-backend-ops). On a machine without a GPU
  * the CPU backend is held to the C library (memcpy, loom_convert). */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -108,5 +109,103 @@ TEST(backend_cuda_memory_ops_equal_cpu) {
     REQUIRE_OK(ctx, be->init(&d, ctx));
     memory_ops(ctx, be, &d);
     be->release(&d);
+    loom_ctx_free(ctx);
+}
+
+/* ---- the element-wise family: a backend against the CPU table, in fp32 ---- */
+
+typedef struct side {
+    const loom_backend *be;
+    loom_dev *d;
+} side;
+
+static float *frand(int64_t n, uint64_t seed) {
+    float *p = malloc((size_t)n * sizeof *p);
+    for (int64_t i = 0; p && i < n; i++)
+        p[i] = (float)((double)(loom_splitmix64(seed + (uint64_t)i) >> 11) / 9007199254740992.0 *
+                       4.0 - 2.0);
+    return p;
+}
+
+/* n floats of host data on a side's device (the host pointer itself on the CPU) */
+static void *put(loom_ctx *ctx, side s, const void *h, size_t bytes) {
+    void *p = NULL;
+    if (s.be->alloc(s.d, ctx, &p, bytes, "test") || s.be->upload(s.d, ctx, p, h, bytes)) return NULL;
+    return p;
+}
+
+static bool close_to(const float *a, const float *b, int64_t n, double tol) {
+    for (int64_t i = 0; i < n; i++)
+        if (fabs((double)a[i] - b[i]) > tol * (1.0 + fabs((double)b[i]))) return false;
+    return true;
+}
+
+/* Runs the family on side x and on the CPU table, inputs from one seed,
+ * and compares every output. */
+static void elementwise_ops(loom_ctx *ctx, side x) {
+    const loom_backend *cpu = loom_backend_cpu();
+    loom_dev cd = {.adt = LOOM_F32, .esz = 4};
+    REQUIRE_OK(ctx, cpu->init(&cd, ctx));
+    side sides[2] = {{cpu, &cd}, x};
+    const int64_t T = 37, N = 53, n = T * N, V = 101, H = N, row0 = 40, rows = 30;
+    const uint64_t seed = (uint64_t)loom_now_s() * 1000003u;
+    float *g = frand(n, seed), *u = frand(n, seed + 1 * n), *dh = frand(n, seed + 2 * n),
+          *b = frand(N, seed + 3 * n), *W = frand(rows * H, seed + 4 * n);
+    int32_t ids[37];
+    for (int64_t t = 0; t < T; t++) ids[t] = (int32_t)(loom_splitmix64(seed + 99 + (uint64_t)t) % V);
+    float *out[2][7];
+    for (int k = 0; k < 2; k++) {
+        side s = sides[k];
+        void *G = put(ctx, s, g, n * 4), *U = put(ctx, s, u, n * 4), *DH = put(ctx, s, dh, n * 4),
+             *B = put(ctx, s, b, N * 4), *WW = put(ctx, s, W, rows * H * 4),
+             *ID = put(ctx, s, ids, sizeof ids);
+        void *h = NULL, *dg = NULL, *du = NULL, *db = NULL, *e = NULL, *dW = NULL;
+        REQUIRE(G && U && DH && B && WW && ID);
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &h, n * 4, "h"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dg, n * 4, "dg"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &du, n * 4, "du"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &db, N * 4, "db"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &e, T * H * 4, "e"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dW, rows * H * 4, "dW"));
+        REQUIRE_OK(ctx, s.be->swiglu_fwd(s.d, ctx, G, U, n, h));
+        REQUIRE_OK(ctx, s.be->swiglu_bwd(s.d, ctx, DH, G, U, n, dg, du));
+        REQUIRE_OK(ctx, s.be->add(s.d, ctx, h, DH, n));            /* h += dh */
+        REQUIRE_OK(ctx, s.be->bias_fwd(s.d, ctx, h, B, T, N));     /* h += b */
+        REQUIRE_OK(ctx, s.be->bias_bwd(s.d, ctx, DH, T, N, db));   /* db = sum over rows of dh */
+        REQUIRE_OK(ctx, s.be->embed_fwd(s.d, ctx, ID, T, WW, row0, rows, H, e));
+        REQUIRE_OK(ctx, s.be->embed_bwd(s.d, ctx, ID, T, DH, row0, rows, H, dW));
+        void *dev[6] = {h, dg, du, db, e, dW};
+        const int64_t len[6] = {n, n, n, N, T * H, rows * H};
+        for (int j = 0; j < 6; j++) {
+            out[k][j] = malloc((size_t)len[j] * 4);
+            REQUIRE_OK(ctx, s.be->download(s.d, ctx, out[k][j], dev[j], (size_t)len[j] * 4));
+            s.be->free(s.d, dev[j]);
+        }
+        void *in[6] = {G, U, DH, B, WW, ID};
+        for (int j = 0; j < 6; j++) s.be->free(s.d, in[j]);
+    }
+    static const char *const what[6] = {"swiglu_fwd + add + bias_fwd", "swiglu_bwd dg",
+                                        "swiglu_bwd du", "bias_bwd", "embed_fwd", "embed_bwd"};
+    const int64_t len[6] = {n, n, n, N, T * H, rows * H};
+    for (int j = 0; j < 6; j++) {
+        CHECK_MSG(close_to(out[1][j], out[0][j], len[j], 1e-5), "%s: %s differs from the CPU's",
+                  x.be->name, what[j]);
+        free(out[0][j]);
+        free(out[1][j]);
+    }
+    free(g), free(u), free(dh), free(b), free(W);
+    cpu->release(&cd);
+}
+
+TEST(backend_elementwise_ops_equal_cpu) {
+    if (!loom_backend_cuda() || !loom_test_have_gpu())
+        SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the CPU's");
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    loom_dev gd = {.cuda = true, .adt = LOOM_F32, .esz = 4, .device = 0};
+    const loom_backend *be = loom_backend_cuda();
+    REQUIRE_OK(ctx, be->init(&gd, ctx));
+    elementwise_ops(ctx, (side){be, &gd});
+    be->release(&gd);
     loom_ctx_free(ctx);
 }

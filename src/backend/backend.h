@@ -5,13 +5,16 @@
  * and the context its errors go to.
  *
  * In the table so far: the device's set-up and its memory (allocation,
- * copies, conversion). The compute ops are still chosen op by op in
- * src/model/kern.c; they move here family by family (issue 36). */
+ * copies, conversion), and the element-wise ops (SwiGLU, residual add,
+ * bias, the vocabulary-parallel embedding). The other compute ops are
+ * still chosen op by op in src/model/kern.c; they move here family by
+ * family (issue 36). */
 #ifndef LOOM_BACKEND_H
 #define LOOM_BACKEND_H
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "loom.h"
 
@@ -69,6 +72,28 @@ typedef struct loom_backend {
     /* dst[i] = src[i] between F32, BF16 and F16 (n elements, on the device). */
     loom_status (*convert)(loom_dev *d, loom_ctx *ctx, void *dst, loom_dtype dt, const void *src,
                            loom_dtype sdt, size_t n);
+
+    /* ---- element-wise, on activations in d->adt (fp32 gradients of
+     * parameters); the semantics are the CPU reference's (cpu_ops.h,
+     * cpu_glue.h) ---- */
+    /* h = silu(g) * u over n; its backward into dg, du */
+    loom_status (*swiglu_fwd)(loom_dev *d, loom_ctx *ctx, const void *g, const void *u, int64_t n,
+                              void *h);
+    loom_status (*swiglu_bwd)(loom_dev *d, loom_ctx *ctx, const void *dh, const void *g,
+                              const void *u, int64_t n, void *dg, void *du);
+    /* y += x over n */
+    loom_status (*add)(loom_dev *d, loom_ctx *ctx, void *y, const void *x, int64_t n);
+    /* y (T, N) += b (N); db (N, fp32) += the column sums of dy (T, N) */
+    loom_status (*bias_fwd)(loom_dev *d, loom_ctx *ctx, void *y, const void *b, int64_t T,
+                            int64_t N);
+    loom_status (*bias_bwd)(loom_dev *d, loom_ctx *ctx, const void *dy, int64_t T, int64_t N,
+                            float *db);
+    /* The vocabulary-parallel embedding: rows [row0, row0 + rows) of W (.., H)
+     * (cpu_glue.h's loom_cpu_embedding_vp_fwd / _bwd; dW fp32) */
+    loom_status (*embed_fwd)(loom_dev *d, loom_ctx *ctx, const int32_t *ids, int64_t T,
+                             const void *W, int64_t row0, int64_t rows, int64_t H, void *out);
+    loom_status (*embed_bwd)(loom_dev *d, loom_ctx *ctx, const int32_t *ids, int64_t T,
+                             const void *dout, int64_t row0, int64_t rows, int64_t H, float *dW);
 } loom_backend;
 
 const loom_backend *loom_backend_cpu(void);

@@ -472,74 +472,40 @@ loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, cons
 }
 
 loom_status loom_k_swiglu_fwd(loom_model *m, const void *g, const void *u, int64_t n, void *h) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_swiglu_fwd(m->ctx, g, u, n, h, m->dev.adt, m->dev.stream);
-#endif
-    loom_cpu_swiglu_fwd(CF(g), CF(u), n, F(h));
-    return LOOM_OK;
+    return m->dev.be->swiglu_fwd(&m->dev, m->ctx, g, u, n, h);
 }
 
 loom_status loom_k_swiglu_bwd(loom_model *m, const void *dh, const void *g, const void *u,
                               int64_t n, void *dg, void *du) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_swiglu_bwd(m->ctx, dh, g, u, n, dg, du, m->dev.adt, m->dev.stream);
-#endif
-    loom_cpu_swiglu_bwd(CF(dh), CF(g), CF(u), n, F(dg), F(du));
-    return LOOM_OK;
+    return m->dev.be->swiglu_bwd(&m->dev, m->ctx, dh, g, u, n, dg, du);
 }
 
 loom_status loom_k_add(loom_model *m, void *y, const void *x, int64_t n) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return loom_cuda_residual_add(m->ctx, y, m->dev.adt, x, m->dev.adt, n, m->dev.stream);
-#endif
-    loom_cpu_residual_add(F(y), CF(x), n);
-    return LOOM_OK;
+    return m->dev.be->add(&m->dev, m->ctx, y, x, n);
 }
 
 loom_status loom_k_bias_fwd(loom_model *m, void *y, const void *b, int64_t T, int64_t N) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return loom_cuda_add_bias_fwd(m->ctx, y, m->dev.adt, b, m->dev.adt, T, N, m->dev.stream);
-#endif
-    loom_cpu_add_bias_fwd(F(y), CF(b), T, N);
-    return LOOM_OK;
+    return m->dev.be->bias_fwd(&m->dev, m->ctx, y, b, T, N);
 }
 
 loom_status loom_k_bias_bwd(loom_model *m, const void *dy, int64_t T, int64_t N, float *db) {
     if (!db) return LOOM_OK;
     CK(loom_grad_prepare(m, db, (size_t)N, NULL));
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_add_bias_bwd(m->ctx, dy, m->dev.adt, T, N, db, m->dev.stream);
-#endif
-    loom_cpu_add_bias_bwd(CF(dy), T, N, db);
-    return LOOM_OK;
+    return m->dev.be->bias_bwd(&m->dev, m->ctx, dy, T, N, db);
 }
 
 /* ---- vocabulary-parallel embedding and loss ---- */
 
 loom_status loom_k_embed_fwd(loom_model *m, const int32_t *ids, int64_t T, const void *W,
                              int64_t row0, int64_t rows, void *out) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return loom_cuda_embedding_vp_fwd(m->ctx, ids, T, W, m->dev.adt, row0, rows, m->H, out,
-                                          m->dev.adt, m->dev.stream);
-#endif
-    loom_cpu_embedding_vp_fwd(ids, T, CF(W), row0, rows, m->H, F(out));
-    return LOOM_OK;
+    return m->dev.be->embed_fwd(&m->dev, m->ctx, ids, T, W, row0, rows, m->H, out);
 }
 
 loom_status loom_k_embed_bwd(loom_model *m, const int32_t *ids, int64_t T, const void *dout,
                              int64_t row0, int64_t rows, float *dW) {
     if (!dW) return LOOM_OK;
     CK(loom_grad_prepare(m, dW, (size_t)(rows * m->H), NULL));
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return loom_cuda_embedding_vp_bwd(m->ctx, ids, T, dout, m->dev.adt, row0, rows, m->H, dW,
-                                          m->dev.stream);
-#endif
-    loom_cpu_embedding_vp_bwd(ids, T, CF(dout), row0, rows, m->H, dW);
-    return LOOM_OK;
+    return m->dev.be->embed_bwd(&m->dev, m->ctx, ids, T, dout, row0, rows, m->H, dW);
 }
 
 loom_status loom_k_ce_max(loom_model *m, const void *z, int64_t c, int64_t ld, int64_t nvalid,

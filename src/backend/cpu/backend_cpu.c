@@ -4,6 +4,11 @@
 
 #include "../../core/core.h"
 #include "../backend.h"
+#include "cpu_glue.h"
+#include "cpu_ops.h"
+
+#define F(p) ((float *)(p))
+#define CF(p) ((const float *)(p))
 
 static loom_status cpu_init(loom_dev *d, loom_ctx *ctx) {
     (void)ctx;
@@ -57,6 +62,57 @@ static loom_status cpu_convert(loom_dev *d, loom_ctx *ctx, void *dst, loom_dtype
     return loom_convert(ctx, dst, dt, src, sdt, n);
 }
 
+/* ---- element-wise: the CPU computes in fp32 ---- */
+
+static loom_status cpu_swiglu_fwd(loom_dev *d, loom_ctx *ctx, const void *g, const void *u,
+                                  int64_t n, void *h) {
+    (void)d, (void)ctx;
+    loom_cpu_swiglu_fwd(CF(g), CF(u), n, F(h));
+    return LOOM_OK;
+}
+
+static loom_status cpu_swiglu_bwd(loom_dev *d, loom_ctx *ctx, const void *dh, const void *g,
+                                  const void *u, int64_t n, void *dg, void *du) {
+    (void)d, (void)ctx;
+    loom_cpu_swiglu_bwd(CF(dh), CF(g), CF(u), n, F(dg), F(du));
+    return LOOM_OK;
+}
+
+static loom_status cpu_add(loom_dev *d, loom_ctx *ctx, void *y, const void *x, int64_t n) {
+    (void)d, (void)ctx;
+    loom_cpu_residual_add(F(y), CF(x), n);
+    return LOOM_OK;
+}
+
+static loom_status cpu_bias_fwd(loom_dev *d, loom_ctx *ctx, void *y, const void *b, int64_t T,
+                                int64_t N) {
+    (void)d, (void)ctx;
+    loom_cpu_add_bias_fwd(F(y), CF(b), T, N);
+    return LOOM_OK;
+}
+
+static loom_status cpu_bias_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, int64_t T, int64_t N,
+                                float *db) {
+    (void)d, (void)ctx;
+    loom_cpu_add_bias_bwd(CF(dy), T, N, db);
+    return LOOM_OK;
+}
+
+static loom_status cpu_embed_fwd(loom_dev *d, loom_ctx *ctx, const int32_t *ids, int64_t T,
+                                 const void *W, int64_t row0, int64_t rows, int64_t H, void *out) {
+    (void)d, (void)ctx;
+    loom_cpu_embedding_vp_fwd(ids, T, CF(W), row0, rows, H, F(out));
+    return LOOM_OK;
+}
+
+static loom_status cpu_embed_bwd(loom_dev *d, loom_ctx *ctx, const int32_t *ids, int64_t T,
+                                 const void *dout, int64_t row0, int64_t rows, int64_t H,
+                                 float *dW) {
+    (void)d, (void)ctx;
+    loom_cpu_embedding_vp_bwd(ids, T, CF(dout), row0, rows, H, dW);
+    return LOOM_OK;
+}
+
 const loom_backend *loom_backend_cpu(void) {
     static const loom_backend be = {
         .name = "cpu",
@@ -71,6 +127,13 @@ const loom_backend *loom_backend_cpu(void) {
         .download = cpu_copy, /* host and device memory are one */
         .upload = cpu_copy,
         .convert = cpu_convert,
+        .swiglu_fwd = cpu_swiglu_fwd,
+        .swiglu_bwd = cpu_swiglu_bwd,
+        .add = cpu_add,
+        .bias_fwd = cpu_bias_fwd,
+        .bias_bwd = cpu_bias_bwd,
+        .embed_fwd = cpu_embed_fwd,
+        .embed_bwd = cpu_embed_bwd,
     };
     return &be;
 }

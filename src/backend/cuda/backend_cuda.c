@@ -112,6 +112,45 @@ static loom_status cuda_convert(loom_dev *d, loom_ctx *ctx, void *dst, loom_dtyp
     return loom_cuda_convert(ctx, dst, dt, src, sdt, n, d->stream);
 }
 
+/* ---- element-wise, in the compute dtype, on the model's stream ---- */
+
+static loom_status cuda_swiglu_fwd(loom_dev *d, loom_ctx *ctx, const void *g, const void *u,
+                                   int64_t n, void *h) {
+    return loom_cuda_swiglu_fwd(ctx, g, u, n, h, d->adt, d->stream);
+}
+
+static loom_status cuda_swiglu_bwd(loom_dev *d, loom_ctx *ctx, const void *dh, const void *g,
+                                   const void *u, int64_t n, void *dg, void *du) {
+    return loom_cuda_swiglu_bwd(ctx, dh, g, u, n, dg, du, d->adt, d->stream);
+}
+
+static loom_status cuda_add(loom_dev *d, loom_ctx *ctx, void *y, const void *x, int64_t n) {
+    return loom_cuda_residual_add(ctx, y, d->adt, x, d->adt, n, d->stream);
+}
+
+static loom_status cuda_bias_fwd(loom_dev *d, loom_ctx *ctx, void *y, const void *b, int64_t T,
+                                 int64_t N) {
+    return loom_cuda_add_bias_fwd(ctx, y, d->adt, b, d->adt, T, N, d->stream);
+}
+
+static loom_status cuda_bias_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, int64_t T, int64_t N,
+                                 float *db) {
+    return loom_cuda_add_bias_bwd(ctx, dy, d->adt, T, N, db, d->stream);
+}
+
+static loom_status cuda_embed_fwd(loom_dev *d, loom_ctx *ctx, const int32_t *ids, int64_t T,
+                                  const void *W, int64_t row0, int64_t rows, int64_t H,
+                                  void *out) {
+    return loom_cuda_embedding_vp_fwd(ctx, ids, T, W, d->adt, row0, rows, H, out, d->adt,
+                                      d->stream);
+}
+
+static loom_status cuda_embed_bwd(loom_dev *d, loom_ctx *ctx, const int32_t *ids, int64_t T,
+                                  const void *dout, int64_t row0, int64_t rows, int64_t H,
+                                  float *dW) {
+    return loom_cuda_embedding_vp_bwd(ctx, ids, T, dout, d->adt, row0, rows, H, dW, d->stream);
+}
+
 const loom_backend *loom_backend_cuda(void) {
     static const loom_backend be = {
         .name = "cuda",
@@ -126,6 +165,13 @@ const loom_backend *loom_backend_cuda(void) {
         .download = cuda_download,
         .upload = cuda_upload,
         .convert = cuda_convert,
+        .swiglu_fwd = cuda_swiglu_fwd,
+        .swiglu_bwd = cuda_swiglu_bwd,
+        .add = cuda_add,
+        .bias_fwd = cuda_bias_fwd,
+        .bias_bwd = cuda_bias_bwd,
+        .embed_fwd = cuda_embed_fwd,
+        .embed_bwd = cuda_embed_bwd,
     };
     return &be;
 }
