@@ -153,7 +153,7 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
           *b = frand(N, seed + 3 * n), *W = frand(rows * H, seed + 4 * n);
     int32_t ids[37];
     for (int64_t t = 0; t < T; t++) ids[t] = (int32_t)(loom_splitmix64(seed + 99 + (uint64_t)t) % V);
-    float *out[2][7];
+    float *out[2][10];
     for (int k = 0; k < 2; k++) {
         side s = sides[k];
         void *G = put(ctx, s, g, n * 4), *U = put(ctx, s, u, n * 4), *DH = put(ctx, s, dh, n * 4),
@@ -174,9 +174,25 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
         REQUIRE_OK(ctx, s.be->bias_bwd(s.d, ctx, DH, T, N, db));   /* db = sum over rows of dh */
         REQUIRE_OK(ctx, s.be->embed_fwd(s.d, ctx, ID, T, WW, row0, rows, H, e));
         REQUIRE_OK(ctx, s.be->embed_bwd(s.d, ctx, ID, T, DH, row0, rows, H, dW));
-        void *dev[6] = {h, dg, du, db, e, dW};
-        const int64_t len[6] = {n, n, n, N, T * H, rows * H};
-        for (int j = 0; j < 6; j++) {
+        /* rows of g in the order perm (a rotation), back with scatter; the
+         * dropout mask on u, with and without a token index */
+        void *pg = NULL, *ps = NULL, *dr = NULL, *dq = NULL;
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &pg, n * 4, "pg"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &ps, n * 4, "ps"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dr, n * 4, "dr"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dq, n * 4, "dq"));
+        int32_t perm[37];
+        for (int64_t t = 0; t < T; t++) perm[t] = (int32_t)((t * 11 + 5) % T);
+        void *PI = put(ctx, s, perm, sizeof perm);
+        REQUIRE(PI);
+        REQUIRE_OK(ctx, s.be->rows_gather(s.d, ctx, pg, G, PI, T, N));
+        REQUIRE_OK(ctx, s.be->rows_scatter(s.d, ctx, ps, pg, PI, T, N)); /* = g again */
+        REQUIRE_OK(ctx, s.be->dropout(s.d, ctx, dr, U, T, N, 3 * N, N, NULL, 7, seed, 42, 0.3));
+        REQUIRE_OK(ctx, s.be->dropout(s.d, ctx, dq, U, T, N, N, 0, PI, 0, seed, 43, 0.5));
+        s.be->free(s.d, PI);
+        void *dev[10] = {h, dg, du, db, e, dW, pg, ps, dr, dq};
+        const int64_t len[10] = {n, n, n, N, T * H, rows * H, n, n, n, n};
+        for (int j = 0; j < 10; j++) {
             out[k][j] = malloc((size_t)len[j] * 4);
             REQUIRE_OK(ctx, s.be->download(s.d, ctx, out[k][j], dev[j], (size_t)len[j] * 4));
             s.be->free(s.d, dev[j]);
@@ -184,10 +200,13 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
         void *in[6] = {G, U, DH, B, WW, ID};
         for (int j = 0; j < 6; j++) s.be->free(s.d, in[j]);
     }
-    static const char *const what[6] = {"swiglu_fwd + add + bias_fwd", "swiglu_bwd dg",
-                                        "swiglu_bwd du", "bias_bwd", "embed_fwd", "embed_bwd"};
-    const int64_t len[6] = {n, n, n, N, T * H, rows * H};
-    for (int j = 0; j < 6; j++) {
+    static const char *const what[10] = {"swiglu_fwd + add + bias_fwd", "swiglu_bwd dg",
+                                         "swiglu_bwd du", "bias_bwd", "embed_fwd", "embed_bwd",
+                                         "rows_gather", "rows_scatter", "dropout",
+                                         "dropout (token index)"};
+    const int64_t len[10] = {n, n, n, N, T * H, rows * H, n, n, n, n};
+    CHECK(!memcmp(out[1][7], g, (size_t)n * 4)); /* scatter undid gather */
+    for (int j = 0; j < 10; j++) {
         CHECK_MSG(close_to(out[1][j], out[0][j], len[j], 1e-5), "%s: %s differs from the CPU's",
                   x.be->name, what[j]);
         free(out[0][j]);

@@ -6,7 +6,8 @@
  *
  * In the table so far: the device's set-up and its memory (allocation,
  * copies, conversion), and the element-wise ops (SwiGLU, residual add,
- * bias, the vocabulary-parallel embedding). The other compute ops are
+ * bias, the vocabulary-parallel embedding, row permutations, LoRA's
+ * dropout). The other compute ops are
  * still chosen op by op in src/model/kern.c; they move here family by
  * family (issue 36). */
 #ifndef LOOM_BACKEND_H
@@ -94,6 +95,16 @@ typedef struct loom_backend {
                              const void *W, int64_t row0, int64_t rows, int64_t H, void *out);
     loom_status (*embed_bwd)(loom_dev *d, loom_ctx *ctx, const int32_t *ids, int64_t T,
                              const void *dout, int64_t row0, int64_t rows, int64_t H, float *dW);
+    /* Rows of width elements of d->esz bytes: dst[i] = src[idx[i]] (gather),
+     * dst[idx[i]] = src[i] (scatter), i < n: context parallelism's orders */
+    loom_status (*rows_gather)(loom_dev *d, loom_ctx *ctx, void *dst, const void *src,
+                               const int32_t *idx, int64_t n, int64_t width);
+    loom_status (*rows_scatter)(loom_dev *d, loom_ctx *ctx, void *dst, const void *src,
+                                const int32_t *idx, int64_t n, int64_t width);
+    /* LoRA's dropout mask on x (cpu_glue.h's loom_cpu_lora_dropout) */
+    loom_status (*dropout)(loom_dev *d, loom_ctx *ctx, void *out, const void *x, int64_t T,
+                           int64_t in, int64_t full, int64_t col0, const int32_t *qidx,
+                           int64_t out0, uint64_t seed, uint64_t key, double p);
 } loom_backend;
 
 const loom_backend *loom_backend_cpu(void);

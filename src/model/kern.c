@@ -557,33 +557,18 @@ loom_status loom_k_ce_fused(loom_model *m, void *z, int64_t c, int64_t ld, int64
 
 loom_status loom_k_rows_gather(loom_model *m, void *dst, const void *src, const int32_t *idx,
                                int64_t n, int64_t w) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) return loom_cuda_rows_gather(m->ctx, dst, src, idx, n, w, m->dev.esz, m->dev.stream);
-#endif
-    loom_cpu_rows_gather(dst, src, idx, n, w, m->dev.esz);
-    return LOOM_OK;
+    return m->dev.be->rows_gather(&m->dev, m->ctx, dst, src, idx, n, w);
 }
 
 loom_status loom_k_rows_scatter(loom_model *m, void *dst, const void *src, const int32_t *idx,
                                 int64_t n, int64_t w) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return loom_cuda_rows_scatter(m->ctx, dst, src, idx, n, w, m->dev.esz, m->dev.stream);
-#endif
-    loom_cpu_rows_scatter(dst, src, idx, n, w, m->dev.esz);
-    return LOOM_OK;
+    return m->dev.be->rows_scatter(&m->dev, m->ctx, dst, src, idx, n, w);
 }
 
 loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, int64_t in,
                            int64_t full, int64_t col0, const int32_t *qidx, int64_t out0,
                            uint64_t seed, uint64_t key, double p) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m))
-        return loom_cuda_lora_dropout(m->ctx, out, x, T, in, full, col0, qidx, out0, seed, key, p,
-                                      m->dev.adt, m->dev.stream);
-#endif
-    loom_cpu_lora_dropout(F(out), CF(x), T, in, full, col0, qidx, out0, seed, key, p);
-    return LOOM_OK;
+    return m->dev.be->dropout(&m->dev, m->ctx, out, x, T, in, full, col0, qidx, out0, seed, key, p);
 }
 
 /* ---- optimizer ---- */

@@ -113,6 +113,28 @@ static loom_status cpu_embed_bwd(loom_dev *d, loom_ctx *ctx, const int32_t *ids,
     return LOOM_OK;
 }
 
+static loom_status cpu_rows_gather(loom_dev *d, loom_ctx *ctx, void *dst, const void *src,
+                                   const int32_t *idx, int64_t n, int64_t width) {
+    (void)ctx;
+    loom_cpu_rows_gather(dst, src, idx, n, width, d->esz);
+    return LOOM_OK;
+}
+
+static loom_status cpu_rows_scatter(loom_dev *d, loom_ctx *ctx, void *dst, const void *src,
+                                    const int32_t *idx, int64_t n, int64_t width) {
+    (void)ctx;
+    loom_cpu_rows_scatter(dst, src, idx, n, width, d->esz);
+    return LOOM_OK;
+}
+
+static loom_status cpu_dropout(loom_dev *d, loom_ctx *ctx, void *out, const void *x, int64_t T,
+                               int64_t in, int64_t full, int64_t col0, const int32_t *qidx,
+                               int64_t out0, uint64_t seed, uint64_t key, double p) {
+    (void)d, (void)ctx;
+    loom_cpu_lora_dropout(F(out), CF(x), T, in, full, col0, qidx, out0, seed, key, p);
+    return LOOM_OK;
+}
+
 const loom_backend *loom_backend_cpu(void) {
     static const loom_backend be = {
         .name = "cpu",
@@ -134,6 +156,9 @@ const loom_backend *loom_backend_cpu(void) {
         .bias_bwd = cpu_bias_bwd,
         .embed_fwd = cpu_embed_fwd,
         .embed_bwd = cpu_embed_bwd,
+        .rows_gather = cpu_rows_gather,
+        .rows_scatter = cpu_rows_scatter,
+        .dropout = cpu_dropout,
     };
     return &be;
 }

@@ -151,6 +151,23 @@ static loom_status cuda_embed_bwd(loom_dev *d, loom_ctx *ctx, const int32_t *ids
     return loom_cuda_embedding_vp_bwd(ctx, ids, T, dout, d->adt, row0, rows, H, dW, d->stream);
 }
 
+static loom_status cuda_rows_gather(loom_dev *d, loom_ctx *ctx, void *dst, const void *src,
+                                    const int32_t *idx, int64_t n, int64_t width) {
+    return loom_cuda_rows_gather(ctx, dst, src, idx, n, width, d->esz, d->stream);
+}
+
+static loom_status cuda_rows_scatter(loom_dev *d, loom_ctx *ctx, void *dst, const void *src,
+                                     const int32_t *idx, int64_t n, int64_t width) {
+    return loom_cuda_rows_scatter(ctx, dst, src, idx, n, width, d->esz, d->stream);
+}
+
+static loom_status cuda_dropout(loom_dev *d, loom_ctx *ctx, void *out, const void *x, int64_t T,
+                                int64_t in, int64_t full, int64_t col0, const int32_t *qidx,
+                                int64_t out0, uint64_t seed, uint64_t key, double p) {
+    return loom_cuda_lora_dropout(ctx, out, x, T, in, full, col0, qidx, out0, seed, key, p,
+                                  d->adt, d->stream);
+}
+
 const loom_backend *loom_backend_cuda(void) {
     static const loom_backend be = {
         .name = "cuda",
@@ -172,6 +189,9 @@ const loom_backend *loom_backend_cuda(void) {
         .bias_bwd = cuda_bias_bwd,
         .embed_fwd = cuda_embed_fwd,
         .embed_bwd = cuda_embed_bwd,
+        .rows_gather = cuda_rows_gather,
+        .rows_scatter = cuda_rows_scatter,
+        .dropout = cuda_dropout,
     };
     return &be;
 }
