@@ -228,3 +228,109 @@ TEST(backend_elementwise_ops_equal_cpu) {
     be->release(&gd);
     loom_ctx_free(ctx);
 }
+
+/* ---- RMSNorm: a backend against the CPU table, in fp32 (the CUDA kernels'
+ * plain forms) and bf16 (the fused forms, with the dw batch) ---- */
+
+static void norm_ops(loom_ctx *ctx, side x, loom_dtype adt) {
+    const loom_backend *cpu = loom_backend_cpu();
+    loom_dev cd = {.adt = LOOM_F32, .esz = 4};
+    REQUIRE_OK(ctx, cpu->init(&cd, ctx));
+    const int64_t N = 29, H = 256, n = N * H;
+    const size_t esz = loom_dtype_size(adt);
+    const uint64_t seed = (uint64_t)loom_now_s() * 7919u;
+    float *in[4];
+    for (int k = 0; k < 4; k++) { /* x, res, w, dy: rounded to adt so both sides see the same */
+        in[k] = frand(k == 2 ? H : n, seed + (uint64_t)k * 100003u);
+        REQUIRE(in[k]);
+        if (adt != LOOM_F32) {
+            const int64_t len = k == 2 ? H : n;
+            uint16_t *t = malloc((size_t)len * 2);
+            REQUIRE_OK(ctx, loom_convert(ctx, t, adt, in[k], LOOM_F32, (size_t)len));
+            REQUIRE_OK(ctx, loom_convert(ctx, in[k], LOOM_F32, t, adt, (size_t)len));
+            free(t);
+        }
+    }
+    float *out[2][6]; /* y, xsum, dx (bwd), dw (bwd), dx (bwd_add), dw (bwd_add) */
+    side sides[2] = {{cpu, &cd}, x};
+    for (int k = 0; k < 2; k++) {
+        side s = sides[k];
+        const loom_dtype t = k ? adt : LOOM_F32;
+        const size_t es = k ? esz : 4;
+        void *dev_in[4];
+        for (int j = 0; j < 4; j++) {
+            const int64_t len = j == 2 ? H : n;
+            void *h = in[j];
+            uint16_t *tmp = NULL;
+            if (t != LOOM_F32) {
+                tmp = malloc((size_t)len * 2);
+                REQUIRE_OK(ctx, loom_convert(ctx, tmp, t, in[j], LOOM_F32, (size_t)len));
+                h = tmp;
+            }
+            dev_in[j] = put(ctx, s, h, (size_t)len * es);
+            free(tmp);
+            REQUIRE(dev_in[j]);
+        }
+        void *y = NULL, *xs = NULL, *dx = NULL, *dx2 = NULL, *dyc = NULL, *rstd = NULL, *dw = NULL,
+             *dw2 = NULL;
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &y, (size_t)n * es, "y"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &xs, (size_t)n * es, "xsum"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dx, (size_t)n * es, "dx"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dx2, (size_t)n * es, "dx2"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dyc, (size_t)n * es, "dy copy"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &rstd, (size_t)N * 4, "rstd"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dw, (size_t)H * 4, "dw"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dw2, (size_t)H * 4, "dw2"));
+        REQUIRE_OK(ctx, s.be->add_rmsnorm_fwd(s.d, ctx, dev_in[0], dev_in[1], xs, dev_in[2], N, H,
+                                              1e-6f, y, rstd));
+        REQUIRE_OK(ctx, s.be->rmsnorm_bwd(s.d, ctx, dev_in[3], xs, dev_in[2], rstd, N, H, dx, dw));
+        REQUIRE_OK(ctx, s.be->copy(s.d, ctx, dyc, dev_in[3], (size_t)n * es));
+        REQUIRE_OK(ctx, s.be->copy(s.d, ctx, dx2, dev_in[1], (size_t)n * es)); /* dx2 = res */
+        REQUIRE_OK(ctx, s.be->rmsnorm_bwd_add(s.d, ctx, dyc, xs, dev_in[2], rstd, N, H, dx2, dw2));
+        REQUIRE_OK(ctx, s.be->dw_flush(s.d, ctx));
+        void *dev[6] = {y, xs, dx, dw, dx2, dw2};
+        const int64_t len[6] = {n, n, n, H, n, H};
+        const bool f32[6] = {false, false, false, true, false, true};
+        for (int j = 0; j < 6; j++) {
+            out[k][j] = malloc((size_t)len[j] * 4);
+            const size_t eb = f32[j] ? 4 : es;
+            void *h = malloc((size_t)len[j] * eb);
+            REQUIRE_OK(ctx, s.be->download(s.d, ctx, h, dev[j], (size_t)len[j] * eb));
+            REQUIRE_OK(ctx, loom_convert(ctx, out[k][j], LOOM_F32, h, f32[j] ? LOOM_F32 : t,
+                                         (size_t)len[j]));
+            free(h);
+        }
+        void *all[12] = {y, xs, dx, dx2, dyc, rstd, dw, dw2, dev_in[0], dev_in[1], dev_in[2],
+                         dev_in[3]};
+        for (int j = 0; j < 12; j++) s.be->free(s.d, all[j]);
+    }
+    static const char *const what[6] = {"add_rmsnorm_fwd y", "add_rmsnorm_fwd xsum",
+                                        "rmsnorm_bwd dx", "rmsnorm_bwd dw", "rmsnorm_bwd_add dx",
+                                        "rmsnorm_bwd_add dw"};
+    const int64_t len[6] = {n, n, n, H, n, H};
+    const double tol = adt == LOOM_F32 ? 1e-5 : 2e-2;
+    for (int j = 0; j < 6; j++) {
+        CHECK_MSG(close_to(out[1][j], out[0][j], len[j], tol), "%s (%s): %s differs from the CPU's",
+                  x.be->name, loom_dtype_name(adt), what[j]);
+        free(out[0][j]);
+        free(out[1][j]);
+    }
+    for (int k = 0; k < 4; k++) free(in[k]);
+    cpu->release(&cd);
+}
+
+TEST(backend_norm_ops_equal_cpu) {
+    if (!loom_backend_cuda() || !loom_test_have_gpu())
+        SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the CPU's");
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int i = 0; i < 2; i++) {
+        loom_dev gd = {.cuda = true, .adt = dts[i], .esz = loom_dtype_size(dts[i]), .device = 0};
+        const loom_backend *be = loom_backend_cuda();
+        REQUIRE_OK(ctx, be->init(&gd, ctx));
+        norm_ops(ctx, (side){be, &gd}, dts[i]);
+        be->release(&gd);
+    }
+    loom_ctx_free(ctx);
+}

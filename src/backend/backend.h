@@ -7,7 +7,7 @@
  * In the table so far: the device's set-up and its memory (allocation,
  * copies, conversion), and the element-wise ops (SwiGLU, residual add,
  * bias, the vocabulary-parallel embedding, row permutations, LoRA's
- * dropout). The other compute ops are
+ * dropout) and RMSNorm. The other compute ops are
  * still chosen op by op in src/model/kern.c; they move here family by
  * family (issue 36). */
 #ifndef LOOM_BACKEND_H
@@ -105,6 +105,26 @@ typedef struct loom_backend {
     loom_status (*dropout)(loom_dev *d, loom_ctx *ctx, void *out, const void *x, int64_t T,
                            int64_t in, int64_t full, int64_t col0, const int32_t *qidx,
                            int64_t out0, uint64_t seed, uint64_t key, double p);
+
+    /* ---- RMSNorm over N rows of H (cpu_ops.h's loom_cpu_rmsnorm_*; rstd
+     * and dw fp32, dw added to) ---- */
+    loom_status (*rmsnorm_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *w, int64_t N,
+                               int64_t H, float eps, void *y, float *rstd);
+    loom_status (*rmsnorm_bwd)(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                               const void *w, const float *rstd, int64_t N, int64_t H, void *dx,
+                               float *dw);
+    /* xsum = x + res (xsum may be x), then rmsnorm_fwd of xsum */
+    loom_status (*add_rmsnorm_fwd)(loom_dev *d, loom_ctx *ctx, void *x, const void *res,
+                                   void *xsum, const void *w, int64_t N, int64_t H, float eps,
+                                   void *y, float *rstd);
+    /* dx += rmsnorm_bwd's input gradient (dy may be used as scratch) */
+    loom_status (*rmsnorm_bwd_add)(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
+                                   const void *w, const float *rstd, int64_t N, int64_t H,
+                                   void *dx, float *dw);
+    /* dw of the norms may be added late (a GPU batches them): flush adds
+     * them now, drop forgets them (the gradients were cleared) */
+    loom_status (*dw_flush)(loom_dev *d, loom_ctx *ctx);
+    void (*dw_drop)(loom_dev *d);
 } loom_backend;
 
 const loom_backend *loom_backend_cpu(void);

@@ -249,121 +249,29 @@ loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, flo
 
 loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int64_t N, int64_t H,
                                float eps, void *y, float *rstd) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) {
-        loom_dtype t = m->dev.adt;
-        return loom_cuda_rmsnorm_fwd(m->ctx, x, t, w, t, N, H, eps, y, t, rstd, m->dev.stream);
-    }
-#endif
-    loom_cpu_rmsnorm_fwd(CF(x), CF(w), N, H, eps, F(y), rstd);
-    return LOOM_OK;
+    return m->dev.be->rmsnorm_fwd(&m->dev, m->ctx, x, w, N, H, eps, y, rstd);
 }
 
-#ifdef LOOM_HAVE_CUDA
-/* The RMSNorm backward's dw scratch: sized by reserve, grown here if not. */
-static loom_status rms_scratch(loom_model *m, int64_t N, int64_t H, const float *dw) {
-    size_t need = dw ? loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) : 0;
-    if (need <= m->dev.rms_scratch_bytes) return LOOM_OK;
-    loom_cuda_free(m->dev.rms_scratch);
-    m->dev.rms_scratch = NULL;
-    m->dev.rms_scratch_bytes = 0;
-    loom_status st = loom_cuda_malloc(m->ctx, &m->dev.rms_scratch, need, "RMSNorm backward scratch");
-    if (!st) m->dev.rms_scratch_bytes = need;
-    return st;
-}
+loom_status loom_k_dw_flush(loom_model *m) { return m->dev.be->dw_flush(&m->dev, m->ctx); }
 
-/* Scratch for a layer norm's dw from the dw batch (made at the first call:
- * DW_BATCH_BYTES, or one op's worth where that is more), flushed first when
- * it is full; *batch NULL (and the model's own scratch) when even an empty
- * batch cannot take the op. */
-#define DW_BATCH_BYTES ((size_t)64 << 20)
-static loom_status dw_batch_scratch(loom_model *m, int64_t N, int64_t H, float *dw, void **scratch,
-                                    loom_cuda_dw_batch **batch) {
-    *batch = NULL;
-    *scratch = NULL;
-    if (!dw) return LOOM_OK;
-    if (!m->dev.dw_batch) {
-        const size_t one = loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) + 256;
-        CK(loom_cuda_dw_batch_create(m->ctx, one > DW_BATCH_BYTES ? one : DW_BATCH_BYTES,
-                                     &m->dev.dw_batch));
-    }
-    void *p = loom_cuda_dw_batch_scratch(m->dev.dw_batch, N, H);
-    if (!p) {
-        CK(loom_cuda_dw_batch_flush(m->ctx, m->dev.dw_batch, m->dev.stream));
-        p = loom_cuda_dw_batch_scratch(m->dev.dw_batch, N, H);
-    }
-    if (p) {
-        *scratch = p;
-        *batch = m->dev.dw_batch;
-        return LOOM_OK;
-    }
-    CK(rms_scratch(m, N, H, dw));
-    *scratch = m->dev.rms_scratch;
-    return LOOM_OK;
-}
-#endif
-
-loom_status loom_k_dw_flush(loom_model *m) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m) && m->dev.dw_batch)
-        return loom_cuda_dw_batch_flush(m->ctx, m->dev.dw_batch, m->dev.stream);
-#else
-    (void)m;
-#endif
-    return LOOM_OK;
-}
-
-void loom_k_dw_drop(loom_model *m) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) loom_cuda_dw_batch_drop(m->dev.dw_batch);
-#else
-    (void)m;
-#endif
-}
+void loom_k_dw_drop(loom_model *m) { m->dev.be->dw_drop(&m->dev); }
 
 loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, const void *w,
                                const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
     if (dw) CK(loom_grad_prepare(m, dw, (size_t)H, NULL));
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m)) {
-        loom_dtype t = m->dev.adt;
-        loom_status st = rms_scratch(m, N, H, dw);
-        if (st) return st;
-        return loom_cuda_rmsnorm_bwd(m->ctx, dy, t, x, t, w, t, rstd, N, H, dx, t, dw,
-                                     m->dev.rms_scratch, m->dev.stream);
-    }
-#endif
-    loom_cpu_rmsnorm_bwd(CF(dy), CF(x), CF(w), rstd, N, H, F(dx), dw);
-    return LOOM_OK;
+    return m->dev.be->rmsnorm_bwd(&m->dev, m->ctx, dy, x, w, rstd, N, H, dx, dw);
 }
 
 loom_status loom_k_add_rmsnorm_fwd(loom_model *m, void *x, const void *res, void *xsum,
                                    const void *w, int64_t N, int64_t H, float eps, void *y,
                                    float *rstd) {
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m) && loom_cuda_rmsnorm_fused_ok(m->dev.adt, H))
-        return loom_cuda_add_rmsnorm_fwd(m->ctx, x, res, xsum, m->dev.adt, w, m->dev.adt, N, H, eps,
-                                         y, rstd, m->dev.stream);
-#endif
-    if (xsum != x) CK(loom_k_copy(m, xsum, x, (size_t)(N * H) * m->dev.esz));
-    CK(loom_k_add(m, xsum, res, N * H));
-    return loom_k_rmsnorm_fwd(m, xsum, w, N, H, eps, y, rstd);
+    return m->dev.be->add_rmsnorm_fwd(&m->dev, m->ctx, x, res, xsum, w, N, H, eps, y, rstd);
 }
 
 loom_status loom_k_rmsnorm_bwd_add(loom_model *m, void *dy, const void *x, const void *w,
                                    const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
     if (dw) CK(loom_grad_prepare(m, dw, (size_t)H, NULL));
-#ifdef LOOM_HAVE_CUDA
-    if (GPU(m) && loom_cuda_rmsnorm_fused_ok(m->dev.adt, H)) {
-        void *scr;
-        loom_cuda_dw_batch *b;
-        CK(dw_batch_scratch(m, N, H, dw, &scr, &b));
-        return loom_cuda_rmsnorm_bwd_add(m->ctx, dy, x, m->dev.adt, w, m->dev.adt, rstd, N, H, dx,
-                                         dw, scr, b, m->dev.stream);
-    }
-#endif
-    CK(loom_k_rmsnorm_bwd(m, dy, x, w, rstd, N, H, dy, dw));
-    return loom_k_add(m, dx, dy, N * H);
+    return m->dev.be->rmsnorm_bwd_add(&m->dev, m->ctx, dy, x, w, rstd, N, H, dx, dw);
 }
 
 #ifdef LOOM_HAVE_CUDA
@@ -391,7 +299,7 @@ loom_status loom_k_qknorm_rope_bwd(loom_model *m, const loom_micro *mb, void *dy
     if (qk_fused(m, mb)) {
         void *scr;
         loom_cuda_dw_batch *b;
-        CK(dw_batch_scratch(m, N, m->D, dw, &scr, &b));
+        CK(loom_cuda_dev_dw_scratch(&m->dev, m->ctx, N, m->D, dw, &scr, &b));
         return loom_cuda_qknorm_rope_bwd(m->ctx, dy, x, m->dev.adt, w, m->dev.adt, rstd, N, nh, m->D,
                                          mb->d_rope, dy, dw, scr, b, m->dev.stream);
     }

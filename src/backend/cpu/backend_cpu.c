@@ -135,6 +135,46 @@ static loom_status cpu_dropout(loom_dev *d, loom_ctx *ctx, void *out, const void
     return LOOM_OK;
 }
 
+/* ---- RMSNorm ---- */
+
+static loom_status cpu_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
+                                   int64_t N, int64_t H, float eps, void *y, float *rstd) {
+    (void)d, (void)ctx;
+    loom_cpu_rmsnorm_fwd(CF(x), CF(w), N, H, eps, F(y), rstd);
+    return LOOM_OK;
+}
+
+static loom_status cpu_rmsnorm_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                                   const void *w, const float *rstd, int64_t N, int64_t H,
+                                   void *dx, float *dw) {
+    (void)d, (void)ctx;
+    loom_cpu_rmsnorm_bwd(CF(dy), CF(x), CF(w), rstd, N, H, F(dx), dw);
+    return LOOM_OK;
+}
+
+static loom_status cpu_add_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, void *x, const void *res,
+                                       void *xsum, const void *w, int64_t N, int64_t H, float eps,
+                                       void *y, float *rstd) {
+    if (xsum != x) memmove(xsum, x, (size_t)(N * H) * sizeof(float));
+    loom_cpu_residual_add(F(xsum), CF(res), N * H);
+    return cpu_rmsnorm_fwd(d, ctx, xsum, w, N, H, eps, y, rstd);
+}
+
+static loom_status cpu_rmsnorm_bwd_add(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
+                                       const void *w, const float *rstd, int64_t N, int64_t H,
+                                       void *dx, float *dw) {
+    loom_status st = cpu_rmsnorm_bwd(d, ctx, dy, x, w, rstd, N, H, dy, dw);
+    if (!st) loom_cpu_residual_add(F(dx), CF(dy), N * H);
+    return st;
+}
+
+static loom_status cpu_dw_flush(loom_dev *d, loom_ctx *ctx) {
+    (void)d, (void)ctx;
+    return LOOM_OK;
+}
+
+static void cpu_dw_drop(loom_dev *d) { (void)d; }
+
 const loom_backend *loom_backend_cpu(void) {
     static const loom_backend be = {
         .name = "cpu",
@@ -159,6 +199,12 @@ const loom_backend *loom_backend_cpu(void) {
         .rows_gather = cpu_rows_gather,
         .rows_scatter = cpu_rows_scatter,
         .dropout = cpu_dropout,
+        .rmsnorm_fwd = cpu_rmsnorm_fwd,
+        .rmsnorm_bwd = cpu_rmsnorm_bwd,
+        .add_rmsnorm_fwd = cpu_add_rmsnorm_fwd,
+        .rmsnorm_bwd_add = cpu_rmsnorm_bwd_add,
+        .dw_flush = cpu_dw_flush,
+        .dw_drop = cpu_dw_drop,
     };
     return &be;
 }

@@ -168,6 +168,97 @@ static loom_status cuda_dropout(loom_dev *d, loom_ctx *ctx, void *out, const voi
                                   d->adt, d->stream);
 }
 
+/* ---- RMSNorm ---- */
+
+loom_status loom_cuda_dev_rms_scratch(loom_dev *d, loom_ctx *ctx, int64_t N, int64_t H,
+                                      const float *dw) {
+    size_t need = dw ? loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) : 0;
+    if (need <= d->rms_scratch_bytes) return LOOM_OK;
+    loom_cuda_free(d->rms_scratch);
+    d->rms_scratch = NULL;
+    d->rms_scratch_bytes = 0;
+    loom_status st = loom_cuda_malloc(ctx, &d->rms_scratch, need, "RMSNorm backward scratch");
+    if (!st) d->rms_scratch_bytes = need;
+    return st;
+}
+
+#define DW_BATCH_BYTES ((size_t)64 << 20)
+
+loom_status loom_cuda_dev_dw_scratch(loom_dev *d, loom_ctx *ctx, int64_t N, int64_t H, float *dw,
+                                     void **scratch, struct loom_cuda_dw_batch **batch) {
+    *batch = NULL;
+    *scratch = NULL;
+    if (!dw) return LOOM_OK;
+    loom_status st;
+    if (!d->dw_batch) {
+        const size_t one = loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) + 256;
+        if ((st = loom_cuda_dw_batch_create(ctx, one > DW_BATCH_BYTES ? one : DW_BATCH_BYTES,
+                                            &d->dw_batch)))
+            return st;
+    }
+    void *p = loom_cuda_dw_batch_scratch(d->dw_batch, N, H);
+    if (!p) {
+        if ((st = loom_cuda_dw_batch_flush(ctx, d->dw_batch, d->stream))) return st;
+        p = loom_cuda_dw_batch_scratch(d->dw_batch, N, H);
+    }
+    if (p) {
+        *scratch = p;
+        *batch = d->dw_batch;
+        return LOOM_OK;
+    }
+    if ((st = loom_cuda_dev_rms_scratch(d, ctx, N, H, dw))) return st;
+    *scratch = d->rms_scratch;
+    return LOOM_OK;
+}
+
+static loom_status cuda_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
+                                    int64_t N, int64_t H, float eps, void *y, float *rstd) {
+    const loom_dtype t = d->adt;
+    return loom_cuda_rmsnorm_fwd(ctx, x, t, w, t, N, H, eps, y, t, rstd, d->stream);
+}
+
+static loom_status cuda_rmsnorm_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                                    const void *w, const float *rstd, int64_t N, int64_t H,
+                                    void *dx, float *dw) {
+    const loom_dtype t = d->adt;
+    loom_status st = loom_cuda_dev_rms_scratch(d, ctx, N, H, dw);
+    if (st) return st;
+    return loom_cuda_rmsnorm_bwd(ctx, dy, t, x, t, w, t, rstd, N, H, dx, t, dw, d->rms_scratch,
+                                 d->stream);
+}
+
+static loom_status cuda_add_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, void *x, const void *res,
+                                        void *xsum, const void *w, int64_t N, int64_t H, float eps,
+                                        void *y, float *rstd) {
+    if (loom_cuda_rmsnorm_fused_ok(d->adt, H))
+        return loom_cuda_add_rmsnorm_fwd(ctx, x, res, xsum, d->adt, w, d->adt, N, H, eps, y, rstd,
+                                         d->stream);
+    loom_status st = xsum != x ? cuda_copy(d, ctx, xsum, x, (size_t)(N * H) * d->esz) : LOOM_OK;
+    if (!st) st = cuda_add(d, ctx, xsum, res, N * H);
+    return st ? st : cuda_rmsnorm_fwd(d, ctx, xsum, w, N, H, eps, y, rstd);
+}
+
+static loom_status cuda_rmsnorm_bwd_add(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
+                                        const void *w, const float *rstd, int64_t N, int64_t H,
+                                        void *dx, float *dw) {
+    if (loom_cuda_rmsnorm_fused_ok(d->adt, H)) {
+        void *scr;
+        struct loom_cuda_dw_batch *b;
+        loom_status st = loom_cuda_dev_dw_scratch(d, ctx, N, H, dw, &scr, &b);
+        if (st) return st;
+        return loom_cuda_rmsnorm_bwd_add(ctx, dy, x, d->adt, w, d->adt, rstd, N, H, dx, dw, scr, b,
+                                         d->stream);
+    }
+    loom_status st = cuda_rmsnorm_bwd(d, ctx, dy, x, w, rstd, N, H, dy, dw);
+    return st ? st : cuda_add(d, ctx, dx, dy, N * H);
+}
+
+static loom_status cuda_dw_flush(loom_dev *d, loom_ctx *ctx) {
+    return d->dw_batch ? loom_cuda_dw_batch_flush(ctx, d->dw_batch, d->stream) : LOOM_OK;
+}
+
+static void cuda_dw_drop(loom_dev *d) { loom_cuda_dw_batch_drop(d->dw_batch); }
+
 const loom_backend *loom_backend_cuda(void) {
     static const loom_backend be = {
         .name = "cuda",
@@ -192,6 +283,12 @@ const loom_backend *loom_backend_cuda(void) {
         .rows_gather = cuda_rows_gather,
         .rows_scatter = cuda_rows_scatter,
         .dropout = cuda_dropout,
+        .rmsnorm_fwd = cuda_rmsnorm_fwd,
+        .rmsnorm_bwd = cuda_rmsnorm_bwd,
+        .add_rmsnorm_fwd = cuda_add_rmsnorm_fwd,
+        .rmsnorm_bwd_add = cuda_rmsnorm_bwd_add,
+        .dw_flush = cuda_dw_flush,
+        .dw_drop = cuda_dw_drop,
     };
     return &be;
 }

@@ -38,6 +38,17 @@ loom_status loom_cuda_memcpy_d2h(loom_ctx *ctx, void *dst, const void *src, size
 loom_status loom_cuda_host_alloc(loom_ctx *ctx, void **ptr, size_t bytes, const char *what);
 void loom_cuda_host_free(void *ptr);
 
+/* The CUDA backend's scratch for the RMSNorm backwards (backend_cuda.c):
+ * the device's own buffer grown to one op of N rows of H, or a slot of the
+ * norm weights' dw batch (*batch set; the model's buffer when no slot
+ * fits). Used by the table's norms and by the fused qk-norm + RoPE. */
+struct loom_dev;
+struct loom_cuda_dw_batch;
+loom_status loom_cuda_dev_rms_scratch(struct loom_dev *d, loom_ctx *ctx, int64_t N, int64_t H,
+                                      const float *dw);
+loom_status loom_cuda_dev_dw_scratch(struct loom_dev *d, loom_ctx *ctx, int64_t N, int64_t H,
+                                     float *dw, void **scratch, struct loom_cuda_dw_batch **batch);
+
 /* dst[i] = convert(src[i]) between F32, BF16 and F16 on the device, with the
  * CPU loom_convert's rounding (round to nearest even). stream: a
  * cudaStream_t or NULL for the default stream. */
