@@ -118,14 +118,13 @@ void loom_cli_saver_free(loom_cli_saver *w) {
 }
 
 /* Rank 0's temporary directory, on every rank. */
-static loom_status share_path(loom_ctx *ctx, loom_comm *world, const char *mine, char **out) {
+static loom_status share_path(loom_comm *world, const char *mine, char **out) {
     int64_t n = mine ? (int64_t)strlen(mine) : 0;
     const bool many = world && loom_comm_size(world) > 1;
     loom_status st = many ? loom_comm_broadcast(world, &n, 1, LOOM_I64, 0) : LOOM_OK;
     if (!st && !(*out = calloc((size_t)n + 1, 1))) st = LOOM_ERR_OOM;
     if (!st && mine) memcpy(*out, mine, (size_t)n);
     if (!st && many) st = loom_comm_broadcast(world, *out, (size_t)n, LOOM_U8, 0);
-    (void)ctx;
     return st;
 }
 
@@ -139,7 +138,7 @@ loom_status loom_cli_ckpt_save(loom_ctx *ctx, loom_model *m, loom_comm *world,
     memset(&w->tx, 0, sizeof w->tx);
     if (rank0) st = loom_ckpt_begin(ctx, s->save, step, &w->tx);
     if (!(st = loom_comm_agree_root(ctx, world, st, 0, "starting the checkpoint")))
-        st = share_path(ctx, world, rank0 ? w->tx.path : NULL, &w->path);
+        st = share_path(world, rank0 ? w->tx.path : NULL, &w->path);
     if (st) {
         loom_ckpt_abort(&w->tx);
         return st;

@@ -162,6 +162,21 @@ loom_status loom_verify_state(loom_ctx *ctx, const char *dir) {
     const loom_json *files = st ? NULL : loom_json_get(meta, "files");
     if (!st && (!files || files->type != LOOM_JSON_OBJECT))
         st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: no \"files\" object of checksums", path);
+    /* every rank's file is listed (so checked below): a piece never names
+     * an unchecked file */
+    int64_t world = 0;
+    if (!st) st = loom_json_get_int(ctx, meta, "world_size", path, &world);
+    if (!st && (world < 1 || world > (1 << 20)))
+        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: world_size %lld is not a number of ranks", path,
+                       (long long)world);
+    for (int r = 0; !st && r < (int)world; r++) {
+        char file[40];
+        loom_state_file_name(r, file);
+        if (!loom_json_get(files, file))
+            st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: \"files\" does not list %s (rank %d of "
+                           "world_size %lld); the checkpoint is damaged: resume from another one",
+                           path, file, r, (long long)world);
+    }
     for (size_t i = 0; !st && i < files->n; i++) {
         const char *name = files->keys[i];
         const char *want = files->items[i]->type == LOOM_JSON_STRING ? files->items[i]->s : NULL;
@@ -294,21 +309,7 @@ loom_status loom_state_open(loom_ctx *ctx, const char *dir, loom_state_reader **
     if (!st) st = loom_verify_state(ctx, dir);
     if (!st) st = loom_json_parse_file(ctx, R->path, &R->meta);
     if (!st) st = loom_json_get_int(ctx, R->meta, "world_size", R->path, &world);
-    if (!st && (world < 1 || world > (1 << 20)))
-        st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: world_size %lld is not a number of ranks",
-                       R->path, (long long)world);
-    R->world = (int)world;
-    /* every rank's file is listed (so checked): a piece never names an
-     * unchecked file */
-    const loom_json *files = st ? NULL : loom_json_get(R->meta, "files");
-    for (int r = 0; !st && r < (int)world; r++) {
-        char file[40];
-        loom_state_file_name(r, file);
-        if (!loom_json_get(files, file))
-            st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: \"files\" does not list %s (rank %d of "
-                           "world_size %lld); the checkpoint is damaged: resume from another one",
-                           R->path, file, r, (long long)world);
-    }
+    R->world = (int)world; /* checked by loom_verify_state */
     if (!st && (!(R->tensors = loom_json_get(R->meta, "tensors")) ||
                 R->tensors->type != LOOM_JSON_OBJECT))
         st = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: no \"tensors\" object", R->path);
