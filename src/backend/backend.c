@@ -16,7 +16,8 @@ const loom_backend *loom_backend_for(loom_ctx *ctx, bool cuda) {
     const loom_backend *be = cuda ? loom_backend_cuda() : loom_backend_cpu();
     if (!be)
         loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                  "this loom was built without CUDA; rebuild with `make CUDA=1` to run on GPUs");
+                  "this loom was built without CUDA, so it cannot run on GPUs; rebuild with "
+                  "`make CUDA=1`, or run on the CPU (--device cpu)");
     return be;
 }
 

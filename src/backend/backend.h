@@ -2,14 +2,15 @@
  * once when a model is placed on its device (loom_backend_for). The CPU is
  * a backend like any other (src/backend/cpu/backend_cpu.c); CUDA is
  * src/backend/cuda/backend_cuda.c. Each op takes the device's state (loom_dev)
- * and the context its errors go to.
+ * and the context its errors go to; src/model/kern.c is the model's thin
+ * layer over it (the gradient bookkeeping, then the table's op).
  *
- * In the table so far: the device's set-up and its memory (allocation,
- * copies, conversion), and the element-wise ops (SwiGLU, residual add,
- * bias, the vocabulary-parallel embedding, row permutations, LoRA's
- * dropout) and RMSNorm. The other compute ops are
- * still chosen op by op in src/model/kern.c; they move here family by
- * family (issue 36). */
+ * Every op of the model is here: the device's set-up and its memory, the
+ * GEMMs (with the fused LoRA and input-gradient paths a device may have),
+ * the element-wise ops, RMSNorm, RoPE and attention, the vocabulary-parallel
+ * loss's pieces and the optimizer's passes. Semantics are the CPU
+ * reference's (cpu_ops.h, cpu_glue.h, adamw.h); tests/test_backend.c checks
+ * every backend against it. */
 #ifndef LOOM_BACKEND_H
 #define LOOM_BACKEND_H
 
@@ -17,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "adamw.h"
 #include "loom.h"
 
 struct loom_cuda_gemm_handle;
@@ -46,6 +48,40 @@ typedef struct loom_dev {
     size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
     size_t gpu_total;
 } loom_dev;
+
+/* One term of an input gradient: dy (T, out; ld) times W (out, in). */
+typedef struct loom_dx_term {
+    const void *dy;
+    int64_t ld, out;
+    const void *W;
+} loom_dx_term;
+
+/* LoRA's backward over one projection's output gradient dy (T, out) (see
+ * lora_dy_n). */
+typedef struct loom_lora_dy_op {
+    int64_t out;
+    const void *dy, *B, *u;
+    void *du;
+    float *dB;
+} loom_lora_dy_op;
+
+/* One part of the optimizer's work: `len` parameters at w + p_off whose
+ * gradient and moments are at shard offset s_off. */
+typedef struct loom_k_part {
+    size_t p_off, s_off, len;
+    bool decay;   /* AdamW weight decay applies */
+    bool norm;    /* counts in the gradient norm */
+} loom_k_part;
+
+/* What a backend keeps of a list of parts between calls (the layout never
+ * changes): a GPU's chunk lists in device memory, made at the first use.
+ * Zeroed at creation, released with lists_free; one per kind of call (the
+ * optimizer's, zero_parts'). */
+typedef struct loom_part_lists {
+    void *chunks;            /* the parts' chunks (n), then those in the norm (n_norm) */
+    int64_t n, n_norm;
+    double *norm;            /* per-chunk sums of squares (n_norm) */
+} loom_part_lists;
 
 typedef struct loom_backend {
     const char *name;
@@ -125,6 +161,91 @@ typedef struct loom_backend {
      * them now, drop forgets them (the gradients were cleared) */
     loom_status (*dw_flush)(loom_dev *d, loom_ctx *ctx);
     void (*dw_drop)(loom_dev *d);
+
+    /* ---- GEMMs: C = alpha op(A) op(B) + beta C, row-major with leading
+     * dimensions; A and B in dtype ab (d->adt, or F32), C in cdt (ab, or
+     * F32 for accumulated gradients) ---- */
+    loom_status (*gemm)(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int64_t M, int64_t N,
+                        int64_t K, float alpha, const void *A, int64_t lda, const void *B,
+                        int64_t ldb, loom_dtype ab, float beta, void *C, loom_dtype cdt,
+                        int64_t ldc);
+    /* dx (T, in) = the sum of the n terms' dy W + beta dx (a device may add
+     * several terms in one GEMM) */
+    loom_status (*dx_sum)(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t in, int n,
+                          const loom_dx_term *t, float beta, void *dx);
+    /* y (T, out) = x W^T + s u B^T as one GEMM where the device has such a
+     * kernel; *done false (nothing written) where not: the caller runs the
+     * pair */
+    loom_status (*lin_lora_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, int64_t T, int64_t in,
+                                const void *W, int64_t out, const void *u, int64_t ldu,
+                                const void *B, int64_t r, float s, void *y, bool *done);
+    /* per op: du (T, r; lddu) = s dy B, dB (out, r; fp32) += s dy^T u (u: T,
+     * r; ldu), n <= 3 ops of T rows */
+    loom_status (*lora_dy_n)(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t r, float s, int n,
+                             const loom_lora_dy_op *ops, int64_t ldu, int64_t lddu);
+
+    /* ---- RoPE and attention; x (T, nh, D), positions pos (T), inv_freq
+     * (D/2) ---- */
+    loom_status (*rope)(loom_dev *d, loom_ctx *ctx, bool backward, void *x, int64_t T, int64_t nh,
+                        int64_t D, const int32_t *pos, const float *inv_freq);
+    /* the (cos, sin) table (T, D/2 pairs) qknorm_rope may read; nothing when
+     * table is NULL (a backend without the fused kernel allocates none) */
+    loom_status (*rope_table)(loom_dev *d, loom_ctx *ctx, const int32_t *pos, int64_t T, int64_t D,
+                              const float *inv_freq, float *table);
+    /* y = rope(rmsnorm(x)) per head (Qwen3's q and k norms); the backward in
+     * place on dy, dw (D, fp32) added to; table may be NULL */
+    loom_status (*qknorm_rope_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
+                                   int64_t T, int64_t nh, int64_t D, float eps, const int32_t *pos,
+                                   const float *inv_freq, const float *table, void *y,
+                                   float *rstd);
+    loom_status (*qknorm_rope_bwd)(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
+                                   const void *w, const float *rstd, int64_t T, int64_t nh,
+                                   int64_t D, const int32_t *pos, const float *inv_freq,
+                                   const float *table, float *dw);
+    /* causal GQA attention over documents cu (ndocs+1) of the T keys, for
+     * the Tq queries at global positions qidx (NULL: all T); seqlen: every
+     * document's length when all are equal, else 0 (cpu_ops.h) */
+    loom_status (*attn_fwd)(loom_dev *d, loom_ctx *ctx, const void *q, const int32_t *qidx,
+                            int64_t Tq, const void *k, const void *v, int64_t T, int64_t Hq,
+                            int64_t Hkv, int64_t D, const int32_t *cu, int64_t ndocs,
+                            int64_t seqlen, float scale, void *out, float *lse);
+    loom_status (*attn_bwd)(loom_dev *d, loom_ctx *ctx, const void *dout, const void *q,
+                            const int32_t *qidx, int64_t Tq, const void *k, const void *v,
+                            const void *out, const float *lse, int64_t T, int64_t Hq, int64_t Hkv,
+                            int64_t D, const int32_t *cu, int64_t ndocs, int64_t seqlen,
+                            float scale, void *dq, void *dk, void *dv);
+    /* the largest head_dim attn_fwd takes */
+    int attn_max_d;
+
+    /* ---- the vocabulary-parallel cross-entropy on c rows of logits z (ld
+     * apart, nvalid real columns; cpu_glue.h's loom_cpu_ce_vp_*) ---- */
+    loom_status (*ce_max)(loom_dev *d, loom_ctx *ctx, const void *z, int64_t c, int64_t ld,
+                          int64_t nvalid, double *mx);
+    loom_status (*ce_sums)(loom_dev *d, loom_ctx *ctx, const void *z, int64_t c, int64_t ld,
+                           int64_t nvalid, const int32_t *tgt, int64_t v0, const double *mx,
+                           double *ce);
+    loom_status (*ce_grad)(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                           int64_t nvalid, const int32_t *tgt, int64_t v0, const double *mx,
+                           const double *ce, float scale);
+    /* the three in one pass where the row is the whole vocabulary */
+    loom_status (*ce_fused)(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                            int64_t nvalid, const int32_t *tgt, int64_t v0, double *mx,
+                            double *ce, float scale, bool grad);
+
+    /* ---- the optimizer over an arena's parts (fp32; adamw.h's rules):
+     * w values, g the gradient shard, m and v the moments ---- */
+    /* AdamW on the gradients times gs[0] gs[1]; wc (NULL: none) the compute
+     * copy a device may refresh in the same pass (*wc_done then set) */
+    loom_status (*adamw)(loom_dev *d, loom_ctx *ctx, float *w, const float *g, float *m, float *v,
+                         const loom_k_part *parts, int n, const loom_adamw_hp *hp, int64_t t,
+                         const float gs[2], void *wc, loom_part_lists *lists, bool *wc_done);
+    /* *sum (host) = the sum of (g s)^2 over the parts that count in the norm */
+    loom_status (*sumsq)(loom_dev *d, loom_ctx *ctx, const float *g, const loom_k_part *parts,
+                         int n, float s, loom_part_lists *lists, double *sum);
+    /* g[s_off, s_off + len) = 0 for each part (the same parts at every call) */
+    loom_status (*zero_parts)(loom_dev *d, loom_ctx *ctx, float *g, const loom_k_part *parts,
+                              int n, loom_part_lists *lists);
+    void (*lists_free)(loom_dev *d, loom_part_lists *lists);
 } loom_backend;
 
 const loom_backend *loom_backend_cpu(void);

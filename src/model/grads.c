@@ -22,10 +22,8 @@ loom_optimizer_config loom_optimizer_config_default(void) {
 void loom_grad_defer_reset(loom_model *m, loom_arena *a) {
     free(a->gdefer);
     free(a->gfresh);
-    loom_dev_free(m, a->d_gzero);
+    loom_k_lists_free(m, a, true);
     a->gdefer = a->gfresh = NULL;
-    a->d_gzero = NULL;
-    a->n_gzero = 0;
     a->gpending = false;
 }
 

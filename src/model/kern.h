@@ -75,12 +75,6 @@ loom_status loom_k_lin_fwd(loom_model *m, const void *x, int64_t T, int64_t in, 
 /* dx (T, in) = alpha dy (T, out) W + beta dx */
 loom_status loom_k_lin_dx(loom_model *m, const void *dy, int64_t T, int64_t out, const void *W,
                           int64_t in, float alpha, float beta, void *dx);
-/* One term of an input gradient: dy (T, out; ld) times W (out, in). */
-typedef struct loom_dx_term {
-    const void *dy;
-    int64_t ld, out;
-    const void *W;
-} loom_dx_term;
 /* dx (T, in) = sum of the n terms' dy W + beta dx: the projections that
  * share an input, with LoRA's du A among them. Where the device has the
  * kernel (Hopper, BF16: loom_cuda_gemm_dx), its tiles fill the GPU's waves
@@ -127,12 +121,6 @@ loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, flo
 /* The same for up to 3 projections of a group (q, k, v or gate, up), all of
  * T rows, rank r and scale s, u and du with the strides ldu and lddu: on a
  * GPU one launch over all their dy (the same bits as one at a time). */
-typedef struct loom_lora_dy_op {
-    int64_t out;
-    const void *dy, *B, *u;
-    void *du;
-    float *dB;
-} loom_lora_dy_op;
 loom_status loom_k_lora_dy_n(loom_model *m, int64_t T, int64_t r, float s, int n,
                              const loom_lora_dy_op *ops, int64_t ldu, int64_t lddu);
 
@@ -209,17 +197,10 @@ loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, i
                            uint64_t seed, uint64_t key, double p);
 
 /* ---- optimizer, fp32 ---- */
-/* One part of the optimizer's work: `len` parameters at A->w + p_off whose
- * gradient and moments are at shard offset s_off. */
-typedef struct loom_k_part {
-    size_t p_off, s_off, len;
-    bool decay;   /* AdamW weight decay applies */
-    bool norm;    /* counts in the gradient norm */
-} loom_k_part;
 /* AdamW over every part on the gradients times gs[0] times gs[1], and the
  * sum of (g s)^2 over the parts that count in the norm (*sum, host), in a
  * few launches on a GPU: the parts are cut in chunks once per arena (the
- * layout never changes) and kept on the device. The gradients are only
+ * layout never changes) and kept on the device (A->lists). The gradients are only
  * read: unscaling and clipping happen inside these passes. */
 /* wc_too: the caller will not gather other ranks' parameters (dp x cp = 1),
  * so a GPU may write the compute copy in the same pass (*wc_done then set;
@@ -236,7 +217,10 @@ loom_status loom_k_dw_flush(loom_model *m);
 void loom_k_dw_drop(loom_model *m);
 /* Clears the gradients of the slots whose zeroing is not deferred (those
  * with A->gdefer[i] 0): on a GPU one launch over a chunk list built at the
- * first call (A->d_gzero). */
+ * first call (kept in A->zlists). */
 loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A);
+/* Releases what the backend keeps of the arena's parts: the optimizer's
+ * (A->lists), or with zero_list zero_eager's (A->zlists). */
+void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list);
 
 #endif /* LOOM_MODEL_KERN_H */

@@ -183,12 +183,9 @@ static void freeze_base(loom_model *m, loom_adapter *a) {
     loom_grad_defer_reset(m, &m->base);
     loom_dev_free(m, m->base.g);
     loom_dev_free(m, m->base.gshard_is_g ? m->base.adam_m : m->base.gshard); /* the moments' block */
-    loom_dev_free(m, m->base.d_norm);
-    loom_dev_free(m, m->base.d_chunks);
+    loom_k_lists_free(m, &m->base, false);
     m->base.g = m->base.gshard = m->base.adam_m = m->base.adam_v = NULL;
     m->base.gshard_is_g = false;
-    m->base.d_norm = NULL;
-    m->base.d_chunks = NULL;
     loom_arena_drop_master(m, &m->base);
     m->active = (int)(a - m->adapters);
     loom_model_zero_grad(m);

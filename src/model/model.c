@@ -9,10 +9,6 @@
 #include "../io/safetensors.h"
 #include "../parallel/schedule.h"
 #include "model.h"
-#ifdef LOOM_HAVE_CUDA
-#include "../backend/cuda/cuda_backend.h"
-#include "../backend/cuda/cuda_ops.h"
-#endif
 
 void loom_model_options_default(loom_model_options *o) {
     memset(o, 0, sizeof *o);
@@ -343,8 +339,7 @@ void loom_arena_free(loom_model *m, loom_arena *a) {
         free(a->w);
     loom_dev_free(m, a->g);
     loom_dev_free(m, a->gshard_is_g ? a->adam_m : a->gshard); /* the block of the moments */
-    loom_dev_free(m, a->d_norm);
-    loom_dev_free(m, a->d_chunks);
+    loom_k_lists_free(m, a, false);
     loom_grad_defer_reset(m, a);
     free(a->bucket_off);
     free(a->bucket_len);
@@ -465,30 +460,15 @@ void loom_model_set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_mo
     m->Hkvl = m->Hkv / m->tp;
 }
 
-/* The GPU of this process: the NCCL world's (its local rank's), else the
- * current one; a world of several ranks must be an NCCL one. */
-static loom_status pick_device(loom_model *m) {
-#ifdef LOOM_HAVE_CUDA
+/* A GPU model's world: NCCL when it has several ranks. */
+static loom_status check_gpu_world(loom_model *m) {
     const char *be = loom_comm_backend_name(m->world);
     if (loom_comm_size(m->world) > 1 && strcmp(be, "nccl"))
         return loom_errf(m->ctx, LOOM_ERR_UNSUPPORTED,
                          "GPU ranks talk over NCCL, but this job's %d ranks were set up with %s "
                          "(create the world with LOOM_COMM_NCCL; `loom train --device cuda` does)",
                          loom_comm_size(m->world), be);
-    int dev = loom_comm_device(m->world);
-    loom_cuda_info info;
-    loom_status st = loom_cuda_query(m->ctx, dev < 0 ? 0 : dev, &info);
-    if (st)
-        return loom_err_prefix(m->ctx, "--device cuda: cannot use a GPU; run on the CPU with "
-                                        "--device cpu, or on a machine with an NVIDIA GPU");
-    if (dev < 0) dev = 0;
-    if ((st = loom_cuda_set_device(m->ctx, dev))) return st;
-    m->dev.device = dev;
     return LOOM_OK;
-#else
-    (void)m;
-    return LOOM_ERR_UNSUPPORTED;
-#endif
 }
 
 loom_status loom_model_create(loom_ctx *ctx, const char *dir, const loom_model_options *opts,
@@ -517,12 +497,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                          "compute dtype %s: use bf16 (the default on GPUs), fp16 or fp32",
                          loom_dtype_name(opts->dtype));
-#ifndef LOOM_HAVE_CUDA
-    if (cuda)
-        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                         "this loom was built without CUDA, so it cannot run on GPUs; rebuild with "
-                         "`make CUDA=1`, or run on the CPU (--device cpu)");
-#endif
+    if (!loom_backend_for(ctx, cuda)) return LOOM_ERR_UNSUPPORTED;
     int64_t pad = opts->vocab_pad_multiple ? opts->vocab_pad_multiple : 128;
     if (pad < 1 || pad > (1 << 20))
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
@@ -544,7 +519,8 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     }
     m->dev.cuda = cuda;
     m->dev.adt = opts->dtype;
-    if (cuda && (st = pick_device(m))) goto fail;
+    m->dev.device = loom_comm_device(m->world); /* the world's GPU for this rank, -1: any */
+    if (cuda && (st = check_gpu_world(m))) goto fail;
     if ((st = loom_dev_init(m))) goto fail;
     if (!(m->src_dir = loom_strdup(ctx, dir))) {
         st = LOOM_ERR_OOM;
@@ -585,13 +561,12 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
                        "of at most %d", dir, (long long)m->D, LOOM_CPU_ATTN_MAX_D);
         goto fail;
     }
-#ifdef LOOM_HAVE_CUDA
-    if (cuda && m->D > LOOM_CUDA_ATTN_MAX_D) {
-        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: the GPU attention takes "
-                       "head_dim up to %d", dir, (long long)m->D, LOOM_CUDA_ATTN_MAX_D);
+    if (m->D > m->dev.be->attn_max_d) {
+        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: the %s attention takes "
+                       "head_dim up to %d", dir, (long long)m->D, cuda ? "GPU" : "CPU",
+                       m->dev.be->attn_max_d);
         goto fail;
     }
-#endif
     m->attn_scale = (float)(1.0 / sqrt((double)m->D));
     if ((st = loom_param_plan_build(ctx, c, &m->plan))) goto fail;
     if ((st = loom_model_build_slots(m))) goto fail;

@@ -80,9 +80,7 @@ typedef struct loom_arena {
     float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step (one block, with
                               * gshard unless that is g) */
     bool gshard_is_g;
-    double *d_norm;          /* GPU: per-chunk sums of squares (n_norm) */
-    void *d_chunks;          /* GPU: the optimizer's chunk lists, AdamW (n_adam) then norm */
-    int64_t n_adam, n_norm;
+    loom_part_lists lists;   /* the backend's copy of the optimizer's parts (a GPU's chunks) */
     int64_t step;            /* optimizer steps taken on this arena */
     /* Deferred zeroing (the base model's gradients; grads.c): after
      * zero_grad the slots marked in gfresh hold stale values that count as
@@ -91,12 +89,11 @@ typedef struct loom_arena {
      * first (loom_grad_prepare); loom_grad_settle clears what no backward
      * wrote before anything reads g. Slots only norms, biases or the
      * embedding's scatter write are cleared at zero_grad, on a GPU by one
-     * kernel over the chunk list d_gzero. */
+     * kernel over the chunk list kept in zlists. */
     uint8_t *gdefer;         /* (nslots): 1 for a linear weight's slot; NULL until set up */
     uint8_t *gfresh;         /* (nslots): stale, counts as zero */
     bool gpending;           /* some slot is fresh */
-    void *d_gzero;           /* GPU: chunks of the slots cleared at zero_grad (n_gzero) */
-    int64_t n_gzero;
+    loom_part_lists zlists;  /* the backend's copy of the slots cleared at zero_grad */
 } loom_arena;
 
 /* LoRA modules of a decoder layer, in PEFT's target names. */

@@ -175,6 +175,169 @@ static loom_status cpu_dw_flush(loom_dev *d, loom_ctx *ctx) {
 
 static void cpu_dw_drop(loom_dev *d) { (void)d; }
 
+/* ---- GEMMs: fp32 only (the CPU's compute dtype) ---- */
+
+static loom_status cpu_gemm(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int64_t M, int64_t N,
+                            int64_t K, float alpha, const void *A, int64_t lda, const void *B,
+                            int64_t ldb, loom_dtype ab, float beta, void *C, loom_dtype cdt,
+                            int64_t ldc) {
+    (void)d, (void)ctx, (void)ab, (void)cdt;
+    loom_cpu_sgemm(ta, tb, M, N, K, alpha, CF(A), lda, CF(B), ldb, beta, F(C), ldc);
+    return LOOM_OK;
+}
+
+static loom_status cpu_dx_sum(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t in, int n,
+                              const loom_dx_term *t, float beta, void *dx) {
+    for (int i = 0; i < n; i++, beta = 1.0f)
+        cpu_gemm(d, ctx, false, false, T, in, t[i].out, 1.0f, t[i].dy, t[i].ld, t[i].W, in,
+                 LOOM_F32, beta, dx, LOOM_F32, in);
+    return LOOM_OK;
+}
+
+static loom_status cpu_lin_lora_fwd(loom_dev *d, loom_ctx *ctx, const void *x, int64_t T,
+                                    int64_t in, const void *W, int64_t out, const void *u,
+                                    int64_t ldu, const void *B, int64_t r, float s, void *y,
+                                    bool *done) {
+    (void)d, (void)ctx, (void)x, (void)T, (void)in, (void)W, (void)out, (void)u, (void)ldu,
+        (void)B, (void)r, (void)s, (void)y;
+    *done = false; /* no fused kernel: the caller runs the two GEMMs */
+    return LOOM_OK;
+}
+
+static loom_status cpu_lora_dy_n(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t r, float s, int n,
+                                 const loom_lora_dy_op *ops, int64_t ldu, int64_t lddu) {
+    for (int i = 0; i < n; i++) {
+        const loom_lora_dy_op *o = &ops[i];
+        cpu_gemm(d, ctx, false, false, T, r, o->out, s, o->dy, o->out, o->B, r, LOOM_F32, 0.0f,
+                 o->du, LOOM_F32, lddu);
+        cpu_gemm(d, ctx, true, false, o->out, r, T, s, o->dy, o->out, o->u, ldu, LOOM_F32, 1.0f,
+                 o->dB, LOOM_F32, r);
+    }
+    return LOOM_OK;
+}
+
+/* ---- RoPE and attention ---- */
+
+static loom_status cpu_rope(loom_dev *d, loom_ctx *ctx, bool backward, void *x, int64_t T,
+                            int64_t nh, int64_t D, const int32_t *pos, const float *inv_freq) {
+    (void)d, (void)ctx;
+    (backward ? loom_cpu_rope_bwd : loom_cpu_rope_fwd)(F(x), T, nh, D, pos, inv_freq);
+    return LOOM_OK;
+}
+
+static loom_status cpu_rope_table(loom_dev *d, loom_ctx *ctx, const int32_t *pos, int64_t T,
+                                  int64_t D, const float *inv_freq, float *table) {
+    (void)d, (void)ctx, (void)pos, (void)T, (void)D, (void)inv_freq, (void)table;
+    return LOOM_OK; /* the CPU's RoPE computes its angles itself */
+}
+
+static loom_status cpu_qknorm_rope_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
+                                       int64_t T, int64_t nh, int64_t D, float eps,
+                                       const int32_t *pos, const float *inv_freq,
+                                       const float *table, void *y, float *rstd) {
+    (void)table;
+    cpu_rmsnorm_fwd(d, ctx, x, w, T * nh, D, eps, y, rstd);
+    return cpu_rope(d, ctx, false, y, T, nh, D, pos, inv_freq);
+}
+
+static loom_status cpu_qknorm_rope_bwd(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
+                                       const void *w, const float *rstd, int64_t T, int64_t nh,
+                                       int64_t D, const int32_t *pos, const float *inv_freq,
+                                       const float *table, float *dw) {
+    (void)table;
+    cpu_rope(d, ctx, true, dy, T, nh, D, pos, inv_freq);
+    return cpu_rmsnorm_bwd(d, ctx, dy, x, w, rstd, T * nh, D, dy, dw);
+}
+
+static loom_status cpu_attn_fwd(loom_dev *d, loom_ctx *ctx, const void *q, const int32_t *qidx,
+                                int64_t Tq, const void *k, const void *v, int64_t T, int64_t Hq,
+                                int64_t Hkv, int64_t D, const int32_t *cu, int64_t ndocs,
+                                int64_t seqlen, float scale, void *out, float *lse) {
+    (void)d, (void)ctx, (void)seqlen;
+    loom_cpu_attention_fwd_q(CF(q), qidx, Tq, CF(k), CF(v), T, Hq, Hkv, D, cu, ndocs, scale,
+                             F(out), lse);
+    return LOOM_OK;
+}
+
+static loom_status cpu_attn_bwd(loom_dev *d, loom_ctx *ctx, const void *dout, const void *q,
+                                const int32_t *qidx, int64_t Tq, const void *k, const void *v,
+                                const void *out, const float *lse, int64_t T, int64_t Hq,
+                                int64_t Hkv, int64_t D, const int32_t *cu, int64_t ndocs,
+                                int64_t seqlen, float scale, void *dq, void *dk, void *dv) {
+    (void)d, (void)ctx, (void)seqlen;
+    loom_cpu_attention_bwd_q(CF(dout), CF(q), qidx, Tq, CF(k), CF(v), CF(out), lse, T, Hq, Hkv,
+                             D, cu, ndocs, scale, F(dq), F(dk), F(dv));
+    return LOOM_OK;
+}
+
+/* ---- the vocabulary-parallel cross-entropy ---- */
+
+static loom_status cpu_ce_max(loom_dev *d, loom_ctx *ctx, const void *z, int64_t c, int64_t ld,
+                              int64_t nvalid, double *mx) {
+    (void)d, (void)ctx;
+    loom_cpu_ce_vp_max(CF(z), c, ld, nvalid, mx);
+    return LOOM_OK;
+}
+
+static loom_status cpu_ce_sums(loom_dev *d, loom_ctx *ctx, const void *z, int64_t c, int64_t ld,
+                               int64_t nvalid, const int32_t *tgt, int64_t v0, const double *mx,
+                               double *ce) {
+    (void)d, (void)ctx;
+    loom_cpu_ce_vp_sums(CF(z), c, ld, nvalid, tgt, v0, mx, ce);
+    return LOOM_OK;
+}
+
+static loom_status cpu_ce_grad(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                               int64_t nvalid, const int32_t *tgt, int64_t v0, const double *mx,
+                               const double *ce, float scale) {
+    (void)d, (void)ctx;
+    loom_cpu_ce_vp_grad(F(z), c, ld, nvalid, tgt, v0, mx, ce, scale);
+    return LOOM_OK;
+}
+
+static loom_status cpu_ce_fused(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                                int64_t nvalid, const int32_t *tgt, int64_t v0, double *mx,
+                                double *ce, float scale, bool grad) {
+    cpu_ce_max(d, ctx, z, c, ld, nvalid, mx);
+    cpu_ce_sums(d, ctx, z, c, ld, nvalid, tgt, v0, mx, ce);
+    return grad ? cpu_ce_grad(d, ctx, z, c, ld, nvalid, tgt, v0, mx, ce, scale) : LOOM_OK;
+}
+
+/* ---- the optimizer: part by part (adamw.h) ---- */
+
+static loom_status cpu_adamw(loom_dev *d, loom_ctx *ctx, float *w, const float *g, float *m,
+                             float *v, const loom_k_part *parts, int n, const loom_adamw_hp *hp,
+                             int64_t t, const float gs[2], void *wc, loom_part_lists *lists,
+                             bool *wc_done) {
+    (void)d, (void)ctx, (void)wc, (void)lists;
+    *wc_done = false;
+    for (int i = 0; i < n; i++)
+        loom_adamw_step_scaled(w + parts[i].p_off, g + parts[i].s_off, m + parts[i].s_off,
+                               v + parts[i].s_off, parts[i].len, hp, t, parts[i].decay, gs);
+    return LOOM_OK;
+}
+
+static loom_status cpu_sumsq(loom_dev *d, loom_ctx *ctx, const float *g, const loom_k_part *parts,
+                             int n, float s, loom_part_lists *lists, double *sum) {
+    (void)d, (void)ctx, (void)lists;
+    *sum = 0.0;
+    for (int i = 0; i < n; i++)
+        if (parts[i].norm) *sum += loom_sumsq_scaled(g + parts[i].s_off, parts[i].len, s);
+    return LOOM_OK;
+}
+
+static loom_status cpu_zero_parts(loom_dev *d, loom_ctx *ctx, float *g, const loom_k_part *parts,
+                                  int n, loom_part_lists *lists) {
+    (void)d, (void)ctx, (void)lists;
+    for (int i = 0; i < n; i++) memset(g + parts[i].s_off, 0, parts[i].len * sizeof(float));
+    return LOOM_OK;
+}
+
+static void cpu_lists_free(loom_dev *d, loom_part_lists *lists) {
+    (void)d;
+    memset(lists, 0, sizeof *lists);
+}
+
 const loom_backend *loom_backend_cpu(void) {
     static const loom_backend be = {
         .name = "cpu",
@@ -205,6 +368,25 @@ const loom_backend *loom_backend_cpu(void) {
         .rmsnorm_bwd_add = cpu_rmsnorm_bwd_add,
         .dw_flush = cpu_dw_flush,
         .dw_drop = cpu_dw_drop,
+        .gemm = cpu_gemm,
+        .dx_sum = cpu_dx_sum,
+        .lin_lora_fwd = cpu_lin_lora_fwd,
+        .lora_dy_n = cpu_lora_dy_n,
+        .rope = cpu_rope,
+        .rope_table = cpu_rope_table,
+        .qknorm_rope_fwd = cpu_qknorm_rope_fwd,
+        .qknorm_rope_bwd = cpu_qknorm_rope_bwd,
+        .attn_fwd = cpu_attn_fwd,
+        .attn_bwd = cpu_attn_bwd,
+        .attn_max_d = LOOM_CPU_ATTN_MAX_D,
+        .ce_max = cpu_ce_max,
+        .ce_sums = cpu_ce_sums,
+        .ce_grad = cpu_ce_grad,
+        .ce_fused = cpu_ce_fused,
+        .adamw = cpu_adamw,
+        .sumsq = cpu_sumsq,
+        .zero_parts = cpu_zero_parts,
+        .lists_free = cpu_lists_free,
     };
     return &be;
 }

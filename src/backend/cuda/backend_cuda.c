@@ -11,14 +11,27 @@
 #include "cuda_glue.h"
 #include "cuda_ops.h"
 
+/* The GPU of this process: d->device (the NCCL world's, its local rank's),
+ * else the current one. */
+static loom_status pick_device(loom_dev *d, loom_ctx *ctx) {
+    loom_cuda_info info;
+    loom_status st = loom_cuda_query(ctx, d->device < 0 ? 0 : d->device, &info);
+    if (st)
+        return loom_err_prefix(ctx, "--device cuda: cannot use a GPU; run on the CPU with "
+                                    "--device cpu, or on a machine with an NVIDIA GPU");
+    if (d->device < 0) d->device = 0;
+    return loom_cuda_set_device(ctx, d->device);
+}
+
 static loom_status cuda_init(loom_dev *d, loom_ctx *ctx) {
+    loom_status st = pick_device(d, ctx);
+    if (st) return st;
     size_t free_b = 0, total_b = 0;
     if (loom_cuda_mem_info(ctx, &free_b, &total_b) == LOOM_OK) {
         d->used0 = total_b - free_b;
         d->gpu_total = total_b;
     }
-    loom_status st = loom_cuda_gemm_create(ctx, 0, &d->gemm);
-    if (st) return st;
+    if ((st = loom_cuda_gemm_create(ctx, 0, &d->gemm))) return st;
     /* cuDNN's fused attention unless loom's own kernels are asked for (by
      * name, or for the bitwise-repeatable backward, which cuDNN's is not) */
     const char *a = getenv("LOOM_ATTN"), *det = getenv("LOOM_ATTN_DETERMINISTIC");
@@ -259,6 +272,300 @@ static loom_status cuda_dw_flush(loom_dev *d, loom_ctx *ctx) {
 
 static void cuda_dw_drop(loom_dev *d) { loom_cuda_dw_batch_drop(d->dw_batch); }
 
+/* ---- GEMMs: cuBLASLt, with loom's fused kernels where they apply ---- */
+
+static loom_status cuda_gemm(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int64_t M, int64_t N,
+                             int64_t K, float alpha, const void *A, int64_t lda, const void *B,
+                             int64_t ldb, loom_dtype ab, float beta, void *C, loom_dtype cdt,
+                             int64_t ldc) {
+    return loom_cuda_gemm(ctx, d->gemm, ta, tb, M, N, K, alpha, A, ab, lda, B, ab, ldb, beta, C,
+                          cdt, ldc, d->stream);
+}
+
+/* Up to four terms in one GEMM with one fp32 accumulator where loom's kernel
+ * takes them (Hopper, BF16, beta 0) and its tiles fill the GPU's waves
+ * (loom_cuda_gemm_wave_fill at least 0.9: Qwen3-4B's 2560 columns are 0.81,
+ * and cuBLASLt's sequence runs them faster); one GEMM a term otherwise */
+static loom_status cuda_dx_sum(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t in, int n,
+                               const loom_dx_term *t, float beta, void *dx) {
+    int done = 0;
+    if (!d->lora_cublas && beta == 0.0f && n > 1) {
+        const void *a[4], *b[4];
+        int64_t lda[4], K[4];
+        const int k = n < 4 ? n : 4;
+        for (int i = 0; i < k; i++) a[i] = t[i].dy, lda[i] = t[i].ld, K[i] = t[i].out, b[i] = t[i].W;
+        if (loom_cuda_gemm_dx_ok(d->adt, T, in, k, a, lda, K, b, dx) &&
+            loom_cuda_gemm_wave_fill(T, in) >= 0.9) {
+            loom_status st = loom_cuda_gemm_dx(ctx, T, in, k, a, lda, K, b, dx, d->stream);
+            if (st) return st;
+            done = k;
+            beta = 1.0f;
+        }
+    }
+    for (int i = done; i < n; i++, beta = 1.0f) {
+        loom_status st = cuda_gemm(d, ctx, false, false, T, in, t[i].out, 1.0f, t[i].dy, t[i].ld,
+                                   t[i].W, in, d->adt, beta, dx, d->adt, in);
+        if (st) return st;
+    }
+    return LOOM_OK;
+}
+
+static loom_status cuda_lin_lora_fwd(loom_dev *d, loom_ctx *ctx, const void *x, int64_t T,
+                                     int64_t in, const void *W, int64_t out, const void *u,
+                                     int64_t ldu, const void *B, int64_t r, float s, void *y,
+                                     bool *done) {
+    *done = !d->lora_cublas && loom_cuda_gemm_lora_ok(d->adt, T, out, in, x, W, u, ldu, B, r, y);
+    return *done ? loom_cuda_gemm_lora(ctx, T, out, in, x, W, u, ldu, B, r, s, y, d->stream)
+                 : LOOM_OK;
+}
+
+/* One read of each dy in loom's kernel (BF16/F16, r a multiple of 8 up to
+ * 32, 16-byte rows) unless LOOM_LORA_KERNELS=cublas; the GEMM pair else */
+static loom_status cuda_lora_dy_n(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t r, float s, int n,
+                                  const loom_lora_dy_op *ops, int64_t ldu, int64_t lddu) {
+    bool kernel = !d->lora_cublas && n >= 1 && n <= 3;
+    loom_cuda_pass_op po[3];
+    for (int i = 0; kernel && i < n; i++) {
+        const loom_lora_dy_op *o = &ops[i];
+        kernel = loom_cuda_lora_pass_ok(d->adt, T, o->out, r, o->dy, o->out, o->B, false, r, o->du,
+                                        lddu, o->u, ldu, false, r);
+        po[i] = (loom_cuda_pass_op){T, o->out, r, o->dy, o->out, o->B, false, r, s,
+                                    o->du, lddu, o->u, ldu, s, o->dB, false, r};
+    }
+    loom_status st;
+    if (kernel) {
+        const size_t need = loom_cuda_lora_pass_n_scratch_bytes(n, po);
+        if (need > d->lora_scratch_bytes) { /* grown at the first call of a larger shape */
+            loom_cuda_free(d->lora_scratch);
+            d->lora_scratch = NULL;
+            d->lora_scratch_bytes = 0;
+            if ((st = loom_cuda_malloc(ctx, &d->lora_scratch, need, "LoRA backward scratch")))
+                return st;
+            d->lora_scratch_bytes = need;
+        }
+        return loom_cuda_lora_pass_n(ctx, n, po, d->adt, d->lora_scratch, d->lora_scratch_bytes,
+                                     d->stream);
+    }
+    for (int i = 0; i < n; i++) {
+        const loom_lora_dy_op *o = &ops[i];
+        if ((st = cuda_gemm(d, ctx, false, false, T, r, o->out, s, o->dy, o->out, o->B, r, d->adt,
+                            0.0f, o->du, d->adt, lddu)) ||
+            (st = cuda_gemm(d, ctx, true, false, o->out, r, T, s, o->dy, o->out, o->u, ldu, d->adt,
+                            1.0f, o->dB, LOOM_F32, r)))
+            return st;
+    }
+    return LOOM_OK;
+}
+
+/* ---- RoPE and attention ---- */
+
+static loom_status cuda_rope(loom_dev *d, loom_ctx *ctx, bool backward, void *x, int64_t T,
+                             int64_t nh, int64_t D, const int32_t *pos, const float *inv_freq) {
+    return (backward ? loom_cuda_rope_bwd : loom_cuda_rope_fwd)(ctx, x, d->adt, T, nh, D, pos,
+                                                                inv_freq, d->stream);
+}
+
+static loom_status cuda_rope_table(loom_dev *d, loom_ctx *ctx, const int32_t *pos, int64_t T,
+                                   int64_t D, const float *inv_freq, float *table) {
+    return table ? loom_cuda_rope_table(ctx, pos, T, D, inv_freq, table, d->stream) : LOOM_OK;
+}
+
+static loom_status cuda_qknorm_rope_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
+                                        int64_t T, int64_t nh, int64_t D, float eps,
+                                        const int32_t *pos, const float *inv_freq,
+                                        const float *table, void *y, float *rstd) {
+    if (table && loom_cuda_qknorm_rope_ok(d->adt, D))
+        return loom_cuda_qknorm_rope_fwd(ctx, x, d->adt, w, d->adt, T * nh, nh, D, eps, table, y,
+                                         rstd, d->stream);
+    loom_status st = cuda_rmsnorm_fwd(d, ctx, x, w, T * nh, D, eps, y, rstd);
+    return st ? st : cuda_rope(d, ctx, false, y, T, nh, D, pos, inv_freq);
+}
+
+static loom_status cuda_qknorm_rope_bwd(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
+                                        const void *w, const float *rstd, int64_t T, int64_t nh,
+                                        int64_t D, const int32_t *pos, const float *inv_freq,
+                                        const float *table, float *dw) {
+    const int64_t N = T * nh;
+    loom_status st;
+    if (table && loom_cuda_qknorm_rope_ok(d->adt, D)) {
+        void *scr;
+        struct loom_cuda_dw_batch *b;
+        if ((st = loom_cuda_dev_dw_scratch(d, ctx, N, D, dw, &scr, &b))) return st;
+        return loom_cuda_qknorm_rope_bwd(ctx, dy, x, d->adt, w, d->adt, rstd, N, nh, D, table, dy,
+                                         dw, scr, b, d->stream);
+    }
+    if ((st = cuda_rope(d, ctx, true, dy, T, nh, D, pos, inv_freq))) return st;
+    return cuda_rmsnorm_bwd(d, ctx, dy, x, w, rstd, N, D, dy, dw);
+}
+
+/* cuDNN's fused attention first when every query is here (no context
+ * parallelism), loom's kernels where it declines */
+static loom_status cuda_attn_fwd(loom_dev *d, loom_ctx *ctx, const void *q, const int32_t *qidx,
+                                 int64_t Tq, const void *k, const void *v, int64_t T, int64_t Hq,
+                                 int64_t Hkv, int64_t D, const int32_t *cu, int64_t ndocs,
+                                 int64_t seqlen, float scale, void *out, float *lse) {
+    d->attn_calls[0]++;
+    if (!qidx && d->attn) {
+        bool taken = false;
+        loom_status st = loom_cuda_attention_cudnn_fwd(ctx, d->attn, q, k, v, d->adt, T, Hq, Hkv, D,
+                                                       cu, ndocs, seqlen, scale, out, lse,
+                                                       d->stream, &taken);
+        if (st || taken) return st;
+    }
+    return loom_cuda_attention_fwd_q(ctx, q, qidx, Tq, k, v, d->adt, T, Hq, Hkv, D, cu, ndocs,
+                                     scale, out, lse, d->stream);
+}
+
+static loom_status cuda_attn_bwd(loom_dev *d, loom_ctx *ctx, const void *dout, const void *q,
+                                 const int32_t *qidx, int64_t Tq, const void *k, const void *v,
+                                 const void *out, const float *lse, int64_t T, int64_t Hq,
+                                 int64_t Hkv, int64_t D, const int32_t *cu, int64_t ndocs,
+                                 int64_t seqlen, float scale, void *dq, void *dk, void *dv) {
+    d->attn_calls[1]++;
+    if (!qidx && d->attn) {
+        bool taken = false;
+        loom_status st = loom_cuda_attention_cudnn_bwd(ctx, d->attn, dout, q, k, v, out, lse,
+                                                       d->adt, T, Hq, Hkv, D, cu, ndocs, seqlen,
+                                                       scale, dq, dk, dv, d->stream, &taken);
+        if (st || taken) return st;
+    }
+    return loom_cuda_attention_bwd_q(ctx, dout, q, qidx, Tq, k, v, out, lse, d->adt, T, Hq, Hkv, D,
+                                     cu, ndocs, scale, dq, dk, dv, d->stream);
+}
+
+/* ---- the vocabulary-parallel cross-entropy ---- */
+
+static loom_status cuda_ce_max(loom_dev *d, loom_ctx *ctx, const void *z, int64_t c, int64_t ld,
+                               int64_t nvalid, double *mx) {
+    return loom_cuda_ce_vp_max(ctx, z, d->adt, c, ld, nvalid, mx, d->stream);
+}
+
+static loom_status cuda_ce_sums(loom_dev *d, loom_ctx *ctx, const void *z, int64_t c, int64_t ld,
+                                int64_t nvalid, const int32_t *tgt, int64_t v0, const double *mx,
+                                double *ce) {
+    return loom_cuda_ce_vp_sums(ctx, z, d->adt, c, ld, nvalid, tgt, v0, mx, ce, d->stream);
+}
+
+static loom_status cuda_ce_grad(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                                int64_t nvalid, const int32_t *tgt, int64_t v0, const double *mx,
+                                const double *ce, float scale) {
+    return loom_cuda_ce_vp_grad(ctx, z, d->adt, c, ld, nvalid, tgt, v0, mx, ce, scale, d->stream);
+}
+
+static loom_status cuda_ce_fused(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                                 int64_t nvalid, const int32_t *tgt, int64_t v0, double *mx,
+                                 double *ce, float scale, bool grad) {
+    return loom_cuda_ce_vp_fused(ctx, z, d->adt, c, ld, nvalid, tgt, v0, mx, ce, scale, grad,
+                                 d->stream);
+}
+
+/* ---- the optimizer: the parts cut into chunks of at most LOOM_CUDA_CHUNK
+ * elements once (the layout never changes), kept on the device ---- */
+
+static int64_t n_chunks(const loom_k_part *p) {
+    return (int64_t)((p->len + LOOM_CUDA_CHUNK - 1) / LOOM_CUDA_CHUNK);
+}
+
+/* h[*k..] = part p's chunks */
+static void put_chunks(const loom_k_part *p, loom_cuda_chunk *h, int64_t *k) {
+    for (size_t o = 0; o < p->len; o += LOOM_CUDA_CHUNK) {
+        size_t len = p->len - o < LOOM_CUDA_CHUNK ? p->len - o : LOOM_CUDA_CHUNK;
+        h[(*k)++] = (loom_cuda_chunk){.p_off = (int64_t)(p->p_off + o),
+                                      .s_off = (int64_t)(p->s_off + o), .len = (int32_t)len,
+                                      .decay = p->decay};
+    }
+}
+
+/* *dst = a device copy of the n chunks at h (h freed) */
+static loom_status upload_chunks(loom_dev *d, loom_ctx *ctx, loom_cuda_chunk *h, int64_t n,
+                                 void **dst, const char *what) {
+    loom_status st = cuda_alloc(d, ctx, dst, (size_t)(n + 1) * sizeof *h, what);
+    if (!st) st = cuda_upload(d, ctx, *dst, h, (size_t)n * sizeof *h);
+    free(h);
+    if (st) {
+        loom_cuda_free(*dst);
+        *dst = NULL;
+    }
+    return st;
+}
+
+/* AdamW's chunks over all the parts, then the norm's over those in it */
+static loom_status build_chunks(loom_dev *d, loom_ctx *ctx, const loom_k_part *parts, int n,
+                                loom_part_lists *L) {
+    int64_t na = 0, nn = 0, k = 0;
+    for (int i = 0; i < n; i++) {
+        na += n_chunks(&parts[i]);
+        if (parts[i].norm) nn += n_chunks(&parts[i]);
+    }
+    loom_cuda_chunk *h = malloc((size_t)(na + nn + 1) * sizeof *h);
+    if (!h) return loom_errf(ctx, LOOM_ERR_OOM, "no memory for the optimizer's chunk list");
+    for (int i = 0; i < n; i++) put_chunks(&parts[i], h, &k);
+    for (int i = 0; i < n; i++)
+        if (parts[i].norm) put_chunks(&parts[i], h, &k);
+    loom_status st = upload_chunks(d, ctx, h, na + nn, &L->chunks, "optimizer chunk list");
+    if (!st) {
+        loom_cuda_free(L->norm);
+        L->norm = NULL;
+        st = cuda_alloc(d, ctx, (void **)&L->norm, (size_t)(nn + 1) * sizeof(double),
+                        "grad-norm chunks");
+    }
+    if (st) return st;
+    L->n = na;
+    L->n_norm = nn;
+    return LOOM_OK;
+}
+
+static loom_status cuda_adamw(loom_dev *d, loom_ctx *ctx, float *w, const float *g, float *m,
+                              float *v, const loom_k_part *parts, int n, const loom_adamw_hp *hp,
+                              int64_t t, const float gs[2], void *wc, loom_part_lists *lists,
+                              bool *wc_done) {
+    *wc_done = false;
+    loom_status st = lists->chunks ? LOOM_OK : build_chunks(d, ctx, parts, n, lists);
+    if (st) return st;
+    *wc_done = wc != NULL;
+    return loom_cuda_adamw_chunks(ctx, w, g, m, v, (const loom_cuda_chunk *)lists->chunks,
+                                  lists->n, hp, t, gs, wc, d->adt, d->stream);
+}
+
+static loom_status cuda_sumsq(loom_dev *d, loom_ctx *ctx, const float *g, const loom_k_part *parts,
+                              int n, float s, loom_part_lists *lists, double *sum) {
+    *sum = 0.0;
+    loom_status st = lists->chunks ? LOOM_OK : build_chunks(d, ctx, parts, n, lists);
+    if (st) return st;
+    const loom_cuda_chunk *norm = (const loom_cuda_chunk *)lists->chunks + lists->n;
+    if ((st = loom_cuda_sumsq_chunks(ctx, g, norm, lists->n_norm, s, lists->norm, d->stream)))
+        return st;
+    double *h = malloc((size_t)(lists->n_norm + 1) * sizeof *h);
+    if (!h) return loom_errf(ctx, LOOM_ERR_OOM, "no memory for the grad-norm chunks");
+    st = cuda_download(d, ctx, h, lists->norm, (size_t)lists->n_norm * sizeof *h);
+    for (int64_t i = 0; !st && i < lists->n_norm; i++) *sum += h[i]; /* chunk order */
+    free(h);
+    return st;
+}
+
+static loom_status cuda_zero_parts(loom_dev *d, loom_ctx *ctx, float *g, const loom_k_part *parts,
+                                   int n, loom_part_lists *lists) {
+    if (!lists->chunks) { /* one launch over a list made at the first call */
+        int64_t nc = 0, k = 0;
+        for (int i = 0; i < n; i++) nc += n_chunks(&parts[i]);
+        loom_cuda_chunk *h = malloc((size_t)(nc + 1) * sizeof *h);
+        if (!h) return loom_errf(ctx, LOOM_ERR_OOM, "no memory for the gradients' chunk list");
+        for (int i = 0; i < n; i++) put_chunks(&parts[i], h, &k);
+        loom_status st = upload_chunks(d, ctx, h, nc, &lists->chunks, "gradient chunk list");
+        if (st) return st;
+        lists->n = nc;
+    }
+    return loom_cuda_zero_chunks(ctx, g, (const loom_cuda_chunk *)lists->chunks, lists->n,
+                                 d->stream);
+}
+
+static void cuda_lists_free(loom_dev *d, loom_part_lists *lists) {
+    (void)d;
+    loom_cuda_free(lists->chunks);
+    loom_cuda_free(lists->norm);
+    memset(lists, 0, sizeof *lists);
+}
+
 const loom_backend *loom_backend_cuda(void) {
     static const loom_backend be = {
         .name = "cuda",
@@ -289,6 +596,25 @@ const loom_backend *loom_backend_cuda(void) {
         .rmsnorm_bwd_add = cuda_rmsnorm_bwd_add,
         .dw_flush = cuda_dw_flush,
         .dw_drop = cuda_dw_drop,
+        .gemm = cuda_gemm,
+        .dx_sum = cuda_dx_sum,
+        .lin_lora_fwd = cuda_lin_lora_fwd,
+        .lora_dy_n = cuda_lora_dy_n,
+        .rope = cuda_rope,
+        .rope_table = cuda_rope_table,
+        .qknorm_rope_fwd = cuda_qknorm_rope_fwd,
+        .qknorm_rope_bwd = cuda_qknorm_rope_bwd,
+        .attn_fwd = cuda_attn_fwd,
+        .attn_bwd = cuda_attn_bwd,
+        .attn_max_d = LOOM_CUDA_ATTN_MAX_D,
+        .ce_max = cuda_ce_max,
+        .ce_sums = cuda_ce_sums,
+        .ce_grad = cuda_ce_grad,
+        .ce_fused = cuda_ce_fused,
+        .adamw = cuda_adamw,
+        .sumsq = cuda_sumsq,
+        .zero_parts = cuda_zero_parts,
+        .lists_free = cuda_lists_free,
     };
     return &be;
 }

@@ -1,0 +1,449 @@
+/* The backend table's compute families (src/backend/backend.h) on every
+ * backend built in and usable here, held to the CPU backend's results on
+ * fresh random inputs: the GEMMs with LoRA's and the input gradient's
+ * paths, RoPE with Qwen3's q/k norm, attention (every query, and context
+ * parallelism's subset), the vocabulary-parallel cross-entropy, and the
+ * optimizer's passes. In fp32 and, where the GPU has kernels for it, bf16
+ * (the inputs rounded to bf16 first, so both sides see the same values).
+ * test_backend.c holds the memory, element-wise and RMSNorm families. */
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../src/backend/backend.h"
+#include "../src/core/core.h"
+#include "../src/core/rng.h"
+#include "harness.h"
+
+/* REQUIRE for the helpers that return a buffer: a failure ends the test's
+ * process as failed (the runner forks one per test). */
+#define MUST(cond)                                                                                 \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            loom_test_fail(__FILE__, __LINE__, "MUST(%s)", #cond);                                 \
+            fflush(stderr);                                                                        \
+            _exit(1);                                                                              \
+        }                                                                                          \
+    } while (0)
+#define MUST_OK(ctx, expr)                                                                         \
+    do {                                                                                           \
+        loom_status st_ = (expr);                                                                  \
+        if (st_) {                                                                                 \
+            loom_test_fail(__FILE__, __LINE__, "%s -> %s: %s", #expr, loom_status_str(st_),        \
+                           loom_last_error(ctx));                                                  \
+            fflush(stderr);                                                                        \
+            _exit(1);                                                                              \
+        }                                                                                          \
+    } while (0)
+
+/* Side 0 is the CPU table (fp32), side 1 the backend under test (dtype t). */
+typedef struct run {
+    loom_ctx *ctx;
+    const loom_backend *be[2];
+    loom_dev d[2];
+    loom_dtype t;       /* side 1's compute dtype */
+    uint64_t seed;
+    void *keep[2][64];  /* device buffers, freed by run_end */
+    int nkeep[2];
+} run;
+
+static bool run_begin(run *r, loom_dtype t) {
+    memset(r, 0, sizeof *r);
+    if (!loom_backend_cuda() || !loom_test_have_gpu()) return false;
+    if (loom_ctx_create(&r->ctx)) return false;
+    r->be[0] = loom_backend_cpu();
+    r->be[1] = loom_backend_cuda();
+    r->d[0] = (loom_dev){.adt = LOOM_F32, .esz = 4};
+    r->d[1] = (loom_dev){.cuda = true, .adt = t, .esz = loom_dtype_size(t), .device = 0};
+    r->t = t;
+    r->seed = (uint64_t)loom_now_s() * 2654435761u;
+    for (int k = 0; k < 2; k++)
+        if (r->be[k]->init(&r->d[k], r->ctx)) return false;
+    return true;
+}
+
+static void run_end(run *r) {
+    for (int k = 0; k < 2; k++) {
+        for (int i = 0; i < r->nkeep[k]; i++) r->be[k]->free(&r->d[k], r->keep[k][i]);
+        r->be[k]->release(&r->d[k]);
+    }
+    loom_ctx_free(r->ctx);
+}
+
+/* n values in [-a, a), rounded to side 1's dtype when act */
+static float *rnd(run *r, int64_t n, float a, bool act) {
+    float *p = malloc((size_t)(n ? n : 1) * sizeof *p);
+    MUST(p);
+    r->seed += 0x9e3779b97f4a7c15ull;
+    for (int64_t i = 0; i < n; i++)
+        p[i] = (float)((double)(loom_splitmix64(r->seed + (uint64_t)i) >> 11) /
+                       9007199254740992.0 * 2.0 - 1.0) * a;
+    if (act && r->t != LOOM_F32) {
+        uint16_t *h = malloc((size_t)n * 2);
+        MUST(h);
+        MUST_OK(r->ctx, loom_convert(r->ctx, h, r->t, p, LOOM_F32, (size_t)n));
+        MUST_OK(r->ctx, loom_convert(r->ctx, p, LOOM_F32, h, r->t, (size_t)n));
+        free(h);
+    }
+    return p;
+}
+
+static void *keep(run *r, int k, size_t bytes) {
+    void *p = NULL;
+    MUST_OK(r->ctx, r->be[k]->alloc(&r->d[k], r->ctx, &p, bytes ? bytes : 1, "test"));
+    MUST(r->nkeep[k] < 64);
+    r->keep[k][r->nkeep[k]++] = p;
+    return p;
+}
+
+/* host data on side k: act buffers in the side's compute dtype, else as given */
+static void *in(run *r, int k, const float *h, int64_t n, bool act) {
+    const loom_dtype t = act ? r->d[k].adt : LOOM_F32;
+    const size_t es = loom_dtype_size(t);
+    void *p = keep(r, k, (size_t)n * es), *tmp = NULL;
+    const void *src = h;
+    if (t != LOOM_F32) {
+        MUST((tmp = malloc((size_t)n * es)));
+        MUST_OK(r->ctx, loom_convert(r->ctx, tmp, t, h, LOOM_F32, (size_t)n));
+        src = tmp;
+    }
+    MUST_OK(r->ctx, r->be[k]->upload(&r->d[k], r->ctx, p, src, (size_t)n * es));
+    free(tmp);
+    return p;
+}
+
+static void *raw(run *r, int k, const void *h, size_t bytes) {
+    void *p = keep(r, k, bytes);
+    MUST_OK(r->ctx, r->be[k]->upload(&r->d[k], r->ctx, p, h, bytes));
+    return p;
+}
+
+/* side k's n values at p as fp32 (act: in the side's compute dtype) */
+static float *out(run *r, int k, const void *p, int64_t n, bool act) {
+    const loom_dtype t = act ? r->d[k].adt : LOOM_F32;
+    const size_t es = loom_dtype_size(t);
+    float *h = malloc((size_t)(n ? n : 1) * 4);
+    void *tmp = malloc((size_t)(n ? n : 1) * es);
+    MUST(h && tmp);
+    MUST_OK(r->ctx, r->be[k]->download(&r->d[k], r->ctx, tmp, p, (size_t)n * es));
+    MUST_OK(r->ctx, loom_convert(r->ctx, h, LOOM_F32, tmp, t, (size_t)n));
+    free(tmp);
+    return h;
+}
+
+/* the largest |a - b| / (scale + |b|), scale the mean |b| (outputs near zero
+ * are judged against the tensor's size, not their own) */
+static double rel_err(const float *a, const float *b, int64_t n) {
+    double s = 0.0, w = 0.0;
+    for (int64_t i = 0; i < n; i++) s += fabs((double)b[i]);
+    s = n ? s / (double)n : 1.0;
+    for (int64_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]) / (s + fabs((double)b[i]));
+        if (!(e <= w)) w = e; /* NaN counts */
+    }
+    return w;
+}
+
+/* compares output `what` (n values at p[0] on the CPU, p[1] on the side) */
+static void same(run *r, const char *what, void *const p[2], int64_t n, bool act, double tol) {
+    float *a = out(r, 1, p[1], n, act), *b = out(r, 0, p[0], n, act);
+    const double e = rel_err(a, b, n);
+    CHECK_MSG(e <= tol, "%s (%s): %s differs from the CPU's by %.3g (tol %.3g)", r->be[1]->name,
+              loom_dtype_name(r->t), what, e, tol);
+    free(a), free(b);
+}
+
+static double tol_of(const run *r) { return r->t == LOOM_F32 ? 1e-4 : 3e-2; }
+
+/* ---- GEMMs ---- */
+
+static void gemm_family(run *r) {
+    const int64_t T = 192, in_ = 256, o[3] = {128, 64, 64}, R = 8;
+    float *x = rnd(r, T * in_, 1, true), *W = rnd(r, 256 * in_, 0.1f, true);
+    float *dy[3], *B[3], *u = rnd(r, T * 3 * R, 1, true);
+    for (int i = 0; i < 3; i++) dy[i] = rnd(r, T * o[i], 1, true), B[i] = rnd(r, o[i] * R, 0.1f, true);
+    float *dW0 = rnd(r, o[0] * in_, 1, false);
+    void *y[2], *yt[2], *dW[2], *dx[2], *du[2], *dB[2], *yl[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        const loom_dtype t = d->adt;
+        void *X = in(r, k, x, T * in_, true), *WW = in(r, k, W, 256 * in_, true);
+        void *U = in(r, k, u, T * 3 * R, true), *DY[3], *BB[3];
+        for (int i = 0; i < 3; i++) DY[i] = in(r, k, dy[i], T * o[i], true), BB[i] = in(r, k, B[i], o[i] * R, true);
+        /* y = x W^T; y^T-shaped product with both transposes; dW += dy^T x (fp32 C) */
+        y[k] = keep(r, k, (size_t)(T * o[0]) * d->esz);
+        REQUIRE_OK(r->ctx, be->gemm(d, r->ctx, false, true, T, o[0], in_, 1.0f, X, in_, WW, in_, t,
+                                    0.0f, y[k], t, o[0]));
+        yt[k] = keep(r, k, (size_t)(T * in_) * d->esz); /* dy (T, o0) W0 (o0, in), alpha 0.5 */
+        REQUIRE_OK(r->ctx, be->gemm(d, r->ctx, false, false, T, in_, o[0], 0.5f, DY[0], o[0], WW,
+                                    in_, t, 0.0f, yt[k], t, in_));
+        dW[k] = in(r, k, dW0, o[0] * in_, false);
+        REQUIRE_OK(r->ctx, be->gemm(d, r->ctx, true, false, o[0], in_, T, 1.0f, DY[0], o[0], X, in_,
+                                    t, 1.0f, dW[k], LOOM_F32, in_));
+        /* dx = dy0 W0 + dy1 W1 + dy2 W2 (W's first rows as the three weights) */
+        loom_dx_term terms[3];
+        for (int i = 0, row = 0; i < 3; row += (int)o[i], i++)
+            terms[i] = (loom_dx_term){DY[i], o[i], o[i], (char *)WW + (size_t)(row * in_) * d->esz};
+        dx[k] = keep(r, k, (size_t)(T * in_) * d->esz);
+        REQUIRE_OK(r->ctx, be->dx_sum(d, r->ctx, T, in_, 3, terms, 0.0f, dx[k]));
+        /* LoRA's backward over three projections: du (T, 3R), dB += */
+        du[k] = keep(r, k, (size_t)(T * 3 * R) * d->esz);
+        dB[k] = keep(r, k, (size_t)(256 * R) * 4);
+        loom_lora_dy_op ops[3];
+        for (int i = 0, row = 0; i < 3; row += (int)o[i], i++)
+            ops[i] = (loom_lora_dy_op){o[i], DY[i], BB[i], (char *)U + (size_t)(i * R) * d->esz,
+                                       (char *)du[k] + (size_t)(i * R) * d->esz,
+                                       (float *)dB[k] + row * R};
+        REQUIRE_OK(r->ctx, be->lora_dy_n(d, r->ctx, T, R, 2.0f, 3, ops, 3 * R, 3 * R));
+        /* x W^T + s u B^T: the fused GEMM where there is one, else the pair */
+        yl[k] = keep(r, k, (size_t)(T * o[0]) * d->esz);
+        bool done = false;
+        REQUIRE_OK(r->ctx, be->lin_lora_fwd(d, r->ctx, X, T, in_, WW, o[0], U, 3 * R, BB[0], R, 2.0f,
+                                            yl[k], &done));
+        if (!done) {
+            REQUIRE_OK(r->ctx, be->gemm(d, r->ctx, false, true, T, o[0], R, 2.0f, U, 3 * R, BB[0], R,
+                                        t, 0.0f, yl[k], t, o[0]));
+            REQUIRE_OK(r->ctx, be->gemm(d, r->ctx, false, true, T, o[0], in_, 1.0f, X, in_, WW, in_,
+                                        t, 1.0f, yl[k], t, o[0]));
+        }
+    }
+    const double tol = tol_of(r);
+    same(r, "gemm (x W^T)", y, T * o[0], true, tol);
+    same(r, "gemm (dy W)", yt, T * in_, true, tol);
+    same(r, "gemm (dW += dy^T x, fp32)", dW, o[0] * in_, false, tol);
+    same(r, "dx_sum", dx, T * in_, true, tol);
+    same(r, "lora_dy_n du", du, T * 3 * R, true, tol);
+    same(r, "lora_dy_n dB", dB, 256 * R, false, tol);
+    same(r, "lin_lora_fwd", yl, T * o[0], true, tol);
+    free(x), free(W), free(u), free(dW0);
+    for (int i = 0; i < 3; i++) free(dy[i]), free(B[i]);
+}
+
+/* ---- RoPE, q/k norm with RoPE, attention ---- */
+
+static void attention_family(run *r, bool cp_subset) {
+    const int64_t T = 96, Hq = 4, Hkv = 2, D = 128, nd = 3;
+    const int32_t cu[4] = {0, 40, 41, 96}; /* a one-token document too */
+    int32_t pos[96], qidx[48];
+    for (int64_t t = 0, doc = 0; t < T; t++) {
+        while (t >= cu[doc + 1]) doc++;
+        pos[t] = (int32_t)(t - cu[doc]);
+    }
+    const int64_t Tq = cp_subset ? 48 : T;
+    for (int64_t i = 0; i < 48; i++) qidx[i] = (int32_t)(i < 24 ? i : T - 48 + i); /* cp's halves */
+    float inv[64];
+    for (int i = 0; i < D / 2; i++) inv[i] = (float)pow(1e6, -2.0 * i / (double)D);
+    float *q = rnd(r, Tq * Hq * D, 1, true), *kk = rnd(r, T * Hkv * D, 1, true),
+          *v = rnd(r, T * Hkv * D, 1, true), *dout = rnd(r, Tq * Hq * D, 1, true),
+          *w = rnd(r, D, 1, true), *dyq = rnd(r, Tq * Hq * D, 1, true);
+    void *o[2], *lse[2], *dq[2], *dk[2], *dv[2], *qr[2], *qn[2], *rs[2], *dqn[2], *dw[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        void *Q = in(r, k, q, Tq * Hq * D, true), *K = in(r, k, kk, T * Hkv * D, true),
+             *V = in(r, k, v, T * Hkv * D, true), *DO = in(r, k, dout, Tq * Hq * D, true),
+             *WQ = in(r, k, w, D, true), *CU = raw(r, k, cu, sizeof cu),
+             *QI = cp_subset ? raw(r, k, qidx, sizeof qidx) : NULL, *IF = raw(r, k, inv, sizeof inv);
+        int32_t qpos[96];
+        for (int64_t i = 0; i < Tq; i++) qpos[i] = pos[cp_subset ? qidx[i] : i];
+        void *P = raw(r, k, qpos, (size_t)Tq * 4);
+        o[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        lse[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
+        dq[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        dk[k] = keep(r, k, (size_t)(T * Hkv * D) * d->esz);
+        dv[k] = keep(r, k, (size_t)(T * Hkv * D) * d->esz);
+        const float sc = 1.0f / sqrtf((float)D);
+        REQUIRE_OK(r->ctx, be->attn_fwd(d, r->ctx, Q, QI, Tq, K, V, T, Hq, Hkv, D, CU, nd, 0, sc,
+                                        o[k], lse[k]));
+        REQUIRE_OK(r->ctx, be->attn_bwd(d, r->ctx, DO, Q, QI, Tq, K, V, o[k], lse[k], T, Hq, Hkv, D,
+                                        CU, nd, 0, sc, dq[k], dk[k], dv[k]));
+        /* RoPE forward then backward on a copy of q; q/k norm + RoPE with the
+         * table (a GPU's fused kernels) and without */
+        qr[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        REQUIRE_OK(r->ctx, be->copy(d, r->ctx, qr[k], Q, (size_t)(Tq * Hq * D) * d->esz));
+        REQUIRE_OK(r->ctx, be->rope(d, r->ctx, false, qr[k], Tq, Hq, D, P, IF));
+        float *tab = k ? keep(r, k, (size_t)(Tq * D) * 4) : NULL;
+        REQUIRE_OK(r->ctx, be->rope_table(d, r->ctx, P, Tq, D, IF, tab));
+        qn[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        rs[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
+        REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, Tq, Hq, D, 1e-6f, P, IF, tab, qn[k],
+                                               rs[k]));
+        dqn[k] = in(r, k, dyq, Tq * Hq * D, true);
+        dw[k] = keep(r, k, (size_t)D * 4);
+        REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqn[k], Q, WQ, rs[k], Tq, Hq, D, P, IF,
+                                               tab, dw[k]));
+        REQUIRE_OK(r->ctx, be->dw_flush(d, r->ctx));
+    }
+    const double tol = tol_of(r);
+    same(r, "attn_fwd out", o, Tq * Hq * D, true, tol);
+    same(r, "attn_fwd lse", lse, Tq * Hq, false, tol);
+    same(r, "attn_bwd dq", dq, Tq * Hq * D, true, tol);
+    same(r, "attn_bwd dk", dk, T * Hkv * D, true, tol);
+    same(r, "attn_bwd dv", dv, T * Hkv * D, true, tol);
+    same(r, "rope", qr, Tq * Hq * D, true, tol);
+    same(r, "qknorm_rope_fwd", qn, Tq * Hq * D, true, tol);
+    same(r, "qknorm_rope_fwd rstd", rs, Tq * Hq, false, tol);
+    same(r, "qknorm_rope_bwd dx", dqn, Tq * Hq * D, true, tol);
+    same(r, "qknorm_rope_bwd dw", dw, D, false, tol);
+    free(q), free(kk), free(v), free(dout), free(w), free(dyq);
+}
+
+/* ---- the vocabulary-parallel cross-entropy ---- */
+
+static void loss_family(run *r) {
+    const int64_t c = 33, ld = 256, nvalid = 250, v0 = 512;
+    float *z = rnd(r, c * ld, 8, true);
+    int32_t tgt[33];
+    for (int64_t i = 0; i < c; i++) /* local, other ranks', ignored */
+        tgt[i] = i % 7 == 3 ? -100 : (int32_t)(i % 3 ? v0 + (i * 37) % nvalid : (i * 101) % 2048);
+    double *mx[2], *ce[2], *mxf[2], *cef[2];
+    void *g[2], *gf[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        void *Z = in(r, k, z, c * ld, true), *TG = raw(r, k, tgt, sizeof tgt);
+        gf[k] = in(r, k, z, c * ld, true);
+        mx[k] = keep(r, k, (size_t)c * 8);
+        ce[k] = keep(r, k, (size_t)c * 24);
+        mxf[k] = keep(r, k, (size_t)c * 8);
+        cef[k] = keep(r, k, (size_t)c * 24);
+        REQUIRE_OK(r->ctx, be->ce_max(d, r->ctx, Z, c, ld, nvalid, mx[k]));
+        REQUIRE_OK(r->ctx, be->ce_sums(d, r->ctx, Z, c, ld, nvalid, TG, v0, mx[k], ce[k]));
+        REQUIRE_OK(r->ctx, be->ce_grad(d, r->ctx, Z, c, ld, nvalid, TG, v0, mx[k], ce[k], 0.5f));
+        g[k] = Z;
+        REQUIRE_OK(r->ctx, be->ce_fused(d, r->ctx, gf[k], c, ld, nvalid, TG, v0, mxf[k], cef[k], 0.5f,
+                                        true));
+    }
+    double *h[2][4];
+    for (int k = 0; k < 2; k++) {
+        void *src[4] = {mx[k], ce[k], mxf[k], cef[k]};
+        for (int j = 0; j < 4; j++) {
+            const size_t n = (size_t)c * (j % 2 ? 3 : 1);
+            REQUIRE((h[k][j] = malloc(n * 8)));
+            REQUIRE_OK(r->ctx, r->be[k]->download(&r->d[k], r->ctx, h[k][j], src[j], n * 8));
+        }
+    }
+    static const char *const what[4] = {"ce_max", "ce_sums", "ce_fused max", "ce_fused sums"};
+    for (int j = 0; j < 4; j++) {
+        double e = 0.0;
+        for (int64_t i = 0; i < c * (j % 2 ? 3 : 1); i++)
+            e = fmax(e, fabs(h[1][j][i] - h[0][j][i]) / (1.0 + fabs(h[0][j][i])));
+        CHECK_MSG(e <= 1e-9, "%s (%s): %s differs from the CPU's by %.3g", r->be[1]->name,
+                  loom_dtype_name(r->t), what[j], e);
+        free(h[0][j]), free(h[1][j]);
+    }
+    same(r, "ce_grad", g, c * ld, true, tol_of(r));
+    same(r, "ce_fused grad", gf, c * ld, true, tol_of(r));
+    free(z);
+}
+
+/* ---- the optimizer's passes (fp32): AdamW bit for bit, the norm's sum to
+ * rounding, zero_parts exactly ---- */
+
+static void optimizer_family(run *r) {
+    const loom_k_part parts[4] = {{0, 0, 40000, true, true},
+                                  {40064, 40000, 17, false, true},
+                                  {50000, 40017, 20000, true, false}, /* not in the norm */
+                                  {70000, 60017, 3, false, true}};
+    const int64_t np = 70003, ns = 60020;
+    float *w = rnd(r, np, 1, false), *g = rnd(r, ns, 1, false), *m0 = rnd(r, ns, 0.1f, false),
+          *v0 = rnd(r, ns, 0.1f, false);
+    for (int64_t i = 0; i < ns; i++) v0[i] = fabsf(v0[i]);
+    const loom_adamw_hp hp = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                              .weight_decay = 0.1};
+    const float gs[2] = {0.5f, 0.8f};
+    double sum[2];
+    void *W[2], *M[2], *V[2], *G[2];
+    for (int k = 0; k < 2; k++) {
+        loom_part_lists lists = {0}, zl = {0};
+        W[k] = in(r, k, w, np, false), G[k] = in(r, k, g, ns, false);
+        M[k] = in(r, k, m0, ns, false), V[k] = in(r, k, v0, ns, false);
+        bool wc_done = true;
+        REQUIRE_OK(r->ctx, r->be[k]->adamw(&r->d[k], r->ctx, W[k], G[k], M[k], V[k], parts, 4, &hp,
+                                           3, gs, NULL, &lists, &wc_done));
+        CHECK(!wc_done);
+        REQUIRE_OK(r->ctx, r->be[k]->sumsq(&r->d[k], r->ctx, G[k], parts, 4, 0.5f, &lists, &sum[k]));
+        REQUIRE_OK(r->ctx, r->be[k]->zero_parts(&r->d[k], r->ctx, G[k], parts + 1, 2, &zl));
+        REQUIRE_OK(r->ctx, r->be[k]->zero_parts(&r->d[k], r->ctx, G[k], parts + 1, 2, &zl));
+        r->be[k]->lists_free(&r->d[k], &lists);
+        r->be[k]->lists_free(&r->d[k], &zl);
+        CHECK(!lists.chunks && !zl.chunks);
+    }
+    CHECK_MSG(fabs(sum[1] - sum[0]) <= 1e-12 * sum[0], "%s: sumsq %.17g, the CPU's %.17g",
+              r->be[1]->name, sum[1], sum[0]);
+    const char *what[4] = {"adamw w", "adamw m", "adamw v", "zero_parts g"};
+    void **bufs[4] = {W, M, V, G};
+    for (int j = 0; j < 4; j++) {
+        const int64_t n = j ? ns : np;
+        float *a = out(r, 1, bufs[j][1], n, false), *b = out(r, 0, bufs[j][0], n, false);
+        CHECK_MSG(!memcmp(a, b, (size_t)n * 4), "%s: %s is not the CPU's bit for bit",
+                  r->be[1]->name, what[j]);
+        free(a), free(b);
+    }
+    free(w), free(g), free(m0), free(v0);
+}
+
+#define GPU_OR_SKIP(r, t)                                                                          \
+    do {                                                                                           \
+        if (!run_begin(&(r), (t)))                                                                 \
+            SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the "    \
+                 "CPU's");                                                                         \
+    } while (0)
+
+TEST(backend_gemm_ops_equal_cpu) {
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int i = 0; i < 2; i++) {
+        run r;
+        GPU_OR_SKIP(r, dts[i]);
+        gemm_family(&r);
+        run_end(&r);
+    }
+}
+
+TEST(backend_attention_ops_equal_cpu) {
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int i = 0; i < 4; i++) {
+        run r;
+        GPU_OR_SKIP(r, dts[i / 2]);
+        attention_family(&r, i % 2);
+        run_end(&r);
+    }
+}
+
+TEST(backend_loss_ops_equal_cpu) {
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int i = 0; i < 2; i++) {
+        run r;
+        GPU_OR_SKIP(r, dts[i]);
+        loss_family(&r);
+        run_end(&r);
+    }
+}
+
+TEST(backend_optimizer_ops_equal_cpu) {
+    run r;
+    GPU_OR_SKIP(r, LOOM_F32);
+    optimizer_family(&r);
+    run_end(&r);
+}
+
+/* Every backend fills every slot of its table (a NULL would crash the model
+ * on the first use of that op, far from here). */
+TEST(backend_tables_are_complete) {
+    const loom_backend *all[2] = {loom_backend_cpu(), loom_backend_cuda()};
+    for (int b = 0; b < 2; b++) {
+        if (!all[b]) continue;
+        const void *const *p = (const void *const *)all[b];
+        const size_t n = offsetof(loom_backend, attn_max_d) / sizeof(void *);
+        for (size_t i = 1; i < n; i++)
+            CHECK_MSG(p[i] != NULL, "%s backend: table slot %zu is empty", all[b]->name, i);
+        CHECK(all[b]->attn_max_d >= 128);
+        const size_t from = offsetof(loom_backend, ce_max) / sizeof(void *),
+                     to = sizeof(loom_backend) / sizeof(void *);
+        for (size_t i = from; i < to; i++)
+            CHECK_MSG(p[i] != NULL, "%s backend: table slot %zu is empty", all[b]->name, i);
+    }
+}
