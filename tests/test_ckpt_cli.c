@@ -81,8 +81,8 @@ static int train(const fx *f, bool jsonl, int steps, const char *metrics, const 
                  char **out) {
     char st[16];
     snprintf(st, sizeof st, "%d", steps);
-    const char *argv[64] = {loom_test_bin(), "train", "--model", f->model, "--data",
-                            jsonl ? f->jsonl : f->tokens, "--seq-len", "32",
+    const char *argv[64] = {loom_test_bin(), "train", "--device", "cpu", "--model", f->model,
+                            "--data", jsonl ? f->jsonl : f->tokens, "--seq-len", "32",
                             "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-steps", "2",
                             "--train-steps", st, "--metrics-file", metrics, "--no-progress",
                             "--log-level", "warn"};
@@ -191,11 +191,11 @@ static void stop_and_resume(fx *f, const double *ref, int sig, int trial, double
     snprintf(m, sizeof m, "%s/k%d.jsonl", f->dir, trial);
     snprintf(log, sizeof log, "%s/k%d.log", f->dir, trial);
     snprintf(b, sizeof b, "%s/k%d-b.jsonl", f->dir, trial);
-    const char *argv[] = {loom_test_bin(), "train", "--model", f->model, "--data", f->tokens,
-                          "--seq-len", "32", "--global-batch-size", "4", "--lr", "3e-3",
-                          "--lr-warmup-steps", "2", "--train-steps", "40", "--metrics-file", m,
-                          "--no-progress", "--log-level", "warn", "--save", save,
-                          "--save-interval", "1", "--save-keep", "2", NULL};
+    const char *argv[] = {loom_test_bin(), "train", "--device", "cpu", "--model", f->model,
+                          "--data", f->tokens, "--seq-len", "32", "--global-batch-size", "4",
+                          "--lr", "3e-3", "--lr-warmup-steps", "2", "--train-steps", "40",
+                          "--metrics-file", m, "--no-progress", "--log-level", "warn", "--save",
+                          save, "--save-interval", "1", "--save-keep", "2", NULL};
     pid_t pid = spawn(argv, log);
     REQUIRE(pid > 0);
     if (sig == SIGTERM) { /* after a few steps */
@@ -228,8 +228,8 @@ static void stop_and_resume(fx *f, const double *ref, int sig, int trial, double
     if (it < 1) return;
     char steps[16];
     snprintf(steps, sizeof steps, "%d", it + 1);
-    const char *rv[] = {loom_test_bin(), "train", "--model", f->model, "--data", f->tokens,
-                        "--seq-len", "32", "--global-batch-size", "4", "--lr", "3e-3",
+    const char *rv[] = {loom_test_bin(), "train", "--device", "cpu", "--model", f->model, "--data",
+                        f->tokens, "--seq-len", "32", "--global-batch-size", "4", "--lr", "3e-3",
                         "--lr-warmup-steps", "2", "--train-steps", steps, "--metrics-file", b,
                         "--no-progress", "--log-level", "warn", "--load", save, NULL};
     char *out = NULL;
@@ -290,12 +290,12 @@ TEST(ckpt_cli_resume_on_another_mesh_and_finetune) {
         loom_test_mpi_env();
         char m[400];
         snprintf(m, sizeof m, "%s/m.jsonl", f.dir);
-        const char *argv[] = {"mpirun", "-np", "4", loom_test_bin(), "train", "--model", f.model,
-                              "--data", f.tokens, "--seq-len", "32", "--global-batch-size", "4",
-                              "--lr", "3e-3", "--lr-warmup-steps", "2", "--train-steps", "6",
-                              "--metrics-file", m, "--no-progress", "--log-level", "warn",
-                              "--tp", "2", "--pp", "2", "--save", save, "--save-interval", "3",
-                              NULL};
+        const char *argv[] = {"mpirun", "-np", "4", loom_test_bin(), "train", "--device", "cpu",
+                              "--model", f.model, "--data", f.tokens, "--seq-len", "32",
+                              "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-steps", "2",
+                              "--train-steps", "6", "--metrics-file", m, "--no-progress",
+                              "--log-level", "warn", "--tp", "2", "--pp", "2", "--save", save,
+                              "--save-interval", "3", NULL};
         CHECK_MSG(loom_test_run(&out, argv) == 0, "%s", out);
         free(out);
         char it3[420];
@@ -326,12 +326,12 @@ TEST(ckpt_cli_resume_on_another_mesh_and_finetune) {
         free(out);
         read_losses(lref, r, 6);
         snprintf(it3, sizeof it3, "%s/iter_0000003", lsave);
-        const char *argv2[] = {"mpirun", "-np", "4", loom_test_bin(), "train", "--model",
-                               f.model, "--data", f.tokens, "--seq-len", "32",
-                               "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-steps",
-                               "2", "--train-steps", "6", "--metrics-file", b, "--no-progress",
-                               "--log-level", "warn", "--tp", "2", "--lora-r", "4", "--load",
-                               it3, NULL};
+        const char *argv2[] = {"mpirun", "-np", "4", loom_test_bin(), "train", "--device", "cpu",
+                               "--model", f.model, "--data", f.tokens, "--seq-len", "32",
+                               "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-steps", "2",
+                               "--train-steps", "6", "--metrics-file", b, "--no-progress",
+                               "--log-level", "warn", "--tp", "2", "--lora-r", "4", "--load", it3,
+                               NULL};
         unlink(b);
         CHECK_MSG(loom_test_run(&out, argv2) == 0, "%s", out);
         free(out);
@@ -415,11 +415,11 @@ TEST(ckpt_cli_convert_from_checkpoint) {
     /* full fine-tuning saved at tp2 pp2: the export equals that run's --save-hf */
     if (loom_test_have_mpirun()) {
         loom_test_mpi_env();
-        const char *argv[] = {"mpirun", "-np", "4", loom_test_bin(), "train", "--model", f.model,
-                              "--data", f.tokens, "--seq-len", "32", "--global-batch-size", "4",
-                              "--lr", "3e-3", "--train-steps", "3", "--no-progress",
-                              "--log-level", "warn", "--tp", "2", "--pp", "2", "--save", ck,
-                              "--save-hf", hf, NULL};
+        const char *argv[] = {"mpirun", "-np", "4", loom_test_bin(), "train", "--device", "cpu",
+                              "--model", f.model, "--data", f.tokens, "--seq-len", "32",
+                              "--global-batch-size", "4", "--lr", "3e-3", "--train-steps", "3",
+                              "--no-progress", "--log-level", "warn", "--tp", "2", "--pp", "2",
+                              "--save", ck, "--save-hf", hf, NULL};
         CHECK_MSG(loom_test_run(&out, argv) == 0, "%s", out);
         free(out);
         snprintf(o1, sizeof o1, "%s/o3", f.dir);

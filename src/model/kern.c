@@ -15,14 +15,15 @@ loom_status loom_dev_init(loom_model *m) {
     const char *a = getenv("LOOM_ATTN");
     if (a && *a && strcmp(a, "cudnn") != 0 && strcmp(a, "loom") != 0)
         return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
-                         "LOOM_ATTN=%s: the attention kernels are `cudnn` (the default) or `loom`", a);
+                         "LOOM_ATTN=%s: the attention kernels are `cudnn` (the default) or `loom`",
+                         a);
     /* LoRA's forward and the input gradients' sums in loom's GEMM, LoRA's pass
      * over dy on loom's kernel, unless cuBLASLt is asked for (to compare) */
     const char *lk = getenv("LOOM_LORA_KERNELS");
     if (lk && *lk && strcmp(lk, "loom") != 0 && strcmp(lk, "cublas") != 0)
-        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG,
-                         "LOOM_LORA_KERNELS=%s: LoRA's kernels are `loom` (the default) or `cublas`",
-                         lk);
+        return loom_errf(
+            m->ctx, LOOM_ERR_INVALID_ARG,
+            "LOOM_LORA_KERNELS=%s: LoRA's kernels are `loom` (the default) or `cublas`", lk);
     d->lora_cublas = lk && strcmp(lk, "cublas") == 0;
     if (!(d->be = loom_backend_for(m->ctx, d->cuda))) return LOOM_ERR_UNSUPPORTED;
     return d->be->init(d, m->ctx);
@@ -135,8 +136,8 @@ loom_status loom_k_sgemm(loom_model *m, int64_t M, int64_t N, int64_t K, float a
                            beta, C, LOOM_F32, N);
 }
 
-loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha, const void *A,
-                          const void *B, float beta, void *C) {
+loom_status loom_k_gemm_c(loom_model *m, int64_t M, int64_t N, int64_t K, float alpha,
+                          const void *A, const void *B, float beta, void *C) {
     return gemm(m, false, false, M, N, K, alpha, A, K, B, N, beta, C, m->dev.adt, N);
 }
 
@@ -153,9 +154,9 @@ loom_status loom_k_lora_dy_n(loom_model *m, int64_t T, int64_t r, float s, int n
     return m->dev.be->lora_dy_n(&m->dev, m->ctx, T, r, s, n, ops, ldu, lddu);
 }
 
-loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, float s, const void *dy,
-                           const void *B, const void *u, int64_t ldu, void *du, int64_t lddu,
-                           float *dB) {
+loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, float s,
+                           const void *dy, const void *B, const void *u, int64_t ldu, void *du,
+                           int64_t lddu, float *dB) {
     const loom_lora_dy_op o = {out, dy, B, u, du, dB};
     return loom_k_lora_dy_n(m, T, r, s, 1, &o, ldu, lddu);
 }
@@ -214,7 +215,8 @@ loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_
 
 loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, int64_t Tq,
                             const void *k, const void *v, int64_t T, int64_t Hq, int64_t Hkv,
-                            const int32_t *cu, int64_t ndocs, int64_t seqlen, void *out, float *lse) {
+                            const int32_t *cu, int64_t ndocs, int64_t seqlen, void *out,
+                            float *lse) {
     return m->dev.be->attn_fwd(&m->dev, m->ctx, q, qidx, Tq, k, v, T, Hq, Hkv, m->D, cu, ndocs,
                                seqlen, m->attn_scale, out, lse);
 }

@@ -293,11 +293,13 @@ static loom_status cuda_dx_sum(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t in
         const void *a[4], *b[4];
         int64_t lda[4], K[4];
         const int k = n < 4 ? n : 4;
-        for (int i = 0; i < k; i++) a[i] = t[i].dy, lda[i] = t[i].ld, K[i] = t[i].out, b[i] = t[i].W;
+        for (int i = 0; i < k; i++)
+            a[i] = t[i].dy, lda[i] = t[i].ld, K[i] = t[i].out, b[i] = t[i].W;
         if (loom_cuda_gemm_dx_ok(d->adt, T, in, k, a, lda, K, b, dx) &&
             loom_cuda_gemm_wave_fill(T, in) >= 0.9) {
             loom_status st = loom_cuda_gemm_dx(ctx, T, in, k, a, lda, K, b, dx, d->stream);
-            if (st) return st;
+            if (st)
+                return st;
             done = k;
             beta = 1.0f;
         }
