@@ -258,6 +258,11 @@ typedef struct loom_batch {
      * feeds Megatron. Losses and token counts still cover every rank's
      * rows; per-token outputs cover this rank's rows. */
     int local;
+    /* Optional (rows, seq_len), finite: each token's loss and its gradient
+     * times this weight (a policy gradient's advantages, a soft mask). NULL:
+     * 1. A token without a target (-100) still has no loss, and the mean
+     * still divides by the count of tokens with a target. */
+    const float *loss_weights;
 } loom_batch;
 
 typedef struct loom_fb_result {

@@ -103,7 +103,8 @@ class SchedConfig(C.Structure):
 class Batch(C.Structure):
     _fields_ = [("rows", i64), ("seq_len", i64), ("input_ids", P(C.c_int32)),
                 ("targets", P(C.c_int32)), ("cu_seqlens", P(C.c_int32)), ("n_docs", i64),
-                ("position_ids", P(C.c_int32)), ("local", i32)]
+                ("position_ids", P(C.c_int32)), ("local", i32),
+                ("loss_weights", P(C.c_float))]
 
 
 class FBResult(C.Structure):

@@ -227,6 +227,9 @@ typedef struct loom_backend {
     loom_status (*ce_grad)(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
                            int64_t nvalid, const int32_t *tgt, int64_t v0, const double *mx,
                            const double *ce, float scale);
+    /* z[r, j] *= w[r] over c rows of ld (w fp32): per-token loss weights */
+    loom_status (*rows_scale)(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                              const float *w);
     /* the three in one pass where the row is the whole vocabulary */
     loom_status (*ce_fused)(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
                             int64_t nvalid, const int32_t *tgt, int64_t v0, double *mx,

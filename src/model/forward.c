@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "kern.h"
+#include "loss.h"
 #include "model.h"
 
 /* Activation (compute dtype) and fp32 buffers of layer i of a chunk */
@@ -345,29 +346,7 @@ static loom_status embed_bwd(loom_model *m, const loom_micro *mb) {
     return loom_k_embed_bwd(m, mb->d_ids, m->Tc, dfull, s->row0, s->rows, dW);
 }
 
-/* ---- output layer and loss (vocab-parallel) ---- */
-
-/* Rows [r0, r0+c) of the local logits in m->logits: per row the maximum
- * over the whole vocabulary (all-reduced over tp) at m->ce + 3 Tc + r0, and
- * against it the sum of exp, the sum of p*z and the target logit
- * (all-reduced over tp) at m->ce + 3 r0; with grad the logits then become
- * d(sum of token losses)/d logits = p - onehot(target), 0 on padding, times
- * the loss scale. Without tp all of it is one pass over the logits. */
-static loom_status vocab_ce(loom_model *m, const int32_t *d_tgt, int64_t r0, int64_t c, bool grad) {
-    const loom_slot *s = &m->base.slots[m->head];
-    const int64_t Vl = m->Vl, v0 = s->row0;
-    int64_t nvalid = m->V - v0; /* columns of this rank inside the real vocabulary */
-    if (nvalid > Vl) nvalid = Vl;
-    if (nvalid < 0) nvalid = 0;
-    double *ce = m->ce + 3 * r0, *mx = m->ce + 3 * m->Tc + r0;
-    const float scale = (float)m->loss_scale;
-    if (m->tp == 1) return loom_k_ce_fused(m, m->logits, c, Vl, nvalid, d_tgt, v0, mx, ce, scale, grad);
-    CK(loom_k_ce_max(m, m->logits, c, Vl, nvalid, mx));
-    CK(loom_comm_allreduce(m->mesh->tp, mx, (size_t)c, LOOM_F64, LOOM_RED_MAX));
-    CK(loom_k_ce_sums(m, m->logits, c, Vl, nvalid, d_tgt, v0, mx, ce));
-    CK(loom_comm_allreduce(m->mesh->tp, ce, (size_t)(3 * c), LOOM_F64, LOOM_RED_SUM));
-    return grad ? loom_k_ce_grad(m, m->logits, c, Vl, nvalid, d_tgt, v0, mx, ce, scale) : LOOM_OK;
-}
+/* ---- output layer (vocab-parallel), its logits handed to the loss (loss.h) ---- */
 
 /* forward_only's logits: rows of this rank's columns into the global batch */
 static loom_status put_logits(loom_model *m, int64_t r0, int64_t c, int64_t v0,
@@ -399,6 +378,8 @@ static loom_status head_fwd_bwd(loom_model *m, loom_acts *a, const loom_micro *m
     const void *xL = AT(a->x, m->chunks[m->vpp - 1].nl, Tn * H);
     const void *Wh = loom_wc(m, m->head);
     void *hf = m->dfull; /* (Tc, H): the final norm's output, gathered under SP */
+    int64_t nvalid = m->V - v0; /* columns of this rank inside the real vocabulary */
+    nvalid = nvalid > Vl ? Vl : nvalid < 0 ? 0 : nvalid;
     CK(loom_k_rmsnorm_fwd(m, xL, loom_wc(m, m->final_norm), Tn, H, (float)m->cfg.rms_norm_eps,
                           a->hf, a->rstdf));
     CK(sp_gather(m, a->hf, hf));
@@ -407,7 +388,8 @@ static loom_status head_fwd_bwd(loom_model *m, loom_acts *a, const loom_micro *m
         CK(loom_k_lin_fwd(m, (const char *)hf + (size_t)(r0 * H) * m->dev.esz, c, H, Wh, Vl, 1.0f,
                           0.0f, m->logits));
         /* forward_only's logits are copied out before they become gradients */
-        CK(vocab_ce(m, mb->d_tgt + r0, r0, c, backward && !logits));
+        const loom_loss_block blk = {m->logits, r0, c, Vl, v0, nvalid};
+        CK(m->loss->block(m, mb, &blk, backward && !logits));
         if (logits) CK(put_logits(m, r0, c, v0, mb, logits));
         if (!backward) continue;
         CK(loom_k_lin_dx(m, m->logits, c, Vl, Wh, H, 1.0f, 0.0f,
@@ -415,28 +397,7 @@ static loom_status head_fwd_bwd(loom_model *m, loom_acts *a, const loom_micro *m
         CK(loom_k_lin_dw(m, m->logits, (const char *)hf + (size_t)(r0 * H) * m->dev.esz, c, Vl, H,
                          1.0f, loom_g(m, m->head)));
     }
-    /* the per-token sums of all blocks, copied to the host once */
-    CK(loom_k_download(m, m->ce_h, m->ce, (size_t)(4 * Tc) * sizeof(double)));
-    const double *ce = m->ce_h, *mx = m->ce_h + 3 * Tc;
-    const int32_t *qidx = my_qidx(m);
-    double sum = 0.0;
-    int64_t count = 0;
-    for (int64_t r = 0; r < Tc; r++) {
-        double L = mx[r] + log(ce[r * 3]); /* max + log sum exp */
-        int64_t gt = mb->out0 + (qidx ? qidx[r] : r); /* global token */
-        int32_t tg = mb->tgt[r];
-        double lp = tg == -100 ? 0.0 : ce[r * 3 + 2] - L;
-        if (tg != -100) {
-            sum += -lp;
-            count++;
-        }
-        if (m->mesh->tp_rank == 0) { /* the same on every tp rank: written once */
-            if (token_logprob) token_logprob[gt] = (float)lp;
-            if (entropy) entropy[gt] = (float)(L - ce[r * 3 + 1] / ce[r * 3]);
-        }
-    }
-    *loss_sum = sum;
-    *n_tokens = count;
+    CK(m->loss->finish(m, mb, token_logprob, entropy, loss_sum, n_tokens));
     if (!backward) return LOOM_OK;
     CK(tp_reduce(m, m->dtmp, a->dstash));
     return loom_k_rmsnorm_bwd(m, a->dstash, xL, loom_wc(m, m->final_norm), a->rstdf, Tn, H,

@@ -283,6 +283,10 @@ loom_status loom_k_ce_grad(loom_model *m, void *z, int64_t c, int64_t ld, int64_
     return m->dev.be->ce_grad(&m->dev, m->ctx, z, c, ld, nvalid, tgt, v0, mx, ce, scale);
 }
 
+loom_status loom_k_rows_scale(loom_model *m, void *z, int64_t c, int64_t ld, const float *w) {
+    return m->dev.be->rows_scale(&m->dev, m->ctx, z, c, ld, w);
+}
+
 loom_status loom_k_ce_fused(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,
                             const int32_t *tgt, int64_t v0, double *mx, double *ce, float scale,
                             bool grad) {

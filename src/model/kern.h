@@ -177,6 +177,8 @@ loom_status loom_k_ce_sums(loom_model *m, const void *z, int64_t c, int64_t ld, 
 loom_status loom_k_ce_grad(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,
                            const int32_t *tgt, int64_t v0, const double *mx, const double *ce,
                            float scale);
+/* z (c rows of ld) row r times w[r] (fp32 weights where the ops read them) */
+loom_status loom_k_rows_scale(loom_model *m, void *z, int64_t c, int64_t ld, const float *w);
 /* max, sums and (with grad) the gradient in place, when the row is all the
  * vocabulary (tensor-parallel size 1): on a GPU one pass (ce_vp_fused) */
 loom_status loom_k_ce_fused(loom_model *m, void *z, int64_t c, int64_t ld, int64_t nvalid,

@@ -8,6 +8,7 @@
 #include "../io/export.h"
 #include "../io/safetensors.h"
 #include "../parallel/schedule.h"
+#include "loss.h"
 #include "model.h"
 
 void loom_model_options_default(loom_model_options *o) {
@@ -568,6 +569,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     m->attn_scale = (float)(1.0 / sqrt((double)m->D));
+    m->loss = loom_loss_cross_entropy();
     if ((st = loom_param_plan_build(ctx, c, &m->plan))) goto fail;
     if ((st = loom_model_build_slots(m))) goto fail;
     /* the base's gradients come with its first forward_backward (a LoRA run
@@ -649,6 +651,7 @@ static void buffers_free(loom_model *m) {
         free(m->micro[i].tgt);
         free(m->micro[i].pos);
         free(m->micro[i].cu);
+        free(m->micro[i].wt_buf);
     }
     free(m->micro);
     m->micro = NULL;
@@ -660,6 +663,8 @@ static void buffers_free(loom_model *m) {
     m->ce = m->ce_h = NULL;
     free(m->logits_h);
     m->logits_h = NULL;
+    if (m->dev.cuda) loom_dev_free(m, m->d_wt);
+    m->d_wt = NULL;
     free(m->perm);
     m->perm = m->d_perm = NULL;
     free(m->pp_stage);

@@ -144,6 +144,8 @@ struct loom_micro {
     int32_t *ids, *tgt, *pos; /* (Tc) */
     int32_t *cu;        /* (ndocs+1) over the micro-batch's T tokens */
     int32_t *d_ids, *d_tgt, *d_pos, *d_cu;
+    float *wt;          /* (Tc) the tokens' loss weights (host; NULL: the batch has none) */
+    float *wt_buf;      /* wt's storage, kept between calls */
     float *d_rope;      /* GPU: (Tc, D/2) cos, sin of the positions (loom_k_rope_table) */
     int64_t ndocs;
     int64_t even_len;   /* every document's length when all are equally long, else 0 */
@@ -217,6 +219,8 @@ struct loom_model {
     uint64_t dropout_calls;  /* forward_backward calls: part of the dropout mask's key */
     const loom_micro *cur_mb;/* the micro-batch being run */
     int lora_r;              /* r the activation buffers were sized for (0: none) */
+    const struct loom_loss_kind *loss; /* the loss on the logits (loss.h) */
+    float *d_wt;             /* (Tc) GPU: the current micro-batch's loss weights (loss_ce.c) */
     void *logits;            /* (chunk_rows, Vl) */
     double *ce;              /* (Tc, 3) loss sums, then (Tc) row maxima (device) */
     double *ce_h;            /* their host copy (== ce on CPU) */

@@ -71,6 +71,10 @@ static loom_status check_batch(loom_model *m, const loom_batch *b, int64_t nmicr
         if (b->position_ids && b->position_ids[t] < 0)
             return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "batch: position_ids[%lld, %lld] = %d < 0",
                              (long long)(t / S), (long long)(t % S), b->position_ids[t]);
+        if (b->loss_weights && !isfinite(b->loss_weights[t]))
+            return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                             "batch: loss_weights[%lld, %lld] = %g is not a finite number",
+                             (long long)(t / S), (long long)(t % S), (double)b->loss_weights[t]);
     }
     if (b->cu_seqlens) {
         const int32_t *cu = b->cu_seqlens;
@@ -149,11 +153,19 @@ static loom_status prepare_micro(loom_model *m, const loom_batch *b, int64_t row
     u->even_len = u->cu[1]; /* every document as long as the first, or 0 */
     for (int64_t d = 1; d < u->ndocs && u->even_len; d++)
         if (u->cu[d + 1] - u->cu[d] != u->even_len) u->even_len = 0;
+    u->wt = NULL;
+    if (b->loss_weights) {
+        if (!u->wt_buf && !(u->wt_buf = loom_malloc(m->ctx, (size_t)m->Tc * sizeof(float),
+                                                    "loss weights")))
+            return LOOM_ERR_OOM;
+        u->wt = u->wt_buf;
+    }
     const int32_t *mine = m->perm + (int64_t)m->mesh->cp_rank * m->Tc;
     for (int64_t t = 0; t < m->Tc; t++) {
         int64_t g = m->cp == 1 ? t : mine[t];
         u->ids[t] = b->input_ids[t0 + g];
         u->tgt[t] = b->targets[t0 + g];
+        if (u->wt) u->wt[t] = b->loss_weights[t0 + g];
         u->pos[t] = b->position_ids ? b->position_ids[t0 + g]
                                     : (int32_t)(g - doc_start(u->cu, u->ndocs, g));
     }

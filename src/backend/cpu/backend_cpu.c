@@ -295,6 +295,13 @@ static loom_status cpu_ce_grad(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, i
     return LOOM_OK;
 }
 
+static loom_status cpu_rows_scale(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                                  const float *w) {
+    (void)d, (void)ctx;
+    loom_cpu_rows_scale(F(z), c, ld, w);
+    return LOOM_OK;
+}
+
 static loom_status cpu_ce_fused(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
                                 int64_t nvalid, const int32_t *tgt, int64_t v0, double *mx,
                                 double *ce, float scale, bool grad) {
@@ -382,6 +389,7 @@ const loom_backend *loom_backend_cpu(void) {
         .ce_max = cpu_ce_max,
         .ce_sums = cpu_ce_sums,
         .ce_grad = cpu_ce_grad,
+        .rows_scale = cpu_rows_scale,
         .ce_fused = cpu_ce_fused,
         .adamw = cpu_adamw,
         .sumsq = cpu_sumsq,

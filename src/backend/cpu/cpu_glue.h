@@ -45,6 +45,9 @@ void loom_cpu_ce_vp_sums(const float *logits, int64_t c, int64_t ld, int64_t nva
                          const int32_t *tgt, int64_t v0, const double *mx, double *ce);
 void loom_cpu_ce_vp_grad(float *logits, int64_t c, int64_t ld, int64_t nvalid, const int32_t *tgt,
                          int64_t v0, const double *mx, const double *ce, float scale);
+/* x[r ld + j] *= w[r] (fp32 products) for r < c, j < ld: a loss's per-token
+ * weights on its gradient rows */
+void loom_cpu_rows_scale(float *x, int64_t c, int64_t ld, const float *w);
 
 /* ---- row permutations (context parallel) ----
  * Rows of `width` elements of esz bytes each (any esz > 0).

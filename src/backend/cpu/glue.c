@@ -99,6 +99,12 @@ void loom_cpu_ce_vp_grad(float *logits, int64_t c, int64_t ld, int64_t nvalid, c
     }
 }
 
+void loom_cpu_rows_scale(float *x, int64_t c, int64_t ld, const float *w) {
+#pragma omp parallel for schedule(static) if (c * ld > 65536)
+    for (int64_t r = 0; r < c; r++)
+        for (int64_t j = 0; j < ld; j++) x[r * ld + j] *= w[r];
+}
+
 /* ---- row permutations ---- */
 
 void loom_cpu_rows_gather(void *dst, const void *src, const int32_t *idx, int64_t n,

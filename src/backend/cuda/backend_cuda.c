@@ -454,6 +454,11 @@ static loom_status cuda_ce_grad(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, 
     return loom_cuda_ce_vp_grad(ctx, z, d->adt, c, ld, nvalid, tgt, v0, mx, ce, scale, d->stream);
 }
 
+static loom_status cuda_rows_scale(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
+                                   const float *w) {
+    return loom_cuda_rows_scale(ctx, z, d->adt, c, ld, w, d->stream);
+}
+
 static loom_status cuda_ce_fused(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
                                  int64_t nvalid, const int32_t *tgt, int64_t v0, double *mx,
                                  double *ce, float scale, bool grad) {
@@ -612,6 +617,7 @@ const loom_backend *loom_backend_cuda(void) {
         .ce_max = cuda_ce_max,
         .ce_sums = cuda_ce_sums,
         .ce_grad = cuda_ce_grad,
+        .rows_scale = cuda_rows_scale,
         .ce_fused = cuda_ce_fused,
         .adamw = cuda_adamw,
         .sumsq = cuda_sumsq,

@@ -60,6 +60,10 @@ loom_status loom_cuda_ce_vp_grad(loom_ctx *ctx, void *logits, loom_dtype dtype, 
 loom_status loom_cuda_ce_vp_fused(loom_ctx *ctx, void *logits, loom_dtype dtype, int64_t c,
                                   int64_t ld, int64_t nvalid, const int32_t *tgt, int64_t v0,
                                   double *mx, double *ce, float scale, bool grad, void *stream);
+/* As loom_cpu_rows_scale: x (c rows of ld, dtype) times w (c, fp32, device),
+ * each product in fp32 rounded once to dtype. */
+loom_status loom_cuda_rows_scale(loom_ctx *ctx, void *x, loom_dtype dtype, int64_t c, int64_t ld,
+                                 const float *w, void *stream);
 
 /* ---- row permutations (context parallel) ----
  * Rows of `width` elements of esz bytes (any esz > 0; 2 and 4 are the dtypes).

@@ -449,6 +449,29 @@ extern "C" loom_status loom_cuda_ce_vp_fused(loom_ctx *ctx, void *logits, loom_d
     return check_launch(ctx, "ce_vp_fused");
 }
 
+// One block per row: w read once, the row's columns coalesced.
+__global__ void __launch_bounds__(NT)
+    rows_scale_kernel(void *x, loom_dtype dt, int64_t c, int64_t width, const float *w) {
+    for (int64_t r = blockIdx.x; r < c; r += gridDim.x) {
+        const float s = w[r];
+        for (int64_t j = threadIdx.x; j < width; j += NT) {
+            const int64_t i = r * width + j;
+            st(x, dt, i, __fmul_rn(ld(x, dt, i), s));
+        }
+    }
+}
+
+extern "C" loom_status loom_cuda_rows_scale(loom_ctx *ctx, void *x, loom_dtype dtype, int64_t c,
+                                            int64_t ld, const float *w, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dtype, "rows_scale", "x"))) return st;
+    if (c < 0) return bad_shape(ctx, "rows_scale", "row count", c);
+    if (ld < 0) return bad_shape(ctx, "rows_scale", "row length", ld);
+    if (c == 0 || ld == 0) return LOOM_OK;
+    rows_scale_kernel<<<rows_grid(c), NT, 0, as_stream(stream)>>>(x, dtype, c, ld, w);
+    return check_launch(ctx, "rows_scale");
+}
+
 /* ---------------- row permutations ---------------- */
 
 // Rows of `per` units of U (the widest of 16, 8, 4, 2, 1 bytes that divides
