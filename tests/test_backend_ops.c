@@ -317,12 +317,15 @@ static void loss_family(run *r) {
     for (int64_t i = 0; i < c; i++) /* local, other ranks', ignored */
         tgt[i] = i % 7 == 3 ? -100 : (int32_t)(i % 3 ? v0 + (i * 37) % nvalid : (i * 101) % 2048);
     double *mx[2], *ce[2], *mxf[2], *cef[2];
-    void *g[2], *gf[2];
+    void *g[2], *gf[2], *rs[2];
+    float *wts = rnd(r, c, 2, false);
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
         void *Z = in(r, k, z, c * ld, true), *TG = raw(r, k, tgt, sizeof tgt);
         gf[k] = in(r, k, z, c * ld, true);
+        rs[k] = in(r, k, z, c * ld, true);
+        REQUIRE_OK(r->ctx, be->rows_scale(d, r->ctx, rs[k], c, ld, in(r, k, wts, c, false)));
         mx[k] = keep(r, k, (size_t)c * 8);
         ce[k] = keep(r, k, (size_t)c * 24);
         mxf[k] = keep(r, k, (size_t)c * 8);
@@ -355,7 +358,8 @@ static void loss_family(run *r) {
     }
     same(r, "ce_grad", g, c * ld, true, tol_of(r));
     same(r, "ce_fused grad", gf, c * ld, true, tol_of(r));
-    free(z);
+    same(r, "rows_scale", rs, c * ld, true, r->t == LOOM_F32 ? 0.0 : tol_of(r));
+    free(z), free(wts);
 }
 
 /* ---- the optimizer's passes (fp32): AdamW bit for bit, the norm's sum to
