@@ -57,6 +57,16 @@ def test_forward_only_matches_the_hf_fixture(m):
                ["loss"]) < 1e-5
 
 
+def test_model_info_reads_config_json(m):
+    """ctypes' ModelInfo has loom_model_info's layout: every field, the last
+    included, reads back config.json."""
+    cfg = json.load(open(os.path.join(QWEN3, "config.json")))
+    assert m.info.model_type.decode() == cfg["model_type"]
+    assert m.info.hidden_size == cfg["hidden_size"]
+    assert m.info.num_layers == cfg["num_hidden_layers"]
+    assert m.info.max_position_embeddings == cfg["max_position_embeddings"]
+
+
 def test_forward_only_packs_documents_like_the_hf_fixture(m):
     g = golden()
     ids, cu = g["packed.input_ids"][0], g["packed.cu_seqlens"]
