@@ -112,7 +112,7 @@ static loom_status check_outputs(loom_ctx *ctx, const loom_settings *s) {
 
 /* The live progress line (rank 0, stderr a terminal, --progress): one line
  * redrawn with \r at most 10 times a second; loom_log erases it before a log
- * line (ctx->line_open) and the next draw puts it back. */
+ * line (loom_ctx_line_open) and the next draw puts it back. */
 typedef struct progress {
     bool on;
     double last_draw;
@@ -127,15 +127,15 @@ static void progress_draw(loom_ctx *ctx, progress *p, int64_t step, int64_t tota
     loom_progress_line(line, sizeof line, step, total, loss, tokens_per_s, eta_s, width);
     fprintf(stderr, "\r\033[K%s", line);
     fflush(stderr);
-    ctx->line_open = true;
+    loom_ctx_set_line_open(ctx, true);
     p->last_draw = now;
 }
 
 static void progress_clear(loom_ctx *ctx) {
-    if (!ctx->line_open) return;
+    if (!loom_ctx_line_open(ctx)) return;
     fputs("\r\033[K", stderr);
     fflush(stderr);
-    ctx->line_open = false;
+    loom_ctx_set_line_open(ctx, false);
 }
 
 /* Peak dense bf16 FLOP/s of this rank's GPU (0: CPU, or a GPU loom does not know). */
