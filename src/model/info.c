@@ -1,6 +1,8 @@
 /* A live model as callers outside model/ see it: include/loom.h's device
- * and peak memory. (Its shapes are loom_model_get_info, in model.c; its
- * mesh and parameter table are in meta.c.) */
+ * and peak memory, and what src/loom_cli.h declares for the loom command.
+ * (Its shapes are loom_model_get_info, in model.c; its mesh and parameter
+ * table are in meta.c.) */
+#include "../loom_cli.h"
 #include "model.h"
 
 loom_device loom_model_device(const loom_model *m, int *gpu) {
@@ -11,3 +13,5 @@ loom_device loom_model_device(const loom_model *m, int *gpu) {
 uint64_t loom_model_peak_memory(const loom_model *m) {
     return m->dev.cuda ? (uint64_t)m->dev.peak : 0;
 }
+
+const loom_model_config *loom_model_get_config(const loom_model *m) { return &m->cfg; }

@@ -534,3 +534,21 @@ def test_library_exports_only_its_api():
     declared = set(re.findall(r"\b(loom_[a-z0-9_]+)\s*\(", header))
     assert exported - declared == set(), "exported but not in loom.h: %s" % sorted(exported - declared)
     assert declared - exported == set(), "in loom.h but not exported: %s" % sorted(declared - exported)
+
+
+def test_cli_includes_the_api_and_its_internal_header_only():
+    """cli/ includes include/loom.h, src/loom_cli.h (the library's internal
+    interface for its command), its own headers and system headers: no other
+    header of src/, so what the CLI takes from the library is in one place."""
+    import glob
+    import re
+    cli = os.path.join(ROOT, "cli")
+    allowed = {"loom.h", "../src/loom_cli.h"}
+    allowed |= {os.path.basename(p) for p in glob.glob(os.path.join(cli, "*.h"))}
+    bad = []
+    for path in sorted(glob.glob(os.path.join(cli, "*.[ch]"))):
+        for n, line in enumerate(open(path), 1):
+            inc = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+            if inc and inc.group(1) not in allowed:
+                bad.append("%s:%d: %s" % (os.path.relpath(path, ROOT), n, inc.group(1)))
+    assert not bad, "cli/ includes headers of src/ other than src/loom_cli.h: %s" % bad
