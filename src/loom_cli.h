@@ -9,7 +9,9 @@
  * What the CLI takes beyond loom.h, by module. The headers below are each
  * a module's own interface; what is not in them stays out of the CLI's
  * reach: the model object's insides (model/model.h, model/kern.h), the
- * backends, the training step, the checkpoint format. */
+ * backends (cuda_backend.h comes in for loom_cuda_query alone), the
+ * training step, the checkpoint format. A live model is read through
+ * loom.h. */
 #ifndef LOOM_CLI_INTERNAL_H
 #define LOOM_CLI_INTERNAL_H
 
