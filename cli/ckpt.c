@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/io/ckpt_dir.h"
 #include "ckpt.h"
 
 /* ---- the stop a signal asks for: the handler records, the loop acts ---- */

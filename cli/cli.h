@@ -2,10 +2,8 @@
 #ifndef LOOM_CLI_H
 #define LOOM_CLI_H
 
-#include "../src/core/core.h"
-#include "../src/core/options.h"
-#include "../src/comm/comm.h"
-#include "../src/model/model.h"
+#include "loom.h"
+#include "../src/loom_cli.h" /* the library's interface for the CLI */
 
 typedef struct loom_cli_cmd {
     const char *name;
@@ -33,6 +31,8 @@ int loom_cli_fail_job(loom_ctx *ctx, loom_comm *world);
 /* Model options (config overrides, mesh, device, dtype) from the settings
  * (after loom_cli_world resolved the device). */
 void loom_cli_model_options(const loom_settings *s, loom_model_options *o);
+/* The model's mesh (loom_model_get_mesh) in loom_mesh_describe's words. */
+const char *loom_cli_mesh_describe(const loom_model *m, char *buf, size_t cap);
 
 /* Device memory per rank for the run the settings describe (micro-batch
  * shape, dtype, LoRA) on mesh n with nmb micro-batches per step. */

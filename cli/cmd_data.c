@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/data/tokens.h"
 #include "cli.h"
 
 /* The byte-level demo vocabulary: byte b is id b. */

@@ -7,9 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/io/outdir.h"
-#include "../src/io/safetensors.h"
-#include "../src/model/params.h"
 #include "cli.h"
 
 typedef struct golden_in {
@@ -330,7 +327,7 @@ int loom_cmd_golden(loom_ctx *ctx, loom_settings *s, int npos, const char **pos)
     if (o.w && (st = loom_out_commit(ctx, &o.out))) goto done;
     char mesh[128];
     LOOM_LOG_I(ctx, "loss %.9g over %lld tokens (mesh %s); wrote %s", loss, (long long)fr.n_tokens,
-               loom_mesh_describe(&m->mesh->n, mesh, sizeof mesh), s->out);
+               loom_cli_mesh_describe(m, mesh, sizeof mesh), s->out);
     rc = 0;
 done:
     if (rc) loom_cli_fail_job(ctx, world);

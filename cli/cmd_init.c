@@ -4,9 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/io/outdir.h"
-#include "../src/io/safetensors.h"
-#include "../src/model/params.h"
 #include "cli.h"
 
 static bool need_out(loom_ctx *ctx, const loom_settings *s, const char *cmd) {

@@ -3,9 +3,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/io/safetensors.h"
-#include "../src/model/params.h"
-#include "../src/parallel/mesh.h"
 #include "cli.h"
 
 typedef struct {

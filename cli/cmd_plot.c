@@ -12,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/core/json.h"
 #include "cli.h"
 
 enum { N_PANELS = 4, MAX_RUNS_DRAWN = 8 };

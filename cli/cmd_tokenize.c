@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/data/dataset.h"
 #include "cli.h"
 
 static loom_json *int_array(loom_ctx *ctx, const int32_t *ids, const uint8_t *mask, int64_t n) {

@@ -1,5 +1,6 @@
 /* loom train: a model directory and a token file in, steps printed, an HF
- * directory out. Built on the public model API only. */
+ * directory out. Built on the public model API, with the model created on
+ * the CLI's world group (src/loom_cli.h). */
 #include <inttypes.h>
 #include <math.h>
 #include <signal.h>
@@ -10,19 +11,8 @@
 #include <sys/ioctl.h>
 #include <unistd.h>
 
-#include "../src/data/dataset.h"
-#include "../src/data/loader.h"
-#include "../src/data/tokens.h"
-#include "../src/io/outdir.h"
-#include "../src/model/params.h"
-#include "../src/train/metrics.h"
-#include "../src/train/scheduler.h"
 #include "ckpt.h"
 #include "cli.h"
-#ifdef LOOM_HAVE_CUDA
-#include "../src/backend/cuda/cuda_backend.h"
-#endif
-
 
 /* Optimizer and schedule from the settings. */
 static loom_status setup_optimizer(loom_ctx *ctx, loom_model *m, const loom_settings *s) {
@@ -112,7 +102,7 @@ static loom_status check_outputs(loom_ctx *ctx, const loom_settings *s) {
 
 /* The live progress line (rank 0, stderr a terminal, --progress): one line
  * redrawn with \r at most 10 times a second; loom_log erases it before a log
- * line (ctx->line_open) and the next draw puts it back. */
+ * line (loom_ctx_line_open) and the next draw puts it back. */
 typedef struct progress {
     bool on;
     double last_draw;
@@ -127,22 +117,24 @@ static void progress_draw(loom_ctx *ctx, progress *p, int64_t step, int64_t tota
     loom_progress_line(line, sizeof line, step, total, loss, tokens_per_s, eta_s, width);
     fprintf(stderr, "\r\033[K%s", line);
     fflush(stderr);
-    ctx->line_open = true;
+    loom_ctx_set_line_open(ctx, true);
     p->last_draw = now;
 }
 
 static void progress_clear(loom_ctx *ctx) {
-    if (!ctx->line_open) return;
+    if (!loom_ctx_line_open(ctx)) return;
     fputs("\r\033[K", stderr);
     fflush(stderr);
-    ctx->line_open = false;
+    loom_ctx_set_line_open(ctx, false);
 }
 
 /* Peak dense bf16 FLOP/s of this rank's GPU (0: CPU, or a GPU loom does not know). */
 static double gpu_peak_flops(loom_ctx *ctx, const loom_model *m) {
 #ifdef LOOM_HAVE_CUDA
     loom_cuda_info gi;
-    if (m->dev.cuda && loom_cuda_query(ctx, m->dev.device, &gi) == LOOM_OK) {
+    int gpu;
+    if (loom_model_device(m, &gpu) == LOOM_DEVICE_CUDA &&
+        loom_cuda_query(ctx, gpu, &gi) == LOOM_OK) {
         double peak = loom_gpu_peak_flops(gi.name);
         if (peak <= 0)
             LOOM_LOG_I(ctx, "MFU: the peak FLOP/s of '%s' is unknown to loom; mfu is left out",
@@ -223,15 +215,17 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     int rc = 1;
     loom_status st = loom_model_create_in(ctx, s->model, &mo, world, &m);
     if (st) goto done;
-    if (s->global_batch_size % (s->micro_batch_size * m->dp)) {
+    loom_mesh_info mi;
+    loom_model_get_mesh(m, &mi);
+    if (s->global_batch_size % (s->micro_batch_size * mi.dp)) {
         st = loom_errf(ctx, LOOM_ERR_CONFIG,
                        "global_batch_size=%" PRId64 " must be a multiple of micro_batch_size=%"
                        PRId64 " x dp=%d",
-                       s->global_batch_size, s->micro_batch_size, m->dp);
+                       s->global_batch_size, s->micro_batch_size, mi.dp);
         goto done;
     }
     char mesh[128];
-    LOOM_LOG_I(ctx, "mesh: %s on %d process%s", loom_mesh_describe(&m->mesh->n, mesh, sizeof mesh),
+    LOOM_LOG_I(ctx, "mesh: %s on %d process%s", loom_cli_mesh_describe(m, mesh, sizeof mesh),
                loom_model_world_size(m), loom_model_world_size(m) == 1 ? "" : "es");
     loom_model_info info;
     loom_model_get_info(m, &info);
@@ -239,7 +233,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     LOOM_LOG_I(ctx, "model %s: %s, %" PRId64 " layers, hidden %" PRId64 ", vocab %" PRId64
                ", %s parameters", s->model, info.model_type, info.num_layers, info.hidden_size,
                info.vocab_size, loom_fmt_int(nb, info.num_params));
-    const int64_t max_pos = m->cfg.max_position_embeddings; /* 0: config.json has none */
+    const int64_t max_pos = info.max_position_embeddings; /* 0: config.json has none */
     if (max_pos > 0 && s->seq_len > max_pos && loom_model_rank(m) == 0)
         LOOM_LOG_W(ctx, "--seq-len %" PRId64 " exceeds the model's max_position_embeddings %" PRId64
                    " (%s/config.json): positions past it were not trained and may behave badly",
@@ -277,10 +271,10 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     }
     LOOM_LOG_I(ctx, "data %s: %s tokens in %" PRId64 " documents", s->data,
                loom_fmt_int(nb, loom_tokfile_n_tokens(tf)), loom_tokfile_n_docs(tf));
-    const int64_t nmicro = s->global_batch_size / (s->micro_batch_size * m->dp);
+    const int64_t nmicro = s->global_batch_size / (s->micro_batch_size * mi.dp);
     if (jsonl) { /* shuffled whole samples, packed padding-free (src/data/loader.h) */
         loom_loader_config lc = {.seq_len = s->seq_len, .micro_batch_size = s->micro_batch_size,
-                                 .num_micro_batches = nmicro, .dp = m->dp,
+                                 .num_micro_batches = nmicro, .dp = mi.dp,
                                  .seed = (uint64_t)s->data_seed, .truncation = LOOM_TRUNC_ERROR};
         if ((st = loom_loader_create(ctx, tf, &lc, &ld))) {
             loom_err_prefix(ctx, "%s", s->data);
@@ -319,7 +313,10 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
 
     /* MFU: model FLOPs per token over every GPU's peak */
     const double peak_flops = gpu_peak_flops(ctx, m) * loom_model_world_size(m);
-    const double flops_tok = loom_flops_per_token(&m->cfg, s->seq_len, s->adapter || s->lora_r);
+    const double flops_tok =
+        loom_flops_per_token(loom_model_get_config(m), s->seq_len, s->adapter || s->lora_r);
+    int gpu; /* this rank's GPU, -1 on the CPU */
+    const bool cuda = loom_model_device(m, &gpu) == LOOM_DEVICE_CUDA;
     progress pg = {.on = s->progress && loom_model_rank(m) == 0 && isatty(STDERR_FILENO) &&
                          loom_ctx_log_level(ctx) >= LOOM_LOG_INFO};
     if (mw) {
@@ -378,7 +375,8 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                     .consumed_tokens = tokens_total, .loss = fr.loss, .grad_norm = sr.grad_norm,
                     .lr = sr.lr, .tokens_per_s = tps,
                     .mfu = peak_flops > 0 ? tps * flops_tok / peak_flops : NAN,
-                    .peak_mem_bytes = m->dev.cuda ? (int64_t)m->dev.peak : loom_max_rss_bytes(),
+                    .peak_mem_bytes = cuda ? (int64_t)loom_model_peak_memory(m)
+                                           : loom_max_rss_bytes(),
                     .skipped_steps = skipped, .elapsed_s = now - t_start};
                 if ((st = loom_metrics_write(ctx, mw, &r))) goto done;
             }
@@ -419,23 +417,24 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     progress_clear(ctx);
     if (saver && (st = loom_cli_saver_finish(ctx, m, world, saver))) goto done;
     double total = loom_now_s() - t_start;
-    if (m->dev.cuda) {
+    if (cuda) {
         /* every GPU rank reports its own peak (the other lines are rank 0's):
          * ranks other than 0 were lowered to warnings by loom_cli_world, so
          * they are let through at info for this line unless the user asked
          * for less (--log-level warn|error) */
         char pkb[32], pr[32], where[96] = "";
+        const uint64_t peak = loom_model_peak_memory(m);
         const loom_log_level lv = loom_ctx_log_level(ctx);
         const bool say = !strcmp(s->log_level, "info") || !strcmp(s->log_level, "debug");
         if (say && lv < LOOM_LOG_INFO) loom_ctx_set_log_level(ctx, LOOM_LOG_INFO);
         if (loom_model_world_size(m) > 1)
             snprintf(where, sizeof where, ", pipeline stage %d, tp rank %d, dp rank %d",
-                     m->mesh->pp_rank, m->mesh->tp_rank, m->mesh->dp_rank);
+                     mi.pp_rank, mi.tp_rank, mi.dp_rank);
         LOOM_LOG_I(ctx,
                    "peak GPU memory %.2f GiB (%s allocated by loom on GPU %d%s; predicted %s%s)",
-                   (double)m->dev.peak / (1u << 30), loom_fmt_bytes(pkb, m->dev.peak),
-                   m->dev.device, where, have_mem ? loom_fmt_bytes(pr, mem.total) : "n/a",
-                   have_mem && m->mesh->n.pp > 1 ? " for the largest stage" : "");
+                   (double)peak / (1u << 30), loom_fmt_bytes(pkb, peak), gpu, where,
+                   have_mem ? loom_fmt_bytes(pr, mem.total) : "n/a",
+                   have_mem && mi.pp > 1 ? " for the largest stage" : "");
         loom_ctx_set_log_level(ctx, lv);
         char an[400];
         loom_dev_attn_note(m, an, sizeof an);

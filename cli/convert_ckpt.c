@@ -7,8 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/core/json.h"
-#include "../src/io/ckpt_dir.h"
 #include "cli.h"
 
 static loom_status verify(loom_ctx *ctx, const char *dir, void *u) {

@@ -9,9 +9,6 @@
 #endif
 
 #include "cli.h"
-#ifdef LOOM_HAVE_CUDA
-#include "../src/backend/cuda/cuda_backend.h"
-#endif
 
 /* --device auto: a GPU when loom was built with CUDA and one is visible. */
 static loom_status resolve_device(loom_ctx *ctx, loom_settings *s) {
@@ -109,6 +106,15 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
         o->dtype = LOOM_F32;
     else /* auto */
         o->dtype = o->device == LOOM_DEVICE_CUDA ? LOOM_BF16 : LOOM_F32;
+}
+
+const char *loom_cli_mesh_describe(const loom_model *m, char *buf, size_t cap) {
+    loom_mesh_info mi;
+    loom_model_get_mesh(m, &mi);
+    const loom_mesh_sizes n = {.tp = mi.tp, .cp = mi.cp, .dp = mi.dp, .pp = mi.pp, .ep = mi.ep,
+                               .etp = mi.etp, .vpp = mi.vpp, .vpp_group = mi.microbatch_group,
+                               .sequence_parallel = mi.sequence_parallel != 0};
+    return loom_mesh_describe(&n, buf, cap);
 }
 
 loom_status loom_cli_predict_memory(loom_ctx *ctx, const loom_settings *s,

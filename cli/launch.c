@@ -22,9 +22,6 @@
 #include <unistd.h>
 
 #include "cli.h"
-#ifdef LOOM_HAVE_CUDA
-#include "../src/backend/cuda/cuda_backend.h"
-#endif
 
 #define LAUNCH_MAX_PROCS 1024
 #define LAUNCH_GRACE_S 10.0 /* SIGTERM -> SIGKILL */

@@ -6,9 +6,6 @@
 #include <unistd.h>
 
 #include "cli.h"
-#ifdef LOOM_HAVE_CUDA
-#include "../src/backend/cuda/cuda_backend.h"
-#endif
 
 static const loom_cli_cmd commands[] = {
     {"inspect", LOOM_CMD_INSPECT, "inspect [MODEL_DIR] [options]",

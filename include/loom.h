@@ -204,6 +204,7 @@ typedef struct loom_model_info {
     int64_t hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim;
     int64_t num_params;       /* distinct trainable parameters (tied counted once) */
     int64_t num_tensors;      /* HF tensors */
+    int64_t max_position_embeddings; /* as in config.json; 0 when it has none */
 } loom_model_info;
 void loom_model_get_info(const loom_model *m, loom_model_info *info);
 /* This process's rank and the world size of the model's job. */
@@ -220,6 +221,12 @@ typedef struct loom_mesh_info {
     int is_output_rank;
 } loom_mesh_info;
 void loom_model_get_mesh(const loom_model *m, loom_mesh_info *out);
+/* Where the model computes; *gpu (may be NULL) is set to its CUDA device,
+ * -1 on the CPU. */
+loom_device loom_model_device(const loom_model *m, int *gpu);
+/* The most GPU memory in use since the model was created, above what was
+ * in use then (sampled at each of its allocations): bytes, 0 on the CPU. */
+uint64_t loom_model_peak_memory(const loom_model *m);
 
 /* AdamW (torch semantics, fp32 master weights; no weight decay on 1-D
  * parameters). Without a scheduler lr and weight_decay are constant. */

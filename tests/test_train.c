@@ -310,6 +310,52 @@ TEST(train_config_override_fewer_layers) {
     loom_ctx_free(ctx);
 }
 
+/* What loom.h tells of a live model beyond its shapes: config.json's
+ * max_position_embeddings, the device and, on a GPU, the peak memory. */
+TEST(train_model_info_device_and_peak_memory) {
+    loom_ctx *ctx = new_ctx();
+    loom_model *m;
+    REQUIRE_OK(ctx, loom_model_create(ctx, fixture_model("tiny-qwen2"), NULL, &m));
+    loom_model_info info;
+    loom_model_get_info(m, &info);
+    CHECK_EQ_INT(info.max_position_embeddings, 512);
+    int gpu = 7;
+    CHECK(loom_model_device(m, &gpu) == LOOM_DEVICE_CPU);
+    CHECK_EQ_INT(gpu, -1);
+    CHECK(loom_model_device(m, NULL) == LOOM_DEVICE_CPU);
+    CHECK(loom_model_peak_memory(m) == 0);
+    loom_model_free(m);
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.config_overrides = "{\"max_position_embeddings\": 64}";
+    REQUIRE_OK(ctx, loom_model_create(ctx, fixture_model("tiny-qwen2"), &o, &m));
+    loom_model_get_info(m, &info);
+    CHECK_EQ_INT(info.max_position_embeddings, 64);
+    loom_model_free(m);
+    loom_ctx_free(ctx);
+}
+
+TEST(train_cuda_model_device_and_peak_memory) {
+    if (!loom_test_have_gpu()) loom_test_skip("no GPU visible (or loom built without CUDA)");
+    loom_ctx *ctx = new_ctx();
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = LOOM_DEVICE_CUDA;
+    loom_model *m;
+    REQUIRE_OK(ctx, loom_model_create(ctx, fixture_model("tiny-qwen2"), &o, &m));
+    int gpu = -1;
+    CHECK(loom_model_device(m, &gpu) == LOOM_DEVICE_CUDA);
+    CHECK(gpu >= 0 && gpu < loom_gpu_count());
+    int32_t ids[16], tgt[16];
+    make_batch(1, 16, 1000, 5, ids, tgt);
+    loom_batch b = {.rows = 1, .seq_len = 16, .input_ids = ids, .targets = tgt};
+    loom_fb_result r;
+    CHECK_OK(ctx, loom_model_forward_backward(m, &b, 1, &r));
+    CHECK(loom_model_peak_memory(m) > 0); /* the weights at least */
+    loom_model_free(m);
+    loom_ctx_free(ctx);
+}
+
 TEST(train_bad_batches_are_refused) {
     loom_ctx *ctx = new_ctx();
     loom_model *m;

@@ -59,7 +59,8 @@ class ModelInfo(C.Structure):
     _fields_ = [("model_type", cp), ("vocab_size", i64), ("padded_vocab_size", i64),
                 ("hidden_size", i64), ("intermediate_size", i64), ("num_layers", i64),
                 ("num_heads", i64), ("num_kv_heads", i64), ("head_dim", i64),
-                ("num_params", i64), ("num_tensors", i64)]
+                ("num_params", i64), ("num_tensors", i64),
+                ("max_position_embeddings", i64)]
 
 
 class MeshInfo(C.Structure):

@@ -69,6 +69,8 @@ void loom_ctx_set_rank(loom_ctx *ctx, int rank, int world_size) {
 
 void loom_ctx_set_log_level(loom_ctx *ctx, loom_log_level level) { ctx->log_level = level; }
 loom_log_level loom_ctx_log_level(const loom_ctx *ctx) { return ctx->log_level; }
+void loom_ctx_set_line_open(loom_ctx *ctx, bool open) { ctx->line_open = open; }
+bool loom_ctx_line_open(const loom_ctx *ctx) { return ctx->line_open; }
 
 loom_status loom_errf(loom_ctx *ctx, loom_status st, const char *fmt, ...) {
     if (!ctx) return st;

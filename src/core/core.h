@@ -44,6 +44,10 @@ void loom_log(const loom_ctx *ctx, loom_log_level level, const char *fmt, ...) L
 #define LOOM_LOG_W(ctx, ...) loom_log((ctx), LOOM_LOG_WARN, __VA_ARGS__)
 #define LOOM_LOG_I(ctx, ...) loom_log((ctx), LOOM_LOG_INFO, __VA_ARGS__)
 #define LOOM_LOG_D(ctx, ...) loom_log((ctx), LOOM_LOG_DEBUG, __VA_ARGS__)
+/* Whether a progress line is on the log stream (loom train --progress draws
+ * it; loom_log erases it before each line). */
+void loom_ctx_set_line_open(loom_ctx *ctx, bool open);
+bool loom_ctx_line_open(const loom_ctx *ctx);
 
 /* Broken internal invariants only (never for bad input): prints and aborts. */
 #define LOOM_ASSERT(cond)                                                        \

@@ -882,6 +882,7 @@ void loom_model_get_info(const loom_model *m, loom_model_info *info) {
     info->head_dim = m->D;
     info->num_params = loom_param_plan_count(&m->plan, NULL);
     info->num_tensors = (int64_t)m->plan.n;
+    info->max_position_embeddings = m->cfg.max_position_embeddings;
 }
 
 const char *loom_model_tensor_name(const loom_model *m, int64_t i, int *ndim, int64_t shape[2]) {

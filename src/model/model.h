@@ -31,6 +31,7 @@
 #include "../io/hf_config.h"
 #include "../parallel/mesh.h"
 #include "kern.h"
+#include "meta.h"
 #include "params.h"
 
 /* Indices into loom_model.slots of one decoder layer's tensors (-1: absent). */
@@ -95,10 +96,6 @@ typedef struct loom_arena {
     bool gpending;           /* some slot is fresh */
     loom_part_lists zlists;  /* the backend's copy of the slots cleared at zero_grad */
 } loom_arena;
-
-/* LoRA modules of a decoder layer, in PEFT's target names. */
-enum { LOOM_LORA_Q = 0, LOOM_LORA_K, LOOM_LORA_V, LOOM_LORA_O, LOOM_LORA_GATE, LOOM_LORA_UP,
-       LOOM_LORA_DOWN, LOOM_LORA_NMOD };
 
 typedef struct loom_adapter {
     char *name;
@@ -341,45 +338,6 @@ loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grad
 void loom_arena_drop_master(loom_model *m, loom_arena *a);
 void loom_arena_free(loom_model *m, loom_arena *a);
 
-/* LoRA target_modules ("all-linear" or a list of q_proj, ..., down_proj). */
-loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]);
-/* Bytes of the tensors of a saved adapter (F32) of rank r on the targets,
- * for the free-space check of --save-adapter. */
-uint64_t loom_lora_save_estimate(const loom_model_config *cfg, int r,
-                                 const bool target[LOOM_LORA_NMOD]);
-
-/* config.json of dir with the overrides applied (as loom_model_create reads it). */
-loom_status loom_model_load_config(loom_ctx *ctx, const char *dir, const char *overrides,
-                                   loom_model_config *cfg);
-
-/* Device memory one rank needs, predicted from the shapes alone with the
- * layout code the model allocates with (`loom inspect --mesh`, and printed
- * by every run). The pipeline stage that needs the most is reported. */
-typedef struct loom_mem_in {
-    loom_mesh_sizes n;        /* resolved sizes */
-    loom_dtype adt;           /* compute dtype */
-    bool cuda;
-    int lora_r;               /* 0: full fine-tuning */
-    bool lora_target[LOOM_LORA_NMOD];
-    int64_t rows, seq;        /* one micro-batch */
-    int nmb;                  /* micro-batches per forward_backward call */
-    bool training;
-    int64_t vocab_pad;        /* 0: 128 */
-    loom_recompute recompute;
-    /* Optional: called with each slot the stage holds (its local shape) */
-    void (*on_slot)(void *u, const struct loom_slot *s);
-    void *u;
-} loom_mem_in;
-
-typedef struct loom_mem_report {
-    int pp_rank, in_flight;
-    bool cuda;
-    uint64_t weights;         /* master values and compute copies (base and adapter) */
-    uint64_t grads, optim, acts, work, total;
-} loom_mem_report;
-
-loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,
-                                loom_mem_report *out);
 /* model.c's layout code, shared with the memory predictor (meta.c). */
 loom_status loom_model_build_slots(loom_model *m);
 void loom_model_set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_model_config *c,
@@ -398,7 +356,5 @@ int loom_param_stage(const loom_param_spec *p, int64_t L, int pp, int vpp);
 /* The same for one pipeline stage. */
 loom_status loom_memory_predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
                                       const loom_mem_in *in, int pp_rank, loom_mem_report *out);
-/* One log line: each class and the total. */
-void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, loom_log_level level);
 
 #endif /* LOOM_MODEL_H */

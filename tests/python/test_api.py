@@ -57,6 +57,16 @@ def test_forward_only_matches_the_hf_fixture(m):
                ["loss"]) < 1e-5
 
 
+def test_model_info_reads_config_json(m):
+    """ctypes' ModelInfo has loom_model_info's layout: every field, the last
+    included, reads back config.json."""
+    cfg = json.load(open(os.path.join(QWEN3, "config.json")))
+    assert m.info.model_type.decode() == cfg["model_type"]
+    assert m.info.hidden_size == cfg["hidden_size"]
+    assert m.info.num_layers == cfg["num_hidden_layers"]
+    assert m.info.max_position_embeddings == cfg["max_position_embeddings"]
+
+
 def test_forward_only_packs_documents_like_the_hf_fixture(m):
     g = golden()
     ids, cu = g["packed.input_ids"][0], g["packed.cu_seqlens"]
@@ -524,3 +534,21 @@ def test_library_exports_only_its_api():
     declared = set(re.findall(r"\b(loom_[a-z0-9_]+)\s*\(", header))
     assert exported - declared == set(), "exported but not in loom.h: %s" % sorted(exported - declared)
     assert declared - exported == set(), "in loom.h but not exported: %s" % sorted(declared - exported)
+
+
+def test_cli_includes_the_api_and_its_internal_header_only():
+    """cli/ includes include/loom.h, src/loom_cli.h (the library's internal
+    interface for its command), its own headers and system headers: no other
+    header of src/, so what the CLI takes from the library is in one place."""
+    import glob
+    import re
+    cli = os.path.join(ROOT, "cli")
+    allowed = {"loom.h", "../src/loom_cli.h"}
+    allowed |= {os.path.basename(p) for p in glob.glob(os.path.join(cli, "*.h"))}
+    bad = []
+    for path in sorted(glob.glob(os.path.join(cli, "*.[ch]"))):
+        for n, line in enumerate(open(path), 1):
+            inc = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+            if inc and inc.group(1) not in allowed:
+                bad.append("%s:%d: %s" % (os.path.relpath(path, ROOT), n, inc.group(1)))
+    assert not bad, "cli/ includes headers of src/ other than src/loom_cli.h: %s" % bad
