@@ -54,7 +54,7 @@ static loom_status write_tensors(loom_ctx *ctx, const char *dir, const char *bas
     return st;
 }
 
-loom_status loom_hf_dir_write(loom_ctx *ctx, const char *dir, bool writer,
+loom_status loom_hf_dir_write(loom_ctx *ctx, const char *what, const char *dir, bool writer,
                               const loom_tensor_source *src, loom_dtype dtype,
                               uint64_t max_shard_bytes, const loom_model_config *cfg,
                               const char *side_dir) {
@@ -63,7 +63,7 @@ loom_status loom_hf_dir_write(loom_ctx *ctx, const char *dir, bool writer,
                          "weights can be saved as F32, BF16 or F16, not %s", loom_dtype_name(dtype));
     if (!max_shard_bytes) max_shard_bytes = 5000000000ull; /* transformers' default */
     loom_out out = {0}; /* the writer writes into a temporary directory, moved into place whole */
-    loom_status st = writer ? loom_out_begin(ctx, "save_hf", dir, LOOM_OUT_DIR, &out) : LOOM_OK;
+    loom_status st = writer ? loom_out_begin(ctx, what, dir, LOOM_OUT_DIR, &out) : LOOM_OK;
     st = write_tensors(ctx, out.tmp, "model", max_shard_bytes, dtype, writer, src, st);
     if (writer && !st) st = loom_config_save(ctx, cfg, out.tmp, dtype);
     if (writer && !st && side_dir) st = loom_out_copy_side_files(ctx, side_dir, out.tmp);

@@ -26,8 +26,9 @@ typedef struct loom_tensor_source {
 /* A Hugging Face model directory at dir: model.safetensors (or shards of
  * at most max_shard_bytes with their index) in dtype, config.json from cfg,
  * and the tokenizer and generation files found in side_dir (may be NULL).
- * Collective through src->fetch; writer: this rank writes. */
-loom_status loom_hf_dir_write(loom_ctx *ctx, const char *dir, bool writer,
+ * Collective through src->fetch; writer: this rank writes. what: the
+ * option naming dir in errors ("save_hf", "out"). */
+loom_status loom_hf_dir_write(loom_ctx *ctx, const char *what, const char *dir, bool writer,
                               const loom_tensor_source *src, loom_dtype dtype,
                               uint64_t max_shard_bytes, const loom_model_config *cfg,
                               const char *side_dir);

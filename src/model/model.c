@@ -1010,7 +1010,7 @@ static loom_status hf_fetch(void *u, size_t i, float *dst) {
 loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
                                uint64_t max_shard_bytes) {
     const loom_tensor_source src = {m, m->plan.n, hf_info, hf_fetch};
-    return loom_hf_dir_write(m->ctx, dir, m->mesh->rank == 0, &src,
+    return loom_hf_dir_write(m->ctx, "save_hf", dir, m->mesh->rank == 0, &src,
                              dtype == LOOM_DTYPE_COUNT ? m->file_dtype : dtype, max_shard_bytes,
                              &m->cfg, m->src_dir);
 }

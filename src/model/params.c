@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../core/rng.h"
+#include "../io/export.h"
 #include "../io/outdir.h"
 #include "../io/safetensors.h"
 
@@ -227,6 +228,38 @@ const char *loom_preset_config(const char *name) {
 
 /* ---- random checkpoints ---- */
 
+/* The plan's tensors with random values: norms 1, biases 0, matrices
+ * normal(0, std) from (seed, the tensor's name, the index). */
+typedef struct random_src {
+    const loom_param_plan *plan;
+    uint64_t seed;
+    double std;
+} random_src;
+
+static void random_info(void *u, size_t i, char *name, size_t cap, int *ndim, int64_t shape[2]) {
+    const loom_param_spec *p = &((const random_src *)u)->plan->p[i];
+    snprintf(name, cap, "%s", p->name);
+    *ndim = p->ndim;
+    shape[0] = p->shape[0];
+    shape[1] = p->shape[1];
+}
+
+static loom_status random_fetch(void *u, size_t i, float *buf) {
+    const random_src *r = u;
+    const loom_param_spec *p = &r->plan->p[i];
+    const size_t n = (size_t)loom_param_numel(p);
+    const char *leaf = strrchr(p->name, '.');
+    if (p->ndim == 1) {
+        const float v = leaf && !strcmp(leaf, ".bias") ? 0.0f : 1.0f;
+        for (size_t j = 0; j < n; j++) buf[j] = v;
+        return LOOM_OK;
+    }
+    const uint64_t key = loom_hash_str(p->name);
+#pragma omp parallel for schedule(static)
+    for (size_t j = 0; j < n; j++) buf[j] = (float)(r->std * loom_rng_normal(r->seed, key, j));
+    return LOOM_OK;
+}
+
 loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
                                     const char *out_dir, uint64_t seed, loom_dtype dtype,
                                     uint64_t max_shard_bytes) {
@@ -235,53 +268,9 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
     if (st) return st;
     loom_param_plan plan;
     if ((st = loom_param_plan_build(ctx, cfg, &plan))) return st;
-    loom_out out = {0}; /* written into a temporary directory, moved into place whole */
-    if ((st = loom_out_begin(ctx, "out", out_dir, LOOM_OUT_DIR, &out))) goto done_plan;
-    loom_st_writer *w = NULL;
-    loom_json *meta = loom_json_new_object(ctx);
-    if (!meta || loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt"))) {
-        st = LOOM_ERR_OOM;
-        loom_json_free(meta);
-        goto done_plan;
-    }
-    st = loom_st_writer_create(ctx, out.tmp, "model", max_shard_bytes, meta, &w);
-    loom_json_free(meta);
-    if (st) goto done_plan;
-    for (size_t i = 0; i < plan.n && !st; i++)
-        st = loom_st_writer_declare(ctx, w, plan.p[i].name, dtype, plan.p[i].ndim, plan.p[i].shape);
-    float *buf = NULL;
-    size_t cap = 0;
-    for (size_t i = 0; i < plan.n && !st; i++) {
-        const loom_param_spec *p = &plan.p[i];
-        size_t n = (size_t)loom_param_numel(p);
-        if (n > cap) {
-            float *nb = loom_realloc(ctx, buf, n * sizeof *buf, p->name);
-            if (!nb) {
-                st = LOOM_ERR_OOM;
-                break;
-            }
-            buf = nb;
-            cap = n;
-        }
-        const char *leaf = strrchr(p->name, '.');
-        bool is_bias = leaf && !strcmp(leaf, ".bias");
-        if (p->ndim == 1) {
-            float v = is_bias ? 0.0f : 1.0f; /* norms start at 1, biases at 0 */
-            for (size_t j = 0; j < n; j++) buf[j] = v;
-        } else {
-            uint64_t key = loom_hash_str(p->name);
-#pragma omp parallel for schedule(static)
-            for (size_t j = 0; j < n; j++) buf[j] = (float)(std * loom_rng_normal(seed, key, j));
-        }
-        st = loom_st_writer_write(ctx, w, p->name, LOOM_F32, buf);
-    }
-    free(buf);
-    if (!st) st = loom_st_writer_finish(ctx, w);
-    loom_st_writer_free(w);
-    if (!st) st = loom_config_save(ctx, cfg, out.tmp, dtype);
-    if (!st) st = loom_out_commit(ctx, &out);
-done_plan:
-    loom_out_abort(&out);
+    random_src r = {&plan, seed, std};
+    const loom_tensor_source src = {&r, plan.n, random_info, random_fetch};
+    st = loom_hf_dir_write(ctx, "out", out_dir, true, &src, dtype, max_shard_bytes, cfg, NULL);
     loom_param_plan_free(&plan);
     return st;
 }
