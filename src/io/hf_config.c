@@ -283,6 +283,11 @@ loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *w
 }
 
 loom_status loom_config_load(loom_ctx *ctx, const char *path, loom_model_config *cfg) {
+    return loom_config_load_with(ctx, path, NULL, cfg);
+}
+
+loom_status loom_config_load_with(loom_ctx *ctx, const char *path, const char *overrides,
+                                  loom_model_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
     char *file = loom_dir_exists(path) ? loom_path_join(ctx, path, "config.json")
                                        : loom_strdup(ctx, path);
@@ -298,7 +303,8 @@ loom_status loom_config_load(loom_ctx *ctx, const char *path, loom_model_config 
     loom_json *doc;
     loom_status st = loom_json_parse_file(ctx, file, &doc);
     if (st == LOOM_OK) {
-        st = loom_config_parse(ctx, doc, file, cfg);
+        st = loom_config_override(ctx, doc, overrides);
+        if (!st) st = loom_config_parse(ctx, doc, file, cfg);
         loom_json_free(doc);
         if (st) loom_config_free(cfg);
     }

@@ -68,6 +68,10 @@ typedef struct loom_model_config {
 
 /* Reads <dir>/config.json (or the file itself when path is a file). */
 loom_status loom_config_load(loom_ctx *ctx, const char *path, loom_model_config *cfg);
+/* The same with the keys of the JSON object `overrides` replacing the
+ * file's (loom_config_override; NULL or "": none). */
+loom_status loom_config_load_with(loom_ctx *ctx, const char *path, const char *overrides,
+                                  loom_model_config *cfg);
 /* Parses a config document (copied); `what` names it in messages. */
 /* Replaces keys of a parsed config.json (an object) with those of the JSON
  * object `overrides` ({"num_hidden_layers": 2}); NULL or "" changes nothing. */

@@ -17,34 +17,6 @@ void loom_model_options_default(loom_model_options *o) {
     o->vocab_pad_multiple = 128;
 }
 
-/* config.json with the overrides' keys replacing its own. */
-static loom_status load_config(loom_ctx *ctx, const char *dir, const char *overrides,
-                               loom_model_config *cfg) {
-    if (!overrides || !*overrides) return loom_config_load(ctx, dir, cfg);
-    char *file = loom_path_join(ctx, dir, "config.json");
-    if (!file) return LOOM_ERR_OOM;
-    loom_json *doc = NULL;
-    loom_status st;
-    if (!loom_file_exists(file)) {
-        st = loom_errf(ctx, LOOM_ERR_NOT_FOUND,
-                       "%s: not found (a model directory holds config.json and *.safetensors "
-                       "files)",
-                       file);
-        goto done;
-    }
-    if ((st = loom_json_parse_file(ctx, file, &doc))) goto done;
-    st = loom_config_override(ctx, doc, overrides);
-    if (!st) {
-        memset(cfg, 0, sizeof *cfg);
-        st = loom_config_parse(ctx, doc, file, cfg);
-        if (st) loom_config_free(cfg);
-    }
-done:
-    loom_json_free(doc);
-    free(file);
-    return st;
-}
-
 /* Layer index and the name after "model.layers.N." (NULL outside layers). */
 static const char *layer_leaf(const char *name, int64_t *layer) {
     static const char pre[] = "model.layers.";
@@ -527,7 +499,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         st = LOOM_ERR_OOM;
         goto fail;
     }
-    if ((st = load_config(ctx, dir, opts->config_overrides, &m->cfg))) goto fail;
+    if ((st = loom_config_load_with(ctx, dir, opts->config_overrides, &m->cfg))) goto fail;
     if (opts->config_overrides && *opts->config_overrides &&
         !(m->overrides = loom_strdup(ctx, opts->config_overrides))) {
         st = LOOM_ERR_OOM;
@@ -1017,5 +989,5 @@ loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
 
 loom_status loom_model_load_config(loom_ctx *ctx, const char *dir, const char *overrides,
                                    loom_model_config *cfg) {
-    return load_config(ctx, dir, overrides, cfg);
+    return loom_config_load_with(ctx, dir, overrides, cfg);
 }
