@@ -53,7 +53,8 @@ def _weights(v, shape, where, against="input_ids"):
     if a.shape != tuple(shape):
         raise ShapeError("%s: loss_weights has shape %s, %s %s; give one weight per token, "
                          "aligned as labels" % (where, a.shape, against, tuple(shape)))
-    w = a.astype(np.float32)
+    with np.errstate(over="ignore"):  # too large for float32: refused below
+        w = a.astype(np.float32)
     bad = ~np.isfinite(w)
     if bad.any():
         i = tuple(int(x) for x in np.argwhere(bad)[0])
