@@ -4,8 +4,11 @@ micro-batches the pipeline schedule accepts.
 
 A sample is HF-style: input_ids and labels of the same length (labels[t] =
 input_ids[t] where token t is trained, -100 where not), or a loss_mask (1:
-trained). loom's batches are next-token style: targets[t] = labels[t + 1]
-within the sample, -100 at its last token.
+trained); optionally loss_weights, one finite number per token aligned as
+labels (weight t scales the loss of label t and its gradient; a policy
+gradient's advantages, a soft mask). loom's batches are next-token style:
+targets[t] = labels[t + 1] within the sample, -100 at its last token, and
+the weights move with the labels.
 """
 import json
 import numbers
@@ -26,6 +29,39 @@ def _int_array(name, v, where):
                                  or a.size == 0):
         raise InvalidArgumentError("%s: %s must hold integers, not %s" % (where, name, a.dtype))
     return a.astype(np.int64, copy=False)
+
+
+def _shape(v):
+    """np.shape of v; None when it is no array (ragged lists)."""
+    try:
+        return np.shape(v)
+    except ValueError:
+        return None
+
+
+def _weights(v, shape, where, against="input_ids"):
+    """loss_weights as float32 of `shape` (a sample's 1-D, or the rows of a
+    dict of arrays), every one a finite number; errors name the index."""
+    try:
+        a = np.asarray(v)
+    except Exception as e:  # ragged lists and such
+        raise InvalidArgumentError("%s: loss_weights cannot be read as an array (%s)" % (where, e))
+    if a.dtype == object or not (np.issubdtype(a.dtype, np.integer) or
+                                 np.issubdtype(a.dtype, np.floating) or a.dtype == bool):
+        raise InvalidArgumentError("%s: loss_weights must hold real numbers, not %s"
+                                   % (where, a.dtype))
+    if a.shape != tuple(shape):
+        raise ShapeError("%s: loss_weights has shape %s, %s %s; give one weight per token, "
+                         "aligned as labels" % (where, a.shape, against, tuple(shape)))
+    with np.errstate(over="ignore"):  # too large for float32: refused below
+        w = a.astype(np.float32)
+    bad = ~np.isfinite(w)
+    if bad.any():
+        i = tuple(int(x) for x in np.argwhere(bad)[0])
+        raise InvalidArgumentError("%s: loss_weights[%s] = %r is not a finite number%s" % (
+            where, ", ".join(map(str, i)), a[i].item(),
+            "" if not np.isfinite(a[i]) else " as float32"))
+    return w
 
 
 def _sample_from_ids(d, where):
@@ -61,20 +97,28 @@ def _sample_from_ids(d, where):
                              % (where, pos.shape, ids.shape))
         if (pos < 0).any():
             raise InvalidArgumentError("%s: position_ids must be >= 0" % where)
-    return ids, labels, pos
+    w = None if d.get("loss_weights") is None else _weights(d["loss_weights"], ids.shape, where)
+    return ids, labels, pos, w
 
 
-_KNOWN = {"input_ids", "labels", "loss_mask", "position_ids", "attention_mask"}
+_KNOWN = {"input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "loss_weights"}
 _RAW = {"text", "messages", "prompt", "completion"}
 
 
 def to_samples(inputs, encoder=None, append_eos=True, vocab_size=None):
-    """[(ids, labels, position_ids or None)] of the inputs (see the module)."""
+    """[(ids, labels, position_ids or None, loss_weights or None)] of the
+    inputs (see the module)."""
     if isinstance(inputs, dict):
         if "input_ids" in inputs:
             ids = np.asarray(inputs["input_ids"]) if not isinstance(inputs["input_ids"], list) \
                 else None
             if ids is not None and ids.ndim == 2:  # a dict of (rows, seq) arrays
+                for k, v in inputs.items():
+                    if k in _KNOWN and v is not None and _shape(v) != ids.shape:
+                        raise ShapeError("inputs: %s has shape %s, input_ids %s" % (
+                            k, _shape(v) or "of no array (ragged rows?)", ids.shape))
+                if inputs.get("loss_weights") is not None:  # indices of the whole array
+                    _weights(inputs["loss_weights"], ids.shape, "inputs")
                 rows = []
                 am = inputs.get("attention_mask")
                 for r in range(ids.shape[0]):
@@ -101,7 +145,7 @@ def to_samples(inputs, encoder=None, append_eos=True, vocab_size=None):
                                        (where, type(s).__name__))
         if "input_ids" in s:
             # other keys (e.g. Twinkle's bookkeeping) ride along unused
-            ids, labels, pos = _sample_from_ids(s, where)
+            ids, labels, pos, w = _sample_from_ids(s, where)
         elif _RAW & set(s):
             if encoder is None:
                 raise ConfigError("%s has %s but no input_ids: call set_template() first so loom "
@@ -109,6 +153,8 @@ def to_samples(inputs, encoder=None, append_eos=True, vocab_size=None):
                                   % (where, "/".join(sorted(_RAW & set(s)))))
             ids, labels = encoder.encode(s, append_eos=append_eos, where=where)
             pos = None
+            w = None if s.get("loss_weights") is None else \
+                _weights(s["loss_weights"], ids.shape, where, "its tokens (as tokenized) have")
         else:
             raise InvalidArgumentError("%s has none of input_ids, text, messages, prompt/completion "
                                        "(keys: %s)" % (where, ", ".join(sorted(s)) or "none"))
@@ -124,7 +170,7 @@ def to_samples(inputs, encoder=None, append_eos=True, vocab_size=None):
                 t = int(np.argmax(bad))
                 raise InvalidArgumentError("%s: labels[%d] = %d is outside the vocabulary [0, %d)"
                                            % (where, t, int(labels[t]), vocab_size))
-        out.append((ids, labels, pos))
+        out.append((ids, labels, pos, w))
     if not out:
         raise InvalidArgumentError("inputs is empty: give at least one sample")
     return out
@@ -146,11 +192,14 @@ def micro_batch_count(rows, mbs, pp, vpp, group):
 
 
 class Packed:
-    """Rows of a batch and where each sample sits in them."""
+    """Rows of a batch and where each sample sits in them; loss_weights None
+    when no sample has any (the library then weighs every token 1)."""
 
-    def __init__(self, input_ids, targets, position_ids, cu_seqlens, places, nmb):
+    def __init__(self, input_ids, targets, position_ids, cu_seqlens, places, nmb,
+                 loss_weights=None):
         self.input_ids, self.targets, self.position_ids = input_ids, targets, position_ids
         self.cu_seqlens, self.places, self.nmb = cu_seqlens, places, nmb
+        self.loss_weights = loss_weights
 
     rows = property(lambda self: self.input_ids.shape[0])
     seq_len = property(lambda self: self.input_ids.shape[1])
@@ -161,7 +210,9 @@ def pack(samples, seq_len=None, divisor=1, micro_batch_size=None, pp=1, vpp=1, g
     sample goes into the current row when it fits, else starts the next); without,
     one sample per row padded to the longest. Row length a multiple of `divisor`.
     Then padded with empty rows to whole micro-batches of micro_batch_size rows
-    (default: all rows in one micro-batch without a pipeline, 1 row with one)."""
+    (default: all rows in one micro-batch without a pipeline, 1 row with one).
+    Weights, when a sample has them, shift with its labels; every other token
+    (samples without weights, padding) weighs 1."""
     lens = [len(s[0]) for s in samples]
     if seq_len is not None:
         if not isinstance(seq_len, numbers.Integral) or seq_len < 2:
@@ -195,14 +246,17 @@ def pack(samples, seq_len=None, divisor=1, micro_batch_size=None, pp=1, vpp=1, g
     ids = np.zeros((R, S), np.int32)
     tg = np.full((R, S), IGNORE, np.int32)
     pos = np.zeros((R, S), np.int32)
+    wt = np.ones((R, S), np.float32) if any(s[3] is not None for s in samples) else None
     cu, places = [0], [None] * len(samples)
     for r in range(R):
         off = 0
         for i in (rows[r] if r < len(rows) else ()):
-            sid, lab, p = samples[i]
+            sid, lab, p, w = samples[i]
             n = len(sid)
             ids[r, off:off + n] = sid
             tg[r, off:off + n - 1] = lab[1:]
+            if w is not None:
+                wt[r, off:off + n - 1] = w[1:]
             pos[r, off:off + n] = p if p is not None else np.arange(n)
             places[i] = (r, off, n)
             off += n
@@ -210,14 +264,15 @@ def pack(samples, seq_len=None, divisor=1, micro_batch_size=None, pp=1, vpp=1, g
         if off < S:  # padding: a segment of its own
             pos[r, off:] = np.arange(S - off)
             cu.append((r + 1) * S)
-    return Packed(ids, tg, pos, np.asarray(cu, np.int32), places, nmb)
+    return Packed(ids, tg, pos, np.asarray(cu, np.int32), places, nmb, wt)
 
 
 def rows_in_place(inputs, vocab_size, divisor, micro_batch_size, pp, vpp, group):
     """A dict of (rows, seq) arrays whose input_ids loom can read where they
     lie (int32, C order, seq a multiple of divisor, whole micro-batches the
     schedule takes, no attention_mask / position_ids): a Packed holding that
-    array itself and the one array of next-token targets; else None."""
+    array itself and the one array of next-token targets (and of shifted
+    weights, with loss_weights); else None."""
     if not isinstance(inputs, dict):
         return None
     ids = inputs.get("input_ids")
@@ -242,6 +297,9 @@ def rows_in_place(inputs, vocab_size, divisor, micro_batch_size, pp, vpp, group)
     labels = np.asarray(labels)
     if labels.shape != ids.shape or not np.issubdtype(labels.dtype, np.integer):
         return None  # the general path names what is wrong
+    weights = inputs.get("loss_weights")
+    if weights is not None and _shape(weights) != ids.shape:
+        return None
     where = "inputs"
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
@@ -256,7 +314,12 @@ def rows_in_place(inputs, vocab_size, divisor, micro_batch_size, pp, vpp, group)
                                    "and is not -100" % (where, r, t, int(labels[r, t]), vocab_size))
     tg = np.full((R, S), IGNORE, np.int32)
     tg[:, :-1] = labels[:, 1:]
-    return Packed(ids, tg, None, None, [(r, 0, S) for r in range(R)], nmb)
+    wt = None
+    if weights is not None:
+        w = _weights(weights, ids.shape, where)
+        wt = np.ones((R, S), np.float32)
+        wt[:, :-1] = w[:, 1:]
+    return Packed(ids, tg, None, None, [(r, 0, S) for r in range(R)], nmb, wt)
 
 
 def unpack(flat, packed, shift=True):

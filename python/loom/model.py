@@ -677,7 +677,7 @@ class MegatronModel:
                     targets=L.i32_ptr(p.targets), cu_seqlens=L.i32_ptr(p.cu_seqlens),
                     n_docs=0 if p.cu_seqlens is None else len(p.cu_seqlens) - 1,
                     position_ids=L.i32_ptr(p.position_ids),
-                    local=1)
+                    local=1, loss_weights=L.f32_ptr(p.loss_weights))
         return b
 
     # ---- training ----
@@ -685,7 +685,14 @@ class MegatronModel:
                          seq_len=None, **kwargs):
         """Runs this rank's samples (its data-parallel slice) through the pipeline
         and accumulates gradients. Returns a Result: loss (of every rank's
-        tokens of this call), num_tokens, loss_sum."""
+        tokens of this call), num_tokens, loss_sum.
+
+        A sample may carry loss_weights (in a dict of arrays: an array shaped
+        as input_ids): one finite number per token, aligned as labels, that
+        scales the loss of label t and its gradient (advantages, soft masks;
+        negative and 0 allowed). The loss still divides by the count of
+        tokens with a label, not by the weights' sum. A sample without
+        weights weighs 1 per token."""
         self._check_open()
         _check_kwargs("forward_backward", kwargs, {"inputs", "micro_batch_size", "adapter_name",
                                                    "seq_len"})
@@ -705,7 +712,10 @@ class MegatronModel:
                      temperature=1.0, return_logits=False, **kwargs):
         """Per-token log-probs and entropy of each sample (numpy, label-aligned:
         logps[i][t] = log p(token t | tokens < t), 0 at t = 0), and the loss.
-        return_logits: logits[i] (len, vocab), row t predicting token t + 1."""
+        return_logits: logits[i] (len, vocab), row t predicting token t + 1.
+        Samples may carry loss_weights (as forward_backward's, so one batch
+        serves both calls): log-probs, entropy and logits are the model's,
+        never weighted; loss and loss_sum are weighted as forward_backward's."""
         self._check_open()
         _check_kwargs("forward_only", kwargs, {"inputs", "micro_batch_size", "adapter_name",
                                                "seq_len", "temperature", "return_logits"})

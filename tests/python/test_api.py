@@ -520,6 +520,132 @@ def test_int32_rows_are_read_in_place(m):
     assert abs(g["loss"] - fast["loss"]) < 1e-6
 
 
+# ---- per-token loss weights ----
+
+def weighted_samples(seed=21):
+    """Samples of unequal lengths, the prompt of one masked, random weights
+    (some negative, some 0) on all but the last."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in (14, 9, 16, 11):
+        w = rng.normal(size=n).astype(np.float32)
+        w[rng.random(n) < 0.25] = 0
+        out.append({"input_ids": rng.integers(0, 1000, n), "loss_weights": w})
+    out[1]["labels"] = np.where(np.arange(9) < 4, -100, out[1]["input_ids"])
+    del out[3]["loss_weights"]
+    return out
+
+
+def weighted_loss_sum(samples, logps):
+    """The sum over tokens with a label of -weight * logp (float64), from
+    forward_only's label-aligned log-probs."""
+    tot = 0.0
+    for s, lp in zip(samples, logps):
+        n = len(s["input_ids"])
+        w = np.asarray(s.get("loss_weights", np.ones(n)), np.float64)
+        has = np.asarray(s.get("labels", s["input_ids"])) != -100
+        has[0] = False  # nothing predicts the first token
+        tot -= (w[has] * lp[has].astype(np.float64)).sum()
+    return tot
+
+
+def test_loss_weights_weigh_each_tokens_log_prob(m):
+    """forward_backward's loss_sum is the sum of -weight * logp over
+    forward_only's log-probs, however the samples are packed; forward_only
+    takes the weights for its loss and leaves the log-probs alone."""
+    s = weighted_samples()
+    plain = [{k: v for k, v in d.items() if k != "loss_weights"} for d in s]
+    assert m._pack(plain, None, None).loss_weights is None  # no weights: NULL to the library
+    fo = m.forward_only(inputs=plain)
+    want = weighted_loss_sum(s, fo["logps"])
+    x = model()
+    r = x.forward_backward(inputs=s)
+    assert r["num_tokens"] == fo["num_tokens"]  # the mean still divides by the labels' count
+    assert abs(r["loss_sum"] - want) < 1e-5 * max(1.0, abs(want)), (r, want)
+    assert abs(r["loss"] - r["loss_sum"] / r["num_tokens"]) < 1e-12
+    packed = x.forward_backward(inputs=s, seq_len=32)  # several samples in a row
+    assert abs(packed["loss_sum"] - want) < 1e-5 * max(1.0, abs(want))
+    x.close()
+    fw = m.forward_only(inputs=s)
+    assert all(np.array_equal(a, b) for a, b in zip(fw["logps"], fo["logps"]))
+    assert abs(fw["loss_sum"] - r["loss_sum"]) < 1e-5 * max(1.0, abs(want))
+    # a dict of (rows, seq) arrays: the int32 rows in place, and the general path
+    rng = np.random.default_rng(23)
+    ids = rng.integers(0, 1000, (3, 16)).astype(np.int32)
+    w = rng.normal(size=(3, 16)).astype(np.float32)
+    w[0, 3:9] = 0
+    p = m._pack({"input_ids": ids, "loss_weights": w}, None, None)
+    assert p.input_ids is ids and np.array_equal(p.loss_weights[:, :-1], w[:, 1:])
+    rows = [{"input_ids": ids[i], "loss_weights": w[i]} for i in range(3)]
+    want = weighted_loss_sum(rows, m.forward_only(inputs={"input_ids": ids})["logps"])
+    for inp in ({"input_ids": ids, "loss_weights": w},
+                {"input_ids": ids.astype(np.int64), "loss_weights": w.tolist()}, rows):
+        got = m.forward_only(inputs=inp)["loss_sum"]
+        assert abs(got - want) < 1e-5 * max(1.0, abs(want)), (got, want)
+
+
+def test_loss_weights_of_two_double_loss_and_gradients():
+    """Weights of 1 change no bit; weights of 2 double the loss and every
+    gradient exactly."""
+    import loom._lib as L
+    x = model()
+    names = [(p["name"], p["shape"]) for p in x.parameters_table()]
+    data = random_samples(3, 12, seed=22)
+    res = {}
+    for name, w in (("none", None), ("one", [1] * 12), ("two", np.full(12, 2.0))):
+        inp = data if w is None else [dict(d, loss_weights=w) for d in data]
+        r = x.forward_backward(inputs=inp)
+        g = {}
+        for n, shape in names:
+            a = np.empty(shape, np.float32)
+            x._ctx.check(L.lib.loom_model_get_grad(x._h, n.encode(), L.f32_ptr(a), a.size))
+            g[n] = a
+        x.zero_grad()
+        res[name] = (r, g)
+    (r0, g0), (r1, g1), (r2, g2) = res["none"], res["one"], res["two"]
+    assert r1["loss_sum"] == r0["loss_sum"] and r2["loss_sum"] == 2 * r0["loss_sum"]
+    assert r2["num_tokens"] == r0["num_tokens"] and r2["loss"] == 2 * r0["loss"]
+    assert any(np.abs(a).max() > 0 for a in g0.values())
+    for n in g0:
+        assert np.array_equal(g1[n], g0[n]), n
+        assert np.array_equal(g2[n], 2 * g0[n]), n
+    x.close()
+
+
+BAD_WEIGHTS = [
+    ([{"input_ids": [1, 2, 3], "loss_weights": [1.0, 2.0]}], loom.ShapeError,
+     r"inputs\[0\]: loss_weights has shape \(2,\), input_ids \(3,\)"),
+    ([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3], "loss_weights": [1, float("nan"), 0]}],
+     loom.InvalidArgumentError, r"inputs\[1\]: loss_weights\[1\] = nan is not a finite number"),
+    ([{"input_ids": [1, 2], "loss_weights": [1, float("-inf")]}], loom.InvalidArgumentError,
+     r"loss_weights\[1\] = -inf"),
+    ([{"input_ids": [1, 2], "loss_weights": [1e39, 1]}], loom.InvalidArgumentError,
+     r"loss_weights\[0\] = 1e\+39 is not a finite number as float32"),
+    ([{"input_ids": [1, 2], "loss_weights": ["a", "b"]}], loom.InvalidArgumentError,
+     "real numbers"),
+    ([{"input_ids": [1, 2], "loss_weights": [1, None]}], loom.InvalidArgumentError,
+     "real numbers"),
+    ([{"input_ids": [1, 2], "loss_weights": [1j, 1]}], loom.InvalidArgumentError,
+     "real numbers"),
+    ({"input_ids": np.ones((2, 4), np.int32), "loss_weights": np.ones((2, 3))}, loom.ShapeError,
+     r"loss_weights has shape \(2, 3\), input_ids \(2, 4\)"),
+    ({"input_ids": np.ones((2, 4), np.int32),
+      "loss_weights": np.array([[1, 1, 1, 1], [1, 1, np.nan, 1]])}, loom.InvalidArgumentError,
+     r"inputs: loss_weights\[1, 2\] = nan"),
+    ({"input_ids": np.ones((2, 4), np.int64), "attention_mask": np.ones((2, 4)),
+      "loss_weights": np.array([[1, 1, 1, 1], [1, np.inf, 1, 1]])}, loom.InvalidArgumentError,
+     r"inputs: loss_weights\[1, 1\] = inf"),
+]
+
+
+@pytest.mark.parametrize("inputs,err,text", BAD_WEIGHTS,
+                         ids=["weights-%d" % i for i in range(len(BAD_WEIGHTS))])
+def test_bad_loss_weights_raise_clear_errors(m, inputs, err, text):
+    for call in (m.forward_backward, m.forward_only):
+        with pytest.raises(err, match=text):
+            call(inputs=inputs)
+
+
 def test_library_exports_only_its_api():
     """libloom.so's dynamic symbols are the functions include/loom.h
     declares, no more (the library is built hidden, with a version script)

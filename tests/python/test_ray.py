@@ -87,9 +87,16 @@ def test_forward_only_matches_one_process(ray_cluster, groups, tiny_model):
     need_gloo()
     samples = random_samples(4, SEQ, seed=5)
     samples[1]["input_ids"] = samples[1]["input_ids"][:20]  # unequal lengths stay in order
+    rng = np.random.default_rng(5)
+    weighted = [dict(s, loss_weights=rng.normal(size=len(s["input_ids"])).tolist())
+                for s in samples]
+    ids = np.array([s["input_ids"] for s in random_samples(4, SEQ, seed=6)])
+    rows = {"input_ids": ids, "loss_weights": rng.normal(size=ids.shape)}
     local = MegatronModel(tiny_model, mixed_precision="no")
     want = local.forward_only(samples, return_logits=True)
+    want_w, want_rows = local.forward_only(weighted), local.forward_only(rows)
     local.close()
+    assert abs(want_w["loss"] - want["loss"]) > 1e-3
     model = group(groups, tiny_model, MESH8)
     got = model.forward_only(samples, return_logits=True)
     assert got["num_tokens"] == want["num_tokens"]
@@ -100,9 +107,11 @@ def test_forward_only_matches_one_process(ray_cluster, groups, tiny_model):
             assert g.shape == w.shape, (k, i)
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-5, err_msg="%s[%d]" % (k, i))
     # a dict of (rows, seq) arrays splits by rows
-    ids = np.array([s["input_ids"] for s in random_samples(4, SEQ, seed=6)])
     d = model.forward_only({"input_ids": ids})
     assert [len(x) for x in d["logps"]] == [SEQ] * 4
+    # loss_weights go with their samples, and with their rows (forward_only's loss weighs them)
+    assert abs(model.forward_only(weighted)["loss"] - want_w["loss"]) < 1e-5
+    assert abs(model.forward_only(rows)["loss"] - want_rows["loss"]) < 1e-5
 
 
 def test_dead_actor_raises_and_nothing_hangs(ray_cluster, groups, tiny_model):

@@ -198,6 +198,58 @@ def test_other_layouts_match_loom_train(tiny_model, data, tmp_path, np_, mesh, c
         assert abs(g - r) < 1e-5, (got, ref)
 
 
+@pytest.fixture(scope="module")
+def weighted(tmp_path_factory, tiny_model):
+    """24 samples of 20..32 tokens (the prompt of every third masked) with
+    random loss_weights (a quarter 0, about half the rest negative), as
+    JSONL; and the usage example's 3 losses on it in one process."""
+    import numpy as np
+    d = tmp_path_factory.mktemp("weighted")
+    rng = np.random.default_rng(11)
+    samples = []
+    for i in range(24):
+        n = int(rng.integers(20, SEQ + 1))
+        ids = rng.integers(0, 1024, n)
+        w = rng.normal(size=n)
+        w[rng.random(n) < 0.25] = 0
+        s = {"input_ids": ids.tolist(), "loss_weights": w.tolist()}
+        if i % 3 == 0:
+            s["labels"] = [-100] * 6 + ids[6:].tolist()
+        samples.append(s)
+    runs = {}
+    for name, keep in (("weighted", True), ("plain", False)):
+        jl = str(d / (name + ".jsonl"))
+        with open(jl, "w") as f:
+            for s in samples:
+                f.write(json.dumps(s if keep else {k: v for k, v in s.items()
+                                                   if k != "loss_weights"}) + "\n")
+        out = str(d / (name + ".json"))
+        subprocess.run([sys.executable, SCRIPT, tiny_model, jl, out, "1", "1", "1"], check=True,
+                       env=env(), capture_output=True)
+        runs[name] = (jl, _losses(out)["losses"])
+    assert len(runs["weighted"][1]) == 3
+    assert all(abs(a - b) > 1e-3 for a, b in zip(runs["weighted"][1], runs["plain"][1]))
+    return runs["weighted"]
+
+
+@pytest.mark.skipif(not have_mpirun(), reason="no mpirun, or loom built without MPI")
+@pytest.mark.parametrize("np_,mesh,cp,sp", [(8, ["2", "2", "2"], 1, False),
+                                            (4, ["1", "2", "1"], 2, True)],
+                         ids=["dp2-tp2-pp2", "tp2-sp-cp2"])
+def test_loss_weights_under_mpirun_match_one_process(tiny_model, weighted, tmp_path, np_, mesh,
+                                                     cp, sp):
+    """The usage example on samples carrying loss_weights: each rank's slice,
+    padded, shifted and cut by cp / sp, weighs its tokens as one process does."""
+    jl, want = weighted
+    out = str(tmp_path / "losses.json")
+    mpirun(np_, [sys.executable, SCRIPT, tiny_model, jl, out] + mesh, LOOM_EXAMPLE_CP=cp,
+           LOOM_EXAMPLE_SP=int(sp))
+    got = _losses(out)["losses"]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert abs(g - w) < 1e-5, (got, want)
+
+
 RESUME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "resume.py")
 
 
