@@ -1,0 +1,143 @@
+/* The attention block (block.h's kind "attention"):
+ *
+ *   q,k,v = h Wq^T, h Wk^T, h Wv^T (+b)   column-parallel: this rank's heads
+ *   q,k = qk_norm (qwen3), rope           CP: k, v all-gathered over cp
+ *   o = attention(q, k, v)                causal, GQA, documents from cu_seqlens
+ *   out = o Wo^T                          row-parallel: a partial sum over tp
+ *
+ * HF weights are (out, in): y = x W^T. */
+#include "block.h"
+#include "model.h"
+
+/* its activation buffers, per layer */
+enum { QPRE, KPRE, RSTDQ, RSTDK, Q, K, V, O, LSE };
+/* its linears, as LoRA numbers them */
+enum { LQ = LOOM_LORA_Q, LK = LOOM_LORA_K, LV = LOOM_LORA_V, LO = LOOM_LORA_O };
+
+/* ---- context parallel: keys and values of the whole micro-batch ---- */
+
+/* loc (Tc, w) of every cp rank -> full (T, w) in token order. */
+static loom_status cp_gather(loom_model *m, const void *loc, int64_t w, void *full) {
+    if (m->cp == 1) return loom_k_copy(m, full, loc, (size_t)(m->Tc * w) * m->dev.esz);
+    CK(loom_comm_allgather(m->mesh->cp, loc, m->kvblk, (size_t)(m->Tc * w), m->dev.adt));
+    return loom_k_rows_scatter(m, full, m->kvblk, m->d_perm, m->T, w);
+}
+
+/* full (T, w) gradients from this rank's queries -> loc (Tc, w) summed over cp. */
+static loom_status cp_reduce(loom_model *m, const void *full, int64_t w, void *loc) {
+    if (m->cp == 1) return loom_k_copy(m, loc, full, (size_t)(m->Tc * w) * m->dev.esz);
+    CK(loom_k_rows_gather(m, m->kvblk, full, m->d_perm, m->T, w));
+    return loom_comm_reduce_scatter(m->mesh->cp, m->kvblk, loc, (size_t)(m->Tc * w), m->dev.adt,
+                                    LOOM_RED_SUM);
+}
+
+/* Global token index (within the micro-batch) of this rank's local tokens,
+ * as the ops read it. */
+static const int32_t *my_qidx_d(const loom_model *m) {
+    return m->cp == 1 ? NULL : m->d_perm + (int64_t)m->mesh->cp_rank * m->Tc;
+}
+
+static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
+    loom_model *m = b->m;
+    const loom_layer_slots *s = &m->layer[b->l];
+    const loom_micro *mb = b->mb;
+    void *const *a = b->act;
+    const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    const int64_t T = m->T, Tc = m->Tc;
+    const float eps = (float)m->cfg.rms_norm_eps;
+    void *q = a[Q], *k = a[K], *v = a[V], *o = a[O];
+    /* k and v of the local tokens: straight into the full buffers without cp */
+    void *kl = m->cp == 1 ? k : m->dkl, *vl = m->cp == 1 ? v : m->dvl;
+    void *qdst = m->cfg.qk_norm ? a[QPRE] : q;
+    void *kdst = m->cfg.qk_norm ? a[KPRE] : kl;
+    CK(loom_blk_lin(b, LQ, h, Tc, H, loom_wc(m, s->wq), QD, qdst));
+    CK(loom_blk_lin(b, LK, h, Tc, H, loom_wc(m, s->wk), KD, kdst));
+    CK(loom_blk_lin(b, LV, h, Tc, H, loom_wc(m, s->wv), KD, vl));
+    if (s->bq >= 0) CK(loom_k_bias_fwd(m, qdst, loom_wc(m, s->bq), Tc, QD));
+    if (s->bk >= 0) CK(loom_k_bias_fwd(m, kdst, loom_wc(m, s->bk), Tc, KD));
+    if (s->bv >= 0) CK(loom_k_bias_fwd(m, vl, loom_wc(m, s->bv), Tc, KD));
+    if (m->cfg.qk_norm) {
+        CK(loom_k_qknorm_rope_fwd(m, mb, qdst, loom_wc(m, s->qn), m->Hql, eps, q, a[RSTDQ]));
+        CK(loom_k_qknorm_rope_fwd(m, mb, kdst, loom_wc(m, s->kn), m->Hkvl, eps, kl, a[RSTDK]));
+    } else {
+        CK(loom_k_rope(m, false, q, Tc, m->Hql, mb->d_pos));
+        CK(loom_k_rope(m, false, kl, Tc, m->Hkvl, mb->d_pos));
+    }
+    CK(cp_gather(m, kl, KD, k));
+    CK(cp_gather(m, vl, KD, v));
+    CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
+                       mb->even_len, o, a[LSE]));
+    if (!out) return loom_blk_lora_fwd(b, LO, o, Tc, m->dtmp);
+    return loom_blk_lin(b, LO, o, Tc, QD, loom_wc(m, s->wo), H, out);
+}
+
+#define DW(dy, x, T, out, in, dW) CK(loom_k_lin_dw(m, dy, x, T, out, in, 1.0f, dW))
+
+/* dq, dk, dv (local) from dy through o and the attention */
+static loom_status attn_bwd_core(const loom_blk *b, const void *dy, void *dkl, void *dvl) {
+    loom_model *m = b->m;
+    const loom_layer_slots *s = &m->layer[b->l];
+    const loom_micro *mb = b->mb;
+    void *const *a = b->act;
+    const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    const int64_t T = m->T, Tc = m->Tc;
+    void *dq = m->dq, *dk = m->dk, *dv = m->dv, *dout = m->dout;
+    /* Each input gradient is LoRA's term and the base projections' as one
+     * sum (loom_k_lin_dx_sum): at most one LoRA term and three projections */
+    bool acc = false;
+    loom_dx_term t[4];
+    int nt = 0;
+    CK(loom_blk_lora_bwd(b, LO, a[O], Tc, dy, dout, &acc, t, &nt));
+    t[nt++] = loom_dx_base(dy, H, loom_wc(m, s->wo));
+    CK(loom_k_lin_dx_sum(m, Tc, QD, nt, t, acc ? 1.0f : 0.0f, dout));
+    DW(dy, a[O], Tc, H, QD, loom_g(m, s->wo));
+    CK(loom_k_attn_bwd(m, dout, a[Q], my_qidx_d(m), Tc, a[K], a[V], a[O], a[LSE], T, m->Hql,
+                       m->Hkvl, mb->d_cu, mb->ndocs, mb->even_len, dq, dk, dv));
+    CK(cp_reduce(m, dk, KD, dkl));
+    CK(cp_reduce(m, dv, KD, dvl));
+    if (m->cfg.qk_norm) {
+        CK(loom_k_qknorm_rope_bwd(m, mb, dq, a[QPRE], loom_wc(m, s->qn), a[RSTDQ], m->Hql,
+                                  loom_g(m, s->qn)));
+        CK(loom_k_qknorm_rope_bwd(m, mb, dkl, a[KPRE], loom_wc(m, s->kn), a[RSTDK], m->Hkvl,
+                                  loom_g(m, s->kn)));
+    } else {
+        CK(loom_k_rope(m, true, dq, Tc, m->Hql, mb->d_pos));
+        CK(loom_k_rope(m, true, dkl, Tc, m->Hkvl, mb->d_pos));
+    }
+    if (s->bq >= 0) CK(loom_k_bias_bwd(m, dq, Tc, QD, loom_g(m, s->bq)));
+    if (s->bk >= 0) CK(loom_k_bias_bwd(m, dkl, Tc, KD, loom_g(m, s->bk)));
+    if (s->bv >= 0) CK(loom_k_bias_bwd(m, dvl, Tc, KD, loom_g(m, s->bv)));
+    return LOOM_OK;
+}
+
+static loom_status attn_bwd(const loom_blk *b, const void *h, const void *dy, void *dx) {
+    loom_model *m = b->m;
+    const loom_layer_slots *s = &m->layer[b->l];
+    const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D, Tc = m->Tc;
+    void *dq = m->dq;
+    void *dkl = m->cp == 1 ? m->dk : m->dkl, *dvl = m->cp == 1 ? m->dv : m->dvl;
+    CK(attn_bwd_core(b, dy, dkl, dvl));
+    bool acc = false;
+    loom_dx_term t[4];
+    int nt = 0;
+    CK(loom_blk_lora_bwd(b, LQ, h, Tc, dq, dx, &acc, NULL, NULL));
+    CK(loom_blk_lora_bwd(b, LK, h, Tc, dkl, dx, &acc, NULL, NULL));
+    CK(loom_blk_lora_bwd(b, LV, h, Tc, dvl, dx, &acc, t, &nt));
+    if (dx) {
+        t[nt++] = loom_dx_base(dq, QD, loom_wc(m, s->wq));
+        t[nt++] = loom_dx_base(dkl, KD, loom_wc(m, s->wk));
+        t[nt++] = loom_dx_base(dvl, KD, loom_wc(m, s->wv));
+        CK(loom_k_lin_dx_sum(m, Tc, H, nt, t, acc ? 1.0f : 0.0f, dx));
+    }
+    DW(dq, h, Tc, QD, H, loom_g(m, s->wq));
+    DW(dkl, h, Tc, KD, H, loom_g(m, s->wk));
+    DW(dvl, h, Tc, KD, H, loom_g(m, s->wv));
+    return LOOM_OK;
+}
+
+const loom_block_kind loom_block_attn = {
+    .name = "attention",
+    .fwd = attn_fwd,
+    .bwd = attn_bwd,
+    .recompute = NULL, /* keeps every buffer under selective recomputation */
+};

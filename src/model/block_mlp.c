@@ -1,0 +1,78 @@
+/* The dense MLP block (block.h's kind "mlp"), SwiGLU:
+ *
+ *   g, u = h Wg^T (+bg), h Wu^T (+bu)   column-parallel: I/tp columns here
+ *   act = silu(g) * u
+ *   out = act Wd^T                      row-parallel: a partial sum over tp
+ *
+ * Selective recomputation drops g, u and act (the wide ones) and computes
+ * them again from h before the backward. */
+#include "block.h"
+#include "model.h"
+
+/* its activation buffers, per layer */
+enum { G, U, ACT };
+/* its linears, as LoRA numbers them */
+enum { LG = LOOM_LORA_GATE, LU = LOOM_LORA_UP, LD = LOOM_LORA_DOWN };
+
+/* up to the down projection's input: act = silu(h Wg^T) * h Wu^T */
+static loom_status mlp_front(const loom_blk *b, const void *h) {
+    loom_model *m = b->m;
+    const loom_layer_slots *s = &m->layer[b->l];
+    void *const *a = b->act;
+    const int64_t H = m->H, Il = m->Il, Tc = m->Tc;
+    CK(loom_blk_lin(b, LG, h, Tc, H, loom_wc(m, s->wg), Il, a[G]));
+    CK(loom_blk_lin(b, LU, h, Tc, H, loom_wc(m, s->wu), Il, a[U]));
+    if (s->bg >= 0) CK(loom_k_bias_fwd(m, a[G], loom_wc(m, s->bg), Tc, Il));
+    if (s->bu >= 0) CK(loom_k_bias_fwd(m, a[U], loom_wc(m, s->bu), Tc, Il));
+    return loom_k_swiglu_fwd(m, a[G], a[U], Tc * Il, a[ACT]);
+}
+
+static loom_status mlp_fwd(const loom_blk *b, const void *h, void *out) {
+    loom_model *m = b->m;
+    CK(mlp_front(b, h));
+    /* recomputed in full: the down projection's LoRA stash, its output in scratch */
+    if (!out) return loom_blk_lora_fwd(b, LD, b->act[ACT], m->Tc, m->dtmp);
+    return loom_blk_lin(b, LD, b->act[ACT], m->Tc, m->Il, loom_wc(m, m->layer[b->l].wd), m->H,
+                        out);
+}
+
+#define DW(dy, x, T, out, in, dW) CK(loom_k_lin_dw(m, dy, x, T, out, in, 1.0f, dW))
+
+static loom_status mlp_bwd(const loom_blk *b, const void *h, const void *dy, void *dx) {
+    loom_model *m = b->m;
+    const loom_layer_slots *s = &m->layer[b->l];
+    void *const *a = b->act;
+    const int64_t H = m->H, Il = m->Il, Tc = m->Tc;
+    void *dg = m->dg, *du = m->du;
+    /* Each input gradient is LoRA's term and the base projections' as one
+     * sum (loom_k_lin_dx_sum): at most one LoRA term and two projections */
+    bool acc = false;
+    loom_dx_term t[4];
+    int nt = 0;
+    CK(loom_blk_lora_bwd(b, LD, a[ACT], Tc, dy, dg, &acc, t, &nt));
+    t[nt++] = loom_dx_base(dy, H, loom_wc(m, s->wd));
+    CK(loom_k_lin_dx_sum(m, Tc, Il, nt, t, acc ? 1.0f : 0.0f, dg));
+    DW(dy, a[ACT], Tc, H, Il, loom_g(m, s->wd));
+    CK(loom_k_swiglu_bwd(m, dg, a[G], a[U], Tc * Il, dg, du));
+    if (s->bg >= 0) CK(loom_k_bias_bwd(m, dg, Tc, Il, loom_g(m, s->bg)));
+    if (s->bu >= 0) CK(loom_k_bias_bwd(m, du, Tc, Il, loom_g(m, s->bu)));
+    acc = false;
+    nt = 0;
+    CK(loom_blk_lora_bwd(b, LG, h, Tc, dg, dx, &acc, NULL, NULL));
+    CK(loom_blk_lora_bwd(b, LU, h, Tc, du, dx, &acc, t, &nt));
+    if (dx) {
+        t[nt++] = loom_dx_base(dg, Il, loom_wc(m, s->wg));
+        t[nt++] = loom_dx_base(du, Il, loom_wc(m, s->wu));
+        CK(loom_k_lin_dx_sum(m, Tc, H, nt, t, acc ? 1.0f : 0.0f, dx));
+    }
+    DW(dg, h, Tc, Il, H, loom_g(m, s->wg));
+    DW(du, h, Tc, Il, H, loom_g(m, s->wu));
+    return LOOM_OK;
+}
+
+const loom_block_kind loom_block_mlp = {
+    .name = "mlp",
+    .fwd = mlp_fwd,
+    .bwd = mlp_bwd,
+    .recompute = mlp_front,
+};
