@@ -20,26 +20,55 @@
 #include "kern.h"
 
 typedef struct loom_block_kind loom_block_kind;
-struct loom_acts;
 
 enum {
-    LOOM_LAYER_MAX_BLOCKS = 4, /* blocks of one layer */
-    LOOM_BLOCK_MAX_BUFS = 16,  /* activation buffers of one block */
+    LOOM_LAYER_MAX_BLOCKS = 4,   /* blocks of one layer */
+    LOOM_BLOCK_MAX_BUFS = 16,    /* activation buffers of one block, per layer */
+    LOOM_BLOCK_MAX_SCRATCH = 8,  /* scratch buffers of one kind */
 };
+
+/* The kinds, in the order their scratch buffers are carved. */
+enum { LOOM_KIND_ATTN, LOOM_KIND_MLP, LOOM_NKINDS };
+extern const loom_block_kind *const loom_block_kinds[LOOM_NKINDS];
+
+/* One activation buffer of a block, per layer and micro-batch in flight. */
+typedef struct loom_block_buf {
+    size_t bytes; /* 0: the config has none */
+    bool cheap;   /* dropped under selective recomputation, made again by `recompute` */
+} loom_block_buf;
+
+/* Where one layer's activations are for one micro-batch (loom_acts_layout
+ * carves them; with recomputation the buffers not kept point into one
+ * layer's region that every layer shares). Block j reads the residual
+ * stream r[j-1] (the layer's input x[i] for the first) and writes r[j] (the
+ * layer's output x[i+1] for the last, not here). */
+typedef struct loom_layer_acts {
+    void *r[LOOM_LAYER_MAX_BLOCKS];      /* (Tn, H) */
+    void *h[LOOM_LAYER_MAX_BLOCKS];      /* (Tc, H): block j's normed input, gathered under SP */
+    float *rstd[LOOM_LAYER_MAX_BLOCKS];  /* (Tn) */
+    void *act[LOOM_LAYER_MAX_BLOCKS][LOOM_BLOCK_MAX_BUFS]; /* the kinds' buffers */
+    void *lora_u;                        /* (linears, Tc, r): LoRA's x A^T of the active adapter */
+} loom_layer_acts;
 
 /* One block of one layer, as the walker hands it to its kind. */
 typedef struct loom_blk {
     loom_model *m;
     int64_t l;                 /* the global layer */
     const loom_micro *mb;      /* the micro-batch */
-    void *const *act;          /* the block's activation buffers of this layer, by the kind's
-                                * index (NULL where the config has none) */
-    struct loom_acts *la;      /* LoRA's x A^T stash: la->lora_u at layer li */
-    int64_t li;
+    void *const *act;          /* its activation buffers of this layer, by the kind's index
+                                * (NULL where the config has none) */
+    void *const *scratch;      /* its kind's scratch buffers (one set for every layer) */
+    void *lora_u;              /* the layer's LoRA stash */
 } loom_blk;
 
 struct loom_block_kind {
     const char *name;
+    int id;                    /* LOOM_KIND_* */
+    /* its activation buffers per layer (out: LOOM_BLOCK_MAX_BUFS) and its
+     * scratch (bytes: LOOM_BLOCK_MAX_SCRATCH), for micro-batches of T tokens,
+     * Tc on this rank, Tn in the residual stream; return their numbers */
+    int (*acts)(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out);
+    int (*scratch)(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes);
     /* forward: h (Tc, H), the normed input gathered over tp under SP ->
      * out (Tc, H), this rank's partial sum of the output (the walker reduces
      * it over tp). out NULL: the layer's last block recomputed in full (the

@@ -9,25 +9,27 @@
 #include "block.h"
 #include "model.h"
 
-/* its activation buffers, per layer */
-enum { QPRE, KPRE, RSTDQ, RSTDK, Q, K, V, O, LSE };
+/* its activation buffers, per layer, and its scratch */
+enum { QPRE, KPRE, RSTDQ, RSTDK, Q, K, V, O, LSE, NBUF };
+enum { DQ, DOUT, DK, DV, DKL, DVL, KVBLK, NSCRATCH };
 /* its linears, as LoRA numbers them */
 enum { LQ = LOOM_LORA_Q, LK = LOOM_LORA_K, LV = LOOM_LORA_V, LO = LOOM_LORA_O };
 
 /* ---- context parallel: keys and values of the whole micro-batch ---- */
 
-/* loc (Tc, w) of every cp rank -> full (T, w) in token order. */
-static loom_status cp_gather(loom_model *m, const void *loc, int64_t w, void *full) {
+/* loc (Tc, w) of every cp rank -> full (T, w) in token order (blk: (T, w)
+ * scratch). */
+static loom_status cp_gather(loom_model *m, const void *loc, int64_t w, void *full, void *blk) {
     if (m->cp == 1) return loom_k_copy(m, full, loc, (size_t)(m->Tc * w) * m->dev.esz);
-    CK(loom_comm_allgather(m->mesh->cp, loc, m->kvblk, (size_t)(m->Tc * w), m->dev.adt));
-    return loom_k_rows_scatter(m, full, m->kvblk, m->d_perm, m->T, w);
+    CK(loom_comm_allgather(m->mesh->cp, loc, blk, (size_t)(m->Tc * w), m->dev.adt));
+    return loom_k_rows_scatter(m, full, blk, m->d_perm, m->T, w);
 }
 
 /* full (T, w) gradients from this rank's queries -> loc (Tc, w) summed over cp. */
-static loom_status cp_reduce(loom_model *m, const void *full, int64_t w, void *loc) {
+static loom_status cp_reduce(loom_model *m, const void *full, int64_t w, void *loc, void *blk) {
     if (m->cp == 1) return loom_k_copy(m, loc, full, (size_t)(m->Tc * w) * m->dev.esz);
-    CK(loom_k_rows_gather(m, m->kvblk, full, m->d_perm, m->T, w));
-    return loom_comm_reduce_scatter(m->mesh->cp, m->kvblk, loc, (size_t)(m->Tc * w), m->dev.adt,
+    CK(loom_k_rows_gather(m, blk, full, m->d_perm, m->T, w));
+    return loom_comm_reduce_scatter(m->mesh->cp, blk, loc, (size_t)(m->Tc * w), m->dev.adt,
                                     LOOM_RED_SUM);
 }
 
@@ -47,7 +49,7 @@ static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
     const float eps = (float)m->cfg.rms_norm_eps;
     void *q = a[Q], *k = a[K], *v = a[V], *o = a[O];
     /* k and v of the local tokens: straight into the full buffers without cp */
-    void *kl = m->cp == 1 ? k : m->dkl, *vl = m->cp == 1 ? v : m->dvl;
+    void *kl = m->cp == 1 ? k : b->scratch[DKL], *vl = m->cp == 1 ? v : b->scratch[DVL];
     void *qdst = m->cfg.qk_norm ? a[QPRE] : q;
     void *kdst = m->cfg.qk_norm ? a[KPRE] : kl;
     CK(loom_blk_lin(b, LQ, h, Tc, H, loom_wc(m, s->wq), QD, qdst));
@@ -63,8 +65,8 @@ static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
         CK(loom_k_rope(m, false, q, Tc, m->Hql, mb->d_pos));
         CK(loom_k_rope(m, false, kl, Tc, m->Hkvl, mb->d_pos));
     }
-    CK(cp_gather(m, kl, KD, k));
-    CK(cp_gather(m, vl, KD, v));
+    CK(cp_gather(m, kl, KD, k, b->scratch[KVBLK]));
+    CK(cp_gather(m, vl, KD, v, b->scratch[KVBLK]));
     CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
                        mb->even_len, o, a[LSE]));
     if (!out) return loom_blk_lora_fwd(b, LO, o, Tc, m->dtmp);
@@ -81,7 +83,8 @@ static loom_status attn_bwd_core(const loom_blk *b, const void *dy, void *dkl, v
     void *const *a = b->act;
     const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
     const int64_t T = m->T, Tc = m->Tc;
-    void *dq = m->dq, *dk = m->dk, *dv = m->dv, *dout = m->dout;
+    void *const *sc = b->scratch;
+    void *dq = sc[DQ], *dk = sc[DK], *dv = sc[DV], *dout = sc[DOUT];
     /* Each input gradient is LoRA's term and the base projections' as one
      * sum (loom_k_lin_dx_sum): at most one LoRA term and three projections */
     bool acc = false;
@@ -93,8 +96,8 @@ static loom_status attn_bwd_core(const loom_blk *b, const void *dy, void *dkl, v
     DW(dy, a[O], Tc, H, QD, loom_g(m, s->wo));
     CK(loom_k_attn_bwd(m, dout, a[Q], my_qidx_d(m), Tc, a[K], a[V], a[O], a[LSE], T, m->Hql,
                        m->Hkvl, mb->d_cu, mb->ndocs, mb->even_len, dq, dk, dv));
-    CK(cp_reduce(m, dk, KD, dkl));
-    CK(cp_reduce(m, dv, KD, dvl));
+    CK(cp_reduce(m, dk, KD, dkl, sc[KVBLK]));
+    CK(cp_reduce(m, dv, KD, dvl, sc[KVBLK]));
     if (m->cfg.qk_norm) {
         CK(loom_k_qknorm_rope_bwd(m, mb, dq, a[QPRE], loom_wc(m, s->qn), a[RSTDQ], m->Hql,
                                   loom_g(m, s->qn)));
@@ -114,8 +117,8 @@ static loom_status attn_bwd(const loom_blk *b, const void *h, const void *dy, vo
     loom_model *m = b->m;
     const loom_layer_slots *s = &m->layer[b->l];
     const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D, Tc = m->Tc;
-    void *dq = m->dq;
-    void *dkl = m->cp == 1 ? m->dk : m->dkl, *dvl = m->cp == 1 ? m->dv : m->dvl;
+    void *const *sc = b->scratch;
+    void *dq = sc[DQ], *dkl = sc[m->cp == 1 ? DK : DKL], *dvl = sc[m->cp == 1 ? DV : DVL];
     CK(attn_bwd_core(b, dy, dkl, dvl));
     bool acc = false;
     loom_dx_term t[4];
@@ -135,8 +138,36 @@ static loom_status attn_bwd(const loom_blk *b, const void *h, const void *dy, vo
     return LOOM_OK;
 }
 
+static int attn_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out) {
+    const size_t e = m->dev.esz, f = sizeof(float);
+    const int64_t QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    const bool qkn = m->cfg.qk_norm;
+    out[QPRE].bytes = qkn ? (size_t)(Tc * QD) * e : 0;
+    out[KPRE].bytes = qkn ? (size_t)(Tc * KD) * e : 0;
+    out[RSTDQ].bytes = qkn ? (size_t)(Tc * m->Hql) * f : 0;
+    out[RSTDK].bytes = qkn ? (size_t)(Tc * m->Hkvl) * f : 0;
+    out[Q].bytes = (size_t)(Tc * QD) * e;
+    out[K].bytes = out[V].bytes = (size_t)(T * KD) * e; /* the whole micro-batch's (over cp) */
+    out[O].bytes = (size_t)(Tc * QD) * e;
+    out[LSE].bytes = (size_t)(Tc * m->Hql) * f;
+    return NBUF; /* all kept under selective recomputation */
+}
+
+static int attn_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes) {
+    const size_t e = m->dev.esz;
+    const int64_t QD = m->Hql * m->D, KD = m->Hkvl * m->D;
+    bytes[DQ] = bytes[DOUT] = (size_t)(Tc * QD) * e;
+    bytes[DK] = bytes[DV] = (size_t)(T * KD) * e;
+    bytes[DKL] = bytes[DVL] = (size_t)(Tc * KD) * e;
+    bytes[KVBLK] = (size_t)(T * KD) * e; /* a cp exchange's gathered blocks */
+    return NSCRATCH;
+}
+
 const loom_block_kind loom_block_attn = {
     .name = "attention",
+    .id = LOOM_KIND_ATTN,
+    .acts = attn_acts,
+    .scratch = attn_scratch,
     .fwd = attn_fwd,
     .bwd = attn_bwd,
     .recompute = NULL, /* keeps every buffer under selective recomputation */

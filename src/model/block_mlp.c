@@ -9,8 +9,9 @@
 #include "block.h"
 #include "model.h"
 
-/* its activation buffers, per layer */
-enum { G, U, ACT };
+/* its activation buffers, per layer, and its scratch */
+enum { G, U, ACT, NBUF };
+enum { DG, DU, NSCRATCH };
 /* its linears, as LoRA numbers them */
 enum { LG = LOOM_LORA_GATE, LU = LOOM_LORA_UP, LD = LOOM_LORA_DOWN };
 
@@ -43,7 +44,7 @@ static loom_status mlp_bwd(const loom_blk *b, const void *h, const void *dy, voi
     const loom_layer_slots *s = &m->layer[b->l];
     void *const *a = b->act;
     const int64_t H = m->H, Il = m->Il, Tc = m->Tc;
-    void *dg = m->dg, *du = m->du;
+    void *dg = b->scratch[DG], *du = b->scratch[DU];
     /* Each input gradient is LoRA's term and the base projections' as one
      * sum (loom_k_lin_dx_sum): at most one LoRA term and two projections */
     bool acc = false;
@@ -70,8 +71,21 @@ static loom_status mlp_bwd(const loom_blk *b, const void *h, const void *dy, voi
     return LOOM_OK;
 }
 
+static int mlp_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out) {
+    for (int k = 0; k < NBUF; k++) out[k] = (loom_block_buf){(size_t)(Tc * m->Il) * m->dev.esz, true};
+    return NBUF;
+}
+
+static int mlp_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes) {
+    bytes[DG] = bytes[DU] = (size_t)(Tc * m->Il) * m->dev.esz;
+    return NSCRATCH;
+}
+
 const loom_block_kind loom_block_mlp = {
     .name = "mlp",
+    .id = LOOM_KIND_MLP,
+    .acts = mlp_acts,
+    .scratch = mlp_scratch,
     .fwd = mlp_fwd,
     .bwd = mlp_bwd,
     .recompute = mlp_front,

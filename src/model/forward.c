@@ -17,9 +17,8 @@
 #include "kern.h"
 #include "model.h"
 
-/* Activation (compute dtype) and fp32 buffers of layer i of a chunk */
+/* Activations of layer i of a chunk (compute dtype) */
 #define AT(buf, i, per) ((void *)((char *)(buf) + (size_t)(i) * (size_t)(per) * m->dev.esz))
-#define ATF(buf, i, per) ((buf) + (size_t)(i) * (size_t)(per))
 
 /* ---- tensor-parallel collectives on (tokens, H) activations ---- */
 
@@ -48,61 +47,32 @@ static const int32_t *my_qidx(const loom_model *m) {
 
 /* ---- one layer: its blocks in order (block.h) ---- */
 
-/* Where layer i's activations are: its input and output in a->x; the rest
- * in a (kept for the backward) or, for the groups recomputed, in m->rc
- * (one layer; model.h). Block j reads the residual stream r[j-1] (x for the
- * first) and writes r[j] (the layer's output for the last). */
+/* Layer i of a chunk: its blocks, their slots, and where its activations
+ * are (its input and output in a->x, the rest in its loom_layer_acts). */
 typedef struct lbuf {
     int nb;
     const loom_block_kind *kind[LOOM_LAYER_MAX_BLOCKS];
     int norm[LOOM_LAYER_MAX_BLOCKS], bias[LOOM_LAYER_MAX_BLOCKS]; /* base slots; -1 none */
     const void *x;
-    void *r[LOOM_LAYER_MAX_BLOCKS];    /* (Tn, H) */
-    void *h[LOOM_LAYER_MAX_BLOCKS];    /* (Tc, H): normed input, gathered under SP */
-    float *rstd[LOOM_LAYER_MAX_BLOCKS]; /* (Tn) */
-    void *act[LOOM_LAYER_MAX_BLOCKS][LOOM_BLOCK_MAX_BUFS];
-    loom_acts *la; /* LoRA's x A^T stash: la->lora_u at layer li */
-    int64_t li;
+    void *r[LOOM_LAYER_MAX_BLOCKS];    /* (Tn, H): the residual stream after block j */
+    const loom_layer_acts *t;
 } lbuf;
 
 static void layer_bufs(loom_model *m, loom_acts *a, int64_t i, int64_t l, lbuf *b) {
     const loom_layer_slots *s = &m->layer[l];
-    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
-    const int64_t T = m->T, Tc = m->Tc, Tn = m->Tn;
-    const bool full = m->recompute == LOOM_RECOMPUTE_FULL;
-    loom_acts *w = full ? &m->rc : a, *p = m->recompute != LOOM_RECOMPUTE_NONE ? &m->rc : a;
-    const int64_t wi = full ? 0 : i, pi = p == a ? i : 0;
-    memset(b, 0, sizeof *b);
+    const int64_t Tn = m->Tn, H = m->H;
     b->nb = loom_layer_kinds(&m->cfg, l, b->kind);
     b->norm[0] = s->ln1, b->norm[1] = s->ln2;
     b->bias[0] = s->bo, b->bias[1] = s->bdn;
+    b->t = &a->lay[i];
     b->x = AT(a->x, i, Tn * H);
-    b->r[0] = AT(w->xmid, wi, Tn * H);
-    b->r[1] = AT(a->x, i + 1, Tn * H);
-    b->h[0] = AT(w->h1, wi, Tc * H);
-    b->h[1] = AT(w->h2, wi, Tc * H);
-    b->rstd[0] = ATF(w->rstd1, wi, Tn);
-    b->rstd[1] = ATF(w->rstd2, wi, Tn);
-    void **at = b->act[0];
-    at[0] = m->cfg.qk_norm ? AT(w->qpre, wi, Tc * QD) : NULL;
-    at[1] = m->cfg.qk_norm ? AT(w->kpre, wi, Tc * KD) : NULL;
-    at[2] = m->cfg.qk_norm ? ATF(w->rstdq, wi, Tc * m->Hql) : NULL;
-    at[3] = m->cfg.qk_norm ? ATF(w->rstdk, wi, Tc * m->Hkvl) : NULL;
-    at[4] = AT(w->q, wi, Tc * QD);
-    at[5] = AT(w->k, wi, T * KD);
-    at[6] = AT(w->v, wi, T * KD);
-    at[7] = AT(w->o, wi, Tc * QD);
-    at[8] = ATF(w->lse, wi, Tc * m->Hql);
-    void **ml = b->act[1];
-    ml[0] = AT(p->gate, pi, Tc * Il);
-    ml[1] = AT(p->up, pi, Tc * Il);
-    ml[2] = AT(p->act, pi, Tc * Il);
-    b->la = w;
-    b->li = wi;
+    for (int j = 0; j + 1 < b->nb; j++) b->r[j] = b->t->r[j];
+    b->r[b->nb - 1] = AT(a->x, i + 1, Tn * H);
 }
 
 static loom_blk blk(loom_model *m, const lbuf *b, int j, int64_t l, const loom_micro *mb) {
-    return (loom_blk){.m = m, .l = l, .mb = mb, .act = b->act[j], .la = b->la, .li = b->li};
+    return (loom_blk){.m = m, .l = l, .mb = mb, .act = b->t->act[j],
+                      .scratch = m->scratch[b->kind[j]->id], .lora_u = b->t->lora_u};
 }
 
 /* After block j computed its partial output `part`: the tp reduce into
@@ -121,15 +91,15 @@ static loom_status residual(loom_model *m, const lbuf *b, int j, void *part) {
         return bias >= 0 ? loom_k_bias_fwd(m, r, loom_wc(m, bias), Tn, H) : LOOM_OK;
     }
     const void *w = loom_wc(m, b->norm[j + 1]);
-    void *h = m->sp ? m->dtmp : b->h[j + 1];
+    void *h = m->sp ? m->dtmp : b->t->h[j + 1];
     if (bias >= 0) {
         CK(loom_k_add(m, r, rin, Tn * H));
         CK(loom_k_bias_fwd(m, r, loom_wc(m, bias), Tn, H));
-        CK(loom_k_rmsnorm_fwd(m, r, w, Tn, H, eps, h, b->rstd[j + 1]));
+        CK(loom_k_rmsnorm_fwd(m, r, w, Tn, H, eps, h, b->t->rstd[j + 1]));
     } else {
-        CK(loom_k_add_rmsnorm_fwd(m, r, rin, r, w, Tn, H, eps, h, b->rstd[j + 1]));
+        CK(loom_k_add_rmsnorm_fwd(m, r, rin, r, w, Tn, H, eps, h, b->t->rstd[j + 1]));
     }
-    return m->sp ? sp_gather(m, m->dtmp, b->h[j + 1]) : LOOM_OK;
+    return m->sp ? sp_gather(m, m->dtmp, b->t->h[j + 1]) : LOOM_OK;
 }
 
 /* The layer's blocks in order. full: the layer recomputed in full, its
@@ -137,14 +107,14 @@ static loom_status residual(loom_model *m, const lbuf *b, int j, void *part) {
 static loom_status layer_run(loom_model *m, const lbuf *b, int64_t l, const loom_micro *mb,
                              bool full) {
     CK(loom_k_rmsnorm_fwd(m, b->x, loom_wc(m, b->norm[0]), m->Tn, m->H,
-                          (float)m->cfg.rms_norm_eps, m->sp ? m->dtmp : b->h[0], b->rstd[0]));
-    if (m->sp) CK(sp_gather(m, m->dtmp, b->h[0]));
+                          (float)m->cfg.rms_norm_eps, m->sp ? m->dtmp : b->t->h[0], b->t->rstd[0]));
+    if (m->sp) CK(sp_gather(m, m->dtmp, b->t->h[0]));
     for (int j = 0; j < b->nb; j++) {
         const loom_blk c = blk(m, b, j, l, mb);
-        if (full && j + 1 == b->nb) return b->kind[j]->fwd(&c, b->h[j], NULL);
+        if (full && j + 1 == b->nb) return b->kind[j]->fwd(&c, b->t->h[j], NULL);
         /* the output straight into the residual stream unless SP scatters it there */
         void *part = m->sp ? m->dtmp : b->r[j];
-        CK(b->kind[j]->fwd(&c, b->h[j], part));
+        CK(b->kind[j]->fwd(&c, b->t->h[j], part));
         CK(residual(m, b, j, part));
     }
     return LOOM_OK;
@@ -165,7 +135,7 @@ static loom_status layer_recompute(loom_model *m, const lbuf *b, int64_t l, cons
     if (m->recompute == LOOM_RECOMPUTE_FULL) return layer_run(m, b, l, mb, true);
     for (int j = 0; j < b->nb; j++) {
         const loom_blk c = blk(m, b, j, l, mb);
-        if (b->kind[j]->recompute) CK(b->kind[j]->recompute(&c, b->h[j]));
+        if (b->kind[j]->recompute) CK(b->kind[j]->recompute(&c, b->t->h[j]));
     }
     return LOOM_OK;
 }
@@ -183,12 +153,12 @@ static loom_status block_bwd(loom_model *m, const lbuf *b, int j, int64_t l,
      * weight gradients are all the rest of the backward. */
     const bool want_dx = j > 0 || l > 0 || loom_g(m, m->embed) || loom_g(m, b->norm[0]);
     const loom_blk c = blk(m, b, j, l, mb);
-    CK(b->kind[j]->bwd(&c, b->h[j], dfull, want_dx ? dtmp : NULL));
+    CK(b->kind[j]->bwd(&c, b->t->h[j], dfull, want_dx ? dtmp : NULL));
     if (!want_dx) return LOOM_OK;
     void *red = m->sp ? m->dfull : dtmp; /* reduce-scatter needs distinct buffers */
     CK(tp_reduce(m, dtmp, red));
     return loom_k_rmsnorm_bwd_add(m, red, j ? b->r[j - 1] : b->x, loom_wc(m, b->norm[j]),
-                                  b->rstd[j], Tn, H, dx, loom_g(m, b->norm[j]));
+                                  b->t->rstd[j], Tn, H, dx, loom_g(m, b->norm[j]));
 }
 
 /* m->dx holds d loss / d x[i+1] (Tn, H) on entry and d loss / d x[i] on return. */

@@ -546,11 +546,11 @@ static loom_status dropout_mask(loom_model *m, const loom_adapter *a, int64_t l,
                           key, a->dropout);
 }
 
-/* The adapter's compute copies of A and B, and x A^T of (layer i, mod). */
+/* The adapter's compute copies of A and B, and x A^T of `mod` in a layer's
+ * stash u. */
 #define WC(a, sl) ((const char *)(a)->ar.wc + (sl)->off * m->dev.esz)
-static void *lora_u(loom_model *m, loom_acts *act, int64_t i, int mod, int64_t r) {
-    size_t at = ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
-    return (char *)act->lora_u + at * m->dev.esz;
+static void *lora_u(loom_model *m, void *u, int mod, int64_t r) {
+    return (char *)u + (size_t)mod * (size_t)(m->Tc * r) * m->dev.esz;
 }
 
 bool loom_lora_covers(loom_model *m, int64_t l, int mod) {
@@ -585,7 +585,7 @@ static bool grouped(loom_model *m, const loom_adapter *a, int64_t l, int mod, lg
     return true;
 }
 
-loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
+loom_status loom_lora_fwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, void *y, float beta, const void *W,
                           bool *with_base) {
     loom_adapter *a;
@@ -599,12 +599,12 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
     lgroup g;
     if (grouped(m, a, l, mod, &g)) {
         ldu = g.n * r;
-        char *u0 = lora_u(m, act, i, g.first, r);
+        char *u0 = lora_u(m, stash, g.first, r);
         if (mod == g.first) CK(loom_k_gemm_ld(m, false, true, T, ldu, in, 1.0f, x, in, WC(a, A), in,
                                               0.0f, u0, false, ldu));
         u = u0 + (size_t)((mod - g.first) * r) * m->dev.esz;
     } else {
-        u = lora_u(m, act, i, mod, r);
+        u = lora_u(m, stash, mod, r);
         if (dropout_on(m, a)) {
             CK(dropout_mask(m, a, l, mod, A, x, T, m->lora_xd));
             x = m->lora_xd;
@@ -619,7 +619,7 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
                           out);
 }
 
-loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
+loom_status loom_lora_bwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, const void *dy, void *dx, float beta,
                           bool *wrote, loom_dx_term *defer) {
     loom_adapter *a;
@@ -636,7 +636,7 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
          * the group's dA += du^T x, dx = du A + beta dx */
         const int64_t ld = g.n * r;
         const size_t c = (size_t)((mod - g.first) * r) * m->dev.esz;
-        const char *u = (const char *)lora_u(m, act, i, g.first, r) + c;
+        const char *u = (const char *)lora_u(m, stash, g.first, r) + c;
         if (mod == g.first) m->lora_npend = 0, m->lora_pend_l = l;
         if (m->lora_npend != mod - g.first || m->lora_pend_l != l)
             return loom_errf(m->ctx, LOOM_ERR_INTERNAL,
@@ -659,7 +659,7 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
         return loom_k_gemm_ld(m, false, false, T, in, ld, 1.0f, m->lora_du, ld, WC(a, A0), in, beta,
                               dx, false, in);
     }
-    const void *u = lora_u(m, act, i, mod, r);
+    const void *u = lora_u(m, stash, mod, r);
     void *du = m->lora_du;
     /* dB += s dy^T u and du = s dy B (one read of dy); dA += du^T x';
      * dx = d/dx (du A) + beta dx, x' the dropped-out input (recomputed from

@@ -653,18 +653,9 @@ int64_t loom_loss_block_rows(bool cuda, int64_t Vl, int64_t Tc) {
     return (Tc + n - 1) / n;
 }
 
-/* Activation buffers are carved from one allocation (act_mem): loom_carve()
- * runs the layout twice, first to measure (base NULL), then to assign. */
-
-static void *cv(loom_carve *c, size_t bytes) {
-    if (!bytes) return NULL;
-    size_t off = (c->used + 255) & ~(size_t)255;
-    c->used = off + bytes;
-    return c->base ? c->base + off : NULL;
-}
-
 static void buffers_free(loom_model *m) {
     for (int c = 0; m->chunks && c < m->vpp; c++) {
+        for (int i = 0; i < m->chunks[c].npool; i++) free(m->chunks[c].pool[i].lay);
         free(m->chunks[c].pool);
         m->chunks[c].pool = NULL;
         m->chunks[c].npool = 0;
@@ -694,97 +685,6 @@ static void buffers_free(loom_model *m) {
     m->lora_r = 0;
 }
 
-/* Every activation buffer of micro-batches of T tokens (Tc, Tn on this
- * rank), `in_flight` per chunk, LoRA rank lr: pointers into c. */
-/* The per-layer buffers of n layers into a: the attention group (norms,
- * residual, q/k/v/o, LoRA's x A^T) and/or the MLP group (gate, up, act). */
-enum { GRP_ATTN = 1, GRP_MLP = 2 };
-static void layer_acts(loom_model *m, loom_carve *c, loom_acts *a, int64_t n, int grp, int64_t T,
-                       int64_t Tc, int64_t Tn, int lr) {
-    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
-    const size_t e = m->dev.esz, f = sizeof(float);
-    const bool qkn = m->cfg.qk_norm;
-    if (grp & GRP_ATTN) {
-        a->h1 = cv(c, (size_t)(n * Tc * H) * e);
-        a->h2 = cv(c, (size_t)(n * Tc * H) * e);
-        a->rstd1 = cv(c, (size_t)(n * Tn) * f);
-        a->rstd2 = cv(c, (size_t)(n * Tn) * f);
-        a->xmid = cv(c, (size_t)(n * Tn * H) * e);
-        a->qpre = qkn ? cv(c, (size_t)(n * Tc * QD) * e) : NULL;
-        a->kpre = qkn ? cv(c, (size_t)(n * Tc * KD) * e) : NULL;
-        a->rstdq = qkn ? cv(c, (size_t)(n * Tc * m->Hql) * f) : NULL;
-        a->rstdk = qkn ? cv(c, (size_t)(n * Tc * m->Hkvl) * f) : NULL;
-        a->q = cv(c, (size_t)(n * Tc * QD) * e);
-        a->k = cv(c, (size_t)(n * T * KD) * e);
-        a->v = cv(c, (size_t)(n * T * KD) * e);
-        a->o = cv(c, (size_t)(n * Tc * QD) * e);
-        a->lse = cv(c, (size_t)(n * Tc * m->Hql) * f);
-        a->lora_u = lr ? cv(c, (size_t)(n * LOOM_LORA_NMOD * Tc * lr) * e) : NULL;
-    }
-    if (grp & GRP_MLP) {
-        a->gate = cv(c, (size_t)(n * Tc * Il) * e);
-        a->up = cv(c, (size_t)(n * Tc * Il) * e);
-        a->act = cv(c, (size_t)(n * Tc * Il) * e);
-    }
-}
-
-void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
-                        int in_flight, int lr, bool dropout) {
-    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
-    const size_t e = m->dev.esz, f = sizeof(float);
-    /* kept per layer and micro-batch in flight / recomputed one layer at a time */
-    const int keep = m->recompute == LOOM_RECOMPUTE_FULL ? 0
-                     : m->recompute == LOOM_RECOMPUTE_MLP ? GRP_ATTN
-                                                          : GRP_ATTN | GRP_MLP;
-    for (int ci = 0; ci < m->vpp; ci++) {
-        loom_chunk *ch = &m->chunks[ci];
-        const int64_t nl = ch->nl;
-        for (int i = 0; i < in_flight; i++) {
-            loom_acts *a = &ch->pool[i];
-            const int mb = a->mb;
-            memset(a, 0, sizeof *a);
-            a->mb = mb;
-            a->x = cv(c, (size_t)((nl + 1) * Tn * H) * e);
-            layer_acts(m, c, a, nl, keep, T, Tc, Tn, lr);
-            if (ch->last) {
-                a->hf = cv(c, (size_t)(Tn * H) * e);
-                a->rstdf = cv(c, (size_t)Tn * f);
-                a->dstash = cv(c, (size_t)(Tn * H) * e);
-            }
-        }
-    }
-    memset(&m->rc, 0, sizeof m->rc);
-    if (keep != (GRP_ATTN | GRP_MLP)) layer_acts(m, c, &m->rc, 1, ~keep & (GRP_ATTN | GRP_MLP), T, Tc, Tn, lr);
-    m->dx = cv(c, (size_t)(Tc * H) * e);
-    m->dtmp = cv(c, (size_t)(Tc * H) * e);
-    m->dfull = cv(c, (size_t)(Tc * H) * e);
-    m->dq = cv(c, (size_t)(Tc * QD) * e);
-    m->dout = cv(c, (size_t)(Tc * QD) * e);
-    m->dk = cv(c, (size_t)(T * KD) * e);
-    m->dv = cv(c, (size_t)(T * KD) * e);
-    m->dkl = cv(c, (size_t)(Tc * KD) * e);
-    m->dvl = cv(c, (size_t)(Tc * KD) * e);
-    m->kvblk = cv(c, (size_t)(T * KD) * e);
-    m->dg = cv(c, (size_t)(Tc * Il) * e);
-    m->du = cv(c, (size_t)(Tc * Il) * e);
-    m->logits = cv(c, (size_t)(m->chunk_rows * m->Vl) * e);
-    m->lora_du = lr ? cv(c, (size_t)(Tc * 3 * lr) * e) : NULL; /* a group of up to 3 modules */
-    int64_t maxin = H > QD ? H : QD;
-    if (Il > maxin) maxin = Il;
-    m->lora_xd = dropout ? cv(c, (size_t)(Tc * maxin) * e) : NULL;
-    m->ce = cv(c, (size_t)Tc * 4 * sizeof(double));
-    m->d_perm = cv(c, (size_t)T * sizeof(int32_t));
-    for (int i = 0; i < nmb; i++) {
-        loom_micro *u = &m->micro[i];
-        u->d_ids = cv(c, (size_t)Tc * sizeof(int32_t));
-        u->d_tgt = cv(c, (size_t)Tc * sizeof(int32_t));
-        u->d_pos = cv(c, (size_t)Tc * sizeof(int32_t));
-        u->d_cu = cv(c, (size_t)(T + 1) * sizeof(int32_t));
-        u->d_rope = m->dev.cuda ? cv(c, (size_t)(Tc * m->D) * sizeof(float)) : NULL;
-    }
-    for (int i = 0; i < m->npp_stage; i++) m->pp_stage[i] = cv(c, (size_t)(Tn * H) * e);
-}
-
 loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight,
                                int pp_slots) {
     const int64_t T = rows * seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
@@ -809,7 +709,11 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
         ch->pool = loom_calloc(ctx, (size_t)in_flight, sizeof *ch->pool, "activations");
         if (!ch->pool) fail = true;
         ch->npool = ch->pool ? in_flight : 0;
-        for (int i = 0; i < ch->npool; i++) ch->pool[i].mb = -1;
+        for (int i = 0; i < ch->npool; i++) {
+            ch->pool[i].mb = -1;
+            ch->pool[i].lay = loom_calloc(ctx, (size_t)ch->nl, sizeof *ch->pool[i].lay, "activations");
+            if (!ch->pool[i].lay) fail = true;
+        }
     }
     m->micro = loom_calloc(ctx, (size_t)nmb, sizeof *m->micro, "micro-batches");
     if (m->micro) m->cap_mb = nmb;

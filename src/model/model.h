@@ -30,6 +30,7 @@
 
 #include "../io/hf_config.h"
 #include "../parallel/mesh.h"
+#include "block.h"
 #include "kern.h"
 #include "params.h"
 
@@ -116,28 +117,17 @@ typedef struct loom_adapter {
     char **names;                 /* slot names (PEFT, without the adapter name) */
 } loom_adapter;
 
-/* Activations of one model chunk for one micro-batch, saved by the forward
- * for the backward. Per layer i of the chunk (offsets i * stride). */
-/* Activations of a chunk's layers for one micro-batch in flight. With
- * recomputation the groups not kept are NULL here and live, for one layer,
- * in the model's rc (the layer being recomputed): MLP leaves out gate, up
- * and act; FULL everything but x, hf, rstdf and dstash. */
+/* Activations of one model chunk for one micro-batch in flight, saved by
+ * the forward for the backward: the layers' inputs and outputs, where each
+ * layer's other buffers are (block.h's loom_layer_acts: with recomputation
+ * those not kept lie in one layer's region shared by all), and the last
+ * stage's final norm and loss gradient. */
 typedef struct loom_acts {
     void *x;            /* (nl+1, Tn, H): input of layer i; x[nl] = the chunk's output */
-    void *h1, *h2;      /* (nl, Tc, H): normed inputs of attention and MLP (gathered under SP) */
-    float *rstd1, *rstd2; /* (nl, Tn) */
-    void *xmid;         /* (nl, Tn, H): residual after attention */
-    void *qpre, *kpre;  /* (nl, Tc, QDl), (nl, Tc, KDl): before q/k norm (qk_norm only) */
-    float *rstdq, *rstdk; /* (nl, Tc*Hq_l), (nl, Tc*Hkv_l) */
-    void *q;            /* (nl, Tc, QDl) after rope */
-    void *k, *v;        /* (nl, T, KDl): the whole micro-batch's keys and values (gathered over cp) */
-    void *o;            /* (nl, Tc, QDl) */
-    float *lse;         /* (nl, Tc*Hq_l) */
-    void *gate, *up, *act; /* (nl, Tc, I_l) */
+    loom_layer_acts *lay; /* (nl) */
     void *hf;           /* (Tn, H): final norm (last stage) */
     float *rstdf;       /* (Tn) */
     void *dstash;       /* (Tn, H): d loss / d x[nl], from the loss (last stage) */
-    void *lora_u;       /* (nl, LOOM_LORA_NMOD, Tc, r): x A^T of the active adapter */
     int mb;             /* micro-batch held, -1 when free */
 } loom_acts;
 
@@ -196,7 +186,6 @@ struct loom_model {
     /* activations */
     loom_chunk *chunks;      /* (vpp) */
     loom_recompute recompute;/* what the backward recomputes (loom.h) */
-    loom_acts rc;            /* with recompute: the groups not kept, for one layer */
     int64_t cap_T;           /* micro-batch tokens the buffers were sized for */
     int64_t T, Tc, Tn;       /* of the current micro-batch shape */
     loom_micro *micro;       /* (cap_mb) */
@@ -206,8 +195,7 @@ struct loom_model {
     void *act_mem;           /* the one allocation all activation buffers are carved from */
     size_t act_bytes;
     void *dx, *dtmp, *dfull; /* (Tc, H) each: scratch */
-    void *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
-    void *dg, *du;           /* (Tc, I_l) */
+    void *scratch[LOOM_NKINDS][LOOM_BLOCK_MAX_SCRATCH]; /* the block kinds' (block.h) */
     void *lora_du;           /* (Tc, 3 r): a LoRA group's du */
     loom_lora_dy_op lora_pend[3]; /* a LoRA group's dy passes, run at its last module */
     int lora_npend;
@@ -270,9 +258,9 @@ static inline float *loom_g(loom_model *m, int s) {
     return s < 0 || !m->base.g || m->base.slots[s].frozen ? NULL
                                                           : m->base.g + m->base.slots[s].off;
 }
-/* lora.c: the active, unmerged adapter's path on one linear of layer l (i:
- * the layer's index in its chunk). fwd: y (T, out_l) = scale (x A^T) B^T +
- * beta y, saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
+/* lora.c: the active, unmerged adapter's path on one linear of layer l
+ * (stash: the layer's loom_layer_acts.lora_u). fwd: y (T, out_l) = scale
+ * (x A^T) B^T + beta y, saving x A^T in the stash. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
  * dx, *wrote set when dx was written (dx NULL: the input gradient is not
  * wanted, only dA and dB); with defer (not NULL), where the term is du A
  * (no dropout) it is not computed but described in *defer (defer->dy NULL
@@ -283,10 +271,10 @@ static inline float *loom_g(loom_model *m, int s) {
  * adapter covers the linear (loom_lora_covers). Modules that share an input
  * (q, k, v; gate, up) may run as a group: called in module order, the first
  * computes the group's x A^T and the last writes the group's dx. */
-loom_status loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
+loom_status loom_lora_fwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, void *y, float beta, const void *W,
                           bool *with_base);
-loom_status loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
+loom_status loom_lora_bwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, const void *dy, void *dx, float beta,
                           bool *wrote, loom_dx_term *defer);
 bool loom_lora_covers(loom_model *m, int64_t l, int mod);
@@ -384,8 +372,9 @@ loom_status loom_model_build_slots(loom_model *m);
 void loom_model_set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_model_config *c,
                           int64_t pad);
 int64_t loom_loss_block_rows(bool cuda, int64_t Vl, int64_t Tc);
-/* Activation buffers are carved from one allocation (act_mem): the layout
- * runs twice, first to measure (base NULL), then to assign. */
+/* Activation buffers are carved from one allocation (act_mem) by acts.c's
+ * layout, run twice: first to measure (base NULL), then to assign. Pools
+ * whose lay is NULL are only measured (the memory predictor). */
 typedef struct loom_carve {
     char *base;
     size_t used;
