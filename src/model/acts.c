@@ -72,7 +72,8 @@ static void shape_init(shape *s, const loom_model *m, int64_t T, int64_t Tc, int
     s->Tc = Tc;
     s->Tn = Tn;
     s->lr = lr;
-    for (int id = 0; id < LOOM_NKINDS; id++) loom_block_kinds[id]->acts(m, T, Tc, Tn, s->buf[id]);
+    for (int id = 0; id < LOOM_NKINDS; id++)
+        if (loom_block_kinds[id]->acts) loom_block_kinds[id]->acts(m, T, Tc, Tn, s->buf[id]);
 }
 
 /* Bytes of piece p of global layer l. */
@@ -138,7 +139,7 @@ static void carve_scratch(loom_model *m, loom_carve *c, int64_t T, int64_t Tc) {
         }
     memset(m->scratch, 0, sizeof m->scratch);
     for (int id = 0; id < LOOM_NKINDS; id++) {
-        if (!used[id]) continue;
+        if (!used[id] || !loom_block_kinds[id]->scratch) continue;
         size_t bytes[LOOM_BLOCK_MAX_SCRATCH] = {0};
         const int n = loom_block_kinds[id]->scratch(m, T, Tc, bytes);
         for (int k = 0; k < n; k++) m->scratch[id][k] = cv(c, bytes[k]);

@@ -9,11 +9,49 @@
 #include "block.h"
 #include "model.h"
 
-/* its activation buffers, per layer, and its scratch */
+/* its tensors, its linears, its activation buffers per layer, its scratch */
+enum { WQ, WK, WV, WO, BQ, BK, BV, BO, QN, KN, NSLOT };
+enum { LQ, LK, LV, LO, NLIN };
 enum { QPRE, KPRE, RSTDQ, RSTDK, Q, K, V, O, LSE, NBUF };
 enum { DQ, DOUT, DK, DV, DKL, DVL, KVBLK, NSCRATCH };
-/* its linears, as LoRA numbers them */
-enum { LQ = LOOM_LORA_Q, LK = LOOM_LORA_K, LV = LOOM_LORA_V, LO = LOOM_LORA_O };
+
+static const loom_block_slot slots[NSLOT] = {
+    [WQ] = {"self_attn.q_proj.weight", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
+    [WK] = {"self_attn.k_proj.weight", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
+    [WV] = {"self_attn.v_proj.weight", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
+    [WO] = {"self_attn.o_proj.weight", LOOM_COMP_ATTN, LOOM_SHARD_COLS},
+    [BQ] = {"self_attn.q_proj.bias", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
+    [BK] = {"self_attn.k_proj.bias", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
+    [BV] = {"self_attn.v_proj.bias", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
+    [BO] = {"self_attn.o_proj.bias", LOOM_COMP_ATTN, LOOM_SHARD_NONE},
+    [QN] = {"self_attn.q_norm.weight", LOOM_COMP_ATTN, LOOM_SHARD_NONE, true},
+    [KN] = {"self_attn.k_norm.weight", LOOM_COMP_ATTN, LOOM_SHARD_NONE, true},
+};
+
+static const loom_block_linear linears[NLIN] = {
+    [LQ] = {"self_attn", "q_proj", WQ, LQ}, [LK] = {"self_attn", "k_proj", WK, LQ},
+    [LV] = {"self_attn", "v_proj", WV, LQ}, [LO] = {"self_attn", "o_proj", WO, LO},
+};
+
+static loom_status attn_params(const loom_model_config *c, int64_t l, loom_param_sink *s) {
+    const int64_t H = c->hidden_size, D = c->head_dim;
+    const int64_t q = c->num_heads * D, kv = c->num_kv_heads * D;
+    loom_param_put(s, WQ, q, H);
+    loom_param_put(s, WK, kv, H);
+    loom_param_put(s, WV, kv, H);
+    loom_param_put(s, WO, H, q);
+    if (c->qkv_bias) {
+        loom_param_put(s, BQ, q, 0);
+        loom_param_put(s, BK, kv, 0);
+        loom_param_put(s, BV, kv, 0);
+    }
+    if (c->o_bias) loom_param_put(s, BO, H, 0);
+    if (c->qk_norm) {
+        loom_param_put(s, QN, D, 0);
+        loom_param_put(s, KN, D, 0);
+    }
+    return LOOM_OK;
+}
 
 /* ---- context parallel: keys and values of the whole micro-batch ---- */
 
@@ -41,7 +79,7 @@ static const int32_t *my_qidx_d(const loom_model *m) {
 
 static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
     loom_model *m = b->m;
-    const loom_layer_slots *s = &m->layer[b->l];
+    const int *w = b->w;
     const loom_micro *mb = b->mb;
     void *const *a = b->act;
     const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
@@ -52,15 +90,15 @@ static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
     void *kl = m->cp == 1 ? k : b->scratch[DKL], *vl = m->cp == 1 ? v : b->scratch[DVL];
     void *qdst = m->cfg.qk_norm ? a[QPRE] : q;
     void *kdst = m->cfg.qk_norm ? a[KPRE] : kl;
-    CK(loom_blk_lin(b, LQ, h, Tc, H, loom_wc(m, s->wq), QD, qdst));
-    CK(loom_blk_lin(b, LK, h, Tc, H, loom_wc(m, s->wk), KD, kdst));
-    CK(loom_blk_lin(b, LV, h, Tc, H, loom_wc(m, s->wv), KD, vl));
-    if (s->bq >= 0) CK(loom_k_bias_fwd(m, qdst, loom_wc(m, s->bq), Tc, QD));
-    if (s->bk >= 0) CK(loom_k_bias_fwd(m, kdst, loom_wc(m, s->bk), Tc, KD));
-    if (s->bv >= 0) CK(loom_k_bias_fwd(m, vl, loom_wc(m, s->bv), Tc, KD));
+    CK(loom_blk_lin(b, LQ, h, Tc, H, loom_wc(m, w[WQ]), QD, qdst));
+    CK(loom_blk_lin(b, LK, h, Tc, H, loom_wc(m, w[WK]), KD, kdst));
+    CK(loom_blk_lin(b, LV, h, Tc, H, loom_wc(m, w[WV]), KD, vl));
+    if (w[BQ] >= 0) CK(loom_k_bias_fwd(m, qdst, loom_wc(m, w[BQ]), Tc, QD));
+    if (w[BK] >= 0) CK(loom_k_bias_fwd(m, kdst, loom_wc(m, w[BK]), Tc, KD));
+    if (w[BV] >= 0) CK(loom_k_bias_fwd(m, vl, loom_wc(m, w[BV]), Tc, KD));
     if (m->cfg.qk_norm) {
-        CK(loom_k_qknorm_rope_fwd(m, mb, qdst, loom_wc(m, s->qn), m->Hql, eps, q, a[RSTDQ]));
-        CK(loom_k_qknorm_rope_fwd(m, mb, kdst, loom_wc(m, s->kn), m->Hkvl, eps, kl, a[RSTDK]));
+        CK(loom_k_qknorm_rope_fwd(m, mb, qdst, loom_wc(m, w[QN]), m->Hql, eps, q, a[RSTDQ]));
+        CK(loom_k_qknorm_rope_fwd(m, mb, kdst, loom_wc(m, w[KN]), m->Hkvl, eps, kl, a[RSTDK]));
     } else {
         CK(loom_k_rope(m, false, q, Tc, m->Hql, mb->d_pos));
         CK(loom_k_rope(m, false, kl, Tc, m->Hkvl, mb->d_pos));
@@ -70,7 +108,7 @@ static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
     CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
                        mb->even_len, o, a[LSE]));
     if (!out) return loom_blk_lora_fwd(b, LO, o, Tc, m->dtmp);
-    return loom_blk_lin(b, LO, o, Tc, QD, loom_wc(m, s->wo), H, out);
+    return loom_blk_lin(b, LO, o, Tc, QD, loom_wc(m, w[WO]), H, out);
 }
 
 #define DW(dy, x, T, out, in, dW) CK(loom_k_lin_dw(m, dy, x, T, out, in, 1.0f, dW))
@@ -78,7 +116,7 @@ static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
 /* dq, dk, dv (local) from dy through o and the attention */
 static loom_status attn_bwd_core(const loom_blk *b, const void *dy, void *dkl, void *dvl) {
     loom_model *m = b->m;
-    const loom_layer_slots *s = &m->layer[b->l];
+    const int *w = b->w;
     const loom_micro *mb = b->mb;
     void *const *a = b->act;
     const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
@@ -91,31 +129,31 @@ static loom_status attn_bwd_core(const loom_blk *b, const void *dy, void *dkl, v
     loom_dx_term t[4];
     int nt = 0;
     CK(loom_blk_lora_bwd(b, LO, a[O], Tc, dy, dout, &acc, t, &nt));
-    t[nt++] = loom_dx_base(dy, H, loom_wc(m, s->wo));
+    t[nt++] = loom_dx_base(dy, H, loom_wc(m, w[WO]));
     CK(loom_k_lin_dx_sum(m, Tc, QD, nt, t, acc ? 1.0f : 0.0f, dout));
-    DW(dy, a[O], Tc, H, QD, loom_g(m, s->wo));
+    DW(dy, a[O], Tc, H, QD, loom_g(m, w[WO]));
     CK(loom_k_attn_bwd(m, dout, a[Q], my_qidx_d(m), Tc, a[K], a[V], a[O], a[LSE], T, m->Hql,
                        m->Hkvl, mb->d_cu, mb->ndocs, mb->even_len, dq, dk, dv));
     CK(cp_reduce(m, dk, KD, dkl, sc[KVBLK]));
     CK(cp_reduce(m, dv, KD, dvl, sc[KVBLK]));
     if (m->cfg.qk_norm) {
-        CK(loom_k_qknorm_rope_bwd(m, mb, dq, a[QPRE], loom_wc(m, s->qn), a[RSTDQ], m->Hql,
-                                  loom_g(m, s->qn)));
-        CK(loom_k_qknorm_rope_bwd(m, mb, dkl, a[KPRE], loom_wc(m, s->kn), a[RSTDK], m->Hkvl,
-                                  loom_g(m, s->kn)));
+        CK(loom_k_qknorm_rope_bwd(m, mb, dq, a[QPRE], loom_wc(m, w[QN]), a[RSTDQ], m->Hql,
+                                  loom_g(m, w[QN])));
+        CK(loom_k_qknorm_rope_bwd(m, mb, dkl, a[KPRE], loom_wc(m, w[KN]), a[RSTDK], m->Hkvl,
+                                  loom_g(m, w[KN])));
     } else {
         CK(loom_k_rope(m, true, dq, Tc, m->Hql, mb->d_pos));
         CK(loom_k_rope(m, true, dkl, Tc, m->Hkvl, mb->d_pos));
     }
-    if (s->bq >= 0) CK(loom_k_bias_bwd(m, dq, Tc, QD, loom_g(m, s->bq)));
-    if (s->bk >= 0) CK(loom_k_bias_bwd(m, dkl, Tc, KD, loom_g(m, s->bk)));
-    if (s->bv >= 0) CK(loom_k_bias_bwd(m, dvl, Tc, KD, loom_g(m, s->bv)));
+    if (w[BQ] >= 0) CK(loom_k_bias_bwd(m, dq, Tc, QD, loom_g(m, w[BQ])));
+    if (w[BK] >= 0) CK(loom_k_bias_bwd(m, dkl, Tc, KD, loom_g(m, w[BK])));
+    if (w[BV] >= 0) CK(loom_k_bias_bwd(m, dvl, Tc, KD, loom_g(m, w[BV])));
     return LOOM_OK;
 }
 
 static loom_status attn_bwd(const loom_blk *b, const void *h, const void *dy, void *dx) {
     loom_model *m = b->m;
-    const loom_layer_slots *s = &m->layer[b->l];
+    const int *w = b->w;
     const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D, Tc = m->Tc;
     void *const *sc = b->scratch;
     void *dq = sc[DQ], *dkl = sc[m->cp == 1 ? DK : DKL], *dvl = sc[m->cp == 1 ? DV : DVL];
@@ -127,14 +165,14 @@ static loom_status attn_bwd(const loom_blk *b, const void *h, const void *dy, vo
     CK(loom_blk_lora_bwd(b, LK, h, Tc, dkl, dx, &acc, NULL, NULL));
     CK(loom_blk_lora_bwd(b, LV, h, Tc, dvl, dx, &acc, t, &nt));
     if (dx) {
-        t[nt++] = loom_dx_base(dq, QD, loom_wc(m, s->wq));
-        t[nt++] = loom_dx_base(dkl, KD, loom_wc(m, s->wk));
-        t[nt++] = loom_dx_base(dvl, KD, loom_wc(m, s->wv));
+        t[nt++] = loom_dx_base(dq, QD, loom_wc(m, w[WQ]));
+        t[nt++] = loom_dx_base(dkl, KD, loom_wc(m, w[WK]));
+        t[nt++] = loom_dx_base(dvl, KD, loom_wc(m, w[WV]));
         CK(loom_k_lin_dx_sum(m, Tc, H, nt, t, acc ? 1.0f : 0.0f, dx));
     }
-    DW(dq, h, Tc, QD, H, loom_g(m, s->wq));
-    DW(dkl, h, Tc, KD, H, loom_g(m, s->wk));
-    DW(dvl, h, Tc, KD, H, loom_g(m, s->wv));
+    DW(dq, h, Tc, QD, H, loom_g(m, w[WQ]));
+    DW(dkl, h, Tc, KD, H, loom_g(m, w[WK]));
+    DW(dvl, h, Tc, KD, H, loom_g(m, w[WV]));
     return LOOM_OK;
 }
 
@@ -166,6 +204,13 @@ static int attn_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *byte
 const loom_block_kind loom_block_attn = {
     .name = "attention",
     .id = LOOM_KIND_ATTN,
+    .norm = "input_layernorm.weight",
+    .slots = slots,
+    .nslots = NSLOT,
+    .lin = linears,
+    .nlin = NLIN,
+    .out_bias = BO,
+    .params = attn_params,
     .acts = attn_acts,
     .scratch = attn_scratch,
     .fwd = attn_fwd,

@@ -51,19 +51,22 @@ static const int32_t *my_qidx(const loom_model *m) {
  * are (its input and output in a->x, the rest in its loom_layer_acts). */
 typedef struct lbuf {
     int nb;
-    const loom_block_kind *kind[LOOM_LAYER_MAX_BLOCKS];
-    int norm[LOOM_LAYER_MAX_BLOCKS], bias[LOOM_LAYER_MAX_BLOCKS]; /* base slots; -1 none */
+    const loom_block *blk;              /* (nb): kinds and slots (m->layer) */
+    int bias[LOOM_LAYER_MAX_BLOCKS];    /* output biases' slots; -1 none */
     const void *x;
-    void *r[LOOM_LAYER_MAX_BLOCKS];    /* (Tn, H): the residual stream after block j */
+    void *r[LOOM_LAYER_MAX_BLOCKS];     /* (Tn, H): the residual stream after block j */
     const loom_layer_acts *t;
 } lbuf;
 
 static void layer_bufs(loom_model *m, loom_acts *a, int64_t i, int64_t l, lbuf *b) {
-    const loom_layer_slots *s = &m->layer[l];
+    const loom_layer *L = &m->layer[l];
     const int64_t Tn = m->Tn, H = m->H;
-    b->nb = loom_layer_kinds(&m->cfg, l, b->kind);
-    b->norm[0] = s->ln1, b->norm[1] = s->ln2;
-    b->bias[0] = s->bo, b->bias[1] = s->bdn;
+    b->nb = L->nb;
+    b->blk = L->b;
+    for (int j = 0; j < b->nb; j++) {
+        const int ob = L->b[j].kind->out_bias;
+        b->bias[j] = ob >= 0 ? L->b[j].w[ob] : -1;
+    }
     b->t = &a->lay[i];
     b->x = AT(a->x, i, Tn * H);
     for (int j = 0; j + 1 < b->nb; j++) b->r[j] = b->t->r[j];
@@ -71,8 +74,10 @@ static void layer_bufs(loom_model *m, loom_acts *a, int64_t i, int64_t l, lbuf *
 }
 
 static loom_blk blk(loom_model *m, const lbuf *b, int j, int64_t l, const loom_micro *mb) {
+    const loom_block *k = &b->blk[j];
     return (loom_blk){.m = m, .l = l, .mb = mb, .act = b->t->act[j],
-                      .scratch = m->scratch[b->kind[j]->id], .lora_u = b->t->lora_u};
+                      .scratch = m->scratch[k->kind->id], .lora_u = b->t->lora_u, .w = k->w,
+                      .lin0 = k->lin0};
 }
 
 /* After block j computed its partial output `part`: the tp reduce into
@@ -90,7 +95,7 @@ static loom_status residual(loom_model *m, const lbuf *b, int j, void *part) {
         CK(loom_k_add(m, r, rin, Tn * H));
         return bias >= 0 ? loom_k_bias_fwd(m, r, loom_wc(m, bias), Tn, H) : LOOM_OK;
     }
-    const void *w = loom_wc(m, b->norm[j + 1]);
+    const void *w = loom_wc(m, b->blk[j + 1].norm);
     void *h = m->sp ? m->dtmp : b->t->h[j + 1];
     if (bias >= 0) {
         CK(loom_k_add(m, r, rin, Tn * H));
@@ -106,15 +111,15 @@ static loom_status residual(loom_model *m, const lbuf *b, int j, void *part) {
  * output kept (the last block runs without producing it). */
 static loom_status layer_run(loom_model *m, const lbuf *b, int64_t l, const loom_micro *mb,
                              bool full) {
-    CK(loom_k_rmsnorm_fwd(m, b->x, loom_wc(m, b->norm[0]), m->Tn, m->H,
+    CK(loom_k_rmsnorm_fwd(m, b->x, loom_wc(m, b->blk[0].norm), m->Tn, m->H,
                           (float)m->cfg.rms_norm_eps, m->sp ? m->dtmp : b->t->h[0], b->t->rstd[0]));
     if (m->sp) CK(sp_gather(m, m->dtmp, b->t->h[0]));
     for (int j = 0; j < b->nb; j++) {
         const loom_blk c = blk(m, b, j, l, mb);
-        if (full && j + 1 == b->nb) return b->kind[j]->fwd(&c, b->t->h[j], NULL);
+        if (full && j + 1 == b->nb) return b->blk[j].kind->fwd(&c, b->t->h[j], NULL);
         /* the output straight into the residual stream unless SP scatters it there */
         void *part = m->sp ? m->dtmp : b->r[j];
-        CK(b->kind[j]->fwd(&c, b->t->h[j], part));
+        CK(b->blk[j].kind->fwd(&c, b->t->h[j], part));
         CK(residual(m, b, j, part));
     }
     return LOOM_OK;
@@ -135,7 +140,7 @@ static loom_status layer_recompute(loom_model *m, const lbuf *b, int64_t l, cons
     if (m->recompute == LOOM_RECOMPUTE_FULL) return layer_run(m, b, l, mb, true);
     for (int j = 0; j < b->nb; j++) {
         const loom_blk c = blk(m, b, j, l, mb);
-        if (b->kind[j]->recompute) CK(b->kind[j]->recompute(&c, b->t->h[j]));
+        if (b->blk[j].kind->recompute) CK(b->blk[j].kind->recompute(&c, b->t->h[j]));
     }
     return LOOM_OK;
 }
@@ -151,14 +156,14 @@ static loom_status block_bwd(loom_model *m, const lbuf *b, int j, int64_t l,
     /* The first layer's input gradient feeds only the embedding's and its
      * norm's gradients: with both frozen (LoRA) it is not formed, and the
      * weight gradients are all the rest of the backward. */
-    const bool want_dx = j > 0 || l > 0 || loom_g(m, m->embed) || loom_g(m, b->norm[0]);
+    const bool want_dx = j > 0 || l > 0 || loom_g(m, m->embed) || loom_g(m, b->blk[0].norm);
     const loom_blk c = blk(m, b, j, l, mb);
-    CK(b->kind[j]->bwd(&c, b->t->h[j], dfull, want_dx ? dtmp : NULL));
+    CK(b->blk[j].kind->bwd(&c, b->t->h[j], dfull, want_dx ? dtmp : NULL));
     if (!want_dx) return LOOM_OK;
     void *red = m->sp ? m->dfull : dtmp; /* reduce-scatter needs distinct buffers */
     CK(tp_reduce(m, dtmp, red));
-    return loom_k_rmsnorm_bwd_add(m, red, j ? b->r[j - 1] : b->x, loom_wc(m, b->norm[j]),
-                                  b->t->rstd[j], Tn, H, dx, loom_g(m, b->norm[j]));
+    return loom_k_rmsnorm_bwd_add(m, red, j ? b->r[j - 1] : b->x, loom_wc(m, b->blk[j].norm),
+                                  b->t->rstd[j], Tn, H, dx, loom_g(m, b->blk[j].norm));
 }
 
 /* m->dx holds d loss / d x[i+1] (Tn, H) on entry and d loss / d x[i] on return. */

@@ -139,7 +139,7 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
     if (!a->name || !a->ar.slots || !a->names || !a->slot) st = LOOM_ERR_OOM;
     if (!st) memset(a->slot, 0xff, (size_t)m->L * sizeof *a->slot);
     for (int64_t l = 0; l < m->L && !st; l++) {
-        if (m->layer[l].wq < 0) continue; /* another pipeline stage's layer */
+        if (!m->layer[l].held) continue; /* another pipeline stage's layer */
         /* the layer's A blocks first, in module order: those of modules
          * that share an input lie back to back (one GEMM for the group) */
         for (int ab = 0; ab < 2 && !st; ab++) {
@@ -486,12 +486,12 @@ static loom_status merge(loom_model *m, const char *name, float sign) {
     if (sm) return sm;
     /* every rank's base block and its A, B blocks fit: W_l += s B_l A_l */
     for (int64_t l = 0; l < m->L; l++) {
-        const loom_layer_slots *ls = &m->layer[l];
-        const int base[LOOM_LORA_NMOD] = {ls->wq, ls->wk, ls->wv, ls->wo, ls->wg, ls->wu, ls->wd};
-        for (int k = 0; k < LOOM_LORA_NMOD; k++) {
+        const loom_layer *L = &m->layer[l];
+        for (int k = 0; k < L->nlin; k++) {
             if (a->slot[l][k][0] < 0) continue;
             const loom_slot *A = &a->ar.slots[a->slot[l][k][0]], *B = &a->ar.slots[a->slot[l][k][1]];
-            const loom_slot *W = &m->base.slots[base[k]];
+            const loom_block *b = &L->b[L->lin[k].b];
+            const loom_slot *W = &m->base.slots[b->w[b->kind->lin[L->lin[k].k].w]];
             LOOM_ASSERT(W->rows == B->rows && W->cols == A->cols);
             /* into the fp32 master, or (a frozen GPU base without one) the
              * compute copy, rounding once per element as PEFT does */

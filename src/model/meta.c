@@ -239,7 +239,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
             {m->H, QD, 0}, {m->H, KD, 0}, {m->H, KD, 0}, {QD, m->H, 1},
             {m->H, m->I, 0}, {m->H, m->I, 0}, {m->I, m->H, 1}};
         int64_t held = 0;
-        for (int64_t l = 0; l < m->L; l++) held += m->layer[l].wq >= 0;
+        for (int64_t l = 0; l < m->L; l++) held += m->layer[l].held;
         size_t ap = 0;
         for (int k = 0; k < LOOM_LORA_NMOD; k++) {
             if (!in->lora_target[k]) continue;

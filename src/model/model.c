@@ -48,43 +48,6 @@ done:
     return st;
 }
 
-/* Layer index and the name after "model.layers.N." (NULL outside layers). */
-static const char *layer_leaf(const char *name, int64_t *layer) {
-    static const char pre[] = "model.layers.";
-    if (strncmp(name, pre, sizeof pre - 1)) return NULL;
-    char *end;
-    long long l = strtoll(name + sizeof pre - 1, &end, 10);
-    if (*end != '.') return NULL;
-    *layer = l;
-    return end + 1;
-}
-
-static const struct {
-    const char *leaf;
-    size_t off;
-    loom_shard shard;
-} leaves[] = {
-    {"input_layernorm.weight", offsetof(loom_layer_slots, ln1), LOOM_SHARD_NONE},
-    {"post_attention_layernorm.weight", offsetof(loom_layer_slots, ln2), LOOM_SHARD_NONE},
-    {"self_attn.q_proj.weight", offsetof(loom_layer_slots, wq), LOOM_SHARD_ROWS},
-    {"self_attn.k_proj.weight", offsetof(loom_layer_slots, wk), LOOM_SHARD_ROWS},
-    {"self_attn.v_proj.weight", offsetof(loom_layer_slots, wv), LOOM_SHARD_ROWS},
-    {"self_attn.o_proj.weight", offsetof(loom_layer_slots, wo), LOOM_SHARD_COLS},
-    {"self_attn.q_proj.bias", offsetof(loom_layer_slots, bq), LOOM_SHARD_ROWS},
-    {"self_attn.k_proj.bias", offsetof(loom_layer_slots, bk), LOOM_SHARD_ROWS},
-    {"self_attn.v_proj.bias", offsetof(loom_layer_slots, bv), LOOM_SHARD_ROWS},
-    {"self_attn.o_proj.bias", offsetof(loom_layer_slots, bo), LOOM_SHARD_NONE},
-    {"self_attn.q_norm.weight", offsetof(loom_layer_slots, qn), LOOM_SHARD_NONE},
-    {"self_attn.k_norm.weight", offsetof(loom_layer_slots, kn), LOOM_SHARD_NONE},
-    {"mlp.gate_proj.weight", offsetof(loom_layer_slots, wg), LOOM_SHARD_ROWS},
-    {"mlp.up_proj.weight", offsetof(loom_layer_slots, wu), LOOM_SHARD_ROWS},
-    {"mlp.down_proj.weight", offsetof(loom_layer_slots, wd), LOOM_SHARD_COLS},
-    {"mlp.gate_proj.bias", offsetof(loom_layer_slots, bg), LOOM_SHARD_ROWS},
-    {"mlp.up_proj.bias", offsetof(loom_layer_slots, bu), LOOM_SHARD_ROWS},
-    {"mlp.down_proj.bias", offsetof(loom_layer_slots, bdn), LOOM_SHARD_NONE},
-};
-#define NLEAVES (sizeof leaves / sizeof leaves[0])
-
 /* Does this rank hold global layer l? */
 static bool holds_layer(const loom_model *m, int64_t l) {
     int64_t Lc = m->L / (m->pp * m->vpp), v = l / Lc;
@@ -123,21 +86,59 @@ static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard s
                          p->ndim, shard, vocab);
 }
 
-/* The slots this rank holds, laid out in buckets (each padded to a multiple
- * of the dp*cp group) in the flat buffers. */
+/* A layer tensor's slot (its block's input norm, or one of the kind's
+ * tensors) when this rank holds the layer. */
+static loom_status layer_slot(loom_model *m, const loom_param_spec *p) {
+    loom_layer *L = &m->layer[p->layer];
+    loom_block *b = &L->b[p->block];
+    const loom_block_kind *k = b->kind;
+    if (!k->fwd && p->slot >= 0) /* a kind declared for the plan only (block_moe.c) */
+        return loom_errf(m->ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s: this parameter of model_type %s has no place in loom's dense "
+                         "decoder layer",
+                         p->name, m->cfg.model_type);
+    if (!L->held) return LOOM_OK;
+    const loom_block_slot none = {NULL, LOOM_COMP_NORM, LOOM_SHARD_NONE, false};
+    const loom_block_slot *ks = p->slot == LOOM_SLOT_NORM ? &none : &k->slots[p->slot];
+    *(p->slot == LOOM_SLOT_NORM ? &b->norm : &b->w[p->slot]) = m->base.nslots;
+    loom_slot *sl = add_slot(m, p, ks->shard, false);
+    /* replicated weights that see only this rank's heads (q/k norm) or,
+     * under SP, only its tokens: their gradients are partial sums */
+    sl->tp_partial = m->tp > 1 && sl->shard == LOOM_SHARD_NONE && (ks->headwise || m->sp);
+    return LOOM_OK;
+}
+
+/* Every held layer has its blocks' norms and linears. */
+static loom_status layers_check(const loom_model *m) {
+    for (int64_t l = 0; l < m->L; l++) {
+        const loom_layer *L = &m->layer[l];
+        bool ok = true;
+        for (int j = 0; L->held && j < L->nb; j++) ok = ok && L->b[j].norm >= 0;
+        for (int n = 0; L->held && n < L->nlin; n++) {
+            const loom_block *b = &L->b[L->lin[n].b];
+            ok = ok && b->w[b->kind->lin[L->lin[n].k].w] >= 0;
+        }
+        if (!ok)
+            return loom_errf(m->ctx, LOOM_ERR_INTERNAL,
+                             "parameter plan lacks a tensor of layer %lld", (long long)l);
+    }
+    return LOOM_OK;
+}
+
+/* The layer table and the slots this rank holds, laid out in buckets (each
+ * padded to a multiple of the dp*cp group) in the flat buffers. */
 loom_status loom_model_build_slots(loom_model *m) {
     loom_ctx *ctx = m->ctx;
     m->base.slots = loom_calloc(ctx, m->plan.n + 1, sizeof *m->base.slots, "parameter slots");
     m->layer = loom_calloc(ctx, (size_t)m->L, sizeof *m->layer, "layer table");
     if (!m->base.slots || !m->layer) return LOOM_ERR_OOM;
-    memset(m->layer, 0xff, (size_t)m->L * sizeof *m->layer); /* every index -1 */
+    CK(loom_layers_build(ctx, &m->cfg, &m->plan, m->layer));
+    for (int64_t l = 0; l < m->L; l++) m->layer[l].held = holds_layer(m, l);
     m->embed = m->final_norm = m->head = -1;
     const bool first = m->mesh->pp_rank == 0, last = m->mesh->pp_rank == m->pp - 1;
     const bool tied = m->cfg.tie_word_embeddings;
     for (size_t i = 0; i < m->plan.n; i++) {
         const loom_param_spec *p = &m->plan.p[i];
-        int64_t l = -1;
-        const char *leaf = layer_leaf(p->name, &l);
         if (!strcmp(p->name, "model.embed_tokens.weight")) {
             if (first) {
                 m->embed = m->base.nslots;
@@ -161,22 +162,8 @@ loom_status loom_model_build_slots(loom_model *m) {
                 m->final_norm = m->base.nslots;
                 add_slot(m, p, LOOM_SHARD_NONE, false)->tp_partial = m->sp;
             }
-        } else if (leaf && l >= 0 && l < m->L) {
-            size_t k = 0;
-            while (k < NLEAVES && strcmp(leaves[k].leaf, leaf)) k++;
-            if (k == NLEAVES)
-                return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                                 "%s: this parameter of model_type %s has no place in loom's "
-                                 "dense decoder layer",
-                                 p->name, m->cfg.model_type);
-            if (!holds_layer(m, l)) continue;
-            *(int *)((char *)&m->layer[l] + leaves[k].off) = m->base.nslots;
-            loom_slot *sl = add_slot(m, p, leaves[k].shard, false);
-            bool qk = leaves[k].off == offsetof(loom_layer_slots, qn) ||
-                      leaves[k].off == offsetof(loom_layer_slots, kn);
-            /* replicated weights that see only this rank's heads (q/k norm) or,
-             * under SP, only its tokens: their gradients are partial sums */
-            sl->tp_partial = m->tp > 1 && sl->shard == LOOM_SHARD_NONE && (qk || m->sp);
+        } else if (p->block >= 0 && p->layer >= 0 && p->layer < m->L) {
+            CK(layer_slot(m, p));
         } else {
             return loom_errf(ctx, LOOM_ERR_INTERNAL, "parameter plan names unknown tensor %s",
                              p->name);
@@ -185,15 +172,7 @@ loom_status loom_model_build_slots(loom_model *m) {
     if ((first && m->embed < 0) || (last && (m->final_norm < 0 || m->head < 0)))
         return loom_errf(ctx, LOOM_ERR_INTERNAL, "parameter plan lacks the embedding, final norm "
                          "or output layer");
-    for (int64_t l = 0; l < m->L; l++) {
-        const loom_layer_slots *ls = &m->layer[l];
-        if (!holds_layer(m, l)) continue;
-        if (ls->ln1 < 0 || ls->ln2 < 0 || ls->wq < 0 || ls->wk < 0 || ls->wv < 0 || ls->wo < 0 ||
-            ls->wg < 0 || ls->wu < 0 || ls->wd < 0 || (m->cfg.qk_norm && (ls->qn < 0 || ls->kn < 0)))
-            return loom_errf(ctx, LOOM_ERR_INTERNAL, "parameter plan lacks a tensor of layer %lld",
-                             (long long)l);
-    }
-    return LOOM_OK;
+    return layers_check(m);
 }
 
 /* Slots 64-byte aligned; buckets closed at slot boundaries once they hold

@@ -34,18 +34,6 @@
 #include "kern.h"
 #include "params.h"
 
-/* Indices into loom_model.slots of one decoder layer's tensors (-1: absent). */
-typedef struct loom_layer_slots {
-    int ln1, ln2;                /* input_layernorm, post_attention_layernorm */
-    int wq, wk, wv, wo;          /* local: (Hq_l*D, H), (Hkv_l*D, H) x2, (H, Hq_l*D) */
-    int bq, bk, bv, bo;          /* qkv biases (qwen2, llama attention_bias), o bias */
-    int qn, kn;                  /* q_norm, k_norm (D) (qwen3) */
-    int wg, wu, wd;              /* gate (I_l, H), up (I_l, H), down (H, I_l) */
-    int bg, bu, bdn;             /* llama mlp_bias */
-} loom_layer_slots;
-
-typedef enum loom_shard { LOOM_SHARD_NONE = 0, LOOM_SHARD_ROWS, LOOM_SHARD_COLS } loom_shard;
-
 typedef struct loom_slot {
     char *name;         /* HF name */
     int ndim;
@@ -173,7 +161,7 @@ struct loom_model {
     loom_dev dev;            /* where it computes (kern.h) */
     loom_arena base;         /* this rank's share of the model's tensors */
     int embed, final_norm, head; /* base slots; -1 when not on this rank; head == embed when tied, pp == 1 */
-    loom_layer_slots *layer; /* (L), -1 for layers of other stages */
+    loom_layer *layer;       /* (L): the layer table (block.h); slots -1 in other stages' layers */
     float *inv_freq;         /* (D/2) */
     float *d_inv_freq;       /* its device copy (== inv_freq on CPU) */
     int64_t bucket_elems;
