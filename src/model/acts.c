@@ -79,17 +79,17 @@ static void shape_init(shape *s, const loom_model *m, int64_t T, int64_t Tc, int
 /* Bytes of piece p of global layer l. */
 static size_t piece_bytes(const shape *s, int64_t l, piece p) {
     const loom_model *m = s->m;
-    const loom_block_kind *k[NB];
-    const int nb = loom_layer_kinds(&m->cfg, l, k);
+    const loom_layer *L = &m->layer[l];
+    const int nb = L->nb;
     const size_t e = m->dev.esz;
     switch (p.cls) {
     case P_H: return p.j < nb ? (size_t)(s->Tc * m->H) * e : 0;
     case P_RSTD: return p.j < nb ? (size_t)s->Tn * sizeof(float) : 0;
     case P_RES: return p.j + 1 < nb ? (size_t)(s->Tn * m->H) * e : 0;
-    case P_LORA: return s->lr ? (size_t)(LOOM_LORA_NMOD * s->Tc * s->lr) * e : 0;
+    case P_LORA: return s->lr ? (size_t)(L->nlin * s->Tc * s->lr) * e : 0;
     default: {
         if (p.j >= nb) return 0;
-        const loom_block_buf *b = &s->buf[k[p.j]->id][p.k];
+        const loom_block_buf *b = &s->buf[L->b[p.j].kind->id][p.k];
         return b->cheap == (p.cls == P_CHEAP) ? b->bytes : 0;
     }
     }
@@ -131,12 +131,9 @@ static void carve_shared(loom_model *m, loom_carve *c, const shape *s, int npool
 /* The scratch buffers of the kinds this rank's layers use (registry order). */
 static void carve_scratch(loom_model *m, loom_carve *c, int64_t T, int64_t Tc) {
     bool used[LOOM_NKINDS] = {false};
-    for (int ci = 0; ci < m->vpp; ci++)
-        for (int64_t i = 0; i < m->chunks[ci].nl; i++) {
-            const loom_block_kind *k[NB];
-            const int nb = loom_layer_kinds(&m->cfg, m->chunks[ci].l0 + i, k);
-            for (int j = 0; j < nb; j++) used[k[j]->id] = true;
-        }
+    for (int64_t l = 0; l < m->L; l++)
+        for (int j = 0; m->layer[l].held && j < m->layer[l].nb; j++)
+            used[m->layer[l].b[j].kind->id] = true;
     memset(m->scratch, 0, sizeof m->scratch);
     for (int id = 0; id < LOOM_NKINDS; id++) {
         if (!used[id] || !loom_block_kinds[id]->scratch) continue;
@@ -167,9 +164,24 @@ static void carve_acts(loom_model *m, loom_carve *c, const shape *s, const loom_
     }
 }
 
+/* LoRA's scratch: a group's du (Tc, n r) for the largest group, and the
+ * dropped-out input (Tc, in) for the widest local input of a linear. */
+static void carve_lora(loom_model *m, loom_carve *c, int64_t Tc, int lr, bool dropout) {
+    int64_t gmax = 0, inmax = 0;
+    for (int64_t l = 0; l < m->L; l++)
+        for (int j = 0; m->layer[l].held && j < m->layer[l].nlin; j++) {
+            const loom_layer_lin *x = &m->layer[l].lin[j];
+            const int64_t in = x->row_par ? x->in / m->tp : x->in;
+            if (x->gn > gmax) gmax = x->gn;
+            if (in > inmax) inmax = in;
+        }
+    m->lora_du = lr ? cv(c, (size_t)(Tc * gmax * lr) * m->dev.esz) : NULL;
+    m->lora_xd = dropout ? cv(c, (size_t)(Tc * inmax) * m->dev.esz) : NULL;
+}
+
 void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
                       int in_flight, int lr, bool dropout) {
-    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D;
+    const int64_t H = m->H;
     const size_t e = m->dev.esz;
     shape s;
     shape_init(&s, m, T, Tc, Tn, lr);
@@ -182,10 +194,7 @@ void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64
     m->dfull = cv(c, (size_t)(Tc * H) * e);
     carve_scratch(m, c, T, Tc);
     m->logits = cv(c, (size_t)(m->chunk_rows * m->Vl) * e);
-    m->lora_du = lr ? cv(c, (size_t)(Tc * 3 * lr) * e) : NULL; /* a group of up to 3 modules */
-    int64_t maxin = H > QD ? H : QD;
-    if (Il > maxin) maxin = Il;
-    m->lora_xd = dropout ? cv(c, (size_t)(Tc * maxin) * e) : NULL;
+    carve_lora(m, c, Tc, lr, dropout);
     m->ce = cv(c, (size_t)Tc * 4 * sizeof(double));
     m->d_perm = cv(c, (size_t)T * sizeof(int32_t));
     for (int i = 0; i < nmb; i++) {

@@ -34,11 +34,20 @@ static loom_status layer_init(loom_ctx *ctx, const loom_model_config *c, int64_t
             L->nlin + k[j]->nlin > LOOM_LAYER_MAX_LINEARS)
             return loom_errf(ctx, LOOM_ERR_INTERNAL, "layer %lld: block kind %s has more tensors "
                              "or linears than block.h's limits", (long long)l, k[j]->name);
-        for (int i = 0; i < k[j]->nlin; i++)
-            L->lin[L->nlin++] = (loom_layer_lin){.b = j, .k = i, .group = b->lin0 + k[j]->lin[i].group};
+        for (int i = 0; i < k[j]->nlin; i++) {
+            const char *name = k[j]->lin[i].name;
+            L->lin[L->nlin++] = (loom_layer_lin){.b = j, .k = i,
+                                                 .target = loom_lora_target_find(name, strlen(name)),
+                                                 .group = b->lin0 + k[j]->lin[i].group};
+        }
     }
-    for (int i = 0; i < L->nlin; i++)
+    for (int i = 0; i < L->nlin; i++) {
         for (int n = 0; n < L->nlin; n++) L->lin[i].gn += L->lin[n].group == L->lin[i].group;
+        /* a group's LoRA backward is one loom_k_lora_dy_n: 3 projections at most */
+        if (L->lin[i].gn > 3 || L->lin[i].target >= LOOM_LORA_NMOD)
+            return loom_errf(ctx, LOOM_ERR_INTERNAL, "layer %lld: a LoRA group of more than 3 "
+                             "linears, or more target names than LOOM_LORA_NMOD", (long long)l);
+    }
     return LOOM_OK;
 }
 
@@ -61,6 +70,57 @@ loom_status loom_layers_build(loom_ctx *ctx, const loom_model_config *c,
     }
     return LOOM_OK;
 }
+
+/* ---- LoRA targets ---- */
+
+/* Is linear i of kind id's name that of an earlier kind's or linear's? */
+static bool name_seen(int id, int i, const char *name) {
+    for (int d = 0; d <= id; d++) {
+        const loom_block_kind *k = loom_block_kinds[d];
+        for (int n = 0; n < (d < id ? k->nlin : i); n++)
+            if (!strcmp(k->lin[n].name, name)) return true;
+    }
+    return false;
+}
+
+/* Walks the distinct names: stops at number t or at the name p[0..n) (p
+ * NULL: by number), *at set to it; returns its number, or the count when
+ * neither comes. */
+static int targets(int t, const char *p, size_t n, const char **at) {
+    int count = 0;
+    for (int id = 0; id < LOOM_NKINDS; id++) {
+        const loom_block_kind *k = loom_block_kinds[id];
+        for (int i = 0; i < k->nlin; i++) {
+            const char *name = k->lin[i].name;
+            if (name_seen(id, i, name)) continue;
+            if (p ? strlen(name) == n && !strncmp(name, p, n) : count == t) {
+                *at = name;
+                return count;
+            }
+            count++;
+        }
+    }
+    return count;
+}
+
+int loom_lora_ntargets(void) {
+    const char *at = NULL;
+    return targets(-1, NULL, 0, &at);
+}
+
+const char *loom_lora_target_name(int t) {
+    const char *at = NULL;
+    targets(t, NULL, 0, &at);
+    return at;
+}
+
+int loom_lora_target_find(const char *p, size_t n) {
+    const char *at = NULL;
+    const int t = targets(-1, p, n, &at);
+    return at ? t : -1;
+}
+
+/* ---- the kinds' LoRA hooks ---- */
 
 loom_status loom_blk_lin(const loom_blk *b, int k, const void *x, int64_t T, int64_t in,
                          const void *W, int64_t out, void *y) {

@@ -87,6 +87,7 @@ typedef struct loom_block {
 /* The layer's linears in block order (LoRA's modules of the layer). */
 typedef struct loom_layer_lin {
     int b, k;          /* its block and the kind's linear number */
+    int target;        /* its LoRA target (loom_lora_target_name) */
     int group, gn;     /* its group: the layer's number of the first, and their count */
     int64_t in, out;   /* full features */
     bool row_par;      /* row-parallel (input split over tp), else column-parallel */
@@ -176,6 +177,17 @@ extern const loom_block_kind loom_block_attn, loom_block_mlp, loom_block_moe;
 /* The kinds of layer l's blocks in order (k has LOOM_LAYER_MAX_BLOCKS
  * entries); the number of blocks. */
 int loom_layer_kinds(const loom_model_config *c, int64_t l, const loom_block_kind **k);
+
+/* ---- LoRA targets: the kinds' linears by PEFT module name ---- */
+
+/* The distinct module names of every kind's linears, in kind then linear
+ * order (today q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+ * down_proj); "all-linear" is all of them. A target set is a bool array
+ * indexed by these numbers (model.h's LOOM_LORA_NMOD of them at most). */
+int loom_lora_ntargets(void);
+const char *loom_lora_target_name(int t);
+/* The number of the name p[0..n), -1 when no kind has such a linear. */
+int loom_lora_target_find(const char *p, size_t n);
 
 /* ---- for the kinds: linears with LoRA (lora.c's hooks) ---- */
 

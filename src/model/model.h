@@ -88,9 +88,10 @@ typedef struct loom_arena {
     int64_t n_gzero;
 } loom_arena;
 
-/* LoRA modules of a decoder layer, in PEFT's target names. */
-enum { LOOM_LORA_Q = 0, LOOM_LORA_K, LOOM_LORA_V, LOOM_LORA_O, LOOM_LORA_GATE, LOOM_LORA_UP,
-       LOOM_LORA_DOWN, LOOM_LORA_NMOD };
+/* LoRA targets are the block kinds' linears by PEFT module name (block.h's
+ * loom_lora_target_name); a set of targets is a bool array of this many
+ * (at least loom_lora_ntargets), by target number. */
+enum { LOOM_LORA_NMOD = 32 };
 
 typedef struct loom_adapter {
     char *name;
@@ -99,9 +100,10 @@ typedef struct loom_adapter {
     bool rslora, merged;
     uint64_t seed;                /* dropout masks (and a fresh adapter's A) */
     float scale;                  /* alpha / r, or alpha / sqrt(r) */
-    bool target[LOOM_LORA_NMOD];
+    bool target[LOOM_LORA_NMOD];  /* by target number; only names some layer has */
     loom_arena ar;                /* its A and B blocks on this rank */
-    int (*slot)[LOOM_LORA_NMOD][2]; /* (L): arena slot of A [0] and B [1], -1 when absent */
+    int (*slot)[LOOM_LAYER_MAX_LINEARS][2]; /* (L): by the layer's linear (loom_layer.lin), arena
+                                   * slot of A [0] and B [1], -1 when absent */
     char **names;                 /* slot names (PEFT, without the adapter name) */
 } loom_adapter;
 
@@ -246,19 +248,21 @@ static inline float *loom_g(loom_model *m, int s) {
     return s < 0 || !m->base.g || m->base.slots[s].frozen ? NULL
                                                           : m->base.g + m->base.slots[s].off;
 }
-/* lora.c: the active, unmerged adapter's path on one linear of layer l
- * (stash: the layer's loom_layer_acts.lora_u). fwd: y (T, out_l) = scale
- * (x A^T) B^T + beta y, saving x A^T in the stash. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
- * dx, *wrote set when dx was written (dx NULL: the input gradient is not
- * wanted, only dA and dB); with defer (not NULL), where the term is du A
- * (no dropout) it is not computed but described in *defer (defer->dy NULL
- * otherwise) for the caller's loom_k_lin_dx_sum, which must run before the
- * next LoRA backward (du is LoRA's scratch). fwd with the base weight W (out, in) and beta 0:
- * where the device can, y = x W^T + the term in one GEMM and *with_base set
- * (the caller's base GEMM is then not run); W NULL: the term alone. beta is 0 or 1; no-ops where no
- * adapter covers the linear (loom_lora_covers). Modules that share an input
- * (q, k, v; gate, up) may run as a group: called in module order, the first
- * computes the group's x A^T and the last writes the group's dx. */
+/* lora.c: the active, unmerged adapter's path on linear `mod` of layer l
+ * (its number among the layer's linears, loom_layer.lin; stash: the
+ * layer's loom_layer_acts.lora_u). fwd: y (T, out_l) = scale (x A^T) B^T +
+ * beta y, saving x A^T in the stash. bwd: dA, dB accumulate; dx (T, in_l) =
+ * d/dx + beta dx, *wrote set when dx was written (dx NULL: the input
+ * gradient is not wanted, only dA and dB); with defer (not NULL), where the
+ * term is du A (no dropout) it is not computed but described in *defer
+ * (defer->dy NULL otherwise) for the caller's loom_k_lin_dx_sum, which must
+ * run before the next LoRA backward (du is LoRA's scratch). fwd with the
+ * base weight W (out, in) and beta 0: where the device can, y = x W^T + the
+ * term in one GEMM and *with_base set (the caller's base GEMM is then not
+ * run); W NULL: the term alone. beta is 0 or 1; no-ops where no adapter
+ * covers the linear (loom_lora_covers). Linears of a group (block.h's
+ * loom_block_linear: q, k, v; gate, up) may run as one: called in order,
+ * the first computes the group's x A^T and the last writes the group's dx. */
 loom_status loom_lora_fwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, void *y, float beta, const void *W,
                           bool *with_base);
@@ -316,7 +320,8 @@ loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grad
 void loom_arena_drop_master(loom_model *m, loom_arena *a);
 void loom_arena_free(loom_model *m, loom_arena *a);
 
-/* LoRA target_modules ("all-linear" or a list of q_proj, ..., down_proj). */
+/* LoRA target_modules ("all-linear" or a list of the block kinds' linears'
+ * names: q_proj, ..., down_proj) as a set of target numbers. */
 loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]);
 /* Bytes of the tensors of a saved adapter (F32) of rank r on the targets,
  * for the free-space check of --save-adapter. */
