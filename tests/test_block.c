@@ -63,12 +63,19 @@ static void check_layer_table(const loom_model *m) {
     }
 }
 
-TEST(block_layer_table_of_a_model) {
+/* A context that logs errors only, and a fixture model's directory. */
+static loom_ctx *quiet_ctx(char *dir, size_t cap, const char *model) {
     loom_ctx *ctx;
-    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    if (loom_ctx_create(&ctx)) return NULL;
     loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    snprintf(dir, cap, "%s/models/%s", loom_test_fixtures(), model);
+    return ctx;
+}
+
+TEST(block_layer_table_of_a_model) {
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/models/tiny-qwen2", loom_test_fixtures());
+    loom_ctx *ctx = quiet_ctx(dir, sizeof dir, "tiny-qwen2");
+    REQUIRE(ctx);
     loom_model *m = NULL;
     REQUIRE_OK(ctx, loom_model_create(ctx, dir, NULL, &m));
     const int64_t H = m->H, QD = m->Hq * m->D, KD = m->Hkv * m->D, I = m->I;
@@ -110,11 +117,9 @@ TEST(block_layer_table_of_a_model) {
 /* Qwen3-MoE's layers are [attention, moe]; the moe kind declares the
  * router and the experts for the plan, and a model of it is refused. */
 TEST(block_moe_kind_declares_its_tensors) {
-    loom_ctx *ctx;
-    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
-    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    loom_ctx *ctx = quiet_ctx(dir, sizeof dir, "tiny-qwen3-moe");
+    REQUIRE(ctx);
     loom_model_config cfg;
     REQUIRE_OK(ctx, loom_model_load_config(ctx, dir, NULL, &cfg));
     const loom_block_kind *k[LOOM_LAYER_MAX_BLOCKS];
