@@ -8,11 +8,14 @@
  * block shares: the input norm (fused with the previous block's residual
  * add where the layer has one), the sequence-parallel gather, the
  * tensor-parallel reduce, the residual, the output bias and the
- * recomputation policy. A block kind (loom_block_kind) owns the rest: the
- * block's forward from the gathered normed input to its partial output, and
- * the backward from the gathered output gradient to the partial input
- * gradient. Kinds: block_attn.c (attention), block_mlp.c (dense SwiGLU MLP);
- * docs/DESIGN.md walks through adding one. */
+ * recomputation policy. A block kind (loom_block_kind) owns the rest: its
+ * tensors (the parameter plan, their tensor-parallel split), its linears
+ * (LoRA's targets), its activation buffers, and its forward from the
+ * gathered normed input to its partial output, backward from the gathered
+ * output gradient to the partial input gradient, and recompute. Kinds:
+ * block_attn.c (attention), block_mlp.c (dense SwiGLU MLP), block_moe.c
+ * (Qwen3-MoE's router and experts, declared for the plan only so far);
+ * docs/DESIGN.md, "The layer table", walks through adding one. */
 #ifndef LOOM_MODEL_BLOCK_H
 #define LOOM_MODEL_BLOCK_H
 
