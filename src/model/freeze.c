@@ -65,11 +65,13 @@ static loom_status relayout(loom_model *m) {
     free(a->slots);
     a->slots = slots;
     slots = NULL;
-    for (int64_t l = 0; l < m->L; l++) { /* loom_layer_slots is all slot indices */
-        int *f = (int *)&m->layer[l];
-        for (size_t j = 0; j < sizeof m->layer[l] / sizeof(int); j++)
-            if (f[j] >= 0) f[j] = to[f[j]];
-    }
+    for (int64_t l = 0; l < m->L; l++)
+        for (int j = 0; j < m->layer[l].nb; j++) {
+            loom_block *b = &m->layer[l].b[j];
+            if (b->norm >= 0) b->norm = to[b->norm];
+            for (int s = 0; s < LOOM_BLOCK_MAX_SLOTS; s++)
+                if (b->w[s] >= 0) b->w[s] = to[b->w[s]];
+        }
     int *refs[] = {&m->embed, &m->head, &m->final_norm};
     for (size_t j = 0; j < sizeof refs / sizeof refs[0]; j++)
         if (*refs[j] >= 0) *refs[j] = to[*refs[j]];

@@ -38,10 +38,12 @@ static bool defer_setup(loom_model *m, loom_arena *A) {
         return false;
     }
     for (int64_t l = 0; m->layer && l < m->L; l++) {
-        const loom_layer_slots *s = &m->layer[l];
-        const int w[7] = {s->wq, s->wk, s->wv, s->wo, s->wg, s->wu, s->wd};
-        for (int k = 0; k < 7; k++)
-            if (w[k] >= 0 && w[k] < A->nslots && !A->slots[w[k]].frozen) A->gdefer[w[k]] = 1;
+        const loom_layer *L = &m->layer[l];
+        for (int n = 0; n < L->nlin; n++) {
+            const loom_block *b = &L->b[L->lin[n].b];
+            const int w = b->w[b->kind->lin[L->lin[n].k].w];
+            if (w >= 0 && w < A->nslots && !A->slots[w].frozen) A->gdefer[w] = 1;
+        }
     }
     if (m->head >= 0 && m->head < A->nslots && !A->slots[m->head].frozen) A->gdefer[m->head] = 1;
     return true;

@@ -22,24 +22,33 @@
 #include "../io/safetensors.h"
 #include "model.h"
 
-static const char *const mod_name[LOOM_LORA_NMOD] = {"q_proj",    "k_proj",  "v_proj", "o_proj",
-                                                     "gate_proj", "up_proj", "down_proj"};
-static const char *const mod_path[LOOM_LORA_NMOD] = {"self_attn", "self_attn", "self_attn",
-                                                     "self_attn", "mlp",       "mlp",
-                                                     "mlp"};
+/* Layer l's linear `mod` and its kind's description (PEFT's module). */
+static const loom_layer_lin *lin_of(const loom_model *m, int64_t l, int mod,
+                                    const loom_block_linear **k) {
+    const loom_layer_lin *x = &m->layer[l].lin[mod];
+    *k = &m->layer[l].b[x->b].kind->lin[x->k];
+    return x;
+}
 
-/* in and out features of a module; row-parallel (o, down) or column-parallel */
-static void mod_shape(const loom_model *m, int mod, int64_t *in, int64_t *out, bool *row_par) {
-    const int64_t QD = m->Hq * m->D, KD = m->Hkv * m->D;
-    switch (mod) {
-    case LOOM_LORA_Q: *in = m->H, *out = QD, *row_par = false; break;
-    case LOOM_LORA_K:
-    case LOOM_LORA_V: *in = m->H, *out = KD, *row_par = false; break;
-    case LOOM_LORA_O: *in = QD, *out = m->H, *row_par = true; break;
-    case LOOM_LORA_GATE:
-    case LOOM_LORA_UP: *in = m->H, *out = m->I, *row_par = false; break;
-    default: *in = m->I, *out = m->H, *row_par = true; break;
+/* Does adapter a cover layer linear x? */
+static bool targeted(const loom_adapter *a, const loom_layer_lin *x) {
+    return x->target >= 0 && a->target[x->target];
+}
+
+/* How many of layer l's linears adapter a covers. */
+static int layer_targets(const loom_model *m, const loom_adapter *a, int64_t l) {
+    int n = 0;
+    for (int j = 0; j < m->layer[l].nlin; j++) n += targeted(a, &m->layer[l].lin[j]);
+    return n;
+}
+
+/* Layer l's linear named `mod` that adapter a covers, -1 when none. */
+static int linear_named(const loom_model *m, const loom_adapter *a, int64_t l, const char *mod) {
+    for (int j = 0; j < m->layer[l].nlin; j++) {
+        const loom_block_linear *k;
+        if (targeted(a, lin_of(m, l, j, &k)) && !strcmp(k->name, mod)) return j;
     }
+    return -1;
 }
 
 static loom_adapter *find(loom_model *m, const char *name) {
@@ -77,8 +86,9 @@ void loom_adapters_free(loom_model *m) {
 /* "all-linear" or a comma-separated list of module names. */
 loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]) {
     memset(target, 0, sizeof(bool) * LOOM_LORA_NMOD);
+    const int nt = loom_lora_ntargets();
     if (!spec || !strcmp(spec, "all-linear")) {
-        for (int k = 0; k < LOOM_LORA_NMOD; k++) target[k] = true;
+        for (int k = 0; k < nt; k++) target[k] = true;
         return LOOM_OK;
     }
     const char *p = spec;
@@ -87,20 +97,59 @@ loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target
         size_t n = e ? (size_t)(e - p) : strlen(p);
         while (n && (*p == ' ')) p++, n--;
         while (n && p[n - 1] == ' ') n--;
-        int k = 0;
-        while (k < LOOM_LORA_NMOD && (strlen(mod_name[k]) != n || strncmp(mod_name[k], p, n))) k++;
-        if (k == LOOM_LORA_NMOD)
+        const int k = loom_lora_target_find(p, n);
+        if (k < 0) {
+            char known[512] = "";
+            for (int t = 0; t < nt; t++)
+                snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", t ? ", " : "",
+                         loom_lora_target_name(t));
             return loom_errf(ctx, LOOM_ERR_CONFIG,
                              "LoRA target module '%.*s' is not one loom knows; use all-linear or "
-                             "a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                             "down_proj",
-                             (int)n, p);
+                             "a list of %s",
+                             (int)n, p, known);
+        }
         target[k] = true;
         p = e ? e + 1 : p + strlen(p);
     }
-    for (int k = 0; k < LOOM_LORA_NMOD; k++)
+    for (int k = 0; k < nt; k++)
         if (target[k]) return LOOM_OK;
     return loom_errf(ctx, LOOM_ERR_CONFIG, "LoRA target_modules is empty");
+}
+
+/* The targets some layer of the model has, of those asked for; an error
+ * when none. */
+static loom_status model_targets(loom_model *m, const bool want[LOOM_LORA_NMOD],
+                                 bool out[LOOM_LORA_NMOD]) {
+    bool any = false;
+    memset(out, 0, sizeof(bool) * LOOM_LORA_NMOD);
+    for (int64_t l = 0; l < m->L; l++)
+        for (int j = 0; j < m->layer[l].nlin; j++) {
+            const int t = m->layer[l].lin[j].target;
+            if (t >= 0 && want[t]) out[t] = any = true;
+        }
+    if (any) return LOOM_OK;
+    return loom_errf(m->ctx, LOOM_ERR_CONFIG,
+                     "LoRA target_modules: none of them is a linear of this %s model",
+                     m->cfg.model_type);
+}
+
+/* A and B of layer l's linear j (lin_of) in the adapter's arena: A (r, in)
+ * column-split for a row-parallel base, B (out, r) row-split for a
+ * column-parallel one. */
+static loom_status add_ab(loom_model *m, loom_adapter *a, int64_t l, int j, int ab) {
+    const loom_block_linear *k;
+    const loom_layer_lin *x = lin_of(m, l, j, &k);
+    char buf[256];
+    loom_peft_weight_name(buf, sizeof buf, l, k->path, k->name, ab ? 'B' : 'A');
+    const int s = a->ar.nslots;
+    if (!(a->names[s] = loom_strdup(m->ctx, buf))) return LOOM_ERR_OOM;
+    loom_shard sh = ab == 0 ? (x->row_par ? LOOM_SHARD_COLS : LOOM_SHARD_NONE)
+                            : (x->row_par ? LOOM_SHARD_NONE : LOOM_SHARD_ROWS);
+    loom_slot *sl = loom_slot_add(m, &a->ar, a->names[s], ab ? x->out : a->r, ab ? a->r : x->in,
+                                  2, sh, false);
+    sl->tp_partial = m->tp > 1 && sh == LOOM_SHARD_NONE;
+    a->slot[l][j][ab] = s;
+    return LOOM_OK;
 }
 
 /* A new adapter with this rank's A and B blocks laid out (values zero). */
@@ -130,42 +179,22 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
     a->dropout = dropout;
     a->rslora = rslora;
     a->scale = (float)(rslora ? alpha / sqrt((double)r) : alpha / r);
-    memcpy(a->target, target, sizeof a->target);
-    size_t maxs = (size_t)m->L * LOOM_LORA_NMOD * 2;
-    a->ar.slots = loom_calloc(ctx, maxs, sizeof *a->ar.slots, "adapter slots");
-    a->names = loom_calloc(ctx, maxs, sizeof *a->names, "adapter names");
+    loom_status st = model_targets(m, target, a->target);
+    size_t maxs = 0;
+    for (int64_t l = 0; l < m->L; l++) maxs += (size_t)m->layer[l].nlin * 2;
+    a->ar.slots = loom_calloc(ctx, maxs + 1, sizeof *a->ar.slots, "adapter slots");
+    a->names = loom_calloc(ctx, maxs + 1, sizeof *a->names, "adapter names");
     a->slot = loom_calloc(ctx, (size_t)m->L, sizeof *a->slot, "adapter table");
-    loom_status st = LOOM_OK;
-    if (!a->name || !a->ar.slots || !a->names || !a->slot) st = LOOM_ERR_OOM;
+    if (!st && (!a->name || !a->ar.slots || !a->names || !a->slot)) st = LOOM_ERR_OOM;
     if (!st) memset(a->slot, 0xff, (size_t)m->L * sizeof *a->slot);
     for (int64_t l = 0; l < m->L && !st; l++) {
-        if (m->layer[l].wq < 0) continue; /* another pipeline stage's layer */
-        /* the layer's A blocks first, in module order: those of modules
+        const loom_layer *L = &m->layer[l];
+        if (!L->held) continue; /* another pipeline stage's layer */
+        /* the layer's A blocks first, in linear order: those of linears
          * that share an input lie back to back (one GEMM for the group) */
-        for (int ab = 0; ab < 2 && !st; ab++) {
-            for (int k = 0; k < LOOM_LORA_NMOD && !st; k++) {
-                if (!target[k]) continue;
-                int64_t in, outf;
-                bool row_par;
-                mod_shape(m, k, &in, &outf, &row_par);
-                char buf[256];
-                snprintf(buf, sizeof buf, "base_model.model.model.layers.%lld.%s.%s.lora_%c.weight",
-                         (long long)l, mod_path[k], mod_name[k], ab ? 'B' : 'A');
-                int s = a->ar.nslots;
-                if (!(a->names[s] = loom_strdup(ctx, buf))) {
-                    st = LOOM_ERR_OOM;
-                    break;
-                }
-                /* A (r, in): column-split for row-parallel bases; B (out, r):
-                 * row-split for column-parallel bases */
-                loom_shard sh = ab == 0 ? (row_par ? LOOM_SHARD_COLS : LOOM_SHARD_NONE)
-                                        : (row_par ? LOOM_SHARD_NONE : LOOM_SHARD_ROWS);
-                loom_slot *sl = loom_slot_add(m, &a->ar, a->names[s], ab ? outf : r, ab ? r : in,
-                                              2, sh, false);
-                sl->tp_partial = m->tp > 1 && sh == LOOM_SHARD_NONE;
-                a->slot[l][k][ab] = s;
-            }
-        }
+        for (int ab = 0; ab < 2 && !st; ab++)
+            for (int j = 0; j < L->nlin && !st; j++)
+                if (targeted(a, &L->lin[j])) st = add_ab(m, a, l, j, ab);
     }
     if (!st) st = loom_arena_layout(m, &a->ar, false);
     if (st) {
@@ -299,19 +328,16 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
         int64_t l;
         char mod[32], ab;
         bool known = loom_peft_weight_parse(t->name, &l, mod, &ab) && l < m->L;
-        int k = 0;
-        while (known && k < LOOM_LORA_NMOD && strcmp(mod_name[k], mod)) k++;
-        if (!known || k == LOOM_LORA_NMOD || !target[k]) {
+        const int j = known ? linear_named(m, a, l, mod) : -1;
+        if (j < 0) {
             s = loom_errf(ctx, LOOM_ERR_FORMAT,
                           "%s: tensor %s is not a LoRA weight of the modules adapter_config.json "
                           "targets on this %lld-layer model",
                           dir, t->name, (long long)m->L);
             break;
         }
-        int64_t in, outf;
-        bool row_par;
-        mod_shape(m, k, &in, &outf, &row_par);
-        int64_t want0 = ab == 'A' ? r : outf, want1 = ab == 'A' ? in : r;
+        const loom_layer_lin *x = &m->layer[l].lin[j];
+        int64_t want0 = ab == 'A' ? r : x->out, want1 = ab == 'A' ? x->in : r;
         if (t->ndim != 2 || t->shape[0] != want0 || t->shape[1] != want1) {
             s = loom_errf(ctx, LOOM_ERR_SHAPE,
                           "%s: %s has shape [%lld, %lld], but r=%lld on this base model needs "
@@ -328,13 +354,13 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
             break;
         }
         found++;
-        for (int j = 0; j < a->ar.nslots && !s; j++)
-            if (!strcmp(a->ar.slots[j].name, t->name))
-                s = loom_slot_read(ctx, t->data, t->dtype, &a->ar.slots[j],
-                                   a->ar.w + a->ar.slots[j].off);
+        for (int n = 0; n < a->ar.nslots && !s; n++)
+            if (!strcmp(a->ar.slots[n].name, t->name))
+                s = loom_slot_read(ctx, t->data, t->dtype, &a->ar.slots[n],
+                                   a->ar.w + a->ar.slots[n].off);
     }
     int want = 0;
-    for (int k = 0; k < LOOM_LORA_NMOD; k++) want += target[k] ? 2 * (int)m->L : 0;
+    for (int64_t l = 0; l < m->L; l++) want += 2 * layer_targets(m, a, l);
     if (!s && found != want)
         s = loom_errf(ctx, LOOM_ERR_FORMAT,
                       "%s: adapter_model.safetensors holds %d LoRA weights, but its config "
@@ -352,26 +378,22 @@ done:
     return s;
 }
 
-/* The i-th tensor of adapter a over the whole model: layers in order, modules
- * in order, A then B. */
+/* The i-th tensor of adapter a over the whole model: layers in order, their
+ * linears in order, A then B. */
 static bool global_tensor(const loom_model *m, const loom_adapter *a, int64_t i, char *buf,
                           size_t cap, int64_t shape[2]) {
-    int nt = 0;
-    for (int k = 0; k < LOOM_LORA_NMOD; k++) nt += a->target[k];
-    if (i < 0 || i >= m->L * nt * 2) return false;
-    int64_t l = i / (nt * 2), rem = i % (nt * 2);
-    int k = -1, j = (int)(rem / 2);
-    while (j >= 0) {
-        k++;
-        if (a->target[k]) j--;
-    }
-    int ab = (int)(rem % 2);
-    int64_t in, outf;
-    bool row_par;
-    mod_shape(m, k, &in, &outf, &row_par);
-    loom_peft_weight_name(buf, cap, l, mod_path[k], mod_name[k], ab ? 'B' : 'A');
-    shape[0] = ab ? outf : a->r;
-    shape[1] = ab ? a->r : in;
+    int64_t l = 0;
+    for (; i >= 0 && l < m->L && i >= 2 * layer_targets(m, a, l); l++) i -= 2 * layer_targets(m, a, l);
+    if (i < 0 || l == m->L) return false;
+    const int ab = (int)(i % 2);
+    int j = -1;
+    for (int n = (int)(i / 2); n >= 0;)
+        if (targeted(a, &m->layer[l].lin[++j])) n--;
+    const loom_block_linear *k;
+    const loom_layer_lin *x = lin_of(m, l, j, &k);
+    loom_peft_weight_name(buf, cap, l, k->path, k->name, ab ? 'B' : 'A');
+    shape[0] = ab ? x->out : a->r;
+    shape[1] = ab ? a->r : x->in;
     return true;
 }
 
@@ -451,23 +473,32 @@ loom_status loom_model_save_adapter(loom_model *m, const char *name, const char 
              m->dir_name[0] ? m->dir_name : m->cfg.model_type);
     const char *targets[LOOM_LORA_NMOD];
     int nt = 0;
-    for (int k = 0; k < LOOM_LORA_NMOD; k++)
-        if (a->target[k]) targets[nt++] = mod_name[k];
+    for (int k = 0; k < loom_lora_ntargets(); k++)
+        if (a->target[k]) targets[nt++] = loom_lora_target_name(k);
     return loom_peft_dir_write(m->ctx, dir, m->mesh->rank == 0, &src, dtype, &pc, targets, nt);
 }
 
 /* Bytes of a saved adapter of rank r on the targeted modules (F32, PEFT
- * layout) of a model of config cfg, headers not counted. */
+ * layout) of a model of config cfg, headers not counted; 0 when the config
+ * gives no layer table. */
 uint64_t loom_lora_save_estimate(const loom_model_config *cfg, int r,
                                  const bool target[LOOM_LORA_NMOD]) {
-    const uint64_t H = (uint64_t)cfg->hidden_size, I = (uint64_t)cfg->intermediate_size,
-                   QD = (uint64_t)(cfg->num_heads * cfg->head_dim),
-                   KD = (uint64_t)(cfg->num_kv_heads * cfg->head_dim);
-    const uint64_t io[LOOM_LORA_NMOD] = {H + QD, H + KD, H + KD, QD + H, H + I, H + I, I + H};
-    uint64_t per_layer = 0;
-    for (int k = 0; k < LOOM_LORA_NMOD; k++)
-        if (target[k]) per_layer += io[k];
-    return per_layer * (uint64_t)r * (uint64_t)cfg->num_layers * 4;
+    loom_ctx *q = NULL; /* what fails here is the run's to report, later */
+    if (loom_ctx_create(&q)) return 0;
+    loom_param_plan plan = {0};
+    loom_layer *layers = calloc((size_t)cfg->num_layers + 1, sizeof *layers);
+    uint64_t io = 0;
+    if (layers && !loom_param_plan_build(q, cfg, &plan) &&
+        !loom_layers_build(q, cfg, &plan, layers))
+        for (int64_t l = 0; l < cfg->num_layers; l++)
+            for (int j = 0; j < layers[l].nlin; j++) {
+                const loom_layer_lin *x = &layers[l].lin[j];
+                if (x->target >= 0 && target[x->target]) io += (uint64_t)(x->in + x->out);
+            }
+    free(layers);
+    loom_param_plan_free(&plan);
+    loom_ctx_free(q);
+    return io * (uint64_t)r * 4;
 }
 
 /* ---- merge ---- */
@@ -483,12 +514,12 @@ static loom_status merge(loom_model *m, const char *name, float sign) {
     if (sm) return sm;
     /* every rank's base block and its A, B blocks fit: W_l += s B_l A_l */
     for (int64_t l = 0; l < m->L; l++) {
-        const loom_layer_slots *ls = &m->layer[l];
-        const int base[LOOM_LORA_NMOD] = {ls->wq, ls->wk, ls->wv, ls->wo, ls->wg, ls->wu, ls->wd};
-        for (int k = 0; k < LOOM_LORA_NMOD; k++) {
+        const loom_layer *L = &m->layer[l];
+        for (int k = 0; k < L->nlin; k++) {
             if (a->slot[l][k][0] < 0) continue;
             const loom_slot *A = &a->ar.slots[a->slot[l][k][0]], *B = &a->ar.slots[a->slot[l][k][1]];
-            const loom_slot *W = &m->base.slots[base[k]];
+            const loom_block *b = &L->b[L->lin[k].b];
+            const loom_slot *W = &m->base.slots[b->w[b->kind->lin[L->lin[k].k].w]];
             LOOM_ASSERT(W->rows == B->rows && W->cols == A->cols);
             /* into the fp32 master, or (a frozen GPU base without one) the
              * compute copy, rounding once per element as PEFT does */
@@ -543,11 +574,11 @@ static loom_status dropout_mask(loom_model *m, const loom_adapter *a, int64_t l,
                           key, a->dropout);
 }
 
-/* The adapter's compute copies of A and B, and x A^T of (layer i, mod). */
+/* The adapter's compute copies of A and B, and x A^T of `mod` in a layer's
+ * stash u. */
 #define WC(a, sl) ((const char *)(a)->ar.wc + (sl)->off * m->dev.esz)
-static void *lora_u(loom_model *m, loom_acts *act, int64_t i, int mod, int64_t r) {
-    size_t at = ((size_t)i * LOOM_LORA_NMOD + (size_t)mod) * (size_t)(m->Tc * r);
-    return (char *)act->lora_u + at * m->dev.esz;
+static void *lora_u(loom_model *m, void *u, int mod, int64_t r) {
+    return (char *)u + (size_t)mod * (size_t)(m->Tc * r) * m->dev.esz;
 }
 
 bool loom_lora_covers(loom_model *m, int64_t l, int mod) {
@@ -556,8 +587,8 @@ bool loom_lora_covers(loom_model *m, int64_t l, int mod) {
     return lora_on(m, l, mod, &a, &A, &B);
 }
 
-/* Modules that read the same input: q, k, v and gate, up. Their A
- * projections run as one GEMM (the input read once; the input gradient one
+/* Linears that read the same input, a group of a block kind's (block.h:
+ * q, k, v and gate, up). Their A projections run as one GEMM (the input read once; the input gradient one
  * GEMM instead of one per module and its accumulation) when the adapter
  * covers the whole group without dropout and the group's A blocks lie back
  * to back (adapter_new lays them out so; a bucket boundary can still fall
@@ -568,9 +599,8 @@ typedef struct lgroup {
 } lgroup;
 
 static bool grouped(loom_model *m, const loom_adapter *a, int64_t l, int mod, lgroup *g) {
-    *g = mod <= LOOM_LORA_V                              ? (lgroup){LOOM_LORA_Q, 3}
-         : mod == LOOM_LORA_GATE || mod == LOOM_LORA_UP ? (lgroup){LOOM_LORA_GATE, 2}
-                                                          : (lgroup){mod, 1};
+    const loom_layer_lin *x = &m->layer[l].lin[mod];
+    *g = (lgroup){x->group, x->gn};
     if (g->n == 1 || dropout_on(m, a)) return false;
     const loom_slot *prev = NULL;
     for (int k = g->first; k < g->first + g->n; k++) {
@@ -582,7 +612,7 @@ static bool grouped(loom_model *m, const loom_adapter *a, int64_t l, int mod, lg
     return true;
 }
 
-loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
+loom_status loom_lora_fwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, void *y, float beta, const void *W,
                           bool *with_base) {
     loom_adapter *a;
@@ -596,12 +626,12 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
     lgroup g;
     if (grouped(m, a, l, mod, &g)) {
         ldu = g.n * r;
-        char *u0 = lora_u(m, act, i, g.first, r);
+        char *u0 = lora_u(m, stash, g.first, r);
         if (mod == g.first) CK(loom_k_gemm_ld(m, false, true, T, ldu, in, 1.0f, x, in, WC(a, A), in,
                                               0.0f, u0, false, ldu));
         u = u0 + (size_t)((mod - g.first) * r) * m->dev.esz;
     } else {
-        u = lora_u(m, act, i, mod, r);
+        u = lora_u(m, stash, mod, r);
         if (dropout_on(m, a)) {
             CK(dropout_mask(m, a, l, mod, A, x, T, m->lora_xd));
             x = m->lora_xd;
@@ -616,7 +646,7 @@ loom_status loom_lora_fwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
                           out);
 }
 
-loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, int mod,
+loom_status loom_lora_bwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, const void *dy, void *dx, float beta,
                           bool *wrote, loom_dx_term *defer) {
     loom_adapter *a;
@@ -633,7 +663,7 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
          * the group's dA += du^T x, dx = du A + beta dx */
         const int64_t ld = g.n * r;
         const size_t c = (size_t)((mod - g.first) * r) * m->dev.esz;
-        const char *u = (const char *)lora_u(m, act, i, g.first, r) + c;
+        const char *u = (const char *)lora_u(m, stash, g.first, r) + c;
         if (mod == g.first) m->lora_npend = 0, m->lora_pend_l = l;
         if (m->lora_npend != mod - g.first || m->lora_pend_l != l)
             return loom_errf(m->ctx, LOOM_ERR_INTERNAL,
@@ -656,7 +686,7 @@ loom_status loom_lora_bwd(loom_model *m, loom_acts *act, int64_t i, int64_t l, i
         return loom_k_gemm_ld(m, false, false, T, in, ld, 1.0f, m->lora_du, ld, WC(a, A0), in, beta,
                               dx, false, in);
     }
-    const void *u = lora_u(m, act, i, mod, r);
+    const void *u = lora_u(m, stash, mod, r);
     void *du = m->lora_du;
     /* dB += s dy^T u and du = s dy B (one read of dy); dA += du^T x';
      * dx = d/dx (du A) + beta dx, x' the dropped-out input (recomputed from

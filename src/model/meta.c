@@ -235,19 +235,15 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
                  (in->adt != LOOM_F32 ? P * esz : 0);
     size_t train_p = P, train_shard = m->base.shard_numel;
     if (lora) { /* adapter blocks of the layers held: A (r, in), B (out, r), tp-split */
-        const int64_t QD = m->Hq * m->D, KD = m->Hkv * m->D;
-        const int64_t io[LOOM_LORA_NMOD][3] = {
-            {m->H, QD, 0}, {m->H, KD, 0}, {m->H, KD, 0}, {QD, m->H, 1},
-            {m->H, m->I, 0}, {m->H, m->I, 0}, {m->I, m->H, 1}};
-        int64_t held = 0;
-        for (int64_t l = 0; l < m->L; l++) held += m->layer[l].wq >= 0;
         size_t ap = 0;
-        for (int k = 0; k < LOOM_LORA_NMOD; k++) {
-            if (!in->lora_target[k]) continue;
-            int64_t a_in = io[k][2] ? io[k][0] / m->tp : io[k][0];
-            int64_t b_out = io[k][2] ? io[k][1] : io[k][1] / m->tp;
-            ap += (size_t)(held * ((int64_t)in->lora_r * a_in + b_out * in->lora_r));
-        }
+        for (int64_t l = 0; l < m->L; l++)
+            for (int j = 0; m->layer[l].held && j < m->layer[l].nlin; j++) {
+                const loom_layer_lin *x = &m->layer[l].lin[j];
+                if (x->target < 0 || !in->lora_target[x->target]) continue;
+                int64_t a_in = x->row_par ? x->in / m->tp : x->in;
+                int64_t b_out = x->row_par ? x->out : x->out / m->tp;
+                ap += (size_t)((int64_t)in->lora_r * a_in + b_out * in->lora_r);
+            }
         size_t grp = (size_t)(m->dp * m->cp);
         train_p = ap;
         train_shard = (ap + grp - 1) / grp;

@@ -12,11 +12,13 @@
 
 struct loom_slot; /* model.h */
 
-/* LoRA modules of a decoder layer, in PEFT's target names. */
-enum { LOOM_LORA_Q = 0, LOOM_LORA_K, LOOM_LORA_V, LOOM_LORA_O, LOOM_LORA_GATE, LOOM_LORA_UP,
-       LOOM_LORA_DOWN, LOOM_LORA_NMOD };
+/* LoRA targets are the block kinds' linears by PEFT module name (block.h's
+ * loom_lora_target_name); a set of targets is a bool array of this many
+ * (at least loom_lora_ntargets), by target number. */
+enum { LOOM_LORA_NMOD = 32 };
 
-/* LoRA target_modules ("all-linear" or a list of q_proj, ..., down_proj). */
+/* LoRA target_modules ("all-linear" or a list of the block kinds' linears'
+ * names: q_proj, ..., down_proj) as a set of target numbers. */
 loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]);
 /* Bytes of the tensors of a saved adapter (F32) of rank r on the targets,
  * for the free-space check of --save-adapter. */

@@ -17,43 +17,6 @@ void loom_model_options_default(loom_model_options *o) {
     o->vocab_pad_multiple = 128;
 }
 
-/* Layer index and the name after "model.layers.N." (NULL outside layers). */
-static const char *layer_leaf(const char *name, int64_t *layer) {
-    static const char pre[] = "model.layers.";
-    if (strncmp(name, pre, sizeof pre - 1)) return NULL;
-    char *end;
-    long long l = strtoll(name + sizeof pre - 1, &end, 10);
-    if (*end != '.') return NULL;
-    *layer = l;
-    return end + 1;
-}
-
-static const struct {
-    const char *leaf;
-    size_t off;
-    loom_shard shard;
-} leaves[] = {
-    {"input_layernorm.weight", offsetof(loom_layer_slots, ln1), LOOM_SHARD_NONE},
-    {"post_attention_layernorm.weight", offsetof(loom_layer_slots, ln2), LOOM_SHARD_NONE},
-    {"self_attn.q_proj.weight", offsetof(loom_layer_slots, wq), LOOM_SHARD_ROWS},
-    {"self_attn.k_proj.weight", offsetof(loom_layer_slots, wk), LOOM_SHARD_ROWS},
-    {"self_attn.v_proj.weight", offsetof(loom_layer_slots, wv), LOOM_SHARD_ROWS},
-    {"self_attn.o_proj.weight", offsetof(loom_layer_slots, wo), LOOM_SHARD_COLS},
-    {"self_attn.q_proj.bias", offsetof(loom_layer_slots, bq), LOOM_SHARD_ROWS},
-    {"self_attn.k_proj.bias", offsetof(loom_layer_slots, bk), LOOM_SHARD_ROWS},
-    {"self_attn.v_proj.bias", offsetof(loom_layer_slots, bv), LOOM_SHARD_ROWS},
-    {"self_attn.o_proj.bias", offsetof(loom_layer_slots, bo), LOOM_SHARD_NONE},
-    {"self_attn.q_norm.weight", offsetof(loom_layer_slots, qn), LOOM_SHARD_NONE},
-    {"self_attn.k_norm.weight", offsetof(loom_layer_slots, kn), LOOM_SHARD_NONE},
-    {"mlp.gate_proj.weight", offsetof(loom_layer_slots, wg), LOOM_SHARD_ROWS},
-    {"mlp.up_proj.weight", offsetof(loom_layer_slots, wu), LOOM_SHARD_ROWS},
-    {"mlp.down_proj.weight", offsetof(loom_layer_slots, wd), LOOM_SHARD_COLS},
-    {"mlp.gate_proj.bias", offsetof(loom_layer_slots, bg), LOOM_SHARD_ROWS},
-    {"mlp.up_proj.bias", offsetof(loom_layer_slots, bu), LOOM_SHARD_ROWS},
-    {"mlp.down_proj.bias", offsetof(loom_layer_slots, bdn), LOOM_SHARD_NONE},
-};
-#define NLEAVES (sizeof leaves / sizeof leaves[0])
-
 /* Does this rank hold global layer l? */
 static bool holds_layer(const loom_model *m, int64_t l) {
     int64_t Lc = m->L / (m->pp * m->vpp), v = l / Lc;
@@ -92,21 +55,59 @@ static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard s
                          p->ndim, shard, vocab);
 }
 
-/* The slots this rank holds, laid out in buckets (each padded to a multiple
- * of the dp*cp group) in the flat buffers. */
+/* A layer tensor's slot (its block's input norm, or one of the kind's
+ * tensors) when this rank holds the layer. */
+static loom_status layer_slot(loom_model *m, const loom_param_spec *p) {
+    loom_layer *L = &m->layer[p->layer];
+    loom_block *b = &L->b[p->block];
+    const loom_block_kind *k = b->kind;
+    if (!k->fwd && p->slot >= 0) /* a kind declared for the plan only (block_moe.c) */
+        return loom_errf(m->ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s: this parameter of model_type %s has no place in loom's dense "
+                         "decoder layer",
+                         p->name, m->cfg.model_type);
+    if (!L->held) return LOOM_OK;
+    const loom_block_slot none = {NULL, LOOM_COMP_NORM, LOOM_SHARD_NONE, false};
+    const loom_block_slot *ks = p->slot == LOOM_SLOT_NORM ? &none : &k->slots[p->slot];
+    *(p->slot == LOOM_SLOT_NORM ? &b->norm : &b->w[p->slot]) = m->base.nslots;
+    loom_slot *sl = add_slot(m, p, ks->shard, false);
+    /* replicated weights that see only this rank's heads (q/k norm) or,
+     * under SP, only its tokens: their gradients are partial sums */
+    sl->tp_partial = m->tp > 1 && sl->shard == LOOM_SHARD_NONE && (ks->headwise || m->sp);
+    return LOOM_OK;
+}
+
+/* Every held layer has its blocks' norms and linears. */
+static loom_status layers_check(const loom_model *m) {
+    for (int64_t l = 0; l < m->L; l++) {
+        const loom_layer *L = &m->layer[l];
+        bool ok = true;
+        for (int j = 0; L->held && j < L->nb; j++) ok = ok && L->b[j].norm >= 0;
+        for (int n = 0; L->held && n < L->nlin; n++) {
+            const loom_block *b = &L->b[L->lin[n].b];
+            ok = ok && b->w[b->kind->lin[L->lin[n].k].w] >= 0;
+        }
+        if (!ok)
+            return loom_errf(m->ctx, LOOM_ERR_INTERNAL,
+                             "parameter plan lacks a tensor of layer %lld", (long long)l);
+    }
+    return LOOM_OK;
+}
+
+/* The layer table and the slots this rank holds, laid out in buckets (each
+ * padded to a multiple of the dp*cp group) in the flat buffers. */
 loom_status loom_model_build_slots(loom_model *m) {
     loom_ctx *ctx = m->ctx;
     m->base.slots = loom_calloc(ctx, m->plan.n + 1, sizeof *m->base.slots, "parameter slots");
     m->layer = loom_calloc(ctx, (size_t)m->L, sizeof *m->layer, "layer table");
     if (!m->base.slots || !m->layer) return LOOM_ERR_OOM;
-    memset(m->layer, 0xff, (size_t)m->L * sizeof *m->layer); /* every index -1 */
+    CK(loom_layers_build(ctx, &m->cfg, &m->plan, m->layer));
+    for (int64_t l = 0; l < m->L; l++) m->layer[l].held = holds_layer(m, l);
     m->embed = m->final_norm = m->head = -1;
     const bool first = m->mesh->pp_rank == 0, last = m->mesh->pp_rank == m->pp - 1;
     const bool tied = m->cfg.tie_word_embeddings;
     for (size_t i = 0; i < m->plan.n; i++) {
         const loom_param_spec *p = &m->plan.p[i];
-        int64_t l = -1;
-        const char *leaf = layer_leaf(p->name, &l);
         if (!strcmp(p->name, "model.embed_tokens.weight")) {
             if (first) {
                 m->embed = m->base.nslots;
@@ -130,22 +131,8 @@ loom_status loom_model_build_slots(loom_model *m) {
                 m->final_norm = m->base.nslots;
                 add_slot(m, p, LOOM_SHARD_NONE, false)->tp_partial = m->sp;
             }
-        } else if (leaf && l >= 0 && l < m->L) {
-            size_t k = 0;
-            while (k < NLEAVES && strcmp(leaves[k].leaf, leaf)) k++;
-            if (k == NLEAVES)
-                return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                                 "%s: this parameter of model_type %s has no place in loom's "
-                                 "dense decoder layer",
-                                 p->name, m->cfg.model_type);
-            if (!holds_layer(m, l)) continue;
-            *(int *)((char *)&m->layer[l] + leaves[k].off) = m->base.nslots;
-            loom_slot *sl = add_slot(m, p, leaves[k].shard, false);
-            bool qk = leaves[k].off == offsetof(loom_layer_slots, qn) ||
-                      leaves[k].off == offsetof(loom_layer_slots, kn);
-            /* replicated weights that see only this rank's heads (q/k norm) or,
-             * under SP, only its tokens: their gradients are partial sums */
-            sl->tp_partial = m->tp > 1 && sl->shard == LOOM_SHARD_NONE && (qk || m->sp);
+        } else if (p->block >= 0 && p->layer >= 0 && p->layer < m->L) {
+            CK(layer_slot(m, p));
         } else {
             return loom_errf(ctx, LOOM_ERR_INTERNAL, "parameter plan names unknown tensor %s",
                              p->name);
@@ -154,15 +141,7 @@ loom_status loom_model_build_slots(loom_model *m) {
     if ((first && m->embed < 0) || (last && (m->final_norm < 0 || m->head < 0)))
         return loom_errf(ctx, LOOM_ERR_INTERNAL, "parameter plan lacks the embedding, final norm "
                          "or output layer");
-    for (int64_t l = 0; l < m->L; l++) {
-        const loom_layer_slots *ls = &m->layer[l];
-        if (!holds_layer(m, l)) continue;
-        if (ls->ln1 < 0 || ls->ln2 < 0 || ls->wq < 0 || ls->wk < 0 || ls->wv < 0 || ls->wo < 0 ||
-            ls->wg < 0 || ls->wu < 0 || ls->wd < 0 || (m->cfg.qk_norm && (ls->qn < 0 || ls->kn < 0)))
-            return loom_errf(ctx, LOOM_ERR_INTERNAL, "parameter plan lacks a tensor of layer %lld",
-                             (long long)l);
-    }
-    return LOOM_OK;
+    return layers_check(m);
 }
 
 /* Slots 64-byte aligned; buckets closed at slot boundaries once they hold
@@ -602,18 +581,9 @@ int64_t loom_loss_block_rows(bool cuda, int64_t Vl, int64_t Tc) {
     return (Tc + n - 1) / n;
 }
 
-/* Activation buffers are carved from one allocation (act_mem): loom_carve()
- * runs the layout twice, first to measure (base NULL), then to assign. */
-
-static void *cv(loom_carve *c, size_t bytes) {
-    if (!bytes) return NULL;
-    size_t off = (c->used + 255) & ~(size_t)255;
-    c->used = off + bytes;
-    return c->base ? c->base + off : NULL;
-}
-
 static void buffers_free(loom_model *m) {
     for (int c = 0; m->chunks && c < m->vpp; c++) {
+        for (int i = 0; i < m->chunks[c].npool; i++) free(m->chunks[c].pool[i].lay);
         free(m->chunks[c].pool);
         m->chunks[c].pool = NULL;
         m->chunks[c].npool = 0;
@@ -646,97 +616,6 @@ static void buffers_free(loom_model *m) {
     m->lora_r = 0;
 }
 
-/* Every activation buffer of micro-batches of T tokens (Tc, Tn on this
- * rank), `in_flight` per chunk, LoRA rank lr: pointers into c. */
-/* The per-layer buffers of n layers into a: the attention group (norms,
- * residual, q/k/v/o, LoRA's x A^T) and/or the MLP group (gate, up, act). */
-enum { GRP_ATTN = 1, GRP_MLP = 2 };
-static void layer_acts(loom_model *m, loom_carve *c, loom_acts *a, int64_t n, int grp, int64_t T,
-                       int64_t Tc, int64_t Tn, int lr) {
-    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
-    const size_t e = m->dev.esz, f = sizeof(float);
-    const bool qkn = m->cfg.qk_norm;
-    if (grp & GRP_ATTN) {
-        a->h1 = cv(c, (size_t)(n * Tc * H) * e);
-        a->h2 = cv(c, (size_t)(n * Tc * H) * e);
-        a->rstd1 = cv(c, (size_t)(n * Tn) * f);
-        a->rstd2 = cv(c, (size_t)(n * Tn) * f);
-        a->xmid = cv(c, (size_t)(n * Tn * H) * e);
-        a->qpre = qkn ? cv(c, (size_t)(n * Tc * QD) * e) : NULL;
-        a->kpre = qkn ? cv(c, (size_t)(n * Tc * KD) * e) : NULL;
-        a->rstdq = qkn ? cv(c, (size_t)(n * Tc * m->Hql) * f) : NULL;
-        a->rstdk = qkn ? cv(c, (size_t)(n * Tc * m->Hkvl) * f) : NULL;
-        a->q = cv(c, (size_t)(n * Tc * QD) * e);
-        a->k = cv(c, (size_t)(n * T * KD) * e);
-        a->v = cv(c, (size_t)(n * T * KD) * e);
-        a->o = cv(c, (size_t)(n * Tc * QD) * e);
-        a->lse = cv(c, (size_t)(n * Tc * m->Hql) * f);
-        a->lora_u = lr ? cv(c, (size_t)(n * LOOM_LORA_NMOD * Tc * lr) * e) : NULL;
-    }
-    if (grp & GRP_MLP) {
-        a->gate = cv(c, (size_t)(n * Tc * Il) * e);
-        a->up = cv(c, (size_t)(n * Tc * Il) * e);
-        a->act = cv(c, (size_t)(n * Tc * Il) * e);
-    }
-}
-
-void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
-                        int in_flight, int lr, bool dropout) {
-    const int64_t H = m->H, Il = m->Il, QD = m->Hql * m->D, KD = m->Hkvl * m->D;
-    const size_t e = m->dev.esz, f = sizeof(float);
-    /* kept per layer and micro-batch in flight / recomputed one layer at a time */
-    const int keep = m->recompute == LOOM_RECOMPUTE_FULL ? 0
-                     : m->recompute == LOOM_RECOMPUTE_MLP ? GRP_ATTN
-                                                          : GRP_ATTN | GRP_MLP;
-    for (int ci = 0; ci < m->vpp; ci++) {
-        loom_chunk *ch = &m->chunks[ci];
-        const int64_t nl = ch->nl;
-        for (int i = 0; i < in_flight; i++) {
-            loom_acts *a = &ch->pool[i];
-            const int mb = a->mb;
-            memset(a, 0, sizeof *a);
-            a->mb = mb;
-            a->x = cv(c, (size_t)((nl + 1) * Tn * H) * e);
-            layer_acts(m, c, a, nl, keep, T, Tc, Tn, lr);
-            if (ch->last) {
-                a->hf = cv(c, (size_t)(Tn * H) * e);
-                a->rstdf = cv(c, (size_t)Tn * f);
-                a->dstash = cv(c, (size_t)(Tn * H) * e);
-            }
-        }
-    }
-    memset(&m->rc, 0, sizeof m->rc);
-    if (keep != (GRP_ATTN | GRP_MLP)) layer_acts(m, c, &m->rc, 1, ~keep & (GRP_ATTN | GRP_MLP), T, Tc, Tn, lr);
-    m->dx = cv(c, (size_t)(Tc * H) * e);
-    m->dtmp = cv(c, (size_t)(Tc * H) * e);
-    m->dfull = cv(c, (size_t)(Tc * H) * e);
-    m->dq = cv(c, (size_t)(Tc * QD) * e);
-    m->dout = cv(c, (size_t)(Tc * QD) * e);
-    m->dk = cv(c, (size_t)(T * KD) * e);
-    m->dv = cv(c, (size_t)(T * KD) * e);
-    m->dkl = cv(c, (size_t)(Tc * KD) * e);
-    m->dvl = cv(c, (size_t)(Tc * KD) * e);
-    m->kvblk = cv(c, (size_t)(T * KD) * e);
-    m->dg = cv(c, (size_t)(Tc * Il) * e);
-    m->du = cv(c, (size_t)(Tc * Il) * e);
-    m->logits = cv(c, (size_t)(m->chunk_rows * m->Vl) * e);
-    m->lora_du = lr ? cv(c, (size_t)(Tc * 3 * lr) * e) : NULL; /* a group of up to 3 modules */
-    int64_t maxin = H > QD ? H : QD;
-    if (Il > maxin) maxin = Il;
-    m->lora_xd = dropout ? cv(c, (size_t)(Tc * maxin) * e) : NULL;
-    m->ce = cv(c, (size_t)Tc * 4 * sizeof(double));
-    m->d_perm = cv(c, (size_t)T * sizeof(int32_t));
-    for (int i = 0; i < nmb; i++) {
-        loom_micro *u = &m->micro[i];
-        u->d_ids = cv(c, (size_t)Tc * sizeof(int32_t));
-        u->d_tgt = cv(c, (size_t)Tc * sizeof(int32_t));
-        u->d_pos = cv(c, (size_t)Tc * sizeof(int32_t));
-        u->d_cu = cv(c, (size_t)(T + 1) * sizeof(int32_t));
-        u->d_rope = m->dev.cuda ? cv(c, (size_t)(Tc * m->D) * sizeof(float)) : NULL;
-    }
-    for (int i = 0; i < m->npp_stage; i++) m->pp_stage[i] = cv(c, (size_t)(Tn * H) * e);
-}
-
 loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight,
                                int pp_slots) {
     const int64_t T = rows * seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
@@ -761,7 +640,11 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
         ch->pool = loom_calloc(ctx, (size_t)in_flight, sizeof *ch->pool, "activations");
         if (!ch->pool) fail = true;
         ch->npool = ch->pool ? in_flight : 0;
-        for (int i = 0; i < ch->npool; i++) ch->pool[i].mb = -1;
+        for (int i = 0; i < ch->npool; i++) {
+            ch->pool[i].mb = -1;
+            ch->pool[i].lay = loom_calloc(ctx, (size_t)ch->nl, sizeof *ch->pool[i].lay, "activations");
+            if (!ch->pool[i].lay) fail = true;
+        }
     }
     m->micro = loom_calloc(ctx, (size_t)nmb, sizeof *m->micro, "micro-batches");
     if (m->micro) m->cap_mb = nmb;

@@ -30,21 +30,10 @@
 
 #include "../io/hf_config.h"
 #include "../parallel/mesh.h"
+#include "block.h"
 #include "kern.h"
 #include "meta.h"
 #include "params.h"
-
-/* Indices into loom_model.slots of one decoder layer's tensors (-1: absent). */
-typedef struct loom_layer_slots {
-    int ln1, ln2;                /* input_layernorm, post_attention_layernorm */
-    int wq, wk, wv, wo;          /* local: (Hq_l*D, H), (Hkv_l*D, H) x2, (H, Hq_l*D) */
-    int bq, bk, bv, bo;          /* qkv biases (qwen2, llama attention_bias), o bias */
-    int qn, kn;                  /* q_norm, k_norm (D) (qwen3) */
-    int wg, wu, wd;              /* gate (I_l, H), up (I_l, H), down (H, I_l) */
-    int bg, bu, bdn;             /* llama mlp_bias */
-} loom_layer_slots;
-
-typedef enum loom_shard { LOOM_SHARD_NONE = 0, LOOM_SHARD_ROWS, LOOM_SHARD_COLS } loom_shard;
 
 typedef struct loom_slot {
     char *name;         /* HF name */
@@ -104,34 +93,24 @@ typedef struct loom_adapter {
     bool rslora, merged;
     uint64_t seed;                /* dropout masks (and a fresh adapter's A) */
     float scale;                  /* alpha / r, or alpha / sqrt(r) */
-    bool target[LOOM_LORA_NMOD];
+    bool target[LOOM_LORA_NMOD];  /* by target number; only names some layer has */
     loom_arena ar;                /* its A and B blocks on this rank */
-    int (*slot)[LOOM_LORA_NMOD][2]; /* (L): arena slot of A [0] and B [1], -1 when absent */
+    int (*slot)[LOOM_LAYER_MAX_LINEARS][2]; /* (L): by the layer's linear (loom_layer.lin), arena
+                                   * slot of A [0] and B [1], -1 when absent */
     char **names;                 /* slot names (PEFT, without the adapter name) */
 } loom_adapter;
 
-/* Activations of one model chunk for one micro-batch, saved by the forward
- * for the backward. Per layer i of the chunk (offsets i * stride). */
-/* Activations of a chunk's layers for one micro-batch in flight. With
- * recomputation the groups not kept are NULL here and live, for one layer,
- * in the model's rc (the layer being recomputed): MLP leaves out gate, up
- * and act; FULL everything but x, hf, rstdf and dstash. */
+/* Activations of one model chunk for one micro-batch in flight, saved by
+ * the forward for the backward: the layers' inputs and outputs, where each
+ * layer's other buffers are (block.h's loom_layer_acts: with recomputation
+ * those not kept lie in one layer's region shared by all), and the last
+ * stage's final norm and loss gradient. */
 typedef struct loom_acts {
     void *x;            /* (nl+1, Tn, H): input of layer i; x[nl] = the chunk's output */
-    void *h1, *h2;      /* (nl, Tc, H): normed inputs of attention and MLP (gathered under SP) */
-    float *rstd1, *rstd2; /* (nl, Tn) */
-    void *xmid;         /* (nl, Tn, H): residual after attention */
-    void *qpre, *kpre;  /* (nl, Tc, QDl), (nl, Tc, KDl): before q/k norm (qk_norm only) */
-    float *rstdq, *rstdk; /* (nl, Tc*Hq_l), (nl, Tc*Hkv_l) */
-    void *q;            /* (nl, Tc, QDl) after rope */
-    void *k, *v;        /* (nl, T, KDl): the whole micro-batch's keys and values (gathered over cp) */
-    void *o;            /* (nl, Tc, QDl) */
-    float *lse;         /* (nl, Tc*Hq_l) */
-    void *gate, *up, *act; /* (nl, Tc, I_l) */
+    loom_layer_acts *lay; /* (nl) */
     void *hf;           /* (Tn, H): final norm (last stage) */
     float *rstdf;       /* (Tn) */
     void *dstash;       /* (Tn, H): d loss / d x[nl], from the loss (last stage) */
-    void *lora_u;       /* (nl, LOOM_LORA_NMOD, Tc, r): x A^T of the active adapter */
     int mb;             /* micro-batch held, -1 when free */
 } loom_acts;
 
@@ -179,7 +158,7 @@ struct loom_model {
     loom_dev dev;            /* where it computes (kern.h) */
     loom_arena base;         /* this rank's share of the model's tensors */
     int embed, final_norm, head; /* base slots; -1 when not on this rank; head == embed when tied, pp == 1 */
-    loom_layer_slots *layer; /* (L), -1 for layers of other stages */
+    loom_layer *layer;       /* (L): the layer table (block.h); slots -1 in other stages' layers */
     float *inv_freq;         /* (D/2) */
     float *d_inv_freq;       /* its device copy (== inv_freq on CPU) */
     int64_t bucket_elems;
@@ -192,7 +171,6 @@ struct loom_model {
     /* activations */
     loom_chunk *chunks;      /* (vpp) */
     loom_recompute recompute;/* what the backward recomputes (loom.h) */
-    loom_acts rc;            /* with recompute: the groups not kept, for one layer */
     int64_t cap_T;           /* micro-batch tokens the buffers were sized for */
     int64_t T, Tc, Tn;       /* of the current micro-batch shape */
     loom_micro *micro;       /* (cap_mb) */
@@ -202,8 +180,7 @@ struct loom_model {
     void *act_mem;           /* the one allocation all activation buffers are carved from */
     size_t act_bytes;
     void *dx, *dtmp, *dfull; /* (Tc, H) each: scratch */
-    void *dq, *dout, *dk, *dv, *dkl, *dvl, *kvblk; /* scratch */
-    void *dg, *du;           /* (Tc, I_l) */
+    void *scratch[LOOM_NKINDS][LOOM_BLOCK_MAX_SCRATCH]; /* the block kinds' (block.h) */
     void *lora_du;           /* (Tc, 3 r): a LoRA group's du */
     loom_lora_dy_op lora_pend[3]; /* a LoRA group's dy passes, run at its last module */
     int lora_npend;
@@ -268,23 +245,25 @@ static inline float *loom_g(loom_model *m, int s) {
     return s < 0 || !m->base.g || m->base.slots[s].frozen ? NULL
                                                           : m->base.g + m->base.slots[s].off;
 }
-/* lora.c: the active, unmerged adapter's path on one linear of layer l (i:
- * the layer's index in its chunk). fwd: y (T, out_l) = scale (x A^T) B^T +
- * beta y, saving x A^T. bwd: dA, dB accumulate; dx (T, in_l) = d/dx + beta
- * dx, *wrote set when dx was written (dx NULL: the input gradient is not
- * wanted, only dA and dB); with defer (not NULL), where the term is du A
- * (no dropout) it is not computed but described in *defer (defer->dy NULL
- * otherwise) for the caller's loom_k_lin_dx_sum, which must run before the
- * next LoRA backward (du is LoRA's scratch). fwd with the base weight W (out, in) and beta 0:
- * where the device can, y = x W^T + the term in one GEMM and *with_base set
- * (the caller's base GEMM is then not run); W NULL: the term alone. beta is 0 or 1; no-ops where no
- * adapter covers the linear (loom_lora_covers). Modules that share an input
- * (q, k, v; gate, up) may run as a group: called in module order, the first
- * computes the group's x A^T and the last writes the group's dx. */
-loom_status loom_lora_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
+/* lora.c: the active, unmerged adapter's path on linear `mod` of layer l
+ * (its number among the layer's linears, loom_layer.lin; stash: the
+ * layer's loom_layer_acts.lora_u). fwd: y (T, out_l) = scale (x A^T) B^T +
+ * beta y, saving x A^T in the stash. bwd: dA, dB accumulate; dx (T, in_l) =
+ * d/dx + beta dx, *wrote set when dx was written (dx NULL: the input
+ * gradient is not wanted, only dA and dB); with defer (not NULL), where the
+ * term is du A (no dropout) it is not computed but described in *defer
+ * (defer->dy NULL otherwise) for the caller's loom_k_lin_dx_sum, which must
+ * run before the next LoRA backward (du is LoRA's scratch). fwd with the
+ * base weight W (out, in) and beta 0: where the device can, y = x W^T + the
+ * term in one GEMM and *with_base set (the caller's base GEMM is then not
+ * run); W NULL: the term alone. beta is 0 or 1; no-ops where no adapter
+ * covers the linear (loom_lora_covers). Linears of a group (block.h's
+ * loom_block_linear: q, k, v; gate, up) may run as one: called in order,
+ * the first computes the group's x A^T and the last writes the group's dx. */
+loom_status loom_lora_fwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, void *y, float beta, const void *W,
                           bool *with_base);
-loom_status loom_lora_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l, int mod,
+loom_status loom_lora_bwd(loom_model *m, void *stash, int64_t l, int mod,
                           const void *x, int64_t T, const void *dy, void *dx, float beta,
                           bool *wrote, loom_dx_term *defer);
 bool loom_lora_covers(loom_model *m, int64_t l, int mod);
@@ -343,8 +322,9 @@ loom_status loom_model_build_slots(loom_model *m);
 void loom_model_set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_model_config *c,
                           int64_t pad);
 int64_t loom_loss_block_rows(bool cuda, int64_t Vl, int64_t Tc);
-/* Activation buffers are carved from one allocation (act_mem): the layout
- * runs twice, first to measure (base NULL), then to assign. */
+/* Activation buffers are carved from one allocation (act_mem) by acts.c's
+ * layout, run twice: first to measure (base NULL), then to assign. Pools
+ * whose lay is NULL are only measured (the memory predictor). */
 typedef struct loom_carve {
     char *base;
     size_t used;

@@ -9,6 +9,7 @@
 #include "../io/export.h"
 #include "../io/outdir.h"
 #include "../io/safetensors.h"
+#include "block.h"
 
 static const char *comp_names[LOOM_COMP_COUNT] = {
     "embedding", "attention", "mlp", "router", "experts", "norms", "lm_head"};
@@ -29,17 +30,21 @@ void loom_param_plan_free(loom_param_plan *plan) {
     plan->n = 0;
 }
 
-typedef struct {
+/* The plan being built; inside a layer, the block whose tensors come. */
+struct loom_param_sink {
     loom_ctx *ctx;
     loom_param_plan *plan;
     size_t cap;
     loom_status st;
-} builder;
+    int64_t layer;
+    int block;
+    const loom_block_kind *kind;
+};
 
-static void add(builder *b, loom_component comp, int64_t layer, int64_t expert, int64_t d0,
+static void add(loom_param_sink *b, loom_component comp, int64_t expert, int slot, int64_t d0,
                 int64_t d1, const char *fmt, ...) LOOM_PRINTF(7, 8);
 
-static void add(builder *b, loom_component comp, int64_t layer, int64_t expert, int64_t d0,
+static void add(loom_param_sink *b, loom_component comp, int64_t expert, int slot, int64_t d0,
                 int64_t d1, const char *fmt, ...) {
     if (b->st) return;
     if (b->plan->n == b->cap) {
@@ -67,72 +72,57 @@ static void add(builder *b, loom_component comp, int64_t layer, int64_t expert, 
     s->shape[0] = d0;
     s->shape[1] = d1 > 0 ? d1 : 0;
     s->comp = comp;
-    s->layer = layer;
+    s->layer = b->layer;
     s->expert = expert;
+    s->block = b->layer >= 0 ? b->block : -1;
+    s->slot = b->layer >= 0 ? slot : -1;
     b->plan->n++;
 }
 
-/* gate/up/down of width `inter` under `prefix` ("model.layers.3.mlp" or
- * "model.layers.3.mlp.experts.5"). */
-static void add_mlp(builder *b, const loom_model_config *c, loom_component comp, int64_t l,
-                    int64_t e, int64_t inter, const char *prefix) {
-    const int64_t H = c->hidden_size;
-    add(b, comp, l, e, inter, H, "%s.gate_proj.weight", prefix);
-    add(b, comp, l, e, inter, H, "%s.up_proj.weight", prefix);
-    add(b, comp, l, e, H, inter, "%s.down_proj.weight", prefix);
-    if (c->mlp_bias) {
-        add(b, comp, l, e, inter, 0, "%s.gate_proj.bias", prefix);
-        add(b, comp, l, e, inter, 0, "%s.up_proj.bias", prefix);
-        add(b, comp, l, e, H, 0, "%s.down_proj.bias", prefix);
+/* a layer tensor: "model.layers.<l>." and the leaf (formatted with the expert) */
+static void put(loom_param_sink *s, int slot, int64_t e, int64_t d0, int64_t d1) {
+    const loom_block_slot *k = &s->kind->slots[slot];
+    char leaf[160];
+    snprintf(leaf, sizeof leaf, k->leaf, (long long)e);
+    add(s, k->comp, e, slot, d0, d1, "model.layers.%lld.%s", (long long)s->layer, leaf);
+}
+
+void loom_param_put(loom_param_sink *s, int slot, int64_t d0, int64_t d1) {
+    put(s, slot, -1, d0, d1);
+}
+
+void loom_param_put_expert(loom_param_sink *s, int slot, int64_t e, int64_t d0, int64_t d1) {
+    put(s, slot, e, d0, d1);
+}
+
+loom_ctx *loom_param_sink_ctx(loom_param_sink *s) { return s->ctx; }
+
+/* Layer l: each block's input norm, then the block's own tensors. */
+static void add_layer(loom_param_sink *b, const loom_model_config *c, int64_t l) {
+    const loom_block_kind *k[LOOM_LAYER_MAX_BLOCKS];
+    const int nb = loom_layer_kinds(c, l, k);
+    b->layer = l;
+    for (int j = 0; j < nb && !b->st; j++) {
+        b->block = j;
+        b->kind = k[j];
+        add(b, LOOM_COMP_NORM, -1, LOOM_SLOT_NORM, c->hidden_size, 0, "model.layers.%lld.%s",
+            (long long)l, k[j]->norm);
+        loom_status st = k[j]->params(c, l, b);
+        if (st && !b->st) b->st = st;
     }
+    b->layer = -1;
 }
 
 loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *c,
                                   loom_param_plan *plan) {
     memset(plan, 0, sizeof *plan);
-    builder b = {ctx, plan, 0, LOOM_OK};
-    const int64_t H = c->hidden_size, D = c->head_dim;
-    const int64_t q = c->num_heads * D, kv = c->num_kv_heads * D;
+    loom_param_sink b = {.ctx = ctx, .plan = plan, .layer = -1};
+    const int64_t H = c->hidden_size;
     add(&b, LOOM_COMP_EMBED, -1, -1, c->vocab_size, H, "model.embed_tokens.weight");
-    for (int64_t l = 0; l < c->num_layers; l++) {
-        char pre[96];
-        snprintf(pre, sizeof pre, "model.layers.%lld", (long long)l);
-        add(&b, LOOM_COMP_NORM, l, -1, H, 0, "%s.input_layernorm.weight", pre);
-        add(&b, LOOM_COMP_ATTN, l, -1, q, H, "%s.self_attn.q_proj.weight", pre);
-        add(&b, LOOM_COMP_ATTN, l, -1, kv, H, "%s.self_attn.k_proj.weight", pre);
-        add(&b, LOOM_COMP_ATTN, l, -1, kv, H, "%s.self_attn.v_proj.weight", pre);
-        add(&b, LOOM_COMP_ATTN, l, -1, H, q, "%s.self_attn.o_proj.weight", pre);
-        if (c->qkv_bias) {
-            add(&b, LOOM_COMP_ATTN, l, -1, q, 0, "%s.self_attn.q_proj.bias", pre);
-            add(&b, LOOM_COMP_ATTN, l, -1, kv, 0, "%s.self_attn.k_proj.bias", pre);
-            add(&b, LOOM_COMP_ATTN, l, -1, kv, 0, "%s.self_attn.v_proj.bias", pre);
-        }
-        if (c->o_bias) add(&b, LOOM_COMP_ATTN, l, -1, H, 0, "%s.self_attn.o_proj.bias", pre);
-        if (c->qk_norm) {
-            add(&b, LOOM_COMP_ATTN, l, -1, D, 0, "%s.self_attn.q_norm.weight", pre);
-            add(&b, LOOM_COMP_ATTN, l, -1, D, 0, "%s.self_attn.k_norm.weight", pre);
-        }
-        add(&b, LOOM_COMP_NORM, l, -1, H, 0, "%s.post_attention_layernorm.weight", pre);
-        char mlp[128];
-        snprintf(mlp, sizeof mlp, "%s.mlp", pre);
-        if (loom_config_layer_is_moe(c, l)) {
-            add(&b, LOOM_COMP_ROUTER, l, -1, c->num_experts, H, "%s.gate.weight", mlp);
-            for (int64_t e = 0; e < c->num_experts; e++) {
-                char ex[160];
-                snprintf(ex, sizeof ex, "%s.experts.%lld", mlp, (long long)e);
-                add_mlp(&b, c, LOOM_COMP_EXPERTS, l, e, c->moe_intermediate_size, ex);
-            }
-        } else {
-            if (c->intermediate_size <= 0 && !b.st)
-                b.st = loom_errf(ctx, LOOM_ERR_CONFIG,
-                                 "layer %lld has a dense MLP but the config has no "
-                                 "intermediate_size",
-                                 (long long)l);
-            add_mlp(&b, c, LOOM_COMP_MLP, l, -1, c->intermediate_size, mlp);
-        }
-    }
+    for (int64_t l = 0; l < c->num_layers; l++) add_layer(&b, c, l);
     add(&b, LOOM_COMP_NORM, -1, -1, H, 0, "model.norm.weight");
-    if (!c->tie_word_embeddings) add(&b, LOOM_COMP_HEAD, -1, -1, c->vocab_size, H, "lm_head.weight");
+    if (!c->tie_word_embeddings)
+        add(&b, LOOM_COMP_HEAD, -1, -1, c->vocab_size, H, "lm_head.weight");
     if (b.st) loom_param_plan_free(plan);
     return b.st;
 }

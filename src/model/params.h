@@ -18,6 +18,15 @@ typedef enum loom_component {
     LOOM_COMP_COUNT
 } loom_component;
 
+/* How a tensor is split over tensor-parallel ranks: not (replicated), by
+ * rows (column-parallel linears, the vocabulary) or by columns
+ * (row-parallel linears). */
+typedef enum loom_shard { LOOM_SHARD_NONE = 0, LOOM_SHARD_ROWS, LOOM_SHARD_COLS } loom_shard;
+
+/* A layer tensor's slot in its block (block.h) when it is the block's input
+ * norm, which the layer walker owns. */
+#define LOOM_SLOT_NORM (-2)
+
 typedef struct loom_param_spec {
     char *name;          /* HF name, e.g. "model.layers.0.self_attn.q_proj.weight" */
     int ndim;            /* 1 or 2 */
@@ -25,6 +34,8 @@ typedef struct loom_param_spec {
     loom_component comp;
     int64_t layer;       /* -1 outside the decoder layers */
     int64_t expert;      /* -1 unless an expert weight */
+    int block;           /* inside a layer: its block (block.h), else -1 */
+    int slot;            /* the block kind's slot, or LOOM_SLOT_NORM; -1 outside layers */
 } loom_param_spec;
 
 typedef struct loom_param_plan {

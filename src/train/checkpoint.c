@@ -156,12 +156,10 @@ static loom_status meta_build(loom_model *m, const loom_train_progress *p, bool 
         const loom_adapter *a = &m->adapters[m->active];
         loom_json *ad = loom_json_new_object(ctx);
         if (!ad) st = LOOM_ERR_OOM;
-        char tg[128] = "";
-        static const char *mods[] = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                     "gate_proj", "up_proj", "down_proj"};
-        for (int k = 0; k < LOOM_LORA_NMOD; k++)
+        char tg[512] = "";
+        for (int k = 0; k < loom_lora_ntargets(); k++)
             if (a->target[k]) snprintf(tg + strlen(tg), sizeof tg - strlen(tg), "%s%s",
-                                       *tg ? "," : "", mods[k]);
+                                       *tg ? "," : "", loom_lora_target_name(k));
         if (!st) st = loom_json_set(ctx, ad, "name", loom_json_new_str(ctx, a->name));
         if (!st) st = loom_json_set(ctx, ad, "r", loom_json_new_int(ctx, a->r));
         if (!st) st = loom_json_set(ctx, ad, "lora_alpha", loom_json_new_num(ctx, a->alpha));

@@ -275,7 +275,7 @@ BAD_CALLS = [
      loom.InvalidArgumentError, "r=0"),
     ("add_adapter_to_model", dict(adapter_name="x", config_or_dir={"r": 4, "target_modules":
                                                                      ["lm_head"]}),
-     loom.UnsupportedError, "lm_head"),
+     loom.ConfigError, "'lm_head' is not one loom knows"),
     ("add_adapter_to_model", dict(adapter_name="x", config_or_dir={"r": 4, "use_dora": True}),
      loom.UnsupportedError, "use_dora"),
     ("add_adapter_to_model", dict(adapter_name="x", config_or_dir={"rank": 4}),
