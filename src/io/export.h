@@ -63,4 +63,43 @@ void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *blo
                            const char *module, char ab);
 bool loom_peft_weight_parse(const char *name, int64_t *layer, char module[32], char *ab);
 
+/* ---- reading ---- */
+
+/* The weights of a Hugging Face model directory (model.safetensors, or its
+ * shards through model.safetensors.index.json), by HF name. */
+struct loom_safetensors;
+loom_status loom_hf_dir_open(loom_ctx *ctx, const char *dir, struct loom_safetensors **out);
+
+/* A PEFT adapter directory opened for reading: adapter_config.json's
+ * settings (checked as loom_peft_config_read does) and the tensors of
+ * adapter_model.safetensors. */
+typedef struct loom_peft_dir loom_peft_dir;
+loom_status loom_peft_dir_open(loom_ctx *ctx, const char *dir, loom_peft_dir **out);
+void loom_peft_dir_close(loom_peft_dir *d);
+const loom_peft_config *loom_peft_dir_config(const loom_peft_dir *d);
+const char *loom_peft_dir_config_path(const loom_peft_dir *d); /* for messages */
+size_t loom_peft_dir_count(const loom_peft_dir *d);
+
+/* Tensor i of the adapter file; `lora` false when its name is not a decoder
+ * layer's LoRA weight (loom_peft_weight_parse), else layer, module and ab
+ * set. A tensor of another dtype than F32, BF16, F16 or F64 is refused
+ * here, naming it. */
+typedef struct loom_peft_tensor {
+    const char *name;
+    bool lora;
+    int64_t layer;
+    char module[32];
+    char ab;               /* 'A' or 'B' */
+    int ndim;
+    int64_t shape[2];      /* shape[1] 0 for 1-D */
+    loom_dtype dtype;
+    const void *data;      /* in the mapping, valid until close */
+} loom_peft_tensor;
+loom_status loom_peft_dir_tensor(loom_ctx *ctx, const loom_peft_dir *d, size_t i,
+                                 loom_peft_tensor *t);
+
+/* Whether the base an adapter names (base_model_name_or_path) is a local
+ * directory with a config.json; out its model_type ("" when unreadable). */
+bool loom_peft_base_model_type(const char *base, char *out, size_t cap);
+
 #endif /* LOOM_IO_EXPORT_H */

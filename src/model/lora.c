@@ -19,7 +19,6 @@
 
 #include "../core/rng.h"
 #include "../io/export.h"
-#include "../io/safetensors.h"
 #include "model.h"
 
 /* Layer l's linear `mod` and its kind's description (PEFT's module). */
@@ -275,88 +274,69 @@ loom_status loom_model_set_adapter(loom_model *m, const char *name) {
 static void check_base(loom_model *m, const char *base, const char *cfgp) {
     if (!*base || loom_model_rank(m) != 0) return;
     const char *mine = m->cfg.model_type;
-    loom_ctx *q = NULL; /* what fails here is not the load's error */
-    if (loom_ctx_create(&q)) return;
-    char *cj = loom_path_join(q, base, "config.json");
-    loom_json *bc = NULL;
-    const char *theirs = NULL;
-    if (cj && loom_file_exists(cj)) {
-        if (!loom_json_parse_file(q, cj, &bc) && !loom_json_get_str_opt(q, bc, "model_type", cj, &theirs) &&
-            theirs && strcmp(theirs, mine))
+    char theirs[64];
+    if (loom_peft_base_model_type(base, theirs, sizeof theirs)) {
+        if (*theirs && strcmp(theirs, mine))
             LOOM_LOG_W(m->ctx, "%s: the adapter was trained on %s (model_type %s), loading onto %s "
                        "(model_type %s)", cfgp, base, theirs, m->dir_name, mine);
-    } else {
-        char name[256];
-        loom_path_name(base, name, sizeof name);
-        /* adapters loom saved before named the model_type there */
-        if (strcasecmp(name, m->dir_name) && strcmp(base, mine))
-            LOOM_LOG_W(m->ctx, "%s: the adapter was trained on %s, loading onto %s; use the base it "
-                       "was trained on, unless %s is that model under another name",
-                       cfgp, base, m->dir_name, m->dir_name);
+        return;
     }
-    loom_json_free(bc);
-    free(cj);
-    loom_ctx_free(q);
+    char name[256];
+    loom_path_name(base, name, sizeof name);
+    /* adapters loom saved before named the model_type there */
+    if (strcasecmp(name, m->dir_name) && strcmp(base, mine))
+        LOOM_LOG_W(m->ctx, "%s: the adapter was trained on %s, loading onto %s; use the base it "
+                   "was trained on, unless %s is that model under another name",
+                   cfgp, base, m->dir_name, m->dir_name);
 }
 
 loom_status loom_model_load_adapter(loom_model *m, const char *name, const char *dir) {
     loom_ctx *ctx = m->ctx;
-    char *cfgp = loom_path_join(ctx, dir, "adapter_config.json");
-    if (!cfgp) return LOOM_ERR_OOM;
-    loom_safetensors *st = NULL;
-    loom_peft_config pc;
-    loom_status s = loom_peft_config_read(ctx, dir, &pc);
-    if (s) goto done;
-    check_base(m, pc.base_model, cfgp);
-    const int64_t r = pc.r;
+    loom_peft_dir *pd = NULL;
+    loom_status s = loom_peft_dir_open(ctx, dir, &pd);
+    if (s) return s;
+    const loom_peft_config *pc = loom_peft_dir_config(pd);
+    const char *cfgp = loom_peft_dir_config_path(pd);
+    check_base(m, pc->base_model, cfgp);
+    const int64_t r = pc->r;
     bool target[LOOM_LORA_NMOD];
-    if ((s = loom_lora_parse_targets(ctx, pc.target_modules, target))) {
+    if ((s = loom_lora_parse_targets(ctx, pc->target_modules, target))) {
         loom_err_prefix(ctx, "%s", cfgp);
         goto done;
     }
-    if ((s = loom_st_open_dir(ctx, dir, "adapter_model", &st))) goto done;
     /* every tensor of the file must be one the config implies, and the
      * other way round, with the shapes the base model gives */
     loom_adapter *a;
-    if ((s = adapter_new(m, name, (int)r, pc.lora_alpha, pc.lora_dropout, pc.use_rslora, target,
-                         &a)))
+    if ((s = adapter_new(m, name, (int)r, pc->lora_alpha, pc->lora_dropout, pc->use_rslora,
+                         target, &a)))
         goto done;
     int found = 0;
-    for (size_t i = 0; i < loom_st_count(st) && !s; i++) {
-        const loom_st_tensor *t = loom_st_at(st, i);
+    for (size_t i = 0; i < loom_peft_dir_count(pd) && !s; i++) {
+        loom_peft_tensor t;
+        if ((s = loom_peft_dir_tensor(ctx, pd, i, &t))) break;
         /* the expected global shape, from the name */
-        int64_t l;
-        char mod[32], ab;
-        bool known = loom_peft_weight_parse(t->name, &l, mod, &ab) && l < m->L;
-        const int j = known ? linear_named(m, a, l, mod) : -1;
+        const int j = t.lora && t.layer < m->L ? linear_named(m, a, t.layer, t.module) : -1;
         if (j < 0) {
             s = loom_errf(ctx, LOOM_ERR_FORMAT,
                           "%s: tensor %s is not a LoRA weight of the modules adapter_config.json "
                           "targets on this %lld-layer model",
-                          dir, t->name, (long long)m->L);
+                          dir, t.name, (long long)m->L);
             break;
         }
-        const loom_layer_lin *x = &m->layer[l].lin[j];
-        int64_t want0 = ab == 'A' ? r : x->out, want1 = ab == 'A' ? x->in : r;
-        if (t->ndim != 2 || t->shape[0] != want0 || t->shape[1] != want1) {
+        const loom_layer_lin *x = &m->layer[t.layer].lin[j];
+        int64_t want0 = t.ab == 'A' ? r : x->out, want1 = t.ab == 'A' ? x->in : r;
+        if (t.ndim != 2 || t.shape[0] != want0 || t.shape[1] != want1) {
             s = loom_errf(ctx, LOOM_ERR_SHAPE,
                           "%s: %s has shape [%lld, %lld], but r=%lld on this base model needs "
                           "[%lld, %lld]; the adapter was made for another model",
-                          dir, t->name, (long long)t->shape[0],
-                          (long long)(t->ndim > 1 ? t->shape[1] : 0), (long long)r,
+                          dir, t.name, (long long)t.shape[0], (long long)t.shape[1], (long long)r,
                           (long long)want0, (long long)want1);
-            break;
-        }
-        if (t->dtype != LOOM_F32 && t->dtype != LOOM_BF16 && t->dtype != LOOM_F64 &&
-            t->dtype != LOOM_F16) {
-            s = loom_errf(ctx, LOOM_ERR_FORMAT, "%s: %s is %s; LoRA weights must be floats", dir,
-                          t->name, loom_dtype_name(t->dtype));
             break;
         }
         found++;
         for (int n = 0; n < a->ar.nslots && !s; n++)
-            if (!strcmp(a->ar.slots[n].name, t->name))
-                s = loom_slot_read(ctx, t->data, t->dtype, &a->ar.slots[n],
+            if (!strcmp(a->ar.slots[n].name, t.name))
+                s = loom_slot_read(ctx, t.data, t.dtype, &a->ar.slots[n],
                                    a->ar.w + a->ar.slots[n].off);
     }
     int want = 0;
@@ -373,8 +353,7 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
     }
     freeze_base(m, a);
 done:
-    loom_st_close(st);
-    free(cfgp);
+    loom_peft_dir_close(pd);
     return s;
 }
 

@@ -323,7 +323,7 @@ loom_status loom_slot_read(loom_ctx *ctx, const void *data, loom_dtype dt, const
 static loom_status load_weights(loom_model *m, const char *dir) {
     loom_ctx *ctx = m->ctx;
     loom_safetensors *st;
-    loom_status s = loom_st_open_dir(ctx, dir, "model", &st);
+    loom_status s = loom_hf_dir_open(ctx, dir, &st);
     if (s) return s;
     m->file_dtype = LOOM_DTYPE_COUNT;
     /* every tensor the config implies must be there, whichever rank holds it */

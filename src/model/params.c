@@ -273,7 +273,7 @@ loom_status loom_hf_save_estimate(loom_ctx *ctx, const loom_model_config *cfg,
     if (st) return st;
     if (dtype == LOOM_DTYPE_COUNT && model_dir) { /* the checkpoint's own: its first tensor's */
         loom_safetensors *in = NULL;
-        if ((st = loom_st_open_dir(ctx, model_dir, "model", &in)) == LOOM_OK)
+        if ((st = loom_hf_dir_open(ctx, model_dir, &in)) == LOOM_OK)
             for (size_t i = 0; i < plan.n && dtype == LOOM_DTYPE_COUNT; i++) {
                 const loom_st_tensor *t = loom_st_find(in, plan.p[i].name);
                 if (t) dtype = t->dtype;
