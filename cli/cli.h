@@ -35,10 +35,10 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o);
 const char *loom_cli_mesh_describe(const loom_model *m, char *buf, size_t cap);
 
 /* Device memory per rank for the run the settings describe (micro-batch
- * shape, dtype, LoRA) on mesh n with nmb micro-batches per step. */
+ * shape, dtype, LoRA) on mesh n with n_micro micro-batches per step. */
 loom_status loom_cli_predict_memory(loom_ctx *ctx, const loom_settings *s,
                                     const loom_model_config *cfg, const loom_mesh_sizes *n,
-                                    bool cuda, int nmb, loom_mem_report *r);
+                                    bool cuda, int n_micro, loom_mem_report *r);
 
 /* --nproc-per-node N (cli/launch.c): this process starts N local workers
  * (GPU ranks over NCCL) and waits for them, torchrun-style. Called by train

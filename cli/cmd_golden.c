@@ -190,7 +190,7 @@ static loom_status declare_all(loom_ctx *ctx, loom_model *m, golden_out *o, cons
 /* One optimizer step's worth of calls: the batch's rows cut into `accum`
  * consecutive parts, each through forward_backward, clip_grad_and_step after
  * each (it steps at the last). */
-static loom_status accumulate(loom_model *m, const golden_in *in, int64_t accum, int64_t nmicro,
+static loom_status accumulate(loom_model *m, const golden_in *in, int64_t accum, int64_t n_micro,
                               bool step, double clip, loom_fb_result *fr, loom_step_result *sr) {
     const int64_t rows = in->rows / accum;
     double sum = 0;
@@ -213,7 +213,7 @@ static loom_status accumulate(loom_model *m, const golden_in *in, int64_t accum,
             b.n_docs = nd;
         }
         loom_fb_result r;
-        loom_status s = loom_model_forward_backward(m, &b, nmicro, &r);
+        loom_status s = loom_model_forward_backward(m, &b, n_micro, &r);
         free(cu);
         if (s) return s;
         sum += r.loss_sum;

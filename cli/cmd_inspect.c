@@ -269,16 +269,16 @@ static loom_status print_memory(loom_ctx *ctx, const loom_settings *s,
                          "global_batch_size=%lld is not a multiple of micro_batch_size=%lld x "
                          "dp=%d",
                          (long long)s->global_batch_size, (long long)s->micro_batch_size, n.dp);
-    int nmb = (int)(s->global_batch_size / per);
-    if ((st = loom_mesh_check_batch(ctx, &n, s->global_batch_size, s->seq_len, nmb))) return st;
+    int n_micro = (int)(s->global_batch_size / per);
+    if ((st = loom_mesh_check_batch(ctx, &n, s->global_batch_size, s->seq_len, n_micro))) return st;
     loom_mem_report r;
-    if ((st = loom_cli_predict_memory(ctx, s, cfg, &n, cuda, nmb, &r))) return st;
+    if ((st = loom_cli_predict_memory(ctx, s, cfg, &n, cuda, n_micro, &r))) return st;
     char b[32], mesh[128];
     printf("\nmemory per %s on mesh %s (%d ranks), %s compute, micro-batch %lld x %lld, "
            "%d micro-batch%s per step%s%s%s:\n",
            cuda ? "GPU" : "process", loom_mesh_describe(&n, mesh, sizeof mesh), world,
            !strcmp(s->dtype, "auto") ? (cuda ? "bf16" : "fp32") : s->dtype,
-           (long long)s->micro_batch_size, (long long)s->seq_len, nmb, nmb == 1 ? "" : "es",
+           (long long)s->micro_batch_size, (long long)s->seq_len, n_micro, n_micro == 1 ? "" : "es",
            s->lora_r ? " (LoRA: base frozen)" : "", strcmp(s->recompute, "none") ? ", recompute " : "",
            strcmp(s->recompute, "none") ? s->recompute : "");
     printf("  %-13s %12s\n", "weights", loom_fmt_bytes(b, r.weights));

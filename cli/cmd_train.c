@@ -198,9 +198,9 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             !loom_model_load_config(q, s->model, s->config_override, &cfg)) {
             if (!loom_mesh_sizes_resolve(q, &want, loom_comm_size(world), &n) &&
                 s->global_batch_size % (s->micro_batch_size * n.dp) == 0) {
-                int nmb = (int)(s->global_batch_size / (s->micro_batch_size * n.dp));
+                int n_micro = (int)(s->global_batch_size / (s->micro_batch_size * n.dp));
                 have_mem = !loom_cli_predict_memory(q, s, &cfg, &n,
-                                                    mo.device == LOOM_DEVICE_CUDA, nmb, &mem);
+                                                    mo.device == LOOM_DEVICE_CUDA, n_micro, &mem);
             }
             loom_config_free(&cfg);
         }
@@ -271,10 +271,10 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     }
     LOOM_LOG_I(ctx, "data %s: %s tokens in %" PRId64 " documents", s->data,
                loom_fmt_int(nb, loom_tokfile_n_tokens(tf)), loom_tokfile_n_docs(tf));
-    const int64_t nmicro = s->global_batch_size / (s->micro_batch_size * mi.dp);
+    const int64_t n_micro = s->global_batch_size / (s->micro_batch_size * mi.dp);
     if (jsonl) { /* shuffled whole samples, packed padding-free (src/data/loader.h) */
         loom_loader_config lc = {.seq_len = s->seq_len, .micro_batch_size = s->micro_batch_size,
-                                 .num_micro_batches = nmicro, .dp = mi.dp,
+                                 .num_micro_batches = n_micro, .dp = mi.dp,
                                  .seed = (uint64_t)s->data_seed, .truncation = LOOM_TRUNC_ERROR};
         if ((st = loom_loader_create(ctx, tf, &lc, &ld))) {
             loom_err_prefix(ctx, "%s", s->data);
@@ -349,7 +349,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         }
         loom_fb_result fr;
         loom_step_result sr;
-        if ((st = loom_model_forward_backward(m, b, nmicro, &fr))) goto done;
+        if ((st = loom_model_forward_backward(m, b, n_micro, &fr))) goto done;
         if ((st = loom_model_clip_grad_and_step(m, s->clip_grad, 1, &sr))) goto done;
         const double now = loom_now_s();
         tokens_total += b->rows * b->seq_len;

@@ -119,9 +119,9 @@ const char *loom_cli_mesh_describe(const loom_model *m, char *buf, size_t cap) {
 
 loom_status loom_cli_predict_memory(loom_ctx *ctx, const loom_settings *s,
                                     const loom_model_config *cfg, const loom_mesh_sizes *n,
-                                    bool cuda, int nmb, loom_mem_report *r) {
+                                    bool cuda, int n_micro, loom_mem_report *r) {
     loom_mem_in in = {.n = *n, .cuda = cuda, .lora_r = (int)s->lora_r,
-                      .rows = s->micro_batch_size, .seq = s->seq_len, .nmb = nmb,
+                      .micro_batch_size = s->micro_batch_size, .seq = s->seq_len, .n_micro = n_micro,
                       .training = true};
     loom_model_options o;
     loom_settings tmp = *s;

@@ -59,9 +59,13 @@ static loom_tokfile *open_abc(loom_ctx *ctx) {
     return tf;
 }
 
-static loom_loader_config cfg_of(int64_t S, int64_t mbs, int64_t nmb, int64_t dp, uint64_t seed) {
-    return (loom_loader_config){.seq_len = S, .micro_batch_size = mbs, .num_micro_batches = nmb,
-                                .dp = dp, .seed = seed};
+static loom_loader_config cfg_of(int64_t S, int64_t mbs, int64_t n_micro, int64_t dp,
+                                 uint64_t seed) {
+    return (loom_loader_config){.seq_len = S,
+                                .micro_batch_size = mbs,
+                                .num_micro_batches = n_micro,
+                                .dp = dp,
+                                .seed = seed};
 }
 
 /* Every rule of loader.h checked on one batch against the file. Returns the
@@ -265,10 +269,10 @@ TEST(loader_same_seed_same_batches_other_seed_other) {
  * over the batches of an epoch every sample lands in exactly one slice. */
 TEST(loader_dp_slices_disjoint_and_complete) {
     loom_ctx *ctx = new_ctx();
-    const int64_t n = 101, S = 24, dp = 3, mbs = 2, nmb = 2, R = mbs * nmb;
+    const int64_t n = 101, S = 24, dp = 3, mbs = 2, n_micro = 2, R = mbs * n_micro;
     loom_tokfile *tf = make_file(ctx, "dp.tokens", n, 20, 9, false);
     REQUIRE(tf);
-    loom_loader_config c = cfg_of(S, mbs, nmb, dp, 11);
+    loom_loader_config c = cfg_of(S, mbs, n_micro, dp, 11);
     loom_loader *l;
     REQUIRE_OK(ctx, loom_loader_create(ctx, tf, &c, &l));
     loom_loader_info info;

@@ -49,7 +49,7 @@ static void check_predicted_rc(loom_device dev, loom_dtype adt, int lora_r, loom
     REQUIRE_OK(ctx, loom_model_clip_grad_and_step(m, 1.0, 1, &sr));
 
     loom_mem_in in = {.n = m->mesh->n, .adt = adt, .cuda = dev == LOOM_DEVICE_CUDA,
-                      .lora_r = lora_r, .rows = rows / 2, .seq = seq, .nmb = 2,
+                      .lora_r = lora_r, .micro_batch_size = rows / 2, .seq = seq, .n_micro = 2,
                       .training = true, .recompute = rc};
     for (int k = 0; k < LOOM_LORA_NMOD; k++) in.lora_target[k] = true;
     loom_mem_report p;

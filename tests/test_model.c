@@ -148,9 +148,9 @@ static void check_forward_backward(const char *model, loom_device dev, bool as_d
     CHECK_MSG(fabs(r.loss - ref_loss) <= TOL * ref_loss, "loss %.9g vs %.9g", r.loss, ref_loss);
     CHECK_EQ_INT(r.n_tokens, 41);
 
-    for (int nmicro = 1; nmicro <= (as_docs ? 1 : 2); nmicro++) {
+    for (int n_micro = 1; n_micro <= (as_docs ? 1 : 2); n_micro++) {
         loom_model_zero_grad(g.m);
-        REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, nmicro, &r));
+        REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, n_micro, &r));
         CHECK_MSG(fabs(r.loss - ref_loss) <= TOL * ref_loss, "loss %.9g vs %.9g", r.loss, ref_loss);
         int ngrads = 0;
         for (size_t i = 0; i < loom_st_count(g.st); i++) {

@@ -31,10 +31,10 @@ typedef struct msg_id {
     int chunk, mb; /* receiving chunk */
 } msg_id;
 
-static bool play(int pp, int vpp, int group, int nmb, bool backward, char *why, size_t cap) {
+static bool play(int pp, int vpp, int group, int n_micro, bool backward, char *why, size_t cap) {
     loom_ctx *ctx;
     loom_ctx_create(&ctx);
-    loom_pp_shape shape = {.pp = pp, .vpp = vpp, .group = group, .nmb = nmb};
+    loom_pp_shape shape = {.pp = pp, .vpp = vpp, .group = group, .n_micro = n_micro};
     loom_pp_plan pl[MAXR];
     int round[MAXR] = {0}, nposted[MAXR] = {0};
     bool in_group[MAXR] = {false}, ok = true;
@@ -142,12 +142,13 @@ static bool play(int pp, int vpp, int group, int nmb, bool backward, char *why, 
     for (int r = 0; r < pp && ok; r++) {
         if (round[r] != pl[r].nrounds)
             FAIL("deadlock: rank %d stuck in round %d of %d", r, round[r], pl[r].nrounds);
-        if (pl[r].nsteps != (backward ? 2 : 1) * nmb * vpp) FAIL("rank %d: %d steps", r, pl[r].nsteps);
+        if (pl[r].nsteps != (backward ? 2 : 1) * n_micro * vpp)
+            FAIL("rank %d: %d steps", r, pl[r].nsteps);
         if (backward && vpp == 1 && pl[r].in_flight > pp - r)
             FAIL("rank %d: %d in flight", r, pl[r].in_flight);
     }
     for (int v = 0; v < V && ok; v++)
-        for (int mb = 0; mb < nmb; mb++)
+        for (int mb = 0; mb < n_micro; mb++)
             if (fdone[v][mb] != 1 || bdone[v][mb] != (backward ? 1 : 0))
                 FAIL("stage %d mb %d: %d forwards, %d backwards", v, mb, fdone[v][mb], bdone[v][mb]);
 #undef FAIL
@@ -165,14 +166,14 @@ TEST(schedule_plans_complete_without_deadlock) {
     char why[256];
     for (int pp = 1; pp <= 6; pp++)
         for (int vpp = 1; vpp <= 4; vpp++)
-            for (int nmb = 1; nmb <= 4 * pp + 3 && nmb <= MAXMB; nmb++)
-                for (int group = 0; group <= (vpp > 1 ? nmb : 0); group++) {
-                    loom_pp_shape s = {.pp = pp, .vpp = vpp, .group = group, .nmb = nmb};
+            for (int n_micro = 1; n_micro <= 4 * pp + 3 && n_micro <= MAXMB; n_micro++)
+                for (int group = 0; group <= (vpp > 1 ? n_micro : 0); group++) {
+                    loom_pp_shape s = {.pp = pp, .vpp = vpp, .group = group, .n_micro = n_micro};
                     if (loom_pp_check(ctx, &s)) continue;
                     for (int bw = 0; bw < 2; bw++) {
                         why[0] = 0;
-                        CHECK_MSG(play(pp, vpp, group, nmb, bw, why, sizeof why),
-                                  "pp=%d vpp=%d group=%d nmb=%d%s: %s", pp, vpp, group, nmb,
+                        CHECK_MSG(play(pp, vpp, group, n_micro, bw, why, sizeof why),
+                                  "pp=%d vpp=%d group=%d n_micro=%d%s: %s", pp, vpp, group, n_micro,
                                   bw ? "" : " forward-only", why);
                         played++;
                     }
@@ -187,8 +188,8 @@ TEST(schedule_1f1b_shape) {
     loom_pp_step *s;
     int n;
     /* pp=4, rank 1, 6 micro-batches: 2 warm-up forwards, then F B pairs */
-    REQUIRE_OK(ctx, loom_pp_schedule(ctx, &(loom_pp_shape){.pp = 4, .vpp = 1, .nmb = 6}, 1, true,
-                                     &s, &n));
+    REQUIRE_OK(ctx, loom_pp_schedule(ctx, &(loom_pp_shape){.pp = 4, .vpp = 1, .n_micro = 6}, 1,
+                                     true, &s, &n));
     const char *want = "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5";
     char got[128] = "";
     for (int i = 0; i < n; i++)
@@ -207,8 +208,9 @@ TEST(schedule_interleaved_groups) {
     loom_ctx_create(&ctx);
     loom_pp_step *s;
     int n;
-    REQUIRE_OK(ctx, loom_pp_schedule(ctx, &(loom_pp_shape){.pp = 2, .vpp = 2, .group = 3, .nmb = 5},
-                                     0, true, &s, &n));
+    REQUIRE_OK(ctx,
+               loom_pp_schedule(ctx, &(loom_pp_shape){.pp = 2, .vpp = 2, .group = 3, .n_micro = 5},
+                                0, true, &s, &n));
     char got[256] = "";
     for (int i = 0; i < n; i++)
         snprintf(got + strlen(got), sizeof got - strlen(got), "%s%c%d.%d", i ? " " : "",
@@ -224,7 +226,7 @@ TEST(schedule_refuses_what_megatron_refuses) {
     loom_ctx *ctx;
     loom_ctx_create(&ctx);
     static const struct {
-        int pp, vpp, group, nmb;
+        int pp, vpp, group, n_micro;
         const char *want;
     } bad[] = {
         {2, 2, 0, 3, "3 micro-batches in groups of 2 leave a last group of 1, fewer than pp=2"},
@@ -235,16 +237,16 @@ TEST(schedule_refuses_what_megatron_refuses) {
         {2, 2, 3, 7, "last group of 1"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        loom_pp_shape s = {.pp = bad[i].pp, .vpp = bad[i].vpp, .group = bad[i].group,
-                           .nmb = bad[i].nmb};
+        loom_pp_shape s = {
+            .pp = bad[i].pp, .vpp = bad[i].vpp, .group = bad[i].group, .n_micro = bad[i].n_micro};
         CHECK_MSG(loom_pp_check(ctx, &s) == LOOM_ERR_CONFIG, "case %zu accepted", i);
         CHECK_CONTAINS(loom_last_error(ctx), bad[i].want);
     }
     /* accepted: multiples of the group, or a last group of at least pp */
     static const int good[][4] = {{2, 2, 0, 4}, {2, 2, 3, 5}, {3, 2, 4, 7}, {2, 3, 2, 6}, {4, 1, 0, 3}};
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
-        loom_pp_shape s = {.pp = good[i][0], .vpp = good[i][1], .group = good[i][2],
-                           .nmb = good[i][3]};
+        loom_pp_shape s = {
+            .pp = good[i][0], .vpp = good[i][1], .group = good[i][2], .n_micro = good[i][3]};
         CHECK_OK(ctx, loom_pp_check(ctx, &s));
     }
     loom_ctx_free(ctx);

@@ -179,7 +179,7 @@ static void carve_lora(loom_model *m, loom_carve *c, int64_t Tc, int lr, bool dr
     m->lora_xd = dropout ? cv(c, (size_t)(Tc * inmax) * m->dev.esz) : NULL;
 }
 
-void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
+void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int n_micro,
                       int in_flight, int lr, bool dropout) {
     const int64_t H = m->H;
     const size_t e = m->dev.esz;
@@ -197,7 +197,7 @@ void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64
     carve_lora(m, c, Tc, lr, dropout);
     m->ce = cv(c, (size_t)Tc * 4 * sizeof(double));
     m->d_perm = cv(c, (size_t)T * sizeof(int32_t));
-    for (int i = 0; i < nmb; i++) {
+    for (int i = 0; i < n_micro; i++) {
         loom_micro *u = &m->micro[i];
         u->d_ids = cv(c, (size_t)Tc * sizeof(int32_t));
         u->d_tgt = cv(c, (size_t)Tc * sizeof(int32_t));

@@ -78,8 +78,8 @@ loom_status loom_meta_create(loom_ctx *ctx, const char *dir, const loom_model_op
                             .vpp_group = opts->microbatch_group,
                             .sequence_parallel = opts->sequence_parallel != 0};
     loom_mem_in in = {.cuda = opts->device == LOOM_DEVICE_CUDA, .adt = opts->dtype,
-                      .lora_r = q->lora_r, .rows = q->micro_batch_size, .seq = q->seq_len,
-                      .nmb = (int)q->num_micro_batches, .training = true,
+                      .lora_r = q->lora_r, .micro_batch_size = q->micro_batch_size, .seq = q->seq_len,
+                      .n_micro = (int)q->num_micro_batches, .training = true,
                       .vocab_pad = opts->vocab_pad_multiple, .recompute = opts->recompute,
                       .on_slot = on_slot};
     collect c = {mt};
@@ -255,7 +255,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     r->optim = in->training ? (m->dp * m->cp == 1 ? 2 : 3) * train_shard * 4 : 0;
     /* activations: the pipeline's micro-batches in flight on this stage */
     const loom_pp_shape shape = {.pp = m->pp, .vpp = m->vpp, .group = in->n.vpp_group,
-                                 .nmb = in->nmb};
+                                 .n_micro = in->n_micro};
     if ((st = loom_pp_plan_build(ctx, &shape, pp_rank, in->training, &plan))) goto done;
     const int in_flight = plan.in_flight;
     r->in_flight = in_flight;
@@ -273,15 +273,15 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
         chunks[ci].pool = loom_calloc(ctx, (size_t)in_flight, sizeof(loom_acts), "plan");
         if (!chunks[ci].pool) st = LOOM_ERR_OOM;
     }
-    m->micro = loom_calloc(ctx, (size_t)in->nmb, sizeof *m->micro, "plan");
+    m->micro = loom_calloc(ctx, (size_t)in->n_micro, sizeof *m->micro, "plan");
     m->npp_stage = m->pp > 1 ? (plan.nslots > 1 ? plan.nslots : 1) : 0;
     m->pp_stage = m->npp_stage ? loom_calloc(ctx, (size_t)m->npp_stage, sizeof(void *), "plan") : NULL;
     if (!m->micro || (m->npp_stage && !m->pp_stage)) st = LOOM_ERR_OOM;
     if (!st) {
-        const int64_t T = in->rows * in->seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
+        const int64_t T = in->micro_batch_size * in->seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
         m->chunk_rows = loom_loss_block_rows(in->cuda, m->Vl, Tc);
         loom_carve c = {0};
-        loom_acts_layout(m, &c, T, Tc, Tn, in->nmb, in_flight, in->lora_r, false);
+        loom_acts_layout(m, &c, T, Tc, Tn, in->n_micro, in_flight, in->lora_r, false);
         r->acts = c.used;
         /* cuBLASLt workspace, RMSNorm and grad-norm scratch */
         int64_t rows_max = Tc * (m->Hql > m->Hkvl ? m->Hql : m->Hkvl);

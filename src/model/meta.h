@@ -38,8 +38,8 @@ typedef struct loom_mem_in {
     bool cuda;
     int lora_r;               /* 0: full fine-tuning */
     bool lora_target[LOOM_LORA_NMOD];
-    int64_t rows, seq;        /* one micro-batch */
-    int nmb;                  /* micro-batches per forward_backward call */
+    int64_t micro_batch_size, seq; /* rows of one micro-batch, their length */
+    int n_micro;                  /* micro-batches per forward_backward call */
     bool training;
     int64_t vocab_pad;        /* 0: 128 */
     loom_recompute recompute;

@@ -588,7 +588,7 @@ static void buffers_free(loom_model *m) {
         m->chunks[c].pool = NULL;
         m->chunks[c].npool = 0;
     }
-    for (int i = 0; m->micro && i < m->cap_mb; i++) {
+    for (int i = 0; m->micro && i < m->cap_micro; i++) {
         free(m->micro[i].ids);
         free(m->micro[i].tgt);
         free(m->micro[i].pos);
@@ -597,7 +597,7 @@ static void buffers_free(loom_model *m) {
     }
     free(m->micro);
     m->micro = NULL;
-    m->cap_mb = 0;
+    m->cap_micro = 0;
     loom_dev_free(m, m->act_mem);
     m->act_mem = NULL;
     m->act_bytes = 0;
@@ -616,15 +616,15 @@ static void buffers_free(loom_model *m) {
     m->lora_r = 0;
 }
 
-loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight,
-                               int pp_slots) {
-    const int64_t T = rows * seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
+loom_status loom_model_reserve(loom_model *m, int64_t micro_batch_size, int64_t seq, int n_micro,
+                               int in_flight, int pp_slots) {
+    const int64_t T = micro_batch_size * seq, Tc = T / m->cp, Tn = m->sp ? Tc / m->tp : Tc;
     const loom_adapter *ad = loom_model_lora(m);
     const int lr = ad ? ad->r : 0;
     const bool dropout = ad && ad->dropout > 0;
     if (m->pp > 1 && pp_slots < 1) pp_slots = 1; /* pp_connect's one element */
     if (m->pp == 1) pp_slots = 0;
-    bool same = T == m->cap_T && nmb <= m->cap_mb && m->chunks[0].npool >= in_flight &&
+    bool same = T == m->cap_T && n_micro <= m->cap_micro && m->chunks[0].npool >= in_flight &&
                 m->npp_stage >= pp_slots &&
                 lr == m->lora_r && (!dropout || m->lora_xd);
     m->T = T;
@@ -646,8 +646,8 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
             if (!ch->pool[i].lay) fail = true;
         }
     }
-    m->micro = loom_calloc(ctx, (size_t)nmb, sizeof *m->micro, "micro-batches");
-    if (m->micro) m->cap_mb = nmb;
+    m->micro = loom_calloc(ctx, (size_t)n_micro, sizeof *m->micro, "micro-batches");
+    if (m->micro) m->cap_micro = n_micro;
     m->npp_stage = pp_slots;
     if (m->npp_stage) {
         m->pp_stage = loom_calloc(ctx, (size_t)m->npp_stage, sizeof *m->pp_stage, "pipeline");
@@ -655,7 +655,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
     }
     m->perm = loom_malloc(ctx, (size_t)T * sizeof(int32_t), "token permutation");
     if (!m->micro || !m->perm) fail = true;
-    for (int i = 0; !fail && i < nmb; i++) {
+    for (int i = 0; !fail && i < n_micro; i++) {
         loom_micro *u = &m->micro[i];
         u->ids = loom_malloc(ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
         u->tgt = loom_malloc(ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
@@ -668,17 +668,18 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
         return LOOM_ERR_OOM;
     }
     loom_carve c = {0};
-    loom_acts_layout(m, &c, T, Tc, Tn, nmb, in_flight, lr, dropout);
+    loom_acts_layout(m, &c, T, Tc, Tn, n_micro, in_flight, lr, dropout);
     loom_status st = loom_dev_alloc(m, &m->act_mem, c.used, "activations");
     if (st) {
         char b[32];
         buffers_free(m);
         return loom_err_prefix(ctx, "activations of %lld x %lld-token micro-batches (%s)",
-                               (long long)rows, (long long)seq, loom_fmt_bytes(b, c.used));
+                               (long long)micro_batch_size, (long long)seq,
+                               loom_fmt_bytes(b, c.used));
     }
     m->act_bytes = c.used;
     c = (loom_carve){.base = m->act_mem};
-    loom_acts_layout(m, &c, T, Tc, Tn, nmb, in_flight, lr, dropout);
+    loom_acts_layout(m, &c, T, Tc, Tn, n_micro, in_flight, lr, dropout);
     if (m->dev.cuda) {
         m->ce_h = loom_malloc(ctx, (size_t)Tc * 4 * sizeof(double), "loss buffers");
         if (!m->ce_h) {
@@ -688,7 +689,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb
     } else {
         m->ce_h = m->ce;
         m->d_perm = m->perm;
-        for (int i = 0; i < nmb; i++) {
+        for (int i = 0; i < n_micro; i++) {
             loom_micro *u = &m->micro[i];
             u->d_ids = u->ids;
             u->d_tgt = u->tgt;

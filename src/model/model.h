@@ -173,8 +173,8 @@ struct loom_model {
     loom_recompute recompute;/* what the backward recomputes (loom.h) */
     int64_t cap_T;           /* micro-batch tokens the buffers were sized for */
     int64_t T, Tc, Tn;       /* of the current micro-batch shape */
-    loom_micro *micro;       /* (cap_mb) */
-    int cap_mb;
+    loom_micro *micro;       /* (cap_micro) */
+    int cap_micro;
     int32_t *perm;           /* (T): global token index of position j of the cp-gathered blocks */
     int32_t *d_perm;         /* its device copy */
     void *act_mem;           /* the one allocation all activation buffers are carved from */
@@ -218,10 +218,11 @@ struct loom_model {
 loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_model_options *opts,
                                  loom_comm *world, loom_model **out);
 
-/* Grows the activation buffers for micro-batches of `rows` x `seq` tokens,
- * nmb micro-batches per call and the pipeline's activations in flight. */
-loom_status loom_model_reserve(loom_model *m, int64_t rows, int64_t seq, int nmb, int in_flight,
-                               int pp_slots);
+/* Grows the activation buffers for micro-batches of micro_batch_size rows
+ * of seq tokens, n_micro micro-batches per call and the pipeline's
+ * activations in flight. */
+loom_status loom_model_reserve(loom_model *m, int64_t micro_batch_size, int64_t seq, int n_micro,
+                               int in_flight, int pp_slots);
 /* Slot index of an HF name on this rank, -1 when absent (head copies are
  * not found by name). */
 int loom_model_find_slot(const loom_model *m, const char *name);
@@ -329,7 +330,7 @@ typedef struct loom_carve {
     char *base;
     size_t used;
 } loom_carve;
-void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int nmb,
+void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64_t Tn, int n_micro,
                       int in_flight, int lr, bool dropout);
 /* The pipeline rank holding a tensor (a tied embedding: the first). */
 int loom_param_stage(const loom_param_spec *p, int64_t L, int pp, int vpp);

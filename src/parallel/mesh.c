@@ -161,20 +161,20 @@ loom_status loom_mesh_check_batch(loom_ctx *ctx, const loom_mesh_sizes *m, int64
             return loom_errf(ctx, LOOM_ERR_CONFIG, "%lld micro-batches: at most %d",
                              (long long)num_micro_batches, 1 << 20);
         loom_pp_shape s = {.pp = pp, .vpp = vpp, .group = m->vpp_group,
-                           .nmb = (int)num_micro_batches};
+                           .n_micro = (int)num_micro_batches};
         loom_status st = loom_pp_check(ctx, &s);
         if (st) return st;
     }
     if (rows > 0) {
-        int64_t nmb = num_micro_batches > 0 ? num_micro_batches : 1;
-        int64_t parts = (int64_t)dp * nmb;
+        int64_t n_micro = num_micro_batches > 0 ? num_micro_batches : 1;
+        int64_t parts = (int64_t)dp * n_micro;
         if (rows % parts) {
             if (num_micro_batches > 0)
                 return loom_errf(ctx, LOOM_ERR_CONFIG,
                                  "a global batch of %lld rows cannot be split over dp=%d x %lld "
                                  "micro-batches = %lld equal parts; use a multiple of %lld rows "
                                  "or change dp or the number of micro-batches",
-                                 (long long)rows, dp, (long long)nmb, (long long)parts,
+                                 (long long)rows, dp, (long long)n_micro, (long long)parts,
                                  (long long)parts);
             return loom_errf(ctx, LOOM_ERR_CONFIG,
                              "a global batch of %lld rows cannot be split over dp=%d; use a "

@@ -7,34 +7,34 @@
 static int group_of(const loom_pp_shape *s) { return s->group > 0 ? s->group : s->pp; }
 
 loom_status loom_pp_check(loom_ctx *ctx, const loom_pp_shape *s) {
-    if (s->pp < 1 || s->vpp < 1 || s->vpp > 64 || s->nmb < 1 || s->group < 0)
+    if (s->pp < 1 || s->vpp < 1 || s->vpp > 64 || s->n_micro < 1 || s->group < 0)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                          "pipeline schedule: pp=%d vpp=%d micro-batch group=%d micro-batches=%d",
-                         s->pp, s->vpp, s->group, s->nmb);
+                         s->pp, s->vpp, s->group, s->n_micro);
     if (s->vpp == 1) return LOOM_OK;
     if (s->pp == 1)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "vpp=%d needs pipeline parallelism (pp > 1)", s->vpp);
-    const int g = group_of(s), pp = s->pp, nmb = s->nmb;
+    const int g = group_of(s), pp = s->pp, n_micro = s->n_micro;
     if (g < pp)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "interleaved pipeline (vpp=%d): the micro-batch group "
                          "(--microbatch-group-size-per-virtual-pipeline-stage %d) must be at least pp=%d",
                          s->vpp, g, pp);
-    if (nmb < g)
+    if (n_micro < g)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "interleaved pipeline (vpp=%d) needs at least %d micro-batches (the "
                          "micro-batch group, %s%d), not %d: raise the number of micro-batches "
                          "(global batch / micro-batch size / dp)",
                          s->vpp, g, s->group > 0 ? "--microbatch-group-size-per-virtual-pipeline-stage " : "pp=",
-                         g, nmb);
-    const int rest = nmb % g;
+                         g, n_micro);
+    const int rest = n_micro % g;
     if (rest && rest < pp)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "interleaved pipeline (vpp=%d): %d micro-batches in groups of %d leave "
                          "a last group of %d, fewer than pp=%d (Megatron's rule: micro-batches %% "
                          "group must be 0 or at least pp). Use a multiple of %d micro-batches%s",
-                         s->vpp, nmb, g, rest, pp, g,
+                         s->vpp, n_micro, g, rest, pp, g,
                          g == pp ? ", or set --microbatch-group-size-per-virtual-pipeline-stage to a size whose "
                                    "remainder is 0 or at least pp"
                                  : "");
@@ -43,10 +43,10 @@ loom_status loom_pp_check(loom_ctx *ctx, const loom_pp_shape *s) {
 
 /* The k-th entry of the forward order: micro-batch and chunk. */
 static void table_at(const loom_pp_shape *s, int k, int *mb, int *chunk) {
-    const int g = s->vpp == 1 ? s->nmb : group_of(s), vpp = s->vpp, nmb = s->nmb;
+    const int g = s->vpp == 1 ? s->n_micro : group_of(s), vpp = s->vpp, n_micro = s->n_micro;
     int g0 = 0;
     for (;;) {
-        int len = g0 + g >= nmb ? nmb - g0 : g;
+        int len = g0 + g >= n_micro ? n_micro - g0 : g;
         if (k < len * vpp) {
             *chunk = k / len;
             *mb = g0 + k % len;
@@ -66,7 +66,7 @@ loom_status loom_pp_schedule(loom_ctx *ctx, const loom_pp_shape *s, int rank, bo
     if (rank < 0 || rank >= s->pp)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "pipeline schedule: rank %d of pp=%d", rank,
                          s->pp);
-    const int pp = s->pp, vpp = s->vpp, total = s->nmb * vpp;
+    const int pp = s->pp, vpp = s->vpp, total = s->n_micro * vpp;
     int warmup = vpp == 1 ? pp - rank - 1 : (pp - rank - 1) * 2 + (vpp - 1) * group_of(s);
     if (!backward || warmup > total) warmup = total;
     loom_pp_step *o = loom_malloc(ctx, sizeof *o * (size_t)(2 * total), "pipeline schedule");
@@ -107,8 +107,8 @@ int loom_pp_max_in_flight(const loom_pp_step *s, int nsteps) {
 typedef struct sim_rank {
     loom_pp_step *steps;
     int n, pos;
-    int *arrived; /* (2 * vpp * nmb) round a message arrived in, -1: not yet */
-    int *slot_of; /* (2 * vpp * nmb) its slot (this rank only) */
+    int *arrived; /* (2 * vpp * n_micro) round a message arrived in, -1: not yet */
+    int *slot_of; /* (2 * vpp * n_micro) its slot (this rank only) */
 } sim_rank;
 
 typedef struct sim_msg {
@@ -118,7 +118,7 @@ typedef struct sim_msg {
 } sim_msg;
 
 static int msg_key(const loom_pp_shape *s, bool forward, int chunk, int mb) {
-    return ((forward ? 0 : 1) * s->vpp + chunk) * s->nmb + mb;
+    return ((forward ? 0 : 1) * s->vpp + chunk) * s->n_micro + mb;
 }
 
 static bool grow(loom_ctx *ctx, void **p, int *cap, int need, size_t elem) {
@@ -146,7 +146,7 @@ loom_status loom_pp_plan_build(loom_ctx *ctx, const loom_pp_shape *s, int rank, 
     memset(out, 0, sizeof *out);
     loom_status st = loom_pp_check(ctx, s);
     if (st) return st;
-    const int pp = s->pp, V = pp * s->vpp, nkeys = 2 * s->vpp * s->nmb;
+    const int pp = s->pp, V = pp * s->vpp, nkeys = 2 * s->vpp * s->n_micro;
     sim_rank *R = loom_calloc(ctx, (size_t)pp, sizeof *R, "pipeline plan");
     sim_msg *pend = loom_calloc(ctx, (size_t)pp, sizeof *pend, "pipeline plan");
     bool *busy = loom_calloc(ctx, (size_t)nkeys, sizeof *busy, "pipeline plan");
@@ -200,7 +200,7 @@ loom_status loom_pp_plan_build(loom_ctx *ctx, const loom_pp_shape *s, int rank, 
             st = loom_errf(ctx, LOOM_ERR_INTERNAL,
                            "pipeline schedule pp=%d vpp=%d group=%d micro-batches=%d stops "
                            "making progress in round %d (a loom bug: please report it)",
-                           pp, s->vpp, group_of(s), s->nmb, round);
+                           pp, s->vpp, group_of(s), s->n_micro, round);
             goto done;
         }
         const int m0 = out->nmsgs;

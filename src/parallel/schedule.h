@@ -33,19 +33,19 @@
 typedef struct loom_pp_step {
     bool forward;
     int chunk; /* local model chunk, 0 .. vpp-1 */
-    int mb;    /* micro-batch, 0 .. nmb-1 */
+    int mb;    /* micro-batch, 0 .. n_micro-1 */
 } loom_pp_step;
 
 typedef struct loom_pp_shape {
     int pp, vpp;
     int group; /* micro-batches per chunk in a row (interleaved only); 0: pp */
-    int nmb;   /* micro-batches */
+    int n_micro;   /* micro-batches */
 } loom_pp_shape;
 
 /* Megatron's rules for the shape (above), each refused with its numbers. */
 loom_status loom_pp_check(loom_ctx *ctx, const loom_pp_shape *s);
 
-/* The 2 * nmb * vpp steps of pipeline rank `rank` (only the nmb * vpp
+/* The 2 * n_micro * vpp steps of pipeline rank `rank` (only the n_micro * vpp
  * forwards when !backward). *out is allocated (free()). */
 loom_status loom_pp_schedule(loom_ctx *ctx, const loom_pp_shape *s, int rank, bool backward,
                              loom_pp_step **out, int *nsteps);

@@ -38,7 +38,7 @@ loom_status loom_model_set_lr_scheduler(loom_model *m, const loom_sched_config *
     return LOOM_OK;
 }
 
-static loom_status check_batch(loom_model *m, const loom_batch *b, int64_t nmicro) {
+static loom_status check_batch(loom_model *m, const loom_batch *b, int64_t n_micro) {
     loom_ctx *ctx = m->ctx;
     if (!b || !b->input_ids || !b->targets)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "batch: input_ids and targets are required");
@@ -49,11 +49,11 @@ static loom_status check_batch(loom_model *m, const loom_batch *b, int64_t nmicr
         return loom_errf(ctx, LOOM_ERR_SHAPE,
                          "batch: %lld x %lld tokens is more than one call can take (2^31 - 1)",
                          (long long)b->rows, (long long)b->seq_len);
-    if (nmicro < 1 || b->rows % nmicro)
+    if (n_micro < 1 || b->rows % n_micro)
         return loom_errf(ctx, LOOM_ERR_SHAPE,
                          "batch: %lld rows cannot be split into %lld micro-batches; use a number "
                          "of micro-batches that divides the rows",
-                         (long long)b->rows, (long long)nmicro);
+                         (long long)b->rows, (long long)n_micro);
     const int64_t S = b->seq_len, T = b->rows * S;
     for (int64_t t = 0; t < T; t++) {
         int32_t id = b->input_ids[t], tg = b->targets[t];
@@ -198,20 +198,20 @@ static loom_acts *find_acts(loom_chunk *ch, int mb) {
  * the receiving chunk and micro-batch (MPI matches by tag; NCCL by order,
  * which the plan keeps the same on both ends). */
 #define TAG_BWD 16384
-static int msg_tag(bool fwd, int chunk, int mb, int nmb) {
-    return (fwd ? 0 : TAG_BWD) + chunk * nmb + mb;
+static int msg_tag(bool fwd, int chunk, int mb, int n_micro) {
+    return (fwd ? 0 : TAG_BWD) + chunk * n_micro + mb;
 }
 
 /* One round's messages (schedule.h) as one group: sends straight from the
  * step's output, receives into their staging slots. */
 static loom_status pp_exchange(loom_model *m, const loom_pp_plan *pl, const loom_pp_round *rd,
-                               const void *fwd_out, const void *bwd_out, size_t n, int nmb) {
+                               const void *fwd_out, const void *bwd_out, size_t n, int n_micro) {
     if (!rd->nmsg) return LOOM_OK;
     loom_comm *c = m->mesh->pp;
     loom_status st = loom_comm_group_start(c), st2;
     for (int i = 0; i < rd->nmsg && !st; i++) {
         const loom_pp_msg *g = &pl->msgs[rd->msg0 + i];
-        const int tag = msg_tag(g->forward, g->chunk, g->mb, nmb);
+        const int tag = msg_tag(g->forward, g->chunk, g->mb, n_micro);
         if (g->send)
             st = loom_comm_send(c, g->forward ? fwd_out : bwd_out, n, m->dev.adt, g->peer, tag);
         else
@@ -266,11 +266,11 @@ static loom_status agree(loom_model *m, loom_status mine) {
 /* A replica's ranks (tp x cp x pp) run one batch together: with local
  * batches they must agree on its shape, which is checked before anything
  * waits on a peer that runs another shape. */
-static loom_status check_replica(loom_model *m, const loom_batch *b, int64_t nmicro) {
+static loom_status check_replica(loom_model *m, const loom_batch *b, int64_t n_micro) {
     loom_comm *g = m->mesh->mp;
     const int n = loom_comm_size(g);
     if (n == 1) return LOOM_OK;
-    int64_t mine[3] = {b->rows, b->seq_len, nmicro}, *all;
+    int64_t mine[3] = {b->rows, b->seq_len, n_micro}, *all;
     if (!(all = loom_malloc(m->ctx, (size_t)n * sizeof mine, "batch shapes"))) return LOOM_ERR_OOM;
     loom_status st = loom_comm_allgather(g, mine, all, 3, LOOM_I64);
     for (int q = 0; q < n && !st; q++)
@@ -289,36 +289,42 @@ static loom_status check_replica(loom_model *m, const loom_batch *b, int64_t nmi
 
 /* Runs every micro-batch through this rank's chunks in the pipeline
  * schedule; fills the per-token outputs (global batch layout) when given. */
-static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool backward,
+static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_batches, bool backward,
                        float *tlp, float *ent, float *logits, loom_fb_result *out) {
     loom_ctx *ctx = m->ctx;
     loom_mesh_sizes n = m->mesh->n;
     /* the pipeline's rule for the micro-batch count first (rows and length
      * 0: only that), as it names the setting to change; then the batch */
-    loom_status st = loom_mesh_check_batch(ctx, &n, 0, 0, nmicro);
-    if (!st) st = check_batch(m, b, nmicro);
+    loom_status st = loom_mesh_check_batch(ctx, &n, 0, 0, num_micro_batches);
+    if (!st) st = check_batch(m, b, num_micro_batches);
     if (!st)
         st = loom_mesh_check_batch(ctx, &n, b->local ? b->rows * m->dp : b->rows, b->seq_len,
-                                   nmicro);
+                                   num_micro_batches);
     /* local batches differ between replicas: a batch refused on one rank
      * stops every rank here, before anything waits on it */
     if (b && b->local && (st = agree(m, st))) return st;
-    if (st || (b->local && (st = check_replica(m, b, nmicro)))) return st;
-    if ((int64_t)m->vpp * nmicro >= TAG_BWD)
-        return loom_errf(ctx, LOOM_ERR_CONFIG, "%lld micro-batches x vpp=%d is more than the "
-                         "pipeline can tag (%d)", (long long)nmicro, m->vpp, TAG_BWD);
-    const int nmb = (int)nmicro;
+    if (st || (b->local && (st = check_replica(m, b, num_micro_batches)))) return st;
+    if ((int64_t)m->vpp * num_micro_batches >= TAG_BWD)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "%lld micro-batches x vpp=%d is more than the pipeline can tag (%d)",
+                         (long long)num_micro_batches, m->vpp, TAG_BWD);
+    const int n_micro = (int)num_micro_batches;
     const int64_t S = b->seq_len, rows_dp = b->local ? b->rows : b->rows / m->dp,
-                  rows = rows_dp / nmb, row_base = b->local ? 0 : m->mesh->dp_rank * rows_dp;
-    const loom_pp_shape shape = {.pp = m->pp, .vpp = m->vpp, .group = n.vpp_group, .nmb = nmb};
+                  micro_batch_size = rows_dp / n_micro,
+                  row_base = b->local ? 0 : m->mesh->dp_rank * rows_dp;
+    const loom_pp_shape shape = {
+        .pp = m->pp, .vpp = m->vpp, .group = n.vpp_group, .n_micro = n_micro};
     loom_pp_plan plan;
     if ((st = loom_pp_plan_build(ctx, &shape, m->mesh->pp_rank, backward, &plan))) return st;
-    if ((st = loom_model_reserve(m, rows, S, nmb, plan.in_flight, plan.nslots))) goto done;
-    build_perm(m, rows, S);
-    if ((st = loom_k_upload(m, m->d_perm, m->perm, (size_t)(rows * S) * sizeof(int32_t))))
+    if ((st = loom_model_reserve(m, micro_batch_size, S, n_micro, plan.in_flight, plan.nslots)))
         goto done;
-    for (int k = 0; k < nmb && !st; k++)
-        st = prepare_micro(m, b, row_base + (int64_t)k * rows, rows, &m->micro[k]);
+    build_perm(m, micro_batch_size, S);
+    if ((st = loom_k_upload(m, m->d_perm, m->perm,
+                            (size_t)(micro_batch_size * S) * sizeof(int32_t))))
+        goto done;
+    for (int k = 0; k < n_micro && !st; k++)
+        st = prepare_micro(m, b, row_base + (int64_t)k * micro_batch_size, micro_batch_size,
+                           &m->micro[k]);
     if (st) goto done;
     const int64_t T = b->rows * S;
     if (tlp) memset(tlp, 0, (size_t)T * sizeof *tlp);
@@ -370,7 +376,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
         }
         /* a forward's output stays in its activations until its backward;
          * the backward's dx until the next step, after this exchange */
-        st = pp_exchange(m, &plan, rd, fwd_out, m->dx, act_n, nmb);
+        st = pp_exchange(m, &plan, rd, fwd_out, m->dx, act_n, n_micro);
     }
     if (st) goto done;
     /* the whole mesh's loss and token count; per-token outputs from the ranks
@@ -395,7 +401,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t nmicro, bool 
                        "loss is %s (over %lld micro-batch%s); the gradients accumulated since "
                        "the last step were discarded. Lower the learning rate, or check the data "
                        "and the checkpoint (loom inspect)",
-                       isnan(sum) ? "nan" : "inf", (long long)nmb, nmb == 1 ? "" : "es");
+                       isnan(sum) ? "nan" : "inf", (long long)n_micro, n_micro == 1 ? "" : "es");
         goto done;
     }
     if (backward) {
