@@ -183,22 +183,22 @@ def _round_up(n, k):
 def micro_batch_count(rows, mbs, pp, vpp, group):
     """Micro-batches for `rows` rows of `mbs`: enough, and a count the
     interleaved schedule accepts (>= group, last group whole or >= pp)."""
-    nmb = max(1, -(-rows // mbs))
+    n_micro = max(1, -(-rows // mbs))
     if vpp > 1:
         g = group or pp
-        while nmb < g or (nmb % g and nmb % g < pp):
-            nmb += 1
-    return nmb
+        while n_micro < g or (n_micro % g and n_micro % g < pp):
+            n_micro += 1
+    return n_micro
 
 
 class Packed:
     """Rows of a batch and where each sample sits in them; loss_weights None
     when no sample has any (the library then weighs every token 1)."""
 
-    def __init__(self, input_ids, targets, position_ids, cu_seqlens, places, nmb,
+    def __init__(self, input_ids, targets, position_ids, cu_seqlens, places, n_micro,
                  loss_weights=None):
         self.input_ids, self.targets, self.position_ids = input_ids, targets, position_ids
-        self.cu_seqlens, self.places, self.nmb = cu_seqlens, places, nmb
+        self.cu_seqlens, self.places, self.n_micro = cu_seqlens, places, n_micro
         self.loss_weights = loss_weights
 
     rows = property(lambda self: self.input_ids.shape[0])
@@ -241,8 +241,8 @@ def pack(samples, seq_len=None, divisor=1, micro_batch_size=None, pp=1, vpp=1, g
             raise InvalidArgumentError("micro_batch_size=%r must be an int >= 1"
                                        % (micro_batch_size,))
         mbs = int(micro_batch_size)
-    nmb = micro_batch_count(len(rows), mbs, pp, vpp, group)
-    R = nmb * mbs
+    n_micro = micro_batch_count(len(rows), mbs, pp, vpp, group)
+    R = n_micro * mbs
     ids = np.zeros((R, S), np.int32)
     tg = np.full((R, S), IGNORE, np.int32)
     pos = np.zeros((R, S), np.int32)
@@ -264,7 +264,7 @@ def pack(samples, seq_len=None, divisor=1, micro_batch_size=None, pp=1, vpp=1, g
         if off < S:  # padding: a segment of its own
             pos[r, off:] = np.arange(S - off)
             cu.append((r + 1) * S)
-    return Packed(ids, tg, pos, np.asarray(cu, np.int32), places, nmb, wt)
+    return Packed(ids, tg, pos, np.asarray(cu, np.int32), places, n_micro, wt)
 
 
 def rows_in_place(inputs, vocab_size, divisor, micro_batch_size, pp, vpp, group):
@@ -288,8 +288,8 @@ def rows_in_place(inputs, vocab_size, divisor, micro_batch_size, pp, vpp, group)
     mbs = (R if pp == 1 else 1) if micro_batch_size is None else micro_batch_size
     if isinstance(mbs, bool) or not isinstance(mbs, numbers.Integral) or mbs < 1 or R % mbs:
         return None
-    nmb = R // mbs
-    if micro_batch_count(R, mbs, pp, vpp, group) != nmb:
+    n_micro = R // mbs
+    if micro_batch_count(R, mbs, pp, vpp, group) != n_micro:
         return None
     labels = inputs.get("labels")
     if labels is None:
@@ -319,7 +319,7 @@ def rows_in_place(inputs, vocab_size, divisor, micro_batch_size, pp, vpp, group)
         w = _weights(weights, ids.shape, where)
         wt = np.ones((R, S), np.float32)
         wt[:, :-1] = w[:, 1:]
-    return Packed(ids, tg, None, None, [(r, 0, S) for r in range(R)], nmb, wt)
+    return Packed(ids, tg, None, None, [(r, 0, S) for r in range(R)], n_micro, wt)
 
 
 def unpack(flat, packed, shift=True):

@@ -703,7 +703,7 @@ class MegatronModel:
         p = self._pack_agreed(inputs, micro_batch_size, seq_len, True)
         b = self._batch(p)
         r = L.FBResult()
-        self._ctx.check(L.lib.loom_model_forward_backward(self._h, C.byref(b), p.nmb,
+        self._ctx.check(L.lib.loom_model_forward_backward(self._h, C.byref(b), p.n_micro,
                                                           C.byref(r)), "forward_backward")
         g.cur_step += 1
         return Result(loss=r.loss, num_tokens=int(r.n_tokens), loss_sum=r.loss_sum)
@@ -733,7 +733,7 @@ class MegatronModel:
         ent = np.empty(T, np.float32)
         lg = np.empty((T, self.info.vocab_size), np.float32) if return_logits else None
         r = L.FBResult()
-        self._ctx.check(L.lib.loom_model_forward_only(self._h, C.byref(b), p.nmb, L.f32_ptr(lp),
+        self._ctx.check(L.lib.loom_model_forward_only(self._h, C.byref(b), p.n_micro, L.f32_ptr(lp),
                                                       L.f32_ptr(ent), L.f32_ptr(lg), C.byref(r)),
                         "forward_only")
         out = Result(loss=r.loss, num_tokens=int(r.n_tokens), loss_sum=r.loss_sum,
