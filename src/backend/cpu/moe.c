@@ -1,0 +1,144 @@
+/* CPU reference ops of a mixture-of-experts block (cpu_moe.h). */
+#include "cpu_moe.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ---- router ---- */
+
+void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_topk,
+                         float *probs, int32_t *idx, float *w) {
+#pragma omp parallel for schedule(static) if (N * E > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const float *zr = z + n * E;
+        float *p = probs + n * E, mx = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) mx = zr[e] > mx ? zr[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(zr[e] - mx);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        int32_t *ix = idx + n * k;
+        float *wr = w + n * k, top = 0.0f;
+        for (int j = 0; j < k; j++) { /* the j-th largest, ties to the lower index */
+            int32_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                bool taken = false;
+                for (int i = 0; i < j && !taken; i++) taken = ix[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = (int32_t)e;
+            }
+            ix[j] = best;
+            top += wr[j] = p[best];
+        }
+        if (norm_topk)
+            for (int j = 0; j < k; j++) wr[j] /= top;
+    }
+}
+
+void loom_cpu_router_bwd(const float *probs, const int32_t *idx, const float *dw,
+                         const float *dprobs, int64_t N, int64_t E, int k, bool norm_topk,
+                         float *dz) {
+#pragma omp parallel for schedule(static) if (N * E > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const float *p = probs + n * E;
+        const int32_t *ix = idx + n * k;
+        float *g = dz + n * E; /* first d/dp, then d/dz in place */
+        for (int64_t e = 0; e < E; e++) g[e] = dprobs ? dprobs[n * E + e] : 0.0f;
+        if (dw) {
+            const float *d = dw + n * k;
+            if (norm_topk) { /* w_j = p_j / S: dp_j = (dw_j - sum_i dw_i w_i) / S */
+                double S = 0.0, dot = 0.0;
+                for (int j = 0; j < k; j++) S += p[ix[j]];
+                for (int j = 0; j < k; j++) dot += (double)d[j] * (p[ix[j]] / S);
+                for (int j = 0; j < k; j++) g[ix[j]] += (float)((d[j] - dot) / S);
+            } else {
+                for (int j = 0; j < k; j++) g[ix[j]] += d[j];
+            }
+        }
+        double s = 0.0; /* softmax: dz = p (dp - sum p dp) */
+        for (int64_t e = 0; e < E; e++) s += (double)p[e] * g[e];
+        for (int64_t e = 0; e < E; e++) g[e] = (float)(p[e] * (g[e] - s));
+    }
+}
+
+double loom_cpu_moe_aux_loss(const float *probs, const int32_t *idx, int64_t N, int64_t E, int k,
+                             float scale, double *scratch, float *dprobs) {
+    double *f = scratch, *P = scratch + E;
+    memset(scratch, 0, (size_t)(2 * E) * sizeof *scratch);
+    for (int64_t n = 0; n < N; n++) {
+        for (int j = 0; j < k; j++) f[idx[n * k + j]] += 1.0;
+        for (int64_t e = 0; e < E; e++) P[e] += probs[n * E + e];
+    }
+    double aux = 0.0;
+    for (int64_t e = 0; e < E; e++) {
+        f[e] /= (double)N;
+        aux += f[e] * (P[e] / (double)N);
+    }
+    aux *= (double)E;
+    if (dprobs)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t e = 0; e < E; e++)
+                dprobs[n * E + e] = (float)(scale * (double)E * f[e] / (double)N);
+    return aux;
+}
+
+/* ---- tokens to experts and back ---- */
+
+void loom_cpu_moe_route(const int32_t *idx, int64_t N, int64_t E, int k, int32_t *counts,
+                        int32_t *order, int32_t *pos) {
+    memset(counts, 0, (size_t)E * sizeof *counts);
+    int64_t p = 0;
+    for (int64_t e = 0; e < E; e++) /* one pass an expert: stable, and no scratch */
+        for (int64_t c = 0; c < N * k; c++)
+            if (idx[c] == e) {
+                counts[e]++;
+                pos[c] = (int32_t)p;
+                order[p++] = (int32_t)c;
+            }
+}
+
+void loom_cpu_moe_permute(const float *x, const int32_t *order, int64_t N, int k, int64_t H,
+                          float *xg) {
+#pragma omp parallel for schedule(static) if (N * k * H > 65536)
+    for (int64_t p = 0; p < N * k; p++)
+        memcpy(xg + p * H, x + (int64_t)(order[p] / k) * H, (size_t)H * sizeof *xg);
+}
+
+void loom_cpu_moe_combine(const float *yg, const int32_t *pos, const float *w, int64_t N, int k,
+                          int64_t H, float *y) {
+#pragma omp parallel for schedule(static) if (N * k * H > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        float *yr = y + n * H;
+        for (int64_t h = 0; h < H; h++) yr[h] = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const float *g = yg + (int64_t)pos[n * k + j] * H, s = w[n * k + j];
+            for (int64_t h = 0; h < H; h++) yr[h] += s * g[h];
+        }
+    }
+}
+
+void loom_cpu_moe_combine_bwd(const float *dy, const float *yg, const int32_t *order,
+                              const float *w, int64_t N, int k, int64_t H, float *dyg, float *dw) {
+#pragma omp parallel for schedule(static) if (N * k * H > 65536)
+    for (int64_t p = 0; p < N * k; p++) {
+        const int64_t c = order[p];
+        const float *d = dy + (c / k) * H, *g = yg + p * H;
+        float *o = dyg + p * H;
+        double dot = 0.0;
+        for (int64_t h = 0; h < H; h++) {
+            o[h] = w[c] * d[h];
+            dot += (double)d[h] * g[h];
+        }
+        dw[c] = (float)dot;
+    }
+}
+
+void loom_cpu_moe_permute_bwd(const float *dxg, const int32_t *pos, int64_t N, int k, int64_t H,
+                              float *dx) {
+#pragma omp parallel for schedule(static) if (N * k * H > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        float *o = dx + n * H;
+        for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const float *g = dxg + (int64_t)pos[n * k + j] * H;
+            for (int64_t h = 0; h < H; h++) o[h] += g[h];
+        }
+    }
+}

@@ -1,0 +1,160 @@
+/* The mixture-of-experts CPU reference ops (src/backend/cpu/cpu_moe.h,
+ * issue 37's first step): the load-balancing loss against transformers'
+ * value on the tiny-qwen3-moe fixture's router logits, the router's
+ * backward and the loss's gradient against finite differences, and the
+ * grouping of tokens by expert and back against a per-token loop. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/backend/cpu/cpu_moe.h"
+#include "../src/core/rng.h"
+#include "../src/core/core.h"
+#include "../src/io/safetensors.h"
+#include "harness.h"
+
+static float frnd(uint64_t seed, int64_t i, float a) {
+    return (float)((double)(loom_splitmix64(seed + (uint64_t)i) >> 11) / 9007199254740992.0 *
+                   2.0 - 1.0) * a;
+}
+
+/* transformers' load_balancing_loss_func over the four layers' router
+ * logits of the fixture (concatenated), top-2 of 8 experts */
+TEST(moe_aux_loss_matches_hf) {
+    char path[1024], jpath[1024];
+    snprintf(path, sizeof path, "%s/golden/tiny-qwen3-moe.safetensors", loom_test_fixtures());
+    snprintf(jpath, sizeof jpath, "%s/golden/tiny-qwen3-moe.json", loom_test_fixtures());
+    REQUIRE_FIXTURE(path);
+    REQUIRE_FIXTURE(jpath);
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    loom_safetensors *st;
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, path, &st));
+    enum { L = 4, T = 48, E = 8, K = 2, N = L * T };
+    float *z = malloc(sizeof(float) * N * E), *p = malloc(sizeof(float) * N * E),
+          *w = malloc(sizeof(float) * N * K);
+    int32_t *idx = malloc(sizeof(int32_t) * N * K);
+    REQUIRE(z && p && w && idx);
+    for (int l = 0; l < L; l++) {
+        char name[64];
+        snprintf(name, sizeof name, "router_logits.%d", l);
+        const loom_st_tensor *t = loom_st_find(st, name);
+        REQUIRE(t && t->numel == T * E);
+        REQUIRE_OK(ctx, loom_st_read(ctx, t, LOOM_F32, z + (size_t)l * T * E, t->numel));
+    }
+    loom_cpu_router_fwd(z, N, E, K, true, p, idx, w);
+    double scratch[2 * E];
+    const double aux = loom_cpu_moe_aux_loss(p, idx, N, E, K, 1.0f, scratch, NULL);
+    char *json = NULL;
+    size_t len = 0;
+    REQUIRE_OK(ctx, loom_read_file(ctx, jpath, 1 << 20, &json, &len));
+    const char *at = strstr(json, "\"hf_aux_loss_unscaled\":");
+    REQUIRE(at);
+    const double hf = strtod(at + strlen("\"hf_aux_loss_unscaled\":"), NULL);
+    CHECK_NEAR(aux, hf, 1e-6 * hf);
+    for (int64_t n = 0; n < N; n++) { /* renormalised top-2 weights sum to 1, descending */
+        CHECK_NEAR(w[n * K] + w[n * K + 1], 1.0, 1e-6);
+        CHECK(w[n * K] >= w[n * K + 1] && idx[n * K] != idx[n * K + 1]);
+    }
+    free(json);
+    free(z), free(p), free(w), free(idx);
+    loom_st_close(st);
+    loom_ctx_free(ctx);
+}
+
+/* L(z) = sum c * w + sum d * probs (+ the aux loss times a): the router's
+ * backward against central differences, with and without renormalisation */
+static double objective(const float *z, int64_t N, int64_t E, int k, bool norm, const float *c,
+                        const float *d, float a, float *p, int32_t *idx, float *w,
+                        double *scratch) {
+    loom_cpu_router_fwd(z, N, E, k, norm, p, idx, w);
+    double L = a * loom_cpu_moe_aux_loss(p, idx, N, E, k, 1.0f, scratch, NULL);
+    for (int64_t i = 0; i < N * k; i++) L += (double)c[i] * w[i];
+    for (int64_t i = 0; i < N * E; i++) L += (double)d[i] * p[i];
+    return L;
+}
+
+TEST(moe_router_backward_matches_differences) {
+    enum { N = 6, E = 7, K = 3 };
+    const uint64_t seed = (uint64_t)loom_now_s() * 31u;
+    float z[N * E], c[N * K], d[N * E], p[N * E], w[N * K], dz[N * E], dw[N * K], dp[N * E];
+    int32_t idx[N * K], idx0[N * K];
+    double scratch[2 * E];
+    for (int i = 0; i < N * E; i++) z[i] = frnd(seed, i, 3.0f), d[i] = frnd(seed + 99, i, 1.0f);
+    for (int i = 0; i < N * K; i++) c[i] = frnd(seed + 7, i, 1.0f);
+    for (int norm = 0; norm < 2; norm++) {
+        const float a = 0.5f;
+        objective(z, N, E, K, norm, c, d, a, p, idx0, w, scratch);
+        loom_cpu_moe_aux_loss(p, idx0, N, E, K, a, scratch, dp);
+        for (int i = 0; i < N * E; i++) dp[i] += d[i];
+        memcpy(dw, c, sizeof dw);
+        loom_cpu_router_bwd(p, idx0, dw, dp, N, E, K, norm, dz);
+        double worst = 0.0;
+        int checked = 0;
+        for (int i = 0; i < N * E; i++) {
+            const float h = 1e-3f, z0 = z[i];
+            z[i] = z0 + h;
+            const double up = objective(z, N, E, K, norm, c, d, a, p, idx, w, scratch);
+            bool flip = memcmp(idx, idx0, sizeof idx) != 0;
+            z[i] = z0 - h;
+            const double dn = objective(z, N, E, K, norm, c, d, a, p, idx, w, scratch);
+            flip |= memcmp(idx, idx0, sizeof idx) != 0;
+            z[i] = z0;
+            if (flip) continue; /* a near tie: the step changed the experts chosen */
+            checked++;
+            worst = fmax(worst, fabs((up - dn) / (2.0 * h) - dz[i]));
+        }
+        CHECK_MSG(checked >= N * E * 9 / 10, "only %d of %d logits away from a tie", checked,
+                  N * E);
+        CHECK_MSG(worst < 2e-3, "norm_topk=%d: router gradient off by %.3g", norm, worst);
+    }
+}
+
+/* Grouped by expert and back: expert e's work is x * (e + 1) on its rows */
+TEST(moe_route_permute_combine_match_a_token_loop) {
+    enum { N = 11, E = 5, K = 2, H = 6 };
+    const uint64_t seed = (uint64_t)loom_now_s() * 17u;
+    float z[N * E], p[N * E], w[N * K], x[N * H], dy[N * H];
+    int32_t idx[N * K], counts[E], order[N * K], pos[N * K];
+    for (int i = 0; i < N * E; i++) z[i] = frnd(seed, i, 2.0f);
+    for (int i = 0; i < N * H; i++) x[i] = frnd(seed + 5, i, 1.0f), dy[i] = frnd(seed + 9, i, 1.0f);
+    loom_cpu_router_fwd(z, N, E, K, true, p, idx, w);
+    loom_cpu_moe_route(idx, N, E, K, counts, order, pos);
+    float xg[N * K * H], yg[N * K * H], y[N * H], dyg[N * K * H], dw[N * K], dx[N * H];
+    loom_cpu_moe_permute(x, order, N, K, H, xg);
+    int64_t row = 0, total = 0;
+    for (int e = 0; e < E; e++) {
+        for (int32_t r = 0; r < counts[e]; r++, row++) {
+            CHECK_EQ_INT(idx[order[row]], e); /* grouped by expert */
+            if (r) CHECK(order[row] > order[row - 1]); /* in token order */
+            for (int h = 0; h < H; h++) yg[row * H + h] = xg[row * H + h] * (float)(e + 1);
+        }
+        total += counts[e];
+    }
+    CHECK_EQ_INT(total, N * K);
+    for (int c = 0; c < N * K; c++) CHECK_EQ_INT(order[pos[c]], c);
+    loom_cpu_moe_combine(yg, pos, w, N, K, H, y);
+    loom_cpu_moe_combine_bwd(dy, yg, order, w, N, K, H, dyg, dw);
+    for (int64_t r = 0; r < N * K; r++) /* the experts' backward: times (e + 1) */
+        for (int h = 0; h < H; h++) dyg[r * H + h] *= (float)(idx[order[r]] + 1);
+    loom_cpu_moe_permute_bwd(dyg, pos, N, K, H, dx);
+    double worst = 0.0;
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h++) {
+            double want = 0.0, want_dx = 0.0;
+            for (int j = 0; j < K; j++) {
+                const int e = idx[n * K + j];
+                want += (double)w[n * K + j] * x[n * H + h] * (e + 1);
+                want_dx += (double)w[n * K + j] * (e + 1) * dy[n * H + h];
+            }
+            worst = fmax(worst, fabs(y[n * H + h] - want) + fabs(dx[n * H + h] - want_dx));
+        }
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < K; j++) {
+            double want = 0.0;
+            for (int h = 0; h < H; h++)
+                want += (double)dy[n * H + h] * x[n * H + h] * (idx[n * K + j] + 1);
+            worst = fmax(worst, fabs(dw[n * K + j] - want));
+        }
+    CHECK_MSG(worst < 1e-5, "grouped compute differs from the token loop by %.3g", worst);
+}
