@@ -327,18 +327,25 @@ loom_status loom_k_sumsq_parts(loom_model *m, struct loom_arena *A, const loom_k
 }
 
 loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A) {
-    loom_k_part *p = malloc((size_t)(A->nslots + 1) * sizeof *p);
-    if (!p) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the gradients' slot list");
-    int n = 0;
-    for (int i = 0; i < A->nslots; i++)
-        if (!A->gdefer[i] && !A->slots[i].frozen)
-            p[n++] = (loom_k_part){.p_off = A->slots[i].off, .s_off = A->slots[i].off,
-                                   .len = A->slots[i].numel};
-    loom_status st = m->dev.be->zero_parts(&m->dev, m->ctx, A->g, p, n, &A->zlists);
-    free(p);
-    return st;
+    if (!A->zparts) { /* the slots, once: the marks and the layout change only with a reset */
+        loom_k_part *p = malloc((size_t)(A->nslots + 1) * sizeof *p);
+        if (!p) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the gradients' slot list");
+        int n = 0;
+        for (int i = 0; i < A->nslots; i++)
+            if (!A->gdefer[i] && !A->slots[i].frozen)
+                p[n++] = (loom_k_part){.p_off = A->slots[i].off, .s_off = A->slots[i].off,
+                                       .len = A->slots[i].numel};
+        A->zparts = p;
+        A->nzparts = n;
+    }
+    return m->dev.be->zero_parts(&m->dev, m->ctx, A->g, A->zparts, A->nzparts, &A->zlists);
 }
 
 void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list) {
+    if (zero_list) {
+        free(A->zparts);
+        A->zparts = NULL;
+        A->nzparts = 0;
+    }
     if (m->dev.be) m->dev.be->lists_free(&m->dev, zero_list ? &A->zlists : &A->lists);
 }

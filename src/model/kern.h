@@ -222,7 +222,7 @@ void loom_k_dw_drop(loom_model *m);
  * first call (kept in A->zlists). */
 loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A);
 /* Releases what the backend keeps of the arena's parts: the optimizer's
- * (A->lists), or with zero_list zero_eager's (A->zlists). */
+ * (A->lists), or with zero_list zero_eager's (A->zparts, A->zlists). */
 void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list);
 
 #endif /* LOOM_MODEL_KERN_H */

@@ -83,7 +83,9 @@ typedef struct loom_arena {
     uint8_t *gdefer;         /* (nslots): 1 for a linear weight's slot; NULL until set up */
     uint8_t *gfresh;         /* (nslots): stale, counts as zero */
     bool gpending;           /* some slot is fresh */
-    loom_part_lists zlists;  /* the backend's copy of the slots cleared at zero_grad */
+    loom_k_part *zparts;     /* the slots cleared at zero_grad (nzparts), made at the first */
+    int nzparts;
+    loom_part_lists zlists;  /* the backend's copy of them */
 } loom_arena;
 
 typedef struct loom_adapter {
