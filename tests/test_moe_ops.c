@@ -42,7 +42,7 @@ TEST(moe_aux_loss_matches_hf) {
         REQUIRE(t && t->numel == T * E);
         REQUIRE_OK(ctx, loom_st_read(ctx, t, LOOM_F32, z + (size_t)l * T * E, t->numel));
     }
-    loom_cpu_router_fwd(z, N, E, K, true, p, idx, w);
+    loom_cpu_router_fwd(z, N, E, K, true, p, idx, w, NULL);
     double scratch[2 * E];
     const double aux = loom_cpu_moe_aux_loss(p, idx, N, E, K, 1.0f, scratch, NULL);
     char *json = NULL;
@@ -62,31 +62,32 @@ TEST(moe_aux_loss_matches_hf) {
     loom_ctx_free(ctx);
 }
 
-/* L(z) = sum c * w + sum d * probs (+ the aux loss times a): the router's
+/* L(z) = sum c * w + sum d[e] * probs[., e] (+ the aux loss times a): the router's
  * backward against central differences, with and without renormalisation */
 static double objective(const float *z, int64_t N, int64_t E, int k, bool norm, const float *c,
                         const float *d, float a, float *p, int32_t *idx, float *w,
                         double *scratch) {
-    loom_cpu_router_fwd(z, N, E, k, norm, p, idx, w);
+    loom_cpu_router_fwd(z, N, E, k, norm, p, idx, w, NULL);
     double L = a * loom_cpu_moe_aux_loss(p, idx, N, E, k, 1.0f, scratch, NULL);
     for (int64_t i = 0; i < N * k; i++) L += (double)c[i] * w[i];
-    for (int64_t i = 0; i < N * E; i++) L += (double)d[i] * p[i];
+    for (int64_t i = 0; i < N * E; i++) L += (double)d[i % E] * p[i];
     return L;
 }
 
 TEST(moe_router_backward_matches_differences) {
     enum { N = 6, E = 7, K = 3 };
     const uint64_t seed = (uint64_t)loom_now_s() * 31u;
-    float z[N * E], c[N * K], d[N * E], p[N * E], w[N * K], dz[N * E], dw[N * K], dp[N * E];
+    float z[N * E], c[N * K], d[E], p[N * E], w[N * K], dz[N * E], dw[N * K], dp[E];
     int32_t idx[N * K], idx0[N * K];
     double scratch[2 * E];
-    for (int i = 0; i < N * E; i++) z[i] = frnd(seed, i, 3.0f), d[i] = frnd(seed + 99, i, 1.0f);
+    for (int i = 0; i < N * E; i++) z[i] = frnd(seed, i, 3.0f);
+    for (int i = 0; i < E; i++) d[i] = frnd(seed + 99, i, 1.0f);
     for (int i = 0; i < N * K; i++) c[i] = frnd(seed + 7, i, 1.0f);
     for (int norm = 0; norm < 2; norm++) {
         const float a = 0.5f;
         objective(z, N, E, K, norm, c, d, a, p, idx0, w, scratch);
         loom_cpu_moe_aux_loss(p, idx0, N, E, K, a, scratch, dp);
-        for (int i = 0; i < N * E; i++) dp[i] += d[i];
+        for (int i = 0; i < E; i++) dp[i] += d[i];
         memcpy(dw, c, sizeof dw);
         loom_cpu_router_bwd(p, idx0, dw, dp, N, E, K, norm, dz);
         double worst = 0.0;
@@ -118,7 +119,7 @@ TEST(moe_route_permute_combine_match_a_token_loop) {
     int32_t idx[N * K], counts[E], order[N * K], pos[N * K];
     for (int i = 0; i < N * E; i++) z[i] = frnd(seed, i, 2.0f);
     for (int i = 0; i < N * H; i++) x[i] = frnd(seed + 5, i, 1.0f), dy[i] = frnd(seed + 9, i, 1.0f);
-    loom_cpu_router_fwd(z, N, E, K, true, p, idx, w);
+    loom_cpu_router_fwd(z, N, E, K, true, p, idx, w, NULL);
     loom_cpu_moe_route(idx, N, E, K, counts, order, pos);
     float xg[N * K * H], yg[N * K * H], y[N * H], dyg[N * K * H], dw[N * K], dx[N * H];
     loom_cpu_moe_permute(x, order, N, K, H, xg);

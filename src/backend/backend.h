@@ -65,6 +65,13 @@ typedef struct loom_lora_dy_op {
     float *dB;
 } loom_lora_dy_op;
 
+/* One GEMM of a grouped call (gemm_grouped). */
+typedef struct loom_gemm_group {
+    const void *A, *B;
+    void *C;
+    int64_t M, N, K;
+} loom_gemm_group;
+
 /* One part of the optimizer's work: `len` parameters at w + p_off whose
  * gradient and moments are at shard offset s_off. */
 typedef struct loom_k_part {
@@ -234,6 +241,38 @@ typedef struct loom_backend {
     loom_status (*ce_fused)(loom_dev *d, loom_ctx *ctx, void *z, int64_t c, int64_t ld,
                             int64_t nvalid, const int32_t *tgt, int64_t v0, double *mx,
                             double *ce, float scale, bool grad);
+
+    /* ---- mixture of experts (cpu_moe.h's semantics): N tokens, E experts,
+     * the top k of each; activations in adt, routing state fp32 / int32 ---- */
+    /* probs (N, E) = softmax(z), idx and w (N, k) the top k and their
+     * weights; psum (E; NULL: not wanted) += the column sums of probs */
+    loom_status (*moe_router_fwd)(loom_dev *d, loom_ctx *ctx, const void *z, int64_t N, int64_t E,
+                                  int k, bool norm_topk, float *probs, int32_t *idx, float *w,
+                                  float *psum);
+    /* dz (N, E; adt) from dw (N, k; NULL: none) and the load-balancing
+     * loss's d/dprobs[n][e] = ga[e] (E; NULL: none) */
+    loom_status (*moe_router_bwd)(loom_dev *d, loom_ctx *ctx, const float *probs,
+                                  const int32_t *idx, const float *dw, const float *ga, int64_t N,
+                                  int64_t E, int k, bool norm_topk, void *dz);
+    /* counts (E), order and pos (N k): the choices grouped by expert, stable */
+    loom_status (*moe_route)(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N, int64_t E,
+                             int k, int32_t *counts, int32_t *order, int32_t *pos);
+    loom_status (*moe_permute)(loom_dev *d, loom_ctx *ctx, const void *x, const int32_t *order,
+                               int64_t N, int k, int64_t H, void *xg);
+    loom_status (*moe_combine)(loom_dev *d, loom_ctx *ctx, const void *yg, const int32_t *pos,
+                               const float *w, int64_t N, int k, int64_t H, void *y);
+    loom_status (*moe_combine_bwd)(loom_dev *d, loom_ctx *ctx, const void *dy, const void *yg,
+                                   const int32_t *order, const float *w, int64_t N, int k,
+                                   int64_t H, void *dyg, float *dw);
+    loom_status (*moe_permute_bwd)(loom_dev *d, loom_ctx *ctx, const void *dxg,
+                                   const int32_t *pos, int64_t N, int k, int64_t H, void *dx);
+    /* G GEMMs C_g = alpha op(A_g) op(B_g) + beta C_g of one call's dtypes,
+     * transposes and leading dimensions, each its own M, N, K (host array;
+     * groups with M or N 0 are skipped, K 0 scales C_g by beta); one launch
+     * where the device has a grouped GEMM: the experts' projections */
+    loom_status (*gemm_grouped)(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int G,
+                                const loom_gemm_group *g, float alpha, int64_t lda, int64_t ldb,
+                                loom_dtype ab, float beta, loom_dtype cdt, int64_t ldc);
 
     /* ---- the optimizer over an arena's parts (fp32; adamw.h's rules):
      * w values, g the gradient shard, m and v the moments ---- */

@@ -5,6 +5,7 @@
 #include "../../core/core.h"
 #include "../backend.h"
 #include "cpu_glue.h"
+#include "cpu_moe.h"
 #include "cpu_ops.h"
 
 #define F(p) ((float *)(p))
@@ -340,6 +341,83 @@ static loom_status cpu_zero_parts(loom_dev *d, loom_ctx *ctx, float *g, const lo
     return LOOM_OK;
 }
 
+/* ---- mixture of experts (cpu_moe.h) ---- */
+
+static loom_status cpu_moe_router_fwd(loom_dev *d, loom_ctx *ctx, const void *z, int64_t N,
+                                      int64_t E, int k, bool norm_topk, float *probs,
+                                      int32_t *idx, float *w, float *psum) {
+    (void)d, (void)ctx;
+    loom_cpu_router_fwd(CF(z), N, E, k, norm_topk, probs, idx, w, psum);
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_router_bwd(loom_dev *d, loom_ctx *ctx, const float *probs,
+                                      const int32_t *idx, const float *dw, const float *ga,
+                                      int64_t N, int64_t E, int k, bool norm_topk, void *dz) {
+    (void)d, (void)ctx;
+    loom_cpu_router_bwd(probs, idx, dw, ga, N, E, k, norm_topk, F(dz));
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_route(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N,
+                                 int64_t E, int k, int32_t *counts, int32_t *order,
+                                 int32_t *pos) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_route(idx, N, E, k, counts, order, pos);
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_permute(loom_dev *d, loom_ctx *ctx, const void *x,
+                                   const int32_t *order, int64_t N, int k, int64_t H, void *xg) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_permute(CF(x), order, N, k, H, F(xg));
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_combine(loom_dev *d, loom_ctx *ctx, const void *yg, const int32_t *pos,
+                                   const float *w, int64_t N, int k, int64_t H, void *y) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_combine(CF(yg), pos, w, N, k, H, F(y));
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_combine_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *yg,
+                                       const int32_t *order, const float *w, int64_t N, int k,
+                                       int64_t H, void *dyg, float *dw) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_combine_bwd(CF(dy), CF(yg), order, w, N, k, H, F(dyg), dw);
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_permute_bwd(loom_dev *d, loom_ctx *ctx, const void *dxg,
+                                       const int32_t *pos, int64_t N, int k, int64_t H,
+                                       void *dx) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_permute_bwd(CF(dxg), pos, N, k, H, F(dx));
+    return LOOM_OK;
+}
+
+static loom_status cpu_gemm_grouped(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int G,
+                                    const loom_gemm_group *g, float alpha, int64_t lda,
+                                    int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
+                                    int64_t ldc) {
+    for (int i = 0; i < G; i++) {
+        if (!g[i].M || !g[i].N) continue;
+        if (!g[i].K) {
+            if (beta != 1.0f)
+                for (int64_t r = 0; r < g[i].M; r++)
+                    for (int64_t c = 0; c < g[i].N; c++) {
+                        float *o = F(g[i].C) + r * ldc + c;
+                        *o = beta == 0.0f ? 0.0f : beta * *o;
+                    }
+            continue;
+        }
+        cpu_gemm(d, ctx, ta, tb, g[i].M, g[i].N, g[i].K, alpha, g[i].A, lda, g[i].B, ldb, ab,
+                 beta, g[i].C, cdt, ldc);
+    }
+    return LOOM_OK;
+}
+
 static void cpu_lists_free(loom_dev *d, loom_part_lists *lists) {
     (void)d;
     memset(lists, 0, sizeof *lists);
@@ -391,6 +469,14 @@ const loom_backend *loom_backend_cpu(void) {
         .ce_grad = cpu_ce_grad,
         .rows_scale = cpu_rows_scale,
         .ce_fused = cpu_ce_fused,
+        .moe_router_fwd = cpu_moe_router_fwd,
+        .moe_router_bwd = cpu_moe_router_bwd,
+        .moe_route = cpu_moe_route,
+        .moe_permute = cpu_moe_permute,
+        .moe_combine = cpu_moe_combine,
+        .moe_combine_bwd = cpu_moe_combine_bwd,
+        .moe_permute_bwd = cpu_moe_permute_bwd,
+        .gemm_grouped = cpu_gemm_grouped,
         .adamw = cpu_adamw,
         .sumsq = cpu_sumsq,
         .zero_parts = cpu_zero_parts,

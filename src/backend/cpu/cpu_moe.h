@@ -16,22 +16,23 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* z (N, E) -> probs (N, E), idx (N, k) and w (N, k). k <= E. */
+/* z (N, E) -> probs (N, E), idx (N, k) and w (N, k). k <= E. psum (E;
+ * NULL: not wanted) += the column sums of probs (the loss's P over layers). */
 void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_topk,
-                         float *probs, int32_t *idx, float *w);
+                         float *probs, int32_t *idx, float *w, float *psum);
 /* dz (N, E) = the gradient through the routing weights (dw (N, k); NULL:
- * none) and through the probabilities (dprobs (N, E), e.g. the aux loss's;
- * NULL: none), from the forward's probs and idx. The choice itself has no
- * gradient. */
+ * none) and through the probabilities, d/dprobs[n][e] = ga[e] (E; the
+ * load-balancing loss's, the same for every token; NULL: none), from the
+ * forward's probs and idx. The choice itself has no gradient. */
 void loom_cpu_router_bwd(const float *probs, const int32_t *idx, const float *dw,
-                         const float *dprobs, int64_t N, int64_t E, int k, bool norm_topk,
+                         const float *ga, int64_t N, int64_t E, int k, bool norm_topk,
                          float *dz);
-/* The load-balancing loss of N rows (probs, idx of router_fwd); with
- * dprobs (N, E) not NULL, dprobs = scale * d aux / d probs (the choices
- * held fixed, as autograd sees them). scratch: 2E doubles (f and P).
- * Returns aux. */
+/* The load-balancing loss of N rows (probs, idx of router_fwd); with ga
+ * (E) not NULL, ga[e] = scale * d aux / d probs[n][e] (the choices held
+ * fixed, as autograd sees them; the same for every n). scratch: 2E doubles
+ * (f and P). Returns aux. */
 double loom_cpu_moe_aux_loss(const float *probs, const int32_t *idx, int64_t N, int64_t E, int k,
-                             float scale, double *scratch, float *dprobs);
+                             float scale, double *scratch, float *ga);
 
 /* Tokens to experts: the N*k choices of idx grouped by expert, in token
  * order within an expert (stable). counts (E): choices per expert;

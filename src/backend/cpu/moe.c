@@ -7,7 +7,7 @@
 /* ---- router ---- */
 
 void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_topk,
-                         float *probs, int32_t *idx, float *w) {
+                         float *probs, int32_t *idx, float *w, float *psum) {
 #pragma omp parallel for schedule(static) if (N * E > 65536)
     for (int64_t n = 0; n < N; n++) {
         const float *zr = z + n * E;
@@ -33,14 +33,14 @@ void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_
 }
 
 void loom_cpu_router_bwd(const float *probs, const int32_t *idx, const float *dw,
-                         const float *dprobs, int64_t N, int64_t E, int k, bool norm_topk,
+                         const float *ga, int64_t N, int64_t E, int k, bool norm_topk,
                          float *dz) {
 #pragma omp parallel for schedule(static) if (N * E > 65536)
     for (int64_t n = 0; n < N; n++) {
         const float *p = probs + n * E;
         const int32_t *ix = idx + n * k;
         float *g = dz + n * E; /* first d/dp, then d/dz in place */
-        for (int64_t e = 0; e < E; e++) g[e] = dprobs ? dprobs[n * E + e] : 0.0f;
+        for (int64_t e = 0; e < E; e++) g[e] = ga ? ga[e] : 0.0f;
         if (dw) {
             const float *d = dw + n * k;
             if (norm_topk) { /* w_j = p_j / S: dp_j = (dw_j - sum_i dw_i w_i) / S */
@@ -59,7 +59,7 @@ void loom_cpu_router_bwd(const float *probs, const int32_t *idx, const float *dw
 }
 
 double loom_cpu_moe_aux_loss(const float *probs, const int32_t *idx, int64_t N, int64_t E, int k,
-                             float scale, double *scratch, float *dprobs) {
+                             float scale, double *scratch, float *ga) {
     double *f = scratch, *P = scratch + E;
     memset(scratch, 0, (size_t)(2 * E) * sizeof *scratch);
     for (int64_t n = 0; n < N; n++) {
@@ -72,10 +72,8 @@ double loom_cpu_moe_aux_loss(const float *probs, const int32_t *idx, int64_t N, 
         aux += f[e] * (P[e] / (double)N);
     }
     aux *= (double)E;
-    if (dprobs)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t e = 0; e < E; e++)
-                dprobs[n * E + e] = (float)(scale * (double)E * f[e] / (double)N);
+    if (ga)
+        for (int64_t e = 0; e < E; e++) ga[e] = (float)(scale * (double)E * f[e] / (double)N);
     return aux;
 }
 
