@@ -276,6 +276,10 @@ typedef struct loom_fb_result {
     double loss;      /* loss_sum / n_tokens of this call (0 when no token has a target) */
     double loss_sum;  /* sum of token losses of this call */
     int64_t n_tokens; /* tokens with a target in this call */
+    double aux_loss;  /* mixture of experts: the load-balancing loss over all MoE layers
+                       * (transformers' load_balancing_loss_func, before router_aux_loss_coef),
+                       * the mean over this call's micro-batches; `loss` includes coef times
+                       * each micro-batch's, weighted by its tokens. 0 without experts */
 } loom_fb_result;
 
 /* Runs the batch split into num_micro_batches (dividing rows) and adds the

@@ -81,6 +81,8 @@ static bool golden_open(golden *g, const char *model, loom_device dev) {
     loom_model_options o;
     loom_model_options_default(&o);
     o.device = dev;
+    /* the MoE fixture's gradients and trajectory are of the LM loss alone */
+    if (strstr(model, "moe")) o.config_overrides = "{\"router_aux_loss_coef\": 0}";
     if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) {
         loom_ctx_free(g->ctx);
         loom_test_skip("no GPU visible (or loom built without CUDA)");
@@ -313,6 +315,112 @@ static void check_packed(const char *model, loom_device dev) {
     golden_close(&g);
 }
 
+/* Mixture of experts: each layer's router probabilities against softmax of
+ * HF's router logits (router_logits.<l>, [B*T, E]), and the load-balancing
+ * loss over all layers against load_balancing_loss_func's. */
+static void check_router(const char *model, loom_device dev) {
+    golden g;
+    if (!golden_open(&g, model, dev)) return;
+    loom_batch b = batch_of(&g);
+    loom_fb_result r;
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+    const int64_t E = g.m->cfg.num_experts, L = g.m->L, N = 48;
+    const loom_acts *a = &g.m->chunks[0].pool[0]; /* the one micro-batch's, kept until the next */
+    for (int64_t l = 0; l < L; l++) {
+        char name[64];
+        snprintf(name, sizeof name, "router_logits.%lld", (long long)l);
+        int64_t n;
+        float *z = read_tensor(&g, name, LOOM_F32, &n);
+        REQUIRE(z && n == N * E);
+        float *want = malloc(sizeof(float) * (size_t)n), *got = malloc(sizeof(float) * (size_t)n);
+        for (int64_t t = 0; t < N; t++) {
+            double mx = -INFINITY, sum = 0.0;
+            for (int64_t e = 0; e < E; e++) mx = fmax(mx, z[t * E + e]);
+            for (int64_t e = 0; e < E; e++) sum += exp(z[t * E + e] - mx);
+            for (int64_t e = 0; e < E; e++) want[t * E + e] = (float)(exp(z[t * E + e] - mx) / sum);
+        }
+        REQUIRE_OK(g.ctx, loom_k_download(g.m, got, a->lay[l].act[1][0], (size_t)n * sizeof(float)));
+        snprintf(name, sizeof name, "router probabilities, layer %lld", (long long)l);
+        CHECK_REL(name, got, want, n);
+        free(z), free(want), free(got);
+    }
+    const double hf = meta_num(&g, "hf_aux_loss_unscaled");
+    note_err("aux loss", fabs(r.aux_loss - hf) / hf);
+    CHECK_MSG(fabs(r.aux_loss - hf) <= 1e-5 * hf, "aux loss %.9g vs HF %.9g", r.aux_loss, hf);
+    golden_close(&g);
+}
+
+/* The load-balancing loss's gradient (router_aux_loss_coef 1, so it is a
+ * good part of the loss) against central differences of the loss through
+ * the whole model: router weights, and attention and expert weights of the
+ * first layer (whose effect reaches the later layers' routing). Elements
+ * whose step changes some token's choice of experts are skipped. */
+TEST(model_qwen3_moe_aux_loss_gradient_matches_differences) {
+    golden g;
+    memset(&g, 0, sizeof g);
+    REQUIRE(!loom_ctx_create(&g.ctx));
+    loom_ctx_set_log_level(g.ctx, LOOM_LOG_ERROR);
+    path_of(g.dir, sizeof g.dir, "models/", "tiny-qwen3-moe", "");
+    char p[1024];
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.config_overrides = "{\"router_aux_loss_coef\": 1.0}";
+    REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+    REQUIRE_OK(g.ctx, loom_st_open_file(g.ctx, path_of(p, sizeof p, "golden/", "tiny-qwen3-moe",
+                                                       ".safetensors"), &g.st));
+    REQUIRE_OK(g.ctx, loom_st_read_named(g.ctx, g.st, "input_ids", 2, (int64_t[]){2, 24}, LOOM_I32,
+                                         g.ids));
+    REQUIRE_OK(g.ctx, loom_st_read_named(g.ctx, g.st, "targets", 2, (int64_t[]){2, 24}, LOOM_I32,
+                                         g.tgt));
+    loom_batch b = batch_of(&g);
+    loom_fb_result r;
+    loom_model_zero_grad(g.m);
+    REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 1, &r));
+    CHECK(r.aux_loss > 1.0 && fabs(r.loss - r.loss_sum / 41.0) < 1e-12);
+    const int64_t L = g.m->L, R = 48 * g.m->cfg.num_experts_per_tok;
+    const loom_acts *a = &g.m->chunks[0].pool[0];
+    int32_t *idx0 = malloc((size_t)(L * R) * sizeof *idx0), *idx = malloc((size_t)(L * R) * 4);
+    for (int64_t l = 0; l < L; l++) memcpy(idx0 + l * R, a->lay[l].act[1][1], (size_t)R * 4);
+    const char *names[] = {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight",
+                           "model.layers.0.self_attn.q_proj.weight",
+                           "model.layers.0.mlp.experts.3.up_proj.weight"};
+    int checked = 0, tried = 0;
+    double worst = 0.0;
+    for (int t = 0; t < 4; t++) {
+        const int s = loom_model_find_slot(g.m, names[t]);
+        REQUIRE(s >= 0);
+        const int64_t n = (int64_t)g.m->base.slots[s].numel;
+        float *grad = malloc(sizeof(float) * (size_t)n), *w = loom_w(g.m, s);
+        REQUIRE_OK(g.ctx, loom_model_get_grad(g.m, names[t], grad, n));
+        float gmax = 0.0f;
+        for (int64_t i = 0; i < n; i++) gmax = fmaxf(gmax, fabsf(grad[i]));
+        for (int64_t i = 0; i < n; i += n / 12 + 1) {
+            const float w0 = w[i], h = 1e-2f;
+            double f[2];
+            bool flip = false;
+            for (int sgn = 0; sgn < 2; sgn++) {
+                w[i] = w0 + (sgn ? -h : h);
+                REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+                f[sgn] = r.loss;
+                for (int64_t l = 0; l < L; l++) memcpy(idx + l * R, a->lay[l].act[1][1], (size_t)R * 4);
+                flip |= memcmp(idx, idx0, (size_t)(L * R) * 4) != 0;
+            }
+            w[i] = w0;
+            tried++;
+            if (flip) continue;
+            checked++;
+            worst = fmax(worst, fabs((f[0] - f[1]) / (2.0 * h) - grad[i]) / gmax);
+        }
+        free(grad);
+    }
+    CHECK_MSG(checked >= tried / 2, "only %d of %d elements away from a change of experts",
+              checked, tried);
+    note_err("aux gradient vs differences (of the tensor's largest)", worst);
+    CHECK_MSG(worst < 2e-3, "gradient off by %.3g of the tensor's largest", worst);
+    free(idx0), free(idx);
+    golden_close(&g);
+}
+
 /* 5 AdamW steps on the same batch: per-step losses, grad norms before
  * clipping, and the final weights. */
 static void check_adamw(const char *model, loom_device dev) {
@@ -382,6 +490,11 @@ TEST(model_adamw_trajectory_qwen3) { check_adamw("tiny-qwen3", LOOM_DEVICE_CPU);
 TEST(model_adamw_trajectory_untied) { check_adamw("tiny-qwen3-untied", LOOM_DEVICE_CPU); }
 TEST(model_adamw_trajectory_qwen2) { check_adamw("tiny-qwen2", LOOM_DEVICE_CPU); }
 TEST(model_adamw_trajectory_llama) { check_adamw("tiny-llama", LOOM_DEVICE_CPU); }
+TEST(model_qwen3_moe_matches_hf) { check_forward_backward("tiny-qwen3-moe", LOOM_DEVICE_CPU, false); }
+TEST(model_rows_as_documents_qwen3_moe) { check_forward_backward("tiny-qwen3-moe", LOOM_DEVICE_CPU, true); }
+TEST(model_packed_documents_qwen3_moe) { check_packed("tiny-qwen3-moe", LOOM_DEVICE_CPU); }
+TEST(model_adamw_trajectory_qwen3_moe) { check_adamw("tiny-qwen3-moe", LOOM_DEVICE_CPU); }
+TEST(model_qwen3_moe_router_and_aux_loss_match_hf) { check_router("tiny-qwen3-moe", LOOM_DEVICE_CPU); }
 
 /* The same on one GPU in fp32: the CUDA path must match HF like the CPU's. */
 TEST(model_cuda_qwen3_matches_hf) { check_forward_backward("tiny-qwen3", LOOM_DEVICE_CUDA, false); }

@@ -365,6 +365,48 @@ static void check_model(const char *model) {
 }
 
 TEST(parallel_layouts_qwen3) { check_model("tiny-qwen3"); }
+
+/* Qwen3-MoE (experts split over tp like the dense MLP): without the
+ * load-balancing loss against one process and HF's trajectory; with it
+ * (coefficient 0.5, so it moves the weights) against one process cut into
+ * the same micro-batches, since the loss is per micro-batch. */
+TEST(parallel_layouts_qwen3_moe) {
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
+    const char *model = "tiny-qwen3-moe";
+    char b2[1024], b8[1024], mdir[1024], *log = NULL, lay[512];
+    if (!make_batches(model, b2, b8)) return;
+    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
+    static const struct {
+        int np;
+        const char *layout;
+        bool big;
+    } layouts[] = {
+        {2, "--tp 2", false},
+        {2, "--tp 2 --sequence-parallel", false},
+        {2, "--cp 2", false},
+        {2, "--dp 2 --num-micro-batches 2", true},
+        {8, "--tp 2 --cp 2 --dp 2 --sequence-parallel", true},
+    };
+    for (int aux = 0; aux < 2; aux++) {
+        const char *co = aux ? "--config-override {\"router_aux_loss_coef\":0.5}"
+                             : "--config-override {\"router_aux_loss_coef\":0}";
+        const char *one = path_in_tmp("one.safetensors"), *one8 = path_in_tmp("one8.safetensors");
+        int rc = golden(0, mdir, b2, one, co, &log);
+        CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+        free(log);
+        snprintf(lay, sizeof lay, "%s --num-micro-batches 4", co);
+        rc = rc ? rc : golden(0, mdir, b8, one8, lay, &log);
+        CHECK_MSG(rc == 0, "one process, 8 rows: %s", log ? log : "");
+        free(log);
+        if (rc) return;
+        for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+            snprintf(lay, sizeof lay, "%s %s", co, layouts[i].layout);
+            check_layout(model, layouts[i].big ? b8 : b2, layouts[i].big ? one8 : one,
+                         layouts[i].np, lay, !aux && !layouts[i].big, !layouts[i].big);
+        }
+    }
+}
 TEST(parallel_layouts_qwen3_untied) { check_model("tiny-qwen3-untied"); }
 
 /* The interleaved pipeline against one process: every accepted number of

@@ -109,7 +109,7 @@ class Batch(C.Structure):
 
 
 class FBResult(C.Structure):
-    _fields_ = [("loss", f64), ("loss_sum", f64), ("n_tokens", i64)]
+    _fields_ = [("loss", f64), ("loss_sum", f64), ("n_tokens", i64), ("aux_loss", f64)]
 
 
 class StepResult(C.Structure):

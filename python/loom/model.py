@@ -149,7 +149,8 @@ class _Group:
 
 
 class Result(dict):
-    """forward_backward's result: a dict (loss, num_tokens, loss_sum) that also
+    """forward_backward's result: a dict (loss, num_tokens, loss_sum, aux_loss: a
+    mixture of experts' load-balancing loss before its coefficient) that also
     reads as its loss (float(result))."""
 
     def __float__(self):
@@ -706,7 +707,8 @@ class MegatronModel:
         self._ctx.check(L.lib.loom_model_forward_backward(self._h, C.byref(b), p.n_micro,
                                                           C.byref(r)), "forward_backward")
         g.cur_step += 1
-        return Result(loss=r.loss, num_tokens=int(r.n_tokens), loss_sum=r.loss_sum)
+        return Result(loss=r.loss, num_tokens=int(r.n_tokens), loss_sum=r.loss_sum,
+                      aux_loss=r.aux_loss)
 
     def forward_only(self, inputs=None, micro_batch_size=None, adapter_name=None, seq_len=None,
                      temperature=1.0, return_logits=False, **kwargs):
@@ -737,7 +739,7 @@ class MegatronModel:
                                                       L.f32_ptr(ent), L.f32_ptr(lg), C.byref(r)),
                         "forward_only")
         out = Result(loss=r.loss, num_tokens=int(r.n_tokens), loss_sum=r.loss_sum,
-                     logps=unpack(lp, p), entropy=unpack(ent, p))
+                     aux_loss=r.aux_loss, logps=unpack(lp, p), entropy=unpack(ent, p))
         if return_logits:
             out["logits"] = [lg[rw * p.seq_len + off: rw * p.seq_len + off + n]
                              for (rw, off, n) in p.places]

@@ -32,6 +32,7 @@ enum {
     LOOM_LAYER_MAX_LINEARS = 16, /* linears of one layer */
     LOOM_BLOCK_MAX_BUFS = 16,    /* activation buffers of one block, per layer */
     LOOM_BLOCK_MAX_SCRATCH = 8,  /* scratch buffers of one kind */
+    LOOM_MOE_MAX_EXPERTS = 512,  /* experts of a MoE layer */
 };
 
 /* The kinds, in the order their scratch buffers are carved. */
@@ -136,7 +137,9 @@ typedef struct loom_blk {
                                 * (NULL where the config has none) */
     void *const *scratch;      /* its kind's scratch buffers (one set for every layer) */
     void *lora_u;              /* the layer's LoRA stash */
-    const int *w;              /* its tensors' base slots, by the kind's slot number */
+    void *host;                /* its kind's host scratch (one for every layer) */
+    const int *w;              /* its tensors' base slots, by the kind's slot number
+                                * (an expert's: expert 0's; the kind knows the stride) */
     int lin0;                  /* its first linear's number in the layer (LoRA's module) */
 } loom_blk;
 
@@ -159,6 +162,8 @@ struct loom_block_kind {
      * Tc on this rank, Tn in the residual stream; return their numbers */
     int (*acts)(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out);
     int (*scratch)(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes);
+    /* bytes of host scratch it needs (NULL: none) */
+    size_t (*host)(const loom_model *m);
     /* forward: h (Tc, H), the normed input gathered over tp under SP ->
      * out (Tc, H), this rank's partial sum of the output (the walker reduces
      * it over tp). out NULL: the layer's last block recomputed in full (the
@@ -176,6 +181,15 @@ struct loom_block_kind {
 };
 
 extern const loom_block_kind loom_block_attn, loom_block_mlp, loom_block_moe;
+
+/* block_moe.c: the load-balancing loss. Doubles a micro-batch's `aux`
+ * holds (0: a model without experts); after the micro-batch's forward on
+ * the last stage: the loss over its layers (into mb->aux_loss), coef times
+ * it times the micro-batch's targets into *loss_sum (on one rank of the
+ * tp x cp group; 0 elsewhere), and with backward its gradient per expert
+ * (mb->d_aux_g) for the layers' backward. */
+size_t loom_moe_aux_len(const loom_model_config *c);
+loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double *loss_sum);
 
 /* The kinds of layer l's blocks in order (k has LOOM_LAYER_MAX_BLOCKS
  * entries); the number of blocks. */

@@ -77,7 +77,8 @@ static void layer_bufs(loom_model *m, loom_acts *a, int64_t i, int64_t l, lbuf *
 static loom_blk blk(loom_model *m, const lbuf *b, int j, int64_t l, const loom_micro *mb) {
     const loom_block *k = &b->blk[j];
     return (loom_blk){.m = m, .l = l, .mb = mb, .act = b->t->act[j],
-                      .scratch = m->scratch[k->kind->id], .lora_u = b->t->lora_u, .w = k->w,
+                      .scratch = m->scratch[k->kind->id], .host = m->host_scratch[k->kind->id],
+                      .lora_u = b->t->lora_u, .w = k->w,
                       .lin0 = k->lin0};
 }
 

@@ -349,3 +349,49 @@ void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list) {
     }
     if (m->dev.be) m->dev.be->lists_free(&m->dev, zero_list ? &A->zlists : &A->lists);
 }
+
+/* ---- mixture of experts ---- */
+
+loom_status loom_k_moe_router_fwd(loom_model *m, const void *z, int64_t N, int64_t E, int k,
+                                  bool norm_topk, float *probs, int32_t *idx, float *w,
+                                  float *psum) {
+    return m->dev.be->moe_router_fwd(&m->dev, m->ctx, z, N, E, k, norm_topk, probs, idx, w, psum);
+}
+
+loom_status loom_k_moe_router_bwd(loom_model *m, const float *probs, const int32_t *idx,
+                                  const float *dw, const float *ga, int64_t N, int64_t E, int k,
+                                  bool norm_topk, void *dz) {
+    return m->dev.be->moe_router_bwd(&m->dev, m->ctx, probs, idx, dw, ga, N, E, k, norm_topk, dz);
+}
+
+loom_status loom_k_moe_route(loom_model *m, const int32_t *idx, int64_t N, int64_t E, int k,
+                             int32_t *counts, int32_t *order, int32_t *pos) {
+    return m->dev.be->moe_route(&m->dev, m->ctx, idx, N, E, k, counts, order, pos);
+}
+
+loom_status loom_k_moe_permute(loom_model *m, const void *x, const int32_t *order, int64_t N,
+                               int k, int64_t H, void *xg) {
+    return m->dev.be->moe_permute(&m->dev, m->ctx, x, order, N, k, H, xg);
+}
+
+loom_status loom_k_moe_combine(loom_model *m, const void *yg, const int32_t *pos, const float *w,
+                               int64_t N, int k, int64_t H, void *y) {
+    return m->dev.be->moe_combine(&m->dev, m->ctx, yg, pos, w, N, k, H, y);
+}
+
+loom_status loom_k_moe_combine_bwd(loom_model *m, const void *dy, const void *yg,
+                                   const int32_t *order, const float *w, int64_t N, int k,
+                                   int64_t H, void *dyg, float *dw) {
+    return m->dev.be->moe_combine_bwd(&m->dev, m->ctx, dy, yg, order, w, N, k, H, dyg, dw);
+}
+
+loom_status loom_k_moe_permute_bwd(loom_model *m, const void *dxg, const int32_t *pos, int64_t N,
+                                   int k, int64_t H, void *dx) {
+    return m->dev.be->moe_permute_bwd(&m->dev, m->ctx, dxg, pos, N, k, H, dx);
+}
+
+loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const loom_gemm_group *g,
+                                int64_t lda, int64_t ldb, float beta, bool c_f32, int64_t ldc) {
+    return m->dev.be->gemm_grouped(&m->dev, m->ctx, ta, tb, G, g, 1.0f, lda, ldb, m->dev.adt, beta,
+                                   c_f32 ? LOOM_F32 : m->dev.adt, ldc);
+}

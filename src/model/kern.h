@@ -225,4 +225,27 @@ loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A);
  * (A->lists), or with zero_list zero_eager's (A->zparts, A->zlists). */
 void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list);
 
+/* ---- mixture of experts (backend.h's moe_* ops; block_moe.c) ---- */
+loom_status loom_k_moe_router_fwd(loom_model *m, const void *z, int64_t N, int64_t E, int k,
+                                  bool norm_topk, float *probs, int32_t *idx, float *w,
+                                  float *psum);
+loom_status loom_k_moe_router_bwd(loom_model *m, const float *probs, const int32_t *idx,
+                                  const float *dw, const float *ga, int64_t N, int64_t E, int k,
+                                  bool norm_topk, void *dz);
+loom_status loom_k_moe_route(loom_model *m, const int32_t *idx, int64_t N, int64_t E, int k,
+                             int32_t *counts, int32_t *order, int32_t *pos);
+loom_status loom_k_moe_permute(loom_model *m, const void *x, const int32_t *order, int64_t N,
+                               int k, int64_t H, void *xg);
+loom_status loom_k_moe_combine(loom_model *m, const void *yg, const int32_t *pos, const float *w,
+                               int64_t N, int k, int64_t H, void *y);
+loom_status loom_k_moe_combine_bwd(loom_model *m, const void *dy, const void *yg,
+                                   const int32_t *order, const float *w, int64_t N, int k,
+                                   int64_t H, void *dyg, float *dw);
+loom_status loom_k_moe_permute_bwd(loom_model *m, const void *dxg, const int32_t *pos, int64_t N,
+                                   int k, int64_t H, void *dx);
+/* G GEMMs of the compute dtype (backend.h's gemm_grouped); c_f32: C fp32
+ * (accumulated weight gradients) */
+loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const loom_gemm_group *g,
+                                int64_t lda, int64_t ldb, float beta, bool c_f32, int64_t ldc);
+
 #endif /* LOOM_MODEL_KERN_H */

@@ -61,15 +61,11 @@ static loom_status layer_slot(loom_model *m, const loom_param_spec *p) {
     loom_layer *L = &m->layer[p->layer];
     loom_block *b = &L->b[p->block];
     const loom_block_kind *k = b->kind;
-    if (!k->fwd && p->slot >= 0) /* a kind declared for the plan only (block_moe.c) */
-        return loom_errf(m->ctx, LOOM_ERR_UNSUPPORTED,
-                         "%s: this parameter of model_type %s has no place in loom's dense "
-                         "decoder layer",
-                         p->name, m->cfg.model_type);
     if (!L->held) return LOOM_OK;
     const loom_block_slot none = {NULL, LOOM_COMP_NORM, LOOM_SHARD_NONE, false};
     const loom_block_slot *ks = p->slot == LOOM_SLOT_NORM ? &none : &k->slots[p->slot];
-    *(p->slot == LOOM_SLOT_NORM ? &b->norm : &b->w[p->slot]) = m->base.nslots;
+    int *at = p->slot == LOOM_SLOT_NORM ? &b->norm : &b->w[p->slot];
+    if (*at < 0) *at = m->base.nslots; /* an expert's: expert 0's, the rest follow */
     loom_slot *sl = add_slot(m, p, ks->shard, false);
     /* replicated weights that see only this rank's heads (q/k norm) or,
      * under SP, only its tokens: their gradients are partial sums */
@@ -485,11 +481,24 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     const loom_model_config *c = &m->cfg;
-    if (c->num_experts > 0) {
+    if (c->num_experts > 0 && (opts->ep > 1 || opts->etp > 1)) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                       "%s: model_type %s (mixture of experts) cannot be trained by this version "
-                       "of loom yet; dense qwen3, qwen2 and llama models can",
-                       dir, c->model_type);
+                       "%s: expert parallelism (ep=%d, etp=%d) is not built yet; experts are "
+                       "split over tp like the dense MLP (leave ep and etp at 1)",
+                       dir, opts->ep, opts->etp);
+        goto fail;
+    }
+    if (c->num_experts > 0 && opts->pp > 1 && c->router_aux_loss_coef != 0.0) {
+        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                       "%s: the load-balancing loss over all layers (router_aux_loss_coef=%g) "
+                       "is not yet carried between pipeline stages; use pp=1, or set "
+                       "router_aux_loss_coef to 0 in the config overrides",
+                       dir, c->router_aux_loss_coef);
+        goto fail;
+    }
+    if (c->num_experts > LOOM_MOE_MAX_EXPERTS) {
+        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: %lld experts; loom takes at most %d", dir,
+                       (long long)c->num_experts, LOOM_MOE_MAX_EXPERTS);
         goto fail;
     }
     loom_mesh_sizes want = {.tp = opts->tp, .cp = opts->cp, .dp = opts->dp, .pp = opts->pp,
@@ -594,10 +603,16 @@ static void buffers_free(loom_model *m) {
         free(m->micro[i].pos);
         free(m->micro[i].cu);
         free(m->micro[i].wt_buf);
+        free(m->micro[i].aux);
+        free(m->micro[i].aux_g);
     }
     free(m->micro);
     m->micro = NULL;
     m->cap_micro = 0;
+    for (int id = 0; id < LOOM_NKINDS; id++) {
+        free(m->host_scratch[id]);
+        m->host_scratch[id] = NULL;
+    }
     loom_dev_free(m, m->act_mem);
     m->act_mem = NULL;
     m->act_bytes = 0;
@@ -662,6 +677,17 @@ loom_status loom_model_reserve(loom_model *m, int64_t micro_batch_size, int64_t 
         u->pos = loom_malloc(ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
         u->cu = loom_malloc(ctx, (size_t)(T + 1) * sizeof(int32_t), "micro-batch");
         if (!u->ids || !u->tgt || !u->pos || !u->cu) fail = true;
+        const size_t naux = loom_moe_aux_len(&m->cfg);
+        if (naux && !(u->aux = loom_calloc(ctx, naux, sizeof(double), "micro-batch")))
+            fail = true;
+        if (naux && !(u->aux_g = loom_calloc(ctx, (size_t)m->cfg.num_experts, sizeof(float),
+                                             "micro-batch")))
+            fail = true;
+    }
+    for (int id = 0; !fail && id < LOOM_NKINDS; id++) {
+        const loom_block_kind *k = loom_block_kinds[id];
+        const size_t hb = k->host ? k->host(m) : 0;
+        if (hb && !(m->host_scratch[id] = loom_malloc(ctx, hb, "host scratch"))) fail = true;
     }
     if (fail) {
         buffers_free(m);
@@ -695,6 +721,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t micro_batch_size, int64_t 
             u->d_tgt = u->tgt;
             u->d_pos = u->pos;
             u->d_cu = u->cu;
+            u->d_aux_g = u->aux_g;
         }
     }
     m->cap_T = T;

@@ -128,6 +128,11 @@ struct loom_micro {
     int64_t ndocs;
     int64_t even_len;   /* every document's length when all are equally long, else 0 */
     int64_t out0;       /* flat index of the micro-batch's first token in the batch passed */
+    double *aux;        /* (loom_moe_aux_len) host: the MoE layers' sums over the micro-batch
+                         * for the load-balancing loss (block_moe.c); NULL: no experts */
+    float *aux_g;       /* (E) its gradient per expert: host, and d_aux_g on the device */
+    float *d_aux_g;
+    double aux_loss;    /* the micro-batch's load-balancing loss (loom_moe_finish) */
     int64_t key0;       /* the same in the global batch: dropout masks are drawn by it (local
                          * batches: as if the replicas' equal batches were one, in dp order) */
 };
@@ -183,6 +188,7 @@ struct loom_model {
     size_t act_bytes;
     void *dx, *dtmp, *dfull; /* (Tc, H) each: scratch */
     void *scratch[LOOM_NKINDS][LOOM_BLOCK_MAX_SCRATCH]; /* the block kinds' (block.h) */
+    void *host_scratch[LOOM_NKINDS]; /* the kinds' host scratch */
     void *lora_du;           /* (Tc, 3 r): a LoRA group's du */
     loom_lora_dy_op lora_pend[3]; /* a LoRA group's dy passes, run at its last module */
     int lora_npend;

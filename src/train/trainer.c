@@ -154,6 +154,7 @@ static loom_status prepare_micro(loom_model *m, const loom_batch *b, int64_t row
     for (int64_t d = 1; d < u->ndocs && u->even_len; d++)
         if (u->cu[d + 1] - u->cu[d] != u->even_len) u->even_len = 0;
     u->wt = NULL;
+    if (u->aux) memset(u->aux, 0, loom_moe_aux_len(&m->cfg) * sizeof(double));
     if (b->loss_weights) {
         if (!u->wt_buf && !(u->wt_buf = loom_malloc(m->ctx, (size_t)m->Tc * sizeof(float),
                                                     "loss weights")))
@@ -334,7 +335,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
     m->training = backward;
     if (backward) m->dropout_calls++; /* the same count on every rank */
     const size_t act_n = (size_t)(m->Tn * m->H), act_b = act_n * m->dev.esz;
-    double acc[2] = {0.0, 0.0}; /* loss sum, tokens */
+    double acc[3] = {0.0, 0.0, 0.0}; /* loss sum, tokens, load-balancing losses */
     if ((st = pp_connect(m))) goto done;
     if (backward) { /* the trained arena's gradients, at its first backward */
         loom_arena *A = loom_model_trainable(m);
@@ -360,9 +361,13 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
                 if ((st = loom_chunk_forward(m, sp.chunk, a, &m->micro[sp.mb], backward, tlp, ent,
                                              logits, &s, &cnt)))
                     break;
+                double aux = 0.0; /* the layers' load-balancing loss (MoE) */
+                if (ch->last && (st = loom_moe_finish(m, &m->micro[sp.mb], backward, &aux)))
+                    break;
                 if (ch->last && m->mesh->tp_rank == 0) {
-                    acc[0] += s;
+                    acc[0] += s + aux;
                     acc[1] += (double)cnt;
+                    if (m->mesh->cp_rank == 0) acc[2] += m->micro[sp.mb].aux_loss;
                 }
                 fwd_out = (char *)a->x + (size_t)ch->nl * act_b;
                 if (!backward) a->mb = -1;
@@ -384,7 +389,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
     if (loom_comm_size(m->world) > 1) {
         /* a replica's own rows (local) are computed within its model group */
         loom_comm *og = b->local ? m->mesh->mp : m->world;
-        if ((st = loom_comm_allreduce(m->world, acc, 2, LOOM_F64, LOOM_RED_SUM))) goto done;
+        if ((st = loom_comm_allreduce(m->world, acc, 3, LOOM_F64, LOOM_RED_SUM))) goto done;
         if (tlp && (st = loom_comm_allreduce(og, tlp, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
             goto done;
         if (ent && (st = loom_comm_allreduce(og, ent, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
@@ -412,6 +417,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
         out->loss_sum = sum;
         out->n_tokens = count;
         out->loss = count ? sum / (double)count : 0.0;
+        out->aux_loss = acc[2] / (double)(n_micro * m->dp); /* each replica ran n_micro */
     }
 done:
     /* a failed call leaves no micro-batch in flight */
