@@ -367,9 +367,10 @@ static void check_model(const char *model) {
 TEST(parallel_layouts_qwen3) { check_model("tiny-qwen3"); }
 
 /* Qwen3-MoE (experts split over tp like the dense MLP): without the
- * load-balancing loss against one process and HF's trajectory; with it
- * (coefficient 0.5, so it moves the weights) against one process cut into
- * the same micro-batches, since the loss is per micro-batch. */
+ * load-balancing loss against HF's trajectory, and with it (coefficient
+ * 0.5, so it moves the weights) against one process cut into the same
+ * micro-batches (ref_micro of them), since the loss is per micro-batch and
+ * its sums travel through the pipeline's stages. */
 TEST(parallel_layouts_qwen3_moe) {
     if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
     loom_test_mpi_env();
@@ -381,33 +382,33 @@ TEST(parallel_layouts_qwen3_moe) {
         int np;
         const char *layout;
         bool big;
+        int ref_micro;
     } layouts[] = {
-        {2, "--tp 2", false},
-        {2, "--tp 2 --sequence-parallel", false},
-        {2, "--cp 2", false},
-        {2, "--dp 2 --num-micro-batches 2", true},
-        {8, "--tp 2 --cp 2 --dp 2 --sequence-parallel", true},
+        {2, "--tp 2", false, 1},
+        {2, "--tp 2 --sequence-parallel", false, 1},
+        {2, "--cp 2", false, 1},
+        {2, "--pp 2", false, 1},
+        {2, "--pp 2 --vpp 2 --num-micro-batches 2", false, 2},
+        {2, "--dp 2 --num-micro-batches 2", true, 4},
+        {8, "--tp 2 --cp 2 --dp 2 --sequence-parallel", true, 2},
+        {8, "--tp 2 --pp 2 --dp 2 --num-micro-batches 2", true, 4},
     };
     for (int aux = 0; aux < 2; aux++) {
         const char *co = aux ? "--config-override {\"router_aux_loss_coef\":0.5}"
                              : "--config-override {\"router_aux_loss_coef\":0}";
-        const char *one = path_in_tmp("one.safetensors"), *one8 = path_in_tmp("one8.safetensors");
-        int rc = golden(0, mdir, b2, one, co, &log);
-        CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
-        free(log);
-        snprintf(lay, sizeof lay, "%s --num-micro-batches 4", co);
-        rc = rc ? rc : golden(0, mdir, b8, one8, lay, &log);
-        CHECK_MSG(rc == 0, "one process, 8 rows: %s", log ? log : "");
-        free(log);
-        if (rc) return;
         for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+            const char *one = path_in_tmp("one.safetensors");
+            snprintf(lay, sizeof lay, "%s --num-micro-batches %d", co, layouts[i].ref_micro);
+            int rc = golden(0, mdir, layouts[i].big ? b8 : b2, one, lay, &log);
+            CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+            free(log);
+            if (rc) return;
             snprintf(lay, sizeof lay, "%s %s", co, layouts[i].layout);
-            check_layout(model, layouts[i].big ? b8 : b2, layouts[i].big ? one8 : one,
-                         layouts[i].np, lay, !aux && !layouts[i].big, !layouts[i].big);
+            check_layout(model, layouts[i].big ? b8 : b2, one, layouts[i].np, lay,
+                         !aux && !layouts[i].big, !layouts[i].big);
         }
     }
 }
-TEST(parallel_layouts_qwen3_untied) { check_model("tiny-qwen3-untied"); }
 
 /* The interleaved pipeline against one process: every accepted number of
  * micro-batches from pp to 4 pp for pp 2, 3, 4 and vpp 2, 3 (a model of
@@ -740,16 +741,22 @@ TEST(parallel_recompute_same_results) {
     snprintf(lora, sizeof lora, "--adapter %s", adir);
     const bool mpi = loom_test_have_mpirun();
     if (mpi) loom_test_mpi_env();
+    char moe[1024], moe_batch[1024];
+    snprintf(moe, sizeof moe, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    snprintf(moe_batch, sizeof moe_batch, "%s/golden/tiny-qwen3-moe.safetensors",
+             loom_test_fixtures());
     static const struct {
         int np;
-        bool lora;
+        bool lora, moe;
         const char *layout;
     } cases[] = {
-        {0, false, ""},
-        {0, true, ""},
-        {8, false, "--tp 2 --pp 2 --dp 2"},
-        {8, true, "--tp 2 --cp 2 --pp 2 --sequence-parallel"},
-        {2, false, "--pp 2 --vpp 2 --num-micro-batches 2"},
+        {0, false, false, ""},
+        {0, true, false, ""},
+        {8, false, false, "--tp 2 --pp 2 --dp 2"},
+        {8, true, false, "--tp 2 --cp 2 --pp 2 --sequence-parallel"},
+        {2, false, false, "--pp 2 --vpp 2 --num-micro-batches 2"},
+        {0, false, true, "--config-override {\"router_aux_loss_coef\":0.5}"},
+        {4, false, true, "--tp 2 --pp 2 --sequence-parallel"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         if (cases[i].np && !mpi) continue; /* parallel_layouts_* report the skip */
@@ -761,7 +768,9 @@ TEST(parallel_recompute_same_results) {
             snprintf(lay, sizeof lay, "%s %s --recompute %s", cases[i].lora ? lora : "",
                      cases[i].layout, mode[r]);
             const char *out = path_in_tmp(r ? "recompute.safetensors" : "recompute-ref.safetensors");
-            int rc = golden(cases[i].np, mdir, cases[i].lora ? lora_batch : full_batch, out, lay, &log);
+            int rc = golden(cases[i].np, cases[i].moe ? moe : mdir,
+                            cases[i].moe ? moe_batch : cases[i].lora ? lora_batch : full_batch, out,
+                            lay, &log);
             CHECK_MSG(rc == 0, "%s: exit %d\n%s", lay, rc, log ? log : "");
             free(log);
             if (rc) break;

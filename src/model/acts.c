@@ -204,9 +204,15 @@ void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64
         u->d_pos = cv(c, (size_t)Tc * sizeof(int32_t));
         u->d_cu = cv(c, (size_t)(T + 1) * sizeof(int32_t));
         u->d_rope = m->dev.cuda ? cv(c, (size_t)(Tc * m->D) * sizeof(float)) : NULL;
+        u->d_aux = m->dev.cuda && m->cfg.num_experts > 0
+                       ? cv(c, loom_moe_aux_len(&m->cfg) * sizeof(double))
+                       : u->aux;
         u->d_aux_g = m->dev.cuda && m->cfg.num_experts > 0
                          ? cv(c, (size_t)m->cfg.num_experts * sizeof(float))
                          : u->aux_g;
     }
-    for (int i = 0; i < m->npp_stage; i++) m->pp_stage[i] = cv(c, (size_t)(Tn * H) * e);
+    /* a pipeline message: the activations, then the layers' auxiliary sums
+     * (loom_pp_aux_at) */
+    for (int i = 0; i < m->npp_stage; i++)
+        m->pp_stage[i] = cv(c, loom_pp_aux_off(m, Tn) + loom_pp_aux_bytes(m));
 }

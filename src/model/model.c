@@ -488,14 +488,6 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
                        dir, opts->ep, opts->etp);
         goto fail;
     }
-    if (c->num_experts > 0 && opts->pp > 1 && c->router_aux_loss_coef != 0.0) {
-        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                       "%s: the load-balancing loss over all layers (router_aux_loss_coef=%g) "
-                       "is not yet carried between pipeline stages; use pp=1, or set "
-                       "router_aux_loss_coef to 0 in the config overrides",
-                       dir, c->router_aux_loss_coef);
-        goto fail;
-    }
     if (c->num_experts > LOOM_MOE_MAX_EXPERTS) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: %lld experts; loom takes at most %d", dir,
                        (long long)c->num_experts, LOOM_MOE_MAX_EXPERTS);
@@ -722,6 +714,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t micro_batch_size, int64_t 
             u->d_pos = u->pos;
             u->d_cu = u->cu;
             u->d_aux_g = u->aux_g;
+            u->d_aux = u->aux;
         }
     }
     m->cap_T = T;

@@ -130,6 +130,7 @@ struct loom_micro {
     int64_t out0;       /* flat index of the micro-batch's first token in the batch passed */
     double *aux;        /* (loom_moe_aux_len) host: the MoE layers' sums over the micro-batch
                          * for the load-balancing loss (block_moe.c); NULL: no experts */
+    double *d_aux;      /* its device copy (a pipeline message's source) */
     float *aux_g;       /* (E) its gradient per expert: host, and d_aux_g on the device */
     float *d_aux_g;
     double aux_loss;    /* the micro-batch's load-balancing loss (loom_moe_finish) */
@@ -220,6 +221,20 @@ struct loom_model {
     int64_t good_steps;      /* fp16: steps since the scale last changed */
     double acc_loss;
 };
+
+/* A pipeline message (pp_stage) is the activations (Tn, H), then from byte
+ * loom_pp_aux_off the layers' auxiliary state of the micro-batch: forward,
+ * the load-balancing loss's sums so far (loom_micro.aux); backward, its
+ * gradient per expert (aux_g). 0 bytes without experts. */
+static inline size_t loom_pp_aux_off(const loom_model *m, int64_t Tn) {
+    return ((size_t)(Tn * m->H) * m->dev.esz + 255) & ~(size_t)255;
+}
+static inline size_t loom_pp_aux_bytes(const loom_model *m) {
+    return loom_moe_aux_len(&m->cfg) * sizeof(double);
+}
+static inline void *loom_pp_aux_at(const loom_model *m, int slot) {
+    return (char *)m->pp_stage[slot] + loom_pp_aux_off(m, m->Tn);
+}
 
 /* loom_model_create on a given world group (borrowed; the CLI keeps it to
  * end the job when a rank fails). */

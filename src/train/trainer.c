@@ -217,6 +217,18 @@ static loom_status pp_exchange(loom_model *m, const loom_pp_plan *pl, const loom
             st = loom_comm_send(c, g->forward ? fwd_out : bwd_out, n, m->dev.adt, g->peer, tag);
         else
             st = loom_comm_recv(c, m->pp_stage[g->slot], n, m->dev.adt, g->peer, tag);
+        /* then the layers' auxiliary state (MoE), with the same tag: both
+         * ends post the two in this order, which every transport keeps */
+        const size_t na = loom_moe_aux_len(&m->cfg);
+        if (st || !na) continue;
+        const loom_micro *u = &m->micro[g->mb];
+        const size_t ne = g->forward ? na : (size_t)m->cfg.num_experts;
+        const loom_dtype dt = g->forward ? LOOM_F64 : LOOM_F32;
+        if (g->send)
+            st = loom_comm_send(c, g->forward ? (void *)u->d_aux : (void *)u->d_aux_g, ne, dt,
+                                g->peer, tag);
+        else
+            st = loom_comm_recv(c, loom_pp_aux_at(m, g->slot), ne, dt, g->peer, tag);
     }
     st2 = loom_comm_group_end(c);
     return st ? st : st2;
@@ -356,25 +368,39 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
                 a = acquire(ch, sp.mb);
                 LOOM_ASSERT(a);
                 if (slot >= 0 && (st = loom_k_copy(m, a->x, m->pp_stage[slot], act_b))) break;
+                loom_micro *u = &m->micro[sp.mb];
+                if (slot >= 0 && u->aux &&
+                    (st = loom_k_download(m, u->aux, loom_pp_aux_at(m, slot),
+                                          loom_pp_aux_bytes(m))))
+                    break;
                 double s = 0.0;
                 int64_t cnt = 0;
-                if ((st = loom_chunk_forward(m, sp.chunk, a, &m->micro[sp.mb], backward, tlp, ent,
+                if ((st = loom_chunk_forward(m, sp.chunk, a, u, backward, tlp, ent,
                                              logits, &s, &cnt)))
                     break;
                 double aux = 0.0; /* the layers' load-balancing loss (MoE) */
-                if (ch->last && (st = loom_moe_finish(m, &m->micro[sp.mb], backward, &aux)))
+                if (ch->last && (st = loom_moe_finish(m, u, backward, &aux)))
                     break;
                 if (ch->last && m->mesh->tp_rank == 0) {
                     acc[0] += s + aux;
                     acc[1] += (double)cnt;
-                    if (m->mesh->cp_rank == 0) acc[2] += m->micro[sp.mb].aux_loss;
+                    if (m->mesh->cp_rank == 0) acc[2] += u->aux_loss;
                 }
+                /* the sums so far travel on with the activations */
+                if (!ch->last && u->aux && u->d_aux != u->aux &&
+                    (st = loom_k_upload(m, u->d_aux, u->aux, loom_pp_aux_bytes(m))))
+                    break;
                 fwd_out = (char *)a->x + (size_t)ch->nl * act_b;
                 if (!backward) a->mb = -1;
             } else {
                 a = find_acts(ch, sp.mb);
                 LOOM_ASSERT(a);
                 if (slot >= 0 && (st = loom_k_copy(m, m->dx, m->pp_stage[slot], act_b))) break;
+                const loom_micro *u = &m->micro[sp.mb]; /* the aux loss's gradient, with dy */
+                if (slot >= 0 && u->aux_g &&
+                    (st = loom_k_copy(m, u->d_aux_g, loom_pp_aux_at(m, slot),
+                                      (size_t)m->cfg.num_experts * sizeof(float))))
+                    break;
                 if ((st = loom_chunk_backward(m, sp.chunk, a, &m->micro[sp.mb]))) break;
                 a->mb = -1;
             }
