@@ -364,10 +364,16 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         /* tokens/s over the steps since the last logged one */
         const double tps = (double)(tokens_total - tokens_at_log) / (now - t_log);
         if (step % s->log_interval == 0 || step == s->train_steps || step == step0) {
+            char moe[160] = "";
+            if (sr.expert_tokens_max > 0)
+                snprintf(moe, sizeof moe,
+                         " | aux %.4f | tokens/expert %.0f/%.1f/%.0f (imbalance %.2f)",
+                         sr.aux_loss, sr.expert_tokens_min, sr.expert_tokens_mean,
+                         sr.expert_tokens_max, sr.expert_imbalance);
             LOOM_LOG_I(ctx,
                        "step %" PRId64 "/%" PRId64 " | loss %.4f | grad norm %.3f | lr %.3e | "
-                       "%.0f tokens/s%s",
-                       step, s->train_steps, fr.loss, sr.grad_norm, sr.lr, tps,
+                       "%.0f tokens/s%s%s",
+                       step, s->train_steps, fr.loss, sr.grad_norm, sr.lr, tps, moe,
                        sr.stepped ? "" : " | step skipped");
             if (mw) {
                 loom_metrics_record r = {
@@ -377,7 +383,12 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                     .mfu = peak_flops > 0 ? tps * flops_tok / peak_flops : NAN,
                     .peak_mem_bytes = cuda ? (int64_t)loom_model_peak_memory(m)
                                            : loom_max_rss_bytes(),
-                    .skipped_steps = skipped, .elapsed_s = now - t_start};
+                    .skipped_steps = skipped, .elapsed_s = now - t_start,
+                    .moe = sr.expert_tokens_max > 0, .aux_loss = sr.aux_loss,
+                    .expert_tokens_min = sr.expert_tokens_min,
+                    .expert_tokens_mean = sr.expert_tokens_mean,
+                    .expert_tokens_max = sr.expert_tokens_max,
+                    .expert_imbalance = sr.expert_imbalance};
                 if ((st = loom_metrics_write(ctx, mw, &r))) goto done;
             }
             tokens_at_log = tokens_total;

@@ -305,6 +305,13 @@ typedef struct loom_step_result {
     int64_t n_tokens;     /* tokens those calls had */
     int skipped;          /* fp16: 1 when the gradients overflowed and the step was skipped */
     double loss_scale;    /* fp16: the dynamic loss scale used by these calls (else 1) */
+    /* mixture of experts (0 without experts): the load-balancing loss (the mean
+     * over the step's micro-batches, before router_aux_loss_coef), and the tokens
+     * each expert of each MoE layer was sent over the step's calls (each of a
+     * token's top-k choices counted): min, mean and max over every (layer,
+     * expert), and the largest max/mean of one layer (1: perfectly balanced) */
+    double aux_loss;
+    double expert_tokens_min, expert_tokens_mean, expert_tokens_max, expert_imbalance;
 } loom_step_result;
 /* Counts a call; every accumulation_steps-th call (1: every call) scales the
  * accumulated gradient to the mean loss, clips it to max_grad_norm (<= 0: no

@@ -94,7 +94,18 @@ TEST(metrics_jsonl_line) {
     CHECK_EQ_INT(loom_json_get(doc, "peak_mem_bytes")->i, 123456789012);
     CHECK_NEAR(loom_json_get(doc, "grad_norm")->d, 0.1, 0);
     CHECK(loom_json_get(doc, "tokens_per_s")->type == LOOM_JSON_NULL);
+    CHECK(!loom_json_get(doc, "aux_loss")); /* a dense model has no MoE keys */
     loom_json_free(doc);
+    /* a mixture of experts: its five keys, last */
+    r.moe = true;
+    r.aux_loss = 2.25, r.expert_tokens_min = 3, r.expert_tokens_mean = 12;
+    r.expert_tokens_max = 30, r.expert_imbalance = 2.5;
+    sb.len = 0;
+    loom_metrics_jsonl(&sb, &r);
+    CHECK(strstr(sb.buf, "\"elapsed_s\": 1.25, \"aux_loss\": 2.25, \"expert_tokens_min\": 3, "
+                         "\"expert_tokens_mean\": 12, \"expert_tokens_max\": 30, "
+                         "\"expert_imbalance\": 2.5}\n") != NULL);
+    CHECK_STR(loom_metrics_tb_tag("expert_imbalance"), "moe/expert_imbalance");
     CHECK_STR(loom_metrics_tb_tag("loss"), "lm loss");
     CHECK_STR(loom_metrics_tb_tag("lr"), "learning-rate");
     CHECK(loom_metrics_tb_tag("step") == NULL);

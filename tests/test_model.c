@@ -347,6 +347,34 @@ static void check_router(const char *model, loom_device dev) {
     const double hf = meta_num(&g, "hf_aux_loss_unscaled");
     note_err("aux loss", fabs(r.aux_loss - hf) / hf);
     CHECK_MSG(fabs(r.aux_loss - hf) <= 1e-5 * hf, "aux loss %.9g vs HF %.9g", r.aux_loss, hf);
+    /* the step's statistics: tokens per expert from HF's top-2 of each layer */
+    double lo = INFINITY, hi = 0.0, imb = 0.0;
+    for (int64_t l = 0; l < L; l++) {
+        char name[64];
+        snprintf(name, sizeof name, "router_logits.%lld", (long long)l);
+        float *z = read_tensor(&g, name, LOOM_F32, NULL);
+        REQUIRE(z);
+        double cnt[8] = {0}, lmax = 0.0;
+        REQUIRE(E == 8 && g.m->cfg.num_experts_per_tok == 2);
+        for (int64_t t = 0; t < N; t++) {
+            int top = 0, b2 = -1;
+            for (int e = 1; e < E; e++) top = z[t * E + e] > z[t * E + top] ? e : top;
+            for (int e = 0; e < E; e++)
+                if (e != top && (b2 < 0 || z[t * E + e] > z[t * E + b2])) b2 = e;
+            cnt[top]++, cnt[b2]++;
+        }
+        for (int e = 0; e < E; e++) lo = fmin(lo, cnt[e]), hi = fmax(hi, cnt[e]), lmax = fmax(lmax, cnt[e]);
+        imb = fmax(imb, lmax / (2.0 * N / (double)E));
+        free(z);
+    }
+    loom_step_result sr;
+    loom_model_zero_grad(g.m);
+    REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 2, &r));
+    REQUIRE_OK(g.ctx, loom_model_clip_grad_and_step(g.m, 1.0, 1, &sr));
+    CHECK_MSG(fabs(sr.aux_loss - hf) > 1e-3, "two micro-batches: the loss is each one's, %.9g", sr.aux_loss);
+    CHECK(fabs(sr.aux_loss - r.aux_loss) < 1e-12);
+    CHECK(sr.expert_tokens_mean == 2.0 * N / (double)E && sr.expert_tokens_min == lo &&
+          sr.expert_tokens_max == hi && fabs(sr.expert_imbalance - imb) < 1e-12);
     golden_close(&g);
 }
 

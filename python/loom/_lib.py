@@ -115,7 +115,9 @@ class FBResult(C.Structure):
 class StepResult(C.Structure):
     _fields_ = [("stepped", i32), ("grad_norm", f64), ("lr", f64), ("weight_decay", f64),
                 ("step", i64), ("loss", f64), ("n_tokens", i64), ("skipped", i32),
-                ("loss_scale", f64)]
+                ("loss_scale", f64), ("aux_loss", f64), ("expert_tokens_min", f64),
+                ("expert_tokens_mean", f64), ("expert_tokens_max", f64),
+                ("expert_imbalance", f64)]
 
 
 class LoraConfig_(C.Structure):

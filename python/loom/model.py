@@ -771,7 +771,11 @@ class MegatronModel:
         return {"stepped": bool(r.stepped), "grad_norm": r.grad_norm, "lr": r.lr,
                 "weight_decay": r.weight_decay, "step": int(r.step), "loss": r.loss,
                 "num_tokens": int(r.n_tokens), "skipped": bool(r.skipped),
-                "loss_scale": r.loss_scale}
+                "loss_scale": r.loss_scale, "aux_loss": r.aux_loss,
+                "expert_tokens_min": r.expert_tokens_min,
+                "expert_tokens_mean": r.expert_tokens_mean,
+                "expert_tokens_max": r.expert_tokens_max,
+                "expert_imbalance": r.expert_imbalance}
 
     def zero_grad(self, adapter_name=None, **kwargs):
         self._check_open()

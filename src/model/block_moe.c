@@ -175,6 +175,8 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
         for (int64_t e = 0; e < E; e++) acc[e] += cnt[e], acc[E + e] += ps[e];
         acc[2 * E] += (double)Tc;
     }
+    if (out && m->training && m->moe_load && m->mesh->tp_rank == 0)
+        for (int64_t e = 0; e < E; e++) m->moe_load[b->l * E + e] += cnt[e];
     CK(experts_fwd(b, h, cnt));
     if (!out) return LOOM_OK;
     return loom_k_moe_combine(m, a[YG], a[POS], a[WT], Tc, k, H, out);

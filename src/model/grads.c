@@ -104,6 +104,9 @@ void loom_model_zero_grad(loom_model *m) {
     m->acc_calls = 0;
     m->acc_tokens = 0;
     m->acc_loss = 0.0;
+    m->acc_aux = 0.0;
+    m->acc_aux_n = 0;
+    if (m->moe_load) memset(m->moe_load, 0, (size_t)(m->L * m->cfg.num_experts) * sizeof(double));
 }
 
 /* Everything about a batch that can be wrong is found here, before any

@@ -97,6 +97,10 @@ loom_status loom_model_build_slots(loom_model *m) {
     m->base.slots = loom_calloc(ctx, m->plan.n + 1, sizeof *m->base.slots, "parameter slots");
     m->layer = loom_calloc(ctx, (size_t)m->L, sizeof *m->layer, "layer table");
     if (!m->base.slots || !m->layer) return LOOM_ERR_OOM;
+    if (m->cfg.num_experts > 0 && !m->moe_load &&
+        !(m->moe_load = loom_calloc(ctx, (size_t)(m->L * m->cfg.num_experts), sizeof(double),
+                                    "expert load")))
+        return LOOM_ERR_OOM;
     CK(loom_layers_build(ctx, &m->cfg, &m->plan, m->layer));
     for (int64_t l = 0; l < m->L; l++) m->layer[l].held = holds_layer(m, l);
     m->embed = m->final_norm = m->head = -1;
@@ -733,6 +737,7 @@ void loom_model_free(loom_model *m) {
     loom_dev_release(m);
     free(m->layer);
     free(m->pfrozen);
+    free(m->moe_load);
     loom_param_plan_free(&m->plan);
     loom_config_free(&m->cfg);
     free(m->src_dir);

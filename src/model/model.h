@@ -220,6 +220,11 @@ struct loom_model {
     double loss_scale;       /* the backward's seed: 1, or fp16's dynamic loss scale */
     int64_t good_steps;      /* fp16: steps since the scale last changed */
     double acc_loss;
+    double acc_aux;          /* MoE: load-balancing losses of the micro-batches since the last
+                              * step (their count acc_aux_n), on one rank of each tp x cp group */
+    int64_t acc_aux_n;
+    double *moe_load;        /* (L, E): tokens sent to each expert since the last step (tp rank 0;
+                              * NULL without experts) */
 };
 
 /* A pipeline message (pp_stage) is the activations (Tn, H), then from byte

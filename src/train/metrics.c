@@ -41,6 +41,13 @@ void loom_metrics_jsonl(loom_sb *sb, const loom_metrics_record *r) {
     if (r->peak_mem_bytes >= 0) put_int(sb, "peak_mem_bytes", r->peak_mem_bytes);
     put_int(sb, "skipped_steps", r->skipped_steps);
     put_num(sb, "elapsed_s", r->elapsed_s, false);
+    if (r->moe) {
+        put_num(sb, "aux_loss", r->aux_loss, false);
+        put_num(sb, "expert_tokens_min", r->expert_tokens_min, false);
+        put_num(sb, "expert_tokens_mean", r->expert_tokens_mean, false);
+        put_num(sb, "expert_tokens_max", r->expert_tokens_max, false);
+        put_num(sb, "expert_imbalance", r->expert_imbalance, false);
+    }
     loom_sb_puts(sb, "}\n");
 }
 
@@ -57,6 +64,9 @@ static const struct {
     {"peak_mem_bytes", "mem/peak_gib"},
     {"skipped_steps", "skipped-iterations"},
     {"elapsed_s", "elapsed-time-s"},
+    {"aux_loss", "load_balancing_loss"},
+    {"expert_tokens_max", "moe/expert_tokens_max"},
+    {"expert_imbalance", "moe/expert_imbalance"},
 };
 #define N_TAGS (sizeof tb_tags / sizeof tb_tags[0])
 
@@ -120,6 +130,11 @@ loom_status loom_metrics_write(loom_ctx *ctx, loom_metrics *m, const loom_metric
         if (r->peak_mem_bytes >= 0) TB("peak_mem_bytes", (double)r->peak_mem_bytes / (1u << 30));
         TB("skipped_steps", (double)r->skipped_steps);
         if (isfinite(r->elapsed_s)) TB("elapsed_s", r->elapsed_s);
+        if (r->moe) {
+            TB("aux_loss", r->aux_loss);
+            TB("expert_tokens_max", r->expert_tokens_max);
+            TB("expert_imbalance", r->expert_imbalance);
+        }
 #undef TB
         loom_status st = loom_tfevents_write(ctx, m->tb, r->step, v, n);
         if (st) return st;

@@ -9,6 +9,9 @@
  *    "loss": 2.31, "grad_norm": 0.84, "lr": 0.0003, "tokens_per_s": 51234.5,
  *    "mfu": 0.412, "peak_mem_bytes": 12345678, "skipped_steps": 0,
  *    "elapsed_s": 61.2}
+ * and for a mixture of experts, last: "aux_loss", "expert_tokens_min",
+ * "expert_tokens_mean", "expert_tokens_max", "expert_imbalance" (the step's
+ * load-balancing loss and tokens per expert, loom_step_result's). 
  * consumed_samples counts rows (sequences of seq_len tokens), as Megatron
  * does; consumed_tokens counts every position of those rows. */
 #ifndef LOOM_METRICS_H
@@ -25,6 +28,9 @@ typedef struct loom_metrics_record {
     int64_t peak_mem_bytes; /* GPU: loom's peak device bytes; CPU: the process's max RSS; <0: unknown */
     int64_t skipped_steps;  /* fp16 loss-scaler skips so far */
     double elapsed_s;       /* since the first step began */
+    /* mixture of experts (written only when moe): loom_step_result's */
+    bool moe;
+    double aux_loss, expert_tokens_min, expert_tokens_mean, expert_tokens_max, expert_imbalance;
 } loom_metrics_record;
 
 /* The record as one JSON line (with '\n'), appended to sb. */

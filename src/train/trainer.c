@@ -384,7 +384,10 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
                 if (ch->last && m->mesh->tp_rank == 0) {
                     acc[0] += s + aux;
                     acc[1] += (double)cnt;
-                    if (m->mesh->cp_rank == 0) acc[2] += u->aux_loss;
+                    if (m->mesh->cp_rank == 0 && u->aux) {
+                        acc[2] += u->aux_loss;
+                        if (backward) m->acc_aux += u->aux_loss, m->acc_aux_n++;
+                    }
                 }
                 /* the sums so far travel on with the activations */
                 if (!ch->last && u->aux && u->d_aux != u->aux &&
@@ -536,6 +539,42 @@ static loom_status gather_params(loom_model *m, loom_arena *A) {
     return st;
 }
 
+/* MoE: the step's load-balancing loss and tokens per expert, over the
+ * whole mesh (collective). */
+static loom_status expert_stats(loom_model *m, loom_step_result *r) {
+    const int64_t E = m->cfg.num_experts, n = m->L * E;
+    double *v = loom_malloc(m->ctx, (size_t)(n + 2) * sizeof *v, "expert statistics");
+    if (!v) return LOOM_ERR_OOM;
+    memcpy(v, m->moe_load, (size_t)n * sizeof *v);
+    v[n] = m->acc_aux;
+    v[n + 1] = (double)m->acc_aux_n;
+    loom_status st = loom_comm_size(m->world) > 1
+                         ? loom_comm_allreduce(m->world, v, (size_t)n + 2, LOOM_F64, LOOM_RED_SUM)
+                         : LOOM_OK;
+    if (!st) {
+        r->aux_loss = v[n + 1] > 0 ? v[n] / v[n + 1] : 0.0;
+        double lo = INFINITY, hi = 0.0, sum = 0.0, imb = 0.0;
+        int64_t nl = 0;
+        for (int64_t l = 0; l < m->L; l++) {
+            if (!loom_config_layer_is_moe(&m->cfg, l)) continue;
+            double lmax = 0.0, lsum = 0.0;
+            for (int64_t e = 0; e < E; e++) {
+                const double c = v[l * E + e];
+                lo = fmin(lo, c), hi = fmax(hi, c), lmax = fmax(lmax, c), lsum += c;
+            }
+            sum += lsum;
+            nl++;
+            if (lsum > 0) imb = fmax(imb, lmax / (lsum / (double)E));
+        }
+        r->expert_tokens_min = nl ? lo : 0.0;
+        r->expert_tokens_max = hi;
+        r->expert_tokens_mean = nl ? sum / (double)(nl * E) : 0.0;
+        r->expert_imbalance = imb;
+    }
+    free(v);
+    return st;
+}
+
 static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *parts, int nparts,
                               double max_grad_norm, loom_step_result *rp, loom_step_result *out);
 
@@ -555,6 +594,10 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     if (m->acc_calls < accumulation_steps) {
         if (out) *out = r;
         return LOOM_OK;
+    }
+    if (m->moe_load) {
+        loom_status st = expert_stats(m, &r);
+        if (st) return st;
     }
     if (m->acc_tokens == 0) {
         LOOM_LOG_W(ctx, "step %lld skipped: the %lld accumulated call%s had no token with a target",

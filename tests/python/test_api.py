@@ -678,3 +678,22 @@ def test_cli_includes_the_api_and_its_internal_header_only():
             if inc and inc.group(1) not in allowed:
                 bad.append("%s:%d: %s" % (os.path.relpath(path, ROOT), n, inc.group(1)))
     assert not bad, "cli/ includes headers of src/ other than src/loom_cli.h: %s" % bad
+
+
+def test_moe_reports_the_load_balancing_loss():
+    """Qwen3-MoE: forward's aux_loss is transformers' load_balancing_loss_func
+    over all layers (the fixture's), and the step reports tokens per expert."""
+    g = golden("tiny-qwen3-moe")
+    meta = json.load(open(os.path.join(FIXTURES, "golden", "tiny-qwen3-moe.json")))
+    x = model(os.path.join(FIXTURES, "models", "tiny-qwen3-moe"))
+    try:
+        samples = label_samples(g["input_ids"], g["targets"])
+        r = x.forward_only(inputs=samples)
+        assert abs(r["aux_loss"] - meta["hf_aux_loss_unscaled"]) < 1e-5
+        x.set_optimizer("default", lr=1e-3)
+        r = x.forward_backward(inputs=samples)
+        assert abs(r["aux_loss"] - meta["hf_aux_loss_unscaled"]) < 1e-5
+        s = x.clip_grad_and_step()
+        assert s["expert_tokens_mean"] == 48 * 2 / 8 and s["expert_imbalance"] >= 1.0
+    finally:
+        x.close()
