@@ -3,6 +3,7 @@
  * same interfaces over MPI are tested by `make test-mpi` (tests/mpi/). */
 
 #include <stdlib.h>
+#include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,9 +11,10 @@
 #include "../src/parallel/mesh.h"
 #include "harness.h"
 
+/* As loom_mesh_sizes_resolve leaves them: ep 1, etp tp. */
 static loom_mesh_sizes resolved(int tp, int cp, int dp, int pp, int vpp) {
     return (loom_mesh_sizes){.tp = tp, .cp = cp, .dp = dp, .pp = pp, .vpp = vpp, .ep = 1,
-                             .etp = 1};
+                             .etp = tp};
 }
 
 TEST(mesh_sizes_resolve) {
@@ -26,6 +28,14 @@ TEST(mesh_sizes_resolve) {
     CHECK_OK(ctx, loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.tp = 2, .pp = 2, .vpp = 2},
                                           8, &out));
     CHECK(out.tp == 2 && out.dp == 2 && out.pp == 2 && out.vpp == 2);
+    /* etp unset is tp (Megatron's default); given, it stays */
+    CHECK_EQ_INT(out.etp, 2);
+    CHECK_OK(ctx, loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.tp = 2, .ep = 4, .etp = 1},
+                                          8, &out));
+    CHECK(out.ep == 4 && out.etp == 1 && out.dp == 4);
+    CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.etp = -1}, 4, &out),
+                 LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "etp=-1 must be >= 1");
 
     CHECK_EQ_INT(loom_mesh_sizes_resolve(ctx, &(loom_mesh_sizes){.tp = 2, .cp = 1, .dp = 2,
                                                                  .pp = 2},
@@ -76,8 +86,141 @@ TEST(mesh_rank_of_and_describe) {
     d.sequence_parallel = true;
     d.vpp = 2;
     d.ep = 2;
+    d.etp = 1;
     CHECK_STR(loom_mesh_describe(&d, buf, sizeof buf),
-              "tp=2 cp=1 dp=2 pp=2 vpp=2 sp=on ep=2 etp=1");
+              "tp=2 cp=1 dp=2 pp=2 vpp=2 sp=on ep=2 etp=1 edp=2");
+    d.ep = 1; /* etp other than tp: the fold is shown */
+    CHECK_STR(loom_mesh_describe(&d, buf, sizeof buf),
+              "tp=2 cp=1 dp=2 pp=2 vpp=2 sp=on ep=1 etp=1 edp=4");
+    d.etp = 0; /* unset: tp, nothing to show */
+    CHECK_STR(loom_mesh_describe(&d, buf, sizeof buf), "tp=2 cp=1 dp=2 pp=2 vpp=2 sp=on");
+    d.ep = 4; /* a fold that does not divide: no edp */
+    CHECK_STR(loom_mesh_describe(&d, buf, sizeof buf),
+              "tp=2 cp=1 dp=2 pp=2 vpp=2 sp=on ep=4 etp=2");
+    d.dp = 0; /* unresolved */
+    d.ep = 2;
+    CHECK_STR(loom_mesh_describe(&d, buf, sizeof buf),
+              "tp=2 cp=1 dp=0 pp=2 vpp=2 sp=on ep=2 etp=2");
+}
+
+/* The fold's arithmetic: edp and the world rank of expert coordinates,
+ * s = etp_rank + etp*(ep_rank + ep*edp_rank) inside each stage. */
+TEST(mesh_expert_rank_of) {
+    loom_mesh_sizes n = resolved(2, 1, 2, 2, 1); /* 8 ranks, 4 per stage */
+    n.ep = 4;
+    n.etp = 1;
+    CHECK_EQ_INT(loom_mesh_edp(&n), 1);
+    CHECK_EQ_INT(loom_mesh_expert_rank_of(&n, 0, 3, 0, 0), 3);
+    CHECK_EQ_INT(loom_mesh_expert_rank_of(&n, 0, 1, 0, 1), 5);
+    CHECK_EQ_INT(loom_mesh_expert_rank_of(&n, 1, 0, 0, 0), -1);
+    n.ep = 2;
+    n.etp = 2;
+    CHECK_EQ_INT(loom_mesh_edp(&n), 1);
+    CHECK_EQ_INT(loom_mesh_expert_rank_of(&n, 1, 1, 0, 1), 7);
+    n.ep = 1;
+    n.etp = 0; /* etp = tp: edp is dpcp */
+    CHECK_EQ_INT(loom_mesh_edp(&n), 2);
+    CHECK_EQ_INT(loom_mesh_expert_rank_of(&n, 1, 0, 1, 0), 3);
+    CHECK_EQ_INT(loom_mesh_expert_rank_of(&n, 0, 0, 2, 0), -1);
+    n.ep = 3;
+    CHECK_EQ_INT(loom_mesh_edp(&n), 0);
+    CHECK_EQ_INT(loom_mesh_expert_rank_of(&n, 0, 0, 0, 0), -1);
+}
+
+/* The world ranks of rank `rank`'s group `name` under sizes n (world
+ * ranks, comma-separated in the group's order), as loom_mesh_create's
+ * splits make it: the ranks of its color, ordered by key; "-" for none. */
+static const char *members(const loom_mesh_sizes *n, int rank, const char *name) {
+    static char buf[256];
+    const int world = n->tp * n->cp * n->dp * n->pp;
+    loom_mesh_split mine[LOOM_MESH_NGROUPS], other[LOOM_MESH_NGROUPS];
+    loom_mesh_splits(n, rank, mine);
+    int g = 0;
+    while (g < LOOM_MESH_NGROUPS && strcmp(mine[g].name, name)) g++;
+    if (g == LOOM_MESH_NGROUPS) return "no such group";
+    if (mine[g].color < 0) return "-";
+    int key_of[64], n_in = 0, at[64];
+    for (int q = 0; q < world && q < 64; q++) {
+        loom_mesh_splits(n, q, other);
+        if (other[g].color == mine[g].color) {
+            key_of[n_in] = other[g].key;
+            at[n_in++] = q;
+        }
+    }
+    size_t len = 0;
+    buf[0] = '\0';
+    for (int k = 0; k < n_in; k++) /* keys 0..n_in-1, each once */
+        for (int i = 0; i < n_in; i++)
+            if (key_of[i] == k)
+                len += (size_t)snprintf(buf + len, sizeof buf - len, "%s%d", len ? "," : "", at[i]);
+    return buf;
+}
+
+static loom_mesh_sizes fold(int tp, int cp, int dp, int pp, int ep, int etp) {
+    loom_mesh_sizes n = resolved(tp, cp, dp, pp, 1);
+    n.ep = ep;
+    n.etp = etp;
+    return n;
+}
+
+/* Megatron's MoE parallel folding, group by group, for foldings where ep
+ * and etp cut across tp, cp and dp (the MPI test builds the same groups
+ * over real ranks, up to 4). */
+TEST(mesh_expert_groups) {
+    /* tp2 dp2 ep2 etp1: the ep groups are the tp pairs, edp spans dp */
+    loom_mesh_sizes n = fold(2, 1, 2, 1, 2, 1);
+    CHECK_STR(members(&n, 3, "etp"), "3");
+    CHECK_STR(members(&n, 3, "ep"), "2,3");
+    CHECK_STR(members(&n, 3, "edp"), "1,3");
+    CHECK_STR(members(&n, 3, "etpep"), "2,3");
+    CHECK_STR(members(&n, 3, "dpcp"), "1,3"); /* the dense gradients' group, for contrast */
+    /* tp2 ep2 etp2 (dp2): etp is tp, ep spans dp, edp is one rank */
+    n = fold(2, 1, 2, 1, 2, 2);
+    CHECK_STR(members(&n, 1, "etp"), "0,1");
+    CHECK_STR(members(&n, 1, "ep"), "1,3");
+    CHECK_STR(members(&n, 1, "edp"), "1");
+    CHECK_STR(members(&n, 1, "etpep"), "0,1,2,3");
+    /* tp1 cp2 dp2 pp2 ep4: ep spans cp and dp inside each stage */
+    n = fold(1, 2, 2, 2, 4, 1);
+    CHECK_STR(members(&n, 0, "ep"), "0,1,2,3");
+    CHECK_STR(members(&n, 6, "ep"), "4,5,6,7");
+    CHECK_STR(members(&n, 6, "edp"), "6");
+    CHECK_STR(members(&n, 6, "etp"), "6");
+    CHECK_STR(members(&n, 6, "pp"), "2,6");
+    /* tp2 etp1 ep4 dp2: etp differs from tp; ep spans tp and dp */
+    n = fold(2, 1, 2, 1, 4, 1);
+    CHECK_STR(members(&n, 2, "etp"), "2");
+    CHECK_STR(members(&n, 2, "ep"), "0,1,2,3");
+    CHECK_STR(members(&n, 2, "edp"), "2");
+    /* and on dp4: two ep groups, edp pairs them */
+    n = fold(2, 1, 4, 1, 4, 1);
+    CHECK_STR(members(&n, 5, "etp"), "5");
+    CHECK_STR(members(&n, 5, "ep"), "4,5,6,7");
+    CHECK_STR(members(&n, 5, "edp"), "1,5");
+    CHECK_STR(members(&n, 5, "etpep"), "4,5,6,7");
+    CHECK_STR(members(&n, 5, "tp"), "4,5");
+    /* tp2 cp2 dp2 etp4 ep2: etp spans tp and cp */
+    n = fold(2, 2, 2, 1, 2, 4);
+    CHECK_STR(members(&n, 6, "etp"), "4,5,6,7");
+    CHECK_STR(members(&n, 6, "ep"), "2,6");
+    CHECK_STR(members(&n, 6, "edp"), "6");
+    CHECK_STR(members(&n, 6, "etpep"), "0,1,2,3,4,5,6,7");
+    /* the defaults (ep 1, etp tp): etp is tp and edp is dpcp, in dpcp's order */
+    n = fold(2, 2, 2, 2, 1, 2);
+    for (int r = 0; r < 16; r++) {
+        char want[256];
+        snprintf(want, sizeof want, "%s", members(&n, r, "tp"));
+        CHECK_STR(members(&n, r, "etp"), want);
+        snprintf(want, sizeof want, "%s", members(&n, r, "dpcp"));
+        CHECK_STR(members(&n, r, "edp"), want);
+        snprintf(want, sizeof want, "%d", r);
+        CHECK_STR(members(&n, r, "ep"), want);
+    }
+    /* ep = etp = 1: edp is the whole stage, in world order */
+    n = fold(2, 1, 2, 2, 1, 1);
+    CHECK_STR(members(&n, 5, "edp"), "4,5,6,7");
+    CHECK_STR(members(&n, 5, "etpep"), "5");
+    CHECK_STR(members(&n, 5, "embed"), "1,5");
 }
 
 static bool load(loom_ctx *ctx, const char *model, loom_model_config *cfg) {
@@ -113,11 +256,18 @@ TEST(mesh_check_model) {
     m = resolved(2, 1, 2, 1, 1);
     m.ep = 2;
     CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
-    CHECK_CONTAINS(loom_last_error(ctx), "expert parallelism needs a mixture-of-experts model");
+    CHECK_STR(loom_last_error(ctx),
+              "ep=2, etp=2: expert parallelism needs a mixture-of-experts model, and this qwen3 "
+              "model has no experts; leave ep and etp unset");
     m.ep = 1;
-    m.etp = 2;
+    m.etp = 4;
     CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
-    CHECK_CONTAINS(loom_last_error(ctx), "etp=2");
+    CHECK_CONTAINS(loom_last_error(ctx), "ep=1, etp=4: expert parallelism needs");
+    /* etp = tp (the default) or 1 says nothing without experts */
+    m.etp = 1;
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    m.etp = 0;
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
     cfg.intermediate_size = 100; /* a shape the fixture lacks */
     m = resolved(2, 1, 1, 1, 1);
     CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
@@ -130,27 +280,67 @@ TEST(mesh_check_model) {
     /* tiny-qwen3-moe: 8 experts, moe_intermediate_size 32, every layer sparse */
     REQUIRE(load(ctx, "tiny-qwen3-moe", &cfg));
     m = resolved(2, 1, 2, 1, 1);
+    m.sequence_parallel = true;
     m.ep = 4;
+    m.etp = 1;
     CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
     m.ep = 2;
     m.etp = 2;
     CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    m.etp = 0; /* tp */
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
     m.ep = 3;
     m.etp = 1;
     CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
-    CHECK_CONTAINS(loom_last_error(ctx), "num_experts=8 is not divisible by expert-parallel "
-                                         "size ep=3");
+    CHECK_STR(loom_last_error(ctx), "config.json: num_experts=8 is not divisible by "
+                                    "expert-parallel size ep=3; use an ep dividing 8");
     m.ep = 8;
     CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
-    CHECK_CONTAINS(loom_last_error(ctx), "ep=8 does not divide tp*cp*dp/etp = 4/1 = 4");
+    CHECK_STR(loom_last_error(ctx),
+              "ep=8 does not divide tp*cp*dp/etp = 4/1 = 4 (expert layers fold the tp x cp x dp "
+              "ranks of a stage into etp x ep x edp); use an ep dividing 4, or a smaller etp");
     m.ep = 4;
     m.etp = 2;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "ep=4 does not divide tp*cp*dp/etp = 4/2 = 2");
+    m.ep = 4;
+    m.etp = 0; /* tp = 2 */
     CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
     CHECK_CONTAINS(loom_last_error(ctx), "ep=4 does not divide tp*cp*dp/etp = 4/2 = 2");
     m.ep = 1;
     m.etp = 3;
     CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
-    CHECK_CONTAINS(loom_last_error(ctx), "etp=3 does not divide tp*cp*dp = 4");
+    CHECK_STR(loom_last_error(ctx), "config.json: moe_intermediate_size=32 is not divisible by "
+                                    "expert-tensor-parallel size etp=3; use an etp dividing 32");
+    m = resolved(2, 1, 1, 1, 1);
+    m.etp = 0; /* unset: the message names the default */
+    cfg.moe_intermediate_size = 31;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "moe_intermediate_size=31 is not divisible by "
+                                         "expert-tensor-parallel size etp=2 (etp defaults to tp)");
+    cfg.moe_intermediate_size = 96;
+    m = resolved(2, 1, 2, 1, 1);
+    m.etp = 3;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_STR(loom_last_error(ctx),
+              "etp=3 does not divide tp*cp*dp = 4 (expert layers fold the tp x cp x dp ranks of "
+              "a stage into etp x ep x edp); use an etp dividing 4");
+    /* tp and ep together need sequence parallelism (Megatron's rule) */
+    m = resolved(2, 1, 2, 1, 1);
+    m.ep = 2;
+    m.etp = 1;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_STR(loom_last_error(ctx),
+              "ep=2 with tp=2 needs sequence parallelism (each tensor-parallel rank sends its "
+              "own tokens to their experts, as in Megatron); add --sequence-parallel (Python: "
+              "sequence_parallel=True)");
+    m.sequence_parallel = true;
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    m = resolved(1, 2, 2, 1, 1); /* without tp, ep alone needs no SP: cp2 dp2 ep4 */
+    m.ep = 4;
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    m = resolved(2, 1, 1, 1, 1); /* tp without ep: the experts split as the dense MLP */
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
     loom_config_free(&cfg);
     loom_ctx_free(ctx);
 }
@@ -331,9 +521,13 @@ TEST(mesh_single_process) {
         CHECK(m->n.tp == 1 && m->n.cp == 1 && m->n.dp == 1 && m->n.pp == 1 && m->n.vpp == 1);
         CHECK(m->world == 1 && m->rank == 0 && m->world_comm == w);
         CHECK(m->tp_rank == 0 && m->cp_rank == 0 && m->dp_rank == 0 && m->pp_rank == 0);
-        loom_comm *g[] = {m->tp, m->cp, m->dp, m->pp, m->dpcp, m->tpcp};
-        const char *names[] = {"tp", "cp", "dp", "pp", "dpcp", "tpcp"};
-        for (int i = 0; i < 6; i++) {
+        CHECK(m->n.ep == 1 && m->n.etp == 1 && m->edp_size == 1);
+        CHECK(m->etp_rank == 0 && m->ep_rank == 0 && m->edp_rank == 0);
+        loom_comm *g[] = {m->tp, m->cp, m->dp, m->pp, m->dpcp, m->tpcp, m->mp, m->etp, m->ep,
+                          m->edp, m->etpep};
+        const char *names[] = {"tp", "cp", "dp", "pp", "dpcp", "tpcp", "mp", "etp", "ep", "edp",
+                               "etpep"};
+        for (int i = 0; i < 11; i++) {
             CHECK(g[i] != NULL);
             if (g[i]) {
                 CHECK_EQ_INT(loom_comm_size(g[i]), 1);
@@ -348,6 +542,10 @@ TEST(mesh_single_process) {
                  LOOM_ERR_CONFIG);
     CHECK(m == NULL);
     CHECK_CONTAINS(loom_last_error(ctx), "= 2 ranks, but the job has 1");
+    /* the expert fold must divide the stage, model or not */
+    CHECK_EQ_INT(loom_mesh_create(ctx, w, &(loom_mesh_sizes){.ep = 2}, &m), LOOM_ERR_CONFIG);
+    CHECK(m == NULL);
+    CHECK_CONTAINS(loom_last_error(ctx), "ep=2 does not divide tp*cp*dp/etp = 1/1 = 1");
     loom_comm_free(w);
     loom_ctx_free(ctx);
 }

@@ -41,7 +41,7 @@ loom_status loom_mesh_sizes_resolve(loom_ctx *ctx, const loom_mesh_sizes *in, in
     r.cp = or1(in->cp);
     r.pp = or1(in->pp);
     r.ep = or1(in->ep);
-    r.etp = or1(in->etp);
+    r.etp = in->etp == 0 ? r.tp : in->etp; /* Megatron's default: the experts split as tp */
     r.vpp = or1(in->vpp);
     /* each factor < 2^31: four of them fit in 124 bits */
     unsigned __int128 tcp = (unsigned __int128)r.tp * (unsigned)r.cp * (unsigned)r.pp;
@@ -76,10 +76,33 @@ loom_status loom_mesh_sizes_resolve(loom_ctx *ctx, const loom_mesh_sizes *in, in
     return LOOM_OK;
 }
 
+/* etp (0: tp) of sizes resolved or not */
+static int etp_of(const loom_mesh_sizes *m) { return m->etp == 0 ? or1(m->tp) : m->etp; }
+
+/* The expert layers' fold of a stage's tp*cp*dp ranks into etp x ep x edp. */
+static loom_status check_fold(loom_ctx *ctx, const loom_mesh_sizes *m) {
+    int tp = or1(m->tp), cp = or1(m->cp), dp = or1(m->dp), ep = or1(m->ep), etp = etp_of(m);
+    int64_t stage = (int64_t)tp * cp * dp;
+    if (stage % etp)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "etp=%d does not divide tp*cp*dp = %lld (expert layers fold the tp x "
+                         "cp x dp ranks of a stage into etp x ep x edp); use an etp dividing "
+                         "%lld",
+                         etp, (long long)stage, (long long)stage);
+    if ((stage / etp) % ep)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "ep=%d does not divide tp*cp*dp/etp = %lld/%d = %lld (expert layers "
+                         "fold the tp x cp x dp ranks of a stage into etp x ep x edp); use an "
+                         "ep dividing %lld, or a smaller etp",
+                         ep, (long long)stage, etp, (long long)(stage / etp),
+                         (long long)(stage / etp));
+    return LOOM_OK;
+}
+
 loom_status loom_mesh_check_model(loom_ctx *ctx, const loom_mesh_sizes *m,
                                   const loom_model_config *cfg) {
-    int tp = or1(m->tp), cp = or1(m->cp), dp = or1(m->dp), pp = or1(m->pp);
-    int vpp = or1(m->vpp), ep = or1(m->ep), etp = or1(m->etp);
+    int tp = or1(m->tp), pp = or1(m->pp);
+    int vpp = or1(m->vpp), ep = or1(m->ep), etp = etp_of(m);
     if (cfg->num_heads % tp)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "config.json: num_attention_heads=%lld is not divisible by "
@@ -106,34 +129,36 @@ loom_status loom_mesh_check_model(loom_ctx *ctx, const loom_mesh_sizes *m,
                          (long long)cfg->num_layers, pp, vpp, (long long)chunks,
                          (long long)cfg->num_layers);
     if (!moe) {
-        if (ep > 1 || etp > 1)
+        /* etp = tp is the default, and etp = 1 says the same for no experts */
+        if (ep > 1 || (etp != 1 && etp != tp))
             return loom_errf(ctx, LOOM_ERR_CONFIG,
                              "ep=%d, etp=%d: expert parallelism needs a mixture-of-experts "
-                             "model, and this %s model has no experts; set ep and etp to 1",
+                             "model, and this %s model has no experts; leave ep and etp unset",
                              ep, etp, cfg->model_type ? cfg->model_type : "dense");
         return LOOM_OK;
     }
     if (cfg->num_experts % ep)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "config.json: num_experts=%lld is not divisible by expert-parallel "
-                         "size ep=%d",
-                         (long long)cfg->num_experts, ep);
-    int64_t stage = (int64_t)tp * cp * dp;
-    if (stage % etp)
-        return loom_errf(ctx, LOOM_ERR_CONFIG,
-                         "etp=%d does not divide tp*cp*dp = %lld (expert layers fold the tp x "
-                         "cp x dp ranks of a stage into etp x ep x edp)",
-                         etp, (long long)stage);
-    if ((stage / etp) % ep)
-        return loom_errf(ctx, LOOM_ERR_CONFIG,
-                         "ep=%d does not divide tp*cp*dp/etp = %lld/%d = %lld (expert layers "
-                         "fold the tp x cp x dp ranks of a stage into etp x ep x edp)",
-                         ep, (long long)stage, etp, (long long)(stage / etp));
+                         "size ep=%d; use an ep dividing %lld",
+                         (long long)cfg->num_experts, ep, (long long)cfg->num_experts);
     if (cfg->moe_intermediate_size % etp)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "config.json: moe_intermediate_size=%lld is not divisible by "
-                         "expert-tensor-parallel size etp=%d",
-                         (long long)cfg->moe_intermediate_size, etp);
+                         "expert-tensor-parallel size etp=%d%s; use an etp dividing %lld",
+                         (long long)cfg->moe_intermediate_size, etp,
+                         m->etp == 0 ? " (etp defaults to tp)" : "",
+                         (long long)cfg->moe_intermediate_size);
+    loom_status st = check_fold(ctx, m);
+    if (st) return st;
+    /* each tensor-parallel rank dispatches its own tokens (Megatron warns
+     * and its MoE layer refuses to train otherwise) */
+    if (tp > 1 && ep > 1 && !m->sequence_parallel)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "ep=%d with tp=%d needs sequence parallelism (each tensor-parallel "
+                         "rank sends its own tokens to their experts, as in Megatron); add "
+                         "--sequence-parallel (Python: sequence_parallel=True)",
+                         ep, tp);
     return LOOM_OK;
 }
 
@@ -192,18 +217,62 @@ int loom_mesh_rank_of(const loom_mesh_sizes *n, int tp, int cp, int dp, int pp) 
     return tp + T * (cp + C * (dp + D * pp));
 }
 
+int loom_mesh_edp(const loom_mesh_sizes *n) {
+    int64_t stage = (int64_t)or1(n->tp) * or1(n->cp) * n->dp,
+            fold = (int64_t)or1(n->ep) * etp_of(n);
+    return n->dp > 0 && fold > 0 && stage % fold == 0 ? (int)(stage / fold) : 0;
+}
+
+int loom_mesh_expert_rank_of(const loom_mesh_sizes *n, int etp, int ep, int edp, int pp) {
+    int ET = etp_of(n), EP = or1(n->ep), ED = loom_mesh_edp(n), P = or1(n->pp);
+    if (ED == 0 || etp < 0 || etp >= ET || ep < 0 || ep >= EP || edp < 0 || edp >= ED || pp < 0 ||
+        pp >= P)
+        return -1;
+    return etp + ET * (ep + EP * (edp + ED * pp));
+}
+
 const char *loom_mesh_describe(const loom_mesh_sizes *n, char *buf, size_t cap) {
     int len = snprintf(buf, cap, "tp=%d cp=%d dp=%d pp=%d vpp=%d sp=%s", or1(n->tp),
                        or1(n->cp), n->dp, or1(n->pp), or1(n->vpp),
                        n->sequence_parallel ? "on" : "off");
-    if ((or1(n->ep) > 1 || or1(n->etp) > 1) && len >= 0 && (size_t)len < cap)
-        snprintf(buf + len, cap - (size_t)len, " ep=%d etp=%d", or1(n->ep), or1(n->etp));
+    if ((or1(n->ep) > 1 || etp_of(n) != or1(n->tp)) && len >= 0 && (size_t)len < cap) {
+        int more = snprintf(buf + len, cap - (size_t)len, " ep=%d etp=%d", or1(n->ep), etp_of(n));
+        len = more < 0 ? -1 : len + more;
+        if (loom_mesh_edp(n) && len >= 0 && (size_t)len < cap)
+            snprintf(buf + len, cap - (size_t)len, " edp=%d", loom_mesh_edp(n));
+    }
     return buf;
+}
+
+void loom_mesh_splits(const loom_mesh_sizes *n, int rank, loom_mesh_split *out) {
+    const int T = n->tp, C = n->cp, D = n->dp, P = n->pp;
+    const int t = rank % T, c = rank / T % C, d = rank / (T * C) % D, p = rank / (T * C * D);
+    /* the expert layers' fold of the stage-local index */
+    const int ET = n->etp, EP = n->ep, ED = T * C * D / (ET * EP), s = t + T * (c + C * d);
+    const int et = s % ET, e = s / ET % EP, ed = s / (ET * EP);
+    /* Colors number the other coordinates; keys order by the group's own
+     * (fastest first, as in the world). */
+    const loom_mesh_split g[LOOM_MESH_NGROUPS] = {
+        {"tp", c + C * (d + D * p), t},
+        {"cp", t + T * (d + D * p), c},
+        {"dp", t + T * (c + C * p), d},
+        {"pp", t + T * (c + C * d), p},
+        {"dpcp", t + T * p, c + C * d},
+        {"tpcp", d + D * p, t + T * c},
+        {"mp", d, t + T * (c + C * p)},
+        {"embed", P > 1 && (p == 0 || p == P - 1) ? t + T * (c + C * d) : -1, p},
+        {"etp", e + EP * (ed + ED * p), et},
+        {"ep", et + ET * (ed + ED * p), e},
+        {"edp", et + ET * (e + EP * p), ed},
+        {"etpep", ed + ED * p, et + ET * e},
+    };
+    memcpy(out, g, sizeof g);
 }
 
 void loom_mesh_free(loom_mesh *m) {
     if (!m) return;
-    loom_comm *g[] = {m->tp, m->cp, m->dp, m->pp, m->dpcp, m->tpcp, m->mp, m->embed};
+    loom_comm *g[] = {m->tp, m->cp,    m->dp,  m->pp, m->dpcp, m->tpcp,
+                      m->mp, m->embed, m->etp, m->ep, m->edp,  m->etpep};
     for (size_t i = 0; i < sizeof g / sizeof g[0]; i++) loom_comm_free(g[i]);
     free(m);
 }
@@ -257,38 +326,31 @@ loom_status loom_mesh_create(loom_ctx *ctx, loom_comm *world, const loom_mesh_si
     if (st) return st;
     st = check_agree(ctx, world, &r);
     if (st) return st;
+    if ((st = check_fold(ctx, &r))) return st;
     loom_mesh *m = loom_calloc(ctx, 1, sizeof *m, "mesh");
     if (!m) return LOOM_ERR_OOM;
     m->n = r;
     m->world = loom_comm_size(world);
     m->rank = loom_comm_rank(world);
     m->world_comm = world;
-    int rank = m->rank, T = r.tp, C = r.cp, D = r.dp, P = r.pp;
+    const int T = r.tp, C = r.cp, D = r.dp, rank = m->rank;
     m->tp_rank = rank % T;
     m->cp_rank = rank / T % C;
     m->dp_rank = rank / (T * C) % D;
     m->pp_rank = rank / (T * C * D);
-    int t = m->tp_rank, c = m->cp_rank, d = m->dp_rank, p = m->pp_rank;
-
-    /* Colors number the other coordinates; keys order by the group's own
-     * (tp fastest, as in the world). Every rank calls every split. */
-    struct {
-        loom_comm **g;
-        const char *name;
-        int color, key;
-    } groups[] = {
-        {&m->tp, "tp", c + C * (d + D * p), t},
-        {&m->cp, "cp", t + T * (d + D * p), c},
-        {&m->dp, "dp", t + T * (c + C * p), d},
-        {&m->pp, "pp", t + T * (c + C * d), p},
-        {&m->dpcp, "dpcp", t + T * p, c + C * d},
-        {&m->tpcp, "tpcp", d + D * p, t + T * c},
-        {&m->mp, "mp", d, t + T * (c + C * p)},
-        {&m->embed, "embed", P > 1 && (p == 0 || p == P - 1) ? t + T * (c + C * d) : -1, p},
-    };
-    for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++) {
-        st = loom_comm_split(world, groups[i].color, groups[i].key, groups[i].name,
-                             groups[i].g);
+    /* the expert layers' fold of the stage-local index */
+    const int s = rank % (T * C * D);
+    m->edp_size = T * C * D / (r.etp * r.ep);
+    m->etp_rank = s % r.etp;
+    m->ep_rank = s / r.etp % r.ep;
+    m->edp_rank = s / (r.etp * r.ep);
+    loom_mesh_split sp[LOOM_MESH_NGROUPS];
+    loom_mesh_splits(&r, rank, sp);
+    loom_comm **groups[LOOM_MESH_NGROUPS] = {&m->tp,   &m->cp,   &m->dp,  &m->pp,
+                                             &m->dpcp, &m->tpcp, &m->mp,  &m->embed,
+                                             &m->etp,  &m->ep,   &m->edp, &m->etpep};
+    for (int i = 0; i < LOOM_MESH_NGROUPS; i++) {
+        st = loom_comm_split(world, sp[i].color, sp[i].key, sp[i].name, groups[i]);
         if (st) {
             loom_mesh_free(m);
             return comm_error(ctx, world, st);
