@@ -472,6 +472,51 @@ loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt
     return c->vt->broadcast(c, buf, n, dt, root);
 }
 
+#define TAG_ALLTOALLV 32700
+loom_status loom_comm_alltoallv(loom_comm *c, const void *send, const size_t *scount, void *recv,
+                                const size_t *rcount, loom_dtype dt) {
+    if (!c) return LOOM_ERR_INVALID_ARG;
+    if (c->size == 1) { /* the single backend sends nothing to itself: a move */
+        if (scount[0] != rcount[0])
+            return loom_errf(c->ctx, LOOM_ERR_INTERNAL, "alltoallv on %s: sends %zu, receives %zu",
+                             c->name, scount[0], rcount[0]);
+        return scount[0] ? loom_comm_alltoall(c, send, recv, scount[0], dt) : LOOM_OK;
+    }
+    const size_t esz = loom_dtype_size(dt);
+    loom_status st = loom_comm_group_start(c), st2;
+    size_t so = 0, ro = 0;
+    for (int r = 0; r < c->size && !st; r++) {
+        if (scount[r])
+            st = loom_comm_send(c, (const char *)send + so * esz, scount[r], dt, r, TAG_ALLTOALLV);
+        if (!st && rcount[r])
+            st = loom_comm_recv(c, (char *)recv + ro * esz, rcount[r], dt, r, TAG_ALLTOALLV);
+        so += scount[r];
+        ro += rcount[r];
+    }
+    st2 = loom_comm_group_end(c);
+    return st ? st : st2;
+}
+
+loom_status loom_comm_allgatherv(loom_comm *c, const void *send, size_t n, void *recv,
+                                 const size_t *rcount, loom_dtype dt) {
+    if (!c) return LOOM_ERR_INVALID_ARG;
+    if (rcount[c->rank] != n)
+        return loom_errf(c->ctx, LOOM_ERR_INTERNAL, "allgatherv on %s: sends %zu, expects %zu",
+                         c->name, n, rcount[c->rank]);
+    if (c->size == 1) return n ? loom_comm_alltoall(c, send, recv, n, dt) : LOOM_OK;
+    const size_t esz = loom_dtype_size(dt);
+    loom_status st = loom_comm_group_start(c), st2;
+    size_t ro = 0;
+    for (int r = 0; r < c->size && !st; r++) {
+        if (n) st = loom_comm_send(c, send, n, dt, r, TAG_ALLTOALLV + 1);
+        if (!st && rcount[r])
+            st = loom_comm_recv(c, (char *)recv + ro * esz, rcount[r], dt, r, TAG_ALLTOALLV + 1);
+        ro += rcount[r];
+    }
+    st2 = loom_comm_group_end(c);
+    return st ? st : st2;
+}
+
 loom_status loom_comm_alltoall(loom_comm *c, const void *send, void *recv, size_t n,
                                loom_dtype dt) {
     if (!c) return LOOM_ERR_INVALID_ARG;

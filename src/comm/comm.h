@@ -125,6 +125,17 @@ loom_status loom_comm_agree_root(loom_ctx *ctx, loom_comm *c, loom_status st, in
 /* send (n * size) -> recv (n * size): block r of send goes to rank r. */
 loom_status loom_comm_alltoall(loom_comm *c, const void *send, void *recv, size_t n,
                                loom_dtype dt);
+/* Blocks of varying size: send holds scount[r] elements for each rank r in
+ * rank order, recv receives rcount[r] from each rank r in rank order (the
+ * counts must agree pairwise: the caller exchanged them). One group of
+ * point-to-point messages (empty blocks are not sent); the MoE dispatch. */
+loom_status loom_comm_alltoallv(loom_comm *c, const void *send, const size_t *scount, void *recv,
+                                const size_t *rcount, loom_dtype dt);
+/* Every rank's block of varying size to every rank: send (n elements) to
+ * all, recv gets rcount[r] from each rank r in rank order (the counts
+ * agree: rcount[self] == n). One group of point-to-point messages. */
+loom_status loom_comm_allgatherv(loom_comm *c, const void *send, size_t n, void *recv,
+                                 const size_t *rcount, loom_dtype dt);
 /* Point to point, peer = rank in c, 0 <= tag < 32768 (see the top of this
  * file for when buffers may be reused). Sending to oneself is an error on
  * the single backend. */

@@ -31,7 +31,7 @@ enum {
     LOOM_BLOCK_MAX_LINEARS = 8,  /* linears of one block */
     LOOM_LAYER_MAX_LINEARS = 16, /* linears of one layer */
     LOOM_BLOCK_MAX_BUFS = 16,    /* activation buffers of one block, per layer */
-    LOOM_BLOCK_MAX_SCRATCH = 8,  /* scratch buffers of one kind */
+    LOOM_BLOCK_MAX_SCRATCH = 12, /* scratch buffers of one kind */
     LOOM_MOE_MAX_EXPERTS = 512,  /* experts of a MoE layer */
 };
 

@@ -31,15 +31,18 @@
 #include "model.h"
 
 /* its tensors: the router, then each expert's gate, up, down (the dense
- * MLP's slot order, loom_mlp_params); expert e's are NPER slots after
- * expert 0's */
+ * MLP's slot order, loom_mlp_params); this rank's expert e (local number)
+ * has its NPER slots after expert e-1's */
 enum { ROUTER, EG, EU, ED, NSLOT, NPER = 3 };
-/* activation buffers per layer: the routing (kept), the experts' (dropped
- * under selective recomputation) */
-enum { PROBS, IDX, WT, CNT, ORD, POS, XG, G, U, ACT, YG, NBUF };
-/* scratch: logits and their gradient, probability sums on the device, the
- * choices' weight gradients, the experts' gradients */
-enum { Z, PSUM, DW, DYG, DG, DU, NSCRATCH };
+/* activation buffers per layer: the routing (kept: probabilities, choices,
+ * weights, counts per expert, the order and its inverse, the dispatch's
+ * count table), the experts' (dropped under selective recomputation), and
+ * the experts' outputs in the grouped order (kept) */
+enum { PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, YS, NBUF };
+/* scratch: logits and their gradient, probability sums, the choices'
+ * weight gradients, three row buffers of the dispatch, the experts'
+ * gradients, the regrouping's row orders */
+enum { Z, PSUM, DW, S1, S2, S3, DG, DU, IX, NSCRATCH };
 
 static const loom_block_slot slots[NSLOT] = {
     /* its gradient is a partial sum over tp (the combine weights' part) */
@@ -61,180 +64,395 @@ static loom_status moe_params(const loom_model_config *c, int64_t l, loom_param_
     return LOOM_OK;
 }
 
-/* This rank's width of an expert (gate/up rows, down columns). */
-static int64_t ie(const loom_model *m) { return m->cfg.moe_intermediate_size / m->tp; }
+/* The block's geometry on this rank. Without expert parallelism and with
+ * etp = tp every tp rank routes all Tc tokens and its experts' share of the
+ * intermediate gives a partial sum, like the dense MLP (local). Otherwise
+ * (Megatron's folding) each tp rank routes its own n = Tc/tp tokens (its
+ * sequence-parallel slice of the gathered input), sends them over ep to the
+ * ranks holding their experts, gathers the etp group's tokens for its
+ * experts' shard, and the outputs come back the same way; its output is its
+ * slice's rows, zeros elsewhere, which the walker's tp reduce sums. */
+typedef struct geo {
+    int64_t n, o0;      /* the tokens it routes: rows [o0, o0 + n) of h */
+    int64_t E, El, e0;  /* experts; this rank's El from e0 */
+    int64_t P, Q;       /* ep, etp */
+    int64_t Ie, H, R;   /* an expert's width here; hidden; the n k choices */
+    int64_t Rmax;       /* rows the experts can get: Q P R (dropless) */
+    int k;
+    bool local;
+} geo;
+
+static geo geometry(const loom_model *m, int64_t Tc) {
+    geo g;
+    g.E = m->cfg.num_experts;
+    g.k = (int)m->cfg.num_experts_per_tok;
+    g.P = m->ep;
+    g.Q = m->etp;
+    g.El = g.E / g.P;
+    g.e0 = m->mesh ? (int64_t)m->mesh->ep_rank * g.El : 0;
+    g.Ie = m->cfg.moe_intermediate_size / g.Q;
+    g.H = m->H;
+    g.local = g.P == 1 && g.Q == m->tp;
+    g.n = g.local ? Tc : Tc / m->tp;
+    g.o0 = g.local || !m->mesh ? 0 : (int64_t)m->mesh->tp_rank * g.n;
+    g.R = g.n * g.k;
+    g.Rmax = g.local ? g.R : g.Q * g.P * g.R;
+    return g;
+}
 
 static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out) {
     (void)T, (void)Tn;
-    const int64_t E = m->cfg.num_experts, R = Tc * m->cfg.num_experts_per_tok;
-    const size_t esz = m->dev.esz;
-    out[PROBS] = (loom_block_buf){(size_t)(Tc * E) * sizeof(float), false};
-    out[IDX] = (loom_block_buf){(size_t)R * sizeof(int32_t), false};
-    out[WT] = (loom_block_buf){(size_t)R * sizeof(float), false};
-    out[CNT] = (loom_block_buf){(size_t)E * sizeof(int32_t), false};
-    out[ORD] = (loom_block_buf){(size_t)R * sizeof(int32_t), false};
-    out[POS] = (loom_block_buf){(size_t)R * sizeof(int32_t), false};
-    out[XG] = (loom_block_buf){(size_t)(R * m->H) * esz, true};
-    out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(R * ie(m)) * esz, true};
-    out[YG] = (loom_block_buf){(size_t)(R * m->H) * esz, true};
+    const geo g = geometry(m, Tc);
+    const size_t esz = m->dev.esz, i4 = sizeof(int32_t);
+    out[PROBS] = (loom_block_buf){(size_t)(g.n * g.E) * sizeof(float), false};
+    out[IDX] = (loom_block_buf){(size_t)g.R * i4, false};
+    out[WT] = (loom_block_buf){(size_t)g.R * sizeof(float), false};
+    out[CNT] = (loom_block_buf){(size_t)g.E * i4, false};
+    out[ORD] = out[POS] = (loom_block_buf){(size_t)g.R * i4, false};
+    out[RC] = (loom_block_buf){g.local ? 0 : (size_t)(g.Q * g.P * g.El) * i4, false};
+    out[XE] = (loom_block_buf){(size_t)(g.Rmax * g.H) * esz, true};
+    out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(g.Rmax * g.Ie) * esz, true};
+    out[YS] = (loom_block_buf){(size_t)(g.R * g.H) * esz, false};
     return NBUF;
 }
 
 static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes) {
     (void)T;
-    const int64_t E = m->cfg.num_experts, R = Tc * m->cfg.num_experts_per_tok;
+    const geo g = geometry(m, Tc);
     const size_t esz = m->dev.esz;
-    bytes[Z] = (size_t)(Tc * E) * esz;
-    bytes[PSUM] = (size_t)E * sizeof(float);
-    bytes[DW] = (size_t)R * sizeof(float);
-    bytes[DYG] = (size_t)(R * m->H) * esz; /* also the grouped input gradient */
-    bytes[DG] = bytes[DU] = (size_t)(R * ie(m)) * esz;
+    bytes[Z] = (size_t)(g.n * g.E) * esz;
+    bytes[PSUM] = (size_t)g.E * sizeof(float);
+    bytes[DW] = (size_t)g.R * sizeof(float);
+    bytes[S1] = bytes[S2] = bytes[S3] = (size_t)(g.Rmax * g.H) * esz;
+    bytes[DG] = bytes[DU] = (size_t)(g.Rmax * g.Ie) * esz;
+    bytes[IX] = g.local ? 0 : (size_t)(2 * g.Rmax) * sizeof(int32_t);
     return NSCRATCH;
 }
 
-/* host: the counts (E int32) and the probability sums (E floats) */
-static size_t moe_host(const loom_model *m) {
-    return (size_t)m->cfg.num_experts * (sizeof(int32_t) + sizeof(float));
+/* The host scratch (one set for all layers; carved by hs_carve). */
+typedef struct hs {
+    int32_t *cnt;      /* (E) choices per expert of this rank's tokens */
+    float *psum;       /* (E) */
+    int32_t *rc;       /* (Q, P, El): rows expert e of this rank gets from ep rank p, for
+                        * each etp rank q (the dispatch's table) */
+    int32_t *ce;       /* (El) rows each local expert gets (its GEMMs' sizes) */
+    int32_t *ix;       /* (2 Rmax) the regrouping's row orders */
+    int32_t *tab;      /* (P, El) this rank's table, sent to the etp group */
+    size_t *sc, *rcv;  /* (max(P, Q)) element counts of an alltoallv */
+} hs;
+
+static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
+    const geo g = geometry(m, Tc);
+    const int64_t PQ = g.P > g.Q ? g.P : g.Q;
+    size_t off = 0;
+#define TAKE(f, n)                                                                   \
+    do {                                                                             \
+        off = (off + 15) & ~(size_t)15;                                              \
+        if (h) h->f = (void *)(base + off);                                          \
+        off += (size_t)(n) * sizeof(*h->f);                                          \
+    } while (0)
+    TAKE(cnt, g.E);
+    TAKE(psum, g.E);
+    TAKE(rc, g.Q * g.P * g.El);
+    TAKE(ce, g.El);
+    TAKE(ix, 2 * g.Rmax);
+    TAKE(tab, g.P * g.El);
+    TAKE(sc, PQ);
+    TAKE(rcv, PQ);
+#undef TAKE
+    return off;
 }
 
-/* The layer's counts on the host (the grouped GEMMs' sizes). */
-static loom_status counts_host(const loom_blk *b, int32_t **cnt) {
-    *cnt = b->host;
-    return loom_k_download(b->m, *cnt, b->act[CNT],
-                           (size_t)b->m->cfg.num_experts * sizeof(int32_t));
+static size_t moe_host(const loom_model *m) { return hs_carve(m, m->Tc, NULL, NULL); }
+
+static hs host_of(const loom_blk *b) {
+    hs h;
+    hs_carve(b->m, b->m->Tc, &h, b->host);
+    return h;
 }
 
-/* One grouped GEMM over the experts: group e has rows[e] rows starting at
- * row0 (their sum before e) of A (ld lda) and C (ld ldc) in the compute
- * dtype, and expert e's weight of slot `slot` as B. */
-static loom_status experts_gemm(const loom_blk *b, const int32_t *rows, int slot, bool tb,
-                                const void *A, int64_t lda, int64_t N, int64_t K, void *C,
-                                int64_t ldc, loom_gemm_group *g) {
+/* ---- the experts' GEMMs over this rank's El experts, rows[e] each, in
+ * order: A, C row-major in the compute dtype ---- */
+
+static loom_status experts_gemm(const loom_blk *b, const geo *q, const int32_t *rows, int slot,
+                                bool tb, const void *A, int64_t lda, int64_t N, int64_t K,
+                                float beta, void *C, int64_t ldc) {
     loom_model *m = b->m;
     const size_t esz = m->dev.esz;
-    const int E = (int)m->cfg.num_experts;
+    loom_gemm_group g[LOOM_MOE_MAX_EXPERTS];
     int64_t r0 = 0;
-    for (int e = 0; e < E; e++) {
+    for (int64_t e = 0; e < q->El; e++) {
         g[e] = (loom_gemm_group){(const char *)A + (size_t)(r0 * lda) * esz,
-                                 loom_wc(m, b->w[slot] + e * NPER),
+                                 loom_wc(m, b->w[slot] + (int)e * NPER),
                                  (char *)C + (size_t)(r0 * ldc) * esz, rows[e], N, K};
         r0 += rows[e];
     }
-    return loom_k_gemm_grouped(m, false, tb, E, g, lda, tb ? K : N, 0.0f, false, ldc);
+    return loom_k_gemm_grouped(m, false, tb, (int)q->El, g, lda, tb ? K : N, beta, false, ldc);
 }
 
-/* The weight gradients of one projection: dW_e (out, in) += dY_e^T X_e. */
-static loom_status experts_dw(const loom_blk *b, const int32_t *rows, int slot, const void *dY,
-                              int64_t out, const void *X, int64_t in, loom_gemm_group *g) {
+/* dW_e (out, in) += dY_e^T X_e of one projection */
+static loom_status experts_dw(const loom_blk *b, const geo *q, const int32_t *rows, int slot,
+                              const void *dY, int64_t out, const void *X, int64_t in) {
     loom_model *m = b->m;
     const size_t esz = m->dev.esz;
-    const int E = (int)m->cfg.num_experts;
     if (!loom_g(m, b->w[slot])) return LOOM_OK; /* frozen */
+    loom_gemm_group g[LOOM_MOE_MAX_EXPERTS];
     int64_t r0 = 0;
-    for (int e = 0; e < E; e++) {
+    for (int64_t e = 0; e < q->El; e++) {
         g[e] = (loom_gemm_group){(const char *)dY + (size_t)(r0 * out) * esz,
                                  (const char *)X + (size_t)(r0 * in) * esz,
-                                 loom_g(m, b->w[slot] + e * NPER), out, in, rows[e]};
+                                 loom_g(m, b->w[slot] + (int)e * NPER), out, in, rows[e]};
         r0 += rows[e];
     }
-    return loom_k_gemm_grouped(m, true, false, E, g, out, in, 1.0f, true, in);
+    return loom_k_gemm_grouped(m, true, false, (int)q->El, g, out, in, 1.0f, true, in);
 }
 
-/* The experts' forward from the routing: xg, g, u, act and yg. */
-static loom_status experts_fwd(const loom_blk *b, const void *h, const int32_t *cnt) {
+/* up to the down projection: g, u, act from the experts' rows xe */
+static loom_status experts_front(const loom_blk *b, const geo *q, const int32_t *ce, int64_t rows) {
+    void *const *a = b->act;
+    CK(experts_gemm(b, q, ce, EG, true, a[XE], q->H, q->Ie, q->H, 0.0f, a[G], q->Ie));
+    CK(experts_gemm(b, q, ce, EU, true, a[XE], q->H, q->Ie, q->H, 0.0f, a[U], q->Ie));
+    return loom_k_swiglu_fwd(b->m, a[G], a[U], rows * q->Ie, a[ACT]);
+}
+
+/* ---- the dispatch (not local): rows grouped by expert to the ranks
+ * holding them and back ---- */
+
+/* The count table: each ep rank's choices for this rank's experts, then
+ * the etp group's tables (rc). */
+static loom_status exchange_counts(loom_model *m, const geo *q, const hs *h) {
+    int32_t *mine = h->rc + (int64_t)m->mesh->etp_rank * q->P * q->El;
+    CK(loom_comm_alltoall(m->mesh->ep, h->cnt, mine, (size_t)q->El, LOOM_I32));
+    if (q->Q == 1) return LOOM_OK;
+    /* etp rank q's table is block q */
+    memcpy(h->tab, mine, (size_t)(q->P * q->El) * sizeof *h->tab);
+    return loom_comm_allgather(m->mesh->etp, h->tab, h->rc, (size_t)(q->P * q->El), LOOM_I32);
+}
+
+static int64_t table_rows(const geo *q, const int32_t *t) {
+    int64_t r = 0;
+    for (int64_t i = 0; i < q->P * q->El; i++) r += t[i];
+    return r;
+}
+
+/* The regrouping of the gathered rows, ordered (etp rank, ep rank, expert),
+ * into (expert, etp rank, ep rank) and back: ix[j] = the gathered row at
+ * grouped place j, ix[Rt + i] its inverse; ce the rows per expert. Returns
+ * the rows, uploaded to the device's IX. */
+static loom_status regroup_orders(const loom_blk *b, const geo *q, const hs *h, int64_t *rows) {
+    const int64_t QP = q->Q * q->P;
+    int64_t Rt = 0;
+    for (int64_t i = 0; i < QP * q->El; i++) Rt += h->rc[i];
+    for (int64_t e = 0; e < q->El; e++) {
+        h->ce[e] = 0;
+        for (int64_t s = 0; s < QP; s++) h->ce[e] += h->rc[s * q->El + e];
+    }
+    int64_t j = 0;
+    for (int64_t e = 0; e < q->El; e++) {
+        int64_t src = 0; /* the row of block (s, e) in the gathered order */
+        for (int64_t s = 0; s < QP; s++) {
+            for (int64_t f = 0; f < q->El; f++) {
+                const int32_t c = h->rc[s * q->El + f];
+                if (f == e)
+                    for (int32_t r = 0; r < c; r++, j++) {
+                        h->ix[j] = (int32_t)(src + r);
+                        h->ix[Rt + src + r] = (int32_t)j;
+                    }
+                src += c;
+            }
+        }
+    }
+    *rows = Rt;
+    return loom_k_upload(b->m, b->scratch[IX], h->ix, (size_t)(2 * Rt) * sizeof(int32_t));
+}
+
+/* The element counts of the ep all-to-all: this rank's rows for each ep
+ * rank's experts (sc), and each ep rank's rows for this rank's (rcv, from
+ * its own table). */
+static void ep_counts(const loom_model *m, const geo *q, const hs *h, size_t *sc, size_t *rcv) {
+    const int32_t *t = h->rc + (int64_t)m->mesh->etp_rank * q->P * q->El;
+    for (int64_t p = 0; p < q->P; p++) {
+        size_t a = 0, c = 0;
+        for (int64_t e = 0; e < q->El; e++) a += (size_t)h->cnt[p * q->El + e], c += (size_t)t[p * q->El + e];
+        sc[p] = a * (size_t)q->H;
+        rcv[p] = c * (size_t)q->H;
+    }
+}
+
+/* src (R rows, grouped by expert) -> dst (the experts' rows, grouped by
+ * local expert); src and tmp are clobbered. */
+static loom_status dispatch(const loom_blk *b, const geo *q, const hs *h, void *src, void *dst,
+                            void *tmp, int64_t Rt) {
+    loom_model *m = b->m;
+    const loom_dtype dt = m->dev.adt;
+    ep_counts(m, q, h, h->sc, h->rcv);
+    CK(loom_comm_alltoallv(m->mesh->ep, src, h->sc, tmp, h->rcv, dt));
+    void *gathered = tmp;
+    if (q->Q > 1) {
+        size_t mine = 0;
+        for (int64_t qq = 0; qq < q->Q; qq++) {
+            h->sc[qq] = (size_t)table_rows(q, h->rc + qq * q->P * q->El) * (size_t)q->H;
+            if (qq == m->mesh->etp_rank) mine = h->sc[qq];
+        }
+        CK(loom_comm_allgatherv(m->mesh->etp, tmp, mine, src, h->sc, dt));
+        gathered = src;
+    }
+    return loom_k_moe_permute(m, gathered, b->scratch[IX], Rt, 1, q->H, dst);
+}
+
+/* src (the experts' rows, grouped by local expert; partial sums over etp)
+ * -> dst (R rows grouped by expert, summed); src and tmp are clobbered. */
+static loom_status undispatch(const loom_blk *b, const geo *q, const hs *h, void *src, void *dst,
+                              void *tmp, int64_t Rt) {
+    loom_model *m = b->m;
+    const loom_dtype dt = m->dev.adt;
+    const size_t esz = m->dev.esz;
+    CK(loom_k_moe_permute(m, src, (const int32_t *)b->scratch[IX] + Rt, Rt, 1, q->H, tmp));
+    void *mine = tmp;
+    if (q->Q > 1) { /* each etp rank's block to it, summed there */
+        const int me = m->mesh->etp_rank;
+        const size_t n = (size_t)table_rows(q, h->rc + me * q->P * q->El) * (size_t)q->H;
+        for (int64_t qq = 0; qq < q->Q; qq++) {
+            h->sc[qq] = (size_t)table_rows(q, h->rc + qq * q->P * q->El) * (size_t)q->H;
+            h->rcv[qq] = n;
+        }
+        CK(loom_comm_alltoallv(m->mesh->etp, tmp, h->sc, src, h->rcv, dt));
+        for (int64_t qq = 1; qq < q->Q; qq++)
+            CK(loom_k_add(m, src, (const char *)src + (size_t)qq * n * esz, (int64_t)n));
+        mine = src;
+    }
+    ep_counts(m, q, h, h->sc, h->rcv);
+    return loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt);
+}
+
+/* ---- forward, recomputation, backward ---- */
+
+/* The experts' rows xe from the routing (and, not local, the table): the
+ * rows of h grouped by expert, dispatched; *rows and h->ce set. */
+static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, const void *h,
+                               int64_t *rows) {
     loom_model *m = b->m;
     void *const *a = b->act;
-    const int64_t H = m->H, Ie = ie(m), Tc = m->Tc, k = m->cfg.num_experts_per_tok;
-    loom_gemm_group g[LOOM_MOE_MAX_EXPERTS];
-    CK(loom_k_moe_permute(m, h, a[ORD], Tc, (int)k, H, a[XG]));
-    CK(experts_gemm(b, cnt, EG, true, a[XG], H, Ie, H, a[G], Ie, g));
-    CK(experts_gemm(b, cnt, EU, true, a[XG], H, Ie, H, a[U], Ie, g));
-    CK(loom_k_swiglu_fwd(m, a[G], a[U], Tc * k * Ie, a[ACT]));
-    return experts_gemm(b, cnt, ED, true, a[ACT], Ie, H, Ie, a[YG], H, g);
+    const void *hs0 = (const char *)h + (size_t)(q->o0 * q->H) * m->dev.esz;
+    if (q->local) {
+        memcpy(hh->ce, hh->cnt, (size_t)q->E * sizeof *hh->ce);
+        *rows = q->R;
+        return loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, a[XE]);
+    }
+    CK(loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, b->scratch[S1]));
+    CK(regroup_orders(b, q, hh, rows));
+    return dispatch(b, q, hh, b->scratch[S1], a[XE], b->scratch[S2], *rows);
+}
+
+/* The host copies of the layer's counts (and table). */
+static loom_status tables_host(const loom_blk *b, const geo *q, const hs *h) {
+    CK(loom_k_download(b->m, h->cnt, b->act[CNT], (size_t)q->E * sizeof(int32_t)));
+    if (q->local) return LOOM_OK;
+    return loom_k_download(b->m, h->rc, b->act[RC],
+                           (size_t)(q->Q * q->P * q->El) * sizeof(int32_t));
 }
 
 static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     loom_model *m = b->m;
     void *const *a = b->act;
-    const int64_t H = m->H, Tc = m->Tc, E = m->cfg.num_experts;
-    const int k = (int)m->cfg.num_experts_per_tok;
+    const geo q = geometry(m, m->Tc);
+    const hs hh = host_of(b);
+    const size_t esz = m->dev.esz;
     void *z = b->scratch[Z];
     float *psum = b->scratch[PSUM];
-    CK(loom_k_lin_fwd(m, h, Tc, H, loom_wc(m, b->w[ROUTER]), E, 1.0f, 0.0f, z));
-    CK(loom_k_zero(m, psum, (size_t)E * sizeof(float)));
-    CK(loom_k_moe_router_fwd(m, z, Tc, E, k, m->cfg.norm_topk_prob, a[PROBS], a[IDX], a[WT],
+    const void *hs0 = (const char *)h + (size_t)(q.o0 * q.H) * esz;
+    CK(loom_k_lin_fwd(m, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, 1.0f, 0.0f, z));
+    CK(loom_k_zero(m, psum, (size_t)q.E * sizeof(float)));
+    CK(loom_k_moe_router_fwd(m, z, q.n, q.E, q.k, m->cfg.norm_topk_prob, a[PROBS], a[IDX], a[WT],
                              psum));
-    CK(loom_k_moe_route(m, a[IDX], Tc, E, k, a[CNT], a[ORD], a[POS]));
-    int32_t *cnt;
-    CK(counts_host(b, &cnt));
+    CK(loom_k_moe_route(m, a[IDX], q.n, q.E, q.k, a[CNT], a[ORD], a[POS]));
+    CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
     /* the load-balancing loss's sums, once per forward (not when recomputed) */
     if (out && b->mb->aux) {
-        float *ps = (float *)(cnt + E);
-        CK(loom_k_download(m, ps, psum, (size_t)E * sizeof(float)));
+        CK(loom_k_download(m, hh.psum, psum, (size_t)q.E * sizeof(float)));
         double *acc = b->mb->aux;
-        for (int64_t e = 0; e < E; e++) acc[e] += cnt[e], acc[E + e] += ps[e];
-        acc[2 * E] += (double)Tc;
+        for (int64_t e = 0; e < q.E; e++) acc[e] += hh.cnt[e], acc[q.E + e] += hh.psum[e];
+        acc[2 * q.E] += (double)q.n;
     }
-    if (out && m->training && m->moe_load && m->mesh->tp_rank == 0)
-        for (int64_t e = 0; e < E; e++) m->moe_load[b->l * E + e] += cnt[e];
-    CK(experts_fwd(b, h, cnt));
+    /* the step's tokens per expert: each rank its own tokens (local: all
+     * tp ranks route the same ones, tp rank 0 counts) */
+    if (out && m->training && m->moe_load && (!q.local || m->mesh->tp_rank == 0))
+        for (int64_t e = 0; e < q.E; e++) m->moe_load[b->l * q.E + e] += hh.cnt[e];
+    if (!q.local) {
+        CK(exchange_counts(m, &q, &hh));
+        CK(loom_k_upload(m, a[RC], hh.rc, (size_t)(q.Q * q.P * q.El) * sizeof(int32_t)));
+    }
+    int64_t rows;
+    CK(gather_rows(b, &q, &hh, h, &rows));
+    CK(experts_front(b, &q, hh.ce, rows));
+    void *ye = q.local ? a[YS] : b->scratch[S1];
+    CK(experts_gemm(b, &q, hh.ce, ED, true, a[ACT], q.Ie, q.H, q.Ie, 0.0f, ye, q.H));
+    if (!q.local) CK(undispatch(b, &q, &hh, ye, a[YS], b->scratch[S2], rows));
     if (!out) return LOOM_OK;
-    return loom_k_moe_combine(m, a[YG], a[POS], a[WT], Tc, k, H, out);
+    if (!q.local) CK(loom_k_zero(m, out, (size_t)(m->Tc * q.H) * esz));
+    return loom_k_moe_combine(m, a[YS], a[POS], a[WT], q.n, q.k, q.H,
+                              (char *)out + (size_t)(q.o0 * q.H) * esz);
 }
 
-/* selective recomputation: the experts' buffers from h and the kept routing */
+/* selective recomputation: the experts' rows and buffers from h and the
+ * kept routing */
 static loom_status moe_recompute(const loom_blk *b, const void *h) {
-    int32_t *cnt;
-    CK(counts_host(b, &cnt));
-    return experts_fwd(b, h, cnt);
+    const geo q = geometry(b->m, b->m->Tc);
+    const hs hh = host_of(b);
+    int64_t rows;
+    CK(tables_host(b, &q, &hh));
+    CK(gather_rows(b, &q, &hh, h, &rows));
+    return experts_front(b, &q, hh.ce, rows);
 }
 
 static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, void *dx) {
     loom_model *m = b->m;
     void *const *a = b->act;
     void *const *s = b->scratch;
-    const int64_t H = m->H, Ie = ie(m), Tc = m->Tc, E = m->cfg.num_experts;
-    const int k = (int)m->cfg.num_experts_per_tok;
+    const geo q = geometry(m, m->Tc);
+    const hs hh = host_of(b);
     const size_t esz = m->dev.esz;
-    loom_gemm_group g[LOOM_MOE_MAX_EXPERTS];
-    int32_t *cnt;
-    CK(counts_host(b, &cnt));
-    /* combine: dyg = w dy per choice, dw = dy . yg */
-    CK(loom_k_moe_combine_bwd(m, dy, a[YG], a[ORD], a[WT], Tc, k, H, s[DYG], s[DW]));
-    /* down: dact = dyg Wd, dWd += dyg^T act */
-    CK(experts_dw(b, cnt, ED, s[DYG], H, a[ACT], Ie, g));
-    int64_t r0 = 0;
-    for (int e = 0; e < E; e++) {
-        g[e] = (loom_gemm_group){(char *)s[DYG] + (size_t)(r0 * H) * esz,
-                                 loom_wc(m, b->w[ED] + e * NPER),
-                                 (char *)s[DG] + (size_t)(r0 * Ie) * esz, cnt[e], Ie, H};
-        r0 += cnt[e];
-    }
-    CK(loom_k_gemm_grouped(m, false, false, (int)E, g, H, Ie, 0.0f, false, Ie));
-    CK(loom_k_swiglu_bwd(m, s[DG], a[G], a[U], Tc * k * Ie, s[DG], s[DU]));
-    CK(experts_dw(b, cnt, EG, s[DG], Ie, a[XG], H, g));
-    CK(experts_dw(b, cnt, EU, s[DU], Ie, a[XG], H, g));
-    /* the grouped input gradient dxg = dg Wg + du Wu (into DYG, done with) */
-    void *dxg = s[DYG];
-    for (int pass = 0; pass < 2 && dx; pass++) {
-        r0 = 0;
-        for (int e = 0; e < E; e++) {
-            const void *d = pass ? s[DU] : s[DG];
-            g[e] = (loom_gemm_group){(const char *)d + (size_t)(r0 * Ie) * esz,
-                                     loom_wc(m, b->w[pass ? EU : EG] + e * NPER),
-                                     (char *)dxg + (size_t)(r0 * H) * esz, cnt[e], H, Ie};
-            r0 += cnt[e];
+    const size_t so = (size_t)(q.o0 * q.H) * esz;
+    CK(tables_host(b, &q, &hh));
+    int64_t rows = q.R;
+    if (q.local)
+        memcpy(hh.ce, hh.cnt, (size_t)q.E * sizeof *hh.ce);
+    else
+        CK(regroup_orders(b, &q, &hh, &rows));
+    /* combine: dys = w dy per choice, dw = dy . ys; then to the experts */
+    void *dye = s[S3];
+    CK(loom_k_moe_combine_bwd(m, (const char *)dy + so, a[YS], a[ORD], a[WT], q.n, q.k, q.H,
+                              q.local ? dye : s[S1], s[DW]));
+    if (!q.local) CK(dispatch(b, &q, &hh, s[S1], dye, s[S2], rows));
+    /* down: dact = dye Wd, dWd += dye^T act */
+    CK(experts_dw(b, &q, hh.ce, ED, dye, q.H, a[ACT], q.Ie));
+    CK(experts_gemm(b, &q, hh.ce, ED, false, dye, q.H, q.Ie, q.H, 0.0f, s[DG], q.Ie));
+    CK(loom_k_swiglu_bwd(m, s[DG], a[G], a[U], rows * q.Ie, s[DG], s[DU]));
+    CK(experts_dw(b, &q, hh.ce, EG, s[DG], q.Ie, a[XE], q.H));
+    CK(experts_dw(b, &q, hh.ce, EU, s[DU], q.Ie, a[XE], q.H));
+    if (dx) {
+        /* dxe = dg Wg + du Wu, back to the tokens' ranks, summed per token */
+        void *dxe = s[S1];
+        CK(experts_gemm(b, &q, hh.ce, EG, false, s[DG], q.Ie, q.H, q.Ie, 0.0f, dxe, q.H));
+        CK(experts_gemm(b, &q, hh.ce, EU, false, s[DU], q.Ie, q.H, q.Ie, 1.0f, dxe, q.H));
+        void *dxs = dxe;
+        if (!q.local) {
+            CK(undispatch(b, &q, &hh, dxe, s[S2], s[S3], rows));
+            dxs = s[S2];
         }
-        CK(loom_k_gemm_grouped(m, false, false, (int)E, g, Ie, H, pass ? 1.0f : 0.0f, false, H));
+        if (!q.local) CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
+        CK(loom_k_moe_permute_bwd(m, dxs, a[POS], q.n, q.k, q.H, (char *)dx + so));
     }
-    if (dx) CK(loom_k_moe_permute_bwd(m, dxg, a[POS], Tc, k, H, dx));
-    /* router: dz from the choices' weights and, on one tp rank (the rest
-     * add partial sums), the load-balancing loss */
-    const float *ga = m->mesh->tp_rank == 0 ? b->mb->d_aux_g : NULL;
-    CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga, Tc, E, k, m->cfg.norm_topk_prob,
-                             s[Z]));
-    CK(loom_k_lin_dw(m, s[Z], h, Tc, E, H, 1.0f, loom_g(m, b->w[ROUTER])));
-    if (dx) CK(loom_k_lin_dx(m, s[Z], Tc, E, loom_wc(m, b->w[ROUTER]), H, 1.0f, 1.0f, dx));
+    /* router: dz from the choices' weights and the load-balancing loss (its
+     * part once: local, tp rank 0's; else each rank its own tokens) */
+    const float *ga = !q.local || m->mesh->tp_rank == 0 ? b->mb->d_aux_g : NULL;
+    const void *hs0 = (const char *)h + so;
+    CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga, q.n, q.E, q.k,
+                             m->cfg.norm_topk_prob, s[Z]));
+    CK(loom_k_lin_dw(m, s[Z], hs0, q.n, q.E, q.H, 1.0f, loom_g(m, b->w[ROUTER])));
+    if (dx)
+        CK(loom_k_lin_dx(m, s[Z], q.n, q.E, loom_wc(m, b->w[ROUTER]), q.H, 1.0f, 1.0f,
+                         (char *)dx + so));
     return LOOM_OK;
 }
 
@@ -267,11 +485,13 @@ loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double
     const int64_t E = m->cfg.num_experts;
     int64_t ntgt = 0;
     for (int64_t t = 0; t < m->Tc; t++) ntgt += mb->tgt[t] != -100;
-    acc[2 * E + 1] = (double)ntgt;
-    /* the micro-batch's tokens are split over cp (each rank routes its own) */
-    if (m->cp > 1)
-        CK(loom_comm_allreduce(m->mesh->cp, acc, loom_moe_aux_len(&m->cfg), LOOM_F64,
-                               LOOM_RED_SUM));
+    /* the micro-batch's tokens are split over cp, and (not local) over tp:
+     * each rank routes its own */
+    const bool local = geometry(m, m->Tc).local;
+    acc[2 * E + 1] = (double)ntgt * (local || m->mesh->tp_rank == 0 ? 1.0 : 0.0);
+    loom_comm *grp = local ? m->mesh->cp : m->mesh->tpcp;
+    if (loom_comm_size(grp) > 1)
+        CK(loom_comm_allreduce(grp, acc, loom_moe_aux_len(&m->cfg), LOOM_F64, LOOM_RED_SUM));
     const double N = acc[2 * E], coef = m->cfg.router_aux_loss_coef;
     double aux = 0.0;
     for (int64_t e = 0; N > 0 && e < E; e++) aux += (acc[e] / N) * (acc[E + e] / N);
@@ -281,7 +501,7 @@ loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double
      * micro-batch's term is coef aux times its own targets, so one
      * micro-batch gives transformers' loss + coef aux exactly */
     const double scale = coef * acc[2 * E + 1];
-    if (m->mesh->cp_rank == 0) *loss_sum = scale * aux;
+    if (m->mesh->cp_rank == 0 && m->mesh->tp_rank == 0) *loss_sum = scale * aux;
     if (!backward) return LOOM_OK;
     for (int64_t e = 0; e < E; e++)
         mb->aux_g[e] = N > 0 ? (float)(m->loss_scale * scale * (double)E * acc[e] / (N * N)) : 0.0f;

@@ -297,6 +297,7 @@ done:
     free(m->base.slots);
     free(m->base.bucket_off);
     free(m->base.bucket_len);
+    free(m->base.bucket_ex);
     free(m->layer);
     free(m->pfrozen);
     loom_param_plan_free(&m->plan);

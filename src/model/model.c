@@ -62,11 +62,27 @@ static loom_status layer_slot(loom_model *m, const loom_param_spec *p) {
     loom_block *b = &L->b[p->block];
     const loom_block_kind *k = b->kind;
     if (!L->held) return LOOM_OK;
+    /* an expert: only this ep rank's E/ep, split over etp */
+    const int64_t El = m->cfg.num_experts / m->ep, e0 = (int64_t)m->mesh->ep_rank * El;
+    if (p->expert >= 0 && (p->expert < e0 || p->expert >= e0 + El)) return LOOM_OK;
     const loom_block_slot none = {NULL, LOOM_COMP_NORM, LOOM_SHARD_NONE, false};
     const loom_block_slot *ks = p->slot == LOOM_SLOT_NORM ? &none : &k->slots[p->slot];
     int *at = p->slot == LOOM_SLOT_NORM ? &b->norm : &b->w[p->slot];
-    if (*at < 0) *at = m->base.nslots; /* an expert's: expert 0's, the rest follow */
+    if (*at < 0) *at = m->base.nslots; /* an expert's: the first local expert's, the rest follow */
     loom_slot *sl = add_slot(m, p, ks->shard, false);
+    if (p->expert >= 0) {
+        sl->expert = true;
+        sl->rows = sl->shape[0], sl->cols = sl->shape[1], sl->row0 = sl->col0 = 0;
+        if (ks->shard == LOOM_SHARD_ROWS) {
+            sl->rows = sl->shape[0] / m->etp;
+            sl->row0 = m->mesh->etp_rank * sl->rows;
+        } else if (ks->shard == LOOM_SHARD_COLS) {
+            sl->cols = sl->shape[1] / m->etp;
+            sl->col0 = m->mesh->etp_rank * sl->cols;
+        }
+        sl->numel = (size_t)(sl->rows * sl->cols);
+        return LOOM_OK;
+    }
     /* replicated weights that see only this rank's heads (q/k norm) or,
      * under SP, only its tokens: their gradients are partial sums */
     sl->tp_partial = m->tp > 1 && sl->shard == LOOM_SHARD_NONE && (ks->headwise || m->sp);
@@ -149,10 +165,11 @@ loom_status loom_model_build_slots(loom_model *m) {
  * class and arena (values, compute copy, gradients, optimizer state). */
 loom_status loom_arena_place(loom_model *m, loom_arena *a) {
     loom_ctx *ctx = m->ctx;
-    const size_t grp = (size_t)(m->dp * m->cp);
+    const size_t dgrp = (size_t)(m->dp * m->cp), egrp = (size_t)(m->edp > 0 ? m->edp : m->dp * m->cp);
     a->bucket_off = loom_calloc(ctx, (size_t)a->nslots + 1, sizeof(size_t), "buckets");
     a->bucket_len = loom_calloc(ctx, (size_t)a->nslots + 1, sizeof(size_t), "buckets");
-    if (!a->bucket_off || !a->bucket_len) return LOOM_ERR_OOM;
+    a->bucket_ex = loom_calloc(ctx, (size_t)a->nslots + 1, 1, "buckets");
+    if (!a->bucket_off || !a->bucket_len || !a->bucket_ex) return LOOM_ERR_OOM;
     /* frozen slots (loom_model_set_trainable sorts them last) take no part
      * in the buckets: they follow the gradient part, ngrad */
     int ntrain = a->nslots;
@@ -163,9 +180,13 @@ loom_status loom_arena_place(loom_model *m, loom_arena *a) {
     for (int i = 0; i < a->nslots; i++) {
         a->slots[i].off = off;
         off += (a->slots[i].numel + 15) & ~(size_t)15;
-        if (i < ntrain && (off - b0 >= (size_t)m->bucket_elems || i == ntrain - 1)) {
+        /* a bucket holds experts' tensors or others', never both */
+        const bool ex = a->slots[i].expert, turn = i + 1 < ntrain && a->slots[i + 1].expert != ex;
+        if (i < ntrain && (off - b0 >= (size_t)m->bucket_elems || i == ntrain - 1 || turn)) {
+            const size_t grp = ex ? egrp : dgrp;
             size_t len = (off - b0 + grp * 16 - 1) / (grp * 16) * (grp * 16);
             a->bucket_off[a->nbuckets] = b0;
+            a->bucket_ex[a->nbuckets] = ex;
             a->bucket_len[a->nbuckets++] = len;
             a->shard_numel += len / grp;
             off = b0 = b0 + len;
@@ -295,6 +316,7 @@ void loom_arena_free(loom_model *m, loom_arena *a) {
     loom_grad_defer_reset(m, a);
     free(a->bucket_off);
     free(a->bucket_len);
+    free(a->bucket_ex);
     memset(a, 0, sizeof *a);
 }
 
@@ -397,6 +419,9 @@ void loom_model_set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_mo
     m->dp = n->dp;
     m->pp = n->pp;
     m->vpp = n->vpp;
+    m->ep = n->ep > 0 ? n->ep : 1;
+    m->etp = n->etp > 0 ? n->etp : n->tp;
+    m->edp = n->tp * n->cp * n->dp / (m->ep * m->etp);
     m->sp = n->sequence_parallel && n->tp > 1;
     m->V = c->vocab_size;
     m->Vp = (c->vocab_size + pad * m->tp - 1) / (pad * m->tp) * (pad * m->tp);
@@ -485,13 +510,6 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     const loom_model_config *c = &m->cfg;
-    if (c->num_experts > 0 && (opts->ep > 1 || opts->etp > 1)) {
-        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                       "%s: expert parallelism (ep=%d, etp=%d) is not built yet; experts are "
-                       "split over tp like the dense MLP (leave ep and etp at 1)",
-                       dir, opts->ep, opts->etp);
-        goto fail;
-    }
     if (c->num_experts > LOOM_MOE_MAX_EXPERTS) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: %lld experts; loom takes at most %d", dir,
                        (long long)c->num_experts, LOOM_MOE_MAX_EXPERTS);
@@ -635,6 +653,12 @@ loom_status loom_model_reserve(loom_model *m, int64_t micro_batch_size, int64_t 
     const bool dropout = ad && ad->dropout > 0;
     if (m->pp > 1 && pp_slots < 1) pp_slots = 1; /* pp_connect's one element */
     if (m->pp == 1) pp_slots = 0;
+    if (m->cfg.num_experts > 0 && !(m->ep == 1 && m->etp == m->tp) && Tc % m->tp)
+        return loom_errf(m->ctx, LOOM_ERR_CONFIG,
+                         "a micro-batch of %lld tokens (%lld per cp rank) does not split over "
+                         "tp=%d: with ep=%d, etp=%d each tp rank routes its share of the tokens; "
+                         "use a seq_len or micro_batch_size that makes it divide",
+                         (long long)T, (long long)Tc, m->tp, m->ep, m->etp);
     bool same = T == m->cap_T && n_micro <= m->cap_micro && m->chunks[0].npool >= in_flight &&
                 m->npp_stage >= pp_slots &&
                 lr == m->lora_r && (!dropout || m->lora_xd);
@@ -786,7 +810,8 @@ int loom_model_find_slot(const loom_model *m, const char *name) {
 /* The whole tensor `name` (rows x cols) on every rank: each rank that
  * should contributes its blocks of the arena (values, or gradients scaled)
  * to a zeroed buffer, summed over the world. Parameters are the same on
- * every dp*cp rank; gradients are summed over them. Replicated tensors count
+ * every dp*cp rank (an expert's on every edp rank); gradients are summed
+ * over them. Replicated tensors count
  * once over tp unless their gradient is a partial sum; a tied embedding's
  * copy adds its gradient but not its value. */
 loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int64_t rows,
@@ -804,7 +829,9 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
         const loom_slot *s = &a->slots[i];
         if (strcmp(s->name, name)) continue;
         if (grads && s->frozen) continue; /* no gradient: zero */
-        if (!grads && (me->dp_rank || me->cp_rank || s->head_copy)) continue;
+        /* values from one replica: over edp for an expert's, else dp x cp */
+        const bool replica = s->expert ? me->edp_rank != 0 : (me->dp_rank || me->cp_rank);
+        if (!grads && (replica || s->head_copy)) continue;
         if (s->shard == LOOM_SHARD_NONE && me->tp_rank && !(grads && s->tp_partial)) continue;
         const float *src;
         loom_status st = loom_arena_host(m, a, i, grads, &tmp, &cap, &src);

@@ -47,6 +47,8 @@ typedef struct loom_slot {
     bool tp_partial;    /* its gradient is a partial sum over tp (summed before the step) */
     bool head_copy;     /* the last stage's copy of a tied embedding (pp > 1) */
     bool frozen;        /* no gradient, no optimizer state (loom_model_set_trainable) */
+    bool expert;        /* an expert's tensor: split over etp (not tp), held by one ep rank's
+                         * experts, replicated over edp: its buckets reduce there */
 } loom_slot;
 
 /* A set of tensors in one flat buffer: the base model's, or one adapter's.
@@ -64,6 +66,8 @@ typedef struct loom_arena {
     void *wc;                /* compute copy of w in the compute dtype (== w when that is F32) */
     int nbuckets;
     size_t *bucket_off, *bucket_len; /* (nbuckets) */
+    uint8_t *bucket_ex;      /* (nbuckets): 1 for the experts' buckets, sharded over edp (the
+                              * rest over dp x cp; loom_bucket_comm) */
     size_t shard_numel;      /* sum of bucket_len / (dp*cp) */
     float *gshard;           /* (shard_numel): this rank's reduced gradient shard; g itself
                               * when dp*cp = 1 (gshard_is_g) */
@@ -157,6 +161,7 @@ struct loom_model {
     bool own_world;
     loom_mesh *mesh;
     int tp, cp, dp, pp, vpp; /* sizes */
+    int ep, etp, edp;        /* the expert layers' folding of tp x cp x dp (mesh.h) */
     bool sp;
 
     int64_t V, Vp, H, I, L, Hq, Hkv, D;  /* full model */

@@ -9,7 +9,8 @@
  * block of the whole tensor and a flat range of that block), holding the
  * fp32 master values and both AdamW moments. Replicated tensors are owned
  * by tp rank 0, a tied embedding by its first stage; a frozen tensor (no
- * moments) is one piece, its whole block, from dp x cp rank 0. Every element
+ * moments) is one piece, its whole block, from dp x cp rank 0 (an expert's
+ * from edp rank 0). Every element
  * of the model is in exactly one piece.
  *
  * Saving is three steps so the write can go on while training does
@@ -290,7 +291,7 @@ static loom_status find_pieces(loom_model *m, loom_arena *A, loom_state_snapshot
     for (int i = 0; i < A->nslots; i++) {
         const loom_slot *s = &A->slots[i];
         if (s->head_copy || (s->shard == LOOM_SHARD_NONE && me->tp_rank)) continue;
-        if (s->frozen && (me->dp_rank || me->cp_rank)) continue;
+        if (s->frozen && (s->expert ? me->edp_rank != 0 : (me->dp_rank || me->cp_rank))) continue;
         loom_state_piece p = {.tensor = tensor_of(sn, s, &hint), .row0 = s->row0,
                               .col0 = s->col0, .rows = s->rows, .cols = s->cols,
                               .moments = !s->frozen};

@@ -467,13 +467,27 @@ loom_status loom_model_forward_only(loom_model *m, const loom_batch *b, int64_t 
     return run(m, b, num_micro_batches, false, token_logprobs, entropy, logits, out);
 }
 
+loom_comm *loom_bucket_comm(const loom_model *m, const loom_arena *A, int b) {
+    return A->bucket_ex && A->bucket_ex[b] ? m->mesh->edp : m->mesh->dpcp;
+}
+
 void loom_shard_range(const loom_model *m, const loom_arena *A, int b, size_t *s0, size_t *per,
                       size_t *base) {
-    const int n = loom_comm_size(m->mesh->dpcp), r = loom_comm_rank(m->mesh->dpcp);
+    loom_comm *c = loom_bucket_comm(m, A, b);
+    const int n = loom_comm_size(c), r = loom_comm_rank(c);
     *per = A->bucket_len[b] / (size_t)n;
     *s0 = A->bucket_off[b] + (size_t)r * *per;
     *base = 0; /* the shard buffers hold the buckets' shards one after another */
-    for (int k = 0; k < b; k++) *base += A->bucket_len[k] / (size_t)n;
+    for (int k = 0; k < b; k++)
+        *base += A->bucket_len[k] / (size_t)loom_comm_size(loom_bucket_comm(m, A, k));
+}
+
+/* One rank holds every bucket whole (no group to shard over): the gradients
+ * serve as the shard. */
+static bool unsharded(const loom_model *m, const loom_arena *A) {
+    for (int b = 0; b < A->nbuckets; b++)
+        if (loom_comm_size(loom_bucket_comm(m, A, b)) > 1) return false;
+    return true;
 }
 
 /* The part of slot i inside this rank's shard of bucket b: flat offset o0,
@@ -515,12 +529,12 @@ static loom_status reduce_grads(loom_model *m, loom_arena *A) {
         st = loom_comm_allreduce(m->mesh->embed, loom_g(m, s), A->slots[s].numel, LOOM_F32,
                                  LOOM_RED_SUM);
     }
-    const size_t n = (size_t)loom_comm_size(m->mesh->dpcp);
     size_t so = 0;
     for (int b = 0; b < A->nbuckets && !st && !A->gshard_is_g; b++) {
-        size_t per = A->bucket_len[b] / n;
-        st = loom_comm_reduce_scatter(m->mesh->dpcp, A->g + A->bucket_off[b], A->gshard + so, per,
-                                      LOOM_F32, LOOM_RED_SUM);
+        loom_comm *c = loom_bucket_comm(m, A, b);
+        size_t per = A->bucket_len[b] / (size_t)loom_comm_size(c);
+        st = loom_comm_reduce_scatter(c, A->g + A->bucket_off[b], A->gshard + so, per, LOOM_F32,
+                                      LOOM_RED_SUM);
         so += per;
     }
     return st;
@@ -528,13 +542,13 @@ static loom_status reduce_grads(loom_model *m, loom_arena *A) {
 
 /* Every dp x cp rank's updated shard back into everyone's parameters. */
 static loom_status gather_params(loom_model *m, loom_arena *A) {
-    const size_t n = (size_t)loom_comm_size(m->mesh->dpcp);
-    const size_t r = (size_t)loom_comm_rank(m->mesh->dpcp);
     loom_status st = LOOM_OK;
     for (int b = 0; b < A->nbuckets && !st; b++) {
+        loom_comm *c = loom_bucket_comm(m, A, b);
+        const size_t n = (size_t)loom_comm_size(c), r = (size_t)loom_comm_rank(c);
         size_t per = A->bucket_len[b] / n;
         float *base = A->w + A->bucket_off[b];
-        st = loom_comm_allgather(m->mesh->dpcp, base + r * per, base, per, LOOM_F32);
+        st = loom_comm_allgather(c, base + r * per, base, per, LOOM_F32);
     }
     return st;
 }
@@ -638,7 +652,7 @@ loom_status loom_optim_alloc(loom_model *m, loom_arena *A) {
     /* one rank over dp x cp: the shard is the whole gradient buffer, the
      * buckets back to back (checked), so the gradients serve as it (no
      * copy, and one fp32 copy of the gradients less) */
-    bool is_g = loom_comm_size(m->mesh->dpcp) == 1;
+    bool is_g = unsharded(m, A);
     for (size_t b = 0, so = 0; is_g && b < (size_t)A->nbuckets; so += A->bucket_len[b++])
         is_g = A->bucket_off[b] == so;
     float *blk = NULL;
@@ -707,7 +721,7 @@ static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *p
      * updated parameters back */
     bool wc_done;
     if ((st = loom_k_adamw_parts(m, A, parts, nparts, &hp, t, gs,
-                                 loom_comm_size(m->mesh->dpcp) == 1, &wc_done)))
+                                 unsharded(m, A), &wc_done)))
         return st;
     if ((st = gather_params(m, A))) return st;
     if (!wc_done && (st = loom_arena_sync(m, A))) return st;
