@@ -2,11 +2,13 @@
  * tiny-qwen3-moe fixture (hub layout) reads as the fixture bit for bit; the
  * malformed ones are refused with messages that name the file, the tensor
  * and what was expected; the writer's fused layout holds the fixture's
- * experts and reads back to them; a model saves in the layout it read. */
+ * experts and reads back to them; a model saves in the layout it read;
+ * `loom inspect` and `loom convert` read fused checkpoints. */
 #include <stdarg.h>
 #include <stdlib.h>
 
 #include "../include/loom.h"
+#include "../src/core/json.h"
 #include "../src/io/export.h"
 #include "../src/io/hf_config.h"
 #include "../src/io/safetensors.h"
@@ -176,6 +178,37 @@ TEST(hf_experts_fused_copy_reads_as_hub) {
     loom_st_close(hub);
     loom_st_close(f1);
     loom_st_close(f2);
+    loom_ctx_free(ctx);
+}
+
+/* `loom inspect` and `loom convert` read a fused checkpoint by the hub's names */
+TEST(hf_experts_cli_inspect_and_convert) {
+    REQUIRE_FIXTURE(hub_dir());
+    loom_ctx *ctx = new_ctx();
+    char dir[1024], out[1024], *text = NULL;
+    REQUIRE_OK(ctx, write_fused_copy(ctx, tmp(dir, sizeof dir, "cli-fused"), 0));
+    const char *inspect[] = {loom_test_bin(), "inspect", dir, "--format", "json", NULL};
+    CHECK_EQ_INT(loom_test_run(&text, inspect), 0);
+    loom_json *doc = NULL;
+    CHECK_OK(ctx, loom_json_parse(ctx, text, strlen(text), "inspect output", &doc));
+    free(text);
+    REQUIRE(doc);
+    int64_t found = -1;
+    CHECK_OK(ctx, loom_json_get_int(ctx, doc, "found", "inspect", &found));
+    CHECK_EQ_INT(found, NL * (1 + 4 + 2 + 1 + 1 + NE * 3) + 3);
+    CHECK_EQ_INT(loom_json_get(doc, "missing")->n, 0);
+    CHECK_EQ_INT(loom_json_get(doc, "unexpected")->n, 0);
+    loom_json_free(doc);
+    const char *convert[] = {
+        loom_test_bin(), "convert", "--model", dir, "--out", tmp(out, sizeof out, "cli-hub"), NULL};
+    CHECK_EQ_INT(loom_test_run(&text, convert), 0);
+    free(text);
+    loom_safetensors *hub, *conv;
+    REQUIRE_OK(ctx, loom_st_open_dir(ctx, hub_dir(), "model", &hub));
+    REQUIRE_OK(ctx, loom_st_open_dir(ctx, out, "model", &conv));
+    check_same(hub, conv, false); /* convert writes the hub layout */
+    loom_st_close(hub);
+    loom_st_close(conv);
     loom_ctx_free(ctx);
 }
 
