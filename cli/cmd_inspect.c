@@ -322,7 +322,7 @@ int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
     match m = {0};
     if ((st = loom_param_plan_build(ctx, &cfg, &plan))) goto fail;
     if (dir) {
-        if ((st = loom_st_open_dir(ctx, dir, "model", &ckpt))) goto fail;
+        if ((st = loom_hf_dir_open(ctx, dir, &ckpt))) goto fail;
         if ((st = compare(ctx, &plan, ckpt, &m))) goto fail;
     }
     if (!strcmp(s->format, "json")) {

@@ -5,11 +5,13 @@
  * loom_st_find, each lying inside the input with nbytes = numel * element
  * size, no two overlapping, the total adding up; each tensor is read in its
  * own dtype (must equal its bytes) and widened (floats to F32, integers to
- * I64). When it refuses, the message must name the input. Leaks are caught by
- * ASan. */
+ * I64). When it refuses, the message must name the input. Then the same
+ * through loom_hf_experts_unfuse (transformers' fused experts as per-expert
+ * views). Leaks are caught by ASan. */
 #include <stdlib.h>
 #include <string.h>
 
+#include "../src/io/hf_experts.h"
 #include "../src/io/safetensors.h"
 
 #define CHECK(c)                                                                        \
@@ -29,18 +31,9 @@ static int cmp_range(const void *a, const void *b) {
     return x->begin < y->begin ? -1 : x->begin > y->begin;
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    loom_ctx *ctx;
-    if (loom_ctx_create(&ctx) != LOOM_OK) return 0;
-    loom_safetensors *st = NULL;
-    loom_status s = loom_st_open_buffer(ctx, data, size, "fuzz.safetensors", &st);
-    if (s != LOOM_OK) {
-        CHECK(st == NULL);
-        CHECK(strstr(loom_last_error(ctx), "fuzz.safetensors") != NULL ||
-              s == LOOM_ERR_OOM);
-        loom_ctx_free(ctx);
-        return 0;
-    }
+/* Every promise of the API about the open handle st of the input. */
+static void check_handle(loom_ctx *ctx, loom_safetensors *st, const uint8_t *data, size_t size) {
+    loom_status s;
     CHECK(st && loom_st_file_count(st) == 1);
     size_t n = loom_st_count(st);
     range *r = malloc((n ? n : 1) * sizeof *r);
@@ -91,6 +84,46 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (md) {
         CHECK(md->type == LOOM_JSON_OBJECT);
         for (size_t i = 0; i < md->n; i++) CHECK(md->items[i]->type == LOOM_JSON_STRING);
+    }
+}
+
+/* A fused tensor's name: "[<path>.]experts.<leaf>". */
+static bool fused_name(const char *name, const char *leaf) {
+    const size_t n = strlen(name), l = strlen(leaf) + 8;
+    return n >= l && !strcmp(name + n - l + 8, leaf) && !strncmp(name + n - l, "experts.", 8) &&
+           (n == l || name[n - l - 1] == '.');
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    loom_ctx *ctx;
+    if (loom_ctx_create(&ctx) != LOOM_OK) return 0;
+    loom_safetensors *st = NULL;
+    loom_status s = loom_st_open_buffer(ctx, data, size, "fuzz.safetensors", &st);
+    if (s != LOOM_OK) {
+        CHECK(st == NULL);
+        CHECK(strstr(loom_last_error(ctx), "fuzz.safetensors") != NULL ||
+              s == LOOM_ERR_OOM);
+        loom_ctx_free(ctx);
+        return 0;
+    }
+    check_handle(ctx, st, data, size);
+    /* transformers' fused experts seen as the hub's per-expert tensors (the
+     * path of loom_hf_dir_open): the same promises, views of the input */
+    const size_t n0 = loom_st_count(st);
+    const uint64_t total0 = loom_st_total_bytes(st);
+    s = loom_hf_experts_unfuse(ctx, st);
+    if (s == LOOM_OK) {
+        check_handle(ctx, st, data, size);
+        CHECK(loom_st_total_bytes(st) == total0);
+        CHECK(loom_st_count(st) >= n0);
+        for (size_t i = 0; i < loom_st_count(st); i++) {
+            const loom_st_tensor *t = loom_st_at(st, i);
+            CHECK(!fused_name(t->name, "gate_up_proj") && !fused_name(t->name, "down_proj"));
+            CHECK(!t->view || (t->ndim == 2 && strstr(t->name, "experts.")));
+        }
+        CHECK(loom_hf_dir_experts_fused(st) == (loom_st_count(st) != n0));
+    } else {
+        CHECK(strstr(loom_last_error(ctx), "fuzz.safetensors") != NULL || s == LOOM_ERR_OOM);
     }
     loom_st_close(st);
     loom_ctx_free(ctx);

@@ -27,7 +27,9 @@
 /* the job's world group (loom_comm_world) and the collectives the CLI
  * itself runs: barriers, broadcasts, agreeing on a verdict, abort */
 #include "comm/comm.h"
-/* safetensors reading and writing (init, inspect, golden, convert) */
+/* safetensors reading and writing (init, inspect, golden, convert); a HF
+ * model directory's weights with its experts in the hub layout (export.h) */
+#include "io/export.h"
 #include "io/safetensors.h"
 /* output directories written whole (loom_out_*), checkpoint directories
  * (loom_ckpt_*: iter_ names, the tracker, pruning) */

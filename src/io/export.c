@@ -6,49 +6,58 @@
 #include <string.h>
 
 #include "../core/json.h"
+#include "hf_experts.h"
 #include "outdir.h"
 #include "safetensors.h"
 
 /* <base>.safetensors (sharded past max_shard; 0: one file) from src into
  * dir on the writer, {"format": "pt"} as its metadata, as transformers
- * writes. Every rank fetches every tensor, whatever the writer's state. */
+ * writes; src's experts fused with `fused`. Every rank fetches every
+ * tensor, whatever the writer's state. */
 static loom_status write_tensors(loom_ctx *ctx, const char *dir, const char *base,
                                  uint64_t max_shard, loom_dtype dtype, bool writer,
-                                 const loom_tensor_source *src, loom_status st) {
+                                 const loom_tensor_source *src, bool fused, loom_status st) {
+    loom_hf_layout lay;
+    loom_status ls = loom_hf_layout_build(ctx, src, fused, &lay); /* alike on every rank */
+    if (ls) return st ? st : ls;
     loom_st_writer *w = NULL;
-    char name[320];
-    int ndim;
-    int64_t shape[2];
     if (writer && !st) {
         loom_json *meta = loom_json_new_object(ctx);
         st = meta ? loom_json_set(ctx, meta, "format", loom_json_new_str(ctx, "pt")) : LOOM_ERR_OOM;
         if (!st) st = loom_st_writer_create(ctx, dir, base, max_shard, meta, &w);
         loom_json_free(meta);
-        for (size_t i = 0; i < src->n && !st; i++) {
-            src->info(src->u, i, name, sizeof name, &ndim, shape);
-            st = loom_st_writer_declare(ctx, w, name, dtype, ndim, shape);
-        }
+        for (size_t k = 0; k < lay.n && !st; k++)
+            st =
+                loom_st_writer_declare(ctx, w, lay.t[k].name, dtype, lay.t[k].ndim, lay.t[k].shape);
     }
     float *buf = NULL;
     size_t cap = 0;
-    for (size_t i = 0; i < src->n; i++) {
-        src->info(src->u, i, name, sizeof name, &ndim, shape);
-        const size_t n = (size_t)(shape[0] * (ndim == 2 ? shape[1] : 1));
+    char name[320];
+    int ndim;
+    int64_t shape[2];
+    for (size_t k = 0; k < lay.n; k++) {
         loom_status gs = LOOM_OK;
-        if (n > cap) {
-            float *nb = realloc(buf, n * sizeof *buf);
-            if (!nb) gs = loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering %s", name);
-            buf = nb ? nb : buf;
-            cap = nb ? n : cap;
+        for (size_t j = lay.t[k].first; j < lay.t[k].first + lay.t[k].n && !gs; j++) {
+            const size_t i = lay.idx[j];
+            src->info(src->u, i, name, sizeof name, &ndim, shape);
+            const size_t n = (size_t)(shape[0] * (ndim == 2 ? shape[1] : 1));
+            if (n > cap) {
+                float *nb = realloc(buf, n * sizeof *buf);
+                if (!nb) gs = loom_errf(ctx, LOOM_ERR_OOM, "out of memory gathering %s", name);
+                buf = nb ? nb : buf;
+                cap = nb ? n : cap;
+            }
+            if (!gs) gs = src->fetch(src->u, i, buf);
+            if (!gs && writer && !st)
+                st = loom_st_writer_write_part(ctx, w, lay.t[k].name, LOOM_F32, buf, n);
         }
-        if (!gs) gs = src->fetch(src->u, i, buf);
         if (gs) { /* a failed gather fails every rank alike: stop here */
             st = gs;
             break;
         }
-        if (writer && !st) st = loom_st_writer_write(ctx, w, name, LOOM_F32, buf);
     }
     free(buf);
+    loom_hf_layout_free(&lay);
     if (writer && !st) st = loom_st_writer_finish(ctx, w);
     loom_st_writer_free(w);
     return st;
@@ -57,14 +66,15 @@ static loom_status write_tensors(loom_ctx *ctx, const char *dir, const char *bas
 loom_status loom_hf_dir_write(loom_ctx *ctx, const char *what, const char *dir, bool writer,
                               const loom_tensor_source *src, loom_dtype dtype,
                               uint64_t max_shard_bytes, const loom_model_config *cfg,
-                              const char *side_dir) {
+                              const char *side_dir, bool fused_experts) {
     if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                          "weights can be saved as F32, BF16 or F16, not %s", loom_dtype_name(dtype));
     if (!max_shard_bytes) max_shard_bytes = 5000000000ull; /* transformers' default */
     loom_out out = {0}; /* the writer writes into a temporary directory, moved into place whole */
     loom_status st = writer ? loom_out_begin(ctx, what, dir, LOOM_OUT_DIR, &out) : LOOM_OK;
-    st = write_tensors(ctx, out.tmp, "model", max_shard_bytes, dtype, writer, src, st);
+    st = write_tensors(ctx, out.tmp, "model", max_shard_bytes, dtype, writer, src, fused_experts,
+                       st);
     if (writer && !st) st = loom_config_save(ctx, cfg, out.tmp, dtype);
     if (writer && !st && side_dir) st = loom_out_copy_side_files(ctx, side_dir, out.tmp);
     if (writer && !st) return loom_out_commit(ctx, &out);
@@ -147,7 +157,7 @@ loom_status loom_peft_dir_write(loom_ctx *ctx, const char *dir, bool writer,
     loom_out out = {0}; /* the writer writes into a temporary directory, moved into place whole */
     loom_status st = writer ? loom_out_begin(ctx, "save_adapter", dir, LOOM_OUT_DIR, &out)
                             : LOOM_OK;
-    st = write_tensors(ctx, out.tmp, "adapter_model", 0, dtype, writer, src, st);
+    st = write_tensors(ctx, out.tmp, "adapter_model", 0, dtype, writer, src, false, st);
     if (writer && !st) st = write_config(ctx, out.tmp, c, targets, ntargets);
     if (writer && !st) return loom_out_commit(ctx, &out);
     loom_out_abort(&out);
@@ -237,7 +247,12 @@ done:
 /* ---- reading ---- */
 
 loom_status loom_hf_dir_open(loom_ctx *ctx, const char *dir, loom_safetensors **out) {
-    return loom_st_open_dir(ctx, dir, "model", out);
+    loom_status s = loom_st_open_dir(ctx, dir, "model", out);
+    if (!s && (s = loom_hf_experts_unfuse(ctx, *out))) {
+        loom_st_close(*out);
+        *out = NULL;
+    }
+    return s;
 }
 
 struct loom_peft_dir {

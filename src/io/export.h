@@ -12,10 +12,14 @@
 #include "../core/core.h"
 #include "hf_config.h"
 
-/* Tensors produced one at a time, in order. info names tensor i (0 <= i <
- * n) and gives its shape; fetch puts its values (fp32, row-major) in dst.
- * Under a mesh every rank calls fetch for every tensor in the same order
- * (it gathers), whatever the writer's state; only the writer writes. */
+/* Tensors produced one at a time. info names tensor i (0 <= i < n) and
+ * gives its shape; fetch puts its values (fp32, row-major) in dst. Under a
+ * mesh every rank calls fetch for every tensor in the same order (it
+ * gathers), whatever the writer's state; only the writer writes. The order
+ * is 0, 1, ..., n - 1, except where the experts are written fused
+ * (loom_hf_dir_write): there each layer's experts are fetched in the order
+ * of the fused tensors (gate 0, up 0, gate 1, up 1, ..., then down 0,
+ * down 1, ...). */
 typedef struct loom_tensor_source {
     void *u;
     size_t n;
@@ -27,11 +31,15 @@ typedef struct loom_tensor_source {
  * at most max_shard_bytes with their index) in dtype, config.json from cfg,
  * and the tokenizer and generation files found in side_dir (may be NULL).
  * Collective through src->fetch; writer: this rank writes. what: the
- * option naming dir in errors ("save_hf", "out"). */
+ * option naming dir in errors ("save_hf", "out"). fused_experts: src's
+ * per-expert tensors of the hub layout (<P>experts.<e>.{gate,up,down}_proj
+ * .weight) are written as transformers v5's fused <P>experts.gate_up_proj
+ * [E, 2I, H] and <P>experts.down_proj [E, H, I] (hf_experts.h); refused
+ * with per-expert biases, which that layout does not have. */
 loom_status loom_hf_dir_write(loom_ctx *ctx, const char *what, const char *dir, bool writer,
                               const loom_tensor_source *src, loom_dtype dtype,
                               uint64_t max_shard_bytes, const loom_model_config *cfg,
-                              const char *side_dir);
+                              const char *side_dir, bool fused_experts);
 
 /* A PEFT LoRA adapter's settings, as adapter_config.json holds them. */
 typedef struct loom_peft_config {
@@ -66,9 +74,15 @@ bool loom_peft_weight_parse(const char *name, int64_t *layer, char module[32], c
 /* ---- reading ---- */
 
 /* The weights of a Hugging Face model directory (model.safetensors, or its
- * shards through model.safetensors.index.json), by HF name. */
+ * shards through model.safetensors.index.json), by HF name. The fused
+ * experts of transformers v5 (<P>experts.gate_up_proj, <P>experts.down_proj)
+ * are found under the hub's per-expert names instead, as views of them
+ * (hf_experts.h says what is refused). */
 struct loom_safetensors;
 loom_status loom_hf_dir_open(loom_ctx *ctx, const char *dir, struct loom_safetensors **out);
+/* Whether the checkpoint loom_hf_dir_open read has its experts fused: save
+ * it with fused_experts to keep its layout. */
+bool loom_hf_dir_experts_fused(const struct loom_safetensors *st);
 
 /* A PEFT adapter directory opened for reading: adapter_config.json's
  * settings (checked as loom_peft_config_read does) and the tensors of

@@ -65,6 +65,8 @@ struct loom_safetensors {
     loom_st_tensor *t;
     size_t n, cap;
     uint64_t total;
+    char **views; /* (nviews) the name blocks of loom_st_splice's entries */
+    size_t nviews;
 };
 
 void loom_st_close(loom_safetensors *st) {
@@ -74,6 +76,8 @@ void loom_st_close(loom_safetensors *st) {
         loom_json_free(st->files[i].header);
         free(st->files[i].path);
     }
+    for (size_t i = 0; i < st->nviews; i++) free(st->views[i]);
+    free(st->views);
     free(st->files);
     free(st->t);
     free(st);
@@ -500,6 +504,58 @@ loom_status loom_st_open_dir(loom_ctx *ctx, const char *dir, const char *base,
     return finish_open(ctx, st, s, out); /* finalize() again after open_index is harmless */
 }
 
+loom_status loom_st_splice(loom_ctx *ctx, loom_safetensors *st, const char *const *drop,
+                           size_t ndrop, const loom_st_tensor *add, size_t nadd) {
+    size_t bytes = 1, *at = loom_malloc(ctx, (ndrop ? ndrop : 1) * sizeof *at, "dropped tensors");
+    if (!at) return LOOM_ERR_OOM;
+    loom_status s = LOOM_OK;
+    for (size_t i = 0; i < ndrop && !s; i++) {
+        const loom_st_tensor *t = loom_st_find(st, drop[i]);
+        if (t)
+            at[i] = (size_t)(t - st->t);
+        else
+            s = loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_st_splice: no tensor '%s'", drop[i]);
+    }
+    for (size_t i = 0; i < nadd && !s; i++) { /* a view lies in its file's mapping */
+        const bool fok = add[i].file >= 0 && (size_t)add[i].file < st->nfiles;
+        const uintptr_t b = fok ? (uintptr_t)st->files[add[i].file].base : 0,
+                        e = fok ? b + st->files[add[i].file].len : 0, d = (uintptr_t)add[i].data;
+        if (!fok || d < b || d > e || add[i].nbytes > e - d)
+            s = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                          "loom_st_splice: view '%s' lies outside its file", add[i].name);
+        bytes += strlen(add[i].name) + 1;
+    }
+    const size_t need = st->n + nadd; /* at most */
+    char **v = s ? NULL : loom_realloc(ctx, st->views, (st->nviews + 1) * sizeof *v, "views");
+    char *names = v ? loom_malloc(ctx, bytes, "view names") : NULL;
+    loom_st_tensor *t = names && need > st->cap
+                            ? loom_realloc(ctx, st->t, need * sizeof *t, "safetensors tensors")
+                            : st->t;
+    if (!s && (!v || !names || (!t && need))) s = LOOM_ERR_OOM;
+    st->views = v ? v : st->views;
+    if (s) {
+        free(names);
+        free(at);
+        return s;
+    }
+    st->views[st->nviews++] = names;
+    st->cap = need > st->cap ? need : st->cap;
+    st->t = t;
+    for (size_t i = 0; i < ndrop; i++) st->t[at[i]].name = NULL;
+    free(at);
+    size_t n = 0;
+    for (size_t i = 0; i < st->n; i++)
+        if (st->t[i].name) st->t[n++] = st->t[i];
+    for (size_t i = 0; i < nadd; i++, n++) {
+        st->t[n] = add[i];
+        st->t[n].name = strcpy(names, add[i].name);
+        st->t[n].view = true;
+        names += strlen(names) + 1;
+    }
+    st->n = n;
+    return finalize(ctx, st);
+}
+
 size_t loom_st_count(const loom_safetensors *st) { return st->n; }
 
 const loom_st_tensor *loom_st_at(const loom_safetensors *st, size_t i) {
@@ -586,6 +642,7 @@ typedef struct wtensor {
     uint64_t nbytes;
     int shard;
     uint64_t offset; /* within the shard's data */
+    uint64_t done;   /* bytes written so far (loom_st_writer_write_part) */
     bool written;
 } wtensor;
 
@@ -923,8 +980,10 @@ static loom_status prepare(loom_ctx *ctx, loom_st_writer *w) {
     return s;
 }
 
-loom_status loom_st_writer_write(loom_ctx *ctx, loom_st_writer *w, const char *name,
-                                 loom_dtype src_dt, const void *data) {
+/* numel elements of tensor `name` from data, after the `done` bytes already
+ * written (whole: the tensor in one call). */
+static loom_status write_elems(loom_ctx *ctx, loom_st_writer *w, const char *name,
+                               loom_dtype src_dt, const void *data, uint64_t numel, bool whole) {
     const loom_status E = LOOM_ERR_INVALID_ARG;
     if (w->failed) return loom_errf(ctx, LOOM_ERR_IO, "safetensors writer: an earlier call failed");
     if (w->finished) return loom_errf(ctx, E, "safetensors writer: already finished");
@@ -939,25 +998,37 @@ loom_status loom_st_writer_write(loom_ctx *ctx, loom_st_writer *w, const char *n
                                  "one to write is '%s' (write in declaration order)", name,
                          w->t[w->next].name);
     wtensor *t = &w->t[ti];
-    if ((int)src_dt < 0 || src_dt >= LOOM_DTYPE_COUNT || (t->nbytes && !data))
+    const size_t dsz = loom_dtype_size(t->dt);
+    if (whole && t->done)
+        return loom_errf(ctx, E,
+                         "safetensors writer: tensor '%s' is being written in parts "
+                         "(%" PRIu64 " of %" PRIu64 " elements): write the rest in parts",
+                         name, t->done / dsz, t->nbytes / dsz);
+    if (whole) numel = t->nbytes / dsz;
+    if (numel > (t->nbytes - t->done) / dsz)
+        return loom_errf(ctx, E,
+                         "safetensors writer: tensor '%s': %" PRIu64 " more elements, "
+                         "but %" PRIu64 " of its %" PRIu64 " are left to write",
+                         name, numel, (t->nbytes - t->done) / dsz, t->nbytes / dsz);
+    if ((int)src_dt < 0 || src_dt >= LOOM_DTYPE_COUNT || (numel && !data))
         return loom_errf(ctx, E, "safetensors writer: tensor '%s': bad source dtype %d or NULL "
                                  "data", name, (int)src_dt);
+    const size_t ssz = loom_dtype_size(src_dt);
     loom_status s = prepare(ctx, w);
     if (s == LOOM_OK && !w->shards[t->shard].created) s = start_shard(ctx, w, (size_t)t->shard);
     if (s != LOOM_OK) goto fail;
     wshard *sh = &w->shards[t->shard];
-    uint64_t off = sh->data_start + t->offset;
+    uint64_t off = sh->data_start + t->offset + t->done;
     if (src_dt == t->dt) {
-        if ((s = put(ctx, w, off, data, (size_t)t->nbytes)) != LOOM_OK) goto fail;
+        if ((s = put(ctx, w, off, data, (size_t)(numel * dsz))) != LOOM_OK) goto fail;
     } else { /* convert in chunks straight into the write buffer */
-        size_t dsz = loom_dtype_size(t->dt), ssz = loom_dtype_size(src_dt);
-        size_t numel = (size_t)(t->nbytes / dsz), per = WBUF_CAP / dsz;
+        size_t per = WBUF_CAP / dsz;
         for (size_t i = 0; i < numel; i += per) {
             size_t k = numel - i < per ? numel - i : per;
             unsigned char *dst;
             if ((s = reserve(ctx, w, off + (uint64_t)i * dsz, k * dsz, &dst)) != LOOM_OK) goto fail;
             if (loom_convert(ctx, dst, t->dt, (const char *)data + i * ssz, src_dt, k) != LOOM_OK) {
-                /* not committed: the tensor may be written again */
+                /* not committed: the elements may be written again */
                 if (i > 0) loom_err_prefix(ctx, "in the chunk from element %zu", i);
                 return loom_err_prefix(ctx, "safetensors writer: tensor '%s' (%s to %s)", name,
                                        loom_dtype_name(src_dt), loom_dtype_name(t->dt));
@@ -965,12 +1036,24 @@ loom_status loom_st_writer_write(loom_ctx *ctx, loom_st_writer *w, const char *n
             w->pend_len += k * dsz;
         }
     }
+    t->done += numel * dsz;
+    if (t->done < t->nbytes) return LOOM_OK;
     t->written = true;
     if (++w->next == sh->first + sh->count && (s = complete_shard(ctx, w)) != LOOM_OK) goto fail;
     return LOOM_OK;
 fail:
     w->failed = true;
     return s;
+}
+
+loom_status loom_st_writer_write(loom_ctx *ctx, loom_st_writer *w, const char *name,
+                                 loom_dtype src_dt, const void *data) {
+    return write_elems(ctx, w, name, src_dt, data, 0, true);
+}
+
+loom_status loom_st_writer_write_part(loom_ctx *ctx, loom_st_writer *w, const char *name,
+                                      loom_dtype src_dt, const void *data, uint64_t numel) {
+    return write_elems(ctx, w, name, src_dt, data, numel, false);
 }
 
 /* The index, like transformers writes it: {"metadata": {"total_size": N},

@@ -34,6 +34,7 @@ typedef struct loom_st_tensor {
     uint64_t nbytes;
     const void *data;  /* into the mapping; may be unaligned: read with memcpy */
     int file;          /* index of the file that holds it */
+    bool view;         /* part of a file's tensor, under a name of its own (loom_st_splice) */
 } loom_st_tensor;
 
 typedef struct loom_safetensors loom_safetensors;
@@ -62,6 +63,14 @@ const char *loom_st_file_path(const loom_safetensors *st, int file);
 const loom_json *loom_st_metadata(const loom_safetensors *st, int file);
 /* Sum of all tensors' bytes. */
 uint64_t loom_st_total_bytes(const loom_safetensors *st);
+
+/* Presents a checkpoint in another layout (hf_experts.c): drops the ndrop
+ * tensors named in drop and adds the nadd entries of add (their names are
+ * copied; data must lie in the mapping of file add[i].file), marked as
+ * views, the list sorted again; a name twice is refused as at open. On an
+ * error the handle may only be closed. */
+loom_status loom_st_splice(loom_ctx *ctx, loom_safetensors *st, const char *const *drop,
+                           size_t ndrop, const loom_st_tensor *add, size_t nadd);
 
 /* Copies tensor t into dst as dtype `dt` (converting when it differs, see
  * loom_convert). dst_numel must equal t->numel (else LOOM_ERR_SHAPE naming
@@ -96,6 +105,11 @@ loom_status loom_st_writer_declare(loom_ctx *ctx, loom_st_writer *w, const char 
  * they differ. */
 loom_status loom_st_writer_write(loom_ctx *ctx, loom_st_writer *w, const char *name,
                                  loom_dtype src_dt, const void *data);
+/* The next numel elements of the tensor being written (the next one in
+ * declaration order), in pieces: it is complete when all its elements are
+ * written. A tensor begun in pieces cannot be written whole. */
+loom_status loom_st_writer_write_part(loom_ctx *ctx, loom_st_writer *w, const char *name,
+                                      loom_dtype src_dt, const void *data, uint64_t numel);
 loom_status loom_st_writer_finish(loom_ctx *ctx, loom_st_writer *w);
 /* Frees; if finish() was not reached, removes the temporary files. */
 void loom_st_writer_free(loom_st_writer *w);

@@ -347,6 +347,7 @@ static loom_status load_weights(loom_model *m, const char *dir) {
     loom_safetensors *st;
     loom_status s = loom_hf_dir_open(ctx, dir, &st);
     if (s) return s;
+    m->experts_fused = loom_hf_dir_experts_fused(st); /* saved in the layout read */
     m->file_dtype = LOOM_DTYPE_COUNT;
     /* every tensor the config implies must be there, whichever rank holds it */
     for (size_t i = 0; i < m->plan.n && !s; i++) {
@@ -920,7 +921,7 @@ loom_status loom_model_save_hf(loom_model *m, const char *dir, loom_dtype dtype,
     const loom_tensor_source src = {m, m->plan.n, hf_info, hf_fetch};
     return loom_hf_dir_write(m->ctx, "save_hf", dir, m->mesh->rank == 0, &src,
                              dtype == LOOM_DTYPE_COUNT ? m->file_dtype : dtype, max_shard_bytes,
-                             &m->cfg, m->src_dir);
+                             &m->cfg, m->src_dir, m->experts_fused);
 }
 
 loom_status loom_model_load_config(loom_ctx *ctx, const char *dir, const char *overrides,

@@ -155,6 +155,7 @@ struct loom_model {
     char dir_name[256];      /* the model directory's own name (loom_path_name) */
     loom_param_plan plan;
     loom_dtype file_dtype;   /* dtype of the checkpoint's weights */
+    bool experts_fused;      /* its experts in transformers v5's fused layout (hf_experts.h) */
     char *src_dir;           /* the directory it was created from (side files, adapter names) */
     char *overrides;         /* the config overrides it was created with (NULL: none) */
     loom_comm *world;        /* owned when own_world */

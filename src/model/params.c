@@ -260,7 +260,8 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
     if ((st = loom_param_plan_build(ctx, cfg, &plan))) return st;
     random_src r = {&plan, seed, std};
     const loom_tensor_source src = {&r, plan.n, random_info, random_fetch};
-    st = loom_hf_dir_write(ctx, "out", out_dir, true, &src, dtype, max_shard_bytes, cfg, NULL);
+    st = loom_hf_dir_write(ctx, "out", out_dir, true, &src, dtype, max_shard_bytes, cfg, NULL,
+                           false);
     loom_param_plan_free(&plan);
     return st;
 }
