@@ -90,9 +90,19 @@ void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *blo
              block, module, ab);
 }
 
-bool loom_peft_weight_parse(const char *name, int64_t *layer, char module[32], char *ab) {
-    long long l = -1;
+bool loom_peft_weight_parse(const char *name, int64_t *layer, int64_t *expert, char module[32],
+                            char *ab) {
+    long long l = -1, e = -1;
     int n = 0;
+    *expert = -1;
+    if (sscanf(name, "base_model.model.model.layers.%lld.mlp.experts.%lld.%31[a-z_].lora_%c.weight%n",
+               &l, &e, module, ab, &n) == 4 && !name[n] && l >= 0 && e >= 0 &&
+        (*ab == 'A' || *ab == 'B')) {
+        *layer = l;
+        *expert = e;
+        return true;
+    }
+    n = 0;
     if (sscanf(name, "base_model.model.model.layers.%lld.%*[a-z_].%31[a-z_].lora_%c.weight%n", &l,
                module, ab, &n) != 3 || name[n] || l < 0 || (*ab != 'A' && *ab != 'B'))
         return false;
@@ -298,7 +308,7 @@ loom_status loom_peft_dir_tensor(loom_ctx *ctx, const loom_peft_dir *d, size_t i
     const loom_st_tensor *x = loom_st_at(d->st, i);
     memset(t, 0, sizeof *t);
     t->name = x->name;
-    t->lora = loom_peft_weight_parse(x->name, &t->layer, t->module, &t->ab);
+    t->lora = loom_peft_weight_parse(x->name, &t->layer, &t->expert, t->module, &t->ab);
     t->ndim = x->ndim;
     t->shape[0] = x->ndim > 0 ? x->shape[0] : 0;
     t->shape[1] = x->ndim > 1 ? x->shape[1] : 0;

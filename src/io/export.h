@@ -65,11 +65,13 @@ loom_status loom_peft_dir_write(loom_ctx *ctx, const char *dir, bool writer,
                                 int ntargets);
 
 /* PEFT's name of a decoder layer's LoRA weight: "base_model.model.model.
- * layers.<layer>.<block>.<module>.lora_<A|B>.weight" (block: self_attn or
- * mlp). parse gives layer, module and 'A'/'B'; false for any other name. */
+ * layers.<layer>.<block>.<module>.lora_<A|B>.weight" (block: self_attn, mlp,
+ * or an expert's mlp.experts.<e>). parse gives layer, the expert (-1: not
+ * an expert's), module and 'A'/'B'; false for any other name. */
 void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *block,
                            const char *module, char ab);
-bool loom_peft_weight_parse(const char *name, int64_t *layer, char module[32], char *ab);
+bool loom_peft_weight_parse(const char *name, int64_t *layer, int64_t *expert, char module[32],
+                            char *ab);
 
 /* ---- reading ---- */
 
@@ -102,6 +104,7 @@ typedef struct loom_peft_tensor {
     const char *name;
     bool lora;
     int64_t layer;
+    int64_t expert;        /* an expert's module (mlp.experts.<e>.<module>), else -1 */
     char module[32];
     char ab;               /* 'A' or 'B' */
     int ndim;

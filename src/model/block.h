@@ -33,6 +33,8 @@ enum {
     LOOM_BLOCK_MAX_BUFS = 16,    /* activation buffers of one block, per layer */
     LOOM_BLOCK_MAX_SCRATCH = 12, /* scratch buffers of one kind */
     LOOM_MOE_MAX_EXPERTS = 512,  /* experts of a MoE layer */
+    LOOM_MOE_EXPERT_SLOTS = 3,   /* an expert's tensors (gate, up, down): expert e's slots
+                                  * lie this many after expert e-1's */
 };
 
 /* The kinds, in the order their scratch buffers are carved. */
@@ -60,6 +62,9 @@ typedef struct loom_block_linear {
     const char *path, *name; /* PEFT's module: "self_attn", "q_proj" */
     int w;                   /* slot of its weight */
     int group;
+    bool experts;            /* one per expert (path "mlp.experts", PEFT's module
+                              * mlp.experts.<e>.<name>): the kind runs its LoRA itself
+                              * (lora.c's loom_lora_expert_*) */
 } loom_block_linear;
 
 /* The parameter plan being built (params.c): a kind's `params` declares the

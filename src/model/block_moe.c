@@ -33,16 +33,19 @@
 /* its tensors: the router, then each expert's gate, up, down (the dense
  * MLP's slot order, loom_mlp_params); this rank's expert e (local number)
  * has its NPER slots after expert e-1's */
-enum { ROUTER, EG, EU, ED, NSLOT, NPER = 3 };
+enum { ROUTER, EG, EU, ED, NSLOT, NPER = LOOM_MOE_EXPERT_SLOTS };
+/* its linears: each expert's three projections (LoRA's mlp.experts.<e>.*) */
+enum { LG, LU, LD, NLIN };
 /* activation buffers per layer: the routing (kept: probabilities, choices,
  * weights, counts per expert, the order and its inverse, the dispatch's
- * count table), the experts' (dropped under selective recomputation), and
- * the experts' outputs in the grouped order (kept) */
-enum { PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, YS, NBUF };
+ * count table), the experts' (dropped under selective recomputation; LoRA's
+ * x A^T of the three projections among them), and the experts' outputs in
+ * the grouped order (kept) */
+enum { PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, NBUF };
 /* scratch: logits and their gradient, probability sums, the choices'
  * weight gradients, three row buffers of the dispatch, the experts'
- * gradients, the regrouping's row orders */
-enum { Z, PSUM, DW, S1, S2, S3, DG, DU, IX, NSCRATCH };
+ * gradients, the regrouping's row orders, LoRA's du */
+enum { Z, PSUM, DW, S1, S2, S3, DG, DU, IX, DLU, NSCRATCH };
 
 static const loom_block_slot slots[NSLOT] = {
     /* its gradient is a partial sum over tp (the combine weights' part) */
@@ -50,6 +53,12 @@ static const loom_block_slot slots[NSLOT] = {
     [EG] = {"mlp.experts.%lld.gate_proj.weight", LOOM_COMP_EXPERTS, LOOM_SHARD_ROWS},
     [EU] = {"mlp.experts.%lld.up_proj.weight", LOOM_COMP_EXPERTS, LOOM_SHARD_ROWS},
     [ED] = {"mlp.experts.%lld.down_proj.weight", LOOM_COMP_EXPERTS, LOOM_SHARD_COLS},
+};
+
+static const loom_block_linear linears[NLIN] = {
+    [LG] = {"mlp.experts", "gate_proj", EG, LG, true},
+    [LU] = {"mlp.experts", "up_proj", EU, LG, true},
+    [LD] = {"mlp.experts", "down_proj", ED, LD, true},
 };
 
 static loom_status moe_params(const loom_model_config *c, int64_t l, loom_param_sink *s) {
@@ -112,6 +121,7 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     out[RC] = (loom_block_buf){g.local ? 0 : (size_t)(g.Q * g.P * g.El) * i4, false};
     out[XE] = (loom_block_buf){(size_t)(g.Rmax * g.H) * esz, true};
     out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(g.Rmax * g.Ie) * esz, true};
+    out[LST] = (loom_block_buf){(size_t)(3 * g.Rmax * m->lora_r) * esz, true};
     out[YS] = (loom_block_buf){(size_t)(g.R * g.H) * esz, false};
     return NBUF;
 }
@@ -126,6 +136,7 @@ static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes
     bytes[S1] = bytes[S2] = bytes[S3] = (size_t)(g.Rmax * g.H) * esz;
     bytes[DG] = bytes[DU] = (size_t)(g.Rmax * g.Ie) * esz;
     bytes[IX] = g.local ? 0 : (size_t)(2 * g.Rmax) * sizeof(int32_t);
+    bytes[DLU] = (size_t)(g.Rmax * m->lora_r) * esz;
     return NSCRATCH;
 }
 
@@ -187,7 +198,8 @@ static loom_status experts_gemm(const loom_blk *b, const geo *q, const int32_t *
                                  (char *)C + (size_t)(r0 * ldc) * esz, rows[e], N, K};
         r0 += rows[e];
     }
-    return loom_k_gemm_grouped(m, false, tb, (int)q->El, g, lda, tb ? K : N, beta, false, ldc);
+    return loom_k_gemm_grouped(m, false, tb, (int)q->El, g, 1.0f, lda, tb ? K : N, beta, false,
+                               ldc);
 }
 
 /* dW_e (out, in) += dY_e^T X_e of one projection */
@@ -204,14 +216,93 @@ static loom_status experts_dw(const loom_blk *b, const geo *q, const int32_t *ro
                                  loom_g(m, b->w[slot] + (int)e * NPER), out, in, rows[e]};
         r0 += rows[e];
     }
-    return loom_k_gemm_grouped(m, true, false, (int)q->El, g, out, in, 1.0f, true, in);
+    return loom_k_gemm_grouped(m, true, false, (int)q->El, g, 1.0f, out, in, 1.0f, true, in);
+}
+
+/* ---- LoRA on the experts' projections (the active adapter's, when it
+ * covers them): y_e += s (x_e A_e^T) B_e^T, x A^T kept in LST ---- */
+
+static void *lora_stash(const loom_blk *b, const geo *q, int lin, int64_t r) {
+    return (char *)b->act[LST] + (size_t)(lin * q->Rmax * r) * b->m->dev.esz;
+}
+
+/* One grouped GEMM over the experts with LoRA's per-expert A or B (which:
+ * 0, 1) as the B operand, or their gradients as C (dw). */
+typedef enum { L_XA, L_UB, L_DYB, L_DUA, L_DB, L_DA } lora_op;
+
+static loom_status lora_gemm(const loom_blk *b, const geo *q, const int32_t *ce, int lin,
+                             lora_op op, const void *X, int64_t ldx, const void *Y, int64_t ldy,
+                             void *C, int64_t ldc, float alpha, float beta) {
+    loom_model *m = b->m;
+    const size_t esz = m->dev.esz;
+    int64_t r;
+    float sc;
+    loom_lora_expert(m, b->l, b->lin0 + lin, &r, &sc);
+    loom_gemm_group g[LOOM_MOE_MAX_EXPERTS];
+    int64_t r0 = 0;
+    for (int64_t e = 0; e < q->El; e++) {
+        const void *A, *B;
+        float *dA, *dB;
+        loom_lora_expert_at(m, b->l, b->lin0 + lin, e, &A, &B, &dA, &dB);
+        const char *x = (const char *)X + (size_t)(r0 * ldx) * esz;
+        const char *y = Y ? (const char *)Y + (size_t)(r0 * ldy) * esz : NULL;
+        char *c = (char *)C + (size_t)(r0 * ldc) * esz;
+        switch (op) {
+        case L_XA: g[e] = (loom_gemm_group){x, A, c, ce[e], r, ldx}; break;   /* u = x A^T */
+        case L_UB: g[e] = (loom_gemm_group){x, B, c, ce[e], ldc, r}; break;   /* y += s u B^T */
+        case L_DYB: g[e] = (loom_gemm_group){x, B, c, ce[e], r, ldx}; break;  /* du = s dy B */
+        case L_DUA: g[e] = (loom_gemm_group){x, A, c, ce[e], ldc, r}; break;  /* dx += du A */
+        case L_DB: g[e] = (loom_gemm_group){x, y, dB, ldx, r, ce[e]}; break;  /* dB += s dy^T u */
+        case L_DA: g[e] = (loom_gemm_group){x, y, dA, r, ldy, ce[e]}; break;  /* dA += du^T x */
+        }
+        r0 += ce[e];
+    }
+    const int ng = (int)q->El;
+    switch (op) {
+    case L_XA: return loom_k_gemm_grouped(m, false, true, ng, g, alpha, ldx, ldx, beta, false, r);
+    case L_UB: return loom_k_gemm_grouped(m, false, true, ng, g, alpha, r, r, beta, false, ldc);
+    case L_DYB: return loom_k_gemm_grouped(m, false, false, ng, g, alpha, ldx, r, beta, false, r);
+    case L_DUA: return loom_k_gemm_grouped(m, false, false, ng, g, alpha, r, ldc, beta, false, ldc);
+    case L_DB: return loom_k_gemm_grouped(m, true, false, ng, g, alpha, ldx, r, 1.0f, true, r);
+    case L_DA: return loom_k_gemm_grouped(m, true, false, ng, g, alpha, r, ldy, 1.0f, true, ldy);
+    }
+    return LOOM_OK;
+}
+
+/* forward of projection lin on x (rows, in): the stash, and with y (rows,
+ * out) not NULL its term added */
+static loom_status lora_fwd(const loom_blk *b, const geo *q, const int32_t *ce, int lin,
+                            const void *x, int64_t in, void *y, int64_t out) {
+    int64_t r;
+    float sc;
+    if (!loom_lora_expert(b->m, b->l, b->lin0 + lin, &r, &sc)) return LOOM_OK;
+    void *u = lora_stash(b, q, lin, r);
+    CK(lora_gemm(b, q, ce, lin, L_XA, x, in, NULL, 0, u, r, 1.0f, 0.0f));
+    return y ? lora_gemm(b, q, ce, lin, L_UB, u, r, NULL, 0, y, out, sc, 1.0f) : LOOM_OK;
+}
+
+/* backward of projection lin: dB, dA, and dx (rows, in; NULL: not wanted)
+ * += d/dx of its term */
+static loom_status lora_bwd(const loom_blk *b, const geo *q, const int32_t *ce, int lin,
+                            const void *x, int64_t in, const void *dy, int64_t out, void *dx) {
+    int64_t r;
+    float sc;
+    if (!loom_lora_expert(b->m, b->l, b->lin0 + lin, &r, &sc)) return LOOM_OK;
+    const void *u = lora_stash(b, q, lin, r);
+    void *du = b->scratch[DLU];
+    CK(lora_gemm(b, q, ce, lin, L_DB, dy, out, u, r, NULL, 0, sc, 1.0f));
+    CK(lora_gemm(b, q, ce, lin, L_DYB, dy, out, NULL, 0, du, r, sc, 0.0f));
+    CK(lora_gemm(b, q, ce, lin, L_DA, du, r, x, in, NULL, 0, 1.0f, 1.0f));
+    return dx ? lora_gemm(b, q, ce, lin, L_DUA, du, r, NULL, 0, dx, in, 1.0f, 1.0f) : LOOM_OK;
 }
 
 /* up to the down projection: g, u, act from the experts' rows xe */
 static loom_status experts_front(const loom_blk *b, const geo *q, const int32_t *ce, int64_t rows) {
     void *const *a = b->act;
     CK(experts_gemm(b, q, ce, EG, true, a[XE], q->H, q->Ie, q->H, 0.0f, a[G], q->Ie));
+    CK(lora_fwd(b, q, ce, LG, a[XE], q->H, a[G], q->Ie));
     CK(experts_gemm(b, q, ce, EU, true, a[XE], q->H, q->Ie, q->H, 0.0f, a[U], q->Ie));
+    CK(lora_fwd(b, q, ce, LU, a[XE], q->H, a[U], q->Ie));
     return loom_k_swiglu_fwd(b->m, a[G], a[U], rows * q->Ie, a[ACT]);
 }
 
@@ -387,6 +478,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     CK(experts_front(b, &q, hh.ce, rows));
     void *ye = q.local ? a[YS] : b->scratch[S1];
     CK(experts_gemm(b, &q, hh.ce, ED, true, a[ACT], q.Ie, q.H, q.Ie, 0.0f, ye, q.H));
+    CK(lora_fwd(b, &q, hh.ce, LD, a[ACT], q.Ie, ye, q.H));
     if (!q.local) CK(undispatch(b, &q, &hh, ye, a[YS], b->scratch[S2], rows));
     if (!out) return LOOM_OK;
     if (!q.local) CK(loom_k_zero(m, out, (size_t)(m->Tc * q.H) * esz));
@@ -402,7 +494,8 @@ static loom_status moe_recompute(const loom_blk *b, const void *h) {
     int64_t rows;
     CK(tables_host(b, &q, &hh));
     CK(gather_rows(b, &q, &hh, h, &rows));
-    return experts_front(b, &q, hh.ce, rows);
+    CK(experts_front(b, &q, hh.ce, rows));
+    return lora_fwd(b, &q, hh.ce, LD, b->act[ACT], q.Ie, NULL, q.H); /* the down's stash */
 }
 
 static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, void *dx) {
@@ -427,14 +520,20 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     /* down: dact = dye Wd, dWd += dye^T act */
     CK(experts_dw(b, &q, hh.ce, ED, dye, q.H, a[ACT], q.Ie));
     CK(experts_gemm(b, &q, hh.ce, ED, false, dye, q.H, q.Ie, q.H, 0.0f, s[DG], q.Ie));
+    CK(lora_bwd(b, &q, hh.ce, LD, a[ACT], q.Ie, dye, q.H, s[DG]));
     CK(loom_k_swiglu_bwd(m, s[DG], a[G], a[U], rows * q.Ie, s[DG], s[DU]));
     CK(experts_dw(b, &q, hh.ce, EG, s[DG], q.Ie, a[XE], q.H));
     CK(experts_dw(b, &q, hh.ce, EU, s[DU], q.Ie, a[XE], q.H));
+    /* dxe = dg Wg + du Wu (and LoRA's terms), back to the tokens' ranks,
+     * summed per token */
+    void *dxe = dx ? s[S1] : NULL;
     if (dx) {
-        /* dxe = dg Wg + du Wu, back to the tokens' ranks, summed per token */
-        void *dxe = s[S1];
         CK(experts_gemm(b, &q, hh.ce, EG, false, s[DG], q.Ie, q.H, q.Ie, 0.0f, dxe, q.H));
         CK(experts_gemm(b, &q, hh.ce, EU, false, s[DU], q.Ie, q.H, q.Ie, 1.0f, dxe, q.H));
+    }
+    CK(lora_bwd(b, &q, hh.ce, LG, a[XE], q.H, s[DG], q.Ie, dxe));
+    CK(lora_bwd(b, &q, hh.ce, LU, a[XE], q.H, s[DU], q.Ie, dxe));
+    if (dx) {
         void *dxs = dxe;
         if (!q.local) {
             CK(undispatch(b, &q, &hh, dxe, s[S2], s[S3], rows));
@@ -462,6 +561,8 @@ const loom_block_kind loom_block_moe = {
     .norm = "post_attention_layernorm.weight",
     .slots = slots,
     .nslots = NSLOT,
+    .lin = linears,
+    .nlin = NLIN,
     .out_bias = -1,
     .params = moe_params,
     .acts = moe_acts,

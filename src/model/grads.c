@@ -41,6 +41,7 @@ static bool defer_setup(loom_model *m, loom_arena *A) {
         const loom_layer *L = &m->layer[l];
         for (int n = 0; n < L->nlin; n++) {
             const loom_block *b = &L->b[L->lin[n].b];
+            if (b->kind->lin[L->lin[n].k].experts) continue; /* cleared eagerly */
             const int w = b->w[b->kind->lin[L->lin[n].k].w];
             if (w >= 0 && w < A->nslots && !A->slots[w].frozen) A->gdefer[w] = 1;
         }

@@ -391,7 +391,8 @@ loom_status loom_k_moe_permute_bwd(loom_model *m, const void *dxg, const int32_t
 }
 
 loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const loom_gemm_group *g,
-                                int64_t lda, int64_t ldb, float beta, bool c_f32, int64_t ldc) {
-    return m->dev.be->gemm_grouped(&m->dev, m->ctx, ta, tb, G, g, 1.0f, lda, ldb, m->dev.adt, beta,
+                                float alpha, int64_t lda, int64_t ldb, float beta, bool c_f32,
+                                int64_t ldc) {
+    return m->dev.be->gemm_grouped(&m->dev, m->ctx, ta, tb, G, g, alpha, lda, ldb, m->dev.adt, beta,
                                    c_f32 ? LOOM_F32 : m->dev.adt, ldc);
 }

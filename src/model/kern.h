@@ -246,6 +246,7 @@ loom_status loom_k_moe_permute_bwd(loom_model *m, const void *dxg, const int32_t
 /* G GEMMs of the compute dtype (backend.h's gemm_grouped); c_f32: C fp32
  * (accumulated weight gradients) */
 loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const loom_gemm_group *g,
-                                int64_t lda, int64_t ldb, float beta, bool c_f32, int64_t ldc);
+                                float alpha, int64_t lda, int64_t ldb, float beta, bool c_f32,
+                                int64_t ldc);
 
 #endif /* LOOM_MODEL_KERN_H */

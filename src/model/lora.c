@@ -34,20 +34,51 @@ static bool targeted(const loom_adapter *a, const loom_layer_lin *x) {
     return x->target >= 0 && a->target[x->target];
 }
 
-/* How many of layer l's linears adapter a covers. */
-static int layer_targets(const loom_model *m, const loom_adapter *a, int64_t l) {
-    int n = 0;
-    for (int j = 0; j < m->layer[l].nlin; j++) n += targeted(a, &m->layer[l].lin[j]);
+/* Layer l's linear j is one per expert (block.h's `experts`). */
+static bool experts_lin(const loom_model *m, int64_t l, int j) {
+    const loom_block_linear *k;
+    lin_of(m, l, j, &k);
+    return k->experts;
+}
+
+/* The modules of layer l's linear j over the model (an expert linear's: E). */
+static int64_t instances(const loom_model *m, int64_t l, int j) {
+    return experts_lin(m, l, j) ? m->cfg.num_experts : 1;
+}
+
+/* How many modules of layer l adapter a covers (each expert's counted). */
+static int64_t layer_targets(const loom_model *m, const loom_adapter *a, int64_t l) {
+    int64_t n = 0;
+    for (int j = 0; j < m->layer[l].nlin; j++)
+        if (targeted(a, &m->layer[l].lin[j])) n += instances(m, l, j);
     return n;
 }
 
-/* Layer l's linear named `mod` that adapter a covers, -1 when none. */
-static int linear_named(const loom_model *m, const loom_adapter *a, int64_t l, const char *mod) {
+/* Layer l's linear named `mod` that adapter a covers, an expert's when
+ * expert >= 0 (then one this model has), -1 when none. */
+static int linear_named(const loom_model *m, const loom_adapter *a, int64_t l, int64_t expert,
+                        const char *mod) {
+    if (expert >= m->cfg.num_experts) return -1;
     for (int j = 0; j < m->layer[l].nlin; j++) {
         const loom_block_linear *k;
-        if (targeted(a, lin_of(m, l, j, &k)) && !strcmp(k->name, mod)) return j;
+        if (targeted(a, lin_of(m, l, j, &k)) && k->experts == (expert >= 0) &&
+            !strcmp(k->name, mod))
+            return j;
     }
     return -1;
+}
+
+/* PEFT's name of the A or B of module (l, j), expert e's (-1: none). */
+static void weight_name(const loom_model *m, char *buf, size_t cap, int64_t l, int j, int64_t e,
+                        int ab) {
+    const loom_block_linear *k;
+    lin_of(m, l, j, &k);
+    char path[64];
+    if (e >= 0)
+        snprintf(path, sizeof path, "%s.%lld", k->path, (long long)e);
+    else
+        snprintf(path, sizeof path, "%s", k->path);
+    loom_peft_weight_name(buf, cap, l, path, k->name, ab ? 'B' : 'A');
 }
 
 static loom_adapter *find(loom_model *m, const char *name) {
@@ -135,19 +166,27 @@ static loom_status model_targets(loom_model *m, const bool want[LOOM_LORA_NMOD],
 /* A and B of layer l's linear j (lin_of) in the adapter's arena: A (r, in)
  * column-split for a row-parallel base, B (out, r) row-split for a
  * column-parallel one. */
-static loom_status add_ab(loom_model *m, loom_adapter *a, int64_t l, int j, int ab) {
-    const loom_block_linear *k;
-    const loom_layer_lin *x = lin_of(m, l, j, &k);
+static loom_status add_ab(loom_model *m, loom_adapter *a, int64_t l, int j, int64_t e, int ab) {
+    const loom_layer_lin *x = &m->layer[l].lin[j];
     char buf[256];
-    loom_peft_weight_name(buf, sizeof buf, l, k->path, k->name, ab ? 'B' : 'A');
+    weight_name(m, buf, sizeof buf, l, j, e, ab);
     const int s = a->ar.nslots;
     if (!(a->names[s] = loom_strdup(m->ctx, buf))) return LOOM_ERR_OOM;
     loom_shard sh = ab == 0 ? (x->row_par ? LOOM_SHARD_COLS : LOOM_SHARD_NONE)
                             : (x->row_par ? LOOM_SHARD_NONE : LOOM_SHARD_ROWS);
     loom_slot *sl = loom_slot_add(m, &a->ar, a->names[s], ab ? x->out : a->r, ab ? a->r : x->in,
                                   2, sh, false);
-    sl->tp_partial = m->tp > 1 && sh == LOOM_SHARD_NONE;
-    a->slot[l][j][ab] = s;
+    if (e >= 0) { /* an expert's: split over etp like its base, its buckets over edp */
+        sl->expert = true;
+        sl->rows = sl->shape[0], sl->cols = sl->shape[1], sl->row0 = sl->col0 = 0;
+        if (sh == LOOM_SHARD_ROWS) sl->rows /= m->etp, sl->row0 = m->mesh->etp_rank * sl->rows;
+        if (sh == LOOM_SHARD_COLS) sl->cols /= m->etp, sl->col0 = m->mesh->etp_rank * sl->cols;
+        sl->numel = (size_t)(sl->rows * sl->cols);
+        sl->etp_partial = m->etp > 1 && sh == LOOM_SHARD_NONE;
+    } else {
+        sl->tp_partial = m->tp > 1 && sh == LOOM_SHARD_NONE;
+    }
+    if (a->slot[l][j][ab] < 0) a->slot[l][j][ab] = s; /* experts: the first local one's */
     return LOOM_OK;
 }
 
@@ -179,8 +218,19 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
     a->rslora = rslora;
     a->scale = (float)(rslora ? alpha / sqrt((double)r) : alpha / r);
     loom_status st = model_targets(m, target, a->target);
+    const int64_t El = m->cfg.num_experts / m->ep;
     size_t maxs = 0;
-    for (int64_t l = 0; l < m->L; l++) maxs += (size_t)m->layer[l].nlin * 2;
+    bool experts = false;
+    for (int64_t l = 0; l < m->L; l++)
+        for (int j = 0; j < m->layer[l].nlin; j++) {
+            maxs += 2 * (size_t)(experts_lin(m, l, j) ? El : 1);
+            experts |= experts_lin(m, l, j) && targeted(a, &m->layer[l].lin[j]);
+        }
+    if (!st && experts && dropout > 0.0)
+        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                       "lora_dropout=%g on the experts is not supported yet; use lora_dropout 0, "
+                       "or leave the experts' gate_proj/up_proj/down_proj out of target_modules",
+                       dropout);
     a->ar.slots = loom_calloc(ctx, maxs + 1, sizeof *a->ar.slots, "adapter slots");
     a->names = loom_calloc(ctx, maxs + 1, sizeof *a->names, "adapter names");
     a->slot = loom_calloc(ctx, (size_t)m->L, sizeof *a->slot, "adapter table");
@@ -191,9 +241,16 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
         if (!L->held) continue; /* another pipeline stage's layer */
         /* the layer's A blocks first, in linear order: those of linears
          * that share an input lie back to back (one GEMM for the group) */
+        const int64_t e0 = (int64_t)m->mesh->ep_rank * El;
         for (int ab = 0; ab < 2 && !st; ab++)
-            for (int j = 0; j < L->nlin && !st; j++)
-                if (targeted(a, &L->lin[j])) st = add_ab(m, a, l, j, ab);
+            for (int j = 0; j < L->nlin && !st; j++) {
+                if (!targeted(a, &L->lin[j])) continue;
+                if (!experts_lin(m, l, j)) {
+                    st = add_ab(m, a, l, j, -1, ab);
+                    continue;
+                }
+                for (int64_t e = e0; e < e0 + El && !st; e++) st = add_ab(m, a, l, j, e, ab);
+            }
     }
     if (!st) st = loom_arena_layout(m, &a->ar, false);
     if (st) {
@@ -315,7 +372,8 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
         loom_peft_tensor t;
         if ((s = loom_peft_dir_tensor(ctx, pd, i, &t))) break;
         /* the expected global shape, from the name */
-        const int j = t.lora && t.layer < m->L ? linear_named(m, a, t.layer, t.module) : -1;
+        const int j =
+            t.lora && t.layer < m->L ? linear_named(m, a, t.layer, t.expert, t.module) : -1;
         if (j < 0) {
             s = loom_errf(ctx, LOOM_ERR_FORMAT,
                           "%s: tensor %s is not a LoRA weight of the modules adapter_config.json "
@@ -339,13 +397,13 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
                 s = loom_slot_read(ctx, t.data, t.dtype, &a->ar.slots[n],
                                    a->ar.w + a->ar.slots[n].off);
     }
-    int want = 0;
+    int64_t want = 0;
     for (int64_t l = 0; l < m->L; l++) want += 2 * layer_targets(m, a, l);
     if (!s && found != want)
         s = loom_errf(ctx, LOOM_ERR_FORMAT,
                       "%s: adapter_model.safetensors holds %d LoRA weights, but its config "
-                      "targets %d on this %lld-layer model",
-                      dir, found, want, (long long)m->L);
+                      "targets %lld on this %lld-layer model",
+                      dir, found, (long long)want, (long long)m->L);
     if (!s) s = loom_arena_commit(m, &a->ar);
     if (s) {
         adapter_free(m, &m->adapters[--m->nadapters]);
@@ -365,12 +423,15 @@ static bool global_tensor(const loom_model *m, const loom_adapter *a, int64_t i,
     for (; i >= 0 && l < m->L && i >= 2 * layer_targets(m, a, l); l++) i -= 2 * layer_targets(m, a, l);
     if (i < 0 || l == m->L) return false;
     const int ab = (int)(i % 2);
-    int j = -1;
-    for (int n = (int)(i / 2); n >= 0;)
-        if (targeted(a, &m->layer[l].lin[++j])) n--;
-    const loom_block_linear *k;
-    const loom_layer_lin *x = lin_of(m, l, j, &k);
-    loom_peft_weight_name(buf, cap, l, k->path, k->name, ab ? 'B' : 'A');
+    int64_t n = i / 2; /* the module among the layer's covered ones (experts each) */
+    int j = 0;
+    for (;; j++) {
+        if (!targeted(a, &m->layer[l].lin[j])) continue;
+        if (n < instances(m, l, j)) break;
+        n -= instances(m, l, j);
+    }
+    const loom_layer_lin *x = &m->layer[l].lin[j];
+    weight_name(m, buf, cap, l, j, experts_lin(m, l, j) ? n : -1, ab);
     shape[0] = ab ? x->out : a->r;
     shape[1] = ab ? a->r : x->in;
     return true;
@@ -472,7 +533,10 @@ uint64_t loom_lora_save_estimate(const loom_model_config *cfg, int r,
         for (int64_t l = 0; l < cfg->num_layers; l++)
             for (int j = 0; j < layers[l].nlin; j++) {
                 const loom_layer_lin *x = &layers[l].lin[j];
-                if (x->target >= 0 && target[x->target]) io += (uint64_t)(x->in + x->out);
+                if (x->target >= 0 && target[x->target])
+                    io += (uint64_t)(x->in + x->out) *
+                          (uint64_t)(layers[l].b[x->b].kind->lin[x->k].experts ? cfg->num_experts
+                                                                                 : 1);
             }
     free(layers);
     loom_param_plan_free(&plan);
@@ -495,10 +559,14 @@ static loom_status merge(loom_model *m, const char *name, float sign) {
     for (int64_t l = 0; l < m->L; l++) {
         const loom_layer *L = &m->layer[l];
         for (int k = 0; k < L->nlin; k++) {
-            if (a->slot[l][k][0] < 0) continue;
-            const loom_slot *A = &a->ar.slots[a->slot[l][k][0]], *B = &a->ar.slots[a->slot[l][k][1]];
+          const int64_t ne = experts_lin(m, l, k) ? m->cfg.num_experts / m->ep : 1;
+          for (int64_t e = 0; e < ne && a->slot[l][k][0] >= 0; e++) {
+            const loom_slot *A = &a->ar.slots[a->slot[l][k][0] + e],
+                            *B = &a->ar.slots[a->slot[l][k][1] + e];
             const loom_block *b = &L->b[L->lin[k].b];
-            const loom_slot *W = &m->base.slots[b->w[b->kind->lin[L->lin[k].k].w]];
+            const int stride = experts_lin(m, l, k) ? LOOM_MOE_EXPERT_SLOTS : 0;
+            const loom_slot *W =
+                &m->base.slots[b->w[b->kind->lin[L->lin[k].k].w] + (int)e * stride];
             LOOM_ASSERT(W->rows == B->rows && W->cols == A->cols);
             /* into the fp32 master, or (a frozen GPU base without one) the
              * compute copy, rounding once per element as PEFT does */
@@ -511,6 +579,7 @@ static loom_status merge(loom_model *m, const char *name, float sign) {
                                           (const char *)a->ar.wc + A->off * m->dev.esz, 1.0f,
                                           (char *)m->base.wc + W->off * m->dev.esz);
             if (st) return st;
+          }
         }
     }
     a->merged = sign > 0;
@@ -520,6 +589,27 @@ static loom_status merge(loom_model *m, const char *name, float sign) {
 loom_status loom_model_merge_adapter(loom_model *m, const char *name) { return merge(m, name, 1.0f); }
 loom_status loom_model_unmerge_adapter(loom_model *m, const char *name) {
     return merge(m, name, -1.0f);
+}
+
+/* ---- the experts' LoRA, run by their kind (block_moe.c) ---- */
+
+bool loom_lora_expert(loom_model *m, int64_t l, int mod, int64_t *r, float *scale) {
+    loom_adapter *a = loom_model_lora(m);
+    if (!a || a->slot[l][mod][0] < 0) return false;
+    *r = a->r;
+    *scale = a->scale;
+    return true;
+}
+
+void loom_lora_expert_at(loom_model *m, int64_t l, int mod, int64_t e, const void **A,
+                         const void **B, float **dA, float **dB) {
+    loom_adapter *a = loom_model_lora(m);
+    const loom_slot *sa = &a->ar.slots[a->slot[l][mod][0] + e],
+                    *sb = &a->ar.slots[a->slot[l][mod][1] + e];
+    *A = (const char *)a->ar.wc + sa->off * m->dev.esz;
+    *B = (const char *)a->ar.wc + sb->off * m->dev.esz;
+    *dA = a->ar.g ? a->ar.g + sa->off : NULL;
+    *dB = a->ar.g ? a->ar.g + sb->off : NULL;
 }
 
 /* ---- forward and backward ---- */

@@ -714,6 +714,7 @@ loom_status loom_model_reserve(loom_model *m, int64_t micro_batch_size, int64_t 
         buffers_free(m);
         return LOOM_ERR_OOM;
     }
+    m->lora_r = lr; /* the kinds size their LoRA buffers by it */
     loom_carve c = {0};
     loom_acts_layout(m, &c, T, Tc, Tn, n_micro, in_flight, lr, dropout);
     loom_status st = loom_dev_alloc(m, &m->act_mem, c.used, "activations");
@@ -833,7 +834,10 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
         /* values from one replica: over edp for an expert's, else dp x cp */
         const bool replica = s->expert ? me->edp_rank != 0 : (me->dp_rank || me->cp_rank);
         if (!grads && (replica || s->head_copy)) continue;
-        if (s->shard == LOOM_SHARD_NONE && me->tp_rank && !(grads && s->tp_partial)) continue;
+        /* replicated over tp (an expert's over etp): once, unless a partial sum */
+        const int trank = s->expert ? me->etp_rank : me->tp_rank;
+        const bool partial = s->expert ? s->etp_partial : s->tp_partial;
+        if (s->shard == LOOM_SHARD_NONE && trank && !(grads && partial)) continue;
         const float *src;
         loom_status st = loom_arena_host(m, a, i, grads, &tmp, &cap, &src);
         if (st) {
@@ -849,9 +853,6 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
     return loom_comm_allreduce(m->world, dst, n, LOOM_F32, LOOM_RED_SUM);
 }
 
-/* Finds `name` among the base tensors or an adapter's; its arena and shape. */
-loom_status loom_lora_find(loom_model *m, const char *name, loom_arena **a, char *key,
-                           size_t cap, int64_t *rows, int64_t *cols);
 
 static loom_status get_tensor(loom_model *m, const char *name, bool grads, float *dst,
                               int64_t n) {

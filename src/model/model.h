@@ -49,6 +49,8 @@ typedef struct loom_slot {
     bool frozen;        /* no gradient, no optimizer state (loom_model_set_trainable) */
     bool expert;        /* an expert's tensor: split over etp (not tp), held by one ep rank's
                          * experts, replicated over edp: its buckets reduce there */
+    bool etp_partial;   /* an expert's LoRA half replicated over etp: its gradient is a
+                         * partial sum over etp (summed before the step) */
 } loom_slot;
 
 /* A set of tensors in one flat buffer: the base model's, or one adapter's.
@@ -280,6 +282,17 @@ static inline float *loom_g(loom_model *m, int s) {
     return s < 0 || !m->base.g || m->base.slots[s].frozen ? NULL
                                                           : m->base.g + m->base.slots[s].off;
 }
+/* lora.c: an adapter tensor by PEFT name (with or without ".<adapter>"
+ * before ".weight"): its arena, its name there, its shape. */
+loom_status loom_lora_find(loom_model *m, const char *name, loom_arena **a, char *key,
+                           size_t cap, int64_t *rows, int64_t *cols);
+/* lora.c: the active, unmerged adapter on layer l's expert linear `mod`
+ * (its kind's linear marked `experts`): false when it does not cover it;
+ * else its rank and scale, and for this rank's local expert e its A (r,
+ * in) and B (out, r) compute copies and their fp32 gradients. */
+bool loom_lora_expert(loom_model *m, int64_t l, int mod, int64_t *r, float *scale);
+void loom_lora_expert_at(loom_model *m, int64_t l, int mod, int64_t e, const void **A,
+                         const void **B, float **dA, float **dB);
 /* lora.c: the active, unmerged adapter's path on linear `mod` of layer l
  * (its number among the layer's linears, loom_layer.lin; stash: the
  * layer's loom_layer_acts.lora_u). fwd: y (T, out_l) = scale (x A^T) B^T +

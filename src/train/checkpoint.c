@@ -290,7 +290,8 @@ static loom_status find_pieces(loom_model *m, loom_arena *A, loom_state_snapshot
     sn->np = 0;
     for (int i = 0; i < A->nslots; i++) {
         const loom_slot *s = &A->slots[i];
-        if (s->head_copy || (s->shard == LOOM_SHARD_NONE && me->tp_rank)) continue;
+        const int trank = s->expert ? me->etp_rank : me->tp_rank;
+        if (s->head_copy || (s->shard == LOOM_SHARD_NONE && trank)) continue;
         if (s->frozen && (s->expert ? me->edp_rank != 0 : (me->dp_rank || me->cp_rank))) continue;
         loom_state_piece p = {.tensor = tensor_of(sn, s, &hint), .row0 = s->row0,
                               .col0 = s->col0, .rows = s->rows, .cols = s->cols,

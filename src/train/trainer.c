@@ -511,7 +511,7 @@ bool loom_shard_part(const loom_model *m, const loom_arena *A, int b, int i, siz
 static bool counts_in_norm(const loom_model *m, const loom_arena *A, int i) {
     const loom_slot *s = &A->slots[i];
     if (s->head_copy) return false;
-    return s->shard != LOOM_SHARD_NONE || m->mesh->tp_rank == 0;
+    return s->shard != LOOM_SHARD_NONE || (s->expert ? m->mesh->etp_rank : m->mesh->tp_rank) == 0;
 }
 
 /* Sums partial gradients over tp (replicated tensors that saw some heads or
@@ -519,10 +519,12 @@ static bool counts_in_norm(const loom_model *m, const loom_arena *A, int i) {
  * bucket over dp x cp into the shard buffer. */
 static loom_status reduce_grads(loom_model *m, loom_arena *A) {
     loom_status st = LOOM_OK;
-    for (int i = 0; i < A->nslots && !st; i++)
-        if (A->slots[i].tp_partial && !A->slots[i].frozen)
-            st = loom_comm_allreduce(m->mesh->tp, A->g + A->slots[i].off, A->slots[i].numel,
-                                     LOOM_F32, LOOM_RED_SUM);
+    for (int i = 0; i < A->nslots && !st; i++) {
+        const loom_slot *s = &A->slots[i];
+        if ((s->tp_partial || s->etp_partial) && !s->frozen)
+            st = loom_comm_allreduce(s->etp_partial ? m->mesh->etp : m->mesh->tp, A->g + s->off,
+                                     s->numel, LOOM_F32, LOOM_RED_SUM);
+    }
     if (!st && A == &m->base && m->mesh->embed && m->cfg.tie_word_embeddings &&
         loom_g(m, m->mesh->pp_rank == 0 ? m->embed : m->head)) {
         int s = m->mesh->pp_rank == 0 ? m->embed : m->head;
