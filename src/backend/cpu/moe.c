@@ -30,6 +30,12 @@ void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_
         if (norm_topk)
             for (int j = 0; j < k; j++) wr[j] /= top;
     }
+    if (psum) /* each column in row order, in double */
+        for (int64_t e = 0; e < E; e++) {
+            double s = 0.0;
+            for (int64_t n = 0; n < N; n++) s += probs[n * E + e];
+            psum[e] += (float)s;
+        }
 }
 
 void loom_cpu_router_bwd(const float *probs, const int32_t *idx, const float *dw,
