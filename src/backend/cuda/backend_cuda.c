@@ -466,6 +466,18 @@ static loom_status cuda_ce_fused(loom_dev *d, loom_ctx *ctx, void *z, int64_t c,
                                  d->stream);
 }
 
+/* ---- the experts' grouped GEMMs ---- */
+
+/* one cuBLAS grouped call where it takes the dtypes, one cuBLASLt GEMM a
+ * group else (loom_cuda_gemm_grouped) */
+static loom_status cuda_gemm_grouped(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int G,
+                                     const loom_gemm_group *g, float alpha, int64_t lda,
+                                     int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
+                                     int64_t ldc) {
+    return loom_cuda_gemm_grouped(ctx, d->gemm, ta, tb, G, g, alpha, lda, ldb, ab, beta, cdt, ldc,
+                                  d->stream);
+}
+
 /* ---- the optimizer: the parts cut into chunks of at most LOOM_CUDA_CHUNK
  * elements once (the layout never changes), kept on the device ---- */
 
@@ -619,6 +631,7 @@ const loom_backend *loom_backend_cuda(void) {
         .ce_grad = cuda_ce_grad,
         .rows_scale = cuda_rows_scale,
         .ce_fused = cuda_ce_fused,
+        .gemm_grouped = cuda_gemm_grouped,
         .adamw = cuda_adamw,
         .sumsq = cuda_sumsq,
         .zero_parts = cuda_zero_parts,

@@ -61,6 +61,22 @@ loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, boo
                            void *C, loom_dtype c_dtype, int64_t ldc, void *stream);
 /* How many shapes the handle has cached (for tests and logs). */
 int loom_cuda_gemm_cached(const loom_cuda_gemm_handle *h);
+/* G GEMMs of one call's transposes, leading dimensions, alpha, beta and
+ * dtypes (A, B in ab; C in cdt: ab, or F32), each its own M, N, K and
+ * pointers (g: a host array of backend.h's loom_gemm_group), each with
+ * loom_cuda_gemm's semantics: M or N 0 skips the group, K 0 scales C by beta
+ * (beta 0 writes zeros). Where cdt is ab and every pointer is 16-byte
+ * aligned (cuBLAS 12.5 or later), the groups with work (two or more) go to
+ * cublasGemmGroupedBatchedEx in one call (the handle's cuBLAS handle and a
+ * device array of their pointers, both made at the first use); otherwise (an
+ * F32 C of 16-bit inputs: weight gradients), when cuBLAS refuses the call,
+ * or with LOOM_GEMM_GROUPED=loop in the environment at the handle's
+ * creation, one loom_cuda_gemm a group. */
+struct loom_gemm_group;
+loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb, int G,
+                                   const struct loom_gemm_group *g, float alpha, int64_t lda,
+                                   int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
+                                   int64_t ldc, void *stream);
 /* For the ops bench: ms[i] = the mean time of cuBLASLt's i-th candidate
  * for this GEMM (alpha 1; i = 0 is the heuristic's choice, the one
  * loom_cuda_gemm runs), reps runs each on the default stream, up to
