@@ -2,8 +2,9 @@
  * backend built in and usable here, held to the CPU backend's results on
  * fresh random inputs: the GEMMs with LoRA's and the input gradient's
  * paths, RoPE with Qwen3's q/k norm, attention (every query, and context
- * parallelism's subset), the vocabulary-parallel cross-entropy, and the
- * optimizer's passes. In fp32 and, where the GPU has kernels for it, bf16
+ * parallelism's subset), the vocabulary-parallel cross-entropy, the
+ * mixture-of-experts ops (router, route, the rows' moves, grouped GEMMs) and
+ * the optimizer's passes. In fp32 and, where the GPU has kernels for it, bf16
  * (the inputs rounded to bf16 first, so both sides see the same values).
  * test_backend.c holds the memory, element-wise and RMSNorm families. */
 #include <math.h>
@@ -410,6 +411,271 @@ static void optimizer_family(run *r) {
     free(w), free(g), free(m0), free(v0);
 }
 
+/* ---- mixture of experts ---- */
+
+/* p rounded to side 1's dtype in place (what rnd does for activations) */
+static void round_act(run *r, float *p, int64_t n) {
+    if (r->t == LOOM_F32)
+        return;
+    uint16_t *h = malloc((size_t)n * 2);
+    MUST(h);
+    MUST_OK(r->ctx, loom_convert(r->ctx, h, r->t, p, LOOM_F32, (size_t)n));
+    MUST_OK(r->ctx, loom_convert(r->ctx, p, LOOM_F32, h, r->t, (size_t)n));
+    free(h);
+}
+
+/* int32 output `what` (n values) equal to the CPU's, value for value */
+static void same_ints(run *r, const char *what, void *const p[2], int64_t n) {
+    int32_t *h[2];
+    for (int k = 0; k < 2; k++) {
+        MUST((h[k] = malloc((size_t)(n ? n : 1) * 4)));
+        MUST_OK(r->ctx, r->be[k]->download(&r->d[k], r->ctx, h[k], p[k], (size_t)n * 4));
+    }
+    int64_t i = 0;
+    while (i < n && h[0][i] == h[1][i])
+        i++;
+    CHECK_MSG(i == n, "%s (%s): %s[%lld] is %d, the CPU's %d", r->be[1]->name,
+              loom_dtype_name(r->t), what, (long long)i, i < n ? h[1][i] : 0, i < n ? h[0][i] : 0);
+    free(h[0]), free(h[1]);
+}
+
+/* Router logits (N, E), E a power of two: each row a permutation of E levels
+ * 8 / E apart, so that no two probabilities of a row are near each other
+ * (fp32 softmaxes differing in the last bits choose the same experts) but
+ * for deliberate exact ties: rows n % 5 == 1 repeat the largest logit on the
+ * second largest's expert (a tie for the first slot), rows n % 5 == 2 come
+ * in runs of four equal levels (ties at every slot), rows n % 7 == 3 are all
+ * 0 (the first k experts). With E = 8 the last expert is the smallest of
+ * every other row: no token picks it while k < E. Rounded to side 1's dtype
+ * (distinct levels stay apart or become exact ties). */
+static float *router_logits(run *r, int64_t N, int64_t E) {
+    float *z = malloc((size_t)(N * E) * sizeof *z);
+    MUST(z);
+    const double step = 8.0 / (double)E;
+    for (int64_t n = 0; n < N; n++) {
+        float *zr = z + n * E;
+        const uint64_t h = loom_splitmix64(r->seed + (uint64_t)n);
+        const int64_t a = (int64_t)(h % (uint64_t)E) | 1, b = (int64_t)((h >> 20) % (uint64_t)E);
+        int64_t top = 0, second = 0;
+        for (int64_t e = 0; e < E; e++) {
+            int64_t lv = (a * e + b) % E; /* a permutation: a is odd, E a power of two */
+            if (lv == E - 1)
+                top = e;
+            if (lv == E - 2)
+                second = e;
+            if (n % 5 == 2)
+                lv = lv / 4 * 4;
+            zr[e] = (float)((double)(lv - E / 2) * step);
+        }
+        if (n % 5 == 1)
+            zr[second] = zr[top];
+        if (n % 7 == 3)
+            for (int64_t e = 0; e < E; e++)
+                zr[e] = 0.0f;
+        else if (E == 8)
+            zr[E - 1] = -6.0f;
+    }
+    r->seed += 0x9e3779b97f4a7c15ull;
+    round_act(r, z, N * E);
+    return z;
+}
+
+typedef struct router_case {
+    int64_t N, E;
+    int k;
+    bool norm, psum, ga, dw;
+} router_case;
+
+/* The router forward (probs, w within rounding, idx exactly, psum added to),
+ * its backward from the CPU's probs and idx, and route from the CPU's idx
+ * (counts, order and pos exactly). */
+static void moe_router_family(run *r, const router_case *c) {
+    const int64_t N = c->N, E = c->E, NK = N * c->k;
+    float *z = router_logits(r, N, E), *ps0 = rnd(r, E, 1, false), *dw = rnd(r, NK, 1, false),
+          *ga = rnd(r, E, 0.5f, false);
+    for (int64_t e = 0; e < E; e++)
+        ps0[e] = fabsf(ps0[e]);
+    void *pr[2], *ix[2], *w[2], *ps[2], *dz[2], *cnt[2], *ord[2], *pos[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        void *Z = in(r, k, z, N * E, true);
+        pr[k] = keep(r, k, (size_t)(N * E) * 4);
+        ix[k] = keep(r, k, (size_t)NK * 4);
+        w[k] = keep(r, k, (size_t)NK * 4);
+        ps[k] = c->psum ? in(r, k, ps0, E, false) : NULL;
+        REQUIRE_OK(r->ctx, be->moe_router_fwd(d, r->ctx, Z, N, E, c->k, c->norm, pr[k], ix[k], w[k],
+                                              ps[k]));
+    }
+    const double ptol = 1e-5; /* fp32 softmaxes: a few ulp apart */
+    same(r, "moe_router_fwd probs", pr, N * E, false, ptol);
+    same_ints(r, "moe_router_fwd idx", ix, NK);
+    same(r, "moe_router_fwd w", w, NK, false, ptol);
+    if (c->psum)
+        same(r, "moe_router_fwd psum", ps, E, false, ptol);
+    /* the backward and route on the CPU's forward, on both sides */
+    float *hp = out(r, 0, pr[0], N * E, false);
+    int32_t *hi = malloc((size_t)NK * 4);
+    MUST(hi);
+    memcpy(hi, ix[0], (size_t)NK * 4); /* side 0's memory is the host's */
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        void *P = in(r, k, hp, N * E, false), *I = raw(r, k, hi, (size_t)NK * 4);
+        void *DW = c->dw ? in(r, k, dw, NK, false) : NULL,
+             *GA = c->ga ? in(r, k, ga, E, false) : NULL;
+        dz[k] = keep(r, k, (size_t)(N * E) * d->esz);
+        REQUIRE_OK(r->ctx, be->moe_router_bwd(d, r->ctx, P, I, DW, GA, N, E, c->k, c->norm, dz[k]));
+        cnt[k] = keep(r, k, (size_t)E * 4);
+        ord[k] = keep(r, k, (size_t)NK * 4);
+        pos[k] = keep(r, k, (size_t)NK * 4);
+        REQUIRE_OK(r->ctx, be->moe_route(d, r->ctx, I, N, E, c->k, cnt[k], ord[k], pos[k]));
+    }
+    same(r, "moe_router_bwd dz", dz, N * E, true, tol_of(r));
+    same_ints(r, "moe_route counts", cnt, E);
+    same_ints(r, "moe_route order", ord, NK);
+    same_ints(r, "moe_route pos", pos, NK);
+    if (E == 8 && c->k < 8) /* the expert no token picks */
+        CHECK_EQ_INT(((const int32_t *)cnt[0])[7], 0);
+    free(z), free(ps0), free(dw), free(ga), free(hp), free(hi);
+}
+
+/* route alone on larger choice lists (many chunks, up to the most experts),
+ * synthetic choices: experts e >= E - 3 get none */
+static void moe_route_family(run *r, int64_t N, int64_t E, int kk) {
+    const int64_t NK = N * kk;
+    int32_t *idx = malloc((size_t)NK * 4);
+    MUST(idx);
+    for (int64_t n = 0; n < N; n++) {
+        const uint64_t h = loom_splitmix64(r->seed + (uint64_t)n);
+        for (int j = 0; j < kk; j++) /* distinct within a token */
+            idx[n * kk + j] = (int32_t)(((int64_t)(h % (uint64_t)(E - 3)) + j) % (E - 3));
+    }
+    r->seed += 0x9e3779b97f4a7c15ull;
+    void *cnt[2], *ord[2], *pos[2];
+    for (int k = 0; k < 2; k++) {
+        void *I = raw(r, k, idx, (size_t)NK * 4);
+        cnt[k] = keep(r, k, (size_t)E * 4);
+        ord[k] = keep(r, k, (size_t)NK * 4);
+        pos[k] = keep(r, k, (size_t)NK * 4);
+        REQUIRE_OK(r->ctx,
+                   r->be[k]->moe_route(&r->d[k], r->ctx, I, N, E, kk, cnt[k], ord[k], pos[k]));
+    }
+    same_ints(r, "moe_route counts", cnt, E);
+    same_ints(r, "moe_route order", ord, NK);
+    same_ints(r, "moe_route pos", pos, NK);
+    free(idx);
+}
+
+/* permute, combine and their backwards on the CPU's route of synthetic
+ * choices; H a multiple of 8 takes the GPU's 16-byte paths, others not */
+static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H) {
+    const int64_t NK = N * kk;
+    int32_t *idx = malloc((size_t)NK * 4), *cnt = malloc((size_t)E * 4),
+            *order = malloc((size_t)NK * 4), *pos = malloc((size_t)NK * 4);
+    MUST(idx && cnt && order && pos);
+    for (int64_t n = 0; n < N; n++) {
+        const uint64_t h = loom_splitmix64(r->seed + (uint64_t)n);
+        for (int j = 0; j < kk; j++) /* distinct; the upper half of the experts less often */
+            idx[n * kk + j] = (int32_t)(((int64_t)(h % (uint64_t)(E / 2)) + j) % E);
+    }
+    MUST_OK(r->ctx, r->be[0]->moe_route(&r->d[0], r->ctx, idx, N, E, kk, cnt, order, pos));
+    float *x = rnd(r, N * H, 1, true), *yg = rnd(r, NK * H, 1, true), *dy = rnd(r, N * H, 1, true),
+          *dxg = rnd(r, NK * H, 1, true), *w = rnd(r, NK, 1, false);
+    void *xg[2], *y[2], *dyg[2], *dw[2], *dx[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        void *O = raw(r, k, order, (size_t)NK * 4), *P = raw(r, k, pos, (size_t)NK * 4),
+             *W = in(r, k, w, NK, false), *X = in(r, k, x, N * H, true),
+             *YG = in(r, k, yg, NK * H, true), *DY = in(r, k, dy, N * H, true),
+             *DXG = in(r, k, dxg, NK * H, true);
+        xg[k] = keep(r, k, (size_t)(NK * H) * d->esz);
+        y[k] = keep(r, k, (size_t)(N * H) * d->esz);
+        dyg[k] = keep(r, k, (size_t)(NK * H) * d->esz);
+        dw[k] = keep(r, k, (size_t)NK * 4);
+        dx[k] = keep(r, k, (size_t)(N * H) * d->esz);
+        REQUIRE_OK(r->ctx, be->moe_permute(d, r->ctx, X, O, N, kk, H, xg[k]));
+        REQUIRE_OK(r->ctx, be->moe_combine(d, r->ctx, YG, P, W, N, kk, H, y[k]));
+        REQUIRE_OK(r->ctx, be->moe_combine_bwd(d, r->ctx, DY, YG, O, W, N, kk, H, dyg[k], dw[k]));
+        REQUIRE_OK(r->ctx, be->moe_permute_bwd(d, r->ctx, DXG, P, N, kk, H, dx[k]));
+    }
+    const double tol = tol_of(r);
+    same(r, "moe_permute", xg, NK * H, true, 0.0);
+    same(r, "moe_combine", y, N * H, true, tol);
+    same(r, "moe_combine_bwd dyg", dyg, NK * H, true, tol);
+    same(r, "moe_combine_bwd dw", dw, NK, false, 1e-4); /* dots of the same values */
+    same(r, "moe_permute_bwd", dx, N * H, true, tol);
+    free(idx), free(cnt), free(order), free(pos);
+    free(x), free(yg), free(dy), free(dxg), free(w);
+}
+
+/* The experts' three grouped GEMMs over G groups of cnt[g] rows (zeros
+ * among them): forward y_g = x_g W_g^T, input gradient dx_g = dy_g W_g, and
+ * weight gradient dW_g += dy_g^T x_g into fp32 (K = cnt[g], 0 included); then
+ * the weight gradient with beta 0, alpha 0.5 (the groups of no rows zeroed). */
+static void moe_gemm_family(run *r, int G, const int64_t *cnt) {
+    const int64_t in_ = 64, out_ = 48;
+    int64_t T = 0;
+    for (int i = 0; i < G; i++)
+        T += cnt[i];
+    float *x = rnd(r, T * in_, 1, true), *W = rnd(r, G * out_ * in_, 0.1f, true),
+          *dy = rnd(r, T * out_, 1, true), *dW0 = rnd(r, G * out_ * in_, 1, false);
+    loom_gemm_group *g = malloc((size_t)G * sizeof *g);
+    MUST(g);
+    void *y[2], *dx[2], *dW[2], *dWz[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        const loom_dtype t = d->adt;
+        const size_t es = d->esz;
+        char *X = in(r, k, x, T * in_, true), *WW = in(r, k, W, G * out_ * in_, true),
+             *DY = in(r, k, dy, T * out_, true);
+        char *Y = keep(r, k, (size_t)(T * out_) * es), *DX = keep(r, k, (size_t)(T * in_) * es);
+        char *DWp = in(r, k, dW0, G * out_ * in_, false),
+             *DWz = in(r, k, dW0, G * out_ * in_, false);
+        y[k] = Y, dx[k] = DX, dW[k] = DWp, dWz[k] = DWz;
+        int64_t off = 0;
+        for (int i = 0; i < G; off += cnt[i], i++)
+            g[i] = (loom_gemm_group){.A = X + (size_t)(off * in_) * es,
+                                     .B = WW + (size_t)(i * out_ * in_) * es,
+                                     .C = Y + (size_t)(off * out_) * es,
+                                     .M = cnt[i],
+                                     .N = out_,
+                                     .K = in_};
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, true, G, g, 1.0f, in_, in_, t, 0.0f,
+                                            t, out_));
+        off = 0;
+        for (int i = 0; i < G; off += cnt[i], i++)
+            g[i] = (loom_gemm_group){.A = DY + (size_t)(off * out_) * es,
+                                     .B = WW + (size_t)(i * out_ * in_) * es,
+                                     .C = DX + (size_t)(off * in_) * es,
+                                     .M = cnt[i],
+                                     .N = in_,
+                                     .K = out_};
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, false, G, g, 1.0f, out_, in_, t, 0.0f,
+                                            t, in_));
+        for (int pass = 0; pass < 2; pass++) {
+            off = 0;
+            for (int i = 0; i < G; off += cnt[i], i++)
+                g[i] = (loom_gemm_group){.A = DY + (size_t)(off * out_) * es,
+                                         .B = X + (size_t)(off * in_) * es,
+                                         .C = (pass ? DWz : DWp) + (size_t)(i * out_ * in_) * 4,
+                                         .M = out_,
+                                         .N = in_,
+                                         .K = cnt[i]};
+            REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, true, false, G, g, pass ? 0.5f : 1.0f,
+                                                out_, in_, t, pass ? 0.0f : 1.0f, LOOM_F32, in_));
+        }
+    }
+    const double tol = tol_of(r);
+    same(r, "gemm_grouped (x_g W_g^T)", y, T * out_, true, tol);
+    same(r, "gemm_grouped (dy_g W_g)", dx, T * in_, true, tol);
+    same(r, "gemm_grouped (dW_g += dy_g^T x_g, fp32)", dW, G * out_ * in_, false, tol);
+    same(r, "gemm_grouped (dW_g = dy_g^T x_g / 2, fp32)", dWz, G * out_ * in_, false, tol);
+    free(x), free(W), free(dy), free(dW0), free(g);
+}
+
 #define GPU_OR_SKIP(r, t)                                                                          \
     do {                                                                                           \
         if (!run_begin(&(r), (t)))                                                                 \
@@ -452,6 +718,79 @@ TEST(backend_optimizer_ops_equal_cpu) {
     GPU_OR_SKIP(r, LOOM_F32);
     optimizer_family(&r);
     run_end(&r);
+}
+
+/* E = 8 and 128 (and the most, 2048), k = 1, 2 and 8, N not a multiple of
+ * the GPU's rows a block; norm_topk, psum, ga and dw each on and off */
+TEST(backend_moe_router_ops_equal_cpu) {
+    static const router_case cases[] = {
+        {37, 8, 1, false, false, true, true},    {37, 8, 2, true, true, false, true},
+        {1000, 8, 8, true, true, true, false},   {1000, 128, 2, false, true, true, true},
+        {300, 128, 8, true, false, false, true}, {129, 128, 1, true, true, true, true},
+        {50, 2048, 8, true, true, true, true},   {7, 128, 2, false, false, false, false},
+    };
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int i = 0; i < 2; i++)
+        for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+            run r;
+            GPU_OR_SKIP(r, dts[i]);
+            moe_router_family(&r, &cases[c]);
+            run_end(&r);
+        }
+}
+
+TEST(backend_moe_route_equals_cpu) {
+    static const struct {
+        int64_t N, E;
+        int k;
+    } cases[] = {{40000, 128, 8}, {3001, 512, 8}, {700, 2048, 16}, {1, 8, 1}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        run r;
+        GPU_OR_SKIP(r, LOOM_F32);
+        moe_route_family(&r, cases[c].N, cases[c].E, cases[c].k);
+        run_end(&r);
+    }
+}
+
+TEST(backend_moe_rows_ops_equal_cpu) {
+    static const struct {
+        int64_t N, E;
+        int k;
+        int64_t H;
+    } cases[] = {{37, 8, 2, 72}, {37, 8, 8, 70}, {300, 128, 8, 136}, {5, 128, 1, 6}};
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int i = 0; i < 2; i++)
+        for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+            run r;
+            GPU_OR_SKIP(r, dts[i]);
+            moe_rows_family(&r, cases[c].N, cases[c].E, cases[c].k, cases[c].H);
+            run_end(&r);
+        }
+}
+
+/* each dtype with cuBLAS's grouped call where it applies, then with one GEMM
+ * a group (LOOM_GEMM_GROUPED=loop, read when the GPU's table is set up) */
+TEST(backend_moe_gemm_grouped_equals_cpu) {
+    static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2};
+    int64_t c128[128];
+    for (int i = 0; i < 128; i++) {
+        const uint64_t h = loom_splitmix64((uint64_t)i * 7919u);
+        c128[i] = h % 5 == 0 ? 0 : (int64_t)(h >> 8) % 13;
+    }
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int mode = 0; mode < 2; mode++)
+        for (int i = 0; i < 2; i++) {
+            if (mode)
+                setenv("LOOM_GEMM_GROUPED", "loop", 1);
+            else
+                unsetenv("LOOM_GEMM_GROUPED");
+            run r;
+            GPU_OR_SKIP(r, dts[i]);
+            moe_gemm_family(&r, 8, c8);
+            moe_gemm_family(&r, 128, c128);
+            run_end(&r);
+        }
+    unsetenv("LOOM_GEMM_GROUPED");
 }
 
 /* Every backend fills every slot of its table (a NULL would crash the model

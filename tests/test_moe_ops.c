@@ -119,7 +119,14 @@ TEST(moe_route_permute_combine_match_a_token_loop) {
     int32_t idx[N * K], counts[E], order[N * K], pos[N * K];
     for (int i = 0; i < N * E; i++) z[i] = frnd(seed, i, 2.0f);
     for (int i = 0; i < N * H; i++) x[i] = frnd(seed + 5, i, 1.0f), dy[i] = frnd(seed + 9, i, 1.0f);
-    loom_cpu_router_fwd(z, N, E, K, true, p, idx, w, NULL);
+    float psum[E];
+    for (int e = 0; e < E; e++) psum[e] = 0.25f;
+    loom_cpu_router_fwd(z, N, E, K, true, p, idx, w, psum);
+    for (int e = 0; e < E; e++) { /* psum += the column sums of probs */
+        double s = 0.25;
+        for (int n = 0; n < N; n++) s += p[n * E + e];
+        CHECK_NEAR(psum[e], s, 1e-6);
+    }
     loom_cpu_moe_route(idx, N, E, K, counts, order, pos);
     float xg[N * K * H], yg[N * K * H], y[N * H], dyg[N * K * H], dw[N * K], dx[N * H];
     loom_cpu_moe_permute(x, order, N, K, H, xg);

@@ -42,6 +42,8 @@ typedef struct loom_dev {
                                             loom_k_dw_flush (made at the first use) */
     void *lora_scratch;       /* device: the LoRA pass kernels' partial sums */
     size_t lora_scratch_bytes;
+    void *moe_scratch; /* device: the MoE router's column sums, route's chunk counts */
+    size_t moe_scratch_bytes;
     bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's forward and backward, and the
                                  input gradients' sums, on cuBLASLt (no GEMM of loom's own) */
     size_t used0;             /* GPU memory in use when the model was created */

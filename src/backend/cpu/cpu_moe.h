@@ -17,7 +17,8 @@
 #include <stdint.h>
 
 /* z (N, E) -> probs (N, E), idx (N, k) and w (N, k). k <= E. psum (E;
- * NULL: not wanted) += the column sums of probs (the loss's P over layers). */
+ * NULL: not wanted) += the column sums of probs (the loss's P over layers;
+ * each summed in double, then added in fp32). */
 void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_topk,
                          float *probs, int32_t *idx, float *w, float *psum);
 /* dz (N, E) = the gradient through the routing weights (dw (N, k); NULL:

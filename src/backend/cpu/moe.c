@@ -30,11 +30,11 @@ void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_
         if (norm_topk)
             for (int j = 0; j < k; j++) wr[j] /= top;
     }
-    if (psum) /* a column at a time, in token order */
+    if (psum) /* each column in row order, in double */
         for (int64_t e = 0; e < E; e++) {
-            double c = 0.0;
-            for (int64_t n = 0; n < N; n++) c += probs[n * E + e];
-            psum[e] += (float)c;
+            double s = 0.0;
+            for (int64_t n = 0; n < N; n++) s += probs[n * E + e];
+            psum[e] += (float)s;
         }
 }
 

@@ -53,6 +53,9 @@ static void cuda_release(loom_dev *d) {
     loom_cuda_free(d->lora_scratch);
     d->lora_scratch = NULL;
     d->lora_scratch_bytes = 0;
+    loom_cuda_free(d->moe_scratch);
+    d->moe_scratch = NULL;
+    d->moe_scratch_bytes = 0;
     d->gemm = NULL;
     d->sumsq_scratch = NULL;
     d->rms_scratch = NULL;
@@ -466,6 +469,78 @@ static loom_status cuda_ce_fused(loom_dev *d, loom_ctx *ctx, void *z, int64_t c,
                                  d->stream);
 }
 
+/* ---- mixture of experts (ops_moe.cu), on the model's stream ---- */
+
+/* d->moe_scratch grown to `need` bytes (at the first call of a larger shape) */
+static loom_status moe_scratch(loom_dev *d, loom_ctx *ctx, size_t need) {
+    if (need <= d->moe_scratch_bytes)
+        return LOOM_OK;
+    loom_cuda_free(d->moe_scratch);
+    d->moe_scratch = NULL;
+    d->moe_scratch_bytes = 0;
+    loom_status st = loom_cuda_malloc(ctx, &d->moe_scratch, need, "MoE scratch");
+    if (!st)
+        d->moe_scratch_bytes = need;
+    return st;
+}
+
+static loom_status cuda_moe_router_fwd(loom_dev *d, loom_ctx *ctx, const void *z, int64_t N,
+                                       int64_t E, int k, bool norm_topk, float *probs, int32_t *idx,
+                                       float *w, float *psum) {
+    loom_status st = moe_scratch(d, ctx, loom_cuda_moe_router_scratch_bytes(N, E, psum != NULL));
+    if (st)
+        return st;
+    return loom_cuda_moe_router_fwd(ctx, z, d->adt, N, E, k, norm_topk, probs, idx, w, psum,
+                                    d->moe_scratch, d->moe_scratch_bytes, d->stream);
+}
+
+static loom_status cuda_moe_router_bwd(loom_dev *d, loom_ctx *ctx, const float *probs,
+                                       const int32_t *idx, const float *dw, const float *ga,
+                                       int64_t N, int64_t E, int k, bool norm_topk, void *dz) {
+    return loom_cuda_moe_router_bwd(ctx, probs, idx, dw, ga, N, E, k, norm_topk, dz, d->adt,
+                                    d->stream);
+}
+
+static loom_status cuda_moe_route(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N,
+                                  int64_t E, int k, int32_t *counts, int32_t *order, int32_t *pos) {
+    loom_status st = moe_scratch(d, ctx, loom_cuda_moe_route_scratch_bytes(N, E, k));
+    if (st)
+        return st;
+    return loom_cuda_moe_route(ctx, idx, N, E, k, counts, order, pos, d->moe_scratch,
+                               d->moe_scratch_bytes, d->stream);
+}
+
+static loom_status cuda_moe_permute(loom_dev *d, loom_ctx *ctx, const void *x, const int32_t *order,
+                                    int64_t N, int k, int64_t H, void *xg) {
+    return loom_cuda_moe_permute(ctx, x, order, N, k, H, xg, d->adt, d->stream);
+}
+
+static loom_status cuda_moe_combine(loom_dev *d, loom_ctx *ctx, const void *yg, const int32_t *pos,
+                                    const float *w, int64_t N, int k, int64_t H, void *y) {
+    return loom_cuda_moe_combine(ctx, yg, pos, w, N, k, H, y, d->adt, d->stream);
+}
+
+static loom_status cuda_moe_combine_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *yg,
+                                        const int32_t *order, const float *w, int64_t N, int k,
+                                        int64_t H, void *dyg, float *dw) {
+    return loom_cuda_moe_combine_bwd(ctx, dy, yg, order, w, N, k, H, dyg, dw, d->adt, d->stream);
+}
+
+static loom_status cuda_moe_permute_bwd(loom_dev *d, loom_ctx *ctx, const void *dxg,
+                                        const int32_t *pos, int64_t N, int k, int64_t H, void *dx) {
+    return loom_cuda_moe_permute_bwd(ctx, dxg, pos, N, k, H, dx, d->adt, d->stream);
+}
+
+/* one cuBLAS grouped call where it takes the dtypes, one cuBLASLt GEMM a
+ * group else (loom_cuda_gemm_grouped) */
+static loom_status cuda_gemm_grouped(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int G,
+                                     const loom_gemm_group *g, float alpha, int64_t lda,
+                                     int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
+                                     int64_t ldc) {
+    return loom_cuda_gemm_grouped(ctx, d->gemm, ta, tb, G, g, alpha, lda, ldb, ab, beta, cdt, ldc,
+                                  d->stream);
+}
+
 /* ---- the optimizer: the parts cut into chunks of at most LOOM_CUDA_CHUNK
  * elements once (the layout never changes), kept on the device ---- */
 
@@ -619,6 +694,14 @@ const loom_backend *loom_backend_cuda(void) {
         .ce_grad = cuda_ce_grad,
         .rows_scale = cuda_rows_scale,
         .ce_fused = cuda_ce_fused,
+        .moe_router_fwd = cuda_moe_router_fwd,
+        .moe_router_bwd = cuda_moe_router_bwd,
+        .moe_route = cuda_moe_route,
+        .moe_permute = cuda_moe_permute,
+        .moe_combine = cuda_moe_combine,
+        .moe_combine_bwd = cuda_moe_combine_bwd,
+        .moe_permute_bwd = cuda_moe_permute_bwd,
+        .gemm_grouped = cuda_gemm_grouped,
         .adamw = cuda_adamw,
         .sumsq = cuda_sumsq,
         .zero_parts = cuda_zero_parts,

@@ -61,6 +61,22 @@ loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, boo
                            void *C, loom_dtype c_dtype, int64_t ldc, void *stream);
 /* How many shapes the handle has cached (for tests and logs). */
 int loom_cuda_gemm_cached(const loom_cuda_gemm_handle *h);
+/* G GEMMs of one call's transposes, leading dimensions, alpha, beta and
+ * dtypes (A, B in ab; C in cdt: ab, or F32), each its own M, N, K and
+ * pointers (g: a host array of backend.h's loom_gemm_group), each with
+ * loom_cuda_gemm's semantics: M or N 0 skips the group, K 0 scales C by beta
+ * (beta 0 writes zeros). Where cdt is ab and every pointer is 16-byte
+ * aligned (cuBLAS 12.5 or later), the groups with work (two or more) go to
+ * cublasGemmGroupedBatchedEx in one call (the handle's cuBLAS handle and a
+ * device array of their pointers, both made at the first use); otherwise (an
+ * F32 C of 16-bit inputs: weight gradients), when cuBLAS refuses the call,
+ * or with LOOM_GEMM_GROUPED=loop in the environment at the handle's
+ * creation, one loom_cuda_gemm a group. */
+struct loom_gemm_group;
+loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb, int G,
+                                   const struct loom_gemm_group *g, float alpha, int64_t lda,
+                                   int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
+                                   int64_t ldc, void *stream);
 /* For the ops bench: ms[i] = the mean time of cuBLASLt's i-th candidate
  * for this GEMM (alpha 1; i = 0 is the heuristic's choice, the one
  * loom_cuda_gemm runs), reps runs each on the default stream, up to
@@ -361,6 +377,56 @@ loom_status loom_cuda_attention_cudnn_bwd(loom_ctx *ctx, loom_cuda_attn_handle *
                                           const int32_t *cu_seqlens, int64_t ndocs, int64_t L,
                                           float scale, void *dq, void *dk, void *dv, void *stream,
                                           bool *taken);
+
+/* ---- mixture of experts (ops_moe.cu) ----
+ * cpu_moe.h's semantics (N tokens, E experts, the top k of each): x, xg, yg,
+ * y, dy, dyg, dxg, dx and z, dz in dtype; probs, w, dw, psum and ga fp32;
+ * idx, counts, order and pos int32; N k below 2^31, E up to
+ * LOOM_CUDA_MOE_MAX_E. One warp per row (a token's E logits, a token's or a
+ * grouped row's H features); every sum in a fixed order.
+ * - router_fwd: probs = softmax(z) in fp32 (z widened first; expf, the sum a
+ *   warp tree, IEEE division), the top k with ties to the lower expert, w
+ *   renormalised when norm_topk (the k weights summed in slot order); psum
+ *   (NULL: not wanted) += the column sums of probs, in double over chunks of
+ *   rows, then the chunks in order (two more launches; scratch:
+ *   loom_cuda_moe_router_scratch_bytes(N, E, psum != NULL) bytes of device
+ *   memory). Probabilities within a few fp32 ulp of the CPU's, so the choice
+ *   is the CPU's wherever no two of a row's are that close or exactly equal.
+ * - router_bwd: dz written; dw and ga may be NULL (as the CPU, in double
+ *   where it is).
+ * - route: counts (E), order and pos (N k), stable (a choice c = n k + j
+ *   ranks in c order within its expert); three launches; scratch:
+ *   loom_cuda_moe_route_scratch_bytes(N, E, k) bytes.
+ * - permute: xg row p = x row order[p] / k (copied as bytes).
+ * - combine: y row n = sum_j w[n k + j] yg row pos[n k + j]; permute_bwd: dx
+ *   row n = sum_j dxg row pos[n k + j]: in slot order, fp32, the CPU's
+ *   operations without fused multiply-adds.
+ * - combine_bwd: dyg row p = w[c] dy row c / k and dw[c] (written) =
+ *   dot(dy row c / k, yg row p) in fp32, c = order[p]. */
+#define LOOM_CUDA_MOE_MAX_E 2048
+size_t loom_cuda_moe_router_scratch_bytes(int64_t N, int64_t E, bool psum);
+loom_status loom_cuda_moe_router_fwd(loom_ctx *ctx, const void *z, loom_dtype dtype, int64_t N,
+                                     int64_t E, int k, bool norm_topk, float *probs, int32_t *idx,
+                                     float *w, float *psum, void *scratch, size_t scratch_bytes,
+                                     void *stream);
+loom_status loom_cuda_moe_router_bwd(loom_ctx *ctx, const float *probs, const int32_t *idx,
+                                     const float *dw, const float *ga, int64_t N, int64_t E, int k,
+                                     bool norm_topk, void *dz, loom_dtype dtype, void *stream);
+size_t loom_cuda_moe_route_scratch_bytes(int64_t N, int64_t E, int k);
+loom_status loom_cuda_moe_route(loom_ctx *ctx, const int32_t *idx, int64_t N, int64_t E, int k,
+                                int32_t *counts, int32_t *order, int32_t *pos, void *scratch,
+                                size_t scratch_bytes, void *stream);
+loom_status loom_cuda_moe_permute(loom_ctx *ctx, const void *x, const int32_t *order, int64_t N,
+                                  int k, int64_t H, void *xg, loom_dtype dtype, void *stream);
+loom_status loom_cuda_moe_combine(loom_ctx *ctx, const void *yg, const int32_t *pos, const float *w,
+                                  int64_t N, int k, int64_t H, void *y, loom_dtype dtype,
+                                  void *stream);
+loom_status loom_cuda_moe_combine_bwd(loom_ctx *ctx, const void *dy, const void *yg,
+                                      const int32_t *order, const float *w, int64_t N, int k,
+                                      int64_t H, void *dyg, float *dw, loom_dtype dtype,
+                                      void *stream);
+loom_status loom_cuda_moe_permute_bwd(loom_ctx *ctx, const void *dxg, const int32_t *pos, int64_t N,
+                                      int k, int64_t H, void *dx, loom_dtype dtype, void *stream);
 
 /* ---- optimizer (ops_optim.cu): fp32 flat buffers ----
  * AdamW: loom_adamw_step's formula with the same fp32 operations in the same

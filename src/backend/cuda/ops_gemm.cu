@@ -6,10 +6,17 @@
 // leading dimensions unchanged. Descriptors, layouts and the algorithm chosen
 // by cublasLtMatmulAlgoGetHeuristic are cached per shape in the handle.
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../backend.h"
 #include "ops_common.cuh"
+
+// cublasGemmGroupedBatchedEx: cuBLAS 12.5 and later.
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120500
+#define LOOM_GEMM_GROUPED_ONE_CALL 1
+#endif
 
 using namespace loom_cuda;
 
@@ -39,6 +46,10 @@ struct loom_cuda_gemm_handle {
     size_t ws_bytes;
     gemm_entry *cache; // CACHE_SIZE entries, open addressing
     int cached;
+    cublasHandle_t blas; // cuBLAS's, for the grouped GEMM (made at its first call)
+    void **ptrs;         // device: the grouped call's A, B and C pointers (3 ptrs_cap)
+    size_t ptrs_cap;
+    bool grouped_loop; // LOOM_GEMM_GROUPED=loop: one cuBLASLt GEMM a group
 };
 
 static loom_status lt_check(loom_ctx *ctx, cublasStatus_t s, const char *what) {
@@ -89,6 +100,8 @@ extern "C" loom_status loom_cuda_gemm_create(loom_ctx *ctx, size_t workspace_byt
     }
     h->cache = cache;
     h->ws_bytes = workspace_bytes ? workspace_bytes : LOOM_CUDA_GEMM_WORKSPACE_DEFAULT;
+    const char *gg = getenv("LOOM_GEMM_GROUPED");
+    h->grouped_loop = gg && strcmp(gg, "loop") == 0;
     loom_status st = lt_check(ctx, cublasLtCreate(&h->lt), "cublasLtCreate");
     if (st) {
         h->lt = NULL;
@@ -113,6 +126,10 @@ extern "C" void loom_cuda_gemm_free(loom_cuda_gemm_handle *h) {
         for (int i = 0; i < CACHE_SIZE; i++)
             if (h->cache[i].used) entry_destroy(&h->cache[i]);
     free(h->cache);
+    if (h->blas)
+        cublasDestroy(h->blas);
+    if (h->ptrs)
+        cudaFree(h->ptrs);
     if (h->ws) cudaFree(h->ws);
     if (h->lt) cublasLtDestroy(h->lt);
     free(h);
@@ -384,4 +401,152 @@ extern "C" loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handl
     entry_destroy(&e);
     free(res);
     return st;
+}
+
+// ---- grouped GEMMs ----
+
+// The groups with work (M, N and K all > 0) as one cublasGemmGroupedBatchedEx
+// call, each group its own cuBLAS group of one GEMM, in the row-major to
+// column-major mapping of loom_cuda_gemm (cuBLAS's A is our B, its m our N).
+// The sizes, leading dimensions, transposes, alpha and beta are host arrays;
+// the A, B and C pointers are read by the device: they are copied (in stream
+// order) into the handle's pointer array first. cuBLAS decides how many
+// kernels that is. *done false, nothing computed, when cuBLAS says it does not
+// support the call (the caller then loops).
+static loom_status gemm_grouped_call(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb,
+                                     int G, const loom_gemm_group *g, int64_t work, float alpha,
+                                     int64_t lda, int64_t ldb, loom_dtype ab, float beta,
+                                     int64_t ldc, void *stream, bool *done) {
+    *done = false;
+#ifdef LOOM_GEMM_GROUPED_ONE_CALL
+    cublasStatus_t r;
+    if (!h->blas) {
+        cublasHandle_t b = NULL;
+        if ((r = cublasCreate(&b)) != CUBLAS_STATUS_SUCCESS)
+            return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm_grouped: cublasCreate: %s",
+                             cublasGetStatusString(r));
+        h->blas = b;
+        if ((r = cublasSetPointerMode(b, CUBLAS_POINTER_MODE_HOST)) != CUBLAS_STATUS_SUCCESS)
+            return loom_errf(ctx, LOOM_ERR_DEVICE, "cuda gemm_grouped: cublasSetPointerMode: %s",
+                             cublasGetStatusString(r));
+    }
+    const size_t n = (size_t)work;
+    if (n > h->ptrs_cap) { // grown to whole 64s of groups
+        if (h->ptrs)
+            cudaFree(h->ptrs);
+        h->ptrs = NULL;
+        h->ptrs_cap = 0;
+        const size_t cap = (n + 63) / 64 * 64;
+        cudaError_t e = cudaMalloc((void **)&h->ptrs, 3 * cap * sizeof(void *));
+        if (e != cudaSuccess) {
+            h->ptrs = NULL;
+            return loom_errf(ctx, e == cudaErrorMemoryAllocation ? LOOM_ERR_OOM : LOOM_ERR_DEVICE,
+                             "cuda gemm_grouped: cudaMalloc of the pointer array: %s",
+                             cudaGetErrorString(e));
+        }
+        h->ptrs_cap = cap;
+    }
+    // one host block: the 3n pointers (as the device array), 7n sizes, 2n
+    // scales, 2n transposes
+    char *mem = (char *)malloc(n * (3 * sizeof(void *) + 7 * sizeof(int64_t) + 2 * sizeof(float) +
+                                    2 * sizeof(cublasOperation_t)));
+    if (!mem)
+        return loom_errf(ctx, LOOM_ERR_OOM, "cuda gemm_grouped: out of host memory");
+    void **hp = (void **)mem;
+    int64_t *m = (int64_t *)(hp + 3 * n), *nn = m + n, *kk = nn + n, *la = kk + n, *lb = la + n,
+            *lc = lb + n, *gs = lc + n;
+    float *al = (float *)(gs + n), *be = al + n;
+    cublasOperation_t *opa = (cublasOperation_t *)(be + n), *opb = opa + n;
+    size_t w = 0;
+    for (int i = 0; i < G; i++) {
+        if (!g[i].M || !g[i].N || !g[i].K)
+            continue;
+        hp[w] = (void *)g[i].B; // cuBLAS's A
+        hp[n + w] = (void *)g[i].A;
+        hp[2 * n + w] = g[i].C;
+        m[w] = g[i].N, nn[w] = g[i].M, kk[w] = g[i].K;
+        la[w] = ldb, lb[w] = lda, lc[w] = ldc, gs[w] = 1;
+        al[w] = alpha, be[w] = beta;
+        opa[w] = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+        opb[w] = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+        w++;
+    }
+    const cudaStream_t s = as_stream(stream);
+    // pageable source: staged before the call returns, so freed below at once
+    loom_status st =
+        check(ctx, cudaMemcpyAsync(h->ptrs, hp, 3 * n * sizeof(void *), cudaMemcpyHostToDevice, s),
+              "gemm_grouped (pointer upload)");
+    const cudaDataType_t t = cuda_type(ab);
+    r = CUBLAS_STATUS_SUCCESS;
+    if (!st)
+        r = cublasSetStream(h->blas, s); // (resets the workspace: set after it)
+    if (!st && r == CUBLAS_STATUS_SUCCESS)
+        r = cublasSetWorkspace(h->blas, h->ws, h->ws_bytes);
+    if (!st && r == CUBLAS_STATUS_SUCCESS)
+        r = cublasGemmGroupedBatchedEx_64(
+            h->blas, opa, opb, m, nn, kk, al, (const void *const *)h->ptrs, t, la,
+            (const void *const *)(h->ptrs + n), t, lb, be, h->ptrs + 2 * n, t, lc, (int64_t)n, gs,
+            CUBLAS_COMPUTE_32F);
+    free(mem);
+    if (st || r == CUBLAS_STATUS_NOT_SUPPORTED)
+        return st;
+    if (r != CUBLAS_STATUS_SUCCESS)
+        return loom_errf(ctx, LOOM_ERR_DEVICE,
+                         "cuda gemm_grouped: cublasGemmGroupedBatchedEx (%lld groups, ta=%d "
+                         "tb=%d, %s): %s",
+                         (long long)n, (int)ta, (int)tb, loom_dtype_name(ab),
+                         cublasGetStatusString(r));
+    *done = true;
+    return check_launch(ctx, "gemm_grouped");
+#else
+    (void)ctx, (void)h, (void)ta, (void)tb, (void)G, (void)g, (void)work, (void)alpha, (void)lda,
+        (void)ldb, (void)ab, (void)beta, (void)ldc, (void)stream;
+    return LOOM_OK;
+#endif
+}
+
+// Every group's arguments are checked first (as loom_cuda_gemm's). The
+// groups with work go to one cuBLAS call where C's dtype is the inputs'
+// (cuBLAS's grouped GEMM takes F32, BF16 or F16 in and out, computing in fp32,
+// but no F32 C of 16-bit inputs), there are two or more and their pointers
+// are 16-byte aligned; otherwise, and when cuBLAS refuses, one loom_cuda_gemm
+// each. Groups with K 0 are loom_cuda_gemm's (C = beta C, zeros for beta 0;
+// nothing for beta 1, as the CPU).
+extern "C" loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta,
+                                              bool tb, int G, const loom_gemm_group *g, float alpha,
+                                              int64_t lda, int64_t ldb, loom_dtype ab, float beta,
+                                              loom_dtype cdt, int64_t ldc, void *stream) {
+    if (!h)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda gemm_grouped: no handle");
+    if (G < 0)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda gemm_grouped: %d groups", G);
+    loom_status st;
+    int64_t work = 0;
+    bool aligned = true; // every pointer 16-byte aligned: what cuBLAS's grouped GEMM asks of
+                         // 16-bit matrices (the loop's cuBLASLt plans take any alignment)
+    for (int i = 0; i < G; i++) {
+        gemm_key k;
+        bool trivial;
+        if ((st = gemm_args(ctx, h, ta, tb, g[i].M, g[i].N, g[i].K, g[i].A, ab, lda, g[i].B, ab,
+                            ldb, beta, g[i].C, cdt, ldc, &k, &trivial)))
+            return st;
+        if (!g[i].M || !g[i].N || !g[i].K)
+            continue;
+        work++;
+        aligned =
+            aligned && (((uintptr_t)g[i].A | (uintptr_t)g[i].B | (uintptr_t)g[i].C) & 15) == 0;
+    }
+    bool one = false;
+    if (!h->grouped_loop && cdt == ab && work > 1 && aligned &&
+        (st = gemm_grouped_call(ctx, h, ta, tb, G, g, work, alpha, lda, ldb, ab, beta, ldc, stream,
+                                &one)))
+        return st;
+    for (int i = 0; i < G; i++) {
+        if (!g[i].M || !g[i].N || (g[i].K ? one : beta == 1.0f))
+            continue;
+        if ((st = loom_cuda_gemm(ctx, h, ta, tb, g[i].M, g[i].N, g[i].K, alpha, g[i].A, ab, lda,
+                                 g[i].B, ab, ldb, beta, g[i].C, cdt, ldc, stream)))
+            return st;
+    }
+    return LOOM_OK;
 }
