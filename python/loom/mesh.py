@@ -44,8 +44,8 @@ class DeviceMesh:
     parallelism on tp. ep_size and etp_size fold the expert layers; the
     library checks them against the model (ep dividing num_experts, etp
     moe_intermediate_size, etp*ep dividing tp*cp*dp, sequence parallelism
-    with tp and ep) and a dense model refuses them, with MeshError, before
-    any compute."""
+    when tp > 1 unless ep is 1 and etp is tp) and a dense model refuses
+    them, with MeshError, before any compute."""
 
     def __init__(self, dp_size, tp_size=1, pp_size=1, cp_size=1, ep_size=1, etp_size=None,
                  vpp_size=None, sequence_parallel=False):
