@@ -216,7 +216,8 @@ static loom_status print_json(loom_ctx *ctx, const char *src, const loom_model_c
     return LOOM_OK;
 }
 
-/* "tp=2,pp=2,dp=2,cp=1,vpp=1,sp" -> sizes (unnamed ones 1). */
+/* "tp=2,pp=2,dp=2,cp=1,vpp=1,ep=2,etp=1,sp" -> sizes (unnamed ones 1; etp
+ * unnamed: tp). */
 static loom_status parse_mesh(loom_ctx *ctx, const char *spec, loom_mesh_sizes *n) {
     memset(n, 0, sizeof *n);
     n->tp = n->cp = n->dp = n->pp = n->vpp = 1;
@@ -242,16 +243,36 @@ static loom_status parse_mesh(loom_ctx *ctx, const char *spec, loom_mesh_sizes *
         else if (!strcmp(key, "dp")) n->dp = (int)v;
         else if (!strcmp(key, "pp")) n->pp = (int)v;
         else if (!strcmp(key, "vpp")) n->vpp = (int)v;
+        else if (!strcmp(key, "ep")) n->ep = (int)v;
+        else if (!strcmp(key, "etp")) n->etp = (int)v;
         else
             return loom_errf(ctx, LOOM_ERR_CONFIG,
-                             "--mesh %s: unknown size '%s'; use tp, cp, dp, pp, vpp and sp, "
-                             "e.g. --mesh tp=2,pp=2,dp=2",
+                             "--mesh %s: unknown size '%s'; use tp, cp, dp, pp, vpp, ep, etp and "
+                             "sp, e.g. --mesh tp=2,pp=2,dp=2",
                              spec, key);
         if (*p == ',') p++;
         else if (*p)
             return loom_errf(ctx, LOOM_ERR_CONFIG, "--mesh %s: expected ',' after %s", spec, key);
     }
     return LOOM_OK;
+}
+
+/* The expert layers' fold of --mesh and what of the memory is the experts'. */
+static void print_experts(const loom_model_config *c, const loom_mesh_sizes *n,
+                          const loom_mem_report *r) {
+    char w[32], g[32], o[32], a[32];
+    const int stage = n->tp * n->cp * n->dp;
+    printf("expert layers: each stage's tp*cp*dp = %d ranks folded as etp=%d x ep=%d x edp=%d "
+           "(etp fastest)\n",
+           stage, n->etp, n->ep, loom_mesh_edp(n));
+    printf("  per rank: %" PRId64 " of %" PRId64 " experts per MoE layer (ep=%d), each of width "
+           "%" PRId64 " of %" PRId64 " (etp=%d); the router replicated\n",
+           c->num_experts / n->ep, c->num_experts, n->ep, c->moe_intermediate_size / n->etp,
+           c->moe_intermediate_size, n->etp);
+    printf("  experts' share: weights %s, gradients %s, optimizer %s (sharded over edp=%d); "
+           "MoE activations %s (estimated for balanced routing)\n",
+           loom_fmt_bytes(w, r->expert_weights), loom_fmt_bytes(g, r->expert_grads),
+           loom_fmt_bytes(o, r->expert_optim), loom_mesh_edp(n), loom_fmt_bytes(a, r->moe_acts));
 }
 
 /* The memory table of --mesh. */
@@ -270,7 +291,9 @@ static loom_status print_memory(loom_ctx *ctx, const loom_settings *s,
                          "dp=%d",
                          (long long)s->global_batch_size, (long long)s->micro_batch_size, n.dp);
     int n_micro = (int)(s->global_batch_size / per);
-    if ((st = loom_mesh_check_batch(ctx, &n, s->global_batch_size, s->seq_len, n_micro))) return st;
+    if ((st = loom_mesh_check_model(ctx, &n, cfg)) ||
+        (st = loom_mesh_check_batch(ctx, &n, s->global_batch_size, s->seq_len, n_micro)))
+        return st;
     loom_mem_report r;
     if ((st = loom_cli_predict_memory(ctx, s, cfg, &n, cuda, n_micro, &r))) return st;
     char b[32], mesh[128];
@@ -283,15 +306,16 @@ static loom_status print_memory(loom_ctx *ctx, const loom_settings *s,
            strcmp(s->recompute, "none") ? s->recompute : "");
     printf("  %-13s %12s\n", "weights", loom_fmt_bytes(b, r.weights));
     printf("  %-13s %12s\n", "gradients", loom_fmt_bytes(b, r.grads));
-    printf("  %-13s %12s   (AdamW moments%s, over dp*cp=%d)\n", "optimizer",
+    printf("  %-13s %12s   (AdamW moments%s, over dp*cp=%d%s)\n", "optimizer",
            loom_fmt_bytes(b, r.optim),
            n.dp * n.cp > 1 ? " and the gradient shard" : "; the gradients serve as the shard",
-           n.dp * n.cp);
+           n.dp * n.cp, cfg->num_experts > 0 ? "; the experts' over edp" : "");
     printf("  %-13s %12s   (%d micro-batch%s in flight on pipeline stage %d)\n", "activations",
            loom_fmt_bytes(b, r.acts), r.in_flight, r.in_flight == 1 ? "" : "es", r.pp_rank);
     printf("  %-13s %12s\n", "workspace", loom_fmt_bytes(b, r.work));
     printf("  %-13s %12s   (plus the CUDA context, ~0.5 GiB, and NCCL's buffers)\n", "total",
            loom_fmt_bytes(b, r.total));
+    if (cfg->num_experts > 0) print_experts(cfg, &n, &r);
     return LOOM_OK;
 }
 

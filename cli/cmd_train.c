@@ -191,7 +191,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     {
         loom_model_config cfg;
         loom_mesh_sizes want = {.tp = mo.tp, .cp = mo.cp, .dp = mo.dp, .pp = mo.pp, .vpp = mo.vpp,
-                                .vpp_group = mo.microbatch_group,
+                                .ep = mo.ep, .etp = mo.etp, .vpp_group = mo.microbatch_group,
                                 .sequence_parallel = mo.sequence_parallel != 0}, n;
         loom_ctx *q = NULL; /* a failed prediction is not the run's error */
         if (!loom_ctx_create(&q) &&

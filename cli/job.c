@@ -91,6 +91,8 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
     o->cp = (int)s->cp;
     o->dp = (int)s->dp;
     o->pp = (int)s->pp;
+    o->ep = (int)s->ep;
+    o->etp = (int)s->etp;
     o->vpp = (int)s->vpp;
     o->microbatch_group = (int)s->microbatch_group;
     o->sequence_parallel = s->sequence_parallel;

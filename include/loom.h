@@ -176,8 +176,11 @@ typedef struct loom_model_options {
      * not saved. */
     int64_t vocab_pad_multiple;
     /* Parallel layout (Megatron's DeviceMesh.from_sizes): 0 means 1, except
-     * dp, where 0 means what the world size leaves. Every process of a job
-     * (mpirun -np N) calls loom_model_create with the same options. */
+     * dp, where 0 means what the world size leaves, and etp, where 0 means
+     * tp (Megatron's default). ep and etp (MoE models only) fold each
+     * pipeline stage's tp*cp*dp ranks into etp x ep x edp for the expert
+     * layers, etp fastest. Every process of a job (mpirun -np N) calls
+     * loom_model_create with the same options. */
     int tp, cp, dp, pp, vpp, ep, etp;
     int sequence_parallel;
     /* Interleaved pipeline (vpp > 1): micro-batches each model chunk runs in
@@ -219,6 +222,10 @@ typedef struct loom_mesh_info {
     /* where per-token outputs and losses are computed: the last pipeline
      * stage, tensor-parallel rank 0, context-parallel rank 0 */
     int is_output_rank;
+    /* the expert layers' view of the stage: edp = tp*cp*dp / (etp*ep), and
+     * tp_rank + tp*(cp_rank + cp*dp_rank) = etp_rank + etp*(ep_rank +
+     * ep*edp_rank) */
+    int edp, etp_rank, ep_rank, edp_rank;
 } loom_mesh_info;
 void loom_model_get_mesh(const loom_model *m, loom_mesh_info *out);
 /* Where the model computes; *gpu (may be NULL) is set to its CUDA device,

@@ -1,5 +1,6 @@
 /* `loom train` and `loom golden` end to end. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "../src/io/safetensors.h"
 #include "harness.h"
@@ -70,6 +71,39 @@ TEST(cli_train_refuses_bad_input) {
                      "--micro-batch-size", "2"),
                  1);
     CHECK_CONTAINS(out, "not a multiple of micro_batch_size=2");
+    free(out);
+}
+
+/* --ep and --etp reach the mesh from flags and config files, and are
+ * checked against the model before anything is loaded. */
+TEST(cli_train_expert_parallel_options) {
+    char model[1024], data[1024], cfgpath[1024], *out;
+    snprintf(model, sizeof model, "%s/models/tiny-qwen3", loom_test_fixtures());
+    tmp_path(data, sizeof data, "never-read.tokens");
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, "--ep",
+                     "2"),
+                 1);
+    CHECK_CONTAINS(out, "ep                 2");
+    CHECK_CONTAINS(out, "etp                0");
+    CHECK_CONTAINS(out, "ep=2, etp=1: expert parallelism needs a mixture-of-experts model, and "
+                        "this qwen3 model has no experts");
+    free(out);
+    const char *cfg = "{\"etp\": 2}";
+    snprintf(cfgpath, sizeof cfgpath, "%s", loom_test_write("ep.json", cfg, strlen(cfg)));
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data,
+                     "--config", cfgpath),
+                 1);
+    CHECK_CONTAINS(out, "etp                2");
+    CHECK_CONTAINS(out, "config");
+    CHECK_CONTAINS(out, "ep=1, etp=2: expert parallelism needs");
+    free(out);
+    CHECK_EQ_INT(RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, "--etp",
+                     "-1"),
+                 2);
+    CHECK_CONTAINS(out, "--etp: -1 is out of range");
+    free(out);
+    CHECK_EQ_INT(RUN(&out, "golden", "--ep", "0"), 2);
+    CHECK_CONTAINS(out, "--ep: 0 is out of range");
     free(out);
 }
 

@@ -3,6 +3,7 @@
  * parameter and gradient buffers, the optimizer's block and the one
  * activation allocation, on CPU and (skipped without one) on a GPU. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "../include/loom.h"
 #include "../src/model/model.h"
@@ -154,5 +155,170 @@ TEST(memory_recompute_bad_values) {
                           "--recompute", "some", NULL};
     CHECK_EQ_INT(loom_test_run(&out, argv), 2); /* a usage error */
     CHECK_CONTAINS(out, "none|mlp|full");
+    free(out);
+}
+
+/* ---- MoE: the experts as the expert fold holds them ---- */
+
+/* Expert parameters of the layers of pipeline stage p (of pp), whole. */
+static int64_t stage_experts(const loom_param_plan *plan, int64_t L, int pp, int p) {
+    int64_t n = 0;
+    for (size_t i = 0; i < plan->n; i++)
+        if (plan->p[i].comp == LOOM_COMP_EXPERTS && plan->p[i].layer / (L / pp) == p)
+            n += loom_param_numel(&plan->p[i]);
+    return n;
+}
+
+/* For each fold of tiny-qwen3-moe's experts over a mesh, the predicted
+ * expert bytes per rank are the plan's stage experts / (ep*etp), exactly:
+ * weights (fp32 master and bf16 copy), fp32 gradients, and the optimizer's
+ * moments and gradient shard over edp (the gradients themselves when edp
+ * is 1); and the rest of the prediction does not move with the fold. */
+TEST(memory_prediction_moe_experts) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    loom_model_config cfg;
+    REQUIRE_OK(ctx, loom_config_load(ctx, dir, &cfg));
+    loom_param_plan plan;
+    REQUIRE_OK(ctx, loom_param_plan_build(ctx, &cfg, &plan));
+    const struct {
+        int tp, cp, dp, pp, ep, etp; /* etp 0: tp */
+    } folds[] = {
+        {2, 1, 2, 1, 1, 0}, {2, 1, 2, 1, 2, 1}, {2, 1, 2, 1, 2, 2}, {2, 1, 2, 1, 4, 1},
+        {1, 2, 2, 1, 4, 1}, {1, 2, 2, 2, 2, 1}, {2, 1, 4, 2, 4, 1}, {1, 1, 1, 1, 1, 1},
+    };
+    const size_t esz = 2; /* bf16 */
+    uint64_t dense_ref = 0;
+    for (size_t f = 0; f < sizeof folds / sizeof folds[0]; f++) {
+        loom_mesh_sizes want = {.tp = folds[f].tp, .cp = folds[f].cp, .dp = folds[f].dp,
+                                .pp = folds[f].pp, .ep = folds[f].ep, .etp = folds[f].etp,
+                                .sequence_parallel = folds[f].tp > 1},
+                        n;
+        const int world = want.tp * want.cp * want.dp * want.pp;
+        REQUIRE_OK(ctx, loom_mesh_sizes_resolve(ctx, &want, world, &n));
+        REQUIRE_OK(ctx, loom_mesh_check_model(ctx, &n, &cfg));
+        const int edp = loom_mesh_edp(&n);
+        loom_mem_in in = {.n = n, .adt = LOOM_BF16, .cuda = true, .micro_batch_size = 1,
+                          .seq = 32, .n_micro = 2, .training = true};
+        for (int p = 0; p < n.pp; p++) {
+            loom_mem_report r;
+            REQUIRE_OK(ctx, loom_memory_predict_stage(ctx, &cfg, &in, p, &r));
+            const uint64_t X =
+                (uint64_t)stage_experts(&plan, cfg.num_layers, n.pp, p) / (uint64_t)(n.ep * n.etp);
+            CHECK_MSG(r.expert_numel == X, "fold %zu stage %d: %llu expert floats, want %llu", f, p,
+                      (unsigned long long)r.expert_numel, (unsigned long long)X);
+            CHECK_EQ_INT((int64_t)r.expert_weights, (int64_t)(X * (4 + esz)));
+            CHECK_EQ_INT((int64_t)r.expert_grads, (int64_t)(X * 4));
+            CHECK_EQ_INT((int64_t)r.expert_optim, (int64_t)((edp == 1 ? 2 : 3) * X / edp * 4));
+            CHECK(r.moe_acts > 0 && r.acts > r.moe_acts);
+            CHECK(r.weights > r.expert_weights && r.optim > r.expert_optim);
+            /* the dense parameters (the router with them) are the fold's business
+             * only through tp*cp*dp: the same for every fold of tp2 dp2 */
+            if (n.tp == 2 && n.cp == 1 && n.dp == 2 && n.pp == 1) {
+                const uint64_t dense = r.weights - r.expert_weights;
+                if (!dense_ref) dense_ref = dense;
+                CHECK_EQ_INT((int64_t)dense, (int64_t)dense_ref);
+            }
+        }
+    }
+    /* LoRA freezes the base: the experts keep their bf16 copy only */
+    loom_mesh_sizes n = {.tp = 1, .cp = 1, .dp = 2, .pp = 1, .ep = 2, .etp = 1, .vpp = 1};
+    loom_mem_in in = {.n = n, .adt = LOOM_BF16, .cuda = true, .lora_r = 4, .micro_batch_size = 1,
+                      .seq = 32, .n_micro = 1, .training = true};
+    for (int k = 0; k < LOOM_LORA_NMOD; k++) in.lora_target[k] = true;
+    loom_mem_report r;
+    REQUIRE_OK(ctx, loom_memory_predict_stage(ctx, &cfg, &in, 0, &r));
+    const uint64_t X = (uint64_t)stage_experts(&plan, cfg.num_layers, 1, 0) / 2;
+    CHECK_EQ_INT((int64_t)r.expert_weights, (int64_t)(X * esz));
+    CHECK(r.expert_grads == 0 && r.expert_optim == 0);
+    loom_param_plan_free(&plan);
+    loom_config_free(&cfg);
+    loom_ctx_free(ctx);
+}
+
+/* loom_meta (MegatronModel.meta) of a MoE model: each tensor's block as a
+ * rank of the fold holds it, and the memory of every stage. */
+TEST(memory_meta_moe_local_shapes) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.tp = 2;
+    o.ep = 2;
+    o.etp = 2;
+    o.pp = 2;
+    o.sequence_parallel = 1;
+    loom_meta_query q = {.world_size = 8, .micro_batch_size = 1, .seq_len = 32,
+                         .num_micro_batches = 2};
+    loom_meta *mt = NULL;
+    REQUIRE_OK(ctx, loom_meta_create(ctx, dir, &o, &q, &mt));
+    loom_model_info info;
+    loom_meta_get_info(mt, &info);
+    int seen = 0;
+    for (int64_t i = 0; i < info.num_tensors; i++) {
+        loom_param_info p;
+        REQUIRE_OK(ctx, loom_meta_param_info(mt, i, &p));
+        const int64_t *s = p.local_shape;
+        if (!strcmp(p.name, "model.layers.3.mlp.experts.7.gate_proj.weight")) {
+            CHECK(s[0] == 16 && s[1] == 64 && p.pp_stage == 1); /* rows / etp */
+            seen++;
+        } else if (!strcmp(p.name, "model.layers.0.mlp.experts.0.down_proj.weight")) {
+            CHECK(s[0] == 64 && s[1] == 16 && p.pp_stage == 0); /* columns / etp */
+            seen++;
+        } else if (!strcmp(p.name, "model.layers.1.mlp.gate.weight")) {
+            CHECK(s[0] == 8 && s[1] == 64); /* the router, replicated */
+            seen++;
+        } else if (!strcmp(p.name, "model.layers.1.self_attn.q_proj.weight")) {
+            CHECK(s[0] == 32 && s[1] == 64); /* heads over tp */
+            seen++;
+        }
+    }
+    CHECK_EQ_INT(seen, 4);
+    for (int p = 0; p < 2; p++) {
+        loom_memory_estimate e;
+        CHECK_OK(ctx, loom_meta_memory(mt, p, &e));
+        CHECK(e.weights > 0 && e.total >= e.weights + e.grads + e.optimizer + e.activations);
+    }
+    loom_meta_free(mt);
+    /* the checks come before anything is laid out */
+    o.sequence_parallel = 0;
+    CHECK_EQ_INT(loom_meta_create(ctx, dir, &o, &q, &mt), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "add --sequence-parallel");
+    loom_ctx_free(ctx);
+}
+
+/* `loom inspect --mesh` of a MoE preset prints the fold and the experts'
+ * share; a fold that does not fit is refused with its numbers. */
+TEST(memory_inspect_mesh_moe) {
+    char *out = NULL;
+    const char *argv[] = {loom_test_bin(), "inspect", "--preset", "tiny-qwen3-moe", "--mesh",
+                          "tp=2,dp=2,ep=2,etp=1,sp", NULL};
+    CHECK_EQ_INT(loom_test_run(&out, argv), 0);
+    CHECK_CONTAINS(out, "on mesh tp=2 cp=1 dp=2 pp=1 vpp=1 sp=on ep=2 etp=1 edp=2 (4 ranks)");
+    CHECK_CONTAINS(out, "tp*cp*dp = 4 ranks folded as etp=1 x ep=2 x edp=2");
+    CHECK_CONTAINS(out, "4 of 8 experts per MoE layer (ep=2), each of width 32 of 32 (etp=1)");
+    /* 4 layers x 4 experts x 3 x 64 x 32 = 96 Ki floats: fp32 master and bf16 copy,
+     * fp32 gradients, moments and gradient shard over edp 2 */
+    CHECK_CONTAINS(out, "weights 576.00 KiB, gradients 384.00 KiB, optimizer 576.00 KiB "
+                        "(sharded over edp=2)");
+    free(out);
+    const char *nosp[] = {loom_test_bin(), "inspect", "--preset", "tiny-qwen3-moe", "--mesh",
+                          "tp=2,dp=2,ep=2", NULL};
+    CHECK_EQ_INT(loom_test_run(&out, nosp), 1);
+    CHECK_CONTAINS(out, "ep=2 with tp=2 needs sequence parallelism");
+    free(out);
+    const char *bad[] = {loom_test_bin(), "inspect", "--preset", "tiny-qwen3-moe", "--mesh",
+                         "dp=2,ep=4", NULL};
+    CHECK_EQ_INT(loom_test_run(&out, bad), 1);
+    CHECK_CONTAINS(out, "ep=4 does not divide tp*cp*dp/etp = 2/1 = 2");
+    free(out);
+    const char *dense[] = {loom_test_bin(), "inspect", "--preset", "tiny-qwen3", "--mesh",
+                           "dp=2,ep=2", NULL};
+    CHECK_EQ_INT(loom_test_run(&out, dense), 1);
+    CHECK_CONTAINS(out, "expert parallelism needs a mixture-of-experts model");
     free(out);
 }

@@ -336,6 +336,19 @@ TEST(mesh_check_model) {
               "sequence_parallel=True)");
     m.sequence_parallel = true;
     CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    /* so does an etp other than tp: the edp group holds tp peers */
+    m.ep = 1;
+    m.sequence_parallel = false;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_STR(loom_last_error(ctx),
+              "etp=1 other than tp=2 needs sequence parallelism (each tensor-parallel rank sends "
+              "its own tokens to the experts, as in Megatron); add --sequence-parallel (Python: "
+              "sequence_parallel=True), or leave etp unset");
+    m.etp = 4;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "etp=4 other than tp=2 needs sequence parallelism");
+    m.sequence_parallel = true;
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
     m = resolved(1, 2, 2, 1, 1); /* without tp, ep alone needs no SP: cp2 dp2 ep4 */
     m.ep = 4;
     CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));

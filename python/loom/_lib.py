@@ -66,7 +66,8 @@ class ModelInfo(C.Structure):
 class MeshInfo(C.Structure):
     _fields_ = [(n, i32) for n in (
         "world_size", "rank", "tp", "cp", "dp", "pp", "vpp", "ep", "etp", "sequence_parallel",
-        "microbatch_group", "tp_rank", "cp_rank", "dp_rank", "pp_rank", "is_output_rank")]
+        "microbatch_group", "tp_rank", "cp_rank", "dp_rank", "pp_rank", "is_output_rank",
+        "edp", "etp_rank", "ep_rank", "edp_rank")]
 
 
 class ParamInfo(C.Structure):

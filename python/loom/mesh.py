@@ -3,6 +3,10 @@
 Sizes are those of the CLI's --dp/--tp/--pp/--cp/--ep/--etp/--vpp and
 --sequence-parallel; ranks are ordered as Megatron orders them (tp fastest,
 then cp, dp, pp): rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)).
+Expert layers (MoE models) fold each pipeline stage's tp*cp*dp ranks into
+etp x ep x edp, etp fastest (Megatron's MoE parallel folding); etp_size None
+is tp_size, as in Megatron and Twinkle. ep and etp add no ranks: the world
+is dp*tp*pp*cp either way.
 """
 import os
 
@@ -37,7 +41,11 @@ def _size(name, v, default):
 class DeviceMesh:
     """Sizes of tensor (tp), context (cp), data (dp), pipeline (pp, with vpp
     virtual stages per rank), expert (ep, etp) parallelism, and sequence
-    parallelism on tp."""
+    parallelism on tp. ep_size and etp_size fold the expert layers; the
+    library checks them against the model (ep dividing num_experts, etp
+    moe_intermediate_size, etp*ep dividing tp*cp*dp, sequence parallelism
+    when tp > 1 unless ep is 1 and etp is tp) and a dense model refuses
+    them, with MeshError, before any compute."""
 
     def __init__(self, dp_size, tp_size=1, pp_size=1, cp_size=1, ep_size=1, etp_size=None,
                  vpp_size=None, sequence_parallel=False):
@@ -91,17 +99,35 @@ class DeviceMesh:
     def world_size(self):
         return self.dp_size * self.tp_size * self.pp_size * self.cp_size
 
+    @property
+    def etp_world_size(self):
+        """The experts' tensor-parallel size: etp_size, or tp_size when None."""
+        return self.etp_size if self.etp_size is not None else self.tp_size
+
+    @property
+    def edp_size(self):
+        """The expert layers' data-parallel size, tp*cp*dp / (etp*ep) (0: does not divide)."""
+        stage, fold = self.tp_size * self.cp_size * self.dp_size, self.etp_world_size * self.ep_size
+        return stage // fold if stage % fold == 0 else 0
+
     # Twinkle's names
     dp_world_size = property(lambda self: self.dp_size)
     data_world_size = property(lambda self: self.dp_size)
     tp_world_size = property(lambda self: self.tp_size)
     pp_world_size = property(lambda self: self.pp_size)
     cp_world_size = property(lambda self: self.cp_size)
+    ep_world_size = property(lambda self: self.ep_size)
 
     def coords(self, rank):
         """(tp_rank, cp_rank, dp_rank, pp_rank) of a world rank."""
         t, c, d = self.tp_size, self.cp_size, self.dp_size
         return rank % t, rank // t % c, rank // (t * c) % d, rank // (t * c * d)
+
+    def expert_coords(self, rank):
+        """(etp_rank, ep_rank, edp_rank, pp_rank) of a world rank under the expert fold."""
+        t, c, d = self.tp_size, self.cp_size, self.dp_size
+        s, e = rank % (t * c * d), self.etp_world_size
+        return s % e, s // e % self.ep_size, s // (e * self.ep_size), rank // (t * c * d)
 
     def dp_rank_of(self, rank):
         return self.coords(rank)[2]
@@ -116,8 +142,8 @@ class DeviceMesh:
                                                        self.cp_size)
         if self.vpp_size and self.vpp_size > 1:
             s += ", vpp=%d" % self.vpp_size
-        if self.ep_size > 1 or (self.etp_size or 1) > 1:
-            s += ", ep=%d, etp=%s" % (self.ep_size, self.etp_size)
+        if self.ep_size > 1 or self.etp_world_size != self.tp_size:
+            s += ", ep=%d, etp=%d" % (self.ep_size, self.etp_world_size)
         if self.sequence_parallel:
             s += ", sequence_parallel=True"
         return s + ")"

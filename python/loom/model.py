@@ -355,7 +355,8 @@ class MegatronModel:
         m = self.mesh_info
         return {"rank": m.rank, "world_size": m.world_size, "tp_rank": m.tp_rank,
                 "cp_rank": m.cp_rank, "dp_rank": m.dp_rank, "pp_rank": m.pp_rank,
-                "is_output_rank": bool(m.is_output_rank)}
+                "is_output_rank": bool(m.is_output_rank), "etp_rank": m.etp_rank,
+                "ep_rank": m.ep_rank, "edp_rank": m.edp_rank}
 
     # ---- the parameter table and hooks ----
     def parameters_table(self):
@@ -923,7 +924,8 @@ class MegatronModel:
         s = "Backend: loom %s (%s)\n" % (L.version(), self.device)
         s += "DP size: %d\nTP size: %d\n  - VPP size: %d\nPP size: %d\nCP size: %d\n" % (
             m.dp, m.tp, m.vpp, m.pp, m.cp)
-        s += "EP size: %d\nSequence Parallel: %s\n" % (m.ep, bool(m.sequence_parallel))
+        s += "EP size: %d\nETP size: %d\nEDP size: %d\nSequence Parallel: %s\n" % (
+            m.ep, m.etp, m.edp, bool(m.sequence_parallel))
         s += "Mixed precision: %s\n" % self.mixed_precision
         if g.adapter_config is not None:
             s += "Adapter config:\n%s\n" % json.dumps({k: str(v) for k, v in

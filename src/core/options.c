@@ -105,6 +105,14 @@ static const loom_option table[] = {
      NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 1 << 20},
     {"pp", LOOM_OPT_INT, "1", "pipeline-parallel size", OFF(pp), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN,
      1, 1 << 16},
+    {"ep", LOOM_OPT_INT, "1",
+     "expert-parallel size (MoE models): each MoE layer's experts are split over ep ranks, "
+     "tokens reach them by all-to-all",
+     OFF(ep), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 1, 1 << 16},
+    {"etp", LOOM_OPT_INT, "0",
+     "expert-tensor-parallel size (MoE models; 0: tp): each expert's width split over etp "
+     "ranks. Expert layers fold a stage's tp*cp*dp ranks into etp x ep x edp",
+     OFF(etp), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 1 << 16},
     {"vpp", LOOM_OPT_INT, "1", "model chunks per pipeline rank (interleaved 1F1B when > 1)",
      OFF(vpp), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 1, 64},
     {"microbatch_group_size_per_virtual_pipeline_stage", LOOM_OPT_INT, "0",
@@ -181,8 +189,9 @@ static const loom_option table[] = {
      "compute dtype: bf16, fp16 (dynamic loss scaling) or fp32; auto: bf16 on GPUs, fp32 on CPU",
      OFF(dtype), "auto|bf16|fp16|fp32", CMD_TRAIN | LOOM_CMD_GOLDEN | LOOM_CMD_INSPECT, 0, 0},
     {"mesh", LOOM_OPT_STRING, NULL,
-     "predict device memory per rank on this mesh, e.g. tp=2,pp=2,dp=2,cp=1,vpp=1,sp (with "
-     "--seq-len, --micro-batch-size, --global-batch-size, --lora-r, --dtype)",
+     "predict device memory per rank on this mesh, e.g. tp=2,pp=2,dp=2,cp=1,vpp=1,sp (MoE "
+     "models: ep=4,etp=1 too; with --seq-len, --micro-batch-size, --global-batch-size, "
+     "--lora-r, --dtype)",
      OFF(mesh), NULL, LOOM_CMD_INSPECT, 0, 0},
     {"nproc_per_node", LOOM_OPT_INT, "0",
      "start this many worker processes on this host, one per GPU (torchrun-style; 0: run in "

@@ -80,6 +80,7 @@ typedef struct loom_settings {
     int64_t log_interval;
     /* parallel layout (train, golden) */
     int64_t tp, cp, dp, pp, vpp;
+    int64_t ep, etp;            /* expert parallel (MoE); etp 0: tp */
     int64_t microbatch_group;   /* interleaved pipeline: Megatron's microbatch_group_size_per_vp_stage */
     double comm_timeout;        /* seconds a collective may wait (0: forever) */
     bool sequence_parallel;

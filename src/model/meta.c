@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "block.h"
 #include "model.h"
 #include "params.h"
 #include "../parallel/schedule.h"
@@ -163,12 +164,14 @@ void loom_model_get_mesh(const loom_model *m, loom_mesh_info *out) {
     out->rank = me->rank;
     out->tp = n->tp, out->cp = n->cp, out->dp = n->dp, out->pp = n->pp;
     out->vpp = n->vpp > 0 ? n->vpp : 1;
-    out->ep = n->ep > 0 ? n->ep : 1, out->etp = n->etp > 0 ? n->etp : 1;
+    out->ep = n->ep, out->etp = n->etp;
     out->sequence_parallel = n->sequence_parallel;
     out->microbatch_group = n->vpp_group > 0 ? n->vpp_group : n->pp;
     out->tp_rank = me->tp_rank, out->cp_rank = me->cp_rank;
     out->dp_rank = me->dp_rank, out->pp_rank = me->pp_rank;
     out->is_output_rank = me->pp_rank == n->pp - 1 && me->tp_rank == 0 && me->cp_rank == 0;
+    out->edp = me->edp_size;
+    out->etp_rank = me->etp_rank, out->ep_rank = me->ep_rank, out->edp_rank = me->edp_rank;
 }
 
 loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_info *out) {
@@ -199,6 +202,128 @@ loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_inf
  * allocated but small tables) measured with the same layout code the model
  * allocates with: arena_place for the parameters, acts_layout for the
  * activations. */
+
+/* ---- MoE: the router and the experts ----
+ * The shadow lays a MoE model out without them (plan_dense: model.c places
+ * only the kinds that run), and moe_slots adds them as Megatron holds them
+ * under the expert fold (mesh.h): the router, replicated, with the dense
+ * parameters (buckets over dp*cp); of each MoE layer of the stage E/ep
+ * experts per rank, each split over etp, in an arena of their own whose
+ * buckets the distributed optimizer shards over edp. */
+static bool moe_param(const loom_param_spec *p) {
+    return p->comp == LOOM_COMP_ROUTER || p->comp == LOOM_COMP_EXPERTS;
+}
+
+/* The plan less the router and the experts: specs copied, names shared
+ * with `full` (free only out->p). */
+static loom_status plan_dense(loom_ctx *ctx, const loom_param_plan *full, loom_param_plan *out) {
+    out->n = 0;
+    out->p = loom_calloc(ctx, full->n + 1, sizeof *out->p, "parameter plan");
+    if (!out->p) return LOOM_ERR_OOM;
+    for (size_t i = 0; i < full->n; i++)
+        if (!moe_param(&full->p[i])) out->p[out->n++] = full->p[i];
+    return LOOM_OK;
+}
+
+/* An expert tensor's block on one rank of its etp group: the dimension
+ * made of moe_intermediate_size split (gate/up rows and biases, down
+ * columns), the rest whole (the down projection's bias). */
+static void expert_local(const loom_model_config *c, int etp, const loom_param_spec *p,
+                         int64_t *rows, int64_t *cols) {
+    const int64_t I = c->moe_intermediate_size;
+    const bool down = strstr(p->name, "down_proj") != NULL;
+    *rows = p->shape[0];
+    *cols = p->ndim == 2 ? p->shape[1] : 1;
+    if (p->ndim == 2 && down && *cols % I == 0)
+        *cols /= etp;
+    else if (!down && *rows % I == 0)
+        *rows /= etp;
+}
+
+/* The router of each MoE layer of the stage into the base arena (whose
+ * slots build_slots made), and ep rank 0's experts into `ex` (every ep
+ * rank holds as many); every expert's block goes to on_slot. */
+static loom_status moe_slots(loom_model *m, const loom_param_plan *full, const loom_mem_in *in,
+                             loom_arena *ex) {
+    const loom_model_config *c = &m->cfg;
+    const int ep = in->n.ep > 0 ? in->n.ep : 1, etp = in->n.etp > 0 ? in->n.etp : m->tp;
+    const int64_t per_rank = c->num_experts / ep;
+    size_t nr = 0, nx = 0;
+    for (size_t i = 0; i < full->n; i++) {
+        const loom_param_spec *p = &full->p[i];
+        if (!moe_param(p) || p->layer < 0 || !m->layer[p->layer].held) continue;
+        if (p->comp == LOOM_COMP_ROUTER) nr++;
+        else if (p->expert >= 0 && p->expert < per_rank) nx++;
+    }
+    loom_slot *grown = realloc(m->base.slots, (size_t)(m->base.nslots + nr + 1) * sizeof *grown);
+    ex->slots = loom_calloc(m->ctx, nx + 1, sizeof *ex->slots, "expert slots");
+    if (grown) {
+        m->base.slots = grown;
+        memset(grown + m->base.nslots, 0, (nr + 1) * sizeof *grown);
+    }
+    if (!grown || !ex->slots) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the plan");
+    for (size_t i = 0; i < full->n; i++) {
+        const loom_param_spec *p = &full->p[i];
+        if (!moe_param(p) || p->layer < 0 || !m->layer[p->layer].held) continue;
+        const int64_t cols = p->ndim == 2 ? p->shape[1] : 1;
+        if (p->comp == LOOM_COMP_ROUTER) {
+            loom_slot_add(m, &m->base, p->name, p->shape[0], cols, p->ndim, LOOM_SHARD_NONE, false);
+            continue;
+        }
+        loom_slot local = {.name = p->name, .ndim = p->ndim, .shape = {p->shape[0], cols}};
+        expert_local(c, etp, p, &local.rows, &local.cols);
+        if (in->on_slot) in->on_slot(in->u, &local);
+        if (p->expert < 0 || p->expert >= per_rank) continue;
+        loom_slot *sl =
+            loom_slot_add(m, ex, p->name, local.rows, local.cols, p->ndim, LOOM_SHARD_NONE, false);
+        sl->shape[0] = local.shape[0];
+        sl->shape[1] = local.shape[1];
+    }
+    /* the experts' buckets are padded to a multiple of edp, as their shards */
+    const int dp = m->dp, cp = m->cp;
+    m->dp = loom_mesh_edp(&in->n);
+    m->cp = 1;
+    loom_status st = m->dp > 0 ? loom_arena_place(m, ex)
+                               : loom_errf(m->ctx, LOOM_ERR_CONFIG,
+                                           "the expert fold does not divide tp*cp*dp");
+    m->dp = dp;
+    m->cp = cp;
+    return st;
+}
+
+/* The MoE blocks' activations, estimated while block_moe.c declares no
+ * buffers (its kind's `acts`; the shadow's layout counts them once it
+ * does), for balanced routing: this rank dispatches N tokens (Tn under
+ * sequence parallel, else Tc) to k experts each, and R = N*k rows reach its
+ * experts (N*k*etp under sequence parallel: the etp group gathers its
+ * members' rows). Kept per MoE layer and micro-batch in flight: the
+ * router's fp32 probabilities (N x E), the top-k ids and weights (N x k,
+ * 4 bytes each), the permuted input and the experts' output (R x H each)
+ * and gate, up and SwiGLU (R x I/etp each; recomputed under recompute mlp,
+ * so one layer's); under full recomputation one layer's of everything.
+ * Once: the all-to-all's send and receive buffers (N*k x H, R x H) when
+ * ep > 1. */
+static uint64_t moe_acts(const loom_model *m, const loom_mem_in *in, int in_flight, int64_t Tc,
+                         int64_t Tn) {
+    const loom_model_config *c = &m->cfg;
+    if (loom_block_moe.acts || c->num_experts <= 0) return 0;
+    int64_t layers = 0;
+    for (int64_t l = 0; l < m->L; l++)
+        layers += m->layer[l].held && loom_config_layer_is_moe(c, l);
+    if (!layers) return 0;
+    const int ep = in->n.ep > 0 ? in->n.ep : 1, etp = in->n.etp > 0 ? in->n.etp : m->tp;
+    const uint64_t esz = m->dev.esz, k = (uint64_t)c->num_experts_per_tok;
+    const uint64_t N = (uint64_t)(m->sp ? Tn : Tc), R = N * k * (uint64_t)(m->sp ? etp : 1);
+    const uint64_t H = (uint64_t)m->H, I = (uint64_t)(c->moe_intermediate_size / etp);
+    const uint64_t small = N * (uint64_t)c->num_experts * 4 + N * k * 8 + 2 * R * H * esz;
+    const uint64_t wide = 3 * R * I * esz;
+    const uint64_t n = (uint64_t)layers * (uint64_t)in_flight;
+    uint64_t kept = m->recompute == LOOM_RECOMPUTE_FULL  ? small + wide
+                    : m->recompute == LOOM_RECOMPUTE_MLP ? n * small + wide
+                                                         : n * (small + wide);
+    if (ep > 1) kept += N * k * H * esz + R * H * esz;
+    return kept;
+}
 static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
                                  const loom_mem_in *in, int pp_rank, loom_mem_report *r) {
     loom_model sh;
@@ -220,19 +345,25 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     m->dev.adt = in->adt;
     m->dev.esz = loom_dtype_size(in->adt);
     loom_pp_plan plan = {0};
-    loom_status st = loom_param_plan_build(ctx, cfg, &m->plan);
+    loom_param_plan full = {0};
+    loom_arena ex = {0}; /* the experts */
+    loom_status st = loom_param_plan_build(ctx, cfg, &full);
+    if (!st) st = plan_dense(ctx, &full, &m->plan);
     if (!st) st = loom_model_build_slots(m);
+    if (!st) st = moe_slots(m, &full, in, &ex);
     if (!st) st = loom_arena_place(m, &m->base);
     if (st) goto done;
     for (int i = 0; in->on_slot && i < m->base.nslots; i++) in->on_slot(in->u, &m->base.slots[i]);
-    const size_t P = m->base.nparams, esz = m->dev.esz;
+    const size_t P = m->base.nparams, X = ex.nparams, esz = m->dev.esz;
     const bool lora = in->lora_r > 0;
     r->pp_rank = pp_rank;
     r->cuda = in->cuda;
     /* the base: fp32 master (dropped for a frozen GPU base in bf16/fp16)
      * and the compute copy; gradients and AdamW state when trained */
-    r->weights = (lora && in->cuda && in->adt != LOOM_F32 ? 0 : P * 4) +
-                 (in->adt != LOOM_F32 ? P * esz : 0);
+    const bool master = !(lora && in->cuda && in->adt != LOOM_F32);
+    r->expert_numel = X;
+    r->expert_weights = (master ? X * 4 : 0) + (in->adt != LOOM_F32 ? X * esz : 0);
+    r->weights = (master ? P * 4 : 0) + (in->adt != LOOM_F32 ? P * esz : 0) + r->expert_weights;
     size_t train_p = P, train_shard = m->base.shard_numel;
     if (lora) { /* adapter blocks of the layers held: A (r, in), B (out, r), tp-split */
         size_t ap = 0;
@@ -253,6 +384,12 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     /* the moments, and the gradient shard unless one rank holds it all (then
      * the gradients are the shard) */
     r->optim = in->training ? (m->dp * m->cp == 1 ? 2 : 3) * train_shard * 4 : 0;
+    if (!lora) { /* the experts: the same over edp */
+        r->expert_grads = X * 4;
+        r->expert_optim = in->training ? (loom_mesh_edp(n) == 1 ? 2 : 3) * ex.shard_numel * 4 : 0;
+        r->grads += r->expert_grads;
+        r->optim += r->expert_optim;
+    }
     /* activations: the pipeline's micro-batches in flight on this stage */
     const loom_pp_shape shape = {.pp = m->pp, .vpp = m->vpp, .group = in->n.vpp_group,
                                  .n_micro = in->n_micro};
@@ -282,7 +419,8 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
         m->chunk_rows = loom_loss_block_rows(in->cuda, m->Vl, Tc);
         loom_carve c = {0};
         loom_acts_layout(m, &c, T, Tc, Tn, in->n_micro, in_flight, in->lora_r, false);
-        r->acts = c.used;
+        r->moe_acts = moe_acts(m, in, in_flight, Tc, Tn);
+        r->acts = c.used + r->moe_acts;
         /* cuBLASLt workspace, RMSNorm and grad-norm scratch */
         int64_t rows_max = Tc * (m->Hql > m->Hkvl ? m->Hql : m->Hkvl);
         if (Tn > rows_max) rows_max = Tn;
@@ -300,7 +438,11 @@ done:
     free(m->base.bucket_ex);
     free(m->layer);
     free(m->pfrozen);
-    loom_param_plan_free(&m->plan);
+    free(m->plan.p); /* its names are full's */
+    free(ex.slots);
+    free(ex.bucket_off);
+    free(ex.bucket_len);
+    loom_param_plan_free(&full);
     return st;
 }
 

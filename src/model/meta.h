@@ -53,6 +53,14 @@ typedef struct loom_mem_report {
     bool cuda;
     uint64_t weights;         /* master values and compute copies (base and adapter) */
     uint64_t grads, optim, acts, work, total;
+    /* MoE models: what of the above is the experts'. A rank holds E/ep
+     * experts of each MoE layer of its stage, each split over etp (gate/up
+     * rows, down columns); their gradients are reduced and the distributed
+     * optimizer shards them over edp (the router, replicated, goes with the
+     * dense parameters over dp*cp). moe_acts: the MoE blocks' activations
+     * (an estimate: balanced routing), part of acts. */
+    uint64_t expert_numel;    /* expert parameters held (floats, buckets padded) */
+    uint64_t expert_weights, expert_grads, expert_optim, moe_acts;
 } loom_mem_report;
 
 loom_status loom_memory_predict(loom_ctx *ctx, const loom_model_config *cfg, const loom_mem_in *in,

@@ -151,14 +151,25 @@ loom_status loom_mesh_check_model(loom_ctx *ctx, const loom_mesh_sizes *m,
                          (long long)cfg->moe_intermediate_size);
     loom_status st = check_fold(ctx, m);
     if (st) return st;
-    /* each tensor-parallel rank dispatches its own tokens (Megatron warns
-     * and its MoE layer refuses to train otherwise) */
-    if (tp > 1 && ep > 1 && !m->sequence_parallel)
+    /* Unless the experts split exactly as tp (ep 1, etp tp: the dense
+     * MLP's layout), the ep and edp groups hold tp peers, which must see
+     * other tokens: each tensor-parallel rank dispatches its own sequence-
+     * parallel share (Megatron warns for tp with ep, and its MoE layer
+     * refuses to train with tp > 1 without sequence parallelism). */
+    if (tp > 1 && (ep > 1 || etp != tp) && !m->sequence_parallel) {
+        if (ep > 1)
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "ep=%d with tp=%d needs sequence parallelism (each tensor-parallel "
+                             "rank sends its own tokens to their experts, as in Megatron); add "
+                             "--sequence-parallel (Python: sequence_parallel=True)",
+                             ep, tp);
         return loom_errf(ctx, LOOM_ERR_CONFIG,
-                         "ep=%d with tp=%d needs sequence parallelism (each tensor-parallel "
-                         "rank sends its own tokens to their experts, as in Megatron); add "
-                         "--sequence-parallel (Python: sequence_parallel=True)",
-                         ep, tp);
+                         "etp=%d other than tp=%d needs sequence parallelism (each "
+                         "tensor-parallel rank sends its own tokens to the experts, as in "
+                         "Megatron); add --sequence-parallel (Python: sequence_parallel=True), "
+                         "or leave etp unset",
+                         etp, tp);
+    }
     return LOOM_OK;
 }
 

@@ -74,10 +74,10 @@ typedef struct loom_mesh {
      * parameters over it (dense ones: over dpcp). rank = edp_rank, which
      * orders the group as the world ranks are */
     loom_comm *edp;
-    /* etp x ep (same edp, pp): every holder of one layer's experts, where
-     * the token dispatch runs when etp > 1 (the all-to-all over ep, then
-     * the all-gather over etp, as one group's exchange). rank = etp_rank +
-     * etp * ep_rank */
+    /* etp x ep (same edp, pp): every holder of one layer's experts,
+     * Megatron's tp-ep group: with etp > 1, where a dispatcher can move
+     * tokens in one exchange instead of the all-to-all over ep and the
+     * all-gather over etp. rank = etp_rank + etp * ep_rank */
     loom_comm *etpep;
 } loom_mesh;
 /* Groups are named "tp", "cp", "dp", "pp", "dpcp", "tpcp", "mp", "embed",
@@ -95,8 +95,9 @@ loom_status loom_mesh_sizes_resolve(loom_ctx *ctx, const loom_mesh_sizes *in, in
  * compute: heads, kv heads and intermediate size divisible by tp; layers by
  * pp*vpp; a dense model refuses ep > 1 and an etp other than 1 or tp; a MoE
  * model needs num_experts divisible by ep, moe_intermediate_size by etp,
- * tp*cp*dp by etp*ep, and sequence parallelism when tp > 1 and ep > 1 (as
- * Megatron); seq_len by 2*cp (and by tp under sequence parallel, per cp chunk);
+ * tp*cp*dp by etp*ep, and sequence parallelism when tp > 1 and the experts
+ * are not split as tp (ep > 1 or etp != tp; Megatron's MoE layer wants it
+ * whenever tp > 1); seq_len by 2*cp (and by tp under sequence parallel, per cp chunk);
  * micro-batches divisible by pp when vpp > 1; rows of a global batch
  * divisible by dp * num_micro_batches. seq_len / rows / num_micro_batches
  * <= 0 skip their checks. Every message names the numbers and what to change. */

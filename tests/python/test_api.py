@@ -442,6 +442,49 @@ def test_meta_model_without_weights(tmp_path, tiny_model):
         MegatronModel.meta(str(d), seq_len=0)
 
 
+MOE = os.path.join(FIXTURES, "models", "tiny-qwen3-moe")
+
+
+def test_expert_parallel_sizes_reach_the_library():
+    """DeviceMesh.from_sizes(ep_size=, etp_size=): a dense model refuses them
+    before any compute; a MoE model takes them, and the meta model holds
+    its experts as the fold puts them (E/ep experts of width I/etp)."""
+    mesh = DeviceMesh.from_sizes(dp_size=2, tp_size=2, ep_size=2, etp_size=1,
+                                 sequence_parallel=True, world_size=4)
+    assert (mesh.ep_size, mesh.etp_world_size, mesh.edp_size) == (2, 1, 2)
+    assert [mesh.expert_coords(r) for r in range(4)] == [(0, 0, 0, 0), (0, 1, 0, 0),
+                                                         (0, 0, 1, 0), (0, 1, 1, 0)]
+    assert "ep=2, etp=1" in repr(mesh)
+    assert DeviceMesh.from_sizes(tp_size=2, world_size=2).etp_world_size == 2  # etp None: tp
+    with pytest.raises(loom.MeshError, match="etp_size=0 must be >= 1"):
+        DeviceMesh.from_sizes(etp_size=0)
+    # dense: refused, whatever the launcher
+    with pytest.raises(loom.MeshError, match="expert parallelism needs a mixture-of-experts"):
+        MegatronModel.meta(QWEN3, device_mesh=DeviceMesh(2, ep_size=2), seq_len=16)
+    with pytest.raises(loom.MeshError, match="expert parallelism needs a mixture-of-experts"):
+        model(device_mesh=DeviceMesh.from_sizes(ep_size=2))
+    # MoE: through to the layout and the memory
+    one = MegatronModel.meta(MOE, seq_len=32)
+    folded = MegatronModel.meta(MOE, device_mesh=mesh, seq_len=32)
+    q = {p["name"]: p for p in folded.parameters}
+    assert q["model.layers.0.mlp.experts.5.up_proj.weight"]["local_shape"] == (32, 64)
+    assert q["model.layers.0.mlp.gate.weight"]["local_shape"] == (8, 64)
+    tp_only = MegatronModel.meta(MOE, device_mesh=DeviceMesh(1, tp_size=2), seq_len=32)
+    q = {p["name"]: p for p in tp_only.parameters}
+    assert q["model.layers.0.mlp.experts.5.down_proj.weight"]["local_shape"] == (64, 16)  # etp = tp
+    # 4 layers x 8 experts x 3 x 64 x 32 fp32 masters + bf16 copies, halved by ep
+    experts = 4 * 8 * 3 * 64 * 32 * 6
+    assert one.memory[0]["weights"] - folded.memory[0]["weights"] > experts // 2 - 1
+    with pytest.raises(loom.MeshError, match="add --sequence-parallel"):
+        MegatronModel.meta(MOE, device_mesh=DeviceMesh(2, tp_size=2, ep_size=2, etp_size=1),
+                           seq_len=32)
+    with pytest.raises(loom.MeshError, match="num_experts=8 is not divisible by expert-parallel "
+                                             "size ep=3"):
+        MegatronModel.meta(MOE, device_mesh=DeviceMesh(3, ep_size=3), seq_len=32)
+    with pytest.raises(loom.MeshError, match="ep=4 does not divide tp\\*cp\\*dp/etp"):
+        MegatronModel.meta(MOE, device_mesh=DeviceMesh(2, ep_size=4), seq_len=32)
+
+
 def test_peft_lora_config_is_taken():
     peft = pytest.importorskip("peft", reason="peft is not installed (the GPU machine has it)")
     x = model()
