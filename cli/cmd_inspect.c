@@ -270,7 +270,7 @@ static void print_experts(const loom_model_config *c, const loom_mesh_sizes *n,
            c->num_experts / n->ep, c->num_experts, n->ep, c->moe_intermediate_size / n->etp,
            c->moe_intermediate_size, n->etp);
     printf("  experts' share: weights %s, gradients %s, optimizer %s (sharded over edp=%d); "
-           "MoE activations %s (estimated for balanced routing)\n",
+           "MoE activations %s (sized for dropless routing's worst case)\n",
            loom_fmt_bytes(w, r->expert_weights), loom_fmt_bytes(g, r->expert_grads),
            loom_fmt_bytes(o, r->expert_optim), loom_mesh_edp(n), loom_fmt_bytes(a, r->moe_acts));
 }

@@ -203,127 +203,49 @@ loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_inf
  * allocates with: arena_place for the parameters, acts_layout for the
  * activations. */
 
-/* ---- MoE: the router and the experts ----
- * The shadow lays a MoE model out without them (plan_dense: model.c places
- * only the kinds that run), and moe_slots adds them as Megatron holds them
- * under the expert fold (mesh.h): the router, replicated, with the dense
- * parameters (buckets over dp*cp); of each MoE layer of the stage E/ep
- * experts per rank, each split over etp, in an arena of their own whose
- * buckets the distributed optimizer shards over edp. */
-static bool moe_param(const loom_param_spec *p) {
-    return p->comp == LOOM_COMP_ROUTER || p->comp == LOOM_COMP_EXPERTS;
+/* ---- MoE: the experts under the expert fold ----
+ * The shadow holds ep rank 0's E/ep experts of each MoE layer of the
+ * stage, split over etp (build_slots, as a model does), in buckets the
+ * distributed optimizer shards over edp; the MoE blocks' activations are
+ * their kind's (block_moe.c). on_slot sees every expert tensor, another ep
+ * rank's with the block it would hold. */
+static void expert_block(const loom_model *m, const loom_param_spec *p, loom_slot *out) {
+    memset(out, 0, sizeof *out);
+    out->name = p->name;
+    out->ndim = p->ndim;
+    out->shape[0] = p->shape[0];
+    out->shape[1] = p->ndim == 2 ? p->shape[1] : 1;
+    out->rows = out->shape[0];
+    out->cols = out->shape[1];
+    if (strstr(p->name, "down_proj") && p->ndim == 2)
+        out->cols /= m->etp;
+    else
+        out->rows /= m->etp;
+    out->numel = (size_t)(out->rows * out->cols);
+    out->expert = true;
 }
 
-/* The plan less the router and the experts: specs copied, names shared
- * with `full` (free only out->p). */
-static loom_status plan_dense(loom_ctx *ctx, const loom_param_plan *full, loom_param_plan *out) {
-    out->n = 0;
-    out->p = loom_calloc(ctx, full->n + 1, sizeof *out->p, "parameter plan");
-    if (!out->p) return LOOM_ERR_OOM;
-    for (size_t i = 0; i < full->n; i++)
-        if (!moe_param(&full->p[i])) out->p[out->n++] = full->p[i];
-    return LOOM_OK;
-}
-
-/* An expert tensor's block on one rank of its etp group: the dimension
- * made of moe_intermediate_size split (gate/up rows and biases, down
- * columns), the rest whole (the down projection's bias). */
-static void expert_local(const loom_model_config *c, int etp, const loom_param_spec *p,
-                         int64_t *rows, int64_t *cols) {
-    const int64_t I = c->moe_intermediate_size;
-    const bool down = strstr(p->name, "down_proj") != NULL;
-    *rows = p->shape[0];
-    *cols = p->ndim == 2 ? p->shape[1] : 1;
-    if (p->ndim == 2 && down && *cols % I == 0)
-        *cols /= etp;
-    else if (!down && *rows % I == 0)
-        *rows /= etp;
-}
-
-/* The router of each MoE layer of the stage into the base arena (whose
- * slots build_slots made), and ep rank 0's experts into `ex` (every ep
- * rank holds as many); every expert's block goes to on_slot. */
-static loom_status moe_slots(loom_model *m, const loom_param_plan *full, const loom_mem_in *in,
-                             loom_arena *ex) {
-    const loom_model_config *c = &m->cfg;
-    const int ep = in->n.ep > 0 ? in->n.ep : 1, etp = in->n.etp > 0 ? in->n.etp : m->tp;
-    const int64_t per_rank = c->num_experts / ep;
-    size_t nr = 0, nx = 0;
-    for (size_t i = 0; i < full->n; i++) {
-        const loom_param_spec *p = &full->p[i];
-        if (!moe_param(p) || p->layer < 0 || !m->layer[p->layer].held) continue;
-        if (p->comp == LOOM_COMP_ROUTER) nr++;
-        else if (p->expert >= 0 && p->expert < per_rank) nx++;
-    }
-    loom_slot *grown = realloc(m->base.slots, (size_t)(m->base.nslots + nr + 1) * sizeof *grown);
-    ex->slots = loom_calloc(m->ctx, nx + 1, sizeof *ex->slots, "expert slots");
-    if (grown) {
-        m->base.slots = grown;
-        memset(grown + m->base.nslots, 0, (nr + 1) * sizeof *grown);
-    }
-    if (!grown || !ex->slots) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the plan");
-    for (size_t i = 0; i < full->n; i++) {
-        const loom_param_spec *p = &full->p[i];
-        if (!moe_param(p) || p->layer < 0 || !m->layer[p->layer].held) continue;
-        const int64_t cols = p->ndim == 2 ? p->shape[1] : 1;
-        if (p->comp == LOOM_COMP_ROUTER) {
-            loom_slot_add(m, &m->base, p->name, p->shape[0], cols, p->ndim, LOOM_SHARD_NONE, false);
-            continue;
-        }
-        loom_slot local = {.name = p->name, .ndim = p->ndim, .shape = {p->shape[0], cols}};
-        expert_local(c, etp, p, &local.rows, &local.cols);
-        if (in->on_slot) in->on_slot(in->u, &local);
-        if (p->expert < 0 || p->expert >= per_rank) continue;
-        loom_slot *sl =
-            loom_slot_add(m, ex, p->name, local.rows, local.cols, p->ndim, LOOM_SHARD_NONE, false);
-        sl->shape[0] = local.shape[0];
-        sl->shape[1] = local.shape[1];
-    }
-    /* the experts' buckets are padded to a multiple of edp, as their shards */
-    const int dp = m->dp, cp = m->cp;
-    m->dp = loom_mesh_edp(&in->n);
-    m->cp = 1;
-    loom_status st = m->dp > 0 ? loom_arena_place(m, ex)
-                               : loom_errf(m->ctx, LOOM_ERR_CONFIG,
-                                           "the expert fold does not divide tp*cp*dp");
-    m->dp = dp;
-    m->cp = cp;
-    return st;
-}
-
-/* The MoE blocks' activations, estimated while block_moe.c declares no
- * buffers (its kind's `acts`; the shadow's layout counts them once it
- * does), for balanced routing: this rank dispatches N tokens (Tn under
- * sequence parallel, else Tc) to k experts each, and R = N*k rows reach its
- * experts (N*k*etp under sequence parallel: the etp group gathers its
- * members' rows). Kept per MoE layer and micro-batch in flight: the
- * router's fp32 probabilities (N x E), the top-k ids and weights (N x k,
- * 4 bytes each), the permuted input and the experts' output (R x H each)
- * and gate, up and SwiGLU (R x I/etp each; recomputed under recompute mlp,
- * so one layer's); under full recomputation one layer's of everything.
- * Once: the all-to-all's send and receive buffers (N*k x H, R x H) when
- * ep > 1. */
-static uint64_t moe_acts(const loom_model *m, const loom_mem_in *in, int in_flight, int64_t Tc,
-                         int64_t Tn) {
-    const loom_model_config *c = &m->cfg;
-    if (loom_block_moe.acts || c->num_experts <= 0) return 0;
+/* The MoE blocks' part of the activations (their kind's buffers: kept
+ * per layer and micro-batch in flight, or once when recomputation drops
+ * them; its scratch once), as the layout carves them less alignment. */
+static uint64_t moe_share(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, int in_flight) {
     int64_t layers = 0;
     for (int64_t l = 0; l < m->L; l++)
-        layers += m->layer[l].held && loom_config_layer_is_moe(c, l);
+        layers += m->layer[l].held && loom_config_layer_is_moe(&m->cfg, l);
     if (!layers) return 0;
-    const int ep = in->n.ep > 0 ? in->n.ep : 1, etp = in->n.etp > 0 ? in->n.etp : m->tp;
-    const uint64_t esz = m->dev.esz, k = (uint64_t)c->num_experts_per_tok;
-    const uint64_t N = (uint64_t)(m->sp ? Tn : Tc), R = N * k * (uint64_t)(m->sp ? etp : 1);
-    const uint64_t H = (uint64_t)m->H, I = (uint64_t)(c->moe_intermediate_size / etp);
-    const uint64_t small = N * (uint64_t)c->num_experts * 4 + N * k * 8 + 2 * R * H * esz;
-    const uint64_t wide = 3 * R * I * esz;
-    const uint64_t n = (uint64_t)layers * (uint64_t)in_flight;
-    uint64_t kept = m->recompute == LOOM_RECOMPUTE_FULL  ? small + wide
-                    : m->recompute == LOOM_RECOMPUTE_MLP ? n * small + wide
-                                                         : n * (small + wide);
-    if (ep > 1) kept += N * k * H * esz + R * H * esz;
-    return kept;
+    loom_block_buf buf[LOOM_BLOCK_MAX_BUFS];
+    size_t scr[LOOM_BLOCK_MAX_SCRATCH];
+    const int nb = loom_block_moe.acts(m, T, Tc, Tn, buf), ns = loom_block_moe.scratch(m, T, Tc, scr);
+    uint64_t total = 0;
+    for (int k = 0; k < nb; k++) {
+        const bool once = m->recompute == LOOM_RECOMPUTE_FULL ||
+                          (m->recompute == LOOM_RECOMPUTE_MLP && buf[k].cheap);
+        total += buf[k].bytes * (once ? 1 : (uint64_t)(layers * in_flight));
+    }
+    for (int k = 0; k < ns; k++) total += scr[k];
+    return total;
 }
+
 static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
                                  const loom_mem_in *in, int pp_rank, loom_mem_report *r) {
     loom_model sh;
@@ -345,16 +267,30 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     m->dev.adt = in->adt;
     m->dev.esz = loom_dtype_size(in->adt);
     loom_pp_plan plan = {0};
-    loom_param_plan full = {0};
-    loom_arena ex = {0}; /* the experts */
-    loom_status st = loom_param_plan_build(ctx, cfg, &full);
-    if (!st) st = plan_dense(ctx, &full, &m->plan);
+    m->lora_r = in->lora_r;
+    loom_status st = loom_param_plan_build(ctx, cfg, &m->plan);
+    if (!st && (m->edp <= 0 || m->ep * m->etp * m->edp != m->tp * m->cp * m->dp))
+        st = loom_errf(ctx, LOOM_ERR_CONFIG, "the expert fold (ep=%d, etp=%d) does not divide "
+                       "tp*cp*dp = %d", m->ep, m->etp, m->tp * m->cp * m->dp);
     if (!st) st = loom_model_build_slots(m);
-    if (!st) st = moe_slots(m, &full, in, &ex);
     if (!st) st = loom_arena_place(m, &m->base);
     if (st) goto done;
     for (int i = 0; in->on_slot && i < m->base.nslots; i++) in->on_slot(in->u, &m->base.slots[i]);
-    const size_t P = m->base.nparams, X = ex.nparams, esz = m->dev.esz;
+    const int64_t El = cfg->num_experts / (m->ep > 0 ? m->ep : 1);
+    for (size_t i = 0; in->on_slot && i < m->plan.n; i++) { /* the other ep ranks' experts */
+        const loom_param_spec *p = &m->plan.p[i];
+        if (p->expert < El || p->layer < 0 || !m->layer[p->layer].held) continue;
+        loom_slot b;
+        expert_block(m, p, &b);
+        in->on_slot(in->u, &b);
+    }
+    /* the experts' share: their slots (padded as placed) and buckets */
+    size_t X = 0, Xshard = 0;
+    for (int i = 0; i < m->base.nslots; i++)
+        if (m->base.slots[i].expert) X += (m->base.slots[i].numel + 15) & ~(size_t)15;
+    for (int k = 0; k < m->base.nbuckets; k++)
+        if (m->base.bucket_ex[k]) Xshard += m->base.bucket_len[k] / (size_t)m->edp;
+    const size_t P = m->base.nparams - X, esz = m->dev.esz;
     const bool lora = in->lora_r > 0;
     r->pp_rank = pp_rank;
     r->cuda = in->cuda;
@@ -364,16 +300,19 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     r->expert_numel = X;
     r->expert_weights = (master ? X * 4 : 0) + (in->adt != LOOM_F32 ? X * esz : 0);
     r->weights = (master ? P * 4 : 0) + (in->adt != LOOM_F32 ? P * esz : 0) + r->expert_weights;
-    size_t train_p = P, train_shard = m->base.shard_numel;
-    if (lora) { /* adapter blocks of the layers held: A (r, in), B (out, r), tp-split */
+    size_t train_p = P, train_shard = m->base.shard_numel - Xshard;
+    if (lora) { /* adapter blocks of the layers held: A (r, in), B (out, r), tp-split (an
+                 * expert's: etp-split, for each of the rank's experts) */
         size_t ap = 0;
         for (int64_t l = 0; l < m->L; l++)
             for (int j = 0; m->layer[l].held && j < m->layer[l].nlin; j++) {
                 const loom_layer_lin *x = &m->layer[l].lin[j];
                 if (x->target < 0 || !in->lora_target[x->target]) continue;
-                int64_t a_in = x->row_par ? x->in / m->tp : x->in;
-                int64_t b_out = x->row_par ? x->out : x->out / m->tp;
-                ap += (size_t)((int64_t)in->lora_r * a_in + b_out * in->lora_r);
+                const bool ex = m->layer[l].b[x->b].kind->lin[x->k].experts;
+                const int64_t split = ex ? m->etp : m->tp, copies = ex ? El : 1;
+                int64_t a_in = x->row_par ? x->in / split : x->in;
+                int64_t b_out = x->row_par ? x->out : x->out / split;
+                ap += (size_t)(copies * ((int64_t)in->lora_r * a_in + b_out * in->lora_r));
             }
         size_t grp = (size_t)(m->dp * m->cp);
         train_p = ap;
@@ -386,7 +325,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     r->optim = in->training ? (m->dp * m->cp == 1 ? 2 : 3) * train_shard * 4 : 0;
     if (!lora) { /* the experts: the same over edp */
         r->expert_grads = X * 4;
-        r->expert_optim = in->training ? (loom_mesh_edp(n) == 1 ? 2 : 3) * ex.shard_numel * 4 : 0;
+        r->expert_optim = in->training ? (loom_mesh_edp(n) == 1 ? 2 : 3) * Xshard * 4 : 0;
         r->grads += r->expert_grads;
         r->optim += r->expert_optim;
     }
@@ -419,8 +358,8 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
         m->chunk_rows = loom_loss_block_rows(in->cuda, m->Vl, Tc);
         loom_carve c = {0};
         loom_acts_layout(m, &c, T, Tc, Tn, in->n_micro, in_flight, in->lora_r, false);
-        r->moe_acts = moe_acts(m, in, in_flight, Tc, Tn);
-        r->acts = c.used + r->moe_acts;
+        r->acts = c.used;
+        r->moe_acts = moe_share(m, T, Tc, Tn, in_flight);
         /* cuBLASLt workspace, RMSNorm and grad-norm scratch */
         int64_t rows_max = Tc * (m->Hql > m->Hkvl ? m->Hql : m->Hkvl);
         if (Tn > rows_max) rows_max = Tn;
@@ -438,11 +377,7 @@ done:
     free(m->base.bucket_ex);
     free(m->layer);
     free(m->pfrozen);
-    free(m->plan.p); /* its names are full's */
-    free(ex.slots);
-    free(ex.bucket_off);
-    free(ex.bucket_len);
-    loom_param_plan_free(&full);
+    loom_param_plan_free(&m->plan);
     return st;
 }
 

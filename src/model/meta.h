@@ -57,8 +57,9 @@ typedef struct loom_mem_report {
      * experts of each MoE layer of its stage, each split over etp (gate/up
      * rows, down columns); their gradients are reduced and the distributed
      * optimizer shards them over edp (the router, replicated, goes with the
-     * dense parameters over dp*cp). moe_acts: the MoE blocks' activations
-     * (an estimate: balanced routing), part of acts. */
+     * dense parameters over dp*cp). moe_acts: the MoE blocks' activations,
+     * part of acts, sized for dropless routing's worst case (every token of
+     * the ep x etp group to this rank's experts). */
     uint64_t expert_numel;    /* expert parameters held (floats, buckets padded) */
     uint64_t expert_weights, expert_grads, expert_optim, moe_acts;
 } loom_mem_report;
