@@ -392,6 +392,15 @@ TEST(parallel_layouts_qwen3_moe) {
         {2, "--dp 2 --num-micro-batches 2", true, 4},
         {8, "--tp 2 --cp 2 --dp 2 --sequence-parallel", true, 2},
         {8, "--tp 2 --pp 2 --dp 2 --num-micro-batches 2", true, 4},
+        /* expert parallelism (Megatron's folding; sequence parallel under tp) */
+        {2, "--ep 2", false, 2},
+        {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", false, 1},
+        {2, "--tp 2 --etp 1 --sequence-parallel", false, 1},
+        {4, "--ep 2 --etp 2 --tp 2 --sequence-parallel", false, 2},
+        {4, "--ep 2 --pp 2", false, 2},
+        {4, "--ep 2 --dp 4", true, 4},
+        {4, "--ep 4", true, 4},
+        {8, "--ep 2 --etp 2 --tp 2 --cp 2 --sequence-parallel", true, 2},
     };
     for (int aux = 0; aux < 2; aux++) {
         const char *co = aux ? "--config-override {\"router_aux_loss_coef\":0.5}"
@@ -407,6 +416,66 @@ TEST(parallel_layouts_qwen3_moe) {
             check_layout(model, layouts[i].big ? b8 : b2, one, layouts[i].np, lay,
                          !aux && !layouts[i].big, !layouts[i].big);
         }
+    }
+}
+
+/* LoRA on the experts (and attention) of Qwen3-MoE, the adapter made by a
+ * few steps of training, under the expert folds against one process. */
+TEST(parallel_lora_moe_layouts) {
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
+    const char *model = "tiny-qwen3-moe";
+    char b2[1024], b8[1024], mdir[1024], adir[1024], *log = NULL, lay[1600];
+    if (!make_batches(model, b2, b8)) return;
+    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
+    snprintf(adir, sizeof adir, "%s/moe-lora", loom_test_tmpdir());
+    /* the adapter: 3 steps of training through the library */
+    loom_ctx *ctx;
+    loom_ctx_create(&ctx);
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    loom_model *m = NULL;
+    loom_safetensors *st = NULL;
+    int32_t ids[48], tgt[48];
+    loom_lora_config c = {.r = 4, .lora_alpha = 8, .target_modules = "all-linear", .seed = 3};
+    loom_optimizer_config oc = {.lr = 2e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8};
+    loom_batch bt = {.rows = 2, .seq_len = 24, .input_ids = ids, .targets = tgt};
+    bool ok = !loom_st_open_file(ctx, b2, &st) && !st_get(ctx, st, "input_ids", LOOM_I32, ids, 48) &&
+              !st_get(ctx, st, "targets", LOOM_I32, tgt, 48) &&
+              !loom_model_create(ctx, mdir, NULL, &m) && !loom_model_add_adapter(m, "a", &c) &&
+              !loom_model_set_optimizer(m, &oc);
+    for (int s = 0; ok && s < 3; s++) {
+        loom_fb_result fr;
+        loom_step_result sr;
+        ok = !loom_model_forward_backward(m, &bt, 1, &fr) &&
+             !loom_model_clip_grad_and_step(m, 1.0, 1, &sr);
+    }
+    ok = ok && !loom_model_save_adapter(m, "a", adir, LOOM_F32);
+    if (!ok) loom_test_fail(__FILE__, __LINE__, "making the adapter: %s", loom_last_error(ctx));
+    loom_model_free(m);
+    loom_st_close(st);
+    loom_ctx_free(ctx);
+    if (!ok) return;
+    static const struct {
+        int np;
+        const char *layout;
+        int ref_micro;
+    } layouts[] = {
+        {2, "--ep 2", 2},
+        {2, "--tp 2 --sequence-parallel", 1},
+        {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", 1},
+        {4, "--ep 2 --etp 2 --tp 2 --sequence-parallel", 2},
+        {4, "--ep 2 --pp 2", 2},
+    };
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+        const char *one = path_in_tmp("one-lora-moe.safetensors");
+        snprintf(lay, sizeof lay, "--adapter %s --weight-decay 0.01 --num-micro-batches %d", adir,
+                 layouts[i].ref_micro);
+        int rc = golden(0, mdir, b2, one, lay, &log);
+        CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+        free(log);
+        if (rc) return;
+        snprintf(lay, sizeof lay, "--adapter %s --weight-decay 0.01 %s", adir, layouts[i].layout);
+        check_layout(model, b2, one, layouts[i].np, lay, false, true);
     }
 }
 
