@@ -180,3 +180,57 @@ TEST(lora_moe_experts_gradient_matches_differences) {
     loom_model_free(m);
     loom_ctx_free(ctx);
 }
+
+/* The experts' LoRA on a GPU (fp32) against the CPU: loss and every
+ * adapter gradient. */
+TEST(lora_moe_cuda_matches_cpu) {
+    if (!loom_test_have_gpu()) SKIP("no GPU visible (or loom built without CUDA)");
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char dir[1024], mdir[1024];
+    snprintf(dir, sizeof dir, "%s/moe-adapter-cuda", loom_test_tmpdir());
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    float *scratch = malloc(48 * 1024 * sizeof *scratch);
+    bool made = make_moe_adapter(ctx, dir, scratch);
+    free(scratch);
+    if (!made) {
+        loom_test_fail(__FILE__, __LINE__, "making the adapter: %s", loom_last_error(ctx));
+        return;
+    }
+    int32_t ids[48], tgt[48];
+    REQUIRE(fixture_batch(ctx, ids, tgt));
+    loom_batch b = {.rows = 2, .seq_len = 24, .input_ids = ids, .targets = tgt};
+    loom_model *m[2] = {NULL, NULL};
+    loom_fb_result r[2];
+    for (int d = 0; d < 2; d++) {
+        loom_model_options o;
+        loom_model_options_default(&o);
+        o.device = d ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU;
+        o.config_overrides = "{\"router_aux_loss_coef\": 0.5}";
+        REQUIRE_OK(ctx, loom_model_create(ctx, mdir, &o, &m[d]));
+        REQUIRE_OK(ctx, loom_model_load_adapter(m[d], "a", dir));
+        loom_model_zero_grad(m[d]);
+        REQUIRE_OK(ctx, loom_model_forward_backward(m[d], &b, 1, &r[d]));
+    }
+    CHECK_MSG(fabs(r[1].loss - r[0].loss) <= 1e-5 * r[0].loss, "loss %.9g (GPU) vs %.9g (CPU)",
+              r[1].loss, r[0].loss);
+    char name[256];
+    int64_t shape[2];
+    double worst = 0.0;
+    int n = 0;
+    for (int64_t i = 0; loom_model_adapter_tensor(m[0], "a", i, name, sizeof name, shape); i++, n++) {
+        const int64_t k = shape[0] * shape[1];
+        float *g0 = malloc(sizeof(float) * (size_t)k), *g1 = malloc(sizeof(float) * (size_t)k);
+        REQUIRE_OK(ctx, loom_model_get_grad(m[0], name, g0, k));
+        REQUIRE_OK(ctx, loom_model_get_grad(m[1], name, g1, k));
+        double d = 0.0, mx = 0.0;
+        for (int64_t j = 0; j < k; j++) d = fmax(d, fabs(g1[j] - g0[j])), mx = fmax(mx, fabs(g0[j]));
+        if (mx > 0) worst = fmax(worst, d / mx);
+        free(g0), free(g1);
+    }
+    CHECK_EQ_INT(n, 4 * (4 + 8 * 3) * 2);
+    CHECK_MSG(worst <= 1e-4, "an adapter gradient differs by %.3g of its largest", worst);
+    for (int d = 0; d < 2; d++) loom_model_free(m[d]);
+    loom_ctx_free(ctx);
+}

@@ -536,6 +536,9 @@ TEST(model_cuda_rows_as_documents_llama) { check_forward_backward("tiny-llama", 
 TEST(model_cuda_adamw_trajectory_qwen3) { check_adamw("tiny-qwen3", LOOM_DEVICE_CUDA); }
 TEST(model_cuda_adamw_trajectory_untied) { check_adamw("tiny-qwen3-untied", LOOM_DEVICE_CUDA); }
 TEST(model_cuda_adamw_trajectory_llama) { check_adamw("tiny-llama", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_qwen3_moe_matches_hf) { check_forward_backward("tiny-qwen3-moe", LOOM_DEVICE_CUDA, false); }
+TEST(model_cuda_adamw_trajectory_qwen3_moe) { check_adamw("tiny-qwen3-moe", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_qwen3_moe_router_and_aux_loss_match_hf) { check_router("tiny-qwen3-moe", LOOM_DEVICE_CUDA); }
 
 /* fp16 on a GPU: the loss is seeded with the dynamic loss scale (2^10) and
  * unscaled at the step; five AdamW steps stay finite and track the fp32

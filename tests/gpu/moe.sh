@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Mixture of experts on GPUs: the MoE ops against the CPU (test_backend_ops),
+# tiny-qwen3-moe against the HF fixtures on one GPU (fp32), LoRA on the
+# experts against the CPU, then with 2+ GPUs the expert layouts against one
+# GPU: `loom golden` (loss, log-probs, every gradient, the weights after 3
+# AdamW steps) of tiny-qwen3-moe with its load-balancing loss, compared by
+# tests/gpu/compare.py golden (fp32 within 1e-5, bf16 within 3%).
+# Usage: bash tests/gpu/moe.sh [BUILD_DIR]   (built when missing)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+B=${1:-build-cuda}
+py_lib() { python3 -c "import importlib.util as u; s=u.find_spec('nvidia.$1'); print(list(s.submodule_search_locations)[0]+'/lib' if s else '')" 2>/dev/null || true; }
+export LD_LIBRARY_PATH="$(py_lib nccl):$(py_lib cudnn):${LD_LIBRARY_PATH:-}"
+export LOOM_COMM_TIMEOUT=${LOOM_COMM_TIMEOUT:-120}
+[ -x "$B/loom_tests" ] || make -j"$(nproc)" CUDA=1 BUILD="$B" config "$B/loom" "$B/loom_tests" > /tmp/moe-build.log 2>&1 || { tail -30 /tmp/moe-build.log; exit 1; }
+rc=0
+LOOM_BIN=$B/loom $B/loom_tests backend_ops moe_ops model_cuda_qwen3_moe lora_moe_cuda \
+    model_qwen3_moe 2>&1 | tee /tmp/moe-tests.log | grep -vE "^ok " || true
+grep -q "^FAIL" /tmp/moe-tests.log && rc=1
+echo "tests: $(grep -c '^ok ' /tmp/moe-tests.log) ok, $(grep -c '^FAIL' /tmp/moe-tests.log) failed, $(grep -c '^skip' /tmp/moe-tests.log) skipped"
+ngpu=$(nvidia-smi -L | wc -l)
+[ "$ngpu" -ge 2 ] || exit $rc
+W=${LOOM_GPU_WORK:-/tmp/loom-gpu-moe}
+rm -rf "$W" && mkdir -p "$W"
+F=${LOOM_FIXTURES:-tests/fixtures}
+M=$F/models/tiny-qwen3-moe
+BATCH=$F/golden/tiny-qwen3-moe.safetensors
+G="$B/loom golden --device cuda --model $M --batch $BATCH --steps 3 --lr 1e-3 --log-level warn --config-override {\"router_aux_loss_coef\":0.1}"
+for dt in fp32 bf16; do
+    tol="--tol 0.03"
+    [ $dt = fp32 ] && tol="--tol 1e-5 --tol-weights 5e-5"
+    for nm in 1 2; do
+        $G --dtype $dt --num-micro-batches $nm --out "$W/ref-$dt-$nm.safetensors" > "$W/ref-$dt-$nm.log" 2>&1 || { tail "$W/ref-$dt-$nm.log"; rc=1; }
+    done
+    # name, micro-batches of the one-GPU reference, flags
+    while read -r name nm flags; do
+        [ -n "$name" ] || continue
+        out="$W/$name-$dt"
+        # shellcheck disable=SC2086
+        if CUDA_VISIBLE_DEVICES=0,1 $G --dtype $dt --nproc-per-node 2 $flags --out "$out.safetensors" > "$out.log" 2>&1; then
+            # shellcheck disable=SC2086
+            res=$(python3 tests/gpu/compare.py golden "$W/ref-$dt-$nm.safetensors" "$out.safetensors" $tol 2>&1)
+            c=$?
+            printf '%-14s %-5s %-4s %s\n' "$name" "$dt" "$([ $c = 0 ] && echo ok || echo FAIL)" "$(echo "$res" | tail -1)"
+            [ $c = 0 ] || { echo "$res"; rc=1; }
+        else
+            printf '%-14s %-5s FAIL exit status (log %s)\n' "$name" "$dt" "$out.log"
+            tail -15 "$out.log"
+            rc=1
+        fi
+    done <<'EOF'
+ep2            2 --ep 2
+tp2-sp         1 --tp 2 --sequence-parallel
+ep2-tp2-etp1   1 --ep 2 --tp 2 --etp 1 --sequence-parallel
+tp2-etp1       1 --tp 2 --etp 1 --sequence-parallel
+pp2            1 --pp 2
+EOF
+done
+exit $rc
