@@ -100,6 +100,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=1234, help="torch seed (LoRA A init)")
     ap.add_argument("--no-fused", action="store_true", help="AdamW without fused=True")
+    ap.add_argument("--grad-ckpt", action="store_true",
+                    help="gradient checkpointing (a MoE model too large for the GPU without it)")
     args = ap.parse_args()
     if args.base_dtype is None:
         args.base_dtype = "bf16" if args.lora_r else "fp32"
@@ -152,8 +154,13 @@ def main():
         if peft is None:
             sys.exit("peer: --lora-r needs peft (pip install peft)")
         from peft import LoraConfig, get_peft_model
+        kw = {}
+        if getattr(model.config, "num_experts", 0) or getattr(model.config, "num_local_experts", 0):
+            # transformers 5's fused experts are parameters, not linears: PEFT's
+            # LoRA on them is target_parameters (one A, B per expert)
+            kw["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         lc = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
-                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **kw)
         model = get_peft_model(model, lc)
         # fp32 master weights for the adapter (PEFT's autocast_adapter_dtype does this
         # already for a bf16 base; made sure here)
@@ -167,8 +174,16 @@ def main():
     with warnings.catch_warnings():  # transformers v5 deprecates the name
         warnings.simplefilter("ignore")
         gc = getattr(model, "is_gradient_checkpointing", False)
-    if gc:
+    if gc and not args.grad_ckpt:
         sys.exit("peer: gradient checkpointing is on; the benchmark runs without it")
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_r:
+            model.enable_input_require_grads()
+        log("peer: gradient checkpointing on")
+    ei = getattr(model.config, "_experts_implementation", None)
+    if ei is not None:
+        log(f"peer: experts implementation {ei}")
     sync()
     params = [p for p in model.parameters() if p.requires_grad]
     n_total = sum(p.numel() for p in model.parameters())

@@ -46,6 +46,8 @@ case_cfg() {
         0.6b-full) PRESET=qwen3-0.6b; LORA_R=0; MB=2; STEPS=30 ;;
         4b-lora)   PRESET=qwen3-4b;   LORA_R=8; MB=1; STEPS=30 ;;
         8b-lora)   PRESET=qwen3-8b;   LORA_R=8; MB=1; STEPS=25 ;;
+        30b-a3b-lora) PRESET=qwen3-30b-a3b; LORA_R=8; MB=1; STEPS=10 ;;
+        tiny-moe-lora) PRESET=tiny-qwen3-moe; LORA_R=8; MB=1; STEPS=10 ;;
         tiny-full) PRESET=tiny-qwen3; LORA_R=0; MB=2; STEPS=10 ;;
         tiny-lora) PRESET=tiny-qwen3; LORA_R=8; MB=1; STEPS=10 ;;
         *) return 1 ;;
@@ -63,7 +65,7 @@ for c in "${CASES[@]}"; do
         echo "train_bench.sh: unknown case '$c' (0.6b-full 4b-lora 8b-lora tiny-full tiny-lora)" >&2
         exit 2
     fi
-    [ "$PRESET" = tiny-qwen3 ] && VOCAB=1024 # the tiny model's vocabulary
+    case "$PRESET" in tiny-*) VOCAB=1024 ;; esac # the tiny models' vocabulary
     [ $((STEPS * MB)) -gt "$NDOCS" ] && NDOCS=$((STEPS * MB))
 done
 

@@ -4,7 +4,10 @@
 # experts against the CPU, then with 2+ GPUs the expert layouts against one
 # GPU: `loom golden` (loss, log-probs, every gradient, the weights after 3
 # AdamW steps) of tiny-qwen3-moe with its load-balancing loss, compared by
-# tests/gpu/compare.py golden (fp32 within 1e-5, bf16 within 3%).
+# tests/gpu/compare.py golden (fp32 within 1e-5; bf16 within 3% where tp
+# does not split the experts' sums: under tp, bf16 rounding of the partial
+# sums moves a few near-tie tokens to another expert, whose few-token
+# gradient then jumps; fp32 is the exact check of those layouts).
 # Usage: bash tests/gpu/moe.sh [BUILD_DIR]   (built when missing)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,7 +17,7 @@ export LD_LIBRARY_PATH="$(py_lib nccl):$(py_lib cudnn):${LD_LIBRARY_PATH:-}"
 export LOOM_COMM_TIMEOUT=${LOOM_COMM_TIMEOUT:-120}
 [ -x "$B/loom_tests" ] || make -j"$(nproc)" CUDA=1 BUILD="$B" config "$B/loom" "$B/loom_tests" > /tmp/moe-build.log 2>&1 || { tail -30 /tmp/moe-build.log; exit 1; }
 rc=0
-LOOM_BIN=$B/loom $B/loom_tests backend_ops moe_ops model_cuda_qwen3_moe lora_moe_cuda \
+LOOM_BIN=$B/loom $B/loom_tests backend_ moe_ model_cuda_qwen3_moe lora_moe_cuda \
     model_qwen3_moe 2>&1 | tee /tmp/moe-tests.log | grep -vE "^ok " || true
 grep -q "^FAIL" /tmp/moe-tests.log && rc=1
 echo "tests: $(grep -c '^ok ' /tmp/moe-tests.log) ok, $(grep -c '^FAIL' /tmp/moe-tests.log) failed, $(grep -c '^skip' /tmp/moe-tests.log) skipped"
@@ -32,9 +35,10 @@ for dt in fp32 bf16; do
     for nm in 1 2; do
         $G --dtype $dt --num-micro-batches $nm --out "$W/ref-$dt-$nm.safetensors" > "$W/ref-$dt-$nm.log" 2>&1 || { tail "$W/ref-$dt-$nm.log"; rc=1; }
     done
-    # name, micro-batches of the one-GPU reference, flags
-    while read -r name nm flags; do
+    # name, dtypes, micro-batches of the one-GPU reference, flags
+    while read -r name dts nm flags; do
         [ -n "$name" ] || continue
+        [[ ",$dts," == *",$dt,"* ]] || continue
         out="$W/$name-$dt"
         # shellcheck disable=SC2086
         if CUDA_VISIBLE_DEVICES=0,1 $G --dtype $dt --nproc-per-node 2 $flags --out "$out.safetensors" > "$out.log" 2>&1; then
@@ -49,11 +53,11 @@ for dt in fp32 bf16; do
             rc=1
         fi
     done <<'EOF'
-ep2            2 --ep 2
-tp2-sp         1 --tp 2 --sequence-parallel
-ep2-tp2-etp1   1 --ep 2 --tp 2 --etp 1 --sequence-parallel
-tp2-etp1       1 --tp 2 --etp 1 --sequence-parallel
-pp2            1 --pp 2
+ep2            fp32,bf16 2 --ep 2
+tp2-sp         fp32      1 --tp 2 --sequence-parallel
+ep2-tp2-etp1   fp32      1 --ep 2 --tp 2 --etp 1 --sequence-parallel
+tp2-etp1       fp32      1 --tp 2 --etp 1 --sequence-parallel
+pp2            fp32,bf16 1 --pp 2
 EOF
 done
 exit $rc
