@@ -416,7 +416,7 @@ extern "C" loom_status loom_cuda_gemm_survey(loom_ctx *ctx, loom_cuda_gemm_handl
 static loom_status gemm_grouped_call(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb,
                                      int G, const loom_gemm_group *g, int64_t work, float alpha,
                                      int64_t lda, int64_t ldb, loom_dtype ab, float beta,
-                                     int64_t ldc, void *stream, bool *done) {
+                                     loom_dtype cdt, int64_t ldc, void *stream, bool *done) {
     *done = false;
 #ifdef LOOM_GEMM_GROUPED_ONE_CALL
     cublasStatus_t r;
@@ -476,7 +476,7 @@ static loom_status gemm_grouped_call(loom_ctx *ctx, loom_cuda_gemm_handle *h, bo
     loom_status st =
         check(ctx, cudaMemcpyAsync(h->ptrs, hp, 3 * n * sizeof(void *), cudaMemcpyHostToDevice, s),
               "gemm_grouped (pointer upload)");
-    const cudaDataType_t t = cuda_type(ab);
+    const cudaDataType_t t = cuda_type(ab), tc = cuda_type(cdt);
     r = CUBLAS_STATUS_SUCCESS;
     if (!st)
         r = cublasSetStream(h->blas, s); // (resets the workspace: set after it)
@@ -485,7 +485,7 @@ static loom_status gemm_grouped_call(loom_ctx *ctx, loom_cuda_gemm_handle *h, bo
     if (!st && r == CUBLAS_STATUS_SUCCESS)
         r = cublasGemmGroupedBatchedEx_64(
             h->blas, opa, opb, m, nn, kk, al, (const void *const *)h->ptrs, t, la,
-            (const void *const *)(h->ptrs + n), t, lb, be, h->ptrs + 2 * n, t, lc, (int64_t)n, gs,
+            (const void *const *)(h->ptrs + n), t, lb, be, h->ptrs + 2 * n, tc, lc, (int64_t)n, gs,
             CUBLAS_COMPUTE_32F);
     free(mem);
     if (st || r == CUBLAS_STATUS_NOT_SUPPORTED)
@@ -500,17 +500,17 @@ static loom_status gemm_grouped_call(loom_ctx *ctx, loom_cuda_gemm_handle *h, bo
     return check_launch(ctx, "gemm_grouped");
 #else
     (void)ctx, (void)h, (void)ta, (void)tb, (void)G, (void)g, (void)work, (void)alpha, (void)lda,
-        (void)ldb, (void)ab, (void)beta, (void)ldc, (void)stream;
+        (void)ldb, (void)ab, (void)beta, (void)cdt, (void)ldc, (void)stream;
     return LOOM_OK;
 #endif
 }
 
 // Every group's arguments are checked first (as loom_cuda_gemm's). The
-// groups with work go to one cuBLAS call where C's dtype is the inputs'
-// (cuBLAS's grouped GEMM takes F32, BF16 or F16 in and out, computing in fp32,
-// but no F32 C of 16-bit inputs), there are two or more and their pointers
-// are 16-byte aligned; otherwise, and when cuBLAS refuses, one loom_cuda_gemm
-// each. Groups with K 0 are loom_cuda_gemm's (C = beta C, zeros for beta 0;
+// groups with work go to one cuBLAS call where there are two or more and
+// their pointers are 16-byte aligned (C in the inputs' dtype, or fp32: the
+// experts' LoRA weight gradients, 2 x 128 GEMMs a projection of Qwen3-30B-A3B
+// that a loop ran at 1/14 of the speed of the rest of the step on an H200);
+// otherwise, and when cuBLAS refuses the types, one loom_cuda_gemm each. Groups with K 0 are loom_cuda_gemm's (C = beta C, zeros for beta 0;
 // nothing for beta 1, as the CPU).
 extern "C" loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta,
                                               bool tb, int G, const loom_gemm_group *g, float alpha,
@@ -537,9 +537,9 @@ extern "C" loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_hand
             aligned && (((uintptr_t)g[i].A | (uintptr_t)g[i].B | (uintptr_t)g[i].C) & 15) == 0;
     }
     bool one = false;
-    if (!h->grouped_loop && cdt == ab && work > 1 && aligned &&
-        (st = gemm_grouped_call(ctx, h, ta, tb, G, g, work, alpha, lda, ldb, ab, beta, ldc, stream,
-                                &one)))
+    if (!h->grouped_loop && (cdt == ab || cdt == LOOM_F32) && work > 1 && aligned &&
+        (st = gemm_grouped_call(ctx, h, ta, tb, G, g, work, alpha, lda, ldb, ab, beta, cdt, ldc,
+                                stream, &one)))
         return st;
     for (int i = 0; i < G; i++) {
         if (!g[i].M || !g[i].N || (g[i].K ? one : beta == 1.0f))
