@@ -370,6 +370,70 @@ TEST(ckpt_cli_resume_on_another_mesh_and_finetune) {
     fx_free(&f);
 }
 
+/* Qwen3-MoE: full fine-tuning saved under ep2 (mpirun), resumed in one
+ * process; LoRA on the experts saved in one process, resumed at ep2 tp2
+ * etp1 + SP (the experts' state resharded both ways). Micro-batches of 2
+ * rows everywhere: the load-balancing loss is per micro-batch. */
+TEST(ckpt_cli_moe_resumes_across_expert_folds) {
+    fx f;
+    REQUIRE(fx_make(&f));
+    if (!loom_test_have_mpirun()) {
+        fx_free(&f);
+        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    }
+    loom_test_mpi_env();
+    snprintf(f.model, sizeof f.model, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    char ref[400], b[400], save[400], it3[420], m[400];
+    snprintf(ref, sizeof ref, "%s/mref.jsonl", f.dir);
+    snprintf(b, sizeof b, "%s/mb.jsonl", f.dir);
+    char *out = NULL;
+    double r[7], x[7];
+    for (int lora = 0; lora < 2; lora++) {
+        snprintf(save, sizeof save, "%s/mck%d", f.dir, lora);
+        snprintf(it3, sizeof it3, "%s/iter_0000003", save);
+        snprintf(m, sizeof m, "%s/mm%d.jsonl", f.dir, lora);
+        const char *one[] = {"--micro-batch-size", "2", lora ? "--lora-r" : NULL, "4", NULL};
+        unlink(ref);
+        CHECK_EQ_INT(train(&f, false, 6, ref, one, &out), 0);
+        free(out);
+        read_losses(ref, r, 6);
+        const char *mesh[] = {"--ep", "2", "--tp", "2", "--etp", "1", "--sequence-parallel"};
+        const char *argv[48] = {"mpirun", "-np", lora ? "4" : "2", loom_test_bin(), "train",
+                                "--device", "cpu", "--model", f.model, "--data", f.tokens,
+                                "--seq-len", "32", "--global-batch-size", "4", "--lr", "3e-3",
+                                "--lr-warmup-steps", "2", "--train-steps", "6", "--metrics-file", m,
+                                "--no-progress", "--log-level", "warn", "--micro-batch-size", "2"};
+        int n = 0;
+        while (argv[n]) n++;
+        for (int i = 0; i < (lora ? 7 : 2); i++) argv[n++] = mesh[i];
+        if (lora) {
+            argv[n++] = "--lora-r", argv[n++] = "4", argv[n++] = "--load", argv[n++] = it3;
+            const char *sv[] = {"--micro-batch-size", "2", "--lora-r", "4", "--save", save,
+                                "--save-interval", "3", NULL};
+            CHECK_EQ_INT(train(&f, false, 3, b, sv, &out), 0); /* saved by one process */
+            free(out);
+        } else {
+            argv[n++] = "--save", argv[n++] = save, argv[n++] = "--save-interval", argv[n++] = "3";
+        }
+        argv[n] = NULL;
+        unlink(m);
+        CHECK_MSG(loom_test_run(&out, argv) == 0, "%s", out);
+        free(out);
+        if (!lora) { /* resumed in one process */
+            const char *ld[] = {"--micro-batch-size", "2", "--load", it3, NULL};
+            unlink(m);
+            CHECK_EQ_INT(train(&f, false, 6, m, ld, &out), 0);
+            free(out);
+        }
+        CHECK_EQ_INT(read_losses(m, x, 6), 3);
+        for (int s = 4; s <= 6; s++)
+            CHECK_MSG(fabs(x[s] - r[s]) <= 1e-5 * fabs(r[s]), "%s step %d: resumed %.9g, "
+                      "uninterrupted %.9g", lora ? "LoRA at ep2 tp2 etp1" : "one process after ep2",
+                      s, x[s], r[s]);
+    }
+    fx_free(&f);
+}
+
 static bool same_file(const char *a, const char *b) {
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "cmp -s %.590s %.590s", a, b);
