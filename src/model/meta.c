@@ -377,6 +377,7 @@ done:
     free(m->base.bucket_ex);
     free(m->layer);
     free(m->pfrozen);
+    free(m->moe_load);
     loom_param_plan_free(&m->plan);
     return st;
 }
