@@ -158,6 +158,15 @@ typedef enum loom_recompute {
     LOOM_RECOMPUTE_FULL
 } loom_recompute;
 
+/* A mixture of experts' load-balancing loss, over one micro-batch's router
+ * rows (C_e: the choices of expert e, each of a token's k counted; P_e: the
+ * sum of its probabilities; N: the rows):
+ *  GLOBAL     transformers' load_balancing_loss_func, all MoE layers' rows
+ *             as one: E * sum_e (C_e / N) (P_e / N)   (the default)
+ *  PER_LAYER  Megatron's "aux_loss": each layer's E / (k N^2) sum_e C_e P_e,
+ *             summed over the layers */
+typedef enum loom_moe_aux { LOOM_MOE_AUX_GLOBAL = 0, LOOM_MOE_AUX_PER_LAYER } loom_moe_aux;
+
 typedef struct loom_model_options {
     /* JSON object whose keys replace those of config.json before it is read,
      * e.g. {"num_hidden_layers": 2}; NULL for none. */
@@ -192,6 +201,9 @@ typedef struct loom_model_options {
     int64_t bucket_elems;
     /* What the backward recomputes instead of keeping (loom_recompute). */
     loom_recompute recompute;
+    /* Mixture of experts: which load-balancing loss router_aux_loss_coef
+     * scales (loom_moe_aux). */
+    int moe_aux;
 } loom_model_options;
 
 void loom_model_options_default(loom_model_options *o);

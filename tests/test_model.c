@@ -383,7 +383,7 @@ static void check_router(const char *model, loom_device dev) {
  * the whole model: router weights, and attention and expert weights of the
  * first layer (whose effect reaches the later layers' routing). Elements
  * whose step changes some token's choice of experts are skipped. */
-TEST(model_qwen3_moe_aux_loss_gradient_matches_differences) {
+static void check_aux_gradient(loom_moe_aux form) {
     golden g;
     memset(&g, 0, sizeof g);
     REQUIRE(!loom_ctx_create(&g.ctx));
@@ -393,6 +393,7 @@ TEST(model_qwen3_moe_aux_loss_gradient_matches_differences) {
     loom_model_options o;
     loom_model_options_default(&o);
     o.config_overrides = "{\"router_aux_loss_coef\": 1.0}";
+    o.moe_aux = form;
     REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
     REQUIRE_OK(g.ctx, loom_st_open_file(g.ctx, path_of(p, sizeof p, "golden/", "tiny-qwen3-moe",
                                                        ".safetensors"), &g.st));
@@ -447,6 +448,53 @@ TEST(model_qwen3_moe_aux_loss_gradient_matches_differences) {
     CHECK_MSG(worst < 2e-3, "gradient off by %.3g of the tensor's largest", worst);
     free(idx0), free(idx);
     golden_close(&g);
+}
+
+TEST(model_qwen3_moe_aux_loss_gradient_matches_differences) {
+    check_aux_gradient(LOOM_MOE_AUX_GLOBAL);
+}
+
+/* Megatron's per-layer form: its value from HF's router logits (fp64
+ * softmax, top-2 of each layer: sum_l E / (k N^2) sum_e C_le P_le), and its
+ * gradient against central differences. */
+TEST(model_qwen3_moe_per_layer_aux_loss) {
+    golden g;
+    REQUIRE(golden_open(&g, "tiny-qwen3-moe", LOOM_DEVICE_CPU));
+    loom_model_free(g.m);
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.moe_aux = LOOM_MOE_AUX_PER_LAYER;
+    REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+    loom_batch b = batch_of(&g);
+    loom_fb_result r;
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+    const int64_t E = 8, K = 2, N = 48;
+    double want = 0.0;
+    for (int64_t l = 0; l < g.m->L; l++) {
+        char name[64];
+        snprintf(name, sizeof name, "router_logits.%lld", (long long)l);
+        float *z = read_tensor(&g, name, LOOM_F32, NULL);
+        REQUIRE(z);
+        double C[8] = {0}, Ps[8] = {0};
+        for (int64_t t = 0; t < N; t++) {
+            double mx = -INFINITY, sum = 0.0, p[8];
+            for (int64_t e = 0; e < E; e++) mx = fmax(mx, z[t * E + e]);
+            for (int64_t e = 0; e < E; e++) sum += p[e] = exp(z[t * E + e] - mx);
+            int top = 0, b2 = -1;
+            for (int64_t e = 0; e < E; e++) Ps[e] += p[e] / sum;
+            for (int e = 1; e < E; e++) top = p[e] > p[top] ? e : top;
+            for (int e = 0; e < E; e++)
+                if (e != top && (b2 < 0 || p[e] > p[b2])) b2 = e;
+            C[top]++, C[b2]++;
+        }
+        for (int64_t e = 0; e < E; e++) want += (double)E / ((double)K * N * N) * C[e] * Ps[e];
+        free(z);
+    }
+    note_err("per-layer aux loss", fabs(r.aux_loss - want) / want);
+    CHECK_MSG(fabs(r.aux_loss - want) <= 1e-5 * want, "per-layer aux loss %.9g, want %.9g",
+              r.aux_loss, want);
+    golden_close(&g);
+    check_aux_gradient(LOOM_MOE_AUX_PER_LAYER);
 }
 
 /* 5 AdamW steps on the same batch: per-step losses, grad norms before

@@ -52,7 +52,7 @@ class ModelOptions(C.Structure):
                 ("vocab_pad_multiple", i64),
                 ("tp", i32), ("cp", i32), ("dp", i32), ("pp", i32), ("vpp", i32), ("ep", i32),
                 ("etp", i32), ("sequence_parallel", i32), ("microbatch_group", i32),
-                ("bucket_elems", i64), ("recompute", i32)]
+                ("bucket_elems", i64), ("recompute", i32), ("moe_aux", i32)]
 
 
 class ModelInfo(C.Structure):

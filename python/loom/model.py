@@ -33,6 +33,7 @@ _KWARGS = {
     "microbatch_group_size_per_vp_stage", "ddp_bucket_size", "max_length", "seq_len",
     "use_distributed_optimizer", "variable_seq_lengths", "load_weights", "tokenizer_id",
     "comm_timeout", "log_level", "append_eos", "pre_wrap_hook", "post_wrap_hook",
+    "moe_router_load_balancing_type",
 }
 _OPT_KWARGS = {"lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
                "min_lr", "bf16", "fp16", "use_distributed_optimizer", "overlap_param_gather",
@@ -120,6 +121,13 @@ def _mesh_options(o, device_mesh, kwargs, recompute):
     if kwargs.get("ddp_bucket_size"):
         o.bucket_elems = int(kwargs["ddp_bucket_size"])
     o.recompute = recompute(kwargs)
+    # the load-balancing loss: transformers' over all layers unless Megatron's per layer
+    lb = kwargs.get("moe_router_load_balancing_type")
+    if lb not in (None, "aux_loss"):
+        raise UnsupportedError("moe_router_load_balancing_type=%r: loom has 'aux_loss' "
+                               "(Megatron's, per layer) and, left unset, transformers' loss over "
+                               "all MoE layers" % (lb,))
+    o.moe_aux = 1 if lb == "aux_loss" else 0
 
 
 def _precision(mixed_precision):

@@ -128,6 +128,10 @@ static const loom_option table[] = {
     {"sequence_parallel", LOOM_OPT_BOOL, "false",
      "split the norms' tokens over tp (all-gather / reduce-scatter around them)",
      OFF(sequence_parallel), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"moe_aux_loss", LOOM_OPT_CHOICE, "global",
+     "mixture of experts: the load-balancing loss router_aux_loss_coef scales: global "
+     "(transformers', over all MoE layers) or per-layer (Megatron's aux_loss, summed over layers)",
+     OFF(moe_aux_loss), "global|per-layer", CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
     {"recompute", LOOM_OPT_CHOICE, "none",
      "activation recomputation, memory for compute (same results): mlp recomputes each layer's "
      "gate, up and SwiGLU outputs before its backward; full keeps only each layer's input and "

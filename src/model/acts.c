@@ -205,10 +205,10 @@ void loom_acts_layout(loom_model *m, loom_carve *c, int64_t T, int64_t Tc, int64
         u->d_cu = cv(c, (size_t)(T + 1) * sizeof(int32_t));
         u->d_rope = m->dev.cuda ? cv(c, (size_t)(Tc * m->D) * sizeof(float)) : NULL;
         u->d_aux = m->dev.cuda && m->cfg.num_experts > 0
-                       ? cv(c, loom_moe_aux_len(&m->cfg) * sizeof(double))
+                       ? cv(c, loom_moe_aux_len(m) * sizeof(double))
                        : u->aux;
         u->d_aux_g = m->dev.cuda && m->cfg.num_experts > 0
-                         ? cv(c, (size_t)m->cfg.num_experts * sizeof(float))
+                         ? cv(c, loom_moe_grad_len(m) * sizeof(float))
                          : u->aux_g;
     }
     /* a pipeline message: the activations, then the layers' auxiliary sums

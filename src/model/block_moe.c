@@ -461,7 +461,8 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     /* the load-balancing loss's sums, once per forward (not when recomputed) */
     if (out && b->mb->aux) {
         CK(loom_k_download(m, hh.psum, psum, (size_t)q.E * sizeof(float)));
-        double *acc = b->mb->aux;
+        /* the layer's own block per layer (Megatron's), else one for all */
+        double *acc = b->mb->aux + (m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? b->l * (2 * q.E + 1) : 0);
         for (int64_t e = 0; e < q.E; e++) acc[e] += hh.cnt[e], acc[q.E + e] += hh.psum[e];
         acc[2 * q.E] += (double)q.n;
     }
@@ -545,6 +546,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     /* router: dz from the choices' weights and the load-balancing loss (its
      * part once: local, tp rank 0's; else each rank its own tokens) */
     const float *ga = !q.local || m->mesh->tp_rank == 0 ? b->mb->d_aux_g : NULL;
+    if (ga && m->moe_aux == LOOM_MOE_AUX_PER_LAYER) ga += b->l * q.E; /* the layer's own */
     const void *hs0 = (const char *)h + so;
     CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga, q.n, q.E, q.k,
                              m->cfg.norm_topk_prob, s[Z]));
@@ -575,36 +577,53 @@ const loom_block_kind loom_block_moe = {
 
 /* ---- the load-balancing loss of a micro-batch ---- */
 
-size_t loom_moe_aux_len(const loom_model_config *c) {
-    return c->num_experts > 0 ? (size_t)(2 * c->num_experts + 2) : 0;
+/* The sums: GLOBAL, one block [C (E), P (E), N] for all layers; PER_LAYER,
+ * one per layer (l at l (2E + 1)); then the micro-batch's targets. */
+size_t loom_moe_aux_len(const loom_model *m) {
+    const int64_t E = m->cfg.num_experts;
+    if (E <= 0) return 0;
+    const int64_t blocks = m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? m->L : 1;
+    return (size_t)(blocks * (2 * E + 1) + 1);
+}
+
+size_t loom_moe_grad_len(const loom_model *m) {
+    const int64_t E = m->cfg.num_experts;
+    if (E <= 0) return 0;
+    return (size_t)((m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? m->L : 1) * E);
 }
 
 loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double *loss_sum) {
     *loss_sum = 0.0;
     double *acc = mb->aux;
     if (!acc) return LOOM_OK;
-    const int64_t E = m->cfg.num_experts;
+    const int64_t E = m->cfg.num_experts, k = m->cfg.num_experts_per_tok;
+    const size_t n = loom_moe_aux_len(m);
     int64_t ntgt = 0;
     for (int64_t t = 0; t < m->Tc; t++) ntgt += mb->tgt[t] != -100;
     /* the micro-batch's tokens are split over cp, and (not local) over tp:
      * each rank routes its own */
     const bool local = geometry(m, m->Tc).local;
-    acc[2 * E + 1] = (double)ntgt * (local || m->mesh->tp_rank == 0 ? 1.0 : 0.0);
+    acc[n - 1] = (double)ntgt * (local || m->mesh->tp_rank == 0 ? 1.0 : 0.0);
     loom_comm *grp = local ? m->mesh->cp : m->mesh->tpcp;
-    if (loom_comm_size(grp) > 1)
-        CK(loom_comm_allreduce(grp, acc, loom_moe_aux_len(&m->cfg), LOOM_F64, LOOM_RED_SUM));
-    const double N = acc[2 * E], coef = m->cfg.router_aux_loss_coef;
-    double aux = 0.0;
-    for (int64_t e = 0; N > 0 && e < E; e++) aux += (acc[e] / N) * (acc[E + e] / N);
-    aux *= (double)E;
-    mb->aux_loss = aux;
+    if (loom_comm_size(grp) > 1) CK(loom_comm_allreduce(grp, acc, n, LOOM_F64, LOOM_RED_SUM));
+    const double coef = m->cfg.router_aux_loss_coef;
     /* the step divides the summed losses by the targets of the batch: the
      * micro-batch's term is coef aux times its own targets, so one
      * micro-batch gives transformers' loss + coef aux exactly */
-    const double scale = coef * acc[2 * E + 1];
+    const double scale = coef * acc[n - 1];
+    const bool per_layer = m->moe_aux == LOOM_MOE_AUX_PER_LAYER;
+    const int64_t blocks = per_layer ? m->L : 1;
+    double aux = 0.0;
+    for (int64_t l = 0; l < blocks; l++) {
+        const double *a = acc + l * (2 * E + 1), N = a[2 * E];
+        /* d aux / d probs[n][e] = w C_e with w = E / N^2 (global), E / (k N^2) (per layer) */
+        const double w = N > 0 ? (double)E / (N * N) / (per_layer ? (double)k : 1.0) : 0.0;
+        for (int64_t e = 0; e < E; e++) aux += w * a[e] * a[E + e];
+        for (int64_t e = 0; backward && e < E; e++)
+            mb->aux_g[l * E + e] = (float)(m->loss_scale * scale * w * a[e]);
+    }
+    mb->aux_loss = aux;
     if (m->mesh->cp_rank == 0 && m->mesh->tp_rank == 0) *loss_sum = scale * aux;
     if (!backward) return LOOM_OK;
-    for (int64_t e = 0; e < E; e++)
-        mb->aux_g[e] = N > 0 ? (float)(m->loss_scale * scale * (double)E * acc[e] / (N * N)) : 0.0f;
-    return loom_k_upload(m, mb->d_aux_g, mb->aux_g, (size_t)E * sizeof(float));
+    return loom_k_upload(m, mb->d_aux_g, mb->aux_g, loom_moe_grad_len(m) * sizeof(float));
 }

@@ -532,6 +532,13 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     m->recompute = opts->recompute;
+    if (opts->moe_aux != LOOM_MOE_AUX_GLOBAL && opts->moe_aux != LOOM_MOE_AUX_PER_LAYER) {
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                       "moe_aux = %d: use LOOM_MOE_AUX_GLOBAL or LOOM_MOE_AUX_PER_LAYER",
+                       opts->moe_aux);
+        goto fail;
+    }
+    m->moe_aux = (loom_moe_aux)opts->moe_aux;
     if (m->D > LOOM_CPU_ATTN_MAX_D || m->D % 2) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: loom needs an even head_dim "
                        "of at most %d", dir, (long long)m->D, LOOM_CPU_ATTN_MAX_D);
@@ -698,10 +705,10 @@ loom_status loom_model_reserve(loom_model *m, int64_t micro_batch_size, int64_t 
         u->pos = loom_malloc(ctx, (size_t)Tc * sizeof(int32_t), "micro-batch");
         u->cu = loom_malloc(ctx, (size_t)(T + 1) * sizeof(int32_t), "micro-batch");
         if (!u->ids || !u->tgt || !u->pos || !u->cu) fail = true;
-        const size_t naux = loom_moe_aux_len(&m->cfg);
+        const size_t naux = loom_moe_aux_len(m);
         if (naux && !(u->aux = loom_calloc(ctx, naux, sizeof(double), "micro-batch")))
             fail = true;
-        if (naux && !(u->aux_g = loom_calloc(ctx, (size_t)m->cfg.num_experts, sizeof(float),
+        if (naux && !(u->aux_g = loom_calloc(ctx, loom_moe_grad_len(m), sizeof(float),
                                              "micro-batch")))
             fail = true;
     }

@@ -137,7 +137,8 @@ struct loom_micro {
     double *aux;        /* (loom_moe_aux_len) host: the MoE layers' sums over the micro-batch
                          * for the load-balancing loss (block_moe.c); NULL: no experts */
     double *d_aux;      /* its device copy (a pipeline message's source) */
-    float *aux_g;       /* (E) its gradient per expert: host, and d_aux_g on the device */
+    float *aux_g;       /* (loom_moe_grad_len) its gradient per expert: host, and d_aux_g on
+                         * the device */
     float *d_aux_g;
     double aux_loss;    /* the micro-batch's load-balancing loss (loom_moe_finish) */
     int64_t key0;       /* the same in the global batch: dropout masks are drawn by it (local
@@ -165,6 +166,7 @@ struct loom_model {
     loom_mesh *mesh;
     int tp, cp, dp, pp, vpp; /* sizes */
     int ep, etp, edp;        /* the expert layers' folding of tp x cp x dp (mesh.h) */
+    loom_moe_aux moe_aux;    /* the load-balancing loss's form (loom.h) */
     bool sp;
 
     int64_t V, Vp, H, I, L, Hq, Hkv, D;  /* full model */
@@ -243,7 +245,7 @@ static inline size_t loom_pp_aux_off(const loom_model *m, int64_t Tn) {
     return ((size_t)(Tn * m->H) * m->dev.esz + 255) & ~(size_t)255;
 }
 static inline size_t loom_pp_aux_bytes(const loom_model *m) {
-    return loom_moe_aux_len(&m->cfg) * sizeof(double);
+    return loom_moe_aux_len(m) * sizeof(double);
 }
 static inline void *loom_pp_aux_at(const loom_model *m, int slot) {
     return (char *)m->pp_stage[slot] + loom_pp_aux_off(m, m->Tn);

@@ -154,7 +154,7 @@ static loom_status prepare_micro(loom_model *m, const loom_batch *b, int64_t row
     for (int64_t d = 1; d < u->ndocs && u->even_len; d++)
         if (u->cu[d + 1] - u->cu[d] != u->even_len) u->even_len = 0;
     u->wt = NULL;
-    if (u->aux) memset(u->aux, 0, loom_moe_aux_len(&m->cfg) * sizeof(double));
+    if (u->aux) memset(u->aux, 0, loom_moe_aux_len(m) * sizeof(double));
     if (b->loss_weights) {
         if (!u->wt_buf && !(u->wt_buf = loom_malloc(m->ctx, (size_t)m->Tc * sizeof(float),
                                                     "loss weights")))
@@ -219,10 +219,10 @@ static loom_status pp_exchange(loom_model *m, const loom_pp_plan *pl, const loom
             st = loom_comm_recv(c, m->pp_stage[g->slot], n, m->dev.adt, g->peer, tag);
         /* then the layers' auxiliary state (MoE), with the same tag: both
          * ends post the two in this order, which every transport keeps */
-        const size_t na = loom_moe_aux_len(&m->cfg);
+        const size_t na = loom_moe_aux_len(m);
         if (st || !na) continue;
         const loom_micro *u = &m->micro[g->mb];
-        const size_t ne = g->forward ? na : (size_t)m->cfg.num_experts;
+        const size_t ne = g->forward ? na : loom_moe_grad_len(m);
         const loom_dtype dt = g->forward ? LOOM_F64 : LOOM_F32;
         if (g->send)
             st = loom_comm_send(c, g->forward ? (void *)u->d_aux : (void *)u->d_aux_g, ne, dt,
@@ -402,7 +402,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
                 const loom_micro *u = &m->micro[sp.mb]; /* the aux loss's gradient, with dy */
                 if (slot >= 0 && u->aux_g &&
                     (st = loom_k_copy(m, u->d_aux_g, loom_pp_aux_at(m, slot),
-                                      (size_t)m->cfg.num_experts * sizeof(float))))
+                                      loom_moe_grad_len(m) * sizeof(float))))
                     break;
                 if ((st = loom_chunk_backward(m, sp.chunk, a, &m->micro[sp.mb]))) break;
                 a->mb = -1;

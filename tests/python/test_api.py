@@ -740,3 +740,21 @@ def test_moe_reports_the_load_balancing_loss():
         assert s["expert_tokens_mean"] == 48 * 2 / 8 and s["expert_imbalance"] >= 1.0
     finally:
         x.close()
+
+
+def test_moe_per_layer_load_balancing_loss():
+    """moe_router_load_balancing_type='aux_loss' is Megatron's per-layer form
+    (another value than transformers' over all layers); others are refused."""
+    g = golden("tiny-qwen3-moe")
+    path = os.path.join(FIXTURES, "models", "tiny-qwen3-moe")
+    samples = label_samples(g["input_ids"], g["targets"])
+    x = model(path)
+    y = model(path, moe_router_load_balancing_type="aux_loss")
+    try:
+        a, b = x.forward_only(inputs=samples), y.forward_only(inputs=samples)
+        assert a["aux_loss"] > 0 and b["aux_loss"] > 0 and abs(a["aux_loss"] - b["aux_loss"]) > 1e-3
+    finally:
+        x.close()
+        y.close()
+    with pytest.raises(loom.UnsupportedError, match="sinkhorn"):
+        model(path, moe_router_load_balancing_type="sinkhorn")
