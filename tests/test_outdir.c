@@ -514,7 +514,7 @@ TEST(cli_outputs_checked_before_work) {
                      "--out", p),
                  1);
     CHECK_CONTAINS(out, "is a directory");
-    CHECK_MSG(!strstr(out, "loss "), "golden ran before the check: %s", out);
+    CHECK_MSG(!strstr(out, ": loss "), "golden ran before the check: %s", out);
     free(out);
 }
 
