@@ -14,7 +14,7 @@
  * gathered normed input to its partial output, backward from the gathered
  * output gradient to the partial input gradient, and recompute. Kinds:
  * block_attn.c (attention), block_mlp.c (dense SwiGLU MLP), block_moe.c
- * (Qwen3-MoE's router and experts, declared for the plan only so far);
+ * (Qwen3-MoE's router and experts, local or dispatched over ep x etp);
  * docs/DESIGN.md, "The layer table", walks through adding one. */
 #ifndef LOOM_MODEL_BLOCK_H
 #define LOOM_MODEL_BLOCK_H
