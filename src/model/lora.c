@@ -174,18 +174,13 @@ static loom_status add_ab(loom_model *m, loom_adapter *a, int64_t l, int j, int6
     if (!(a->names[s] = loom_strdup(m->ctx, buf))) return LOOM_ERR_OOM;
     loom_shard sh = ab == 0 ? (x->row_par ? LOOM_SHARD_COLS : LOOM_SHARD_NONE)
                             : (x->row_par ? LOOM_SHARD_NONE : LOOM_SHARD_ROWS);
+    /* an expert's: split over etp like its base, its buckets over edp */
     loom_slot *sl = loom_slot_add(m, &a->ar, a->names[s], ab ? x->out : a->r, ab ? a->r : x->in,
-                                  2, sh, false);
-    if (e >= 0) { /* an expert's: split over etp like its base, its buckets over edp */
-        sl->expert = true;
-        sl->rows = sl->shape[0], sl->cols = sl->shape[1], sl->row0 = sl->col0 = 0;
-        if (sh == LOOM_SHARD_ROWS) sl->rows /= m->etp, sl->row0 = m->mesh->etp_rank * sl->rows;
-        if (sh == LOOM_SHARD_COLS) sl->cols /= m->etp, sl->col0 = m->mesh->etp_rank * sl->cols;
-        sl->numel = (size_t)(sl->rows * sl->cols);
+                                  2, sh, false, e >= 0);
+    if (e >= 0)
         sl->etp_partial = m->etp > 1 && sh == LOOM_SHARD_NONE;
-    } else {
+    else
         sl->tp_partial = m->tp > 1 && sh == LOOM_SHARD_NONE;
-    }
     if (a->slot[l][j][ab] < 0) a->slot[l][j][ab] = s; /* experts: the first local one's */
     return LOOM_OK;
 }

@@ -208,23 +208,7 @@ loom_status loom_model_param_info(const loom_model *m, int64_t i, loom_param_inf
  * stage, split over etp (build_slots, as a model does), in buckets the
  * distributed optimizer shards over edp; the MoE blocks' activations are
  * their kind's (block_moe.c). on_slot sees every expert tensor, another ep
- * rank's with the block it would hold. */
-static void expert_block(const loom_model *m, const loom_param_spec *p, loom_slot *out) {
-    memset(out, 0, sizeof *out);
-    out->name = p->name;
-    out->ndim = p->ndim;
-    out->shape[0] = p->shape[0];
-    out->shape[1] = p->ndim == 2 ? p->shape[1] : 1;
-    out->rows = out->shape[0];
-    out->cols = out->shape[1];
-    if (strstr(p->name, "down_proj") && p->ndim == 2)
-        out->cols /= m->etp;
-    else
-        out->rows /= m->etp;
-    out->numel = (size_t)(out->rows * out->cols);
-    out->expert = true;
-}
-
+ * rank's with the block it would hold (loom_slot_add into a scratch arena). */
 /* The MoE blocks' part of the activations (their kind's buffers: kept
  * per layer and micro-batch in flight, or once when recomputation drops
  * them; its scratch once), as the layout carves them less alignment. */
@@ -280,9 +264,11 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     for (size_t i = 0; in->on_slot && i < m->plan.n; i++) { /* the other ep ranks' experts */
         const loom_param_spec *p = &m->plan.p[i];
         if (p->expert < El || p->layer < 0 || !m->layer[p->layer].held) continue;
-        loom_slot b;
-        expert_block(m, p, &b);
-        in->on_slot(in->u, &b);
+        loom_slot one = {0};
+        loom_arena scratch = {.slots = &one};
+        const loom_shard split = m->layer[p->layer].b[p->block].kind->slots[p->slot].shard;
+        in->on_slot(in->u, loom_slot_add(m, &scratch, p->name, p->shape[0],
+                                         p->ndim == 2 ? p->shape[1] : 1, p->ndim, split, false, true));
     }
     /* the experts' share: their slots (padded as placed) and buckets */
     size_t X = 0, Xshard = 0;

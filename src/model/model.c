@@ -25,9 +25,9 @@ static bool holds_layer(const loom_model *m, int64_t l) {
 
 /* Adds a slot to arena a (its slots array has room) for a tensor of full
  * shape rows x cols (1-D: cols 1; vocab: rows padded) with the given
- * tensor-parallel sharding. */
+ * sharding: over tp, or an expert's over etp. */
 loom_slot *loom_slot_add(loom_model *m, loom_arena *a, const char *name, int64_t rows,
-                         int64_t cols, int ndim, loom_shard shard, bool vocab) {
+                         int64_t cols, int ndim, loom_shard shard, bool vocab, bool expert) {
     loom_slot *sl = &a->slots[a->nslots++];
     sl->name = (char *)name;
     sl->ndim = ndim;
@@ -35,16 +35,17 @@ loom_slot *loom_slot_add(loom_model *m, loom_arena *a, const char *name, int64_t
     sl->shape[1] = cols;
     sl->shard = shard;
     sl->decay = ndim >= 2;
+    sl->expert = expert;
     int64_t held = vocab ? m->Vp : rows;
-    int tr = m->mesh->tp_rank;
+    const int parts = expert ? m->etp : m->tp, r = expert ? m->mesh->etp_rank : m->mesh->tp_rank;
     sl->rows = held;
     sl->cols = cols;
     if (shard == LOOM_SHARD_ROWS) {
-        sl->rows = held / m->tp;
-        sl->row0 = tr * sl->rows;
+        sl->rows = held / parts;
+        sl->row0 = r * sl->rows;
     } else if (shard == LOOM_SHARD_COLS) {
-        sl->cols = cols / m->tp;
-        sl->col0 = tr * sl->cols;
+        sl->cols = cols / parts;
+        sl->col0 = r * sl->cols;
     }
     sl->numel = (size_t)(sl->rows * sl->cols);
     return sl;
@@ -52,7 +53,7 @@ loom_slot *loom_slot_add(loom_model *m, loom_arena *a, const char *name, int64_t
 
 static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard shard, bool vocab) {
     return loom_slot_add(m, &m->base, p->name, p->shape[0], p->ndim == 2 ? p->shape[1] : 1,
-                         p->ndim, shard, vocab);
+                         p->ndim, shard, vocab, p->expert >= 0);
 }
 
 /* A layer tensor's slot (its block's input norm, or one of the kind's
@@ -69,20 +70,8 @@ static loom_status layer_slot(loom_model *m, const loom_param_spec *p) {
     const loom_block_slot *ks = p->slot == LOOM_SLOT_NORM ? &none : &k->slots[p->slot];
     int *at = p->slot == LOOM_SLOT_NORM ? &b->norm : &b->w[p->slot];
     if (*at < 0) *at = m->base.nslots; /* an expert's: the first local expert's, the rest follow */
-    loom_slot *sl = add_slot(m, p, ks->shard, false);
-    if (p->expert >= 0) {
-        sl->expert = true;
-        sl->rows = sl->shape[0], sl->cols = sl->shape[1], sl->row0 = sl->col0 = 0;
-        if (ks->shard == LOOM_SHARD_ROWS) {
-            sl->rows = sl->shape[0] / m->etp;
-            sl->row0 = m->mesh->etp_rank * sl->rows;
-        } else if (ks->shard == LOOM_SHARD_COLS) {
-            sl->cols = sl->shape[1] / m->etp;
-            sl->col0 = m->mesh->etp_rank * sl->cols;
-        }
-        sl->numel = (size_t)(sl->rows * sl->cols);
-        return LOOM_OK;
-    }
+    loom_slot *sl = add_slot(m, p, ks->shard, false); /* an expert's: split over etp */
+    if (sl->expert) return LOOM_OK;
     /* replicated weights that see only this rank's heads (q/k norm) or,
      * under SP, only its tokens: their gradients are partial sums */
     sl->tp_partial = m->tp > 1 && sl->shard == LOOM_SHARD_NONE && (ks->headwise || m->sp);

@@ -323,7 +323,7 @@ void loom_adapters_free(loom_model *m);
 
 /* model.c helpers shared with lora.c */
 loom_slot *loom_slot_add(loom_model *m, loom_arena *a, const char *name, int64_t rows,
-                         int64_t cols, int ndim, loom_shard shard, bool vocab);
+                         int64_t cols, int ndim, loom_shard shard, bool vocab, bool expert);
 loom_status loom_slot_read(loom_ctx *ctx, const void *data, loom_dtype dt, const loom_slot *sl,
                            float *dst);
 /* The whole tensor on every rank from the arena's blocks named `name` (see
