@@ -234,3 +234,49 @@ TEST(lora_moe_cuda_matches_cpu) {
     for (int d = 0; d < 2; d++) loom_model_free(m[d]);
     loom_ctx_free(ctx);
 }
+
+/* Refused with the reason: dropout on the experts' LoRA; an adapter file
+ * naming an expert the model does not have; a load-balancing form loom
+ * does not know. */
+TEST(lora_moe_bad_inputs_are_refused) {
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    loom_model *m = moe_model(ctx, 0.01);
+    REQUIRE(m);
+    loom_lora_config c = {.r = 4, .lora_alpha = 8, .lora_dropout = 0.1,
+                          .target_modules = "all-linear", .seed = 7};
+    CHECK(loom_model_add_adapter(m, "d", &c) == LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(ctx), "lora_dropout=0.1 on the experts is not supported");
+    c.target_modules = "q_proj,v_proj"; /* without the experts: dropout is fine */
+    CHECK_OK(ctx, loom_model_add_adapter(m, "d", &c));
+    /* an adapter with an expert index past the model's 8 */
+    char dir[1024], p[1100];
+    snprintf(dir, sizeof dir, "%s/moe-bad-adapter", loom_test_tmpdir());
+    float *scratch = malloc(48 * 1024 * sizeof *scratch);
+    bool made = make_moe_adapter(ctx, dir, scratch);
+    free(scratch);
+    REQUIRE(made);
+    snprintf(p, sizeof p, "%s/adapter_model.safetensors", dir);
+    loom_st_writer *w = NULL;
+    float a[4 * 64] = {0};
+    int64_t sh[2] = {4, 64};
+    REQUIRE_OK(ctx, loom_st_writer_create(ctx, dir, "adapter_model", 0, NULL, &w));
+    const char *bad = "base_model.model.model.layers.0.mlp.experts.99.gate_proj.lora_A.weight";
+    REQUIRE_OK(ctx, loom_st_writer_declare(ctx, w, bad, LOOM_F32, 2, sh));
+    REQUIRE_OK(ctx, loom_st_writer_write(ctx, w, bad, LOOM_F32, a));
+    REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
+    loom_st_writer_free(w);
+    CHECK(loom_model_load_adapter(m, "bad", dir) != LOOM_OK);
+    CHECK_CONTAINS(loom_last_error(ctx), "experts.99.gate_proj.lora_A.weight is not a LoRA weight");
+    loom_model_free(m);
+    /* loom_model_options.moe_aux out of range */
+    char mdir[1024];
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.moe_aux = 7;
+    CHECK(loom_model_create(ctx, mdir, &o, &m) == LOOM_ERR_INVALID_ARG);
+    CHECK_CONTAINS(loom_last_error(ctx), "moe_aux = 7: use LOOM_MOE_AUX_GLOBAL");
+    loom_ctx_free(ctx);
+}
