@@ -17,6 +17,7 @@
 #   LOOM_BENCH_SIDES="loom peer"  which sides to run
 #   LOOM_BENCH_KEEP_MODELS=1 keep the model directories (default: deleted after each case)
 #   LOOM_BENCH_RUN_TIMEOUT=S limit of each run (init, loom, peer; default 300 s)
+#   LOOM_BENCH_LAYERS=N      the preset with N layers (num_hidden_layers; default: the preset's)
 #   LOOM_BENCH_OUT=DIR       copy logs and the summary here (default $OUT when set)
 #   LOOM_BENCH_DEVICE, LOOM_BENCH_DTYPE, LOOM_BENCH_PEER_ARGS, LOOM_BENCH_LOOM_ARGS:
 #                            for CPU smoke tests (cuda, bf16, "", "")
@@ -36,6 +37,10 @@ SIDES=${LOOM_BENCH_SIDES:-loom peer}
 KEEP=${LOOM_BENCH_KEEP_MODELS:-0}
 RUN_TIMEOUT=${LOOM_BENCH_RUN_TIMEOUT:-300}
 OUTDIR=${LOOM_BENCH_OUT:-${OUT:-}}
+LAYERS=${LOOM_BENCH_LAYERS:-}
+[[ -z $LAYERS || $LAYERS =~ ^[1-9][0-9]*$ ]] || { echo "train_bench.sh: LOOM_BENCH_LAYERS=$LAYERS: give a number of layers"; exit 2; }
+INIT_EXTRA=()
+[ -n "$LAYERS" ] && INIT_EXTRA=(--config-override "{\"num_hidden_layers\": $LAYERS}")
 read -r -a PEER_EXTRA <<< "${LOOM_BENCH_PEER_ARGS:-}"
 read -r -a LOOM_EXTRA <<< "${LOOM_BENCH_LOOM_ARGS:-}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -149,13 +154,13 @@ for c in "${CASES[@]}"; do
     LOOM_RC=1
     PEER_RC=1
     NOTE=""
-    if [ -f "$M/.bench-ok" ] && [ "$(cat "$M/.bench-ok")" = "$PRESET seed 1 bfloat16" ]; then
+    if [ -f "$M/.bench-ok" ] && [ "$(cat "$M/.bench-ok")" = "$PRESET seed 1 bfloat16${LAYERS:+ layers $LAYERS}" ]; then
         say "model $M exists (kept from an earlier run)"
     else
         rm -rf "$M"
         say "model: random weights, $(df -h --output=avail "$W" 2> /dev/null | tail -1 | tr -d ' ') free on $W"
-        if run_logged "$D/init.log" "$LOOM" init --preset "$PRESET" --seed 1 --save-dtype bfloat16 --out "$M"; then
-            echo "$PRESET seed 1 bfloat16" > "$M/.bench-ok"
+        if run_logged "$D/init.log" "$LOOM" init --preset "$PRESET" --seed 1 --save-dtype bfloat16 --out "$M" "${INIT_EXTRA[@]}"; then
+            echo "$PRESET seed 1 bfloat16${LAYERS:+ layers $LAYERS}" > "$M/.bench-ok"
         else
             NOTE="loom init failed"
         fi
