@@ -3,7 +3,8 @@
  * fresh random inputs: the GEMMs with LoRA's and the input gradient's
  * paths, RoPE with Qwen3's q/k norm, attention (every query, and context
  * parallelism's subset), the vocabulary-parallel cross-entropy, the
- * mixture-of-experts ops (router, route, the rows' moves, grouped GEMMs) and
+ * mixture-of-experts ops (router, route, the rows' moves, the shared
+ * expert's gate, grouped GEMMs) and
  * the optimizer's passes. In fp32 and, where the GPU has kernels for it, bf16
  * (the inputs rounded to bf16 first, so both sides see the same values).
  * test_backend.c holds the memory, element-wise and RMSNorm families. */
@@ -608,6 +609,53 @@ static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H) {
     same(r, "moe_permute_bwd", dx, N * H, true, tol);
     free(idx), free(cnt), free(order), free(pos);
     free(x), free(yg), free(dy), free(dxg), free(w);
+}
+
+/* The shared expert's gate: g = sigmoid(z), y = g s accumulated and not,
+ * g alone, and the gate's gradient (1 - g) rowdot(da, a); H and I multiples
+ * of 8 take the GPU's 16-byte paths, others not */
+static void moe_gate_family(run *r, int64_t N, int64_t H, int64_t I) {
+    float *z = rnd(r, N, 4, true), *s = rnd(r, N * H, 1, true), *y0 = rnd(r, N * H, 1, true),
+          *da = rnd(r, N * I, 1, true), *a = rnd(r, N * I, 1, true);
+    void *g[2], *g2[2], *y[2], *y2[2], *dz[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        void *Z = in(r, k, z, N, true), *S = in(r, k, s, N * H, true),
+             *DA = in(r, k, da, N * I, true), *A = in(r, k, a, N * I, true);
+        y[k] = in(r, k, y0, N * H, true);
+        y2[k] = keep(r, k, (size_t)(N * H) * d->esz);
+        g[k] = keep(r, k, (size_t)N * 4);
+        g2[k] = keep(r, k, (size_t)N * 4);
+        dz[k] = keep(r, k, (size_t)N * d->esz);
+        REQUIRE_OK(r->ctx, be->moe_gate_fwd(d, r->ctx, Z, S, N, H, true, g[k], y[k]));
+        REQUIRE_OK(r->ctx, be->moe_gate_fwd(d, r->ctx, NULL, S, N, H, false, g[k], y2[k]));
+        REQUIRE_OK(r->ctx, be->moe_gate_fwd(d, r->ctx, Z, NULL, N, H, false, g2[k], NULL));
+        REQUIRE_OK(r->ctx, be->moe_gate_bwd(d, r->ctx, DA, A, g[k], N, I, dz[k]));
+    }
+    const double tol = tol_of(r);
+    same(r, "moe_gate_fwd g", g, N, false, 1e-6);
+    same(r, "moe_gate_fwd g alone", g2, N, false, 1e-6);
+    same(r, "moe_gate_fwd y += g s", y, N * H, true, tol);
+    same(r, "moe_gate_fwd y = g s", y2, N * H, true, tol);
+    same(r, "moe_gate_bwd dz", dz, N, true, r->t == LOOM_F32 ? 1e-4 : 1e-2);
+    free(z), free(s), free(y0), free(da), free(a);
+}
+
+TEST(backend_moe_gate_ops_equal_cpu) {
+    static const struct {
+        int64_t N, H, I;
+    } cases[] = {{37, 72, 48}, {37, 70, 30}, {300, 136, 200}, {1, 6, 3}};
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int i = 0; i < 2; i++)
+        for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+            run r;
+            if (!run_begin(&r, dts[i]))
+                SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the "
+                     "CPU's");
+            moe_gate_family(&r, cases[c].N, cases[c].H, cases[c].I);
+            run_end(&r);
+        }
 }
 
 /* The experts' three grouped GEMMs over G groups of cnt[g] rows (zeros

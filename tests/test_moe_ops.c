@@ -1,8 +1,9 @@
 /* The mixture-of-experts CPU reference ops (src/backend/cpu/cpu_moe.h,
  * issue 37's first step): the load-balancing loss against transformers'
  * value on the tiny-qwen3-moe fixture's router logits, the router's
- * backward and the loss's gradient against finite differences, and the
- * grouping of tokens by expert and back against a per-token loop. */
+ * backward and the loss's gradient against finite differences, the
+ * grouping of tokens by expert and back against a per-token loop, and the
+ * shared expert's gate against its definition and finite differences. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -165,4 +166,52 @@ TEST(moe_route_permute_combine_match_a_token_loop) {
             worst = fmax(worst, fabs(dw[n * K + j] - want));
         }
     CHECK_MSG(worst < 1e-5, "grouped compute differs from the token loop by %.3g", worst);
+}
+
+/* The shared expert's gate: g = sigmoid(z) and y += g s against the
+ * definition, and its backward against central differences of L = sum
+ * c . y through a down projection s = a D^T (D fixed): dz from the
+ * projection's input gradient da = (g c) D must be dL/dz. */
+TEST(moe_gate_matches_definition_and_differences) {
+    enum { N = 5, H = 6, I = 4 };
+    float z[N], a[N * I], D[H * I], c[N * H], y0[N * H];
+    for (int i = 0; i < N; i++) z[i] = frnd(11, i, 3.0f);
+    for (int i = 0; i < N * I; i++) a[i] = frnd(12, i, 1.0f);
+    for (int i = 0; i < H * I; i++) D[i] = frnd(13, i, 1.0f);
+    for (int i = 0; i < N * H; i++) c[i] = frnd(14, i, 1.0f), y0[i] = frnd(15, i, 1.0f);
+    float s[N * H], g[N], y[N * H], da[N * I], dz[N], g2[N], y2[N * H];
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h++) {
+            double v = 0.0;
+            for (int i = 0; i < I; i++) v += (double)a[n * I + i] * D[h * I + i];
+            s[n * H + h] = (float)v;
+        }
+    memcpy(y, y0, sizeof y);
+    loom_cpu_moe_gate_fwd(z, s, N, H, true, g, y);
+    for (int n = 0; n < N; n++) {
+        const double gw = 1.0 / (1.0 + exp(-(double)z[n]));
+        CHECK_NEAR(g[n], gw, 1e-6);
+        for (int h = 0; h < H; h++) CHECK_NEAR(y[n * H + h], y0[n * H + h] + gw * s[n * H + h], 1e-5);
+    }
+    loom_cpu_moe_gate_fwd(z, NULL, N, H, false, g2, NULL); /* g alone */
+    CHECK(!memcmp(g, g2, sizeof g));
+    loom_cpu_moe_gate_fwd(NULL, s, N, H, false, g, y2); /* g given, not accumulated */
+    for (int i = 0; i < N * H; i++) CHECK_NEAR(y2[i], g[i / H] * s[i], 1e-7);
+    /* da = (g c) D, then dz */
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < I; i++) {
+            double v = 0.0;
+            for (int h = 0; h < H; h++) v += (double)g[n] * c[n * H + h] * D[h * I + i];
+            da[n * I + i] = (float)v;
+        }
+    loom_cpu_moe_gate_bwd(da, a, g, N, I, dz);
+    for (int n = 0; n < N; n++) {
+        double f[2];
+        for (int sg = 0; sg < 2; sg++) {
+            const double zz = z[n] + (sg ? -1e-4 : 1e-4), gg = 1.0 / (1.0 + exp(-zz));
+            f[sg] = 0.0;
+            for (int h = 0; h < H; h++) f[sg] += c[n * H + h] * gg * s[n * H + h];
+        }
+        CHECK_NEAR(dz[n], (f[0] - f[1]) / 2e-4, 1e-4);
+    }
 }

@@ -268,6 +268,12 @@ typedef struct loom_backend {
                                    int64_t H, void *dyg, float *dw);
     loom_status (*moe_permute_bwd)(loom_dev *d, loom_ctx *ctx, const void *dxg,
                                    const int32_t *pos, int64_t N, int k, int64_t H, void *dx);
+    /* the shared expert's gate: g (N, fp32) = sigmoid(z) (z NULL: given), y =
+     * g s (+ y when acc; s NULL: g only); dz (N) = (1 - g) rowdot(da, a) */
+    loom_status (*moe_gate_fwd)(loom_dev *d, loom_ctx *ctx, const void *z, const void *s,
+                                int64_t N, int64_t H, bool acc, float *g, void *y);
+    loom_status (*moe_gate_bwd)(loom_dev *d, loom_ctx *ctx, const void *da, const void *a,
+                                const float *g, int64_t N, int64_t I, void *dz);
     /* G GEMMs C_g = alpha op(A_g) op(B_g) + beta C_g of one call's dtypes,
      * transposes and leading dimensions, each its own M, N, K (host array;
      * groups with M or N 0 are skipped, K 0 scales C_g by beta); one launch

@@ -390,6 +390,16 @@ loom_status loom_k_moe_permute_bwd(loom_model *m, const void *dxg, const int32_t
     return m->dev.be->moe_permute_bwd(&m->dev, m->ctx, dxg, pos, N, k, H, dx);
 }
 
+loom_status loom_k_moe_gate_fwd(loom_model *m, const void *z, const void *s, int64_t N, int64_t H,
+                                bool acc, float *g, void *y) {
+    return m->dev.be->moe_gate_fwd(&m->dev, m->ctx, z, s, N, H, acc, g, y);
+}
+
+loom_status loom_k_moe_gate_bwd(loom_model *m, const void *da, const void *a, const float *g,
+                                int64_t N, int64_t I, void *dz) {
+    return m->dev.be->moe_gate_bwd(&m->dev, m->ctx, da, a, g, N, I, dz);
+}
+
 loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const loom_gemm_group *g,
                                 float alpha, int64_t lda, int64_t ldb, float beta, bool c_f32,
                                 int64_t ldc) {

@@ -243,6 +243,13 @@ loom_status loom_k_moe_combine_bwd(loom_model *m, const void *dy, const void *yg
                                    int64_t H, void *dyg, float *dw);
 loom_status loom_k_moe_permute_bwd(loom_model *m, const void *dxg, const int32_t *pos, int64_t N,
                                    int k, int64_t H, void *dx);
+/* The shared expert's gate (backend.h's moe_gate_*): g (N, fp32) = sigmoid(z)
+ * (z NULL: g given), y (N, H) = g s (+ y when acc; s NULL: g only); dz (N) =
+ * (1 - g) rowdot(da, a) over a's I columns */
+loom_status loom_k_moe_gate_fwd(loom_model *m, const void *z, const void *s, int64_t N, int64_t H,
+                                bool acc, float *g, void *y);
+loom_status loom_k_moe_gate_bwd(loom_model *m, const void *da, const void *a, const float *g,
+                                int64_t N, int64_t I, void *dz);
 /* G GEMMs of the compute dtype (backend.h's gemm_grouped); c_f32: C fp32
  * (accumulated weight gradients) */
 loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const loom_gemm_group *g,

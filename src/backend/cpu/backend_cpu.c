@@ -397,6 +397,20 @@ static loom_status cpu_moe_permute_bwd(loom_dev *d, loom_ctx *ctx, const void *d
     return LOOM_OK;
 }
 
+static loom_status cpu_moe_gate_fwd(loom_dev *d, loom_ctx *ctx, const void *z, const void *s,
+                                    int64_t N, int64_t H, bool acc, float *g, void *y) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_gate_fwd(CF(z), CF(s), N, H, acc, g, F(y));
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_gate_bwd(loom_dev *d, loom_ctx *ctx, const void *da, const void *a,
+                                    const float *g, int64_t N, int64_t I, void *dz) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_gate_bwd(CF(da), CF(a), g, N, I, F(dz));
+    return LOOM_OK;
+}
+
 static loom_status cpu_gemm_grouped(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int G,
                                     const loom_gemm_group *g, float alpha, int64_t lda,
                                     int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
@@ -476,6 +490,8 @@ const loom_backend *loom_backend_cpu(void) {
         .moe_combine = cpu_moe_combine,
         .moe_combine_bwd = cpu_moe_combine_bwd,
         .moe_permute_bwd = cpu_moe_permute_bwd,
+        .moe_gate_fwd = cpu_moe_gate_fwd,
+        .moe_gate_bwd = cpu_moe_gate_bwd,
         .gemm_grouped = cpu_gemm_grouped,
         .adamw = cpu_adamw,
         .sumsq = cpu_sumsq,

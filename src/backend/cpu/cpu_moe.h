@@ -56,4 +56,18 @@ void loom_cpu_moe_combine_bwd(const float *dy, const float *yg, const int32_t *o
 void loom_cpu_moe_permute_bwd(const float *dxg, const int32_t *pos, int64_t N, int k, int64_t H,
                               float *dx);
 
+/* The shared expert's gate (Qwen2-MoE: its output scaled by sigmoid of a
+ * 1-wide projection of the input). Forward: g (N) = sigmoid(z) (z NULL: g
+ * given), and with s (N, H) not NULL y = g[n] s[n] (+ y when acc), one fp32
+ * product a row: the shared output into the block's, and in the backward
+ * the scaled output gradient. */
+void loom_cpu_moe_gate_fwd(const float *z, const float *s, int64_t N, int64_t H, bool acc,
+                           float *g, float *y);
+/* Its backward through g: dz (N) = (1 - g[n]) dot(da[n], a[n]) (in double),
+ * a (N, I) the shared expert's down projection's input and da its gradient
+ * from the gated output's (g dy): since that output s is linear in a,
+ * dot(da, a) = g dot(dy, s), so dz = g (1 - g) dot(dy, s) without s. */
+void loom_cpu_moe_gate_bwd(const float *da, const float *a, const float *g, int64_t N, int64_t I,
+                           float *dz);
+
 #endif /* LOOM_CPU_MOE_H */

@@ -146,3 +146,27 @@ void loom_cpu_moe_permute_bwd(const float *dxg, const int32_t *pos, int64_t N, i
         }
     }
 }
+
+/* ---- the shared expert's gate ---- */
+
+void loom_cpu_moe_gate_fwd(const float *z, const float *s, int64_t N, int64_t H, bool acc,
+                           float *g, float *y) {
+#pragma omp parallel for schedule(static) if (N * H > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        if (z) g[n] = 1.0f / (1.0f + expf(-z[n]));
+        if (!s) continue;
+        const float *sr = s + n * H, w = g[n];
+        float *yr = y + n * H;
+        for (int64_t h = 0; h < H; h++) yr[h] = acc ? yr[h] + w * sr[h] : w * sr[h];
+    }
+}
+
+void loom_cpu_moe_gate_bwd(const float *da, const float *a, const float *g, int64_t N, int64_t I,
+                           float *dz) {
+#pragma omp parallel for schedule(static) if (N * I > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        double dot = 0.0;
+        for (int64_t i = 0; i < I; i++) dot += (double)da[n * I + i] * a[n * I + i];
+        dz[n] = (float)((1.0 - (double)g[n]) * dot);
+    }
+}

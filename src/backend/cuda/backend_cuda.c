@@ -531,6 +531,16 @@ static loom_status cuda_moe_permute_bwd(loom_dev *d, loom_ctx *ctx, const void *
     return loom_cuda_moe_permute_bwd(ctx, dxg, pos, N, k, H, dx, d->adt, d->stream);
 }
 
+static loom_status cuda_moe_gate_fwd(loom_dev *d, loom_ctx *ctx, const void *z, const void *s,
+                                     int64_t N, int64_t H, bool acc, float *g, void *y) {
+    return loom_cuda_moe_gate_fwd(ctx, z, s, N, H, acc, g, y, d->adt, d->stream);
+}
+
+static loom_status cuda_moe_gate_bwd(loom_dev *d, loom_ctx *ctx, const void *da, const void *a,
+                                     const float *g, int64_t N, int64_t I, void *dz) {
+    return loom_cuda_moe_gate_bwd(ctx, da, a, g, N, I, dz, d->adt, d->stream);
+}
+
 /* one cuBLAS grouped call where it takes the dtypes, one cuBLASLt GEMM a
  * group else (loom_cuda_gemm_grouped) */
 static loom_status cuda_gemm_grouped(loom_dev *d, loom_ctx *ctx, bool ta, bool tb, int G,
@@ -701,6 +711,8 @@ const loom_backend *loom_backend_cuda(void) {
         .moe_combine = cuda_moe_combine,
         .moe_combine_bwd = cuda_moe_combine_bwd,
         .moe_permute_bwd = cuda_moe_permute_bwd,
+        .moe_gate_fwd = cuda_moe_gate_fwd,
+        .moe_gate_bwd = cuda_moe_gate_bwd,
         .gemm_grouped = cuda_gemm_grouped,
         .adamw = cuda_adamw,
         .sumsq = cuda_sumsq,

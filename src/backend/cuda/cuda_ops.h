@@ -427,6 +427,15 @@ loom_status loom_cuda_moe_combine_bwd(loom_ctx *ctx, const void *dy, const void 
                                       void *stream);
 loom_status loom_cuda_moe_permute_bwd(loom_ctx *ctx, const void *dxg, const int32_t *pos, int64_t N,
                                       int k, int64_t H, void *dx, loom_dtype dtype, void *stream);
+/* The shared expert's gate (ops_moe_gate.cu; cpu_moe.h's semantics), one
+ * warp a row: g (fp32) = sigmoid(z) as 1 / (1 + exp(-z)) with IEEE division
+ * (z NULL: g given), y = g s (+ y when acc; s NULL: g only) without fused
+ * multiply-adds; dz = (1 - g) dot(da, a), the dot in fp32. */
+loom_status loom_cuda_moe_gate_fwd(loom_ctx *ctx, const void *z, const void *s, int64_t N,
+                                   int64_t H, bool acc, float *g, void *y, loom_dtype dtype,
+                                   void *stream);
+loom_status loom_cuda_moe_gate_bwd(loom_ctx *ctx, const void *da, const void *a, const float *g,
+                                   int64_t N, int64_t I, void *dz, loom_dtype dtype, void *stream);
 
 /* ---- optimizer (ops_optim.cu): fp32 flat buffers ----
  * AdamW: loom_adamw_step's formula with the same fp32 operations in the same
