@@ -90,22 +90,53 @@ void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *blo
              block, module, ab);
 }
 
-bool loom_peft_weight_parse(const char *name, int64_t *layer, int64_t *expert, char module[32],
-                            char *ab) {
-    long long l = -1, e = -1;
-    int n = 0;
+/* n characters of [a-z_] (dots too, not at the ends: a block's path) */
+static bool name_chars(const char *p, size_t n, bool dots) {
+    if (!n) return false;
+    for (size_t i = 0; i < n; i++)
+        if (!((p[i] >= 'a' && p[i] <= 'z') || p[i] == '_' || (dots && p[i] == '.')))
+            return false;
+    return p[0] != '.' && p[n - 1] != '.';
+}
+
+bool loom_peft_weight_parse(const char *name, int64_t *layer, int64_t *expert, char block[64],
+                            char module[32], char *ab) {
+    static const char pre[] = "base_model.model.model.layers.", suf[] = ".weight";
     *expert = -1;
-    if (sscanf(name, "base_model.model.model.layers.%lld.mlp.experts.%lld.%31[a-z_].lora_%c.weight%n",
-               &l, &e, module, ab, &n) == 4 && !name[n] && l >= 0 && e >= 0 &&
-        (*ab == 'A' || *ab == 'B')) {
-        *layer = l;
-        *expert = e;
-        return true;
-    }
-    n = 0;
-    if (sscanf(name, "base_model.model.model.layers.%lld.%*[a-z_].%31[a-z_].lora_%c.weight%n", &l,
-               module, ab, &n) != 3 || name[n] || l < 0 || (*ab != 'A' && *ab != 'B'))
+    if (strncmp(name, pre, sizeof pre - 1)) return false;
+    const char *p = name + sizeof pre - 1, *q = p;
+    long long l = 0;
+    while (*q >= '0' && *q <= '9' && q - p < 9) l = l * 10 + (*q++ - '0');
+    if (q == p || *q != '.' || (q - p > 1 && *p == '0')) return false;
+    /* "<block>.<module>.lora_<A|B>.weight" */
+    const char *rest = q + 1, *end = rest + strlen(rest);
+    const size_t tail = strlen(".lora_A") + sizeof suf - 1;
+    if ((size_t)(end - rest) <= tail) return false;
+    const char *mend = end - tail, *dot = mend; /* mend: ".lora_<A|B>.weight" */
+    if (strncmp(mend, ".lora_", 6) || (mend[6] != 'A' && mend[6] != 'B') || strcmp(mend + 7, suf))
         return false;
+    *ab = mend[6];
+    while (dot > rest && dot[-1] != '.') dot--;
+    if (dot == rest || (size_t)(mend - dot) >= 32 || !name_chars(dot, (size_t)(mend - dot), false))
+        return false;
+    size_t bl = (size_t)(dot - 1 - rest);
+    /* an expert's: mlp.experts.<e> */
+    static const char ex[] = "mlp.experts.";
+    if (bl > sizeof ex - 1 && !strncmp(rest, ex, sizeof ex - 1)) {
+        const char *e = rest + sizeof ex - 1;
+        long long v = 0;
+        int nd = 0;
+        for (; e < dot - 1 && *e >= '0' && *e <= '9' && nd < 9; e++, nd++) v = v * 10 + (*e - '0');
+        if (e != dot - 1 || (nd > 1 && rest[sizeof ex - 1] == '0')) return false;
+        *expert = v;
+        bl = sizeof ex - 2;
+    } else if (bl >= 64 || !name_chars(rest, bl, true)) {
+        return false;
+    }
+    memcpy(block, rest, bl);
+    block[bl] = 0;
+    memcpy(module, dot, (size_t)(mend - dot));
+    module[mend - dot] = 0;
     *layer = l;
     return true;
 }
@@ -308,7 +339,8 @@ loom_status loom_peft_dir_tensor(loom_ctx *ctx, const loom_peft_dir *d, size_t i
     const loom_st_tensor *x = loom_st_at(d->st, i);
     memset(t, 0, sizeof *t);
     t->name = x->name;
-    t->lora = loom_peft_weight_parse(x->name, &t->layer, &t->expert, t->module, &t->ab);
+    t->lora =
+        loom_peft_weight_parse(x->name, &t->layer, &t->expert, t->block, t->module, &t->ab);
     t->ndim = x->ndim;
     t->shape[0] = x->ndim > 0 ? x->shape[0] : 0;
     t->shape[1] = x->ndim > 1 ? x->shape[1] : 0;

@@ -66,12 +66,13 @@ loom_status loom_peft_dir_write(loom_ctx *ctx, const char *dir, bool writer,
 
 /* PEFT's name of a decoder layer's LoRA weight: "base_model.model.model.
  * layers.<layer>.<block>.<module>.lora_<A|B>.weight" (block: self_attn, mlp,
- * or an expert's mlp.experts.<e>). parse gives layer, the expert (-1: not
- * an expert's), module and 'A'/'B'; false for any other name. */
+ * mlp.shared_expert, or an expert's mlp.experts.<e>). parse gives layer, the
+ * expert (-1: not an expert's), the block (an expert's: mlp.experts), module
+ * and 'A'/'B'; false for any other name. */
 void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *block,
                            const char *module, char ab);
-bool loom_peft_weight_parse(const char *name, int64_t *layer, int64_t *expert, char module[32],
-                            char *ab);
+bool loom_peft_weight_parse(const char *name, int64_t *layer, int64_t *expert, char block[64],
+                            char module[32], char *ab);
 
 /* ---- reading ---- */
 
@@ -97,7 +98,7 @@ const char *loom_peft_dir_config_path(const loom_peft_dir *d); /* for messages *
 size_t loom_peft_dir_count(const loom_peft_dir *d);
 
 /* Tensor i of the adapter file; `lora` false when its name is not a decoder
- * layer's LoRA weight (loom_peft_weight_parse), else layer, module and ab
+ * layer's LoRA weight (loom_peft_weight_parse), else layer, block, module and ab
  * set. A tensor of another dtype than F32, BF16, F16 or F64 is refused
  * here, naming it. */
 typedef struct loom_peft_tensor {
@@ -105,6 +106,7 @@ typedef struct loom_peft_tensor {
     bool lora;
     int64_t layer;
     int64_t expert;        /* an expert's module (mlp.experts.<e>.<module>), else -1 */
+    char block[64];        /* the module's path in the layer: self_attn, mlp.shared_expert */
     char module[32];
     char ab;               /* 'A' or 'B' */
     int ndim;

@@ -66,8 +66,14 @@ loom_status loom_layers_build(loom_ctx *ctx, const loom_model_config *c,
             x->out = p->shape[0];
             x->in = p->shape[1];
             x->row_par = k->slots[p->slot].shard == LOOM_SHARD_COLS;
+            x->rep = k->slots[p->slot].shard == LOOM_SHARD_NONE;
         }
     }
+    /* a linear whose weight the kind did not declare for the layer is absent:
+     * no LoRA target */
+    for (int64_t l = 0; l < c->num_layers; l++)
+        for (int n = 0; n < layers[l].nlin; n++)
+            if (!layers[l].lin[n].out) layers[l].lin[n].target = -1;
     return LOOM_OK;
 }
 

@@ -98,8 +98,10 @@ typedef struct loom_layer_lin {
     int b, k;          /* its block and the kind's linear number */
     int target;        /* its LoRA target (loom_lora_target_name) */
     int group, gn;     /* its group: the layer's number of the first, and their count */
-    int64_t in, out;   /* full features */
+    int64_t in, out;   /* full features; 0: the config gives the layer no such linear
+                        * (a MoE layer without a shared expert; target -1) */
     bool row_par;      /* row-parallel (input split over tp), else column-parallel */
+    bool rep;          /* replicated, neither split (the shared expert's gate) */
 } loom_layer_lin;
 
 typedef struct loom_layer {

@@ -10,7 +10,9 @@
  * and since B is linear, sum_r u_r B^T = (sum_r u_r) B^T, the same as
  * reducing u first. The replicated halves (A of column-parallel, B of
  * row-parallel) get partial gradients on each tp rank, summed before the
- * step (tp_partial). Names are PEFT's: base_model.model.<hub name of the
+ * step (tp_partial). A replicated base (the shared expert's gate: every tp
+ * rank computes its whole output, and gets a partial sum of its output's
+ * gradient) gets both replicated, both partial. Names are PEFT's: base_model.model.<hub name of the
  * module>.lora_A.weight (adapter_model.safetensors has no adapter name). */
 #include <math.h>
 #include <stdlib.h>
@@ -54,15 +56,16 @@ static int64_t layer_targets(const loom_model *m, const loom_adapter *a, int64_t
     return n;
 }
 
-/* Layer l's linear named `mod` that adapter a covers, an expert's when
- * expert >= 0 (then one this model has), -1 when none. */
+/* Layer l's linear `mod` of PEFT's module path `block` that adapter a
+ * covers, an expert's when expert >= 0 (then one this model has), -1 when
+ * none. */
 static int linear_named(const loom_model *m, const loom_adapter *a, int64_t l, int64_t expert,
-                        const char *mod) {
+                        const char *block, const char *mod) {
     if (expert >= m->cfg.num_experts) return -1;
     for (int j = 0; j < m->layer[l].nlin; j++) {
         const loom_block_linear *k;
         if (targeted(a, lin_of(m, l, j, &k)) && k->experts == (expert >= 0) &&
-            !strcmp(k->name, mod))
+            !strcmp(k->path, block) && !strcmp(k->name, mod))
             return j;
     }
     return -1;
@@ -165,7 +168,9 @@ static loom_status model_targets(loom_model *m, const bool want[LOOM_LORA_NMOD],
 
 /* A and B of layer l's linear j (lin_of) in the adapter's arena: A (r, in)
  * column-split for a row-parallel base, B (out, r) row-split for a
- * column-parallel one. */
+ * column-parallel one; both replicated for a replicated base (the shared
+ * expert's gate, whose output gradient is a partial sum over tp: so are
+ * theirs). */
 static loom_status add_ab(loom_model *m, loom_adapter *a, int64_t l, int j, int64_t e, int ab) {
     const loom_layer_lin *x = &m->layer[l].lin[j];
     char buf[256];
@@ -173,7 +178,7 @@ static loom_status add_ab(loom_model *m, loom_adapter *a, int64_t l, int j, int6
     const int s = a->ar.nslots;
     if (!(a->names[s] = loom_strdup(m->ctx, buf))) return LOOM_ERR_OOM;
     loom_shard sh = ab == 0 ? (x->row_par ? LOOM_SHARD_COLS : LOOM_SHARD_NONE)
-                            : (x->row_par ? LOOM_SHARD_NONE : LOOM_SHARD_ROWS);
+                            : (x->row_par || x->rep ? LOOM_SHARD_NONE : LOOM_SHARD_ROWS);
     /* an expert's: split over etp like its base, its buckets over edp */
     loom_slot *sl = loom_slot_add(m, &a->ar, a->names[s], ab ? x->out : a->r, ab ? a->r : x->in,
                                   2, sh, false, e >= 0);
@@ -368,7 +373,8 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
         if ((s = loom_peft_dir_tensor(ctx, pd, i, &t))) break;
         /* the expected global shape, from the name */
         const int j =
-            t.lora && t.layer < m->L ? linear_named(m, a, t.layer, t.expert, t.module) : -1;
+            t.lora && t.layer < m->L ? linear_named(m, a, t.layer, t.expert, t.block, t.module)
+                                     : -1;
         if (j < 0) {
             s = loom_errf(ctx, LOOM_ERR_FORMAT,
                           "%s: tensor %s is not a LoRA weight of the modules adapter_config.json "

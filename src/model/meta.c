@@ -297,7 +297,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
                 const bool ex = m->layer[l].b[x->b].kind->lin[x->k].experts;
                 const int64_t split = ex ? m->etp : m->tp, copies = ex ? El : 1;
                 int64_t a_in = x->row_par ? x->in / split : x->in;
-                int64_t b_out = x->row_par ? x->out : x->out / split;
+                int64_t b_out = x->row_par || x->rep ? x->out : x->out / split;
                 ap += (size_t)(copies * ((int64_t)in->lora_r * a_in + b_out * in->lora_r));
             }
         size_t grp = (size_t)(m->dp * m->cp);

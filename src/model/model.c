@@ -86,7 +86,7 @@ static loom_status layers_check(const loom_model *m) {
         for (int j = 0; L->held && j < L->nb; j++) ok = ok && L->b[j].norm >= 0;
         for (int n = 0; L->held && n < L->nlin; n++) {
             const loom_block *b = &L->b[L->lin[n].b];
-            ok = ok && b->w[b->kind->lin[L->lin[n].k].w] >= 0;
+            ok = ok && (!L->lin[n].out || b->w[b->kind->lin[L->lin[n].k].w] >= 0); /* or absent */
         }
         if (!ok)
             return loom_errf(m->ctx, LOOM_ERR_INTERNAL,
