@@ -102,6 +102,9 @@ static void print_text(const char *src, const loom_model_config *c, const loom_p
                "%s; %" PRId64 " MoE layers",
                c->num_experts, c->num_experts_per_tok, c->moe_intermediate_size,
                c->norm_topk_prob ? ", top-k renormalised" : "", moe_layers);
+        if (c->shared_expert_intermediate_size > 0)
+            printf(" (and a gated shared expert, width %" PRId64 ")",
+                   c->shared_expert_intermediate_size);
         if (moe_layers < c->num_layers)
             printf(", %" PRId64 " dense (width %" PRId64 ")", c->num_layers - moe_layers,
                    c->intermediate_size);

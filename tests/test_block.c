@@ -7,14 +7,16 @@
 #include "../src/model/model.h"
 #include "harness.h"
 
-/* The LoRA targets are the kinds' linears by name, in kind order, each once. */
+/* The LoRA targets are the kinds' linears by name, in kind order, each once
+ * (the moe kind's experts and shared expert reuse the MLP's names; its
+ * shared expert's gate is the last). */
 TEST(block_lora_targets_from_kinds) {
-    static const char *want[] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                 "gate_proj", "up_proj", "down_proj"};
+    static const char *want[] = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
+                                 "gate_proj", "up_proj", "down_proj", "shared_expert_gate"};
     const int n = loom_lora_ntargets();
-    CHECK_EQ_INT(n, 7);
+    CHECK_EQ_INT(n, 8);
     REQUIRE(n <= LOOM_LORA_NMOD);
-    for (int t = 0; t < n && t < 7; t++) {
+    for (int t = 0; t < n && t < 8; t++) {
         CHECK_STR(loom_lora_target_name(t), want[t]);
         CHECK_EQ_INT(loom_lora_target_find(want[t], strlen(want[t])), t);
     }
@@ -41,7 +43,8 @@ TEST(block_lora_targets_from_kinds) {
     for (int t = 0; t < LOOM_LORA_NMOD; t++) CHECK(tg[t] == (t == 2 || t == 6));
     CHECK(loom_lora_parse_targets(ctx, "q_proj,lm_head", tg) == LOOM_ERR_CONFIG);
     CHECK_CONTAINS(loom_last_error(ctx), "use all-linear or a list of q_proj, k_proj, v_proj, "
-                                         "o_proj, gate_proj, up_proj, down_proj");
+                                         "o_proj, gate_proj, up_proj, down_proj, "
+                                         "shared_expert_gate");
     loom_ctx_free(ctx);
 }
 

@@ -118,6 +118,62 @@ TEST(config_classic_layout) {
     loom_param_plan_free(&plan);
     loom_config_free(&c);
 
+    /* qwen2_moe: Qwen1.5-MoE-A2.7B's config.json (14.3B parameters: a shared
+     * expert and its gate in every layer, q/k/v biases, no q/k norm) */
+    REQUIRE_OK(ctx, parse_text(ctx,
+                               "{\"architectures\": [\"Qwen2MoeForCausalLM\"], "
+                               "\"model_type\": \"qwen2_moe\", \"hidden_act\": \"silu\", "
+                               "\"hidden_size\": 2048, \"intermediate_size\": 5632, "
+                               "\"max_position_embeddings\": 8192, \"max_window_layers\": 21, "
+                               "\"num_attention_heads\": 16, \"num_hidden_layers\": 24, "
+                               "\"num_key_value_heads\": 16, \"rms_norm_eps\": 1e-06, "
+                               "\"rope_theta\": 1000000.0, \"sliding_window\": 32768, "
+                               "\"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\", "
+                               "\"use_sliding_window\": false, \"vocab_size\": 151936, "
+                               "\"decoder_sparse_step\": 1, \"moe_intermediate_size\": 1408, "
+                               "\"shared_expert_intermediate_size\": 5632, "
+                               "\"num_experts_per_tok\": 4, \"num_experts\": 60, "
+                               "\"norm_topk_prob\": false, \"router_aux_loss_coef\": 0.001}",
+                               &c));
+    CHECK(c.arch == LOOM_ARCH_QWEN2_MOE && !c.v5_layout);
+    CHECK(c.qkv_bias && !c.o_bias && !c.qk_norm && !c.norm_topk_prob);
+    CHECK_EQ_INT(c.shared_expert_intermediate_size, 5632);
+    CHECK(loom_config_layer_is_moe(&c, 0) && loom_config_layer_is_moe(&c, 23));
+    REQUIRE_OK(ctx, loom_param_plan_build(ctx, &c, &plan));
+    {
+        const int64_t H = 2048, L = 24;
+        CHECK_EQ_INT(loom_param_plan_count(&plan, counts), 14315784192LL);
+        CHECK_EQ_INT(counts[LOOM_COMP_MLP], L * 3 * H * 5632); /* the shared experts */
+        CHECK_EQ_INT(counts[LOOM_COMP_ROUTER], L * (60 + 1) * H); /* routers and gates */
+        CHECK_EQ_INT(counts[LOOM_COMP_EXPERTS], L * 60 * 3 * H * 1408);
+        const char *names[] = {"model.layers.5.mlp.shared_expert.gate_proj.weight",
+                               "model.layers.5.mlp.shared_expert.up_proj.weight",
+                               "model.layers.5.mlp.shared_expert.down_proj.weight",
+                               "model.layers.5.mlp.shared_expert_gate.weight"};
+        const int64_t shapes[4][2] = {{5632, H}, {5632, H}, {H, 5632}, {1, H}};
+        int seen = 0;
+        for (size_t i = 0; i < plan.n; i++)
+            for (int k = 0; k < 4; k++)
+                if (!strcmp(plan.p[i].name, names[k])) {
+                    seen++;
+                    CHECK(plan.p[i].shape[0] == shapes[k][0] && plan.p[i].shape[1] == shapes[k][1]);
+                    CHECK(plan.p[i].expert == -1); /* not an expert's: split over tp */
+                }
+        CHECK_EQ_INT(seen, 4);
+    }
+    loom_param_plan_free(&plan);
+    loom_config_free(&c);
+    /* qkv_bias false, and transformers' shared width when the key is absent */
+    REQUIRE_OK(ctx, parse_text(ctx,
+                               "{\"model_type\": \"qwen2_moe\", \"vocab_size\": 100, "
+                               "\"hidden_size\": 32, \"num_hidden_layers\": 1, "
+                               "\"num_attention_heads\": 2, \"num_experts\": 4, "
+                               "\"num_experts_per_tok\": 2, \"moe_intermediate_size\": 8, "
+                               "\"qkv_bias\": false}",
+                               &c));
+    CHECK(!c.qkv_bias && c.shared_expert_intermediate_size == 5632);
+    loom_config_free(&c);
+
     /* v5 rope_parameters with linear scaling */
     REQUIRE_OK(ctx, parse_text(ctx,
                                "{\"model_type\": \"qwen2\", \"vocab_size\": 100, "
@@ -188,6 +244,21 @@ TEST(config_bad_input) {
          "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
          "\"use_sliding_window\": true}",
          "use_sliding_window=true is not supported", LOOM_ERR_UNSUPPORTED},
+        {"{\"model_type\": \"qwen2_moe\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_experts\": 4, "
+         "\"num_experts_per_tok\": 2, \"moe_intermediate_size\": 4, "
+         "\"use_sliding_window\": true}",
+         "use_sliding_window=true is not supported", LOOM_ERR_UNSUPPORTED},
+        {"{\"model_type\": \"qwen2_moe\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_experts\": 4, "
+         "\"num_experts_per_tok\": 2, \"moe_intermediate_size\": 4, "
+         "\"shared_expert_intermediate_size\": 0}",
+         "'shared_expert_intermediate_size' must be a positive integer", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen2_moe\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_experts\": 4, "
+         "\"num_experts_per_tok\": 2, \"moe_intermediate_size\": 4, "
+         "\"layer_types\": [\"sliding_attention\"]}",
+         "layer_types[0] is not 'full_attention'", LOOM_ERR_UNSUPPORTED},
         {"[1, 2]", "must be a JSON object", LOOM_ERR_CONFIG},
     };
     loom_ctx *ctx;

@@ -354,6 +354,14 @@ TEST(mesh_check_model) {
     CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
     m = resolved(2, 1, 1, 1, 1); /* tp without ep: the experts split as the dense MLP */
     CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    /* a shared expert (Qwen2-MoE) splits over tp like the dense MLP */
+    cfg.shared_expert_intermediate_size = 45;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_STR(loom_last_error(ctx), "config.json: shared_expert_intermediate_size=45 is not "
+                                    "divisible by tensor-parallel size tp=2; use a tp that "
+                                    "divides it");
+    cfg.shared_expert_intermediate_size = 48;
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
     loom_config_free(&cfg);
     loom_ctx_free(ctx);
 }

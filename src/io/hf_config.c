@@ -1,11 +1,12 @@
-/* config.json of Hugging Face checkpoints: qwen2, qwen3, llama, qwen3_moe. */
+/* config.json of Hugging Face checkpoints: qwen2, qwen3, llama, qwen3_moe, qwen2_moe. */
 #include "hf_config.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-static const char *arch_names[LOOM_ARCH_COUNT] = {"qwen2", "qwen3", "llama", "qwen3_moe"};
+static const char *arch_names[LOOM_ARCH_COUNT] = {"qwen2", "qwen3", "llama", "qwen3_moe",
+                                                   "qwen2_moe"};
 
 const char *loom_arch_name(loom_arch a) {
     return (int)a >= 0 && a < LOOM_ARCH_COUNT ? arch_names[a] : "?";
@@ -148,6 +149,13 @@ static loom_status parse_moe(loom_ctx *ctx, const loom_json *doc, const char *wh
     if ((st = loom_json_get_num_opt(ctx, doc, "router_aux_loss_coef", what,
                                     &cfg->router_aux_loss_coef)))
         return st;
+    /* Qwen2-MoE's shared expert (transformers' default width when absent) */
+    if (cfg->arch == LOOM_ARCH_QWEN2_MOE) {
+        cfg->shared_expert_intermediate_size = 5632;
+        if ((st = get_pos(ctx, doc, "shared_expert_intermediate_size", what, false,
+                          &cfg->shared_expert_intermediate_size)))
+            return st;
+    }
     cfg->mlp_only = loom_calloc(ctx, (size_t)cfg->num_layers, sizeof(bool), "mlp_only_layers");
     if (!cfg->mlp_only) return LOOM_ERR_OOM;
     const loom_json *mol = loom_json_get(doc, "mlp_only_layers");
@@ -183,12 +191,12 @@ loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *w
         if (!strcmp(mt, arch_names[a])) arch = a;
     if (arch < 0)
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                         "%s: model_type '%s' is not supported (loom supports qwen2, qwen3, llama "
-                         "and qwen3_moe)",
+                         "%s: model_type '%s' is not supported (loom supports qwen2, qwen3, llama, "
+                         "qwen3_moe and qwen2_moe)",
                          what, mt);
     cfg->arch = (loom_arch)arch;
     cfg->model_type = arch_names[arch];
-    bool moe = cfg->arch == LOOM_ARCH_QWEN3_MOE;
+    bool moe = cfg->arch == LOOM_ARCH_QWEN3_MOE || cfg->arch == LOOM_ARCH_QWEN2_MOE;
 
     if ((st = get_pos(ctx, doc, "vocab_size", what, true, &cfg->vocab_size)) ||
         (st = get_pos(ctx, doc, "hidden_size", what, true, &cfg->hidden_size)) ||
@@ -252,9 +260,12 @@ loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *w
                                  "full causal attention only)",
                                  what, i);
 
-    cfg->qk_norm = cfg->arch == LOOM_ARCH_QWEN3 || moe;
+    cfg->qk_norm = cfg->arch == LOOM_ARCH_QWEN3 || cfg->arch == LOOM_ARCH_QWEN3_MOE;
     if (cfg->arch == LOOM_ARCH_QWEN2) {
         cfg->qkv_bias = true; /* Qwen2 attention always has q/k/v biases */
+    } else if (cfg->arch == LOOM_ARCH_QWEN2_MOE) {
+        cfg->qkv_bias = true; /* Qwen2-MoE's q/k/v biases unless qkv_bias says none; no o bias */
+        if ((st = loom_json_get_bool_opt(ctx, doc, "qkv_bias", what, &cfg->qkv_bias))) return st;
     } else {
         bool ab = false;
         if ((st = loom_json_get_bool_opt(ctx, doc, "attention_bias", what, &ab))) return st;

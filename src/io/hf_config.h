@@ -1,5 +1,5 @@
 /* Hugging Face config.json for the model families loom trains: qwen2,
- * qwen3, llama, qwen3_moe. Both layouts are read:
+ * qwen3, llama, qwen3_moe, qwen2_moe. Both layouts are read:
  *   classic hub layout:     "rope_theta", "rope_scaling", "num_experts", "torch_dtype"
  *   transformers v5 layout: "rope_parameters": {"rope_theta", "rope_type", ...},
  *                           "num_local_experts", "dtype"
@@ -16,6 +16,7 @@ typedef enum loom_arch {
     LOOM_ARCH_QWEN3,
     LOOM_ARCH_LLAMA,
     LOOM_ARCH_QWEN3_MOE,
+    LOOM_ARCH_QWEN2_MOE,
     LOOM_ARCH_COUNT
 } loom_arch;
 
@@ -42,7 +43,8 @@ typedef struct loom_model_config {
     double rms_norm_eps;
     bool tie_word_embeddings;
     bool qk_norm;                 /* qwen3, qwen3_moe */
-    bool qkv_bias;                /* qwen2 always; llama when attention_bias */
+    bool qkv_bias;                /* qwen2 always; llama when attention_bias; qwen2_moe
+                                   * unless qkv_bias is false */
     bool o_bias;                  /* llama attention_bias */
     bool mlp_bias;                /* llama mlp_bias */
 
@@ -53,7 +55,7 @@ typedef struct loom_model_config {
     double rope_high_freq_factor; /* llama3 */
     int64_t rope_original_max_pos;/* llama3 */
 
-    /* MoE (qwen3_moe) */
+    /* MoE (qwen3_moe, qwen2_moe) */
     int64_t num_experts;          /* 0 for dense models */
     int64_t num_experts_per_tok;
     int64_t moe_intermediate_size;
@@ -61,6 +63,8 @@ typedef struct loom_model_config {
     bool norm_topk_prob;
     double router_aux_loss_coef;
     bool *mlp_only;               /* [num_layers]: layer uses a dense MLP */
+    int64_t shared_expert_intermediate_size; /* qwen2_moe's shared expert (0: none), its
+                                   * output scaled by sigmoid(shared_expert_gate) */
 
     char dtype[16];               /* "bfloat16", "float32", "float16" or "" */
     loom_json *raw;               /* the parsed document (owned) */
@@ -85,7 +89,8 @@ void loom_config_free(loom_model_config *cfg);
 loom_status loom_config_save(loom_ctx *ctx, const loom_model_config *cfg, const char *dir,
                              loom_dtype dtype);
 
-/* True when layer l has experts (qwen3_moe and not in mlp_only_layers). */
+/* True when layer l has experts (qwen3_moe, qwen2_moe: not in mlp_only_layers, and on
+ * decoder_sparse_step). */
 bool loom_config_layer_is_moe(const loom_model_config *cfg, int64_t layer);
 const char *loom_arch_name(loom_arch a);
 const char *loom_rope_type_name(loom_rope_type t);

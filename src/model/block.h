@@ -14,7 +14,8 @@
  * gathered normed input to its partial output, backward from the gathered
  * output gradient to the partial input gradient, and recompute. Kinds:
  * block_attn.c (attention), block_mlp.c (dense SwiGLU MLP), block_moe.c
- * (Qwen3-MoE's router and experts, local or dispatched over ep x etp);
+ * (Qwen3-MoE's router and experts, local or dispatched over ep x etp, and
+ * Qwen2-MoE's gated shared expert);
  * docs/DESIGN.md, "The layer table", walks through adding one. */
 #ifndef LOOM_MODEL_BLOCK_H
 #define LOOM_MODEL_BLOCK_H
@@ -30,8 +31,8 @@ enum {
     LOOM_BLOCK_MAX_SLOTS = 16,   /* tensors of one block */
     LOOM_BLOCK_MAX_LINEARS = 8,  /* linears of one block */
     LOOM_LAYER_MAX_LINEARS = 16, /* linears of one layer */
-    LOOM_BLOCK_MAX_BUFS = 16,    /* activation buffers of one block, per layer */
-    LOOM_BLOCK_MAX_SCRATCH = 12, /* scratch buffers of one kind */
+    LOOM_BLOCK_MAX_BUFS = 20,    /* activation buffers of one block, per layer */
+    LOOM_BLOCK_MAX_SCRATCH = 16, /* scratch buffers of one kind */
     LOOM_MOE_MAX_EXPERTS = 512,  /* experts of a MoE layer */
     LOOM_MOE_EXPERT_SLOTS = 3,   /* an expert's tensors (gate, up, down): expert e's slots
                                   * lie this many after expert e-1's */

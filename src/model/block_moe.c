@@ -1,5 +1,6 @@
 /* The mixture-of-experts block (block.h's kind "moe"): Qwen3-MoE's router
- * and experts in the layers loom_config_layer_is_moe names.
+ * and experts in the layers loom_config_layer_is_moe names, and Qwen2-MoE's
+ * shared expert beside them.
  *
  *   z = h Wr^T                      router logits (Tc, E); Wr replicated
  *   p = softmax(z) (fp32); the top k of each token, w their weights
@@ -13,6 +14,18 @@
  * Under tensor parallelism each expert is split like the dense MLP (gate
  * and up by rows, down by columns: etp = tp), the router's work is the
  * same on every tp rank and `out` is a partial sum the walker reduces.
+ *
+ * The shared expert (shared_expert_intermediate_size > 0; Qwen2-MoE): a
+ * SwiGLU MLP that every token goes through, gated per token,
+ *
+ *   out += sigmoid(h Wsg^T) (silu(h Ws_g^T) * h Ws_u^T) Ws_d^T
+ *
+ * its projections split over tp like the dense MLP (whatever ep and etp
+ * are), Wsg (1, H) replicated; it runs on all Tc rows of h on both paths,
+ * and each tp rank's share is a partial sum that adds into the block's
+ * partial output (on the folded path, over the rows the routed part left
+ * zero too). The gate's gradient, and through it Wsg's and its part of dx,
+ * are partial sums over tp.
  *
  * The load-balancing loss (transformers' load_balancing_loss_func over all
  * the model's MoE layers): aux = E sum_e f_e P_e over the micro-batch's
@@ -32,20 +45,25 @@
 
 /* its tensors: the router, then each expert's gate, up, down (the dense
  * MLP's slot order, loom_mlp_params); this rank's expert e (local number)
- * has its NPER slots after expert e-1's */
-enum { ROUTER, EG, EU, ED, NSLOT, NPER = LOOM_MOE_EXPERT_SLOTS };
-/* its linears: each expert's three projections (LoRA's mlp.experts.<e>.*) */
-enum { LG, LU, LD, NLIN };
+ * has its NPER slots after expert e-1's; then the shared expert's gate, up,
+ * down and its gate's weight (absent without one) */
+enum { ROUTER, EG, EU, ED, SG, SU, SD, SGATE, NSLOT, NPER = LOOM_MOE_EXPERT_SLOTS };
+/* its linears: each expert's three projections (LoRA's mlp.experts.<e>.*),
+ * the shared expert's three and its gate (absent without one) */
+enum { LG, LU, LD, SLG, SLU, SLD, SLGATE, NLIN };
 /* activation buffers per layer: the routing (kept: probabilities, choices,
  * weights, counts per expert, the order and its inverse, the dispatch's
  * count table), the experts' (dropped under selective recomputation; LoRA's
  * x A^T of the three projections among them), and the experts' outputs in
- * the grouped order (kept) */
-enum { PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, NBUF };
+ * the grouped order (kept); the shared expert's g, u, act (dropped) and its
+ * gate's sigmoid (kept, fp32) */
+enum { PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, SHG, SHU, SHACT, SHSIG, NBUF };
 /* scratch: logits and their gradient, probability sums, the choices'
  * weight gradients, three row buffers of the dispatch, the experts'
- * gradients, the regrouping's row orders, LoRA's du */
-enum { Z, PSUM, DW, S1, S2, S3, DG, DU, IX, DLU, NSCRATCH };
+ * gradients, the regrouping's row orders, LoRA's du; the shared expert's
+ * gate logits (and their gradient), its output (and the gated output's
+ * gradient), its dg and du */
+enum { Z, PSUM, DW, S1, S2, S3, DG, DU, IX, DLU, SZ, SY, SDG, SDU, NSCRATCH };
 
 static const loom_block_slot slots[NSLOT] = {
     /* its gradient is a partial sum over tp (the combine weights' part) */
@@ -53,12 +71,22 @@ static const loom_block_slot slots[NSLOT] = {
     [EG] = {"mlp.experts.%lld.gate_proj.weight", LOOM_COMP_EXPERTS, LOOM_SHARD_ROWS},
     [EU] = {"mlp.experts.%lld.up_proj.weight", LOOM_COMP_EXPERTS, LOOM_SHARD_ROWS},
     [ED] = {"mlp.experts.%lld.down_proj.weight", LOOM_COMP_EXPERTS, LOOM_SHARD_COLS},
+    /* the shared expert, split like the dense MLP; its gate replicated, its
+     * gradient a partial sum over tp (the gated output's) */
+    [SG] = {"mlp.shared_expert.gate_proj.weight", LOOM_COMP_MLP, LOOM_SHARD_ROWS},
+    [SU] = {"mlp.shared_expert.up_proj.weight", LOOM_COMP_MLP, LOOM_SHARD_ROWS},
+    [SD] = {"mlp.shared_expert.down_proj.weight", LOOM_COMP_MLP, LOOM_SHARD_COLS},
+    [SGATE] = {"mlp.shared_expert_gate.weight", LOOM_COMP_ROUTER, LOOM_SHARD_NONE, true},
 };
 
 static const loom_block_linear linears[NLIN] = {
     [LG] = {"mlp.experts", "gate_proj", EG, LG, true},
     [LU] = {"mlp.experts", "up_proj", EU, LG, true},
     [LD] = {"mlp.experts", "down_proj", ED, LD, true},
+    [SLG] = {"mlp.shared_expert", "gate_proj", SG, SLG},
+    [SLU] = {"mlp.shared_expert", "up_proj", SU, SLG},
+    [SLD] = {"mlp.shared_expert", "down_proj", SD, SLD},
+    [SLGATE] = {"mlp", "shared_expert_gate", SGATE, SLGATE},
 };
 
 static loom_status moe_params(const loom_model_config *c, int64_t l, loom_param_sink *s) {
@@ -70,6 +98,10 @@ static loom_status moe_params(const loom_model_config *c, int64_t l, loom_param_
     loom_param_put(s, ROUTER, c->num_experts, c->hidden_size);
     for (int64_t e = 0; e < c->num_experts; e++)
         loom_mlp_params(c, s, EG, e, c->moe_intermediate_size);
+    if (c->shared_expert_intermediate_size > 0) { /* the hub's order: after the experts */
+        loom_mlp_params(c, s, SG, -1, c->shared_expert_intermediate_size);
+        loom_param_put(s, SGATE, 1, c->hidden_size);
+    }
     return LOOM_OK;
 }
 
@@ -109,6 +141,11 @@ static geo geometry(const loom_model *m, int64_t Tc) {
     return g;
 }
 
+/* The shared expert's width on this rank (0: none). */
+static int64_t shared_width(const loom_model *m) {
+    return m->cfg.shared_expert_intermediate_size / m->tp;
+}
+
 static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out) {
     (void)T, (void)Tn;
     const geo g = geometry(m, Tc);
@@ -123,6 +160,10 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(g.Rmax * g.Ie) * esz, true};
     out[LST] = (loom_block_buf){(size_t)(3 * g.Rmax * m->lora_r) * esz, true};
     out[YS] = (loom_block_buf){(size_t)(g.R * g.H) * esz, false};
+    /* the shared expert's g, u and act (dropped), its gate's values (kept) */
+    const int64_t Is = shared_width(m);
+    out[SHG] = out[SHU] = out[SHACT] = (loom_block_buf){(size_t)(Tc * Is) * esz, true};
+    out[SHSIG] = (loom_block_buf){Is ? (size_t)Tc * sizeof(float) : 0, false};
     return NBUF;
 }
 
@@ -137,6 +178,10 @@ static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes
     bytes[DG] = bytes[DU] = (size_t)(g.Rmax * g.Ie) * esz;
     bytes[IX] = g.local ? 0 : (size_t)(2 * g.Rmax) * sizeof(int32_t);
     bytes[DLU] = (size_t)(g.Rmax * m->lora_r) * esz;
+    const int64_t Is = shared_width(m);
+    bytes[SZ] = Is ? (size_t)Tc * esz : 0;
+    bytes[SY] = Is ? (size_t)(Tc * g.H) * esz : 0;
+    bytes[SDG] = bytes[SDU] = (size_t)(Tc * Is) * esz;
     return NSCRATCH;
 }
 
@@ -416,6 +461,75 @@ static loom_status undispatch(const loom_blk *b, const geo *q, const hs *h, void
     return loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt);
 }
 
+/* ---- the shared expert: all Tc rows of h, this rank's tp share ---- */
+
+/* g, u, act */
+static loom_status shared_front(const loom_blk *b, const void *h) {
+    loom_model *m = b->m;
+    void *const *a = b->act;
+    const int64_t H = m->H, Is = shared_width(m), Tc = m->Tc;
+    CK(loom_blk_lin(b, SLG, h, Tc, H, loom_wc(m, b->w[SG]), Is, a[SHG]));
+    CK(loom_blk_lin(b, SLU, h, Tc, H, loom_wc(m, b->w[SU]), Is, a[SHU]));
+    return loom_k_swiglu_fwd(m, a[SHG], a[SHU], Tc * Is, a[SHACT]);
+}
+
+/* out += sigmoid(h Wsg^T) (act Wd^T), the gate's values kept; out NULL
+ * (recomputed in full): the gate's values and the LoRA stashes only */
+static loom_status shared_fwd(const loom_blk *b, const void *h, void *out) {
+    loom_model *m = b->m;
+    if (!shared_width(m)) return LOOM_OK;
+    void *const *a = b->act, *const *s = b->scratch;
+    const int64_t H = m->H, Is = shared_width(m), Tc = m->Tc;
+    CK(shared_front(b, h));
+    CK(loom_blk_lin(b, SLGATE, h, Tc, H, loom_wc(m, b->w[SGATE]), 1, s[SZ]));
+    if (!out) {
+        CK(loom_blk_lora_fwd(b, SLD, a[SHACT], Tc, s[SY]));
+        return loom_k_moe_gate_fwd(m, s[SZ], NULL, Tc, H, false, a[SHSIG], NULL);
+    }
+    CK(loom_blk_lin(b, SLD, a[SHACT], Tc, Is, loom_wc(m, b->w[SD]), H, s[SY]));
+    return loom_k_moe_gate_fwd(m, s[SZ], s[SY], Tc, H, true, a[SHSIG], out);
+}
+
+/* After the routed part's backward (dx holds its input gradient): ds = g dy,
+ * the dense MLP's backward on ds, and the gate's dz = (1 - g) rowdot(dact,
+ * act) = g (1 - g) dot(dy, act Wd^T) before the SwiGLU's backward overwrites
+ * dact; dx += dg Wg + du Wu + dz Wsg (and LoRA's terms) */
+static loom_status shared_bwd(const loom_blk *b, const void *h, const void *dy, void *dx) {
+    loom_model *m = b->m;
+    if (!shared_width(m)) return LOOM_OK;
+    const int *w = b->w;
+    void *const *a = b->act, *const *s = b->scratch;
+    const int64_t H = m->H, Is = shared_width(m), Tc = m->Tc;
+    void *ds = s[SY], *dg = s[SDG], *du = s[SDU], *dz = s[SZ];
+    CK(loom_k_moe_gate_fwd(m, NULL, dy, Tc, H, false, a[SHSIG], ds));
+    /* down: dact = ds Wd (+ LoRA's term, deferred into the one sum) */
+    bool acc = false;
+    loom_dx_term t[4];
+    int nt = 0;
+    CK(loom_blk_lora_bwd(b, SLD, a[SHACT], Tc, ds, dg, &acc, t, &nt));
+    t[nt++] = loom_dx_base(ds, H, loom_wc(m, w[SD]));
+    CK(loom_k_lin_dx_sum(m, Tc, Is, nt, t, acc ? 1.0f : 0.0f, dg));
+    CK(loom_k_lin_dw(m, ds, a[SHACT], Tc, H, Is, 1.0f, loom_g(m, w[SD])));
+    CK(loom_k_moe_gate_bwd(m, dg, a[SHACT], a[SHSIG], Tc, Is, dz));
+    CK(loom_k_swiglu_bwd(m, dg, a[SHG], a[SHU], Tc * Is, dg, du));
+    /* the gate's LoRA first (its du would overwrite gate and up's deferred
+     * term), then theirs, up's term deferred into the sum */
+    acc = true;
+    nt = 0;
+    CK(loom_blk_lora_bwd(b, SLGATE, h, Tc, dz, dx, &acc, NULL, NULL));
+    CK(loom_blk_lora_bwd(b, SLG, h, Tc, dg, dx, &acc, NULL, NULL));
+    CK(loom_blk_lora_bwd(b, SLU, h, Tc, du, dx, &acc, t, &nt));
+    if (dx) {
+        t[nt++] = loom_dx_base(dg, Is, loom_wc(m, w[SG]));
+        t[nt++] = loom_dx_base(du, Is, loom_wc(m, w[SU]));
+        t[nt++] = loom_dx_base(dz, 1, loom_wc(m, w[SGATE]));
+        CK(loom_k_lin_dx_sum(m, Tc, H, nt, t, 1.0f, dx));
+    }
+    CK(loom_k_lin_dw(m, dg, h, Tc, Is, H, 1.0f, loom_g(m, w[SG])));
+    CK(loom_k_lin_dw(m, du, h, Tc, Is, H, 1.0f, loom_g(m, w[SU])));
+    return loom_k_lin_dw(m, dz, h, Tc, 1, H, 1.0f, loom_g(m, w[SGATE]));
+}
+
 /* ---- forward, recomputation, backward ---- */
 
 /* The experts' rows xe from the routing (and, not local, the table): the
@@ -481,14 +595,15 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     CK(experts_gemm(b, &q, hh.ce, ED, true, a[ACT], q.Ie, q.H, q.Ie, 0.0f, ye, q.H));
     CK(lora_fwd(b, &q, hh.ce, LD, a[ACT], q.Ie, ye, q.H));
     if (!q.local) CK(undispatch(b, &q, &hh, ye, a[YS], b->scratch[S2], rows));
-    if (!out) return LOOM_OK;
+    if (!out) return shared_fwd(b, h, NULL);
     if (!q.local) CK(loom_k_zero(m, out, (size_t)(m->Tc * q.H) * esz));
-    return loom_k_moe_combine(m, a[YS], a[POS], a[WT], q.n, q.k, q.H,
-                              (char *)out + (size_t)(q.o0 * q.H) * esz);
+    CK(loom_k_moe_combine(m, a[YS], a[POS], a[WT], q.n, q.k, q.H,
+                          (char *)out + (size_t)(q.o0 * q.H) * esz));
+    return shared_fwd(b, h, out);
 }
 
 /* selective recomputation: the experts' rows and buffers from h and the
- * kept routing */
+ * kept routing, and the shared expert's */
 static loom_status moe_recompute(const loom_blk *b, const void *h) {
     const geo q = geometry(b->m, b->m->Tc);
     const hs hh = host_of(b);
@@ -496,7 +611,8 @@ static loom_status moe_recompute(const loom_blk *b, const void *h) {
     CK(tables_host(b, &q, &hh));
     CK(gather_rows(b, &q, &hh, h, &rows));
     CK(experts_front(b, &q, hh.ce, rows));
-    return lora_fwd(b, &q, hh.ce, LD, b->act[ACT], q.Ie, NULL, q.H); /* the down's stash */
+    CK(lora_fwd(b, &q, hh.ce, LD, b->act[ACT], q.Ie, NULL, q.H)); /* the down's stash */
+    return shared_width(b->m) ? shared_front(b, h) : LOOM_OK;
 }
 
 static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, void *dx) {
@@ -554,7 +670,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     if (dx)
         CK(loom_k_lin_dx(m, s[Z], q.n, q.E, loom_wc(m, b->w[ROUTER]), q.H, 1.0f, 1.0f,
                          (char *)dx + so));
-    return LOOM_OK;
+    return shared_bwd(b, h, dy, dx);
 }
 
 const loom_block_kind loom_block_moe = {

@@ -177,6 +177,17 @@ static const struct {
      "\"num_attention_heads\": 4, \"num_hidden_layers\": 4, \"num_key_value_heads\": 2, "
      "\"rope_theta\": 1000000.0, \"tie_word_embeddings\": false, \"torch_dtype\": \"float32\", "
      "\"vocab_size\": 1024}"},
+    {"tiny-qwen2-moe",
+     "{\"architectures\": [\"Qwen2MoeForCausalLM\"], \"model_type\": \"qwen2_moe\", "
+     "\"hidden_act\": \"silu\", \"initializer_range\": 0.02, \"rms_norm_eps\": 1e-06, "
+     "\"hidden_size\": 64, \"intermediate_size\": 96, \"moe_intermediate_size\": 32, "
+     "\"shared_expert_intermediate_size\": 48, \"num_experts\": 8, "
+     "\"num_experts_per_tok\": 2, \"norm_topk_prob\": false, \"decoder_sparse_step\": 1, "
+     "\"mlp_only_layers\": [2], \"router_aux_loss_coef\": 0.01, \"qkv_bias\": true, "
+     "\"max_position_embeddings\": 512, \"num_attention_heads\": 4, "
+     "\"num_hidden_layers\": 4, \"num_key_value_heads\": 2, \"rope_theta\": 1000000.0, "
+     "\"sliding_window\": null, \"use_sliding_window\": false, "
+     "\"tie_word_embeddings\": false, \"torch_dtype\": \"float32\", \"vocab_size\": 1024}"},
     {"qwen3-0.6b",
      "{\"architectures\": [\"Qwen3ForCausalLM\"], \"model_type\": \"qwen3\", " QWEN3_COMMON
      "\"bos_token_id\": 151643, \"eos_token_id\": 151645, \"head_dim\": 128, "

@@ -149,6 +149,11 @@ loom_status loom_mesh_check_model(loom_ctx *ctx, const loom_mesh_sizes *m,
                          (long long)cfg->moe_intermediate_size, etp,
                          m->etp == 0 ? " (etp defaults to tp)" : "",
                          (long long)cfg->moe_intermediate_size);
+    if (cfg->shared_expert_intermediate_size % tp) /* split like the dense MLP */
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "config.json: shared_expert_intermediate_size=%lld is not divisible by "
+                         "tensor-parallel size tp=%d; use a tp that divides it",
+                         (long long)cfg->shared_expert_intermediate_size, tp);
     loom_status st = check_fold(ctx, m);
     if (st) return st;
     /* Unless the experts split exactly as tp (ep 1, etp tp: the dense

@@ -95,6 +95,7 @@ loom_status loom_mesh_sizes_resolve(loom_ctx *ctx, const loom_mesh_sizes *in, in
  * compute: heads, kv heads and intermediate size divisible by tp; layers by
  * pp*vpp; a dense model refuses ep > 1 and an etp other than 1 or tp; a MoE
  * model needs num_experts divisible by ep, moe_intermediate_size by etp,
+ * a shared expert's width (shared_expert_intermediate_size) by tp,
  * tp*cp*dp by etp*ep, and sequence parallelism when tp > 1 and the experts
  * are not split as tp (ep > 1 or etp != tp; Megatron's MoE layer wants it
  * whenever tp > 1); seq_len by 2*cp (and by tp under sequence parallel, per cp chunk);

@@ -171,7 +171,10 @@ double loom_flops_per_token(const loom_model_config *c, int64_t seq_len, bool lo
         double mlp;
         if (loom_config_layer_is_moe(c, l)) /* the router and the top-k experts a token visits */
             mlp = H * (double)c->num_experts +
-                  (double)c->num_experts_per_tok * 3 * H * (double)c->moe_intermediate_size;
+                  (double)c->num_experts_per_tok * 3 * H * (double)c->moe_intermediate_size +
+                  (c->shared_expert_intermediate_size /* and the shared expert, its gate */
+                       ? 3 * H * (double)c->shared_expert_intermediate_size + H
+                       : 0);
         else
             mlp = 3 * H * (double)c->intermediate_size + (c->mlp_bias ? 2 * (double)c->intermediate_size + H : 0);
         n += attn + mlp + 2 * H; /* two RMSNorms */
