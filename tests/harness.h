@@ -142,6 +142,9 @@ bool loom_test_have_gpu(void);
 
 /* Paths: the repository root (where the tests run) and tests/fixtures. */
 const char *loom_test_fixtures(void); /* $LOOM_FIXTURES, else tests/fixtures */
+/* The set holding a fixture model: <fixtures>_moe (tools/make_fixtures_moe.py's
+ * MoE variants: tiny-qwen2-moe) or loom_test_fixtures(). */
+const char *loom_test_fixtures_of(const char *model);
 /* A fresh empty temporary directory for this test (removed at exit). */
 const char *loom_test_tmpdir(void);
 /* Writes bytes to tmpdir/name and returns the full path (static buffer per call

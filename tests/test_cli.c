@@ -29,7 +29,7 @@ static int loom(char **out, ...) {
 #define LOOM4(o, a, b, c, d) loom(o, a, b, c, d, NULL)
 
 static void fixture_dir(char *buf, size_t n, const char *model) {
-    snprintf(buf, n, "%s/models/%s", loom_test_fixtures(), model);
+    snprintf(buf, n, "%s/models/%s", loom_test_fixtures_of(model), model);
 }
 
 TEST(cli_help_and_version) {
@@ -58,7 +58,10 @@ TEST(cli_inspect_fixtures) {
                   {"tiny-qwen3-untied", 47},
                   {"tiny-qwen2", 51},
                   {"tiny-llama", 39},
-                  {"tiny-qwen3-moe", 4 * (1 + 4 + 2 + 1 + 1 + 8 * 3) + 3}};
+                  {"tiny-qwen3-moe", 4 * (1 + 4 + 2 + 1 + 1 + 8 * 3) + 3},
+                  /* 3 MoE layers with q/k/v biases and a shared expert and its gate,
+                   * and a dense one */
+                  {"tiny-qwen2-moe", 3 * (1 + 7 + 1 + 1 + 8 * 3 + 4) + (1 + 7 + 1 + 3) + 3}};
     loom_ctx *ctx;
     REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {

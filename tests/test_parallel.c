@@ -233,8 +233,8 @@ static void check_layout_fx(const char *model, const char *fixture, const char *
                             const char *one, int np, const char *layout, bool fixture_final,
                             bool same_batch) {
     char mdir[1024], fix[1024], *log = NULL;
-    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
-    snprintf(fix, sizeof fix, "%s/golden/%s.safetensors", loom_test_fixtures(), fixture);
+    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures_of(model), model);
+    snprintf(fix, sizeof fix, "%s/golden/%s.safetensors", loom_test_fixtures_of(fixture), fixture);
     const char *out = path_in_tmp("layout.safetensors");
     int rc = golden(np, mdir, batch, out, layout, &log);
     CHECK_MSG(rc == 0, "%s %s: exit %d\n%s", model, layout, rc, log ? log : "");
@@ -274,7 +274,7 @@ static void check_layout_fx(const char *model, const char *fixture, const char *
         double losses[5];
         const loom_st_tensor *t = loom_st_find(got, "adamw_losses");
         char jp[1024];
-        snprintf(jp, sizeof jp, "%s/golden/%s.json", loom_test_fixtures(), fixture);
+        snprintf(jp, sizeof jp, "%s/golden/%s.json", loom_test_fixtures_of(fixture), fixture);
         loom_json *meta = NULL;
         if (t && !loom_st_read(ctx, t, LOOM_F64, losses, 5) &&
             !loom_json_parse_file(ctx, jp, &meta)) {
@@ -306,7 +306,7 @@ static bool make_batches(const char *model, char *b2, char *b8) {
     loom_ctx *ctx;
     loom_ctx_create(&ctx);
     char fix[1024];
-    snprintf(fix, sizeof fix, "%s/golden/%s.safetensors", loom_test_fixtures(), model);
+    snprintf(fix, sizeof fix, "%s/golden/%s.safetensors", loom_test_fixtures_of(model), model);
     snprintf(b2, 1024, "%s", fix);
     snprintf(b8, 1024, "%s", path_in_tmp("batch8.safetensors"));
     loom_safetensors *st = NULL;
@@ -366,24 +366,22 @@ static void check_model(const char *model) {
 
 TEST(parallel_layouts_qwen3) { check_model("tiny-qwen3"); }
 
+typedef struct moe_layout {
+    int np;
+    const char *layout;
+    bool big;
+    int ref_micro;
+} moe_layout;
+
+static void check_moe_layouts(const char *model, const moe_layout *layouts, size_t nl);
+
 /* Qwen3-MoE (experts split over tp like the dense MLP): without the
  * load-balancing loss against HF's trajectory, and with it (coefficient
  * 0.5, so it moves the weights) against one process cut into the same
  * micro-batches (ref_micro of them), since the loss is per micro-batch and
  * its sums travel through the pipeline's stages. */
 TEST(parallel_layouts_qwen3_moe) {
-    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    loom_test_mpi_env();
-    const char *model = "tiny-qwen3-moe";
-    char b2[1024], b8[1024], mdir[1024], *log = NULL, lay[512];
-    if (!make_batches(model, b2, b8)) return;
-    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
-    static const struct {
-        int np;
-        const char *layout;
-        bool big;
-        int ref_micro;
-    } layouts[] = {
+    static const moe_layout layouts[] = {
         {2, "--tp 2", false, 1},
         {2, "--tp 2 --sequence-parallel", false, 1},
         {2, "--cp 2", false, 1},
@@ -402,6 +400,30 @@ TEST(parallel_layouts_qwen3_moe) {
         {4, "--ep 4", true, 4},
         {8, "--ep 2 --etp 2 --tp 2 --cp 2 --sequence-parallel", true, 2},
     };
+    check_moe_layouts("tiny-qwen3-moe", layouts, sizeof layouts / sizeof layouts[0]);
+}
+
+/* Qwen2-MoE (tests/fixtures_moe): its shared expert split over tp on the
+ * local path and beside the folded one's dispatch, its gate's gradient
+ * summed over tp */
+TEST(parallel_layouts_qwen2_moe) {
+    static const moe_layout layouts[] = {
+        {2, "--tp 2", false, 1},
+        {2, "--tp 2 --sequence-parallel", false, 1},
+        {2, "--pp 2", false, 1},
+        {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", false, 1},
+        {4, "--ep 2 --etp 2 --tp 2 --sequence-parallel", false, 2},
+        {4, "--ep 2 --pp 2", false, 2},
+    };
+    check_moe_layouts("tiny-qwen2-moe", layouts, sizeof layouts / sizeof layouts[0]);
+}
+
+static void check_moe_layouts(const char *model, const moe_layout *layouts, size_t nl) {
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
+    char b2[1024], b8[1024], mdir[1024], *log = NULL, lay[512];
+    if (!make_batches(model, b2, b8)) return;
+    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures_of(model), model);
     /* aux 2: Megatron's per-layer form (its sums per layer through the
      * pipeline and over tp x cp), on a few layouts */
     for (int aux = 0; aux < 3; aux++) {
@@ -409,7 +431,7 @@ TEST(parallel_layouts_qwen3_moe) {
                                       "{\"router_aux_loss_coef\":0.5}"
                          : aux == 1 ? "--config-override {\"router_aux_loss_coef\":0.5}"
                                     : "--config-override {\"router_aux_loss_coef\":0}";
-        for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+        for (size_t i = 0; i < nl; i++) {
             if (aux == 2 && !strstr(" --cp 2| --pp 2 --vpp 2 --num-micro-batches 2| --ep 2 --tp 2 "
                                     "--etp 1 --sequence-parallel| --ep 2 --pp 2|",
                                     layouts[i].layout))
@@ -427,15 +449,38 @@ TEST(parallel_layouts_qwen3_moe) {
     }
 }
 
+static void check_lora_moe_layouts(const char *model, const moe_layout *layouts, size_t nl);
+
 /* LoRA on the experts (and attention) of Qwen3-MoE, the adapter made by a
  * few steps of training, under the expert folds against one process. */
 TEST(parallel_lora_moe_layouts) {
+    static const moe_layout layouts[] = {
+        {2, "--ep 2", false, 2},
+        {2, "--tp 2 --sequence-parallel", false, 1},
+        {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", false, 1},
+        {4, "--ep 2 --etp 2 --tp 2 --sequence-parallel", false, 2},
+        {4, "--ep 2 --pp 2", false, 2},
+    };
+    check_lora_moe_layouts("tiny-qwen3-moe", layouts, sizeof layouts / sizeof layouts[0]);
+}
+
+/* The same on Qwen2-MoE: LoRA on its shared expert too, and on the shared
+ * expert's gate, replicated over tp (A and B gradients summed over it). */
+TEST(parallel_lora_qwen2_moe_layouts) {
+    static const moe_layout layouts[] = {
+        {2, "--tp 2 --sequence-parallel", false, 1},
+        {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", false, 1},
+        {4, "--ep 2 --etp 2 --tp 2 --sequence-parallel", false, 2},
+    };
+    check_lora_moe_layouts("tiny-qwen2-moe", layouts, sizeof layouts / sizeof layouts[0]);
+}
+
+static void check_lora_moe_layouts(const char *model, const moe_layout *layouts, size_t nl) {
     if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
     loom_test_mpi_env();
-    const char *model = "tiny-qwen3-moe";
     char b2[1024], b8[1024], mdir[1024], adir[1024], *log = NULL, lay[1600];
     if (!make_batches(model, b2, b8)) return;
-    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures(), model);
+    snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures_of(model), model);
     snprintf(adir, sizeof adir, "%s/moe-lora", loom_test_tmpdir());
     /* the adapter: 3 steps of training through the library */
     loom_ctx *ctx;
@@ -463,18 +508,7 @@ TEST(parallel_lora_moe_layouts) {
     loom_st_close(st);
     loom_ctx_free(ctx);
     if (!ok) return;
-    static const struct {
-        int np;
-        const char *layout;
-        int ref_micro;
-    } layouts[] = {
-        {2, "--ep 2", 2},
-        {2, "--tp 2 --sequence-parallel", 1},
-        {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", 1},
-        {4, "--ep 2 --etp 2 --tp 2 --sequence-parallel", 2},
-        {4, "--ep 2 --pp 2", 2},
-    };
-    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+    for (size_t i = 0; i < nl; i++) {
         const char *one = path_in_tmp("one-lora-moe.safetensors");
         snprintf(lay, sizeof lay, "--adapter %s --weight-decay 0.01 --num-micro-batches %d", adir,
                  layouts[i].ref_micro);
@@ -818,13 +852,17 @@ TEST(parallel_recompute_same_results) {
     snprintf(lora, sizeof lora, "--adapter %s", adir);
     const bool mpi = loom_test_have_mpirun();
     if (mpi) loom_test_mpi_env();
-    char moe[1024], moe_batch[1024];
-    snprintf(moe, sizeof moe, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
-    snprintf(moe_batch, sizeof moe_batch, "%s/golden/tiny-qwen3-moe.safetensors",
-             loom_test_fixtures());
+    char moe[3][1024], moe_batch[3][1024]; /* [1] tiny-qwen3-moe, [2] tiny-qwen2-moe */
+    for (int k = 1; k < 3; k++) {
+        const char *name = k == 1 ? "tiny-qwen3-moe" : "tiny-qwen2-moe";
+        snprintf(moe[k], sizeof moe[k], "%s/models/%s", loom_test_fixtures_of(name), name);
+        snprintf(moe_batch[k], sizeof moe_batch[k], "%s/golden/%s.safetensors",
+                 loom_test_fixtures_of(name), name);
+    }
     static const struct {
         int np;
-        bool lora, moe;
+        bool lora;
+        int moe;
         const char *layout;
     } cases[] = {
         {0, false, false, ""},
@@ -832,8 +870,10 @@ TEST(parallel_recompute_same_results) {
         {8, false, false, "--tp 2 --pp 2 --dp 2"},
         {8, true, false, "--tp 2 --cp 2 --pp 2 --sequence-parallel"},
         {2, false, false, "--pp 2 --vpp 2 --num-micro-batches 2"},
-        {0, false, true, "--config-override {\"router_aux_loss_coef\":0.5}"},
-        {4, false, true, "--tp 2 --pp 2 --sequence-parallel"},
+        {0, false, 1, "--config-override {\"router_aux_loss_coef\":0.5}"},
+        {4, false, 1, "--tp 2 --pp 2 --sequence-parallel"},
+        {0, false, 2, "--config-override {\"router_aux_loss_coef\":0.5}"},
+        {4, false, 2, "--ep 2 --etp 2 --tp 2 --sequence-parallel"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         if (cases[i].np && !mpi) continue; /* parallel_layouts_* report the skip */
@@ -845,9 +885,10 @@ TEST(parallel_recompute_same_results) {
             snprintf(lay, sizeof lay, "%s %s --recompute %s", cases[i].lora ? lora : "",
                      cases[i].layout, mode[r]);
             const char *out = path_in_tmp(r ? "recompute.safetensors" : "recompute-ref.safetensors");
-            int rc = golden(cases[i].np, cases[i].moe ? moe : mdir,
-                            cases[i].moe ? moe_batch : cases[i].lora ? lora_batch : full_batch, out,
-                            lay, &log);
+            const int k = cases[i].moe;
+            int rc = golden(cases[i].np, k ? moe[k] : mdir,
+                            k ? moe_batch[k] : cases[i].lora ? lora_batch : full_batch, out, lay,
+                            &log);
             CHECK_MSG(rc == 0, "%s: exit %d\n%s", lay, rc, log ? log : "");
             free(log);
             if (rc) break;

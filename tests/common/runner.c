@@ -43,6 +43,13 @@ const char *loom_test_fixtures(void) {
     return "tests/fixtures";
 }
 
+const char *loom_test_fixtures_of(const char *model) {
+    static char moe[1024];
+    if (!model || strcmp(model, "tiny-qwen2-moe")) return loom_test_fixtures();
+    snprintf(moe, sizeof moe, "%s_moe", loom_test_fixtures());
+    return moe;
+}
+
 void loom_test_summary(int passed, int failed, int skipped) {
     if (skipped)
         printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
