@@ -12,6 +12,7 @@
 
 #include "../include/loom.h"
 #include "../src/core/json.h"
+#include "../src/io/export.h"
 #include "../src/io/safetensors.h"
 #include "../src/model/model.h"
 #include "../src/model/params.h"
@@ -396,4 +397,45 @@ TEST(moe_shared_expert_memory_predicted) {
     CHECK_EQ_INT(seen, 3);
     loom_meta_free(mt);
     loom_ctx_free(ctx);
+}
+
+/* PEFT's names parsed into layer, expert, the module's path and name:
+ * paths of two parts (the shared expert's), an expert's, and names that
+ * are not a layer's LoRA weight. */
+TEST(moe_shared_expert_peft_names_parse) {
+    static const struct {
+        const char *name;
+        bool ok;
+        int64_t layer, expert;
+        const char *block, *module;
+        char ab;
+    } cases[] = {
+        {"base_model.model.model.layers.3.mlp.shared_expert.down_proj.lora_A.weight", true, 3, -1,
+         "mlp.shared_expert", "down_proj", 'A'},
+        {"base_model.model.model.layers.0.mlp.shared_expert_gate.lora_B.weight", true, 0, -1, "mlp",
+         "shared_expert_gate", 'B'},
+        {"base_model.model.model.layers.12.mlp.experts.7.up_proj.lora_A.weight", true, 12, 7,
+         "mlp.experts", "up_proj", 'A'},
+        {"base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight", true, 1, -1,
+         "self_attn", "q_proj", 'B'},
+        {"base_model.model.model.layers.1.q_proj.lora_A.weight", false, 0, 0, "", "", 0},
+        {"base_model.model.model.layers.1.mlp.gate_proj.lora_C.weight", false, 0, 0, "", "", 0},
+        {"base_model.model.model.layers.1.mlp.gate_proj.lora_A.bias", false, 0, 0, "", "", 0},
+        {"base_model.model.model.layers.01.mlp.gate_proj.lora_A.weight", false, 0, 0, "", "", 0},
+        {"base_model.model.model.layers.1.mlp..gate_proj.lora_A.weight", false, 0, 0, "", "", 0},
+        {"base_model.model.model.layers.1.mlp.experts.x.up_proj.lora_A.weight", false, 0, 0, "", "",
+         0},
+        {"base_model.model.model.layers.1.MLP.up_proj.lora_A.weight", false, 0, 0, "", "", 0},
+        {"base_model.model.lm_head.lora_A.weight", false, 0, 0, "", "", 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        int64_t l = -7, e = -7;
+        char block[64] = "", module[32] = "", ab = 0;
+        const bool ok = loom_peft_weight_parse(cases[i].name, &l, &e, block, module, &ab);
+        CHECK_MSG(ok == cases[i].ok, "%s: parsed %d", cases[i].name, ok);
+        if (!ok || !cases[i].ok) continue;
+        CHECK(l == cases[i].layer && e == cases[i].expert && ab == cases[i].ab);
+        CHECK_STR(block, cases[i].block);
+        CHECK_STR(module, cases[i].module);
+    }
 }
