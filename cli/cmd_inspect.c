@@ -272,6 +272,10 @@ static void print_experts(const loom_model_config *c, const loom_mesh_sizes *n,
            "%" PRId64 " of %" PRId64 " (etp=%d); the router replicated\n",
            c->num_experts / n->ep, c->num_experts, n->ep, c->moe_intermediate_size / n->etp,
            c->moe_intermediate_size, n->etp);
+    if (c->shared_expert_intermediate_size > 0)
+        printf("  the shared expert: width %" PRId64 " of %" PRId64 " per rank (tp=%d, as the "
+               "dense MLP), its gate replicated\n",
+               c->shared_expert_intermediate_size / n->tp, c->shared_expert_intermediate_size, n->tp);
     printf("  experts' share: weights %s, gradients %s, optimizer %s (sharded over edp=%d); "
            "MoE activations %s (sized for dropless routing's worst case)\n",
            loom_fmt_bytes(w, r->expert_weights), loom_fmt_bytes(g, r->expert_grads),

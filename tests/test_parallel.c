@@ -410,6 +410,7 @@ TEST(parallel_layouts_qwen2_moe) {
     static const moe_layout layouts[] = {
         {2, "--tp 2", false, 1},
         {2, "--tp 2 --sequence-parallel", false, 1},
+        {2, "--cp 2", false, 1},
         {2, "--pp 2", false, 1},
         {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", false, 1},
         {4, "--ep 2 --etp 2 --tp 2 --sequence-parallel", false, 2},
