@@ -439,3 +439,72 @@ TEST(moe_shared_expert_peft_names_parse) {
         CHECK_STR(module, cases[i].module);
     }
 }
+
+/* On a GPU (fp32) against the CPU: the loss and every gradient, of the
+ * model and of an all-linear adapter (the shared expert's and its gate's
+ * LoRA among them), recomputing the MLP part on the GPU. */
+TEST(moe_shared_expert_cuda_matches_cpu) {
+    if (!loom_test_have_gpu()) SKIP("no GPU visible (or loom built without CUDA)");
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char dir[1024], adir[1024];
+    int32_t ids[N], tgt[N];
+    REQUIRE(make_model(ctx, dir, sizeof dir, ids, tgt));
+    snprintf(adir, sizeof adir, "%s/adapter-cuda", loom_test_tmpdir());
+    const loom_batch b = {.rows = ROWS, .seq_len = SEQ, .input_ids = ids, .targets = tgt};
+    float *scratch = malloc(N * 1024 * sizeof *scratch);
+    const bool made = make_adapter(ctx, dir, &b, adir, scratch);
+    free(scratch);
+    REQUIRE(made);
+    for (int lora = 0; lora < 2; lora++) {
+        loom_model *m[2] = {NULL, NULL};
+        loom_fb_result r[2];
+        for (int d = 0; d < 2; d++) {
+            loom_model_options o;
+            loom_model_options_default(&o);
+            o.device = d ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU;
+            o.recompute = d ? LOOM_RECOMPUTE_MLP : LOOM_RECOMPUTE_NONE;
+            o.config_overrides = "{\"router_aux_loss_coef\": 0.5}";
+            REQUIRE_OK(ctx, loom_model_create(ctx, dir, &o, &m[d]));
+            if (lora) REQUIRE_OK(ctx, loom_model_load_adapter(m[d], "a", adir));
+            loom_model_zero_grad(m[d]);
+            REQUIRE_OK(ctx, loom_model_forward_backward(m[d], &b, 1, &r[d]));
+        }
+        CHECK_MSG(fabs(r[1].loss - r[0].loss) <= 1e-5 * r[0].loss, "loss %.9g (GPU) vs %.9g (CPU)",
+                  r[1].loss, r[0].loss);
+        char name[256];
+        int64_t shape[2];
+        double worst = 0.0;
+        const char *wn = "";
+        int n = 0;
+        loom_model_info info;
+        loom_model_get_info(m[0], &info);
+        for (int64_t i = 0;; i++) {
+            const char *nm;
+            if (lora) {
+                nm = loom_model_adapter_tensor(m[0], "a", i, name, sizeof name, shape);
+            } else {
+                int nd;
+                nm = i < info.num_tensors ? loom_model_tensor_name(m[0], i, &nd, shape) : NULL;
+                if (nm && nd == 1) shape[1] = 1;
+            }
+            if (!nm) break;
+            n++;
+            const int64_t k = shape[0] * shape[1];
+            float *g0 = malloc(sizeof(float) * (size_t)k), *g1 = malloc(sizeof(float) * (size_t)k);
+            CHECK_OK(ctx, loom_model_get_grad(m[0], nm, g0, k));
+            CHECK_OK(ctx, loom_model_get_grad(m[1], nm, g1, k));
+            double e = 0.0, mx = 0.0;
+            for (int64_t j = 0; j < k; j++)
+                e = fmax(e, fabs(g1[j] - g0[j])), mx = fmax(mx, fabs(g0[j]));
+            if (mx > 0 && e / mx > worst) worst = e / mx, wn = nm;
+            free(g0), free(g1);
+        }
+        CHECK_EQ_INT(n, lora ? (3 * (4 + 8 * 3 + 4) + 7) * 2 : info.num_tensors);
+        CHECK_MSG(worst <= 1e-4, "%s: %s's gradient differs by %.3g of its largest",
+                  lora ? "LoRA" : "full", wn, worst);
+        for (int d = 0; d < 2; d++) loom_model_free(m[d]);
+    }
+    loom_ctx_free(ctx);
+}

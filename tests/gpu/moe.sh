@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Mixture of experts on GPUs: the MoE ops against the CPU (test_backend_ops),
-# tiny-qwen3-moe against the HF fixtures on one GPU (fp32), LoRA on the
-# experts against the CPU, then with 2+ GPUs the expert layouts against one
+# tiny-qwen3-moe and tiny-qwen2-moe (tests/fixtures_moe) against the HF
+# fixtures on one GPU (fp32), LoRA on the experts and Qwen2-MoE's shared
+# expert (test_moe_shared) against the CPU, then with 2+ GPUs the expert layouts against one
 # GPU: `loom golden` (loss, log-probs, every gradient, the weights after 3
 # AdamW steps) of tiny-qwen3-moe with its load-balancing loss, compared by
 # tests/gpu/compare.py golden (fp32 within 1e-5; bf16 within 3% where tp
@@ -18,7 +19,7 @@ export LOOM_COMM_TIMEOUT=${LOOM_COMM_TIMEOUT:-120}
 [ -x "$B/loom_tests" ] || make -j"$(nproc)" CUDA=1 BUILD="$B" config "$B/loom" "$B/loom_tests" > /tmp/moe-build.log 2>&1 || { tail -30 /tmp/moe-build.log; exit 1; }
 rc=0
 LOOM_BIN=$B/loom $B/loom_tests backend_ moe_ model_cuda_qwen3_moe lora_moe_cuda \
-    model_qwen3_moe 2>&1 | tee /tmp/moe-tests.log | grep -vE "^ok " || true
+    model_qwen3_moe model_cuda_qwen2_moe model_qwen2_moe 2>&1 | tee /tmp/moe-tests.log | grep -vE "^ok " || true
 grep -q "^FAIL" /tmp/moe-tests.log && rc=1
 echo "tests: $(grep -c '^ok ' /tmp/moe-tests.log) ok, $(grep -c '^FAIL' /tmp/moe-tests.log) failed, $(grep -c '^skip' /tmp/moe-tests.log) skipped"
 ngpu=$(nvidia-smi -L | wc -l)
