@@ -614,8 +614,7 @@ static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H) {
  * among them): forward y_g = x_g W_g^T, input gradient dx_g = dy_g W_g, and
  * weight gradient dW_g += dy_g^T x_g into fp32 (K = cnt[g], 0 included); then
  * the weight gradient with beta 0, alpha 0.5 (the groups of no rows zeroed). */
-static void moe_gemm_family(run *r, int G, const int64_t *cnt) {
-    const int64_t in_ = 64, out_ = 48;
+static void moe_gemm_family(run *r, int G, const int64_t *cnt, int64_t in_, int64_t out_) {
     int64_t T = 0;
     for (int i = 0; i < G; i++)
         T += cnt[i];
@@ -674,6 +673,81 @@ static void moe_gemm_family(run *r, int G, const int64_t *cnt) {
     same(r, "gemm_grouped (dW_g += dy_g^T x_g, fp32)", dW, G * out_ * in_, false, tol);
     same(r, "gemm_grouped (dW_g = dy_g^T x_g / 2, fp32)", dWz, G * out_ * in_, false, tol);
     free(x), free(W), free(dy), free(dW0), free(g);
+}
+
+/* LoRA's six grouped products on the experts (block_moe.c's lora_gemm), rank
+ * rk, over G groups of cnt[g] rows: u = x A_g^T, y += s u B_g^T, du = s dy
+ * B_g, dx += du A_g, dB_g += s dy_g^T u_g and dA_g += du_g^T x_g (fp32),
+ * then dA_g = du_g^T x_g / 2 (beta 0: the groups of no rows zeroed). On a GPU
+ * these are loom_cuda_gemm_skinny's rowdot, expand and reduce kernels. */
+static void moe_lora_gemm_family(run *r, int G, const int64_t *cnt, int64_t rk) {
+    const int64_t in_ = 64, out_ = 48;
+    const float sc = 2.0f;
+    int64_t T = 0;
+    for (int i = 0; i < G; i++)
+        T += cnt[i];
+    float *x = rnd(r, T * in_, 1, true), *A = rnd(r, G * rk * in_, 0.1f, true),
+          *B = rnd(r, G * out_ * rk, 0.1f, true), *dy = rnd(r, T * out_, 1, true),
+          *y0 = rnd(r, T * out_, 1, true), *dx0 = rnd(r, T * in_, 1, true),
+          *dB0 = rnd(r, G * out_ * rk, 1, false), *dA0 = rnd(r, G * rk * in_, 1, false);
+    loom_gemm_group *g = malloc((size_t)G * sizeof *g);
+    MUST(g);
+    void *u[2], *y[2], *du[2], *dx[2], *dB[2], *dA[2], *dAz[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        const loom_dtype t = d->adt;
+        const size_t es = d->esz;
+        char *X = in(r, k, x, T * in_, true), *AA = in(r, k, A, G * rk * in_, true),
+             *BB = in(r, k, B, G * out_ * rk, true), *DY = in(r, k, dy, T * out_, true);
+        char *U = keep(r, k, (size_t)(T * rk) * es), *DU = keep(r, k, (size_t)(T * rk) * es);
+        char *Y = in(r, k, y0, T * out_, true), *DX = in(r, k, dx0, T * in_, true);
+        char *DB = in(r, k, dB0, G * out_ * rk, false), *DA = in(r, k, dA0, G * rk * in_, false),
+             *DAz = in(r, k, dA0, G * rk * in_, false);
+        u[k] = U, y[k] = Y, du[k] = DU, dx[k] = DX, dB[k] = DB, dA[k] = DA, dAz[k] = DAz;
+#define GROUPS(a, b, c, m, n, kk)                                                                  \
+    do {                                                                                           \
+        int64_t off = 0;                                                                           \
+        for (int i = 0; i < G; off += cnt[i], i++)                                                 \
+            g[i] = (loom_gemm_group){.A = (a), .B = (b), .C = (c), .M = (m), .N = (n), .K = (kk)}; \
+    } while (0)
+        GROUPS(X + (size_t)(off * in_) * es, AA + (size_t)(i * rk * in_) * es,
+               U + (size_t)(off * rk) * es, cnt[i], rk, in_);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, true, G, g, 1.0f, in_, in_, t, 0.0f,
+                                            t, rk));
+        GROUPS(U + (size_t)(off * rk) * es, BB + (size_t)(i * out_ * rk) * es,
+               Y + (size_t)(off * out_) * es, cnt[i], out_, rk);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, true, G, g, sc, rk, rk, t, 1.0f, t,
+                                            out_));
+        GROUPS(DY + (size_t)(off * out_) * es, BB + (size_t)(i * out_ * rk) * es,
+               DU + (size_t)(off * rk) * es, cnt[i], rk, out_);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, false, G, g, sc, out_, rk, t, 0.0f,
+                                            t, rk));
+        GROUPS(DU + (size_t)(off * rk) * es, AA + (size_t)(i * rk * in_) * es,
+               DX + (size_t)(off * in_) * es, cnt[i], in_, rk);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, false, G, g, 1.0f, rk, in_, t, 1.0f,
+                                            t, in_));
+        GROUPS(DY + (size_t)(off * out_) * es, U + (size_t)(off * rk) * es,
+               DB + (size_t)(i * out_ * rk) * 4, out_, rk, cnt[i]);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, true, false, G, g, sc, out_, rk, t, 1.0f,
+                                            LOOM_F32, rk));
+        for (int pass = 0; pass < 2; pass++) {
+            GROUPS(DU + (size_t)(off * rk) * es, X + (size_t)(off * in_) * es,
+                   (pass ? DAz : DA) + (size_t)(i * rk * in_) * 4, rk, in_, cnt[i]);
+            REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, true, false, G, g, pass ? 0.5f : 1.0f,
+                                                rk, in_, t, pass ? 0.0f : 1.0f, LOOM_F32, in_));
+        }
+#undef GROUPS
+    }
+    const double tol = tol_of(r);
+    same(r, "gemm_grouped (LoRA u = x A_g^T)", u, T * rk, true, tol);
+    same(r, "gemm_grouped (LoRA y += s u B_g^T)", y, T * out_, true, tol);
+    same(r, "gemm_grouped (LoRA du = s dy B_g)", du, T * rk, true, tol);
+    same(r, "gemm_grouped (LoRA dx += du A_g)", dx, T * in_, true, tol);
+    same(r, "gemm_grouped (LoRA dB_g += s dy_g^T u_g, fp32)", dB, G * out_ * rk, false, tol);
+    same(r, "gemm_grouped (LoRA dA_g += du_g^T x_g, fp32)", dA, G * rk * in_, false, tol);
+    same(r, "gemm_grouped (LoRA dA_g = du_g^T x_g / 2, fp32)", dAz, G * rk * in_, false, tol);
+    free(x), free(A), free(B), free(dy), free(y0), free(dx0), free(dB0), free(dA0), free(g);
 }
 
 #define GPU_OR_SKIP(r, t)                                                                          \
@@ -771,7 +845,7 @@ TEST(backend_moe_rows_ops_equal_cpu) {
 /* each dtype with cuBLAS's grouped call where it applies, then with one GEMM
  * a group (LOOM_GEMM_GROUPED=loop, read when the GPU's table is set up) */
 TEST(backend_moe_gemm_grouped_equals_cpu) {
-    static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2};
+    static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2}, c4[4] = {700, 0, 129, 1100};
     int64_t c128[128];
     for (int i = 0; i < 128; i++) {
         const uint64_t h = loom_splitmix64((uint64_t)i * 7919u);
@@ -786,10 +860,43 @@ TEST(backend_moe_gemm_grouped_equals_cpu) {
                 unsetenv("LOOM_GEMM_GROUPED");
             run r;
             GPU_OR_SKIP(r, dts[i]);
-            moe_gemm_family(&r, 8, c8);
-            moe_gemm_family(&r, 128, c128);
+            moe_gemm_family(&r, 8, c8, 64, 48);
+            moe_gemm_family(&r, 128, c128, 64, 48);
+            moe_gemm_family(&r, 4, c4, 256, 256); /* a group alone (1100 rows: cuBLASLt) */
             run_end(&r);
         }
+    unsetenv("LOOM_GEMM_GROUPED");
+}
+
+/* LoRA's grouped products on the experts: on a GPU loom's skinny kernels,
+ * then (LOOM_GEMM_GROUPED=loop) one cuBLASLt GEMM a group; ranks 4, 8 and
+ * 16, groups of no rows among them, and groups longer than a chunk of the
+ * sums over rows (128) */
+TEST(backend_moe_lora_gemm_grouped_equals_cpu) {
+    static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2}, c4[4] = {700, 0, 129, 1100};
+    int64_t c128[128];
+    for (int i = 0; i < 128; i++) {
+        const uint64_t h = loom_splitmix64((uint64_t)i * 104729u);
+        c128[i] = h % 4 == 0 ? 0 : (int64_t)(h >> 8) % 11;
+    }
+    const struct {
+        int G;
+        const int64_t *cnt;
+        int64_t rk;
+    } cases[] = {{8, c8, 8}, {128, c128, 4}, {8, c8, 16}, {4, c4, 8}};
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int mode = 0; mode < 2; mode++)
+        for (int i = 0; i < 2; i++)
+            for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+                if (mode)
+                    setenv("LOOM_GEMM_GROUPED", "loop", 1);
+                else
+                    unsetenv("LOOM_GEMM_GROUPED");
+                run r;
+                GPU_OR_SKIP(r, dts[i]);
+                moe_lora_gemm_family(&r, cases[c].G, cases[c].cnt, cases[c].rk);
+                run_end(&r);
+            }
     unsetenv("LOOM_GEMM_GROUPED");
 }
 

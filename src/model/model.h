@@ -76,7 +76,10 @@ typedef struct loom_arena {
     float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step (one block, with
                               * gshard unless that is g) */
     bool gshard_is_g;
-    loom_part_lists lists;   /* the backend's copy of the optimizer's parts (a GPU's chunks) */
+    loom_k_part *parts;      /* the optimizer's parts of this rank's shard (nparts; made at
+                              * the first step: the layout never changes) */
+    int nparts;
+    loom_part_lists lists;   /* the backend's copy of them (a GPU's chunks) */
     int64_t step;            /* optimizer steps taken on this arena */
     /* Deferred zeroing (the base model's gradients; grads.c): after
      * zero_grad the slots marked in gfresh hold stale values that count as

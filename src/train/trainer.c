@@ -594,6 +594,26 @@ static loom_status expert_stats(loom_model *m, loom_step_result *r) {
 static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *parts, int nparts,
                               double max_grad_norm, loom_step_result *rp, loom_step_result *out);
 
+/* This rank's parts of every bucket, made once per arena (the step of a
+ * model with thousands of adapter slots spent tens of ms here): what AdamW
+ * updates and what the norm counts (each parameter once over the mesh). */
+static loom_status optim_parts(loom_model *m, loom_arena *A) {
+    loom_k_part *parts = malloc(((size_t)A->nbuckets * (size_t)A->nslots + 1) * sizeof *parts);
+    if (!parts) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the optimizer's parts");
+    int nparts = 0;
+    for (int b = 0; b < A->nbuckets; b++)
+        for (int i = 0; i < A->nslots; i++) {
+            size_t o0, len, so;
+            if (loom_shard_part(m, A, b, i, &o0, &len, &so))
+                parts[nparts++] = (loom_k_part){.p_off = o0, .s_off = so, .len = len,
+                                                .decay = A->slots[i].decay,
+                                                .norm = counts_in_norm(m, A, i)};
+        }
+    A->parts = parts;
+    A->nparts = nparts;
+    return LOOM_OK;
+}
+
 loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
                                           int64_t accumulation_steps, loom_step_result *out) {
     loom_ctx *ctx = m->ctx;
@@ -624,22 +644,8 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     }
     loom_status sa = loom_optim_alloc(m, A);
     if (sa) return sa;
-    /* this rank's parts of every bucket: what AdamW updates and what the
-     * norm counts (each parameter once over the mesh) */
-    loom_k_part *parts = malloc(((size_t)A->nbuckets * (size_t)A->nslots + 1) * sizeof *parts);
-    if (!parts) return loom_errf(ctx, LOOM_ERR_OOM, "no memory for the optimizer's parts");
-    int nparts = 0;
-    for (int b = 0; b < A->nbuckets; b++)
-        for (int i = 0; i < A->nslots; i++) {
-            size_t o0, len, so;
-            if (loom_shard_part(m, A, b, i, &o0, &len, &so))
-                parts[nparts++] = (loom_k_part){.p_off = o0, .s_off = so, .len = len,
-                                                .decay = A->slots[i].decay,
-                                                .norm = counts_in_norm(m, A, i)};
-        }
-    loom_status st = step_parts(m, A, parts, nparts, max_grad_norm, &r, out);
-    free(parts);
-    return st;
+    if (!A->parts && (sa = optim_parts(m, A))) return sa;
+    return step_parts(m, A, A->parts, A->nparts, max_grad_norm, &r, out);
 }
 
 loom_status loom_optim_alloc(loom_model *m, loom_arena *A) {

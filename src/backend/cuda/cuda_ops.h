@@ -71,12 +71,28 @@ int loom_cuda_gemm_cached(const loom_cuda_gemm_handle *h);
  * device array of their pointers, both made at the first use); otherwise (an
  * F32 C of 16-bit inputs: weight gradients), when cuBLAS refuses the call,
  * or with LOOM_GEMM_GROUPED=loop in the environment at the handle's
- * creation, one loom_cuda_gemm a group. */
+ * creation, one loom_cuda_gemm a group. Calls with a side of at most 16
+ * (LoRA's rank: loom_cuda_gemm_skinny's shapes) go to loom's own kernels
+ * first (not with LOOM_GEMM_GROUPED=loop). */
 struct loom_gemm_group;
 loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb, int G,
                                    const struct loom_gemm_group *g, float alpha, int64_t lda,
                                    int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
                                    int64_t ldc, void *stream);
+/* The grouped GEMMs with a skinny side (ops_gemm_skinny.cu says which):
+ * one launch for all groups with work (two for sums over rows, through fp32
+ * partial sums in ws), their descriptors copied to desc (desc_cap bytes, at
+ * least LOOM_CUDA_SKINNY_DESC_BYTES a group) in stream order. *done false,
+ * nothing launched, when the call is not of those shapes or alignments. */
+#define LOOM_CUDA_SKINNY_DESC_BYTES 64
+/* A grouped GEMM's group of this many rows or more (ta false, N and K at
+ * least 256) runs as a GEMM of its own (loom_cuda_gemm). */
+#define LOOM_CUDA_GROUP_ALONE_ROWS 1024
+loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, int G,
+                                  const struct loom_gemm_group *g, float alpha, int64_t lda,
+                                  int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
+                                  int64_t ldc, void *desc, size_t desc_cap, void *ws,
+                                  size_t ws_bytes, void *stream, bool *done);
 /* For the ops bench: ms[i] = the mean time of cuBLASLt's i-th candidate
  * for this GEMM (alpha 1; i = 0 is the heuristic's choice, the one
  * loom_cuda_gemm runs), reps runs each on the default stream, up to
