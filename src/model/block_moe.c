@@ -455,8 +455,8 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     CK(loom_k_lin_fwd(m, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, 1.0f, 0.0f, z));
     CK(loom_k_zero(m, psum, (size_t)q.E * sizeof(float)));
     CK(loom_k_moe_router_fwd(m, z, q.n, q.E, q.k, m->cfg.norm_topk_prob, a[PROBS], a[IDX], a[WT],
-                             psum));
-    CK(loom_k_moe_route(m, a[IDX], q.n, q.E, q.k, a[CNT], a[ORD], a[POS]));
+                             psum, NULL));
+    CK(loom_k_moe_route(m, a[IDX], a[WT], q.n, q.E, q.k, -1, false, a[CNT], a[ORD], a[POS]));
     CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
     /* the load-balancing loss's sums, once per forward (not when recomputed) */
     if (out && b->mb->aux) {
@@ -548,7 +548,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     const float *ga = !q.local || m->mesh->tp_rank == 0 ? b->mb->d_aux_g : NULL;
     if (ga && m->moe_aux == LOOM_MOE_AUX_PER_LAYER) ga += b->l * q.E; /* the layer's own */
     const void *hs0 = (const char *)h + so;
-    CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga, q.n, q.E, q.k,
+    CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga, NULL, NULL, q.n, q.E, q.k,
                              m->cfg.norm_topk_prob, s[Z]));
     CK(loom_k_lin_dw(m, s[Z], hs0, q.n, q.E, q.H, 1.0f, loom_g(m, b->w[ROUTER])));
     if (dx)
