@@ -98,6 +98,7 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
     o->sequence_parallel = s->sequence_parallel;
     o->moe_aux = s->moe_aux_loss && !strcmp(s->moe_aux_loss, "per-layer") ? LOOM_MOE_AUX_PER_LAYER
                                                                           : LOOM_MOE_AUX_GLOBAL;
+    o->moe_z_loss_coeff = s->moe_z_loss_coeff;
     o->recompute = !strcmp(s->recompute, "full")  ? LOOM_RECOMPUTE_FULL
                    : !strcmp(s->recompute, "mlp") ? LOOM_RECOMPUTE_MLP
                                                   : LOOM_RECOMPUTE_NONE;

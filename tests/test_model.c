@@ -378,12 +378,13 @@ static void check_router(const char *model, loom_device dev) {
     golden_close(&g);
 }
 
-/* The load-balancing loss's gradient (router_aux_loss_coef 1, so it is a
- * good part of the loss) against central differences of the loss through
- * the whole model: router weights, and attention and expert weights of the
- * first layer (whose effect reaches the later layers' routing). Elements
- * whose step changes some token's choice of experts are skipped. */
-static void check_aux_gradient(loom_moe_aux form) {
+/* The load-balancing loss's gradient (router_aux_loss_coef aux_coef, 1 so
+ * it is a good part of the loss) and the router z-loss's (coefficient
+ * z_coef) against central differences of the loss through the whole model:
+ * router weights, and attention and expert weights of the first layer
+ * (whose effect reaches the later layers' routing). Elements whose step
+ * changes some token's choice of experts are skipped. */
+static void check_aux_gradient(loom_moe_aux form, double aux_coef, double z_coef) {
     golden g;
     memset(&g, 0, sizeof g);
     REQUIRE(!loom_ctx_create(&g.ctx));
@@ -392,8 +393,11 @@ static void check_aux_gradient(loom_moe_aux form) {
     char p[1024];
     loom_model_options o;
     loom_model_options_default(&o);
-    o.config_overrides = "{\"router_aux_loss_coef\": 1.0}";
+    char ov[64];
+    snprintf(ov, sizeof ov, "{\"router_aux_loss_coef\": %g}", aux_coef);
+    o.config_overrides = ov;
     o.moe_aux = form;
+    o.moe_z_loss_coeff = z_coef;
     REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
     REQUIRE_OK(g.ctx, loom_st_open_file(g.ctx, path_of(p, sizeof p, "golden/", "tiny-qwen3-moe",
                                                        ".safetensors"), &g.st));
@@ -406,6 +410,7 @@ static void check_aux_gradient(loom_moe_aux form) {
     loom_model_zero_grad(g.m);
     REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 1, &r));
     CHECK(r.aux_loss > 1.0 && fabs(r.loss - r.loss_sum / 41.0) < 1e-12);
+    CHECK(z_coef > 0 ? r.z_loss > 1.0 : r.z_loss == 0.0);
     const int64_t L = g.m->L, R = 48 * g.m->cfg.num_experts_per_tok;
     const loom_acts *a = &g.m->chunks[0].pool[0];
     int32_t *idx0 = malloc((size_t)(L * R) * sizeof *idx0), *idx = malloc((size_t)(L * R) * 4);
@@ -451,7 +456,7 @@ static void check_aux_gradient(loom_moe_aux form) {
 }
 
 TEST(model_qwen3_moe_aux_loss_gradient_matches_differences) {
-    check_aux_gradient(LOOM_MOE_AUX_GLOBAL);
+    check_aux_gradient(LOOM_MOE_AUX_GLOBAL, 1.0, 0.0);
 }
 
 /* Megatron's per-layer form: its value from HF's router logits (fp64
@@ -494,7 +499,71 @@ TEST(model_qwen3_moe_per_layer_aux_loss) {
     CHECK_MSG(fabs(r.aux_loss - want) <= 1e-5 * want, "per-layer aux loss %.9g, want %.9g",
               r.aux_loss, want);
     golden_close(&g);
-    check_aux_gradient(LOOM_MOE_AUX_PER_LAYER);
+    check_aux_gradient(LOOM_MOE_AUX_PER_LAYER, 1.0, 0.0);
+}
+
+/* The router z-loss (Megatron's z_loss_func per MoE layer, summed): its
+ * value from HF's router logits (logsumexp in double), what it adds to the
+ * loss, the mean over micro-batches, bad coefficients refused; and its
+ * gradient against central differences, alone and with the per-layer
+ * load-balancing loss. */
+TEST(model_qwen3_moe_router_z_loss) {
+    golden g;
+    REQUIRE(golden_open(&g, "tiny-qwen3-moe", LOOM_DEVICE_CPU));
+    loom_batch b = batch_of(&g);
+    loom_fb_result r0, r;
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r0));
+    CHECK(r0.z_loss == 0.0); /* off by default */
+    const double zc = 0.25;
+    loom_model *m0 = g.m;
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.config_overrides = "{\"router_aux_loss_coef\": 0}"; /* golden_open's */
+    o.moe_z_loss_coeff = zc;
+    REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+    const int64_t E = 8, N = 48;
+    double want = 0.0;
+    for (int64_t l = 0; l < g.m->L; l++) {
+        char name[64];
+        snprintf(name, sizeof name, "router_logits.%lld", (long long)l);
+        float *z = read_tensor(&g, name, LOOM_F32, NULL);
+        REQUIRE(z);
+        for (int64_t t = 0; t < N; t++) {
+            double mx = -INFINITY, sum = 0.0;
+            for (int64_t e = 0; e < E; e++) mx = fmax(mx, z[t * E + e]);
+            for (int64_t e = 0; e < E; e++) sum += exp(z[t * E + e] - mx);
+            want += (mx + log(sum)) * (mx + log(sum)) / (double)N;
+        }
+        free(z);
+    }
+    note_err("router z-loss", fabs(r.z_loss - want) / want);
+    CHECK_MSG(fabs(r.z_loss - want) <= 1e-5 * want, "z-loss %.9g, want %.9g", r.z_loss, want);
+    CHECK_MSG(fabs(r.loss - r0.loss - zc * r.z_loss) < 1e-6, "the loss gains %.9g, not %g x %.9g",
+              r.loss - r0.loss, zc, r.z_loss);
+    /* two micro-batches of 24 rows: each one's z-loss, and their mean (of
+     * equal halves: the whole's) reported */
+    loom_step_result sr;
+    loom_fb_result r2;
+    loom_model_zero_grad(g.m);
+    REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 2, &r2));
+    REQUIRE_OK(g.ctx, loom_model_clip_grad_and_step(g.m, 1.0, 1, &sr));
+    CHECK_MSG(fabs(r2.z_loss - want) <= 1e-5 * want, "two micro-batches: %.9g, want %.9g",
+              r2.z_loss, want);
+    CHECK(fabs(sr.z_loss - r2.z_loss) < 1e-12);
+    loom_model_free(g.m);
+    g.m = m0;
+    /* refused before any compute */
+    const double bad[] = {-1e-3, NAN, INFINITY};
+    for (int i = 0; i < 3; i++) {
+        loom_model *x = NULL;
+        o.moe_z_loss_coeff = bad[i];
+        CHECK(loom_model_create(g.ctx, g.dir, &o, &x) == LOOM_ERR_INVALID_ARG && !x);
+        CHECK_MSG(strstr(loom_last_error(g.ctx), "moe_z_loss_coeff"), "%s", loom_last_error(g.ctx));
+    }
+    golden_close(&g);
+    check_aux_gradient(LOOM_MOE_AUX_GLOBAL, 0.0, 0.5);
+    check_aux_gradient(LOOM_MOE_AUX_PER_LAYER, 1.0, 0.5);
 }
 
 /* 5 AdamW steps on the same batch: per-step losses, grad norms before

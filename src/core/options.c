@@ -132,6 +132,11 @@ static const loom_option table[] = {
      "mixture of experts: the load-balancing loss router_aux_loss_coef scales: global "
      "(transformers', over all MoE layers) or per-layer (Megatron's aux_loss, summed over layers)",
      OFF(moe_aux_loss), "global|per-layer", CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"moe_z_loss_coeff", LOOM_OPT_FLOAT, "0",
+     "mixture of experts: the router z-loss's coefficient (Megatron's; 0: off, 1e-3 a start): "
+     "each MoE layer's mean lse(router logits)^2, summed over layers, times it is added to the "
+     "loss",
+     OFF(moe_z_loss_coeff), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
     {"recompute", LOOM_OPT_CHOICE, "none",
      "activation recomputation, memory for compute (same results): mlp recomputes each layer's "
      "gate, up and SwiGLU outputs before its backward; full keeps only each layer's input and "

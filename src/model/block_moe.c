@@ -22,7 +22,12 @@
  * micro-batch's `aux` (loom_micro); loom_moe_finish, after the micro-batch's
  * forward, turns them into the loss and its gradient per expert, which
  * every layer's backward adds through the probabilities (the choices carry
- * none). */
+ * none).
+ *
+ * The router z-loss (Megatron's --moe-z-loss-coeff, ST-MoE's): each layer's
+ * mean over its router rows of lse(z)^2, summed over the layers. Its sums
+ * ride in the same micro-batch block; its gradient, zc lse p per router
+ * row, from one factor zc at the end of the gradient block. */
 #include <math.h>
 #include <string.h>
 
@@ -39,9 +44,9 @@ enum { LG, LU, LD, NLIN };
 /* activation buffers per layer: the routing (kept: probabilities, choices,
  * weights, counts per expert, the order and its inverse, the dispatch's
  * count table), the experts' (dropped under selective recomputation; LoRA's
- * x A^T of the three projections among them), and the experts' outputs in
- * the grouped order (kept) */
-enum { PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, NBUF };
+ * x A^T of the three projections among them), the experts' outputs in the
+ * grouped order (kept), and the router rows' logsumexp (kept; the z-loss's) */
+enum { PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, LSE, NBUF };
 /* scratch: logits and their gradient, probability sums, the choices'
  * weight gradients, three row buffers of the dispatch, the experts'
  * gradients, the regrouping's row orders, LoRA's du */
@@ -123,6 +128,7 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(g.Rmax * g.Ie) * esz, true};
     out[LST] = (loom_block_buf){(size_t)(3 * g.Rmax * m->lora_r) * esz, true};
     out[YS] = (loom_block_buf){(size_t)(g.R * g.H) * esz, false};
+    out[LSE] = (loom_block_buf){(size_t)g.n * sizeof(float), false};
     return NBUF;
 }
 
@@ -150,6 +156,7 @@ typedef struct hs {
     int32_t *ix;       /* (2 Rmax) the regrouping's row orders */
     int32_t *tab;      /* (P, El) this rank's table, sent to the etp group */
     size_t *sc, *rcv;  /* (max(P, Q)) element counts of an alltoallv */
+    float *lse;        /* (n) the router rows' logsumexp (the z-loss) */
 } hs;
 
 static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
@@ -170,6 +177,7 @@ static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
     TAKE(tab, g.P * g.El);
     TAKE(sc, PQ);
     TAKE(rcv, PQ);
+    TAKE(lse, g.n);
 #undef TAKE
     return off;
 }
@@ -418,6 +426,21 @@ static loom_status undispatch(const loom_blk *b, const geo *q, const hs *h, void
 
 /* ---- forward, recomputation, backward ---- */
 
+/* Where the micro-batch's z-loss sums are in its block: [sum of lse^2, rows],
+ * over all its MoE layers, after the load-balancing loss's blocks. */
+static size_t z_sums_at(const loom_model *m) { return loom_moe_aux_len(m) - 3; }
+
+/* The layer's z-loss sums into the micro-batch's block (its rows' lse^2 in
+ * double, in row order). */
+static loom_status z_sums(const loom_blk *b, const geo *q, const hs *hh) {
+    CK(loom_k_download(b->m, hh->lse, b->act[LSE], (size_t)q->n * sizeof(float)));
+    double s = 0.0;
+    for (int64_t t = 0; t < q->n; t++) s += (double)hh->lse[t] * hh->lse[t];
+    double *acc = b->mb->aux + z_sums_at(b->m);
+    acc[0] += s, acc[1] += (double)q->n;
+    return LOOM_OK;
+}
+
 /* The experts' rows xe from the routing (and, not local, the table): the
  * rows of h grouped by expert, dispatched; *rows and h->ce set. */
 static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, const void *h,
@@ -454,8 +477,9 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     const void *hs0 = (const char *)h + (size_t)(q.o0 * q.H) * esz;
     CK(loom_k_lin_fwd(m, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, 1.0f, 0.0f, z));
     CK(loom_k_zero(m, psum, (size_t)q.E * sizeof(float)));
+    const bool zl = m->moe_z_coef > 0.0;
     CK(loom_k_moe_router_fwd(m, z, q.n, q.E, q.k, m->cfg.norm_topk_prob, a[PROBS], a[IDX], a[WT],
-                             psum, NULL));
+                             psum, zl ? a[LSE] : NULL));
     CK(loom_k_moe_route(m, a[IDX], a[WT], q.n, q.E, q.k, -1, false, a[CNT], a[ORD], a[POS]));
     CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
     /* the load-balancing loss's sums, once per forward (not when recomputed) */
@@ -465,6 +489,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
         double *acc = b->mb->aux + (m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? b->l * (2 * q.E + 1) : 0);
         for (int64_t e = 0; e < q.E; e++) acc[e] += hh.cnt[e], acc[q.E + e] += hh.psum[e];
         acc[2 * q.E] += (double)q.n;
+        if (zl) CK(z_sums(b, &q, &hh));
     }
     /* the step's tokens per expert: each rank its own tokens (local: all
      * tp ranks route the same ones, tp rank 0 counts) */
@@ -543,12 +568,15 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
         if (!q.local) CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
         CK(loom_k_moe_permute_bwd(m, dxs, a[POS], q.n, q.k, q.H, (char *)dx + so));
     }
-    /* router: dz from the choices' weights and the load-balancing loss (its
-     * part once: local, tp rank 0's; else each rank its own tokens) */
+    /* router: dz from the choices' weights, the load-balancing loss and the
+     * z-loss (their part once: local, tp rank 0's; else each rank its own
+     * tokens) */
     const float *ga = !q.local || m->mesh->tp_rank == 0 ? b->mb->d_aux_g : NULL;
+    const float *zc = ga ? b->mb->d_aux_g + loom_moe_grad_len(m) - 1 : NULL;
     if (ga && m->moe_aux == LOOM_MOE_AUX_PER_LAYER) ga += b->l * q.E; /* the layer's own */
     const void *hs0 = (const char *)h + so;
-    CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga, NULL, NULL, q.n, q.E, q.k,
+    CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga,
+                             zc && m->moe_z_coef > 0.0 ? a[LSE] : NULL, zc, q.n, q.E, q.k,
                              m->cfg.norm_topk_prob, s[Z]));
     CK(loom_k_lin_dw(m, s[Z], hs0, q.n, q.E, q.H, 1.0f, loom_g(m, b->w[ROUTER])));
     if (dx)
@@ -578,18 +606,21 @@ const loom_block_kind loom_block_moe = {
 /* ---- the load-balancing loss of a micro-batch ---- */
 
 /* The sums: GLOBAL, one block [C (E), P (E), N] for all layers; PER_LAYER,
- * one per layer (l at l (2E + 1)); then the micro-batch's targets. */
+ * one per layer (l at l (2E + 1)); then the z-loss's two (z_sums_at), then
+ * the micro-batch's targets. */
 size_t loom_moe_aux_len(const loom_model *m) {
     const int64_t E = m->cfg.num_experts;
     if (E <= 0) return 0;
     const int64_t blocks = m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? m->L : 1;
-    return (size_t)(blocks * (2 * E + 1) + 1);
+    return (size_t)(blocks * (2 * E + 1) + 3);
 }
 
+/* The gradient: per expert (per layer under PER_LAYER), then the z-loss's
+ * factor zc (d loss / d lse = zc lse for every router row). */
 size_t loom_moe_grad_len(const loom_model *m) {
     const int64_t E = m->cfg.num_experts;
     if (E <= 0) return 0;
-    return (size_t)((m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? m->L : 1) * E);
+    return (size_t)((m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? m->L : 1) * E + 1);
 }
 
 loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double *loss_sum) {
@@ -623,7 +654,18 @@ loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double
             mb->aux_g[l * E + e] = (float)(m->loss_scale * scale * w * a[e]);
     }
     mb->aux_loss = aux;
-    if (m->mesh->cp_rank == 0 && m->mesh->tp_rank == 0) *loss_sum = scale * aux;
+    /* the z-loss: every MoE layer routes the micro-batch's rows, so each
+     * one's mean is the sums' over nl layers' rows / nl; d/dlse = 2 lse / N */
+    int64_t nl = 0;
+    for (int64_t l = 0; l < m->L; l++) nl += loom_config_layer_is_moe(&m->cfg, l);
+    const double *zs = acc + z_sums_at(m), zn = nl ? zs[1] / (double)nl : 0.0;
+    const double zcoef = m->moe_z_coef * acc[n - 1];
+    mb->z_loss = zn > 0 ? zs[0] / zn : 0.0;
+    if (backward)
+        mb->aux_g[loom_moe_grad_len(m) - 1] =
+            zn > 0 ? (float)(m->loss_scale * zcoef * 2.0 / zn) : 0.0f;
+    if (m->mesh->cp_rank == 0 && m->mesh->tp_rank == 0)
+        *loss_sum = scale * aux + zcoef * mb->z_loss;
     if (!backward) return LOOM_OK;
     return loom_k_upload(m, mb->d_aux_g, mb->aux_g, loom_moe_grad_len(m) * sizeof(float));
 }

@@ -528,6 +528,14 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     m->moe_aux = (loom_moe_aux)opts->moe_aux;
+    if (!(opts->moe_z_loss_coeff >= 0.0) || !isfinite(opts->moe_z_loss_coeff)) {
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                       "moe_z_loss_coeff = %g: the router z-loss's coefficient is a finite number "
+                       ">= 0 (0: off; Megatron suggests 1e-3)",
+                       opts->moe_z_loss_coeff);
+        goto fail;
+    }
+    m->moe_z_coef = opts->moe_z_loss_coeff;
     if (m->D > LOOM_CPU_ATTN_MAX_D || m->D % 2) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: loom needs an even head_dim "
                        "of at most %d", dir, (long long)m->D, LOOM_CPU_ATTN_MAX_D);

@@ -758,3 +758,33 @@ def test_moe_per_layer_load_balancing_loss():
         y.close()
     with pytest.raises(loom.UnsupportedError, match="sinkhorn"):
         model(path, moe_router_load_balancing_type="sinkhorn")
+
+
+def test_moe_router_z_loss():
+    """moe_z_loss_coeff (Megatron's): z_loss is each MoE layer's mean
+    logsumexp(router logits)^2, summed over layers (from the fixture's
+    logits), and the loss gains the coefficient times it; a negative one is
+    refused with loom's reason."""
+    g = golden("tiny-qwen3-moe")
+    path = os.path.join(FIXTURES, "models", "tiny-qwen3-moe")
+    samples = label_samples(g["input_ids"], g["targets"])
+    want = 0.0
+    for i in range(4):
+        z = g["router_logits.%d" % i].astype(np.float64)
+        mx = z.max(axis=1, keepdims=True)
+        want += float(np.mean((mx[:, 0] + np.log(np.exp(z - mx).sum(axis=1))) ** 2))
+    x = model(path)
+    y = model(path, moe_z_loss_coeff=0.25)
+    try:
+        a, b = x.forward_only(inputs=samples), y.forward_only(inputs=samples)
+        assert a["z_loss"] == 0.0 and abs(b["z_loss"] - want) < 1e-5 * want
+        assert abs(b["loss"] - a["loss"] - 0.25 * b["z_loss"]) < 1e-6
+        y.set_optimizer("default", lr=1e-3)
+        y.forward_backward(inputs=samples)
+        s = y.clip_grad_and_step()
+        assert abs(s["z_loss"] - want) < 1e-5 * want
+    finally:
+        x.close()
+        y.close()
+    with pytest.raises(loom.InvalidArgumentError, match="moe_z_loss_coeff"):
+        model(path, moe_z_loss_coeff=-0.1)
