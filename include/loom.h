@@ -216,6 +216,19 @@ typedef struct loom_model_options {
      * this coefficient is added to each micro-batch's loss as the
      * load-balancing loss is (times its target tokens). */
     double moe_z_loss_coeff;
+    /* Mixture of experts: the experts' capacity factor (Megatron's
+     * --moe-expert-capacity-factor; 0: dropless, the default; negative is
+     * refused). Each router call (the tokens one rank routes: the
+     * micro-batch's on this cp rank, and under the expert fold this tp
+     * rank's slice, as Megatron's router sees its sequence-parallel shard)
+     * lets each expert keep at most ceil(tokens k / E x factor) of its
+     * choices; a dropped choice adds nothing to its token's output and has
+     * no gradient, while the probabilities and the load-balancing loss still
+     * count it (Megatron's). The experts' buffers are sized by it. */
+    double moe_expert_capacity_factor;
+    /* Which choices the capacity drops (loom_moe_drop; Megatron's
+     * --moe-token-drop-policy, "probs" by default). */
+    int moe_token_drop_policy;
 } loom_model_options;
 
 void loom_model_options_default(loom_model_options *o);

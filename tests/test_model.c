@@ -382,9 +382,12 @@ static void check_router(const char *model, loom_device dev) {
  * it is a good part of the loss) and the router z-loss's (coefficient
  * z_coef) against central differences of the loss through the whole model:
  * router weights, and attention and expert weights of the first layer
- * (whose effect reaches the later layers' routing). Elements whose step
- * changes some token's choice of experts are skipped. */
-static void check_aux_gradient(loom_moe_aux form, double aux_coef, double z_coef) {
+ * (whose effect reaches the later layers' routing); with a capacity factor
+ * cap_factor > 0 (drop policy drop), through the dropping. Elements whose
+ * step changes some token's choice of experts, or which are dropped, are
+ * skipped. */
+static void check_router_gradient(loom_moe_aux form, double aux_coef, double z_coef,
+                                  double cap_factor, loom_moe_drop drop) {
     golden g;
     memset(&g, 0, sizeof g);
     REQUIRE(!loom_ctx_create(&g.ctx));
@@ -398,6 +401,8 @@ static void check_aux_gradient(loom_moe_aux form, double aux_coef, double z_coef
     o.config_overrides = ov;
     o.moe_aux = form;
     o.moe_z_loss_coeff = z_coef;
+    o.moe_expert_capacity_factor = cap_factor;
+    o.moe_token_drop_policy = drop;
     REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
     REQUIRE_OK(g.ctx, loom_st_open_file(g.ctx, path_of(p, sizeof p, "golden/", "tiny-qwen3-moe",
                                                        ".safetensors"), &g.st));
@@ -411,10 +416,17 @@ static void check_aux_gradient(loom_moe_aux form, double aux_coef, double z_coef
     REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 1, &r));
     CHECK(r.aux_loss > 1.0 && fabs(r.loss - r.loss_sum / 41.0) < 1e-12);
     CHECK(z_coef > 0 ? r.z_loss > 1.0 : r.z_loss == 0.0);
+    int dropped = 0;
+    for (int64_t l = 0; l < g.m->L; l++)
+        for (int64_t c = 0; c < 48 * g.m->cfg.num_experts_per_tok; c++)
+            dropped += ((const int32_t *)g.m->chunks[0].pool[0].lay[l].act[1][5])[c] < 0;
+    CHECK_MSG(cap_factor > 0 ? dropped > 0 : dropped == 0, "%d choices dropped", dropped);
     const int64_t L = g.m->L, R = 48 * g.m->cfg.num_experts_per_tok;
     const loom_acts *a = &g.m->chunks[0].pool[0];
-    int32_t *idx0 = malloc((size_t)(L * R) * sizeof *idx0), *idx = malloc((size_t)(L * R) * 4);
-    for (int64_t l = 0; l < L; l++) memcpy(idx0 + l * R, a->lay[l].act[1][1], (size_t)R * 4);
+    /* each layer's choices (IDX) and where they went (POS: -1 dropped) */
+    int32_t *idx0 = malloc((size_t)(2 * L * R) * sizeof *idx0), *idx = malloc((size_t)(2 * L * R) * 4);
+    for (int64_t l = 0; l < L; l++)
+        for (int k = 0; k < 2; k++) memcpy(idx0 + (2 * l + k) * R, a->lay[l].act[1][1 + 4 * k], (size_t)R * 4);
     const char *names[] = {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight",
                            "model.layers.0.self_attn.q_proj.weight",
                            "model.layers.0.mlp.experts.3.up_proj.weight"};
@@ -436,8 +448,10 @@ static void check_aux_gradient(loom_moe_aux form, double aux_coef, double z_coef
                 w[i] = w0 + (sgn ? -h : h);
                 REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
                 f[sgn] = r.loss;
-                for (int64_t l = 0; l < L; l++) memcpy(idx + l * R, a->lay[l].act[1][1], (size_t)R * 4);
-                flip |= memcmp(idx, idx0, (size_t)(L * R) * 4) != 0;
+                for (int64_t l = 0; l < L; l++)
+                    for (int k = 0; k < 2; k++)
+                        memcpy(idx + (2 * l + k) * R, a->lay[l].act[1][1 + 4 * k], (size_t)R * 4);
+                flip |= memcmp(idx, idx0, (size_t)(2 * L * R) * 4) != 0;
             }
             w[i] = w0;
             tried++;
@@ -453,6 +467,10 @@ static void check_aux_gradient(loom_moe_aux form, double aux_coef, double z_coef
     CHECK_MSG(worst < 2e-3, "gradient off by %.3g of the tensor's largest", worst);
     free(idx0), free(idx);
     golden_close(&g);
+}
+
+static void check_aux_gradient(loom_moe_aux form, double aux_coef, double z_coef) {
+    check_router_gradient(form, aux_coef, z_coef, 0.0, LOOM_MOE_DROP_PROBS);
 }
 
 TEST(model_qwen3_moe_aux_loss_gradient_matches_differences) {
@@ -755,4 +773,95 @@ TEST(model_attention_kernels_env) {
 TEST(model_lora_kernels_env) {
     const char *const good[2] = {"loom", "cublas"};
     env_choice_case("LOOM_LORA_KERNELS", "cuda", "`loom` (the default) or `cublas`", good);
+}
+
+/* Expert capacity (Megatron's token dropping): a factor large enough to
+ * keep every choice gives the dropless run's bits; a small one (cap =
+ * ceil(48 x 2 / 8 x 0.5) = 6 choices an expert a layer) keeps, in each
+ * layer, the choices a sort of that layer's choices per expert keeps (by
+ * weight, or the first tokens), counts every choice in the load-balancing
+ * loss and only the kept in the tokens per expert; bad values are refused;
+ * the gradient through the dropping against central differences. */
+static int by_weight_desc(const void *a, const void *b, void *u) {
+    const float *w = u;
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    if (w[x] != w[y]) return w[x] > w[y] ? -1 : 1;
+    return x < y ? -1 : x > y;
+}
+
+TEST(model_qwen3_moe_expert_capacity) {
+    golden g;
+    REQUIRE(golden_open(&g, "tiny-qwen3-moe", LOOM_DEVICE_CPU));
+    loom_batch b = batch_of(&g);
+    loom_fb_result r0, r;
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r0));
+    loom_model *m0 = g.m;
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.config_overrides = "{\"router_aux_loss_coef\": 0}"; /* golden_open's */
+    o.moe_expert_capacity_factor = 4.0;                  /* cap 48: every choice kept */
+    REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+    CHECK_MSG(r.loss == r0.loss && r.aux_loss == r0.aux_loss, "capacity of all: %.9g vs %.9g",
+              r.loss, r0.loss);
+    loom_model_free(g.m);
+    enum { N = 48, E = 8, K = 2, CAP = 6 };
+    for (int drop = 0; drop < 2; drop++) {
+        o.moe_expert_capacity_factor = 0.5;
+        o.moe_token_drop_policy = drop;
+        REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+        REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+        CHECK_MSG(fabs(r.loss - r0.loss) > 1e-4, "dropping changes nothing: %.9g", r.loss);
+        const loom_acts *a = &g.m->chunks[0].pool[0];
+        int dropped = 0;
+        for (int64_t l = 0; l < g.m->L; l++) {
+            int32_t idx[N * K], pos[N * K];
+            float w[N * K];
+            memcpy(idx, a->lay[l].act[1][1], sizeof idx);
+            memcpy(w, a->lay[l].act[1][2], sizeof w);
+            memcpy(pos, a->lay[l].act[1][5], sizeof pos);
+            const int32_t *cnt = a->lay[l].act[1][3]; /* every choice: the aux loss's */
+            for (int e = 0; e < E; e++) {
+                int32_t mine[N * K];
+                int n = 0;
+                for (int c = 0; c < N * K; c++)
+                    if (idx[c] == e) mine[n++] = c;
+                CHECK_EQ_INT(cnt[e], n);
+                if (!drop) qsort_r(mine, (size_t)n, sizeof *mine, by_weight_desc, w);
+                for (int i = 0; i < n; i++) {
+                    CHECK_MSG((pos[mine[i]] >= 0) == (i < CAP), "layer %lld expert %d: choice %d "
+                              "(rank %d) %s", (long long)l, e, mine[i], i,
+                              pos[mine[i]] >= 0 ? "kept" : "dropped");
+                    dropped += i >= CAP;
+                }
+            }
+        }
+        CHECK_MSG(dropped > 8, "only %d choices dropped", dropped);
+        loom_step_result sr;
+        loom_model_zero_grad(g.m);
+        REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 1, &r));
+        REQUIRE_OK(g.ctx, loom_model_clip_grad_and_step(g.m, 1.0, 1, &sr));
+        CHECK(sr.expert_tokens_max == CAP && sr.expert_tokens_mean < 2.0 * N / E);
+        loom_model_free(g.m);
+    }
+    /* refused before any compute */
+    const double bad[] = {-1.0, NAN, INFINITY};
+    for (int i = 0; i < 3; i++) {
+        loom_model *x = NULL;
+        o.moe_expert_capacity_factor = bad[i];
+        o.moe_token_drop_policy = LOOM_MOE_DROP_PROBS;
+        CHECK(loom_model_create(g.ctx, g.dir, &o, &x) == LOOM_ERR_INVALID_ARG && !x);
+        CHECK_MSG(strstr(loom_last_error(g.ctx), "moe_expert_capacity_factor"), "%s",
+                  loom_last_error(g.ctx));
+    }
+    loom_model *x = NULL;
+    o.moe_expert_capacity_factor = 1.0;
+    o.moe_token_drop_policy = 2;
+    CHECK(loom_model_create(g.ctx, g.dir, &o, &x) == LOOM_ERR_INVALID_ARG && !x);
+    CHECK_MSG(strstr(loom_last_error(g.ctx), "moe_token_drop_policy = 2"), "%s",
+              loom_last_error(g.ctx));
+    g.m = m0;
+    golden_close(&g);
+    check_router_gradient(LOOM_MOE_AUX_GLOBAL, 1.0, 0.0, 1.0, LOOM_MOE_DROP_PROBS);
+    check_router_gradient(LOOM_MOE_AUX_PER_LAYER, 1.0, 0.5, 0.75, LOOM_MOE_DROP_POSITION);
 }

@@ -413,9 +413,17 @@ TEST(parallel_layouts_qwen3_moe) {
     /* aux 2: Megatron's per-layer form (its sums per layer through the
      * pipeline and over tp x cp), on a few layouts; 3: with the router
      * z-loss (its sums the same way; its gradient once on the local path's
-     * tp ranks, on every folded rank for its own tokens) */
-    for (int aux = 0; aux < 4; aux++) {
-        const char *co = aux == 3   ? "--moe-z-loss-coeff 0.5 --moe-aux-loss per-layer "
+     * tp ranks, on every folded rank for its own tokens); 4, 5: with an
+     * expert capacity, by weight and by position, on the layouts whose
+     * ranks route the one process's micro-batches (the capacity is per
+     * router call: cp, and tp on the fold, split the tokens it sees, as in
+     * Megatron) */
+    for (int aux = 0; aux < 6; aux++) {
+        const char *co = aux == 5   ? "--moe-expert-capacity-factor 0.75 --moe-token-drop-policy "
+                                      "position --config-override {\"router_aux_loss_coef\":0.5}"
+                         : aux == 4 ? "--moe-expert-capacity-factor 0.5 --config-override "
+                                      "{\"router_aux_loss_coef\":0.5}"
+                         : aux == 3 ? "--moe-z-loss-coeff 0.5 --moe-aux-loss per-layer "
                                       "--config-override {\"router_aux_loss_coef\":0.5}"
                          : aux == 2 ? "--moe-aux-loss per-layer --config-override "
                                       "{\"router_aux_loss_coef\":0.5}"
@@ -431,6 +439,11 @@ TEST(parallel_layouts_qwen3_moe) {
                                     "--ep 2 --etp 2 --tp 2 --sequence-parallel",
                                     layouts[i].layout))
                 continue;
+            if (aux == 4 && !one_of("--tp 2|--tp 2 --sequence-parallel|--pp 2|"
+                                    "--dp 2 --num-micro-batches 2|--ep 2|--ep 2 --pp 2|--ep 4",
+                                    layouts[i].layout))
+                continue;
+            if (aux == 5 && !one_of("--tp 2|--ep 2|--ep 2 --dp 4", layouts[i].layout)) continue;
             const char *one = path_in_tmp("one.safetensors");
             snprintf(lay, sizeof lay, "%s --num-micro-batches %d", co, layouts[i].ref_micro);
             int rc = golden(0, mdir, layouts[i].big ? b8 : b2, one, lay, &log);

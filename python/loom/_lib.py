@@ -53,7 +53,8 @@ class ModelOptions(C.Structure):
                 ("tp", i32), ("cp", i32), ("dp", i32), ("pp", i32), ("vpp", i32), ("ep", i32),
                 ("etp", i32), ("sequence_parallel", i32), ("microbatch_group", i32),
                 ("bucket_elems", i64), ("recompute", i32), ("moe_aux", i32),
-                ("moe_z_loss_coeff", f64)]
+                ("moe_z_loss_coeff", f64), ("moe_expert_capacity_factor", f64),
+                ("moe_token_drop_policy", i32)]
 
 
 class ModelInfo(C.Structure):

@@ -33,7 +33,8 @@ _KWARGS = {
     "microbatch_group_size_per_vp_stage", "ddp_bucket_size", "max_length", "seq_len",
     "use_distributed_optimizer", "variable_seq_lengths", "load_weights", "tokenizer_id",
     "comm_timeout", "log_level", "append_eos", "pre_wrap_hook", "post_wrap_hook",
-    "moe_router_load_balancing_type", "moe_z_loss_coeff",
+    "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+    "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
 }
 _OPT_KWARGS = {"lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
                "min_lr", "bf16", "fp16", "use_distributed_optimizer", "overlap_param_gather",
@@ -131,6 +132,21 @@ def _mesh_options(o, device_mesh, kwargs, recompute):
     # Megatron's router z-loss (None or 0: off; loom refuses a negative one)
     z = kwargs.get("moe_z_loss_coeff")
     o.moe_z_loss_coeff = 0.0 if z is None else _num("MegatronModel", "moe_z_loss_coeff", z)
+    # Megatron's token dropping (None: dropless; loom refuses a negative factor)
+    cf = kwargs.get("moe_expert_capacity_factor")
+    o.moe_expert_capacity_factor = 0.0 if cf is None else _num(
+        "MegatronModel", "moe_expert_capacity_factor", cf)
+    policy = kwargs.get("moe_token_drop_policy", "probs")
+    if policy not in ("probs", "position"):
+        raise InvalidArgumentError("moe_token_drop_policy=%r: use 'probs' (drop the choices of "
+                                   "the lowest routing weight) or 'position' (of the latest "
+                                   "tokens)" % (policy,))
+    o.moe_token_drop_policy = 1 if policy == "position" else 0
+    # padding each expert's rows to its capacity changes no result (the pad
+    # rows weigh 0); loom runs the kept rows only
+    if kwargs.get("moe_pad_expert_input_to_capacity") and not o.moe_expert_capacity_factor:
+        raise InvalidArgumentError("moe_pad_expert_input_to_capacity needs "
+                                   "moe_expert_capacity_factor (as Megatron's)")
 
 
 def _precision(mixed_precision):

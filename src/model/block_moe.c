@@ -24,6 +24,12 @@
  * every layer's backward adds through the probabilities (the choices carry
  * none).
  *
+ * With a capacity factor (Megatron's --moe-expert-capacity-factor) each
+ * router call lets an expert keep cap = ceil(n k / E x factor) of its
+ * choices (route drops the others: by weight or by position); the load-
+ * balancing loss counts every choice, the experts see the kept ones, and
+ * their buffers are sized by cap instead of the dropless worst case.
+ *
  * The router z-loss (Megatron's --moe-z-loss-coeff, ST-MoE's): each layer's
  * mean over its router rows of lse(z)^2, summed over the layers. Its sums
  * ride in the same micro-batch block; its gradient, zc lse p per router
@@ -91,10 +97,22 @@ typedef struct geo {
     int64_t E, El, e0;  /* experts; this rank's El from e0 */
     int64_t P, Q;       /* ep, etp */
     int64_t Ie, H, R;   /* an expert's width here; hidden; the n k choices */
-    int64_t Rmax;       /* rows the experts can get: Q P R (dropless) */
+    int64_t cap;        /* choices an expert keeps of this rank's n tokens (-1: dropless) */
+    int64_t Rk;         /* rows this rank's tokens send: R, with a capacity min(R, E cap) */
+    int64_t Rmax;       /* rows the experts can get: Q P R (dropless), Q P min(R, El cap) */
     int k;
     bool local;
 } geo;
+
+/* The choices an expert keeps of n tokens' (Megatron's get_capacity over
+ * the n k choices: ceil(n k / E x factor)); -1 without a capacity factor.
+ * No expert has more than n, so more is n. */
+static int64_t capacity(const loom_model *m, int64_t n) {
+    if (m->moe_cap_factor <= 0.0) return -1;
+    const double c = ceil((double)(n * m->cfg.num_experts_per_tok) / (double)m->cfg.num_experts *
+                          m->moe_cap_factor);
+    return c < (double)n ? (int64_t)c : n;
+}
 
 static geo geometry(const loom_model *m, int64_t Tc) {
     geo g;
@@ -110,7 +128,10 @@ static geo geometry(const loom_model *m, int64_t Tc) {
     g.n = g.local ? Tc : Tc / m->tp;
     g.o0 = g.local || !m->mesh ? 0 : (int64_t)m->mesh->tp_rank * g.n;
     g.R = g.n * g.k;
-    g.Rmax = g.local ? g.R : g.Q * g.P * g.R;
+    g.cap = capacity(m, g.n);
+    g.Rk = g.cap < 0 ? g.R : g.R < g.E * g.cap ? g.R : g.E * g.cap;
+    const int64_t per = g.cap < 0 || g.R < g.El * g.cap ? g.R : g.El * g.cap; /* to El experts */
+    g.Rmax = g.local ? g.Rk : g.Q * g.P * per;
     return g;
 }
 
@@ -127,7 +148,7 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     out[XE] = (loom_block_buf){(size_t)(g.Rmax * g.H) * esz, true};
     out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(g.Rmax * g.Ie) * esz, true};
     out[LST] = (loom_block_buf){(size_t)(3 * g.Rmax * m->lora_r) * esz, true};
-    out[YS] = (loom_block_buf){(size_t)(g.R * g.H) * esz, false};
+    out[YS] = (loom_block_buf){(size_t)(g.Rk * g.H) * esz, false};
     out[LSE] = (loom_block_buf){(size_t)g.n * sizeof(float), false};
     return NBUF;
 }
@@ -334,6 +355,13 @@ static int64_t table_rows(const geo *q, const int32_t *t) {
     return r;
 }
 
+/* Each expert's choices of this rank's tokens (route's counts, every
+ * choice: the load-balancing loss's) -> the kept ones, min(count, cap). */
+static void keep_counts(const geo *q, int32_t *cnt) {
+    for (int64_t e = 0; q->cap >= 0 && e < q->E; e++)
+        if (cnt[e] > q->cap) cnt[e] = (int32_t)q->cap;
+}
+
 /* The regrouping of the gathered rows, ordered (etp rank, ep rank, expert),
  * into (expert, etp rank, ep rank) and back: ix[j] = the gathered row at
  * grouped place j, ix[Rt + i] its inverse; ce the rows per expert. Returns
@@ -450,7 +478,7 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
     const void *hs0 = (const char *)h + (size_t)(q->o0 * q->H) * m->dev.esz;
     if (q->local) {
         memcpy(hh->ce, hh->cnt, (size_t)q->E * sizeof *hh->ce);
-        *rows = q->R;
+        *rows = table_rows(q, hh->cnt);
         return loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, a[XE]);
     }
     CK(loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, b->scratch[S1]));
@@ -458,9 +486,10 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
     return dispatch(b, q, hh, b->scratch[S1], a[XE], b->scratch[S2], *rows);
 }
 
-/* The host copies of the layer's counts (and table). */
+/* The host copies of the layer's counts (kept) and table. */
 static loom_status tables_host(const loom_blk *b, const geo *q, const hs *h) {
     CK(loom_k_download(b->m, h->cnt, b->act[CNT], (size_t)q->E * sizeof(int32_t)));
+    keep_counts(q, h->cnt);
     if (q->local) return LOOM_OK;
     return loom_k_download(b->m, h->rc, b->act[RC],
                            (size_t)(q->Q * q->P * q->El) * sizeof(int32_t));
@@ -480,7 +509,8 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     const bool zl = m->moe_z_coef > 0.0;
     CK(loom_k_moe_router_fwd(m, z, q.n, q.E, q.k, m->cfg.norm_topk_prob, a[PROBS], a[IDX], a[WT],
                              psum, zl ? a[LSE] : NULL));
-    CK(loom_k_moe_route(m, a[IDX], a[WT], q.n, q.E, q.k, -1, false, a[CNT], a[ORD], a[POS]));
+    CK(loom_k_moe_route(m, a[IDX], a[WT], q.n, q.E, q.k, q.cap,
+                        m->moe_drop == LOOM_MOE_DROP_POSITION, a[CNT], a[ORD], a[POS]));
     CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
     /* the load-balancing loss's sums, once per forward (not when recomputed) */
     if (out && b->mb->aux) {
@@ -491,6 +521,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
         acc[2 * q.E] += (double)q.n;
         if (zl) CK(z_sums(b, &q, &hh));
     }
+    keep_counts(&q, hh.cnt); /* from here the experts' rows */
     /* the step's tokens per expert: each rank its own tokens (local: all
      * tp ranks route the same ones, tp rank 0 counts) */
     if (out && m->training && m->moe_load && (!q.local || m->mesh->tp_rank == 0))
@@ -533,7 +564,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     const size_t esz = m->dev.esz;
     const size_t so = (size_t)(q.o0 * q.H) * esz;
     CK(tables_host(b, &q, &hh));
-    int64_t rows = q.R;
+    int64_t rows = table_rows(&q, hh.cnt);
     if (q.local)
         memcpy(hh.ce, hh.cnt, (size_t)q.E * sizeof *hh.ce);
     else

@@ -169,6 +169,8 @@ struct loom_model {
     int ep, etp, edp;        /* the expert layers' folding of tp x cp x dp (mesh.h) */
     loom_moe_aux moe_aux;    /* the load-balancing loss's form (loom.h) */
     double moe_z_coef;       /* the router z-loss's coefficient (0: off; loom.h) */
+    double moe_cap_factor;   /* the experts' capacity factor (0: dropless; loom.h) */
+    loom_moe_drop moe_drop;  /* which choices over capacity are dropped */
     bool sp;
 
     int64_t V, Vp, H, I, L, Hq, Hkv, D;  /* full model */
