@@ -865,3 +865,54 @@ TEST(model_qwen3_moe_expert_capacity) {
     check_router_gradient(LOOM_MOE_AUX_GLOBAL, 1.0, 0.0, 1.0, LOOM_MOE_DROP_PROBS);
     check_router_gradient(LOOM_MOE_AUX_PER_LAYER, 1.0, 0.5, 0.75, LOOM_MOE_DROP_POSITION);
 }
+
+/* The router z-loss and a capacity (both policies) on one GPU in fp32
+ * against the CPU: the losses, the same choices kept, every gradient. */
+TEST(model_cuda_qwen3_moe_router_options_match_cpu) {
+    golden g[2];
+    for (int d = 0; d < 2; d++)
+        if (!golden_open(&g[d], "tiny-qwen3-moe", d ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU)) {
+            if (d) golden_close(&g[0]);
+            return;
+        }
+    for (int drop = 0; drop < 2; drop++) {
+        loom_fb_result r[2];
+        float *gr[2];
+        int64_t n[2];
+        int32_t pos[2][4][96];
+        for (int d = 0; d < 2; d++) {
+            loom_model_options o;
+            loom_model_options_default(&o);
+            o.device = d ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU;
+            o.config_overrides = "{\"router_aux_loss_coef\": 0.5}";
+            o.moe_z_loss_coeff = 0.5;
+            o.moe_expert_capacity_factor = 0.75;
+            o.moe_token_drop_policy = drop;
+            loom_model_free(g[d].m);
+            REQUIRE_OK(g[d].ctx, loom_model_create(g[d].ctx, g[d].dir, &o, &g[d].m));
+            loom_batch b = batch_of(&g[d]);
+            loom_model_zero_grad(g[d].m);
+            REQUIRE_OK(g[d].ctx, loom_model_forward_backward(g[d].m, &b, 1, &r[d]));
+            const loom_acts *a = &g[d].m->chunks[0].pool[0];
+            for (int l = 0; l < 4; l++)
+                REQUIRE_OK(g[d].ctx, loom_k_download(g[d].m, pos[d][l], a->lay[l].act[1][5],
+                                                     sizeof pos[d][l]));
+            gr[d] = all_grads(&g[d], &n[d]);
+            REQUIRE(gr[d]);
+        }
+        CHECK_MSG(memcmp(pos[0], pos[1], sizeof pos[0]) == 0, "%s: other choices kept",
+                  drop ? "position" : "probs");
+        CHECK_MSG(fabs(r[1].loss - r[0].loss) <= 1e-5 * r[0].loss &&
+                      fabs(r[1].z_loss - r[0].z_loss) <= 1e-5 * r[0].z_loss &&
+                      fabs(r[1].aux_loss - r[0].aux_loss) <= 1e-5 * r[0].aux_loss,
+                  "GPU loss %.9g z %.9g aux %.9g vs CPU %.9g %.9g %.9g", r[1].loss, r[1].z_loss,
+                  r[1].aux_loss, r[0].loss, r[0].z_loss, r[0].aux_loss);
+        REQUIRE(n[0] == n[1]);
+        const double e = rel_err(gr[1], gr[0], n[0]);
+        note_err("router options: GPU gradients vs CPU", e);
+        CHECK_MSG(e <= TOL, "%s: gradients differ by %.3g", drop ? "position" : "probs", e);
+        free(gr[0]), free(gr[1]);
+    }
+    golden_close(&g[0]);
+    golden_close(&g[1]);
+}
