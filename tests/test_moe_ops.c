@@ -289,3 +289,53 @@ TEST(moe_route_capacity_matches_a_sort) {
                       (long long)cap, by_pos ? "position" : "probs", worst);
         }
 }
+
+/* The z-loss against tools/make_fixtures_moe.py's router_z_loss of the
+ * tiny-qwen2-moe fixture (torch's logsumexp of each MoE layer's router
+ * logits, squared, its mean, summed over the layers), when that fixture is
+ * there. */
+TEST(moe_z_loss_matches_the_qwen2_moe_fixture) {
+    char path[1024], jpath[1024];
+    snprintf(path, sizeof path, "%s/golden/tiny-qwen2-moe.safetensors", loom_test_fixtures());
+    snprintf(jpath, sizeof jpath, "%s/golden/tiny-qwen2-moe.json", loom_test_fixtures());
+    if (!loom_file_exists(path) || !loom_file_exists(jpath))
+        SKIP("no tiny-qwen2-moe fixture (tools/make_fixtures_moe.py writes it)");
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    loom_safetensors *st;
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, path, &st));
+    char *json = NULL;
+    size_t len = 0;
+    REQUIRE_OK(ctx, loom_read_file(ctx, jpath, 1 << 20, &json, &len));
+    const char *at = strstr(json, "\"router_z_loss\":");
+    REQUIRE(at);
+    const double want = strtod(at + strlen("\"router_z_loss\":"), NULL);
+    double got = 0.0;
+    int layers = 0;
+    for (;; layers++) {
+        char name[64];
+        snprintf(name, sizeof name, "router_logits.%d", layers);
+        const loom_st_tensor *t = loom_st_find(st, name);
+        if (!t) break;
+        REQUIRE(t->ndim == 2);
+        const int64_t N = t->shape[0], E = t->shape[1], K = E < 2 ? E : 2;
+        float *z = malloc(sizeof(float) * (size_t)(N * E)),
+              *p = malloc(sizeof(float) * (size_t)(N * E)),
+              *w = malloc(sizeof(float) * (size_t)(N * K)),
+              *lse = malloc(sizeof(float) * (size_t)N);
+        int32_t *idx = malloc(sizeof(int32_t) * (size_t)(N * K));
+        REQUIRE(z && p && w && lse && idx);
+        REQUIRE_OK(ctx, loom_st_read(ctx, t, LOOM_F32, z, t->numel));
+        loom_cpu_router_fwd(z, N, E, (int)K, false, p, idx, w, NULL, lse);
+        double s = 0.0;
+        for (int64_t n = 0; n < N; n++) s += (double)lse[n] * lse[n];
+        got += s / (double)N;
+        free(z), free(p), free(w), free(lse), free(idx);
+    }
+    CHECK(layers > 0);
+    CHECK_MSG(fabs(got - want) <= 1e-5 * want, "z-loss over %d layers %.9g, fixture %.9g", layers,
+              got, want);
+    free(json);
+    loom_st_close(st);
+    loom_ctx_free(ctx);
+}
