@@ -144,6 +144,7 @@ struct loom_micro {
                          * the device */
     float *d_aux_g;
     double aux_loss;    /* the micro-batch's load-balancing loss (loom_moe_finish) */
+    double z_loss;      /* its router z-loss, over its MoE layers (0: off) */
     int64_t key0;       /* the same in the global batch: dropout masks are drawn by it (local
                          * batches: as if the replicas' equal batches were one, in dp order) */
 };
@@ -170,6 +171,9 @@ struct loom_model {
     int tp, cp, dp, pp, vpp; /* sizes */
     int ep, etp, edp;        /* the expert layers' folding of tp x cp x dp (mesh.h) */
     loom_moe_aux moe_aux;    /* the load-balancing loss's form (loom.h) */
+    double moe_z_coef;       /* the router z-loss's coefficient (0: off; loom.h) */
+    double moe_cap_factor;   /* the experts' capacity factor (0: dropless; loom.h) */
+    loom_moe_drop moe_drop;  /* which choices over capacity are dropped */
     bool sp;
 
     int64_t V, Vp, H, I, L, Hq, Hkv, D;  /* full model */
@@ -236,6 +240,7 @@ struct loom_model {
     double acc_aux;          /* MoE: load-balancing losses of the micro-batches since the last
                               * step (their count acc_aux_n), on one rank of each tp x cp group */
     int64_t acc_aux_n;
+    double acc_z;            /* MoE: their router z-losses (the same micro-batches) */
     double *moe_load;        /* (L, E): tokens sent to each expert since the last step (tp rank 0;
                               * NULL without experts) */
 };
