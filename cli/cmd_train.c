@@ -364,11 +364,13 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         /* tokens/s over the steps since the last logged one */
         const double tps = (double)(tokens_total - tokens_at_log) / (now - t_log);
         if (step % s->log_interval == 0 || step == s->train_steps || step == step0) {
-            char moe[160] = "";
+            char moe[200] = "", zs[48] = "";
+            const bool zl = s->moe_z_loss_coeff > 0;
+            if (zl) snprintf(zs, sizeof zs, " | z-loss %.4f", sr.z_loss);
             if (sr.expert_tokens_max > 0)
                 snprintf(moe, sizeof moe,
-                         " | aux %.4f | tokens/expert %.0f/%.1f/%.0f (imbalance %.2f)",
-                         sr.aux_loss, sr.expert_tokens_min, sr.expert_tokens_mean,
+                         " | aux %.4f%s | tokens/expert %.0f/%.1f/%.0f (imbalance %.2f)",
+                         sr.aux_loss, zs, sr.expert_tokens_min, sr.expert_tokens_mean,
                          sr.expert_tokens_max, sr.expert_imbalance);
             LOOM_LOG_I(ctx,
                        "step %" PRId64 "/%" PRId64 " | loss %.4f | grad norm %.3f | lr %.3e | "
@@ -388,7 +390,8 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                     .expert_tokens_min = sr.expert_tokens_min,
                     .expert_tokens_mean = sr.expert_tokens_mean,
                     .expert_tokens_max = sr.expert_tokens_max,
-                    .expert_imbalance = sr.expert_imbalance};
+                    .expert_imbalance = sr.expert_imbalance,
+                    .z = zl, .z_loss = sr.z_loss};
                 if ((st = loom_metrics_write(ctx, mw, &r))) goto done;
             }
             tokens_at_log = tokens_total;

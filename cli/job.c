@@ -98,6 +98,12 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
     o->sequence_parallel = s->sequence_parallel;
     o->moe_aux = s->moe_aux_loss && !strcmp(s->moe_aux_loss, "per-layer") ? LOOM_MOE_AUX_PER_LAYER
                                                                           : LOOM_MOE_AUX_GLOBAL;
+    o->moe_z_loss_coeff = s->moe_z_loss_coeff;
+    o->moe_expert_capacity_factor = s->moe_expert_capacity_factor;
+    o->moe_token_drop_policy =
+        s->moe_token_drop_policy && !strcmp(s->moe_token_drop_policy, "position")
+            ? LOOM_MOE_DROP_POSITION
+            : LOOM_MOE_DROP_PROBS;
     o->recompute = !strcmp(s->recompute, "full")  ? LOOM_RECOMPUTE_FULL
                    : !strcmp(s->recompute, "mlp") ? LOOM_RECOMPUTE_MLP
                                                   : LOOM_RECOMPUTE_NONE;
@@ -133,6 +139,7 @@ loom_status loom_cli_predict_memory(loom_ctx *ctx, const loom_settings *s,
     loom_cli_model_options(&tmp, &o);
     in.adt = o.dtype;
     in.recompute = o.recompute;
+    in.moe_capacity_factor = o.moe_expert_capacity_factor;
     if (in.lora_r > 0) {
         loom_status st = loom_lora_parse_targets(ctx, s->lora_target, in.lora_target);
         if (st) return st;

@@ -167,6 +167,11 @@ typedef enum loom_recompute {
  *             summed over the layers */
 typedef enum loom_moe_aux { LOOM_MOE_AUX_GLOBAL = 0, LOOM_MOE_AUX_PER_LAYER } loom_moe_aux;
 
+/* Which of an expert's choices a capacity drops (Megatron's
+ * --moe-token-drop-policy): PROBS those of the lowest routing weight (ties:
+ * the later token), POSITION those of the latest tokens. */
+typedef enum loom_moe_drop { LOOM_MOE_DROP_PROBS = 0, LOOM_MOE_DROP_POSITION } loom_moe_drop;
+
 typedef struct loom_model_options {
     /* JSON object whose keys replace those of config.json before it is read,
      * e.g. {"num_hidden_layers": 2}; NULL for none. */
@@ -204,6 +209,26 @@ typedef struct loom_model_options {
     /* Mixture of experts: which load-balancing loss router_aux_loss_coef
      * scales (loom_moe_aux). */
     int moe_aux;
+    /* Mixture of experts: the router z-loss's coefficient (Megatron's
+     * --moe-z-loss-coeff; 0: off, the default; negative is refused). Each
+     * MoE layer's z-loss is the mean over its router rows of lse(z)^2 (z a
+     * token's router logits, lse their logsumexp); the layers' sum times
+     * this coefficient is added to each micro-batch's loss as the
+     * load-balancing loss is (times its target tokens). */
+    double moe_z_loss_coeff;
+    /* Mixture of experts: the experts' capacity factor (Megatron's
+     * --moe-expert-capacity-factor; 0: dropless, the default; negative is
+     * refused). Each router call (the tokens one rank routes: the
+     * micro-batch's on this cp rank, and under the expert fold this tp
+     * rank's slice, as Megatron's router sees its sequence-parallel shard)
+     * lets each expert keep at most ceil(tokens k / E x factor) of its
+     * choices; a dropped choice adds nothing to its token's output and has
+     * no gradient, while the probabilities and the load-balancing loss still
+     * count it (Megatron's). The experts' buffers are sized by it. */
+    double moe_expert_capacity_factor;
+    /* Which choices the capacity drops (loom_moe_drop; Megatron's
+     * --moe-token-drop-policy, "probs" by default). */
+    int moe_token_drop_policy;
 } loom_model_options;
 
 void loom_model_options_default(loom_model_options *o);
@@ -299,6 +324,9 @@ typedef struct loom_fb_result {
                        * (transformers' load_balancing_loss_func, before router_aux_loss_coef),
                        * the mean over this call's micro-batches; `loss` includes coef times
                        * each micro-batch's, weighted by its tokens. 0 without experts */
+    double z_loss;    /* mixture of experts with moe_z_loss_coeff > 0: the router z-loss summed
+                       * over the MoE layers (each layer's mean lse^2, before the coefficient),
+                       * the mean over this call's micro-batches; else 0 */
 } loom_fb_result;
 
 /* Runs the batch split into num_micro_batches (dividing rows) and adds the
@@ -331,6 +359,9 @@ typedef struct loom_step_result {
      * expert), and the largest max/mean of one layer (1: perfectly balanced) */
     double aux_loss;
     double expert_tokens_min, expert_tokens_mean, expert_tokens_max, expert_imbalance;
+    /* with moe_z_loss_coeff > 0: the router z-loss (loom_fb_result's), the mean
+     * over the step's micro-batches; else 0 */
+    double z_loss;
 } loom_step_result;
 /* Counts a call; every accumulation_steps-th call (1: every call) scales the
  * accumulated gradient to the mean loss, clips it to max_grad_norm (<= 0: no

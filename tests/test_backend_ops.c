@@ -484,19 +484,20 @@ static float *router_logits(run *r, int64_t N, int64_t E) {
 typedef struct router_case {
     int64_t N, E;
     int k;
-    bool norm, psum, ga, dw;
+    bool norm, psum, ga, dw, z; /* z: the z-loss's lse and its gradient */
 } router_case;
 
-/* The router forward (probs, w within rounding, idx exactly, psum added to),
- * its backward from the CPU's probs and idx, and route from the CPU's idx
- * (counts, order and pos exactly). */
+/* The router forward (probs, w and lse within rounding, idx exactly, psum
+ * added to), its backward from the CPU's probs, idx and lse, and route from
+ * the CPU's idx (counts, order and pos exactly). */
 static void moe_router_family(run *r, const router_case *c) {
     const int64_t N = c->N, E = c->E, NK = N * c->k;
     float *z = router_logits(r, N, E), *ps0 = rnd(r, E, 1, false), *dw = rnd(r, NK, 1, false),
           *ga = rnd(r, E, 0.5f, false);
+    const float zc = 0.375f;
     for (int64_t e = 0; e < E; e++)
         ps0[e] = fabsf(ps0[e]);
-    void *pr[2], *ix[2], *w[2], *ps[2], *dz[2], *cnt[2], *ord[2], *pos[2];
+    void *pr[2], *ix[2], *w[2], *ps[2], *ls[2], *dz[2], *cnt[2], *ord[2], *pos[2];
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
@@ -505,8 +506,9 @@ static void moe_router_family(run *r, const router_case *c) {
         ix[k] = keep(r, k, (size_t)NK * 4);
         w[k] = keep(r, k, (size_t)NK * 4);
         ps[k] = c->psum ? in(r, k, ps0, E, false) : NULL;
+        ls[k] = c->z ? keep(r, k, (size_t)N * 4) : NULL;
         REQUIRE_OK(r->ctx, be->moe_router_fwd(d, r->ctx, Z, N, E, c->k, c->norm, pr[k], ix[k], w[k],
-                                              ps[k]));
+                                              ps[k], ls[k]));
     }
     const double ptol = 1e-5; /* fp32 softmaxes: a few ulp apart */
     same(r, "moe_router_fwd probs", pr, N * E, false, ptol);
@@ -514,8 +516,10 @@ static void moe_router_family(run *r, const router_case *c) {
     same(r, "moe_router_fwd w", w, NK, false, ptol);
     if (c->psum)
         same(r, "moe_router_fwd psum", ps, E, false, ptol);
+    if (c->z)
+        same(r, "moe_router_fwd lse", ls, N, false, ptol);
     /* the backward and route on the CPU's forward, on both sides */
-    float *hp = out(r, 0, pr[0], N * E, false);
+    float *hp = out(r, 0, pr[0], N * E, false), *hl = c->z ? out(r, 0, ls[0], N, false) : NULL;
     int32_t *hi = malloc((size_t)NK * 4);
     MUST(hi);
     memcpy(hi, ix[0], (size_t)NK * 4); /* side 0's memory is the host's */
@@ -524,13 +528,17 @@ static void moe_router_family(run *r, const router_case *c) {
         loom_dev *d = &r->d[k];
         void *P = in(r, k, hp, N * E, false), *I = raw(r, k, hi, (size_t)NK * 4);
         void *DW = c->dw ? in(r, k, dw, NK, false) : NULL,
-             *GA = c->ga ? in(r, k, ga, E, false) : NULL;
+             *GA = c->ga ? in(r, k, ga, E, false) : NULL,
+             *LS = c->z ? in(r, k, hl, N, false) : NULL,
+             *ZC = c->z ? in(r, k, &zc, 1, false) : NULL;
         dz[k] = keep(r, k, (size_t)(N * E) * d->esz);
-        REQUIRE_OK(r->ctx, be->moe_router_bwd(d, r->ctx, P, I, DW, GA, N, E, c->k, c->norm, dz[k]));
+        REQUIRE_OK(r->ctx,
+                   be->moe_router_bwd(d, r->ctx, P, I, DW, GA, LS, ZC, N, E, c->k, c->norm, dz[k]));
         cnt[k] = keep(r, k, (size_t)E * 4);
         ord[k] = keep(r, k, (size_t)NK * 4);
         pos[k] = keep(r, k, (size_t)NK * 4);
-        REQUIRE_OK(r->ctx, be->moe_route(d, r->ctx, I, N, E, c->k, cnt[k], ord[k], pos[k]));
+        REQUIRE_OK(r->ctx, be->moe_route(d, r->ctx, I, NULL, N, E, c->k, -1, false, cnt[k], ord[k],
+                                         pos[k]));
     }
     same(r, "moe_router_bwd dz", dz, N * E, true, tol_of(r));
     same_ints(r, "moe_route counts", cnt, E);
@@ -538,7 +546,7 @@ static void moe_router_family(run *r, const router_case *c) {
     same_ints(r, "moe_route pos", pos, NK);
     if (E == 8 && c->k < 8) /* the expert no token picks */
         CHECK_EQ_INT(((const int32_t *)cnt[0])[7], 0);
-    free(z), free(ps0), free(dw), free(ga), free(hp), free(hi);
+    free(z), free(ps0), free(dw), free(ga), free(hp), free(hl), free(hi);
 }
 
 /* route alone on larger choice lists (many chunks, up to the most experts),
@@ -559,8 +567,8 @@ static void moe_route_family(run *r, int64_t N, int64_t E, int kk) {
         cnt[k] = keep(r, k, (size_t)E * 4);
         ord[k] = keep(r, k, (size_t)NK * 4);
         pos[k] = keep(r, k, (size_t)NK * 4);
-        REQUIRE_OK(r->ctx,
-                   r->be[k]->moe_route(&r->d[k], r->ctx, I, N, E, kk, cnt[k], ord[k], pos[k]));
+        REQUIRE_OK(r->ctx, r->be[k]->moe_route(&r->d[k], r->ctx, I, NULL, N, E, kk, -1, false,
+                                               cnt[k], ord[k], pos[k]));
     }
     same_ints(r, "moe_route counts", cnt, E);
     same_ints(r, "moe_route order", ord, NK);
@@ -568,9 +576,47 @@ static void moe_route_family(run *r, int64_t N, int64_t E, int kk) {
     free(idx);
 }
 
+/* route with a capacity of cap choices an expert, dropping by weight or by
+ * position: skewed choices (expert h % (E / 4) first, so a few experts
+ * overflow), weights on a coarse grid (exact ties among an expert's) */
+static void moe_route_cap_family(run *r, int64_t N, int64_t E, int kk, int64_t cap, bool by_pos) {
+    const int64_t NK = N * kk;
+    int32_t *idx = malloc((size_t)NK * 4);
+    float *w = malloc((size_t)NK * 4);
+    MUST(idx && w);
+    for (int64_t n = 0; n < N; n++) {
+        const uint64_t h = loom_splitmix64(r->seed + (uint64_t)n);
+        for (int j = 0; j < kk; j++) {
+            idx[n * kk + j] = (int32_t)(((int64_t)(h % (uint64_t)(E / 4)) + j) % E);
+            w[n * kk + j] = (float)((h >> (8 + 4 * j)) % 16) / 16.0f;
+        }
+    }
+    r->seed += 0x9e3779b97f4a7c15ull;
+    void *cnt[2], *ord[2], *pos[2];
+    for (int k = 0; k < 2; k++) {
+        void *I = raw(r, k, idx, (size_t)NK * 4), *W = in(r, k, w, NK, false);
+        cnt[k] = keep(r, k, (size_t)E * 4);
+        ord[k] = keep(r, k, (size_t)NK * 4);
+        pos[k] = keep(r, k, (size_t)NK * 4);
+        REQUIRE_OK(r->ctx, r->be[k]->moe_route(&r->d[k], r->ctx, I, W, N, E, kk, cap, by_pos,
+                                               cnt[k], ord[k], pos[k]));
+    }
+    same_ints(r, by_pos ? "moe_route (position) counts" : "moe_route (probs) counts", cnt, E);
+    same_ints(r, by_pos ? "moe_route (position) order" : "moe_route (probs) order", ord, NK);
+    same_ints(r, by_pos ? "moe_route (position) pos" : "moe_route (probs) pos", pos, NK);
+    int64_t dropped = 0;
+    for (int64_t c = 0; c < NK; c++)
+        dropped += ((const int32_t *)pos[0])[c] < 0;
+    CHECK_MSG(dropped > 0, "N=%lld E=%lld cap=%lld: no choice dropped", (long long)N, (long long)E,
+              (long long)cap);
+    free(idx), free(w);
+}
+
 /* permute, combine and their backwards on the CPU's route of synthetic
- * choices; H a multiple of 8 takes the GPU's 16-byte paths, others not */
-static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H) {
+ * choices (cap >= 0: with that capacity, dropping by weight; the rows of
+ * the dropped are not written, so only the kept ones are compared); H a
+ * multiple of 8 takes the GPU's 16-byte paths, others not */
+static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H, int64_t cap) {
     const int64_t NK = N * kk;
     int32_t *idx = malloc((size_t)NK * 4), *cnt = malloc((size_t)E * 4),
             *order = malloc((size_t)NK * 4), *pos = malloc((size_t)NK * 4);
@@ -580,9 +626,15 @@ static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H) {
         for (int j = 0; j < kk; j++) /* distinct; the upper half of the experts less often */
             idx[n * kk + j] = (int32_t)(((int64_t)(h % (uint64_t)(E / 2)) + j) % E);
     }
-    MUST_OK(r->ctx, r->be[0]->moe_route(&r->d[0], r->ctx, idx, N, E, kk, cnt, order, pos));
     float *x = rnd(r, N * H, 1, true), *yg = rnd(r, NK * H, 1, true), *dy = rnd(r, N * H, 1, true),
           *dxg = rnd(r, NK * H, 1, true), *w = rnd(r, NK, 1, false);
+    MUST_OK(r->ctx,
+            r->be[0]->moe_route(&r->d[0], r->ctx, idx, w, N, E, kk, cap, false, cnt, order, pos));
+    int64_t R = 0; /* the kept rows */
+    for (int64_t e = 0; e < E; e++)
+        R += cap >= 0 && cnt[e] > cap ? cap : cnt[e];
+    if (cap >= 0)
+        CHECK(R < NK);
     void *xg[2], *y[2], *dyg[2], *dw[2], *dx[2];
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
@@ -602,9 +654,9 @@ static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H) {
         REQUIRE_OK(r->ctx, be->moe_permute_bwd(d, r->ctx, DXG, P, N, kk, H, dx[k]));
     }
     const double tol = tol_of(r);
-    same(r, "moe_permute", xg, NK * H, true, 0.0);
+    same(r, "moe_permute", xg, R * H, true, 0.0);
     same(r, "moe_combine", y, N * H, true, tol);
-    same(r, "moe_combine_bwd dyg", dyg, NK * H, true, tol);
+    same(r, "moe_combine_bwd dyg", dyg, R * H, true, tol);
     same(r, "moe_combine_bwd dw", dw, NK, false, 1e-4); /* dots of the same values */
     same(r, "moe_permute_bwd", dx, N * H, true, tol);
     free(idx), free(cnt), free(order), free(pos);
@@ -662,8 +714,7 @@ TEST(backend_moe_gate_ops_equal_cpu) {
  * among them): forward y_g = x_g W_g^T, input gradient dx_g = dy_g W_g, and
  * weight gradient dW_g += dy_g^T x_g into fp32 (K = cnt[g], 0 included); then
  * the weight gradient with beta 0, alpha 0.5 (the groups of no rows zeroed). */
-static void moe_gemm_family(run *r, int G, const int64_t *cnt) {
-    const int64_t in_ = 64, out_ = 48;
+static void moe_gemm_family(run *r, int G, const int64_t *cnt, int64_t in_, int64_t out_) {
     int64_t T = 0;
     for (int i = 0; i < G; i++)
         T += cnt[i];
@@ -724,6 +775,81 @@ static void moe_gemm_family(run *r, int G, const int64_t *cnt) {
     free(x), free(W), free(dy), free(dW0), free(g);
 }
 
+/* LoRA's six grouped products on the experts (block_moe.c's lora_gemm), rank
+ * rk, over G groups of cnt[g] rows: u = x A_g^T, y += s u B_g^T, du = s dy
+ * B_g, dx += du A_g, dB_g += s dy_g^T u_g and dA_g += du_g^T x_g (fp32),
+ * then dA_g = du_g^T x_g / 2 (beta 0: the groups of no rows zeroed). On a GPU
+ * these are loom_cuda_gemm_skinny's rowdot, expand and reduce kernels. */
+static void moe_lora_gemm_family(run *r, int G, const int64_t *cnt, int64_t rk) {
+    const int64_t in_ = 64, out_ = 48;
+    const float sc = 2.0f;
+    int64_t T = 0;
+    for (int i = 0; i < G; i++)
+        T += cnt[i];
+    float *x = rnd(r, T * in_, 1, true), *A = rnd(r, G * rk * in_, 0.1f, true),
+          *B = rnd(r, G * out_ * rk, 0.1f, true), *dy = rnd(r, T * out_, 1, true),
+          *y0 = rnd(r, T * out_, 1, true), *dx0 = rnd(r, T * in_, 1, true),
+          *dB0 = rnd(r, G * out_ * rk, 1, false), *dA0 = rnd(r, G * rk * in_, 1, false);
+    loom_gemm_group *g = malloc((size_t)G * sizeof *g);
+    MUST(g);
+    void *u[2], *y[2], *du[2], *dx[2], *dB[2], *dA[2], *dAz[2];
+    for (int k = 0; k < 2; k++) {
+        const loom_backend *be = r->be[k];
+        loom_dev *d = &r->d[k];
+        const loom_dtype t = d->adt;
+        const size_t es = d->esz;
+        char *X = in(r, k, x, T * in_, true), *AA = in(r, k, A, G * rk * in_, true),
+             *BB = in(r, k, B, G * out_ * rk, true), *DY = in(r, k, dy, T * out_, true);
+        char *U = keep(r, k, (size_t)(T * rk) * es), *DU = keep(r, k, (size_t)(T * rk) * es);
+        char *Y = in(r, k, y0, T * out_, true), *DX = in(r, k, dx0, T * in_, true);
+        char *DB = in(r, k, dB0, G * out_ * rk, false), *DA = in(r, k, dA0, G * rk * in_, false),
+             *DAz = in(r, k, dA0, G * rk * in_, false);
+        u[k] = U, y[k] = Y, du[k] = DU, dx[k] = DX, dB[k] = DB, dA[k] = DA, dAz[k] = DAz;
+#define GROUPS(a, b, c, m, n, kk)                                                                  \
+    do {                                                                                           \
+        int64_t off = 0;                                                                           \
+        for (int i = 0; i < G; off += cnt[i], i++)                                                 \
+            g[i] = (loom_gemm_group){.A = (a), .B = (b), .C = (c), .M = (m), .N = (n), .K = (kk)}; \
+    } while (0)
+        GROUPS(X + (size_t)(off * in_) * es, AA + (size_t)(i * rk * in_) * es,
+               U + (size_t)(off * rk) * es, cnt[i], rk, in_);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, true, G, g, 1.0f, in_, in_, t, 0.0f,
+                                            t, rk));
+        GROUPS(U + (size_t)(off * rk) * es, BB + (size_t)(i * out_ * rk) * es,
+               Y + (size_t)(off * out_) * es, cnt[i], out_, rk);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, true, G, g, sc, rk, rk, t, 1.0f, t,
+                                            out_));
+        GROUPS(DY + (size_t)(off * out_) * es, BB + (size_t)(i * out_ * rk) * es,
+               DU + (size_t)(off * rk) * es, cnt[i], rk, out_);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, false, G, g, sc, out_, rk, t, 0.0f,
+                                            t, rk));
+        GROUPS(DU + (size_t)(off * rk) * es, AA + (size_t)(i * rk * in_) * es,
+               DX + (size_t)(off * in_) * es, cnt[i], in_, rk);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, false, false, G, g, 1.0f, rk, in_, t, 1.0f,
+                                            t, in_));
+        GROUPS(DY + (size_t)(off * out_) * es, U + (size_t)(off * rk) * es,
+               DB + (size_t)(i * out_ * rk) * 4, out_, rk, cnt[i]);
+        REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, true, false, G, g, sc, out_, rk, t, 1.0f,
+                                            LOOM_F32, rk));
+        for (int pass = 0; pass < 2; pass++) {
+            GROUPS(DU + (size_t)(off * rk) * es, X + (size_t)(off * in_) * es,
+                   (pass ? DAz : DA) + (size_t)(i * rk * in_) * 4, rk, in_, cnt[i]);
+            REQUIRE_OK(r->ctx, be->gemm_grouped(d, r->ctx, true, false, G, g, pass ? 0.5f : 1.0f,
+                                                rk, in_, t, pass ? 0.0f : 1.0f, LOOM_F32, in_));
+        }
+#undef GROUPS
+    }
+    const double tol = tol_of(r);
+    same(r, "gemm_grouped (LoRA u = x A_g^T)", u, T * rk, true, tol);
+    same(r, "gemm_grouped (LoRA y += s u B_g^T)", y, T * out_, true, tol);
+    same(r, "gemm_grouped (LoRA du = s dy B_g)", du, T * rk, true, tol);
+    same(r, "gemm_grouped (LoRA dx += du A_g)", dx, T * in_, true, tol);
+    same(r, "gemm_grouped (LoRA dB_g += s dy_g^T u_g, fp32)", dB, G * out_ * rk, false, tol);
+    same(r, "gemm_grouped (LoRA dA_g += du_g^T x_g, fp32)", dA, G * rk * in_, false, tol);
+    same(r, "gemm_grouped (LoRA dA_g = du_g^T x_g / 2, fp32)", dAz, G * rk * in_, false, tol);
+    free(x), free(A), free(B), free(dy), free(y0), free(dx0), free(dB0), free(dA0), free(g);
+}
+
 #define GPU_OR_SKIP(r, t)                                                                          \
     do {                                                                                           \
         if (!run_begin(&(r), (t)))                                                                 \
@@ -769,13 +895,18 @@ TEST(backend_optimizer_ops_equal_cpu) {
 }
 
 /* E = 8 and 128 (and the most, 2048), k = 1, 2 and 8, N not a multiple of
- * the GPU's rows a block; norm_topk, psum, ga and dw each on and off */
+ * the GPU's rows a block; norm_topk, psum, ga, dw and the z-loss each on
+ * and off */
 TEST(backend_moe_router_ops_equal_cpu) {
     static const router_case cases[] = {
-        {37, 8, 1, false, false, true, true},    {37, 8, 2, true, true, false, true},
-        {1000, 8, 8, true, true, true, false},   {1000, 128, 2, false, true, true, true},
-        {300, 128, 8, true, false, false, true}, {129, 128, 1, true, true, true, true},
-        {50, 2048, 8, true, true, true, true},   {7, 128, 2, false, false, false, false},
+        {37, 8, 1, false, false, true, true, true},
+        {37, 8, 2, true, true, false, true, false},
+        {1000, 8, 8, true, true, true, false, true},
+        {1000, 128, 2, false, true, true, true, false},
+        {300, 128, 8, true, false, false, true, true},
+        {129, 128, 1, true, true, true, true, false},
+        {50, 2048, 8, true, true, true, true, true},
+        {7, 128, 2, false, false, false, false, true},
     };
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++)
@@ -800,18 +931,38 @@ TEST(backend_moe_route_equals_cpu) {
     }
 }
 
+/* capacities below, at and near an expert's load; both policies; many
+ * chunks and the most experts (the second pass groups 2E) */
+TEST(backend_moe_route_capacity_equals_cpu) {
+    static const struct {
+        int64_t N, E;
+        int k;
+        int64_t cap;
+    } cases[] = {{37, 8, 2, 5},        {37, 8, 2, 0},      {3001, 128, 8, 40},
+                 {40000, 128, 8, 700}, {700, 2048, 16, 3}, {300, 16, 4, 90}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++)
+        for (int by_pos = 0; by_pos < 2; by_pos++) {
+            run r;
+            GPU_OR_SKIP(r, LOOM_F32);
+            moe_route_cap_family(&r, cases[c].N, cases[c].E, cases[c].k, cases[c].cap, by_pos);
+            run_end(&r);
+        }
+}
+
+/* cap >= 0: with a capacity (the dropped choices' rows skipped) */
 TEST(backend_moe_rows_ops_equal_cpu) {
     static const struct {
         int64_t N, E;
         int k;
-        int64_t H;
-    } cases[] = {{37, 8, 2, 72}, {37, 8, 8, 70}, {300, 128, 8, 136}, {5, 128, 1, 6}};
+        int64_t H, cap;
+    } cases[] = {{37, 8, 2, 72, -1}, {37, 8, 8, 70, -1}, {300, 128, 8, 136, -1},
+                 {5, 128, 1, 6, -1}, {37, 8, 2, 72, 5},  {300, 128, 8, 136, 12}};
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++)
         for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
             run r;
             GPU_OR_SKIP(r, dts[i]);
-            moe_rows_family(&r, cases[c].N, cases[c].E, cases[c].k, cases[c].H);
+            moe_rows_family(&r, cases[c].N, cases[c].E, cases[c].k, cases[c].H, cases[c].cap);
             run_end(&r);
         }
 }
@@ -819,7 +970,7 @@ TEST(backend_moe_rows_ops_equal_cpu) {
 /* each dtype with cuBLAS's grouped call where it applies, then with one GEMM
  * a group (LOOM_GEMM_GROUPED=loop, read when the GPU's table is set up) */
 TEST(backend_moe_gemm_grouped_equals_cpu) {
-    static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2};
+    static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2}, c4[4] = {700, 0, 129, 1100};
     int64_t c128[128];
     for (int i = 0; i < 128; i++) {
         const uint64_t h = loom_splitmix64((uint64_t)i * 7919u);
@@ -834,10 +985,43 @@ TEST(backend_moe_gemm_grouped_equals_cpu) {
                 unsetenv("LOOM_GEMM_GROUPED");
             run r;
             GPU_OR_SKIP(r, dts[i]);
-            moe_gemm_family(&r, 8, c8);
-            moe_gemm_family(&r, 128, c128);
+            moe_gemm_family(&r, 8, c8, 64, 48);
+            moe_gemm_family(&r, 128, c128, 64, 48);
+            moe_gemm_family(&r, 4, c4, 256, 256); /* a group alone (1100 rows: cuBLASLt) */
             run_end(&r);
         }
+    unsetenv("LOOM_GEMM_GROUPED");
+}
+
+/* LoRA's grouped products on the experts: on a GPU loom's skinny kernels,
+ * then (LOOM_GEMM_GROUPED=loop) one cuBLASLt GEMM a group; ranks 4, 8 and
+ * 16, groups of no rows among them, and groups longer than a chunk of the
+ * sums over rows (128) */
+TEST(backend_moe_lora_gemm_grouped_equals_cpu) {
+    static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2}, c4[4] = {700, 0, 129, 1100};
+    int64_t c128[128];
+    for (int i = 0; i < 128; i++) {
+        const uint64_t h = loom_splitmix64((uint64_t)i * 104729u);
+        c128[i] = h % 4 == 0 ? 0 : (int64_t)(h >> 8) % 11;
+    }
+    const struct {
+        int G;
+        const int64_t *cnt;
+        int64_t rk;
+    } cases[] = {{8, c8, 8}, {128, c128, 4}, {8, c8, 16}, {4, c4, 8}};
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int mode = 0; mode < 2; mode++)
+        for (int i = 0; i < 2; i++)
+            for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+                if (mode)
+                    setenv("LOOM_GEMM_GROUPED", "loop", 1);
+                else
+                    unsetenv("LOOM_GEMM_GROUPED");
+                run r;
+                GPU_OR_SKIP(r, dts[i]);
+                moe_lora_gemm_family(&r, cases[c].G, cases[c].cnt, cases[c].rk);
+                run_end(&r);
+            }
     unsetenv("LOOM_GEMM_GROUPED");
 }
 

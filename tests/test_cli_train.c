@@ -107,6 +107,52 @@ TEST(cli_train_expert_parallel_options) {
     free(out);
 }
 
+/* The MoE router's options (Megatron's names): the z-loss and a capacity
+ * reach training from flags (the settings table, the log line, the metrics
+ * file's z_loss), and bad values stop the run before any compute. */
+TEST(cli_train_moe_router_options) {
+    char model[1024], text[1024], data[1024], metrics[1024], *out;
+    snprintf(model, sizeof model, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    tmp_path(text, sizeof text, "moe.txt");
+    tmp_path(data, sizeof data, "moe.tokens");
+    tmp_path(metrics, sizeof metrics, "moe-metrics.jsonl");
+    FILE *f = fopen(text, "w");
+    REQUIRE(f);
+    for (int i = 0; i < 20; i++) fprintf(f, "experts route tokens %d ways.\n\n", i);
+    fclose(f);
+    REQUIRE(RUN(&out, "data", "--text", text, "--out", data) == 0);
+    free(out);
+    int rc = RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data,
+                 "--train-steps", "2", "--seq-len", "32", "--global-batch-size", "2",
+                 "--moe-z-loss-coeff", "1e-3", "--moe-expert-capacity-factor", "1.0",
+                 "--moe-token-drop-policy", "position", "--metrics-file", metrics);
+    CHECK_EQ_INT(rc, 0);
+    CHECK_CONTAINS(out, "moe_z_loss_coeff");
+    CHECK_CONTAINS(out, "moe_expert_capacity_factor");
+    CHECK_CONTAINS(out, "position");
+    CHECK_CONTAINS(out, "| z-loss ");
+    free(out);
+    char *json = NULL;
+    size_t len = 0;
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    REQUIRE_OK(ctx, loom_read_file(ctx, metrics, 1 << 20, &json, &len));
+    CHECK_MSG(strstr(json, "\"z_loss\": ") != NULL, "%s", json);
+    free(json);
+    loom_ctx_free(ctx);
+    const char *bad[][3] = {
+        {"--moe-z-loss-coeff", "-1", "moe_z_loss_coeff = -1"},
+        {"--moe-expert-capacity-factor", "-0.5", "moe_expert_capacity_factor = -0.5"},
+        {"--moe-token-drop-policy", "last", "is not one of probs|position"}};
+    for (int i = 0; i < 3; i++) {
+        rc = RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, bad[i][0],
+                 bad[i][1]);
+        CHECK_MSG(rc != 0 && out && strstr(out, bad[i][2]) && !strstr(out, "step 1/"), "%s: %s",
+                  bad[i][0], out ? out : "");
+        free(out);
+    }
+}
+
 /* golden on the fixture batch reproduces the HF fixture. */
 TEST(cli_golden_matches_fixture) {
     char model[1024], batch[1024], outf[1024], *out;

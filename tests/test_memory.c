@@ -322,3 +322,57 @@ TEST(memory_inspect_mesh_moe) {
     CHECK_CONTAINS(out, "expert parallelism needs a mixture-of-experts model");
     free(out);
 }
+
+/* A capacity factor sizes the MoE buffers by the capacity (each expert's
+ * kept choices) instead of the dropless worst case: the prediction still
+ * equals the model's one allocation, and with a factor below 1 it is
+ * smaller; on the expert fold (where dropless a rank's experts may get
+ * every token of the ep group) a factor of 1 cuts it too. */
+TEST(memory_prediction_moe_capacity) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
+    int32_t ids[48], tgt[48];
+    for (int i = 0; i < 48; i++) ids[i] = (i * 37) % 1000, tgt[i] = (i * 53 + 1) % 1000;
+    loom_batch b = {.rows = 2, .seq_len = 24, .input_ids = ids, .targets = tgt};
+    uint64_t acts[2];
+    for (int c = 0; c < 2; c++) {
+        loom_model_options o;
+        loom_model_options_default(&o);
+        o.moe_expert_capacity_factor = c ? 0.5 : 0.0;
+        loom_model *m = NULL;
+        REQUIRE_OK(ctx, loom_model_create(ctx, dir, &o, &m));
+        loom_fb_result r;
+        REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, 2, &r));
+        loom_mem_in in = {.n = m->mesh->n, .adt = LOOM_F32, .micro_batch_size = 1, .seq = 24,
+                          .n_micro = 2, .training = true, .moe_capacity_factor = c ? 0.5 : 0.0};
+        loom_mem_report p;
+        REQUIRE_OK(ctx, loom_memory_predict(ctx, &m->cfg, &in, &p));
+        CHECK_EQ_INT((int64_t)p.acts, (int64_t)m->act_bytes);
+        acts[c] = p.moe_acts;
+        loom_model_free(m);
+    }
+    CHECK_MSG(acts[1] < acts[0], "MoE activations: dropless %llu, capacity 0.5 %llu",
+              (unsigned long long)acts[0], (unsigned long long)acts[1]);
+    /* ep 4 of tp 1 dp 4: each rank's experts can get 4 ranks' tokens dropless,
+     * 4 x (2 experts x cap) with capacity */
+    loom_model_config cfg;
+    REQUIRE_OK(ctx, loom_config_load(ctx, dir, &cfg));
+    loom_mesh_sizes want = {.tp = 1, .cp = 1, .dp = 4, .pp = 1, .ep = 4, .etp = 1}, n;
+    REQUIRE_OK(ctx, loom_mesh_sizes_resolve(ctx, &want, 4, &n));
+    uint64_t ep[2];
+    for (int c = 0; c < 2; c++) {
+        loom_mem_in in = {.n = n, .adt = LOOM_BF16, .cuda = true, .micro_batch_size = 1,
+                          .seq = 4096, .n_micro = 1, .training = true,
+                          .moe_capacity_factor = c ? 1.0 : 0.0};
+        loom_mem_report r;
+        REQUIRE_OK(ctx, loom_memory_predict_stage(ctx, &cfg, &in, 0, &r));
+        ep[c] = r.moe_acts;
+    }
+    CHECK_MSG(ep[1] * 2 < ep[0], "ep4: MoE activations dropless %llu, capacity 1.0 %llu",
+              (unsigned long long)ep[0], (unsigned long long)ep[1]);
+    loom_config_free(&cfg);
+    loom_ctx_free(ctx);
+}

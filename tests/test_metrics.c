@@ -105,6 +105,12 @@ TEST(metrics_jsonl_line) {
     CHECK(strstr(sb.buf, "\"elapsed_s\": 1.25, \"aux_loss\": 2.25, \"expert_tokens_min\": 3, "
                          "\"expert_tokens_mean\": 12, \"expert_tokens_max\": 30, "
                          "\"expert_imbalance\": 2.5}\n") != NULL);
+    /* with the router z-loss on: z_loss after them */
+    r.z = true, r.z_loss = 21.5;
+    sb.len = 0;
+    loom_metrics_jsonl(&sb, &r);
+    CHECK(strstr(sb.buf, "\"expert_imbalance\": 2.5, \"z_loss\": 21.5}\n") != NULL);
+    CHECK_STR(loom_metrics_tb_tag("z_loss"), "z_loss");
     CHECK_STR(loom_metrics_tb_tag("expert_imbalance"), "moe/expert_imbalance");
     CHECK_STR(loom_metrics_tb_tag("loss"), "lm loss");
     CHECK_STR(loom_metrics_tb_tag("lr"), "learning-rate");

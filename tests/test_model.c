@@ -385,12 +385,16 @@ static void check_router(const char *model, loom_device dev) {
     golden_close(&g);
 }
 
-/* The load-balancing loss's gradient (router_aux_loss_coef 1, so it is a
- * good part of the loss) against central differences of the loss through
- * the whole model: router weights, and attention and expert weights of the
- * first layer (whose effect reaches the later layers' routing). Elements
- * whose step changes some token's choice of experts are skipped. */
-static void check_aux_gradient(loom_moe_aux form) {
+/* The load-balancing loss's gradient (router_aux_loss_coef aux_coef, 1 so
+ * it is a good part of the loss) and the router z-loss's (coefficient
+ * z_coef) against central differences of the loss through the whole model:
+ * router weights, and attention and expert weights of the first layer
+ * (whose effect reaches the later layers' routing); with a capacity factor
+ * cap_factor > 0 (drop policy drop), through the dropping. Elements whose
+ * step changes some token's choice of experts, or which are dropped, are
+ * skipped. */
+static void check_router_gradient(loom_moe_aux form, double aux_coef, double z_coef,
+                                  double cap_factor, loom_moe_drop drop) {
     golden g;
     memset(&g, 0, sizeof g);
     REQUIRE(!loom_ctx_create(&g.ctx));
@@ -399,8 +403,13 @@ static void check_aux_gradient(loom_moe_aux form) {
     char p[1024];
     loom_model_options o;
     loom_model_options_default(&o);
-    o.config_overrides = "{\"router_aux_loss_coef\": 1.0}";
+    char ov[64];
+    snprintf(ov, sizeof ov, "{\"router_aux_loss_coef\": %g}", aux_coef);
+    o.config_overrides = ov;
     o.moe_aux = form;
+    o.moe_z_loss_coeff = z_coef;
+    o.moe_expert_capacity_factor = cap_factor;
+    o.moe_token_drop_policy = drop;
     REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
     REQUIRE_OK(g.ctx, loom_st_open_file(g.ctx, path_of(p, sizeof p, "golden/", "tiny-qwen3-moe",
                                                        ".safetensors"), &g.st));
@@ -413,10 +422,18 @@ static void check_aux_gradient(loom_moe_aux form) {
     loom_model_zero_grad(g.m);
     REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 1, &r));
     CHECK(r.aux_loss > 1.0 && fabs(r.loss - r.loss_sum / 41.0) < 1e-12);
+    CHECK(z_coef > 0 ? r.z_loss > 1.0 : r.z_loss == 0.0);
+    int dropped = 0;
+    for (int64_t l = 0; l < g.m->L; l++)
+        for (int64_t c = 0; c < 48 * g.m->cfg.num_experts_per_tok; c++)
+            dropped += ((const int32_t *)g.m->chunks[0].pool[0].lay[l].act[1][5])[c] < 0;
+    CHECK_MSG(cap_factor > 0 ? dropped > 0 : dropped == 0, "%d choices dropped", dropped);
     const int64_t L = g.m->L, R = 48 * g.m->cfg.num_experts_per_tok;
     const loom_acts *a = &g.m->chunks[0].pool[0];
-    int32_t *idx0 = malloc((size_t)(L * R) * sizeof *idx0), *idx = malloc((size_t)(L * R) * 4);
-    for (int64_t l = 0; l < L; l++) memcpy(idx0 + l * R, a->lay[l].act[1][1], (size_t)R * 4);
+    /* each layer's choices (IDX) and where they went (POS: -1 dropped) */
+    int32_t *idx0 = malloc((size_t)(2 * L * R) * sizeof *idx0), *idx = malloc((size_t)(2 * L * R) * 4);
+    for (int64_t l = 0; l < L; l++)
+        for (int k = 0; k < 2; k++) memcpy(idx0 + (2 * l + k) * R, a->lay[l].act[1][1 + 4 * k], (size_t)R * 4);
     const char *names[] = {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight",
                            "model.layers.0.self_attn.q_proj.weight",
                            "model.layers.0.mlp.experts.3.up_proj.weight"};
@@ -438,8 +455,10 @@ static void check_aux_gradient(loom_moe_aux form) {
                 w[i] = w0 + (sgn ? -h : h);
                 REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
                 f[sgn] = r.loss;
-                for (int64_t l = 0; l < L; l++) memcpy(idx + l * R, a->lay[l].act[1][1], (size_t)R * 4);
-                flip |= memcmp(idx, idx0, (size_t)(L * R) * 4) != 0;
+                for (int64_t l = 0; l < L; l++)
+                    for (int k = 0; k < 2; k++)
+                        memcpy(idx + (2 * l + k) * R, a->lay[l].act[1][1 + 4 * k], (size_t)R * 4);
+                flip |= memcmp(idx, idx0, (size_t)(2 * L * R) * 4) != 0;
             }
             w[i] = w0;
             tried++;
@@ -457,8 +476,12 @@ static void check_aux_gradient(loom_moe_aux form) {
     golden_close(&g);
 }
 
+static void check_aux_gradient(loom_moe_aux form, double aux_coef, double z_coef) {
+    check_router_gradient(form, aux_coef, z_coef, 0.0, LOOM_MOE_DROP_PROBS);
+}
+
 TEST(model_qwen3_moe_aux_loss_gradient_matches_differences) {
-    check_aux_gradient(LOOM_MOE_AUX_GLOBAL);
+    check_aux_gradient(LOOM_MOE_AUX_GLOBAL, 1.0, 0.0);
 }
 
 /* Megatron's per-layer form: its value from HF's router logits (fp64
@@ -501,7 +524,71 @@ TEST(model_qwen3_moe_per_layer_aux_loss) {
     CHECK_MSG(fabs(r.aux_loss - want) <= 1e-5 * want, "per-layer aux loss %.9g, want %.9g",
               r.aux_loss, want);
     golden_close(&g);
-    check_aux_gradient(LOOM_MOE_AUX_PER_LAYER);
+    check_aux_gradient(LOOM_MOE_AUX_PER_LAYER, 1.0, 0.0);
+}
+
+/* The router z-loss (Megatron's z_loss_func per MoE layer, summed): its
+ * value from HF's router logits (logsumexp in double), what it adds to the
+ * loss, the mean over micro-batches, bad coefficients refused; and its
+ * gradient against central differences, alone and with the per-layer
+ * load-balancing loss. */
+TEST(model_qwen3_moe_router_z_loss) {
+    golden g;
+    REQUIRE(golden_open(&g, "tiny-qwen3-moe", LOOM_DEVICE_CPU));
+    loom_batch b = batch_of(&g);
+    loom_fb_result r0, r;
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r0));
+    CHECK(r0.z_loss == 0.0); /* off by default */
+    const double zc = 0.25;
+    loom_model *m0 = g.m;
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.config_overrides = "{\"router_aux_loss_coef\": 0}"; /* golden_open's */
+    o.moe_z_loss_coeff = zc;
+    REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+    const int64_t E = 8, N = 48;
+    double want = 0.0;
+    for (int64_t l = 0; l < g.m->L; l++) {
+        char name[64];
+        snprintf(name, sizeof name, "router_logits.%lld", (long long)l);
+        float *z = read_tensor(&g, name, LOOM_F32, NULL);
+        REQUIRE(z);
+        for (int64_t t = 0; t < N; t++) {
+            double mx = -INFINITY, sum = 0.0;
+            for (int64_t e = 0; e < E; e++) mx = fmax(mx, z[t * E + e]);
+            for (int64_t e = 0; e < E; e++) sum += exp(z[t * E + e] - mx);
+            want += (mx + log(sum)) * (mx + log(sum)) / (double)N;
+        }
+        free(z);
+    }
+    note_err("router z-loss", fabs(r.z_loss - want) / want);
+    CHECK_MSG(fabs(r.z_loss - want) <= 1e-5 * want, "z-loss %.9g, want %.9g", r.z_loss, want);
+    CHECK_MSG(fabs(r.loss - r0.loss - zc * r.z_loss) < 1e-6, "the loss gains %.9g, not %g x %.9g",
+              r.loss - r0.loss, zc, r.z_loss);
+    /* two micro-batches of 24 rows: each one's z-loss, and their mean (of
+     * equal halves: the whole's) reported */
+    loom_step_result sr;
+    loom_fb_result r2;
+    loom_model_zero_grad(g.m);
+    REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 2, &r2));
+    REQUIRE_OK(g.ctx, loom_model_clip_grad_and_step(g.m, 1.0, 1, &sr));
+    CHECK_MSG(fabs(r2.z_loss - want) <= 1e-5 * want, "two micro-batches: %.9g, want %.9g",
+              r2.z_loss, want);
+    CHECK(fabs(sr.z_loss - r2.z_loss) < 1e-12);
+    loom_model_free(g.m);
+    g.m = m0;
+    /* refused before any compute */
+    const double bad[] = {-1e-3, NAN, INFINITY};
+    for (int i = 0; i < 3; i++) {
+        loom_model *x = NULL;
+        o.moe_z_loss_coeff = bad[i];
+        CHECK(loom_model_create(g.ctx, g.dir, &o, &x) == LOOM_ERR_INVALID_ARG && !x);
+        CHECK_MSG(strstr(loom_last_error(g.ctx), "moe_z_loss_coeff"), "%s", loom_last_error(g.ctx));
+    }
+    golden_close(&g);
+    check_aux_gradient(LOOM_MOE_AUX_GLOBAL, 0.0, 0.5);
+    check_aux_gradient(LOOM_MOE_AUX_PER_LAYER, 1.0, 0.5);
 }
 
 /* 5 AdamW steps on the same batch: per-step losses, grad norms before
@@ -701,4 +788,146 @@ TEST(model_attention_kernels_env) {
 TEST(model_lora_kernels_env) {
     const char *const good[2] = {"loom", "cublas"};
     env_choice_case("LOOM_LORA_KERNELS", "cuda", "`loom` (the default) or `cublas`", good);
+}
+
+/* Expert capacity (Megatron's token dropping): a factor large enough to
+ * keep every choice gives the dropless run's bits; a small one (cap =
+ * ceil(48 x 2 / 8 x 0.5) = 6 choices an expert a layer) keeps, in each
+ * layer, the choices a sort of that layer's choices per expert keeps (by
+ * weight, or the first tokens), counts every choice in the load-balancing
+ * loss and only the kept in the tokens per expert; bad values are refused;
+ * the gradient through the dropping against central differences. */
+static int by_weight_desc(const void *a, const void *b, void *u) {
+    const float *w = u;
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    if (w[x] != w[y]) return w[x] > w[y] ? -1 : 1;
+    return x < y ? -1 : x > y;
+}
+
+TEST(model_qwen3_moe_expert_capacity) {
+    golden g;
+    REQUIRE(golden_open(&g, "tiny-qwen3-moe", LOOM_DEVICE_CPU));
+    loom_batch b = batch_of(&g);
+    loom_fb_result r0, r;
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r0));
+    loom_model *m0 = g.m;
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.config_overrides = "{\"router_aux_loss_coef\": 0}"; /* golden_open's */
+    o.moe_expert_capacity_factor = 4.0;                  /* cap 48: every choice kept */
+    REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+    REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+    CHECK_MSG(r.loss == r0.loss && r.aux_loss == r0.aux_loss, "capacity of all: %.9g vs %.9g",
+              r.loss, r0.loss);
+    loom_model_free(g.m);
+    enum { N = 48, E = 8, K = 2, CAP = 6 };
+    for (int drop = 0; drop < 2; drop++) {
+        o.moe_expert_capacity_factor = 0.5;
+        o.moe_token_drop_policy = drop;
+        REQUIRE_OK(g.ctx, loom_model_create(g.ctx, g.dir, &o, &g.m));
+        REQUIRE_OK(g.ctx, loom_model_forward_only(g.m, &b, 1, NULL, NULL, NULL, &r));
+        CHECK_MSG(fabs(r.loss - r0.loss) > 1e-4, "dropping changes nothing: %.9g", r.loss);
+        const loom_acts *a = &g.m->chunks[0].pool[0];
+        int dropped = 0;
+        for (int64_t l = 0; l < g.m->L; l++) {
+            int32_t idx[N * K], pos[N * K];
+            float w[N * K];
+            memcpy(idx, a->lay[l].act[1][1], sizeof idx);
+            memcpy(w, a->lay[l].act[1][2], sizeof w);
+            memcpy(pos, a->lay[l].act[1][5], sizeof pos);
+            const int32_t *cnt = a->lay[l].act[1][3]; /* every choice: the aux loss's */
+            for (int e = 0; e < E; e++) {
+                int32_t mine[N * K];
+                int n = 0;
+                for (int c = 0; c < N * K; c++)
+                    if (idx[c] == e) mine[n++] = c;
+                CHECK_EQ_INT(cnt[e], n);
+                if (!drop) qsort_r(mine, (size_t)n, sizeof *mine, by_weight_desc, w);
+                for (int i = 0; i < n; i++) {
+                    CHECK_MSG((pos[mine[i]] >= 0) == (i < CAP), "layer %lld expert %d: choice %d "
+                              "(rank %d) %s", (long long)l, e, mine[i], i,
+                              pos[mine[i]] >= 0 ? "kept" : "dropped");
+                    dropped += i >= CAP;
+                }
+            }
+        }
+        CHECK_MSG(dropped > 8, "only %d choices dropped", dropped);
+        loom_step_result sr;
+        loom_model_zero_grad(g.m);
+        REQUIRE_OK(g.ctx, loom_model_forward_backward(g.m, &b, 1, &r));
+        REQUIRE_OK(g.ctx, loom_model_clip_grad_and_step(g.m, 1.0, 1, &sr));
+        CHECK(sr.expert_tokens_max == CAP && sr.expert_tokens_mean < 2.0 * N / E);
+        loom_model_free(g.m);
+    }
+    /* refused before any compute */
+    const double bad[] = {-1.0, NAN, INFINITY};
+    for (int i = 0; i < 3; i++) {
+        loom_model *x = NULL;
+        o.moe_expert_capacity_factor = bad[i];
+        o.moe_token_drop_policy = LOOM_MOE_DROP_PROBS;
+        CHECK(loom_model_create(g.ctx, g.dir, &o, &x) == LOOM_ERR_INVALID_ARG && !x);
+        CHECK_MSG(strstr(loom_last_error(g.ctx), "moe_expert_capacity_factor"), "%s",
+                  loom_last_error(g.ctx));
+    }
+    loom_model *x = NULL;
+    o.moe_expert_capacity_factor = 1.0;
+    o.moe_token_drop_policy = 2;
+    CHECK(loom_model_create(g.ctx, g.dir, &o, &x) == LOOM_ERR_INVALID_ARG && !x);
+    CHECK_MSG(strstr(loom_last_error(g.ctx), "moe_token_drop_policy = 2"), "%s",
+              loom_last_error(g.ctx));
+    g.m = m0;
+    golden_close(&g);
+    check_router_gradient(LOOM_MOE_AUX_GLOBAL, 1.0, 0.0, 1.0, LOOM_MOE_DROP_PROBS);
+    check_router_gradient(LOOM_MOE_AUX_PER_LAYER, 1.0, 0.5, 0.75, LOOM_MOE_DROP_POSITION);
+}
+
+/* The router z-loss and a capacity (both policies) on one GPU in fp32
+ * against the CPU: the losses, the same choices kept, every gradient. */
+TEST(model_cuda_qwen3_moe_router_options_match_cpu) {
+    golden g[2];
+    for (int d = 0; d < 2; d++)
+        if (!golden_open(&g[d], "tiny-qwen3-moe", d ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU)) {
+            if (d) golden_close(&g[0]);
+            return;
+        }
+    for (int drop = 0; drop < 2; drop++) {
+        loom_fb_result r[2];
+        float *gr[2];
+        int64_t n[2];
+        int32_t pos[2][4][96];
+        for (int d = 0; d < 2; d++) {
+            loom_model_options o;
+            loom_model_options_default(&o);
+            o.device = d ? LOOM_DEVICE_CUDA : LOOM_DEVICE_CPU;
+            o.config_overrides = "{\"router_aux_loss_coef\": 0.5}";
+            o.moe_z_loss_coeff = 0.5;
+            o.moe_expert_capacity_factor = 0.75;
+            o.moe_token_drop_policy = drop;
+            loom_model_free(g[d].m);
+            REQUIRE_OK(g[d].ctx, loom_model_create(g[d].ctx, g[d].dir, &o, &g[d].m));
+            loom_batch b = batch_of(&g[d]);
+            loom_model_zero_grad(g[d].m);
+            REQUIRE_OK(g[d].ctx, loom_model_forward_backward(g[d].m, &b, 1, &r[d]));
+            const loom_acts *a = &g[d].m->chunks[0].pool[0];
+            for (int l = 0; l < 4; l++)
+                REQUIRE_OK(g[d].ctx, loom_k_download(g[d].m, pos[d][l], a->lay[l].act[1][5],
+                                                     sizeof pos[d][l]));
+            gr[d] = all_grads(&g[d], &n[d]);
+            REQUIRE(gr[d]);
+        }
+        CHECK_MSG(memcmp(pos[0], pos[1], sizeof pos[0]) == 0, "%s: other choices kept",
+                  drop ? "position" : "probs");
+        CHECK_MSG(fabs(r[1].loss - r[0].loss) <= 1e-5 * r[0].loss &&
+                      fabs(r[1].z_loss - r[0].z_loss) <= 1e-5 * r[0].z_loss &&
+                      fabs(r[1].aux_loss - r[0].aux_loss) <= 1e-5 * r[0].aux_loss,
+                  "GPU loss %.9g z %.9g aux %.9g vs CPU %.9g %.9g %.9g", r[1].loss, r[1].z_loss,
+                  r[1].aux_loss, r[0].loss, r[0].z_loss, r[0].aux_loss);
+        REQUIRE(n[0] == n[1]);
+        const double e = rel_err(gr[1], gr[0], n[0]);
+        note_err("router options: GPU gradients vs CPU", e);
+        CHECK_MSG(e <= TOL, "%s: gradients differ by %.3g", drop ? "position" : "probs", e);
+        free(gr[0]), free(gr[1]);
+    }
+    golden_close(&g[0]);
+    golden_close(&g[1]);
 }

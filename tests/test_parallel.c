@@ -374,6 +374,13 @@ typedef struct moe_layout {
 } moe_layout;
 
 static void check_moe_layouts(const char *model, const moe_layout *layouts, size_t nl);
+/* Whether s is one of the '|'-separated items of list. */
+static bool one_of(const char *list, const char *s) {
+    const size_t n = strlen(s);
+    for (const char *p = list; p; p = strchr(p, '|'), p = p ? p + 1 : NULL)
+        if (!strncmp(p, s, n) && (p[n] == '|' || !p[n])) return true;
+    return false;
+}
 
 /* Qwen3-MoE (experts split over tp like the dense MLP): without the
  * load-balancing loss against HF's trajectory, and with it (coefficient
@@ -426,9 +433,21 @@ static void check_moe_layouts(const char *model, const moe_layout *layouts, size
     if (!make_batches(model, b2, b8)) return;
     snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures_of(model), model);
     /* aux 2: Megatron's per-layer form (its sums per layer through the
-     * pipeline and over tp x cp), on a few layouts */
-    for (int aux = 0; aux < 3; aux++) {
-        const char *co = aux == 2   ? "--moe-aux-loss per-layer --config-override "
+     * pipeline and over tp x cp), on a few layouts; 3: with the router
+     * z-loss (its sums the same way; its gradient once on the local path's
+     * tp ranks, on every folded rank for its own tokens); 4, 5: with an
+     * expert capacity, by weight and by position, on the layouts whose
+     * ranks route the one process's micro-batches (the capacity is per
+     * router call: cp, and tp on the fold, split the tokens it sees, as in
+     * Megatron) */
+    for (int aux = 0; aux < 6; aux++) {
+        const char *co = aux == 5   ? "--moe-expert-capacity-factor 0.75 --moe-token-drop-policy "
+                                      "position --config-override {\"router_aux_loss_coef\":0.5}"
+                         : aux == 4 ? "--moe-expert-capacity-factor 0.5 --config-override "
+                                      "{\"router_aux_loss_coef\":0.5}"
+                         : aux == 3 ? "--moe-z-loss-coeff 0.5 --moe-aux-loss per-layer "
+                                      "--config-override {\"router_aux_loss_coef\":0.5}"
+                         : aux == 2 ? "--moe-aux-loss per-layer --config-override "
                                       "{\"router_aux_loss_coef\":0.5}"
                          : aux == 1 ? "--config-override {\"router_aux_loss_coef\":0.5}"
                                     : "--config-override {\"router_aux_loss_coef\":0}";
@@ -437,6 +456,16 @@ static void check_moe_layouts(const char *model, const moe_layout *layouts, size
                                     "--etp 1 --sequence-parallel| --ep 2 --pp 2|",
                                     layouts[i].layout))
                 continue;
+            if (aux == 3 && !one_of("--tp 2|--cp 2|--pp 2 --vpp 2 --num-micro-batches 2|"
+                                    "--ep 2 --tp 2 --etp 1 --sequence-parallel|--ep 2 --pp 2|"
+                                    "--ep 2 --etp 2 --tp 2 --sequence-parallel",
+                                    layouts[i].layout))
+                continue;
+            if (aux == 4 && !one_of("--tp 2|--tp 2 --sequence-parallel|--pp 2|"
+                                    "--dp 2 --num-micro-batches 2|--ep 2|--ep 2 --pp 2|--ep 4",
+                                    layouts[i].layout))
+                continue;
+            if (aux == 5 && !one_of("--tp 2|--ep 2|--ep 2 --dp 4", layouts[i].layout)) continue;
             const char *one = path_in_tmp("one.safetensors");
             snprintf(lay, sizeof lay, "%s --num-micro-batches %d", co, layouts[i].ref_micro);
             int rc = golden(0, mdir, layouts[i].big ? b8 : b2, one, lay, &log);

@@ -52,7 +52,9 @@ class ModelOptions(C.Structure):
                 ("vocab_pad_multiple", i64),
                 ("tp", i32), ("cp", i32), ("dp", i32), ("pp", i32), ("vpp", i32), ("ep", i32),
                 ("etp", i32), ("sequence_parallel", i32), ("microbatch_group", i32),
-                ("bucket_elems", i64), ("recompute", i32), ("moe_aux", i32)]
+                ("bucket_elems", i64), ("recompute", i32), ("moe_aux", i32),
+                ("moe_z_loss_coeff", f64), ("moe_expert_capacity_factor", f64),
+                ("moe_token_drop_policy", i32)]
 
 
 class ModelInfo(C.Structure):
@@ -110,7 +112,8 @@ class Batch(C.Structure):
 
 
 class FBResult(C.Structure):
-    _fields_ = [("loss", f64), ("loss_sum", f64), ("n_tokens", i64), ("aux_loss", f64)]
+    _fields_ = [("loss", f64), ("loss_sum", f64), ("n_tokens", i64), ("aux_loss", f64),
+                ("z_loss", f64)]
 
 
 class StepResult(C.Structure):
@@ -118,7 +121,7 @@ class StepResult(C.Structure):
                 ("step", i64), ("loss", f64), ("n_tokens", i64), ("skipped", i32),
                 ("loss_scale", f64), ("aux_loss", f64), ("expert_tokens_min", f64),
                 ("expert_tokens_mean", f64), ("expert_tokens_max", f64),
-                ("expert_imbalance", f64)]
+                ("expert_imbalance", f64), ("z_loss", f64)]
 
 
 class LoraConfig_(C.Structure):

@@ -33,7 +33,8 @@ _KWARGS = {
     "microbatch_group_size_per_vp_stage", "ddp_bucket_size", "max_length", "seq_len",
     "use_distributed_optimizer", "variable_seq_lengths", "load_weights", "tokenizer_id",
     "comm_timeout", "log_level", "append_eos", "pre_wrap_hook", "post_wrap_hook",
-    "moe_router_load_balancing_type",
+    "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+    "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
 }
 _OPT_KWARGS = {"lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
                "min_lr", "bf16", "fp16", "use_distributed_optimizer", "overlap_param_gather",
@@ -128,6 +129,24 @@ def _mesh_options(o, device_mesh, kwargs, recompute):
                                "(Megatron's, per layer) and, left unset, transformers' loss over "
                                "all MoE layers" % (lb,))
     o.moe_aux = 1 if lb == "aux_loss" else 0
+    # Megatron's router z-loss (None or 0: off; loom refuses a negative one)
+    z = kwargs.get("moe_z_loss_coeff")
+    o.moe_z_loss_coeff = 0.0 if z is None else _num("MegatronModel", "moe_z_loss_coeff", z)
+    # Megatron's token dropping (None: dropless; loom refuses a negative factor)
+    cf = kwargs.get("moe_expert_capacity_factor")
+    o.moe_expert_capacity_factor = 0.0 if cf is None else _num(
+        "MegatronModel", "moe_expert_capacity_factor", cf)
+    policy = kwargs.get("moe_token_drop_policy", "probs")
+    if policy not in ("probs", "position"):
+        raise InvalidArgumentError("moe_token_drop_policy=%r: use 'probs' (drop the choices of "
+                                   "the lowest routing weight) or 'position' (of the latest "
+                                   "tokens)" % (policy,))
+    o.moe_token_drop_policy = 1 if policy == "position" else 0
+    # padding each expert's rows to its capacity changes no result (the pad
+    # rows weigh 0); loom runs the kept rows only
+    if kwargs.get("moe_pad_expert_input_to_capacity") and not o.moe_expert_capacity_factor:
+        raise InvalidArgumentError("moe_pad_expert_input_to_capacity needs "
+                                   "moe_expert_capacity_factor (as Megatron's)")
 
 
 def _precision(mixed_precision):
@@ -158,8 +177,9 @@ class _Group:
 
 class Result(dict):
     """forward_backward's result: a dict (loss, num_tokens, loss_sum, aux_loss: a
-    mixture of experts' load-balancing loss before its coefficient) that also
-    reads as its loss (float(result))."""
+    mixture of experts' load-balancing loss before its coefficient, z_loss: its
+    router z-loss before moe_z_loss_coeff, 0 when off) that also reads as its
+    loss (float(result))."""
 
     def __float__(self):
         return float(self["loss"])
@@ -717,7 +737,7 @@ class MegatronModel:
                                                           C.byref(r)), "forward_backward")
         g.cur_step += 1
         return Result(loss=r.loss, num_tokens=int(r.n_tokens), loss_sum=r.loss_sum,
-                      aux_loss=r.aux_loss)
+                      aux_loss=r.aux_loss, z_loss=r.z_loss)
 
     def forward_only(self, inputs=None, micro_batch_size=None, adapter_name=None, seq_len=None,
                      temperature=1.0, return_logits=False, **kwargs):
@@ -748,7 +768,8 @@ class MegatronModel:
                                                       L.f32_ptr(ent), L.f32_ptr(lg), C.byref(r)),
                         "forward_only")
         out = Result(loss=r.loss, num_tokens=int(r.n_tokens), loss_sum=r.loss_sum,
-                     aux_loss=r.aux_loss, logps=unpack(lp, p), entropy=unpack(ent, p))
+                     aux_loss=r.aux_loss, z_loss=r.z_loss, logps=unpack(lp, p),
+                     entropy=unpack(ent, p))
         if return_logits:
             out["logits"] = [lg[rw * p.seq_len + off: rw * p.seq_len + off + n]
                              for (rw, off, n) in p.places]
@@ -784,7 +805,7 @@ class MegatronModel:
                 "expert_tokens_min": r.expert_tokens_min,
                 "expert_tokens_mean": r.expert_tokens_mean,
                 "expert_tokens_max": r.expert_tokens_max,
-                "expert_imbalance": r.expert_imbalance}
+                "expert_imbalance": r.expert_imbalance, "z_loss": r.z_loss}
 
     def zero_grad(self, adapter_name=None, **kwargs):
         self._check_open()

@@ -247,18 +247,25 @@ typedef struct loom_backend {
     /* ---- mixture of experts (cpu_moe.h's semantics): N tokens, E experts,
      * the top k of each; activations in adt, routing state fp32 / int32 ---- */
     /* probs (N, E) = softmax(z), idx and w (N, k) the top k and their
-     * weights; psum (E; NULL: not wanted) += the column sums of probs */
+     * weights; psum (E; NULL: not wanted) += the column sums of probs; lse
+     * (N; NULL: not wanted) the rows' logsumexp (the z-loss's) */
     loom_status (*moe_router_fwd)(loom_dev *d, loom_ctx *ctx, const void *z, int64_t N, int64_t E,
                                   int k, bool norm_topk, float *probs, int32_t *idx, float *w,
-                                  float *psum);
-    /* dz (N, E; adt) from dw (N, k; NULL: none) and the load-balancing
-     * loss's d/dprobs[n][e] = ga[e] (E; NULL: none) */
+                                  float *psum, float *lse);
+    /* dz (N, E; adt) from dw (N, k; NULL: none), the load-balancing loss's
+     * d/dprobs[n][e] = ga[e] (E; NULL: none) and the z-loss's d/dlse[n] =
+     * zc[0] lse[n] (lse (N) NULL: none; zc one float on the device) */
     loom_status (*moe_router_bwd)(loom_dev *d, loom_ctx *ctx, const float *probs,
-                                  const int32_t *idx, const float *dw, const float *ga, int64_t N,
-                                  int64_t E, int k, bool norm_topk, void *dz);
-    /* counts (E), order and pos (N k): the choices grouped by expert, stable */
-    loom_status (*moe_route)(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N, int64_t E,
-                             int k, int32_t *counts, int32_t *order, int32_t *pos);
+                                  const int32_t *idx, const float *dw, const float *ga,
+                                  const float *lse, const float *zc, int64_t N, int64_t E, int k,
+                                  bool norm_topk, void *dz);
+    /* counts (E: every choice), order and pos (N k): the choices grouped by
+     * expert, stable; cap >= 0 keeps at most cap an expert (by w, or
+     * by_position the first tokens), the dropped after all kept ones (order
+     * -1 - c, pos -1); cap < 0 dropless, w unread */
+    loom_status (*moe_route)(loom_dev *d, loom_ctx *ctx, const int32_t *idx, const float *w,
+                             int64_t N, int64_t E, int k, int64_t cap, bool by_position,
+                             int32_t *counts, int32_t *order, int32_t *pos);
     loom_status (*moe_permute)(loom_dev *d, loom_ctx *ctx, const void *x, const int32_t *order,
                                int64_t N, int k, int64_t H, void *xg);
     loom_status (*moe_combine)(loom_dev *d, loom_ctx *ctx, const void *yg, const int32_t *pos,

@@ -133,6 +133,20 @@ static const loom_option table[] = {
      "mixture of experts: the load-balancing loss router_aux_loss_coef scales: global "
      "(transformers', over all MoE layers) or per-layer (Megatron's aux_loss, summed over layers)",
      OFF(moe_aux_loss), "global|per-layer", CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"moe_z_loss_coeff", LOOM_OPT_FLOAT, "0",
+     "mixture of experts: the router z-loss's coefficient (Megatron's; 0: off, 1e-3 a start): "
+     "each MoE layer's mean lse(router logits)^2, summed over layers, times it is added to the "
+     "loss",
+     OFF(moe_z_loss_coeff), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"moe_expert_capacity_factor", LOOM_OPT_FLOAT, "0",
+     "mixture of experts: each expert keeps at most ceil(tokens k / experts x this) of the "
+     "choices of the tokens a rank routes together, the others dropped (Megatron's; 0: "
+     "dropless); the experts' buffers are sized by it",
+     OFF(moe_expert_capacity_factor), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN | LOOM_CMD_INSPECT, 0, 0},
+    {"moe_token_drop_policy", LOOM_OPT_CHOICE, "probs",
+     "mixture of experts with a capacity: drop the choices of the lowest routing weight (probs) "
+     "or of the latest tokens (position)",
+     OFF(moe_token_drop_policy), "probs|position", CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
     {"recompute", LOOM_OPT_CHOICE, "none",
      "activation recomputation, memory for compute (same results): mlp recomputes each layer's "
      "gate, up and SwiGLU outputs before its backward; full keeps only each layer's input and "

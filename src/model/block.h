@@ -190,15 +190,16 @@ struct loom_block_kind {
 
 extern const loom_block_kind loom_block_attn, loom_block_mlp, loom_block_moe;
 
-/* block_moe.c: the load-balancing loss (loom.h's loom_moe_aux). Doubles a
- * micro-batch's `aux` holds (0: a model without experts); after the
- * micro-batch's forward on
- * the last stage: the loss over its layers (into mb->aux_loss), coef times
- * it times the micro-batch's targets into *loss_sum (on one rank of the
- * tp x cp group; 0 elsewhere), and with backward its gradient per expert
- * (mb->d_aux_g) for the layers' backward. */
+/* block_moe.c: the load-balancing loss (loom.h's loom_moe_aux) and the
+ * router z-loss. Doubles a micro-batch's `aux` holds (0: a model without
+ * experts); after the micro-batch's forward on
+ * the last stage: the losses over its layers (into mb->aux_loss and
+ * mb->z_loss), coef times each times the micro-batch's targets into
+ * *loss_sum (on one rank of the tp x cp group; 0 elsewhere), and with
+ * backward their gradient (mb->d_aux_g) for the layers' backward. */
 size_t loom_moe_aux_len(const loom_model *m);
-/* Floats of its gradient (aux_g): E, or per layer L x E (LOOM_MOE_AUX_PER_LAYER). */
+/* Floats of its gradient (aux_g): E, or per layer L x E (LOOM_MOE_AUX_PER_LAYER),
+ * then the z-loss's factor. */
 size_t loom_moe_grad_len(const loom_model *m);
 loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double *loss_sum);
 

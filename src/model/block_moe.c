@@ -35,7 +35,18 @@
  * micro-batch's `aux` (loom_micro); loom_moe_finish, after the micro-batch's
  * forward, turns them into the loss and its gradient per expert, which
  * every layer's backward adds through the probabilities (the choices carry
- * none). */
+ * none).
+ *
+ * With a capacity factor (Megatron's --moe-expert-capacity-factor) each
+ * router call lets an expert keep cap = ceil(n k / E x factor) of its
+ * choices (route drops the others: by weight or by position); the load-
+ * balancing loss counts every choice, the experts see the kept ones, and
+ * their buffers are sized by cap instead of the dropless worst case.
+ *
+ * The router z-loss (Megatron's --moe-z-loss-coeff, ST-MoE's): each layer's
+ * mean over its router rows of lse(z)^2, summed over the layers. Its sums
+ * ride in the same micro-batch block; its gradient, zc lse p per router
+ * row, from one factor zc at the end of the gradient block. */
 #include <math.h>
 #include <string.h>
 
@@ -54,10 +65,13 @@ enum { LG, LU, LD, SLG, SLU, SLD, SLGATE, NLIN };
 /* activation buffers per layer: the routing (kept: probabilities, choices,
  * weights, counts per expert, the order and its inverse, the dispatch's
  * count table), the experts' (dropped under selective recomputation; LoRA's
- * x A^T of the three projections among them), and the experts' outputs in
- * the grouped order (kept); the shared expert's g, u, act (dropped) and its
- * gate's sigmoid (kept, fp32) */
-enum { PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, SHG, SHU, SHACT, SHSIG, NBUF };
+ * x A^T of the three projections among them), the experts' outputs in the
+ * grouped order (kept), and the router rows' logsumexp (kept; the z-loss's);
+ * the shared expert's g, u, act (dropped) and its gate's sigmoid (kept,
+ * fp32) */
+enum {
+    PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, LSE, SHG, SHU, SHACT, SHSIG, NBUF
+};
 /* scratch: logits and their gradient, probability sums, the choices'
  * weight gradients, three row buffers of the dispatch, the experts'
  * gradients, the regrouping's row orders, LoRA's du; the shared expert's
@@ -118,10 +132,22 @@ typedef struct geo {
     int64_t E, El, e0;  /* experts; this rank's El from e0 */
     int64_t P, Q;       /* ep, etp */
     int64_t Ie, H, R;   /* an expert's width here; hidden; the n k choices */
-    int64_t Rmax;       /* rows the experts can get: Q P R (dropless) */
+    int64_t cap;        /* choices an expert keeps of this rank's n tokens (-1: dropless) */
+    int64_t Rk;         /* rows this rank's tokens send: R, with a capacity min(R, E cap) */
+    int64_t Rmax;       /* rows the experts can get: Q P R (dropless), Q P min(R, El cap) */
     int k;
     bool local;
 } geo;
+
+/* The choices an expert keeps of n tokens' (Megatron's get_capacity over
+ * the n k choices: ceil(n k / E x factor)); -1 without a capacity factor.
+ * No expert has more than n, so more is n. */
+static int64_t capacity(const loom_model *m, int64_t n) {
+    if (m->moe_cap_factor <= 0.0) return -1;
+    const double c = ceil((double)(n * m->cfg.num_experts_per_tok) / (double)m->cfg.num_experts *
+                          m->moe_cap_factor);
+    return c < (double)n ? (int64_t)c : n;
+}
 
 static geo geometry(const loom_model *m, int64_t Tc) {
     geo g;
@@ -137,7 +163,10 @@ static geo geometry(const loom_model *m, int64_t Tc) {
     g.n = g.local ? Tc : Tc / m->tp;
     g.o0 = g.local || !m->mesh ? 0 : (int64_t)m->mesh->tp_rank * g.n;
     g.R = g.n * g.k;
-    g.Rmax = g.local ? g.R : g.Q * g.P * g.R;
+    g.cap = capacity(m, g.n);
+    g.Rk = g.cap < 0 ? g.R : g.R < g.E * g.cap ? g.R : g.E * g.cap;
+    const int64_t per = g.cap < 0 || g.R < g.El * g.cap ? g.R : g.El * g.cap; /* to El experts */
+    g.Rmax = g.local ? g.Rk : g.Q * g.P * per;
     return g;
 }
 
@@ -159,7 +188,8 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     out[XE] = (loom_block_buf){(size_t)(g.Rmax * g.H) * esz, true};
     out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(g.Rmax * g.Ie) * esz, true};
     out[LST] = (loom_block_buf){(size_t)(3 * g.Rmax * m->lora_r) * esz, true};
-    out[YS] = (loom_block_buf){(size_t)(g.R * g.H) * esz, false};
+    out[YS] = (loom_block_buf){(size_t)(g.Rk * g.H) * esz, false};
+    out[LSE] = (loom_block_buf){(size_t)g.n * sizeof(float), false};
     /* the shared expert's g, u and act (dropped), its gate's values (kept) */
     const int64_t Is = shared_width(m);
     out[SHG] = out[SHU] = out[SHACT] = (loom_block_buf){(size_t)(Tc * Is) * esz, true};
@@ -195,6 +225,7 @@ typedef struct hs {
     int32_t *ix;       /* (2 Rmax) the regrouping's row orders */
     int32_t *tab;      /* (P, El) this rank's table, sent to the etp group */
     size_t *sc, *rcv;  /* (max(P, Q)) element counts of an alltoallv */
+    float *lse;        /* (n) the router rows' logsumexp (the z-loss) */
 } hs;
 
 static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
@@ -215,6 +246,7 @@ static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
     TAKE(tab, g.P * g.El);
     TAKE(sc, PQ);
     TAKE(rcv, PQ);
+    TAKE(lse, g.n);
 #undef TAKE
     return off;
 }
@@ -369,6 +401,13 @@ static int64_t table_rows(const geo *q, const int32_t *t) {
     int64_t r = 0;
     for (int64_t i = 0; i < q->P * q->El; i++) r += t[i];
     return r;
+}
+
+/* Each expert's choices of this rank's tokens (route's counts, every
+ * choice: the load-balancing loss's) -> the kept ones, min(count, cap). */
+static void keep_counts(const geo *q, int32_t *cnt) {
+    for (int64_t e = 0; q->cap >= 0 && e < q->E; e++)
+        if (cnt[e] > q->cap) cnt[e] = (int32_t)q->cap;
 }
 
 /* The regrouping of the gathered rows, ordered (etp rank, ep rank, expert),
@@ -532,6 +571,21 @@ static loom_status shared_bwd(const loom_blk *b, const void *h, const void *dy, 
 
 /* ---- forward, recomputation, backward ---- */
 
+/* Where the micro-batch's z-loss sums are in its block: [sum of lse^2, rows],
+ * over all its MoE layers, after the load-balancing loss's blocks. */
+static size_t z_sums_at(const loom_model *m) { return loom_moe_aux_len(m) - 3; }
+
+/* The layer's z-loss sums into the micro-batch's block (its rows' lse^2 in
+ * double, in row order). */
+static loom_status z_sums(const loom_blk *b, const geo *q, const hs *hh) {
+    CK(loom_k_download(b->m, hh->lse, b->act[LSE], (size_t)q->n * sizeof(float)));
+    double s = 0.0;
+    for (int64_t t = 0; t < q->n; t++) s += (double)hh->lse[t] * hh->lse[t];
+    double *acc = b->mb->aux + z_sums_at(b->m);
+    acc[0] += s, acc[1] += (double)q->n;
+    return LOOM_OK;
+}
+
 /* The experts' rows xe from the routing (and, not local, the table): the
  * rows of h grouped by expert, dispatched; *rows and h->ce set. */
 static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, const void *h,
@@ -541,7 +595,7 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
     const void *hs0 = (const char *)h + (size_t)(q->o0 * q->H) * m->dev.esz;
     if (q->local) {
         memcpy(hh->ce, hh->cnt, (size_t)q->E * sizeof *hh->ce);
-        *rows = q->R;
+        *rows = table_rows(q, hh->cnt);
         return loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, a[XE]);
     }
     CK(loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, b->scratch[S1]));
@@ -549,9 +603,10 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
     return dispatch(b, q, hh, b->scratch[S1], a[XE], b->scratch[S2], *rows);
 }
 
-/* The host copies of the layer's counts (and table). */
+/* The host copies of the layer's counts (kept) and table. */
 static loom_status tables_host(const loom_blk *b, const geo *q, const hs *h) {
     CK(loom_k_download(b->m, h->cnt, b->act[CNT], (size_t)q->E * sizeof(int32_t)));
+    keep_counts(q, h->cnt);
     if (q->local) return LOOM_OK;
     return loom_k_download(b->m, h->rc, b->act[RC],
                            (size_t)(q->Q * q->P * q->El) * sizeof(int32_t));
@@ -568,9 +623,11 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     const void *hs0 = (const char *)h + (size_t)(q.o0 * q.H) * esz;
     CK(loom_k_lin_fwd(m, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, 1.0f, 0.0f, z));
     CK(loom_k_zero(m, psum, (size_t)q.E * sizeof(float)));
+    const bool zl = m->moe_z_coef > 0.0;
     CK(loom_k_moe_router_fwd(m, z, q.n, q.E, q.k, m->cfg.norm_topk_prob, a[PROBS], a[IDX], a[WT],
-                             psum));
-    CK(loom_k_moe_route(m, a[IDX], q.n, q.E, q.k, a[CNT], a[ORD], a[POS]));
+                             psum, zl ? a[LSE] : NULL));
+    CK(loom_k_moe_route(m, a[IDX], a[WT], q.n, q.E, q.k, q.cap,
+                        m->moe_drop == LOOM_MOE_DROP_POSITION, a[CNT], a[ORD], a[POS]));
     CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
     /* the load-balancing loss's sums, once per forward (not when recomputed) */
     if (out && b->mb->aux) {
@@ -579,7 +636,9 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
         double *acc = b->mb->aux + (m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? b->l * (2 * q.E + 1) : 0);
         for (int64_t e = 0; e < q.E; e++) acc[e] += hh.cnt[e], acc[q.E + e] += hh.psum[e];
         acc[2 * q.E] += (double)q.n;
+        if (zl) CK(z_sums(b, &q, &hh));
     }
+    keep_counts(&q, hh.cnt); /* from here the experts' rows */
     /* the step's tokens per expert: each rank its own tokens (local: all
      * tp ranks route the same ones, tp rank 0 counts) */
     if (out && m->training && m->moe_load && (!q.local || m->mesh->tp_rank == 0))
@@ -624,7 +683,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     const size_t esz = m->dev.esz;
     const size_t so = (size_t)(q.o0 * q.H) * esz;
     CK(tables_host(b, &q, &hh));
-    int64_t rows = q.R;
+    int64_t rows = table_rows(&q, hh.cnt);
     if (q.local)
         memcpy(hh.ce, hh.cnt, (size_t)q.E * sizeof *hh.ce);
     else
@@ -659,12 +718,15 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
         if (!q.local) CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
         CK(loom_k_moe_permute_bwd(m, dxs, a[POS], q.n, q.k, q.H, (char *)dx + so));
     }
-    /* router: dz from the choices' weights and the load-balancing loss (its
-     * part once: local, tp rank 0's; else each rank its own tokens) */
+    /* router: dz from the choices' weights, the load-balancing loss and the
+     * z-loss (their part once: local, tp rank 0's; else each rank its own
+     * tokens) */
     const float *ga = !q.local || m->mesh->tp_rank == 0 ? b->mb->d_aux_g : NULL;
+    const float *zc = ga ? b->mb->d_aux_g + loom_moe_grad_len(m) - 1 : NULL;
     if (ga && m->moe_aux == LOOM_MOE_AUX_PER_LAYER) ga += b->l * q.E; /* the layer's own */
     const void *hs0 = (const char *)h + so;
-    CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga, q.n, q.E, q.k,
+    CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga,
+                             zc && m->moe_z_coef > 0.0 ? a[LSE] : NULL, zc, q.n, q.E, q.k,
                              m->cfg.norm_topk_prob, s[Z]));
     CK(loom_k_lin_dw(m, s[Z], hs0, q.n, q.E, q.H, 1.0f, loom_g(m, b->w[ROUTER])));
     if (dx)
@@ -694,18 +756,21 @@ const loom_block_kind loom_block_moe = {
 /* ---- the load-balancing loss of a micro-batch ---- */
 
 /* The sums: GLOBAL, one block [C (E), P (E), N] for all layers; PER_LAYER,
- * one per layer (l at l (2E + 1)); then the micro-batch's targets. */
+ * one per layer (l at l (2E + 1)); then the z-loss's two (z_sums_at), then
+ * the micro-batch's targets. */
 size_t loom_moe_aux_len(const loom_model *m) {
     const int64_t E = m->cfg.num_experts;
     if (E <= 0) return 0;
     const int64_t blocks = m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? m->L : 1;
-    return (size_t)(blocks * (2 * E + 1) + 1);
+    return (size_t)(blocks * (2 * E + 1) + 3);
 }
 
+/* The gradient: per expert (per layer under PER_LAYER), then the z-loss's
+ * factor zc (d loss / d lse = zc lse for every router row). */
 size_t loom_moe_grad_len(const loom_model *m) {
     const int64_t E = m->cfg.num_experts;
     if (E <= 0) return 0;
-    return (size_t)((m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? m->L : 1) * E);
+    return (size_t)((m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? m->L : 1) * E + 1);
 }
 
 loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double *loss_sum) {
@@ -739,7 +804,18 @@ loom_status loom_moe_finish(loom_model *m, loom_micro *mb, bool backward, double
             mb->aux_g[l * E + e] = (float)(m->loss_scale * scale * w * a[e]);
     }
     mb->aux_loss = aux;
-    if (m->mesh->cp_rank == 0 && m->mesh->tp_rank == 0) *loss_sum = scale * aux;
+    /* the z-loss: every MoE layer routes the micro-batch's rows, so each
+     * one's mean is the sums' over nl layers' rows / nl; d/dlse = 2 lse / N */
+    int64_t nl = 0;
+    for (int64_t l = 0; l < m->L; l++) nl += loom_config_layer_is_moe(&m->cfg, l);
+    const double *zs = acc + z_sums_at(m), zn = nl ? zs[1] / (double)nl : 0.0;
+    const double zcoef = m->moe_z_coef * acc[n - 1];
+    mb->z_loss = zn > 0 ? zs[0] / zn : 0.0;
+    if (backward)
+        mb->aux_g[loom_moe_grad_len(m) - 1] =
+            zn > 0 ? (float)(m->loss_scale * zcoef * 2.0 / zn) : 0.0f;
+    if (m->mesh->cp_rank == 0 && m->mesh->tp_rank == 0)
+        *loss_sum = scale * aux + zcoef * mb->z_loss;
     if (!backward) return LOOM_OK;
     return loom_k_upload(m, mb->d_aux_g, mb->aux_g, loom_moe_grad_len(m) * sizeof(float));
 }

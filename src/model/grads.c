@@ -107,6 +107,7 @@ void loom_model_zero_grad(loom_model *m) {
     m->acc_loss = 0.0;
     m->acc_aux = 0.0;
     m->acc_aux_n = 0;
+    m->acc_z = 0.0;
     if (m->moe_load) memset(m->moe_load, 0, (size_t)(m->L * m->cfg.num_experts) * sizeof(double));
 }
 

@@ -353,20 +353,25 @@ void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list) {
 /* ---- mixture of experts ---- */
 
 loom_status loom_k_moe_router_fwd(loom_model *m, const void *z, int64_t N, int64_t E, int k,
-                                  bool norm_topk, float *probs, int32_t *idx, float *w,
-                                  float *psum) {
-    return m->dev.be->moe_router_fwd(&m->dev, m->ctx, z, N, E, k, norm_topk, probs, idx, w, psum);
+                                  bool norm_topk, float *probs, int32_t *idx, float *w, float *psum,
+                                  float *lse) {
+    return m->dev.be->moe_router_fwd(&m->dev, m->ctx, z, N, E, k, norm_topk, probs, idx, w, psum,
+                                     lse);
 }
 
 loom_status loom_k_moe_router_bwd(loom_model *m, const float *probs, const int32_t *idx,
-                                  const float *dw, const float *ga, int64_t N, int64_t E, int k,
-                                  bool norm_topk, void *dz) {
-    return m->dev.be->moe_router_bwd(&m->dev, m->ctx, probs, idx, dw, ga, N, E, k, norm_topk, dz);
+                                  const float *dw, const float *ga, const float *lse,
+                                  const float *zc, int64_t N, int64_t E, int k, bool norm_topk,
+                                  void *dz) {
+    return m->dev.be->moe_router_bwd(&m->dev, m->ctx, probs, idx, dw, ga, lse, zc, N, E, k,
+                                     norm_topk, dz);
 }
 
-loom_status loom_k_moe_route(loom_model *m, const int32_t *idx, int64_t N, int64_t E, int k,
-                             int32_t *counts, int32_t *order, int32_t *pos) {
-    return m->dev.be->moe_route(&m->dev, m->ctx, idx, N, E, k, counts, order, pos);
+loom_status loom_k_moe_route(loom_model *m, const int32_t *idx, const float *w, int64_t N,
+                             int64_t E, int k, int64_t cap, bool by_position, int32_t *counts,
+                             int32_t *order, int32_t *pos) {
+    return m->dev.be->moe_route(&m->dev, m->ctx, idx, w, N, E, k, cap, by_position, counts, order,
+                                pos);
 }
 
 loom_status loom_k_moe_permute(loom_model *m, const void *x, const int32_t *order, int64_t N,

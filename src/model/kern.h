@@ -227,13 +227,15 @@ void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list);
 
 /* ---- mixture of experts (backend.h's moe_* ops; block_moe.c) ---- */
 loom_status loom_k_moe_router_fwd(loom_model *m, const void *z, int64_t N, int64_t E, int k,
-                                  bool norm_topk, float *probs, int32_t *idx, float *w,
-                                  float *psum);
+                                  bool norm_topk, float *probs, int32_t *idx, float *w, float *psum,
+                                  float *lse);
 loom_status loom_k_moe_router_bwd(loom_model *m, const float *probs, const int32_t *idx,
-                                  const float *dw, const float *ga, int64_t N, int64_t E, int k,
-                                  bool norm_topk, void *dz);
-loom_status loom_k_moe_route(loom_model *m, const int32_t *idx, int64_t N, int64_t E, int k,
-                             int32_t *counts, int32_t *order, int32_t *pos);
+                                  const float *dw, const float *ga, const float *lse,
+                                  const float *zc, int64_t N, int64_t E, int k, bool norm_topk,
+                                  void *dz);
+loom_status loom_k_moe_route(loom_model *m, const int32_t *idx, const float *w, int64_t N,
+                             int64_t E, int k, int64_t cap, bool by_position, int32_t *counts,
+                             int32_t *order, int32_t *pos);
 loom_status loom_k_moe_permute(loom_model *m, const void *x, const int32_t *order, int64_t N,
                                int k, int64_t H, void *xg);
 loom_status loom_k_moe_combine(loom_model *m, const void *yg, const int32_t *pos, const float *w,

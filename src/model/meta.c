@@ -82,6 +82,7 @@ loom_status loom_meta_create(loom_ctx *ctx, const char *dir, const loom_model_op
                       .lora_r = q->lora_r, .micro_batch_size = q->micro_batch_size, .seq = q->seq_len,
                       .n_micro = (int)q->num_micro_batches, .training = true,
                       .vocab_pad = opts->vocab_pad_multiple, .recompute = opts->recompute,
+                      .moe_capacity_factor = opts->moe_expert_capacity_factor,
                       .on_slot = on_slot};
     collect c = {mt};
     in.u = &c;
@@ -247,6 +248,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     loom_model_set_sizes(m, n, cfg, in->vocab_pad > 0 ? in->vocab_pad : 128);
     m->bucket_elems = 40000000;
     m->recompute = in->recompute;
+    m->moe_cap_factor = in->moe_capacity_factor;
     m->dev.cuda = in->cuda;
     m->dev.adt = in->adt;
     m->dev.esz = loom_dtype_size(in->adt);

@@ -43,6 +43,7 @@ typedef struct loom_mem_in {
     bool training;
     int64_t vocab_pad;        /* 0: 128 */
     loom_recompute recompute;
+    double moe_capacity_factor; /* MoE: the experts' buffers sized by it (0: dropless) */
     /* Optional: called with each slot the stage holds (its local shape) */
     void (*on_slot)(void *u, const struct loom_slot *s);
     void *u;

@@ -306,6 +306,7 @@ void loom_arena_free(loom_model *m, loom_arena *a) {
     free(a->bucket_off);
     free(a->bucket_len);
     free(a->bucket_ex);
+    free(a->parts);
     memset(a, 0, sizeof *a);
 }
 
@@ -528,6 +529,32 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     m->moe_aux = (loom_moe_aux)opts->moe_aux;
+    if (!(opts->moe_z_loss_coeff >= 0.0) || !isfinite(opts->moe_z_loss_coeff)) {
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                       "moe_z_loss_coeff = %g: the router z-loss's coefficient is a finite number "
+                       ">= 0 (0: off; Megatron suggests 1e-3)",
+                       opts->moe_z_loss_coeff);
+        goto fail;
+    }
+    m->moe_z_coef = opts->moe_z_loss_coeff;
+    if (!(opts->moe_expert_capacity_factor >= 0.0) || !isfinite(opts->moe_expert_capacity_factor)) {
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                       "moe_expert_capacity_factor = %g: the experts' capacity factor is a finite "
+                       "number > 0 (1.0: each expert keeps up to its even share of a router "
+                       "call's choices), or 0 for dropless routing",
+                       opts->moe_expert_capacity_factor);
+        goto fail;
+    }
+    m->moe_cap_factor = opts->moe_expert_capacity_factor;
+    if (opts->moe_token_drop_policy != LOOM_MOE_DROP_PROBS &&
+        opts->moe_token_drop_policy != LOOM_MOE_DROP_POSITION) {
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                       "moe_token_drop_policy = %d: use LOOM_MOE_DROP_PROBS (drop the choices of "
+                       "the lowest weight) or LOOM_MOE_DROP_POSITION (of the latest tokens)",
+                       opts->moe_token_drop_policy);
+        goto fail;
+    }
+    m->moe_drop = (loom_moe_drop)opts->moe_token_drop_policy;
     if (m->D > LOOM_CPU_ATTN_MAX_D || m->D % 2) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: loom needs an even head_dim "
                        "of at most %d", dir, (long long)m->D, LOOM_CPU_ATTN_MAX_D);

@@ -76,7 +76,10 @@ typedef struct loom_arena {
     float *adam_m, *adam_v;  /* (shard_numel), allocated at the first step (one block, with
                               * gshard unless that is g) */
     bool gshard_is_g;
-    loom_part_lists lists;   /* the backend's copy of the optimizer's parts (a GPU's chunks) */
+    loom_k_part *parts;      /* the optimizer's parts of this rank's shard (nparts; made at
+                              * the first step: the layout never changes) */
+    int nparts;
+    loom_part_lists lists;   /* the backend's copy of them (a GPU's chunks) */
     int64_t step;            /* optimizer steps taken on this arena */
     /* Deferred zeroing (the base model's gradients; grads.c): after
      * zero_grad the slots marked in gfresh hold stale values that count as
@@ -141,6 +144,7 @@ struct loom_micro {
                          * the device */
     float *d_aux_g;
     double aux_loss;    /* the micro-batch's load-balancing loss (loom_moe_finish) */
+    double z_loss;      /* its router z-loss, over its MoE layers (0: off) */
     int64_t key0;       /* the same in the global batch: dropout masks are drawn by it (local
                          * batches: as if the replicas' equal batches were one, in dp order) */
 };
@@ -167,6 +171,9 @@ struct loom_model {
     int tp, cp, dp, pp, vpp; /* sizes */
     int ep, etp, edp;        /* the expert layers' folding of tp x cp x dp (mesh.h) */
     loom_moe_aux moe_aux;    /* the load-balancing loss's form (loom.h) */
+    double moe_z_coef;       /* the router z-loss's coefficient (0: off; loom.h) */
+    double moe_cap_factor;   /* the experts' capacity factor (0: dropless; loom.h) */
+    loom_moe_drop moe_drop;  /* which choices over capacity are dropped */
     bool sp;
 
     int64_t V, Vp, H, I, L, Hq, Hkv, D;  /* full model */
@@ -233,6 +240,7 @@ struct loom_model {
     double acc_aux;          /* MoE: load-balancing losses of the micro-batches since the last
                               * step (their count acc_aux_n), on one rank of each tp x cp group */
     int64_t acc_aux_n;
+    double acc_z;            /* MoE: their router z-losses (the same micro-batches) */
     double *moe_load;        /* (L, E): tokens sent to each expert since the last step (tp rank 0;
                               * NULL without experts) */
 };

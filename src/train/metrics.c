@@ -47,6 +47,7 @@ void loom_metrics_jsonl(loom_sb *sb, const loom_metrics_record *r) {
         put_num(sb, "expert_tokens_mean", r->expert_tokens_mean, false);
         put_num(sb, "expert_tokens_max", r->expert_tokens_max, false);
         put_num(sb, "expert_imbalance", r->expert_imbalance, false);
+        if (r->z) put_num(sb, "z_loss", r->z_loss, false);
     }
     loom_sb_puts(sb, "}\n");
 }
@@ -67,6 +68,7 @@ static const struct {
     {"aux_loss", "load_balancing_loss"},
     {"expert_tokens_max", "moe/expert_tokens_max"},
     {"expert_imbalance", "moe/expert_imbalance"},
+    {"z_loss", "z_loss"},
 };
 #define N_TAGS (sizeof tb_tags / sizeof tb_tags[0])
 
@@ -134,6 +136,7 @@ loom_status loom_metrics_write(loom_ctx *ctx, loom_metrics *m, const loom_metric
             TB("aux_loss", r->aux_loss);
             TB("expert_tokens_max", r->expert_tokens_max);
             TB("expert_imbalance", r->expert_imbalance);
+            if (r->z) TB("z_loss", r->z_loss);
         }
 #undef TB
         loom_status st = loom_tfevents_write(ctx, m->tb, r->step, v, n);

@@ -11,7 +11,8 @@
  *    "elapsed_s": 61.2}
  * and for a mixture of experts, last: "aux_loss", "expert_tokens_min",
  * "expert_tokens_mean", "expert_tokens_max", "expert_imbalance" (the step's
- * load-balancing loss and tokens per expert, loom_step_result's). 
+ * load-balancing loss and tokens per expert, loom_step_result's), then with
+ * the router z-loss on "z_loss".
  * consumed_samples counts rows (sequences of seq_len tokens), as Megatron
  * does; consumed_tokens counts every position of those rows. */
 #ifndef LOOM_METRICS_H
@@ -31,6 +32,8 @@ typedef struct loom_metrics_record {
     /* mixture of experts (written only when moe): loom_step_result's */
     bool moe;
     double aux_loss, expert_tokens_min, expert_tokens_mean, expert_tokens_max, expert_imbalance;
+    bool z; /* the router z-loss is on: z_loss written */
+    double z_loss;
 } loom_metrics_record;
 
 /* The record as one JSON line (with '\n'), appended to sb. */

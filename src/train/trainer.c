@@ -347,7 +347,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
     m->training = backward;
     if (backward) m->dropout_calls++; /* the same count on every rank */
     const size_t act_n = (size_t)(m->Tn * m->H), act_b = act_n * m->dev.esz;
-    double acc[3] = {0.0, 0.0, 0.0}; /* loss sum, tokens, load-balancing losses */
+    double acc[4] = {0.0, 0.0, 0.0, 0.0}; /* loss sum, tokens, load-balancing and z-losses */
     if ((st = pp_connect(m))) goto done;
     if (backward) { /* the trained arena's gradients, at its first backward */
         loom_arena *A = loom_model_trainable(m);
@@ -386,7 +386,9 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
                     acc[1] += (double)cnt;
                     if (m->mesh->cp_rank == 0 && u->aux) {
                         acc[2] += u->aux_loss;
-                        if (backward) m->acc_aux += u->aux_loss, m->acc_aux_n++;
+                        acc[3] += u->z_loss;
+                        if (backward)
+                            m->acc_aux += u->aux_loss, m->acc_z += u->z_loss, m->acc_aux_n++;
                     }
                 }
                 /* the sums so far travel on with the activations */
@@ -418,7 +420,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
     if (loom_comm_size(m->world) > 1) {
         /* a replica's own rows (local) are computed within its model group */
         loom_comm *og = b->local ? m->mesh->mp : m->world;
-        if ((st = loom_comm_allreduce(m->world, acc, 3, LOOM_F64, LOOM_RED_SUM))) goto done;
+        if ((st = loom_comm_allreduce(m->world, acc, 4, LOOM_F64, LOOM_RED_SUM))) goto done;
         if (tlp && (st = loom_comm_allreduce(og, tlp, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
             goto done;
         if (ent && (st = loom_comm_allreduce(og, ent, (size_t)T, LOOM_F32, LOOM_RED_SUM)))
@@ -447,6 +449,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
         out->n_tokens = count;
         out->loss = count ? sum / (double)count : 0.0;
         out->aux_loss = acc[2] / (double)(n_micro * m->dp); /* each replica ran n_micro */
+        out->z_loss = acc[3] / (double)(n_micro * m->dp);
     }
 done:
     /* a failed call leaves no micro-batch in flight */
@@ -559,16 +562,18 @@ static loom_status gather_params(loom_model *m, loom_arena *A) {
  * whole mesh (collective). */
 static loom_status expert_stats(loom_model *m, loom_step_result *r) {
     const int64_t E = m->cfg.num_experts, n = m->L * E;
-    double *v = loom_malloc(m->ctx, (size_t)(n + 2) * sizeof *v, "expert statistics");
+    double *v = loom_malloc(m->ctx, (size_t)(n + 3) * sizeof *v, "expert statistics");
     if (!v) return LOOM_ERR_OOM;
     memcpy(v, m->moe_load, (size_t)n * sizeof *v);
     v[n] = m->acc_aux;
     v[n + 1] = (double)m->acc_aux_n;
+    v[n + 2] = m->acc_z;
     loom_status st = loom_comm_size(m->world) > 1
-                         ? loom_comm_allreduce(m->world, v, (size_t)n + 2, LOOM_F64, LOOM_RED_SUM)
+                         ? loom_comm_allreduce(m->world, v, (size_t)n + 3, LOOM_F64, LOOM_RED_SUM)
                          : LOOM_OK;
     if (!st) {
         r->aux_loss = v[n + 1] > 0 ? v[n] / v[n + 1] : 0.0;
+        r->z_loss = v[n + 1] > 0 ? v[n + 2] / v[n + 1] : 0.0;
         double lo = INFINITY, hi = 0.0, sum = 0.0, imb = 0.0;
         int64_t nl = 0;
         for (int64_t l = 0; l < m->L; l++) {
@@ -593,6 +598,26 @@ static loom_status expert_stats(loom_model *m, loom_step_result *r) {
 
 static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *parts, int nparts,
                               double max_grad_norm, loom_step_result *rp, loom_step_result *out);
+
+/* This rank's parts of every bucket, made once per arena (the step of a
+ * model with thousands of adapter slots spent tens of ms here): what AdamW
+ * updates and what the norm counts (each parameter once over the mesh). */
+static loom_status optim_parts(loom_model *m, loom_arena *A) {
+    loom_k_part *parts = malloc(((size_t)A->nbuckets * (size_t)A->nslots + 1) * sizeof *parts);
+    if (!parts) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the optimizer's parts");
+    int nparts = 0;
+    for (int b = 0; b < A->nbuckets; b++)
+        for (int i = 0; i < A->nslots; i++) {
+            size_t o0, len, so;
+            if (loom_shard_part(m, A, b, i, &o0, &len, &so))
+                parts[nparts++] = (loom_k_part){.p_off = o0, .s_off = so, .len = len,
+                                                .decay = A->slots[i].decay,
+                                                .norm = counts_in_norm(m, A, i)};
+        }
+    A->parts = parts;
+    A->nparts = nparts;
+    return LOOM_OK;
+}
 
 loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
                                           int64_t accumulation_steps, loom_step_result *out) {
@@ -624,22 +649,8 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     }
     loom_status sa = loom_optim_alloc(m, A);
     if (sa) return sa;
-    /* this rank's parts of every bucket: what AdamW updates and what the
-     * norm counts (each parameter once over the mesh) */
-    loom_k_part *parts = malloc(((size_t)A->nbuckets * (size_t)A->nslots + 1) * sizeof *parts);
-    if (!parts) return loom_errf(ctx, LOOM_ERR_OOM, "no memory for the optimizer's parts");
-    int nparts = 0;
-    for (int b = 0; b < A->nbuckets; b++)
-        for (int i = 0; i < A->nslots; i++) {
-            size_t o0, len, so;
-            if (loom_shard_part(m, A, b, i, &o0, &len, &so))
-                parts[nparts++] = (loom_k_part){.p_off = o0, .s_off = so, .len = len,
-                                                .decay = A->slots[i].decay,
-                                                .norm = counts_in_norm(m, A, i)};
-        }
-    loom_status st = step_parts(m, A, parts, nparts, max_grad_norm, &r, out);
-    free(parts);
-    return st;
+    if (!A->parts && (sa = optim_parts(m, A))) return sa;
+    return step_parts(m, A, A->parts, A->nparts, max_grad_norm, &r, out);
 }
 
 loom_status loom_optim_alloc(loom_model *m, loom_arena *A) {

@@ -8,7 +8,9 @@
 # tests/gpu/compare.py golden (fp32 within 1e-5; bf16 within 3% where tp
 # does not split the experts' sums: under tp, bf16 rounding of the partial
 # sums moves a few near-tie tokens to another expert, whose few-token
-# gradient then jumps; fp32 is the exact check of those layouts).
+# gradient then jumps; fp32 is the exact check of those layouts); then
+# Megatron's router options (z-loss, capacity under both drop policies) in
+# fp32 on ep2 against one GPU.
 # Usage: bash tests/gpu/moe.sh [BUILD_DIR]   (built when missing)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -60,5 +62,24 @@ ep2-tp2-etp1   fp32      1 --ep 2 --tp 2 --etp 1 --sequence-parallel
 tp2-etp1       fp32      1 --tp 2 --etp 1 --sequence-parallel
 pp2            fp32,bf16 1 --pp 2
 EOF
+done
+# Megatron's router options (the z-loss, a capacity under each drop policy)
+# in fp32 on ep2, whose ranks route the one GPU's micro-batches
+for opt in "--moe-z-loss-coeff 0.1" "--moe-expert-capacity-factor 0.75" \
+           "--moe-expert-capacity-factor 0.75 --moe-token-drop-policy position --moe-z-loss-coeff 0.1"; do
+    tag=$(echo "$opt" | tr -d ' -' | cut -c1-40)
+    # shellcheck disable=SC2086
+    $G --dtype fp32 --num-micro-batches 2 $opt --out "$W/ref-$tag.safetensors" > "$W/ref-$tag.log" 2>&1 || { tail "$W/ref-$tag.log"; rc=1; continue; }
+    # shellcheck disable=SC2086
+    if CUDA_VISIBLE_DEVICES=0,1 $G --dtype fp32 --nproc-per-node 2 --ep 2 $opt --out "$W/ep2-$tag.safetensors" > "$W/ep2-$tag.log" 2>&1; then
+        res=$(python3 tests/gpu/compare.py golden "$W/ref-$tag.safetensors" "$W/ep2-$tag.safetensors" --tol 1e-5 --tol-weights 5e-5 2>&1)
+        c=$?
+        printf 'ep2 %-70s %s\n' "$opt" "$([ $c = 0 ] && echo ok || echo FAIL) $(echo "$res" | tail -1)"
+        [ $c = 0 ] || { echo "$res"; rc=1; }
+    else
+        printf 'ep2 %s FAIL exit status (log %s)\n' "$opt" "$W/ep2-$tag.log"
+        tail -15 "$W/ep2-$tag.log"
+        rc=1
+    fi
 done
 exit $rc

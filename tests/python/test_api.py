@@ -758,3 +758,63 @@ def test_moe_per_layer_load_balancing_loss():
         y.close()
     with pytest.raises(loom.UnsupportedError, match="sinkhorn"):
         model(path, moe_router_load_balancing_type="sinkhorn")
+
+
+def test_moe_router_z_loss():
+    """moe_z_loss_coeff (Megatron's): z_loss is each MoE layer's mean
+    logsumexp(router logits)^2, summed over layers (from the fixture's
+    logits), and the loss gains the coefficient times it; a negative one is
+    refused with loom's reason."""
+    g = golden("tiny-qwen3-moe")
+    path = os.path.join(FIXTURES, "models", "tiny-qwen3-moe")
+    samples = label_samples(g["input_ids"], g["targets"])
+    want = 0.0
+    for i in range(4):
+        z = g["router_logits.%d" % i].astype(np.float64)
+        mx = z.max(axis=1, keepdims=True)
+        want += float(np.mean((mx[:, 0] + np.log(np.exp(z - mx).sum(axis=1))) ** 2))
+    x = model(path)
+    y = model(path, moe_z_loss_coeff=0.25)
+    try:
+        a, b = x.forward_only(inputs=samples), y.forward_only(inputs=samples)
+        assert a["z_loss"] == 0.0 and abs(b["z_loss"] - want) < 1e-5 * want
+        assert abs(b["loss"] - a["loss"] - 0.25 * b["z_loss"]) < 1e-6
+        y.set_optimizer("default", lr=1e-3)
+        y.forward_backward(inputs=samples)
+        s = y.clip_grad_and_step()
+        assert abs(s["z_loss"] - want) < 1e-5 * want
+    finally:
+        x.close()
+        y.close()
+    with pytest.raises(loom.InvalidArgumentError, match="moe_z_loss_coeff"):
+        model(path, moe_z_loss_coeff=-0.1)
+
+
+def test_moe_expert_capacity():
+    """moe_expert_capacity_factor and moe_token_drop_policy (Megatron's): a
+    capacity that keeps every choice changes nothing, a small one drops
+    choices (the loss moves, each expert gets at most its capacity: 6 of
+    48 x 2 / 8 at 0.5), each policy its own; bad values are refused."""
+    g = golden("tiny-qwen3-moe")
+    path = os.path.join(FIXTURES, "models", "tiny-qwen3-moe")
+    samples = label_samples(g["input_ids"], g["targets"])
+    ms = [model(path), model(path, moe_expert_capacity_factor=4.0),
+          model(path, moe_expert_capacity_factor=0.5),
+          model(path, moe_expert_capacity_factor=0.5, moe_token_drop_policy="position",
+                moe_pad_expert_input_to_capacity=True)]
+    try:
+        r = [x.forward_only(inputs=samples)["loss"] for x in ms]
+        assert r[1] == r[0] and abs(r[2] - r[0]) > 1e-4 and abs(r[3] - r[2]) > 1e-6
+        ms[2].set_optimizer("default", lr=1e-3)
+        ms[2].forward_backward(inputs=samples)
+        s = ms[2].clip_grad_and_step()
+        assert s["expert_tokens_max"] == 6
+    finally:
+        for x in ms:
+            x.close()
+    with pytest.raises(loom.InvalidArgumentError, match="moe_expert_capacity_factor"):
+        model(path, moe_expert_capacity_factor=-1.0)
+    with pytest.raises(loom.InvalidArgumentError, match="moe_token_drop_policy='last'"):
+        model(path, moe_expert_capacity_factor=1.0, moe_token_drop_policy="last")
+    with pytest.raises(loom.InvalidArgumentError, match="needs moe_expert_capacity_factor"):
+        model(path, moe_pad_expert_input_to_capacity=True)

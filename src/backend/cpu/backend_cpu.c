@@ -344,26 +344,27 @@ static loom_status cpu_zero_parts(loom_dev *d, loom_ctx *ctx, float *g, const lo
 /* ---- mixture of experts (cpu_moe.h) ---- */
 
 static loom_status cpu_moe_router_fwd(loom_dev *d, loom_ctx *ctx, const void *z, int64_t N,
-                                      int64_t E, int k, bool norm_topk, float *probs,
-                                      int32_t *idx, float *w, float *psum) {
+                                      int64_t E, int k, bool norm_topk, float *probs, int32_t *idx,
+                                      float *w, float *psum, float *lse) {
     (void)d, (void)ctx;
-    loom_cpu_router_fwd(CF(z), N, E, k, norm_topk, probs, idx, w, psum);
+    loom_cpu_router_fwd(CF(z), N, E, k, norm_topk, probs, idx, w, psum, lse);
     return LOOM_OK;
 }
 
 static loom_status cpu_moe_router_bwd(loom_dev *d, loom_ctx *ctx, const float *probs,
                                       const int32_t *idx, const float *dw, const float *ga,
-                                      int64_t N, int64_t E, int k, bool norm_topk, void *dz) {
+                                      const float *lse, const float *zc, int64_t N, int64_t E,
+                                      int k, bool norm_topk, void *dz) {
     (void)d, (void)ctx;
-    loom_cpu_router_bwd(probs, idx, dw, ga, N, E, k, norm_topk, F(dz));
+    loom_cpu_router_bwd(probs, idx, dw, ga, lse, zc, N, E, k, norm_topk, F(dz));
     return LOOM_OK;
 }
 
-static loom_status cpu_moe_route(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N,
-                                 int64_t E, int k, int32_t *counts, int32_t *order,
-                                 int32_t *pos) {
+static loom_status cpu_moe_route(loom_dev *d, loom_ctx *ctx, const int32_t *idx, const float *w,
+                                 int64_t N, int64_t E, int k, int64_t cap, bool by_position,
+                                 int32_t *counts, int32_t *order, int32_t *pos) {
     (void)d, (void)ctx;
-    loom_cpu_moe_route(idx, N, E, k, counts, order, pos);
+    loom_cpu_moe_route(idx, w, N, E, k, cap, by_position, counts, order, pos);
     return LOOM_OK;
 }
 

@@ -6,8 +6,8 @@
 
 /* ---- router ---- */
 
-void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_topk,
-                         float *probs, int32_t *idx, float *w, float *psum) {
+void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_topk, float *probs,
+                         int32_t *idx, float *w, float *psum, float *lse) {
 #pragma omp parallel for schedule(static) if (N * E > 65536)
     for (int64_t n = 0; n < N; n++) {
         const float *zr = z + n * E;
@@ -15,6 +15,7 @@ void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_
         for (int64_t e = 0; e < E; e++) mx = zr[e] > mx ? zr[e] : mx;
         for (int64_t e = 0; e < E; e++) sum += p[e] = expf(zr[e] - mx);
         for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        if (lse) lse[n] = mx + logf(sum);
         int32_t *ix = idx + n * k;
         float *wr = w + n * k, top = 0.0f;
         for (int j = 0; j < k; j++) { /* the j-th largest, ties to the lower index */
@@ -38,9 +39,9 @@ void loom_cpu_router_fwd(const float *z, int64_t N, int64_t E, int k, bool norm_
         }
 }
 
-void loom_cpu_router_bwd(const float *probs, const int32_t *idx, const float *dw,
-                         const float *ga, int64_t N, int64_t E, int k, bool norm_topk,
-                         float *dz) {
+void loom_cpu_router_bwd(const float *probs, const int32_t *idx, const float *dw, const float *ga,
+                         const float *lse, const float *zc, int64_t N, int64_t E, int k,
+                         bool norm_topk, float *dz) {
 #pragma omp parallel for schedule(static) if (N * E > 65536)
     for (int64_t n = 0; n < N; n++) {
         const float *p = probs + n * E;
@@ -60,7 +61,9 @@ void loom_cpu_router_bwd(const float *probs, const int32_t *idx, const float *dw
         }
         double s = 0.0; /* softmax: dz = p (dp - sum p dp) */
         for (int64_t e = 0; e < E; e++) s += (double)p[e] * g[e];
-        for (int64_t e = 0; e < E; e++) g[e] = (float)(p[e] * (g[e] - s));
+        /* the z-loss: d/dz = (d loss / d lse) p */
+        const double zl = lse ? (double)zc[0] * lse[n] : 0.0;
+        for (int64_t e = 0; e < E; e++) g[e] = (float)(p[e] * (g[e] - s + zl));
     }
 }
 
@@ -85,24 +88,71 @@ double loom_cpu_moe_aux_loss(const float *probs, const int32_t *idx, int64_t N, 
 
 /* ---- tokens to experts and back ---- */
 
-void loom_cpu_moe_route(const int32_t *idx, int64_t N, int64_t E, int k, int32_t *counts,
-                        int32_t *order, int32_t *pos) {
+/* Where choice c of expert e ranks among e's choices for keeping: by
+ * weight, the larger first and the earlier token on a tie ("probs"). */
+static int64_t rank_by_weight(const int32_t *seg, int64_t n, const float *w, int32_t c) {
+    int64_t r = 0;
+    for (int64_t i = 0; i < n; i++) r += w[seg[i]] > w[c] || (w[seg[i]] == w[c] && seg[i] < c);
+    return r;
+}
+
+void loom_cpu_moe_route(const int32_t *idx, const float *w, int64_t N, int64_t E, int k,
+                        int64_t cap, bool by_position, int32_t *counts, int32_t *order,
+                        int32_t *pos) {
+    const int64_t C = N * k;
+    if (cap < 0 || cap >= N) { /* no expert has more than N choices: dropless */
+        memset(counts, 0, (size_t)E * sizeof *counts);
+        int64_t p = 0;
+        for (int64_t e = 0; e < E; e++) /* one pass an expert: stable, and no scratch */
+            for (int64_t c = 0; c < C; c++)
+                if (idx[c] == e) {
+                    counts[e]++;
+                    pos[c] = (int32_t)p;
+                    order[p++] = (int32_t)c;
+                }
+        return;
+    }
+    /* pos[c] first holds c's rank among its expert's choices: in token
+     * order, then (probs) by weight within the experts over capacity, their
+     * choices grouped in order */
     memset(counts, 0, (size_t)E * sizeof *counts);
-    int64_t p = 0;
-    for (int64_t e = 0; e < E; e++) /* one pass an expert: stable, and no scratch */
-        for (int64_t c = 0; c < N * k; c++)
-            if (idx[c] == e) {
-                counts[e]++;
-                pos[c] = (int32_t)p;
-                order[p++] = (int32_t)c;
+    for (int64_t c = 0; c < C; c++) pos[c] = counts[idx[c]]++;
+    if (!by_position) {
+        int64_t p = 0;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t c = 0; c < C && counts[e] > cap; c++)
+                if (idx[c] == e) order[p++] = (int32_t)c;
+        p = 0;
+        for (int64_t e = 0; e < E; e++) {
+            if (counts[e] <= cap) continue;
+#pragma omp parallel for schedule(static) if (counts[e] > 256)
+            for (int64_t i = 0; i < counts[e]; i++)
+                pos[order[p + i]] = (int32_t)rank_by_weight(order + p, counts[e], w, order[p + i]);
+            p += counts[e];
+        }
+    }
+    int64_t kept = 0;
+    for (int64_t e = 0; e < E; e++) kept += loom_moe_kept(counts[e], cap);
+    int64_t pk = 0, pd = kept;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t c = 0; c < C; c++) {
+            if (idx[c] != e) continue;
+            if (pos[c] < cap) {
+                pos[c] = (int32_t)pk;
+                order[pk++] = (int32_t)c;
+            } else {
+                pos[c] = -1;
+                order[pd++] = (int32_t)(-1 - c);
             }
+        }
 }
 
 void loom_cpu_moe_permute(const float *x, const int32_t *order, int64_t N, int k, int64_t H,
                           float *xg) {
 #pragma omp parallel for schedule(static) if (N * k * H > 65536)
     for (int64_t p = 0; p < N * k; p++)
-        memcpy(xg + p * H, x + (int64_t)(order[p] / k) * H, (size_t)H * sizeof *xg);
+        if (order[p] >= 0)
+            memcpy(xg + p * H, x + (int64_t)(order[p] / k) * H, (size_t)H * sizeof *xg);
 }
 
 void loom_cpu_moe_combine(const float *yg, const int32_t *pos, const float *w, int64_t N, int k,
@@ -112,6 +162,7 @@ void loom_cpu_moe_combine(const float *yg, const int32_t *pos, const float *w, i
         float *yr = y + n * H;
         for (int64_t h = 0; h < H; h++) yr[h] = 0.0f;
         for (int j = 0; j < k; j++) {
+            if (pos[n * k + j] < 0) continue; /* dropped */
             const float *g = yg + (int64_t)pos[n * k + j] * H, s = w[n * k + j];
             for (int64_t h = 0; h < H; h++) yr[h] += s * g[h];
         }
@@ -123,6 +174,10 @@ void loom_cpu_moe_combine_bwd(const float *dy, const float *yg, const int32_t *o
 #pragma omp parallel for schedule(static) if (N * k * H > 65536)
     for (int64_t p = 0; p < N * k; p++) {
         const int64_t c = order[p];
+        if (c < 0) { /* dropped: the output does not depend on its weight */
+            dw[-1 - c] = 0.0f;
+            continue;
+        }
         const float *d = dy + (c / k) * H, *g = yg + p * H;
         float *o = dyg + p * H;
         double dot = 0.0;
@@ -141,6 +196,7 @@ void loom_cpu_moe_permute_bwd(const float *dxg, const int32_t *pos, int64_t N, i
         float *o = dx + n * H;
         for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
         for (int j = 0; j < k; j++) {
+            if (pos[n * k + j] < 0) continue;
             const float *g = dxg + (int64_t)pos[n * k + j] * H;
             for (int64_t h = 0; h < H; h++) o[h] += g[h];
         }

@@ -486,28 +486,31 @@ static loom_status moe_scratch(loom_dev *d, loom_ctx *ctx, size_t need) {
 
 static loom_status cuda_moe_router_fwd(loom_dev *d, loom_ctx *ctx, const void *z, int64_t N,
                                        int64_t E, int k, bool norm_topk, float *probs, int32_t *idx,
-                                       float *w, float *psum) {
+                                       float *w, float *psum, float *lse) {
     loom_status st = moe_scratch(d, ctx, loom_cuda_moe_router_scratch_bytes(N, E, psum != NULL));
     if (st)
         return st;
-    return loom_cuda_moe_router_fwd(ctx, z, d->adt, N, E, k, norm_topk, probs, idx, w, psum,
+    return loom_cuda_moe_router_fwd(ctx, z, d->adt, N, E, k, norm_topk, probs, idx, w, psum, lse,
                                     d->moe_scratch, d->moe_scratch_bytes, d->stream);
 }
 
 static loom_status cuda_moe_router_bwd(loom_dev *d, loom_ctx *ctx, const float *probs,
                                        const int32_t *idx, const float *dw, const float *ga,
-                                       int64_t N, int64_t E, int k, bool norm_topk, void *dz) {
-    return loom_cuda_moe_router_bwd(ctx, probs, idx, dw, ga, N, E, k, norm_topk, dz, d->adt,
-                                    d->stream);
+                                       const float *lse, const float *zc, int64_t N, int64_t E,
+                                       int k, bool norm_topk, void *dz) {
+    return loom_cuda_moe_router_bwd(ctx, probs, idx, dw, ga, lse, zc, N, E, k, norm_topk, dz,
+                                    d->adt, d->stream);
 }
 
-static loom_status cuda_moe_route(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N,
-                                  int64_t E, int k, int32_t *counts, int32_t *order, int32_t *pos) {
-    loom_status st = moe_scratch(d, ctx, loom_cuda_moe_route_scratch_bytes(N, E, k));
+static loom_status cuda_moe_route(loom_dev *d, loom_ctx *ctx, const int32_t *idx, const float *w,
+                                  int64_t N, int64_t E, int k, int64_t cap, bool by_position,
+                                  int32_t *counts, int32_t *order, int32_t *pos) {
+    const bool drop = cap >= 0 && cap < N;
+    loom_status st = moe_scratch(d, ctx, loom_cuda_moe_route_scratch_bytes(N, E, k, drop));
     if (st)
         return st;
-    return loom_cuda_moe_route(ctx, idx, N, E, k, counts, order, pos, d->moe_scratch,
-                               d->moe_scratch_bytes, d->stream);
+    return loom_cuda_moe_route(ctx, idx, w, N, E, k, cap, by_position, counts, order, pos,
+                               d->moe_scratch, d->moe_scratch_bytes, d->stream);
 }
 
 static loom_status cuda_moe_permute(loom_dev *d, loom_ctx *ctx, const void *x, const int32_t *order,

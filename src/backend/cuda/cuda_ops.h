@@ -71,12 +71,28 @@ int loom_cuda_gemm_cached(const loom_cuda_gemm_handle *h);
  * device array of their pointers, both made at the first use); otherwise (an
  * F32 C of 16-bit inputs: weight gradients), when cuBLAS refuses the call,
  * or with LOOM_GEMM_GROUPED=loop in the environment at the handle's
- * creation, one loom_cuda_gemm a group. */
+ * creation, one loom_cuda_gemm a group. Calls with a side of at most 16
+ * (LoRA's rank: loom_cuda_gemm_skinny's shapes) go to loom's own kernels
+ * first (not with LOOM_GEMM_GROUPED=loop). */
 struct loom_gemm_group;
 loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb, int G,
                                    const struct loom_gemm_group *g, float alpha, int64_t lda,
                                    int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
                                    int64_t ldc, void *stream);
+/* The grouped GEMMs with a skinny side (ops_gemm_skinny.cu says which):
+ * one launch for all groups with work (two for sums over rows, through fp32
+ * partial sums in ws), their descriptors copied to desc (desc_cap bytes, at
+ * least LOOM_CUDA_SKINNY_DESC_BYTES a group) in stream order. *done false,
+ * nothing launched, when the call is not of those shapes or alignments. */
+#define LOOM_CUDA_SKINNY_DESC_BYTES 64
+/* A grouped GEMM's group of this many rows or more (ta false, N and K at
+ * least 256) runs as a GEMM of its own (loom_cuda_gemm). */
+#define LOOM_CUDA_GROUP_ALONE_ROWS 1024
+loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, int G,
+                                  const struct loom_gemm_group *g, float alpha, int64_t lda,
+                                  int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
+                                  int64_t ldc, void *desc, size_t desc_cap, void *ws,
+                                  size_t ws_bytes, void *stream, bool *done);
 /* For the ops bench: ms[i] = the mean time of cuBLASLt's i-th candidate
  * for this GEMM (alpha 1; i = 0 is the heuristic's choice, the one
  * loom_cuda_gemm runs), reps runs each on the default stream, up to
@@ -392,30 +408,37 @@ loom_status loom_cuda_attention_cudnn_bwd(loom_ctx *ctx, loom_cuda_attn_handle *
  *   loom_cuda_moe_router_scratch_bytes(N, E, psum != NULL) bytes of device
  *   memory). Probabilities within a few fp32 ulp of the CPU's, so the choice
  *   is the CPU's wherever no two of a row's are that close or exactly equal.
- * - router_bwd: dz written; dw and ga may be NULL (as the CPU, in double
- *   where it is).
+ *   lse (NULL: not wanted): each row's max + logf(the warp's sum).
+ * - router_bwd: dz written; dw, ga and lse may be NULL (as the CPU, in
+ *   double where it is); zc (with lse) one float on the device.
  * - route: counts (E), order and pos (N k), stable (a choice c = n k + j
  *   ranks in c order within its expert); three launches; scratch:
- *   loom_cuda_moe_route_scratch_bytes(N, E, k) bytes.
- * - permute: xg row p = x row order[p] / k (copied as bytes).
+ *   loom_cuda_moe_route_scratch_bytes(N, E, k, false) bytes. With a
+ *   capacity (0 <= cap < N) seven, and _bytes(N, E, k, true): a choice's
+ *   place among its expert's, then a second grouping of kept and dropped.
+ * - permute: xg row p = x row order[p] / k (copied as bytes; none where
+ *   order[p] < 0).
  * - combine: y row n = sum_j w[n k + j] yg row pos[n k + j]; permute_bwd: dx
  *   row n = sum_j dxg row pos[n k + j]: in slot order, fp32, the CPU's
- *   operations without fused multiply-adds.
+ *   operations without fused multiply-adds; slots of pos -1 skipped.
  * - combine_bwd: dyg row p = w[c] dy row c / k and dw[c] (written) =
- *   dot(dy row c / k, yg row p) in fp32, c = order[p]. */
+ *   dot(dy row c / k, yg row p) in fp32, c = order[p] (order -1 - c: dw[c]
+ *   0, no row). */
 #define LOOM_CUDA_MOE_MAX_E 2048
 size_t loom_cuda_moe_router_scratch_bytes(int64_t N, int64_t E, bool psum);
 loom_status loom_cuda_moe_router_fwd(loom_ctx *ctx, const void *z, loom_dtype dtype, int64_t N,
                                      int64_t E, int k, bool norm_topk, float *probs, int32_t *idx,
-                                     float *w, float *psum, void *scratch, size_t scratch_bytes,
-                                     void *stream);
+                                     float *w, float *psum, float *lse, void *scratch,
+                                     size_t scratch_bytes, void *stream);
 loom_status loom_cuda_moe_router_bwd(loom_ctx *ctx, const float *probs, const int32_t *idx,
-                                     const float *dw, const float *ga, int64_t N, int64_t E, int k,
-                                     bool norm_topk, void *dz, loom_dtype dtype, void *stream);
-size_t loom_cuda_moe_route_scratch_bytes(int64_t N, int64_t E, int k);
-loom_status loom_cuda_moe_route(loom_ctx *ctx, const int32_t *idx, int64_t N, int64_t E, int k,
-                                int32_t *counts, int32_t *order, int32_t *pos, void *scratch,
-                                size_t scratch_bytes, void *stream);
+                                     const float *dw, const float *ga, const float *lse,
+                                     const float *zc, int64_t N, int64_t E, int k, bool norm_topk,
+                                     void *dz, loom_dtype dtype, void *stream);
+size_t loom_cuda_moe_route_scratch_bytes(int64_t N, int64_t E, int k, bool cap);
+loom_status loom_cuda_moe_route(loom_ctx *ctx, const int32_t *idx, const float *w, int64_t N,
+                                int64_t E, int k, int64_t cap, bool by_position, int32_t *counts,
+                                int32_t *order, int32_t *pos, void *scratch, size_t scratch_bytes,
+                                void *stream);
 loom_status loom_cuda_moe_permute(loom_ctx *ctx, const void *x, const int32_t *order, int64_t N,
                                   int k, int64_t H, void *xg, loom_dtype dtype, void *stream);
 loom_status loom_cuda_moe_combine(loom_ctx *ctx, const void *yg, const int32_t *pos, const float *w,

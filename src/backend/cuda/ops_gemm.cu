@@ -49,6 +49,8 @@ struct loom_cuda_gemm_handle {
     cublasHandle_t blas; // cuBLAS's, for the grouped GEMM (made at its first call)
     void **ptrs;         // device: the grouped call's A, B and C pointers (3 ptrs_cap)
     size_t ptrs_cap;
+    void *skd;           // device: loom_cuda_gemm_skinny's group descriptors (skd_cap bytes)
+    size_t skd_cap;
     bool grouped_loop; // LOOM_GEMM_GROUPED=loop: one cuBLASLt GEMM a group
 };
 
@@ -130,6 +132,8 @@ extern "C" void loom_cuda_gemm_free(loom_cuda_gemm_handle *h) {
         cublasDestroy(h->blas);
     if (h->ptrs)
         cudaFree(h->ptrs);
+    if (h->skd)
+        cudaFree(h->skd);
     if (h->ws) cudaFree(h->ws);
     if (h->lt) cublasLtDestroy(h->lt);
     free(h);
@@ -536,8 +540,61 @@ extern "C" loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_hand
         aligned =
             aligned && (((uintptr_t)g[i].A | (uintptr_t)g[i].B | (uintptr_t)g[i].C) & 15) == 0;
     }
+    // A group of LOOM_CUDA_GROUP_ALONE_ROWS rows or more (a hot expert: random
+    // weights send a layer's tokens to 8 of 128) runs its first whole 512s
+    // of rows alone: cuBLASLt's sm90 kernels take them at about twice the
+    // rate of cuBLAS's grouped sm80 kernel. Whole 512s, so that the plans
+    // cached per shape stay few (a plan made per call costs about a ms);
+    // the rows past them join the other groups' call.
+    bool alone = false;
+    for (int i = 0; i < G && !ta; i++)
+        alone = alone || (g[i].M >= LOOM_CUDA_GROUP_ALONE_ROWS && g[i].N >= 256 && g[i].K >= 256);
+    if (alone) {
+        loom_gemm_group *rest = (loom_gemm_group *)malloc((size_t)G * sizeof *rest);
+        if (!rest)
+            return loom_errf(ctx, LOOM_ERR_OOM, "cuda gemm_grouped: out of host memory");
+        const size_t ea = loom_dtype_size(ab), ec = loom_dtype_size(cdt);
+        st = LOOM_OK;
+        for (int i = 0; i < G && !st; i++) {
+            rest[i] = g[i];
+            if (!(g[i].M >= LOOM_CUDA_GROUP_ALONE_ROWS && g[i].N >= 256 && g[i].K >= 256))
+                continue;
+            const int64_t Ma = g[i].M / 512 * 512;
+            st = loom_cuda_gemm(ctx, h, ta, tb, Ma, g[i].N, g[i].K, alpha, g[i].A, ab, lda, g[i].B,
+                                ab, ldb, beta, g[i].C, cdt, ldc, stream);
+            rest[i].A = (const char *)g[i].A + (size_t)(Ma * lda) * ea;
+            rest[i].C = (char *)g[i].C + (size_t)(Ma * ldc) * ec;
+            rest[i].M = g[i].M - Ma;
+        }
+        if (!st)
+            st = loom_cuda_gemm_grouped(ctx, h, ta, tb, G, rest, alpha, lda, ldb, ab, beta, cdt,
+                                        ldc, stream);
+        free(rest);
+        return st;
+    }
     bool one = false;
-    if (!h->grouped_loop && (cdt == ab || cdt == LOOM_F32) && work > 1 && aligned &&
+    if (!h->grouped_loop && work > 0) { // LoRA's skinny shapes: one launch of loom's own
+        const size_t need = (size_t)G * LOOM_CUDA_SKINNY_DESC_BYTES;
+        if (need > h->skd_cap) {
+            if (h->skd)
+                cudaFree(h->skd);
+            h->skd = NULL;
+            h->skd_cap = 0;
+            const size_t cap = (need + 4095) / 4096 * 4096;
+            cudaError_t e = cudaMalloc(&h->skd, cap);
+            if (e != cudaSuccess) {
+                h->skd = NULL;
+                return loom_errf(ctx, e == cudaErrorMemoryAllocation ? LOOM_ERR_OOM : LOOM_ERR_DEVICE,
+                                 "cuda gemm_grouped: cudaMalloc of the descriptors: %s",
+                                 cudaGetErrorString(e));
+            }
+            h->skd_cap = cap;
+        }
+        if ((st = loom_cuda_gemm_skinny(ctx, ta, tb, G, g, alpha, lda, ldb, ab, beta, cdt, ldc,
+                                        h->skd, h->skd_cap, h->ws, h->ws_bytes, stream, &one)))
+            return st;
+    }
+    if (!one && !h->grouped_loop && (cdt == ab || cdt == LOOM_F32) && work > 1 && aligned &&
         (st = gemm_grouped_call(ctx, h, ta, tb, G, g, work, alpha, lda, ldb, ab, beta, cdt, ldc,
                                 stream, &one)))
         return st;

@@ -1,8 +1,9 @@
 // Mixture-of-experts ops with cpu_moe.h's semantics: the router (fp32
 // softmax over the E experts, the top k with ties to the lower expert,
-// norm_topk's renormalisation, the probabilities' column sums) and its
-// backward, the choices grouped by expert (stable), the rows gathered into
-// the groups and combined back, and their backwards.
+// norm_topk's renormalisation, the probabilities' column sums, the rows'
+// logsumexp for the z-loss) and its backward, the choices grouped by expert
+// (stable; with a capacity, the dropped ones after all kept), the rows
+// gathered into the groups and combined back, and their backwards.
 //
 // Most kernels take one warp per row (a token's E logits, a token's or a
 // grouped row's H features), rows looped past the grid. The router keeps a
@@ -84,7 +85,8 @@ __device__ __forceinline__ bool beats(float av, int ai, float bv, int bi) {
 template <typename T>
 __global__ void __launch_bounds__(NT)
     router_fwd_kernel(const T *__restrict__ z, int64_t N, int E, int k, bool norm,
-                      float *__restrict__ probs, int32_t *__restrict__ idx, float *__restrict__ w) {
+                      float *__restrict__ probs, int32_t *__restrict__ idx, float *__restrict__ w,
+                      float *__restrict__ lse) {
     extern __shared__ float sh_router[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     float *p = sh_router + (size_t)warp * E;
@@ -105,6 +107,8 @@ __global__ void __launch_bounds__(NT)
             sum += x;
         }
         sum = warp_sum(sum);
+        if (lse && lane == 0)
+            lse[n] = mx + logf(sum);
         float *pr = probs + n * E;
         for (int e = lane; e < E; e += 32) {
             const float v = p[e] / sum;
@@ -190,11 +194,13 @@ int64_t psum_chunks(int64_t N) {
 
 // One warp per token, g = d/dprobs in shared memory: ga, plus (lane 0, in
 // slot order, in double as the CPU) the routing weights' gradient through
-// norm_topk's renormalisation; then dz = p (g - sum p g), the sum in double.
+// norm_topk's renormalisation; then dz = p (g - sum p g + zc lse), the sum
+// in double (the last term the z-loss's, with lse).
 template <typename T>
 __global__ void __launch_bounds__(NT)
     router_bwd_kernel(const float *__restrict__ probs, const int32_t *__restrict__ idx,
-                      const float *__restrict__ dw, const float *__restrict__ ga, int64_t N, int E,
+                      const float *__restrict__ dw, const float *__restrict__ ga,
+                      const float *__restrict__ lse, const float *__restrict__ zc, int64_t N, int E,
                       int k, bool norm, T *__restrict__ dz) {
     extern __shared__ float sh_router[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
@@ -226,9 +232,10 @@ __global__ void __launch_bounds__(NT)
         for (int e = lane; e < E; e += 32)
             s += (double)p[e] * g[e];
         s = warp_sum(s);
+        const double zl = lse ? (double)zc[0] * lse[n] : 0.0;
         T *o = dz + n * E;
         for (int e = lane; e < E; e += 32)
-            o[e] = fromf<T>((float)(p[e] * ((double)g[e] - s)));
+            o[e] = fromf<T>((float)(p[e] * ((double)g[e] - s + zl)));
         __syncwarp(); // g is the next row's
     }
 }
@@ -279,10 +286,11 @@ __global__ void __launch_bounds__(NT)
     }
 }
 
-// One block of SCAN_NT threads (E <= LOOM_CUDA_MOE_MAX_E).
+// One block of SCAN_NT threads (E <= 2 LOOM_CUDA_MOE_MAX_E: a capacity's
+// second pass has a kept and a dropped group an expert).
 __global__ void __launch_bounds__(SCAN_NT)
     route_scan_kernel(int32_t *__restrict__ cnt, int64_t nch, int E, int32_t *__restrict__ counts) {
-    __shared__ int32_t tot[LOOM_CUDA_MOE_MAX_E];
+    __shared__ int32_t tot[2 * LOOM_CUDA_MOE_MAX_E];
     __shared__ int32_t wsum[SCAN_NT / 32];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     for (int e = t; e < E; e += SCAN_NT) { // the chunks of expert e, in chunk order
@@ -370,9 +378,69 @@ __global__ void __launch_bounds__(NT)
     }
 }
 
+// ---- capacity: which choices an expert keeps ----
+//
+// After a dropless pass (counts, order, pos, and the chunk table whose row 0
+// is each expert's offset), each choice c of expert e gets the group key e
+// when kept and E + e when dropped; a second pass over the 2E keys puts the
+// kept of every expert first, the dropped after, both grouped and stable.
+
+// "position": the first cap of an expert's choices in token order, one
+// thread a choice.
+__global__ void route_keep_position_kernel(const int32_t *__restrict__ idx, int64_t C, int E,
+                                           int64_t cap, const int32_t *__restrict__ off,
+                                           const int32_t *__restrict__ pos,
+                                           int32_t *__restrict__ key) {
+    grid_each(C, [&](int64_t c) {
+        const int e = idx[c];
+        key[c] = pos[c] - off[e] < cap ? e : E + e;
+    });
+}
+
+// "probs": choice c's rank among its expert's choices by weight (the larger
+// first, the earlier token on a tie), counted over the expert's group in
+// order[] by one warp a choice; kept when below cap.
+__global__ void __launch_bounds__(NT)
+    route_keep_probs_kernel(const int32_t *__restrict__ idx, const float *__restrict__ w, int64_t C,
+                            int E, int64_t cap, const int32_t *__restrict__ off,
+                            const int32_t *__restrict__ counts, const int32_t *__restrict__ order,
+                            int32_t *__restrict__ key) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int64_t c = (int64_t)blockIdx.x * WARPS + warp; c < C; c += (int64_t)gridDim.x * WARPS) {
+        const int e = idx[c];
+        const int64_t n = counts[e];
+        int64_t r = 0;
+        if (n > cap) {
+            const int32_t *seg = order + off[e];
+            const float wc = w[c];
+            for (int64_t i = lane; i < n; i += 32) {
+                const int32_t j = seg[i];
+                const float wj = w[j];
+                r += wj > wc || (wj == wc && j < c);
+            }
+            for (int o = 16; o > 0; o >>= 1)
+                r += __shfl_xor_sync(FULL, r, o);
+        }
+        if (lane == 0)
+            key[c] = r < cap ? e : E + e;
+    }
+}
+
+// The dropped choices (key >= E) out of their groups: order -1 - c, pos -1.
+__global__ void route_mark_dropped_kernel(const int32_t *__restrict__ key, int64_t C, int E,
+                                          int32_t *__restrict__ order, int32_t *__restrict__ pos) {
+    grid_each(C, [&](int64_t c) {
+        if (key[c] >= E) {
+            order[pos[c]] = (int32_t)(-1 - c);
+            pos[c] = -1;
+        }
+    });
+}
+
 // ---- permute, combine and their backwards: one warp per row ----
 
-// xg row p = x row order[p] / k, as units U of the row's bytes.
+// xg row p = x row order[p] / k, as units U of the row's bytes (none for a
+// dropped choice, order[p] < 0).
 template <typename U>
 __global__ void __launch_bounds__(NT)
     permute_kernel(const U *__restrict__ x, const int32_t *__restrict__ order, int64_t rows, int k,
@@ -380,6 +448,8 @@ __global__ void __launch_bounds__(NT)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int64_t p = (int64_t)blockIdx.x * WARPS + warp; p < rows;
          p += (int64_t)gridDim.x * WARPS) {
+        if (order[p] < 0)
+            continue;
         const U *s = x + (int64_t)(order[p] / k) * per;
         U *d = xg + p * per;
         for (int64_t i = lane; i < per; i += 32)
@@ -390,7 +460,7 @@ __global__ void __launch_bounds__(NT)
 // y row n = the sum over its slots j = 0..k-1 of w[n k + j] (WEIGHTED; else
 // 1) times src row pos[n k + j]: combine (src = yg) and permute's backward
 // (src = dxg), fp32 sums in slot order without fused multiply-adds (the
-// CPU's operations: F32 gives its bits).
+// CPU's operations: F32 gives its bits); a dropped slot (pos -1) adds none.
 template <typename T, int V, bool WEIGHTED>
 __global__ void __launch_bounds__(NT)
     gather_sum_kernel(const T *__restrict__ src, const int32_t *__restrict__ pos,
@@ -404,6 +474,8 @@ __global__ void __launch_bounds__(NT)
             for (int i = 0; i < V; i++)
                 acc[i] = 0.0f;
             for (int j = 0; j < k; j++) {
+                if (pn[j] < 0)
+                    continue;
                 float v[V];
                 ldv<T, V>(src + (int64_t)pn[j] * H + h, v);
                 if constexpr (WEIGHTED) {
@@ -424,7 +496,8 @@ __global__ void __launch_bounds__(NT)
 
 // combine's backward, one warp per grouped row p of choice c = order[p]:
 // dyg row p = w[c] dy row c / k; dw[c] = dot(dy row c / k, yg row p) in fp32
-// (each lane's terms in order, then a warp tree).
+// (each lane's terms in order, then a warp tree); a dropped choice (order
+// -1 - c) gets dw 0 and no row.
 template <typename T, int V>
 __global__ void __launch_bounds__(NT)
     combine_bwd_kernel(const T *__restrict__ dy, const T *__restrict__ yg,
@@ -434,6 +507,11 @@ __global__ void __launch_bounds__(NT)
     for (int64_t p = (int64_t)blockIdx.x * WARPS + warp; p < rows;
          p += (int64_t)gridDim.x * WARPS) {
         const int32_t c = order[p];
+        if (c < 0) {
+            if (lane == 0)
+                dw[-1 - c] = 0.0f;
+            continue;
+        }
         const float s = w[c];
         const T *d = dy + (int64_t)(c / k) * H, *g = yg + p * H;
         T *o = dyg + p * H;
@@ -555,7 +633,8 @@ extern "C" size_t loom_cuda_moe_router_scratch_bytes(int64_t N, int64_t E, bool 
 extern "C" loom_status loom_cuda_moe_router_fwd(loom_ctx *ctx, const void *z, loom_dtype dtype,
                                                 int64_t N, int64_t E, int k, bool norm_topk,
                                                 float *probs, int32_t *idx, float *w, float *psum,
-                                                void *scratch, size_t scratch_bytes, void *stream) {
+                                                float *lse, void *scratch, size_t scratch_bytes,
+                                                void *stream) {
     loom_status st;
     if ((st = need_float(ctx, dtype, "moe_router_fwd", "z")) ||
         (st = check_nek(ctx, "moe_router_fwd", N, E, k)))
@@ -571,7 +650,7 @@ extern "C" loom_status loom_cuda_moe_router_fwd(loom_ctx *ctx, const void *z, lo
     const int wpb = router_warps((int)E);
     const size_t shm = (size_t)wpb * (size_t)E * sizeof(float);
     MOE_TYPED(dtype, router_fwd_kernel<T><<<grid_for(N, wpb), 32 * wpb, shm, s>>>(
-                         (const T *)z, N, (int)E, k, norm_topk, probs, idx, w));
+                         (const T *)z, N, (int)E, k, norm_topk, probs, idx, w, lse));
     if ((st = check_launch(ctx, "moe_router_fwd")) || !psum)
         return st;
     const int64_t nc = psum_chunks(N), R = (N + nc - 1) / nc;
@@ -584,9 +663,9 @@ extern "C" loom_status loom_cuda_moe_router_fwd(loom_ctx *ctx, const void *z, lo
 
 extern "C" loom_status loom_cuda_moe_router_bwd(loom_ctx *ctx, const float *probs,
                                                 const int32_t *idx, const float *dw,
-                                                const float *ga, int64_t N, int64_t E, int k,
-                                                bool norm_topk, void *dz, loom_dtype dtype,
-                                                void *stream) {
+                                                const float *ga, const float *lse, const float *zc,
+                                                int64_t N, int64_t E, int k, bool norm_topk,
+                                                void *dz, loom_dtype dtype, void *stream) {
     loom_status st;
     if ((st = need_float(ctx, dtype, "moe_router_bwd", "dz")) ||
         (st = check_nek(ctx, "moe_router_bwd", N, E, k)))
@@ -596,21 +675,41 @@ extern "C" loom_status loom_cuda_moe_router_bwd(loom_ctx *ctx, const float *prob
     const int wpb = router_warps((int)E);
     const size_t shm = (size_t)wpb * (size_t)E * sizeof(float);
     MOE_TYPED(dtype, router_bwd_kernel<T><<<grid_for(N, wpb), 32 * wpb, shm, as_stream(stream)>>>(
-                         probs, idx, dw, ga, N, (int)E, k, norm_topk, (T *)dz));
+                         probs, idx, dw, ga, lse, zc, N, (int)E, k, norm_topk, (T *)dz));
     return check_launch(ctx, "moe_router_bwd");
 }
 
-extern "C" size_t loom_cuda_moe_route_scratch_bytes(int64_t N, int64_t E, int k) {
+extern "C" size_t loom_cuda_moe_route_scratch_bytes(int64_t N, int64_t E, int k, bool cap) {
     const int64_t C = N * k;
     if (C <= 0 || E <= 0)
         return 0;
-    const int64_t CH = route_chunk(C);
-    return (size_t)((C + CH - 1) / CH * E) * sizeof(int32_t);
+    const int64_t CH = route_chunk(C), nch = (C + CH - 1) / CH;
+    // the chunk table (a second pass: of 2E groups), then the keys and the
+    // second pass's counts
+    return (size_t)(cap ? nch * 2 * E + C + 2 * E : nch * E) * sizeof(int32_t);
 }
 
-extern "C" loom_status loom_cuda_moe_route(loom_ctx *ctx, const int32_t *idx, int64_t N, int64_t E,
-                                           int k, int32_t *counts, int32_t *order, int32_t *pos,
-                                           void *scratch, size_t scratch_bytes, void *stream) {
+namespace {
+
+// One grouping pass over C keys in [0, G): hist, scan, scatter.
+void route_pass(const int32_t *key, int64_t C, int G, int32_t *cnt, int32_t *counts, int32_t *order,
+                int32_t *pos, cudaStream_t s) {
+    const int64_t CH = route_chunk(C), nch = (C + CH - 1) / CH;
+    const int wpb = router_warps(G);
+    const size_t shm = (size_t)wpb * (size_t)G * sizeof(int32_t);
+    route_hist_kernel<<<grid_for(nch, wpb), 32 * wpb, shm, s>>>(key, C, G, CH, nch, cnt);
+    route_scan_kernel<<<1, SCAN_NT, 0, s>>>(cnt, nch, G, counts);
+    route_scatter_kernel<<<grid_for(nch, wpb), 32 * wpb, shm, s>>>(key, C, G, CH, nch, cnt, order,
+                                                                   pos);
+}
+
+} // namespace
+
+extern "C" loom_status loom_cuda_moe_route(loom_ctx *ctx, const int32_t *idx, const float *w,
+                                           int64_t N, int64_t E, int k, int64_t cap,
+                                           bool by_position, int32_t *counts, int32_t *order,
+                                           int32_t *pos, void *scratch, size_t scratch_bytes,
+                                           void *stream) {
     loom_status st;
     if ((st = check_nek(ctx, "moe_route", N, E, k)))
         return st;
@@ -618,18 +717,28 @@ extern "C" loom_status loom_cuda_moe_route(loom_ctx *ctx, const int32_t *idx, in
     const int64_t C = N * k;
     if (C == 0) // no choices: every count 0
         return check(ctx, cudaMemsetAsync(counts, 0, (size_t)E * sizeof(int32_t), s), "moe_route");
-    const size_t need = loom_cuda_moe_route_scratch_bytes(N, E, k);
+    const bool drop = cap >= 0 && cap < N; // no expert has more than N choices
+    if (drop && !by_position && !w)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "cuda moe_route: dropping by weight without the weights");
+    const size_t need = loom_cuda_moe_route_scratch_bytes(N, E, k, drop);
     if (scratch_bytes < need || !scratch)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                          "cuda moe_route: scratch of %zu bytes, %zu needed", scratch_bytes, need);
-    const int64_t CH = route_chunk(C), nch = (C + CH - 1) / CH;
-    const int wpb = router_warps((int)E);
-    const size_t shm = (size_t)wpb * (size_t)E * sizeof(int32_t);
     int32_t *cnt = (int32_t *)scratch;
-    route_hist_kernel<<<grid_for(nch, wpb), 32 * wpb, shm, s>>>(idx, C, (int)E, CH, nch, cnt);
-    route_scan_kernel<<<1, SCAN_NT, 0, s>>>(cnt, nch, (int)E, counts);
-    route_scatter_kernel<<<grid_for(nch, wpb), 32 * wpb, shm, s>>>(idx, C, (int)E, CH, nch, cnt,
-                                                                   order, pos);
+    route_pass(idx, C, (int)E, cnt, counts, order, pos, s);
+    if (!drop)
+        return check_launch(ctx, "moe_route");
+    const int64_t CH = route_chunk(C), nch = (C + CH - 1) / CH;
+    int32_t *key = cnt + nch * 2 * E, *counts2 = key + C;
+    if (by_position)
+        route_keep_position_kernel<<<grid_for(C, 256), 256, 0, s>>>(idx, C, (int)E, cap, cnt, pos,
+                                                                    key);
+    else
+        route_keep_probs_kernel<<<row_blocks(C), NT, 0, s>>>(idx, w, C, (int)E, cap, cnt, counts,
+                                                             order, key);
+    route_pass(key, C, (int)(2 * E), cnt, counts2, order, pos, s);
+    route_mark_dropped_kernel<<<grid_for(C, 256), 256, 0, s>>>(key, C, (int)E, order, pos);
     return check_launch(ctx, "moe_route");
 }
 

@@ -1,0 +1,405 @@
+// Grouped GEMMs with a skinny side (at most SK = 16): LoRA's products on the
+// experts (rank r), per expert e on its rows (cpu gemm_grouped's semantics,
+// row-major, C = alpha op(A) op(B) + beta C):
+//
+//   rowdot  (ta false, N <= 16)  u = x A_e^T, du = dy B_e: each row of C a few
+//           dot products of length K, the row read once
+//   expand  (ta false, K <= 16)  y += u B_e^T, dx += du A_e: each element of C
+//           a sum of K products, C read and written once
+//   reduce  (ta true, M or N <= 16, tb false)  dB_e += dy_e^T u_e, dA_e +=
+//           du_e^T x_e: sums over the group's rows, cut into chunks whose
+//           partial sums (fp32, in the GEMM handle's workspace) a second kernel
+//           adds in chunk order (the same bits every run; no atomics)
+//
+// cuBLAS's grouped GEMM runs these as its sm80 kernel with tiles mostly
+// empty, and with fp32 C as a loop of split-K GEMMs inside the call: 200
+// launches a Qwen3-30B-A3B layer. Here each is one launch (reduce: two), all
+// groups in it, each block finding its group from the descriptors' first
+// block (binary search). loom_cuda_gemm_skinny says *done false when a call
+// is not of these shapes (or not aligned for the vector paths): the caller
+// runs it as before.
+#include <stdlib.h>
+
+#include "../backend.h"
+#include "ops_common.cuh"
+
+namespace {
+
+using namespace loom_cuda;
+
+constexpr int SK = 16;  // the widest skinny side
+constexpr int NT = 256; // threads a block
+
+struct Desc {
+    const void *A, *B;
+    void *C;
+    int M, N, K;
+    int blk0;      // the group's first block
+    int nch;       // reduce: its row chunks
+    long long p0;  // reduce: its first partial sum (floats)
+};
+
+static_assert(sizeof(Desc) <= LOOM_CUDA_SKINNY_DESC_BYTES, "a descriptor's room");
+
+__device__ __forceinline__ float f32(float v) { return v; }
+__device__ __forceinline__ float f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float f32(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T cast(float v);
+template <> __device__ __forceinline__ float cast<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 cast<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half cast<__half>(float v) { return __float2half_rn(v); }
+
+// 8 consecutive elements (16-byte aligned: two accesses for fp32)
+template <typename T> __device__ __forceinline__ void load8(const T *p, float (&v)[8]) {
+    if constexpr (sizeof(T) == 4) {
+        const float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
+        v[7] = b.w;
+    } else {
+        const uint4 u = *(const uint4 *)p;
+        const T *e = (const T *)&u;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = f32(e[i]);
+    }
+}
+template <typename T> __device__ __forceinline__ void store8(T *p, const float (&v)[8]) {
+    if constexpr (sizeof(T) == 4) {
+        ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+        uint4 u;
+        T *e = (T *)&u;
+#pragma unroll
+        for (int i = 0; i < 8; i++) e[i] = cast<T>(v[i]);
+        *(uint4 *)p = u;
+    }
+}
+
+// the group of block b: the last whose first block is <= b (groups of no
+// blocks share their successor's first block and are passed over)
+__device__ __forceinline__ int group_of(const Desc *d, int G, int b) {
+    int lo = 0, hi = G - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (d[mid].blk0 <= b)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+// op(B)'s element (k, n): B is (K, N) row-major, or (N, K) when tb
+template <typename T>
+__device__ __forceinline__ float opb(const T *b, bool tb, int64_t ldb, int k, int n) {
+    return f32(tb ? b[(int64_t)n * ldb + k] : b[(int64_t)k * ldb + n]);
+}
+
+// rowdot: NP threads a row (thread j: C's column j), NT / NP rows a block;
+// op(B) staged in chunks of KC rows of k; four 16-byte loads of the row in
+// flight a thread
+template <typename T, typename TC, int NP>
+__global__ void __launch_bounds__(NT)
+    rowdot_kernel(const Desc *ds, int G, bool tb, int64_t lda, int64_t ldb, int64_t ldc,
+                  float alpha, float beta) {
+    constexpr int RPB = NT / NP, KC = 512;
+    __shared__ float sb[KC][NP];
+    const Desc d = ds[group_of(ds, G, (int)blockIdx.x)];
+    const int row = ((int)blockIdx.x - d.blk0) * RPB + (int)threadIdx.x / NP;
+    const int j = (int)threadIdx.x % NP;
+    const bool live = row < d.M;
+    const T *a = (const T *)d.A + (int64_t)(live ? row : 0) * lda, *b = (const T *)d.B;
+    float acc = 0.0f;
+    for (int k0 = 0; k0 < d.K; k0 += KC) {
+        const int kn = min(KC, d.K - k0);
+        __syncthreads();
+        for (int i = (int)threadIdx.x; i < kn * NP; i += NT) {
+            const int kk = i / NP, jj = i % NP;
+            sb[kk][jj] = jj < d.N ? opb(b, tb, ldb, k0 + kk, jj) : 0.0f;
+        }
+        __syncthreads();
+        if (!live) continue;
+        int kk = 0;
+        for (; kk + 32 <= kn; kk += 32) { // K a multiple of 8
+            float x[4][8];
+#pragma unroll
+            for (int u = 0; u < 4; u++) load8(a + k0 + kk + 8 * u, x[u]);
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc = fmaf(x[u][i], sb[kk + 8 * u + i][j], acc);
+        }
+        for (; kk < kn; kk += 8) {
+            float x[8];
+            load8(a + k0 + kk, x);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc = fmaf(x[i], sb[kk + i][j], acc);
+        }
+    }
+    if (live && j < d.N) {
+        TC *c = (TC *)d.C + (int64_t)row * ldc + j;
+        float v = alpha * acc;
+        if (beta != 0.0f) v = fmaf(beta, f32(*c), v);
+        *c = cast<TC>(v);
+    }
+}
+
+// expand: a block is RB rows x NTILE columns of C; op(B)'s K x NTILE and A's
+// RB x K staged; thread: 8 consecutive columns of RB / 8 rows, C's old values
+// of them loaded first
+constexpr int NTILE = 256, RB = 64;
+template <typename T, typename TC>
+__global__ void __launch_bounds__(NT)
+    expand_kernel(const Desc *ds, int G, bool tb, int64_t lda, int64_t ldb, int64_t ldc,
+                  float alpha, float beta) {
+    __shared__ float sb[SK][NTILE];
+    __shared__ float sa[RB][SK];
+    const Desc d = ds[group_of(ds, G, (int)blockIdx.x)];
+    const int r0 = ((int)blockIdx.x - d.blk0) * RB, n0 = (int)blockIdx.y * NTILE;
+    if (n0 >= d.N) return; // the whole block
+    const T *a = (const T *)d.A, *b = (const T *)d.B;
+    for (int i = (int)threadIdx.x; i < d.K * NTILE; i += NT) {
+        const int kk = i / NTILE, nn = i % NTILE;
+        sb[kk][nn] = n0 + nn < d.N ? opb(b, tb, ldb, kk, n0 + nn) : 0.0f;
+    }
+    for (int i = (int)threadIdx.x; i < RB * d.K; i += NT) {
+        const int rr = i / d.K, kk = i % d.K;
+        sa[rr][kk] = r0 + rr < d.M ? f32(a[(int64_t)(r0 + rr) * lda + kk]) : 0.0f;
+    }
+    __syncthreads();
+    const int cg = (int)threadIdx.x % (NTILE / 8), n = n0 + cg * 8;
+    if (n >= d.N) return; // N a multiple of 8
+    constexpr int RL = NT / (NTILE / 8), RT = RB / RL; // row lanes; rows a thread
+    const int rl = (int)threadIdx.x / (NTILE / 8);
+    float o[RT][8]; // C's old values, loaded together (RT loads in flight)
+    if (beta != 0.0f) {
+#pragma unroll
+        for (int q = 0; q < RT; q++)
+            if (r0 + rl + q * RL < d.M) load8((const TC *)d.C + (int64_t)(r0 + rl + q * RL) * ldc + n, o[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < RT; q++) {
+        const int rr = rl + q * RL;
+        if (r0 + rr >= d.M) continue;
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = 0.0f;
+        for (int kk = 0; kk < d.K; kk++) {
+            const float s = sa[rr][kk];
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = fmaf(s, sb[kk][cg * 8 + i], v[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            v[i] = beta != 0.0f ? fmaf(beta, o[q][i], alpha * v[i]) : alpha * v[i];
+        store8((TC *)d.C + (int64_t)(r0 + rr) * ldc + n, v);
+    }
+}
+
+// reduce, first pass: block = (row chunk, NT columns of the big side);
+// partial[(i, j)] of chunk ch at p0 + ch M N + i N + j. BIGM: the big side is
+// M (op(A)'s columns = A's), the skinny N (B's); else the reverse.
+constexpr int RK = 64; // rows of the skinny side staged at a time
+template <typename T, bool BIGM>
+__global__ void __launch_bounds__(NT)
+    reduce_part_kernel(const Desc *ds, int G, int64_t lda, int64_t ldb, int KC, float *part) {
+    __shared__ float4 ss[RK][SK / 4];
+    const Desc d = ds[group_of(ds, G, (int)blockIdx.x)];
+    const int S = BIGM ? d.N : d.M, Bn = BIGM ? d.M : d.N;
+    const int nbt = (Bn + NT - 1) / NT, local = (int)blockIdx.x - d.blk0;
+    const int ch = local / nbt, bi = (local % nbt) * NT + (int)threadIdx.x;
+    const T *big = (const T *)(BIGM ? d.A : d.B), *sk = (const T *)(BIGM ? d.B : d.A);
+    const int64_t ldbig = BIGM ? lda : ldb, ldsk = BIGM ? ldb : lda;
+    const int k0 = ch * KC, k1 = min(d.K, k0 + KC);
+    float acc[SK];
+#pragma unroll
+    for (int s = 0; s < SK; s++) acc[s] = 0.0f;
+    for (int kb = k0; kb < k1; kb += RK) {
+        const int n = min(RK, k1 - kb);
+        __syncthreads();
+        for (int i = (int)threadIdx.x; i < RK * SK; i += NT) {
+            const int rr = i / SK, s = i % SK;
+            ((float *)ss[rr])[s] = rr < n && s < S ? f32(sk[(int64_t)(kb + rr) * ldsk + s]) : 0.0f;
+        }
+        __syncthreads();
+        if (bi < Bn)
+            for (int rr = 0; rr < n; rr++) {
+                const float v = f32(big[(int64_t)(kb + rr) * ldbig + bi]);
+#pragma unroll
+                for (int q = 0; q < SK / 4; q++) {
+                    const float4 w = ss[rr][q];
+                    acc[4 * q] = fmaf(v, w.x, acc[4 * q]);
+                    acc[4 * q + 1] = fmaf(v, w.y, acc[4 * q + 1]);
+                    acc[4 * q + 2] = fmaf(v, w.z, acc[4 * q + 2]);
+                    acc[4 * q + 3] = fmaf(v, w.w, acc[4 * q + 3]);
+                }
+            }
+    }
+    if (bi >= Bn) return;
+    float *p = part + d.p0 + (int64_t)ch * d.M * d.N;
+#pragma unroll // (a loop to S would index acc at run time: local memory)
+    for (int s = 0; s < SK; s++)
+        if (s < S) p[BIGM ? (int64_t)bi * d.N + s : (int64_t)s * d.N + bi] = acc[s];
+}
+
+// reduce, second pass: C = alpha (the chunks' sum, in chunk order) + beta C
+template <typename TC>
+__global__ void __launch_bounds__(NT)
+    reduce_final_kernel(const Desc *ds, const float *part, int64_t ldc, float alpha, float beta) {
+    const Desc d = ds[blockIdx.y];
+    const int64_t MN = (int64_t)d.M * d.N;
+    for (int64_t e = (int64_t)blockIdx.x * NT + threadIdx.x; e < MN; e += (int64_t)gridDim.x * NT) {
+        float s = 0.0f;
+        for (int ch = 0; ch < d.nch; ch++) s += part[d.p0 + ch * MN + e];
+        TC *c = (TC *)d.C + (e / d.N) * ldc + e % d.N;
+        float v = alpha * s;
+        if (beta != 0.0f) v = fmaf(beta, f32(*c), v);
+        *c = cast<TC>(v);
+    }
+}
+
+enum Mode { NONE, ROWDOT, EXPAND, REDUCE };
+
+template <typename T, typename TC>
+void launch(Mode mode, int np, bool bigm, const Desc *dd, int G, int nblk, int ny, bool tb,
+            int64_t lda, int64_t ldb, int64_t ldc, float alpha, float beta, int KC, float *part,
+            cudaStream_t s) {
+    switch (mode) {
+    case ROWDOT:
+        if (np == 4)
+            rowdot_kernel<T, TC, 4><<<nblk, NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha, beta);
+        else if (np == 8)
+            rowdot_kernel<T, TC, 8><<<nblk, NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha, beta);
+        else
+            rowdot_kernel<T, TC, 16><<<nblk, NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha, beta);
+        break;
+    case EXPAND:
+        expand_kernel<T, TC><<<dim3(nblk, ny), NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha, beta);
+        break;
+    case REDUCE:
+        if (nblk > 0) {
+            if (bigm)
+                reduce_part_kernel<T, true><<<nblk, NT, 0, s>>>(dd, G, lda, ldb, KC, part);
+            else
+                reduce_part_kernel<T, false><<<nblk, NT, 0, s>>>(dd, G, lda, ldb, KC, part);
+        }
+        reduce_final_kernel<TC><<<dim3(ny, G), NT, 0, s>>>(dd, part, ldc, alpha, beta);
+        break;
+    case NONE: break;
+    }
+}
+
+bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+} // namespace
+
+extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, int G,
+                                             const loom_gemm_group *g, float alpha, int64_t lda,
+                                             int64_t ldb, loom_dtype ab, float beta,
+                                             loom_dtype cdt, int64_t ldc, void *desc,
+                                             size_t desc_cap, void *ws, size_t ws_bytes,
+                                             void *stream, bool *done) {
+    *done = false;
+    if (!(ab == LOOM_F32 || ab == LOOM_BF16 || ab == LOOM_F16) || !(cdt == ab || cdt == LOOM_F32))
+        return LOOM_OK;
+    // the groups taken: those with work (the caller sets C = beta C in the
+    // groups of no K)
+    int64_t maxM = 0, maxN = 0, maxK = 0, n = 0;
+    bool vec_a = lda % 8 == 0, vec_c = ldc % 8 == 0;
+    for (int i = 0; i < G; i++) {
+        if (!g[i].M || !g[i].N || !g[i].K)
+            continue;
+        if (g[i].M > INT32_MAX / 2 || g[i].N > INT32_MAX / 2 || g[i].K > INT32_MAX / 2)
+            return LOOM_OK;
+        maxM = g[i].M > maxM ? g[i].M : maxM;
+        maxN = g[i].N > maxN ? g[i].N : maxN;
+        maxK = g[i].K > maxK ? g[i].K : maxK;
+        vec_a = vec_a && al16(g[i].A) && g[i].K % 8 == 0;
+        vec_c = vec_c && al16(g[i].C) && g[i].N % 8 == 0;
+        n++;
+    }
+    Mode mode = NONE;
+    bool bigm = false;
+    if (ta) {
+        if (!tb && (maxN <= SK || maxM <= SK))
+            mode = REDUCE, bigm = maxN <= SK;
+    } else if (maxN <= SK && vec_a) {
+        mode = ROWDOT;
+    } else if (maxK <= SK && vec_c) {
+        mode = EXPAND;
+    }
+    if (mode == NONE || n == 0 || (size_t)n * sizeof(Desc) > desc_cap)
+        return LOOM_OK;
+    // reduce: rows a chunk, doubled until the partial sums fit the workspace
+    int64_t KC = 128;
+    for (;; KC *= 2) {
+        int64_t need = 0;
+        for (int i = 0; i < G && mode == REDUCE; i++)
+            if (g[i].M && g[i].N && g[i].K)
+                need += (g[i].K + KC - 1) / KC * g[i].M * g[i].N;
+        if (mode != REDUCE || (size_t)need * sizeof(float) <= ws_bytes)
+            break;
+        if (KC > maxK)
+            return LOOM_OK; // one chunk a group does not fit: the caller's way
+    }
+    Desc *h = (Desc *)malloc((size_t)n * sizeof(Desc));
+    if (!h)
+        return loom_errf(ctx, LOOM_ERR_OOM, "cuda gemm_grouped: out of host memory");
+    int64_t nblk = 0, p0 = 0, ny = 1;
+    int w = 0;
+    for (int i = 0; i < G; i++) {
+        if (!g[i].M || !g[i].N || !g[i].K)
+            continue;
+        Desc d = {g[i].A, g[i].B, g[i].C, (int)g[i].M, (int)g[i].N, (int)g[i].K, (int)nblk, 0, 0};
+        const int64_t big = bigm ? g[i].M : g[i].N;
+        if (mode == ROWDOT) {
+            const int np = maxN <= 4 ? 4 : maxN <= 8 ? 8 : 16;
+            nblk += (g[i].M + NT / np - 1) / (NT / np);
+        } else if (mode == EXPAND) {
+            nblk += (g[i].M + RB - 1) / RB;
+            const int64_t y = (g[i].N + NTILE - 1) / NTILE;
+            ny = y > ny ? y : ny;
+        } else {
+            d.nch = (int)((g[i].K + KC - 1) / KC);
+            d.p0 = p0;
+            p0 += (int64_t)d.nch * g[i].M * g[i].N;
+            nblk += (int64_t)d.nch * ((big + NT - 1) / NT);
+            const int64_t y = (g[i].M * g[i].N + NT - 1) / NT;
+            ny = y > ny ? (y < 1024 ? y : 1024) : ny;
+        }
+        h[w++] = d;
+    }
+    if (nblk > INT32_MAX) {
+        free(h);
+        return LOOM_OK;
+    }
+    const cudaStream_t s = as_stream(stream);
+    // pageable source: staged before the call returns (freed at once); the
+    // kernels of an earlier call read the array before this copy, in stream order
+    loom_status st = check(ctx, cudaMemcpyAsync(desc, h, (size_t)n * sizeof(Desc),
+                                                cudaMemcpyHostToDevice, s),
+                           "gemm_grouped (skinny descriptors)");
+    free(h);
+    if (st)
+        return st;
+    const Desc *dd = (const Desc *)desc;
+    const int np = maxN <= 4 ? 4 : maxN <= 8 ? 8 : 16, nb = (int)nblk, ng = (int)n, y = (int)ny;
+    float *part = (float *)ws;
+#define SKINNY_LAUNCH(T, TC)                                                                       \
+    launch<T, TC>(mode, np, bigm, dd, ng, nb, y, tb, lda, ldb, ldc, alpha, beta, (int)KC, part, s)
+    if (ab == LOOM_F32)
+        SKINNY_LAUNCH(float, float);
+    else if (ab == LOOM_BF16 && cdt == LOOM_F32)
+        SKINNY_LAUNCH(__nv_bfloat16, float);
+    else if (ab == LOOM_BF16)
+        SKINNY_LAUNCH(__nv_bfloat16, __nv_bfloat16);
+    else if (cdt == LOOM_F32)
+        SKINNY_LAUNCH(__half, float);
+    else
+        SKINNY_LAUNCH(__half, __half);
+#undef SKINNY_LAUNCH
+    *done = true;
+    return check_launch(ctx, "gemm_grouped (skinny)");
+}
