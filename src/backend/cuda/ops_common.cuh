@@ -74,6 +74,36 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
     return __float2bfloat16_rn(v);
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+// (the same names for fp32, for kernels templated over all three)
+__device__ __forceinline__ float to_f(float v) { return v; }
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+
+// V consecutive elements at p as floats / stored from floats: one 16-byte
+// access when V > 1 (V = 16 / sizeof(T), p 16-byte aligned), else one element.
+template <typename T, int V> __device__ __forceinline__ void ld_vec(const T *p, float (&f)[V]) {
+    if constexpr (V == 1) {
+        f[0] = to_f(p[0]);
+    } else {
+        static_assert(V * sizeof(T) == 16, "one 16-byte access");
+        const uint4 u = *(const uint4 *)p;
+        const T *e = (const T *)&u;
+#pragma unroll
+        for (int i = 0; i < V; i++)
+            f[i] = to_f(e[i]);
+    }
+}
+template <typename T, int V> __device__ __forceinline__ void st_vec(T *p, const float (&f)[V]) {
+    if constexpr (V == 1) {
+        p[0] = from_f<T>(f[0]);
+    } else {
+        uint4 u;
+        T *e = (T *)&u;
+#pragma unroll
+        for (int i = 0; i < V; i++)
+            e[i] = from_f<T>(f[i]);
+        *(uint4 *)p = u;
+    }
+}
 
 // 8 16-bit values of one 16-byte access, as floats
 template <typename T>

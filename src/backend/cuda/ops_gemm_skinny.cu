@@ -41,15 +41,6 @@ struct Desc {
 
 static_assert(sizeof(Desc) <= LOOM_CUDA_SKINNY_DESC_BYTES, "a descriptor's room");
 
-__device__ __forceinline__ float f32(float v) { return v; }
-__device__ __forceinline__ float f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float f32(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T cast(float v);
-template <> __device__ __forceinline__ float cast<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 cast<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ __half cast<__half>(float v) { return __float2half_rn(v); }
 
 // 8 consecutive elements (16-byte aligned: two accesses for fp32)
 template <typename T> __device__ __forceinline__ void load8(const T *p, float (&v)[8]) {
@@ -61,7 +52,7 @@ template <typename T> __device__ __forceinline__ void load8(const T *p, float (&
         const uint4 u = *(const uint4 *)p;
         const T *e = (const T *)&u;
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = f32(e[i]);
+        for (int i = 0; i < 8; i++) v[i] = to_f(e[i]);
     }
 }
 template <typename T> __device__ __forceinline__ void store8(T *p, const float (&v)[8]) {
@@ -72,7 +63,7 @@ template <typename T> __device__ __forceinline__ void store8(T *p, const float (
         uint4 u;
         T *e = (T *)&u;
 #pragma unroll
-        for (int i = 0; i < 8; i++) e[i] = cast<T>(v[i]);
+        for (int i = 0; i < 8; i++) e[i] = from_f<T>(v[i]);
         *(uint4 *)p = u;
     }
 }
@@ -94,7 +85,7 @@ __device__ __forceinline__ int group_of(const Desc *d, int G, int b) {
 // op(B)'s element (k, n): B is (K, N) row-major, or (N, K) when tb
 template <typename T>
 __device__ __forceinline__ float opb(const T *b, bool tb, int64_t ldb, int k, int n) {
-    return f32(tb ? b[(int64_t)n * ldb + k] : b[(int64_t)k * ldb + n]);
+    return to_f(tb ? b[(int64_t)n * ldb + k] : b[(int64_t)k * ldb + n]);
 }
 
 // rowdot: NP threads a row (thread j: C's column j), NT / NP rows a block;
@@ -141,8 +132,8 @@ __global__ void __launch_bounds__(NT)
     if (live && j < d.N) {
         TC *c = (TC *)d.C + (int64_t)row * ldc + j;
         float v = alpha * acc;
-        if (beta != 0.0f) v = fmaf(beta, f32(*c), v);
-        *c = cast<TC>(v);
+        if (beta != 0.0f) v = fmaf(beta, to_f(*c), v);
+        *c = from_f<TC>(v);
     }
 }
 
@@ -166,7 +157,7 @@ __global__ void __launch_bounds__(NT)
     }
     for (int i = (int)threadIdx.x; i < RB * d.K; i += NT) {
         const int rr = i / d.K, kk = i % d.K;
-        sa[rr][kk] = r0 + rr < d.M ? f32(a[(int64_t)(r0 + rr) * lda + kk]) : 0.0f;
+        sa[rr][kk] = r0 + rr < d.M ? to_f(a[(int64_t)(r0 + rr) * lda + kk]) : 0.0f;
     }
     __syncthreads();
     const int cg = (int)threadIdx.x % (NTILE / 8), n = n0 + cg * 8;
@@ -221,12 +212,12 @@ __global__ void __launch_bounds__(NT)
         __syncthreads();
         for (int i = (int)threadIdx.x; i < RK * SK; i += NT) {
             const int rr = i / SK, s = i % SK;
-            ((float *)ss[rr])[s] = rr < n && s < S ? f32(sk[(int64_t)(kb + rr) * ldsk + s]) : 0.0f;
+            ((float *)ss[rr])[s] = rr < n && s < S ? to_f(sk[(int64_t)(kb + rr) * ldsk + s]) : 0.0f;
         }
         __syncthreads();
         if (bi < Bn)
             for (int rr = 0; rr < n; rr++) {
-                const float v = f32(big[(int64_t)(kb + rr) * ldbig + bi]);
+                const float v = to_f(big[(int64_t)(kb + rr) * ldbig + bi]);
 #pragma unroll
                 for (int q = 0; q < SK / 4; q++) {
                     const float4 w = ss[rr][q];
@@ -255,8 +246,8 @@ __global__ void __launch_bounds__(NT)
         for (int ch = 0; ch < d.nch; ch++) s += part[d.p0 + ch * MN + e];
         TC *c = (TC *)d.C + (e / d.N) * ldc + e % d.N;
         float v = alpha * s;
-        if (beta != 0.0f) v = fmaf(beta, f32(*c), v);
-        *c = cast<TC>(v);
+        if (beta != 0.0f) v = fmaf(beta, to_f(*c), v);
+        *c = from_f<TC>(v);
     }
 }
 

@@ -20,48 +20,8 @@ namespace {
 enum { WARPS = 8, NT = WARPS * 32, SCAN_NT = 1024 };
 constexpr unsigned FULL = 0xffffffffu;
 
-// ---- element access: T is float, __nv_bfloat16 or __half ----
-
-template <typename T> __device__ __forceinline__ float tof(T v);
-template <> __device__ __forceinline__ float tof<float>(float v) { return v; }
-template <> __device__ __forceinline__ float tof<__nv_bfloat16>(__nv_bfloat16 v) {
-    return __bfloat162float(v);
-}
-template <> __device__ __forceinline__ float tof<__half>(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T fromf(float v);
-template <> __device__ __forceinline__ float fromf<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 fromf<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ __half fromf<__half>(float v) { return __float2half_rn(v); }
-
-// V consecutive elements at p as floats / stored from floats: one 16-byte
-// access when V > 1 (V = 16 / sizeof(T), p 16-byte aligned), else one element.
-template <typename T, int V> __device__ __forceinline__ void ldv(const T *p, float (&f)[V]) {
-    if constexpr (V == 1) {
-        f[0] = tof<T>(p[0]);
-    } else {
-        static_assert(V * sizeof(T) == 16, "one 16-byte access");
-        const uint4 u = *(const uint4 *)p;
-        const T *e = (const T *)&u;
-#pragma unroll
-        for (int i = 0; i < V; i++)
-            f[i] = tof<T>(e[i]);
-    }
-}
-template <typename T, int V> __device__ __forceinline__ void stv(T *p, const float (&f)[V]) {
-    if constexpr (V == 1) {
-        p[0] = fromf<T>(f[0]);
-    } else {
-        uint4 u;
-        T *e = (T *)&u;
-#pragma unroll
-        for (int i = 0; i < V; i++)
-            e[i] = fromf<T>(f[i]);
-        *(uint4 *)p = u;
-    }
-}
+// element access (T float, __nv_bfloat16 or __half): ops_common.cuh's to_f,
+// from_f, ld_vec and st_vec
 
 // Whether a's candidate beats b's for the next top-k slot: the larger
 // probability, the lower expert on a tie (or when either is NaN); -1: none.
@@ -95,7 +55,7 @@ __global__ void __launch_bounds__(NT)
         const T *zr = z + n * E;
         float mx = -INFINITY;
         for (int e = lane; e < E; e += 32) {
-            const float v = tof<T>(zr[e]);
+            const float v = to_f(zr[e]);
             p[e] = v;
             mx = fmaxf(mx, v);
         }
@@ -235,7 +195,7 @@ __global__ void __launch_bounds__(NT)
         const double zl = lse ? (double)zc[0] * lse[n] : 0.0;
         T *o = dz + n * E;
         for (int e = lane; e < E; e += 32)
-            o[e] = fromf<T>((float)(p[e] * ((double)g[e] - s + zl)));
+            o[e] = from_f<T>((float)(p[e] * ((double)g[e] - s + zl)));
         __syncwarp(); // g is the next row's
     }
 }
@@ -477,7 +437,7 @@ __global__ void __launch_bounds__(NT)
                 if (pn[j] < 0)
                     continue;
                 float v[V];
-                ldv<T, V>(src + (int64_t)pn[j] * H + h, v);
+                ld_vec<T, V>(src + (int64_t)pn[j] * H + h, v);
                 if constexpr (WEIGHTED) {
                     const float s = w[n * k + j];
 #pragma unroll
@@ -489,7 +449,7 @@ __global__ void __launch_bounds__(NT)
                         acc[i] = __fadd_rn(acc[i], v[i]);
                 }
             }
-            stv<T, V>(y + n * H + h, acc);
+            st_vec<T, V>(y + n * H + h, acc);
         }
     }
 }
@@ -518,14 +478,14 @@ __global__ void __launch_bounds__(NT)
         float dot = 0.0f;
         for (int64_t h = (int64_t)lane * V; h < H; h += 32 * V) {
             float dv[V], gv[V], ov[V];
-            ldv<T, V>(d + h, dv);
-            ldv<T, V>(g + h, gv);
+            ld_vec<T, V>(d + h, dv);
+            ld_vec<T, V>(g + h, gv);
 #pragma unroll
             for (int i = 0; i < V; i++) {
                 ov[i] = __fmul_rn(s, dv[i]);
                 dot = __fmaf_rn(dv[i], gv[i], dot);
             }
-            stv<T, V>(o + h, ov);
+            st_vec<T, V>(o + h, ov);
         }
         dot = warp_sum(dot);
         if (lane == 0)

@@ -17,47 +17,6 @@ namespace {
 
 enum { WARPS = 8, NT = WARPS * 32 };
 
-template <typename T> __device__ __forceinline__ float tof(T v);
-template <> __device__ __forceinline__ float tof<float>(float v) { return v; }
-template <> __device__ __forceinline__ float tof<__nv_bfloat16>(__nv_bfloat16 v) {
-    return __bfloat162float(v);
-}
-template <> __device__ __forceinline__ float tof<__half>(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T fromf(float v);
-template <> __device__ __forceinline__ float fromf<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 fromf<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ __half fromf<__half>(float v) { return __float2half_rn(v); }
-
-// V consecutive elements at p as floats / stored from floats: one 16-byte
-// access when V > 1 (V = 16 / sizeof(T), p 16-byte aligned), else one element.
-template <typename T, int V> __device__ __forceinline__ void ldv(const T *p, float (&f)[V]) {
-    if constexpr (V == 1) {
-        f[0] = tof<T>(p[0]);
-    } else {
-        static_assert(V * sizeof(T) == 16, "one 16-byte access");
-        const uint4 u = *(const uint4 *)p;
-        const T *e = (const T *)&u;
-#pragma unroll
-        for (int i = 0; i < V; i++)
-            f[i] = tof<T>(e[i]);
-    }
-}
-template <typename T, int V> __device__ __forceinline__ void stv(T *p, const float (&f)[V]) {
-    if constexpr (V == 1) {
-        p[0] = fromf<T>(f[0]);
-    } else {
-        uint4 u;
-        T *e = (T *)&u;
-#pragma unroll
-        for (int i = 0; i < V; i++)
-            e[i] = fromf<T>(f[i]);
-        *(uint4 *)p = u;
-    }
-}
-
 // g[n] = sigmoid(z[n]) (z null: g read), and with s: y row n = g[n] s row n
 // (+ y row n when acc).
 template <typename T, int V>
@@ -68,7 +27,7 @@ __global__ void __launch_bounds__(NT)
     for (int64_t n = (int64_t)blockIdx.x * WARPS + warp; n < N; n += (int64_t)gridDim.x * WARPS) {
         float w;
         if (z) {
-            w = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-tof<T>(z[n]))));
+            w = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-to_f(z[n]))));
             if (lane == 0)
                 g[n] = w;
         } else {
@@ -78,13 +37,13 @@ __global__ void __launch_bounds__(NT)
             continue;
         for (int64_t h = (int64_t)lane * V; h < H; h += 32 * V) {
             float sv[V], yv[V];
-            ldv<T, V>(s + n * H + h, sv);
+            ld_vec<T, V>(s + n * H + h, sv);
             if (acc)
-                ldv<T, V>(y + n * H + h, yv);
+                ld_vec<T, V>(y + n * H + h, yv);
 #pragma unroll
             for (int i = 0; i < V; i++)
                 yv[i] = acc ? __fadd_rn(yv[i], __fmul_rn(w, sv[i])) : __fmul_rn(w, sv[i]);
-            stv<T, V>(y + n * H + h, yv);
+            st_vec<T, V>(y + n * H + h, yv);
         }
     }
 }
@@ -99,15 +58,15 @@ __global__ void __launch_bounds__(NT)
         float dot = 0.0f;
         for (int64_t i = (int64_t)lane * V; i < I; i += 32 * V) {
             float dv[V], av[V];
-            ldv<T, V>(da + n * I + i, dv);
-            ldv<T, V>(a + n * I + i, av);
+            ld_vec<T, V>(da + n * I + i, dv);
+            ld_vec<T, V>(a + n * I + i, av);
 #pragma unroll
             for (int j = 0; j < V; j++)
                 dot = __fmaf_rn(dv[j], av[j], dot);
         }
         dot = warp_sum(dot);
         if (lane == 0)
-            dz[n] = fromf<T>(__fmul_rn(__fsub_rn(1.0f, g[n]), dot));
+            dz[n] = from_f<T>(__fmul_rn(__fsub_rn(1.0f, g[n]), dot));
     }
 }
 
