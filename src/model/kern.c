@@ -346,6 +346,10 @@ void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list) {
         free(A->zparts);
         A->zparts = NULL;
         A->nzparts = 0;
+    } else { /* the optimizer's parts go with their backend copy */
+        free(A->parts);
+        A->parts = NULL;
+        A->nparts = 0;
     }
     if (m->dev.be) m->dev.be->lists_free(&m->dev, zero_list ? &A->zlists : &A->lists);
 }

@@ -306,7 +306,6 @@ void loom_arena_free(loom_model *m, loom_arena *a) {
     free(a->bucket_off);
     free(a->bucket_len);
     free(a->bucket_ex);
-    free(a->parts);
     memset(a, 0, sizeof *a);
 }
 

@@ -77,7 +77,7 @@ typedef struct loom_arena {
                               * gshard unless that is g) */
     bool gshard_is_g;
     loom_k_part *parts;      /* the optimizer's parts of this rank's shard (nparts; made at
-                              * the first step: the layout never changes) */
+                              * the first step, freed with lists: loom_k_lists_free) */
     int nparts;
     loom_part_lists lists;   /* the backend's copy of them (a GPU's chunks) */
     int64_t step;            /* optimizer steps taken on this arena */

@@ -78,6 +78,22 @@ template <> __device__ __forceinline__ __half from_f<__half>(float v) { return _
 __device__ __forceinline__ float to_f(float v) { return v; }
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 
+// Runs __VA_ARGS__ with T the C++ type of the float dtype dt (BF16, F16, else
+// F32): the kernel templates instantiated for a compute dtype.
+#define LOOM_CUDA_TYPED(dt, ...)                                                                   \
+    do {                                                                                           \
+        if ((dt) == LOOM_BF16) {                                                                   \
+            typedef __nv_bfloat16 T;                                                               \
+            __VA_ARGS__;                                                                           \
+        } else if ((dt) == LOOM_F16) {                                                             \
+            typedef __half T;                                                                      \
+            __VA_ARGS__;                                                                           \
+        } else {                                                                                   \
+            typedef float T;                                                                       \
+            __VA_ARGS__;                                                                           \
+        }                                                                                          \
+    } while (0)
+
 // V consecutive elements at p as floats / stored from floats: one 16-byte
 // access when V > 1 (V = 16 / sizeof(T), p 16-byte aligned), else one element.
 template <typename T, int V> __device__ __forceinline__ void ld_vec(const T *p, float (&f)[V]) {

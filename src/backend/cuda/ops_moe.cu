@@ -571,21 +571,6 @@ void launch_permute(const void *x, const int32_t *order, int64_t rows, int k, in
 
 } // namespace
 
-// The kernel templates instantiated for the compute dtype: T is its type.
-#define MOE_TYPED(dt, ...)                                                                         \
-    do {                                                                                           \
-        if ((dt) == LOOM_BF16) {                                                                   \
-            typedef __nv_bfloat16 T;                                                               \
-            __VA_ARGS__;                                                                           \
-        } else if ((dt) == LOOM_F16) {                                                             \
-            typedef __half T;                                                                      \
-            __VA_ARGS__;                                                                           \
-        } else {                                                                                   \
-            typedef float T;                                                                       \
-            __VA_ARGS__;                                                                           \
-        }                                                                                          \
-    } while (0)
-
 extern "C" size_t loom_cuda_moe_router_scratch_bytes(int64_t N, int64_t E, bool psum) {
     return psum && N > 0 && E > 0 ? (size_t)(psum_chunks(N) * E) * sizeof(double) : 0;
 }
@@ -609,7 +594,7 @@ extern "C" loom_status loom_cuda_moe_router_fwd(loom_ctx *ctx, const void *z, lo
     const cudaStream_t s = as_stream(stream);
     const int wpb = router_warps((int)E);
     const size_t shm = (size_t)wpb * (size_t)E * sizeof(float);
-    MOE_TYPED(dtype, router_fwd_kernel<T><<<grid_for(N, wpb), 32 * wpb, shm, s>>>(
+    LOOM_CUDA_TYPED(dtype, router_fwd_kernel<T><<<grid_for(N, wpb), 32 * wpb, shm, s>>>(
                          (const T *)z, N, (int)E, k, norm_topk, probs, idx, w, lse));
     if ((st = check_launch(ctx, "moe_router_fwd")) || !psum)
         return st;
@@ -634,7 +619,7 @@ extern "C" loom_status loom_cuda_moe_router_bwd(loom_ctx *ctx, const float *prob
         return LOOM_OK;
     const int wpb = router_warps((int)E);
     const size_t shm = (size_t)wpb * (size_t)E * sizeof(float);
-    MOE_TYPED(dtype, router_bwd_kernel<T><<<grid_for(N, wpb), 32 * wpb, shm, as_stream(stream)>>>(
+    LOOM_CUDA_TYPED(dtype, router_bwd_kernel<T><<<grid_for(N, wpb), 32 * wpb, shm, as_stream(stream)>>>(
                          probs, idx, dw, ga, lse, zc, N, (int)E, k, norm_topk, (T *)dz));
     return check_launch(ctx, "moe_router_bwd");
 }
@@ -734,7 +719,7 @@ extern "C" loom_status loom_cuda_moe_combine(loom_ctx *ctx, const void *yg, cons
         return st;
     if (N == 0 || H == 0)
         return LOOM_OK;
-    MOE_TYPED(dtype, launch_gather_sum<T, true>(yg, pos, w, N, k, H, y, as_stream(stream)));
+    LOOM_CUDA_TYPED(dtype, launch_gather_sum<T, true>(yg, pos, w, N, k, H, y, as_stream(stream)));
     return check_launch(ctx, "moe_combine");
 }
 
@@ -748,7 +733,7 @@ extern "C" loom_status loom_cuda_moe_combine_bwd(loom_ctx *ctx, const void *dy, 
         return st;
     if (N * k == 0)
         return LOOM_OK;
-    MOE_TYPED(dtype,
+    LOOM_CUDA_TYPED(dtype,
               launch_combine_bwd<T>(dy, yg, order, w, N * k, k, H, dyg, dw, as_stream(stream)));
     return check_launch(ctx, "moe_combine_bwd");
 }
@@ -762,7 +747,7 @@ extern "C" loom_status loom_cuda_moe_permute_bwd(loom_ctx *ctx, const void *dxg,
         return st;
     if (N == 0 || H == 0)
         return LOOM_OK;
-    MOE_TYPED(dtype,
+    LOOM_CUDA_TYPED(dtype,
               launch_gather_sum<T, false>(dxg, pos, nullptr, N, k, H, dx, as_stream(stream)));
     return check_launch(ctx, "moe_permute_bwd");
 }

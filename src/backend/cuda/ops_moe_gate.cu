@@ -107,21 +107,6 @@ loom_status bad(loom_ctx *ctx, const char *op, const char *what, long long v) {
 
 } // namespace
 
-// The kernel templates instantiated for the compute dtype: T is its type.
-#define GATE_TYPED(dt, ...)                                                                        \
-    do {                                                                                           \
-        if ((dt) == LOOM_BF16) {                                                                   \
-            typedef __nv_bfloat16 T;                                                               \
-            __VA_ARGS__;                                                                           \
-        } else if ((dt) == LOOM_F16) {                                                             \
-            typedef __half T;                                                                      \
-            __VA_ARGS__;                                                                           \
-        } else {                                                                                   \
-            typedef float T;                                                                       \
-            __VA_ARGS__;                                                                           \
-        }                                                                                          \
-    } while (0)
-
 extern "C" loom_status loom_cuda_moe_gate_fwd(loom_ctx *ctx, const void *z, const void *s,
                                               int64_t N, int64_t H, bool acc, float *g, void *y,
                                               loom_dtype dtype, void *stream) {
@@ -134,7 +119,7 @@ extern "C" loom_status loom_cuda_moe_gate_fwd(loom_ctx *ctx, const void *z, cons
         return bad(ctx, "moe_gate_fwd", "row width", H);
     if (N == 0 || (!z && !s))
         return LOOM_OK;
-    GATE_TYPED(dtype, launch_fwd<T>(z, s, N, H, acc, g, y, as_stream(stream)));
+    LOOM_CUDA_TYPED(dtype, launch_fwd<T>(z, s, N, H, acc, g, y, as_stream(stream)));
     return check_launch(ctx, "moe_gate_fwd");
 }
 
@@ -150,6 +135,6 @@ extern "C" loom_status loom_cuda_moe_gate_bwd(loom_ctx *ctx, const void *da, con
         return bad(ctx, "moe_gate_bwd", "row width", I);
     if (N == 0)
         return LOOM_OK;
-    GATE_TYPED(dtype, launch_bwd<T>(da, a, g, N, I, dz, as_stream(stream)));
+    LOOM_CUDA_TYPED(dtype, launch_bwd<T>(da, a, g, N, I, dz, as_stream(stream)));
     return check_launch(ctx, "moe_gate_bwd");
 }
