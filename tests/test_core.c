@@ -1,6 +1,9 @@
 /* Core: status strings, errors, string buffer, dtype conversions. */
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "../src/core/rng.h"
 #include "harness.h"
 
 TEST(core_status_and_errors) {
@@ -131,6 +134,56 @@ TEST(dtype_convert) {
     CHECK(loom_convert(ctx, &h, LOOM_F16, &big32, LOOM_I32, 1) == LOOM_ERR_FORMAT); /* inf */
     CHECK_CONTAINS(loom_last_error(ctx), "70000");
     loom_ctx_free(ctx);
+}
+
+/* Long conversions run on threads: the same values as one at a time, and a
+ * narrowing in place (overlapping buffers) still right. */
+TEST(dtype_convert_long_runs) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    enum { N = 300001 };
+    float *f = malloc(N * sizeof *f), *back = malloc(N * sizeof *back);
+    uint16_t *b = malloc(N * sizeof *b);
+    REQUIRE(f && b && back);
+    loom_rng_normal_fill(3, 4, 0, N, 1.0, f);
+    CHECK_OK(ctx, loom_convert(ctx, b, LOOM_BF16, f, LOOM_F32, N));
+    CHECK_OK(ctx, loom_convert(ctx, back, LOOM_F32, b, LOOM_BF16, N));
+    int bad = 0;
+    for (int i = 0; i < N; i++) {
+        uint16_t one;
+        CHECK_OK(ctx, loom_convert(ctx, &one, LOOM_BF16, f + i, LOOM_F32, 1));
+        bad += one != b[i] || back[i] != loom_bf16_to_f32(one);
+    }
+    CHECK_EQ_INT(bad, 0);
+    memcpy(back, f, N * sizeof *f); /* f32 -> bf16 in place, front to back */
+    CHECK_OK(ctx, loom_convert(ctx, back, LOOM_BF16, back, LOOM_F32, N));
+    CHECK(!memcmp(back, b, N * sizeof *b));
+    free(f), free(b), free(back);
+    loom_ctx_free(ctx);
+}
+
+/* loom_rng_normal_fill: loom_rng_normal's values bit for bit, from an odd or
+ * even start, odd and even lengths, long enough for threads. */
+TEST(rng_normal_fill_matches_one_at_a_time) {
+    const uint64_t starts[] = {0, 1, 6, 77777};
+    const size_t lens[] = {1, 2, 5, 70001};
+    float *out = malloc(70001 * sizeof *out);
+    REQUIRE(out);
+    int bad = 0;
+    for (int a = 0; a < 4; a++)
+        for (int l = 0; l < 4; l++) {
+            loom_rng_normal_fill(9, 12345, starts[a], lens[l], 0.02, out);
+            for (size_t j = 0; j < lens[l]; j++)
+                bad += out[j] != (float)(0.02 * loom_rng_normal(9, 12345, starts[a] + j));
+        }
+    CHECK_EQ_INT(bad, 0);
+    /* and loom_rng_normal is Box-Muller on loom_rng_uniform's pairs */
+    for (uint64_t i = 0; i < 64; i++) {
+        const double u1 = loom_rng_uniform(9, 5, 2 * (i >> 1)), u2 = loom_rng_uniform(9, 5, 2 * (i >> 1) + 1);
+        const double r = sqrt(-2.0 * log(u1)), t = 6.283185307179586 * u2;
+        CHECK(loom_rng_normal(9, 5, i) == ((i & 1) ? r * sin(t) : r * cos(t)));
+    }
+    free(out);
 }
 
 TEST(core_logging_rank_prefix_and_levels) {

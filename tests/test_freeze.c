@@ -29,16 +29,10 @@ static int64_t numel(const int64_t sh[2], int nd) { return nd == 2 ? sh[0] * sh[
  * host memory until training starts, so its layout moves host and device
  * buffers apart. Its gradients and steps are compared loosely (the
  * attention backward's atomics differ run to run), frozen tensors exactly. */
-static void check_freeze(loom_device dev, loom_dtype dt) {
-    if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) {
-        loom_test_skip("no GPU visible (or loom built without CUDA)");
-        return;
-    }
+static void check_freeze_in(loom_device dev, loom_dtype dt, const char *dir) {
     loom_ctx *ctx;
     REQUIRE_OK(NULL, loom_ctx_create(&ctx));
     loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
-    char dir[1024];
-    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3", loom_test_fixtures());
     loom_model_options o;
     loom_model_options_default(&o);
     o.device = dev;
@@ -135,6 +129,136 @@ static void check_freeze(loom_device dev, loom_dtype dt) {
     loom_model_free(fresh);
     for (int k = 0; k < 2; k++) loom_model_free(m[k]);
     loom_ctx_free(ctx);
+}
+
+static void check_freeze(loom_device dev, loom_dtype dt) {
+    if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) {
+        loom_test_skip("no GPU visible (or loom built without CUDA)");
+        return;
+    }
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/models/tiny-qwen3", loom_test_fixtures());
+    check_freeze_in(dev, dt, dir);
+}
+
+/* tiny-qwen3 saved in bf16 (dir16), and those values widened to fp32 (dir32) */
+static void save_bf16_copies(loom_ctx *ctx, char *dir16, char *dir32, size_t cap) {
+    char src[1024];
+    snprintf(src, sizeof src, "%s/models/tiny-qwen3", loom_test_fixtures());
+    snprintf(dir16, cap, "%s/tiny-qwen3-bf16", loom_test_tmpdir());
+    snprintf(dir32, cap, "%s/tiny-qwen3-bf16-widened", loom_test_tmpdir());
+    loom_model_options o;
+    loom_model_options_default(&o);
+    loom_model *m;
+    REQUIRE_OK(ctx, loom_model_create(ctx, src, &o, &m));
+    REQUIRE_OK(ctx, loom_model_save_hf(m, dir16, LOOM_BF16, 0));
+    loom_model_free(m);
+    REQUIRE_OK(ctx, loom_model_create(ctx, dir16, &o, &m));
+    REQUIRE_OK(ctx, loom_model_save_hf(m, dir32, LOOM_F32, 0));
+    loom_model_free(m);
+}
+
+/* A GPU model whose checkpoint is in its compute dtype loads straight into
+ * the compute copy, with no fp32 master anywhere: the same values as the
+ * host master's path (the widened file), the master widened exactly when
+ * full fine-tuning starts, and none at all once LoRA freezes the base. */
+TEST(cuda_base_loaded_in_compute_dtype) {
+    if (!loom_test_have_gpu()) {
+        loom_test_skip("no GPU visible (or loom built without CUDA)");
+        return;
+    }
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char dir16[1024], dir32[1024];
+    save_bf16_copies(ctx, dir16, dir32, sizeof dir16);
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = LOOM_DEVICE_CUDA;
+    o.dtype = LOOM_BF16;
+    loom_model *m16, *m32, *lora;
+    REQUIRE_OK(ctx, loom_model_create(ctx, dir16, &o, &m16));
+    REQUIRE_OK(ctx, loom_model_create(ctx, dir32, &o, &m32));
+    REQUIRE_OK(ctx, loom_model_create(ctx, dir16, &o, &lora));
+    CHECK(m16->base.w == NULL && m16->base.w_in_wc);
+    CHECK(m32->base.w != NULL && !m32->base.w_on_dev && !m32->base.w_in_wc);
+    loom_model_info info;
+    loom_model_get_info(m16, &info);
+    float *a = NULL, *b = NULL;
+    for (int64_t i = 0; i < info.num_tensors; i++) { /* the same values, bit for bit */
+        int nd;
+        int64_t sh[2];
+        const char *name = loom_model_tensor_name(m16, i, &nd, sh);
+        const int64_t n = numel(sh, nd);
+        a = realloc(a, (size_t)n * sizeof *a);
+        b = realloc(b, (size_t)n * sizeof *b);
+        REQUIRE_OK(ctx, loom_model_get_param(m16, name, a, n));
+        REQUIRE_OK(ctx, loom_model_get_param(m32, name, b, n));
+        CHECK_MSG(!memcmp(a, b, (size_t)n * sizeof *a), "%s: loaded differently", name);
+    }
+    enum { R = 2, S = 16 };
+    int32_t ids[R * S], tgt[R * S];
+    for (int i = 0; i < R * S; i++) ids[i] = (i * 29 + 5) % 1000;
+    for (int i = 0; i < R * S; i++) tgt[i] = (i + 1) % S ? ids[i + 1] : -100;
+    loom_batch bt = {.rows = R, .seq_len = S, .input_ids = ids, .targets = tgt};
+    loom_optimizer_config oc = loom_optimizer_config_default();
+    oc.lr = 1e-3;
+    loom_step_result r16, r32;
+    loom_model *ms[2] = {m16, m32};
+    loom_step_result *rs[2] = {&r16, &r32};
+    for (int k = 0; k < 2; k++) {
+        REQUIRE_OK(ctx, loom_model_set_optimizer(ms[k], &oc));
+        REQUIRE_OK(ctx, loom_model_forward_backward(ms[k], &bt, 1, NULL));
+        REQUIRE_OK(ctx, loom_model_clip_grad_and_step(ms[k], 1.0, 1, rs[k]));
+    }
+    CHECK(m16->base.w != NULL && m16->base.w_on_dev && !m16->base.w_in_wc);
+    CHECK_NEAR(r16.loss, r32.loss, 1e-6 * fabs(r32.loss));
+    CHECK_NEAR(r16.grad_norm, r32.grad_norm, 1e-2 * r32.grad_norm);
+    for (int64_t i = 0; i < info.num_tensors; i++) { /* one AdamW step from the same master */
+        int nd;
+        int64_t sh[2];
+        const char *name = loom_model_tensor_name(m16, i, &nd, sh);
+        const int64_t n = numel(sh, nd);
+        a = realloc(a, (size_t)n * sizeof *a);
+        b = realloc(b, (size_t)n * sizeof *b);
+        REQUIRE_OK(ctx, loom_model_get_param(m16, name, a, n));
+        REQUIRE_OK(ctx, loom_model_get_param(m32, name, b, n));
+        double d = 0.0;
+        for (int64_t j = 0; j < n; j++) d = fmax(d, fabs((double)a[j] - b[j]));
+        /* an element moves by at most ~lr: gradients' run-to-run rounding
+         * (attention's atomics) can flip a tiny one's direction, no more */
+        CHECK_MSG(d <= 2.5 * oc.lr, "%s: differs by %g after one step", name, d);
+    }
+    loom_lora_config lc = {.r = 2};
+    REQUIRE_OK(ctx, loom_model_add_adapter(lora, "a", &lc));
+    CHECK(lora->base.w == NULL && !lora->base.w_in_wc);
+    REQUIRE_OK(ctx, loom_model_set_optimizer(lora, &oc));
+    loom_step_result rl;
+    REQUIRE_OK(ctx, loom_model_forward_backward(lora, &bt, 1, NULL));
+    REQUIRE_OK(ctx, loom_model_clip_grad_and_step(lora, 1.0, 1, &rl));
+    CHECK_NEAR(rl.loss, r32.loss, 1e-6 * fabs(r32.loss)); /* B = 0: the base's loss */
+    CHECK(lora->base.w == NULL); /* no master for a frozen base */
+    free(a), free(b);
+    loom_model_free(lora);
+    loom_model_free(m32);
+    loom_model_free(m16);
+    loom_ctx_free(ctx);
+}
+
+/* Freezing a base loaded straight into its bf16 compute copy: the layout
+ * moves the compute copy only, and the master widened at the first step
+ * holds the moved values. */
+TEST(cuda_freeze_tensors_bf16_checkpoint) {
+    if (!loom_test_have_gpu()) {
+        loom_test_skip("no GPU visible (or loom built without CUDA)");
+        return;
+    }
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    char dir16[1024], dir32[1024];
+    save_bf16_copies(ctx, dir16, dir32, sizeof dir16);
+    loom_ctx_free(ctx);
+    check_freeze_in(LOOM_DEVICE_CUDA, LOOM_BF16, dir16);
 }
 
 TEST(freeze_tensors_in_full_fine_tuning) { check_freeze(LOOM_DEVICE_CPU, LOOM_F32); }

@@ -175,9 +175,16 @@ loom_status loom_convert(loom_ctx *ctx, void *dst, loom_dtype d, const void *src
     }
     bool sf = loom_dtype_is_float(s), df = loom_dtype_is_float(d);
     if (sf && df) {
+        /* threads for long runs of separate buffers (a checkpoint's
+         * tensors saved); overlapping ones (a narrowing in place) in order */
+        const size_t sb = n * loom_dtype_size(s), db = n * loom_dtype_size(d);
+        const char *sp = src, *dp = dst;
+        const bool par = n >= ((size_t)1 << 18) && (sp + sb <= dp || dp + db <= sp);
+        (void)par;
         if (s == LOOM_BF16 && d == LOOM_F32) { /* hot path: checkpoint load */
             const uint16_t *in = src;
             float *out = dst;
+#pragma omp parallel for schedule(static) if (par)
             for (size_t i = 0; i < n; i++) {
                 uint16_t h;
                 memcpy(&h, in + i, 2);
@@ -185,6 +192,7 @@ loom_status loom_convert(loom_ctx *ctx, void *dst, loom_dtype d, const void *src
             }
             return LOOM_OK;
         }
+#pragma omp parallel for schedule(static) if (par)
         for (size_t i = 0; i < n; i++) store_f(dst, d, i, load_f(src, s, i));
         return LOOM_OK;
     }

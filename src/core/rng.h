@@ -4,6 +4,7 @@
 #ifndef LOOM_RNG_H
 #define LOOM_RNG_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* The inline functions below are also compiled for the GPU (a CUDA kernel
@@ -36,5 +37,10 @@ static inline LOOM_HD double loom_rng_uniform(uint64_t seed, uint64_t key, uint6
 
 /* Standard normal (Box-Muller on elements 2i and 2i+1 of the stream). */
 double loom_rng_normal(uint64_t seed, uint64_t key, uint64_t i);
+/* out[j] = (float)(scale * loom_rng_normal(seed, key, i0 + j)) for j < n,
+ * bit for bit, a pair's logarithm and hashes computed once (threads with
+ * OpenMP): random checkpoints of 30B parameters in seconds per core. */
+void loom_rng_normal_fill(uint64_t seed, uint64_t key, uint64_t i0, size_t n, double scale,
+                          float *out);
 
 #endif

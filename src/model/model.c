@@ -243,14 +243,20 @@ loom_status loom_arena_commit(loom_model *m, loom_arena *a) {
 }
 
 loom_status loom_arena_master_to_device(loom_model *m, loom_arena *a) {
-    if (!m->dev.cuda || !a->w || a->w_on_dev) return LOOM_OK;
+    if (!m->dev.cuda || a->w_on_dev || (!a->w && !a->w_in_wc)) return LOOM_OK;
     float *d = NULL;
     loom_status st = loom_dev_alloc(m, (void **)&d, a->nparams * sizeof(float), "parameters");
-    if (!st && (st = loom_k_upload(m, d, a->w, a->nparams * sizeof(float)))) loom_dev_free(m, d);
-    if (st) return st;
+    if (!st)
+        st = a->w ? loom_k_upload(m, d, a->w, a->nparams * sizeof(float))
+                  : loom_k_convert(m, d, LOOM_F32, a->wc, m->dev.adt, a->nparams);
+    if (st) {
+        loom_dev_free(m, d);
+        return st;
+    }
     free(a->w);
     a->w = d;
     a->w_on_dev = true;
+    a->w_in_wc = false;
     return LOOM_OK;
 }
 
@@ -281,6 +287,7 @@ loom_status loom_arena_host(loom_model *m, const loom_arena *a, int i, bool grad
 }
 
 void loom_arena_drop_master(loom_model *m, loom_arena *a) {
+    a->w_in_wc = false; /* frozen: kept in the compute dtype for good */
     if (!m->dev.cuda || !a->w || a->wc == (void *)a->w) return;
     if (!a->w_on_dev) { /* never moved to the GPU */
         free(a->w);
@@ -329,6 +336,63 @@ loom_status loom_slot_read(loom_ctx *ctx, const void *data, loom_dtype dt, const
     return LOOM_OK;
 }
 
+/* This rank's block of a slot, copied as it is (the checkpoint's dtype is
+ * the compute dtype) into the device at dev: straight from the mapping when
+ * the block is whole rows, else through host rows. */
+static loom_status slot_upload(loom_model *m, const loom_st_tensor *t, const loom_slot *sl,
+                               void *dev, char **rows, size_t *rows_cap) {
+    const size_t esz = m->dev.esz, full_cols = (size_t)sl->shape[1];
+    const int64_t nr = sl->row0 >= sl->shape[0] ? 0
+                       : sl->rows < sl->shape[0] - sl->row0 ? sl->rows
+                                                            : sl->shape[0] - sl->row0;
+    const char *src = (const char *)t->data + (size_t)sl->row0 * full_cols * esz;
+    const size_t bytes = (size_t)nr * (size_t)sl->cols * esz; /* rows past: padding, zero */
+    if ((size_t)sl->cols == full_cols) return loom_k_upload(m, dev, src, bytes);
+    if (*rows_cap < bytes) {
+        char *r = realloc(*rows, bytes);
+        if (!r) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the rows of %s", sl->name);
+        *rows = r;
+        *rows_cap = bytes;
+    }
+    for (int64_t r = 0; r < nr; r++)
+        memcpy(*rows + (size_t)r * sl->cols * esz, src + ((size_t)r * full_cols + sl->col0) * esz,
+               (size_t)sl->cols * esz);
+    return loom_k_upload(m, dev, *rows, bytes);
+}
+
+/* The base arena's values from the checkpoint. A GPU model whose every
+ * tensor is stored in its compute dtype gets them straight into its compute
+ * copy (no fp32 copy anywhere: a frozen 30B base never needs 122 GB of host
+ * memory); the fp32 master is widened from it, exactly, if the base is ever
+ * trained (w_in_wc). Otherwise an fp32 master in host memory, committed by
+ * the caller. */
+static loom_status fill_base(loom_model *m, const loom_safetensors *st) {
+    loom_arena *a = &m->base;
+    bool direct = m->dev.cuda && m->dev.adt != LOOM_F32;
+    for (int i = 0; i < a->nslots && direct; i++)
+        direct = loom_st_find(st, a->slots[i].name)->dtype == m->dev.adt;
+    const size_t n = a->nparams ? a->nparams : 1;
+    loom_status s;
+    if (!direct) {
+        if (!(a->w = loom_calloc(m->ctx, n, sizeof(float), "parameters"))) return LOOM_ERR_OOM;
+        for (int i = 0; i < a->nslots; i++) {
+            const loom_st_tensor *t = loom_st_find(st, a->slots[i].name);
+            if ((s = loom_slot_read(m->ctx, t->data, t->dtype, &a->slots[i], a->w + a->slots[i].off)))
+                return s;
+        }
+        return LOOM_OK;
+    }
+    if ((s = loom_dev_alloc(m, &a->wc, n * m->dev.esz, "parameters (compute copy)"))) return s;
+    a->w_in_wc = true;
+    char *rows = NULL;
+    size_t cap = 0;
+    for (int i = 0; i < a->nslots && !s; i++)
+        s = slot_upload(m, loom_st_find(st, a->slots[i].name), &a->slots[i],
+                        (char *)a->wc + a->slots[i].off * m->dev.esz, &rows, &cap);
+    free(rows);
+    return s;
+}
+
 /* Reads this rank's blocks of every tensor; refuses missing tensors and
  * wrong shapes, reports the ones the model does not use. */
 static loom_status load_weights(loom_model *m, const char *dir) {
@@ -369,11 +433,7 @@ static loom_status load_weights(loom_model *m, const char *dir) {
         }
         if (m->file_dtype == LOOM_DTYPE_COUNT) m->file_dtype = t->dtype;
     }
-    for (int i = 0; i < m->base.nslots && !s; i++) {
-        const loom_st_tensor *t = loom_st_find(st, m->base.slots[i].name);
-        s = loom_slot_read(ctx, t->data, t->dtype, &m->base.slots[i],
-                           m->base.w + m->base.slots[i].off);
-    }
+    if (!s) s = fill_base(m, st);
     if (!s && m->mesh->rank == 0) {
         size_t unused = 0;
         const char *first = NULL;
@@ -571,7 +631,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     if ((st = loom_model_build_slots(m))) goto fail;
     /* the base's gradients come with its first forward_backward (a LoRA run
      * never allocates them) */
-    if ((st = loom_arena_layout(m, &m->base, true))) goto fail;
+    if ((st = loom_arena_place(m, &m->base))) goto fail;
     m->inv_freq = loom_calloc(ctx, (size_t)(m->D / 2), sizeof(float), "rope frequencies");
     m->chunks = loom_calloc(ctx, (size_t)m->vpp, sizeof *m->chunks, "model chunks");
     if (!m->inv_freq || !m->chunks) {
@@ -590,7 +650,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
                        c->rope_low_freq_factor, c->rope_high_freq_factor,
                        c->rope_original_max_pos, m->inv_freq);
     if ((st = load_weights(m, dir))) goto fail;
-    if ((st = loom_arena_commit_ex(m, &m->base, true))) goto fail;
+    if (m->base.w && (st = loom_arena_commit_ex(m, &m->base, true))) goto fail;
     m->d_inv_freq = m->inv_freq;
     if (cuda) {
         size_t b = (size_t)(m->D / 2) * sizeof(float);

@@ -65,6 +65,9 @@ typedef struct loom_arena {
     float *w, *g;            /* fp32 master values (NULL: a frozen base kept in the compute
                               * dtype only), main grads (the model's device memory) */
     bool w_on_dev;           /* w is device memory (committed on a GPU) */
+    bool w_in_wc;            /* w is NULL and wc holds its values exactly (a base loaded
+                              * in the compute dtype, not trained yet): widened into w by
+                              * loom_arena_master_to_device */
     void *wc;                /* compute copy of w in the compute dtype (== w when that is F32) */
     int nbuckets;
     size_t *bucket_off, *bucket_len; /* (nbuckets) */

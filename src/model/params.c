@@ -256,8 +256,7 @@ static loom_status random_fetch(void *u, size_t i, float *buf) {
         return LOOM_OK;
     }
     const uint64_t key = loom_hash_str(p->name);
-#pragma omp parallel for schedule(static)
-    for (size_t j = 0; j < n; j++) buf[j] = (float)(r->std * loom_rng_normal(r->seed, key, j));
+    loom_rng_normal_fill(r->seed, key, 0, n, r->std, buf);
     return LOOM_OK;
 }
 

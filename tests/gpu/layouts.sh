@@ -38,7 +38,14 @@ rm -rf "$W" && mkdir -p "$W"
 ngpu=$(nvidia-smi -L | wc -l)
 python3 tests/gpu/make_model.py "$W/m" "$W/b.safetensors"
 python3 tests/gpu/make_model.py "$W/m" "$W/bp.safetensors" --packed
-G="$B/loom golden --device cuda --model $W/m --num-micro-batches 2 --steps 3 --lr 1e-3 --log-level warn"
+# bf16 runs read the model saved in bf16: a GPU model whose checkpoint is in
+# its compute dtype loads straight into the compute copy (whole rows from
+# the mapping, tp's column blocks through host rows) and widens its fp32
+# master from there; fp32 runs read the fp32 file (the host master's path)
+"$B/loom" convert --model "$W/m" --out "$W/m-bf16" --save-dtype bfloat16 --log-level warn ||
+    { echo "convert to bf16 failed"; exit 1; }
+model_of() { [ "$1" = bf16 ] && echo "$W/m-bf16" || echo "$W/m"; }
+G="$B/loom golden --device cuda --num-micro-batches 2 --steps 3 --lr 1e-3 --log-level warn"
 tol_of() { # compare.py's tolerance arguments for a dtype
     case $1 in
     bf16) echo "--tol $TOL_BF16" ;;
@@ -47,7 +54,7 @@ tol_of() { # compare.py's tolerance arguments for a dtype
     esac
 }
 ref() { # dtype batch
-    $G --dtype "$1" --batch "$W/$2.safetensors" --out "$W/ref-$1-$2.safetensors"
+    $G --model "$(model_of "$1")" --dtype "$1" --batch "$W/$2.safetensors" --out "$W/ref-$1-$2.safetensors"
 }
 rows=()
 run() { # name batch nproc flags...
@@ -57,7 +64,7 @@ run() { # name batch nproc flags...
     for dt in $DTYPES; do
         local t0=$SECONDS tol out="$W/$name-$dt"
         tol=$(tol_of "$dt")
-        if CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((np - 1))) $G --dtype "$dt" --nproc-per-node "$np" "$@" \
+        if CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((np - 1))) $G --model "$(model_of "$dt")" --dtype "$dt" --nproc-per-node "$np" "$@" \
             --batch "$W/$batch.safetensors" --out "$out.safetensors" >"$out.log" 2>&1; then
             # shellcheck disable=SC2086 # $tol: several words
             local res; res=$(python3 tests/gpu/compare.py golden "$W/ref-$dt-$batch.safetensors" "$out.safetensors" $tol 2>&1)
