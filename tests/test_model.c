@@ -632,9 +632,23 @@ static void check_adamw(const char *model, loom_device dev) {
          * weights are compared in the L2 norm, which such outliers cannot
          * dominate, while a wrong update rule (weight decay, bias correction,
          * clipping) still moves it well past the tolerance. */
-        double e = rel_err_l2(got, ref, n);
+        double e = rel_err_l2(got, ref, n), tol = TOL;
+        /* The keys' bias has a gradient of zero in exact arithmetic (a
+         * constant added to every key of a query leaves its softmax as it
+         * is), so what it gets is rounding, which AdamW can scale up to lr
+         * an element a step: the GPU's summation order gives it ~1e-8,
+         * enough to move it by a fraction of lr, the float64 reference's
+         * nothing. Its bound adds at most lr a step and element (a wrong
+         * update rule moves every other tensor past TOL still). */
+        const char *kb = ".self_attn.k_proj.bias";
+        const size_t ln = strlen(t->name), lk = strlen(kb);
+        if (ln > lk && !strcmp(t->name + ln - lk, kb)) {
+            double rr = 0.0;
+            for (int64_t j = 0; j < n; j++) rr += (double)ref[j] * ref[j];
+            tol += rr > 0 ? 5 * oc.lr * sqrt((double)n / rr) : 0.0;
+        }
         note_err(t->name, e);
-        CHECK_MSG(e <= TOL, "%s: relative L2 error %.3g > %g", t->name, e, TOL);
+        CHECK_MSG(e <= tol, "%s: relative L2 error %.3g > %g", t->name, e, tol);
         free(ref);
         free(got);
     }
@@ -684,6 +698,7 @@ TEST(model_cuda_rows_as_documents_llama) { check_forward_backward("tiny-llama", 
 TEST(model_cuda_adamw_trajectory_qwen3) { check_adamw("tiny-qwen3", LOOM_DEVICE_CUDA); }
 TEST(model_cuda_adamw_trajectory_untied) { check_adamw("tiny-qwen3-untied", LOOM_DEVICE_CUDA); }
 TEST(model_cuda_adamw_trajectory_llama) { check_adamw("tiny-llama", LOOM_DEVICE_CUDA); }
+TEST(model_cuda_adamw_trajectory_qwen2) { check_adamw("tiny-qwen2", LOOM_DEVICE_CUDA); }
 TEST(model_cuda_qwen3_moe_matches_hf) { check_forward_backward("tiny-qwen3-moe", LOOM_DEVICE_CUDA, false); }
 TEST(model_cuda_adamw_trajectory_qwen3_moe) { check_adamw("tiny-qwen3-moe", LOOM_DEVICE_CUDA); }
 TEST(model_cuda_qwen3_moe_router_and_aux_loss_match_hf) { check_router("tiny-qwen3-moe", LOOM_DEVICE_CUDA); }
