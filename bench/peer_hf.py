@@ -208,9 +208,12 @@ def main():
 
     def report_memory():
         if cuda:
+            free_b, total_b = torch.cuda.mem_get_info(device)
             log(f"peak GPU memory {torch.cuda.max_memory_reserved(device) / GiB:.2f} GiB "
                 f"(torch max_memory_reserved; max_memory_allocated "
-                f"{torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB)")
+                f"{torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB; "
+                f"{(total_b - free_b) / GiB:.2f} GiB on the device with the CUDA context and "
+                f"libraries)")
         else:
             log("peak GPU memory n/a (not on a GPU)")
 

@@ -46,6 +46,7 @@ import sys
 STEP_RE = re.compile(r"step (\d+)/(\d+) \| loss ([0-9.eE+-]+|nan|inf|-inf) \| grad norm "
                      r"([0-9.eE+-]+|nan|inf) \| lr ([0-9.eE+-]+) \| ([0-9.eE+-]+) tokens/s")
 MEM_RE = re.compile(r"peak GPU memory ([0-9.]+) GiB")
+DEV_RE = re.compile(r"([0-9.]+) GiB on the device with the CUDA context")
 OOM_RE = re.compile(r"out of memory|OutOfMemory|\bOOM\b|CUDA_ERROR_OUT_OF_MEMORY", re.I)
 ERR_RE = re.compile(r"error|Error|ERROR|Traceback|failed|Killed|Aborted|Segmentation")
 
@@ -60,6 +61,7 @@ class Run:
         self.name, self.path, self.rc = name, path, rc
         self.steps = {}  # step -> (loss, grad norm, lr, tokens/s)
         self.mem = None
+        self.dev_mem = None  # the device's count: the CUDA context and libraries too
         self.oom = False
         self.err = ""
         self.missing = False
@@ -76,6 +78,8 @@ class Run:
             m = MEM_RE.search(line)
             if m:
                 self.mem = float(m.group(1))
+                d = DEV_RE.search(line)
+                self.dev_mem = float(d.group(1)) if d else None
             if OOM_RE.search(line):
                 self.oom = True
             if ERR_RE.search(line) and not line.startswith("  "):
@@ -222,6 +226,8 @@ def main():
                  if tps else "")
               + (f", {tf:.1f} TFLOP/s, MFU {100 * tf / a.peak_tflops:.1f}%" if tf else "")
               + f"; peak memory {f'{r.mem:.2f} GiB' if r.mem is not None else 'n/a'}"
+              + (f" ({r.dev_mem:.2f} GiB on the device with the CUDA context and libraries)"
+                 if r.dev_mem is not None else "")
               + (f"\n      last error line: {r.err[:200]}" if not r.ok and r.err else ""))
 
     # loss parity

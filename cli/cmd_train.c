@@ -445,10 +445,12 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             snprintf(where, sizeof where, ", pipeline stage %d, tp rank %d, dp rank %d",
                      mi.pp_rank, mi.tp_rank, mi.dp_rank);
         LOOM_LOG_I(ctx,
-                   "peak GPU memory %.2f GiB (%s allocated by loom on GPU %d%s; predicted %s%s)",
+                   "peak GPU memory %.2f GiB (%s allocated by loom on GPU %d%s; predicted %s%s; "
+                   "%.2f GiB on the device with the CUDA context and libraries)",
                    (double)peak / (1u << 30), loom_fmt_bytes(pkb, peak), gpu, where,
                    have_mem ? loom_fmt_bytes(pr, mem.total) : "n/a",
-                   have_mem && mi.pp > 1 ? " for the largest stage" : "");
+                   have_mem && mi.pp > 1 ? " for the largest stage" : "",
+                   (double)loom_model_device_memory(m) / (1u << 30));
         loom_ctx_set_log_level(ctx, lv);
         char an[400];
         loom_dev_attn_note(m, an, sizeof an);

@@ -271,6 +271,11 @@ loom_device loom_model_device(const loom_model *m, int *gpu);
 /* The most GPU memory in use since the model was created, above what was
  * in use then (sampled at each of its allocations): bytes, 0 on the CPU. */
 uint64_t loom_model_peak_memory(const loom_model *m);
+/* The same peak as the device counts it (what was in use when the model
+ * was created, its CUDA context included, plus loom_model_peak_memory: with
+ * the CUDA libraries' own memory and any other process's on that GPU), the
+ * figure to set beside a peer's device-wide one: bytes, 0 on the CPU. */
+uint64_t loom_model_device_memory(const loom_model *m);
 
 /* AdamW (torch semantics, fp32 master weights; no weight decay on 1-D
  * parameters). Without a scheduler lr and weight_decay are constant. */

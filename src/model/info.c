@@ -14,4 +14,8 @@ uint64_t loom_model_peak_memory(const loom_model *m) {
     return m->dev.cuda ? (uint64_t)m->dev.peak : 0;
 }
 
+uint64_t loom_model_device_memory(const loom_model *m) {
+    return m->dev.cuda ? (uint64_t)(m->dev.used0 + m->dev.peak) : 0;
+}
+
 const loom_model_config *loom_model_get_config(const loom_model *m) { return &m->cfg; }

@@ -82,9 +82,13 @@ static loom_status cuda_alloc(loom_dev *d, loom_ctx *ctx, void **p, size_t bytes
     loom_status st = loom_cuda_malloc(ctx, p, bytes, what);
     if (st) return st;
     size_t free_b, total_b;
-    if (loom_cuda_mem_info(ctx, &free_b, &total_b) == LOOM_OK && total_b - free_b > d->used0 &&
-        total_b - free_b - d->used0 > d->peak)
-        d->peak = total_b - free_b - d->used0;
+    if (loom_cuda_mem_info(ctx, &free_b, &total_b) == LOOM_OK && total_b - free_b > d->used0) {
+        const size_t used = total_b - free_b - d->used0;
+        if (used > d->peak) d->peak = used;
+        if (bytes >= ((size_t)16 << 20)) /* where the memory goes, at --log-level debug */
+            LOOM_LOG_D(ctx, "GPU memory: %.1f MiB for %s (%.2f GiB in use)",
+                       (double)bytes / (1 << 20), what, (double)used / (1 << 30));
+    }
     return loom_cuda_memset_async(ctx, *p, bytes, d->stream);
 }
 

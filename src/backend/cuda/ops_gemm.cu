@@ -26,7 +26,12 @@ struct gemm_key {
     int64_t M, N, K, lda, ldb, ldc;
     int32_t ta, tb, adt, cdt, beta0;
     uint32_t align_a, align_b, align_c; // bytes, of our A, B, C pointers
+    int32_t any_rows; // planned for M rounded up to ROWS_STEP, run on any M up to it
 };
+
+// A plan made for M rows (rounded up to this) serves every M of its step:
+// the layouts of A and C are set to the call's M before it runs.
+enum { ROWS_STEP = 512 };
 
 struct gemm_entry {
     bool used;
@@ -272,11 +277,13 @@ static loom_status gemm_args(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, b
     return LOOM_OK;
 }
 
-extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb,
-                                      int64_t M, int64_t N, int64_t K, float alpha, const void *A,
-                                      loom_dtype a_dtype, int64_t lda, const void *B,
-                                      loom_dtype b_dtype, int64_t ldb, float beta, void *C,
-                                      loom_dtype c_dtype, int64_t ldc, void *stream) {
+// any_rows (our A not transposed): the plan of M rounded up to ROWS_STEP,
+// its layouts set to this M (a hot expert's rows, a new count every step,
+// without a plan a count: about a ms each)
+static loom_status gemm_run(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb, int64_t M,
+                            int64_t N, int64_t K, float alpha, const void *A, loom_dtype a_dtype,
+                            int64_t lda, const void *B, loom_dtype b_dtype, int64_t ldb, float beta,
+                            void *C, loom_dtype c_dtype, int64_t ldc, void *stream, bool any_rows) {
     loom_status st;
     gemm_key k;
     bool trivial;
@@ -287,6 +294,11 @@ extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, b
     if (trivial) { // K == 0
         gemm_scale_c<<<grid_for(M * N, 256), 256, 0, as_stream(stream)>>>(C, c_dtype, M, N, ldc, beta);
         return check_launch(ctx, "gemm");
+    }
+    any_rows = any_rows && !ta && M % ROWS_STEP;
+    if (any_rows) {
+        k.M = (M + ROWS_STEP - 1) / ROWS_STEP * ROWS_STEP;
+        k.any_rows = 1;
     }
     gemm_entry tmp, *e = NULL;
     uint64_t hs = key_hash(&k);
@@ -310,15 +322,39 @@ extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, b
         e = &tmp;
         temporary = true;
     }
+    if (any_rows) { // our A is K x M col-major to cuBLAS (!ta), C N x M
+        const uint64_t cols = (uint64_t)M;
+        cublasStatus_t a = cublasLtMatrixLayoutSetAttribute(e->lb, CUBLASLT_MATRIX_LAYOUT_COLS,
+                                                            &cols, sizeof cols);
+        if (a == CUBLAS_STATUS_SUCCESS)
+            a = cublasLtMatrixLayoutSetAttribute(e->lc, CUBLASLT_MATRIX_LAYOUT_COLS, &cols,
+                                                 sizeof cols);
+        if ((st = lt_check(ctx, a, "set the rows of a reused plan"))) {
+            if (temporary) entry_destroy(&tmp);
+            return st;
+        }
+    }
     cublasStatus_t s = cublasLtMatmul(h->lt, e->op, &alpha, B, e->la, A, e->lb, &beta, C, e->lc, C,
                                       e->lc, &e->algo, h->ws, h->ws_bytes, as_stream(stream));
     if (temporary) entry_destroy(&tmp);
+    if (any_rows && s == CUBLAS_STATUS_NOT_SUPPORTED) // that algorithm not for these rows
+        return gemm_run(ctx, h, ta, tb, M, N, K, alpha, A, a_dtype, lda, B, b_dtype, ldb, beta, C,
+                        c_dtype, ldc, stream, false);
     if (s != CUBLAS_STATUS_SUCCESS)
         return loom_errf(ctx, LOOM_ERR_DEVICE,
                          "cuda gemm: cublasLtMatmul (M=%lld N=%lld K=%lld ta=%d tb=%d, %s): %s",
                          (long long)M, (long long)N, (long long)K, (int)ta, (int)tb,
                          loom_dtype_name(a_dtype), cublasLtGetStatusString(s));
     return check_launch(ctx, "gemm");
+}
+
+extern "C" loom_status loom_cuda_gemm(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool ta, bool tb,
+                                      int64_t M, int64_t N, int64_t K, float alpha, const void *A,
+                                      loom_dtype a_dtype, int64_t lda, const void *B,
+                                      loom_dtype b_dtype, int64_t ldb, float beta, void *C,
+                                      loom_dtype c_dtype, int64_t ldc, void *stream) {
+    return gemm_run(ctx, h, ta, tb, M, N, K, alpha, A, a_dtype, lda, B, b_dtype, ldb, beta, C,
+                    c_dtype, ldc, stream, false);
 }
 
 // How many memset nodes one call with algo puts in a stream capture (-1:
@@ -541,11 +577,11 @@ extern "C" loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_hand
             aligned && (((uintptr_t)g[i].A | (uintptr_t)g[i].B | (uintptr_t)g[i].C) & 15) == 0;
     }
     // A group of LOOM_CUDA_GROUP_ALONE_ROWS rows or more (a hot expert: random
-    // weights send a layer's tokens to 8 of 128) runs its first whole 512s
-    // of rows alone: cuBLASLt's sm90 kernels take them at about twice the
-    // rate of cuBLAS's grouped sm80 kernel. Whole 512s, so that the plans
-    // cached per shape stay few (a plan made per call costs about a ms);
-    // the rows past them join the other groups' call.
+    // weights send a layer's tokens to 8 of 128) runs alone, all its rows:
+    // cuBLASLt's sm90 kernels take them at about twice the rate of cuBLAS's
+    // grouped sm80 kernel. Its plan is the one of its rows rounded up to
+    // ROWS_STEP (gemm_run's any_rows), so that the plans cached stay few
+    // (a plan made per call costs about a ms).
     bool alone = false;
     for (int i = 0; i < G && !ta; i++)
         alone = alone || (g[i].M >= LOOM_CUDA_GROUP_ALONE_ROWS && g[i].N >= 256 && g[i].K >= 256);
@@ -559,12 +595,12 @@ extern "C" loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_hand
             rest[i] = g[i];
             if (!(g[i].M >= LOOM_CUDA_GROUP_ALONE_ROWS && g[i].N >= 256 && g[i].K >= 256))
                 continue;
-            const int64_t Ma = g[i].M / 512 * 512;
-            st = loom_cuda_gemm(ctx, h, ta, tb, Ma, g[i].N, g[i].K, alpha, g[i].A, ab, lda, g[i].B,
-                                ab, ldb, beta, g[i].C, cdt, ldc, stream);
+            const int64_t Ma = g[i].M;
+            st = gemm_run(ctx, h, ta, tb, Ma, g[i].N, g[i].K, alpha, g[i].A, ab, lda, g[i].B, ab,
+                          ldb, beta, g[i].C, cdt, ldc, stream, true);
             rest[i].A = (const char *)g[i].A + (size_t)(Ma * lda) * ea;
             rest[i].C = (char *)g[i].C + (size_t)(Ma * ldc) * ec;
-            rest[i].M = g[i].M - Ma;
+            rest[i].M = 0;
         }
         if (!st)
             st = loom_cuda_gemm_grouped(ctx, h, ta, tb, G, rest, alpha, lda, ldb, ab, beta, cdt,

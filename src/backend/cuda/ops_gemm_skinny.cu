@@ -3,7 +3,8 @@
 // row-major, C = alpha op(A) op(B) + beta C):
 //
 //   rowdot  (ta false, N <= 16)  u = x A_e^T, du = dy B_e: each row of C a few
-//           dot products of length K, the row read once
+//           dot products of length K, the row read once (its lanes read
+//           different parts of it)
 //   expand  (ta false, K <= 16)  y += u B_e^T, dx += du A_e: each element of C
 //           a sum of K products, C read and written once
 //   reduce  (ta true, M or N <= 16, tb false)  dB_e += dy_e^T u_e, dA_e +=
@@ -88,64 +89,94 @@ __device__ __forceinline__ float opb(const T *b, bool tb, int64_t ldb, int k, in
     return to_f(tb ? b[(int64_t)n * ldb + k] : b[(int64_t)k * ldb + n]);
 }
 
-// rowdot: NP threads a row (thread j: C's column j), NT / NP rows a block;
-// op(B) staged in chunks of KC rows of k; four 16-byte loads of the row in
-// flight a thread
-template <typename T, typename TC, int NP>
+// rowdot: LN lanes a row, each summing its own 8-element slices of the row
+// (lane l: k = 8l, 8l + 8 LN, ...; a row's lanes read 16 LN contiguous
+// bytes together) into all NB columns, then added across the lanes (in a
+// fixed order: the same bits every run); RR rows a thread, so a block's
+// staged op(B) (KC of k at a time, column-major: one lane's 8 k of a
+// column are two 16-byte reads) serves NT / LN * RR rows
+constexpr int LN = 8, RR = 2, KC = 512;
+template <typename T, typename TC, int NB>
 __global__ void __launch_bounds__(NT)
     rowdot_kernel(const Desc *ds, int G, bool tb, int64_t lda, int64_t ldb, int64_t ldc,
                   float alpha, float beta) {
-    constexpr int RPB = NT / NP, KC = 512;
-    __shared__ float sb[KC][NP];
+    constexpr int RPB = NT / LN * RR;
+    __shared__ __align__(16) float sb[NB][KC];
     const Desc d = ds[group_of(ds, G, (int)blockIdx.x)];
-    const int row = ((int)blockIdx.x - d.blk0) * RPB + (int)threadIdx.x / NP;
-    const int j = (int)threadIdx.x % NP;
-    const bool live = row < d.M;
-    const T *a = (const T *)d.A + (int64_t)(live ? row : 0) * lda, *b = (const T *)d.B;
-    float acc = 0.0f;
+    const int lane = (int)threadIdx.x % LN, rg = (int)threadIdx.x / LN;
+    const int row0 = ((int)blockIdx.x - d.blk0) * RPB + rg * RR;
+    const T *b = (const T *)d.B;
+    float acc[RR][NB];
+#pragma unroll
+    for (int r = 0; r < RR; r++)
+#pragma unroll
+        for (int n = 0; n < NB; n++) acc[r][n] = 0.0f;
     for (int k0 = 0; k0 < d.K; k0 += KC) {
         const int kn = min(KC, d.K - k0);
         __syncthreads();
-        for (int i = (int)threadIdx.x; i < kn * NP; i += NT) {
-            const int kk = i / NP, jj = i % NP;
-            sb[kk][jj] = jj < d.N ? opb(b, tb, ldb, k0 + kk, jj) : 0.0f;
+        for (int i = (int)threadIdx.x; i < kn * NB; i += NT) {
+            const int nn = i / kn, kk = i % kn;
+            sb[nn][kk] = nn < d.N ? opb(b, tb, ldb, k0 + kk, nn) : 0.0f;
         }
         __syncthreads();
-        if (!live) continue;
-        int kk = 0;
-        for (; kk + 32 <= kn; kk += 32) { // K a multiple of 8
-            float x[4][8];
+        for (int kk = 8 * lane; kk < kn; kk += 8 * LN) { // K a multiple of 8
+            float x[RR][8];
 #pragma unroll
-            for (int u = 0; u < 4; u++) load8(a + k0 + kk + 8 * u, x[u]);
+            for (int r = 0; r < RR; r++) {
+                if (row0 + r < d.M)
+                    load8((const T *)d.A + (int64_t)(row0 + r) * lda + k0 + kk, x[r]);
+                else
 #pragma unroll
-            for (int u = 0; u < 4; u++)
+                    for (int i = 0; i < 8; i++) x[r][i] = 0.0f;
+            }
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc = fmaf(x[u][i], sb[kk + 8 * u + i][j], acc);
-        }
-        for (; kk < kn; kk += 8) {
-            float x[8];
-            load8(a + k0 + kk, x);
+            for (int n = 0; n < NB; n++) {
+                const float4 w0 = *(const float4 *)&sb[n][kk], w1 = *(const float4 *)&sb[n][kk + 4];
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc = fmaf(x[i], sb[kk + i][j], acc);
+                for (int r = 0; r < RR; r++) {
+                    float t = acc[r][n];
+                    t = fmaf(x[r][0], w0.x, t), t = fmaf(x[r][1], w0.y, t);
+                    t = fmaf(x[r][2], w0.z, t), t = fmaf(x[r][3], w0.w, t);
+                    t = fmaf(x[r][4], w1.x, t), t = fmaf(x[r][5], w1.y, t);
+                    t = fmaf(x[r][6], w1.z, t), t = fmaf(x[r][7], w1.w, t);
+                    acc[r][n] = t;
+                }
+            }
         }
     }
-    if (live && j < d.N) {
-        TC *c = (TC *)d.C + (int64_t)row * ldc + j;
-        float v = alpha * acc;
-        if (beta != 0.0f) v = fmaf(beta, to_f(*c), v);
-        *c = from_f<TC>(v);
+    // the lanes' sums, butterfly over the LN lanes of a row (all lanes end
+    // with the same value, added in the same order)
+#pragma unroll
+    for (int r = 0; r < RR; r++)
+#pragma unroll
+        for (int n = 0; n < NB; n++)
+#pragma unroll
+            for (int o = LN / 2; o > 0; o /= 2)
+                acc[r][n] += __shfl_xor_sync(0xffffffffu, acc[r][n], o, LN);
+#pragma unroll
+    for (int r = 0; r < RR; r++) {
+        if (row0 + r >= d.M) continue;
+#pragma unroll
+        for (int n = 0; n < NB; n++) {
+            if (n % LN != lane || n >= d.N) continue;
+            TC *c = (TC *)d.C + (int64_t)(row0 + r) * ldc + n;
+            float v = alpha * acc[r][n];
+            if (beta != 0.0f) v = fmaf(beta, to_f(*c), v);
+            *c = from_f<TC>(v);
+        }
     }
 }
 
 // expand: a block is RB rows x NTILE columns of C; op(B)'s K x NTILE and A's
-// RB x K staged; thread: 8 consecutive columns of RB / 8 rows, C's old values
-// of them loaded first
+// RB x K staged; thread: 8 consecutive columns of RT rows (a row lane's, RL
+// apart), each k's 8 values of op(B) read once (two 16-byte reads) for all
+// RT rows, C's old values read after
 constexpr int NTILE = 256, RB = 64;
 template <typename T, typename TC>
 __global__ void __launch_bounds__(NT)
     expand_kernel(const Desc *ds, int G, bool tb, int64_t lda, int64_t ldb, int64_t ldc,
                   float alpha, float beta) {
-    __shared__ float sb[SK][NTILE];
+    __shared__ __align__(16) float sb[SK][NTILE];
     __shared__ float sa[RB][SK];
     const Desc d = ds[group_of(ds, G, (int)blockIdx.x)];
     const int r0 = ((int)blockIdx.x - d.blk0) * RB, n0 = (int)blockIdx.y * NTILE;
@@ -164,28 +195,32 @@ __global__ void __launch_bounds__(NT)
     if (n >= d.N) return; // N a multiple of 8
     constexpr int RL = NT / (NTILE / 8), RT = RB / RL; // row lanes; rows a thread
     const int rl = (int)threadIdx.x / (NTILE / 8);
-    float o[RT][8]; // C's old values, loaded together (RT loads in flight)
-    if (beta != 0.0f) {
+    float v[RT][8];
 #pragma unroll
-        for (int q = 0; q < RT; q++)
-            if (r0 + rl + q * RL < d.M) load8((const TC *)d.C + (int64_t)(r0 + rl + q * RL) * ldc + n, o[q]);
+    for (int q = 0; q < RT; q++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[q][i] = 0.0f;
+    for (int kk = 0; kk < d.K; kk++) {
+        const float4 w0 = *(const float4 *)&sb[kk][cg * 8], w1 = *(const float4 *)&sb[kk][cg * 8 + 4];
+        const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int q = 0; q < RT; q++) {
+            const float s = sa[rl + q * RL][kk];
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[q][i] = fmaf(s, w[i], v[q][i]);
+        }
     }
 #pragma unroll
     for (int q = 0; q < RT; q++) {
         const int rr = rl + q * RL;
         if (r0 + rr >= d.M) continue;
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = 0.0f;
-        for (int kk = 0; kk < d.K; kk++) {
-            const float s = sa[rr][kk];
-#pragma unroll
-            for (int i = 0; i < 8; i++) v[i] = fmaf(s, sb[kk][cg * 8 + i], v[i]);
-        }
+        TC *c = (TC *)d.C + (int64_t)(r0 + rr) * ldc + n;
+        float o[8];
+        if (beta != 0.0f) load8((const TC *)c, o);
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            v[i] = beta != 0.0f ? fmaf(beta, o[q][i], alpha * v[i]) : alpha * v[i];
-        store8((TC *)d.C + (int64_t)(r0 + rr) * ldc + n, v);
+            v[q][i] = beta != 0.0f ? fmaf(beta, o[i], alpha * v[q][i]) : alpha * v[q][i];
+        store8(c, v[q]);
     }
 }
 
@@ -258,7 +293,7 @@ void launch(Mode mode, int np, bool bigm, const Desc *dd, int G, int nblk, int n
             int64_t lda, int64_t ldb, int64_t ldc, float alpha, float beta, int KC, float *part,
             cudaStream_t s) {
     switch (mode) {
-    case ROWDOT:
+    case ROWDOT: // np: the columns' bound (4, 8 or 16)
         if (np == 4)
             rowdot_kernel<T, TC, 4><<<nblk, NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha, beta);
         else if (np == 8)
@@ -346,8 +381,8 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
         Desc d = {g[i].A, g[i].B, g[i].C, (int)g[i].M, (int)g[i].N, (int)g[i].K, (int)nblk, 0, 0};
         const int64_t big = bigm ? g[i].M : g[i].N;
         if (mode == ROWDOT) {
-            const int np = maxN <= 4 ? 4 : maxN <= 8 ? 8 : 16;
-            nblk += (g[i].M + NT / np - 1) / (NT / np);
+            constexpr int rpb = NT / LN * RR;
+            nblk += (g[i].M + rpb - 1) / rpb;
         } else if (mode == EXPAND) {
             nblk += (g[i].M + RB - 1) / RB;
             const int64_t y = (g[i].N + NTILE - 1) / NTILE;
