@@ -158,6 +158,29 @@ static void save_bf16_copies(loom_ctx *ctx, char *dir16, char *dir32, size_t cap
     loom_model_free(m);
 }
 
+/* Every parameter of x and y within tol (0: the same bits). */
+static void check_same_params(loom_ctx *ctx, loom_model *x, loom_model *y, double tol,
+                              const char *when) {
+    loom_model_info info;
+    loom_model_get_info(x, &info);
+    float *a = NULL, *b = NULL;
+    for (int64_t i = 0; i < info.num_tensors; i++) {
+        int nd;
+        int64_t sh[2];
+        const char *name = loom_model_tensor_name(x, i, &nd, sh);
+        const int64_t n = numel(sh, nd);
+        a = realloc(a, (size_t)n * sizeof *a);
+        b = realloc(b, (size_t)n * sizeof *b);
+        REQUIRE_OK(ctx, loom_model_get_param(x, name, a, n));
+        REQUIRE_OK(ctx, loom_model_get_param(y, name, b, n));
+        double d = 0.0;
+        for (int64_t j = 0; j < n; j++) d = fmax(d, fabs((double)a[j] - b[j]));
+        if (tol == 0.0) CHECK_MSG(!memcmp(a, b, (size_t)n * sizeof *a), "%s: differs %s", name, when);
+        else CHECK_MSG(d <= tol, "%s: differs by %g %s", name, d, when);
+    }
+    free(a), free(b);
+}
+
 /* A GPU model whose checkpoint is in its compute dtype loads straight into
  * the compute copy, with no fp32 master anywhere: the same values as the
  * host master's path (the widened file), the master widened exactly when
@@ -182,20 +205,7 @@ TEST(cuda_base_loaded_in_compute_dtype) {
     REQUIRE_OK(ctx, loom_model_create(ctx, dir16, &o, &lora));
     CHECK(m16->base.w == NULL && m16->base.w_in_wc);
     CHECK(m32->base.w != NULL && !m32->base.w_on_dev && !m32->base.w_in_wc);
-    loom_model_info info;
-    loom_model_get_info(m16, &info);
-    float *a = NULL, *b = NULL;
-    for (int64_t i = 0; i < info.num_tensors; i++) { /* the same values, bit for bit */
-        int nd;
-        int64_t sh[2];
-        const char *name = loom_model_tensor_name(m16, i, &nd, sh);
-        const int64_t n = numel(sh, nd);
-        a = realloc(a, (size_t)n * sizeof *a);
-        b = realloc(b, (size_t)n * sizeof *b);
-        REQUIRE_OK(ctx, loom_model_get_param(m16, name, a, n));
-        REQUIRE_OK(ctx, loom_model_get_param(m32, name, b, n));
-        CHECK_MSG(!memcmp(a, b, (size_t)n * sizeof *a), "%s: loaded differently", name);
-    }
+    check_same_params(ctx, m16, m32, 0.0, "as loaded"); /* bit for bit */
     enum { R = 2, S = 16 };
     int32_t ids[R * S], tgt[R * S];
     for (int i = 0; i < R * S; i++) ids[i] = (i * 29 + 5) % 1000;
@@ -214,21 +224,10 @@ TEST(cuda_base_loaded_in_compute_dtype) {
     CHECK(m16->base.w != NULL && m16->base.w_on_dev && !m16->base.w_in_wc);
     CHECK_NEAR(r16.loss, r32.loss, 1e-6 * fabs(r32.loss));
     CHECK_NEAR(r16.grad_norm, r32.grad_norm, 1e-2 * r32.grad_norm);
-    for (int64_t i = 0; i < info.num_tensors; i++) { /* one AdamW step from the same master */
-        int nd;
-        int64_t sh[2];
-        const char *name = loom_model_tensor_name(m16, i, &nd, sh);
-        const int64_t n = numel(sh, nd);
-        a = realloc(a, (size_t)n * sizeof *a);
-        b = realloc(b, (size_t)n * sizeof *b);
-        REQUIRE_OK(ctx, loom_model_get_param(m16, name, a, n));
-        REQUIRE_OK(ctx, loom_model_get_param(m32, name, b, n));
-        double d = 0.0;
-        for (int64_t j = 0; j < n; j++) d = fmax(d, fabs((double)a[j] - b[j]));
-        /* an element moves by at most ~lr: gradients' run-to-run rounding
-         * (attention's atomics) can flip a tiny one's direction, no more */
-        CHECK_MSG(d <= 2.5 * oc.lr, "%s: differs by %g after one step", name, d);
-    }
+    /* one AdamW step from the same master: an element moves by at most ~lr,
+     * and gradients' run-to-run rounding (attention's atomics) can flip a
+     * tiny one's direction, no more */
+    check_same_params(ctx, m16, m32, 2.5 * oc.lr, "after one step");
     loom_lora_config lc = {.r = 2};
     REQUIRE_OK(ctx, loom_model_add_adapter(lora, "a", &lc));
     CHECK(lora->base.w == NULL && !lora->base.w_in_wc);
@@ -238,7 +237,6 @@ TEST(cuda_base_loaded_in_compute_dtype) {
     REQUIRE_OK(ctx, loom_model_clip_grad_and_step(lora, 1.0, 1, &rl));
     CHECK_NEAR(rl.loss, r32.loss, 1e-6 * fabs(r32.loss)); /* B = 0: the base's loss */
     CHECK(lora->base.w == NULL); /* no master for a frozen base */
-    free(a), free(b);
     loom_model_free(lora);
     loom_model_free(m32);
     loom_model_free(m16);
