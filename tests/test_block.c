@@ -8,17 +8,20 @@
 #include "harness.h"
 
 /* The LoRA targets are the kinds' linears by name, in kind order, each once
- * (the moe kind's experts and shared expert reuse the MLP's names; its
- * shared expert's gate is the last). */
+ * (the moe kind's experts and shared expert reuse the MLP's names; then its
+ * shared expert's gate and the router, "gate", which all-linear leaves
+ * out). */
 TEST(block_lora_targets_from_kinds) {
     static const char *want[] = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
-                                 "gate_proj", "up_proj", "down_proj", "shared_expert_gate"};
+                                 "gate_proj", "up_proj", "down_proj", "shared_expert_gate",
+                                 "gate"};
     const int n = loom_lora_ntargets();
-    CHECK_EQ_INT(n, 8);
+    CHECK_EQ_INT(n, 9);
     REQUIRE(n <= LOOM_LORA_NMOD);
-    for (int t = 0; t < n && t < 8; t++) {
+    for (int t = 0; t < n && t < 9; t++) {
         CHECK_STR(loom_lora_target_name(t), want[t]);
         CHECK_EQ_INT(loom_lora_target_find(want[t], strlen(want[t])), t);
+        CHECK_EQ_INT(loom_lora_target_named(t), t == 8);
     }
     CHECK(loom_lora_target_name(n) == NULL);
     CHECK_EQ_INT(loom_lora_target_find("lm_head", 7), -1);
@@ -38,13 +41,15 @@ TEST(block_lora_targets_from_kinds) {
     REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
     bool tg[LOOM_LORA_NMOD];
     REQUIRE_OK(ctx, loom_lora_parse_targets(ctx, "all-linear", tg));
+    for (int t = 0; t < LOOM_LORA_NMOD; t++) CHECK(tg[t] == (t < n - 1));
+    REQUIRE_OK(ctx, loom_lora_parse_targets(ctx, "gate, all-linear", tg));
     for (int t = 0; t < LOOM_LORA_NMOD; t++) CHECK(tg[t] == (t < n));
     REQUIRE_OK(ctx, loom_lora_parse_targets(ctx, " v_proj,down_proj ", tg));
     for (int t = 0; t < LOOM_LORA_NMOD; t++) CHECK(tg[t] == (t == 2 || t == 6));
     CHECK(loom_lora_parse_targets(ctx, "q_proj,lm_head", tg) == LOOM_ERR_CONFIG);
     CHECK_CONTAINS(loom_last_error(ctx), "use all-linear or a list of q_proj, k_proj, v_proj, "
                                          "o_proj, gate_proj, up_proj, down_proj, "
-                                         "shared_expert_gate");
+                                         "shared_expert_gate, gate");
     loom_ctx_free(ctx);
 }
 

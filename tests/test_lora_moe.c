@@ -1,8 +1,10 @@
 /* LoRA on a mixture of experts (tiny-qwen3-moe): an adapter on every
- * expert's gate/up/down (PEFT's mlp.experts.<e>.<module> names) saved and
- * read back, its forward equal to the merged model's, and its gradients
- * against central differences of the loss. */
+ * expert's gate/up/down (PEFT's mlp.experts.<e>.<module> names) and on the
+ * router (mlp.gate, only when named) saved and read back, its forward equal
+ * to the merged model's, and its gradients against central differences of
+ * the loss. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "../include/loom.h"
 #include "../src/io/safetensors.h"
@@ -32,11 +34,12 @@ static loom_model *moe_model(loom_ctx *ctx, double aux_coef) {
     return m;
 }
 
-/* An all-linear adapter (r 4) trained 3 steps (so B is not zero), saved. */
+/* An all-linear adapter with the router (r 4) trained 3 steps (so B is not
+ * zero), saved. */
 static bool make_moe_adapter(loom_ctx *ctx, const char *dir, float *logits) {
     int32_t ids[48], tgt[48];
     loom_model *m = moe_model(ctx, 0.01);
-    loom_lora_config c = {.r = 4, .lora_alpha = 8, .target_modules = "all-linear", .seed = 7};
+    loom_lora_config c = {.r = 4, .lora_alpha = 8, .target_modules = "all-linear,gate", .seed = 7};
     loom_optimizer_config oc = {.lr = 2e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8};
     loom_batch b = {.rows = 2, .seq_len = 24, .input_ids = ids, .targets = tgt};
     bool ok = m && fixture_batch(ctx, ids, tgt) && !loom_model_add_adapter(m, "a", &c) &&
@@ -64,12 +67,23 @@ TEST(lora_moe_experts_save_reload_and_merge) {
         loom_test_fail(__FILE__, __LINE__, "making the adapter: %s", loom_last_error(ctx));
         return;
     }
-    /* PEFT's names: per expert; 4 layers x (4 attention + 8 experts x 3) x 2 */
+    /* PEFT's names: per expert; 4 layers x (4 attention + 8 experts x 3 +
+     * the router) x 2 */
     char p[1100];
     snprintf(p, sizeof p, "%s/adapter_model.safetensors", dir);
     loom_safetensors *st = NULL;
     REQUIRE_OK(ctx, loom_st_open_file(ctx, p, &st));
-    CHECK_EQ_INT(loom_st_count(st), 4 * (4 + 8 * 3) * 2);
+    CHECK_EQ_INT(loom_st_count(st), 4 * (4 + 8 * 3 + 1) * 2);
+    const loom_st_tensor *rt =
+        loom_st_find(st, "base_model.model.model.layers.3.mlp.gate.lora_B.weight");
+    CHECK(rt && rt->ndim == 2 && rt->shape[0] == 8 && rt->shape[1] == 4);
+    double rmax = 0.0;
+    if (rt) {
+        float v[32];
+        REQUIRE_OK(ctx, loom_st_read(ctx, rt, LOOM_F32, v, 32));
+        for (int i = 0; i < 32; i++) rmax = fmax(rmax, fabs(v[i]));
+    }
+    CHECK_MSG(rmax > 1e-4, "the router's B did not train (max %g)", rmax);
     const loom_st_tensor *t =
         loom_st_find(st, "base_model.model.model.layers.2.mlp.experts.5.down_proj.lora_A.weight");
     CHECK(t && t->ndim == 2 && t->shape[0] == 4 && t->shape[1] == 32);
@@ -136,10 +150,12 @@ TEST(lora_moe_experts_gradient_matches_differences) {
         "base_model.model.model.layers.1.mlp.experts.2.gate_proj.lora_A.weight",
         "base_model.model.model.layers.1.mlp.experts.2.up_proj.lora_B.weight",
         "base_model.model.model.layers.3.mlp.experts.6.down_proj.lora_A.weight",
-        "base_model.model.model.layers.0.mlp.experts.4.down_proj.lora_B.weight"};
+        "base_model.model.model.layers.0.mlp.experts.4.down_proj.lora_B.weight",
+        "base_model.model.model.layers.2.mlp.gate.lora_A.weight",
+        "base_model.model.model.layers.1.mlp.gate.lora_B.weight"};
     int checked = 0, tried = 0;
     double worst = 0.0;
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 6; k++) {
         loom_arena *ar;
         char key[256];
         int64_t rows, cols;
@@ -155,7 +171,9 @@ TEST(lora_moe_experts_gradient_matches_differences) {
         for (int64_t i = 0; i < n; i++) gmax = fmaxf(gmax, fabsf(grad[i]));
         CHECK_MSG(gmax > 0.0f, "%s: no gradient", names[k]);
         for (int64_t i = 0; i < n; i += n / 10 + 1) {
-            const float w0 = w[i], h = 1e-2f;
+            /* the router's: a smaller step, most of a larger one's moves
+             * some token to another expert */
+            const float w0 = w[i], h = strstr(names[k], ".mlp.gate.") ? 3e-3f : 1e-2f;
             double f[2];
             bool flip = false;
             for (int sg = 0; sg < 2; sg++) {
@@ -229,7 +247,7 @@ TEST(lora_moe_cuda_matches_cpu) {
         if (mx > 0) worst = fmax(worst, d / mx);
         free(g0), free(g1);
     }
-    CHECK_EQ_INT(n, 4 * (4 + 8 * 3) * 2);
+    CHECK_EQ_INT(n, 4 * (4 + 8 * 3 + 1) * 2);
     CHECK_MSG(worst <= 1e-4, "an adapter gradient differs by %.3g of its largest", worst);
     for (int d = 0; d < 2; d++) loom_model_free(m[d]);
     loom_ctx_free(ctx);
@@ -250,6 +268,26 @@ TEST(lora_moe_bad_inputs_are_refused) {
     CHECK_CONTAINS(loom_last_error(ctx), "lora_dropout=0.1 on the experts is not supported");
     c.target_modules = "q_proj,v_proj"; /* without the experts: dropout is fine */
     CHECK_OK(ctx, loom_model_add_adapter(m, "d", &c));
+    /* the router only when named: all-linear leaves it out */
+    c.lora_dropout = 0.0;
+    c.target_modules = "all-linear";
+    CHECK_OK(ctx, loom_model_add_adapter(m, "all", &c));
+    char tn[256];
+    int64_t tsh[2];
+    int nall = 0, ngate = 0;
+    for (int64_t i = 0; loom_model_adapter_tensor(m, "all", i, tn, sizeof tn, tsh); i++, nall++)
+        ngate += strstr(tn, ".mlp.gate.") != NULL;
+    CHECK_EQ_INT(nall, 4 * (4 + 8 * 3) * 2);
+    CHECK_EQ_INT(ngate, 0);
+    c.target_modules = "gate";
+    CHECK_OK(ctx, loom_model_add_adapter(m, "router", &c));
+    nall = 0;
+    for (int64_t i = 0; loom_model_adapter_tensor(m, "router", i, tn, sizeof tn, tsh); i++, nall++)
+        CHECK_CONTAINS(tn, ".mlp.gate.lora_");
+    CHECK_EQ_INT(nall, 4 * 2);
+    c.target_modules = "gate,all-linear,nonsense";
+    CHECK(loom_model_add_adapter(m, "x", &c) == LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "'nonsense' is not one loom knows");
     /* an adapter with an expert index past the model's 8 */
     char dir[1024], p[1100];
     snprintf(dir, sizeof dir, "%s/moe-bad-adapter", loom_test_tmpdir());

@@ -481,8 +481,9 @@ static void check_moe_layouts(const char *model, const moe_layout *layouts, size
 
 static void check_lora_moe_layouts(const char *model, const moe_layout *layouts, size_t nl);
 
-/* LoRA on the experts (and attention) of Qwen3-MoE, the adapter made by a
- * few steps of training, under the expert folds against one process. */
+/* LoRA on the experts, the router and attention of Qwen3-MoE, the adapter
+ * made by a few steps of training, under the expert folds against one
+ * process. */
 TEST(parallel_lora_moe_layouts) {
     static const moe_layout layouts[] = {
         {2, "--ep 2", false, 2},
@@ -519,7 +520,9 @@ static void check_lora_moe_layouts(const char *model, const moe_layout *layouts,
     loom_model *m = NULL;
     loom_safetensors *st = NULL;
     int32_t ids[48], tgt[48];
-    loom_lora_config c = {.r = 4, .lora_alpha = 8, .target_modules = "all-linear", .seed = 3};
+    /* the router too (its A and B replicated, their gradients summed over
+     * tp like its own) */
+    loom_lora_config c = {.r = 4, .lora_alpha = 8, .target_modules = "all-linear,gate", .seed = 3};
     loom_optimizer_config oc = {.lr = 2e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8};
     loom_batch bt = {.rows = 2, .seq_len = 24, .input_ids = ids, .targets = tgt};
     bool ok = !loom_st_open_file(ctx, b2, &st) && !st_get(ctx, st, "input_ids", LOOM_I32, ids, 48) &&

@@ -169,7 +169,8 @@ static const loom_option table[] = {
     {"lora_alpha", LOOM_OPT_FLOAT, "0", "LoRA alpha (0: equal to r)", OFF(lora_alpha), NULL,
      CMD_TRAIN, 0, 0},
     {"lora_target", LOOM_OPT_STRING, "all-linear",
-     "LoRA target modules: all-linear or a list such as q_proj,v_proj", OFF(lora_target), NULL,
+     "LoRA target modules: all-linear (every linear but the MoE router) or a list such as "
+     "q_proj,v_proj; the router by name: all-linear,gate", OFF(lora_target), NULL,
      CMD_TRAIN | LOOM_CMD_INSPECT, 0, 0},
     {"use_rslora", LOOM_OPT_BOOL, "false", "rank-stabilised LoRA scale alpha/sqrt(r)",
      OFF(use_rslora), NULL, CMD_TRAIN, 0, 0},

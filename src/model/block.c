@@ -90,9 +90,9 @@ static bool name_seen(int id, int i, const char *name) {
 }
 
 /* Walks the distinct names: stops at number t or at the name p[0..n) (p
- * NULL: by number), *at set to it; returns its number, or the count when
- * neither comes. */
-static int targets(int t, const char *p, size_t n, const char **at) {
+ * NULL: by number), *at set to its linear; returns its number, or the count
+ * when neither comes. */
+static int targets(int t, const char *p, size_t n, const loom_block_linear **at) {
     int count = 0;
     for (int id = 0; id < LOOM_NKINDS; id++) {
         const loom_block_kind *k = loom_block_kinds[id];
@@ -100,7 +100,7 @@ static int targets(int t, const char *p, size_t n, const char **at) {
             const char *name = k->lin[i].name;
             if (name_seen(id, i, name)) continue;
             if (p ? strlen(name) == n && !strncmp(name, p, n) : count == t) {
-                *at = name;
+                *at = &k->lin[i];
                 return count;
             }
             count++;
@@ -110,18 +110,24 @@ static int targets(int t, const char *p, size_t n, const char **at) {
 }
 
 int loom_lora_ntargets(void) {
-    const char *at = NULL;
+    const loom_block_linear *at = NULL;
     return targets(-1, NULL, 0, &at);
 }
 
 const char *loom_lora_target_name(int t) {
-    const char *at = NULL;
+    const loom_block_linear *at = NULL;
     targets(t, NULL, 0, &at);
-    return at;
+    return at ? at->name : NULL;
+}
+
+bool loom_lora_target_named(int t) {
+    const loom_block_linear *at = NULL;
+    targets(t, NULL, 0, &at);
+    return at && at->named;
 }
 
 int loom_lora_target_find(const char *p, size_t n) {
-    const char *at = NULL;
+    const loom_block_linear *at = NULL;
     const int t = targets(-1, p, n, &at);
     return at ? t : -1;
 }

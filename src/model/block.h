@@ -66,6 +66,8 @@ typedef struct loom_block_linear {
     bool experts;            /* one per expert (path "mlp.experts", PEFT's module
                               * mlp.experts.<e>.<name>): the kind runs its LoRA itself
                               * (lora.c's loom_lora_expert_*) */
+    bool named;              /* a target only when named (not in "all-linear": the
+                              * MoE router, whose PEFT all-linear skips it too) */
 } loom_block_linear;
 
 /* The parameter plan being built (params.c): a kind's `params` declares the
@@ -210,11 +212,15 @@ int loom_layer_kinds(const loom_model_config *c, int64_t l, const loom_block_kin
 /* ---- LoRA targets: the kinds' linears by PEFT module name ---- */
 
 /* The distinct module names of every kind's linears, in kind then linear
- * order (today q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
- * down_proj); "all-linear" is all of them. A target set is a bool array
- * indexed by these numbers (model.h's LOOM_LORA_NMOD of them at most). */
+ * order (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, the
+ * shared expert's gate, the MoE router's gate); "all-linear" is all of them
+ * but the ones taken only when named (loom_lora_target_named). A target set
+ * is a bool array indexed by these numbers (model.h's LOOM_LORA_NMOD of them
+ * at most). */
 int loom_lora_ntargets(void);
 const char *loom_lora_target_name(int t);
+/* Target t is taken only when named (block.h's loom_block_linear.named). */
+bool loom_lora_target_named(int t);
 /* The number of the name p[0..n), -1 when no kind has such a linear. */
 int loom_lora_target_find(const char *p, size_t n);
 

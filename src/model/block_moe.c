@@ -60,8 +60,9 @@
  * down and its gate's weight (absent without one) */
 enum { ROUTER, EG, EU, ED, SG, SU, SD, SGATE, NSLOT, NPER = LOOM_MOE_EXPERT_SLOTS };
 /* its linears: each expert's three projections (LoRA's mlp.experts.<e>.*),
- * the shared expert's three and its gate (absent without one) */
-enum { LG, LU, LD, SLG, SLU, SLD, SLGATE, NLIN };
+ * the shared expert's three and its gate (absent without one), the router
+ * (LoRA's mlp.gate, only when named) */
+enum { LG, LU, LD, SLG, SLU, SLD, SLGATE, LROUTER, NLIN };
 /* activation buffers per layer: the routing (kept: probabilities, choices,
  * weights, counts per expert, the order and its inverse, the dispatch's
  * count table), the experts' (dropped under selective recomputation; LoRA's
@@ -101,6 +102,9 @@ static const loom_block_linear linears[NLIN] = {
     [SLU] = {"mlp.shared_expert", "up_proj", SU, SLG},
     [SLD] = {"mlp.shared_expert", "down_proj", SD, SLD},
     [SLGATE] = {"mlp", "shared_expert_gate", SGATE, SLGATE},
+    /* replicated like its base, so its A and B gradients are partial sums
+     * over tp as the router's is */
+    [LROUTER] = {"mlp", "gate", ROUTER, LROUTER, .named = true},
 };
 
 static loom_status moe_params(const loom_model_config *c, int64_t l, loom_param_sink *s) {
@@ -621,7 +625,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     void *z = b->scratch[Z];
     float *psum = b->scratch[PSUM];
     const void *hs0 = (const char *)h + (size_t)(q.o0 * q.H) * esz;
-    CK(loom_k_lin_fwd(m, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, 1.0f, 0.0f, z));
+    CK(loom_blk_lin(b, LROUTER, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, z));
     CK(loom_k_zero(m, psum, (size_t)q.E * sizeof(float)));
     const bool zl = m->moe_z_coef > 0.0;
     CK(loom_k_moe_router_fwd(m, z, q.n, q.E, q.k, m->cfg.norm_topk_prob, a[PROBS], a[IDX], a[WT],
@@ -729,6 +733,9 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
                              zc && m->moe_z_coef > 0.0 ? a[LSE] : NULL, zc, q.n, q.E, q.k,
                              m->cfg.norm_topk_prob, s[Z]));
     CK(loom_k_lin_dw(m, s[Z], hs0, q.n, q.E, q.H, 1.0f, loom_g(m, b->w[ROUTER])));
+    bool acc = true; /* dx holds the experts' part */
+    CK(loom_blk_lora_bwd(b, LROUTER, hs0, q.n, s[Z], dx ? (char *)dx + so : NULL, &acc, NULL,
+                         NULL));
     if (dx)
         CK(loom_k_lin_dx(m, s[Z], q.n, q.E, loom_wc(m, b->w[ROUTER]), q.H, 1.0f, 1.0f,
                          (char *)dx + so));

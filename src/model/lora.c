@@ -116,12 +116,14 @@ void loom_adapters_free(loom_model *m) {
     m->active = -1;
 }
 
-/* "all-linear" or a comma-separated list of module names. */
+/* "all-linear" or a comma-separated list of module names ("all-linear" in
+ * it: every linear but those taken only when named, e.g. "all-linear,gate"
+ * adds the MoE router). */
 loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target[LOOM_LORA_NMOD]) {
     memset(target, 0, sizeof(bool) * LOOM_LORA_NMOD);
     const int nt = loom_lora_ntargets();
     if (!spec || !strcmp(spec, "all-linear")) {
-        for (int k = 0; k < nt; k++) target[k] = true;
+        for (int k = 0; k < nt; k++) target[k] = !loom_lora_target_named(k);
         return LOOM_OK;
     }
     const char *p = spec;
@@ -130,6 +132,11 @@ loom_status loom_lora_parse_targets(loom_ctx *ctx, const char *spec, bool target
         size_t n = e ? (size_t)(e - p) : strlen(p);
         while (n && (*p == ' ')) p++, n--;
         while (n && p[n - 1] == ' ') n--;
+        if (n == strlen("all-linear") && !strncmp(p, "all-linear", n)) { /* "all-linear,gate" */
+            for (int k = 0; k < nt; k++) target[k] |= !loom_lora_target_named(k);
+            p = e ? e + 1 : p + strlen(p);
+            continue;
+        }
         const int k = loom_lora_target_find(p, n);
         if (k < 0) {
             char known[512] = "";

@@ -818,3 +818,35 @@ def test_moe_expert_capacity():
         model(path, moe_expert_capacity_factor=1.0, moe_token_drop_policy="last")
     with pytest.raises(loom.InvalidArgumentError, match="needs moe_expert_capacity_factor"):
         model(path, moe_pad_expert_input_to_capacity=True)
+
+
+def test_moe_router_lora_only_when_named(tmp_path):
+    """LoRA on the router ('gate', PEFT's mlp.gate) only when the list names
+    it: 'all-linear' leaves it out; named, its A and B train, save under
+    PEFT's names and read back to the same log-probs."""
+    g = golden("tiny-qwen3-moe")
+    samples = label_samples(g["input_ids"], g["targets"])
+    x = model(MOE)
+    y = model(MOE)
+    try:
+        x.add_adapter_to_model("all", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        assert not any(".mlp.gate." in k for k in x.get_state_dict(adapter_name="all"))
+        mods = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate"]
+        x.add_adapter_to_model("r", LoraConfig(r=4, lora_alpha=8, target_modules=mods))
+        x.set_optimizer("default", adapter_name="r", lr=2e-2)
+        for _ in range(2):
+            x.forward_backward(inputs=samples, adapter_name="r")
+            x.clip_grad_and_step(adapter_name="r")
+        sd = x.get_state_dict(adapter_name="r")
+        router = [k for k in sd if ".mlp.gate.lora_" in k]
+        assert len(router) == 2 * 4  # A and B of each of the 4 layers
+        assert all(np.abs(sd[k]).max() > 0 for k in router if "lora_B" in k)
+        path = x.save("router", output_dir=str(tmp_path), adapter_name="r")
+        want = x.forward_only(inputs=samples, adapter_name="r")
+        y.add_adapter_to_model("r", path)
+        got = y.forward_only(inputs=samples)
+        for p, q in zip(got["logps"], want["logps"]):
+            assert np.abs(p - q).max() < 1e-5
+    finally:
+        x.close()
+        y.close()
