@@ -392,7 +392,9 @@ TEST(ckpt_cli_moe_resumes_across_expert_folds) {
         snprintf(save, sizeof save, "%s/mck%d", f.dir, lora);
         snprintf(it3, sizeof it3, "%s/iter_0000003", save);
         snprintf(m, sizeof m, "%s/mm%d.jsonl", f.dir, lora);
-        const char *one[] = {"--micro-batch-size", "2", lora ? "--lora-r" : NULL, "4", NULL};
+        /* LoRA: the router's too (all-linear,gate) */
+        const char *one[] = {"--micro-batch-size", "2", lora ? "--lora-r" : NULL, "4",
+                             "--lora-target", "all-linear,gate", NULL};
         unlink(ref);
         CHECK_EQ_INT(train(&f, false, 6, ref, one, &out), 0);
         free(out);
@@ -408,8 +410,9 @@ TEST(ckpt_cli_moe_resumes_across_expert_folds) {
         for (int i = 0; i < (lora ? 7 : 2); i++) argv[n++] = mesh[i];
         if (lora) {
             argv[n++] = "--lora-r", argv[n++] = "4", argv[n++] = "--load", argv[n++] = it3;
-            const char *sv[] = {"--micro-batch-size", "2", "--lora-r", "4", "--save", save,
-                                "--save-interval", "3", NULL};
+            argv[n++] = "--lora-target", argv[n++] = "all-linear,gate";
+            const char *sv[] = {"--micro-batch-size", "2", "--lora-r", "4", "--lora-target",
+                                "all-linear,gate", "--save", save, "--save-interval", "3", NULL};
             CHECK_EQ_INT(train(&f, false, 3, b, sv, &out), 0); /* saved by one process */
             free(out);
         } else {

@@ -23,6 +23,15 @@ static loom_status pick_device(loom_dev *d, loom_ctx *ctx) {
     return loom_cuda_set_device(ctx, d->device);
 }
 
+/* At --log-level debug: the device's memory in use after `what` (where the
+ * memory that loom does not allocate itself goes). */
+static void log_in_use(const loom_dev *d, loom_ctx *ctx, const char *what) {
+    size_t free_b = 0, total_b = 0;
+    if (loom_cuda_mem_info(ctx, &free_b, &total_b) == LOOM_OK)
+        LOOM_LOG_D(ctx, "GPU %d: %.2f GiB in use after %s", d->device,
+                   (double)(total_b - free_b) / (1 << 30), what);
+}
+
 static loom_status cuda_init(loom_dev *d, loom_ctx *ctx) {
     loom_status st = pick_device(d, ctx);
     if (st) return st;
@@ -31,13 +40,16 @@ static loom_status cuda_init(loom_dev *d, loom_ctx *ctx) {
         d->used0 = total_b - free_b;
         d->gpu_total = total_b;
     }
+    log_in_use(d, ctx, "the CUDA context");
     if ((st = loom_cuda_gemm_create(ctx, 0, &d->gemm))) return st;
+    log_in_use(d, ctx, "cuBLASLt's handle and workspace");
     /* cuDNN's fused attention unless loom's own kernels are asked for (by
      * name, or for the bitwise-repeatable backward, which cuDNN's is not) */
     const char *a = getenv("LOOM_ATTN"), *det = getenv("LOOM_ATTN_DETERMINISTIC");
     if (!(a && strcmp(a, "loom") == 0) && !(det && *det && strcmp(det, "0") != 0) &&
         (st = loom_cuda_attn_create(ctx, &d->attn)))
         return st;
+    log_in_use(d, ctx, "cuDNN's handle");
     return loom_cuda_malloc(ctx, (void **)&d->sumsq_scratch,
                             LOOM_CUDA_SUMSQ_BLOCKS * sizeof(double), "grad-norm scratch");
 }
