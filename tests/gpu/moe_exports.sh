@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Mixture-of-experts files out where transformers and PEFT are (issue 37):
+#  1. tiny-qwen3-moe and tiny-qwen2-moe (per-expert tensors) trained 3 steps
+#     in full and saved (--save-hf): transformers loads each with `loom
+#     golden`'s logits (tests/hf_check.py);
+#  2. the fused layout transformers v5 writes (mlp.experts.gate_up_proj,
+#     down_proj): tiny-qwen3-moe re-saved by transformers, trained by loom
+#     and saved in the layout read, checked the same way, and the saved
+#     file's expert tensors named as transformers wrote them;
+#  3. adapters: attention and every expert (all-linear), and with the router
+#     (all-linear,gate), --save-adapter: PEFT loads them onto the
+#     per-expert checkpoint with `loom golden --adapter`'s logits
+#     (tests/peft_check.py: a name PEFT could not place leaves that part of
+#     the adapter out, and the logits then differ).
+# Usage: bash tests/gpu/moe_exports.sh [BUILD]   (BUILD: a loom build dir,
+#        default build-cuda; made when missing). Needs torch, transformers,
+#        peft, safetensors. CPU runs only: the GPU machine is where they are.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+B=${1:-build-cuda}
+[ -x "$B/loom" ] || make -j"$(nproc)" CUDA=1 BUILD="$B" "$B/loom" >/tmp/moe-exports-build.log 2>&1 \
+    || { tail -30 /tmp/moe-exports-build.log; exit 1; }
+L=$B/loom
+W=$(mktemp -d /tmp/loom-moe-exports.XXXXXX)
+F=${LOOM_FIXTURES:-tests/fixtures}
+FM=tests/fixtures_moe
+python3 - "$W/t.txt" <<'PY'
+import random, sys
+random.seed(5)
+words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "away", "again"]
+open(sys.argv[1], "w").write("\n\n".join(" ".join(random.choice(words) for _ in range(300))
+                                         for _ in range(40)))
+PY
+$L data --text "$W/t.txt" --out "$W/t.tokens" --log-level warn || exit 1
+fails=0
+run() { "$@" >"$W/last.log" 2>&1 || { echo "FAIL: $*"; tail -20 "$W/last.log"; fails=$((fails + 1)); return 1; }; }
+tr() { # tr MODEL args...: 3 steps on the CPU
+    local m=$1; shift
+    $L train --device cpu --model "$m" --data "$W/t.tokens" --seq-len 24 --global-batch-size 2 \
+        --lr 1e-2 --lr-warmup-steps 0 --train-steps 3 --no-progress --log-level warn "$@"
+}
+gold() { # gold MODEL BATCH OUT [args]
+    local m=$1 b=$2 o=$3; shift 3
+    $L golden --device cpu --model "$m" --batch "$b" --out "$o" --log-level warn "$@"
+}
+
+echo "== 1. per-expert checkpoints, trained and saved"
+for name in tiny-qwen3-moe tiny-qwen2-moe; do
+    d=$F; [ -d "$d/models/$name" ] || d=$FM
+    M=$d/models/$name
+    BATCH=$d/golden/$name.safetensors
+    run tr "$M" --save-hf "$W/$name-hf" &&
+        run gold "$W/$name-hf" "$BATCH" "$W/$name-g.safetensors" &&
+        { python3 tests/hf_check.py "$W/$name-hf" "$W/$name-g.safetensors" "$BATCH" || fails=$((fails + 1)); }
+done
+
+echo "== 2. the fused layout of transformers v5"
+M=$F/models/tiny-qwen3-moe
+BATCH=$F/golden/tiny-qwen3-moe.safetensors
+python3 - "$M" "$W/fused" <<'PY' || fails=$((fails + 1))
+import sys
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+m.save_pretrained(sys.argv[2])
+with safe_open(sys.argv[2] + "/model.safetensors", "pt") as f:
+    keys = list(f.keys())
+fused = [k for k in keys if k.endswith("mlp.experts.gate_up_proj")]
+print(f"transformers wrote {len(keys)} tensors, {len(fused)} fused gate_up_proj")
+sys.exit(0 if fused else 1)
+PY
+if [ -d "$W/fused" ]; then
+    run tr "$W/fused" --save-hf "$W/fused-hf" &&
+        run gold "$W/fused-hf" "$BATCH" "$W/fused-g.safetensors" &&
+        { python3 tests/hf_check.py "$W/fused-hf" "$W/fused-g.safetensors" "$BATCH" || fails=$((fails + 1)); }
+    python3 - "$W/fused" "$W/fused-hf" <<'PY' || { echo "FAIL: the fused layout was not kept"; fails=$((fails + 1)); }
+import glob, sys
+from safetensors import safe_open
+def names(d):
+    out = set()
+    for p in glob.glob(d + "/*.safetensors"):
+        with safe_open(p, "pt") as f:
+            out |= set(f.keys())
+    return out
+a, b = names(sys.argv[1]), names(sys.argv[2])
+print("ok   fused layout kept" if a == b else f"names differ: {sorted(a ^ b)[:6]}")
+sys.exit(0 if a == b else 1)
+PY
+fi
+
+echo "== 3. expert (and router) adapters in PEFT"
+for tg in all-linear all-linear,gate; do
+    o=$W/ad-${tg//,/-}
+    run tr "$M" --lora-r 4 --lora-alpha 8 --seed 7 --lora-target "$tg" --save-adapter "$o" &&
+        run gold "$M" "$BATCH" "$o-g.safetensors" --adapter "$o" &&
+        { python3 tests/peft_check.py "$M" "$o" "$o-g.safetensors" "$BATCH" || fails=$((fails + 1)); }
+done
+echo "moe_exports: $fails failed (work dir $W)"
+[ "$fails" -eq 0 ]
