@@ -780,8 +780,8 @@ static void moe_gemm_family(run *r, int G, const int64_t *cnt, int64_t in_, int6
  * B_g, dx += du A_g, dB_g += s dy_g^T u_g and dA_g += du_g^T x_g (fp32),
  * then dA_g = du_g^T x_g / 2 (beta 0: the groups of no rows zeroed). On a GPU
  * these are loom_cuda_gemm_skinny's rowdot, expand and reduce kernels. */
-static void moe_lora_gemm_family(run *r, int G, const int64_t *cnt, int64_t rk) {
-    const int64_t in_ = 64, out_ = 48;
+static void moe_lora_gemm_family(run *r, int G, const int64_t *cnt, int64_t rk, int64_t out_) {
+    const int64_t in_ = 64;
     const float sc = 2.0f;
     int64_t T = 0;
     for (int i = 0; i < G; i++)
@@ -994,9 +994,10 @@ TEST(backend_moe_gemm_grouped_equals_cpu) {
 }
 
 /* LoRA's grouped products on the experts: on a GPU loom's skinny kernels,
- * then (LOOM_GEMM_GROUPED=loop) one cuBLASLt GEMM a group; ranks 4, 8 and
- * 16, groups of no rows among them, and groups longer than a chunk of the
- * sums over rows (128) */
+ * then (LOOM_GEMM_GROUPED=loop) one cuBLASLt GEMM a group, then with the
+ * row dot products on tensor cores (LOOM_SKINNY_MMA=1: K = 64 and 96 take
+ * them, K = 48 the FMA kernel); ranks 4, 8 and 16, groups of no rows among
+ * them, and groups longer than a chunk of the sums over rows (128) */
 TEST(backend_moe_lora_gemm_grouped_equals_cpu) {
     static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2}, c4[4] = {700, 0, 129, 1100};
     int64_t c128[128];
@@ -1010,19 +1011,25 @@ TEST(backend_moe_lora_gemm_grouped_equals_cpu) {
         int64_t rk;
     } cases[] = {{8, c8, 8}, {128, c128, 4}, {8, c8, 16}, {4, c4, 8}};
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
-    for (int mode = 0; mode < 2; mode++)
+    for (int mode = 0; mode < 3; mode++)
         for (int i = 0; i < 2; i++)
             for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
-                if (mode)
+                if (mode == 1)
                     setenv("LOOM_GEMM_GROUPED", "loop", 1);
                 else
                     unsetenv("LOOM_GEMM_GROUPED");
+                if (mode == 2)
+                    setenv("LOOM_SKINNY_MMA", "1", 1);
+                else
+                    unsetenv("LOOM_SKINNY_MMA");
                 run r;
                 GPU_OR_SKIP(r, dts[i]);
-                moe_lora_gemm_family(&r, cases[c].G, cases[c].cnt, cases[c].rk);
+                moe_lora_gemm_family(&r, cases[c].G, cases[c].cnt, cases[c].rk,
+                                     mode == 2 && c % 2 ? 96 : 48);
                 run_end(&r);
             }
     unsetenv("LOOM_GEMM_GROUPED");
+    unsetenv("LOOM_SKINNY_MMA");
 }
 
 /* Every backend fills every slot of its table (a NULL would crash the model

@@ -21,6 +21,8 @@
 // runs it as before.
 #include <stdlib.h>
 
+#include <type_traits>
+
 #include "../backend.h"
 #include "ops_common.cuh"
 
@@ -167,6 +169,82 @@ __global__ void __launch_bounds__(NT)
     }
 }
 
+// rowdot on tensor cores (16-bit inputs, K a multiple of 32; LOOM_SKINNY_MMA=1
+// until measured): a warp takes 16 rows, mma.sync m16n8k16 (fp32 sums) per
+// 8 columns of C. Lane l (g = l / 4, q = l % 4) reads 16 bytes of rows g and
+// g + 8 at k = k0 + 8q; a sum over k may take k in any order when A and B
+// take the same one, so those 8 elements are the two MMAs' pairs (PTX's A
+// fragment: a0 = (g, 2q..), a1 = (g + 8, 2q..), a2 = (g, 2q + 8..), a3 = (g
+// + 8, 2q + 8..); B's b0 = (2q.., n g), b1 = (2q + 8.., n g)): elements 0-3
+// the first MMA's k 2q, 2q + 1, 2q + 8, 2q + 9, elements 4-7 the second's,
+// and op(B)'s column g read at the same 8 k. op(B) staged as T, its columns
+// padded apart (no bank conflicts between a phase's two columns).
+constexpr int MKC = 512, MPAD = 32, MROWS = 16 * (NT / 32);
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <typename T, typename TC, int NTL>
+__global__ void __launch_bounds__(NT)
+    rowdot_mma_kernel(const Desc *ds, int G, bool tb, int64_t lda, int64_t ldb, int64_t ldc,
+                      float alpha, float beta) {
+    __shared__ __align__(16) T sb[8 * NTL][MKC + MPAD];
+    const Desc d = ds[group_of(ds, G, (int)blockIdx.x)];
+    const int lane = (int)threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const int r0 = ((int)blockIdx.x - d.blk0) * MROWS + (int)threadIdx.x / 32 * 16;
+    const T *b = (const T *)d.B;
+    const T *a0p = (const T *)d.A + (int64_t)(r0 + g) * lda, *a8p = a0p + 8 * lda;
+    const bool l0 = r0 + g < d.M, l8 = r0 + g + 8 < d.M;
+    float c[NTL][4];
+#pragma unroll
+    for (int t = 0; t < NTL; t++) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.0f;
+    const T zero = from_f<T>(0.0f);
+    for (int k0 = 0; k0 < d.K; k0 += MKC) {
+        const int kn = min(MKC, d.K - k0);
+        __syncthreads();
+        for (int n = 0; n < 8 * NTL; n++)
+            for (int kk = (int)threadIdx.x; kk < kn; kk += NT)
+                sb[n][kk] = n < d.N ? b[tb ? (int64_t)n * ldb + k0 + kk : (int64_t)(k0 + kk) * ldb + n]
+                                    : zero;
+        __syncthreads();
+#pragma unroll 4
+        for (int kk = 0; kk < kn; kk += 32) { // K a multiple of 32
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            const uint4 x0 = l0 ? *(const uint4 *)(a0p + k0 + kk + 8 * q) : z;
+            const uint4 x8 = l8 ? *(const uint4 *)(a8p + k0 + kk + 8 * q) : z;
+#pragma unroll
+            for (int t = 0; t < NTL; t++) {
+                const uint4 w = *(const uint4 *)&sb[8 * t + g][kk + 8 * q];
+                mma16816<T>(c[t], x0.x, x8.x, x0.y, x8.y, w.x, w.y);
+                mma16816<T>(c[t], x0.z, x8.z, x0.w, x8.w, w.z, w.w);
+            }
+        }
+    }
+    // C's fragment: c0, c1 at (g, 2q..), c2, c3 at (g + 8, 2q..)
+#pragma unroll
+    for (int t = 0; t < NTL; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int row = r0 + g + (i >= 2 ? 8 : 0), n = 8 * t + 2 * q + (i & 1);
+            if (row >= d.M || n >= d.N) continue;
+            TC *cp = (TC *)d.C + (int64_t)row * ldc + n;
+            float v = alpha * c[t][i];
+            if (beta != 0.0f) v = fmaf(beta, to_f(*cp), v);
+            *cp = from_f<TC>(v);
+        }
+}
+
 // expand: a block is RB rows x NTILE columns of C; op(B)'s K x NTILE and A's
 // RB x K staged; thread: 8 consecutive columns of RT rows (a row lane's, RL
 // apart), each k's 8 values of op(B) read once (two 16-byte reads) for all
@@ -286,7 +364,7 @@ __global__ void __launch_bounds__(NT)
     }
 }
 
-enum Mode { NONE, ROWDOT, EXPAND, REDUCE };
+enum Mode { NONE, ROWDOT, ROWDOT_MMA, EXPAND, REDUCE };
 
 template <typename T, typename TC>
 void launch(Mode mode, int np, bool bigm, const Desc *dd, int G, int nblk, int ny, bool tb,
@@ -300,6 +378,16 @@ void launch(Mode mode, int np, bool bigm, const Desc *dd, int G, int nblk, int n
             rowdot_kernel<T, TC, 8><<<nblk, NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha, beta);
         else
             rowdot_kernel<T, TC, 16><<<nblk, NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha, beta);
+        break;
+    case ROWDOT_MMA: // np: the columns' bound (8 or 16)
+        if constexpr (sizeof(T) == 2) {
+            if (np <= 8)
+                rowdot_mma_kernel<T, TC, 1><<<nblk, NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha,
+                                                                 beta);
+            else
+                rowdot_mma_kernel<T, TC, 2><<<nblk, NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha,
+                                                                 beta);
+        }
         break;
     case EXPAND:
         expand_kernel<T, TC><<<dim3(nblk, ny), NT, 0, s>>>(dd, G, tb, lda, ldb, ldc, alpha, beta);
@@ -326,7 +414,7 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
                                              int64_t ldb, loom_dtype ab, float beta,
                                              loom_dtype cdt, int64_t ldc, void *desc,
                                              size_t desc_cap, void *ws, size_t ws_bytes,
-                                             void *stream, bool *done) {
+                                             bool mma, void *stream, bool *done) {
     *done = false;
     if (!(ab == LOOM_F32 || ab == LOOM_BF16 || ab == LOOM_F16) || !(cdt == ab || cdt == LOOM_F32))
         return LOOM_OK;
@@ -358,6 +446,13 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
     }
     if (mode == NONE || n == 0 || (size_t)n * sizeof(Desc) > desc_cap)
         return LOOM_OK;
+    if (mode == ROWDOT && mma && ab != LOOM_F32) { // every group's K a multiple of 32
+        bool k32 = true;
+        for (int i = 0; i < G; i++)
+            k32 = k32 && (!g[i].M || !g[i].N || g[i].K % 32 == 0);
+        if (k32)
+            mode = ROWDOT_MMA;
+    }
     // reduce: rows a chunk, doubled until the partial sums fit the workspace
     int64_t KC = 128;
     for (;; KC *= 2) {
@@ -380,8 +475,8 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
             continue;
         Desc d = {g[i].A, g[i].B, g[i].C, (int)g[i].M, (int)g[i].N, (int)g[i].K, (int)nblk, 0, 0};
         const int64_t big = bigm ? g[i].M : g[i].N;
-        if (mode == ROWDOT) {
-            constexpr int rpb = NT / LN * RR;
+        if (mode == ROWDOT || mode == ROWDOT_MMA) {
+            const int64_t rpb = mode == ROWDOT ? NT / LN * RR : MROWS;
             nblk += (g[i].M + rpb - 1) / rpb;
         } else if (mode == EXPAND) {
             nblk += (g[i].M + RB - 1) / RB;
