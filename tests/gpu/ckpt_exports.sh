@@ -20,16 +20,8 @@ L=$B/loom
 W=$(mktemp -d /tmp/loom-ckpt-exports.XXXXXX)
 M=tests/fixtures/models/tiny-qwen3
 BATCH=tests/fixtures/golden/tiny-qwen3.safetensors
-python3 - "$W/t.txt" <<'PY'
-import random, sys
-random.seed(3)
-words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "away", "again"]
-open(sys.argv[1], "w").write("\n\n".join(" ".join(random.choice(words) for _ in range(300))
-                                         for _ in range(40)))
-PY
-$L data --text "$W/t.txt" --out "$W/t.tokens" --log-level warn || exit 1
-fails=0
-run() { "$@" >"$W/last.log" 2>&1 || { echo "FAIL: $*"; tail -20 "$W/last.log"; fails=$((fails + 1)); return 1; }; }
+. tests/gpu/exports_lib.sh
+make_tokens 3 || exit 1
 tr() { $L train --model $M --data "$W/t.tokens" --seq-len 32 --global-batch-size 4 --lr 3e-3 \
        --lr-warmup-steps 2 --no-progress --log-level warn "$@"; }
 losses() { python3 -c "import json,sys; print(' '.join('%.9g' % json.loads(l)['loss'] for l in open(sys.argv[1])))" "$1"; }

@@ -24,16 +24,8 @@ L=$B/loom
 W=$(mktemp -d /tmp/loom-moe-exports.XXXXXX)
 F=${LOOM_FIXTURES:-tests/fixtures}
 FM=tests/fixtures_moe
-python3 - "$W/t.txt" <<'PY'
-import random, sys
-random.seed(5)
-words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "away", "again"]
-open(sys.argv[1], "w").write("\n\n".join(" ".join(random.choice(words) for _ in range(300))
-                                         for _ in range(40)))
-PY
-$L data --text "$W/t.txt" --out "$W/t.tokens" --log-level warn || exit 1
-fails=0
-run() { "$@" >"$W/last.log" 2>&1 || { echo "FAIL: $*"; tail -20 "$W/last.log"; fails=$((fails + 1)); return 1; }; }
+. tests/gpu/exports_lib.sh
+make_tokens 5 || exit 1
 tr() { # tr MODEL args...: 3 steps on the CPU
     local m=$1; shift
     $L train --device cpu --model "$m" --data "$W/t.tokens" --seq-len 24 --global-batch-size 2 \
