@@ -142,6 +142,7 @@ typedef struct geo {
     int64_t Rmax;       /* rows the experts can get: Q P R (dropless), Q P min(R, El cap) */
     int k;
     bool local;
+    bool dedup; /* the model's moe_dedup */
 } geo;
 
 /* The choices an expert keeps of n tokens' (Megatron's get_capacity over
@@ -165,6 +166,7 @@ static geo geometry(const loom_model *m, int64_t Tc) {
     g.Ie = m->cfg.moe_intermediate_size / g.Q;
     g.H = m->H;
     g.local = g.P == 1 && g.Q == m->tp;
+    g.dedup = m->moe_dedup;
     g.n = g.local ? Tc : Tc / m->tp;
     g.o0 = g.local || !m->mesh ? 0 : (int64_t)m->mesh->tp_rank * g.n;
     g.R = g.n * g.k;
@@ -177,7 +179,7 @@ static geo geometry(const loom_model *m, int64_t Tc) {
 
 /* The ep all-to-alls of token rows send each row once per destination rank
  * (moe_dedup.h) where the rows go over ep alone (etp 1). */
-static bool dedup_on(const geo *q) { return !q->local && q->Q == 1; }
+static bool dedup_on(const geo *q) { return !q->local && q->Q == 1 && q->dedup; }
 
 /* The shared expert's width on this rank (0: none). */
 static int64_t shared_width(const loom_model *m) {

@@ -5,6 +5,13 @@
  * all-to-alls (moe_dedup.h). */
 #include "moe_dedup.h"
 
+#include <stdlib.h>
+
+bool loom_moe_dedup_wanted(void) {
+    const char *v = getenv("LOOM_MOE_DEDUP");
+    return !(v && !strcmp(v, "0"));
+}
+
 void loom_moe_dedup_plan(const int32_t *ord, const int64_t *seg, int P, int k, int64_t n,
                          int32_t *mark, int32_t *uord, int64_t *nu, int32_t *xidx) {
     int64_t j = 0, u = 0;

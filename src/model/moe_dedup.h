@@ -6,8 +6,13 @@
 #ifndef LOOM_MODEL_MOE_DEDUP_H
 #define LOOM_MODEL_MOE_DEDUP_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Whether models dispatch once per rank: yes unless LOOM_MOE_DEDUP=0 (once
+ * per choice, to compare). The model and the memory predictor ask alike. */
+bool loom_moe_dedup_wanted(void);
 
 /* The sender's side: ord's first seg[0] + ... + seg[P-1] entries go to ranks
  * 0..P-1 in turn. uord gets each block's distinct tokens in order of first
