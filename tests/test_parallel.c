@@ -410,6 +410,18 @@ TEST(parallel_layouts_qwen3_moe) {
     check_moe_layouts("tiny-qwen3-moe", layouts, sizeof layouts / sizeof layouts[0]);
 }
 
+/* The ep dispatch once per choice (LOOM_MOE_DEDUP=0, the way before rows
+ * went once per rank, kept to compare on GPUs) still equals one process. */
+TEST(parallel_moe_dispatch_per_choice) {
+    static const moe_layout layouts[] = {
+        {2, "--ep 2", false, 2},
+        {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", false, 1},
+    };
+    setenv("LOOM_MOE_DEDUP", "0", 1);
+    check_moe_layouts("tiny-qwen3-moe", layouts, sizeof layouts / sizeof layouts[0]);
+    unsetenv("LOOM_MOE_DEDUP");
+}
+
 /* Qwen2-MoE (tests/fixtures_moe): its shared expert split over tp on the
  * local path and beside the folded one's dispatch, its gate's gradient
  * summed over tp */

@@ -53,6 +53,7 @@
 #include "../comm/comm.h"
 #include "block.h"
 #include "model.h"
+#include "moe_dedup.h"
 
 /* its tensors: the router, then each expert's gate, up, down (the dense
  * MLP's slot order, loom_mlp_params); this rank's expert e (local number)
@@ -78,7 +79,7 @@ enum {
  * gradients, the regrouping's row orders, LoRA's du; the shared expert's
  * gate logits (and their gradient), its output (and the gated output's
  * gradient), its dg and du */
-enum { Z, PSUM, DW, S1, S2, S3, DG, DU, IX, DLU, SZ, SY, SDG, SDU, NSCRATCH };
+enum { Z, PSUM, DW, S1, S2, S3, DG, DU, IX, DLU, SZ, SY, SDG, SDU, DX, NSCRATCH };
 
 static const loom_block_slot slots[NSLOT] = {
     /* its gradient is a partial sum over tp (the combine weights' part) */
@@ -141,6 +142,7 @@ typedef struct geo {
     int64_t Rmax;       /* rows the experts can get: Q P R (dropless), Q P min(R, El cap) */
     int k;
     bool local;
+    bool dedup; /* the model's moe_dedup */
 } geo;
 
 /* The choices an expert keeps of n tokens' (Megatron's get_capacity over
@@ -164,6 +166,7 @@ static geo geometry(const loom_model *m, int64_t Tc) {
     g.Ie = m->cfg.moe_intermediate_size / g.Q;
     g.H = m->H;
     g.local = g.P == 1 && g.Q == m->tp;
+    g.dedup = m->moe_dedup;
     g.n = g.local ? Tc : Tc / m->tp;
     g.o0 = g.local || !m->mesh ? 0 : (int64_t)m->mesh->tp_rank * g.n;
     g.R = g.n * g.k;
@@ -173,6 +176,10 @@ static geo geometry(const loom_model *m, int64_t Tc) {
     g.Rmax = g.local ? g.Rk : g.Q * g.P * per;
     return g;
 }
+
+/* The ep all-to-alls of token rows send each row once per destination rank
+ * (moe_dedup.h) where the rows go over ep alone (etp 1). */
+static bool dedup_on(const geo *q) { return !q->local && q->Q == 1 && q->dedup; }
 
 /* The shared expert's width on this rank (0: none). */
 static int64_t shared_width(const loom_model *m) {
@@ -211,6 +218,9 @@ static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes
     bytes[S1] = bytes[S2] = bytes[S3] = (size_t)(g.Rmax * g.H) * esz;
     bytes[DG] = bytes[DU] = (size_t)(g.Rmax * g.Ie) * esz;
     bytes[IX] = g.local ? 0 : (size_t)(2 * g.Rmax) * sizeof(int32_t);
+    /* the once-per-rank dispatch's device tables (dedup_on): the sent tokens,
+     * the grouped rows' unique rows and weights, the sums' slots */
+    bytes[DX] = dedup_on(&g) ? (size_t)(g.R + 2 * g.Rmax + g.Rmax * g.k + g.n * g.P) * 4 : 0;
     bytes[DLU] = (size_t)(g.Rmax * m->lora_r) * esz;
     const int64_t Is = shared_width(m);
     bytes[SZ] = Is ? (size_t)Tc * esz : 0;
@@ -230,6 +240,15 @@ typedef struct hs {
     int32_t *tab;      /* (P, El) this rank's table, sent to the etp group */
     size_t *sc, *rcv;  /* (max(P, Q)) element counts of an alltoallv */
     float *lse;        /* (n) the router rows' logsumexp (the z-loss) */
+    /* the once-per-rank dispatch (dedup_on; moe_dedup.h): this rank's ORD
+     * and weights, the plan (tokens sent, their counts both ways, each
+     * choice row's token place), the metadata both ways, the receiver's
+     * tables, the sums' slots, and the unique rows sent and received */
+    int32_t *ordh, *mark, *uord, *xidx, *xmeta, *rmeta, *sbase, *fidx, *pos_e, *fill, *pos_t;
+    int32_t *ucs, *ucr;
+    float *wth, *fw;
+    int64_t *segs, *rcvs, *nu, *nur, *tot;
+    size_t *usc, *urc;
 } hs;
 
 static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
@@ -251,6 +270,29 @@ static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
     TAKE(sc, PQ);
     TAKE(rcv, PQ);
     TAKE(lse, g.n);
+    const bool dd = dedup_on(&g);
+    TAKE(ordh, dd ? g.R : 0);
+    TAKE(mark, dd ? g.n : 0);
+    TAKE(uord, dd ? g.R : 0);
+    TAKE(xidx, dd ? g.R : 0);
+    TAKE(xmeta, dd ? 2 * g.R : 0);
+    TAKE(rmeta, dd ? 2 * g.Rmax : 0);
+    TAKE(sbase, dd ? g.Rmax : 0);
+    TAKE(fidx, dd ? g.Rmax : 0);
+    TAKE(pos_e, dd ? g.Rmax * g.k : 0);
+    TAKE(fill, dd ? g.Rmax : 0);
+    TAKE(pos_t, dd ? g.n * g.P : 0);
+    TAKE(ucs, dd ? g.P : 0);
+    TAKE(ucr, dd ? g.P : 0);
+    TAKE(wth, dd ? g.R : 0);
+    TAKE(fw, dd ? g.Rmax : 0);
+    TAKE(segs, dd ? g.P : 0);
+    TAKE(rcvs, dd ? g.P : 0);
+    TAKE(nu, dd ? g.P : 0);
+    TAKE(nur, dd ? g.P : 0);
+    TAKE(tot, dd ? 2 : 0);
+    TAKE(usc, dd ? g.P : 0);
+    TAKE(urc, dd ? g.P : 0);
 #undef TAKE
     return off;
 }
@@ -504,6 +546,79 @@ static loom_status undispatch(const loom_blk *b, const geo *q, const hs *h, void
     return loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt);
 }
 
+/* ---- the once-per-rank dispatch (dedup_on; moe_dedup.h) ---- */
+
+/* The rows of tok (this rank's n tokens) that its kept choices read go to
+ * the ranks of their experts once per rank, with each choice row's place
+ * among them (and with wt, host weights by choice id, its weight); from the
+ * received rows, dst gets this rank's experts' rows grouped (times their
+ * weights with wt), as dispatch's would be. cs, cr: row scratch. The plan
+ * stays in the host scratch for dedup_return. */
+static loom_status dedup_dispatch(const loom_blk *b, const geo *q, const hs *h, const void *tok,
+                                  const float *wt, void *dst, void *cs, void *cr, int64_t Rt) {
+    loom_model *m = b->m;
+    const int P = (int)q->P, mw = wt ? 2 : 1;
+    const loom_dtype dt = m->dev.adt;
+    int32_t *dix = b->scratch[DX], *dfi = dix + q->R;
+    ep_counts(m, q, h, h->sc, h->rcv);
+    int64_t sent = 0, got = 0;
+    for (int p = 0; p < P; p++) {
+        h->segs[p] = (int64_t)(h->sc[p] / (size_t)q->H);
+        h->rcvs[p] = (int64_t)(h->rcv[p] / (size_t)q->H);
+        sent += h->segs[p], got += h->rcvs[p];
+    }
+    if (got != Rt)
+        return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE dispatch: %lld rows to receive, the "
+                         "table says %lld", (long long)got, (long long)Rt);
+    CK(loom_k_download(m, h->ordh, b->act[ORD], (size_t)sent * sizeof(int32_t)));
+    loom_moe_dedup_plan(h->ordh, h->segs, P, q->k, q->n, h->mark, h->uord, h->nu, h->xidx);
+    int64_t nus = 0, nug = 0;
+    for (int p = 0; p < P; p++) h->ucs[p] = (int32_t)h->nu[p], nus += h->nu[p];
+    CK(loom_comm_alltoall(m->mesh->ep, h->ucs, h->ucr, 1, LOOM_I32));
+    for (int p = 0; p < P; p++) h->nur[p] = h->ucr[p], nug += h->ucr[p];
+    h->tot[0] = nus, h->tot[1] = nug;
+    for (int64_t j = 0; j < sent; j++) {
+        h->xmeta[j * mw] = h->xidx[j];
+        if (wt) memcpy(&h->xmeta[j * mw + 1], &wt[h->ordh[j]], sizeof(float));
+    }
+    for (int p = 0; p < P; p++)
+        h->usc[p] = (size_t)(h->segs[p] * mw), h->urc[p] = (size_t)(h->rcvs[p] * mw);
+    CK(loom_comm_alltoallv(m->mesh->ep, h->xmeta, h->usc, h->rmeta, h->urc, LOOM_I32));
+    CK(loom_k_upload(m, dix, h->uord, (size_t)nus * sizeof(int32_t)));
+    CK(loom_k_moe_permute(m, tok, dix, nus, 1, q->H, cs));
+    for (int p = 0; p < P; p++)
+        h->usc[p] = (size_t)(h->nu[p] * q->H), h->urc[p] = (size_t)(h->nur[p] * q->H);
+    CK(loom_comm_alltoallv(m->mesh->ep, cs, h->usc, cr, h->urc, dt));
+    loom_moe_dedup_compose(h->rmeta, mw, h->rcvs, h->nur, P, h->ix, Rt, h->sbase, h->fidx,
+                           wt ? h->fw : NULL);
+    CK(loom_k_upload(m, dfi, h->fidx, (size_t)Rt * sizeof(int32_t)));
+    CK(loom_k_moe_permute(m, cr, dfi, Rt, 1, q->H, dst));
+    if (!wt) return LOOM_OK;
+    float *dfw = (float *)(dfi + q->Rmax);
+    CK(loom_k_upload(m, dfw, h->fw, (size_t)Rt * sizeof(float)));
+    return loom_k_rows_scale(m, dst, Rt, q->H, dfw);
+}
+
+/* The grouped rows src (after dedup_dispatch) summed per received unique
+ * row, back to their tokens' ranks, and summed per token into dx (this
+ * rank's n rows, written); cs, cr: row scratch. */
+static loom_status dedup_return(const loom_blk *b, const geo *q, const hs *h, const void *src,
+                                void *dx, void *cs, void *cr, int64_t Rt) {
+    loom_model *m = b->m;
+    const int P = (int)q->P;
+    int32_t *dpe = (int32_t *)b->scratch[DX] + q->R + 2 * q->Rmax, *dpt = dpe + q->Rmax * q->k;
+    const int64_t nug = h->tot[1];
+    loom_moe_dedup_sum_slots(h->fidx, Rt, nug, q->k, h->pos_e, h->fill);
+    CK(loom_k_upload(m, dpe, h->pos_e, (size_t)(nug * q->k) * sizeof(int32_t)));
+    CK(loom_k_moe_permute_bwd(m, src, dpe, nug, q->k, q->H, cr));
+    for (int p = 0; p < P; p++)
+        h->usc[p] = (size_t)(h->nur[p] * q->H), h->urc[p] = (size_t)(h->nu[p] * q->H);
+    CK(loom_comm_alltoallv(m->mesh->ep, cr, h->usc, cs, h->urc, m->dev.adt));
+    loom_moe_dedup_token_slots(h->uord, h->nu, P, q->n, h->pos_t);
+    CK(loom_k_upload(m, dpt, h->pos_t, (size_t)(q->n * P) * sizeof(int32_t)));
+    return loom_k_moe_permute_bwd(m, cs, dpt, q->n, P, q->H, dx);
+}
+
 /* ---- the shared expert: all Tc rows of h, this rank's tp share ---- */
 
 /* g, u, act */
@@ -602,6 +717,10 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
         *rows = table_rows(q, hh->cnt);
         return loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, a[XE]);
     }
+    if (dedup_on(q)) {
+        CK(regroup_orders(b, q, hh, rows));
+        return dedup_dispatch(b, q, hh, hs0, NULL, a[XE], b->scratch[S1], b->scratch[S2], *rows);
+    }
     CK(loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, b->scratch[S1]));
     CK(regroup_orders(b, q, hh, rows));
     return dispatch(b, q, hh, b->scratch[S1], a[XE], b->scratch[S2], *rows);
@@ -696,7 +815,12 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     void *dye = s[S3];
     CK(loom_k_moe_combine_bwd(m, (const char *)dy + so, a[YS], a[ORD], a[WT], q.n, q.k, q.H,
                               q.local ? dye : s[S1], s[DW]));
-    if (!q.local) CK(dispatch(b, &q, &hh, s[S1], dye, s[S2], rows));
+    if (dedup_on(&q)) { /* dy once per rank, times each choice's weight there */
+        CK(loom_k_download(m, hh.wth, a[WT], (size_t)q.R * sizeof(float)));
+        CK(dedup_dispatch(b, &q, &hh, (const char *)dy + so, hh.wth, dye, s[S1], s[S2], rows));
+    } else if (!q.local) {
+        CK(dispatch(b, &q, &hh, s[S1], dye, s[S2], rows));
+    }
     /* down: dact = dye Wd, dWd += dye^T act */
     CK(experts_dw(b, &q, hh.ce, ED, dye, q.H, a[ACT], q.Ie));
     CK(experts_gemm(b, &q, hh.ce, ED, false, dye, q.H, q.Ie, q.H, 0.0f, s[DG], q.Ie));
@@ -713,7 +837,10 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     }
     CK(lora_bwd(b, &q, hh.ce, LG, a[XE], q.H, s[DG], q.Ie, dxe));
     CK(lora_bwd(b, &q, hh.ce, LU, a[XE], q.H, s[DU], q.Ie, dxe));
-    if (dx) {
+    if (dx && dedup_on(&q)) { /* summed per token on the experts' rank, then per rank */
+        CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
+        CK(dedup_return(b, &q, &hh, dxe, (char *)dx + so, s[S2], s[S3], rows));
+    } else if (dx) {
         void *dxs = dxe;
         if (!q.local) {
             CK(undispatch(b, &q, &hh, dxe, s[S2], s[S3], rows));

@@ -8,6 +8,7 @@
 
 #include "block.h"
 #include "model.h"
+#include "moe_dedup.h"
 #include "params.h"
 #include "../parallel/schedule.h"
 
@@ -249,6 +250,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     m->bucket_elems = 40000000;
     m->recompute = in->recompute;
     m->moe_cap_factor = in->moe_capacity_factor;
+    m->moe_dedup = loom_moe_dedup_wanted();
     m->dev.cuda = in->cuda;
     m->dev.adt = in->adt;
     m->dev.esz = loom_dtype_size(in->adt);
