@@ -29,10 +29,18 @@ static inline LOOM_HD uint64_t loom_hash_str(const char *s) {
     return h;
 }
 
+/* The stream (seed, key)'s base, and its value i given the base: uniform in
+ * (0, 1), 53 random bits, never 0 (a loop over one stream hashes once). */
+static inline LOOM_HD uint64_t loom_rng_base(uint64_t seed, uint64_t key) {
+    return loom_splitmix64(seed ^ loom_splitmix64(key));
+}
+static inline LOOM_HD double loom_rng_uniform_at(uint64_t base, uint64_t i) {
+    return ((double)(loom_splitmix64(base + i) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
 /* Uniform in (0, 1): 53 random bits, never 0. */
 static inline LOOM_HD double loom_rng_uniform(uint64_t seed, uint64_t key, uint64_t i) {
-    uint64_t r = loom_splitmix64(loom_splitmix64(seed ^ loom_splitmix64(key)) + i);
-    return ((double)(r >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+    return loom_rng_uniform_at(loom_rng_base(seed, key), i);
 }
 
 /* Standard normal (Box-Muller on elements 2i and 2i+1 of the stream). */

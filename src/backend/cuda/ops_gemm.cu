@@ -592,18 +592,14 @@ extern "C" loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_hand
         loom_gemm_group *rest = (loom_gemm_group *)malloc((size_t)G * sizeof *rest);
         if (!rest)
             return loom_errf(ctx, LOOM_ERR_OOM, "cuda gemm_grouped: out of host memory");
-        const size_t ea = loom_dtype_size(ab), ec = loom_dtype_size(cdt);
         st = LOOM_OK;
         for (int i = 0; i < G && !st; i++) {
             rest[i] = g[i];
             if (!(g[i].M >= LOOM_CUDA_GROUP_ALONE_ROWS && g[i].N >= 256 && g[i].K >= 256))
                 continue;
-            const int64_t Ma = g[i].M;
-            st = gemm_run(ctx, h, ta, tb, Ma, g[i].N, g[i].K, alpha, g[i].A, ab, lda, g[i].B, ab,
-                          ldb, beta, g[i].C, cdt, ldc, stream, true);
-            rest[i].A = (const char *)g[i].A + (size_t)(Ma * lda) * ea;
-            rest[i].C = (char *)g[i].C + (size_t)(Ma * ldc) * ec;
-            rest[i].M = 0;
+            st = gemm_run(ctx, h, ta, tb, g[i].M, g[i].N, g[i].K, alpha, g[i].A, ab, lda, g[i].B,
+                          ab, ldb, beta, g[i].C, cdt, ldc, stream, true);
+            rest[i].M = 0; /* done: the rest's call passes over it */
         }
         if (!st)
             st = loom_cuda_gemm_grouped(ctx, h, ta, tb, G, rest, alpha, lda, ldb, ab, beta, cdt,
