@@ -209,11 +209,16 @@ static void stop_and_resume(fx *f, const double *ref, int sig, int trial, double
     if (sig == SIGTERM)
         CHECK_MSG(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "SIGTERM: exit status %d", ws);
     const int it = tracker(save);
-    if (it == -1) { /* killed before its first checkpoint: none may exist either */
+    if (it == -1) { /* killed before its first tracker: a first checkpoint is whole or absent */
         char p[420];
         struct stat sb;
         snprintf(p, sizeof p, "%s/iter_0000001", save);
-        CHECK_MSG(stat(p, &sb) != 0, "trial %d: iter_0000001 exists without a tracker", trial);
+        if (stat(p, &sb) == 0) { /* killed between its rename and the tracker's (ckpt_dir.c) */
+            loom_ctx *ctx = NULL;
+            CHECK_MSG(loom_ctx_create(&ctx) == LOOM_OK && loom_verify_state(ctx, p) == LOOM_OK,
+                      "trial %d: iter_0000001 without a tracker is not whole", trial);
+            loom_ctx_free(ctx);
+        }
         return;
     }
     CHECK_MSG(it >= 1 && it <= 40, "trial %d: tracker %d", trial, it);
