@@ -12,7 +12,13 @@
  * loading); LOOM_KPROF_TOP=K prints K kernels (default 40); LOOM_KPROF_GAPS=K
  * prints the K largest sums of idle time by the records before and after
  * each gap (default none). Names are
- * mangled: pipe through c++filt. */
+ * mangled: pipe through c++filt.
+ *
+ * Several processes (loom's --nproc-per-node workers): LOOM_KPROF_OUT=path
+ * writes each report to path with %r replaced by the process's RANK (0
+ * without one) instead of stderr, and LOOM_KPROF_SKIP=N0,N1,... gives each
+ * rank its own count. A process that saw no kernels (the launcher) writes
+ * nothing. */
 #define _POSIX_C_SOURCE 200809L
 #include <cupti.h>
 #include <stdint.h>
@@ -134,7 +140,12 @@ static int by_start(const void *a, const void *b) {
 }
 
 __attribute__((constructor)) static void kprof_start(void) {
-    const char *e = getenv("LOOM_KPROF_SKIP");
+    const char *e = getenv("LOOM_KPROF_SKIP"), *r = getenv("RANK");
+    long rank = r ? strtol(r, NULL, 10) : 0;
+    for (; e && rank > 0; rank--) { /* this rank's entry of N0,N1,... */
+        e = strchr(e, ',');
+        if (e) e++;
+    }
     skip = e ? strtoull(e, NULL, 10) : 0;
     if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
         cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS ||
@@ -143,8 +154,31 @@ __attribute__((constructor)) static void kprof_start(void) {
         fprintf(stderr, "kprof: CUPTI activity tracing could not be enabled\n");
 }
 
+/* Where the report goes: stderr, or LOOM_KPROF_OUT with %r as the rank. */
+static FILE *report_file(void) {
+    const char *o = getenv("LOOM_KPROF_OUT"), *r = getenv("RANK");
+    if (!o || !*o) return stderr;
+    char path[4096];
+    size_t n = 0;
+    for (const char *c = o; *c && n + 24 < sizeof path; c++) {
+        if (c[0] == '%' && c[1] == 'r') {
+            n += (size_t)snprintf(path + n, sizeof path - n, "%ld", r ? strtol(r, NULL, 10) : 0L);
+            c++;
+        } else {
+            path[n++] = *c;
+        }
+    }
+    path[n] = 0;
+    FILE *f = fopen(path, "w");
+    if (!f) fprintf(stderr, "kprof: cannot write %s; the report goes to stderr\n", path);
+    return f ? f : stderr;
+}
+
 __attribute__((destructor)) static void kprof_report(void) {
     cuptiActivityFlushAll(1);
+    const char *o = getenv("LOOM_KPROF_OUT");
+    if (!kernels_seen && o && *o) return;
+    FILE *out = report_file();
     uint64_t total = 0, busy = 0, first = UINT64_MAX, last = 0;
     for (size_t i = 0; i < ngroups; i++) total += groups[i].ns;
     qsort(spans, nspans, sizeof *spans, by_start);
@@ -181,32 +215,33 @@ __attribute__((destructor)) static void kprof_report(void) {
     const char *tg = getenv("LOOM_KPROF_GAPS");
     size_t topg = tg ? strtoull(tg, NULL, 10) : 0;
     for (size_t i = 0; i < ngaps && i < topg; i++)
-        fprintf(stderr, "kprof: idle %8.3f ms %6llu gaps  after %s  before %s\n", gaps[i].ns / 1e6,
+        fprintf(out, "kprof: idle %8.3f ms %6llu gaps  after %s  before %s\n", gaps[i].ns / 1e6,
                 (unsigned long long)gaps[i].calls, what_name(gaps[i].before), what_name(gaps[i].after));
     free(gaps);
     qsort(groups, ngroups, sizeof *groups, by_time);
     const char *t = getenv("LOOM_KPROF_TOP");
     size_t top = t ? strtoull(t, NULL, 10) : 40;
-    fprintf(stderr, "kprof: %llu kernels (%llu skipped), %.1f ms of kernel time\n",
+    fprintf(out, "kprof: %llu kernels (%llu skipped), %.1f ms of kernel time\n",
             (unsigned long long)(kernels_seen > skip ? kernels_seen - skip : 0),
             (unsigned long long)(kernels_seen < skip ? kernels_seen : skip), total / 1e6);
     if (nspans)
-        fprintf(stderr, "kprof: window %.1f ms, GPU busy %.1f ms (%.1f%%), idle %.1f ms\n",
+        fprintf(out, "kprof: window %.1f ms, GPU busy %.1f ms (%.1f%%), idle %.1f ms\n",
                 (last - first) / 1e6, busy / 1e6, 100.0 * busy / (double)(last - first),
                 (last - first - busy) / 1e6);
-    fprintf(stderr, "kprof: %8s %10s %9s %6s  %s\n", "calls", "total ms", "mean us", "share", "kernel");
+    fprintf(out, "kprof: %8s %10s %9s %6s  %s\n", "calls", "total ms", "mean us", "share", "kernel");
     for (size_t i = 0; i < ngroups && i < top; i++)
-        fprintf(stderr, "kprof: %8llu %10.2f %9.1f %5.1f%%  %s\n", (unsigned long long)groups[i].calls,
+        fprintf(out, "kprof: %8llu %10.2f %9.1f %5.1f%%  %s\n", (unsigned long long)groups[i].calls,
                 groups[i].ns / 1e6, groups[i].ns / 1e3 / (double)groups[i].calls,
                 total ? 100.0 * groups[i].ns / (double)total : 0.0, groups[i].name);
     static const char *kinds[11] = {"?",    "HtoD", "DtoH", "HtoA", "AtoH", "AtoA",
                                     "AtoD", "DtoA", "DtoD", "HtoH", "PtoP"};
     for (int k = 0; k < 11; k++)
         if (copy_n[k])
-            fprintf(stderr, "kprof: memcpy %-5s %8llu calls %10.2f ms %12.1f MB\n", kinds[k],
+            fprintf(out, "kprof: memcpy %-5s %8llu calls %10.2f ms %12.1f MB\n", kinds[k],
                     (unsigned long long)copy_n[k], copy_ns[k] / 1e6, copy_bytes[k] / 1e6);
-    if (set_n) fprintf(stderr, "kprof: memset       %8llu calls %10.2f ms\n", (unsigned long long)set_n, set_ns / 1e6);
+    if (set_n) fprintf(out, "kprof: memset       %8llu calls %10.2f ms\n", (unsigned long long)set_n, set_ns / 1e6);
     for (size_t k = 0; k < nsets; k++)
-        fprintf(stderr, "kprof: memset of %12llu B %8llu calls %10.2f ms\n", (unsigned long long)sets[k].bytes,
+        fprintf(out, "kprof: memset of %12llu B %8llu calls %10.2f ms\n", (unsigned long long)sets[k].bytes,
                 (unsigned long long)sets[k].calls, sets[k].ns / 1e6);
+    if (out != stderr) fclose(out);
 }

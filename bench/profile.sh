@@ -18,6 +18,7 @@
 # LOOM_PROFILE_TOP (kernels listed, default 25), and train_bench.sh's
 # (LOOM_BENCH_DIR, default /tmp/loom-profile; the model directory is kept
 # there for the second run and later ones).
+# Under --nproc-per-node (in LOOM_BENCH_LOOM_ARGS) each rank gets its own table.
 # Exits 2 on bad arguments, 1 when a run fails or leaves no report.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -60,14 +61,28 @@ run() {
         LOOM_BENCH_KEEP_MODELS=1 LOOM_BENCH_STEPS="$steps" LOOM_BENCH_WARMUP=$((steps > 1 ? 1 : 0)) \
         bash bench/train_bench.sh "$CASE" > "$out.bench" 2>&1
     cp "$W/$CASE/loom.log" "$out" 2> /dev/null || { tail -20 "$out.bench"; die "the $steps-step run left no loom log (above: the end of $out.bench)" 1; }
-    grep -q "^trained \|^step $steps/$steps " "$out" || { tail -20 "$out"; die "the $steps-step run did not finish (above: the end of $out)" 1; }
+    grep -qE "^(\[rank 0/[0-9]+\] )?(trained |step $steps/$steps )" "$out" || { tail -20 "$out"; die "the $steps-step run did not finish (above: the end of $out)" 1; }
 }
 
 echo "profile.sh: $CASE, steps $((FIRST + 1))..$LAST, $LOOM with $LIB; work dir $W"
-run "$FIRST" "$W/kprof-first.log" LOOM_KPROF_TOP=0
-SKIP=$(sed -n 's/^kprof: \([0-9]*\) kernels (0 skipped).*/\1/p' "$W/kprof-first.log" | tail -1)
-[ -n "$SKIP" ] || die "the $FIRST-step run printed no kprof report (was the tracer preloaded? $W/kprof-first.log)" 1
-[ "$SKIP" -gt 0 ] || die "the $FIRST-step run recorded no GPU kernels (a CPU run, or CUPTI did not start: $W/kprof-first.log)" 1
-run "$LAST" "$W/kprof-last.log" LOOM_KPROF_SKIP="$SKIP" LOOM_KPROF_TOP=100000 LOOM_KPROF_GAPS="${LOOM_KPROF_GAPS:-8}"
-grep -E "^step ($((FIRST + 1))|$LAST)/" "$W/kprof-last.log" | sed 's/^/  loom: /'
-python3 bench/kprof_table.py "$W/kprof-last.log" --steps $((LAST - FIRST)) --top "$TOP" || exit 1
+# each process writes its own report (kprof.c: %r is its RANK; the launcher of
+# --nproc-per-node workers runs no kernels and writes none)
+rm -f "$W"/kprof-first.r*.log "$W"/kprof-last.r*.log
+run "$FIRST" "$W/kprof-first.log" LOOM_KPROF_TOP=0 LOOM_KPROF_OUT="$W/kprof-first.r%r.log"
+SKIP=
+for r in $(seq 0 1023); do
+    f=$W/kprof-first.r$r.log
+    [ -f "$f" ] || break
+    n=$(sed -n 's/^kprof: \([0-9]*\) kernels (0 skipped).*/\1/p' "$f" | tail -1)
+    [ -n "$n" ] || die "rank $r's $FIRST-step report has no kernel count ($f)" 1
+    SKIP=${SKIP:+$SKIP,}$n
+done
+[ -n "$SKIP" ] || die "the $FIRST-step run left no kprof report: no GPU kernels ran (a CPU run), the tracer was not preloaded, or CUPTI did not start ($W/kprof-first.log)" 1
+run "$LAST" "$W/kprof-last.log" LOOM_KPROF_SKIP="$SKIP" LOOM_KPROF_TOP=100000 LOOM_KPROF_GAPS="${LOOM_KPROF_GAPS:-8}" \
+    LOOM_KPROF_OUT="$W/kprof-last.r%r.log"
+grep -E "^(\[rank 0/[0-9]+\] )?step ($((FIRST + 1))|$LAST)/" "$W/kprof-last.log" | sed 's/^/  loom: /'
+NR=$(echo "$SKIP" | tr ',' '\n' | wc -l)
+for r in $(seq 0 $((NR - 1))); do
+    [ "$NR" -eq 1 ] || echo "== rank $r"
+    python3 bench/kprof_table.py "$W/kprof-last.r$r.log" --steps $((LAST - FIRST)) --top "$TOP" || exit 1
+done
