@@ -993,11 +993,14 @@ TEST(backend_moe_gemm_grouped_equals_cpu) {
     unsetenv("LOOM_GEMM_GROUPED");
 }
 
-/* LoRA's grouped products on the experts: on a GPU loom's skinny kernels,
- * then (LOOM_GEMM_GROUPED=loop) one cuBLASLt GEMM a group, then with the
- * row dot products on tensor cores (LOOM_SKINNY_MMA=1: K = 64 and 96 take
- * them, K = 48 the FMA kernel); ranks 4, 8 and 16, groups of no rows among
- * them, and groups longer than a chunk of the sums over rows (128) */
+/* LoRA's grouped products on the experts: on a GPU loom's skinny kernels
+ * (the row dot products on tensor cores where K is a multiple of 32: K = 64
+ * and 96 take them, K = 48 the FMA kernel; the sums over rows by the
+ * vector kernel), then (LOOM_GEMM_GROUPED=loop) one cuBLASLt GEMM a group,
+ * then with the FMA row dot products and the scalar sums over rows
+ * (LOOM_SKINNY_MMA=0, LOOM_SKINNY_REDUCE=scalar); ranks 4, 8 and 16, groups
+ * of no rows among them, and groups longer than a chunk of the sums over
+ * rows (128) */
 TEST(backend_moe_lora_gemm_grouped_equals_cpu) {
     static const int64_t c8[8] = {5, 0, 17, 1, 0, 33, 9, 2}, c4[4] = {700, 0, 129, 1100};
     int64_t c128[128];
@@ -1018,18 +1021,21 @@ TEST(backend_moe_lora_gemm_grouped_equals_cpu) {
                     setenv("LOOM_GEMM_GROUPED", "loop", 1);
                 else
                     unsetenv("LOOM_GEMM_GROUPED");
-                if (mode == 2)
-                    setenv("LOOM_SKINNY_MMA", "1", 1);
-                else
+                if (mode == 2) {
+                    setenv("LOOM_SKINNY_MMA", "0", 1);
+                    setenv("LOOM_SKINNY_REDUCE", "scalar", 1);
+                } else {
                     unsetenv("LOOM_SKINNY_MMA");
+                    unsetenv("LOOM_SKINNY_REDUCE");
+                }
                 run r;
                 GPU_OR_SKIP(r, dts[i]);
-                moe_lora_gemm_family(&r, cases[c].G, cases[c].cnt, cases[c].rk,
-                                     mode == 2 && c % 2 ? 96 : 48);
+                moe_lora_gemm_family(&r, cases[c].G, cases[c].cnt, cases[c].rk, c % 2 ? 96 : 48);
                 run_end(&r);
             }
     unsetenv("LOOM_GEMM_GROUPED");
     unsetenv("LOOM_SKINNY_MMA");
+    unsetenv("LOOM_SKINNY_REDUCE");
 }
 
 /* Every backend fills every slot of its table (a NULL would crash the model

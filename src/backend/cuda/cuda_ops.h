@@ -82,11 +82,16 @@ loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_handle *h, bool
 /* The grouped GEMMs with a skinny side (ops_gemm_skinny.cu says which):
  * one launch for all groups with work (two for sums over rows, through fp32
  * partial sums in ws), their descriptors copied to desc (desc_cap bytes, at
- * least LOOM_CUDA_SKINNY_DESC_BYTES a group) in stream order; mma: x A^T's
- * dot products of 16-bit rows on tensor cores (the handle's LOOM_SKINNY_MMA=1,
- * until measured against the FMA kernel). *done false, nothing launched,
- * when the call is not of those shapes or alignments. */
+ * least LOOM_CUDA_SKINNY_DESC_BYTES a group) in stream order; flags:
+ * LOOM_CUDA_SKINNY_MMA runs x A^T's dot products of 16-bit rows on tensor
+ * cores (the handle's default; LOOM_SKINNY_MMA=0 runs the FMA kernel),
+ * LOOM_CUDA_SKINNY_SCALAR_REDUCE the sums over rows by the scalar kernel
+ * even where the vector one applies (LOOM_SKINNY_REDUCE=scalar: to compare,
+ * and for the tests). *done false, nothing launched, when the call is not
+ * of those shapes or alignments. */
 #define LOOM_CUDA_SKINNY_DESC_BYTES 64
+#define LOOM_CUDA_SKINNY_MMA 1u
+#define LOOM_CUDA_SKINNY_SCALAR_REDUCE 2u
 /* A grouped GEMM's group of this many rows or more (ta false, N and K at
  * least 256) runs as a GEMM of its own (loom_cuda_gemm). */
 #define LOOM_CUDA_GROUP_ALONE_ROWS 1024
@@ -94,7 +99,7 @@ loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, int G,
                                   const struct loom_gemm_group *g, float alpha, int64_t lda,
                                   int64_t ldb, loom_dtype ab, float beta, loom_dtype cdt,
                                   int64_t ldc, void *desc, size_t desc_cap, void *ws,
-                                  size_t ws_bytes, bool mma, void *stream, bool *done);
+                                  size_t ws_bytes, unsigned flags, void *stream, bool *done);
 /* For the ops bench: ms[i] = the mean time of cuBLASLt's i-th candidate
  * for this GEMM (alpha 1; i = 0 is the heuristic's choice, the one
  * loom_cuda_gemm runs), reps runs each on the default stream, up to

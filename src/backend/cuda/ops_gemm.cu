@@ -57,7 +57,7 @@ struct loom_cuda_gemm_handle {
     void *skd;           // device: loom_cuda_gemm_skinny's group descriptors (skd_cap bytes)
     size_t skd_cap;
     bool grouped_loop; // LOOM_GEMM_GROUPED=loop: one cuBLASLt GEMM a group
-    bool skinny_mma;   // LOOM_SKINNY_MMA=1: the skinny row dot products on tensor cores
+    unsigned skinny;   // loom_cuda_gemm_skinny's flags (LOOM_SKINNY_MMA=0, LOOM_SKINNY_REDUCE=scalar)
 };
 
 static loom_status lt_check(loom_ctx *ctx, cublasStatus_t s, const char *what) {
@@ -110,8 +110,9 @@ extern "C" loom_status loom_cuda_gemm_create(loom_ctx *ctx, size_t workspace_byt
     h->ws_bytes = workspace_bytes ? workspace_bytes : LOOM_CUDA_GEMM_WORKSPACE_DEFAULT;
     const char *gg = getenv("LOOM_GEMM_GROUPED");
     h->grouped_loop = gg && strcmp(gg, "loop") == 0;
-    const char *sm = getenv("LOOM_SKINNY_MMA");
-    h->skinny_mma = sm && strcmp(sm, "1") == 0;
+    const char *sm = getenv("LOOM_SKINNY_MMA"), *sr = getenv("LOOM_SKINNY_REDUCE");
+    h->skinny = (sm && strcmp(sm, "0") == 0 ? 0u : LOOM_CUDA_SKINNY_MMA) |
+                (sr && strcmp(sr, "scalar") == 0 ? LOOM_CUDA_SKINNY_SCALAR_REDUCE : 0u);
     loom_status st = lt_check(ctx, cublasLtCreate(&h->lt), "cublasLtCreate");
     if (st) {
         h->lt = NULL;
@@ -626,7 +627,7 @@ extern "C" loom_status loom_cuda_gemm_grouped(loom_ctx *ctx, loom_cuda_gemm_hand
             h->skd_cap = cap;
         }
         if ((st = loom_cuda_gemm_skinny(ctx, ta, tb, G, g, alpha, lda, ldb, ab, beta, cdt, ldc,
-                                        h->skd, h->skd_cap, h->ws, h->ws_bytes, h->skinny_mma,
+                                        h->skd, h->skd_cap, h->ws, h->ws_bytes, h->skinny,
                                         stream, &one)))
             return st;
     }

@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(NT)
     }
 }
 
-// rowdot on tensor cores (16-bit inputs, K a multiple of 32; LOOM_SKINNY_MMA=1
-// until measured): a warp takes 16 rows, mma.sync m16n8k16 (fp32 sums) per
+// rowdot on tensor cores (16-bit inputs, K a multiple of 32; the default,
+// twice the FMA kernel's speed on an H200; LOOM_SKINNY_MMA=0 turns it off): a warp takes 16 rows, mma.sync m16n8k16 (fp32 sums) per
 // 8 columns of C. Lane l (g = l / 4, q = l % 4) reads 16 bytes of rows g and
 // g + 8 at k = k0 + 8q; a sum over k may take k in any order when A and B
 // take the same one, so those 8 elements are the two MMAs' pairs (PTX's A
@@ -245,10 +245,35 @@ __global__ void __launch_bounds__(NT)
         }
 }
 
+// 8 values of C as raw 16-byte words (two for fp32), and back to floats
+template <typename T> struct Raw8 {
+    uint4 w[sizeof(T) == 4 ? 2 : 1];
+};
+template <typename T> __device__ __forceinline__ void raw_load8(const T *p, Raw8<T> &r) {
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof r.w / sizeof r.w[0]); i++) r.w[i] = ((const uint4 *)p)[i];
+}
+template <typename T> __device__ __forceinline__ void raw_to_f(const Raw8<T> &r, float (&v)[8]) {
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            v[4 * i] = __uint_as_float(r.w[i].x), v[4 * i + 1] = __uint_as_float(r.w[i].y);
+            v[4 * i + 2] = __uint_as_float(r.w[i].z), v[4 * i + 3] = __uint_as_float(r.w[i].w);
+        }
+    } else {
+        const T *e = (const T *)&r.w[0];
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = to_f(e[i]);
+    }
+}
+
 // expand: a block is RB rows x NTILE columns of C; op(B)'s K x NTILE and A's
 // RB x K staged; thread: 8 consecutive columns of RT rows (a row lane's, RL
 // apart), each k's 8 values of op(B) read once (two 16-byte reads) for all
-// RT rows, C's old values read after
+// RT rows. C's old values are all requested first, before the staging, so
+// that a thread has its RT reads in flight at once (read one row at a time,
+// between stores the compiler may not move them across, they left the
+// kernel at a third of the memory's bandwidth: too few bytes in flight)
 constexpr int NTILE = 256, RB = 64;
 template <typename T, typename TC>
 __global__ void __launch_bounds__(NT)
@@ -259,6 +284,15 @@ __global__ void __launch_bounds__(NT)
     const Desc d = ds[group_of(ds, G, (int)blockIdx.x)];
     const int r0 = ((int)blockIdx.x - d.blk0) * RB, n0 = (int)blockIdx.y * NTILE;
     if (n0 >= d.N) return; // the whole block
+    const int cg = (int)threadIdx.x % (NTILE / 8), n = n0 + cg * 8;
+    constexpr int RL = NT / (NTILE / 8), RT = RB / RL; // row lanes; rows a thread
+    const int rl = (int)threadIdx.x / (NTILE / 8);
+    Raw8<TC> old[RT];
+    if (beta != 0.0f && n < d.N) // (N a multiple of 8)
+#pragma unroll
+        for (int q = 0; q < RT; q++)
+            if (r0 + rl + q * RL < d.M)
+                raw_load8((const TC *)d.C + (int64_t)(r0 + rl + q * RL) * ldc + n, old[q]);
     const T *a = (const T *)d.A, *b = (const T *)d.B;
     for (int i = (int)threadIdx.x; i < d.K * NTILE; i += NT) {
         const int kk = i / NTILE, nn = i % NTILE;
@@ -269,10 +303,7 @@ __global__ void __launch_bounds__(NT)
         sa[rr][kk] = r0 + rr < d.M ? to_f(a[(int64_t)(r0 + rr) * lda + kk]) : 0.0f;
     }
     __syncthreads();
-    const int cg = (int)threadIdx.x % (NTILE / 8), n = n0 + cg * 8;
-    if (n >= d.N) return; // N a multiple of 8
-    constexpr int RL = NT / (NTILE / 8), RT = RB / RL; // row lanes; rows a thread
-    const int rl = (int)threadIdx.x / (NTILE / 8);
+    if (n >= d.N) return;
     float v[RT][8];
 #pragma unroll
     for (int q = 0; q < RT; q++)
@@ -294,7 +325,7 @@ __global__ void __launch_bounds__(NT)
         if (r0 + rr >= d.M) continue;
         TC *c = (TC *)d.C + (int64_t)(r0 + rr) * ldc + n;
         float o[8];
-        if (beta != 0.0f) load8((const TC *)c, o);
+        if (beta != 0.0f) raw_to_f(old[q], o);
 #pragma unroll
         for (int i = 0; i < 8; i++)
             v[q][i] = beta != 0.0f ? fmaf(beta, o[i], alpha * v[q][i]) : alpha * v[q][i];
@@ -348,6 +379,92 @@ __global__ void __launch_bounds__(NT)
         if (s < S) p[BIGM ? (int64_t)bi * d.N + s : (int64_t)s * d.N + bi] = acc[s];
 }
 
+// reduce, first pass, vector form (the big side's rows 16-byte aligned, its
+// columns a multiple of RC): a warp is 4 column groups x 8 row lanes, a
+// thread RC consecutive columns (one 16- or 8-byte read a row) of every 8th
+// row of the chunk, for all NS skinny columns; the 8 row lanes' sums are
+// then added by shuffles in a fixed order (the same bits every run). The
+// scalar form above reads 2 bytes a thread a row: a fifth of the memory's
+// bandwidth. A block covers 32 RC columns of the big side.
+template <int NS> struct RedVec {
+    static constexpr int RC = NS <= 8 ? 8 : 4; // columns a thread
+    static constexpr int CB = NT / 8 * RC;      // columns a block
+};
+
+template <typename T, int RC> __device__ __forceinline__ void load_rc(const T *p, float (&v)[RC]) {
+    if constexpr (RC == 8) {
+        load8(p, v);
+    } else if constexpr (sizeof(T) == 4) {
+        const float4 a = *(const float4 *)p;
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    } else {
+        const uint2 u = *(const uint2 *)p;
+        const T *e = (const T *)&u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = to_f(e[i]);
+    }
+}
+
+template <typename T, bool BIGM, int NS>
+__global__ void __launch_bounds__(NT, 2)
+    reduce_vec_kernel(const Desc *ds, int G, int64_t lda, int64_t ldb, int KC, float *part) {
+    constexpr int RC = RedVec<NS>::RC, CB = RedVec<NS>::CB;
+    __shared__ float4 ss[RK][NS / 4];
+    const Desc d = ds[group_of(ds, G, (int)blockIdx.x)];
+    const int S = BIGM ? d.N : d.M, Bn = BIGM ? d.M : d.N;
+    const int nbt = (Bn + CB - 1) / CB, local = (int)blockIdx.x - d.blk0, ch = local / nbt;
+    const int lane = (int)threadIdx.x % 32, rl = lane % 8;
+    const int col = (local % nbt) * CB + ((int)threadIdx.x / 32 * 4 + lane / 8) * RC;
+    const T *big = (const T *)(BIGM ? d.A : d.B), *sk = (const T *)(BIGM ? d.B : d.A);
+    const int64_t ldbig = BIGM ? lda : ldb, ldsk = BIGM ? ldb : lda;
+    const int k0 = ch * KC, k1 = min(d.K, k0 + KC);
+    float acc[RC][NS];
+#pragma unroll
+    for (int c = 0; c < RC; c++)
+#pragma unroll
+        for (int q = 0; q < NS; q++) acc[c][q] = 0.0f;
+    for (int kb = k0; kb < k1; kb += RK) {
+        const int n = min(RK, k1 - kb);
+        __syncthreads();
+        for (int i = (int)threadIdx.x; i < RK * NS; i += NT) {
+            const int rr = i / NS, q = i % NS;
+            ((float *)ss[rr])[q] = rr < n && q < S ? to_f(sk[(int64_t)(kb + rr) * ldsk + q]) : 0.0f;
+        }
+        __syncthreads();
+        if (col < Bn) {
+#pragma unroll 4
+            for (int rr = rl; rr < n; rr += 8) {
+                float v[RC];
+                load_rc<T, RC>(big + (int64_t)(kb + rr) * ldbig + col, v);
+#pragma unroll
+                for (int q4 = 0; q4 < NS / 4; q4++) {
+                    const float4 w = ss[rr][q4];
+#pragma unroll
+                    for (int c = 0; c < RC; c++) {
+                        acc[c][4 * q4] = fmaf(v[c], w.x, acc[c][4 * q4]);
+                        acc[c][4 * q4 + 1] = fmaf(v[c], w.y, acc[c][4 * q4 + 1]);
+                        acc[c][4 * q4 + 2] = fmaf(v[c], w.z, acc[c][4 * q4 + 2]);
+                        acc[c][4 * q4 + 3] = fmaf(v[c], w.w, acc[c][4 * q4 + 3]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < RC; c++)
+#pragma unroll
+        for (int q = 0; q < NS; q++)
+#pragma unroll
+            for (int o = 1; o < 8; o *= 2) acc[c][q] += __shfl_xor_sync(0xffffffffu, acc[c][q], o);
+    if (rl != 0 || col >= Bn) return;
+    float *p = part + d.p0 + (int64_t)ch * d.M * d.N;
+#pragma unroll
+    for (int c = 0; c < RC; c++)
+#pragma unroll
+        for (int q = 0; q < NS; q++)
+            if (q < S) p[BIGM ? (int64_t)(col + c) * d.N + q : (int64_t)q * d.N + col + c] = acc[c][q];
+}
+
 // reduce, second pass: C = alpha (the chunks' sum, in chunk order) + beta C
 template <typename TC>
 __global__ void __launch_bounds__(NT)
@@ -364,7 +481,7 @@ __global__ void __launch_bounds__(NT)
     }
 }
 
-enum Mode { NONE, ROWDOT, ROWDOT_MMA, EXPAND, REDUCE };
+enum Mode { NONE, ROWDOT, ROWDOT_MMA, EXPAND, REDUCE, REDUCE_VEC };
 
 template <typename T, typename TC>
 void launch(Mode mode, int np, bool bigm, const Desc *dd, int G, int nblk, int ny, bool tb,
@@ -401,11 +518,25 @@ void launch(Mode mode, int np, bool bigm, const Desc *dd, int G, int nblk, int n
         }
         reduce_final_kernel<TC><<<dim3(ny, G), NT, 0, s>>>(dd, part, ldc, alpha, beta);
         break;
+    case REDUCE_VEC: // np: the skinny side's bound (8 or 16)
+        if (nblk > 0) {
+            if (bigm && np <= 8)
+                reduce_vec_kernel<T, true, 8><<<nblk, NT, 0, s>>>(dd, G, lda, ldb, KC, part);
+            else if (bigm)
+                reduce_vec_kernel<T, true, 16><<<nblk, NT, 0, s>>>(dd, G, lda, ldb, KC, part);
+            else if (np <= 8)
+                reduce_vec_kernel<T, false, 8><<<nblk, NT, 0, s>>>(dd, G, lda, ldb, KC, part);
+            else
+                reduce_vec_kernel<T, false, 16><<<nblk, NT, 0, s>>>(dd, G, lda, ldb, KC, part);
+        }
+        reduce_final_kernel<TC><<<dim3(ny, G), NT, 0, s>>>(dd, part, ldc, alpha, beta);
+        break;
     case NONE: break;
     }
 }
 
 bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
 
 } // namespace
 
@@ -414,7 +545,7 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
                                              int64_t ldb, loom_dtype ab, float beta,
                                              loom_dtype cdt, int64_t ldc, void *desc,
                                              size_t desc_cap, void *ws, size_t ws_bytes,
-                                             bool mma, void *stream, bool *done) {
+                                             unsigned flags, void *stream, bool *done) {
     *done = false;
     if (!(ab == LOOM_F32 || ab == LOOM_BF16 || ab == LOOM_F16) || !(cdt == ab || cdt == LOOM_F32))
         return LOOM_OK;
@@ -446,7 +577,20 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
     }
     if (mode == NONE || n == 0 || (size_t)n * sizeof(Desc) > desc_cap)
         return LOOM_OK;
-    if (mode == ROWDOT && mma && ab != LOOM_F32) { // every group's K a multiple of 32
+    int np = maxN <= 4 ? 4 : maxN <= 8 ? 8 : 16;
+    if (mode == REDUCE && !(flags & LOOM_CUDA_SKINNY_SCALAR_REDUCE)) {
+        // the vector form: every group's big side 16-byte aligned rows,
+        // its columns a multiple of the columns a thread reads
+        const int64_t sk = bigm ? maxN : maxM;
+        const int rc = sk <= 8 ? RedVec<8>::RC : RedVec<16>::RC;
+        bool vec = (bigm ? lda : ldb) % 8 == 0;
+        for (int i = 0; i < G && vec; i++)
+            if (g[i].M && g[i].N && g[i].K)
+                vec = al16(bigm ? g[i].A : g[i].B) && (bigm ? g[i].M : g[i].N) % rc == 0;
+        if (vec)
+            mode = REDUCE_VEC, np = sk <= 8 ? 8 : 16;
+    }
+    if (mode == ROWDOT && (flags & LOOM_CUDA_SKINNY_MMA) && ab != LOOM_F32) { // every group's K a multiple of 32
         bool k32 = true;
         for (int i = 0; i < G; i++)
             k32 = k32 && (!g[i].M || !g[i].N || g[i].K % 32 == 0);
@@ -457,10 +601,10 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
     int64_t KC = 128;
     for (;; KC *= 2) {
         int64_t need = 0;
-        for (int i = 0; i < G && mode == REDUCE; i++)
+        for (int i = 0; i < G && (mode == REDUCE || mode == REDUCE_VEC); i++)
             if (g[i].M && g[i].N && g[i].K)
                 need += (g[i].K + KC - 1) / KC * g[i].M * g[i].N;
-        if (mode != REDUCE || (size_t)need * sizeof(float) <= ws_bytes)
+        if ((mode != REDUCE && mode != REDUCE_VEC) || (size_t)need * sizeof(float) <= ws_bytes)
             break;
         if (KC > maxK)
             return LOOM_OK; // one chunk a group does not fit: the caller's way
@@ -486,7 +630,8 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
             d.nch = (int)((g[i].K + KC - 1) / KC);
             d.p0 = p0;
             p0 += (int64_t)d.nch * g[i].M * g[i].N;
-            nblk += (int64_t)d.nch * ((big + NT - 1) / NT);
+            const int64_t cb = mode == REDUCE ? NT : np <= 8 ? RedVec<8>::CB : RedVec<16>::CB;
+            nblk += (int64_t)d.nch * ((big + cb - 1) / cb);
             const int64_t y = (g[i].M * g[i].N + NT - 1) / NT;
             ny = y > ny ? (y < 1024 ? y : 1024) : ny;
         }
@@ -506,7 +651,7 @@ extern "C" loom_status loom_cuda_gemm_skinny(loom_ctx *ctx, bool ta, bool tb, in
     if (st)
         return st;
     const Desc *dd = (const Desc *)desc;
-    const int np = maxN <= 4 ? 4 : maxN <= 8 ? 8 : 16, nb = (int)nblk, ng = (int)n, y = (int)ny;
+    const int nb = (int)nblk, ng = (int)n, y = (int)ny;
     float *part = (float *)ws;
 #define SKINNY_LAUNCH(T, TC)                                                                       \
     launch<T, TC>(mode, np, bigm, dd, ng, nb, y, tb, lda, ldb, ldc, alpha, beta, (int)KC, part, s)
