@@ -1,7 +1,7 @@
-/* The expert-parallel dispatch sends a token's row once to each rank that
- * holds some of its experts, not once per choice (block_moe.c; top-8 of 128
- * experts over 2 ranks sends about 4 copies of a row to the other rank).
- * These are the host tables that compress and expand around the
+/* The expert-parallel dispatch can send a token's row once to each rank
+ * that holds some of its experts, not once per choice (block_moe.c; top-8
+ * of 128 experts over 2 ranks sends about 4 copies of a row to the other
+ * rank). These are the host tables that compress and expand around the
  * all-to-alls (moe_dedup.h). */
 #include "moe_dedup.h"
 
@@ -9,7 +9,7 @@
 
 bool loom_moe_dedup_wanted(void) {
     const char *v = getenv("LOOM_MOE_DEDUP");
-    return !(v && !strcmp(v, "0"));
+    return v && !strcmp(v, "1");
 }
 
 void loom_moe_dedup_plan(const int32_t *ord, const int64_t *seg, int P, int k, int64_t n,

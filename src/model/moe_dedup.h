@@ -10,8 +10,10 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Whether models dispatch once per rank: yes unless LOOM_MOE_DEDUP=0 (once
- * per choice, to compare). The model and the memory predictor ask alike. */
+/* Whether models dispatch once per rank: only with LOOM_MOE_DEDUP=1. Its
+ * plan is made on the host, and the syncs that costs outweigh the bytes it
+ * saves over NVLink (2 H200s, bench/RESULTS.md): once per choice is the
+ * default. The model and the memory predictor ask alike. */
 bool loom_moe_dedup_wanted(void);
 
 /* The sender's side: ord's first seg[0] + ... + seg[P-1] entries go to ranks
