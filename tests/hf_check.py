@@ -14,8 +14,19 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 
+def load_f64(path):
+    """The model in float64. transformers 5 runs MoE experts through
+    torch._grouped_mm, which takes no float64: its eager experts instead
+    (older versions know no experts_implementation)."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                    experts_implementation="eager")
+    except TypeError:
+        return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64)
+
+
 def check(saved, golden, batch):
-    model = AutoModelForCausalLM.from_pretrained(saved, torch_dtype=torch.float64)
+    model = load_f64(saved)
     model.eval()
     b = load_file(batch)
     g = load_file(golden)

@@ -3,10 +3,10 @@
 #  1. tiny-qwen3-moe and tiny-qwen2-moe (per-expert tensors) trained 3 steps
 #     in full and saved (--save-hf): transformers loads each with `loom
 #     golden`'s logits (tests/hf_check.py);
-#  2. the fused layout transformers v5 writes (mlp.experts.gate_up_proj,
-#     down_proj): tiny-qwen3-moe re-saved by transformers, trained by loom
-#     and saved in the layout read, checked the same way, and the saved
-#     file's expert tensors named as transformers wrote them;
+#  2. the fused layout transformers v5 holds (mlp.experts.gate_up_proj
+#     [E, 2I, H], down_proj [E, H, I]): tiny-qwen3-moe rewritten so, trained
+#     by loom and saved in the layout read, loaded by transformers the same
+#     way, and the saved file's tensor names those of the file read;
 #  3. adapters: attention and every expert (all-linear), and with the router
 #     (all-linear,gate), --save-adapter: PEFT loads them onto the
 #     per-expert checkpoint with `loom golden --adapter`'s logits
@@ -49,18 +49,32 @@ done
 echo "== 2. the fused layout of transformers v5"
 M=$F/models/tiny-qwen3-moe
 BATCH=$F/golden/tiny-qwen3-moe.safetensors
+# transformers 5.17's save_pretrained writes the hub's per-expert names
+# again (seen 2026-11-28), so the fused file is built here, as v5 holds it
 python3 - "$M" "$W/fused" <<'PY' || fails=$((fails + 1))
-import sys
-import torch
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
-m.save_pretrained(sys.argv[2])
-with safe_open(sys.argv[2] + "/model.safetensors", "pt") as f:
-    keys = list(f.keys())
-fused = [k for k in keys if k.endswith("mlp.experts.gate_up_proj")]
-print(f"transformers wrote {len(keys)} tensors, {len(fused)} fused gate_up_proj")
-sys.exit(0 if fused else 1)
+import glob, os, re, shutil, sys
+import numpy as np
+from safetensors.numpy import load_file, save_file
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+for p in glob.glob(src + "/*"):
+    if not p.endswith(".safetensors") and not p.endswith(".index.json"):
+        shutil.copy(p, dst)
+t = {}
+for p in sorted(glob.glob(src + "/*.safetensors")):
+    t.update(load_file(p))
+pat = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+layers = sorted({pat.match(k).group(1) for k in t if pat.match(k)})
+E = 1 + max((int(pat.match(k).group(2)) for k in t if pat.match(k)), default=-1)
+out = {k: v for k, v in t.items() if not pat.match(k)}
+for pre in layers:
+    g = [t[f"{pre}.{e}.gate_proj.weight"] for e in range(E)]
+    u = [t[f"{pre}.{e}.up_proj.weight"] for e in range(E)]
+    out[pre + ".gate_up_proj"] = np.ascontiguousarray(np.stack([np.concatenate([a, b], 0) for a, b in zip(g, u)]))
+    out[pre + ".down_proj"] = np.ascontiguousarray(np.stack([t[f"{pre}.{e}.down_proj.weight"] for e in range(E)]))
+save_file(out, dst + "/model.safetensors", metadata={"format": "pt"})
+print(f"fused file: {len(out)} tensors, {len(layers)} fused gate_up_proj")
+sys.exit(0 if layers else 1)
 PY
 if [ -d "$W/fused" ]; then
     run tr "$W/fused" --save-hf "$W/fused-hf" &&
