@@ -175,6 +175,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     /* the metrics outputs are opened now (rank 0 writes them): a bad path
      * fails before the model is loaded */
     loom_metrics *mw = NULL;
+    double *etok = NULL; /* MoE: the step's tokens per (layer, expert), for the metrics */
     if ((s->metrics_file || s->tensorboard_dir) && loom_comm_rank(world) == 0 &&
         loom_metrics_open(ctx, s->metrics_file, s->tensorboard_dir, &mw)) {
         loom_cli_fail_job(ctx, world);
@@ -233,6 +234,12 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
     LOOM_LOG_I(ctx, "model %s: %s, %" PRId64 " layers, hidden %" PRId64 ", vocab %" PRId64
                ", %s parameters", s->model, info.model_type, info.num_layers, info.hidden_size,
                info.vocab_size, loom_fmt_int(nb, info.num_params));
+    if (mw && info.num_experts > 0 &&
+        !(etok = loom_calloc(ctx, (size_t)(info.num_layers * info.num_experts), sizeof *etok,
+                             "tokens per expert"))) {
+        st = LOOM_ERR_OOM;
+        goto done;
+    }
     const int64_t max_pos = info.max_position_embeddings; /* 0: config.json has none */
     if (max_pos > 0 && s->seq_len > max_pos && loom_model_rank(m) == 0)
         LOOM_LOG_W(ctx, "--seq-len %" PRId64 " exceeds the model's max_position_embeddings %" PRId64
@@ -369,9 +376,10 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             if (zl) snprintf(zs, sizeof zs, " | z-loss %.4f", sr.z_loss);
             if (sr.expert_tokens_max > 0)
                 snprintf(moe, sizeof moe,
-                         " | aux %.4f%s | tokens/expert %.0f/%.1f/%.0f (imbalance %.2f)",
+                         " | aux %.4f%s | tokens/expert %.0f/%.1f/%.0f (imbalance %.2f, layer %" PRId64
+                         ")",
                          sr.aux_loss, zs, sr.expert_tokens_min, sr.expert_tokens_mean,
-                         sr.expert_tokens_max, sr.expert_imbalance);
+                         sr.expert_tokens_max, sr.expert_imbalance, sr.expert_imbalance_layer);
             LOOM_LOG_I(ctx,
                        "step %" PRId64 "/%" PRId64 " | loss %.4f | grad norm %.3f | lr %.3e | "
                        "%.0f tokens/s%s%s",
@@ -392,7 +400,10 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                     .expert_tokens_max = sr.expert_tokens_max,
                     .expert_imbalance = sr.expert_imbalance,
                     .z = zl, .z_loss = sr.z_loss};
-                if ((st = loom_metrics_write(ctx, mw, &r))) goto done;
+                if (etok && sr.expert_tokens_max > 0 &&
+                    !(st = loom_model_expert_tokens(m, etok, info.num_layers * info.num_experts)))
+                    r.expert_tokens = etok, r.layers = info.num_layers, r.experts = info.num_experts;
+                if (st || (st = loom_metrics_write(ctx, mw, &r))) goto done;
             }
             tokens_at_log = tokens_total;
             t_log = now;
@@ -488,6 +499,7 @@ done:
     loom_cli_ckpt_signals(false);
     progress_clear(ctx);
     loom_metrics_close(NULL, mw);
+    free(etok);
     if (rc && st == LOOM_ERR_OOM && have_mem && mo.device == LOOM_DEVICE_CUDA) {
         /* out of GPU memory: the table, and what to change */
         loom_memory_print(ctx, &mem, LOOM_LOG_ERROR);

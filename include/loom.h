@@ -245,6 +245,7 @@ typedef struct loom_model_info {
     int64_t num_params;       /* distinct trainable parameters (tied counted once) */
     int64_t num_tensors;      /* HF tensors */
     int64_t max_position_embeddings; /* as in config.json; 0 when it has none */
+    int64_t num_experts, num_experts_per_tok; /* mixture of experts; 0 for a dense model */
 } loom_model_info;
 void loom_model_get_info(const loom_model *m, loom_model_info *info);
 /* This process's rank and the world size of the model's job. */
@@ -367,6 +368,9 @@ typedef struct loom_step_result {
     /* with moe_z_loss_coeff > 0: the router z-loss (loom_fb_result's), the mean
      * over the step's micro-batches; else 0 */
     double z_loss;
+    /* the layer whose max/mean is expert_imbalance (-1 without experts, or
+     * when the step is not taken) */
+    int64_t expert_imbalance_layer;
 } loom_step_result;
 /* Counts a call; every accumulation_steps-th call (1: every call) scales the
  * accumulated gradient to the mean loss, clips it to max_grad_norm (<= 0: no
@@ -374,6 +378,14 @@ typedef struct loom_step_result {
  * gradients. Without a set_optimizer call the defaults are used. */
 loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
                                           int64_t accumulation_steps, loom_step_result *out);
+/* Mixture of experts: the tokens each expert of each layer was sent over
+ * the last optimizer step, summed over every rank of the mesh (each of a
+ * token's top-k choices counted: loom_step_result's statistics are made of
+ * these), as (num_layers, num_experts) doubles, row-major, into out (n of
+ * them, at least num_layers * num_experts); dense layers' rows are 0, and
+ * all are 0 before the first step. An error for a model without experts or
+ * a shorter out. */
+loom_status loom_model_expert_tokens(const loom_model *m, double *out, int64_t n);
 void loom_model_zero_grad(loom_model *m);
 
 /* Parameters by HF name (i < num_tensors). get_param copies fp32 values;

@@ -28,6 +28,10 @@ TAGS = {
     "peak_mem_bytes": "mem/peak_gib",
     "skipped_steps": "skipped-iterations",
     "elapsed_s": "elapsed-time-s",
+    "aux_loss": "load_balancing_loss",
+    "expert_tokens_max": "moe/expert_tokens_max",
+    "expert_imbalance": "moe/expert_imbalance",
+    "z_loss": "z_loss",
 }
 
 
@@ -97,6 +101,9 @@ def main():
                 if key == "peak_mem_bytes":
                     v = v / 2**30
                 want.setdefault(tag, []).append((rec["step"], float(v)))
+            # a mixture of experts: each layer's imbalance, tagged by layer
+            for layer, v in zip(rec.get("moe_layers", []), rec.get("expert_imbalance_by_layer", [])):
+                want.setdefault(f"moe/expert_imbalance/layer_{layer}", []).append((rec["step"], float(v)))
     if not want:
         print(f"{jsonl}: no scalars")
         return 1

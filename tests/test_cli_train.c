@@ -122,11 +122,16 @@ TEST(cli_train_moe_router_options) {
     fclose(f);
     REQUIRE(RUN(&out, "data", "--text", text, "--out", data) == 0);
     free(out);
+    char tb[1024];
+    tmp_path(tb, sizeof tb, "moe-tb");
     int rc = RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data,
                  "--train-steps", "2", "--seq-len", "32", "--global-batch-size", "2",
                  "--moe-z-loss-coeff", "1e-3", "--moe-expert-capacity-factor", "1.0",
-                 "--moe-token-drop-policy", "position", "--metrics-file", metrics);
+                 "--moe-token-drop-policy", "position", "--metrics-file", metrics,
+                 "--tensorboard-dir", tb);
     CHECK_EQ_INT(rc, 0);
+    CHECK_CONTAINS(out, " (imbalance "); /* with the layer that has it */
+    CHECK_CONTAINS(out, ", layer ");
     CHECK_CONTAINS(out, "moe_z_loss_coeff");
     CHECK_CONTAINS(out, "moe_expert_capacity_factor");
     CHECK_CONTAINS(out, "position");
@@ -138,7 +143,19 @@ TEST(cli_train_moe_router_options) {
     REQUIRE_OK(NULL, loom_ctx_create(&ctx));
     REQUIRE_OK(ctx, loom_read_file(ctx, metrics, 1 << 20, &json, &len));
     CHECK_MSG(strstr(json, "\"z_loss\": ") != NULL, "%s", json);
+    /* per layer: every layer of tiny-qwen3-moe is sparse */
+    CHECK_MSG(strstr(json, "\"moe_layers\": [0, 1, 2, 3], \"expert_tokens_min_by_layer\": [") != NULL,
+              "%s", json);
+    CHECK_CONTAINS(json, "\"expert_imbalance_by_layer\": [");
     free(json);
+    const char *probe[] = {"python3", "-c", "import tensorboard", NULL};
+    if (loom_test_run(NULL, probe) == 0) { /* the per-layer tags too */
+        const char *chk[] = {"python3", "tests/tb_check.py", tb, metrics, NULL};
+        char *o = NULL;
+        CHECK_EQ_INT(loom_test_run(&o, chk), 0);
+        CHECK_MSG(o && strstr(o, "ok: 17 tags"), "%s", o ? o : "");
+        free(o);
+    }
     loom_ctx_free(ctx);
     const char *bad[][3] = {
         {"--moe-z-loss-coeff", "-1", "moe_z_loss_coeff = -1"},

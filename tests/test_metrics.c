@@ -110,6 +110,22 @@ TEST(metrics_jsonl_line) {
     sb.len = 0;
     loom_metrics_jsonl(&sb, &r);
     CHECK(strstr(sb.buf, "\"expert_imbalance\": 2.5, \"z_loss\": 21.5}\n") != NULL);
+    /* per layer: 3 layers of 4 experts, the middle one dense (no tokens) */
+    const double cnt[12] = {1, 2, 3, 6, 0, 0, 0, 0, 4, 4, 4, 4};
+    r.expert_tokens = cnt, r.layers = 3, r.experts = 4;
+    sb.len = 0;
+    loom_metrics_jsonl(&sb, &r);
+    CHECK(strstr(sb.buf, "\"z_loss\": 21.5, \"moe_layers\": [0, 2], "
+                         "\"expert_tokens_min_by_layer\": [1, 4], "
+                         "\"expert_tokens_mean_by_layer\": [3, 4], "
+                         "\"expert_tokens_max_by_layer\": [6, 4], "
+                         "\"expert_imbalance_by_layer\": [2, 1]}\n") != NULL);
+    REQUIRE_OK(ctx, loom_json_parse(ctx, sb.buf, sb.len, "line", &doc));
+    CHECK(loom_json_get(doc, "expert_imbalance_by_layer") != NULL);
+    loom_json_free(doc);
+    loom_expert_layer_stats ls;
+    loom_expert_layer_stats_of(cnt + 4, 4, &ls);
+    CHECK(ls.min == 0 && ls.max == 0 && ls.mean == 0 && ls.imbalance == 0);
     CHECK_STR(loom_metrics_tb_tag("z_loss"), "z_loss");
     CHECK_STR(loom_metrics_tb_tag("expert_imbalance"), "moe/expert_imbalance");
     CHECK_STR(loom_metrics_tb_tag("loss"), "lm loss");

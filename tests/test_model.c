@@ -356,6 +356,9 @@ static void check_router(const char *model, loom_device dev) {
     CHECK_MSG(fabs(r.aux_loss - hf) <= 1e-5 * hf, "aux loss %.9g vs HF %.9g", r.aux_loss, hf);
     /* the step's statistics: tokens per expert from HF's top-2 of each layer */
     double lo = INFINITY, hi = 0.0, imb = 0.0;
+    double *want_cnt = calloc((size_t)(L * E), sizeof(double));
+    int64_t worst = -1;
+    REQUIRE(want_cnt);
     for (int64_t i = 0; i < nmoe; i++) {
         char name[64];
         snprintf(name, sizeof name, "router_logits.%lld", (long long)i);
@@ -371,7 +374,9 @@ static void check_router(const char *model, loom_device dev) {
             cnt[top]++, cnt[b2]++;
         }
         for (int e = 0; e < E; e++) lo = fmin(lo, cnt[e]), hi = fmax(hi, cnt[e]), lmax = fmax(lmax, cnt[e]);
-        imb = fmax(imb, lmax / (2.0 * N / (double)E));
+        for (int e = 0; e < E; e++) want_cnt[moe_of[i] * E + e] = cnt[e];
+        if (worst < 0 || lmax / (2.0 * N / (double)E) > imb)
+            imb = lmax / (2.0 * N / (double)E), worst = moe_of[i];
         free(z);
     }
     loom_step_result sr;
@@ -382,6 +387,18 @@ static void check_router(const char *model, loom_device dev) {
     CHECK(fabs(sr.aux_loss - r.aux_loss) < 1e-12);
     CHECK(sr.expert_tokens_mean == 2.0 * N / (double)E && sr.expert_tokens_min == lo &&
           sr.expert_tokens_max == hi && fabs(sr.expert_imbalance - imb) < 1e-12);
+    CHECK_EQ_INT(sr.expert_imbalance_layer, worst);
+    /* each layer's counts (loom_model_expert_tokens), dense layers' 0 */
+    double *got_cnt = malloc((size_t)(L * E) * sizeof(double));
+    REQUIRE(got_cnt);
+    CHECK(loom_model_expert_tokens(g.m, got_cnt, L * E - 1) == LOOM_ERR_INVALID_ARG);
+    CHECK(strstr(loom_last_error(g.ctx), "experts") != NULL);
+    REQUIRE_OK(g.ctx, loom_model_expert_tokens(g.m, got_cnt, L * E));
+    for (int64_t i = 0; i < L * E; i++)
+        CHECK_MSG(got_cnt[i] == want_cnt[i], "tokens of layer %lld expert %lld: %g, HF's top-2 %g",
+                  (long long)(i / E), (long long)(i % E), got_cnt[i], want_cnt[i]);
+    free(got_cnt);
+    free(want_cnt);
     golden_close(&g);
 }
 

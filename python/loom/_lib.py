@@ -62,7 +62,8 @@ class ModelInfo(C.Structure):
                 ("hidden_size", i64), ("intermediate_size", i64), ("num_layers", i64),
                 ("num_heads", i64), ("num_kv_heads", i64), ("head_dim", i64),
                 ("num_params", i64), ("num_tensors", i64),
-                ("max_position_embeddings", i64)]
+                ("max_position_embeddings", i64), ("num_experts", i64),
+                ("num_experts_per_tok", i64)]
 
 
 class MeshInfo(C.Structure):
@@ -121,7 +122,7 @@ class StepResult(C.Structure):
                 ("step", i64), ("loss", f64), ("n_tokens", i64), ("skipped", i32),
                 ("loss_scale", f64), ("aux_loss", f64), ("expert_tokens_min", f64),
                 ("expert_tokens_mean", f64), ("expert_tokens_max", f64),
-                ("expert_imbalance", f64), ("z_loss", f64)]
+                ("expert_imbalance", f64), ("z_loss", f64), ("expert_imbalance_layer", i64)]
 
 
 class LoraConfig_(C.Structure):
@@ -168,6 +169,7 @@ _decl("loom_model_forward_only", i32, vp, P(Batch), i64, P(C.c_float), P(C.c_flo
       P(C.c_float), P(FBResult))
 _decl("loom_model_clip_grad_and_step", i32, vp, f64, i64, P(StepResult))
 _decl("loom_model_zero_grad", None, vp)
+_decl("loom_model_expert_tokens", i32, vp, P(C.c_double), i64)
 _decl("loom_model_tensor_name", cp, vp, i64, P(i32), P(i64))
 _decl("loom_model_get_param", i32, vp, cp, P(C.c_float), i64)
 _decl("loom_model_get_grad", i32, vp, cp, P(C.c_float), i64)

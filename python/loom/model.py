@@ -805,7 +805,21 @@ class MegatronModel:
                 "expert_tokens_min": r.expert_tokens_min,
                 "expert_tokens_mean": r.expert_tokens_mean,
                 "expert_tokens_max": r.expert_tokens_max,
-                "expert_imbalance": r.expert_imbalance, "z_loss": r.z_loss}
+                "expert_imbalance": r.expert_imbalance,
+                "expert_imbalance_layer": int(r.expert_imbalance_layer), "z_loss": r.z_loss}
+
+    def expert_tokens(self):
+        """Mixture of experts: the tokens each expert of each layer was sent
+        over the last optimizer step, summed over the mesh (each of a token's
+        top-k choices counted), as a (num_layers, num_experts) float64 array;
+        dense layers' rows are 0. A loom extension (Megatron logs these
+        per layer)."""
+        self._check_open()
+        info = self.info
+        a = np.zeros((info.num_layers, max(info.num_experts, 1)), np.float64)
+        self._ctx.check(L.lib.loom_model_expert_tokens(
+            self._h, a.ctypes.data_as(C.POINTER(C.c_double)), a.size), "expert_tokens")
+        return a
 
     def zero_grad(self, adapter_name=None, **kwargs):
         self._check_open()

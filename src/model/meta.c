@@ -134,6 +134,8 @@ void loom_meta_get_info(const loom_meta *mt, loom_model_info *info) {
     info->num_params = loom_param_plan_count(&mt->plan, NULL);
     info->num_tensors = (int64_t)mt->plan.n;
     info->max_position_embeddings = c->max_position_embeddings;
+    info->num_experts = c->num_experts > 0 ? c->num_experts : 0;
+    info->num_experts_per_tok = info->num_experts ? c->num_experts_per_tok : 0;
 }
 
 loom_status loom_meta_param_info(const loom_meta *mt, int64_t i, loom_param_info *out) {

@@ -104,7 +104,7 @@ loom_status loom_model_build_slots(loom_model *m) {
     m->layer = loom_calloc(ctx, (size_t)m->L, sizeof *m->layer, "layer table");
     if (!m->base.slots || !m->layer) return LOOM_ERR_OOM;
     if (m->cfg.num_experts > 0 && !m->moe_load &&
-        !(m->moe_load = loom_calloc(ctx, (size_t)(m->L * m->cfg.num_experts), sizeof(double),
+        !(m->moe_load = loom_calloc(ctx, (size_t)(2 * m->L * m->cfg.num_experts), sizeof(double),
                                     "expert load")))
         return LOOM_ERR_OOM;
     CK(loom_layers_build(ctx, &m->cfg, &m->plan, m->layer));
@@ -874,6 +874,8 @@ void loom_model_get_info(const loom_model *m, loom_model_info *info) {
     info->num_params = loom_param_plan_count(&m->plan, NULL);
     info->num_tensors = (int64_t)m->plan.n;
     info->max_position_embeddings = m->cfg.max_position_embeddings;
+    info->num_experts = m->cfg.num_experts > 0 ? m->cfg.num_experts : 0;
+    info->num_experts_per_tok = info->num_experts ? m->cfg.num_experts_per_tok : 0;
 }
 
 const char *loom_model_tensor_name(const loom_model *m, int64_t i, int *ndim, int64_t shape[2]) {

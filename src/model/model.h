@@ -247,7 +247,8 @@ struct loom_model {
     int64_t acc_aux_n;
     double acc_z;            /* MoE: their router z-losses (the same micro-batches) */
     double *moe_load;        /* (L, E): tokens sent to each expert since the last step (tp rank 0;
-                              * NULL without experts) */
+                              * NULL without experts); then (L, E) more: the last step's, summed
+                              * over the mesh (loom_model_expert_tokens) */
 };
 
 /* A pipeline message (pp_stage) is the activations (Tn, H), then from byte

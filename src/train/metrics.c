@@ -29,6 +29,41 @@ static void put_int(loom_sb *sb, const char *key, int64_t v) {
     loom_sb_printf(sb, ", \"%s\": %" PRId64, key, v);
 }
 
+void loom_expert_layer_stats_of(const double *cnt, int64_t E, loom_expert_layer_stats *out) {
+    double lo = E > 0 ? INFINITY : 0.0, hi = 0.0, sum = 0.0;
+    for (int64_t e = 0; e < E; e++) lo = fmin(lo, cnt[e]), hi = fmax(hi, cnt[e]), sum += cnt[e];
+    out->min = lo, out->max = hi;
+    out->mean = E > 0 ? sum / (double)E : 0.0;
+    out->imbalance = sum > 0 ? hi / out->mean : 0.0;
+}
+
+/* the layers of r->expert_tokens with tokens (MoE layers) */
+static bool layer_has_tokens(const loom_metrics_record *r, int64_t l) {
+    for (int64_t e = 0; e < r->experts; e++)
+        if (r->expert_tokens[l * r->experts + e] > 0) return true;
+    return false;
+}
+
+/* "key": [the layers' values], field f of their stats (-1: the index) */
+static void put_layers(loom_sb *sb, const loom_metrics_record *r, const char *key, int f) {
+    loom_sb_printf(sb, ", \"%s\": [", key);
+    bool first = true;
+    for (int64_t l = 0; l < r->layers; l++) {
+        if (!layer_has_tokens(r, l)) continue;
+        loom_sb_puts(sb, first ? "" : ", ");
+        first = false;
+        if (f < 0) {
+            loom_sb_printf(sb, "%" PRId64, l);
+            continue;
+        }
+        loom_expert_layer_stats ls;
+        loom_expert_layer_stats_of(r->expert_tokens + l * r->experts, r->experts, &ls);
+        const double v[4] = {ls.min, ls.mean, ls.max, ls.imbalance};
+        loom_sb_printf(sb, "%.9g", v[f]);
+    }
+    loom_sb_puts(sb, "]");
+}
+
 void loom_metrics_jsonl(loom_sb *sb, const loom_metrics_record *r) {
     loom_sb_printf(sb, "{\"step\": %" PRId64, r->step);
     put_int(sb, "consumed_samples", r->consumed_samples);
@@ -48,6 +83,13 @@ void loom_metrics_jsonl(loom_sb *sb, const loom_metrics_record *r) {
         put_num(sb, "expert_tokens_max", r->expert_tokens_max, false);
         put_num(sb, "expert_imbalance", r->expert_imbalance, false);
         if (r->z) put_num(sb, "z_loss", r->z_loss, false);
+        if (r->expert_tokens) {
+            put_layers(sb, r, "moe_layers", -1);
+            put_layers(sb, r, "expert_tokens_min_by_layer", 0);
+            put_layers(sb, r, "expert_tokens_mean_by_layer", 1);
+            put_layers(sb, r, "expert_tokens_max_by_layer", 2);
+            put_layers(sb, r, "expert_imbalance_by_layer", 3);
+        }
     }
     loom_sb_puts(sb, "}\n");
 }
@@ -118,7 +160,14 @@ loom_status loom_metrics_write(loom_ctx *ctx, loom_metrics *m, const loom_metric
         if (st) return st;
     }
     if (m->tb) {
-        loom_tb_scalar v[N_TAGS];
+        /* the fixed tags, then a layer's imbalance each (its tag in names) */
+        const int64_t nl = r->moe && r->expert_tokens ? r->layers : 0;
+        loom_tb_scalar *v = loom_calloc(ctx, N_TAGS + (size_t)nl, sizeof *v, "TensorBoard scalars");
+        char *names = nl ? loom_calloc(ctx, (size_t)nl, 48, "TensorBoard tags") : NULL;
+        if (!v || (nl && !names)) {
+            free(v);
+            return LOOM_ERR_OOM;
+        }
         size_t n = 0;
 #define TB(k, x) v[n++] = (loom_tb_scalar){loom_metrics_tb_tag(k), (x)}
         TB("consumed_samples", (double)r->consumed_samples);
@@ -139,7 +188,17 @@ loom_status loom_metrics_write(loom_ctx *ctx, loom_metrics *m, const loom_metric
             if (r->z) TB("z_loss", r->z_loss);
         }
 #undef TB
+        for (int64_t l = 0; l < nl; l++) {
+            if (!layer_has_tokens(r, l)) continue;
+            loom_expert_layer_stats ls;
+            loom_expert_layer_stats_of(r->expert_tokens + l * r->experts, r->experts, &ls);
+            char *tag = names + l * 48;
+            snprintf(tag, 48, "moe/expert_imbalance/layer_%" PRId64, l);
+            v[n++] = (loom_tb_scalar){tag, ls.imbalance};
+        }
         loom_status st = loom_tfevents_write(ctx, m->tb, r->step, v, n);
+        free(v);
+        free(names);
         if (st) return st;
     }
     return LOOM_OK;

@@ -12,7 +12,11 @@
  * and for a mixture of experts, last: "aux_loss", "expert_tokens_min",
  * "expert_tokens_mean", "expert_tokens_max", "expert_imbalance" (the step's
  * load-balancing loss and tokens per expert, loom_step_result's), then with
- * the router z-loss on "z_loss".
+ * the router z-loss on "z_loss", then with per-layer counts "moe_layers" (the
+ * MoE layers' indices) and "expert_tokens_min_by_layer",
+ * "expert_tokens_mean_by_layer", "expert_tokens_max_by_layer",
+ * "expert_imbalance_by_layer" (arrays in that order). TensorBoard gets each
+ * layer's imbalance as moe/expert_imbalance/layer_<i>.
  * consumed_samples counts rows (sequences of seq_len tokens), as Megatron
  * does; consumed_tokens counts every position of those rows. */
 #ifndef LOOM_METRICS_H
@@ -34,7 +38,19 @@ typedef struct loom_metrics_record {
     double aux_loss, expert_tokens_min, expert_tokens_mean, expert_tokens_max, expert_imbalance;
     bool z; /* the router z-loss is on: z_loss written */
     double z_loss;
+    /* per layer (NULL: not written): (layers, experts) tokens per expert
+     * (loom_model_expert_tokens); rows of no tokens (dense layers) are left
+     * out */
+    const double *expert_tokens;
+    int64_t layers, experts;
 } loom_metrics_record;
+
+/* One MoE layer's tokens per expert (E counts): min, mean and max over its
+ * experts, and max/mean (0 when no token was sent). */
+typedef struct loom_expert_layer_stats {
+    double min, mean, max, imbalance;
+} loom_expert_layer_stats;
+void loom_expert_layer_stats_of(const double *cnt, int64_t E, loom_expert_layer_stats *out);
 
 /* The record as one JSON line (with '\n'), appended to sb. */
 void loom_metrics_jsonl(loom_sb *sb, const loom_metrics_record *r);

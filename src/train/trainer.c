@@ -9,6 +9,7 @@
 #include "../backend/adamw.h"
 #include "trainer.h"
 #include "scheduler.h"
+#include "metrics.h"
 #include "../parallel/schedule.h"
 
 loom_status loom_model_set_optimizer(loom_model *m, const loom_optimizer_config *c) {
@@ -574,26 +575,38 @@ static loom_status expert_stats(loom_model *m, loom_step_result *r) {
     if (!st) {
         r->aux_loss = v[n + 1] > 0 ? v[n] / v[n + 1] : 0.0;
         r->z_loss = v[n + 1] > 0 ? v[n + 2] / v[n + 1] : 0.0;
+        memcpy(m->moe_load + n, v, (size_t)n * sizeof *v); /* the step's, for loom_model_expert_tokens */
         double lo = INFINITY, hi = 0.0, sum = 0.0, imb = 0.0;
-        int64_t nl = 0;
+        int64_t nl = 0, worst = -1;
         for (int64_t l = 0; l < m->L; l++) {
             if (!loom_config_layer_is_moe(&m->cfg, l)) continue;
-            double lmax = 0.0, lsum = 0.0;
-            for (int64_t e = 0; e < E; e++) {
-                const double c = v[l * E + e];
-                lo = fmin(lo, c), hi = fmax(hi, c), lmax = fmax(lmax, c), lsum += c;
-            }
-            sum += lsum;
+            loom_expert_layer_stats ls;
+            loom_expert_layer_stats_of(v + l * E, E, &ls);
+            lo = fmin(lo, ls.min), hi = fmax(hi, ls.max), sum += ls.mean * (double)E;
             nl++;
-            if (lsum > 0) imb = fmax(imb, lmax / (lsum / (double)E));
+            if (worst < 0 || ls.imbalance > imb) imb = ls.imbalance, worst = l;
         }
         r->expert_tokens_min = nl ? lo : 0.0;
         r->expert_tokens_max = hi;
         r->expert_tokens_mean = nl ? sum / (double)(nl * E) : 0.0;
         r->expert_imbalance = imb;
+        r->expert_imbalance_layer = worst;
     }
     free(v);
     return st;
+}
+
+loom_status loom_model_expert_tokens(const loom_model *m, double *out, int64_t n) {
+    if (!m || !out) return LOOM_ERR_INVALID_ARG;
+    const int64_t le = m->L * m->cfg.num_experts;
+    if (!m->moe_load)
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG, "expert_tokens: the model has no experts");
+    if (n < le)
+        return loom_errf(m->ctx, LOOM_ERR_INVALID_ARG, "expert_tokens: room for %lld values, "
+                         "the model has %lld layers x %lld experts",
+                         (long long)n, (long long)m->L, (long long)m->cfg.num_experts);
+    memcpy(out, m->moe_load + le, (size_t)le * sizeof *out);
+    return LOOM_OK;
 }
 
 static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *parts, int nparts,
@@ -624,6 +637,7 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     loom_ctx *ctx = m->ctx;
     loom_step_result r;
     memset(&r, 0, sizeof r);
+    r.expert_imbalance_layer = -1;
     loom_arena *A = loom_model_trainable(m);
     if (accumulation_steps < 1)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "accumulation_steps=%lld must be >= 1",

@@ -738,8 +738,22 @@ def test_moe_reports_the_load_balancing_loss():
         assert abs(r["aux_loss"] - meta["hf_aux_loss_unscaled"]) < 1e-5
         s = x.clip_grad_and_step()
         assert s["expert_tokens_mean"] == 48 * 2 / 8 and s["expert_imbalance"] >= 1.0
+        # per layer: 48 tokens x top-2 in each of the 4 layers; the step's
+        # statistics are those of these counts
+        t = x.expert_tokens()
+        assert t.shape == (4, 8) and (t.sum(axis=1) == 96).all()
+        assert t.min() == s["expert_tokens_min"] and t.max() == s["expert_tokens_max"]
+        imb = t.max(axis=1) / t.mean(axis=1)
+        assert s["expert_imbalance_layer"] == int(np.argmax(imb))
+        assert abs(imb.max() - s["expert_imbalance"]) < 1e-12
     finally:
         x.close()
+    y = model(os.path.join(FIXTURES, "models", "tiny-qwen3"))
+    try:
+        with pytest.raises(loom.InvalidArgumentError, match="has no experts"):
+            y.expert_tokens()
+    finally:
+        y.close()
 
 
 def test_moe_per_layer_load_balancing_loss():
