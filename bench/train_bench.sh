@@ -18,6 +18,11 @@
 #   LOOM_BENCH_KEEP_MODELS=1 keep the model directories (default: deleted after each case)
 #   LOOM_BENCH_RUN_TIMEOUT=S limit of each run (init, loom, peer; default 300 s)
 #   LOOM_BENCH_LAYERS=N      the preset with N layers (num_hidden_layers; default: the preset's)
+#   LOOM_BENCH_EMBED_STD=X   the random model's token embedding std (loom init
+#                            --init-embedding-std; default: the preset's 0.02). With
+#                            0.02 every layer past the first of a random MoE routes
+#                            nearly all tokens to the same few experts; 1 routes them
+#                            about evenly, as a trained model does
 #   LOOM_BENCH_OUT=DIR       copy logs and the summary here (default $OUT when set)
 #   LOOM_BENCH_DEVICE, LOOM_BENCH_DTYPE, LOOM_BENCH_PEER_ARGS, LOOM_BENCH_LOOM_ARGS:
 #                            for CPU smoke tests (cuda, bf16, "", "")
@@ -41,6 +46,9 @@ LAYERS=${LOOM_BENCH_LAYERS:-}
 [[ -z $LAYERS || $LAYERS =~ ^[1-9][0-9]*$ ]] || { echo "train_bench.sh: LOOM_BENCH_LAYERS=$LAYERS: give a number of layers"; exit 2; }
 INIT_EXTRA=()
 [ -n "$LAYERS" ] && INIT_EXTRA=(--config-override "{\"num_hidden_layers\": $LAYERS}")
+EMBED_STD=${LOOM_BENCH_EMBED_STD:-}
+[ -n "$EMBED_STD" ] && INIT_EXTRA+=(--init-embedding-std "$EMBED_STD")
+MODEL_TAG="seed 1 bfloat16${LAYERS:+ layers $LAYERS}${EMBED_STD:+ embed-std $EMBED_STD}"
 read -r -a PEER_EXTRA <<< "${LOOM_BENCH_PEER_ARGS:-}"
 read -r -a LOOM_EXTRA <<< "${LOOM_BENCH_LOOM_ARGS:-}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -154,13 +162,13 @@ for c in "${CASES[@]}"; do
     LOOM_RC=1
     PEER_RC=1
     NOTE=""
-    if [ -f "$M/.bench-ok" ] && [ "$(cat "$M/.bench-ok")" = "$PRESET seed 1 bfloat16${LAYERS:+ layers $LAYERS}" ]; then
+    if [ -f "$M/.bench-ok" ] && [ "$(cat "$M/.bench-ok")" = "$PRESET $MODEL_TAG" ]; then
         say "model $M exists (kept from an earlier run)"
     else
         rm -rf "$M"
         say "model: random weights, $(df -h --output=avail "$W" 2> /dev/null | tail -1 | tr -d ' ') free on $W"
         if run_logged "$D/init.log" "$LOOM" init --preset "$PRESET" --seed 1 --save-dtype bfloat16 --out "$M" "${INIT_EXTRA[@]}"; then
-            echo "$PRESET seed 1 bfloat16${LAYERS:+ layers $LAYERS}" > "$M/.bench-ok"
+            echo "$PRESET $MODEL_TAG" > "$M/.bench-ok"
         else
             NOTE="loom init failed"
         fi

@@ -28,8 +28,8 @@ int loom_cmd_init(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) {
     st = loom_hf_save_estimate(ctx, &cfg, NULL, dt, &est);
     if (!st) st = loom_out_check(ctx, "--out", s->out, LOOM_OUT_DIR, est);
     if (!st)
-        st = loom_write_random_model(ctx, &cfg, s->out, (uint64_t)s->seed, dt,
-                                     (uint64_t)s->max_shard_size);
+        st = loom_write_random_model(ctx, &cfg, s->out, (uint64_t)s->seed, s->init_embedding_std,
+                                     dt, (uint64_t)s->max_shard_size);
     loom_config_free(&cfg);
     if (st) return loom_cli_fail(ctx);
     LOOM_LOG_I(ctx, "wrote %s (%s, random weights, %s, seed %" PRId64 ")", s->out, s->preset,

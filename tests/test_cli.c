@@ -211,6 +211,60 @@ TEST(cli_init_convert_roundtrip) {
     loom_ctx_free(ctx);
 }
 
+/* --init-embedding-std gives the token embedding its own std; every other
+ * tensor is the default init's, value for value; a negative one is refused
+ * before anything is written. */
+TEST(cli_init_embedding_std) {
+    char a[1024], b[1024], bad[1024], *out;
+    snprintf(a, sizeof a, "%s/emb-a", loom_test_tmpdir());
+    snprintf(b, sizeof b, "%s/emb-b", loom_test_tmpdir());
+    snprintf(bad, sizeof bad, "%s/emb-bad", loom_test_tmpdir());
+    int rc = loom(&out, "init", "--preset", "tiny-qwen3-moe", "--out", a, NULL);
+    CHECK_MSG(rc == 0, "init: %s", out);
+    free(out);
+    rc = loom(&out, "init", "--preset", "tiny-qwen3-moe", "--out", b, "--init-embedding-std", "1",
+              NULL);
+    CHECK_MSG(rc == 0, "init: %s", out);
+    CHECK_CONTAINS(out, "init_embedding_std");
+    free(out);
+    rc = loom(&out, "init", "--out", bad, "--init-embedding-std", "-1", NULL);
+    CHECK(rc != 0);
+    CHECK_CONTAINS(out, "init_embedding_std = -1");
+    free(out);
+    CHECK(!loom_file_exists(bad));
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_safetensors *sa, *sb;
+    REQUIRE_OK(ctx, loom_st_open_dir(ctx, a, "model", &sa));
+    REQUIRE_OK(ctx, loom_st_open_dir(ctx, b, "model", &sb));
+    int same = 0, embeds = 0;
+    for (size_t i = 0; i < loom_st_count(sa); i++) {
+        const loom_st_tensor *ta = loom_st_at(sa, i), *tb = loom_st_find(sb, ta->name);
+        REQUIRE(tb && tb->numel == ta->numel);
+        float *x = malloc(ta->numel * 4), *y = malloc(ta->numel * 4);
+        REQUIRE(x && y);
+        REQUIRE_OK(ctx, loom_st_read(ctx, ta, LOOM_F32, x, ta->numel));
+        REQUIRE_OK(ctx, loom_st_read(ctx, tb, LOOM_F32, y, tb->numel));
+        if (!strcmp(ta->name, "model.embed_tokens.weight")) {
+            double s2 = 0.0;
+            for (uint64_t j = 0; j < tb->numel; j++) s2 += (double)y[j] * y[j];
+            CHECK_NEAR(sqrt(s2 / (double)tb->numel), 1.0, 0.02);
+            /* the same draws, scaled: 1 / 0.02 */
+            CHECK_NEAR(y[17] / x[17], 50.0, 1e-3);
+            embeds++;
+        } else {
+            same += memcmp(x, y, ta->numel * 4) == 0;
+        }
+        free(x);
+        free(y);
+    }
+    CHECK_EQ_INT(embeds, 1);
+    CHECK_EQ_INT(same, (int)loom_st_count(sa) - 1);
+    loom_st_close(sa);
+    loom_st_close(sb);
+    loom_ctx_free(ctx);
+}
+
 TEST(cli_options_config_file_and_flags) {
     char *out, dir[1024];
     snprintf(dir, sizeof dir, "%s/m", loom_test_tmpdir());

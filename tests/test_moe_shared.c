@@ -32,7 +32,7 @@ static bool make_model(loom_ctx *ctx, char *dir, size_t cap, int32_t *ids, int32
               !loom_config_parse(ctx, doc, "preset", &cfg);
     loom_json_free(doc);
     if (ok) {
-        ok = !loom_write_random_model(ctx, &cfg, dir, 11, LOOM_F32, 0);
+        ok = !loom_write_random_model(ctx, &cfg, dir, 11, 0.0, LOOM_F32, 0);
         loom_config_free(&cfg);
     }
     uint32_t s = 12345;

@@ -249,7 +249,7 @@ TEST(train_save_hf_reload_bit_identical) {
     char src[1024], dst[1024];
     snprintf(src, sizeof src, "%s/src", loom_test_tmpdir());
     snprintf(dst, sizeof dst, "%s/dst", loom_test_tmpdir());
-    REQUIRE_OK(ctx, loom_write_random_model(ctx, &cfg, src, 5, LOOM_F32, 0));
+    REQUIRE_OK(ctx, loom_write_random_model(ctx, &cfg, src, 5, 0.0, LOOM_F32, 0));
     loom_config_free(&cfg);
 
     loom_model *m, *m2;
@@ -438,7 +438,7 @@ TEST(train_bad_checkpoints_are_refused) {
     REQUIRE_OK(ctx, loom_json_parse(ctx, preset, strlen(preset), "preset", &doc));
     loom_model_config cfg;
     REQUIRE_OK(ctx, loom_config_parse(ctx, doc, "preset", &cfg));
-    REQUIRE_OK(ctx, loom_write_random_model(ctx, &cfg, dir, 1, LOOM_F32, 0));
+    REQUIRE_OK(ctx, loom_write_random_model(ctx, &cfg, dir, 1, 0.0, LOOM_F32, 0));
     loom_config_free(&cfg);
     loom_json_set(ctx, doc, "intermediate_size", loom_json_new_int(ctx, 96));
     loom_sb sb;

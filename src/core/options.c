@@ -35,6 +35,11 @@ static const loom_option table[] = {
     {"seed", LOOM_OPT_INT, "1234", "random seed (init: the weights; train: a fresh LoRA "
      "adapter's A and its dropout)", OFF(seed), NULL, LOOM_CMD_INIT | LOOM_CMD_TRAIN, 0,
      INT64_MAX},
+    {"init_embedding_std", LOOM_OPT_FLOAT, "0",
+     "init: the token embedding's standard deviation (0: the config's initializer_range, as "
+     "transformers initialises it; about 1 keeps tokens apart through random layers, so that "
+     "a mixture of experts routes them to many experts instead of all to the same few)",
+     OFF(init_embedding_std), NULL, LOOM_CMD_INIT, 0, 0},
     {"format", LOOM_OPT_CHOICE, "text", "output format", OFF(format), "text|json",
      LOOM_CMD_INSPECT, 0, 0},
     {"log_level", LOOM_OPT_CHOICE, "info", "log verbosity", OFF(log_level),

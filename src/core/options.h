@@ -52,6 +52,7 @@ typedef struct loom_settings {
     char *save_dtype;      /* dtype of written weights */
     int64_t max_shard_size;/* bytes per safetensors shard */
     int64_t seed;          /* random seed */
+    double init_embedding_std; /* init: the token embedding's std (0: initializer_range) */
     char *format;          /* output format of inspect: text | json */
     char *log_level;       /* error | warn | info | debug */
     char *text;            /* data: UTF-8 text file to encode */

@@ -230,11 +230,12 @@ const char *loom_preset_config(const char *name) {
 /* ---- random checkpoints ---- */
 
 /* The plan's tensors with random values: norms 1, biases 0, matrices
- * normal(0, std) from (seed, the tensor's name, the index). */
+ * normal(0, std) from (seed, the tensor's name, the index); the token
+ * embedding normal(0, embed_std). */
 typedef struct random_src {
     const loom_param_plan *plan;
     uint64_t seed;
-    double std;
+    double std, embed_std;
 } random_src;
 
 static void random_info(void *u, size_t i, char *name, size_t cap, int *ndim, int64_t shape[2]) {
@@ -256,19 +257,24 @@ static loom_status random_fetch(void *u, size_t i, float *buf) {
         return LOOM_OK;
     }
     const uint64_t key = loom_hash_str(p->name);
-    loom_rng_normal_fill(r->seed, key, 0, n, r->std, buf);
+    const size_t nl = strlen(p->name), ne = strlen("embed_tokens.weight");
+    const bool embed = nl >= ne && !strcmp(p->name + nl - ne, "embed_tokens.weight");
+    loom_rng_normal_fill(r->seed, key, 0, n, embed ? r->embed_std : r->std, buf);
     return LOOM_OK;
 }
 
 loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
-                                    const char *out_dir, uint64_t seed, loom_dtype dtype,
-                                    uint64_t max_shard_bytes) {
+                                    const char *out_dir, uint64_t seed, double embed_std,
+                                    loom_dtype dtype, uint64_t max_shard_bytes) {
     double std = 0.02;
     loom_status st = loom_json_get_num_opt(ctx, cfg->raw, "initializer_range", "config", &std);
     if (st) return st;
+    if (!(embed_std >= 0) || !isfinite(embed_std))
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "init_embedding_std = %g: give 0 (the "
+                         "config's initializer_range) or a positive standard deviation", embed_std);
     loom_param_plan plan;
     if ((st = loom_param_plan_build(ctx, cfg, &plan))) return st;
-    random_src r = {&plan, seed, std};
+    random_src r = {&plan, seed, std, embed_std > 0 ? embed_std : std};
     const loom_tensor_source src = {&r, plan.n, random_info, random_fetch};
     st = loom_hf_dir_write(ctx, "out", out_dir, true, &src, dtype, max_shard_bytes, cfg, NULL,
                            false);

@@ -59,11 +59,12 @@ const char *loom_preset_config(const char *name);
 
 /* Writes a model directory (config.json + safetensors) with random weights:
  * matrices and embeddings ~ N(0, initializer_range (default 0.02)), norm
- * weights 1, biases 0. Values depend only on (seed, tensor name, element
- * index), not on the shard layout. */
+ * weights 1, biases 0; embed_std > 0 gives the token embedding that std
+ * instead (0: initializer_range). Values depend only on (seed, tensor name,
+ * element index), not on the shard layout. */
 loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
-                                    const char *out_dir, uint64_t seed, loom_dtype dtype,
-                                    uint64_t max_shard_bytes);
+                                    const char *out_dir, uint64_t seed, double embed_std,
+                                    loom_dtype dtype, uint64_t max_shard_bytes);
 
 /* Bytes a saved HF directory of this config takes: the parameters in dtype
  * (LOOM_DTYPE_COUNT: that of model_dir's weights, F32 when unknown) plus
