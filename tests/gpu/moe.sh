@@ -10,7 +10,7 @@
 # sums moves a few near-tie tokens to another expert, whose few-token
 # gradient then jumps; fp32 is the exact check of those layouts); then
 # Megatron's router options (z-loss, capacity under both drop policies) in
-# fp32 on ep2 against one GPU.
+# fp32 on ep2 against one GPU; with 4+ GPUs the four-rank expert layouts.
 # Usage: bash tests/gpu/moe.sh [BUILD_DIR]   (built when missing)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -82,4 +82,43 @@ for opt in "--moe-z-loss-coeff 0.1" "--moe-expert-capacity-factor 0.75" \
         rc=1
     fi
 done
+# with 4+ GPUs the four-rank layouts of test_parallel.c's list, fp32 against
+# one GPU cut into the same micro-batches: etp 2 x ep 2 under tp 2, ep 2 x
+# pp 2, ep 2 folded out of dp 4 (edp 2), ep 4; the dp 4 ones on an 8-row
+# batch (the fixture's 2 rows four times)
+[ "$ngpu" -ge 4 ] || exit $rc
+B8=$W/batch8.safetensors
+python3 - "$BATCH" "$B8" <<'PY' || { echo "FAIL: could not write the 8-row batch"; exit 1; }
+import sys
+import numpy as np
+from safetensors.numpy import load_file, save_file
+b = load_file(sys.argv[1])
+save_file({k: np.concatenate([b[k]] * 4).astype(np.int64) for k in ("input_ids", "targets")}, sys.argv[2])
+PY
+G4="$B/loom golden --device cuda --model $M --steps 3 --lr 1e-3 --log-level warn --dtype fp32 --config-override {\"router_aux_loss_coef\":0.1}"
+for nm in 2 4; do
+    bt=$BATCH; [ $nm = 4 ] && bt=$B8
+    # shellcheck disable=SC2086
+    $G4 --batch "$bt" --num-micro-batches $nm --out "$W/ref4-$nm.safetensors" > "$W/ref4-$nm.log" 2>&1 || { tail "$W/ref4-$nm.log"; rc=1; }
+done
+while read -r name nm flags; do
+    [ -n "$name" ] || continue
+    bt=$BATCH; [ $nm = 4 ] && bt=$B8
+    # shellcheck disable=SC2086
+    if CUDA_VISIBLE_DEVICES=0,1,2,3 $G4 --batch "$bt" --nproc-per-node 4 $flags --out "$W/$name.safetensors" < /dev/null > "$W/$name.log" 2>&1; then
+        res=$(python3 tests/gpu/compare.py golden "$W/ref4-$nm.safetensors" "$W/$name.safetensors" --tol 1e-5 --tol-weights 5e-5 2>&1)
+        c=$?
+        printf '%-14s fp32  %-4s %s\n' "$name" "$([ $c = 0 ] && echo ok || echo FAIL)" "$(echo "$res" | tail -1)"
+        [ $c = 0 ] || { echo "$res"; rc=1; }
+    else
+        printf '%-14s fp32  FAIL exit status (log %s)\n' "$name" "$W/$name.log"
+        tail -15 "$W/$name.log"
+        rc=1
+    fi
+done <<'EOF'
+ep2-etp2-tp2   2 --ep 2 --etp 2 --tp 2 --sequence-parallel
+ep2-pp2        2 --ep 2 --pp 2
+ep2-dp4        4 --ep 2 --dp 4
+ep4            4 --ep 4
+EOF
 exit $rc
