@@ -18,9 +18,12 @@
  * writes each report to path with %r replaced by the process's RANK (0
  * without one) instead of stderr, and LOOM_KPROF_SKIP=N0,N1,... gives each
  * rank its own count. A process that saw no kernels (the launcher) writes
- * nothing. */
+ * nothing. Under NCCL the two-process runs of 2026-11-28 slowed to a fifth
+ * with the tracer; LOOM_KPROF_COPIES=0 leaves memory copies and sets out of
+ * the trace (kernels only), to see whether those records are the cause. */
 #define _POSIX_C_SOURCE 200809L
 #include <cupti.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -147,10 +150,12 @@ __attribute__((constructor)) static void kprof_start(void) {
         if (e) e++;
     }
     skip = e ? strtoull(e, NULL, 10) : 0;
+    const char *cp = getenv("LOOM_KPROF_COPIES");
+    const bool copies = !(cp && !strcmp(cp, "0"));
     if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
         cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS ||
-        cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS ||
-        cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET) != CUPTI_SUCCESS)
+        (copies && (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS ||
+                    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET) != CUPTI_SUCCESS)))
         fprintf(stderr, "kprof: CUPTI activity tracing could not be enabled\n");
 }
 
