@@ -208,12 +208,17 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     return NBUF;
 }
 
+/* The PSUM scratch holds a copy of the counts, then (here) the router's
+ * probability sums: laid out as the host's cnt and psum (hs_carve), so one
+ * download fills both. */
+static size_t psum_at(int64_t E) { return ((size_t)E * sizeof(int32_t) + 15) & ~(size_t)15; }
+
 static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes) {
     (void)T;
     const geo g = geometry(m, Tc);
     const size_t esz = m->dev.esz;
     bytes[Z] = (size_t)(g.n * g.E) * esz;
-    bytes[PSUM] = (size_t)g.E * sizeof(float);
+    bytes[PSUM] = psum_at(g.E) + (size_t)g.E * sizeof(float);
     bytes[DW] = (size_t)g.R * sizeof(float);
     bytes[S1] = bytes[S2] = bytes[S3] = (size_t)(g.Rmax * g.H) * esz;
     bytes[DG] = bytes[DU] = (size_t)(g.Rmax * g.Ie) * esz;
@@ -262,7 +267,7 @@ static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
         off += (size_t)(n) * sizeof(*h->f);                                          \
     } while (0)
     TAKE(cnt, g.E);
-    TAKE(psum, g.E);
+    TAKE(psum, g.E); /* right after cnt, as in the PSUM scratch (psum_at) */
     TAKE(rc, g.Q * g.P * g.El);
     TAKE(ce, g.El);
     TAKE(ix, 2 * g.Rmax);
@@ -742,7 +747,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     const hs hh = host_of(b);
     const size_t esz = m->dev.esz;
     void *z = b->scratch[Z];
-    float *psum = b->scratch[PSUM];
+    float *psum = (float *)((char *)b->scratch[PSUM] + psum_at(q.E));
     const void *hs0 = (const char *)h + (size_t)(q.o0 * q.H) * esz;
     CK(loom_blk_lin(b, LROUTER, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, z));
     CK(loom_k_zero(m, psum, (size_t)q.E * sizeof(float)));
@@ -751,10 +756,18 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
                              psum, zl ? a[LSE] : NULL));
     CK(loom_k_moe_route(m, a[IDX], a[WT], q.n, q.E, q.k, q.cap,
                         m->moe_drop == LOOM_MOE_DROP_POSITION, a[CNT], a[ORD], a[POS]));
-    CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
-    /* the load-balancing loss's sums, once per forward (not when recomputed) */
-    if (out && b->mb->aux) {
-        CK(loom_k_download(m, hh.psum, psum, (size_t)q.E * sizeof(float)));
+    /* the load-balancing loss's sums, once per forward (not when recomputed):
+     * the counts and the probability sums in one download */
+    const bool aux = out && b->mb->aux;
+    if (aux && (char *)hh.psum != (char *)hh.cnt + psum_at(q.E))
+        return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE host tables: psum is not after cnt");
+    if (aux) {
+        CK(loom_k_copy(m, b->scratch[PSUM], a[CNT], (size_t)q.E * sizeof(int32_t)));
+        CK(loom_k_download(m, hh.cnt, b->scratch[PSUM], psum_at(q.E) + (size_t)q.E * sizeof(float)));
+    } else {
+        CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
+    }
+    if (aux) {
         /* the layer's own block per layer (Megatron's), else one for all */
         double *acc = b->mb->aux + (m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? b->l * (2 * q.E + 1) : 0);
         for (int64_t e = 0; e < q.E; e++) acc[e] += hh.cnt[e], acc[q.E + e] += hh.psum[e];
