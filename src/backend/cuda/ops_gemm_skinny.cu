@@ -170,8 +170,8 @@ __global__ void __launch_bounds__(NT)
 }
 
 // rowdot on tensor cores (16-bit inputs, K a multiple of 32; the default,
-// twice the FMA kernel's speed on an H200; LOOM_SKINNY_MMA=0 turns it off): a warp takes 16 rows, mma.sync m16n8k16 (fp32 sums) per
-// 8 columns of C. Lane l (g = l / 4, q = l % 4) reads 16 bytes of rows g and
+// twice the FMA kernel's speed on an H200; LOOM_SKINNY_MMA=0 turns it off):
+// a warp takes 16 rows, mma.sync m16n8k16 (fp32 sums) per 8 columns of C. Lane l (g = l / 4, q = l % 4) reads 16 bytes of rows g and
 // g + 8 at k = k0 + 8q; a sum over k may take k in any order when A and B
 // take the same one, so those 8 elements are the two MMAs' pairs (PTX's A
 // fragment: a0 = (g, 2q..), a1 = (g + 8, 2q..), a2 = (g, 2q + 8..), a3 = (g
