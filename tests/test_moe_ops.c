@@ -16,6 +16,7 @@
 #include "../src/core/core.h"
 #include "../src/io/safetensors.h"
 #include "../src/model/moe_dedup.h"
+#include "../src/model/moe_tabs.h"
 #include "harness.h"
 
 static float frnd(uint64_t seed, int64_t i, float a) {
@@ -389,6 +390,43 @@ TEST(moe_gate_matches_definition_and_differences) {
         }
         CHECK_NEAR(dz[n], (f[0] - f[1]) / 2e-4, 1e-4);
     }
+}
+
+/* The routing tables' host copies (src/model/moe_tabs.h): per layer and
+ * key, the last put wins; another layer, another key or other sizes find
+ * nothing; the count table may be empty (one rank's experts all local). */
+TEST(moe_tabs_keep_each_layers_tables_by_key) {
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    loom_moe_tabs *t = NULL;
+    int32_t cnt[8], rc[6], got[8], gotrc[6];
+    int keys[3];
+    CHECK(!loom_moe_tabs_get(t, 0, &keys[0], got, 8, gotrc, 6)); /* none made yet */
+    for (int l = 0; l < 3; l++)
+        for (int k = 0; k < 3; k++) {
+            for (int i = 0; i < 8; i++) cnt[i] = 100 * l + 10 * k + i;
+            for (int i = 0; i < 6; i++) rc[i] = -(100 * l + 10 * k + i);
+            REQUIRE_OK(ctx, loom_moe_tabs_put(ctx, &t, 3, l, &keys[k], cnt, 8, rc, l == 2 ? 0 : 6));
+        }
+    for (int l = 0; l < 3; l++)
+        for (int k = 0; k < 3; k++) {
+            const int64_t nrc = l == 2 ? 0 : 6;
+            REQUIRE(loom_moe_tabs_get(t, l, &keys[k], got, 8, gotrc, nrc));
+            for (int i = 0; i < 8; i++) CHECK_EQ_INT(got[i], 100 * l + 10 * k + i);
+            for (int i = 0; i < nrc; i++) CHECK_EQ_INT(gotrc[i], -(100 * l + 10 * k + i));
+            CHECK(!loom_moe_tabs_get(t, l, &keys[k], got, 7, gotrc, nrc)); /* other sizes */
+        }
+    CHECK(!loom_moe_tabs_get(t, 3, &keys[0], got, 8, gotrc, 6)); /* past the layers */
+    CHECK(!loom_moe_tabs_get(t, 0, &cnt[0], got, 8, gotrc, 6));  /* a key never put */
+    /* a new forward of the same set replaces its tables, also in size */
+    for (int i = 0; i < 8; i++) cnt[i] = 7 * i;
+    REQUIRE_OK(ctx, loom_moe_tabs_put(ctx, &t, 3, 1, &keys[2], cnt, 8, rc, 0));
+    CHECK(!loom_moe_tabs_get(t, 1, &keys[2], got, 8, gotrc, 6));
+    REQUIRE(loom_moe_tabs_get(t, 1, &keys[2], got, 8, gotrc, 0));
+    CHECK_EQ_INT(got[5], 35);
+    CHECK(loom_moe_tabs_put(ctx, &t, 3, 3, &keys[0], cnt, 8, rc, 0) == LOOM_ERR_INTERNAL);
+    loom_moe_tabs_free(t);
+    loom_ctx_free(ctx);
 }
 
 /* The once-per-rank dispatch's host tables (src/model/moe_dedup.h) on

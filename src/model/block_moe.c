@@ -54,6 +54,7 @@
 #include "block.h"
 #include "model.h"
 #include "moe_dedup.h"
+#include "moe_tabs.h"
 
 /* its tensors: the router, then each expert's gate, up, down (the dense
  * MLP's slot order, loom_mlp_params); this rank's expert e (local number)
@@ -731,8 +732,13 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
     return dispatch(b, q, hh, b->scratch[S1], a[XE], b->scratch[S2], *rows);
 }
 
-/* The host copies of the layer's counts (kept) and table. */
+/* The host copies of the layer's counts (kept) and table: the forward's
+ * (moe_tabs.h), else downloaded. */
+static int64_t table_len(const geo *q) { return q->local ? 0 : q->Q * q->P * q->El; }
+
 static loom_status tables_host(const loom_blk *b, const geo *q, const hs *h) {
+    if (loom_moe_tabs_get(b->m->moe_tabs, b->l, b->act[CNT], h->cnt, q->E, h->rc, table_len(q)))
+        return LOOM_OK;
     CK(loom_k_download(b->m, h->cnt, b->act[CNT], (size_t)q->E * sizeof(int32_t)));
     keep_counts(q, h->cnt);
     if (q->local) return LOOM_OK;
@@ -783,6 +789,8 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
         CK(exchange_counts(m, &q, &hh));
         CK(loom_k_upload(m, a[RC], hh.rc, (size_t)(q.Q * q.P * q.El) * sizeof(int32_t)));
     }
+    CK(loom_moe_tabs_put(m->ctx, &m->moe_tabs, m->L, b->l, a[CNT], hh.cnt, q.E, hh.rc,
+                         table_len(&q)));
     int64_t rows;
     CK(gather_rows(b, &q, &hh, h, &rows));
     CK(experts_front(b, &q, hh.ce, rows));

@@ -11,6 +11,7 @@
 #include "loss.h"
 #include "model.h"
 #include "moe_dedup.h"
+#include "moe_tabs.h"
 
 void loom_model_options_default(loom_model_options *o) {
     memset(o, 0, sizeof *o);
@@ -848,6 +849,7 @@ void loom_model_free(loom_model *m) {
     free(m->layer);
     free(m->pfrozen);
     free(m->moe_load);
+    loom_moe_tabs_free(m->moe_tabs);
     loom_param_plan_free(&m->plan);
     loom_config_free(&m->cfg);
     free(m->src_dir);

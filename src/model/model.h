@@ -249,6 +249,8 @@ struct loom_model {
     double *moe_load;        /* (L, E): tokens sent to each expert since the last step (tp rank 0;
                               * NULL without experts); then (L, E) more: the last step's, summed
                               * over the mesh (loom_model_expert_tokens) */
+    struct loom_moe_tabs *moe_tabs; /* MoE: each layer's routing tables as its forward made
+                                     * them, per activation set (moe_tabs.h) */
 };
 
 /* A pipeline message (pp_stage) is the activations (Tn, H), then from byte
