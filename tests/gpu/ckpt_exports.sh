@@ -13,14 +13,10 @@
 #        peft, safetensors.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-B=${1:-build-cuda}
-[ -x "$B/loom" ] || make -j"$(nproc)" CUDA=1 BUILD="$B" "$B/loom" >/tmp/ckpt-exports-build.log 2>&1 \
-    || { tail -30 /tmp/ckpt-exports-build.log; exit 1; }
-L=$B/loom
-W=$(mktemp -d /tmp/loom-ckpt-exports.XXXXXX)
+. tests/gpu/exports_lib.sh
+exports_setup ckpt "${1:-build-cuda}"
 M=tests/fixtures/models/tiny-qwen3
 BATCH=tests/fixtures/golden/tiny-qwen3.safetensors
-. tests/gpu/exports_lib.sh
 make_tokens 3 || exit 1
 tr() { $L train --model $M --data "$W/t.tokens" --seq-len 32 --global-batch-size 4 --lr 3e-3 \
        --lr-warmup-steps 2 --no-progress --log-level warn "$@"; }

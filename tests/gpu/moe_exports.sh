@@ -17,14 +17,10 @@
 #        peft, safetensors. CPU runs only: the GPU machine is where they are.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-B=${1:-build-cuda}
-[ -x "$B/loom" ] || make -j"$(nproc)" CUDA=1 BUILD="$B" "$B/loom" >/tmp/moe-exports-build.log 2>&1 \
-    || { tail -30 /tmp/moe-exports-build.log; exit 1; }
-L=$B/loom
-W=$(mktemp -d /tmp/loom-moe-exports.XXXXXX)
+. tests/gpu/exports_lib.sh
+exports_setup moe "${1:-build-cuda}"
 F=${LOOM_FIXTURES:-tests/fixtures}
 FM=tests/fixtures_moe
-. tests/gpu/exports_lib.sh
 make_tokens 5 || exit 1
 tr() { # tr MODEL args...: 3 steps on the CPU
     local m=$1; shift
