@@ -764,16 +764,13 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
                         m->moe_drop == LOOM_MOE_DROP_POSITION, a[CNT], a[ORD], a[POS]));
     /* the load-balancing loss's sums, once per forward (not when recomputed):
      * the counts and the probability sums in one download */
-    const bool aux = out && b->mb->aux;
-    if (aux && (char *)hh.psum != (char *)hh.cnt + psum_at(q.E))
-        return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE host tables: psum is not after cnt");
-    if (aux) {
+    if (!out || !b->mb->aux) {
+        CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
+    } else {
+        if ((char *)hh.psum != (char *)hh.cnt + psum_at(q.E))
+            return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE host tables: psum is not after cnt");
         CK(loom_k_copy(m, b->scratch[PSUM], a[CNT], (size_t)q.E * sizeof(int32_t)));
         CK(loom_k_download(m, hh.cnt, b->scratch[PSUM], psum_at(q.E) + (size_t)q.E * sizeof(float)));
-    } else {
-        CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
-    }
-    if (aux) {
         /* the layer's own block per layer (Megatron's), else one for all */
         double *acc = b->mb->aux + (m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? b->l * (2 * q.E + 1) : 0);
         for (int64_t e = 0; e < q.E; e++) acc[e] += hh.cnt[e], acc[q.E + e] += hh.psum[e];
