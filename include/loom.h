@@ -229,6 +229,13 @@ typedef struct loom_model_options {
     /* Which choices the capacity drops (loom_moe_drop; Megatron's
      * --moe-token-drop-policy, "probs" by default). */
     int moe_token_drop_policy;
+    /* Mixture of experts, for benchmarks only (Megatron's
+     * --moe-router-force-load-balancing): each router's logits are replaced
+     * by random draws (a fixed stream per layer and token), so the tokens
+     * spread evenly over the experts whatever the weights, as in a trained
+     * model; the router gets no gradient. Random weights otherwise send
+     * nearly every token to the same few experts. Not for real training. */
+    int moe_router_force_load_balancing;
 } loom_model_options;
 
 void loom_model_options_default(loom_model_options *o);

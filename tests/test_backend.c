@@ -112,6 +112,35 @@ TEST(backend_cuda_memory_ops_equal_cpu) {
     loom_ctx_free(ctx);
 }
 
+/* The forced-balance router's logits: near-normal (mean 0, variance 1,
+ * bounded), a pure function of (base, i), new values for a new base. */
+TEST(backend_cpu_fill_randn) {
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    const loom_backend *be = loom_backend_cpu();
+    loom_dev d = {.adt = LOOM_F32, .esz = 4};
+    REQUIRE_OK(ctx, be->init(&d, ctx));
+    enum { N = 200000 };
+    float *a = malloc(N * sizeof *a), *b = malloc(N * sizeof *b);
+    REQUIRE(a && b);
+    const uint64_t base = (uint64_t)loom_now_s() * 2654435761u;
+    REQUIRE_OK(ctx, be->fill_randn(&d, ctx, a, N, base));
+    double s = 0.0, s2 = 0.0, mx = 0.0;
+    for (int i = 0; i < N; i++) s += a[i], s2 += (double)a[i] * a[i], mx = fmax(mx, fabs(a[i]));
+    const double mean = s / N, var = s2 / N - mean * mean;
+    CHECK_MSG(fabs(mean) < 0.01 && fabs(var - 1.0) < 0.02 && mx < 3.47 && mx > 2.5,
+              "mean %g, variance %g, largest |x| %g", mean, var, mx);
+    REQUIRE_OK(ctx, be->fill_randn(&d, ctx, b, N, base));
+    CHECK(!memcmp(a, b, N * sizeof *a));
+    REQUIRE_OK(ctx, be->fill_randn(&d, ctx, b, N, loom_rng_base(base, 1)));
+    int same = 0;
+    for (int i = 0; i < N; i++) same += a[i] == b[i];
+    CHECK_MSG(same < N / 100, "%d of %d values unchanged by a new base", same, N);
+    free(a), free(b);
+    be->release(&d);
+    loom_ctx_free(ctx);
+}
+
 /* ---- the element-wise family: a backend against the CPU table, in fp32 ---- */
 
 typedef struct side {
@@ -159,7 +188,7 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
           *b = frand(N, seed + 3 * n), *W = frand(rows * H, seed + 4 * n);
     int32_t ids[37];
     for (int64_t t = 0; t < T; t++) ids[t] = (int32_t)(loom_splitmix64(seed + 99 + (uint64_t)t) % V);
-    float *out[2][10];
+    float *out[2][11];
     for (int k = 0; k < 2; k++) {
         side s = sides[k];
         void *G = put(ctx, s, g, n * 4), *U = put(ctx, s, u, n * 4), *DH = put(ctx, s, dh, n * 4),
@@ -196,9 +225,12 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
         REQUIRE_OK(ctx, s.be->dropout(s.d, ctx, dr, U, T, N, 3 * N, N, NULL, 7, seed, 42, 0.3));
         REQUIRE_OK(ctx, s.be->dropout(s.d, ctx, dq, U, T, N, N, 0, PI, 0, seed, 43, 0.5));
         s.be->free(s.d, PI);
-        void *dev[10] = {h, dg, du, db, e, dW, pg, ps, dr, dq};
-        const int64_t len[10] = {n, n, n, N, T * H, rows * H, n, n, n, n};
-        for (int j = 0; j < 10; j++) {
+        void *rn = NULL;
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &rn, n * 4, "rn"));
+        REQUIRE_OK(ctx, s.be->fill_randn(s.d, ctx, rn, n, seed));
+        void *dev[11] = {h, dg, du, db, e, dW, pg, ps, dr, dq, rn};
+        const int64_t len[11] = {n, n, n, N, T * H, rows * H, n, n, n, n, n};
+        for (int j = 0; j < 11; j++) {
             out[k][j] = malloc((size_t)len[j] * 4);
             REQUIRE_OK(ctx, s.be->download(s.d, ctx, out[k][j], dev[j], (size_t)len[j] * 4));
             s.be->free(s.d, dev[j]);
@@ -206,13 +238,15 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
         void *in[6] = {G, U, DH, B, WW, ID};
         for (int j = 0; j < 6; j++) s.be->free(s.d, in[j]);
     }
-    static const char *const what[10] = {"swiglu_fwd + add + bias_fwd", "swiglu_bwd dg",
+    static const char *const what[11] = {"swiglu_fwd + add + bias_fwd", "swiglu_bwd dg",
                                          "swiglu_bwd du", "bias_bwd", "embed_fwd", "embed_bwd",
                                          "rows_gather", "rows_scatter", "dropout",
-                                         "dropout (token index)"};
-    const int64_t len[10] = {n, n, n, N, T * H, rows * H, n, n, n, n};
+                                         "dropout (token index)", "fill_randn"};
+    const int64_t len[11] = {n, n, n, N, T * H, rows * H, n, n, n, n, n};
     CHECK(!memcmp(out[1][7], g, (size_t)n * 4)); /* scatter undid gather */
-    for (int j = 0; j < 10; j++) {
+    CHECK_MSG(!memcmp(out[1][10], out[0][10], (size_t)n * 4), "%s: fill_randn is not the CPU's "
+              "bits", x.be->name);
+    for (int j = 0; j < 11; j++) {
         CHECK_MSG(close_to(out[1][j], out[0][j], len[j], 1e-5), "%s: %s differs from the CPU's",
                   x.be->name, what[j]);
         free(out[0][j]);

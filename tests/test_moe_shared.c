@@ -12,6 +12,7 @@
 
 #include "../include/loom.h"
 #include "../src/core/json.h"
+#include "../src/core/rng.h"
 #include "../src/io/export.h"
 #include "../src/io/safetensors.h"
 #include "../src/model/model.h"
@@ -506,5 +507,81 @@ TEST(moe_shared_expert_cuda_matches_cpu) {
                   lora ? "LoRA" : "full", wn, worst);
         for (int d = 0; d < 2; d++) loom_model_free(m[d]);
     }
+    loom_ctx_free(ctx);
+}
+
+/* Megatron's forced load balancing (a benchmark's routing): each MoE
+ * layer's choices are the top k of its drawn logits (rng.h's stream per
+ * layer, value token * E + expert), not of the router's; the router gets
+ * no gradient while the rest of the model does. */
+TEST(moe_router_force_load_balancing) {
+    loom_ctx *ctx;
+    REQUIRE(!loom_ctx_create(&ctx));
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char dir[1024];
+    int32_t ids[N], tgt[N];
+    REQUIRE(make_model(ctx, dir, sizeof dir, ids, tgt));
+    const loom_batch b = {.rows = ROWS, .seq_len = SEQ, .input_ids = ids, .targets = tgt};
+    int32_t *idx[2] = {NULL, NULL};
+    int64_t L = 0, E = 0, k = 0;
+    bool moe[16] = {false};
+    for (int force = 0; force < 2; force++) {
+        loom_model_options o;
+        loom_model_options_default(&o);
+        o.config_overrides = "{\"router_aux_loss_coef\": 0.1}";
+        o.moe_router_force_load_balancing = force;
+        loom_model *m = NULL;
+        REQUIRE_OK(ctx, loom_model_create(ctx, dir, &o, &m));
+        L = m->L, E = m->cfg.num_experts, k = m->cfg.num_experts_per_tok;
+        REQUIRE(L <= 16);
+        for (int64_t l = 0; l < L; l++) moe[l] = loom_config_layer_is_moe(&m->cfg, l);
+        loom_fb_result r;
+        loom_model_zero_grad(m);
+        REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, 1, &r));
+        idx[force] = malloc((size_t)(L * N * k) * sizeof(int32_t));
+        REQUIRE(idx[force]);
+        choices(m, idx[force]);
+        float *g = malloc((size_t)(E * m->H) * sizeof *g);
+        REQUIRE(g);
+        double router = 0.0, gate = 0.0;
+        CHECK_OK(ctx, loom_model_get_grad(m, "model.layers.0.mlp.gate.weight", g, E * m->H));
+        for (int64_t i = 0; i < E * m->H; i++) router = fmax(router, fabs(g[i]));
+        CHECK_OK(ctx, loom_model_get_grad(m, "model.layers.0.mlp.shared_expert_gate.weight", g, m->H));
+        for (int64_t i = 0; i < m->H; i++) gate = fmax(gate, fabs(g[i]));
+        CHECK_MSG(force ? router == 0.0 : router > 0.0, "force %d: router gradient up to %g", force,
+                  router);
+        CHECK(gate > 0.0);
+        free(g);
+        loom_model_free(m);
+    }
+    int64_t differ = 0, layers = 0;
+    for (int64_t l = 0; l < L; l++) {
+        if (!moe[l]) continue;
+        layers++;
+        const uint64_t base = loom_rng_base(0x6d6f652d72616e64ull, (uint64_t)l << 8);
+        for (int64_t t = 0; t < N; t++) {
+            for (int64_t j = 0; j < k; j++) { /* the j-th largest draw */
+                int32_t best = -1;
+                for (int32_t e = 0; e < E; e++) {
+                    bool taken = false;
+                    for (int64_t i = 0; i < j; i++) {
+                        const int32_t p = idx[1][(l * N + t) * k + i];
+                        taken |= p == e;
+                    }
+                    if (!taken && (best < 0 || loom_rng_gauss4_at(base, (uint64_t)(t * E + e)) >
+                                                   loom_rng_gauss4_at(base, (uint64_t)(t * E + best))))
+                        best = e;
+                }
+                CHECK_MSG(idx[1][(l * N + t) * k + j] == best,
+                          "layer %lld token %lld choice %lld: expert %d, the draws' %d",
+                          (long long)l, (long long)t, (long long)j, idx[1][(l * N + t) * k + j],
+                          best);
+                differ += idx[1][(l * N + t) * k + j] != idx[0][(l * N + t) * k + j];
+            }
+        }
+    }
+    CHECK(layers >= 2);
+    CHECK_MSG(differ > N / 2, "forced routing changed only %lld choices", (long long)differ);
+    free(idx[0]), free(idx[1]);
     loom_ctx_free(ctx);
 }

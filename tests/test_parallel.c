@@ -424,6 +424,35 @@ TEST(parallel_moe_dispatch_per_rank) {
     unsetenv("LOOM_MOE_DEDUP");
 }
 
+/* Megatron's forced load balancing (benchmarks' routing, drawn by each
+ * token's index in the global batch) routes the same under every mesh
+ * without cp, so the folds equal one process with it too. */
+TEST(parallel_moe_force_load_balancing) {
+    static const moe_layout layouts[] = {
+        {2, "--ep 2", false, 2},
+        {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", false, 1},
+        {4, "--ep 2 --pp 2", false, 2},
+        {4, "--ep 2 --dp 4", true, 4},
+    };
+    if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
+    char b2[1024], b8[1024], mdir[1024], lay[512], *log = NULL;
+    if (!make_batches("tiny-qwen3-moe", b2, b8)) return;
+    snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3-moe", loom_test_fixtures_of("tiny-qwen3-moe"));
+    const char *co = "--moe-router-force-load-balancing --config-override {\"router_aux_loss_coef\":0.5}";
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+        const char *one = path_in_tmp("one-forced.safetensors");
+        snprintf(lay, sizeof lay, "%s --num-micro-batches %d", co, layouts[i].ref_micro);
+        int rc = golden(0, mdir, layouts[i].big ? b8 : b2, one, lay, &log);
+        CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+        free(log);
+        if (rc) return;
+        snprintf(lay, sizeof lay, "%s %s", co, layouts[i].layout);
+        check_layout("tiny-qwen3-moe", layouts[i].big ? b8 : b2, one, layouts[i].np, lay, false,
+                     !layouts[i].big);
+    }
+}
+
 /* Qwen2-MoE (tests/fixtures_moe): its shared expert split over tp on the
  * local path and beside the folded one's dispatch, its gate's gradient
  * summed over tp */

@@ -54,7 +54,7 @@ class ModelOptions(C.Structure):
                 ("etp", i32), ("sequence_parallel", i32), ("microbatch_group", i32),
                 ("bucket_elems", i64), ("recompute", i32), ("moe_aux", i32),
                 ("moe_z_loss_coeff", f64), ("moe_expert_capacity_factor", f64),
-                ("moe_token_drop_policy", i32)]
+                ("moe_token_drop_policy", i32), ("moe_router_force_load_balancing", i32)]
 
 
 class ModelInfo(C.Structure):

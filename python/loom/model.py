@@ -35,6 +35,7 @@ _KWARGS = {
     "comm_timeout", "log_level", "append_eos", "pre_wrap_hook", "post_wrap_hook",
     "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_expert_capacity_factor",
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+    "moe_router_force_load_balancing",
 }
 _OPT_KWARGS = {"lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
                "min_lr", "bf16", "fp16", "use_distributed_optimizer", "overlap_param_gather",
@@ -142,6 +143,8 @@ def _mesh_options(o, device_mesh, kwargs, recompute):
                                    "the lowest routing weight) or 'position' (of the latest "
                                    "tokens)" % (policy,))
     o.moe_token_drop_policy = 1 if policy == "position" else 0
+    # Megatron's benchmarking switch: random router logits, tokens spread evenly
+    o.moe_router_force_load_balancing = 1 if kwargs.get("moe_router_force_load_balancing") else 0
     # padding each expert's rows to its capacity changes no result (the pad
     # rows weigh 0); loom runs the kept rows only
     if kwargs.get("moe_pad_expert_input_to_capacity") and not o.moe_expert_capacity_factor:

@@ -150,6 +150,9 @@ typedef struct loom_backend {
     loom_status (*dropout)(loom_dev *d, loom_ctx *ctx, void *out, const void *x, int64_t T,
                            int64_t in, int64_t full, int64_t col0, const int32_t *qidx,
                            int64_t out0, uint64_t seed, uint64_t key, double p);
+    /* x (n, adt) = loom_rng_gauss4_at(base, i) rounded to adt: bit for bit
+     * the same on every backend (the MoE router's forced balance) */
+    loom_status (*fill_randn)(loom_dev *d, loom_ctx *ctx, void *x, int64_t n, uint64_t base);
 
     /* ---- RMSNorm over N rows of H (cpu_ops.h's loom_cpu_rmsnorm_*; rstd
      * and dw fp32, dw added to) ---- */

@@ -152,6 +152,11 @@ static const loom_option table[] = {
      "mixture of experts with a capacity: drop the choices of the lowest routing weight (probs) "
      "or of the latest tokens (position)",
      OFF(moe_token_drop_policy), "probs|position", CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"moe_router_force_load_balancing", LOOM_OPT_BOOL, "false",
+     "mixture of experts, benchmarks only (Megatron's): random router logits, a fixed stream per "
+     "layer and token, spread the tokens evenly over the experts as a trained model's router "
+     "does (random weights send nearly all to a few); the router gets no gradient",
+     OFF(moe_router_force_load_balancing), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
     {"recompute", LOOM_OPT_CHOICE, "none",
      "activation recomputation, memory for compute (same results): mlp recomputes each layer's "
      "gate, up and SwiGLU outputs before its backward; full keeps only each layer's input and "

@@ -38,6 +38,17 @@ static inline LOOM_HD double loom_rng_uniform_at(uint64_t base, uint64_t i) {
     return ((double)(loom_splitmix64(base + i) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }
 
+/* Value i of stream base as a near-normal float (mean 0, variance 1, within
+ * +-3.47): the sum of four 16-bit uniforms of one hash, centred and scaled.
+ * Integer sums and one float product, so every device draws the same bits
+ * (what a kernel and its CPU reference must agree on). */
+static inline LOOM_HD float loom_rng_gauss4_at(uint64_t base, uint64_t i) {
+    const uint64_t r = loom_splitmix64(base + i);
+    const uint32_t s = (uint32_t)(r & 0xffff) + (uint32_t)((r >> 16) & 0xffff) +
+                       (uint32_t)((r >> 32) & 0xffff) + (uint32_t)(r >> 48);
+    return (float)((int32_t)s - 131070) * 2.6429120e-5f; /* sqrt(3) / 65536 */
+}
+
 /* Uniform in (0, 1): 53 random bits, never 0. */
 static inline LOOM_HD double loom_rng_uniform(uint64_t seed, uint64_t key, uint64_t i) {
     return loom_rng_uniform_at(loom_rng_base(seed, key), i);

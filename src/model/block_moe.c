@@ -51,6 +51,7 @@
 #include <string.h>
 
 #include "../comm/comm.h"
+#include "../core/rng.h"
 #include "block.h"
 #include "model.h"
 #include "moe_dedup.h"
@@ -746,6 +747,18 @@ static loom_status tables_host(const loom_blk *b, const geo *q, const hs *h) {
                            (size_t)(q->Q * q->P * q->El) * sizeof(int32_t));
 }
 
+/* The forced balance's router logits (benchmarks; loom.h): a stream per
+ * layer, value (token's index in the global batch, expert), so every mesh
+ * without cp draws the same; cp ranks, whose rows are not one run of the
+ * batch, draw from their own. */
+static loom_status random_logits(const loom_blk *b, const geo *q, void *z) {
+    const loom_model *m = b->m;
+    const uint64_t key = ((uint64_t)b->l << 8) ^ (m->cp > 1 ? (uint64_t)m->mesh->cp_rank + 1 : 0);
+    const uint64_t base = loom_rng_base(0x6d6f652d72616e64ull, key) +
+                          (uint64_t)((b->mb->key0 + q->o0) * q->E);
+    return loom_k_fill_randn(b->m, z, q->n * q->E, base);
+}
+
 static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     loom_model *m = b->m;
     void *const *a = b->act;
@@ -756,6 +769,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     float *psum = (float *)((char *)b->scratch[PSUM] + psum_at(q.E));
     const void *hs0 = (const char *)h + (size_t)(q.o0 * q.H) * esz;
     CK(loom_blk_lin(b, LROUTER, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, z));
+    if (m->moe_force_balance) CK(random_logits(b, &q, z));
     CK(loom_k_zero(m, psum, (size_t)q.E * sizeof(float)));
     const bool zl = m->moe_z_coef > 0.0;
     CK(loom_k_moe_router_fwd(m, z, q.n, q.E, q.k, m->cfg.norm_topk_prob, a[PROBS], a[IDX], a[WT],
@@ -877,6 +891,8 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga,
                              zc && m->moe_z_coef > 0.0 ? a[LSE] : NULL, zc, q.n, q.E, q.k,
                              m->cfg.norm_topk_prob, s[Z]));
+    /* forced balance: the logits were drawn, not computed (the GEMMs still run) */
+    if (m->moe_force_balance) CK(loom_k_zero(m, s[Z], (size_t)(q.n * q.E) * esz));
     CK(loom_k_lin_dw(m, s[Z], hs0, q.n, q.E, q.H, 1.0f, loom_g(m, b->w[ROUTER])));
     bool acc = true; /* dx holds the experts' part */
     CK(loom_blk_lora_bwd(b, LROUTER, hs0, q.n, s[Z], dx ? (char *)dx + so : NULL, &acc, NULL,

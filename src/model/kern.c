@@ -311,6 +311,10 @@ loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, i
     return m->dev.be->dropout(&m->dev, m->ctx, out, x, T, in, full, col0, qidx, out0, seed, key, p);
 }
 
+loom_status loom_k_fill_randn(loom_model *m, void *x, int64_t n, uint64_t base) {
+    return m->dev.be->fill_randn(&m->dev, m->ctx, x, n, base);
+}
+
 /* ---- the optimizer over parts ---- */
 
 loom_status loom_k_adamw_parts(loom_model *m, struct loom_arena *A, const loom_k_part *parts,

@@ -193,6 +193,9 @@ loom_status loom_k_rows_gather(loom_model *m, void *dst, const void *src, const 
 loom_status loom_k_rows_scatter(loom_model *m, void *dst, const void *src, const int32_t *idx,
                                 int64_t n, int64_t w);
 
+/* x (n, adt) = near-normal values of stream base (loom_rng_gauss4_at) */
+loom_status loom_k_fill_randn(loom_model *m, void *x, int64_t n, uint64_t base);
+
 /* LoRA dropout (lora.c's mask rule; x NULL: in place on out) */
 loom_status loom_k_dropout(loom_model *m, void *out, const void *x, int64_t T, int64_t in,
                            int64_t full, int64_t col0, const int32_t *qidx, int64_t out0,

@@ -616,6 +616,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     m->moe_drop = (loom_moe_drop)opts->moe_token_drop_policy;
+    m->moe_force_balance = opts->moe_router_force_load_balancing != 0;
     m->moe_dedup = loom_moe_dedup_wanted();
     if (m->D > LOOM_CPU_ATTN_MAX_D || m->D % 2) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: loom needs an even head_dim "

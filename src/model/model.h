@@ -177,6 +177,7 @@ struct loom_model {
     double moe_z_coef;       /* the router z-loss's coefficient (0: off; loom.h) */
     double moe_cap_factor;   /* the experts' capacity factor (0: dropless; loom.h) */
     loom_moe_drop moe_drop;  /* which choices over capacity are dropped */
+    bool moe_force_balance;  /* random router logits (benchmarks; loom.h) */
     bool moe_dedup;          /* ep rows once per rank (block_moe.c; LOOM_MOE_DEDUP=1), else once
                               * per choice */
     bool sp;

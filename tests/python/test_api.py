@@ -804,6 +804,27 @@ def test_moe_router_z_loss():
         model(path, moe_z_loss_coeff=-0.1)
 
 
+def test_moe_router_force_load_balancing():
+    """moe_router_force_load_balancing (Megatron's benchmarking switch): the
+    routing is drawn, not the router's, so the counts change, every layer
+    still routes all 48 tokens x top-2, and the loss moves."""
+    g = golden("tiny-qwen3-moe")
+    path = os.path.join(FIXTURES, "models", "tiny-qwen3-moe")
+    samples = label_samples(g["input_ids"], g["targets"])
+    xs = [model(path), model(path, moe_router_force_load_balancing=True)]
+    try:
+        t = []
+        for x in xs:
+            x.set_optimizer("default", lr=1e-3)
+            x.forward_backward(inputs=samples)
+            x.clip_grad_and_step()
+            t.append(x.expert_tokens())
+        assert (t[1].sum(axis=1) == 96).all() and (t[0] != t[1]).any()
+    finally:
+        for x in xs:
+            x.close()
+
+
 def test_moe_expert_capacity():
     """moe_expert_capacity_factor and moe_token_drop_policy (Megatron's): a
     capacity that keeps every choice changes nothing, a small one drops

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "../../core/core.h"
+#include "../../core/rng.h"
 #include "../backend.h"
 #include "cpu_glue.h"
 #include "cpu_moe.h"
@@ -133,6 +134,13 @@ static loom_status cpu_dropout(loom_dev *d, loom_ctx *ctx, void *out, const void
                                int64_t out0, uint64_t seed, uint64_t key, double p) {
     (void)d, (void)ctx;
     loom_cpu_lora_dropout(F(out), CF(x), T, in, full, col0, qidx, out0, seed, key, p);
+    return LOOM_OK;
+}
+
+static loom_status cpu_fill_randn(loom_dev *d, loom_ctx *ctx, void *x, int64_t n,
+                                  uint64_t base) {
+    (void)d, (void)ctx;
+    for (int64_t i = 0; i < n; i++) F(x)[i] = loom_rng_gauss4_at(base, (uint64_t)i);
     return LOOM_OK;
 }
 
@@ -462,6 +470,7 @@ const loom_backend *loom_backend_cpu(void) {
         .rows_gather = cpu_rows_gather,
         .rows_scatter = cpu_rows_scatter,
         .dropout = cpu_dropout,
+        .fill_randn = cpu_fill_randn,
         .rmsnorm_fwd = cpu_rmsnorm_fwd,
         .rmsnorm_bwd = cpu_rmsnorm_bwd,
         .add_rmsnorm_fwd = cpu_add_rmsnorm_fwd,

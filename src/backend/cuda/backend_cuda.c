@@ -193,6 +193,11 @@ static loom_status cuda_rows_scatter(loom_dev *d, loom_ctx *ctx, void *dst, cons
     return loom_cuda_rows_scatter(ctx, dst, src, idx, n, width, d->esz, d->stream);
 }
 
+static loom_status cuda_fill_randn(loom_dev *d, loom_ctx *ctx, void *x, int64_t n,
+                                   uint64_t base) {
+    return loom_cuda_fill_randn(ctx, x, d->adt, n, base, d->stream);
+}
+
 static loom_status cuda_dropout(loom_dev *d, loom_ctx *ctx, void *out, const void *x, int64_t T,
                                 int64_t in, int64_t full, int64_t col0, const int32_t *qidx,
                                 int64_t out0, uint64_t seed, uint64_t key, double p) {
@@ -701,6 +706,7 @@ const loom_backend *loom_backend_cuda(void) {
         .rows_gather = cuda_rows_gather,
         .rows_scatter = cuda_rows_scatter,
         .dropout = cuda_dropout,
+        .fill_randn = cuda_fill_randn,
         .rmsnorm_fwd = cuda_rmsnorm_fwd,
         .rmsnorm_bwd = cuda_rmsnorm_bwd,
         .add_rmsnorm_fwd = cuda_add_rmsnorm_fwd,

@@ -295,6 +295,9 @@ loom_status loom_cuda_swiglu_bwd(loom_ctx *ctx, const void *dh, const void *g, c
  * residual stream and a bf16 branch). */
 loom_status loom_cuda_residual_add(loom_ctx *ctx, void *y, loom_dtype y_dtype, const void *x,
                                    loom_dtype x_dtype, int64_t n, void *stream);
+/* x (n, dtype) = loom_rng_gauss4_at(base, i), rounded to dtype. */
+loom_status loom_cuda_fill_randn(loom_ctx *ctx, void *x, loom_dtype dtype, int64_t n, uint64_t base,
+                                 void *stream);
 /* y: (T, N) y_dtype; b: (N) b_dtype; fwd y[t, :] += b.
  * bwd: db (N) fp32 += sum_t dy[t, :] (double, fixed order); NULL db: no-op. */
 loom_status loom_cuda_add_bias_fwd(loom_ctx *ctx, void *y, loom_dtype y_dtype, const void *b,

@@ -2,6 +2,7 @@
 // fp32 arithmetic in the CPU's operation order without FMA contraction; only
 // the sigmoid differs from the CPU's (IEEE expf within 2 ulp for F32, the
 // hardware's exp2 and reciprocal for BF16/F16: see sigmoid1).
+#include "../../core/rng.h"
 #include "ops_common.cuh"
 
 using namespace loom_cuda;
@@ -179,4 +180,17 @@ extern "C" loom_status loom_cuda_add_bias_bwd(loom_ctx *ctx, const void *dy, loo
     bias_bwd_kernel<<<(unsigned)((N + BC - 1) / BC), dim3(BC, BR), 0, as_stream(stream)>>>(
         dy, dy_dtype, T, N, db);
     return check_launch(ctx, "add_bias_bwd");
+}
+
+__global__ void fill_randn_kernel(void *x, loom_dtype dt, int64_t n, uint64_t base) {
+    grid_each(n, [&](int64_t i) { st(x, dt, i, loom_rng_gauss4_at(base, (uint64_t)i)); });
+}
+
+extern "C" loom_status loom_cuda_fill_randn(loom_ctx *ctx, void *x, loom_dtype dtype, int64_t n,
+                                            uint64_t base, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dtype, "fill_randn", "x"))) return st;
+    if (n <= 0) return LOOM_OK;
+    fill_randn_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(x, dtype, n, base);
+    return check_launch(ctx, "fill_randn");
 }
