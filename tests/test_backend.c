@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../src/backend/backend.h"
+#include "../src/backend/cpu/cpu_moe.h"
 #include "../src/core/core.h"
 #include "../src/core/rng.h"
 #include "harness.h"
@@ -265,6 +266,48 @@ TEST(backend_elementwise_ops_equal_cpu) {
     const loom_backend *be = loom_backend_cuda();
     REQUIRE_OK(ctx, be->init(&gd, ctx));
     elementwise_ops(ctx, (side){be, &gd});
+    be->release(&gd);
+    loom_ctx_free(ctx);
+}
+
+/* The expert-parallel regrouping's tables on the GPU against the CPU's, bit
+ * for bit: one or many sources, few or many experts, empty blocks, no rows. */
+TEST(backend_moe_regroup_equals_cpu) {
+    if (!loom_backend_cuda() || !loom_test_have_gpu())
+        SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the CPU's");
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    loom_dev gd = {.cuda = true, .adt = LOOM_F32, .esz = 4, .device = 0};
+    const loom_backend *be = loom_backend_cuda();
+    REQUIRE_OK(ctx, be->init(&gd, ctx));
+    static const struct { int64_t S, El; int most; } cases[] = {
+        {2, 64, 700}, {16, 8, 300}, {1, 3000, 9}, {8, 16, 0}, {4, 128, 3}, {2, 1, 40000}};
+    const uint64_t seed = (uint64_t)loom_now_s() * 31u;
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        const int64_t n = cases[c].S * cases[c].El;
+        int32_t *rc = malloc((size_t)n * 4);
+        int64_t Rt = 0;
+        for (int64_t i = 0; i < n; i++)
+            Rt += rc[i] = (int32_t)(loom_splitmix64(seed + c * 7919u + (uint64_t)i) %
+                                    (uint64_t)(cases[c].most + 1));
+        int32_t *want = malloc((size_t)(2 * Rt + 1) * 4), *got = malloc((size_t)(2 * Rt + 1) * 4);
+        REQUIRE(rc && want && got);
+        loom_cpu_moe_regroup(rc, cases[c].S, cases[c].El, Rt, want);
+        void *drc = put(ctx, (side){be, &gd}, rc, (size_t)n * 4), *dix = NULL;
+        REQUIRE(drc);
+        REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dix, (size_t)(2 * Rt + 1) * 4, "ix"));
+        REQUIRE_OK(ctx, be->moe_regroup(&gd, ctx, drc, cases[c].S, cases[c].El, Rt, dix));
+        if (Rt) REQUIRE_OK(ctx, be->download(&gd, ctx, got, dix, (size_t)(2 * Rt) * 4));
+        CHECK_MSG(!memcmp(got, want, (size_t)(2 * Rt) * 4), "%lld sources x %lld experts, %lld "
+                  "rows: the tables differ from the CPU's", (long long)cases[c].S,
+                  (long long)cases[c].El, (long long)Rt);
+        be->free(&gd, drc);
+        be->free(&gd, dix);
+        free(rc), free(want), free(got);
+    }
+    /* a table the kernel cannot hold is refused, saying so */
+    CHECK(be->moe_regroup(&gd, ctx, NULL, 4, 1024, 1, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(ctx), "4 x 1024");
     be->release(&gd);
     loom_ctx_free(ctx);
 }

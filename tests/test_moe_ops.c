@@ -492,3 +492,31 @@ TEST(moe_dedup_tables_find_every_choice) {
         CHECK_EQ_INT(bad, 0);
     }
 }
+
+/* The expert-parallel regrouping (loom_cpu_moe_regroup): the gathered rows,
+ * (source, expert) blocks in turn, listed by (expert, source) keep each
+ * block's order; the second half inverts the first. */
+TEST(moe_regroup_orders_rows_by_expert_then_source) {
+    enum { S = 3, El = 5 };
+    int32_t rc[S * El];
+    const uint64_t seed = (uint64_t)loom_now_s();
+    int64_t Rt = 0;
+    for (int i = 0; i < S * El; i++) Rt += rc[i] = (int32_t)(loom_splitmix64(seed + (uint64_t)i) % 7);
+    int32_t *ix = malloc((size_t)(2 * Rt + 1) * sizeof *ix), *want = malloc((size_t)(Rt + 1) * 4);
+    REQUIRE(ix && want);
+    loom_cpu_moe_regroup(rc, S, El, Rt, ix);
+    int64_t j = 0;
+    for (int f = 0; f < El; f++)
+        for (int s = 0; s < S; s++) {
+            int64_t first = 0; /* block (s, f)'s first gathered row */
+            for (int b = 0; b < s * El + f; b++) first += rc[b];
+            for (int r = 0; r < rc[s * El + f]; r++) want[j++] = (int32_t)(first + r);
+        }
+    CHECK_EQ_INT(j, Rt);
+    for (int64_t g = 0; g < Rt; g++) {
+        CHECK_MSG(ix[g] == want[g], "grouped row %lld: gathered %d, want %d", (long long)g, ix[g],
+                  want[g]);
+        CHECK(ix[Rt + want[g]] == (int32_t)g);
+    }
+    free(ix), free(want);
+}

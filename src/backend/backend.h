@@ -269,6 +269,9 @@ typedef struct loom_backend {
     loom_status (*moe_route)(loom_dev *d, loom_ctx *ctx, const int32_t *idx, const float *w,
                              int64_t N, int64_t E, int k, int64_t cap, bool by_position,
                              int32_t *counts, int32_t *order, int32_t *pos);
+    /* ix (2 Rt) from rc (S, El): cpu_moe.h's loom_cpu_moe_regroup */
+    loom_status (*moe_regroup)(loom_dev *d, loom_ctx *ctx, const int32_t *rc, int64_t S,
+                               int64_t El, int64_t Rt, int32_t *ix);
     loom_status (*moe_permute)(loom_dev *d, loom_ctx *ctx, const void *x, const int32_t *order,
                                int64_t N, int k, int64_t H, void *xg);
     loom_status (*moe_combine)(loom_dev *d, loom_ctx *ctx, const void *yg, const int32_t *pos,

@@ -378,6 +378,14 @@ const char *loom_comm_backend_name(const loom_comm *c) { return c->vt->name; }
 const char *loom_comm_name(const loom_comm *c) { return c->name; }
 loom_ctx *loom_comm_ctx(const loom_comm *c) { return c->ctx; }
 void loom_comm_set_timeout(loom_comm *c, double seconds) { c->timeout_s = seconds; }
+
+void loom_comm_defer(loom_comm *c) {
+    if (c) c->defer_next = true;
+}
+
+loom_status loom_comm_settle(loom_comm *c) {
+    return c && c->vt->settle ? c->vt->settle(c) : LOOM_OK;
+}
 int loom_comm_device(const loom_comm *c) { return c && c->vt->device ? c->vt->device(c) : -1; }
 void *loom_comm_stream(const loom_comm *c) {
     return c && c->vt->stream ? c->vt->stream(c) : NULL;
@@ -433,7 +441,9 @@ static loom_status allgather(loom_comm *c, const void *send, void *recv, size_t 
 
 loom_status loom_comm_allgather(loom_comm *c, const void *send, void *recv, size_t n,
                                 loom_dtype dt) {
-    return allgather(c, send, recv, n, dt, NULL);
+    loom_status st = allgather(c, send, recv, n, dt, NULL);
+    if (c) c->defer_next = false;
+    return st;
 }
 
 loom_status loom_comm_agree_all(loom_ctx *ctx, loom_comm *c, loom_status st, const char *what) {
@@ -494,6 +504,7 @@ loom_status loom_comm_alltoallv(loom_comm *c, const void *send, const size_t *sc
         ro += rcount[r];
     }
     st2 = loom_comm_group_end(c);
+    c->defer_next = false;
     return st ? st : st2;
 }
 
@@ -514,6 +525,7 @@ loom_status loom_comm_allgatherv(loom_comm *c, const void *send, size_t n, void 
         ro += rcount[r];
     }
     st2 = loom_comm_group_end(c);
+    c->defer_next = false;
     return st ? st : st2;
 }
 
@@ -521,8 +533,9 @@ loom_status loom_comm_alltoall(loom_comm *c, const void *send, void *recv, size_
                                loom_dtype dt) {
     if (!c) return LOOM_ERR_INVALID_ARG;
     loom_status st = check_common(c, "alltoall", dt, n, (size_t)c->size, send, recv);
-    if (st) return st;
-    return c->vt->alltoall(c, send, recv, n, dt);
+    if (!st) st = c->vt->alltoall(c, send, recv, n, dt);
+    c->defer_next = false;
+    return st;
 }
 
 static loom_status check_p2p(loom_comm *c, const char *op, const void *buf, size_t n,

@@ -90,6 +90,16 @@ loom_ctx *loom_comm_ctx(const loom_comm *c);            /* where its errors go *
 /* Seconds a blocking wait on this group may take before it fails
  * (<= 0: forever). Groups split later inherit it. */
 void loom_comm_set_timeout(loom_comm *c, double seconds);
+/* The next alltoall, alltoallv, allgather or allgatherv on c returns once
+ * its work is queued, when every buffer is device memory (NCCL): the
+ * group's stream orders it with the legacy default stream both ways, so
+ * kernels after it read its results, and the host does not wait for a
+ * transfer no host code reads. loom_comm_settle waits for it (with the
+ * group's deadline); call it before anything that waits on the GPU
+ * without one (cudaMemcpy). Other backends complete the call as usual. */
+void loom_comm_defer(loom_comm *c);
+/* Waits for c's deferred operations (a no-op when none are pending). */
+loom_status loom_comm_settle(loom_comm *c);
 /* NCCL groups: the CUDA device of this rank (set current by loom_comm_world)
  * and the cudaStream_t the group's operations run on. -1 and NULL on the
  * other backends. */

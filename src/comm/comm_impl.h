@@ -35,6 +35,8 @@ typedef struct loom_comm_vt {
     /* Optional (NULL: -1 / NULL): loom_comm_device, loom_comm_stream. */
     int (*device)(const loom_comm *c);
     void *(*stream)(const loom_comm *c);
+    /* Optional (NULL: nothing is ever deferred): loom_comm_settle. */
+    loom_status (*settle)(loom_comm *c);
 } loom_comm_vt;
 
 struct loom_comm {
@@ -45,6 +47,8 @@ struct loom_comm {
     int group_depth;      /* group_start() nesting */
     double timeout_s;     /* blocking waits give up after this; <= 0: never */
     bool broken;          /* an operation failed or timed out and left the group unusable */
+    bool defer_next;      /* loom_comm_defer: the next alltoall(v) / allgather(v) may return
+                           * once queued (the backend clears it when it completes a call) */
     void *impl;           /* the backend's state */
 };
 

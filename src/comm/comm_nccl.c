@@ -91,6 +91,8 @@ struct nccl_state {
     struct { char kind; int peer; } notes[N_NOTE]; /* the first ones, for messages */
     staged *pending;     /* host send/recv posted in this group, staged until group_end */
     int n_pending, cap_pending;
+    bool unsettled;      /* a deferred operation (loom_comm_defer) may still run: settle waits */
+    const char *deferred; /* its name, for a timeout's message */
     nccl_state *next;
     loom_comm *self;
 };
@@ -234,6 +236,23 @@ static void drop_req(nccl_req *q) {
     free(q);
 }
 
+/* A blocking call whose done event is recorded returns now (loom_comm_defer);
+ * loom_comm_settle waits for it. */
+static loom_status defer(loom_comm *c, const char *what) {
+    nccl_state *s = S(c);
+    c->defer_next = false;
+    s->unsettled = true;
+    s->deferred = what;
+    return LOOM_OK;
+}
+
+static loom_status nccl_settle(loom_comm *c) {
+    nccl_state *s = S(c);
+    if (!s->unsettled) return LOOM_OK;
+    s->unsettled = false;
+    return wait_event(c, s->done, s->deferred, " (deferred: loom_comm_defer)");
+}
+
 /* Completes what was just enqueued: a blocking call waits (q NULL), an
  * async one records its event and hands the request over. */
 static loom_status finish(loom_comm *c, const char *what, nccl_req *q, loom_comm_req **req) {
@@ -251,6 +270,7 @@ static loom_status finish(loom_comm *c, const char *what, nccl_req *q, loom_comm
         *req = &q->base;
         return LOOM_OK;
     }
+    if (c->defer_next) return defer(c, what);
     return wait_event(c, s->done, what, NULL);
 }
 
@@ -1161,6 +1181,7 @@ static loom_status nccl_group_end(loom_comm *c) {
     if (st) return end_pending(c, st);
     cudaError_t e = cudaEventRecord(s->done, s->stream);
     if (e != cudaSuccess) return end_pending(c, cuda_fail(c, "group_end", e));
+    if (c->defer_next && s->n_pending == 0) return defer(c, "group_end (deferred send/recv)");
     st = wait_event(c, s->done, what,
                     "; NCCL matches point to point in the order posted to each peer, not by "
                     "tag");
@@ -1199,6 +1220,7 @@ static const loom_comm_vt nccl_vt = {
     .abort = nccl_abort,
     .device = nccl_device,
     .stream = nccl_stream,
+    .settle = nccl_settle,
 };
 
 #else  /* !LOOM_HAVE_CUDA: comm.c answers LOOM_COMM_NCCL with what to rebuild */

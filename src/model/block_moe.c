@@ -51,6 +51,7 @@
 #include <string.h>
 
 #include "../comm/comm.h"
+#include "../backend/cpu/cpu_moe.h"
 #include "../core/rng.h"
 #include "block.h"
 #include "model.h"
@@ -182,6 +183,10 @@ static geo geometry(const loom_model *m, int64_t Tc) {
 /* The ep all-to-alls of token rows send each row once per destination rank
  * (moe_dedup.h) where the rows go over ep alone (etp 1). */
 static bool dedup_on(const geo *q) { return !q->local && q->Q == 1 && q->dedup; }
+/* Whether the count table is exchanged on the device (no host round trip
+ * before the download that brings the counts): dropless, once per choice.
+ * A capacity trims the counts on the host first. */
+static bool tables_on_device(const geo *q) { return !q->local && q->cap < 0 && !dedup_on(q); }
 
 /* The shared expert's width on this rank (0: none). */
 static int64_t shared_width(const loom_model *m) {
@@ -214,13 +219,15 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
  * probability sums: laid out as the host's cnt and psum (hs_carve), so one
  * download fills both. */
 static size_t psum_at(int64_t E) { return ((size_t)E * sizeof(int32_t) + 15) & ~(size_t)15; }
+/* ... and after them the dispatch's count table (tables_on_device) */
+static size_t rc_at(int64_t E) { return (psum_at(E) + (size_t)E * sizeof(float) + 15) & ~(size_t)15; }
 
 static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes) {
     (void)T;
     const geo g = geometry(m, Tc);
     const size_t esz = m->dev.esz;
     bytes[Z] = (size_t)(g.n * g.E) * esz;
-    bytes[PSUM] = psum_at(g.E) + (size_t)g.E * sizeof(float);
+    bytes[PSUM] = rc_at(g.E) + (size_t)(g.local ? 0 : g.Q * g.P * g.El) * sizeof(int32_t);
     bytes[DW] = (size_t)g.R * sizeof(float);
     bytes[S1] = bytes[S2] = bytes[S3] = (size_t)(g.Rmax * g.H) * esz;
     bytes[DG] = bytes[DU] = (size_t)(g.Rmax * g.Ie) * esz;
@@ -450,6 +457,27 @@ static loom_status exchange_counts(loom_model *m, const geo *q, const hs *h) {
     return loom_comm_allgather(m->mesh->etp, h->tab, h->rc, (size_t)(q->P * q->El), LOOM_I32);
 }
 
+/* The next collective on c returns once queued (loom_comm_defer): its
+ * results are read by kernels only; loom_k_settle waits for it before the
+ * host next waits on the GPU. */
+static void defer(loom_model *m, loom_comm *c) {
+    loom_comm_defer(c);
+    m->comm_deferred = true;
+}
+
+/* The count table on the device (tables_on_device): each ep rank's counts
+ * for this rank's experts into RC (etp rank q's block q, by way of the
+ * PSUM scratch's table under etp), queued without a host wait. */
+static loom_status exchange_counts_dev(const loom_blk *b, const geo *q) {
+    loom_model *m = b->m;
+    int32_t *rc = b->act[RC], *tmp = (int32_t *)((char *)b->scratch[PSUM] + rc_at(q->E));
+    defer(m, m->mesh->ep);
+    CK(loom_comm_alltoall(m->mesh->ep, b->act[CNT], q->Q > 1 ? tmp : rc, (size_t)q->El, LOOM_I32));
+    if (q->Q == 1) return LOOM_OK;
+    defer(m, m->mesh->etp);
+    return loom_comm_allgather(m->mesh->etp, tmp, rc, (size_t)(q->P * q->El), LOOM_I32);
+}
+
 static int64_t table_rows(const geo *q, const int32_t *t) {
     int64_t r = 0;
     for (int64_t i = 0; i < q->P * q->El; i++) r += t[i];
@@ -464,33 +492,21 @@ static void keep_counts(const geo *q, int32_t *cnt) {
 }
 
 /* The regrouping of the gathered rows, ordered (etp rank, ep rank, expert),
- * into (expert, etp rank, ep rank) and back: ix[j] = the gathered row at
- * grouped place j, ix[Rt + i] its inverse; ce the rows per expert. Returns
- * the rows, uploaded to the device's IX. */
+ * into (expert, etp rank, ep rank) and back (cpu_moe.h's
+ * loom_cpu_moe_regroup) in the device's IX, from the table in RC (on the
+ * host for the once-per-rank dispatch, which reads it there); ce the rows
+ * per expert. Returns the rows. */
 static loom_status regroup_orders(const loom_blk *b, const geo *q, const hs *h, int64_t *rows) {
     const int64_t QP = q->Q * q->P;
     int64_t Rt = 0;
-    for (int64_t i = 0; i < QP * q->El; i++) Rt += h->rc[i];
     for (int64_t e = 0; e < q->El; e++) {
         h->ce[e] = 0;
         for (int64_t s = 0; s < QP; s++) h->ce[e] += h->rc[s * q->El + e];
-    }
-    int64_t j = 0;
-    for (int64_t e = 0; e < q->El; e++) {
-        int64_t src = 0; /* the row of block (s, e) in the gathered order */
-        for (int64_t s = 0; s < QP; s++) {
-            for (int64_t f = 0; f < q->El; f++) {
-                const int32_t c = h->rc[s * q->El + f];
-                if (f == e)
-                    for (int32_t r = 0; r < c; r++, j++) {
-                        h->ix[j] = (int32_t)(src + r);
-                        h->ix[Rt + src + r] = (int32_t)j;
-                    }
-                src += c;
-            }
-        }
+        Rt += h->ce[e];
     }
     *rows = Rt;
+    if (!dedup_on(q)) return loom_k_moe_regroup(b->m, b->act[RC], QP, q->El, Rt, b->scratch[IX]);
+    loom_cpu_moe_regroup(h->rc, QP, q->El, Rt, h->ix);
     return loom_k_upload(b->m, b->scratch[IX], h->ix, (size_t)(2 * Rt) * sizeof(int32_t));
 }
 
@@ -514,6 +530,7 @@ static loom_status dispatch(const loom_blk *b, const geo *q, const hs *h, void *
     loom_model *m = b->m;
     const loom_dtype dt = m->dev.adt;
     ep_counts(m, q, h, h->sc, h->rcv);
+    defer(m, m->mesh->ep);
     CK(loom_comm_alltoallv(m->mesh->ep, src, h->sc, tmp, h->rcv, dt));
     void *gathered = tmp;
     if (q->Q > 1) {
@@ -522,6 +539,7 @@ static loom_status dispatch(const loom_blk *b, const geo *q, const hs *h, void *
             h->sc[qq] = (size_t)table_rows(q, h->rc + qq * q->P * q->El) * (size_t)q->H;
             if (qq == m->mesh->etp_rank) mine = h->sc[qq];
         }
+        defer(m, m->mesh->etp);
         CK(loom_comm_allgatherv(m->mesh->etp, tmp, mine, src, h->sc, dt));
         gathered = src;
     }
@@ -544,12 +562,14 @@ static loom_status undispatch(const loom_blk *b, const geo *q, const hs *h, void
             h->sc[qq] = (size_t)table_rows(q, h->rc + qq * q->P * q->El) * (size_t)q->H;
             h->rcv[qq] = n;
         }
+        defer(m, m->mesh->etp);
         CK(loom_comm_alltoallv(m->mesh->etp, tmp, h->sc, src, h->rcv, dt));
         for (int64_t qq = 1; qq < q->Q; qq++)
             CK(loom_k_add(m, src, (const char *)src + (size_t)qq * n * esz, (int64_t)n));
         mine = src;
     }
     ep_counts(m, q, h, h->sc, h->rcv);
+    defer(m, m->mesh->ep);
     return loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt);
 }
 
@@ -776,15 +796,20 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
                              psum, zl ? a[LSE] : NULL));
     CK(loom_k_moe_route(m, a[IDX], a[WT], q.n, q.E, q.k, q.cap,
                         m->moe_drop == LOOM_MOE_DROP_POSITION, a[CNT], a[ORD], a[POS]));
-    /* the load-balancing loss's sums, once per forward (not when recomputed):
-     * the counts and the probability sums in one download */
-    if (!out || !b->mb->aux) {
-        CK(loom_k_download(m, hh.cnt, a[CNT], (size_t)q.E * sizeof(int32_t)));
-    } else {
-        if ((char *)hh.psum != (char *)hh.cnt + psum_at(q.E))
-            return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE host tables: psum is not after cnt");
-        CK(loom_k_copy(m, b->scratch[PSUM], a[CNT], (size_t)q.E * sizeof(int32_t)));
-        CK(loom_k_download(m, hh.cnt, b->scratch[PSUM], psum_at(q.E) + (size_t)q.E * sizeof(float)));
+    /* the counts and the probability sums (the load-balancing loss's, once
+     * per forward, not when recomputed), and the dispatch's table when it
+     * travels on the device: one download */
+    const bool dev_tab = tables_on_device(&q);
+    if (dev_tab) CK(exchange_counts_dev(b, &q));
+    if ((char *)hh.psum != (char *)hh.cnt + psum_at(q.E) ||
+        (!q.local && (char *)hh.rc != (char *)hh.cnt + rc_at(q.E)))
+        return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE host tables: not laid out as PSUM");
+    const size_t tab = (size_t)table_len(&q) * sizeof(int32_t);
+    CK(loom_k_copy(m, b->scratch[PSUM], a[CNT], (size_t)q.E * sizeof(int32_t)));
+    if (dev_tab) CK(loom_k_copy(m, (char *)b->scratch[PSUM] + rc_at(q.E), a[RC], tab));
+    CK(loom_k_download(m, hh.cnt, b->scratch[PSUM],
+                       dev_tab ? rc_at(q.E) + tab : psum_at(q.E) + (size_t)q.E * sizeof(float)));
+    if (out && b->mb->aux) {
         /* the layer's own block per layer (Megatron's), else one for all */
         double *acc = b->mb->aux + (m->moe_aux == LOOM_MOE_AUX_PER_LAYER ? b->l * (2 * q.E + 1) : 0);
         for (int64_t e = 0; e < q.E; e++) acc[e] += hh.cnt[e], acc[q.E + e] += hh.psum[e];
@@ -796,9 +821,9 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
      * tp ranks route the same ones, tp rank 0 counts) */
     if (out && m->training && m->moe_load && (!q.local || m->mesh->tp_rank == 0))
         for (int64_t e = 0; e < q.E; e++) m->moe_load[b->l * q.E + e] += hh.cnt[e];
-    if (!q.local) {
+    if (!q.local && !dev_tab) {
         CK(exchange_counts(m, &q, &hh));
-        CK(loom_k_upload(m, a[RC], hh.rc, (size_t)(q.Q * q.P * q.El) * sizeof(int32_t)));
+        CK(loom_k_upload(m, a[RC], hh.rc, tab));
     }
     CK(loom_moe_tabs_put(m->ctx, &m->moe_tabs, m->L, b->l, a[CNT], hh.cnt, q.E, hh.rc,
                          table_len(&q)));

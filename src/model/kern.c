@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../comm/comm.h"
 #include "model.h"
 
 loom_status loom_dev_init(loom_model *m) {
@@ -65,9 +66,17 @@ loom_status loom_k_zero(loom_model *m, void *p, size_t bytes) {
     return m->dev.be->zero(&m->dev, m->ctx, p, bytes);
 }
 
+loom_status loom_k_settle(loom_model *m) {
+    if (!m->comm_deferred) return LOOM_OK;
+    m->comm_deferred = false;
+    loom_status st = loom_comm_settle(m->mesh->ep);
+    return st ? st : loom_comm_settle(m->mesh->etp);
+}
+
 loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t bytes) {
     if (host == dev || !bytes) return LOOM_OK;
-    return m->dev.be->download(&m->dev, m->ctx, host, dev, bytes);
+    loom_status st = loom_k_settle(m);
+    return st ? st : m->dev.be->download(&m->dev, m->ctx, host, dev, bytes);
 }
 
 loom_status loom_k_download_f32(loom_model *m, float *host, const void *dev, size_t n) {
@@ -83,7 +92,8 @@ loom_status loom_k_download_f32(loom_model *m, float *host, const void *dev, siz
 
 loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t bytes) {
     if (host == dev || !bytes) return LOOM_OK;
-    return m->dev.be->upload(&m->dev, m->ctx, dev, host, bytes);
+    loom_status st = loom_k_settle(m);
+    return st ? st : m->dev.be->upload(&m->dev, m->ctx, dev, host, bytes);
 }
 
 loom_status loom_k_convert(loom_model *m, void *dst, loom_dtype d, const void *src, loom_dtype s,
@@ -359,6 +369,11 @@ void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list) {
 }
 
 /* ---- mixture of experts ---- */
+
+loom_status loom_k_moe_regroup(loom_model *m, const int32_t *rc, int64_t S, int64_t El,
+                               int64_t Rt, int32_t *ix) {
+    return m->dev.be->moe_regroup(&m->dev, m->ctx, rc, S, El, Rt, ix);
+}
 
 loom_status loom_k_moe_router_fwd(loom_model *m, const void *z, int64_t N, int64_t E, int k,
                                   bool norm_topk, float *probs, int32_t *idx, float *w, float *psum,

@@ -58,6 +58,10 @@ void loom_k_host_free(void *p, bool pinned);
  * both are host). dst == src is a no-op. */
 loom_status loom_k_copy(loom_model *m, void *dst, const void *src, size_t bytes);
 loom_status loom_k_zero(loom_model *m, void *p, size_t bytes);
+/* Waits (with the groups' deadline) for collectives the MoE dispatch left
+ * queued (loom_comm_defer); download and upload call it first, as they
+ * wait on the GPU without a deadline. */
+loom_status loom_k_settle(loom_model *m);
 /* Copies between host and the device, returning when the data is there. */
 loom_status loom_k_download(loom_model *m, void *host, const void *dev, size_t bytes);
 loom_status loom_k_upload(loom_model *m, void *dev, const void *host, size_t bytes);
@@ -229,6 +233,9 @@ loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A);
 void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list);
 
 /* ---- mixture of experts (backend.h's moe_* ops; block_moe.c) ---- */
+/* ix (2 Rt) on the device from the table rc (S, El; cpu_moe.h) */
+loom_status loom_k_moe_regroup(loom_model *m, const int32_t *rc, int64_t S, int64_t El,
+                               int64_t Rt, int32_t *ix);
 loom_status loom_k_moe_router_fwd(loom_model *m, const void *z, int64_t N, int64_t E, int k,
                                   bool norm_topk, float *probs, int32_t *idx, float *w, float *psum,
                                   float *lse);

@@ -415,6 +415,7 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
          * the backward's dx until the next step, after this exchange */
         st = pp_exchange(m, &plan, rd, fwd_out, m->dx, act_n, n_micro);
     }
+    if (!st) st = loom_k_settle(m); /* no collective left queued past the call */
     if (st) goto done;
     /* the whole mesh's loss and token count; per-token outputs from the ranks
      * that computed them */

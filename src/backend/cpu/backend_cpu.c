@@ -368,6 +368,13 @@ static loom_status cpu_moe_router_bwd(loom_dev *d, loom_ctx *ctx, const float *p
     return LOOM_OK;
 }
 
+static loom_status cpu_moe_regroup(loom_dev *d, loom_ctx *ctx, const int32_t *rc, int64_t S,
+                                   int64_t El, int64_t Rt, int32_t *ix) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_regroup(rc, S, El, Rt, ix);
+    return LOOM_OK;
+}
+
 static loom_status cpu_moe_route(loom_dev *d, loom_ctx *ctx, const int32_t *idx, const float *w,
                                  int64_t N, int64_t E, int k, int64_t cap, bool by_position,
                                  int32_t *counts, int32_t *order, int32_t *pos) {
@@ -496,6 +503,7 @@ const loom_backend *loom_backend_cpu(void) {
         .moe_router_fwd = cpu_moe_router_fwd,
         .moe_router_bwd = cpu_moe_router_bwd,
         .moe_route = cpu_moe_route,
+        .moe_regroup = cpu_moe_regroup,
         .moe_permute = cpu_moe_permute,
         .moe_combine = cpu_moe_combine,
         .moe_combine_bwd = cpu_moe_combine_bwd,

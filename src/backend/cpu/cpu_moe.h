@@ -69,6 +69,12 @@ void loom_cpu_moe_route(const int32_t *idx, const float *w, int64_t N, int64_t E
 static inline int64_t loom_moe_kept(int64_t n, int64_t cap) {
     return cap >= 0 && cap < n ? cap : n;
 }
+/* The expert-parallel regrouping: the rows a rank gathered are ordered by
+ * (source s, local expert f), rc[s El + f] of each (S sources, El
+ * experts, Rt rows in all); grouped by (f, s) they are the experts' GEMM
+ * inputs. ix[j] (j < Rt) = the gathered row at grouped place j, ix[Rt + i]
+ * = the grouped place of gathered row i. */
+void loom_cpu_moe_regroup(const int32_t *rc, int64_t S, int64_t El, int64_t Rt, int32_t *ix);
 /* xg (N*k, H): row p = x[order[p] / k] (the grouped inputs); rows of a
  * dropped choice (order[p] < 0) are left as they are. */
 void loom_cpu_moe_permute(const float *x, const int32_t *order, int64_t N, int k, int64_t H,

@@ -226,3 +226,19 @@ void loom_cpu_moe_gate_bwd(const float *da, const float *a, const float *g, int6
         dz[n] = (float)((1.0 - (double)g[n]) * dot);
     }
 }
+
+void loom_cpu_moe_regroup(const int32_t *rc, int64_t S, int64_t El, int64_t Rt, int32_t *ix) {
+    int64_t j = 0;
+    for (int64_t e = 0; e < El; e++) {
+        int64_t src = 0; /* the first gathered row of block (s, f) */
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t f = 0; f < El; f++) {
+                const int32_t c = rc[s * El + f];
+                for (int32_t r = 0; f == e && r < c; r++, j++) {
+                    ix[j] = (int32_t)(src + r);
+                    ix[Rt + src + r] = (int32_t)j;
+                }
+                src += c;
+            }
+    }
+}

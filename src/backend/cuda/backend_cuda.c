@@ -505,6 +505,11 @@ static loom_status moe_scratch(loom_dev *d, loom_ctx *ctx, size_t need) {
     return st;
 }
 
+static loom_status cuda_moe_regroup(loom_dev *d, loom_ctx *ctx, const int32_t *rc, int64_t S,
+                                    int64_t El, int64_t Rt, int32_t *ix) {
+    return loom_cuda_moe_regroup(ctx, rc, S, El, Rt, ix, d->stream);
+}
+
 static loom_status cuda_moe_router_fwd(loom_dev *d, loom_ctx *ctx, const void *z, int64_t N,
                                        int64_t E, int k, bool norm_topk, float *probs, int32_t *idx,
                                        float *w, float *psum, float *lse) {
@@ -731,6 +736,7 @@ const loom_backend *loom_backend_cuda(void) {
         .ce_fused = cuda_ce_fused,
         .moe_router_fwd = cuda_moe_router_fwd,
         .moe_router_bwd = cuda_moe_router_bwd,
+        .moe_regroup = cuda_moe_regroup,
         .moe_route = cuda_moe_route,
         .moe_permute = cuda_moe_permute,
         .moe_combine = cuda_moe_combine,

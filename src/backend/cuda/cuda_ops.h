@@ -449,6 +449,10 @@ loom_status loom_cuda_moe_route(loom_ctx *ctx, const int32_t *idx, const float *
                                 int64_t E, int k, int64_t cap, bool by_position, int32_t *counts,
                                 int32_t *order, int32_t *pos, void *scratch, size_t scratch_bytes,
                                 void *stream);
+/* cpu_moe.h's loom_cpu_moe_regroup: one block; S El <= LOOM_CUDA_MOE_REGROUP_MAX. */
+#define LOOM_CUDA_MOE_REGROUP_MAX 3072
+loom_status loom_cuda_moe_regroup(loom_ctx *ctx, const int32_t *rc, int64_t S, int64_t El,
+                                  int64_t Rt, int32_t *ix, void *stream);
 loom_status loom_cuda_moe_permute(loom_ctx *ctx, const void *x, const int32_t *order, int64_t N,
                                   int k, int64_t H, void *xg, loom_dtype dtype, void *stream);
 loom_status loom_cuda_moe_combine(loom_ctx *ctx, const void *yg, const int32_t *pos, const float *w,

@@ -246,32 +246,15 @@ __global__ void __launch_bounds__(NT)
     }
 }
 
-// One block of SCAN_NT threads (E <= 2 LOOM_CUDA_MOE_MAX_E: a capacity's
-// second pass has a kept and a dropped group an expert).
-__global__ void __launch_bounds__(SCAN_NT)
-    route_scan_kernel(int32_t *__restrict__ cnt, int64_t nch, int E, int32_t *__restrict__ counts) {
-    __shared__ int32_t tot[2 * LOOM_CUDA_MOE_MAX_E];
-    __shared__ int32_t wsum[SCAN_NT / 32];
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    for (int e = t; e < E; e += SCAN_NT) { // the chunks of expert e, in chunk order
-        int32_t run = 0;
-        for (int64_t ch = 0; ch < nch; ch++) {
-            int32_t *q = cnt + ch * E + e;
-            const int32_t v = *q;
-            *q = run;
-            run += v;
-        }
-        tot[e] = run;
-        counts[e] = run;
-    }
-    __syncthreads();
-    // the experts' exclusive prefix: thread t sums experts [t S, t S + S), a
-    // scan over the threads (warps, then the warps' totals), then its own
-    const int S = (E + SCAN_NT - 1) / SCAN_NT;
+// The exclusive prefix sums of a[0..n) in shared memory, in place, by a
+// block of SCAN_NT threads: each thread's run of ceil(n / SCAN_NT), the
+// runs' totals scanned over warps, then each run again. Every thread calls.
+__device__ void block_scan_excl(int32_t *a, int n, int32_t *wsum) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, S = (n + SCAN_NT - 1) / SCAN_NT;
     int32_t mine = 0;
     for (int i = 0; i < S; i++)
-        if (t * S + i < E)
-            mine += tot[t * S + i];
+        if (t * S + i < n)
+            mine += a[t * S + i];
     int32_t inc = mine;
     for (int o = 1; o < 32; o <<= 1) {
         const int32_t u = __shfl_up_sync(FULL, inc, o);
@@ -292,13 +275,35 @@ __global__ void __launch_bounds__(SCAN_NT)
     }
     __syncthreads();
     int32_t run = inc - mine + (warp ? wsum[warp - 1] : 0);
-    for (int i = 0; i < S; i++) // only this thread reads or writes these
-        if (t * S + i < E) {
-            const int32_t v = tot[t * S + i];
-            tot[t * S + i] = run;
+    for (int i = 0; i < S; i++)
+        if (t * S + i < n) {
+            const int32_t v = a[t * S + i];
+            a[t * S + i] = run;
             run += v;
         }
     __syncthreads();
+}
+
+// One block of SCAN_NT threads (E <= 2 LOOM_CUDA_MOE_MAX_E: a capacity's
+// second pass has a kept and a dropped group an expert).
+__global__ void __launch_bounds__(SCAN_NT)
+    route_scan_kernel(int32_t *__restrict__ cnt, int64_t nch, int E, int32_t *__restrict__ counts) {
+    __shared__ int32_t tot[2 * LOOM_CUDA_MOE_MAX_E];
+    __shared__ int32_t wsum[SCAN_NT / 32];
+    const int t = threadIdx.x;
+    for (int e = t; e < E; e += SCAN_NT) { // the chunks of expert e, in chunk order
+        int32_t run = 0;
+        for (int64_t ch = 0; ch < nch; ch++) {
+            int32_t *q = cnt + ch * E + e;
+            const int32_t v = *q;
+            *q = run;
+            run += v;
+        }
+        tot[e] = run;
+        counts[e] = run;
+    }
+    __syncthreads();
+    block_scan_excl(tot, E, wsum); // the experts' exclusive prefix
     for (int e = t; e < E; e += SCAN_NT) {
         const int32_t off = tot[e];
         for (int64_t ch = 0; ch < nch; ch++)
@@ -569,6 +574,43 @@ void launch_permute(const void *x, const int32_t *order, int64_t rows, int k, in
                                                       bytes / (int64_t)sizeof(U), (U *)xg);
 }
 
+
+// One block: each block (s, f) of the table gets its first gathered row
+// (a scan in (s, f) order) and its first grouped place (the experts'
+// totals scanned, plus the earlier sources' rows of its expert); then a
+// warp a block writes its rows both ways.
+__global__ void __launch_bounds__(SCAN_NT)
+    regroup_kernel(const int32_t *__restrict__ rc, int S, int El, int64_t Rt, int32_t *__restrict__ ix) {
+    extern __shared__ int32_t sm[];
+    __shared__ int32_t wsum[SCAN_NT / 32];
+    const int n = S * El, t = threadIdx.x;
+    int32_t *goff = sm, *gpos = sm + n, *col = sm + 2 * n;
+    for (int i = t; i < n; i += SCAN_NT)
+        goff[i] = rc[i];
+    for (int f = t; f < El; f += SCAN_NT) {
+        int32_t run = 0;
+        for (int s = 0; s < S; s++) {
+            gpos[s * El + f] = run;
+            run += rc[s * El + f];
+        }
+        col[f] = run;
+    }
+    __syncthreads();
+    block_scan_excl(goff, n, wsum);
+    block_scan_excl(col, El, wsum);
+    for (int i = t; i < n; i += SCAN_NT)
+        gpos[i] += col[i % El];
+    __syncthreads();
+    const int lane = t & 31;
+    for (int b = t >> 5; b < n; b += SCAN_NT / 32) {
+        const int32_t c = rc[b], g0 = goff[b], j0 = gpos[b];
+        for (int32_t r = lane; r < c; r += 32) {
+            ix[j0 + r] = g0 + r;
+            ix[Rt + g0 + r] = j0 + r;
+        }
+    }
+}
+
 } // namespace
 
 extern "C" size_t loom_cuda_moe_router_scratch_bytes(int64_t N, int64_t E, bool psum) {
@@ -750,4 +792,18 @@ extern "C" loom_status loom_cuda_moe_permute_bwd(loom_ctx *ctx, const void *dxg,
     LOOM_CUDA_TYPED(dtype,
               launch_gather_sum<T, false>(dxg, pos, nullptr, N, k, H, dx, as_stream(stream)));
     return check_launch(ctx, "moe_permute_bwd");
+}
+
+extern "C" loom_status loom_cuda_moe_regroup(loom_ctx *ctx, const int32_t *rc, int64_t S,
+                                             int64_t El, int64_t Rt, int32_t *ix, void *stream) {
+    if (S < 1 || El < 1 || S * El > LOOM_CUDA_MOE_REGROUP_MAX)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "cuda moe_regroup: a table of %lld x %lld (sources x experts a rank); at "
+                         "most %d entries",
+                         (long long)S, (long long)El, LOOM_CUDA_MOE_REGROUP_MAX);
+    if (Rt <= 0)
+        return LOOM_OK;
+    const size_t shm = (size_t)(2 * S * El + El) * sizeof(int32_t);
+    regroup_kernel<<<1, SCAN_NT, shm, as_stream(stream)>>>(rc, (int)S, (int)El, Rt, ix);
+    return check_launch(ctx, "moe_regroup");
 }
