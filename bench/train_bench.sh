@@ -19,10 +19,11 @@
 #   LOOM_BENCH_RUN_TIMEOUT=S limit of each run (init, loom, peer; default 300 s)
 #   LOOM_BENCH_LAYERS=N      the preset with N layers (num_hidden_layers; default: the preset's)
 #   LOOM_BENCH_EMBED_STD=X   the random model's token embedding std (loom init
-#                            --init-embedding-std; default: the preset's 0.02). With
-#                            0.02 every layer past the first of a random MoE routes
-#                            nearly all tokens to the same few experts; 1 routes them
-#                            about evenly, as a trained model does
+#                            --init-embedding-std; default: the preset's 0.02). A
+#                            random MoE routes nearly all of a layer's tokens to the
+#                            same few experts with either (1 evened it only at small
+#                            width); for even routing pass loom
+#                            --moe-router-force-load-balancing in LOOM_BENCH_LOOM_ARGS
 #   LOOM_BENCH_OUT=DIR       copy logs and the summary here (default $OUT when set)
 #   LOOM_BENCH_DEVICE, LOOM_BENCH_DTYPE, LOOM_BENCH_PEER_ARGS, LOOM_BENCH_LOOM_ARGS:
 #                            for CPU smoke tests (cuda, bf16, "", "")
