@@ -312,6 +312,84 @@ TEST(backend_moe_regroup_equals_cpu) {
     loom_ctx_free(ctx);
 }
 
+/* The once-per-rank dispatch's tables on the GPU against the CPU's, bit for
+ * bit: dest, then (route's grouping made on the host) mask, meta and the
+ * routing-weight gradients' gather. */
+TEST(backend_moe_dedup_ops_equal_cpu) {
+    if (!loom_backend_cuda() || !loom_test_have_gpu())
+        SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the CPU's");
+    loom_ctx *ctx;
+    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
+    loom_dev gd = {.cuda = true, .adt = LOOM_F32, .esz = 4, .device = 0};
+    const loom_backend *be = loom_backend_cuda();
+    REQUIRE_OK(ctx, be->init(&gd, ctx));
+    const side g = {be, &gd};
+    enum { N = 3001, K = 8, El = 16, P = 4 };
+    const uint64_t seed = (uint64_t)loom_now_s() * 131u;
+    int32_t *idx = malloc(N * K * 4), *dest = malloc(N * P * 4), *gdest = malloc(N * P * 4);
+    int32_t *ord = malloc(N * P * 4), *pos = malloc(N * P * 4), cnt[P + 1];
+    float *w = frand(N * K, seed), *dwb = frand(N * P * K, seed + 7);
+    REQUIRE(idx && dest && gdest && ord && pos && w && dwb);
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < K; j++) /* distinct experts a token, some tokens on one rank only */
+            idx[n * K + j] = (int32_t)((loom_splitmix64(seed + (uint64_t)n) % (n % 5 ? El * P : El) +
+                                        (uint64_t)j * (n % 5 ? 7 : 1)) % (n % 5 ? El * P : El));
+    loom_cpu_moe_dest(idx, N, K, El, P, dest);
+    void *di = put(ctx, g, idx, N * K * 4), *dd = NULL;
+    REQUIRE(di);
+    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dd, N * P * 4, "dest"));
+    REQUIRE_OK(ctx, be->moe_dest(&gd, ctx, di, N, K, El, P, dd));
+    REQUIRE_OK(ctx, be->download(&gd, ctx, gdest, dd, N * P * 4));
+    CHECK_MSG(!memcmp(gdest, dest, N * P * 4), "moe_dest differs from the CPU's");
+    loom_cpu_moe_route(dest, NULL, N, P + 1, P, -1, false, cnt, ord, pos);
+    int32_t *ord_m = malloc(N * P * 4), *pos_m = malloc(N * P * 4);
+    REQUIRE(ord_m && pos_m);
+    memcpy(ord_m, ord, N * P * 4), memcpy(pos_m, pos, N * P * 4);
+    loom_cpu_moe_mask(dest, N, P, P, ord_m, pos_m);
+    void *dord = put(ctx, g, ord, N * P * 4), *dpos = put(ctx, g, pos, N * P * 4);
+    REQUIRE(dord && dpos);
+    REQUIRE_OK(ctx, be->moe_mask(&gd, ctx, dd, N, P, P, dord, dpos));
+    int32_t *got = malloc(N * P * K * 4);
+    float *gotf = malloc(N * P * K * 4);
+    REQUIRE(got && gotf);
+    REQUIRE_OK(ctx, be->download(&gd, ctx, got, dord, N * P * 4));
+    CHECK_MSG(!memcmp(got, ord_m, N * P * 4), "moe_mask: order differs from the CPU's");
+    REQUIRE_OK(ctx, be->download(&gd, ctx, got, dpos, N * P * 4));
+    CHECK_MSG(!memcmp(got, pos_m, N * P * 4), "moe_mask: pos differs from the CPU's");
+    int64_t U = 0;
+    for (int p = 0; p < P; p++) U += cnt[p];
+    int32_t *tok = malloc((size_t)U * 4), *mid = malloc((size_t)U * K * 4);
+    float *mw = malloc((size_t)U * K * 4), *dw = malloc(N * K * 4);
+    REQUIRE(tok && mid && mw && dw);
+    loom_cpu_moe_dedup_meta(ord, U, idx, w, K, El, P, tok, mid, mw);
+    void *dw_ = put(ctx, g, w, N * K * 4), *dtok = NULL, *dmid = NULL, *dmw = NULL, *ddw = NULL;
+    void *ddwb = put(ctx, g, dwb, N * P * K * 4);
+    REQUIRE(dw_ && ddwb);
+    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dtok, (size_t)U * 4, "tok"));
+    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dmid, (size_t)U * K * 4, "mid"));
+    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dmw, (size_t)U * K * 4, "mw"));
+    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &ddw, N * K * 4, "dw"));
+    void *dord2 = put(ctx, g, ord, N * P * 4);
+    REQUIRE(dord2);
+    REQUIRE_OK(ctx, be->moe_dedup_meta(&gd, ctx, dord2, U, di, dw_, K, El, P, dtok, dmid, dmw));
+    REQUIRE_OK(ctx, be->download(&gd, ctx, got, dtok, (size_t)U * 4));
+    CHECK_MSG(!memcmp(got, tok, (size_t)U * 4), "moe_dedup_meta: tok differs");
+    REQUIRE_OK(ctx, be->download(&gd, ctx, got, dmid, (size_t)U * K * 4));
+    CHECK_MSG(!memcmp(got, mid, (size_t)U * K * 4), "moe_dedup_meta: mid differs");
+    REQUIRE_OK(ctx, be->download(&gd, ctx, gotf, dmw, (size_t)U * K * 4));
+    CHECK_MSG(!memcmp(gotf, mw, (size_t)U * K * 4), "moe_dedup_meta: mw differs");
+    loom_cpu_moe_dedup_dw(dwb, pos_m, N, P, K, dw);
+    REQUIRE_OK(ctx, be->moe_dedup_dw(&gd, ctx, ddwb, dpos, N, P, K, ddw));
+    REQUIRE_OK(ctx, be->download(&gd, ctx, gotf, ddw, N * K * 4));
+    CHECK_MSG(!memcmp(gotf, dw, N * K * 4), "moe_dedup_dw differs from the CPU's");
+    void *all[] = {di, dd, dord, dpos, dw_, ddwb, dtok, dmid, dmw, ddw, dord2};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) be->free(&gd, all[i]);
+    free(idx), free(dest), free(gdest), free(ord), free(pos), free(w), free(dwb), free(ord_m);
+    free(pos_m), free(got), free(gotf), free(tok), free(mid), free(mw), free(dw);
+    be->release(&gd);
+    loom_ctx_free(ctx);
+}
+
 /* ---- RMSNorm: a backend against the CPU table, in fp32 (the CUDA kernels'
  * plain forms) and bf16 (the fused forms, with the dw batch) ---- */
 

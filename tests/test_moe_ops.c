@@ -520,3 +520,53 @@ TEST(moe_regroup_orders_rows_by_expert_then_source) {
     }
     free(ix), free(want);
 }
+
+/* The once-per-rank dispatch's tables (cpu_moe.h): each token goes once to
+ * each rank holding one of its experts, with its choices as that rank's
+ * local experts (El where elsewhere) and its weights; the masked grouping
+ * leaves only those; the weight gradients come back from the one rank of
+ * each choice. */
+TEST(moe_dedup_tables_send_each_token_once_a_rank) {
+    enum { N = 37, K = 3, El = 4, P = 3 };
+    int32_t idx[N * K], dest[N * P], ord[N * P], pos[N * P], cnt[P + 1];
+    float w[N * K];
+    const uint64_t seed = (uint64_t)loom_now_s();
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < K; j++) { /* distinct experts a token */
+            idx[n * K + j] = (int32_t)((loom_splitmix64(seed + (uint64_t)n) + (uint64_t)j * 5) %
+                                       (El * P));
+            w[n * K + j] = (float)(n * K + j);
+        }
+    loom_cpu_moe_dest(idx, N, K, El, P, dest);
+    loom_cpu_moe_route(dest, NULL, N, P + 1, P, -1, false, cnt, ord, pos);
+    int64_t U = 0;
+    for (int p = 0; p < P; p++) U += cnt[p];
+    int32_t tok[N * P], mid[N * P * K];
+    float mw[N * P * K];
+    loom_cpu_moe_dedup_meta(ord, U, idx, w, K, El, P, tok, mid, mw);
+    int64_t i = 0;
+    for (int p = 0; p < P; p++)
+        for (int n = 0; n < N; n++) {
+            bool has = false;
+            for (int j = 0; j < K; j++) has |= idx[n * K + j] / El == p;
+            CHECK_EQ_INT(dest[n * P + p], has ? p : P);
+            if (!has) continue;
+            CHECK_EQ_INT(tok[i], n); /* rank by rank, tokens in order */
+            for (int j = 0; j < K; j++) {
+                CHECK_EQ_INT(mid[i * K + j], idx[n * K + j] / El == p ? idx[n * K + j] % El : El);
+                CHECK(mw[i * K + j] == w[n * K + j]);
+            }
+            i++;
+        }
+    CHECK_EQ_INT(i, U);
+    loom_cpu_moe_mask(dest, N, P, P, ord, pos);
+    float dwb[N * P * K], dw[N * K];
+    for (int64_t u = 0; u < U; u++) /* a rank's gradient: its own choices only */
+        for (int j = 0; j < K; j++)
+            dwb[u * K + j] = mid[u * K + j] < El ? 1000.0f * (float)tok[u] + (float)j : 0.0f;
+    loom_cpu_moe_dedup_dw(dwb, pos, N, P, K, dw);
+    for (int n = 0; n < N; n++) {
+        for (int p = 0; p < P; p++) CHECK((pos[n * P + p] >= 0) == (dest[n * P + p] == p));
+        for (int j = 0; j < K; j++) CHECK(dw[n * K + j] == 1000.0f * (float)n + (float)j);
+    }
+}

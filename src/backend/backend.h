@@ -269,6 +269,16 @@ typedef struct loom_backend {
     loom_status (*moe_route)(loom_dev *d, loom_ctx *ctx, const int32_t *idx, const float *w,
                              int64_t N, int64_t E, int k, int64_t cap, bool by_position,
                              int32_t *counts, int32_t *order, int32_t *pos);
+    /* the once-per-rank dispatch's tables (cpu_moe.h) */
+    loom_status (*moe_dest)(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N, int k,
+                            int64_t El, int P, int32_t *dest);
+    loom_status (*moe_dedup_meta)(loom_dev *d, loom_ctx *ctx, const int32_t *ord, int64_t U,
+                                  const int32_t *idx, const float *w, int k, int64_t El, int P,
+                                  int32_t *tok, int32_t *mid, float *mw);
+    loom_status (*moe_mask)(loom_dev *d, loom_ctx *ctx, const int32_t *key, int64_t N, int k,
+                            int32_t none, int32_t *order, int32_t *pos);
+    loom_status (*moe_dedup_dw)(loom_dev *d, loom_ctx *ctx, const float *dwb, const int32_t *pos,
+                                int64_t N, int P, int k, float *dw);
     /* ix (2 Rt) from rc (S, El): cpu_moe.h's loom_cpu_moe_regroup */
     loom_status (*moe_regroup)(loom_dev *d, loom_ctx *ctx, const int32_t *rc, int64_t S,
                                int64_t El, int64_t Rt, int32_t *ix);

@@ -370,6 +370,27 @@ void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list) {
 
 /* ---- mixture of experts ---- */
 
+loom_status loom_k_moe_dest(loom_model *m, const int32_t *idx, int64_t N, int k, int64_t El, int P,
+                            int32_t *dest) {
+    return m->dev.be->moe_dest(&m->dev, m->ctx, idx, N, k, El, P, dest);
+}
+
+loom_status loom_k_moe_dedup_meta(loom_model *m, const int32_t *ord, int64_t U, const int32_t *idx,
+                                  const float *w, int k, int64_t El, int P, int32_t *tok,
+                                  int32_t *mid, float *mw) {
+    return m->dev.be->moe_dedup_meta(&m->dev, m->ctx, ord, U, idx, w, k, El, P, tok, mid, mw);
+}
+
+loom_status loom_k_moe_mask(loom_model *m, const int32_t *key, int64_t N, int k, int32_t none,
+                            int32_t *order, int32_t *pos) {
+    return m->dev.be->moe_mask(&m->dev, m->ctx, key, N, k, none, order, pos);
+}
+
+loom_status loom_k_moe_dedup_dw(loom_model *m, const float *dwb, const int32_t *pos, int64_t N,
+                                int P, int k, float *dw) {
+    return m->dev.be->moe_dedup_dw(&m->dev, m->ctx, dwb, pos, N, P, k, dw);
+}
+
 loom_status loom_k_moe_regroup(loom_model *m, const int32_t *rc, int64_t S, int64_t El,
                                int64_t Rt, int32_t *ix) {
     return m->dev.be->moe_regroup(&m->dev, m->ctx, rc, S, El, Rt, ix);

@@ -233,6 +233,16 @@ loom_status loom_k_zero_eager(loom_model *m, struct loom_arena *A);
 void loom_k_lists_free(loom_model *m, struct loom_arena *A, bool zero_list);
 
 /* ---- mixture of experts (backend.h's moe_* ops; block_moe.c) ---- */
+/* the once-per-rank dispatch's tables (cpu_moe.h) */
+loom_status loom_k_moe_dest(loom_model *m, const int32_t *idx, int64_t N, int k, int64_t El, int P,
+                            int32_t *dest);
+loom_status loom_k_moe_dedup_meta(loom_model *m, const int32_t *ord, int64_t U, const int32_t *idx,
+                                  const float *w, int k, int64_t El, int P, int32_t *tok,
+                                  int32_t *mid, float *mw);
+loom_status loom_k_moe_mask(loom_model *m, const int32_t *key, int64_t N, int k, int32_t none,
+                            int32_t *order, int32_t *pos);
+loom_status loom_k_moe_dedup_dw(loom_model *m, const float *dwb, const int32_t *pos, int64_t N,
+                                int P, int k, float *dw);
 /* ix (2 Rt) on the device from the table rc (S, El; cpu_moe.h) */
 loom_status loom_k_moe_regroup(loom_model *m, const int32_t *rc, int64_t S, int64_t El,
                                int64_t Rt, int32_t *ix);

@@ -368,6 +368,35 @@ static loom_status cpu_moe_router_bwd(loom_dev *d, loom_ctx *ctx, const float *p
     return LOOM_OK;
 }
 
+static loom_status cpu_moe_dest(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N, int k,
+                                int64_t El, int P, int32_t *dest) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_dest(idx, N, k, El, P, dest);
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_dedup_meta(loom_dev *d, loom_ctx *ctx, const int32_t *ord, int64_t U,
+                                      const int32_t *idx, const float *w, int k, int64_t El,
+                                      int P, int32_t *tok, int32_t *mid, float *mw) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_dedup_meta(ord, U, idx, w, k, El, P, tok, mid, mw);
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_mask(loom_dev *d, loom_ctx *ctx, const int32_t *key, int64_t N, int k,
+                                int32_t none, int32_t *order, int32_t *pos) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_mask(key, N, k, none, order, pos);
+    return LOOM_OK;
+}
+
+static loom_status cpu_moe_dedup_dw(loom_dev *d, loom_ctx *ctx, const float *dwb,
+                                    const int32_t *pos, int64_t N, int P, int k, float *dw) {
+    (void)d, (void)ctx;
+    loom_cpu_moe_dedup_dw(dwb, pos, N, P, k, dw);
+    return LOOM_OK;
+}
+
 static loom_status cpu_moe_regroup(loom_dev *d, loom_ctx *ctx, const int32_t *rc, int64_t S,
                                    int64_t El, int64_t Rt, int32_t *ix) {
     (void)d, (void)ctx;
@@ -504,6 +533,10 @@ const loom_backend *loom_backend_cpu(void) {
         .moe_router_bwd = cpu_moe_router_bwd,
         .moe_route = cpu_moe_route,
         .moe_regroup = cpu_moe_regroup,
+        .moe_dest = cpu_moe_dest,
+        .moe_dedup_meta = cpu_moe_dedup_meta,
+        .moe_mask = cpu_moe_mask,
+        .moe_dedup_dw = cpu_moe_dedup_dw,
         .moe_permute = cpu_moe_permute,
         .moe_combine = cpu_moe_combine,
         .moe_combine_bwd = cpu_moe_combine_bwd,

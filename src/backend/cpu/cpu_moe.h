@@ -75,6 +75,25 @@ static inline int64_t loom_moe_kept(int64_t n, int64_t cap) {
  * inputs. ix[j] (j < Rt) = the gathered row at grouped place j, ix[Rt + i]
  * = the grouped place of gathered row i. */
 void loom_cpu_moe_regroup(const int32_t *rc, int64_t S, int64_t El, int64_t Rt, int32_t *ix);
+/* The once-per-rank dispatch (ep ranks of El experts each, P of them):
+ * - dest (N, P): p where token n has a choice among rank p's experts
+ *   (idx / El == p), else P (none);
+ * - dedup_meta: the U rows sent, rank by rank in ord's order (route's over
+ *   dest): for i < U, c = ord[i], t = c / P, p = c % P: tok[i] = t, and
+ *   for each of t's choices j, mid[i k + j] its expert on rank p (idx - p
+ *   El) or El when on another rank, mw[i k + j] its weight;
+ * - mask: choices c < N k with key[c] == none get route's dropped form
+ *   (order[pos[c]] = -1 - c, pos[c] = -1);
+ * - dedup_dw: dw[n k + j] = the sum over p in order of dwb[pos[n P + p] k
+ *   + j] where pos[n P + p] >= 0 (the ranks' routing-weight gradients back
+ *   at the token's). */
+void loom_cpu_moe_dest(const int32_t *idx, int64_t N, int k, int64_t El, int P, int32_t *dest);
+void loom_cpu_moe_dedup_meta(const int32_t *ord, int64_t U, const int32_t *idx, const float *w,
+                             int k, int64_t El, int P, int32_t *tok, int32_t *mid, float *mw);
+void loom_cpu_moe_mask(const int32_t *key, int64_t N, int k, int32_t none, int32_t *order,
+                       int32_t *pos);
+void loom_cpu_moe_dedup_dw(const float *dwb, const int32_t *pos, int64_t N, int P, int k,
+                           float *dw);
 /* xg (N*k, H): row p = x[order[p] / k] (the grouped inputs); rows of a
  * dropped choice (order[p] < 0) are left as they are. */
 void loom_cpu_moe_permute(const float *x, const int32_t *order, int64_t N, int k, int64_t H,

@@ -242,3 +242,48 @@ void loom_cpu_moe_regroup(const int32_t *rc, int64_t S, int64_t El, int64_t Rt, 
             }
     }
 }
+
+void loom_cpu_moe_dest(const int32_t *idx, int64_t N, int k, int64_t El, int P, int32_t *dest) {
+    for (int64_t n = 0; n < N; n++) {
+        for (int p = 0; p < P; p++) dest[n * P + p] = P;
+        for (int j = 0; j < k; j++) {
+            const int32_t p = (int32_t)(idx[n * k + j] / El);
+            dest[n * P + p] = p;
+        }
+    }
+}
+
+void loom_cpu_moe_dedup_meta(const int32_t *ord, int64_t U, const int32_t *idx, const float *w,
+                             int k, int64_t El, int P, int32_t *tok, int32_t *mid, float *mw) {
+    for (int64_t i = 0; i < U; i++) {
+        const int64_t t = ord[i] / P, p = ord[i] % P;
+        tok[i] = (int32_t)t;
+        for (int j = 0; j < k; j++) {
+            const int64_t e = idx[t * k + j] - p * El;
+            mid[i * k + j] = (int32_t)(e >= 0 && e < El ? e : El);
+            mw[i * k + j] = w[t * k + j];
+        }
+    }
+}
+
+void loom_cpu_moe_mask(const int32_t *key, int64_t N, int k, int32_t none, int32_t *order,
+                       int32_t *pos) {
+    for (int64_t c = 0; c < N * k; c++)
+        if (key[c] == none) {
+            order[pos[c]] = (int32_t)(-1 - c);
+            pos[c] = -1;
+        }
+}
+
+void loom_cpu_moe_dedup_dw(const float *dwb, const int32_t *pos, int64_t N, int P, int k,
+                           float *dw) {
+    for (int64_t n = 0; n < N; n++)
+        for (int j = 0; j < k; j++) {
+            float s = 0.0f;
+            for (int p = 0; p < P; p++) {
+                const int32_t u = pos[n * P + p];
+                if (u >= 0) s += dwb[(int64_t)u * k + j];
+            }
+            dw[n * k + j] = s;
+        }
+}

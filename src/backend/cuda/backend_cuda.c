@@ -505,6 +505,27 @@ static loom_status moe_scratch(loom_dev *d, loom_ctx *ctx, size_t need) {
     return st;
 }
 
+static loom_status cuda_moe_dest(loom_dev *d, loom_ctx *ctx, const int32_t *idx, int64_t N, int k,
+                                 int64_t El, int P, int32_t *dest) {
+    return loom_cuda_moe_dest(ctx, idx, N, k, El, P, dest, d->stream);
+}
+
+static loom_status cuda_moe_dedup_meta(loom_dev *d, loom_ctx *ctx, const int32_t *ord, int64_t U,
+                                       const int32_t *idx, const float *w, int k, int64_t El,
+                                       int P, int32_t *tok, int32_t *mid, float *mw) {
+    return loom_cuda_moe_dedup_meta(ctx, ord, U, idx, w, k, El, P, tok, mid, mw, d->stream);
+}
+
+static loom_status cuda_moe_mask(loom_dev *d, loom_ctx *ctx, const int32_t *key, int64_t N, int k,
+                                 int32_t none, int32_t *order, int32_t *pos) {
+    return loom_cuda_moe_mask(ctx, key, N, k, none, order, pos, d->stream);
+}
+
+static loom_status cuda_moe_dedup_dw(loom_dev *d, loom_ctx *ctx, const float *dwb,
+                                     const int32_t *pos, int64_t N, int P, int k, float *dw) {
+    return loom_cuda_moe_dedup_dw(ctx, dwb, pos, N, P, k, dw, d->stream);
+}
+
 static loom_status cuda_moe_regroup(loom_dev *d, loom_ctx *ctx, const int32_t *rc, int64_t S,
                                     int64_t El, int64_t Rt, int32_t *ix) {
     return loom_cuda_moe_regroup(ctx, rc, S, El, Rt, ix, d->stream);
@@ -737,6 +758,10 @@ const loom_backend *loom_backend_cuda(void) {
         .moe_router_fwd = cuda_moe_router_fwd,
         .moe_router_bwd = cuda_moe_router_bwd,
         .moe_regroup = cuda_moe_regroup,
+        .moe_dest = cuda_moe_dest,
+        .moe_dedup_meta = cuda_moe_dedup_meta,
+        .moe_mask = cuda_moe_mask,
+        .moe_dedup_dw = cuda_moe_dedup_dw,
         .moe_route = cuda_moe_route,
         .moe_permute = cuda_moe_permute,
         .moe_combine = cuda_moe_combine,

@@ -449,6 +449,16 @@ loom_status loom_cuda_moe_route(loom_ctx *ctx, const int32_t *idx, const float *
                                 int64_t E, int k, int64_t cap, bool by_position, int32_t *counts,
                                 int32_t *order, int32_t *pos, void *scratch, size_t scratch_bytes,
                                 void *stream);
+/* cpu_moe.h's once-per-rank dispatch tables (ops_moe_dedup.cu). */
+loom_status loom_cuda_moe_dest(loom_ctx *ctx, const int32_t *idx, int64_t N, int k, int64_t El,
+                               int P, int32_t *dest, void *stream);
+loom_status loom_cuda_moe_dedup_meta(loom_ctx *ctx, const int32_t *ord, int64_t U,
+                                     const int32_t *idx, const float *w, int k, int64_t El, int P,
+                                     int32_t *tok, int32_t *mid, float *mw, void *stream);
+loom_status loom_cuda_moe_mask(loom_ctx *ctx, const int32_t *key, int64_t N, int k, int32_t none,
+                               int32_t *order, int32_t *pos, void *stream);
+loom_status loom_cuda_moe_dedup_dw(loom_ctx *ctx, const float *dwb, const int32_t *pos, int64_t N,
+                                   int P, int k, float *dw, void *stream);
 /* cpu_moe.h's loom_cpu_moe_regroup: one block; S El <= LOOM_CUDA_MOE_REGROUP_MAX. */
 #define LOOM_CUDA_MOE_REGROUP_MAX 3072
 loom_status loom_cuda_moe_regroup(loom_ctx *ctx, const int32_t *rc, int64_t S, int64_t El,
