@@ -15,7 +15,6 @@
 #include "../src/core/rng.h"
 #include "../src/core/core.h"
 #include "../src/io/safetensors.h"
-#include "../src/model/moe_dedup.h"
 #include "../src/model/moe_tabs.h"
 #include "harness.h"
 
@@ -427,70 +426,6 @@ TEST(moe_tabs_keep_each_layers_tables_by_key) {
     CHECK(loom_moe_tabs_put(ctx, &t, 3, 3, &keys[0], cnt, 8, rc, 0) == LOOM_ERR_INTERNAL);
     loom_moe_tabs_free(t);
     loom_ctx_free(ctx);
-}
-
-/* The once-per-rank dispatch's host tables (src/model/moe_dedup.h) on
- * random routings: each rank's block lists its distinct tokens once, every
- * choice row finds its token there, the receiver's composition finds it
- * among all the sources' rows, and the sums' slots cover each row once. */
-TEST(moe_dedup_tables_find_every_choice) {
-    enum { N = 40, K = 3, E = 8, P = 4, EL = E / P, R = N * K };
-    for (uint64_t seed = 1; seed <= 20; seed++) {
-        int32_t ord[R], cnt[E] = {0}, idx[R];
-        for (int t = 0; t < N; t++) /* K distinct experts a token */
-            for (int j = 0; j < K; j++) {
-                int e;
-                bool dup;
-                uint64_t z = loom_splitmix64(seed * 1000 + (uint64_t)(t * K + j));
-                do {
-                    e = (int)(z % E);
-                    z = loom_splitmix64(z);
-                    dup = false;
-                    for (int i = 0; i < j; i++) dup |= idx[t * K + i] == e;
-                } while (dup);
-                idx[t * K + j] = e;
-                cnt[e]++;
-            }
-        int64_t r = 0, seg[P] = {0};
-        for (int e = 0; e < E; e++) /* grouped by expert, tokens ascending */
-            for (int t = 0; t < N; t++)
-                for (int j = 0; j < K; j++)
-                    if (idx[t * K + j] == e) ord[r++] = t * K + j, seg[e / EL]++;
-        int32_t mark[N], uord[R], xidx[R], fidx[R], sbase[R], ix[R], pos_t[N * P];
-        int32_t pos_e[R * K], fill[R];
-        int64_t nu[P];
-        loom_moe_dedup_plan(ord, seg, P, K, N, mark, uord, nu, xidx);
-        int64_t j = 0, u0 = 0, bad = 0;
-        for (int p = 0; p < P; p++) {
-            for (int64_t a = 0; a < nu[p]; a++) /* distinct within the block */
-                for (int64_t b2 = a + 1; b2 < nu[p]; b2++) bad += uord[u0 + a] == uord[u0 + b2];
-            for (int64_t i = 0; i < seg[p]; i++, j++)
-                bad += xidx[j] < 0 || xidx[j] >= nu[p] || uord[u0 + xidx[j]] != ord[j] / K;
-            u0 += nu[p];
-        }
-        CHECK_EQ_INT(bad, 0);
-        /* one receiver of all the blocks (sources in rank order), regrouped
-         * by a reversal */
-        for (int64_t g = 0; g < r; g++) ix[g] = (int32_t)(r - 1 - g);
-        loom_moe_dedup_compose(xidx, 1, seg, nu, P, ix, r, sbase, fidx, NULL);
-        for (int64_t g = 0; g < r; g++) bad += uord[fidx[g]] != ord[ix[g]] / K;
-        CHECK_EQ_INT(bad, 0);
-        loom_moe_dedup_sum_slots(fidx, r, u0, K, pos_e, fill);
-        int64_t seen = 0;
-        for (int64_t u = 0; u < u0; u++)
-            for (int s2 = 0; s2 < K; s2++)
-                if (pos_e[u * K + s2] >= 0) seen++, bad += fidx[pos_e[u * K + s2]] != u;
-        CHECK_EQ_INT(seen, r);
-        loom_moe_dedup_token_slots(uord, nu, P, N, pos_t);
-        for (int t = 0; t < N; t++)
-            for (int p = 0; p < P; p++) {
-                bool has = false;
-                for (int jj = 0; jj < K; jj++) has |= idx[t * K + jj] / EL == p;
-                const int32_t u = pos_t[t * P + p];
-                bad += has != (u >= 0) || (u >= 0 && uord[u] != t);
-            }
-        CHECK_EQ_INT(bad, 0);
-    }
 }
 
 /* The expert-parallel regrouping (loom_cpu_moe_regroup): the gathered rows,

@@ -31,7 +31,7 @@ enum {
     LOOM_BLOCK_MAX_SLOTS = 16,   /* tensors of one block */
     LOOM_BLOCK_MAX_LINEARS = 8,  /* linears of one block */
     LOOM_LAYER_MAX_LINEARS = 16, /* linears of one layer */
-    LOOM_BLOCK_MAX_BUFS = 20,    /* activation buffers of one block, per layer */
+    LOOM_BLOCK_MAX_BUFS = 32,    /* activation buffers of one block, per layer */
     LOOM_BLOCK_MAX_SCRATCH = 16, /* scratch buffers of one kind */
     LOOM_MOE_MAX_EXPERTS = 512,  /* experts of a MoE layer */
     LOOM_MOE_EXPERT_SLOTS = 3,   /* an expert's tensors (gate, up, down): expert e's slots

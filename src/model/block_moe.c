@@ -51,7 +51,6 @@
 #include <string.h>
 
 #include "../comm/comm.h"
-#include "../backend/cpu/cpu_moe.h"
 #include "../core/rng.h"
 #include "block.h"
 #include "model.h"
@@ -75,8 +74,13 @@ enum { LG, LU, LD, SLG, SLU, SLD, SLGATE, LROUTER, NLIN };
  * the shared expert's g, u, act (dropped) and its gate's sigmoid (kept,
  * fp32) */
 enum {
-    PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, LSE, SHG, SHU, SHACT, SHSIG, NBUF
+    PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, LSE, SHG, SHU, SHACT, SHSIG,
+    /* the once-per-rank dispatch's tables (dedup_on): each token's ranks,
+     * their grouping (the rows sent), the rows' tokens; the received rows'
+     * local experts and weights, and their grouping by expert */
+    DEST, CNT2, ORD2, POS2, TOK, RMID, RMW, RCNT, RORD, RPOS, NBUF
 };
+_Static_assert((int)NBUF <= (int)LOOM_BLOCK_MAX_BUFS, "block.h: LOOM_BLOCK_MAX_BUFS is too small for MoE");
 /* scratch: logits and their gradient, probability sums, the choices'
  * weight gradients, three row buffers of the dispatch, the experts'
  * gradients, the regrouping's row orders, LoRA's du; the shared expert's
@@ -182,11 +186,16 @@ static geo geometry(const loom_model *m, int64_t Tc) {
 
 /* The ep all-to-alls of token rows send each row once per destination rank
  * (moe_dedup.h) where the rows go over ep alone (etp 1). */
-static bool dedup_on(const geo *q) { return !q->local && q->Q == 1 && q->dedup; }
+static bool dedup_on(const geo *q) { return !q->local && q->Q == 1 && q->cap < 0 && q->dedup; }
 /* Whether the count table is exchanged on the device (no host round trip
  * before the download that brings the counts): dropless, once per choice.
  * A capacity trims the counts on the host first. */
-static bool tables_on_device(const geo *q) { return !q->local && q->cap < 0 && !dedup_on(q); }
+static bool tables_on_device(const geo *q) { return !q->local && q->cap < 0; }
+
+/* The dispatch's count table (Q, P, El), and with it on the host (and in
+ * moe_tabs) once per rank the rows sent to and received from each ep rank */
+static int64_t rc_len(const geo *q) { return q->local ? 0 : q->Q * q->P * q->El; }
+static int64_t table_len(const geo *q) { return rc_len(q) + (dedup_on(q) ? 2 * q->P : 0); }
 
 /* The shared expert's width on this rank (0: none). */
 static int64_t shared_width(const loom_model *m) {
@@ -206,12 +215,19 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     out[XE] = (loom_block_buf){(size_t)(g.Rmax * g.H) * esz, true};
     out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(g.Rmax * g.Ie) * esz, true};
     out[LST] = (loom_block_buf){(size_t)(3 * g.Rmax * m->lora_r) * esz, true};
-    out[YS] = (loom_block_buf){(size_t)(g.Rk * g.H) * esz, false};
+    /* the experts' outputs: at the tokens' rank, or (dedup_on) at the experts' */
+    const bool dd = dedup_on(&g);
+    out[YS] = (loom_block_buf){(size_t)((dd ? g.Rmax : g.Rk) * g.H) * esz, false};
     out[LSE] = (loom_block_buf){(size_t)g.n * sizeof(float), false};
     /* the shared expert's g, u and act (dropped), its gate's values (kept) */
     const int64_t Is = shared_width(m);
     out[SHG] = out[SHU] = out[SHACT] = (loom_block_buf){(size_t)(Tc * Is) * esz, true};
     out[SHSIG] = (loom_block_buf){Is ? (size_t)Tc * sizeof(float) : 0, false};
+    const size_t nP = dd ? (size_t)(g.n * g.P) * i4 : 0, rm = dd ? (size_t)g.Rmax * i4 : 0;
+    out[DEST] = out[ORD2] = out[POS2] = out[TOK] = (loom_block_buf){nP, false};
+    out[CNT2] = (loom_block_buf){dd ? (size_t)(g.P + 1) * i4 : 0, false};
+    out[RMID] = out[RMW] = out[RORD] = out[RPOS] = (loom_block_buf){rm, false};
+    out[RCNT] = (loom_block_buf){dd ? (size_t)(g.El + 1) * i4 : 0, false};
     return NBUF;
 }
 
@@ -227,14 +243,14 @@ static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes
     const geo g = geometry(m, Tc);
     const size_t esz = m->dev.esz;
     bytes[Z] = (size_t)(g.n * g.E) * esz;
-    bytes[PSUM] = rc_at(g.E) + (size_t)(g.local ? 0 : g.Q * g.P * g.El) * sizeof(int32_t);
+    bytes[PSUM] = rc_at(g.E) + (size_t)table_len(&g) * sizeof(int32_t);
     bytes[DW] = (size_t)g.R * sizeof(float);
     bytes[S1] = bytes[S2] = bytes[S3] = (size_t)(g.Rmax * g.H) * esz;
     bytes[DG] = bytes[DU] = (size_t)(g.Rmax * g.Ie) * esz;
     bytes[IX] = g.local ? 0 : (size_t)(2 * g.Rmax) * sizeof(int32_t);
-    /* the once-per-rank dispatch's device tables (dedup_on): the sent tokens,
-     * the grouped rows' unique rows and weights, the sums' slots */
-    bytes[DX] = dedup_on(&g) ? (size_t)(g.R + 2 * g.Rmax + g.Rmax * g.k + g.n * g.P) * 4 : 0;
+    /* the once-per-rank dispatch (dedup_on): the routing weights' gradients
+     * at the experts' rank and back at the tokens' */
+    bytes[DX] = dedup_on(&g) ? (size_t)(2 * g.Rmax) * sizeof(float) : 0;
     bytes[DLU] = (size_t)(g.Rmax * m->lora_r) * esz;
     const int64_t Is = shared_width(m);
     bytes[SZ] = Is ? (size_t)Tc * esz : 0;
@@ -248,21 +264,13 @@ typedef struct hs {
     int32_t *cnt;      /* (E) choices per expert of this rank's tokens */
     float *psum;       /* (E) */
     int32_t *rc;       /* (Q, P, El): rows expert e of this rank gets from ep rank p, for
-                        * each etp rank q (the dispatch's table) */
+                        * each etp rank q (the dispatch's table); once per rank, then the
+                        * rows sent to each ep rank (nu, P) and received from each (nur) */
     int32_t *ce;       /* (El) rows each local expert gets (its GEMMs' sizes) */
     int32_t *ix;       /* (2 Rmax) the regrouping's row orders */
     int32_t *tab;      /* (P, El) this rank's table, sent to the etp group */
     size_t *sc, *rcv;  /* (max(P, Q)) element counts of an alltoallv */
     float *lse;        /* (n) the router rows' logsumexp (the z-loss) */
-    /* the once-per-rank dispatch (dedup_on; moe_dedup.h): this rank's ORD
-     * and weights, the plan (tokens sent, their counts both ways, each
-     * choice row's token place), the metadata both ways, the receiver's
-     * tables, the sums' slots, and the unique rows sent and received */
-    int32_t *ordh, *mark, *uord, *xidx, *xmeta, *rmeta, *sbase, *fidx, *pos_e, *fill, *pos_t;
-    int32_t *ucs, *ucr;
-    float *wth, *fw;
-    int64_t *segs, *rcvs, *nu, *nur, *tot;
-    size_t *usc, *urc;
 } hs;
 
 static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
@@ -277,36 +285,13 @@ static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
     } while (0)
     TAKE(cnt, g.E);
     TAKE(psum, g.E); /* right after cnt, as in the PSUM scratch (psum_at) */
-    TAKE(rc, g.Q * g.P * g.El);
+    TAKE(rc, g.Q * g.P * g.El + (dedup_on(&g) ? 2 * g.P : 0));
     TAKE(ce, g.El);
     TAKE(ix, 2 * g.Rmax);
     TAKE(tab, g.P * g.El);
     TAKE(sc, PQ);
     TAKE(rcv, PQ);
     TAKE(lse, g.n);
-    const bool dd = dedup_on(&g);
-    TAKE(ordh, dd ? g.R : 0);
-    TAKE(mark, dd ? g.n : 0);
-    TAKE(uord, dd ? g.R : 0);
-    TAKE(xidx, dd ? g.R : 0);
-    TAKE(xmeta, dd ? 2 * g.R : 0);
-    TAKE(rmeta, dd ? 2 * g.Rmax : 0);
-    TAKE(sbase, dd ? g.Rmax : 0);
-    TAKE(fidx, dd ? g.Rmax : 0);
-    TAKE(pos_e, dd ? g.Rmax * g.k : 0);
-    TAKE(fill, dd ? g.Rmax : 0);
-    TAKE(pos_t, dd ? g.n * g.P : 0);
-    TAKE(ucs, dd ? g.P : 0);
-    TAKE(ucr, dd ? g.P : 0);
-    TAKE(wth, dd ? g.R : 0);
-    TAKE(fw, dd ? g.Rmax : 0);
-    TAKE(segs, dd ? g.P : 0);
-    TAKE(rcvs, dd ? g.P : 0);
-    TAKE(nu, dd ? g.P : 0);
-    TAKE(nur, dd ? g.P : 0);
-    TAKE(tot, dd ? 2 : 0);
-    TAKE(usc, dd ? g.P : 0);
-    TAKE(urc, dd ? g.P : 0);
 #undef TAKE
     return off;
 }
@@ -493,9 +478,8 @@ static void keep_counts(const geo *q, int32_t *cnt) {
 
 /* The regrouping of the gathered rows, ordered (etp rank, ep rank, expert),
  * into (expert, etp rank, ep rank) and back (cpu_moe.h's
- * loom_cpu_moe_regroup) in the device's IX, from the table in RC (on the
- * host for the once-per-rank dispatch, which reads it there); ce the rows
- * per expert. Returns the rows. */
+ * loom_cpu_moe_regroup) in the device's IX, from the table in RC (not for
+ * the once-per-rank dispatch); ce the rows per expert. Returns the rows. */
 static loom_status regroup_orders(const loom_blk *b, const geo *q, const hs *h, int64_t *rows) {
     const int64_t QP = q->Q * q->P;
     int64_t Rt = 0;
@@ -505,9 +489,8 @@ static loom_status regroup_orders(const loom_blk *b, const geo *q, const hs *h, 
         Rt += h->ce[e];
     }
     *rows = Rt;
-    if (!dedup_on(q)) return loom_k_moe_regroup(b->m, b->act[RC], QP, q->El, Rt, b->scratch[IX]);
-    loom_cpu_moe_regroup(h->rc, QP, q->El, Rt, h->ix);
-    return loom_k_upload(b->m, b->scratch[IX], h->ix, (size_t)(2 * Rt) * sizeof(int32_t));
+    if (dedup_on(q)) return LOOM_OK; /* the experts' rank groups its rows itself */
+    return loom_k_moe_regroup(b->m, b->act[RC], QP, q->El, Rt, b->scratch[IX]);
 }
 
 /* The element counts of the ep all-to-all: this rank's rows for each ep
@@ -573,79 +556,129 @@ static loom_status undispatch(const loom_blk *b, const geo *q, const hs *h, void
     return loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt);
 }
 
-/* ---- the once-per-rank dispatch (dedup_on; moe_dedup.h) ---- */
+/* ---- the once-per-rank dispatch (dedup_on; cpu_moe.h's tables) ----
+ * A token's row goes once to each ep rank holding some of its experts
+ * (rows grouped by rank: ORD2, POS2 masked where it has none), with its
+ * choices as that rank's local experts (El: elsewhere) and weights; the
+ * experts' rank groups the received rows' choices by expert (RORD, RPOS),
+ * sums each row's weighted outputs, and sends one row back, which the
+ * token's rank sums over ranks. The backward goes the same way: dy once a
+ * rank; the routing weights' gradients and the summed input gradients
+ * back. The counts travel on the device with the table (moe_fwd). */
 
-/* The rows of tok (this rank's n tokens) that its kept choices read go to
- * the ranks of their experts once per rank, with each choice row's place
- * among them (and with wt, host weights by choice id, its weight); from the
- * received rows, dst gets this rank's experts' rows grouped (times their
- * weights with wt), as dispatch's would be. cs, cr: row scratch. The plan
- * stays in the host scratch for dedup_return. */
-static loom_status dedup_dispatch(const loom_blk *b, const geo *q, const hs *h, const void *tok,
-                                  const float *wt, void *dst, void *cs, void *cr, int64_t Rt) {
-    loom_model *m = b->m;
-    const int P = (int)q->P, mw = wt ? 2 : 1;
-    const loom_dtype dt = m->dev.adt;
-    int32_t *dix = b->scratch[DX], *dfi = dix + q->R;
-    ep_counts(m, q, h, h->sc, h->rcv);
-    int64_t sent = 0, got = 0;
-    for (int p = 0; p < P; p++) {
-        h->segs[p] = (int64_t)(h->sc[p] / (size_t)q->H);
-        h->rcvs[p] = (int64_t)(h->rcv[p] / (size_t)q->H);
-        sent += h->segs[p], got += h->rcvs[p];
+/* The rows sent to and received from each ep rank (the host table's tail). */
+static const int32_t *dd_nu(const geo *q, const hs *h) { return h->rc + rc_len(q); }
+static const int32_t *dd_nur(const geo *q, const hs *h) { return h->rc + rc_len(q) + q->P; }
+
+static void dd_counts(const geo *q, const int32_t *a, const int32_t *b, int64_t w, size_t *sc,
+                      size_t *rcv, int64_t *na, int64_t *nb) {
+    *na = *nb = 0;
+    for (int64_t p = 0; p < q->P; p++) {
+        sc[p] = (size_t)(a[p] * w), rcv[p] = (size_t)(b[p] * w);
+        *na += a[p], *nb += b[p];
     }
-    if (got != Rt)
-        return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE dispatch: %lld rows to receive, the "
-                         "table says %lld", (long long)got, (long long)Rt);
-    CK(loom_k_download(m, h->ordh, b->act[ORD], (size_t)sent * sizeof(int32_t)));
-    loom_moe_dedup_plan(h->ordh, h->segs, P, q->k, q->n, h->mark, h->uord, h->nu, h->xidx);
-    int64_t nus = 0, nug = 0;
-    for (int p = 0; p < P; p++) h->ucs[p] = (int32_t)h->nu[p], nus += h->nu[p];
-    CK(loom_comm_alltoall(m->mesh->ep, h->ucs, h->ucr, 1, LOOM_I32));
-    for (int p = 0; p < P; p++) h->nur[p] = h->ucr[p], nug += h->ucr[p];
-    h->tot[0] = nus, h->tot[1] = nug;
-    for (int64_t j = 0; j < sent; j++) {
-        h->xmeta[j * mw] = h->xidx[j];
-        if (wt) memcpy(&h->xmeta[j * mw + 1], &wt[h->ordh[j]], sizeof(float));
-    }
-    for (int p = 0; p < P; p++)
-        h->usc[p] = (size_t)(h->segs[p] * mw), h->urc[p] = (size_t)(h->rcvs[p] * mw);
-    CK(loom_comm_alltoallv(m->mesh->ep, h->xmeta, h->usc, h->rmeta, h->urc, LOOM_I32));
-    CK(loom_k_upload(m, dix, h->uord, (size_t)nus * sizeof(int32_t)));
-    CK(loom_k_moe_permute(m, tok, dix, nus, 1, q->H, cs));
-    for (int p = 0; p < P; p++)
-        h->usc[p] = (size_t)(h->nu[p] * q->H), h->urc[p] = (size_t)(h->nur[p] * q->H);
-    CK(loom_comm_alltoallv(m->mesh->ep, cs, h->usc, cr, h->urc, dt));
-    loom_moe_dedup_compose(h->rmeta, mw, h->rcvs, h->nur, P, h->ix, Rt, h->sbase, h->fidx,
-                           wt ? h->fw : NULL);
-    CK(loom_k_upload(m, dfi, h->fidx, (size_t)Rt * sizeof(int32_t)));
-    CK(loom_k_moe_permute(m, cr, dfi, Rt, 1, q->H, dst));
-    if (!wt) return LOOM_OK;
-    float *dfw = (float *)(dfi + q->Rmax);
-    CK(loom_k_upload(m, dfw, h->fw, (size_t)Rt * sizeof(float)));
-    return loom_k_rows_scale(m, dst, Rt, q->H, dfw);
 }
 
-/* The grouped rows src (after dedup_dispatch) summed per received unique
- * row, back to their tokens' ranks, and summed per token into dx (this
- * rank's n rows, written); cs, cr: row scratch. */
-static loom_status dedup_return(const loom_blk *b, const geo *q, const hs *h, const void *src,
-                                void *dx, void *cs, void *cr, int64_t Rt) {
+/* Before the forward's download: each token's ranks, grouped, and the
+ * count of rows for each rank to it (into the download's tail). */
+static loom_status dd_plan(const loom_blk *b, const geo *q) {
     loom_model *m = b->m;
+    void *const *a = b->act;
     const int P = (int)q->P;
-    int32_t *dpe = (int32_t *)b->scratch[DX] + q->R + 2 * q->Rmax, *dpt = dpe + q->Rmax * q->k;
-    const int64_t nug = h->tot[1];
-    loom_moe_dedup_sum_slots(h->fidx, Rt, nug, q->k, h->pos_e, h->fill);
-    CK(loom_k_upload(m, dpe, h->pos_e, (size_t)(nug * q->k) * sizeof(int32_t)));
-    CK(loom_k_moe_permute_bwd(m, src, dpe, nug, q->k, q->H, cr));
-    for (int p = 0; p < P; p++)
-        h->usc[p] = (size_t)(h->nur[p] * q->H), h->urc[p] = (size_t)(h->nu[p] * q->H);
-    CK(loom_comm_alltoallv(m->mesh->ep, cr, h->usc, cs, h->urc, m->dev.adt));
-    loom_moe_dedup_token_slots(h->uord, h->nu, P, q->n, h->pos_t);
-    CK(loom_k_upload(m, dpt, h->pos_t, (size_t)(q->n * P) * sizeof(int32_t)));
-    return loom_k_moe_permute_bwd(m, cs, dpt, q->n, P, q->H, dx);
+    CK(loom_k_moe_dest(m, a[IDX], q->n, q->k, q->El, P, a[DEST]));
+    CK(loom_k_moe_route(m, a[DEST], NULL, q->n, P + 1, P, -1, false, a[CNT2], a[ORD2], a[POS2]));
+    CK(loom_k_moe_mask(m, a[DEST], q->n, P, P, a[ORD2], a[POS2]));
+    int32_t *tail = (int32_t *)((char *)b->scratch[PSUM] + rc_at(q->E)) + rc_len(q);
+    CK(loom_k_copy(m, tail, a[CNT2], (size_t)P * sizeof(int32_t)));
+    defer(m, m->mesh->ep);
+    return loom_comm_alltoall(m->mesh->ep, a[CNT2], tail + P, 1, LOOM_I32);
 }
 
+/* rows (n of them, this rank's tokens) once to each rank their choices
+ * need -> recv (the rows from each rank in turn); cs: send scratch */
+static loom_status dd_send_rows(const loom_blk *b, const geo *q, const hs *h, const void *rows,
+                                void *cs, void *recv) {
+    loom_model *m = b->m;
+    int64_t ns, nr;
+    dd_counts(q, dd_nu(q, h), dd_nur(q, h), q->H, h->sc, h->rcv, &ns, &nr);
+    CK(loom_k_rows_gather(m, cs, rows, b->act[TOK], ns, q->H));
+    defer(m, m->mesh->ep);
+    return loom_comm_alltoallv(m->mesh->ep, cs, h->sc, recv, h->rcv, m->dev.adt);
+}
+
+/* recv's rows (one a received row, from each rank in turn) back to their
+ * tokens' rank, summed there over ranks into out (this rank's n rows);
+ * cs: scratch */
+static loom_status dd_return_rows(const loom_blk *b, const geo *q, const hs *h, const void *rows,
+                                  void *cs, void *out) {
+    loom_model *m = b->m;
+    int64_t ns, nr;
+    dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->H, h->sc, h->rcv, &nr, &ns);
+    defer(m, m->mesh->ep);
+    CK(loom_comm_alltoallv(m->mesh->ep, rows, h->sc, cs, h->rcv, m->dev.adt));
+    return loom_k_moe_permute_bwd(m, cs, b->act[POS2], q->n, (int)q->P, q->H, out);
+}
+
+/* The forward's rows: x (this rank's n token rows) -> the experts' rows
+ * xe, grouped by local expert; the received rows' tables kept. cs, cr:
+ * row scratch; meta: scratch for ns k ints and ns k floats. */
+static loom_status dd_dispatch(const loom_blk *b, const geo *q, const hs *h, const void *x,
+                               void *cs, void *cr, void *meta, void *xe) {
+    loom_model *m = b->m;
+    void *const *a = b->act;
+    const int P = (int)q->P;
+    int64_t ns, nr;
+    dd_counts(q, dd_nu(q, h), dd_nur(q, h), q->k, h->sc, h->rcv, &ns, &nr);
+    int32_t *mid = meta;
+    float *mw = (float *)(mid + ns * q->k);
+    CK(loom_k_moe_dedup_meta(m, a[ORD2], ns, a[IDX], a[WT], q->k, q->El, P, a[TOK], mid, mw));
+    defer(m, m->mesh->ep);
+    CK(loom_comm_alltoallv(m->mesh->ep, mid, h->sc, a[RMID], h->rcv, LOOM_I32));
+    defer(m, m->mesh->ep);
+    CK(loom_comm_alltoallv(m->mesh->ep, mw, h->sc, a[RMW], h->rcv, LOOM_F32));
+    CK(dd_send_rows(b, q, h, x, cs, cr));
+    CK(loom_k_moe_route(m, a[RMID], NULL, nr, q->El + 1, q->k, -1, false, a[RCNT], a[RORD],
+                        a[RPOS]));
+    CK(loom_k_moe_mask(m, a[RMID], nr, q->k, (int32_t)q->El, a[RORD], a[RPOS]));
+    return loom_k_moe_permute(m, cr, a[RORD], nr, q->k, q->H, xe);
+}
+
+/* The forward's outputs: ys (the experts' rows) weighted and summed a
+ * received row, back, and summed over ranks into out (n rows). */
+static loom_status dd_combine(const loom_blk *b, const geo *q, const hs *h, const void *ys,
+                              void *cs, void *cr, void *out) {
+    int64_t ns, nr;
+    dd_counts(q, dd_nu(q, h), dd_nur(q, h), 1, h->sc, h->rcv, &ns, &nr);
+    CK(loom_k_moe_combine(b->m, ys, b->act[RPOS], b->act[RMW], nr, q->k, q->H, cr));
+    return dd_return_rows(b, q, h, cr, cs, out);
+}
+
+/* The backward's: dy (n rows) once a rank -> dye (the experts' rows, times
+ * their weights), and the routing weights' gradients dw (n k) back from
+ * the experts' ranks. */
+static loom_status dd_dispatch_bwd(const loom_blk *b, const geo *q, const hs *h, const void *dy,
+                                   void *cs, void *cr, void *dye, float *dw) {
+    loom_model *m = b->m;
+    void *const *a = b->act;
+    int64_t ns, nr;
+    CK(dd_send_rows(b, q, h, dy, cs, cr));
+    dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->k, h->sc, h->rcv, &nr, &ns);
+    float *dw_here = b->scratch[DX], *dw_back = dw_here + q->Rmax;
+    CK(loom_k_moe_combine_bwd(m, cr, a[YS], a[RORD], a[RMW], nr, q->k, q->H, dye, dw_here));
+    defer(m, m->mesh->ep);
+    CK(loom_comm_alltoallv(m->mesh->ep, dw_here, h->sc, dw_back, h->rcv, LOOM_F32));
+    return loom_k_moe_dedup_dw(m, dw_back, a[POS2], q->n, (int)q->P, q->k, dw);
+}
+
+/* The input gradients: dxe (the experts' rows) summed a received row, back,
+ * and summed over ranks into dx (n rows). */
+static loom_status dd_return_dx(const loom_blk *b, const geo *q, const hs *h, const void *dxe,
+                                void *cs, void *cr, void *dx) {
+    int64_t ns, nr;
+    dd_counts(q, dd_nu(q, h), dd_nur(q, h), 1, h->sc, h->rcv, &ns, &nr);
+    CK(loom_k_moe_permute_bwd(b->m, dxe, b->act[RPOS], nr, q->k, q->H, cr));
+    return dd_return_rows(b, q, h, cr, cs, dx);
+}
 /* ---- the shared expert: all Tc rows of h, this rank's tp share ---- */
 
 /* g, u, act */
@@ -746,7 +779,7 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
     }
     if (dedup_on(q)) {
         CK(regroup_orders(b, q, hh, rows));
-        return dedup_dispatch(b, q, hh, hs0, NULL, a[XE], b->scratch[S1], b->scratch[S2], *rows);
+        return dd_dispatch(b, q, hh, hs0, b->scratch[S1], b->scratch[S2], b->scratch[S3], a[XE]);
     }
     CK(loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, b->scratch[S1]));
     CK(regroup_orders(b, q, hh, rows));
@@ -755,7 +788,6 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
 
 /* The host copies of the layer's counts (kept) and table: the forward's
  * (moe_tabs.h), else downloaded. */
-static int64_t table_len(const geo *q) { return q->local ? 0 : q->Q * q->P * q->El; }
 
 static loom_status tables_host(const loom_blk *b, const geo *q, const hs *h) {
     if (loom_moe_tabs_get(b->m->moe_tabs, b->l, b->act[CNT], h->cnt, q->E, h->rc, table_len(q)))
@@ -763,8 +795,10 @@ static loom_status tables_host(const loom_blk *b, const geo *q, const hs *h) {
     CK(loom_k_download(b->m, h->cnt, b->act[CNT], (size_t)q->E * sizeof(int32_t)));
     keep_counts(q, h->cnt);
     if (q->local) return LOOM_OK;
-    return loom_k_download(b->m, h->rc, b->act[RC],
-                           (size_t)(q->Q * q->P * q->El) * sizeof(int32_t));
+    if (dedup_on(q)) /* its row counts are the forward's only */
+        return loom_errf(b->m->ctx, LOOM_ERR_INTERNAL, "MoE layer %lld: its forward's routing "
+                         "tables were not kept", (long long)b->l);
+    return loom_k_download(b->m, h->rc, b->act[RC], (size_t)rc_len(q) * sizeof(int32_t));
 }
 
 /* The forced balance's router logits (benchmarks; loom.h): a stream per
@@ -801,12 +835,14 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
      * travels on the device: one download */
     const bool dev_tab = tables_on_device(&q);
     if (dev_tab) CK(exchange_counts_dev(b, &q));
+    if (dedup_on(&q)) CK(dd_plan(b, &q));
     if ((char *)hh.psum != (char *)hh.cnt + psum_at(q.E) ||
         (!q.local && (char *)hh.rc != (char *)hh.cnt + rc_at(q.E)))
         return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE host tables: not laid out as PSUM");
     const size_t tab = (size_t)table_len(&q) * sizeof(int32_t);
     CK(loom_k_copy(m, b->scratch[PSUM], a[CNT], (size_t)q.E * sizeof(int32_t)));
-    if (dev_tab) CK(loom_k_copy(m, (char *)b->scratch[PSUM] + rc_at(q.E), a[RC], tab));
+    const size_t rcb = (size_t)rc_len(&q) * sizeof(int32_t);
+    if (dev_tab) CK(loom_k_copy(m, (char *)b->scratch[PSUM] + rc_at(q.E), a[RC], rcb));
     CK(loom_k_download(m, hh.cnt, b->scratch[PSUM],
                        dev_tab ? rc_at(q.E) + tab : psum_at(q.E) + (size_t)q.E * sizeof(float)));
     if (out && b->mb->aux) {
@@ -823,21 +859,25 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
         for (int64_t e = 0; e < q.E; e++) m->moe_load[b->l * q.E + e] += hh.cnt[e];
     if (!q.local && !dev_tab) {
         CK(exchange_counts(m, &q, &hh));
-        CK(loom_k_upload(m, a[RC], hh.rc, tab));
+        CK(loom_k_upload(m, a[RC], hh.rc, rcb));
     }
     CK(loom_moe_tabs_put(m->ctx, &m->moe_tabs, m->L, b->l, a[CNT], hh.cnt, q.E, hh.rc,
                          table_len(&q)));
     int64_t rows;
     CK(gather_rows(b, &q, &hh, h, &rows));
     CK(experts_front(b, &q, hh.ce, rows));
-    void *ye = q.local ? a[YS] : b->scratch[S1];
+    const bool dd = dedup_on(&q);
+    void *ye = q.local || dd ? a[YS] : b->scratch[S1];
     CK(experts_gemm(b, &q, hh.ce, ED, true, a[ACT], q.Ie, q.H, q.Ie, 0.0f, ye, q.H));
     CK(lora_fwd(b, &q, hh.ce, LD, a[ACT], q.Ie, ye, q.H));
-    if (!q.local) CK(undispatch(b, &q, &hh, ye, a[YS], b->scratch[S2], rows));
+    if (!q.local && !dd) CK(undispatch(b, &q, &hh, ye, a[YS], b->scratch[S2], rows));
     if (!out) return shared_fwd(b, h, NULL);
     if (!q.local) CK(loom_k_zero(m, out, (size_t)(m->Tc * q.H) * esz));
-    CK(loom_k_moe_combine(m, a[YS], a[POS], a[WT], q.n, q.k, q.H,
-                          (char *)out + (size_t)(q.o0 * q.H) * esz));
+    void *o = (char *)out + (size_t)(q.o0 * q.H) * esz;
+    if (dd)
+        CK(dd_combine(b, &q, &hh, a[YS], b->scratch[S1], b->scratch[S2], o));
+    else
+        CK(loom_k_moe_combine(m, a[YS], a[POS], a[WT], q.n, q.k, q.H, o));
     return shared_fwd(b, h, out);
 }
 
@@ -870,13 +910,13 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
         CK(regroup_orders(b, &q, &hh, &rows));
     /* combine: dys = w dy per choice, dw = dy . ys; then to the experts */
     void *dye = s[S3];
-    CK(loom_k_moe_combine_bwd(m, (const char *)dy + so, a[YS], a[ORD], a[WT], q.n, q.k, q.H,
-                              q.local ? dye : s[S1], s[DW]));
-    if (dedup_on(&q)) { /* dy once per rank, times each choice's weight there */
-        CK(loom_k_download(m, hh.wth, a[WT], (size_t)q.R * sizeof(float)));
-        CK(dedup_dispatch(b, &q, &hh, (const char *)dy + so, hh.wth, dye, s[S1], s[S2], rows));
-    } else if (!q.local) {
-        CK(dispatch(b, &q, &hh, s[S1], dye, s[S2], rows));
+    const bool dd = dedup_on(&q);
+    if (dd) { /* dy once per rank, times each choice's weight there */
+        CK(dd_dispatch_bwd(b, &q, &hh, (const char *)dy + so, s[S1], s[S2], dye, s[DW]));
+    } else {
+        CK(loom_k_moe_combine_bwd(m, (const char *)dy + so, a[YS], a[ORD], a[WT], q.n, q.k, q.H,
+                                  q.local ? dye : s[S1], s[DW]));
+        if (!q.local) CK(dispatch(b, &q, &hh, s[S1], dye, s[S2], rows));
     }
     /* down: dact = dye Wd, dWd += dye^T act */
     CK(experts_dw(b, &q, hh.ce, ED, dye, q.H, a[ACT], q.Ie));
@@ -894,9 +934,9 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     }
     CK(lora_bwd(b, &q, hh.ce, LG, a[XE], q.H, s[DG], q.Ie, dxe));
     CK(lora_bwd(b, &q, hh.ce, LU, a[XE], q.H, s[DU], q.Ie, dxe));
-    if (dx && dedup_on(&q)) { /* summed per token on the experts' rank, then per rank */
+    if (dx && dd) { /* summed per received row on the experts' rank, then per rank */
         CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
-        CK(dedup_return(b, &q, &hh, dxe, (char *)dx + so, s[S2], s[S3], rows));
+        CK(dd_return_dx(b, &q, &hh, dxe, s[S3], s[S2], (char *)dx + so));
     } else if (dx) {
         void *dxs = dxe;
         if (!q.local) {
