@@ -374,6 +374,23 @@ typedef struct moe_layout {
 } moe_layout;
 
 static void check_moe_layouts(const char *model, const moe_layout *layouts, size_t nl);
+
+/* One layout with options co against one process cut into the layout's
+ * reference micro-batches (HF's trajectory too when hf); false when the
+ * one-process run failed. */
+static bool check_moe_layout(const char *model, const char *mdir, const char *b2, const char *b8,
+                             const moe_layout *l, const char *co, bool hf) {
+    char lay[512], *log = NULL;
+    const char *one = path_in_tmp("one.safetensors");
+    snprintf(lay, sizeof lay, "%s --num-micro-batches %d", co, l->ref_micro);
+    int rc = golden(0, mdir, l->big ? b8 : b2, one, lay, &log);
+    CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
+    free(log);
+    if (rc) return false;
+    snprintf(lay, sizeof lay, "%s %s", co, l->layout);
+    check_layout(model, l->big ? b8 : b2, one, l->np, lay, hf && !l->big, !l->big);
+    return true;
+}
 /* Whether s is one of the '|'-separated items of list. */
 static bool one_of(const char *list, const char *s) {
     const size_t n = strlen(s);
@@ -436,21 +453,12 @@ TEST(parallel_moe_force_load_balancing) {
     };
     if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
     loom_test_mpi_env();
-    char b2[1024], b8[1024], mdir[1024], lay[512], *log = NULL;
+    char b2[1024], b8[1024], mdir[1024];
     if (!make_batches("tiny-qwen3-moe", b2, b8)) return;
     snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3-moe", loom_test_fixtures_of("tiny-qwen3-moe"));
     const char *co = "--moe-router-force-load-balancing --config-override {\"router_aux_loss_coef\":0.5}";
-    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
-        const char *one = path_in_tmp("one-forced.safetensors");
-        snprintf(lay, sizeof lay, "%s --num-micro-batches %d", co, layouts[i].ref_micro);
-        int rc = golden(0, mdir, layouts[i].big ? b8 : b2, one, lay, &log);
-        CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
-        free(log);
-        if (rc) return;
-        snprintf(lay, sizeof lay, "%s %s", co, layouts[i].layout);
-        check_layout("tiny-qwen3-moe", layouts[i].big ? b8 : b2, one, layouts[i].np, lay, false,
-                     !layouts[i].big);
-    }
+    for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++)
+        if (!check_moe_layout("tiny-qwen3-moe", mdir, b2, b8, &layouts[i], co, false)) return;
 }
 
 /* Qwen2-MoE (tests/fixtures_moe): its shared expert split over tp on the
@@ -472,7 +480,7 @@ TEST(parallel_layouts_qwen2_moe) {
 static void check_moe_layouts(const char *model, const moe_layout *layouts, size_t nl) {
     if (!loom_test_have_mpirun()) SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
     loom_test_mpi_env();
-    char b2[1024], b8[1024], mdir[1024], *log = NULL, lay[512];
+    char b2[1024], b8[1024], mdir[1024];
     if (!make_batches(model, b2, b8)) return;
     snprintf(mdir, sizeof mdir, "%s/models/%s", loom_test_fixtures_of(model), model);
     /* aux 2: Megatron's per-layer form (its sums per layer through the
@@ -509,15 +517,7 @@ static void check_moe_layouts(const char *model, const moe_layout *layouts, size
                                     layouts[i].layout))
                 continue;
             if (aux == 5 && !one_of("--tp 2|--ep 2|--ep 2 --dp 4", layouts[i].layout)) continue;
-            const char *one = path_in_tmp("one.safetensors");
-            snprintf(lay, sizeof lay, "%s --num-micro-batches %d", co, layouts[i].ref_micro);
-            int rc = golden(0, mdir, layouts[i].big ? b8 : b2, one, lay, &log);
-            CHECK_MSG(rc == 0, "one process: %s", log ? log : "");
-            free(log);
-            if (rc) return;
-            snprintf(lay, sizeof lay, "%s %s", co, layouts[i].layout);
-            check_layout(model, layouts[i].big ? b8 : b2, one, layouts[i].np, lay,
-                         !aux && !layouts[i].big, !layouts[i].big);
+            if (!check_moe_layout(model, mdir, b2, b8, &layouts[i], co, !aux)) return;
         }
     }
 }
