@@ -46,7 +46,10 @@
  * The router z-loss (Megatron's --moe-z-loss-coeff, ST-MoE's): each layer's
  * mean over its router rows of lse(z)^2, summed over the layers. Its sums
  * ride in the same micro-batch block; its gradient, zc lse p per router
- * row, from one factor zc at the end of the gradient block. */
+ * row, from one factor zc at the end of the gradient block.
+ *
+ * Not local (ep > 1 or etp != tp), the rows travel by moe_dispatch.c;
+ * moe_impl.h holds what the two files share. */
 #include <math.h>
 #include <string.h>
 
@@ -54,6 +57,7 @@
 #include "../core/rng.h"
 #include "block.h"
 #include "model.h"
+#include "moe_impl.h"
 #include "moe_dedup.h"
 #include "moe_tabs.h"
 
@@ -66,27 +70,6 @@ enum { ROUTER, EG, EU, ED, SG, SU, SD, SGATE, NSLOT, NPER = LOOM_MOE_EXPERT_SLOT
  * the shared expert's three and its gate (absent without one), the router
  * (LoRA's mlp.gate, only when named) */
 enum { LG, LU, LD, SLG, SLU, SLD, SLGATE, LROUTER, NLIN };
-/* activation buffers per layer: the routing (kept: probabilities, choices,
- * weights, counts per expert, the order and its inverse, the dispatch's
- * count table), the experts' (dropped under selective recomputation; LoRA's
- * x A^T of the three projections among them), the experts' outputs in the
- * grouped order (kept), and the router rows' logsumexp (kept; the z-loss's);
- * the shared expert's g, u, act (dropped) and its gate's sigmoid (kept,
- * fp32) */
-enum {
-    PROBS, IDX, WT, CNT, ORD, POS, RC, XE, G, U, ACT, LST, YS, LSE, SHG, SHU, SHACT, SHSIG,
-    /* the once-per-rank dispatch's tables (dedup_on): each token's ranks,
-     * their grouping (the rows sent), the rows' tokens; the received rows'
-     * local experts and weights, and their grouping by expert */
-    DEST, CNT2, ORD2, POS2, TOK, RMID, RMW, RCNT, RORD, RPOS, NBUF
-};
-_Static_assert((int)NBUF <= (int)LOOM_BLOCK_MAX_BUFS, "block.h: LOOM_BLOCK_MAX_BUFS is too small for MoE");
-/* scratch: logits and their gradient, probability sums, the choices'
- * weight gradients, three row buffers of the dispatch, the experts'
- * gradients, the regrouping's row orders, LoRA's du; the shared expert's
- * gate logits (and their gradient), its output (and the gated output's
- * gradient), its dg and du */
-enum { Z, PSUM, DW, S1, S2, S3, DG, DU, IX, DLU, SZ, SY, SDG, SDU, DX, NSCRATCH };
 
 static const loom_block_slot slots[NSLOT] = {
     /* its gradient is a partial sum over tp (the combine weights' part) */
@@ -131,26 +114,6 @@ static loom_status moe_params(const loom_model_config *c, int64_t l, loom_param_
     return LOOM_OK;
 }
 
-/* The block's geometry on this rank. Without expert parallelism and with
- * etp = tp every tp rank routes all Tc tokens and its experts' share of the
- * intermediate gives a partial sum, like the dense MLP (local). Otherwise
- * (Megatron's folding) each tp rank routes its own n = Tc/tp tokens (its
- * sequence-parallel slice of the gathered input), sends them over ep to the
- * ranks holding their experts, gathers the etp group's tokens for its
- * experts' shard, and the outputs come back the same way; its output is its
- * slice's rows, zeros elsewhere, which the walker's tp reduce sums. */
-typedef struct geo {
-    int64_t n, o0;      /* the tokens it routes: rows [o0, o0 + n) of h */
-    int64_t E, El, e0;  /* experts; this rank's El from e0 */
-    int64_t P, Q;       /* ep, etp */
-    int64_t Ie, H, R;   /* an expert's width here; hidden; the n k choices */
-    int64_t cap;        /* choices an expert keeps of this rank's n tokens (-1: dropless) */
-    int64_t Rk;         /* rows this rank's tokens send: R, with a capacity min(R, E cap) */
-    int64_t Rmax;       /* rows the experts can get: Q P R (dropless), Q P min(R, El cap) */
-    int k;
-    bool local;
-    bool dedup; /* the model's moe_dedup */
-} geo;
 
 /* The choices an expert keeps of n tokens' (Megatron's get_capacity over
  * the n k choices: ceil(n k / E x factor)); -1 without a capacity factor.
@@ -183,19 +146,6 @@ static geo geometry(const loom_model *m, int64_t Tc) {
     g.Rmax = g.local ? g.Rk : g.Q * g.P * per;
     return g;
 }
-
-/* The ep all-to-alls of token rows send each row once per destination rank
- * (moe_dedup.h) where the rows go over ep alone (etp 1). */
-static bool dedup_on(const geo *q) { return !q->local && q->Q == 1 && q->cap < 0 && q->dedup; }
-/* Whether the count table is exchanged on the device (no host round trip
- * before the download that brings the counts): dropless, once per choice.
- * A capacity trims the counts on the host first. */
-static bool tables_on_device(const geo *q) { return !q->local && q->cap < 0; }
-
-/* The dispatch's count table (Q, P, El), and with it on the host (and in
- * moe_tabs) once per rank the rows sent to and received from each ep rank */
-static int64_t rc_len(const geo *q) { return q->local ? 0 : q->Q * q->P * q->El; }
-static int64_t table_len(const geo *q) { return rc_len(q) + (dedup_on(q) ? 2 * q->P : 0); }
 
 /* The shared expert's width on this rank (0: none). */
 static int64_t shared_width(const loom_model *m) {
@@ -231,13 +181,6 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     return NBUF;
 }
 
-/* The PSUM scratch holds a copy of the counts, then (here) the router's
- * probability sums: laid out as the host's cnt and psum (hs_carve), so one
- * download fills both. */
-static size_t psum_at(int64_t E) { return ((size_t)E * sizeof(int32_t) + 15) & ~(size_t)15; }
-/* ... and after them the dispatch's count table (tables_on_device) */
-static size_t rc_at(int64_t E) { return (psum_at(E) + (size_t)E * sizeof(float) + 15) & ~(size_t)15; }
-
 static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes) {
     (void)T;
     const geo g = geometry(m, Tc);
@@ -259,19 +202,6 @@ static int moe_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes
     return NSCRATCH;
 }
 
-/* The host scratch (one set for all layers; carved by hs_carve). */
-typedef struct hs {
-    int32_t *cnt;      /* (E) choices per expert of this rank's tokens */
-    float *psum;       /* (E) */
-    int32_t *rc;       /* (Q, P, El): rows expert e of this rank gets from ep rank p, for
-                        * each etp rank q (the dispatch's table); once per rank, then the
-                        * rows sent to each ep rank (nu, P) and received from each (nur) */
-    int32_t *ce;       /* (El) rows each local expert gets (its GEMMs' sizes) */
-    int32_t *ix;       /* (2 Rmax) the regrouping's row orders */
-    int32_t *tab;      /* (P, El) this rank's table, sent to the etp group */
-    size_t *sc, *rcv;  /* (max(P, Q)) element counts of an alltoallv */
-    float *lse;        /* (n) the router rows' logsumexp (the z-loss) */
-} hs;
 
 static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
     const geo g = geometry(m, Tc);
@@ -428,257 +358,6 @@ static loom_status experts_front(const loom_blk *b, const geo *q, const int32_t 
     return loom_k_swiglu_fwd(b->m, a[G], a[U], rows * q->Ie, a[ACT]);
 }
 
-/* ---- the dispatch (not local): rows grouped by expert to the ranks
- * holding them and back ---- */
-
-/* The count table: each ep rank's choices for this rank's experts, then
- * the etp group's tables (rc). */
-static loom_status exchange_counts(loom_model *m, const geo *q, const hs *h) {
-    int32_t *mine = h->rc + (int64_t)m->mesh->etp_rank * q->P * q->El;
-    CK(loom_comm_alltoall(m->mesh->ep, h->cnt, mine, (size_t)q->El, LOOM_I32));
-    if (q->Q == 1) return LOOM_OK;
-    /* etp rank q's table is block q */
-    memcpy(h->tab, mine, (size_t)(q->P * q->El) * sizeof *h->tab);
-    return loom_comm_allgather(m->mesh->etp, h->tab, h->rc, (size_t)(q->P * q->El), LOOM_I32);
-}
-
-/* The next collective on c returns once queued (loom_comm_defer): its
- * results are read by kernels only; loom_k_settle waits for it before the
- * host next waits on the GPU. */
-static void defer(loom_model *m, loom_comm *c) {
-    loom_comm_defer(c);
-    m->comm_deferred = true;
-}
-
-/* The count table on the device (tables_on_device): each ep rank's counts
- * for this rank's experts into RC (etp rank q's block q, by way of the
- * PSUM scratch's table under etp), queued without a host wait. */
-static loom_status exchange_counts_dev(const loom_blk *b, const geo *q) {
-    loom_model *m = b->m;
-    int32_t *rc = b->act[RC], *tmp = (int32_t *)((char *)b->scratch[PSUM] + rc_at(q->E));
-    defer(m, m->mesh->ep);
-    CK(loom_comm_alltoall(m->mesh->ep, b->act[CNT], q->Q > 1 ? tmp : rc, (size_t)q->El, LOOM_I32));
-    if (q->Q == 1) return LOOM_OK;
-    defer(m, m->mesh->etp);
-    return loom_comm_allgather(m->mesh->etp, tmp, rc, (size_t)(q->P * q->El), LOOM_I32);
-}
-
-static int64_t table_rows(const geo *q, const int32_t *t) {
-    int64_t r = 0;
-    for (int64_t i = 0; i < q->P * q->El; i++) r += t[i];
-    return r;
-}
-
-/* Each expert's choices of this rank's tokens (route's counts, every
- * choice: the load-balancing loss's) -> the kept ones, min(count, cap). */
-static void keep_counts(const geo *q, int32_t *cnt) {
-    for (int64_t e = 0; q->cap >= 0 && e < q->E; e++)
-        if (cnt[e] > q->cap) cnt[e] = (int32_t)q->cap;
-}
-
-/* The regrouping of the gathered rows, ordered (etp rank, ep rank, expert),
- * into (expert, etp rank, ep rank) and back (cpu_moe.h's
- * loom_cpu_moe_regroup) in the device's IX, from the table in RC (not for
- * the once-per-rank dispatch); ce the rows per expert. Returns the rows. */
-static loom_status regroup_orders(const loom_blk *b, const geo *q, const hs *h, int64_t *rows) {
-    const int64_t QP = q->Q * q->P;
-    int64_t Rt = 0;
-    for (int64_t e = 0; e < q->El; e++) {
-        h->ce[e] = 0;
-        for (int64_t s = 0; s < QP; s++) h->ce[e] += h->rc[s * q->El + e];
-        Rt += h->ce[e];
-    }
-    *rows = Rt;
-    if (dedup_on(q)) return LOOM_OK; /* the experts' rank groups its rows itself */
-    return loom_k_moe_regroup(b->m, b->act[RC], QP, q->El, Rt, b->scratch[IX]);
-}
-
-/* The element counts of the ep all-to-all: this rank's rows for each ep
- * rank's experts (sc), and each ep rank's rows for this rank's (rcv, from
- * its own table). */
-static void ep_counts(const loom_model *m, const geo *q, const hs *h, size_t *sc, size_t *rcv) {
-    const int32_t *t = h->rc + (int64_t)m->mesh->etp_rank * q->P * q->El;
-    for (int64_t p = 0; p < q->P; p++) {
-        size_t a = 0, c = 0;
-        for (int64_t e = 0; e < q->El; e++) a += (size_t)h->cnt[p * q->El + e], c += (size_t)t[p * q->El + e];
-        sc[p] = a * (size_t)q->H;
-        rcv[p] = c * (size_t)q->H;
-    }
-}
-
-/* src (R rows, grouped by expert) -> dst (the experts' rows, grouped by
- * local expert); src and tmp are clobbered. */
-static loom_status dispatch(const loom_blk *b, const geo *q, const hs *h, void *src, void *dst,
-                            void *tmp, int64_t Rt) {
-    loom_model *m = b->m;
-    const loom_dtype dt = m->dev.adt;
-    ep_counts(m, q, h, h->sc, h->rcv);
-    defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, src, h->sc, tmp, h->rcv, dt));
-    void *gathered = tmp;
-    if (q->Q > 1) {
-        size_t mine = 0;
-        for (int64_t qq = 0; qq < q->Q; qq++) {
-            h->sc[qq] = (size_t)table_rows(q, h->rc + qq * q->P * q->El) * (size_t)q->H;
-            if (qq == m->mesh->etp_rank) mine = h->sc[qq];
-        }
-        defer(m, m->mesh->etp);
-        CK(loom_comm_allgatherv(m->mesh->etp, tmp, mine, src, h->sc, dt));
-        gathered = src;
-    }
-    return loom_k_moe_permute(m, gathered, b->scratch[IX], Rt, 1, q->H, dst);
-}
-
-/* src (the experts' rows, grouped by local expert; partial sums over etp)
- * -> dst (R rows grouped by expert, summed); src and tmp are clobbered. */
-static loom_status undispatch(const loom_blk *b, const geo *q, const hs *h, void *src, void *dst,
-                              void *tmp, int64_t Rt) {
-    loom_model *m = b->m;
-    const loom_dtype dt = m->dev.adt;
-    const size_t esz = m->dev.esz;
-    CK(loom_k_moe_permute(m, src, (const int32_t *)b->scratch[IX] + Rt, Rt, 1, q->H, tmp));
-    void *mine = tmp;
-    if (q->Q > 1) { /* each etp rank's block to it, summed there */
-        const int me = m->mesh->etp_rank;
-        const size_t n = (size_t)table_rows(q, h->rc + me * q->P * q->El) * (size_t)q->H;
-        for (int64_t qq = 0; qq < q->Q; qq++) {
-            h->sc[qq] = (size_t)table_rows(q, h->rc + qq * q->P * q->El) * (size_t)q->H;
-            h->rcv[qq] = n;
-        }
-        defer(m, m->mesh->etp);
-        CK(loom_comm_alltoallv(m->mesh->etp, tmp, h->sc, src, h->rcv, dt));
-        for (int64_t qq = 1; qq < q->Q; qq++)
-            CK(loom_k_add(m, src, (const char *)src + (size_t)qq * n * esz, (int64_t)n));
-        mine = src;
-    }
-    ep_counts(m, q, h, h->sc, h->rcv);
-    defer(m, m->mesh->ep);
-    return loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt);
-}
-
-/* ---- the once-per-rank dispatch (dedup_on; cpu_moe.h's tables) ----
- * A token's row goes once to each ep rank holding some of its experts
- * (rows grouped by rank: ORD2, POS2 masked where it has none), with its
- * choices as that rank's local experts (El: elsewhere) and weights; the
- * experts' rank groups the received rows' choices by expert (RORD, RPOS),
- * sums each row's weighted outputs, and sends one row back, which the
- * token's rank sums over ranks. The backward goes the same way: dy once a
- * rank; the routing weights' gradients and the summed input gradients
- * back. The counts travel on the device with the table (moe_fwd). */
-
-/* The rows sent to and received from each ep rank (the host table's tail). */
-static const int32_t *dd_nu(const geo *q, const hs *h) { return h->rc + rc_len(q); }
-static const int32_t *dd_nur(const geo *q, const hs *h) { return h->rc + rc_len(q) + q->P; }
-
-static void dd_counts(const geo *q, const int32_t *a, const int32_t *b, int64_t w, size_t *sc,
-                      size_t *rcv, int64_t *na, int64_t *nb) {
-    *na = *nb = 0;
-    for (int64_t p = 0; p < q->P; p++) {
-        sc[p] = (size_t)(a[p] * w), rcv[p] = (size_t)(b[p] * w);
-        *na += a[p], *nb += b[p];
-    }
-}
-
-/* Before the forward's download: each token's ranks, grouped, and the
- * count of rows for each rank to it (into the download's tail). */
-static loom_status dd_plan(const loom_blk *b, const geo *q) {
-    loom_model *m = b->m;
-    void *const *a = b->act;
-    const int P = (int)q->P;
-    CK(loom_k_moe_dest(m, a[IDX], q->n, q->k, q->El, P, a[DEST]));
-    CK(loom_k_moe_route(m, a[DEST], NULL, q->n, P + 1, P, -1, false, a[CNT2], a[ORD2], a[POS2]));
-    CK(loom_k_moe_mask(m, a[DEST], q->n, P, P, a[ORD2], a[POS2]));
-    int32_t *tail = (int32_t *)((char *)b->scratch[PSUM] + rc_at(q->E)) + rc_len(q);
-    CK(loom_k_copy(m, tail, a[CNT2], (size_t)P * sizeof(int32_t)));
-    defer(m, m->mesh->ep);
-    return loom_comm_alltoall(m->mesh->ep, a[CNT2], tail + P, 1, LOOM_I32);
-}
-
-/* rows (n of them, this rank's tokens) once to each rank their choices
- * need -> recv (the rows from each rank in turn); cs: send scratch */
-static loom_status dd_send_rows(const loom_blk *b, const geo *q, const hs *h, const void *rows,
-                                void *cs, void *recv) {
-    loom_model *m = b->m;
-    int64_t ns, nr;
-    dd_counts(q, dd_nu(q, h), dd_nur(q, h), q->H, h->sc, h->rcv, &ns, &nr);
-    CK(loom_k_rows_gather(m, cs, rows, b->act[TOK], ns, q->H));
-    defer(m, m->mesh->ep);
-    return loom_comm_alltoallv(m->mesh->ep, cs, h->sc, recv, h->rcv, m->dev.adt);
-}
-
-/* recv's rows (one a received row, from each rank in turn) back to their
- * tokens' rank, summed there over ranks into out (this rank's n rows);
- * cs: scratch */
-static loom_status dd_return_rows(const loom_blk *b, const geo *q, const hs *h, const void *rows,
-                                  void *cs, void *out) {
-    loom_model *m = b->m;
-    int64_t ns, nr;
-    dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->H, h->sc, h->rcv, &nr, &ns);
-    defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, rows, h->sc, cs, h->rcv, m->dev.adt));
-    return loom_k_moe_permute_bwd(m, cs, b->act[POS2], q->n, (int)q->P, q->H, out);
-}
-
-/* The forward's rows: x (this rank's n token rows) -> the experts' rows
- * xe, grouped by local expert; the received rows' tables kept. cs, cr:
- * row scratch; meta: scratch for ns k ints and ns k floats. */
-static loom_status dd_dispatch(const loom_blk *b, const geo *q, const hs *h, const void *x,
-                               void *cs, void *cr, void *meta, void *xe) {
-    loom_model *m = b->m;
-    void *const *a = b->act;
-    const int P = (int)q->P;
-    int64_t ns, nr;
-    dd_counts(q, dd_nu(q, h), dd_nur(q, h), q->k, h->sc, h->rcv, &ns, &nr);
-    int32_t *mid = meta;
-    float *mw = (float *)(mid + ns * q->k);
-    CK(loom_k_moe_dedup_meta(m, a[ORD2], ns, a[IDX], a[WT], q->k, q->El, P, a[TOK], mid, mw));
-    defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, mid, h->sc, a[RMID], h->rcv, LOOM_I32));
-    defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, mw, h->sc, a[RMW], h->rcv, LOOM_F32));
-    CK(dd_send_rows(b, q, h, x, cs, cr));
-    CK(loom_k_moe_route(m, a[RMID], NULL, nr, q->El + 1, q->k, -1, false, a[RCNT], a[RORD],
-                        a[RPOS]));
-    CK(loom_k_moe_mask(m, a[RMID], nr, q->k, (int32_t)q->El, a[RORD], a[RPOS]));
-    return loom_k_moe_permute(m, cr, a[RORD], nr, q->k, q->H, xe);
-}
-
-/* The forward's outputs: ys (the experts' rows) weighted and summed a
- * received row, back, and summed over ranks into out (n rows). */
-static loom_status dd_combine(const loom_blk *b, const geo *q, const hs *h, const void *ys,
-                              void *cs, void *cr, void *out) {
-    int64_t ns, nr;
-    dd_counts(q, dd_nu(q, h), dd_nur(q, h), 1, h->sc, h->rcv, &ns, &nr);
-    CK(loom_k_moe_combine(b->m, ys, b->act[RPOS], b->act[RMW], nr, q->k, q->H, cr));
-    return dd_return_rows(b, q, h, cr, cs, out);
-}
-
-/* The backward's: dy (n rows) once a rank -> dye (the experts' rows, times
- * their weights), and the routing weights' gradients dw (n k) back from
- * the experts' ranks. */
-static loom_status dd_dispatch_bwd(const loom_blk *b, const geo *q, const hs *h, const void *dy,
-                                   void *cs, void *cr, void *dye, float *dw) {
-    loom_model *m = b->m;
-    void *const *a = b->act;
-    int64_t ns, nr;
-    CK(dd_send_rows(b, q, h, dy, cs, cr));
-    dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->k, h->sc, h->rcv, &nr, &ns);
-    float *dw_here = b->scratch[DX], *dw_back = dw_here + q->Rmax;
-    CK(loom_k_moe_combine_bwd(m, cr, a[YS], a[RORD], a[RMW], nr, q->k, q->H, dye, dw_here));
-    defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, dw_here, h->sc, dw_back, h->rcv, LOOM_F32));
-    return loom_k_moe_dedup_dw(m, dw_back, a[POS2], q->n, (int)q->P, q->k, dw);
-}
-
-/* The input gradients: dxe (the experts' rows) summed a received row, back,
- * and summed over ranks into dx (n rows). */
-static loom_status dd_return_dx(const loom_blk *b, const geo *q, const hs *h, const void *dxe,
-                                void *cs, void *cr, void *dx) {
-    int64_t ns, nr;
-    dd_counts(q, dd_nu(q, h), dd_nur(q, h), 1, h->sc, h->rcv, &ns, &nr);
-    CK(loom_k_moe_permute_bwd(b->m, dxe, b->act[RPOS], nr, q->k, q->H, cr));
-    return dd_return_rows(b, q, h, cr, cs, dx);
-}
 /* ---- the shared expert: all Tc rows of h, this rank's tp share ---- */
 
 /* g, u, act */
@@ -778,12 +457,13 @@ static loom_status gather_rows(const loom_blk *b, const geo *q, const hs *hh, co
         return loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, a[XE]);
     }
     if (dedup_on(q)) {
-        CK(regroup_orders(b, q, hh, rows));
-        return dd_dispatch(b, q, hh, hs0, b->scratch[S1], b->scratch[S2], b->scratch[S3], a[XE]);
+        CK(loom_moe_regroup_orders(b, q, hh, rows));
+        return loom_moe_dd_dispatch(b, q, hh, hs0, b->scratch[S1], b->scratch[S2], b->scratch[S3],
+                                    a[XE]);
     }
     CK(loom_k_moe_permute(m, hs0, a[ORD], q->n, q->k, q->H, b->scratch[S1]));
-    CK(regroup_orders(b, q, hh, rows));
-    return dispatch(b, q, hh, b->scratch[S1], a[XE], b->scratch[S2], *rows);
+    CK(loom_moe_regroup_orders(b, q, hh, rows));
+    return loom_moe_dispatch(b, q, hh, b->scratch[S1], a[XE], b->scratch[S2], *rows);
 }
 
 /* The host copies of the layer's counts (kept) and table: the forward's
@@ -834,8 +514,8 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
      * per forward, not when recomputed), and the dispatch's table when it
      * travels on the device: one download */
     const bool dev_tab = tables_on_device(&q);
-    if (dev_tab) CK(exchange_counts_dev(b, &q));
-    if (dedup_on(&q)) CK(dd_plan(b, &q));
+    if (dev_tab) CK(loom_moe_exchange_counts_dev(b, &q));
+    if (dedup_on(&q)) CK(loom_moe_dd_plan(b, &q));
     if ((char *)hh.psum != (char *)hh.cnt + psum_at(q.E) ||
         (!q.local && (char *)hh.rc != (char *)hh.cnt + rc_at(q.E)))
         return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE host tables: not laid out as PSUM");
@@ -858,7 +538,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     if (out && m->training && m->moe_load && (!q.local || m->mesh->tp_rank == 0))
         for (int64_t e = 0; e < q.E; e++) m->moe_load[b->l * q.E + e] += hh.cnt[e];
     if (!q.local && !dev_tab) {
-        CK(exchange_counts(m, &q, &hh));
+        CK(loom_moe_exchange_counts(m, &q, &hh));
         CK(loom_k_upload(m, a[RC], hh.rc, rcb));
     }
     CK(loom_moe_tabs_put(m->ctx, &m->moe_tabs, m->L, b->l, a[CNT], hh.cnt, q.E, hh.rc,
@@ -870,12 +550,12 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     void *ye = q.local || dd ? a[YS] : b->scratch[S1];
     CK(experts_gemm(b, &q, hh.ce, ED, true, a[ACT], q.Ie, q.H, q.Ie, 0.0f, ye, q.H));
     CK(lora_fwd(b, &q, hh.ce, LD, a[ACT], q.Ie, ye, q.H));
-    if (!q.local && !dd) CK(undispatch(b, &q, &hh, ye, a[YS], b->scratch[S2], rows));
+    if (!q.local && !dd) CK(loom_moe_undispatch(b, &q, &hh, ye, a[YS], b->scratch[S2], rows));
     if (!out) return shared_fwd(b, h, NULL);
     if (!q.local) CK(loom_k_zero(m, out, (size_t)(m->Tc * q.H) * esz));
     void *o = (char *)out + (size_t)(q.o0 * q.H) * esz;
     if (dd)
-        CK(dd_combine(b, &q, &hh, a[YS], b->scratch[S1], b->scratch[S2], o));
+        CK(loom_moe_dd_combine(b, &q, &hh, a[YS], b->scratch[S1], b->scratch[S2], o));
     else
         CK(loom_k_moe_combine(m, a[YS], a[POS], a[WT], q.n, q.k, q.H, o));
     return shared_fwd(b, h, out);
@@ -907,16 +587,16 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     if (q.local)
         memcpy(hh.ce, hh.cnt, (size_t)q.E * sizeof *hh.ce);
     else
-        CK(regroup_orders(b, &q, &hh, &rows));
+        CK(loom_moe_regroup_orders(b, &q, &hh, &rows));
     /* combine: dys = w dy per choice, dw = dy . ys; then to the experts */
     void *dye = s[S3];
     const bool dd = dedup_on(&q);
     if (dd) { /* dy once per rank, times each choice's weight there */
-        CK(dd_dispatch_bwd(b, &q, &hh, (const char *)dy + so, s[S1], s[S2], dye, s[DW]));
+        CK(loom_moe_dd_dispatch_bwd(b, &q, &hh, (const char *)dy + so, s[S1], s[S2], dye, s[DW]));
     } else {
         CK(loom_k_moe_combine_bwd(m, (const char *)dy + so, a[YS], a[ORD], a[WT], q.n, q.k, q.H,
                                   q.local ? dye : s[S1], s[DW]));
-        if (!q.local) CK(dispatch(b, &q, &hh, s[S1], dye, s[S2], rows));
+        if (!q.local) CK(loom_moe_dispatch(b, &q, &hh, s[S1], dye, s[S2], rows));
     }
     /* down: dact = dye Wd, dWd += dye^T act */
     CK(experts_dw(b, &q, hh.ce, ED, dye, q.H, a[ACT], q.Ie));
@@ -936,11 +616,11 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     CK(lora_bwd(b, &q, hh.ce, LU, a[XE], q.H, s[DU], q.Ie, dxe));
     if (dx && dd) { /* summed per received row on the experts' rank, then per rank */
         CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
-        CK(dd_return_dx(b, &q, &hh, dxe, s[S3], s[S2], (char *)dx + so));
+        CK(loom_moe_dd_return_dx(b, &q, &hh, dxe, s[S3], s[S2], (char *)dx + so));
     } else if (dx) {
         void *dxs = dxe;
         if (!q.local) {
-            CK(undispatch(b, &q, &hh, dxe, s[S2], s[S3], rows));
+            CK(loom_moe_undispatch(b, &q, &hh, dxe, s[S2], s[S3], rows));
             dxs = s[S2];
         }
         if (!q.local) CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
