@@ -447,7 +447,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
          * ranks other than 0 were lowered to warnings by loom_cli_world, so
          * they are let through at info for this line unless the user asked
          * for less (--log-level warn|error) */
-        char pkb[32], pr[32], where[96] = "";
+        char pkb[32], pr[32], own[32], where[96] = "";
         const uint64_t peak = loom_model_peak_memory(m);
         const loom_log_level lv = loom_ctx_log_level(ctx);
         const bool say = !strcmp(s->log_level, "info") || !strcmp(s->log_level, "debug");
@@ -456,9 +456,11 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
             snprintf(where, sizeof where, ", pipeline stage %d, tp rank %d, dp rank %d",
                      mi.pp_rank, mi.tp_rank, mi.dp_rank);
         LOOM_LOG_I(ctx,
-                   "peak GPU memory %.2f GiB (%s allocated by loom on GPU %d%s; predicted %s%s; "
+                   "peak GPU memory %.2f GiB (%s above the CUDA context on GPU %d%s: loom's "
+                   "buffers %s, predicted %s%s, and the libraries' workspaces and kernels; "
                    "%.2f GiB on the device with the CUDA context and libraries)",
                    (double)peak / (1u << 30), loom_fmt_bytes(pkb, peak), gpu, where,
+                   loom_fmt_bytes(own, loom_model_buffer_memory(m)),
                    have_mem ? loom_fmt_bytes(pr, mem.total) : "n/a",
                    have_mem && mi.pp > 1 ? " for the largest stage" : "",
                    (double)loom_model_device_memory(m) / (1u << 30));

@@ -279,6 +279,12 @@ loom_device loom_model_device(const loom_model *m, int *gpu);
 /* The most GPU memory in use since the model was created, above what was
  * in use then (sampled at each of its allocations): bytes, 0 on the CPU. */
 uint64_t loom_model_peak_memory(const loom_model *m);
+/* The most bytes of the model's own device buffers in use at once
+ * (weights, gradients, optimizer state, activations, scratch: what `loom
+ * inspect` predicts); loom_model_peak_memory adds what the CUDA libraries
+ * take after the model was created (cuBLAS, cuDNN and NCCL workspaces,
+ * kernels loaded on first use). 0 on the CPU. */
+uint64_t loom_model_buffer_memory(const loom_model *m);
 /* The same peak as the device counts it (what was in use when the model
  * was created, its CUDA context included, plus loom_model_peak_memory: with
  * the CUDA libraries' own memory and any other process's on that GPU), the

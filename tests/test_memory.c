@@ -74,6 +74,15 @@ static void check_predicted_rc(loom_device dev, loom_dtype adt, int lora_r, loom
     CHECK_NEAR((double)p.optim, blocks * (double)A->shard_numel * 4,
                lora_r ? A->nslots * 16 * 4 * blocks : 0);
     CHECK(p.total >= p.weights + p.grads + p.optim + p.acts);
+    /* on a GPU, the buffers loom holds at their most: the prediction's
+     * parts, and no more than its total with the scratch it rounds over */
+    if (dev == LOOM_DEVICE_CUDA) {
+        const uint64_t own = loom_model_buffer_memory(m);
+        CHECK_MSG(own >= p.weights + p.grads + p.optim + p.acts && own <= p.total + (4u << 20),
+                  "loom's buffers %llu bytes, predicted %llu (parts %llu)",
+                  (unsigned long long)own, (unsigned long long)p.total,
+                  (unsigned long long)(p.weights + p.grads + p.optim + p.acts));
+    }
     loom_model_free(m);
     loom_ctx_free(ctx);
 }

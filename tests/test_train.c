@@ -324,6 +324,7 @@ TEST(train_model_info_device_and_peak_memory) {
     CHECK_EQ_INT(gpu, -1);
     CHECK(loom_model_device(m, NULL) == LOOM_DEVICE_CPU);
     CHECK(loom_model_peak_memory(m) == 0);
+    CHECK(loom_model_buffer_memory(m) == 0);
     CHECK(loom_model_device_memory(m) == 0);
     loom_model_free(m);
     loom_model_options o;
@@ -353,6 +354,9 @@ TEST(train_cuda_model_device_and_peak_memory) {
     loom_fb_result r;
     CHECK_OK(ctx, loom_model_forward_backward(m, &b, 1, &r));
     CHECK(loom_model_peak_memory(m) > 0); /* the weights at least */
+    /* loom's own buffers: within the peak, the weights at least */
+    CHECK(loom_model_buffer_memory(m) > 0 &&
+          loom_model_buffer_memory(m) <= loom_model_peak_memory(m));
     /* the device's count adds the CUDA context (hundreds of MiB) at least */
     CHECK(loom_model_device_memory(m) > loom_model_peak_memory(m) + ((uint64_t)64 << 20));
     loom_model_free(m);

@@ -48,6 +48,9 @@ typedef struct loom_dev {
                                  input gradients' sums, on cuBLASLt (no GEMM of loom's own) */
     size_t used0;             /* GPU memory in use when the model was created */
     size_t peak;              /* most in use since, above used0 (sampled at each allocation) */
+    size_t own, own_peak;     /* bytes of alloc's buffers (the model's) in use now, at most */
+    struct loom_dev_buf *bufs; /* their sizes by address (free takes none); NULL on the CPU */
+    int nbufs, cap_bufs;
     size_t gpu_total;
 } loom_dev;
 

@@ -14,6 +14,10 @@ uint64_t loom_model_peak_memory(const loom_model *m) {
     return m->dev.cuda ? (uint64_t)m->dev.peak : 0;
 }
 
+uint64_t loom_model_buffer_memory(const loom_model *m) {
+    return m->dev.cuda ? (uint64_t)m->dev.own_peak : 0;
+}
+
 uint64_t loom_model_device_memory(const loom_model *m) {
     return m->dev.cuda ? (uint64_t)(m->dev.used0 + m->dev.peak) : 0;
 }

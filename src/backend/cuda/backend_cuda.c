@@ -68,6 +68,9 @@ static void cuda_release(loom_dev *d) {
     loom_cuda_free(d->moe_scratch);
     d->moe_scratch = NULL;
     d->moe_scratch_bytes = 0;
+    free(d->bufs);
+    d->bufs = NULL;
+    d->nbufs = d->cap_bufs = 0;
     d->gemm = NULL;
     d->sumsq_scratch = NULL;
     d->rms_scratch = NULL;
@@ -89,10 +92,36 @@ static void cuda_attn_note(const loom_dev *d, char *buf, size_t n) {
              all ? "" : ")");
 }
 
+/* The model's buffers by address and size: what it holds of the device's
+ * memory, apart from the libraries' (loom_model_buffer_memory). */
+struct loom_dev_buf {
+    void *p;
+    size_t bytes;
+};
+
+static loom_status note_buf(loom_dev *d, loom_ctx *ctx, void *p, size_t bytes) {
+    if (d->nbufs == d->cap_bufs) {
+        const int cap = d->cap_bufs ? 2 * d->cap_bufs : 64;
+        struct loom_dev_buf *b = loom_realloc(ctx, d->bufs, (size_t)cap * sizeof *b,
+                                              "the device's buffer table");
+        if (!b) return LOOM_ERR_OOM;
+        d->bufs = b, d->cap_bufs = cap;
+    }
+    d->bufs[d->nbufs++] = (struct loom_dev_buf){p, bytes};
+    d->own += bytes;
+    if (d->own > d->own_peak) d->own_peak = d->own;
+    return LOOM_OK;
+}
+
 static loom_status cuda_alloc(loom_dev *d, loom_ctx *ctx, void **p, size_t bytes,
                               const char *what) {
     loom_status st = loom_cuda_malloc(ctx, p, bytes, what);
     if (st) return st;
+    if ((st = note_buf(d, ctx, *p, bytes))) {
+        loom_cuda_free(*p);
+        *p = NULL;
+        return st;
+    }
     size_t free_b, total_b;
     if (loom_cuda_mem_info(ctx, &free_b, &total_b) == LOOM_OK && total_b - free_b > d->used0) {
         const size_t used = total_b - free_b - d->used0;
@@ -105,7 +134,12 @@ static loom_status cuda_alloc(loom_dev *d, loom_ctx *ctx, void **p, size_t bytes
 }
 
 static void cuda_free(loom_dev *d, void *p) {
-    (void)d;
+    for (int i = d->nbufs - 1; p && i >= 0; i--)
+        if (d->bufs[i].p == p) {
+            d->own -= d->bufs[i].bytes;
+            d->bufs[i] = d->bufs[--d->nbufs];
+            break;
+        }
     loom_cuda_free(p);
 }
 
