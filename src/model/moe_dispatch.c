@@ -189,7 +189,7 @@ static loom_status dd_return_rows(const loom_blk *b, const geo *q, const hs *h, 
 
 /* The forward's rows: x (this rank's n token rows) -> the experts' rows
  * xe, grouped by local expert; the received rows' tables kept. cs, cr:
- * row scratch; meta: scratch for ns k ints and ns k floats. */
+ * row scratch; meta: scratch for the sent rows' k ints and k floats. */
 loom_status loom_moe_dd_dispatch(const loom_blk *b, const geo *q, const hs *h, const void *x,
                                  void *cs, void *cr, void *meta, void *xe) {
     loom_model *m = b->m;
