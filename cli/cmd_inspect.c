@@ -320,8 +320,9 @@ static loom_status print_memory(loom_ctx *ctx, const loom_settings *s,
     printf("  %-13s %12s   (%d micro-batch%s in flight on pipeline stage %d)\n", "activations",
            loom_fmt_bytes(b, r.acts), r.in_flight, r.in_flight == 1 ? "" : "es", r.pp_rank);
     printf("  %-13s %12s\n", "workspace", loom_fmt_bytes(b, r.work));
-    printf("  %-13s %12s   (plus the CUDA context, ~0.5 GiB, and NCCL's buffers)\n", "total",
-           loom_fmt_bytes(b, r.total));
+    printf("  %-13s %12s   (plus the CUDA context, ~0.5 GiB, NCCL's buffers and the CUDA "
+           "libraries' workspaces and kernels, a few GiB)\n",
+           "total", loom_fmt_bytes(b, r.total));
     if (cfg->num_experts > 0) print_experts(cfg, &n, &r);
     return LOOM_OK;
 }

@@ -402,5 +402,7 @@ void loom_memory_print(loom_ctx *ctx, const loom_mem_report *r, loom_log_level l
              loom_fmt_bytes(b, r->grads), loom_fmt_bytes(c, r->optim), loom_fmt_bytes(d, r->acts),
              r->in_flight, r->in_flight == 1 ? "" : "es", loom_fmt_bytes(e, r->work),
              loom_fmt_bytes(t, r->total),
-             r->cuda ? " (plus the CUDA context and NCCL buffers)" : "");
+             r->cuda ? " (plus the CUDA context, NCCL buffers and the CUDA libraries' workspaces "
+                       "and kernels)"
+                     : "");
 }
