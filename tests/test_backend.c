@@ -257,7 +257,8 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
     cpu->release(&cd);
 }
 
-TEST(backend_elementwise_ops_equal_cpu) {
+/* Runs fn against the CUDA table (fp32 compute, GPU 0); skips without one. */
+static void on_cuda_f32(void (*fn)(loom_ctx *ctx, side g)) {
     if (!loom_backend_cuda() || !loom_test_have_gpu())
         SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the CPU's");
     loom_ctx *ctx;
@@ -265,21 +266,16 @@ TEST(backend_elementwise_ops_equal_cpu) {
     loom_dev gd = {.cuda = true, .adt = LOOM_F32, .esz = 4, .device = 0};
     const loom_backend *be = loom_backend_cuda();
     REQUIRE_OK(ctx, be->init(&gd, ctx));
-    elementwise_ops(ctx, (side){be, &gd});
+    fn(ctx, (side){be, &gd});
     be->release(&gd);
     loom_ctx_free(ctx);
 }
 
+TEST(backend_elementwise_ops_equal_cpu) { on_cuda_f32(elementwise_ops); }
+
 /* The expert-parallel regrouping's tables on the GPU against the CPU's, bit
  * for bit: one or many sources, few or many experts, empty blocks, no rows. */
-TEST(backend_moe_regroup_equals_cpu) {
-    if (!loom_backend_cuda() || !loom_test_have_gpu())
-        SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the CPU's");
-    loom_ctx *ctx;
-    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
-    loom_dev gd = {.cuda = true, .adt = LOOM_F32, .esz = 4, .device = 0};
-    const loom_backend *be = loom_backend_cuda();
-    REQUIRE_OK(ctx, be->init(&gd, ctx));
+static void regroup_ops(loom_ctx *ctx, side g) {
     static const struct { int64_t S, El; int most; } cases[] = {
         {2, 64, 700}, {16, 8, 300}, {1, 3000, 9}, {8, 16, 0}, {4, 128, 3}, {2, 1, 40000}};
     const uint64_t seed = (uint64_t)loom_now_s() * 31u;
@@ -293,37 +289,29 @@ TEST(backend_moe_regroup_equals_cpu) {
         int32_t *want = malloc((size_t)(2 * Rt + 1) * 4), *got = malloc((size_t)(2 * Rt + 1) * 4);
         REQUIRE(rc && want && got);
         loom_cpu_moe_regroup(rc, cases[c].S, cases[c].El, Rt, want);
-        void *drc = put(ctx, (side){be, &gd}, rc, (size_t)n * 4), *dix = NULL;
+        void *drc = put(ctx, g, rc, (size_t)n * 4), *dix = NULL;
         REQUIRE(drc);
-        REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dix, (size_t)(2 * Rt + 1) * 4, "ix"));
-        REQUIRE_OK(ctx, be->moe_regroup(&gd, ctx, drc, cases[c].S, cases[c].El, Rt, dix));
-        if (Rt) REQUIRE_OK(ctx, be->download(&gd, ctx, got, dix, (size_t)(2 * Rt) * 4));
+        REQUIRE_OK(ctx, g.be->alloc(g.d, ctx, &dix, (size_t)(2 * Rt + 1) * 4, "ix"));
+        REQUIRE_OK(ctx, g.be->moe_regroup(g.d, ctx, drc, cases[c].S, cases[c].El, Rt, dix));
+        if (Rt) REQUIRE_OK(ctx, g.be->download(g.d, ctx, got, dix, (size_t)(2 * Rt) * 4));
         CHECK_MSG(!memcmp(got, want, (size_t)(2 * Rt) * 4), "%lld sources x %lld experts, %lld "
                   "rows: the tables differ from the CPU's", (long long)cases[c].S,
                   (long long)cases[c].El, (long long)Rt);
-        be->free(&gd, drc);
-        be->free(&gd, dix);
+        g.be->free(g.d, drc);
+        g.be->free(g.d, dix);
         free(rc), free(want), free(got);
     }
     /* a table the kernel cannot hold is refused, saying so */
-    CHECK(be->moe_regroup(&gd, ctx, NULL, 4, 1024, 1, NULL) == LOOM_ERR_UNSUPPORTED);
+    CHECK(g.be->moe_regroup(g.d, ctx, NULL, 4, 1024, 1, NULL) == LOOM_ERR_UNSUPPORTED);
     CHECK_CONTAINS(loom_last_error(ctx), "4 x 1024");
-    be->release(&gd);
-    loom_ctx_free(ctx);
 }
+
+TEST(backend_moe_regroup_equals_cpu) { on_cuda_f32(regroup_ops); }
 
 /* The once-per-rank dispatch's tables on the GPU against the CPU's, bit for
  * bit: dest, then (route's grouping made on the host) mask, meta and the
  * routing-weight gradients' gather. */
-TEST(backend_moe_dedup_ops_equal_cpu) {
-    if (!loom_backend_cuda() || !loom_test_have_gpu())
-        SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the CPU's");
-    loom_ctx *ctx;
-    REQUIRE_OK(NULL, loom_ctx_create(&ctx));
-    loom_dev gd = {.cuda = true, .adt = LOOM_F32, .esz = 4, .device = 0};
-    const loom_backend *be = loom_backend_cuda();
-    REQUIRE_OK(ctx, be->init(&gd, ctx));
-    const side g = {be, &gd};
+static void dedup_ops(loom_ctx *ctx, side g) {
     enum { N = 3001, K = 8, El = 16, P = 4 };
     const uint64_t seed = (uint64_t)loom_now_s() * 131u;
     int32_t *idx = malloc(N * K * 4), *dest = malloc(N * P * 4), *gdest = malloc(N * P * 4);
@@ -337,9 +325,9 @@ TEST(backend_moe_dedup_ops_equal_cpu) {
     loom_cpu_moe_dest(idx, N, K, El, P, dest);
     void *di = put(ctx, g, idx, N * K * 4), *dd = NULL;
     REQUIRE(di);
-    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dd, N * P * 4, "dest"));
-    REQUIRE_OK(ctx, be->moe_dest(&gd, ctx, di, N, K, El, P, dd));
-    REQUIRE_OK(ctx, be->download(&gd, ctx, gdest, dd, N * P * 4));
+    REQUIRE_OK(ctx, g.be->alloc(g.d, ctx, &dd, N * P * 4, "dest"));
+    REQUIRE_OK(ctx, g.be->moe_dest(g.d, ctx, di, N, K, El, P, dd));
+    REQUIRE_OK(ctx, g.be->download(g.d, ctx, gdest, dd, N * P * 4));
     CHECK_MSG(!memcmp(gdest, dest, N * P * 4), "moe_dest differs from the CPU's");
     loom_cpu_moe_route(dest, NULL, N, P + 1, P, -1, false, cnt, ord, pos);
     int32_t *ord_m = malloc(N * P * 4), *pos_m = malloc(N * P * 4);
@@ -348,13 +336,13 @@ TEST(backend_moe_dedup_ops_equal_cpu) {
     loom_cpu_moe_mask(dest, N, P, P, ord_m, pos_m);
     void *dord = put(ctx, g, ord, N * P * 4), *dpos = put(ctx, g, pos, N * P * 4);
     REQUIRE(dord && dpos);
-    REQUIRE_OK(ctx, be->moe_mask(&gd, ctx, dd, N, P, P, dord, dpos));
+    REQUIRE_OK(ctx, g.be->moe_mask(g.d, ctx, dd, N, P, P, dord, dpos));
     int32_t *got = malloc(N * P * K * 4);
     float *gotf = malloc(N * P * K * 4);
     REQUIRE(got && gotf);
-    REQUIRE_OK(ctx, be->download(&gd, ctx, got, dord, N * P * 4));
+    REQUIRE_OK(ctx, g.be->download(g.d, ctx, got, dord, N * P * 4));
     CHECK_MSG(!memcmp(got, ord_m, N * P * 4), "moe_mask: order differs from the CPU's");
-    REQUIRE_OK(ctx, be->download(&gd, ctx, got, dpos, N * P * 4));
+    REQUIRE_OK(ctx, g.be->download(g.d, ctx, got, dpos, N * P * 4));
     CHECK_MSG(!memcmp(got, pos_m, N * P * 4), "moe_mask: pos differs from the CPU's");
     int64_t U = 0;
     for (int p = 0; p < P; p++) U += cnt[p];
@@ -365,30 +353,30 @@ TEST(backend_moe_dedup_ops_equal_cpu) {
     void *dw_ = put(ctx, g, w, N * K * 4), *dtok = NULL, *dmid = NULL, *dmw = NULL, *ddw = NULL;
     void *ddwb = put(ctx, g, dwb, N * P * K * 4);
     REQUIRE(dw_ && ddwb);
-    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dtok, (size_t)U * 4, "tok"));
-    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dmid, (size_t)U * K * 4, "mid"));
-    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &dmw, (size_t)U * K * 4, "mw"));
-    REQUIRE_OK(ctx, be->alloc(&gd, ctx, &ddw, N * K * 4, "dw"));
+    REQUIRE_OK(ctx, g.be->alloc(g.d, ctx, &dtok, (size_t)U * 4, "tok"));
+    REQUIRE_OK(ctx, g.be->alloc(g.d, ctx, &dmid, (size_t)U * K * 4, "mid"));
+    REQUIRE_OK(ctx, g.be->alloc(g.d, ctx, &dmw, (size_t)U * K * 4, "mw"));
+    REQUIRE_OK(ctx, g.be->alloc(g.d, ctx, &ddw, N * K * 4, "dw"));
     void *dord2 = put(ctx, g, ord, N * P * 4);
     REQUIRE(dord2);
-    REQUIRE_OK(ctx, be->moe_dedup_meta(&gd, ctx, dord2, U, di, dw_, K, El, P, dtok, dmid, dmw));
-    REQUIRE_OK(ctx, be->download(&gd, ctx, got, dtok, (size_t)U * 4));
+    REQUIRE_OK(ctx, g.be->moe_dedup_meta(g.d, ctx, dord2, U, di, dw_, K, El, P, dtok, dmid, dmw));
+    REQUIRE_OK(ctx, g.be->download(g.d, ctx, got, dtok, (size_t)U * 4));
     CHECK_MSG(!memcmp(got, tok, (size_t)U * 4), "moe_dedup_meta: tok differs");
-    REQUIRE_OK(ctx, be->download(&gd, ctx, got, dmid, (size_t)U * K * 4));
+    REQUIRE_OK(ctx, g.be->download(g.d, ctx, got, dmid, (size_t)U * K * 4));
     CHECK_MSG(!memcmp(got, mid, (size_t)U * K * 4), "moe_dedup_meta: mid differs");
-    REQUIRE_OK(ctx, be->download(&gd, ctx, gotf, dmw, (size_t)U * K * 4));
+    REQUIRE_OK(ctx, g.be->download(g.d, ctx, gotf, dmw, (size_t)U * K * 4));
     CHECK_MSG(!memcmp(gotf, mw, (size_t)U * K * 4), "moe_dedup_meta: mw differs");
     loom_cpu_moe_dedup_dw(dwb, pos_m, N, P, K, dw);
-    REQUIRE_OK(ctx, be->moe_dedup_dw(&gd, ctx, ddwb, dpos, N, P, K, ddw));
-    REQUIRE_OK(ctx, be->download(&gd, ctx, gotf, ddw, N * K * 4));
+    REQUIRE_OK(ctx, g.be->moe_dedup_dw(g.d, ctx, ddwb, dpos, N, P, K, ddw));
+    REQUIRE_OK(ctx, g.be->download(g.d, ctx, gotf, ddw, N * K * 4));
     CHECK_MSG(!memcmp(gotf, dw, N * K * 4), "moe_dedup_dw differs from the CPU's");
     void *all[] = {di, dd, dord, dpos, dw_, ddwb, dtok, dmid, dmw, ddw, dord2};
-    for (size_t i = 0; i < sizeof all / sizeof *all; i++) be->free(&gd, all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) g.be->free(g.d, all[i]);
     free(idx), free(dest), free(gdest), free(ord), free(pos), free(w), free(dwb), free(ord_m);
     free(pos_m), free(got), free(gotf), free(tok), free(mid), free(mw), free(dw);
-    be->release(&gd);
-    loom_ctx_free(ctx);
 }
+
+TEST(backend_moe_dedup_ops_equal_cpu) { on_cuda_f32(dedup_ops); }
 
 /* ---- RMSNorm: a backend against the CPU table, in fp32 (the CUDA kernels'
  * plain forms) and bf16 (the fused forms, with the dw batch) ---- */
