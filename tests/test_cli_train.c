@@ -137,6 +137,14 @@ TEST(cli_train_moe_router_options) {
     CHECK_CONTAINS(out, "position");
     CHECK_CONTAINS(out, "| z-loss ");
     free(out);
+    /* a dispatch switch that is neither 0 nor 1 is named, and the run goes on */
+    setenv("LOOM_MOE_DEDUP", "yes", 1);
+    rc = RUN(&out, "train", "--device", "cpu", "--model", model, "--data", data, "--train-steps",
+             "1", "--seq-len", "32", "--global-batch-size", "2");
+    unsetenv("LOOM_MOE_DEDUP");
+    CHECK_EQ_INT(rc, 0);
+    CHECK_CONTAINS(out, "LOOM_MOE_DEDUP=yes: use 1");
+    free(out);
     char *json = NULL;
     size_t len = 0;
     loom_ctx *ctx;

@@ -618,6 +618,15 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     m->moe_drop = (loom_moe_drop)opts->moe_token_drop_policy;
     m->moe_force_balance = opts->moe_router_force_load_balancing != 0;
     m->moe_dedup = loom_moe_dedup_wanted();
+    const char *dd = getenv("LOOM_MOE_DEDUP");
+    if (m->cfg.num_experts > 0 && dd && strcmp(dd, "0") && strcmp(dd, "1"))
+        LOOM_LOG_W(ctx, "LOOM_MOE_DEDUP=%s: use 1 (the expert dispatch sends a row once per rank) "
+                        "or 0 (once per choice, the default); sending once per choice", dd);
+    else if (m->moe_dedup && m->cfg.num_experts > 0 && !(m->ep == 1 && m->etp == m->tp) &&
+             (m->etp > 1 || m->moe_cap_factor > 0.0))
+        LOOM_LOG_I(ctx, "LOOM_MOE_DEDUP=1: the expert dispatch sends rows once per choice here "
+                        "(once per rank needs etp 1 and dropless routing; this mesh has etp %d%s)",
+                   m->etp, m->moe_cap_factor > 0.0 ? " and a capacity factor" : "");
     if (m->D > LOOM_CPU_ATTN_MAX_D || m->D % 2) {
         st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED, "%s: head_dim=%lld: loom needs an even head_dim "
                        "of at most %d", dir, (long long)m->D, LOOM_CPU_ATTN_MAX_D);
