@@ -14,6 +14,9 @@
 #include "ckpt.h"
 #include "cli.h"
 
+/* The profile table's room (loom_model_profile). */
+#define PROFILE_REPORT 16384
+
 /* Optimizer and schedule from the settings. */
 static loom_status setup_optimizer(loom_ctx *ctx, loom_model *m, const loom_settings *s) {
     loom_optimizer_config oc = {.lr = s->lr, .beta1 = s->adam_beta1, .beta2 = s->adam_beta2,
@@ -468,6 +471,28 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         char an[400];
         loom_dev_attn_note(m, an, sizeof an);
         LOOM_LOG_I(ctx, "attention: %s", an);
+    }
+    if (s->profile) { /* each rank its own, as the peak memory */
+        char *rep = malloc(PROFILE_REPORT);
+        if (!rep) {
+            st = loom_errf(ctx, LOOM_ERR_OOM, "out of memory for the profile");
+            goto done;
+        }
+        loom_model_profile(m, rep, PROFILE_REPORT);
+        const loom_log_level lv = loom_ctx_log_level(ctx);
+        const bool say = !strcmp(s->log_level, "info") || !strcmp(s->log_level, "debug");
+        if (say && lv < LOOM_LOG_INFO) loom_ctx_set_log_level(ctx, LOOM_LOG_INFO);
+        /* a line at a time (the log's lines are bounded) */
+        for (char *line = rep, *nl; line && *line; line = nl ? nl + 1 : NULL) {
+            if ((nl = strchr(line, '\n'))) *nl = '\0';
+            if (line == rep)
+                LOOM_LOG_I(ctx, "profile of rank %d%s: %s", loom_model_rank(m),
+                           cuda ? "" : " (CPU: the host's clock)", line);
+            else
+                LOOM_LOG_I(ctx, "%s", line);
+        }
+        loom_ctx_set_log_level(ctx, lv);
+        free(rep);
     }
     LOOM_LOG_I(ctx, "trained %" PRId64 " steps in %.1f s (%.0f tokens/s): loss %.4f -> %.4f",
                trained, total, (double)(tokens_total - resume.consumed_tokens) / total, first_loss,

@@ -105,6 +105,7 @@ void loom_cli_model_options(const loom_settings *s, loom_model_options *o) {
             ? LOOM_MOE_DROP_POSITION
             : LOOM_MOE_DROP_PROBS;
     o->moe_router_force_load_balancing = s->moe_router_force_load_balancing;
+    o->profile = s->profile;
     o->recompute = !strcmp(s->recompute, "full")  ? LOOM_RECOMPUTE_FULL
                    : !strcmp(s->recompute, "mlp") ? LOOM_RECOMPUTE_MLP
                                                   : LOOM_RECOMPUTE_NONE;

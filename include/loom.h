@@ -236,6 +236,9 @@ typedef struct loom_model_options {
      * model; the router gets no gradient. Random weights otherwise send
      * nearly every token to the same few experts. Not for real training. */
     int moe_router_force_load_balancing;
+    /* Time each part of every training step on the device
+     * (loom_model_profile; costs a device wait at each step's end). */
+    int profile;
 } loom_model_options;
 
 void loom_model_options_default(loom_model_options *o);
@@ -290,6 +293,20 @@ uint64_t loom_model_buffer_memory(const loom_model *m);
  * the CUDA libraries' own memory and any other process's on that GPU), the
  * figure to set beside a peer's device-wide one: bytes, 0 on the CPU. */
 uint64_t loom_model_device_memory(const loom_model *m);
+
+/* Where this rank's training steps spent their time (the model created
+ * with loom_model_options.profile): a table, in text, of the parts of a
+ * step (phase and part: forward attn, backward moe.a2a, step optimizer,
+ * ...) with each part's time on the device per step, its share and how
+ * often it ran, over the steps after the first (the first, warm-up, apart),
+ * and the host's time per step beside it. A part's time is its span on the
+ * device's queue, from its start to the next part's: the kernels it
+ * queued, the collectives it waited on, and the device's idle time while
+ * the host was in it. A step ends at loom_model_clip_grad_and_step's
+ * optimizer step; forward_only's parts count with the next step. Written
+ * into buf (n bytes, cut short if it does not fit); without profiling, a
+ * line saying so. */
+void loom_model_profile(const loom_model *m, char *buf, size_t n);
 
 /* AdamW (torch semantics, fp32 master weights; no weight decay on 1-D
  * parameters). Without a scheduler lr and weight_decay are constant. */

@@ -71,6 +71,20 @@ static void memory_ops(loom_ctx *ctx, const loom_backend *be, loom_dev *d) {
               be->name);
     CHECK(strcmp(be->name, "cpu") || !pinned); /* the CPU has no page-locked memory */
     loom_backend_host_free(p, pinned);
+    /* the timeline's marks: spans of zero or more, within the host's time
+     * around them; a mark out of range or a read of none is an error */
+    const double t0 = loom_now_s();
+    double ms[2] = {-1.0, -1.0};
+    REQUIRE_OK(ctx, be->mark(d, ctx, 0));
+    REQUIRE_OK(ctx, be->zero(d, ctx, a, N * sizeof(float)));
+    REQUIRE_OK(ctx, be->mark(d, ctx, 1));
+    REQUIRE_OK(ctx, be->mark(d, ctx, 2));
+    REQUIRE_OK(ctx, be->marks_ms(d, ctx, 3, ms));
+    const double wall = 1e3 * (loom_now_s() - t0);
+    CHECK_MSG(ms[0] >= 0.0 && ms[1] >= 0.0 && ms[0] + ms[1] <= wall + 1e-3,
+              "%s: marks %.4f + %.4f ms, host %.4f ms", be->name, ms[0], ms[1], wall);
+    CHECK(be->mark(d, ctx, LOOM_MARKS_MAX) != LOOM_OK);
+    CHECK(be->marks_ms(d, ctx, 0, ms) != LOOM_OK);
     be->free(d, a);
     be->free(d, b);
     be->free(d, c);

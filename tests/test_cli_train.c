@@ -143,7 +143,8 @@ TEST(cli_train_moe_router_options) {
              "1", "--seq-len", "32", "--global-batch-size", "2");
     unsetenv("LOOM_MOE_DEDUP");
     CHECK_EQ_INT(rc, 0);
-    CHECK_CONTAINS(out, "LOOM_MOE_DEDUP=yes: use 1");
+    CHECK_CONTAINS(out, "LOOM_MOE_DEDUP=yes: use 1 (the expert dispatch sends a row once per rank, "
+                        "the default) or 0");
     free(out);
     char *json = NULL;
     size_t len = 0;

@@ -427,16 +427,16 @@ TEST(parallel_layouts_qwen3_moe) {
     check_moe_layouts("tiny-qwen3-moe", layouts, sizeof layouts / sizeof layouts[0]);
 }
 
-/* The ep dispatch once per rank (LOOM_MOE_DEDUP=1: fewer bytes, more host
- * syncs than the default once per choice) equals one process too. */
-TEST(parallel_moe_dispatch_per_rank) {
+/* The ep dispatch once per choice (LOOM_MOE_DEDUP=0: more bytes than the
+ * default once per rank, kept to compare) equals one process too. */
+TEST(parallel_moe_dispatch_per_choice) {
     static const moe_layout layouts[] = {
         {2, "--ep 2", false, 2},
         {2, "--ep 2 --tp 2 --etp 1 --sequence-parallel", false, 1},
         {4, "--ep 2 --pp 2", false, 2},
         {4, "--ep 4", true, 4},
     };
-    setenv("LOOM_MOE_DEDUP", "1", 1);
+    setenv("LOOM_MOE_DEDUP", "0", 1);
     check_moe_layouts("tiny-qwen3-moe", layouts, sizeof layouts / sizeof layouts[0]);
     unsetenv("LOOM_MOE_DEDUP");
 }

@@ -54,7 +54,8 @@ class ModelOptions(C.Structure):
                 ("etp", i32), ("sequence_parallel", i32), ("microbatch_group", i32),
                 ("bucket_elems", i64), ("recompute", i32), ("moe_aux", i32),
                 ("moe_z_loss_coeff", f64), ("moe_expert_capacity_factor", f64),
-                ("moe_token_drop_policy", i32), ("moe_router_force_load_balancing", i32)]
+                ("moe_token_drop_policy", i32), ("moe_router_force_load_balancing", i32),
+                ("profile", i32)]
 
 
 class ModelInfo(C.Structure):
@@ -170,6 +171,7 @@ _decl("loom_model_forward_only", i32, vp, P(Batch), i64, P(C.c_float), P(C.c_flo
 _decl("loom_model_clip_grad_and_step", i32, vp, f64, i64, P(StepResult))
 _decl("loom_model_zero_grad", None, vp)
 _decl("loom_model_expert_tokens", i32, vp, P(C.c_double), i64)
+_decl("loom_model_profile", None, vp, cp, C.c_size_t)
 _decl("loom_model_tensor_name", cp, vp, i64, P(i32), P(i64))
 _decl("loom_model_get_param", i32, vp, cp, P(C.c_float), i64)
 _decl("loom_model_get_grad", i32, vp, cp, P(C.c_float), i64)

@@ -35,7 +35,7 @@ _KWARGS = {
     "comm_timeout", "log_level", "append_eos", "pre_wrap_hook", "post_wrap_hook",
     "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_expert_capacity_factor",
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-    "moe_router_force_load_balancing",
+    "moe_router_force_load_balancing", "profile",
 }
 _OPT_KWARGS = {"lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
                "min_lr", "bf16", "fp16", "use_distributed_optimizer", "overlap_param_gather",
@@ -145,6 +145,8 @@ def _mesh_options(o, device_mesh, kwargs, recompute):
     o.moe_token_drop_policy = 1 if policy == "position" else 0
     # Megatron's benchmarking switch: random router logits, tokens spread evenly
     o.moe_router_force_load_balancing = 1 if kwargs.get("moe_router_force_load_balancing") else 0
+    # loom's: time each part of every step (MegatronModel.profile())
+    o.profile = 1 if kwargs.get("profile") else 0
     # padding each expert's rows to its capacity changes no result (the pad
     # rows weigh 0); loom runs the kept rows only
     if kwargs.get("moe_pad_expert_input_to_capacity") and not o.moe_expert_capacity_factor:
@@ -823,6 +825,17 @@ class MegatronModel:
         self._ctx.check(L.lib.loom_model_expert_tokens(
             self._h, a.ctypes.data_as(C.POINTER(C.c_double)), a.size), "expert_tokens")
         return a
+
+    def profile(self):
+        """Where this rank's training steps spent their time, as text (the
+        model made with profile=True): each part of a step (forward
+        attention, backward moe.a2a, step optimizer, ...) with its time on
+        the device per step, over the steps after the first. A loom
+        extension (loom train --profile prints the same)."""
+        self._check_open()
+        buf = C.create_string_buffer(1 << 16)
+        L.lib.loom_model_profile(self._h, buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
 
     def zero_grad(self, adapter_name=None, **kwargs):
         self._check_open()

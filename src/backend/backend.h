@@ -52,7 +52,12 @@ typedef struct loom_dev {
     struct loom_dev_buf *bufs; /* their sizes by address (free takes none); NULL on the CPU */
     int nbufs, cap_bufs;
     size_t gpu_total;
+    void *marks; /* the timeline's marks (mark): CUDA events, or the host's times; NULL until
+                    the first */
 } loom_dev;
+
+/* Marks a step's timeline holds before it is read out (loom_prof). */
+#define LOOM_MARKS_MAX 4096
 
 /* One term of an input gradient: dy (T, out; ld) times W (out, in). */
 typedef struct loom_dx_term {
@@ -121,6 +126,12 @@ typedef struct loom_backend {
     /* dst[i] = src[i] between F32, BF16 and F16 (n elements, on the device). */
     loom_status (*convert)(loom_dev *d, loom_ctx *ctx, void *dst, loom_dtype dt, const void *src,
                            loom_dtype sdt, size_t n);
+    /* The step's timeline (--profile): mark i (0 <= i < LOOM_MARKS_MAX)
+     * notes when the device reaches this point of its queue (the CPU: when
+     * the host does, its ops being done by then); marks_ms waits for mark
+     * n - 1 and gives ms[i] = the time from mark i to mark i + 1, i < n - 1. */
+    loom_status (*mark)(loom_dev *d, loom_ctx *ctx, int i);
+    loom_status (*marks_ms)(loom_dev *d, loom_ctx *ctx, int n, double *ms);
 
     /* ---- element-wise, on activations in d->adt (fp32 gradients of
      * parameters); the semantics are the CPU reference's (cpu_ops.h,

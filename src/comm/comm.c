@@ -428,7 +428,9 @@ static loom_status reduce_scatter(loom_comm *c, const void *send, void *recv, si
 
 loom_status loom_comm_reduce_scatter(loom_comm *c, const void *send, void *recv, size_t n,
                                      loom_dtype dt, loom_red_op op) {
-    return reduce_scatter(c, send, recv, n, dt, op, NULL);
+    loom_status st = reduce_scatter(c, send, recv, n, dt, op, NULL);
+    if (c) c->defer_next = false;
+    return st;
 }
 
 static loom_status allgather(loom_comm *c, const void *send, void *recv, size_t n,

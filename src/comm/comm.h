@@ -90,9 +90,9 @@ loom_ctx *loom_comm_ctx(const loom_comm *c);            /* where its errors go *
 /* Seconds a blocking wait on this group may take before it fails
  * (<= 0: forever). Groups split later inherit it. */
 void loom_comm_set_timeout(loom_comm *c, double seconds);
-/* The next alltoall, alltoallv, allgather or allgatherv on c returns once
- * its work is queued, when every buffer is device memory (NCCL): the
- * group's stream orders it with the legacy default stream both ways, so
+/* The next alltoall, alltoallv, allgather, allgatherv or reduce_scatter on c
+ * returns once its work is queued, when every buffer is device memory
+ * (NCCL): the group's stream orders it with the legacy default stream both ways, so
  * kernels after it read its results, and the host does not wait for a
  * transfer no host code reads. loom_comm_settle waits for it (with the
  * group's deadline); call it before anything that waits on the GPU

@@ -47,7 +47,8 @@ struct loom_comm {
     int group_depth;      /* group_start() nesting */
     double timeout_s;     /* blocking waits give up after this; <= 0: never */
     bool broken;          /* an operation failed or timed out and left the group unusable */
-    bool defer_next;      /* loom_comm_defer: the next alltoall(v) / allgather(v) may return
+    bool defer_next;      /* loom_comm_defer: the next alltoall(v) / allgather(v) /
+                           * reduce_scatter may return
                            * once queued (the backend clears it when it completes a call) */
     void *impl;           /* the backend's state */
 };

@@ -157,6 +157,10 @@ static const loom_option table[] = {
      "layer and token, spread the tokens evenly over the experts as a trained model's router "
      "does (random weights send nearly all to a few); the router gets no gradient",
      OFF(moe_router_force_load_balancing), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
+    {"profile", LOOM_OPT_BOOL, "false",
+     "time each part of every step on the device (attention, MoE dispatch and all-to-alls, "
+     "experts, recomputation, gradient reduce, optimizer) and print the table per rank at the end",
+     OFF(profile), NULL, CMD_TRAIN, 0, 0},
     {"recompute", LOOM_OPT_CHOICE, "none",
      "activation recomputation, memory for compute (same results): mlp recomputes each layer's "
      "gate, up and SwiGLU outputs before its backward; full keeps only each layer's input and "

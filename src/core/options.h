@@ -110,6 +110,7 @@ typedef struct loom_settings {
     double moe_expert_capacity_factor; /* MoE experts' capacity factor (0: dropless) */
     char *moe_token_drop_policy; /* MoE choices over capacity dropped: probs | position */
     bool moe_router_force_load_balancing; /* MoE, benchmarks: random router logits */
+    bool profile;                         /* time each part of every step */
     int64_t nproc_per_node;/* train/golden: start this many local GPU workers (0: this process) */
     char *mesh;            /* inspect: predict per-rank memory on this mesh ("tp=2,pp=2,dp=2,sp") */
     /* watching a run (train) */

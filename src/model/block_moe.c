@@ -60,6 +60,7 @@
 #include "moe_impl.h"
 #include "moe_dedup.h"
 #include "moe_tabs.h"
+#include "prof.h"
 
 /* its tensors: the router, then each expert's gate, up, down (the dense
  * MLP's slot order, loom_mlp_params); this rank's expert e (local number)
@@ -377,6 +378,7 @@ static loom_status shared_fwd(const loom_blk *b, const void *h, void *out) {
     if (!shared_width(m)) return LOOM_OK;
     void *const *a = b->act, *const *s = b->scratch;
     const int64_t H = m->H, Is = shared_width(m), Tc = m->Tc;
+    CK(loom_prof_mark(m, "moe.shared"));
     CK(shared_front(b, h));
     CK(loom_blk_lin(b, SLGATE, h, Tc, H, loom_wc(m, b->w[SGATE]), 1, s[SZ]));
     if (!out) {
@@ -398,6 +400,7 @@ static loom_status shared_bwd(const loom_blk *b, const void *h, const void *dy, 
     void *const *a = b->act, *const *s = b->scratch;
     const int64_t H = m->H, Is = shared_width(m), Tc = m->Tc;
     void *ds = s[SY], *dg = s[SDG], *du = s[SDU], *dz = s[SZ];
+    CK(loom_prof_mark(m, "moe.shared"));
     CK(loom_k_moe_gate_fwd(m, NULL, dy, Tc, H, false, a[SHSIG], ds));
     /* down: dact = ds Wd (+ LoRA's term, deferred into the one sum) */
     bool acc = false;
@@ -502,6 +505,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     void *z = b->scratch[Z];
     float *psum = (float *)((char *)b->scratch[PSUM] + psum_at(q.E));
     const void *hs0 = (const char *)h + (size_t)(q.o0 * q.H) * esz;
+    CK(loom_prof_mark(m, "moe.router"));
     CK(loom_blk_lin(b, LROUTER, hs0, q.n, q.H, loom_wc(m, b->w[ROUTER]), q.E, z));
     if (m->moe_force_balance) CK(random_logits(b, &q, z));
     CK(loom_k_zero(m, psum, (size_t)q.E * sizeof(float)));
@@ -514,6 +518,7 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
      * per forward, not when recomputed), and the dispatch's table when it
      * travels on the device: one download */
     const bool dev_tab = tables_on_device(&q);
+    CK(loom_prof_mark(m, "moe.counts (host wait)"));
     if (dev_tab) CK(loom_moe_exchange_counts_dev(b, &q));
     if (dedup_on(&q)) CK(loom_moe_dd_plan(b, &q));
     if ((char *)hh.psum != (char *)hh.cnt + psum_at(q.E) ||
@@ -544,12 +549,15 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     CK(loom_moe_tabs_put(m->ctx, &m->moe_tabs, m->L, b->l, a[CNT], hh.cnt, q.E, hh.rc,
                          table_len(&q)));
     int64_t rows;
+    CK(loom_prof_mark(m, "moe.dispatch"));
     CK(gather_rows(b, &q, &hh, h, &rows));
+    CK(loom_prof_mark(m, "moe.experts"));
     CK(experts_front(b, &q, hh.ce, rows));
     const bool dd = dedup_on(&q);
     void *ye = q.local || dd ? a[YS] : b->scratch[S1];
     CK(experts_gemm(b, &q, hh.ce, ED, true, a[ACT], q.Ie, q.H, q.Ie, 0.0f, ye, q.H));
     CK(lora_fwd(b, &q, hh.ce, LD, a[ACT], q.Ie, ye, q.H));
+    CK(loom_prof_mark(m, "moe.combine"));
     if (!q.local && !dd) CK(loom_moe_undispatch(b, &q, &hh, ye, a[YS], b->scratch[S2], rows));
     if (!out) return shared_fwd(b, h, NULL);
     if (!q.local) CK(loom_k_zero(m, out, (size_t)(m->Tc * q.H) * esz));
@@ -567,8 +575,10 @@ static loom_status moe_recompute(const loom_blk *b, const void *h) {
     const geo q = geometry(b->m, b->m->Tc);
     const hs hh = host_of(b);
     int64_t rows;
+    CK(loom_prof_mark(b->m, "moe.dispatch"));
     CK(tables_host(b, &q, &hh));
     CK(gather_rows(b, &q, &hh, h, &rows));
+    CK(loom_prof_mark(b->m, "moe.experts"));
     CK(experts_front(b, &q, hh.ce, rows));
     CK(lora_fwd(b, &q, hh.ce, LD, b->act[ACT], q.Ie, NULL, q.H)); /* the down's stash */
     return shared_width(b->m) ? shared_front(b, h) : LOOM_OK;
@@ -582,6 +592,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     const hs hh = host_of(b);
     const size_t esz = m->dev.esz;
     const size_t so = (size_t)(q.o0 * q.H) * esz;
+    CK(loom_prof_mark(m, "moe.combine"));
     CK(tables_host(b, &q, &hh));
     int64_t rows = table_rows(&q, hh.cnt);
     if (q.local)
@@ -599,6 +610,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
         if (!q.local) CK(loom_moe_dispatch(b, &q, &hh, s[S1], dye, s[S2], rows));
     }
     /* down: dact = dye Wd, dWd += dye^T act */
+    CK(loom_prof_mark(m, "moe.experts"));
     CK(experts_dw(b, &q, hh.ce, ED, dye, q.H, a[ACT], q.Ie));
     CK(experts_gemm(b, &q, hh.ce, ED, false, dye, q.H, q.Ie, q.H, 0.0f, s[DG], q.Ie));
     CK(lora_bwd(b, &q, hh.ce, LD, a[ACT], q.Ie, dye, q.H, s[DG]));
@@ -614,6 +626,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     }
     CK(lora_bwd(b, &q, hh.ce, LG, a[XE], q.H, s[DG], q.Ie, dxe));
     CK(lora_bwd(b, &q, hh.ce, LU, a[XE], q.H, s[DU], q.Ie, dxe));
+    CK(loom_prof_mark(m, "moe.dispatch"));
     if (dx && dd) { /* summed per received row on the experts' rank, then per rank */
         CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
         CK(loom_moe_dd_return_dx(b, &q, &hh, dxe, s[S3], s[S2], (char *)dx + so));
@@ -633,6 +646,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     const float *zc = ga ? b->mb->d_aux_g + loom_moe_grad_len(m) - 1 : NULL;
     if (ga && m->moe_aux == LOOM_MOE_AUX_PER_LAYER) ga += b->l * q.E; /* the layer's own */
     const void *hs0 = (const char *)h + so;
+    CK(loom_prof_mark(m, "moe.router"));
     CK(loom_k_moe_router_bwd(m, a[PROBS], a[IDX], s[DW], ga,
                              zc && m->moe_z_coef > 0.0 ? a[LSE] : NULL, zc, q.n, q.E, q.k,
                              m->cfg.norm_topk_prob, s[Z]));

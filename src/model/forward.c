@@ -17,6 +17,7 @@
 #include "kern.h"
 #include "loss.h"
 #include "model.h"
+#include "prof.h"
 
 /* Activations of layer i of a chunk (compute dtype) */
 #define AT(buf, i, per) ((void *)((char *)(buf) + (size_t)(i) * (size_t)(per) * m->dev.esz))
@@ -27,7 +28,10 @@
  * (or nothing when dst == src). */
 static loom_status sp_gather(loom_model *m, const void *src, void *dst) {
     size_t n = (size_t)(m->Tn * m->H);
-    if (m->sp) return loom_comm_allgather(m->mesh->tp, src, dst, n, m->dev.adt);
+    if (m->sp) {
+        LOOM_PROF_AROUND(m, "tp comm", loom_comm_allgather(m->mesh->tp, src, dst, n, m->dev.adt));
+        return LOOM_OK;
+    }
     return loom_k_copy(m, dst, src, n * m->dev.esz);
 }
 
@@ -35,8 +39,15 @@ static loom_status sp_gather(loom_model *m, const void *src, void *dst) {
  * reduce-scatter under SP, else all-reduce. */
 static loom_status tp_reduce(loom_model *m, void *src, void *dst) {
     size_t n = (size_t)(m->Tn * m->H);
-    if (m->sp) return loom_comm_reduce_scatter(m->mesh->tp, src, dst, n, m->dev.adt, LOOM_RED_SUM);
-    if (m->tp > 1) CK(loom_comm_allreduce(m->mesh->tp, src, n, m->dev.adt, LOOM_RED_SUM));
+    if (m->sp) {
+        LOOM_PROF_AROUND(m, "tp comm",
+                         loom_comm_reduce_scatter(m->mesh->tp, src, dst, n, m->dev.adt,
+                                                  LOOM_RED_SUM));
+        return LOOM_OK;
+    }
+    if (m->tp > 1)
+        LOOM_PROF_AROUND(m, "tp comm",
+                         loom_comm_allreduce(m->mesh->tp, src, n, m->dev.adt, LOOM_RED_SUM));
     return loom_k_copy(m, dst, src, n * m->dev.esz);
 }
 
@@ -113,11 +124,13 @@ static loom_status residual(loom_model *m, const lbuf *b, int j, void *part) {
  * output kept (the last block runs without producing it). */
 static loom_status layer_run(loom_model *m, const lbuf *b, int64_t l, const loom_micro *mb,
                              bool full) {
+    CK(loom_prof_mark(m, b->blk[0].kind->name)); /* a block's part: from its norm */
     CK(loom_k_rmsnorm_fwd(m, b->x, loom_wc(m, b->blk[0].norm), m->Tn, m->H,
                           (float)m->cfg.rms_norm_eps, m->sp ? m->dtmp : b->t->h[0], b->t->rstd[0]));
     if (m->sp) CK(sp_gather(m, m->dtmp, b->t->h[0]));
     for (int j = 0; j < b->nb; j++) {
         const loom_blk c = blk(m, b, j, l, mb);
+        if (j) CK(loom_prof_mark(m, b->blk[j].kind->name));
         if (full && j + 1 == b->nb) return b->blk[j].kind->fwd(&c, b->t->h[j], NULL);
         /* the output straight into the residual stream unless SP scatters it there */
         void *part = m->sp ? m->dtmp : b->r[j];
@@ -139,11 +152,18 @@ static loom_status layer_fwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
  * dropped buffers (MLP), or the whole layer but its output (FULL). */
 static loom_status layer_recompute(loom_model *m, const lbuf *b, int64_t l, const loom_micro *mb) {
     if (m->recompute == LOOM_RECOMPUTE_NONE) return LOOM_OK;
-    if (m->recompute == LOOM_RECOMPUTE_FULL) return layer_run(m, b, l, mb, true);
-    for (int j = 0; j < b->nb; j++) {
-        const loom_blk c = blk(m, b, j, l, mb);
-        if (b->blk[j].kind->recompute) CK(b->blk[j].kind->recompute(&c, b->t->h[j]));
+    loom_prof_phase(m, "recompute");
+    if (m->recompute == LOOM_RECOMPUTE_FULL) {
+        CK(layer_run(m, b, l, mb, true));
+    } else {
+        for (int j = 0; j < b->nb; j++) {
+            const loom_blk c = blk(m, b, j, l, mb);
+            if (!b->blk[j].kind->recompute) continue;
+            CK(loom_prof_mark(m, b->blk[j].kind->name));
+            CK(b->blk[j].kind->recompute(&c, b->t->h[j]));
+        }
     }
+    loom_prof_phase(m, "backward");
     return LOOM_OK;
 }
 
@@ -153,6 +173,7 @@ static loom_status block_bwd(loom_model *m, const lbuf *b, int j, int64_t l,
                              const loom_micro *mb) {
     const int64_t H = m->H, Tn = m->Tn;
     void *dx = m->dx, *dtmp = m->dtmp, *dfull = m->sp ? m->dfull : m->dx;
+    CK(loom_prof_mark(m, b->blk[j].kind->name));
     if (b->bias[j] >= 0) CK(loom_k_bias_bwd(m, dx, Tn, H, loom_g(m, b->bias[j])));
     if (m->sp) CK(sp_gather(m, dx, dfull));
     /* The first layer's input gradient feeds only the embedding's and its
@@ -182,6 +203,7 @@ static loom_status layer_bwd(loom_model *m, loom_acts *a, int64_t i, int64_t l,
 
 static loom_status embed_fwd(loom_model *m, const loom_micro *mb, void *x0) {
     const loom_slot *s = &m->base.slots[m->embed];
+    CK(loom_prof_mark(m, "embedding"));
     CK(loom_k_embed_fwd(m, mb->d_ids, m->Tc, loom_wc(m, m->embed), s->row0, s->rows, m->dtmp));
     return tp_reduce(m, m->dtmp, x0);
 }
@@ -191,6 +213,7 @@ static loom_status embed_bwd(loom_model *m, const loom_micro *mb) {
     float *dW = loom_g(m, m->embed);
     void *dfull = m->sp ? m->dfull : m->dx;
     if (!dW) return LOOM_OK; /* frozen */
+    CK(loom_prof_mark(m, "embedding"));
     if (m->sp) CK(sp_gather(m, m->dx, dfull));
     return loom_k_embed_bwd(m, mb->d_ids, m->Tc, dfull, s->row0, s->rows, dW);
 }
@@ -229,6 +252,7 @@ static loom_status head_fwd_bwd(loom_model *m, loom_acts *a, const loom_micro *m
     void *hf = m->dfull; /* (Tc, H): the final norm's output, gathered under SP */
     int64_t nvalid = m->V - v0; /* columns of this rank inside the real vocabulary */
     nvalid = nvalid > Vl ? Vl : nvalid < 0 ? 0 : nvalid;
+    CK(loom_prof_mark(m, backward ? "output layer, loss" : "output layer"));
     CK(loom_k_rmsnorm_fwd(m, xL, loom_wc(m, m->final_norm), Tn, H, (float)m->cfg.rms_norm_eps,
                           a->hf, a->rstdf));
     CK(sp_gather(m, a->hf, hf));
@@ -260,6 +284,7 @@ loom_status loom_chunk_forward(loom_model *m, int c, loom_acts *a, const loom_mi
     *loss_sum = 0.0;
     *n_tokens = 0;
     m->cur_mb = mb;
+    loom_prof_phase(m, "forward");
     if (ch->first) CK(embed_fwd(m, mb, a->x));
     for (int64_t i = 0; i < ch->nl; i++) CK(layer_fwd(m, a, i, ch->l0 + i, mb));
     if (ch->last)
@@ -270,8 +295,10 @@ loom_status loom_chunk_forward(loom_model *m, int c, loom_acts *a, const loom_mi
 loom_status loom_chunk_backward(loom_model *m, int c, loom_acts *a, const loom_micro *mb) {
     const loom_chunk *ch = &m->chunks[c];
     m->cur_mb = mb;
+    loom_prof_phase(m, "backward");
     if (ch->last) CK(loom_k_copy(m, m->dx, a->dstash, (size_t)(m->Tn * m->H) * m->dev.esz));
     for (int64_t i = ch->nl - 1; i >= 0; i--) CK(layer_bwd(m, a, i, ch->l0 + i, mb));
+    CK(loom_prof_mark(m, "norm weights"));
     CK(loom_k_dw_flush(m)); /* the layer norms' weight gradients, batched */
     if (ch->first) CK(embed_bwd(m, mb));
     return LOOM_OK;

@@ -12,6 +12,7 @@
 #include "model.h"
 #include "moe_dedup.h"
 #include "moe_tabs.h"
+#include "prof.h"
 
 void loom_model_options_default(loom_model_options *o) {
     memset(o, 0, sizeof *o);
@@ -618,11 +619,12 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
     m->moe_drop = (loom_moe_drop)opts->moe_token_drop_policy;
     m->moe_force_balance = opts->moe_router_force_load_balancing != 0;
     m->moe_dedup = loom_moe_dedup_wanted();
+    if (opts->profile && (st = loom_prof_new(m))) goto fail;
     const char *dd = getenv("LOOM_MOE_DEDUP");
     if (m->cfg.num_experts > 0 && dd && strcmp(dd, "0") && strcmp(dd, "1"))
-        LOOM_LOG_W(ctx, "LOOM_MOE_DEDUP=%s: use 1 (the expert dispatch sends a row once per rank) "
-                        "or 0 (once per choice, the default); sending once per choice", dd);
-    else if (m->moe_dedup && m->cfg.num_experts > 0 && !(m->ep == 1 && m->etp == m->tp) &&
+        LOOM_LOG_W(ctx, "LOOM_MOE_DEDUP=%s: use 1 (the expert dispatch sends a row once per rank, "
+                        "the default) or 0 (once per choice); sending once per rank", dd);
+    else if (dd && !strcmp(dd, "1") && m->cfg.num_experts > 0 && !(m->ep == 1 && m->etp == m->tp) &&
              (m->etp > 1 || m->moe_cap_factor > 0.0))
         LOOM_LOG_I(ctx, "LOOM_MOE_DEDUP=1: the expert dispatch sends rows once per choice here "
                         "(once per rank needs etp 1 and dropless routing; this mesh has etp %d%s)",
@@ -866,6 +868,7 @@ void loom_model_free(loom_model *m) {
     free(m->overrides);
     loom_mesh_free(m->mesh);
     if (m->own_world) loom_comm_free(m->world);
+    loom_prof_free(m->prof);
     free(m);
 }
 

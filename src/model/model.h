@@ -178,6 +178,7 @@ struct loom_model {
     double moe_cap_factor;   /* the experts' capacity factor (0: dropless; loom.h) */
     loom_moe_drop moe_drop;  /* which choices over capacity are dropped */
     bool moe_force_balance;  /* random router logits (benchmarks; loom.h) */
+    struct loom_prof *prof;  /* the step's timeline by part (--profile; prof.h), else NULL */
     bool comm_deferred;      /* ep / etp collectives left queued (loom_comm_defer): settled
                               * before the host waits on the GPU (loom_k_settle) */
     bool moe_dedup;          /* ep rows once per rank (block_moe.c; LOOM_MOE_DEDUP=1), else once

@@ -9,5 +9,5 @@
 
 bool loom_moe_dedup_wanted(void) {
     const char *v = getenv("LOOM_MOE_DEDUP");
-    return v && !strcmp(v, "1");
+    return !(v && !strcmp(v, "0"));
 }

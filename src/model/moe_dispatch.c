@@ -6,6 +6,7 @@
 
 #include "../comm/comm.h"
 #include "moe_impl.h"
+#include "prof.h"
 
 /* ---- the dispatch (not local): rows grouped by expert to the ranks
  * holding them and back ---- */
@@ -14,11 +15,15 @@
  * the etp group's tables (rc). */
 loom_status loom_moe_exchange_counts(loom_model *m, const geo *q, const hs *h) {
     int32_t *mine = h->rc + (int64_t)m->mesh->etp_rank * q->P * q->El;
-    CK(loom_comm_alltoall(m->mesh->ep, h->cnt, mine, (size_t)q->El, LOOM_I32));
+    LOOM_PROF_AROUND(m, "moe.a2a",
+                     loom_comm_alltoall(m->mesh->ep, h->cnt, mine, (size_t)q->El, LOOM_I32));
     if (q->Q == 1) return LOOM_OK;
     /* etp rank q's table is block q */
     memcpy(h->tab, mine, (size_t)(q->P * q->El) * sizeof *h->tab);
-    return loom_comm_allgather(m->mesh->etp, h->tab, h->rc, (size_t)(q->P * q->El), LOOM_I32);
+    LOOM_PROF_AROUND(
+        m, "moe.a2a",
+        loom_comm_allgather(m->mesh->etp, h->tab, h->rc, (size_t)(q->P * q->El), LOOM_I32));
+    return LOOM_OK;
 }
 
 /* The next collective on c returns once queued (loom_comm_defer): its
@@ -36,10 +41,14 @@ loom_status loom_moe_exchange_counts_dev(const loom_blk *b, const geo *q) {
     loom_model *m = b->m;
     int32_t *rc = b->act[RC], *tmp = (int32_t *)((char *)b->scratch[PSUM] + rc_at(q->E));
     defer(m, m->mesh->ep);
-    CK(loom_comm_alltoall(m->mesh->ep, b->act[CNT], q->Q > 1 ? tmp : rc, (size_t)q->El, LOOM_I32));
+    LOOM_PROF_AROUND(
+        m, "moe.a2a",
+        loom_comm_alltoall(m->mesh->ep, b->act[CNT], q->Q > 1 ? tmp : rc, (size_t)q->El, LOOM_I32));
     if (q->Q == 1) return LOOM_OK;
     defer(m, m->mesh->etp);
-    return loom_comm_allgather(m->mesh->etp, tmp, rc, (size_t)(q->P * q->El), LOOM_I32);
+    LOOM_PROF_AROUND(m, "moe.a2a",
+                     loom_comm_allgather(m->mesh->etp, tmp, rc, (size_t)(q->P * q->El), LOOM_I32));
+    return LOOM_OK;
 }
 
 
@@ -82,7 +91,7 @@ loom_status loom_moe_dispatch(const loom_blk *b, const geo *q, const hs *h, void
     const loom_dtype dt = m->dev.adt;
     ep_counts(m, q, h, h->sc, h->rcv);
     defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, src, h->sc, tmp, h->rcv, dt));
+    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv(m->mesh->ep, src, h->sc, tmp, h->rcv, dt));
     void *gathered = tmp;
     if (q->Q > 1) {
         size_t mine = 0;
@@ -91,7 +100,8 @@ loom_status loom_moe_dispatch(const loom_blk *b, const geo *q, const hs *h, void
             if (qq == m->mesh->etp_rank) mine = h->sc[qq];
         }
         defer(m, m->mesh->etp);
-        CK(loom_comm_allgatherv(m->mesh->etp, tmp, mine, src, h->sc, dt));
+        LOOM_PROF_AROUND(m, "moe.a2a",
+                         loom_comm_allgatherv(m->mesh->etp, tmp, mine, src, h->sc, dt));
         gathered = src;
     }
     return loom_k_moe_permute(m, gathered, b->scratch[IX], Rt, 1, q->H, dst);
@@ -114,14 +124,16 @@ loom_status loom_moe_undispatch(const loom_blk *b, const geo *q, const hs *h, vo
             h->rcv[qq] = n;
         }
         defer(m, m->mesh->etp);
-        CK(loom_comm_alltoallv(m->mesh->etp, tmp, h->sc, src, h->rcv, dt));
+        LOOM_PROF_AROUND(m, "moe.a2a",
+                         loom_comm_alltoallv(m->mesh->etp, tmp, h->sc, src, h->rcv, dt));
         for (int64_t qq = 1; qq < q->Q; qq++)
             CK(loom_k_add(m, src, (const char *)src + (size_t)qq * n * esz, (int64_t)n));
         mine = src;
     }
     ep_counts(m, q, h, h->sc, h->rcv);
     defer(m, m->mesh->ep);
-    return loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt);
+    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt));
+    return LOOM_OK;
 }
 
 /* ---- the once-per-rank dispatch (dedup_on; cpu_moe.h's tables) ----
@@ -159,7 +171,8 @@ loom_status loom_moe_dd_plan(const loom_blk *b, const geo *q) {
     int32_t *tail = (int32_t *)((char *)b->scratch[PSUM] + rc_at(q->E)) + rc_len(q);
     CK(loom_k_copy(m, tail, a[CNT2], (size_t)P * sizeof(int32_t)));
     defer(m, m->mesh->ep);
-    return loom_comm_alltoall(m->mesh->ep, a[CNT2], tail + P, 1, LOOM_I32);
+    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoall(m->mesh->ep, a[CNT2], tail + P, 1, LOOM_I32));
+    return LOOM_OK;
 }
 
 /* rows (n of them, this rank's tokens) once to each rank their choices
@@ -171,7 +184,9 @@ static loom_status dd_send_rows(const loom_blk *b, const geo *q, const hs *h, co
     dd_counts(q, dd_nu(q, h), dd_nur(q, h), q->H, h->sc, h->rcv, &ns, &nr);
     CK(loom_k_rows_gather(m, cs, rows, b->act[TOK], ns, q->H));
     defer(m, m->mesh->ep);
-    return loom_comm_alltoallv(m->mesh->ep, cs, h->sc, recv, h->rcv, m->dev.adt);
+    LOOM_PROF_AROUND(m, "moe.a2a",
+                     loom_comm_alltoallv(m->mesh->ep, cs, h->sc, recv, h->rcv, m->dev.adt));
+    return LOOM_OK;
 }
 
 /* recv's rows (one a received row, from each rank in turn) back to their
@@ -183,7 +198,8 @@ static loom_status dd_return_rows(const loom_blk *b, const geo *q, const hs *h, 
     int64_t ns, nr;
     dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->H, h->sc, h->rcv, &nr, &ns);
     defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, rows, h->sc, cs, h->rcv, m->dev.adt));
+    LOOM_PROF_AROUND(m, "moe.a2a",
+                     loom_comm_alltoallv(m->mesh->ep, rows, h->sc, cs, h->rcv, m->dev.adt));
     return loom_k_moe_permute_bwd(m, cs, b->act[POS2], q->n, (int)q->P, q->H, out);
 }
 
@@ -201,9 +217,11 @@ loom_status loom_moe_dd_dispatch(const loom_blk *b, const geo *q, const hs *h, c
     float *mw = (float *)(mid + ns * q->k);
     CK(loom_k_moe_dedup_meta(m, a[ORD2], ns, a[IDX], a[WT], q->k, q->El, P, a[TOK], mid, mw));
     defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, mid, h->sc, a[RMID], h->rcv, LOOM_I32));
+    LOOM_PROF_AROUND(m, "moe.a2a",
+                     loom_comm_alltoallv(m->mesh->ep, mid, h->sc, a[RMID], h->rcv, LOOM_I32));
     defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, mw, h->sc, a[RMW], h->rcv, LOOM_F32));
+    LOOM_PROF_AROUND(m, "moe.a2a",
+                     loom_comm_alltoallv(m->mesh->ep, mw, h->sc, a[RMW], h->rcv, LOOM_F32));
     CK(dd_send_rows(b, q, h, x, cs, cr));
     CK(loom_k_moe_route(m, a[RMID], NULL, nr, q->El + 1, q->k, -1, false, a[RCNT], a[RORD],
                         a[RPOS]));
@@ -234,7 +252,8 @@ loom_status loom_moe_dd_dispatch_bwd(const loom_blk *b, const geo *q, const hs *
     float *dw_here = b->scratch[DX], *dw_back = dw_here + q->Rmax;
     CK(loom_k_moe_combine_bwd(m, cr, a[YS], a[RORD], a[RMW], nr, q->k, q->H, dye, dw_here));
     defer(m, m->mesh->ep);
-    CK(loom_comm_alltoallv(m->mesh->ep, dw_here, h->sc, dw_back, h->rcv, LOOM_F32));
+    LOOM_PROF_AROUND(m, "moe.a2a",
+                     loom_comm_alltoallv(m->mesh->ep, dw_here, h->sc, dw_back, h->rcv, LOOM_F32));
     return loom_k_moe_dedup_dw(m, dw_back, a[POS2], q->n, (int)q->P, q->k, dw);
 }
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../model/model.h"
+#include "../model/prof.h"
 #include "../backend/adamw.h"
 #include "trainer.h"
 #include "scheduler.h"
@@ -330,6 +331,8 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
         .pp = m->pp, .vpp = m->vpp, .group = n.vpp_group, .n_micro = n_micro};
     loom_pp_plan plan;
     if ((st = loom_pp_plan_build(ctx, &shape, m->mesh->pp_rank, backward, &plan))) return st;
+    loom_prof_phase(m, "step");
+    if ((st = loom_prof_mark(m, "batch upload"))) goto done;
     if ((st = loom_model_reserve(m, micro_batch_size, S, n_micro, plan.in_flight, plan.nslots)))
         goto done;
     build_perm(m, micro_batch_size, S);
@@ -413,8 +416,14 @@ static loom_status run(loom_model *m, const loom_batch *b, int64_t num_micro_bat
         }
         /* a forward's output stays in its activations until its backward;
          * the backward's dx until the next step, after this exchange */
+        if (rd->nmsg) {
+            loom_prof_phase(m, "step");
+            if ((st = loom_prof_mark(m, "pipeline send/recv"))) break;
+        }
         st = pp_exchange(m, &plan, rd, fwd_out, m->dx, act_n, n_micro);
     }
+    loom_prof_phase(m, "step");
+    if (!st) st = loom_prof_mark(m, "loss sums");
     if (!st) st = loom_k_settle(m); /* no collective left queued past the call */
     if (st) goto done;
     /* the whole mesh's loss and token count; per-token outputs from the ranks
@@ -519,6 +528,13 @@ static bool counts_in_norm(const loom_model *m, const loom_arena *A, int i) {
     return s->shard != LOOM_SHARD_NONE || (s->expert ? m->mesh->etp_rank : m->mesh->tp_rank) == 0;
 }
 
+/* After the buckets' queued collectives: waits for both of their groups
+ * (also after a failure, so none is left in flight). */
+static loom_status settle_buckets(loom_model *m, loom_status st) {
+    loom_status a = loom_comm_settle(m->mesh->dpcp), b = loom_comm_settle(m->mesh->edp);
+    return st ? st : a ? a : b;
+}
+
 /* Sums partial gradients over tp (replicated tensors that saw some heads or
  * tokens), a tied embedding's two stages, then reduce-scatters every
  * bucket over dp x cp into the shard buffer. */
@@ -536,28 +552,39 @@ static loom_status reduce_grads(loom_model *m, loom_arena *A) {
         st = loom_comm_allreduce(m->mesh->embed, loom_g(m, s), A->slots[s].numel, LOOM_F32,
                                  LOOM_RED_SUM);
     }
+    /* the buckets' collectives queued one after another, waited for once a
+     * group at the end (a wait each cost about 0.25 ms on 2 H200s: 6 ms a
+     * step at 24 buckets); a bucket of a one-rank group is its own shard */
     size_t so = 0;
     for (int b = 0; b < A->nbuckets && !st && !A->gshard_is_g; b++) {
         loom_comm *c = loom_bucket_comm(m, A, b);
-        size_t per = A->bucket_len[b] / (size_t)loom_comm_size(c);
-        st = loom_comm_reduce_scatter(c, A->g + A->bucket_off[b], A->gshard + so, per, LOOM_F32,
-                                      LOOM_RED_SUM);
+        const size_t per = A->bucket_len[b] / (size_t)loom_comm_size(c);
+        if (loom_comm_size(c) == 1) {
+            st = loom_k_copy(m, A->gshard + so, A->g + A->bucket_off[b], per * sizeof(float));
+        } else {
+            loom_comm_defer(c);
+            st = loom_comm_reduce_scatter(c, A->g + A->bucket_off[b], A->gshard + so, per,
+                                          LOOM_F32, LOOM_RED_SUM);
+        }
         so += per;
     }
-    return st;
+    return settle_buckets(m, st);
 }
 
-/* Every dp x cp rank's updated shard back into everyone's parameters. */
+/* Every dp x cp rank's updated shard back into everyone's parameters
+ * (queued, then one wait a group, as reduce_grads). */
 static loom_status gather_params(loom_model *m, loom_arena *A) {
     loom_status st = LOOM_OK;
     for (int b = 0; b < A->nbuckets && !st; b++) {
         loom_comm *c = loom_bucket_comm(m, A, b);
         const size_t n = (size_t)loom_comm_size(c), r = (size_t)loom_comm_rank(c);
+        if (n == 1) continue; /* in place */
         size_t per = A->bucket_len[b] / n;
         float *base = A->w + A->bucket_off[b];
+        loom_comm_defer(c);
         st = loom_comm_allgather(c, base + r * per, base, per, LOOM_F32);
     }
-    return st;
+    return settle_buckets(m, st);
 }
 
 /* MoE: the step's load-balancing loss and tokens per expert, over the
@@ -633,8 +660,8 @@ static loom_status optim_parts(loom_model *m, loom_arena *A) {
     return LOOM_OK;
 }
 
-loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
-                                          int64_t accumulation_steps, loom_step_result *out) {
+static loom_status clip_grad_and_step(loom_model *m, double max_grad_norm,
+                                      int64_t accumulation_steps, loom_step_result *out) {
     loom_ctx *ctx = m->ctx;
     loom_step_result r;
     memset(&r, 0, sizeof r);
@@ -651,9 +678,10 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
         if (out) *out = r;
         return LOOM_OK;
     }
+    loom_prof_phase(m, "step");
     if (m->moe_load) {
-        loom_status st = expert_stats(m, &r);
-        if (st) return st;
+        loom_status st = loom_prof_mark(m, "expert stats");
+        if (st || (st = expert_stats(m, &r))) return st;
     }
     if (m->acc_tokens == 0) {
         LOOM_LOG_W(ctx, "step %lld skipped: the %lld accumulated call%s had no token with a target",
@@ -666,6 +694,15 @@ loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
     if (sa) return sa;
     if (!A->parts && (sa = optim_parts(m, A))) return sa;
     return step_parts(m, A, A->parts, A->nparts, max_grad_norm, &r, out);
+}
+
+/* The step, then (the last call of an accumulation) the end of the step's
+ * profile. */
+loom_status loom_model_clip_grad_and_step(loom_model *m, double max_grad_norm,
+                                          int64_t accumulation_steps, loom_step_result *out) {
+    const bool last = accumulation_steps >= 1 && m->acc_calls + 1 >= accumulation_steps;
+    loom_status st = clip_grad_and_step(m, max_grad_norm, accumulation_steps, out);
+    return !st && last ? loom_prof_step_end(m) : st;
 }
 
 loom_status loom_optim_alloc(loom_model *m, loom_arena *A) {
@@ -703,8 +740,10 @@ static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *p
                               double max_grad_norm, loom_step_result *rp, loom_step_result *out) {
     loom_ctx *ctx = m->ctx;
     loom_step_result r = *rp;
-    loom_status st = loom_grad_settle(m);
+    loom_status st = loom_prof_mark(m, "gradient reduce");
+    if (!st) st = loom_grad_settle(m);
     if (!st) st = reduce_grads(m, A);
+    if (!st) st = loom_prof_mark(m, "gradient norm");
     if (st) return st;
     /* The gradient of the mean loss (unscaled), its global norm (each
      * parameter once, in a fixed order), and clipping: the unscale and clip
@@ -748,10 +787,11 @@ static loom_status step_parts(loom_model *m, loom_arena *A, const loom_k_part *p
     /* AdamW on this rank's shard of every bucket, then every rank gets the
      * updated parameters back */
     bool wc_done;
+    if ((st = loom_prof_mark(m, "optimizer"))) return st;
     if ((st = loom_k_adamw_parts(m, A, parts, nparts, &hp, t, gs,
                                  unsharded(m, A), &wc_done)))
         return st;
-    if ((st = gather_params(m, A))) return st;
+    if ((st = loom_prof_mark(m, "parameter gather")) || (st = gather_params(m, A))) return st;
     if (!wc_done && (st = loom_arena_sync(m, A))) return st;
     if (m->dev.adt == LOOM_F16 && ++m->good_steps >= 2000) { /* torch GradScaler's growth */
         m->loss_scale *= 2;

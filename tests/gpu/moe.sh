@@ -9,8 +9,9 @@
 # does not split the experts' sums: under tp, bf16 rounding of the partial
 # sums moves a few near-tie tokens to another expert, whose few-token
 # gradient then jumps; fp32 is the exact check of those layouts, and of
-# the once-per-rank dispatch, LOOM_MOE_DEDUP=1 on names ending -dedup,
-# whose ranks' partial sums are rounded alike); then
+# the default once-per-rank dispatch under ep, whose ranks' partial sums
+# are rounded alike; names ending -choice send once per choice,
+# LOOM_MOE_DEDUP=0, which bf16 checks too); then
 # Megatron's router options (z-loss, capacity under both drop policies) in
 # fp32 on ep2 against one GPU; with 4+ GPUs the four-rank expert layouts.
 # Usage: bash tests/gpu/moe.sh [BUILD_DIR]   (built when missing)
@@ -46,7 +47,7 @@ for dt in fp32 bf16; do
         [[ ",$dts," == *",$dt,"* ]] || continue
         out="$W/$name-$dt"
         # shellcheck disable=SC2086
-        env=""; [[ "$name" == *-dedup ]] && env="LOOM_MOE_DEDUP=1"
+        env=""; [[ "$name" == *-choice ]] && env="LOOM_MOE_DEDUP=0"
         # shellcheck disable=SC2086
         if env $env CUDA_VISIBLE_DEVICES=0,1 $G --dtype $dt --nproc-per-node 2 $flags --out "$out.safetensors" > "$out.log" 2>&1; then
             # shellcheck disable=SC2086
@@ -60,8 +61,8 @@ for dt in fp32 bf16; do
             rc=1
         fi
     done <<'EOF'
-ep2            fp32,bf16 2 --ep 2
-ep2-dedup      fp32      2 --ep 2
+ep2            fp32      2 --ep 2
+ep2-choice     fp32,bf16 2 --ep 2
 tp2-sp         fp32      1 --tp 2 --sequence-parallel
 ep2-tp2-etp1   fp32      1 --ep 2 --tp 2 --etp 1 --sequence-parallel
 tp2-etp1       fp32      1 --tp 2 --etp 1 --sequence-parallel

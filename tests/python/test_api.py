@@ -825,6 +825,34 @@ def test_moe_router_force_load_balancing():
             x.close()
 
 
+def test_profile():
+    """profile=True (loom's): the report names the parts each step ran (the
+    MoE block's among them) with their time; off, it says so."""
+    g = golden("tiny-qwen3-moe")
+    path = os.path.join(FIXTURES, "models", "tiny-qwen3-moe")
+    samples = label_samples(g["input_ids"], g["targets"])
+    xs = [model(path, profile=True), model(path)]
+    try:
+        for x in xs:
+            x.set_optimizer("default", lr=1e-3)
+            for _ in range(3):
+                x.forward_backward(inputs=samples)
+                x.clip_grad_and_step()
+        p = xs[0].profile()
+        assert p.startswith("steps 2-3"), p
+        rows = [r.split() for r in p.splitlines()[2:]]
+        parts = {(r[0], r[1]) for r in rows}
+        for want in [("forward", "attention"), ("forward", "moe.experts"),
+                     ("backward", "moe.router"), ("step", "optimizer")]:
+            assert want in parts, p
+        total = float(p.split("the parts on the device, ")[1].split()[0])
+        assert abs(sum(float(r[-3]) for r in rows) - total) < 0.001 * len(rows) + 0.01, p
+        assert "profiling is off" in xs[1].profile()
+    finally:
+        for x in xs:
+            x.close()
+
+
 def test_moe_expert_capacity():
     """moe_expert_capacity_factor and moe_token_drop_policy (Megatron's): a
     capacity that keeps every choice changes nothing, a small one drops

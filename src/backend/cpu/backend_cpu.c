@@ -18,7 +18,29 @@ static loom_status cpu_init(loom_dev *d, loom_ctx *ctx) {
     return LOOM_OK;
 }
 
-static void cpu_release(loom_dev *d) { (void)d; }
+static void cpu_release(loom_dev *d) {
+    free(d->marks);
+    d->marks = NULL;
+}
+
+/* The timeline's marks: the host's clock (the CPU's ops are done when they
+ * return). */
+static loom_status cpu_mark(loom_dev *d, loom_ctx *ctx, int i) {
+    if (i < 0 || i >= LOOM_MARKS_MAX)
+        return loom_errf(ctx, LOOM_ERR_INTERNAL, "timeline mark %d out of range", i);
+    if (!d->marks && !(d->marks = loom_calloc(ctx, LOOM_MARKS_MAX, sizeof(double), "timeline")))
+        return LOOM_ERR_OOM;
+    ((double *)d->marks)[i] = loom_now_s();
+    return LOOM_OK;
+}
+
+static loom_status cpu_marks_ms(loom_dev *d, loom_ctx *ctx, int n, double *ms) {
+    if (n < 1 || n > LOOM_MARKS_MAX || !d->marks)
+        return loom_errf(ctx, LOOM_ERR_INTERNAL, "timeline read of %d marks", n);
+    const double *t = d->marks;
+    for (int i = 0; i + 1 < n; i++) ms[i] = 1e3 * (t[i + 1] - t[i]);
+    return LOOM_OK;
+}
 
 static void cpu_attn_note(const loom_dev *d, char *buf, size_t n) {
     (void)d;
@@ -496,6 +518,8 @@ const loom_backend *loom_backend_cpu(void) {
         .download = cpu_copy, /* host and device memory are one */
         .upload = cpu_copy,
         .convert = cpu_convert,
+        .mark = cpu_mark,
+        .marks_ms = cpu_marks_ms,
         .swiglu_fwd = cpu_swiglu_fwd,
         .swiglu_bwd = cpu_swiglu_bwd,
         .add = cpu_add,

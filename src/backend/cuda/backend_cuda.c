@@ -68,6 +68,8 @@ static void cuda_release(loom_dev *d) {
     loom_cuda_free(d->moe_scratch);
     d->moe_scratch = NULL;
     d->moe_scratch_bytes = 0;
+    loom_cuda_events_free(d->marks, LOOM_MARKS_MAX);
+    d->marks = NULL;
     free(d->bufs);
     d->bufs = NULL;
     d->nbufs = d->cap_bufs = 0;
@@ -75,6 +77,21 @@ static void cuda_release(loom_dev *d) {
     d->sumsq_scratch = NULL;
     d->rms_scratch = NULL;
     d->rms_scratch_bytes = 0;
+}
+
+/* The timeline's marks: events on the model's stream, made at the first. */
+static loom_status cuda_mark(loom_dev *d, loom_ctx *ctx, int i) {
+    if (i < 0 || i >= LOOM_MARKS_MAX)
+        return loom_errf(ctx, LOOM_ERR_INTERNAL, "timeline mark %d out of range", i);
+    loom_status st;
+    if (!d->marks && (st = loom_cuda_events_create(ctx, LOOM_MARKS_MAX, &d->marks))) return st;
+    return loom_cuda_event_record(ctx, d->marks, i, d->stream);
+}
+
+static loom_status cuda_marks_ms(loom_dev *d, loom_ctx *ctx, int n, double *ms) {
+    if (n < 1 || n > LOOM_MARKS_MAX || !d->marks)
+        return loom_errf(ctx, LOOM_ERR_INTERNAL, "timeline read of %d marks", n);
+    return loom_cuda_events_ms(ctx, d->marks, n, ms);
 }
 
 static void cuda_attn_note(const loom_dev *d, char *buf, size_t n) {
@@ -756,6 +773,8 @@ const loom_backend *loom_backend_cuda(void) {
         .download = cuda_download,
         .upload = cuda_upload,
         .convert = cuda_convert,
+        .mark = cuda_mark,
+        .marks_ms = cuda_marks_ms,
         .swiglu_fwd = cuda_swiglu_fwd,
         .swiglu_bwd = cuda_swiglu_bwd,
         .add = cuda_add,

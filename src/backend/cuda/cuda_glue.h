@@ -96,6 +96,16 @@ loom_status loom_cuda_memset_async(loom_ctx *ctx, void *ptr, size_t bytes, void 
 loom_status loom_cuda_memcpy_async(loom_ctx *ctx, void *dst, const void *src, size_t bytes,
                                    void *stream);
 
+
+/* ---- timing events ----
+ * events_create: n timing events into *ev (an opaque array); event_record:
+ * event i recorded on stream; events_ms: waits for event n - 1, then ms[i] =
+ * the time from event i to event i + 1 (i < n - 1); events_free takes NULL. */
+loom_status loom_cuda_events_create(loom_ctx *ctx, int n, void **ev);
+loom_status loom_cuda_event_record(loom_ctx *ctx, void *ev, int i, void *stream);
+loom_status loom_cuda_events_ms(loom_ctx *ctx, void *ev, int n, double *ms);
+void loom_cuda_events_free(void *ev, int n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -583,3 +583,40 @@ extern "C" loom_status loom_cuda_memcpy_async(loom_ctx *ctx, void *dst, const vo
     return check(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)),
                  "memcpy_async");
 }
+
+extern "C" loom_status loom_cuda_events_create(loom_ctx *ctx, int n, void **ev) {
+    *ev = NULL;
+    cudaEvent_t *e = (cudaEvent_t *)calloc((size_t)n, sizeof *e);
+    if (!e) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory for %d timing events", n);
+    for (int i = 0; i < n; i++) {
+        loom_status st = check(ctx, cudaEventCreate(&e[i]), "event_create");
+        if (st) {
+            loom_cuda_events_free(e, i);
+            return st;
+        }
+    }
+    *ev = e;
+    return LOOM_OK;
+}
+
+extern "C" loom_status loom_cuda_event_record(loom_ctx *ctx, void *ev, int i, void *stream) {
+    return check(ctx, cudaEventRecord(((cudaEvent_t *)ev)[i], as_stream(stream)), "event_record");
+}
+
+extern "C" loom_status loom_cuda_events_ms(loom_ctx *ctx, void *ev, int n, double *ms) {
+    cudaEvent_t *e = (cudaEvent_t *)ev;
+    loom_status st = check(ctx, cudaEventSynchronize(e[n - 1]), "event_synchronize");
+    for (int i = 0; !st && i + 1 < n; i++) {
+        float f = 0.0f;
+        st = check(ctx, cudaEventElapsedTime(&f, e[i], e[i + 1]), "event_elapsed_time");
+        ms[i] = f;
+    }
+    return st;
+}
+
+extern "C" void loom_cuda_events_free(void *ev, int n) {
+    cudaEvent_t *e = (cudaEvent_t *)ev;
+    if (!e) return;
+    for (int i = 0; i < n; i++) cudaEventDestroy(e[i]);
+    free(e);
+}
