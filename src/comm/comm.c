@@ -484,30 +484,51 @@ loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t n, loom_dtype dt
     return c->vt->broadcast(c, buf, n, dt, root);
 }
 
-#define TAG_ALLTOALLV 32700
-loom_status loom_comm_alltoallv(loom_comm *c, const void *send, const size_t *scount, void *recv,
-                                const size_t *rcount, loom_dtype dt) {
+#define TAG_ALLTOALLV 32700 /* + 2 + i: buffer i of alltoallv_n */
+loom_status loom_comm_alltoallv_n(loom_comm *c, const loom_a2av *v, int n) {
     if (!c) return LOOM_ERR_INVALID_ARG;
+    if (n < 1 || n > LOOM_A2AV_MAX)
+        return loom_errf(c->ctx, LOOM_ERR_INTERNAL, "alltoallv on %s: %d buffers (1 to %d)",
+                         c->name, n, LOOM_A2AV_MAX);
+    loom_status st = LOOM_OK;
     if (c->size == 1) { /* the single backend sends nothing to itself: a move */
-        if (scount[0] != rcount[0])
-            return loom_errf(c->ctx, LOOM_ERR_INTERNAL, "alltoallv on %s: sends %zu, receives %zu",
-                             c->name, scount[0], rcount[0]);
-        return scount[0] ? loom_comm_alltoall(c, send, recv, scount[0], dt) : LOOM_OK;
+        const bool defer = c->defer_next;
+        for (int i = 0; i < n && !st; i++) {
+            c->defer_next = defer; /* each move as asked */
+            if (v[i].scount[0] != v[i].rcount[0])
+                st = loom_errf(c->ctx, LOOM_ERR_INTERNAL, "alltoallv on %s: sends %zu, "
+                               "receives %zu", c->name, v[i].scount[0], v[i].rcount[0]);
+            else if (v[i].scount[0])
+                st = loom_comm_alltoall(c, v[i].send, v[i].recv, v[i].scount[0], v[i].dt);
+        }
+        c->defer_next = false;
+        return st;
     }
-    const size_t esz = loom_dtype_size(dt);
-    loom_status st = loom_comm_group_start(c), st2;
-    size_t so = 0, ro = 0;
-    for (int r = 0; r < c->size && !st; r++) {
-        if (scount[r])
-            st = loom_comm_send(c, (const char *)send + so * esz, scount[r], dt, r, TAG_ALLTOALLV);
-        if (!st && rcount[r])
-            st = loom_comm_recv(c, (char *)recv + ro * esz, rcount[r], dt, r, TAG_ALLTOALLV);
-        so += scount[r];
-        ro += rcount[r];
+    st = loom_comm_group_start(c);
+    for (int i = 0; i < n && !st; i++) {
+        const size_t esz = loom_dtype_size(v[i].dt);
+        const int tag = n == 1 ? TAG_ALLTOALLV : TAG_ALLTOALLV + 2 + i;
+        size_t so = 0, ro = 0;
+        for (int r = 0; r < c->size && !st; r++) {
+            if (v[i].scount[r])
+                st = loom_comm_send(c, (const char *)v[i].send + so * esz, v[i].scount[r],
+                                    v[i].dt, r, tag);
+            if (!st && v[i].rcount[r])
+                st = loom_comm_recv(c, (char *)v[i].recv + ro * esz, v[i].rcount[r], v[i].dt, r,
+                                    tag);
+            so += v[i].scount[r];
+            ro += v[i].rcount[r];
+        }
     }
-    st2 = loom_comm_group_end(c);
+    loom_status st2 = loom_comm_group_end(c);
     c->defer_next = false;
     return st ? st : st2;
+}
+
+loom_status loom_comm_alltoallv(loom_comm *c, const void *send, const size_t *scount, void *recv,
+                                const size_t *rcount, loom_dtype dt) {
+    const loom_a2av v = {send, scount, recv, rcount, dt};
+    return loom_comm_alltoallv_n(c, &v, 1);
 }
 
 loom_status loom_comm_allgatherv(loom_comm *c, const void *send, size_t n, void *recv,

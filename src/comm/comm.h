@@ -141,6 +141,18 @@ loom_status loom_comm_alltoall(loom_comm *c, const void *send, void *recv, size_
  * point-to-point messages (empty blocks are not sent); the MoE dispatch. */
 loom_status loom_comm_alltoallv(loom_comm *c, const void *send, const size_t *scount, void *recv,
                                 const size_t *rcount, loom_dtype dt);
+/* Several alltoallv's (n <= LOOM_A2AV_MAX, each its own buffers, counts and
+ * dtype) in one group of point-to-point messages: on NCCL one launch and
+ * one wait instead of n (the MoE dispatch's tables with its rows). */
+#define LOOM_A2AV_MAX 8
+typedef struct loom_a2av {
+    const void *send;
+    const size_t *scount;
+    void *recv;
+    const size_t *rcount;
+    loom_dtype dt;
+} loom_a2av;
+loom_status loom_comm_alltoallv_n(loom_comm *c, const loom_a2av *v, int n);
 /* Every rank's block of varying size to every rank: send (n elements) to
  * all, recv gets rcount[r] from each rank r in rank order (the counts
  * agree: rcount[self] == n). One group of point-to-point messages. */

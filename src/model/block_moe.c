@@ -220,8 +220,8 @@ static size_t hs_carve(const loom_model *m, int64_t Tc, hs *h, char *base) {
     TAKE(ce, g.El);
     TAKE(ix, 2 * g.Rmax);
     TAKE(tab, g.P * g.El);
-    TAKE(sc, PQ);
-    TAKE(rcv, PQ);
+    TAKE(sc, 2 * PQ);
+    TAKE(rcv, 2 * PQ);
     TAKE(lse, g.n);
 #undef TAKE
     return off;
@@ -519,8 +519,10 @@ static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
      * travels on the device: one download */
     const bool dev_tab = tables_on_device(&q);
     CK(loom_prof_mark(m, "moe.counts (host wait)"));
-    if (dev_tab) CK(loom_moe_exchange_counts_dev(b, &q));
-    if (dedup_on(&q)) CK(loom_moe_dd_plan(b, &q));
+    if (dedup_on(&q)) /* the table with the plan's counts */
+        CK(loom_moe_dd_plan(b, &q, &hh));
+    else if (dev_tab)
+        CK(loom_moe_exchange_counts_dev(b, &q));
     if ((char *)hh.psum != (char *)hh.cnt + psum_at(q.E) ||
         (!q.local && (char *)hh.rc != (char *)hh.cnt + rc_at(q.E)))
         return loom_errf(m->ctx, LOOM_ERR_INTERNAL, "MoE host tables: not laid out as PSUM");

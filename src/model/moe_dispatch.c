@@ -159,9 +159,11 @@ static void dd_counts(const geo *q, const int32_t *a, const int32_t *b, int64_t 
     }
 }
 
-/* Before the forward's download: each token's ranks, grouped, and the
- * count of rows for each rank to it (into the download's tail). */
-loom_status loom_moe_dd_plan(const loom_blk *b, const geo *q) {
+/* Before the forward's download: each token's ranks, grouped, and with the
+ * count table (each ep rank's choices for this rank's experts, into RC) the
+ * count of rows each rank sends here (the download's tail): one exchange
+ * of both, queued. */
+loom_status loom_moe_dd_plan(const loom_blk *b, const geo *q, const hs *h) {
     loom_model *m = b->m;
     void *const *a = b->act;
     const int P = (int)q->P;
@@ -170,8 +172,11 @@ loom_status loom_moe_dd_plan(const loom_blk *b, const geo *q) {
     CK(loom_k_moe_mask(m, a[DEST], q->n, P, P, a[ORD2], a[POS2]));
     int32_t *tail = (int32_t *)((char *)b->scratch[PSUM] + rc_at(q->E)) + rc_len(q);
     CK(loom_k_copy(m, tail, a[CNT2], (size_t)P * sizeof(int32_t)));
+    for (int p = 0; p < P; p++) h->sc[p] = (size_t)q->El, h->sc[P + p] = 1;
+    const loom_a2av v[2] = {{a[CNT], h->sc, a[RC], h->sc, LOOM_I32},
+                            {a[CNT2], h->sc + P, tail + P, h->sc + P, LOOM_I32}};
     defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoall(m->mesh->ep, a[CNT2], tail + P, 1, LOOM_I32));
+    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv_n(m->mesh->ep, v, 2));
     return LOOM_OK;
 }
 
@@ -212,17 +217,19 @@ loom_status loom_moe_dd_dispatch(const loom_blk *b, const geo *q, const hs *h, c
     void *const *a = b->act;
     const int P = (int)q->P;
     int64_t ns, nr;
+    /* the rows' choices (k a row: local experts, weights) and the rows, in
+     * one exchange */
     dd_counts(q, dd_nu(q, h), dd_nur(q, h), q->k, h->sc, h->rcv, &ns, &nr);
+    dd_counts(q, dd_nu(q, h), dd_nur(q, h), q->H, h->sc + P, h->rcv + P, &ns, &nr);
     int32_t *mid = meta;
     float *mw = (float *)(mid + ns * q->k);
     CK(loom_k_moe_dedup_meta(m, a[ORD2], ns, a[IDX], a[WT], q->k, q->El, P, a[TOK], mid, mw));
+    CK(loom_k_rows_gather(m, cs, x, a[TOK], ns, q->H));
+    const loom_a2av v[3] = {{mid, h->sc, a[RMID], h->rcv, LOOM_I32},
+                            {mw, h->sc, a[RMW], h->rcv, LOOM_F32},
+                            {cs, h->sc + P, cr, h->rcv + P, m->dev.adt}};
     defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a",
-                     loom_comm_alltoallv(m->mesh->ep, mid, h->sc, a[RMID], h->rcv, LOOM_I32));
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a",
-                     loom_comm_alltoallv(m->mesh->ep, mw, h->sc, a[RMW], h->rcv, LOOM_F32));
-    CK(dd_send_rows(b, q, h, x, cs, cr));
+    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv_n(m->mesh->ep, v, 3));
     CK(loom_k_moe_route(m, a[RMID], NULL, nr, q->El + 1, q->k, -1, false, a[RCNT], a[RORD],
                         a[RPOS]));
     CK(loom_k_moe_mask(m, a[RMID], nr, q->k, (int32_t)q->El, a[RORD], a[RPOS]));

@@ -89,7 +89,7 @@ typedef struct hs {
     int32_t *ce;       /* (El) rows each local expert gets (its GEMMs' sizes) */
     int32_t *ix;       /* (2 Rmax) the regrouping's row orders */
     int32_t *tab;      /* (P, El) this rank's table, sent to the etp group */
-    size_t *sc, *rcv;  /* (max(P, Q)) element counts of an alltoallv */
+    size_t *sc, *rcv;  /* (2 max(P, Q)) element counts of an alltoallv (of two) */
     float *lse;        /* (n) the router rows' logsumexp (the z-loss) */
 } hs;
 
@@ -114,7 +114,7 @@ loom_status loom_moe_dispatch(const loom_blk *b, const geo *q, const hs *h, void
                               void *tmp, int64_t Rt);
 loom_status loom_moe_undispatch(const loom_blk *b, const geo *q, const hs *h, void *src, void *dst,
                                 void *tmp, int64_t Rt);
-loom_status loom_moe_dd_plan(const loom_blk *b, const geo *q);
+loom_status loom_moe_dd_plan(const loom_blk *b, const geo *q, const hs *h);
 loom_status loom_moe_dd_dispatch(const loom_blk *b, const geo *q, const hs *h, const void *x,
                                  void *cs, void *cr, void *meta, void *xe);
 loom_status loom_moe_dd_combine(const loom_blk *b, const geo *q, const hs *h, const void *ys,

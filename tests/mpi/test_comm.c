@@ -173,6 +173,44 @@ TEST(mpi_alltoall) {
     free(recv);
 }
 
+/* Several alltoallv's in one group: uneven blocks (some empty), two dtypes,
+ * each buffer's blocks in rank order; more buffers than allowed is refused. */
+static size_t a2av_count(int i, int from, int to) {
+    return i == 0 ? (size_t)((from + 2 * to) % 3) : (size_t)((from + to) % 2 + 1);
+}
+
+TEST(mpi_alltoallv_n) {
+    loom_comm *w = mt_world();
+    int size = mt_size(), rank = mt_rank();
+    REQUIRE(size <= 64);
+    size_t sc[2][64], rc[2][64], ns[2] = {0, 0}, nr[2] = {0, 0};
+    for (int i = 0; i < 2; i++)
+        for (int p = 0; p < size; p++) {
+            ns[i] += sc[i][p] = a2av_count(i, rank, p);
+            nr[i] += rc[i][p] = a2av_count(i, p, rank);
+        }
+    int32_t *s0 = malloc(sizeof(int32_t) * (ns[0] + 1)), *r0 = malloc(sizeof(int32_t) * (nr[0] + 1));
+    double *s1 = malloc(sizeof(double) * ns[1]), *r1 = malloc(sizeof(double) * nr[1]);
+    REQUIRE(s0 && r0 && s1 && r1);
+    size_t o0 = 0, o1 = 0;
+    for (int p = 0; p < size; p++) {
+        for (size_t j = 0; j < sc[0][p]; j++) s0[o0++] = rank * 1000 + p * 100 + (int)j;
+        for (size_t j = 0; j < sc[1][p]; j++) s1[o1++] = -(rank * 1000.0 + p * 100.0 + (double)j);
+    }
+    const loom_a2av v[2] = {{s0, sc[0], r0, rc[0], LOOM_I32}, {s1, sc[1], r1, rc[1], LOOM_F64}};
+    CHECK_OK(mt_ctx(), loom_comm_alltoallv_n(w, v, 2));
+    o0 = o1 = 0;
+    size_t bad = 0;
+    for (int q = 0; q < size; q++) {
+        for (size_t j = 0; j < rc[0][q]; j++) bad += r0[o0++] != q * 1000 + rank * 100 + (int)j;
+        for (size_t j = 0; j < rc[1][q]; j++)
+            bad += r1[o1++] != -(q * 1000.0 + rank * 100.0 + (double)j);
+    }
+    CHECK_EQ_INT(bad, 0);
+    CHECK_EQ_INT(loom_comm_alltoallv_n(w, v, LOOM_A2AV_MAX + 1), LOOM_ERR_INTERNAL);
+    free(s0), free(r0), free(s1), free(r1);
+}
+
 TEST(mpi_ring_in_group) {
     loom_comm *w = mt_world();
     int size = mt_size(), rank = mt_rank();

@@ -1142,6 +1142,36 @@ TEST(nccl_defer) {
     for (int b = 0; b < size; b++)
         for (int i = 0; i < N; i++) bad += h[b * N + i] != rank * 100000 + b * 10000 + i % 10000;
     CHECK_EQ_INT(bad, 0);
+    /* two alltoallv's in one group (the MoE dispatch's tables and rows):
+     * the second is the first's blocks back again, as F32 */
+    const loom_a2av v[2] = {{send, sc, recv, rcn, LOOM_I32}, {send, sc, back, rcn, LOOM_F32}};
+    loom_comm_defer(w);
+    CHECK_OK(nt_ctx(), loom_comm_alltoallv_n(w, v, 2));
+    int32_t *h2 = host(bytes);
+    d2h(h, recv, bytes);
+    d2h(h2, back, bytes);
+    bad = 0;
+    for (int q = 0; q < size; q++)
+        for (int i = 0; i < N; i++)
+            bad += (h[q * N + i] != q * 100000 + rank * 10000 + i % 10000) +
+                   (h2[q * N + i] != h[q * N + i]);
+    CHECK_EQ_INT(bad, 0);
+    free(h2);
+    /* a deferred reduce-scatter (the optimizer's buckets): rank r's block b
+     * of send summed over ranks lands in block rank of everyone's */
+    int32_t *rs = dev(sizeof(int32_t) * N);
+    loom_comm_defer(w);
+    CHECK_OK(nt_ctx(), loom_comm_reduce_scatter(w, send, rs, N, LOOM_I32, LOOM_RED_SUM));
+    d2h(h, rs, sizeof(int32_t) * N);
+    bad = 0;
+    for (int i = 0; i < N; i++) {
+        int64_t want = 0;
+        for (int q = 0; q < size; q++) want += q * 100000 + rank * 10000 + i % 10000;
+        bad += h[i] != want;
+    }
+    CHECK_EQ_INT(bad, 0);
+    CHECK_OK(nt_ctx(), loom_comm_settle(w));
+    cudaFree(rs);
     CHECK_OK(nt_ctx(), loom_comm_settle(w));
     CHECK_OK(nt_ctx(), loom_comm_settle(w)); /* nothing pending: a no-op */
     /* host buffers: complete on return, deferred or not */
