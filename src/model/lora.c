@@ -243,22 +243,26 @@ static loom_status adapter_new(loom_model *m, const char *name, int r, double al
     a->slot = loom_calloc(ctx, (size_t)m->L, sizeof *a->slot, "adapter table");
     if (!st && (!a->name || !a->ar.slots || !a->names || !a->slot)) st = LOOM_ERR_OOM;
     if (!st) memset(a->slot, 0xff, (size_t)m->L * sizeof *a->slot);
-    for (int64_t l = 0; l < m->L && !st; l++) {
-        const loom_layer *L = &m->layer[l];
-        if (!L->held) continue; /* another pipeline stage's layer */
-        /* the layer's A blocks first, in linear order: those of linears
-         * that share an input lie back to back (one GEMM for the group) */
-        const int64_t e0 = (int64_t)m->mesh->ep_rank * El;
-        for (int ab = 0; ab < 2 && !st; ab++)
-            for (int j = 0; j < L->nlin && !st; j++) {
-                if (!targeted(a, &L->lin[j])) continue;
-                if (!experts_lin(m, l, j)) {
-                    st = add_ab(m, a, l, j, -1, ab);
-                    continue;
+    /* every layer's dense blocks, then every layer's experts' (each kind's
+     * buckets reduce over its own group: apart, a model of L layers has 2
+     * buckets, each a collective, where interleaved it had 2L) */
+    for (int ex = 0; ex < 2 && !st; ex++)
+        for (int64_t l = 0; l < m->L && !st; l++) {
+            const loom_layer *L = &m->layer[l];
+            if (!L->held) continue; /* another pipeline stage's layer */
+            /* the layer's A blocks first, in linear order: those of linears
+             * that share an input lie back to back (one GEMM for the group) */
+            const int64_t e0 = (int64_t)m->mesh->ep_rank * El;
+            for (int ab = 0; ab < 2 && !st; ab++)
+                for (int j = 0; j < L->nlin && !st; j++) {
+                    if (!targeted(a, &L->lin[j]) || experts_lin(m, l, j) != (ex == 1)) continue;
+                    if (!ex) {
+                        st = add_ab(m, a, l, j, -1, ab);
+                        continue;
+                    }
+                    for (int64_t e = e0; e < e0 + El && !st; e++) st = add_ab(m, a, l, j, e, ab);
                 }
-                for (int64_t e = e0; e < e0 + El && !st; e++) st = add_ab(m, a, l, j, e, ab);
-            }
-    }
+        }
     if (!st) st = loom_arena_layout(m, &a->ar, false);
     if (st) {
         adapter_free(m, a);
