@@ -917,7 +917,8 @@ static char *slurp(const char *path, size_t *len) {
  * `--recompute mlp` and `--recompute full` give the golden file of the run
  * without it bit for bit (loss, log-probs, every gradient, the weights after
  * the steps): on one process, with LoRA dropout (the masks drawn again), and
- * under tensor, sequence, context and (interleaved) pipeline parallelism. */
+ * under tensor, sequence, context, (interleaved) pipeline and expert
+ * parallelism (full recomputation reuses the kept routing). */
 TEST(parallel_recompute_same_results) {
     char mdir[1024], full_batch[1024], lora_batch[1024], adir[1024], lora[1200];
     snprintf(mdir, sizeof mdir, "%s/models/tiny-qwen3", loom_test_fixtures());
@@ -948,6 +949,7 @@ TEST(parallel_recompute_same_results) {
         {2, false, false, "--pp 2 --vpp 2 --num-micro-batches 2"},
         {0, false, 1, "--config-override {\"router_aux_loss_coef\":0.5}"},
         {4, false, 1, "--tp 2 --pp 2 --sequence-parallel"},
+        {2, false, 1, "--ep 2"},
         {0, false, 2, "--config-override {\"router_aux_loss_coef\":0.5}"},
         {4, false, 2, "--ep 2 --etp 2 --tp 2 --sequence-parallel"},
     };

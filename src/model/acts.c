@@ -7,7 +7,8 @@
  * chunk at once (layer i's part at i times the size when the layers are
  * alike): the walker's (each block's normed input and its rstd, the
  * residual stream between blocks), the block kinds' buffers kept under
- * selective recomputation, LoRA's stash, then the kinds' buffers it drops.
+ * selective recomputation, those kept under full recomputation too (a
+ * router's choices), LoRA's stash, then the kinds' buffers it drops.
  * What recomputation does not keep is carved once, for the largest layer,
  * and every layer's table points there (block.h's loom_layer_acts). */
 #include <string.h>
@@ -26,8 +27,8 @@ static void *cv(loom_carve *c, size_t bytes) {
 #define NBUF LOOM_BLOCK_MAX_BUFS
 
 /* The pieces in carve order: class, block, the kind's buffer. */
-enum { P_H, P_RSTD, P_RES, P_KEPT, P_LORA, P_CHEAP };
-enum { NPIECES = 3 * NB + 2 * NB * NBUF + 1 };
+enum { P_H, P_RSTD, P_RES, P_KEPT, P_ROUTE, P_LORA, P_CHEAP };
+enum { NPIECES = 3 * NB + 3 * NB * NBUF + 1 };
 typedef struct piece {
     int cls, j, k;
 } piece;
@@ -36,6 +37,8 @@ static piece piece_no(int n) {
     if (n < 3 * NB) return (piece){n / NB, n % NB, 0};
     n -= 3 * NB;
     if (n < NB * NBUF) return (piece){P_KEPT, n / NBUF, n % NBUF};
+    n -= NB * NBUF;
+    if (n < NB * NBUF) return (piece){P_ROUTE, n / NBUF, n % NBUF};
     n -= NB * NBUF;
     if (n == 0) return (piece){P_LORA, 0, 0};
     n--;
@@ -54,7 +57,7 @@ static void piece_set(loom_layer_acts *t, piece p, void *at) {
 
 /* Not kept per micro-batch: recomputed before the layer's backward. */
 static bool dropped(const loom_model *m, piece p) {
-    if (m->recompute == LOOM_RECOMPUTE_FULL) return true;
+    if (m->recompute == LOOM_RECOMPUTE_FULL) return p.cls != P_ROUTE;
     return m->recompute == LOOM_RECOMPUTE_MLP && p.cls == P_CHEAP;
 }
 
@@ -90,7 +93,8 @@ static size_t piece_bytes(const shape *s, int64_t l, piece p) {
     default: {
         if (p.j >= nb) return 0;
         const loom_block_buf *b = &s->buf[L->b[p.j].kind->id][p.k];
-        return b->cheap == (p.cls == P_CHEAP) ? b->bytes : 0;
+        const int cls = b->route ? P_ROUTE : b->cheap ? P_CHEAP : P_KEPT;
+        return cls == p.cls ? b->bytes : 0;
     }
     }
 }

@@ -123,6 +123,9 @@ loom_status loom_layers_build(loom_ctx *ctx, const loom_model_config *c,
 typedef struct loom_block_buf {
     size_t bytes; /* 0: the config has none */
     bool cheap;   /* dropped under selective recomputation, made again by `recompute` */
+    bool route;   /* kept under full recomputation too (small: a router's choices and
+                   * their tables), so the forward run again routes as the first did
+                   * without the router */
 } loom_block_buf;
 
 /* Where one layer's activations are for one micro-batch (loom_acts_layout

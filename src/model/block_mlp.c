@@ -111,7 +111,8 @@ static loom_status mlp_bwd(const loom_blk *b, const void *h, const void *dy, voi
 }
 
 static int mlp_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out) {
-    for (int k = 0; k < NBUF; k++) out[k] = (loom_block_buf){(size_t)(Tc * m->Il) * m->dev.esz, true};
+    for (int k = 0; k < NBUF; k++)
+        out[k] = (loom_block_buf){.bytes = (size_t)(Tc * m->Il) * m->dev.esz, .cheap = true};
     return NBUF;
 }
 

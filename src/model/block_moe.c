@@ -157,28 +157,34 @@ static int moe_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     (void)T, (void)Tn;
     const geo g = geometry(m, Tc);
     const size_t esz = m->dev.esz, i4 = sizeof(int32_t);
-    out[PROBS] = (loom_block_buf){(size_t)(g.n * g.E) * sizeof(float), false};
-    out[IDX] = (loom_block_buf){(size_t)g.R * i4, false};
-    out[WT] = (loom_block_buf){(size_t)g.R * sizeof(float), false};
-    out[CNT] = (loom_block_buf){(size_t)g.E * i4, false};
-    out[ORD] = out[POS] = (loom_block_buf){(size_t)g.R * i4, false};
-    out[RC] = (loom_block_buf){g.local ? 0 : (size_t)(g.Q * g.P * g.El) * i4, false};
-    out[XE] = (loom_block_buf){(size_t)(g.Rmax * g.H) * esz, true};
-    out[G] = out[U] = out[ACT] = (loom_block_buf){(size_t)(g.Rmax * g.Ie) * esz, true};
-    out[LST] = (loom_block_buf){(size_t)(3 * g.Rmax * m->lora_r) * esz, true};
+    /* the routing (kept under full recomputation too: the forward run
+     * again reuses it, no router, no count exchange, no host wait) */
+    out[PROBS] = (loom_block_buf){.bytes = (size_t)(g.n * g.E) * sizeof(float), .route = true};
+    out[IDX] = (loom_block_buf){.bytes = (size_t)g.R * i4, .route = true};
+    out[WT] = (loom_block_buf){.bytes = (size_t)g.R * sizeof(float), .route = true};
+    out[CNT] = (loom_block_buf){.bytes = (size_t)g.E * i4, .route = true};
+    out[ORD] = out[POS] = (loom_block_buf){.bytes = (size_t)g.R * i4, .route = true};
+    out[RC] =
+        (loom_block_buf){.bytes = g.local ? 0 : (size_t)(g.Q * g.P * g.El) * i4, .route = true};
+    out[XE] = (loom_block_buf){.bytes = (size_t)(g.Rmax * g.H) * esz, .cheap = true};
+    out[G] = out[U] = out[ACT] =
+        (loom_block_buf){.bytes = (size_t)(g.Rmax * g.Ie) * esz, .cheap = true};
+    out[LST] = (loom_block_buf){.bytes = (size_t)(3 * g.Rmax * m->lora_r) * esz, .cheap = true};
     /* the experts' outputs: at the tokens' rank, or (dedup_on) at the experts' */
     const bool dd = dedup_on(&g);
-    out[YS] = (loom_block_buf){(size_t)((dd ? g.Rmax : g.Rk) * g.H) * esz, false};
-    out[LSE] = (loom_block_buf){(size_t)g.n * sizeof(float), false};
+    out[YS] = (loom_block_buf){.bytes = (size_t)((dd ? g.Rmax : g.Rk) * g.H) * esz};
+    out[LSE] = (loom_block_buf){.bytes = (size_t)g.n * sizeof(float), .route = true};
     /* the shared expert's g, u and act (dropped), its gate's values (kept) */
     const int64_t Is = shared_width(m);
-    out[SHG] = out[SHU] = out[SHACT] = (loom_block_buf){(size_t)(Tc * Is) * esz, true};
-    out[SHSIG] = (loom_block_buf){Is ? (size_t)Tc * sizeof(float) : 0, false};
+    out[SHG] = out[SHU] = out[SHACT] =
+        (loom_block_buf){.bytes = (size_t)(Tc * Is) * esz, .cheap = true};
+    out[SHSIG] = (loom_block_buf){.bytes = Is ? (size_t)Tc * sizeof(float) : 0};
     const size_t nP = dd ? (size_t)(g.n * g.P) * i4 : 0, rm = dd ? (size_t)g.Rmax * i4 : 0;
-    out[DEST] = out[ORD2] = out[POS2] = out[TOK] = (loom_block_buf){nP, false};
-    out[CNT2] = (loom_block_buf){dd ? (size_t)(g.P + 1) * i4 : 0, false};
-    out[RMID] = out[RMW] = out[RORD] = out[RPOS] = (loom_block_buf){rm, false};
-    out[RCNT] = (loom_block_buf){dd ? (size_t)(g.El + 1) * i4 : 0, false};
+    out[DEST] = out[ORD2] = out[POS2] = (loom_block_buf){.bytes = nP, .route = true};
+    out[TOK] = (loom_block_buf){.bytes = nP};
+    out[CNT2] = (loom_block_buf){.bytes = dd ? (size_t)(g.P + 1) * i4 : 0, .route = true};
+    out[RMID] = out[RMW] = out[RORD] = out[RPOS] = (loom_block_buf){.bytes = rm};
+    out[RCNT] = (loom_block_buf){.bytes = dd ? (size_t)(g.El + 1) * i4 : 0};
     return NBUF;
 }
 
@@ -496,8 +502,33 @@ static loom_status random_logits(const loom_blk *b, const geo *q, void *z) {
     return loom_k_fill_randn(b->m, z, q->n * q->E, base);
 }
 
+/* The forward run again under full recomputation (out NULL): the kept
+ * routing and the forward's host tables, the rows dispatched again, the
+ * experts' buffers and outputs, the shared expert's. */
+static loom_status moe_refwd(const loom_blk *b, const void *h) {
+    loom_model *m = b->m;
+    const geo q = geometry(m, m->Tc);
+    const hs hh = host_of(b);
+    int64_t rows;
+    CK(loom_prof_mark(m, "moe.dispatch"));
+    CK(tables_host(b, &q, &hh));
+    CK(gather_rows(b, &q, &hh, h, &rows));
+    CK(loom_prof_mark(m, "moe.experts"));
+    CK(experts_front(b, &q, hh.ce, rows));
+    const bool dd = dedup_on(&q);
+    void *ye = q.local || dd ? b->act[YS] : b->scratch[S1];
+    CK(experts_gemm(b, &q, hh.ce, ED, true, b->act[ACT], q.Ie, q.H, q.Ie, 0.0f, ye, q.H));
+    CK(lora_fwd(b, &q, hh.ce, LD, b->act[ACT], q.Ie, ye, q.H));
+    if (!q.local && !dd) {
+        CK(loom_prof_mark(m, "moe.combine"));
+        CK(loom_moe_undispatch(b, &q, &hh, ye, b->act[YS], b->scratch[S2], rows));
+    }
+    return shared_fwd(b, h, NULL);
+}
+
 static loom_status moe_fwd(const loom_blk *b, const void *h, void *out) {
     loom_model *m = b->m;
+    if (!out && m->recompute == LOOM_RECOMPUTE_FULL) return moe_refwd(b, h);
     void *const *a = b->act;
     const geo q = geometry(m, m->Tc);
     const hs hh = host_of(b);

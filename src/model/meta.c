@@ -226,7 +226,7 @@ static uint64_t moe_share(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn
     const int nb = loom_block_moe.acts(m, T, Tc, Tn, buf), ns = loom_block_moe.scratch(m, T, Tc, scr);
     uint64_t total = 0;
     for (int k = 0; k < nb; k++) {
-        const bool once = m->recompute == LOOM_RECOMPUTE_FULL ||
+        const bool once = (m->recompute == LOOM_RECOMPUTE_FULL && !buf[k].route) ||
                           (m->recompute == LOOM_RECOMPUTE_MLP && buf[k].cheap);
         total += buf[k].bytes * (once ? 1 : (uint64_t)(layers * in_flight));
     }
