@@ -242,6 +242,17 @@ TEST(memory_prediction_moe_experts) {
     const uint64_t X = (uint64_t)stage_experts(&plan, cfg.num_layers, 1, 0) / 2;
     CHECK_EQ_INT((int64_t)r.expert_weights, (int64_t)(X * esz));
     CHECK(r.expert_grads == 0 && r.expert_optim == 0);
+    /* the experts' adapters (gate, up, down of each of this rank's E/2
+     * experts, every layer sparse) shard over edp = 1, not over dp: the
+     * moments and the gradient shard hold them whole, the dense adapters'
+     * half */
+    const uint64_t ax = (uint64_t)(cfg.num_layers * (cfg.num_experts / 2) * 3 * in.lora_r *
+                                   (cfg.hidden_size + cfg.moe_intermediate_size));
+    REQUIRE(r.grads > ax * 4);
+    const uint64_t ad = r.grads / 4 - ax;
+    CHECK_MSG(r.optim == 3 * 4 * ((ad + 1) / 2 + ax),
+              "optimizer %llu bytes, want 3 x 4 x (%llu dense / 2 + %llu experts')",
+              (unsigned long long)r.optim, (unsigned long long)ad, (unsigned long long)ax);
     loom_param_plan_free(&plan);
     loom_config_free(&cfg);
     loom_ctx_free(ctx);

@@ -295,7 +295,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     size_t train_p = P, train_shard = m->base.shard_numel - Xshard;
     if (lora) { /* adapter blocks of the layers held: A (r, in), B (out, r), tp-split (an
                  * expert's: etp-split, for each of the rank's experts) */
-        size_t ap = 0;
+        size_t ap = 0, ax = 0; /* the dense linears' and the experts' */
         for (int64_t l = 0; l < m->L; l++)
             for (int j = 0; m->layer[l].held && j < m->layer[l].nlin; j++) {
                 const loom_layer_lin *x = &m->layer[l].lin[j];
@@ -304,17 +304,21 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
                 const int64_t split = ex ? m->etp : m->tp, copies = ex ? El : 1;
                 int64_t a_in = x->row_par ? x->in / split : x->in;
                 int64_t b_out = x->row_par || x->rep ? x->out : x->out / split;
-                ap += (size_t)(copies * ((int64_t)in->lora_r * a_in + b_out * in->lora_r));
+                *(ex ? &ax : &ap) +=
+                    (size_t)(copies * ((int64_t)in->lora_r * a_in + b_out * in->lora_r));
             }
-        size_t grp = (size_t)(m->dp * m->cp);
-        train_p = ap;
-        train_shard = (ap + grp - 1) / grp;
+        /* each kind's buckets shard over its own group: dp x cp, or edp */
+        const size_t grp = (size_t)(m->dp * m->cp), egrp = (size_t)loom_mesh_edp(n);
+        train_p = ap + ax;
+        train_shard = (ap + grp - 1) / grp + (ax + egrp - 1) / egrp;
+        ap += ax;
         r->weights += ap * 4 + (in->adt != LOOM_F32 ? ap * esz : 0);
     }
     r->grads = train_p * 4;
     /* the moments, and the gradient shard unless one rank holds it all (then
      * the gradients are the shard) */
-    r->optim = in->training ? (m->dp * m->cp == 1 ? 2 : 3) * train_shard * 4 : 0;
+    const bool one = m->dp * m->cp == 1 && (!lora || loom_mesh_edp(n) == 1);
+    r->optim = in->training ? (one ? 2 : 3) * train_shard * 4 : 0;
     if (!lora) { /* the experts: the same over edp */
         r->expert_grads = X * 4;
         r->expert_optim = in->training ? (loom_mesh_edp(n) == 1 ? 2 : 3) * Xshard * 4 : 0;
