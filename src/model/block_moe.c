@@ -636,7 +636,7 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     void *dye = s[S3];
     const bool dd = dedup_on(&q);
     if (dd) { /* dy once per rank, times each choice's weight there */
-        CK(loom_moe_dd_dispatch_bwd(b, &q, &hh, (const char *)dy + so, s[S1], s[S2], dye, s[DW]));
+        CK(loom_moe_dd_dispatch_bwd(b, &q, &hh, (const char *)dy + so, s[S1], s[S2], dye));
     } else {
         CK(loom_k_moe_combine_bwd(m, (const char *)dy + so, a[YS], a[ORD], a[WT], q.n, q.k, q.H,
                                   q.local ? dye : s[S1], s[DW]));
@@ -660,9 +660,11 @@ static loom_status moe_bwd(const loom_blk *b, const void *h, const void *dy, voi
     CK(lora_bwd(b, &q, hh.ce, LG, a[XE], q.H, s[DG], q.Ie, dxe));
     CK(lora_bwd(b, &q, hh.ce, LU, a[XE], q.H, s[DU], q.Ie, dxe));
     CK(loom_prof_mark(m, "moe.dispatch"));
-    if (dx && dd) { /* summed per received row on the experts' rank, then per rank */
-        CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
-        CK(loom_moe_dd_return_dx(b, &q, &hh, dxe, s[S3], s[S2], (char *)dx + so));
+    if (dd) { /* summed per received row on the experts' rank, then per rank; with them
+               * the routing weights' gradients */
+        if (dx) CK(loom_k_zero(m, dx, (size_t)(m->Tc * q.H) * esz));
+        CK(loom_moe_dd_return_dx(b, &q, &hh, dxe, s[S3], s[S2], dx ? (char *)dx + so : NULL,
+                                 s[DW]));
     } else if (dx) {
         void *dxs = dxe;
         if (!q.local) {

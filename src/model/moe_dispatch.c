@@ -247,29 +247,34 @@ loom_status loom_moe_dd_combine(const loom_blk *b, const geo *q, const hs *h, co
 }
 
 /* The backward's: dy (n rows) once a rank -> dye (the experts' rows, times
- * their weights), and the routing weights' gradients dw (n k) back from
- * the experts' ranks. */
+ * their weights), and the routing weights' gradients at the experts' rank
+ * (the DX scratch's first Rmax; loom_moe_dd_return_dx sends them back). */
 loom_status loom_moe_dd_dispatch_bwd(const loom_blk *b, const geo *q, const hs *h, const void *dy,
-                                     void *cs, void *cr, void *dye, float *dw) {
-    loom_model *m = b->m;
-    void *const *a = b->act;
+                                     void *cs, void *cr, void *dye) {
     int64_t ns, nr;
     CK(dd_send_rows(b, q, h, dy, cs, cr));
-    dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->k, h->sc, h->rcv, &nr, &ns);
-    float *dw_here = b->scratch[DX], *dw_back = dw_here + q->Rmax;
-    CK(loom_k_moe_combine_bwd(m, cr, a[YS], a[RORD], a[RMW], nr, q->k, q->H, dye, dw_here));
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a",
-                     loom_comm_alltoallv(m->mesh->ep, dw_here, h->sc, dw_back, h->rcv, LOOM_F32));
-    return loom_k_moe_dedup_dw(m, dw_back, a[POS2], q->n, (int)q->P, q->k, dw);
+    dd_counts(q, dd_nur(q, h), dd_nu(q, h), 1, h->sc, h->rcv, &nr, &ns);
+    return loom_k_moe_combine_bwd(b->m, cr, b->act[YS], b->act[RORD], b->act[RMW], nr, q->k, q->H,
+                                  dye, b->scratch[DX]);
 }
 
-/* The input gradients: dxe (the experts' rows) summed a received row, back,
- * and summed over ranks into dx (n rows). */
+/* Back to the tokens' rank in one exchange: the input gradients dxe (the
+ * experts' rows; NULL when not wanted) summed a received row, then summed
+ * over ranks into dx (n rows), and the routing weights' gradients, summed
+ * over ranks into dw (n k). */
 loom_status loom_moe_dd_return_dx(const loom_blk *b, const geo *q, const hs *h, const void *dxe,
-                                  void *cs, void *cr, void *dx) {
+                                  void *cs, void *cr, void *dx, float *dw) {
+    loom_model *m = b->m;
+    const int P = (int)q->P;
     int64_t ns, nr;
-    dd_counts(q, dd_nu(q, h), dd_nur(q, h), 1, h->sc, h->rcv, &ns, &nr);
-    CK(loom_k_moe_permute_bwd(b->m, dxe, b->act[RPOS], nr, q->k, q->H, cr));
-    return dd_return_rows(b, q, h, cr, cs, dx);
+    dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->k, h->sc, h->rcv, &nr, &ns);
+    dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->H, h->sc + P, h->rcv + P, &nr, &ns);
+    float *dw_here = b->scratch[DX], *dw_back = dw_here + q->Rmax;
+    loom_a2av v[2] = {{dw_here, h->sc, dw_back, h->rcv, LOOM_F32},
+                      {cr, h->sc + P, cs, h->rcv + P, m->dev.adt}};
+    if (dxe) CK(loom_k_moe_permute_bwd(m, dxe, b->act[RPOS], nr, q->k, q->H, cr));
+    defer(m, m->mesh->ep);
+    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv_n(m->mesh->ep, v, dxe ? 2 : 1));
+    if (dxe) CK(loom_k_moe_permute_bwd(m, cs, b->act[POS2], q->n, P, q->H, dx));
+    return loom_k_moe_dedup_dw(m, dw_back, b->act[POS2], q->n, P, q->k, dw);
 }

@@ -120,8 +120,8 @@ loom_status loom_moe_dd_dispatch(const loom_blk *b, const geo *q, const hs *h, c
 loom_status loom_moe_dd_combine(const loom_blk *b, const geo *q, const hs *h, const void *ys,
                                 void *cs, void *cr, void *out);
 loom_status loom_moe_dd_dispatch_bwd(const loom_blk *b, const geo *q, const hs *h, const void *dy,
-                                     void *cs, void *cr, void *dye, float *dw);
+                                     void *cs, void *cr, void *dye);
 loom_status loom_moe_dd_return_dx(const loom_blk *b, const geo *q, const hs *h, const void *dxe,
-                                  void *cs, void *cr, void *dx);
+                                  void *cs, void *cr, void *dx, float *dw);
 
 #endif
