@@ -34,6 +34,20 @@ static void defer(loom_model *m, loom_comm *c) {
     m->comm_deferred = true;
 }
 
+/* The alltoallv's of v (n buffers, one group of messages) on c, queued
+ * (defer) and timed as the all-to-alls' part of the profile. */
+static loom_status a2av(loom_model *m, loom_comm *c, const loom_a2av *v, int n) {
+    defer(m, c);
+    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv_n(c, v, n));
+    return LOOM_OK;
+}
+
+static loom_status a2av1(loom_model *m, loom_comm *c, const void *send, const size_t *sc,
+                         void *recv, const size_t *rc, loom_dtype dt) {
+    const loom_a2av v = {send, sc, recv, rc, dt};
+    return a2av(m, c, &v, 1);
+}
+
 /* The count table on the device (tables_on_device): each ep rank's counts
  * for this rank's experts into RC (etp rank q's block q, by way of the
  * PSUM scratch's table under etp), queued without a host wait. */
@@ -90,8 +104,7 @@ loom_status loom_moe_dispatch(const loom_blk *b, const geo *q, const hs *h, void
     loom_model *m = b->m;
     const loom_dtype dt = m->dev.adt;
     ep_counts(m, q, h, h->sc, h->rcv);
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv(m->mesh->ep, src, h->sc, tmp, h->rcv, dt));
+    CK(a2av1(m, m->mesh->ep, src, h->sc, tmp, h->rcv, dt));
     void *gathered = tmp;
     if (q->Q > 1) {
         size_t mine = 0;
@@ -123,17 +136,13 @@ loom_status loom_moe_undispatch(const loom_blk *b, const geo *q, const hs *h, vo
             h->sc[qq] = (size_t)table_rows(q, h->rc + qq * q->P * q->El) * (size_t)q->H;
             h->rcv[qq] = n;
         }
-        defer(m, m->mesh->etp);
-        LOOM_PROF_AROUND(m, "moe.a2a",
-                         loom_comm_alltoallv(m->mesh->etp, tmp, h->sc, src, h->rcv, dt));
+        CK(a2av1(m, m->mesh->etp, tmp, h->sc, src, h->rcv, dt));
         for (int64_t qq = 1; qq < q->Q; qq++)
             CK(loom_k_add(m, src, (const char *)src + (size_t)qq * n * esz, (int64_t)n));
         mine = src;
     }
     ep_counts(m, q, h, h->sc, h->rcv);
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv(m->mesh->ep, mine, h->rcv, dst, h->sc, dt));
-    return LOOM_OK;
+    return a2av1(m, m->mesh->ep, mine, h->rcv, dst, h->sc, dt);
 }
 
 /* ---- the once-per-rank dispatch (dedup_on; cpu_moe.h's tables) ----
@@ -175,8 +184,7 @@ loom_status loom_moe_dd_plan(const loom_blk *b, const geo *q, const hs *h) {
     for (int p = 0; p < P; p++) h->sc[p] = (size_t)q->El, h->sc[P + p] = 1;
     const loom_a2av v[2] = {{a[CNT], h->sc, a[RC], h->sc, LOOM_I32},
                             {a[CNT2], h->sc + P, tail + P, h->sc + P, LOOM_I32}};
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv_n(m->mesh->ep, v, 2));
+    CK(a2av(m, m->mesh->ep, v, 2));
     return LOOM_OK;
 }
 
@@ -188,10 +196,7 @@ static loom_status dd_send_rows(const loom_blk *b, const geo *q, const hs *h, co
     int64_t ns, nr;
     dd_counts(q, dd_nu(q, h), dd_nur(q, h), q->H, h->sc, h->rcv, &ns, &nr);
     CK(loom_k_rows_gather(m, cs, rows, b->act[TOK], ns, q->H));
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a",
-                     loom_comm_alltoallv(m->mesh->ep, cs, h->sc, recv, h->rcv, m->dev.adt));
-    return LOOM_OK;
+    return a2av1(m, m->mesh->ep, cs, h->sc, recv, h->rcv, m->dev.adt);
 }
 
 /* recv's rows (one a received row, from each rank in turn) back to their
@@ -202,9 +207,7 @@ static loom_status dd_return_rows(const loom_blk *b, const geo *q, const hs *h, 
     loom_model *m = b->m;
     int64_t ns, nr;
     dd_counts(q, dd_nur(q, h), dd_nu(q, h), q->H, h->sc, h->rcv, &nr, &ns);
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a",
-                     loom_comm_alltoallv(m->mesh->ep, rows, h->sc, cs, h->rcv, m->dev.adt));
+    CK(a2av1(m, m->mesh->ep, rows, h->sc, cs, h->rcv, m->dev.adt));
     return loom_k_moe_permute_bwd(m, cs, b->act[POS2], q->n, (int)q->P, q->H, out);
 }
 
@@ -228,8 +231,7 @@ loom_status loom_moe_dd_dispatch(const loom_blk *b, const geo *q, const hs *h, c
     const loom_a2av v[3] = {{mid, h->sc, a[RMID], h->rcv, LOOM_I32},
                             {mw, h->sc, a[RMW], h->rcv, LOOM_F32},
                             {cs, h->sc + P, cr, h->rcv + P, m->dev.adt}};
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv_n(m->mesh->ep, v, 3));
+    CK(a2av(m, m->mesh->ep, v, 3));
     CK(loom_k_moe_route(m, a[RMID], NULL, nr, q->El + 1, q->k, -1, false, a[RCNT], a[RORD],
                         a[RPOS]));
     CK(loom_k_moe_mask(m, a[RMID], nr, q->k, (int32_t)q->El, a[RORD], a[RPOS]));
@@ -273,8 +275,7 @@ loom_status loom_moe_dd_return_dx(const loom_blk *b, const geo *q, const hs *h, 
     loom_a2av v[2] = {{dw_here, h->sc, dw_back, h->rcv, LOOM_F32},
                       {cr, h->sc + P, cs, h->rcv + P, m->dev.adt}};
     if (dxe) CK(loom_k_moe_permute_bwd(m, dxe, b->act[RPOS], nr, q->k, q->H, cr));
-    defer(m, m->mesh->ep);
-    LOOM_PROF_AROUND(m, "moe.a2a", loom_comm_alltoallv_n(m->mesh->ep, v, dxe ? 2 : 1));
+    CK(a2av(m, m->mesh->ep, v, dxe ? 2 : 1));
     if (dxe) CK(loom_k_moe_permute_bwd(m, cs, b->act[POS2], q->n, P, q->H, dx));
     return loom_k_moe_dedup_dw(m, dw_back, b->act[POS2], q->n, P, q->k, dw);
 }
