@@ -323,8 +323,28 @@ static loom_status check_buf(loom_comm *c, const char *what, const void *p, bool
     return LOOM_OK;
 }
 
+/* Orders what is enqueued next on c's stream after every other group's
+ * deferred operation (loom_comm_defer). The groups' streams are ordered
+ * with the legacy default stream, not with each other: without this, a
+ * deferred exchange on one group and a collective on another that reads
+ * its result (the MoE dispatch's ep all-to-all, then the etp all-gather of
+ * what it received) would run side by side, the second reading stale
+ * rows. */
+static loom_status follow_deferred(loom_comm *c) {
+    nccl_state *me = S(c);
+    for (nccl_state *s = live_list; s; s = s->next) {
+        if (s == me || !s->unsettled || !s->comm)
+            continue;
+        cudaError_t e = cudaStreamWaitEvent(me->stream, s->done, 0);
+        if (e != cudaSuccess)
+            return cuda_fail(c, "ordering after another group's deferred work", e);
+    }
+    return LOOM_OK;
+}
+
 /* Collectives cannot join an NCCL group that holds this group's p2p: they
- * would only start at group_end, after this call waited for them. */
+ * would only start at group_end, after this call waited for them. Then
+ * orders the call after other groups' deferred work (follow_deferred). */
 static loom_status check_no_group(loom_comm *c, const char *what) {
     char w[96];
     if (S(c)->in_group)
@@ -338,7 +358,7 @@ static loom_status check_no_group(loom_comm *c, const char *what) {
                          "%s on %s while group '%s' has point-to-point posted in an open group: "
                          "NCCL's group is per thread; end that group first",
                          what, loom_comm_where(c, w, sizeof w), group_owner->name);
-    return LOOM_OK;
+    return follow_deferred(c);
 }
 
 /* Checks before a collective; *ha, *hb: whether a, b are host memory (b
@@ -1041,6 +1061,8 @@ static loom_status open_group(loom_comm *c, const char *what) {
                          "NCCL's group is per thread; end that group first",
                          what, loom_comm_where(c, w, sizeof w), group_owner->name);
     }
+    loom_status st = follow_deferred(c);
+    if (st) return st;
     ncclResult_t r = ncclGroupStart();
     if (r != ncclSuccess) return nccl_fail(c, what, r);
     s->in_group = true;

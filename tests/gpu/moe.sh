@@ -15,6 +15,9 @@
 # Megatron's router options (z-loss, capacity under both drop policies) in
 # fp32 on ep2 against one GPU; with 4+ GPUs the four-rank expert layouts.
 # Usage: bash tests/gpu/moe.sh [BUILD_DIR]   (built when missing)
+# LOOM_MOE_PARTS="ops layouts router four" (the default: all) runs some of
+# the parts: the op tests, the 2-GPU layouts, the router options on ep2, the
+# 4-GPU layouts. Each layout's line ends with its run's seconds.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 B=${1:-build-cuda}
@@ -22,11 +25,15 @@ py_lib() { python3 -c "import importlib.util as u; s=u.find_spec('nvidia.$1'); p
 export LD_LIBRARY_PATH="$(py_lib nccl):$(py_lib cudnn):${LD_LIBRARY_PATH:-}"
 export LOOM_COMM_TIMEOUT=${LOOM_COMM_TIMEOUT:-120}
 [ -x "$B/loom_tests" ] || make -j"$(nproc)" CUDA=1 BUILD="$B" config "$B/loom" "$B/loom_tests" > /tmp/moe-build.log 2>&1 || { tail -30 /tmp/moe-build.log; exit 1; }
+PARTS=" ${LOOM_MOE_PARTS:-ops layouts router four} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 rc=0
+if part ops; then
 LOOM_BIN=$B/loom $B/loom_tests backend_ moe_ model_cuda_qwen3_moe lora_moe_cuda \
     model_qwen3_moe model_cuda_qwen2_moe model_qwen2_moe 2>&1 | tee /tmp/moe-tests.log | grep -vE "^ok " || true
 grep -q "^FAIL" /tmp/moe-tests.log && rc=1
 echo "tests: $(grep -c '^ok ' /tmp/moe-tests.log) ok, $(grep -c '^FAIL' /tmp/moe-tests.log) failed, $(grep -c '^skip' /tmp/moe-tests.log) skipped"
+fi
 ngpu=$(nvidia-smi -L | wc -l)
 [ "$ngpu" -ge 2 ] || exit $rc
 W=${LOOM_GPU_WORK:-/tmp/loom-gpu-moe}
@@ -35,7 +42,7 @@ F=${LOOM_FIXTURES:-tests/fixtures}
 M=$F/models/tiny-qwen3-moe
 BATCH=$F/golden/tiny-qwen3-moe.safetensors
 G="$B/loom golden --device cuda --model $M --batch $BATCH --steps 3 --lr 1e-3 --log-level warn --config-override {\"router_aux_loss_coef\":0.1}"
-for dt in fp32 bf16; do
+part layouts && for dt in fp32 bf16; do
     tol="--tol 0.03"
     [ $dt = fp32 ] && tol="--tol 1e-5 --tol-weights 5e-5"
     for nm in 1 2; do
@@ -49,11 +56,12 @@ for dt in fp32 bf16; do
         # shellcheck disable=SC2086
         env=""; [[ "$name" == *-choice ]] && env="LOOM_MOE_DEDUP=0"
         # shellcheck disable=SC2086
+        SECONDS=0
         if env $env CUDA_VISIBLE_DEVICES=0,1 $G --dtype $dt --nproc-per-node 2 $flags --out "$out.safetensors" > "$out.log" 2>&1; then
             # shellcheck disable=SC2086
             res=$(python3 tests/gpu/compare.py golden "$W/ref-$dt-$nm.safetensors" "$out.safetensors" $tol 2>&1)
             c=$?
-            printf '%-14s %-5s %-4s %s\n' "$name" "$dt" "$([ $c = 0 ] && echo ok || echo FAIL)" "$(echo "$res" | tail -1)"
+            printf '%-14s %-5s %-4s %s (%d s)\n' "$name" "$dt" "$([ $c = 0 ] && echo ok || echo FAIL)" "$(echo "$res" | tail -1)" "$SECONDS"
             [ $c = 0 ] || { echo "$res"; rc=1; }
         else
             printf '%-14s %-5s FAIL exit status (log %s)\n' "$name" "$dt" "$out.log"
@@ -71,16 +79,17 @@ EOF
 done
 # Megatron's router options (the z-loss, a capacity under each drop policy)
 # in fp32 on ep2, whose ranks route the one GPU's micro-batches
-for opt in "--moe-z-loss-coeff 0.1" "--moe-expert-capacity-factor 0.75" \
+part router && for opt in "--moe-z-loss-coeff 0.1" "--moe-expert-capacity-factor 0.75" \
            "--moe-expert-capacity-factor 0.75 --moe-token-drop-policy position --moe-z-loss-coeff 0.1"; do
     tag=$(echo "$opt" | tr -d ' -' | cut -c1-40)
     # shellcheck disable=SC2086
     $G --dtype fp32 --num-micro-batches 2 $opt --out "$W/ref-$tag.safetensors" > "$W/ref-$tag.log" 2>&1 || { tail "$W/ref-$tag.log"; rc=1; continue; }
     # shellcheck disable=SC2086
+    SECONDS=0
     if CUDA_VISIBLE_DEVICES=0,1 $G --dtype fp32 --nproc-per-node 2 --ep 2 $opt --out "$W/ep2-$tag.safetensors" > "$W/ep2-$tag.log" 2>&1; then
         res=$(python3 tests/gpu/compare.py golden "$W/ref-$tag.safetensors" "$W/ep2-$tag.safetensors" --tol 1e-5 --tol-weights 5e-5 2>&1)
         c=$?
-        printf 'ep2 %-70s %s\n' "$opt" "$([ $c = 0 ] && echo ok || echo FAIL) $(echo "$res" | tail -1)"
+        printf 'ep2 %-70s %s (%d s)\n' "$opt" "$([ $c = 0 ] && echo ok || echo FAIL) $(echo "$res" | tail -1)" "$SECONDS"
         [ $c = 0 ] || { echo "$res"; rc=1; }
     else
         printf 'ep2 %s FAIL exit status (log %s)\n' "$opt" "$W/ep2-$tag.log"
@@ -92,7 +101,7 @@ done
 # one GPU cut into the same micro-batches: etp 2 x ep 2 under tp 2, ep 2 x
 # pp 2, ep 2 folded out of dp 4 (edp 2), ep 4; the dp 4 ones on an 8-row
 # batch (the fixture's 2 rows four times)
-[ "$ngpu" -ge 4 ] || exit $rc
+{ [ "$ngpu" -ge 4 ] && part four; } || exit $rc
 B8=$W/batch8.safetensors
 python3 - "$BATCH" "$B8" <<'PY' || { echo "FAIL: could not write the 8-row batch"; exit 1; }
 import sys
@@ -111,10 +120,11 @@ while read -r name nm flags; do
     [ -n "$name" ] || continue
     bt=$BATCH; [ $nm = 4 ] && bt=$B8
     # shellcheck disable=SC2086
+    SECONDS=0
     if CUDA_VISIBLE_DEVICES=0,1,2,3 $G4 --batch "$bt" --nproc-per-node 4 $flags --out "$W/$name.safetensors" < /dev/null > "$W/$name.log" 2>&1; then
         res=$(python3 tests/gpu/compare.py golden "$W/ref4-$nm.safetensors" "$W/$name.safetensors" --tol 1e-5 --tol-weights 5e-5 2>&1)
         c=$?
-        printf '%-14s fp32  %-4s %s\n' "$name" "$([ $c = 0 ] && echo ok || echo FAIL)" "$(echo "$res" | tail -1)"
+        printf '%-14s fp32  %-4s %s (%d s)\n' "$name" "$([ $c = 0 ] && echo ok || echo FAIL)" "$(echo "$res" | tail -1)" "$SECONDS"
         [ $c = 0 ] || { echo "$res"; rc=1; }
     else
         printf '%-14s fp32  FAIL exit status (log %s)\n' "$name" "$W/$name.log"

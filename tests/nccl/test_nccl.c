@@ -1208,3 +1208,58 @@ TEST(nccl_defer) {
     cudaFree(recv);
     cudaFree(back);
 }
+
+/* Deferred operations of two groups in a row, the second reading what the
+ * first wrote (the MoE dispatch: the ep all-to-all's rows, then their etp
+ * all-gather): the second waits for the first on the GPU although each
+ * group has its own stream. The first moves 32 MiB a rank, so a second
+ * that started beside it would gather the sentinel it overwrites; both
+ * ways in, a collective and a group of send/recv (alltoallv). */
+TEST(nccl_defer_two_groups) {
+    loom_comm *w = nt_world();
+    int size = nt_size(), rank = nt_rank();
+    loom_comm *a = NULL, *b = NULL;
+    REQUIRE_OK(nt_ctx(), loom_comm_split(w, 0, rank, "first", &a));
+    REQUIRE_OK(nt_ctx(), loom_comm_split(w, 0, rank, "second", &b));
+    const size_t N = ((size_t)8 << 20) / (size_t)size, bytes = sizeof(int32_t) * N * (size_t)size;
+    const size_t M = 1024; /* the second gathers the last M values of what the first received */
+    int32_t *h = host(bytes), *send = dev(bytes), *tmp = dev(bytes),
+            *out = dev(sizeof(int32_t) * M * (size_t)size);
+    for (size_t i = 0; i < N * (size_t)size; i++)
+        h[i] = (int32_t)(rank * 1000 + i / N);
+    h2d(send, h, bytes);
+    size_t sc[64], rcn[64];
+    REQUIRE(size <= 64);
+    for (int r = 0; r < size; r++)
+        sc[r] = rcn[r] = M;
+    int32_t *got = host(sizeof(int32_t) * M * (size_t)size);
+    size_t bad = 0;
+    for (int it = 0; it < 8; it++) {
+        CHECK_EQ_INT(cudaMemset(tmp, 0xff, bytes), cudaSuccess); /* -1: the sentinel */
+        loom_comm_defer(a);
+        CHECK_OK(nt_ctx(), loom_comm_alltoall(a, send, tmp, N, LOOM_I32));
+        /* the end of what came from rank size-1: (size-1) * 1000 + rank */
+        const int32_t *end = tmp + N * (size_t)size;
+        loom_comm_defer(b);
+        if (it % 2 == 0) /* each rank's last M values to every rank */
+            CHECK_OK(nt_ctx(), loom_comm_allgather(b, end - M, out, M, LOOM_I32));
+        else /* block r of the last size * M values to rank r */
+            CHECK_OK(nt_ctx(),
+                     loom_comm_alltoallv(b, end - (size_t)size * M, sc, out, rcn, LOOM_I32));
+        d2h(got, out, sizeof(int32_t) * M * (size_t)size);
+        /* either way block q of out came from rank q */
+        for (int q = 0; q < size; q++)
+            for (size_t i = 0; i < M; i++)
+                bad += got[(size_t)q * M + i] != (size - 1) * 1000 + q;
+        CHECK_OK(nt_ctx(), loom_comm_settle(a));
+        CHECK_OK(nt_ctx(), loom_comm_settle(b));
+    }
+    CHECK_EQ_INT(bad, 0);
+    free(h);
+    free(got);
+    cudaFree(send);
+    cudaFree(tmp);
+    cudaFree(out);
+    loom_comm_free(b);
+    loom_comm_free(a);
+}
