@@ -94,9 +94,11 @@ void loom_comm_set_timeout(loom_comm *c, double seconds);
  * returns once its work is queued, when every buffer is device memory
  * (NCCL): the group's stream orders it with the legacy default stream both ways, so
  * kernels after it read its results, and the host does not wait for a
- * transfer no host code reads. loom_comm_settle waits for it (with the
- * group's deadline); call it before anything that waits on the GPU
- * without one (cudaMemcpy). Other backends complete the call as usual. */
+ * transfer no host code reads. An operation of another group after it
+ * waits for it on the GPU (it may read what the deferred one wrote).
+ * loom_comm_settle waits for it (with the group's deadline); call it
+ * before anything that waits on the GPU without one (cudaMemcpy). Other
+ * backends complete the call as usual. */
 void loom_comm_defer(loom_comm *c);
 /* Waits for c's deferred operations (a no-op when none are pending). */
 loom_status loom_comm_settle(loom_comm *c);
