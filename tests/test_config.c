@@ -316,3 +316,137 @@ TEST(presets_parameter_counts) {
     CHECK(loom_preset_config("gpt2") == NULL);
     loom_ctx_free(ctx);
 }
+
+/* Qwen3.5's configs (tests/fixtures_qwen3_5): the vision-language layout
+ * with the text model under text_config, its hybrid layer types, the
+ * Gated DeltaNet's sizes, the gated attention's partial rotary factor;
+ * MoE with its shared expert; an override reaches the text model. */
+TEST(config_qwen3_5) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_model_config c;
+    REQUIRE_OK(ctx, loom_config_load(ctx, "tests/fixtures_qwen3_5/models/tiny-qwen3_5", &c));
+    CHECK_STR(c.model_type, "qwen3_5");
+    CHECK(c.nested_text);
+    CHECK_STR(loom_config_text_prefix(&c), "model.language_model.");
+    CHECK_EQ_INT(c.hidden_size, 64);
+    CHECK_EQ_INT(c.num_layers, 4);
+    CHECK_EQ_INT(c.num_heads, 4);
+    CHECK_EQ_INT(c.num_kv_heads, 2);
+    CHECK_EQ_INT(c.head_dim, 16);
+    CHECK_EQ_INT(c.rotary_dim, 4); /* 16 x 0.25 */
+    CHECK(c.rope_theta == 10000000.0);
+    CHECK(c.qk_norm && c.attn_gate && c.norm_offset && !c.qkv_bias && !c.o_bias);
+    CHECK(c.tie_word_embeddings);
+    CHECK_EQ_INT(c.lin_conv_kernel, 4);
+    CHECK_EQ_INT(c.lin_k_heads, 2);
+    CHECK_EQ_INT(c.lin_v_heads, 4);
+    CHECK_EQ_INT(c.lin_k_dim, 16);
+    CHECK_EQ_INT(c.lin_v_dim, 16);
+    CHECK_EQ_INT(loom_config_linear_layers(&c), 3);
+    CHECK(c.linear_attn[0] && c.linear_attn[1] && c.linear_attn[2] && !c.linear_attn[3]);
+    CHECK_EQ_INT(c.num_experts, 0);
+    /* the layers are not built yet: the plan says so rather than lay out a
+     * wrong model */
+    loom_param_plan plan;
+    CHECK_EQ_INT(loom_param_plan_build(ctx, &c, &plan), LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(ctx), "3 Gated DeltaNet linear_attention layers of 4");
+    loom_config_free(&c);
+
+    REQUIRE_OK(ctx, loom_config_load(ctx, "tests/fixtures_qwen3_5/models/tiny-qwen3_5-moe", &c));
+    CHECK_STR(c.model_type, "qwen3_5_moe");
+    CHECK(!c.tie_word_embeddings);
+    CHECK_EQ_INT(c.num_experts, 8);
+    CHECK_EQ_INT(c.num_experts_per_tok, 2);
+    CHECK_EQ_INT(c.moe_intermediate_size, 32);
+    CHECK_EQ_INT(c.shared_expert_intermediate_size, 48);
+    CHECK(c.norm_topk_prob); /* always, for Qwen3.5-MoE */
+    for (int l = 0; l < 4; l++) CHECK(loom_config_layer_is_moe(&c, l));
+    loom_config_free(&c);
+
+    /* an override of a text key goes into text_config; one the top level
+     * holds too (tie_word_embeddings) goes to both */
+    REQUIRE_OK(ctx, loom_config_load_with(ctx, "tests/fixtures_qwen3_5/models/tiny-qwen3_5",
+                                          "{\"num_hidden_layers\": 2, \"layer_types\": "
+                                          "[\"linear_attention\", \"full_attention\"], "
+                                          "\"tie_word_embeddings\": false}",
+                                          &c));
+    CHECK_EQ_INT(c.num_layers, 2);
+    CHECK(c.linear_attn[0] && !c.linear_attn[1]);
+    CHECK(!c.tie_word_embeddings);
+    const loom_json *tc = loom_json_get(c.raw, "text_config");
+    REQUIRE(tc != NULL);
+    CHECK(loom_json_get(c.raw, "num_hidden_layers") == NULL);
+    CHECK(loom_json_get(tc, "num_hidden_layers") != NULL);
+    loom_config_free(&c);
+    /* 8 layers but 4 layer_types: refused, saying what to override */
+    CHECK_EQ_INT(loom_config_load_with(ctx, "tests/fixtures_qwen3_5/models/tiny-qwen3_5",
+                                       "{\"num_hidden_layers\": 8}", &c),
+                 LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "needs one of layer_types too");
+    loom_ctx_free(ctx);
+}
+
+/* The text-only layout (qwen3_5_text: tensors under model.), layer types
+ * from full_attention_interval as transformers derives them, and bad
+ * Qwen3.5 configs. */
+TEST(config_qwen3_5_text_only_and_errors) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_model_config c;
+    REQUIRE_OK(ctx, parse_text(ctx,
+                               "{\"model_type\": \"qwen3_5_text\", \"vocab_size\": 100, "
+                               "\"hidden_size\": 32, \"intermediate_size\": 64, "
+                               "\"num_hidden_layers\": 6, \"num_attention_heads\": 2, "
+                               "\"num_key_value_heads\": 1, \"head_dim\": 16, "
+                               "\"full_attention_interval\": 3, \"rope_parameters\": "
+                               "{\"rope_theta\": 1e6, \"partial_rotary_factor\": 0.5}}",
+                               &c));
+    CHECK_STR(c.model_type, "qwen3_5");
+    CHECK(!c.nested_text);
+    CHECK_STR(loom_config_text_prefix(&c), "model.");
+    CHECK_EQ_INT(c.rotary_dim, 8);
+    CHECK_EQ_INT(c.lin_k_dim, 128); /* transformers' defaults */
+    CHECK_EQ_INT(c.lin_v_heads, 32);
+    for (int l = 0; l < 6; l++) CHECK_MSG(c.linear_attn[l] == ((l + 1) % 3 != 0), "layer %d", l);
+    loom_config_free(&c);
+    /* every other family keeps rotary_dim = head_dim and no linear layers */
+    REQUIRE_OK(ctx, load_fixture(ctx, "tiny-qwen3", &c));
+    CHECK_EQ_INT(c.rotary_dim, c.head_dim);
+    CHECK_EQ_INT(loom_config_linear_layers(&c), 0);
+    CHECK(!c.attn_gate && !c.norm_offset && !c.nested_text);
+    loom_config_free(&c);
+#define Q35 "\"vocab_size\": 10, \"hidden_size\": 8, \"intermediate_size\": 8, " \
+            "\"num_hidden_layers\": 2, \"num_attention_heads\": 2, \"head_dim\": 8"
+    static const struct {
+        const char *json, *fragment;
+        loom_status st;
+    } cases[] = {
+        {"{\"model_type\": \"qwen3_5\", " Q35 "}", "'text_config', which is missing",
+         LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3_5\", \"text_config\": {\"model_type\": \"qwen3_5_moe_text\", " Q35
+         "}}",
+         "text_config.model_type 'qwen3_5_moe_text' does not match", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3_5\", \"text_config\": 3}", "'text_config' must be an object",
+         LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3_5_text\", " Q35 ", \"layer_types\": [\"full_attention\"]}",
+         "'layer_types' must be a list of num_hidden_layers=2", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3_5_text\", " Q35
+         ", \"layer_types\": [\"full_attention\", \"sliding_attention\"]}",
+         "layer_types[1] must be 'linear_attention' or 'full_attention'", LOOM_ERR_UNSUPPORTED},
+        {"{\"model_type\": \"qwen3_5_text\", " Q35 ", \"partial_rotary_factor\": 0.125}",
+         "partial_rotary_factor=0.125 gives 1 rotary dimensions", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3_5_text\", " Q35
+         ", \"linear_num_key_heads\": 3, \"linear_num_value_heads\": 4}",
+         "linear_num_value_heads=4 is not a multiple of linear_num_key_heads=3", LOOM_ERR_CONFIG},
+    };
+#undef Q35
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        loom_status st = parse_text(ctx, cases[i].json, &c);
+        CHECK_MSG(st == cases[i].st, "case %zu: status %s, want %s (%s)", i, loom_status_str(st),
+                  loom_status_str(cases[i].st), loom_last_error(ctx));
+        CHECK_CONTAINS(loom_last_error(ctx), cases[i].fragment);
+        loom_config_free(&c);
+    }
+    loom_ctx_free(ctx);
+}

@@ -1,12 +1,14 @@
-/* config.json of Hugging Face checkpoints: qwen2, qwen3, llama, qwen3_moe, qwen2_moe. */
+/* config.json of Hugging Face checkpoints: qwen2, qwen3, llama, qwen3_moe, qwen2_moe,
+ * qwen3_5, qwen3_5_moe. */
 #include "hf_config.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-static const char *arch_names[LOOM_ARCH_COUNT] = {"qwen2", "qwen3", "llama", "qwen3_moe",
-                                                   "qwen2_moe"};
+static const char *arch_names[LOOM_ARCH_COUNT] = {"qwen2",     "qwen3",   "llama",
+                                                   "qwen3_moe", "qwen2_moe", "qwen3_5",
+                                                   "qwen3_5_moe"};
 
 const char *loom_arch_name(loom_arch a) {
     return (int)a >= 0 && a < LOOM_ARCH_COUNT ? arch_names[a] : "?";
@@ -25,7 +27,18 @@ void loom_config_free(loom_model_config *cfg) {
     if (!cfg) return;
     loom_json_free(cfg->raw);
     free(cfg->mlp_only);
+    free(cfg->linear_attn);
     memset(cfg, 0, sizeof *cfg);
+}
+
+const char *loom_config_text_prefix(const loom_model_config *cfg) {
+    return cfg->nested_text ? "model.language_model." : "model.";
+}
+
+int64_t loom_config_linear_layers(const loom_model_config *cfg) {
+    int64_t n = 0;
+    for (int64_t l = 0; cfg->linear_attn && l < cfg->num_layers; l++) n += cfg->linear_attn[l];
+    return n;
 }
 
 bool loom_config_layer_is_moe(const loom_model_config *cfg, int64_t layer) {
@@ -149,9 +162,13 @@ static loom_status parse_moe(loom_ctx *ctx, const loom_json *doc, const char *wh
     if ((st = loom_json_get_num_opt(ctx, doc, "router_aux_loss_coef", what,
                                     &cfg->router_aux_loss_coef)))
         return st;
-    /* Qwen2-MoE's shared expert (transformers' default width when absent) */
-    if (cfg->arch == LOOM_ARCH_QWEN2_MOE) {
-        cfg->shared_expert_intermediate_size = 5632;
+    /* Qwen3.5-MoE normalises the top-k weights always (its config has no
+     * norm_topk_prob) */
+    if (cfg->arch == LOOM_ARCH_QWEN3_5_MOE) cfg->norm_topk_prob = true;
+    /* the shared expert of Qwen2-MoE and Qwen3.5-MoE (transformers' default
+     * width when absent) */
+    if (cfg->arch == LOOM_ARCH_QWEN2_MOE || cfg->arch == LOOM_ARCH_QWEN3_5_MOE) {
+        cfg->shared_expert_intermediate_size = cfg->arch == LOOM_ARCH_QWEN2_MOE ? 5632 : 512;
         if ((st = get_pos(ctx, doc, "shared_expert_intermediate_size", what, false,
                           &cfg->shared_expert_intermediate_size)))
             return st;
@@ -175,6 +192,114 @@ static loom_status parse_moe(loom_ctx *ctx, const loom_json *doc, const char *wh
     return LOOM_OK;
 }
 
+/* A positive integer field with transformers' default when absent. */
+static loom_status get_pos_or(loom_ctx *ctx, const loom_json *doc, const char *key,
+                              const char *what, int64_t dflt, int64_t *out) {
+    *out = dflt;
+    return get_pos(ctx, doc, key, what, false, out);
+}
+
+/* Qwen3.5's hybrid layers (qwen3_5, qwen3_5_moe; doc: the text model's
+ * config): layer_types (or full_attention_interval, 4 by default, as
+ * transformers derives them), the Gated DeltaNet's sizes, the gated
+ * attention's partial rotary factor (0.25 by default). */
+static loom_status parse_qwen35(loom_ctx *ctx, const loom_json *doc, const char *what,
+                                loom_model_config *cfg) {
+    loom_status st;
+    cfg->qk_norm = cfg->attn_gate = cfg->norm_offset = true;
+    if ((st = get_pos_or(ctx, doc, "linear_conv_kernel_dim", what, 4, &cfg->lin_conv_kernel)) ||
+        (st = get_pos_or(ctx, doc, "linear_key_head_dim", what, 128, &cfg->lin_k_dim)) ||
+        (st = get_pos_or(ctx, doc, "linear_value_head_dim", what, 128, &cfg->lin_v_dim)) ||
+        (st = get_pos_or(ctx, doc, "linear_num_key_heads", what, 16, &cfg->lin_k_heads)) ||
+        (st = get_pos_or(ctx, doc, "linear_num_value_heads", what, 32, &cfg->lin_v_heads)))
+        return st;
+    if (cfg->lin_v_heads % cfg->lin_k_heads != 0)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "%s: linear_num_value_heads=%lld is not a multiple of "
+                         "linear_num_key_heads=%lld",
+                         what, (long long)cfg->lin_v_heads, (long long)cfg->lin_k_heads);
+    /* partial_rotary_factor: the config's, else rope_parameters', else 0.25 */
+    double f = 0.25;
+    const loom_json *rp = loom_json_get(doc, "rope_parameters");
+    if (rp && rp->type == LOOM_JSON_OBJECT &&
+        (st = loom_json_get_num_opt(ctx, rp, "partial_rotary_factor", what, &f)))
+        return st;
+    if ((st = loom_json_get_num_opt(ctx, doc, "partial_rotary_factor", what, &f))) return st;
+    cfg->rotary_dim = (int64_t)((double)cfg->head_dim * f);
+    if (!(f > 0 && f <= 1) || cfg->rotary_dim < 2 || cfg->rotary_dim % 2)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "%s: partial_rotary_factor=%g gives %lld rotary dimensions of head_dim "
+                         "%lld: it must be in (0, 1] and give an even number",
+                         what, f, (long long)cfg->rotary_dim, (long long)cfg->head_dim);
+    cfg->linear_attn = loom_calloc(ctx, (size_t)cfg->num_layers, sizeof(bool), "layer_types");
+    if (!cfg->linear_attn) return LOOM_ERR_OOM;
+    const loom_json *lt = loom_json_get(doc, "layer_types");
+    if (lt && lt->type != LOOM_JSON_NULL) {
+        if (lt->type != LOOM_JSON_ARRAY || (int64_t)lt->n != cfg->num_layers)
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "%s: 'layer_types' must be a list of num_hidden_layers=%lld entries "
+                             "(an override of num_hidden_layers needs one of layer_types too)",
+                             what, (long long)cfg->num_layers);
+        for (size_t i = 0; i < lt->n; i++) {
+            const loom_json *e = lt->items[i];
+            const bool lin = e->type == LOOM_JSON_STRING && !strcmp(e->s, "linear_attention");
+            if (!lin && !(e->type == LOOM_JSON_STRING && !strcmp(e->s, "full_attention")))
+                return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                                 "%s: layer_types[%zu] must be 'linear_attention' or "
+                                 "'full_attention'",
+                                 what, i);
+            cfg->linear_attn[i] = lin;
+        }
+        return LOOM_OK;
+    }
+    int64_t every = 4;
+    if ((st = get_pos(ctx, doc, "full_attention_interval", what, false, &every))) return st;
+    for (int64_t l = 0; l < cfg->num_layers; l++) cfg->linear_attn[l] = (l + 1) % every != 0;
+    return LOOM_OK;
+}
+
+/* model_type -> arch; Qwen3.5's text-only names (qwen3_5_text,
+ * qwen3_5_moe_text) are the same arch. -1: not supported. */
+static int arch_of(const char *mt) {
+    for (int a = 0; a < LOOM_ARCH_COUNT; a++)
+        if (!strcmp(mt, arch_names[a])) return a;
+    if (!strcmp(mt, "qwen3_5_text")) return LOOM_ARCH_QWEN3_5;
+    if (!strcmp(mt, "qwen3_5_moe_text")) return LOOM_ARCH_QWEN3_5_MOE;
+    return -1;
+}
+
+/* The text model's config: the document, or its "text_config" (Qwen3.5's
+ * vision-language layout, whose model_type must then be the text one). */
+static loom_status text_doc(loom_ctx *ctx, const loom_json *doc, const char *what,
+                            loom_model_config *cfg, const loom_json **out) {
+    *out = doc;
+    const loom_json *tc = loom_json_get(doc, "text_config");
+    const bool q35 = cfg->arch == LOOM_ARCH_QWEN3_5 || cfg->arch == LOOM_ARCH_QWEN3_5_MOE;
+    if (!q35 || !tc || tc->type == LOOM_JSON_NULL) {
+        const char *mt = NULL;
+        loom_json_get_str_opt(ctx, doc, "model_type", what, &mt);
+        if (q35 && mt && !strstr(mt, "_text"))
+            return loom_errf(ctx, LOOM_ERR_CONFIG,
+                             "%s: model_type '%s' holds the text model under 'text_config', "
+                             "which is missing (a text-only checkpoint says '%s_text')",
+                             what, mt, mt);
+        return LOOM_OK;
+    }
+    if (tc->type != LOOM_JSON_OBJECT)
+        return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: 'text_config' must be an object, got %s", what,
+                         loom_json_type_name(tc->type));
+    const char *tm = NULL;
+    loom_status st = loom_json_get_str_opt(ctx, tc, "model_type", what, &tm);
+    if (st) return st;
+    if (tm && arch_of(tm) != (int)cfg->arch)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "%s: text_config.model_type '%s' does not match model_type '%s'", what,
+                         tm, cfg->model_type);
+    cfg->nested_text = true;
+    *out = tc;
+    return LOOM_OK;
+}
+
 loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *what,
                               loom_model_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
@@ -186,17 +311,19 @@ loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *w
         return st == LOOM_ERR_NOT_FOUND
                    ? loom_errf(ctx, LOOM_ERR_CONFIG, "%s: missing required field 'model_type'", what)
                    : st;
-    int arch = -1;
-    for (int a = 0; a < LOOM_ARCH_COUNT; a++)
-        if (!strcmp(mt, arch_names[a])) arch = a;
+    const int arch = arch_of(mt);
     if (arch < 0)
         return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                          "%s: model_type '%s' is not supported (loom supports qwen2, qwen3, llama, "
-                         "qwen3_moe and qwen2_moe)",
+                         "qwen3_moe, qwen2_moe, qwen3_5 and qwen3_5_moe)",
                          what, mt);
     cfg->arch = (loom_arch)arch;
     cfg->model_type = arch_names[arch];
-    bool moe = cfg->arch == LOOM_ARCH_QWEN3_MOE || cfg->arch == LOOM_ARCH_QWEN2_MOE;
+    const bool moe = cfg->arch == LOOM_ARCH_QWEN3_MOE || cfg->arch == LOOM_ARCH_QWEN2_MOE ||
+                     cfg->arch == LOOM_ARCH_QWEN3_5_MOE;
+    const bool q35 = cfg->arch == LOOM_ARCH_QWEN3_5 || cfg->arch == LOOM_ARCH_QWEN3_5_MOE;
+    const loom_json *top = doc;
+    if ((st = text_doc(ctx, top, what, cfg, &doc))) return st;
 
     if ((st = get_pos(ctx, doc, "vocab_size", what, true, &cfg->vocab_size)) ||
         (st = get_pos(ctx, doc, "hidden_size", what, true, &cfg->hidden_size)) ||
@@ -234,7 +361,10 @@ loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *w
     if (!(cfg->rms_norm_eps > 0) || !isfinite(cfg->rms_norm_eps))
         return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: rms_norm_eps must be positive, got %g", what,
                          cfg->rms_norm_eps);
-    if ((st = loom_json_get_bool_opt(ctx, doc, "tie_word_embeddings", what,
+    /* the text model's, else (a vision-language config) the top level's */
+    if ((st = loom_json_get_bool_opt(ctx, top, "tie_word_embeddings", what,
+                                     &cfg->tie_word_embeddings)) ||
+        (st = loom_json_get_bool_opt(ctx, doc, "tie_word_embeddings", what,
                                      &cfg->tie_word_embeddings)))
         return st;
 
@@ -250,7 +380,7 @@ loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *w
                          "%s: use_sliding_window=true is not supported (loom implements full "
                          "causal attention)",
                          what);
-    const loom_json *lt = loom_json_get(doc, "layer_types");
+    const loom_json *lt = q35 ? NULL : loom_json_get(doc, "layer_types");
     if (lt && lt->type == LOOM_JSON_ARRAY)
         for (size_t i = 0; i < lt->n; i++)
             if (lt->items[i]->type != LOOM_JSON_STRING ||
@@ -276,19 +406,21 @@ loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *w
         if ((st = loom_json_get_bool_opt(ctx, doc, "mlp_bias", what, &cfg->mlp_bias))) return st;
     }
     if ((st = parse_rope(ctx, doc, what, cfg))) return st;
+    cfg->rotary_dim = cfg->head_dim;
+    if (q35 && (st = parse_qwen35(ctx, doc, what, cfg))) return st;
     if (moe && (st = parse_moe(ctx, doc, what, cfg))) return st;
     if (!moe && loom_json_get(doc, "num_local_experts")) cfg->v5_layout = true;
 
     const char *dt = NULL;
-    if ((st = loom_json_get_str_opt(ctx, doc, "dtype", what, &dt))) return st;
+    if ((st = loom_json_get_str_opt(ctx, top, "dtype", what, &dt))) return st;
     if (dt) {
         cfg->v5_layout = true;
-    } else if ((st = loom_json_get_str_opt(ctx, doc, "torch_dtype", what, &dt))) {
+    } else if ((st = loom_json_get_str_opt(ctx, top, "torch_dtype", what, &dt))) {
         return st;
     }
     if (dt) snprintf(cfg->dtype, sizeof cfg->dtype, "%s", dt);
 
-    cfg->raw = loom_json_clone(ctx, doc);
+    cfg->raw = loom_json_clone(ctx, top);
     if (!cfg->raw) return LOOM_ERR_OOM;
     return LOOM_OK;
 }
@@ -355,9 +487,19 @@ loom_status loom_config_override(loom_ctx *ctx, loom_json *doc, const char *over
     if (ov->type != LOOM_JSON_OBJECT || doc->type != LOOM_JSON_OBJECT)
         st = loom_errf(ctx, LOOM_ERR_CONFIG,
                        "config overrides must be a JSON object such as {\"num_hidden_layers\": 2}");
+    /* a vision-language config (Qwen3.5) holds the text model under
+     * text_config: a key goes there, and to the top level too where that
+     * has it (tie_word_embeddings) */
+    loom_json *tc = st ? NULL : (loom_json *)loom_json_get(doc, "text_config"); /* doc is ours */
+    if (tc && tc->type != LOOM_JSON_OBJECT) tc = NULL;
     for (size_t i = 0; !st && i < ov->n; i++) {
-        loom_json *item = loom_json_clone(ctx, ov->items[i]);
-        st = item ? loom_json_set(ctx, doc, ov->keys[i], item) : LOOM_ERR_OOM;
+        const bool at_top = !tc || loom_json_get(doc, ov->keys[i]);
+        loom_json *item = at_top ? loom_json_clone(ctx, ov->items[i]) : NULL;
+        st = !at_top ? LOOM_OK : item ? loom_json_set(ctx, doc, ov->keys[i], item) : LOOM_ERR_OOM;
+        if (!st && tc) {
+            item = loom_json_clone(ctx, ov->items[i]);
+            st = item ? loom_json_set(ctx, tc, ov->keys[i], item) : LOOM_ERR_OOM;
+        }
     }
     loom_json_free(ov);
     return st;

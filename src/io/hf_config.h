@@ -1,5 +1,8 @@
 /* Hugging Face config.json for the model families loom trains: qwen2,
- * qwen3, llama, qwen3_moe, qwen2_moe. Both layouts are read:
+ * qwen3, llama, qwen3_moe, qwen2_moe, and Qwen3.5's hybrid qwen3_5 and
+ * qwen3_5_moe (the hub's vision-language layout, text model under
+ * "text_config" and its tensors under model.language_model., or the
+ * text-only qwen3_5_text / qwen3_5_moe_text). Both layouts are read:
  *   classic hub layout:     "rope_theta", "rope_scaling", "num_experts", "torch_dtype"
  *   transformers v5 layout: "rope_parameters": {"rope_theta", "rope_type", ...},
  *                           "num_local_experts", "dtype"
@@ -17,6 +20,8 @@ typedef enum loom_arch {
     LOOM_ARCH_LLAMA,
     LOOM_ARCH_QWEN3_MOE,
     LOOM_ARCH_QWEN2_MOE,
+    LOOM_ARCH_QWEN3_5,
+    LOOM_ARCH_QWEN3_5_MOE,
     LOOM_ARCH_COUNT
 } loom_arch;
 
@@ -66,6 +71,21 @@ typedef struct loom_model_config {
     int64_t shared_expert_intermediate_size; /* qwen2_moe's shared expert (0: none), its
                                    * output scaled by sigmoid(shared_expert_gate) */
 
+    /* Qwen3.5 (qwen3_5, qwen3_5_moe) */
+    bool nested_text;             /* config.json holds the text model under "text_config" (the
+                                   * vision-language checkpoint: tensors under
+                                   * model.language_model., beside model.visual.* and mtp.*) */
+    bool *linear_attn;            /* [num_layers]: a Gated DeltaNet layer (layer_types'
+                                   * linear_attention), else full attention; NULL: none */
+    int64_t rotary_dim;           /* the leading dimensions of a head RoPE turns: head_dim,
+                                   * or head_dim * partial_rotary_factor */
+    bool attn_gate;               /* q_proj gives each head's query and an output gate
+                                   * (2 head_dim rows a head, interleaved per head) */
+    bool norm_offset;             /* zero-centred RMSNorm weights: y = (1 + w) norm(x) */
+    int64_t lin_conv_kernel;      /* linear_conv_kernel_dim */
+    int64_t lin_k_heads, lin_v_heads; /* linear_num_key_heads, linear_num_value_heads */
+    int64_t lin_k_dim, lin_v_dim; /* linear_key_head_dim, linear_value_head_dim */
+
     char dtype[16];               /* "bfloat16", "float32", "float16" or "" */
     loom_json *raw;               /* the parsed document (owned) */
 } loom_model_config;
@@ -88,6 +108,12 @@ void loom_config_free(loom_model_config *cfg);
  * with the dtype entry ("torch_dtype" classic, "dtype" v5) set to `dtype`. */
 loom_status loom_config_save(loom_ctx *ctx, const loom_model_config *cfg, const char *dir,
                              loom_dtype dtype);
+
+/* The prefix of the text model's tensors in the checkpoint: "model." or,
+ * for a vision-language checkpoint (nested_text), "model.language_model.". */
+const char *loom_config_text_prefix(const loom_model_config *cfg);
+/* The number of Gated DeltaNet layers (0 for every other family). */
+int64_t loom_config_linear_layers(const loom_model_config *cfg);
 
 /* True when layer l has experts (qwen3_moe, qwen2_moe: not in mlp_only_layers, and on
  * decoder_sparse_step). */

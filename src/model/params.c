@@ -116,6 +116,15 @@ static void add_layer(loom_param_sink *b, const loom_model_config *c, int64_t l)
 loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *c,
                                   loom_param_plan *plan) {
     memset(plan, 0, sizeof *plan);
+    if (c->attn_gate || loom_config_linear_layers(c) > 0)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s: Qwen3.5's layers (%lld Gated DeltaNet linear_attention layers of "
+                         "%lld, gated full attention with %lld of %lld head dimensions rotated) "
+                         "are not built yet: loom reads the config but cannot lay out, train or "
+                         "inspect the weights of this model (issue 38)",
+                         c->model_type, (long long)loom_config_linear_layers(c),
+                         (long long)c->num_layers, (long long)c->rotary_dim,
+                         (long long)c->head_dim);
     loom_param_sink b = {.ctx = ctx, .plan = plan, .layer = -1};
     const int64_t H = c->hidden_size;
     add(&b, LOOM_COMP_EMBED, -1, -1, c->vocab_size, H, "model.embed_tokens.weight");
