@@ -12,16 +12,20 @@
  * shared expert's gate and the router, "gate", which all-linear leaves
  * out). */
 TEST(block_lora_targets_from_kinds) {
-    static const char *want[] = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
-                                 "gate_proj", "up_proj", "down_proj", "shared_expert_gate",
-                                 "gate"};
+    /* the kinds' linears in kind order; the router (gate) and the Gated
+     * DeltaNet's in_proj_b and in_proj_a only when named */
+    static const char *want[] = {"q_proj",      "k_proj",    "v_proj",    "o_proj",
+                                 "gate_proj",   "up_proj",   "down_proj", "shared_expert_gate",
+                                 "gate",        "in_proj_qkv", "in_proj_z", "in_proj_b",
+                                 "in_proj_a",   "out_proj"};
+    enum { NT = sizeof want / sizeof want[0] };
     const int n = loom_lora_ntargets();
-    CHECK_EQ_INT(n, 9);
+    CHECK_EQ_INT(n, NT);
     REQUIRE(n <= LOOM_LORA_NMOD);
-    for (int t = 0; t < n && t < 9; t++) {
+    for (int t = 0; t < n && t < NT; t++) {
         CHECK_STR(loom_lora_target_name(t), want[t]);
         CHECK_EQ_INT(loom_lora_target_find(want[t], strlen(want[t])), t);
-        CHECK_EQ_INT(loom_lora_target_named(t), t == 8);
+        CHECK_EQ_INT(loom_lora_target_named(t), t == 8 || t == 11 || t == 12);
     }
     CHECK(loom_lora_target_name(n) == NULL);
     CHECK_EQ_INT(loom_lora_target_find("lm_head", 7), -1);
@@ -41,15 +45,16 @@ TEST(block_lora_targets_from_kinds) {
     REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
     bool tg[LOOM_LORA_NMOD];
     REQUIRE_OK(ctx, loom_lora_parse_targets(ctx, "all-linear", tg));
-    for (int t = 0; t < LOOM_LORA_NMOD; t++) CHECK(tg[t] == (t < n - 1));
-    REQUIRE_OK(ctx, loom_lora_parse_targets(ctx, "gate, all-linear", tg));
+    for (int t = 0; t < LOOM_LORA_NMOD; t++)
+        CHECK(tg[t] == (t < n && !loom_lora_target_named(t)));
+    REQUIRE_OK(ctx, loom_lora_parse_targets(ctx, "gate, all-linear, in_proj_a,in_proj_b", tg));
     for (int t = 0; t < LOOM_LORA_NMOD; t++) CHECK(tg[t] == (t < n));
     REQUIRE_OK(ctx, loom_lora_parse_targets(ctx, " v_proj,down_proj ", tg));
     for (int t = 0; t < LOOM_LORA_NMOD; t++) CHECK(tg[t] == (t == 2 || t == 6));
     CHECK(loom_lora_parse_targets(ctx, "q_proj,lm_head", tg) == LOOM_ERR_CONFIG);
     CHECK_CONTAINS(loom_last_error(ctx), "use all-linear or a list of q_proj, k_proj, v_proj, "
                                          "o_proj, gate_proj, up_proj, down_proj, "
-                                         "shared_expert_gate, gate");
+                                         "shared_expert_gate, gate, in_proj_qkv");
     loom_ctx_free(ctx);
 }
 

@@ -108,6 +108,54 @@ TEST(cli_inspect_fixtures) {
     loom_ctx_free(ctx);
 }
 
+/* Qwen3.5's hub checkpoints (tests/fixtures_qwen3_5): the text model under
+ * model.language_model. and the Gated DeltaNet's conv1d [C, 1, K] are read
+ * as loom names them, the fused experts of the MoE one too, so every tensor
+ * the config implies is found with its shape; the vision tower and the mtp
+ * head are the only others. Training (and init) are refused, saying why,
+ * until the layers exist. */
+TEST(cli_inspect_qwen3_5) {
+    static const struct {
+        const char *model;
+        int64_t expected; /* embedding, final norm, (lm_head); 3 linear + 1 full layers */
+    } models[] = {{"tiny-qwen3_5", 2 + 3 * (2 + 9 + 3) + (2 + 6 + 3)},
+                  {"tiny-qwen3_5-moe", 3 + 3 * (2 + 9 + 5 + 8 * 3) + (2 + 6 + 5 + 8 * 3)}};
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        char dir[1024], *out;
+        snprintf(dir, sizeof dir, "tests/fixtures_qwen3_5/models/%s", models[i].model);
+        int rc = LOOM4(&out, "inspect", dir, "--format", "json");
+        CHECK_MSG(rc == 0, "%s: exit %d: %s", models[i].model, rc, out);
+        loom_json *doc = NULL;
+        CHECK_OK(ctx, loom_json_parse(ctx, out, strlen(out), "inspect output", &doc));
+        if (doc) {
+            int64_t found = -1;
+            loom_json_get_int(ctx, doc, "found", "d", &found);
+            CHECK_EQ_INT(found, models[i].expected);
+            CHECK_EQ_INT(loom_json_get(doc, "missing")->n, 0);
+            CHECK_EQ_INT(loom_json_get(doc, "shape_mismatches")->n, 0);
+            const loom_json *un = loom_json_get(doc, "unexpected");
+            CHECK_EQ_INT(un->n, 26); /* 21 of the vision tower, 5 of the mtp head */
+            for (size_t k = 0; k < un->n; k++)
+                CHECK_MSG(!strncmp(un->items[k]->s, "model.visual.", 13) ||
+                              !strncmp(un->items[k]->s, "mtp.", 4),
+                          "%s: %s", models[i].model, un->items[k]->s);
+        }
+        loom_json_free(doc);
+        free(out);
+        CHECK_EQ_INT(LOOM2(&out, "inspect", dir), 0);
+        CHECK_CONTAINS(out, "3 Gated DeltaNet (key heads 2 of 16, value heads 4 of 16, conv 4), "
+                            "1 full attention (output gate, 4 of 16 dimensions rotated)");
+        free(out);
+        CHECK_EQ_INT(loom(&out, "train", "--model", dir, "--data", "x.tokens", NULL), 1);
+        CHECK_CONTAINS(out, "Gated DeltaNet linear_attention layers of 4");
+        CHECK_CONTAINS(out, "cannot train this model yet");
+        free(out);
+    }
+    loom_ctx_free(ctx);
+}
+
 TEST(cli_inspect_preset) {
     char *out;
     CHECK_EQ_INT(LOOM3(&out, "inspect", "--preset", "qwen3-8b"), 0);

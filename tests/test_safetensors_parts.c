@@ -95,14 +95,15 @@ TEST(safetensors_splice_views) {
                             .shape = {3},
                             .numel = 3,
                             .nbytes = 12,
-                            .data = (const char *)a->data + 12},
+                            .data = (const char *)a->data + 12,
+                            .view = true},
                            {.name = "a.first_row",
                             .dtype = LOOM_F32,
                             .ndim = 1,
                             .shape = {3},
                             .numel = 3,
                             .nbytes = 12,
-                            .data = a->data}};
+                            .data = a->data}}; /* whole rows, but says it is no view */
     const void *row1 = (const char *)a->data + 12;
     const char *drop[] = {"a"};
     REQUIRE_OK(ctx, loom_st_splice(ctx, st, drop, 1, v, 2));
@@ -112,6 +113,7 @@ TEST(safetensors_splice_views) {
     CHECK(!loom_st_find(st, "a") && loom_st_find(st, "b") && !loom_st_find(st, "b")->view);
     const loom_st_tensor *z = loom_st_find(st, "z.second_row");
     CHECK(z && z->view && z->data == row1 && z->file == 0);
+    CHECK(!loom_st_find(st, "a.first_row")->view); /* as the entry said */
     CHECK_EQ_INT(loom_st_total_bytes(st), 24 + 16);
     /* a name twice, a view outside its file, a tensor that is not there */
     v[0].name = "b";

@@ -287,9 +287,55 @@ done:
 
 /* ---- reading ---- */
 
+/* The text model's tensors as loom names them: a vision-language
+ * checkpoint (Qwen3.5's hub layout) holds them under model.language_model.,
+ * presented under model.* (model.visual.* and mtp.* keep their names); a
+ * depthwise conv1d weight [C, 1, K] (Qwen3.5's Gated DeltaNet) is (C, K). */
+static bool conv_3d(const loom_st_tensor *t) {
+    static const char suf[] = ".conv1d.weight";
+    const size_t n = strlen(t->name), ns = sizeof suf - 1;
+    return t->ndim == 3 && t->shape[1] == 1 && n > ns && !strcmp(t->name + n - ns, suf);
+}
+
+static loom_status present_text(loom_ctx *ctx, loom_safetensors *st) {
+    static const char pre[] = "model.language_model.";
+    const size_t n = loom_st_count(st), np = sizeof pre - 1;
+    size_t k = 0, bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        const loom_st_tensor *t = loom_st_at(st, i);
+        if (!strncmp(t->name, pre, np) || conv_3d(t)) k++, bytes += strlen(t->name) + 1;
+    }
+    if (!k) return LOOM_OK;
+    const char **drop = loom_calloc(ctx, k, sizeof *drop, "tensor names");
+    loom_st_tensor *add = loom_calloc(ctx, k, sizeof *add, "tensor names");
+    char *names = loom_malloc(ctx, bytes, "tensor names");
+    loom_status s = drop && add && names ? LOOM_OK : LOOM_ERR_OOM;
+    char *p = names;
+    for (size_t i = 0, j = 0; i < n && !s; i++) {
+        const loom_st_tensor *t = loom_st_at(st, i);
+        const bool renamed = !strncmp(t->name, pre, np);
+        if (!renamed && !conv_3d(t)) continue;
+        drop[j] = t->name;
+        add[j] = *t;
+        add[j].name = p;
+        p += (renamed ? sprintf(p, "model.%s", t->name + np) : sprintf(p, "%s", t->name)) + 1;
+        if (conv_3d(t)) {
+            add[j].ndim = 2;
+            add[j].shape[1] = t->shape[2];
+        }
+        j++;
+    }
+    if (!s) s = loom_st_splice(ctx, st, drop, k, add, k);
+    free(drop);
+    free(add);
+    free(names);
+    return s;
+}
+
 loom_status loom_hf_dir_open(loom_ctx *ctx, const char *dir, loom_safetensors **out) {
     loom_status s = loom_st_open_dir(ctx, dir, "model", out);
-    if (!s && (s = loom_hf_experts_unfuse(ctx, *out))) {
+    if (s) return s;
+    if ((s = present_text(ctx, *out)) || (s = loom_hf_experts_unfuse(ctx, *out))) {
         loom_st_close(*out);
         *out = NULL;
     }

@@ -115,6 +115,7 @@ static void add_views(const loom_st_tensor *gu, const loom_st_tensor *dn, size_t
             v->data =
                 (const char *)f->data + (size_t)(e * (k == DOWN ? 1 : 2) + (k == UP)) * v->nbytes;
             v->file = f->file;
+            v->view = true;
             loom_sb_append(names, gu->name, plen);
             loom_sb_printf(names, "experts.%" PRId64 ".%s.weight", e, kind_leaf[k]);
             loom_sb_putc(names, '\0');

@@ -548,7 +548,6 @@ loom_status loom_st_splice(loom_ctx *ctx, loom_safetensors *st, const char *cons
     for (size_t i = 0; i < nadd; i++, n++) {
         st->t[n] = add[i];
         st->t[n].name = strcpy(names, add[i].name);
-        st->t[n].view = true;
         names += strlen(names) + 1;
     }
     st->n = n;

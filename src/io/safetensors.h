@@ -64,11 +64,12 @@ const loom_json *loom_st_metadata(const loom_safetensors *st, int file);
 /* Sum of all tensors' bytes. */
 uint64_t loom_st_total_bytes(const loom_safetensors *st);
 
-/* Presents a checkpoint in another layout (hf_experts.c): drops the ndrop
- * tensors named in drop and adds the nadd entries of add (their names are
- * copied; data must lie in the mapping of file add[i].file), marked as
- * views, the list sorted again; a name twice is refused as at open. On an
- * error the handle may only be closed. */
+/* Presents a checkpoint in another layout (hf_experts.c, export.c): drops
+ * the ndrop tensors named in drop and adds the nadd entries of add (their
+ * names are copied; data must lie in the mapping of file add[i].file; a
+ * part of a file's tensor says so with .view), the list sorted again; a
+ * name twice is refused as at open. On an error the handle may only be
+ * closed. */
 loom_status loom_st_splice(loom_ctx *ctx, loom_safetensors *st, const char *const *drop,
                            size_t ndrop, const loom_st_tensor *add, size_t nadd);
 

@@ -10,10 +10,11 @@ const loom_block_kind *const loom_block_kinds[LOOM_NKINDS] = {
     [LOOM_KIND_ATTN] = &loom_block_attn,
     [LOOM_KIND_MLP] = &loom_block_mlp,
     [LOOM_KIND_MOE] = &loom_block_moe,
+    [LOOM_KIND_GDN] = &loom_block_gdn,
 };
 
 int loom_layer_kinds(const loom_model_config *c, int64_t l, const loom_block_kind **k) {
-    k[0] = &loom_block_attn;
+    k[0] = c->linear_attn && c->linear_attn[l] ? &loom_block_gdn : &loom_block_attn;
     k[1] = loom_config_layer_is_moe(c, l) ? &loom_block_moe : &loom_block_mlp;
     return 2;
 }

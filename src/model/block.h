@@ -15,7 +15,8 @@
  * output gradient to the partial input gradient, and recompute. Kinds:
  * block_attn.c (attention), block_mlp.c (dense SwiGLU MLP), block_moe.c
  * (Qwen3-MoE's router and experts, local or dispatched over ep x etp, and
- * Qwen2-MoE's gated shared expert);
+ * Qwen2-MoE's gated shared expert), block_gdn.c (Qwen3.5's Gated DeltaNet:
+ * its tensors so far);
  * docs/DESIGN.md, "The layer table", walks through adding one. */
 #ifndef LOOM_MODEL_BLOCK_H
 #define LOOM_MODEL_BLOCK_H
@@ -39,7 +40,7 @@ enum {
 };
 
 /* The kinds, in the order their scratch buffers are carved. */
-enum { LOOM_KIND_ATTN, LOOM_KIND_MLP, LOOM_KIND_MOE, LOOM_NKINDS };
+enum { LOOM_KIND_ATTN, LOOM_KIND_MLP, LOOM_KIND_MOE, LOOM_KIND_GDN, LOOM_NKINDS };
 extern const loom_block_kind *const loom_block_kinds[LOOM_NKINDS];
 
 /* ---- parameters ---- */
@@ -193,7 +194,7 @@ struct loom_block_kind {
     loom_status (*recompute)(const loom_blk *b, const void *h);
 };
 
-extern const loom_block_kind loom_block_attn, loom_block_mlp, loom_block_moe;
+extern const loom_block_kind loom_block_attn, loom_block_mlp, loom_block_moe, loom_block_gdn;
 
 /* block_moe.c: the load-balancing loss (loom.h's loom_moe_aux) and the
  * router z-loss. Doubles a micro-batch's `aux` holds (0: a model without

@@ -36,7 +36,8 @@ static const loom_block_linear linears[NLIN] = {
 static loom_status attn_params(const loom_model_config *c, int64_t l, loom_param_sink *s) {
     const int64_t H = c->hidden_size, D = c->head_dim;
     const int64_t q = c->num_heads * D, kv = c->num_kv_heads * D;
-    loom_param_put(s, WQ, q, H);
+    /* Qwen3.5's gated attention: each head's query and output gate, 2 D rows */
+    loom_param_put(s, WQ, c->attn_gate ? 2 * q : q, H);
     loom_param_put(s, WK, kv, H);
     loom_param_put(s, WV, kv, H);
     loom_param_put(s, WO, H, q);

@@ -113,18 +113,20 @@ static void add_layer(loom_param_sink *b, const loom_model_config *c, int64_t l)
     b->layer = -1;
 }
 
+loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c) {
+    if (!c->attn_gate && !c->norm_offset && loom_config_linear_layers(c) == 0) return LOOM_OK;
+    return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                     "%s: Qwen3.5's layers (%lld Gated DeltaNet linear_attention layers of %lld, "
+                     "gated full attention with %lld of %lld head dimensions rotated, "
+                     "zero-centred norms) are not built yet: loom reads the config and `loom "
+                     "inspect` checks the checkpoint, but cannot train this model yet (issue 38)",
+                     c->model_type, (long long)loom_config_linear_layers(c),
+                     (long long)c->num_layers, (long long)c->rotary_dim, (long long)c->head_dim);
+}
+
 loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *c,
                                   loom_param_plan *plan) {
     memset(plan, 0, sizeof *plan);
-    if (c->attn_gate || loom_config_linear_layers(c) > 0)
-        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                         "%s: Qwen3.5's layers (%lld Gated DeltaNet linear_attention layers of "
-                         "%lld, gated full attention with %lld of %lld head dimensions rotated) "
-                         "are not built yet: loom reads the config but cannot lay out, train or "
-                         "inspect the weights of this model (issue 38)",
-                         c->model_type, (long long)loom_config_linear_layers(c),
-                         (long long)c->num_layers, (long long)c->rotary_dim,
-                         (long long)c->head_dim);
     loom_param_sink b = {.ctx = ctx, .plan = plan, .layer = -1};
     const int64_t H = c->hidden_size;
     add(&b, LOOM_COMP_EMBED, -1, -1, c->vocab_size, H, "model.embed_tokens.weight");
@@ -282,7 +284,8 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "init_embedding_std = %g: give 0 (the "
                          "config's initializer_range) or a positive standard deviation", embed_std);
     loom_param_plan plan;
-    if ((st = loom_param_plan_build(ctx, cfg, &plan))) return st;
+    if ((st = loom_config_check_built(ctx, cfg)) || (st = loom_param_plan_build(ctx, cfg, &plan)))
+        return st;
     random_src r = {&plan, seed, std, embed_std > 0 ? embed_std : std};
     const loom_tensor_source src = {&r, plan.n, random_info, random_fetch};
     st = loom_hf_dir_write(ctx, "out", out_dir, true, &src, dtype, max_shard_bytes, cfg, NULL,
