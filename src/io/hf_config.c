@@ -300,9 +300,19 @@ static loom_status text_doc(loom_ctx *ctx, const loom_json *doc, const char *wha
     return LOOM_OK;
 }
 
+static loom_status parse_config(loom_ctx *ctx, const loom_json *doc, const char *what,
+                                loom_model_config *cfg);
+
 loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *what,
                               loom_model_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
+    loom_status st = parse_config(ctx, doc, what, cfg);
+    if (st) loom_config_free(cfg); /* nothing half-parsed is left behind */
+    return st;
+}
+
+static loom_status parse_config(loom_ctx *ctx, const loom_json *doc, const char *what,
+                                loom_model_config *cfg) {
     if (!doc || doc->type != LOOM_JSON_OBJECT)
         return loom_errf(ctx, LOOM_ERR_CONFIG, "%s: must be a JSON object", what);
     loom_status st;

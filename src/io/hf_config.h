@@ -96,10 +96,11 @@ loom_status loom_config_load(loom_ctx *ctx, const char *path, loom_model_config 
  * file's (loom_config_override; NULL or "": none). */
 loom_status loom_config_load_with(loom_ctx *ctx, const char *path, const char *overrides,
                                   loom_model_config *cfg);
-/* Parses a config document (copied); `what` names it in messages. */
 /* Replaces keys of a parsed config.json (an object) with those of the JSON
  * object `overrides` ({"num_hidden_layers": 2}); NULL or "" changes nothing. */
 loom_status loom_config_override(loom_ctx *ctx, loom_json *doc, const char *overrides);
+/* Parses a config document (copied); `what` names it in messages. On an
+ * error nothing is left to free (loom_config_free is then a no-op). */
 loom_status loom_config_parse(loom_ctx *ctx, const loom_json *doc, const char *what,
                               loom_model_config *cfg);
 void loom_config_free(loom_model_config *cfg);
