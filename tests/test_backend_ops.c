@@ -257,6 +257,7 @@ static void attention_family(run *r, bool cp_subset) {
           *v = rnd(r, T * Hkv * D, 1, true), *dout = rnd(r, Tq * Hq * D, 1, true),
           *w = rnd(r, D, 1, true), *dyq = rnd(r, Tq * Hq * D, 1, true);
     void *o[2], *lse[2], *dq[2], *dk[2], *dv[2], *qr[2], *qn[2], *rs[2], *dqn[2], *dw[2];
+    void *qp[2], *qnp[2], *rsp[2], *dqnp[2], *dwp[2]; /* a partial rotary factor */
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
@@ -283,17 +284,30 @@ static void attention_family(run *r, bool cp_subset) {
          * table (a GPU's fused kernels) and without */
         qr[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
         REQUIRE_OK(r->ctx, be->copy(d, r->ctx, qr[k], Q, (size_t)(Tq * Hq * D) * d->esz));
-        REQUIRE_OK(r->ctx, be->rope(d, r->ctx, false, qr[k], Tq, Hq, D, P, IF));
+        REQUIRE_OK(r->ctx, be->rope(d, r->ctx, false, qr[k], Tq, Hq, D, D, P, IF));
+        /* a partial rotary factor (Qwen3.5): half the head turns */
+        qp[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        REQUIRE_OK(r->ctx, be->copy(d, r->ctx, qp[k], Q, (size_t)(Tq * Hq * D) * d->esz));
+        REQUIRE_OK(r->ctx, be->rope(d, r->ctx, false, qp[k], Tq, Hq, D, D / 2, P, IF));
+        REQUIRE_OK(r->ctx, be->rope(d, r->ctx, true, qp[k], Tq, Hq, D, D / 4, P, IF));
         float *tab = k ? keep(r, k, (size_t)(Tq * D) * 4) : NULL;
         REQUIRE_OK(r->ctx, be->rope_table(d, r->ctx, P, Tq, D, IF, tab));
         qn[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
         rs[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
-        REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, Tq, Hq, D, 1e-6f, P, IF, tab,
+        REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, Tq, Hq, D, D, 1e-6f, P, IF, tab,
                                                qn[k], rs[k]));
+        qnp[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        rsp[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
+        REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, Tq, Hq, D, D / 2, 1e-6f, P, IF,
+                                               tab, qnp[k], rsp[k]));
         dqn[k] = in(r, k, dyq, Tq * Hq * D, true);
         dw[k] = keep(r, k, (size_t)D * 4);
-        REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqn[k], Q, WQ, rs[k], Tq, Hq, D, P, IF,
-                                               tab, dw[k]));
+        REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqn[k], Q, WQ, rs[k], Tq, Hq, D, D, P,
+                                               IF, tab, dw[k]));
+        dqnp[k] = in(r, k, dyq, Tq * Hq * D, true);
+        dwp[k] = keep(r, k, (size_t)D * 4);
+        REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqnp[k], Q, WQ, rsp[k], Tq, Hq, D, D / 2,
+                                               P, IF, tab, dwp[k]));
         REQUIRE_OK(r->ctx, be->dw_flush(d, r->ctx));
     }
     const double tol = tol_of(r);
@@ -307,6 +321,10 @@ static void attention_family(run *r, bool cp_subset) {
     same(r, "qknorm_rope_fwd rstd", rs, Tq * Hq, false, tol);
     same(r, "qknorm_rope_bwd dx", dqn, Tq * Hq * D, true, tol);
     same(r, "qknorm_rope_bwd dw", dw, D, false, tol);
+    same(r, "rope rd D/2, then back D/4", qp, Tq * Hq * D, true, tol);
+    same(r, "qknorm_rope_fwd rd D/2", qnp, Tq * Hq * D, true, tol);
+    same(r, "qknorm_rope_bwd rd D/2 dx", dqnp, Tq * Hq * D, true, tol);
+    same(r, "qknorm_rope_bwd rd D/2 dw", dwp, D, false, tol);
     free(q), free(kk), free(v), free(dout), free(w), free(dyq);
 }
 

@@ -250,16 +250,16 @@ TEST(cuda_ops_rope) {
             void *dxp = up(&g, x, n, dt), *dpos = up_raw(&g, pos, sizeof pos),
                  *dinv = up(&g, inv, D / 2, LOOM_F32);
             REQUIRE(!g.bad);
-            loom_cpu_rope_fwd(x, T, NH, D, pos, inv);
+            loom_cpu_rope_fwd(x, T, NH, D, D, pos, inv);
             round_to(&g, x, n, dt);
-            CHECK_OK(g.ctx, loom_cuda_rope_fwd(g.ctx, dxp, dt, T, NH, D, dpos, dinv, NULL));
+            CHECK_OK(g.ctx, loom_cuda_rope_fwd(g.ctx, dxp, dt, T, NH, D, D, dpos, dinv, NULL));
             down(&g, got, dxp, n, dt);
             CHECK_CLOSE(got, x, n, dt, "rope_fwd D=%lld %s", (long long)D, dn(dt));
             /* backward on the rotated buffer: both sides start from the GPU's output */
             memcpy(x, got, sizeof(float) * (size_t)n);
-            loom_cpu_rope_bwd(x, T, NH, D, pos, inv);
+            loom_cpu_rope_bwd(x, T, NH, D, D, pos, inv);
             round_to(&g, x, n, dt);
-            CHECK_OK(g.ctx, loom_cuda_rope_bwd(g.ctx, dxp, dt, T, NH, D, dpos, dinv, NULL));
+            CHECK_OK(g.ctx, loom_cuda_rope_bwd(g.ctx, dxp, dt, T, NH, D, D, dpos, dinv, NULL));
             down(&g, got, dxp, n, dt);
             CHECK_CLOSE(got, x, n, dt, "rope_bwd D=%lld %s", (long long)D, dn(dt));
             free(x), free(got);
@@ -416,13 +416,13 @@ static void qknorm_rope_case(gpu *g, int64_t T, int64_t nh, int64_t D, loom_dtyp
     CHECK_OK(g->ctx, loom_cuda_qknorm_rope_fwd(g->ctx, d_x, dt, d_w, dt, N, nh, D, eps, cs, d_y, d_rs,
                                                NULL));
     CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, d_x, dt, d_w, dt, N, D, eps, d_y2, dt, d_rs2, NULL));
-    CHECK_OK(g->ctx, loom_cuda_rope_fwd(g->ctx, d_y2, dt, T, nh, D, d_pos, d_inv, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rope_fwd(g->ctx, d_y2, dt, T, nh, D, D, d_pos, d_inv, NULL));
     CHECK_SAME(g, d_y, d_y2, n, dt, "qknorm_rope_fwd T=%lld nh=%lld D=%lld", (long long)T,
                (long long)nh, (long long)D);
     CHECK_SAME(g, d_rs, d_rs2, N, LOOM_F32, "qknorm_rope_fwd rstd D=%lld", (long long)D);
     loom_cpu_rmsnorm_fwd(x, w, N, D, eps, y, rs);
     round_to(g, y, n, dt);
-    loom_cpu_rope_fwd(y, T, nh, D, pos, inv);
+    loom_cpu_rope_fwd(y, T, nh, D, D, pos, inv);
     round_to(g, y, n, dt);
     down(g, got, d_y, n, dt);
     CHECK_CLOSE(got, y, n, dt, "qknorm_rope_fwd vs CPU D=%lld", (long long)D);
@@ -438,12 +438,12 @@ static void qknorm_rope_case(gpu *g, int64_t T, int64_t nh, int64_t D, loom_dtyp
             dw_batch_end(g, &bt, d_dw, "qknorm_rope_bwd");
         }
     }
-    CHECK_OK(g->ctx, loom_cuda_rope_bwd(g->ctx, d_dy2, dt, T, nh, D, d_pos, d_inv, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rope_bwd(g->ctx, d_dy2, dt, T, nh, D, D, d_pos, d_inv, NULL));
     CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, d_rs, N, D, d_dy2, dt,
                                            d_dw2, scr, NULL));
     CHECK_SAME(g, d_dy, d_dy2, n, dt, "qknorm_rope_bwd dx T=%lld nh=%lld D=%lld", (long long)T,
                (long long)nh, (long long)D);
-    loom_cpu_rope_bwd(dy, T, nh, D, pos, inv);
+    loom_cpu_rope_bwd(dy, T, nh, D, D, pos, inv);
     round_to(g, dy, n, dt);
     memcpy(cdw, dw, sizeof(float) * (size_t)D);
     float *dx = falloc(n);
@@ -1264,7 +1264,7 @@ TEST(cuda_ops_bench) {
         BENCH(&bo, "swiglu fwd 8192x4096 bf16 (TB/s)", 6.0 * N * H, 5,
               loom_cuda_swiglu_fwd(g.ctx, x, y, N * H, y, LOOM_BF16, NULL));
         BENCH(&bo, "rope fwd T=8192 nh=32 D=128 bf16 (TB/s)", 4.0 * N * H, 5,
-              loom_cuda_rope_fwd(g.ctx, x, LOOM_BF16, N, 32, 128, pos, inv, NULL));
+              loom_cuda_rope_fwd(g.ctx, x, LOOM_BF16, N, 32, 128, 128, pos, inv, NULL));
         { /* x is read as (cos, sin) pairs: any finite values */
             const float *cs = (const float *)x;
             BENCH(&bo, "q/k norm + rope fwd T=8192 nh=32 D=128 bf16 (TB/s)", 4.0 * N * H, 5,

@@ -177,7 +177,7 @@ TEST(ops_rope_inv_freq) {
 
 typedef struct {
     float *x0, *x, *dy;
-    int64_t T, nh, D;
+    int64_t T, nh, D, rd;
     const int32_t *pos;
     const float *inv;
 } rope_ctx;
@@ -186,44 +186,55 @@ static double rope_loss(void *p) {
     rope_ctx *c = p;
     int64_t n = c->T * c->nh * c->D;
     memcpy(c->x, c->x0, sizeof(float) * n);
-    loom_cpu_rope_fwd(c->x, c->T, c->nh, c->D, c->pos, c->inv);
+    loom_cpu_rope_fwd(c->x, c->T, c->nh, c->D, c->rd, c->pos, c->inv);
     return sum_prod(c->dy, c->x, n);
 }
 
-TEST(ops_rope) {
+/* RoPE on the first rd dimensions of each head (rd = D, or Qwen3.5's
+ * partial rotary factor): pairs (i, i + rd/2) turn, the rest pass. */
+static void rope_case(int rd) {
     enum { T = 7, NH = 3, D = 16, N = T * NH * D };
     const int32_t pos[T] = {0, 1, 2, 0, 1, 2, 37}; /* packed documents restart */
-    float inv[D / 2];
-    loom_rope_inv_freq(0, 1e4, D, 1, 1, 1, 0, inv);
+    float inv[D / 2] = {0};
+    loom_rope_inv_freq(0, 1e4, rd, 1, 1, 1, 0, inv);
     float *x0 = falloc(N), *x = falloc(N), *dy = falloc(N), *g = falloc(N);
     fill(x0, N, 40, 1);
     fill(dy, N, 41, 1);
     memcpy(x, x0, sizeof(float) * N);
-    loom_cpu_rope_fwd(x, T, NH, D, pos, inv);
+    loom_cpu_rope_fwd(x, T, NH, D, rd, pos, inv);
     double worst = 0;
+    const int half = rd / 2;
     for (int t = 0; t < T; t++)
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < D / 2; i++) {
-                const float *a = x0 + (t * NH + h) * D;
-                const float *b = x + (t * NH + h) * D;
+        for (int h = 0; h < NH; h++) {
+            const float *a = x0 + (t * NH + h) * D;
+            const float *b = x + (t * NH + h) * D;
+            for (int i = 0; i < half; i++) {
                 double ang = (double)pos[t] * inv[i], cs = cos(ang), sn = sin(ang);
-                worst = fmax(worst, fabs(b[i] - (a[i] * cs - a[i + D / 2] * sn)));
-                worst = fmax(worst, fabs(b[i + D / 2] - (a[i + D / 2] * cs + a[i] * sn)));
+                worst = fmax(worst, fabs(b[i] - (a[i] * cs - a[i + half] * sn)));
+                worst = fmax(worst, fabs(b[i + half] - (a[i + half] * cs + a[i] * sn)));
             }
-    CHECK_MSG(worst < 1e-5, "rope fwd err %g", worst);
+            for (int i = rd; i < D; i++) worst = fmax(worst, fabs(b[i] - a[i])); /* passed */
+        }
+    CHECK_MSG(worst < 1e-5, "rope fwd err %g (rd %d)", worst, rd);
     /* position 0 is the identity (tokens 0 and 3) */
     CHECK(memcmp(x, x0, sizeof(float) * NH * D) == 0);
     CHECK(memcmp(x + 3 * NH * D, x0 + 3 * NH * D, sizeof(float) * NH * D) == 0);
     /* bwd(fwd(x)) == x */
-    loom_cpu_rope_bwd(x, T, NH, D, pos, inv);
+    loom_cpu_rope_bwd(x, T, NH, D, rd, pos, inv);
     CHECK_MSG(max_abs_diff(x, x0, N) < 1e-5, "rope bwd(fwd(x)) err %g", max_abs_diff(x, x0, N));
     /* the backward is the gradient */
     memcpy(g, dy, sizeof(float) * N);
-    loom_cpu_rope_bwd(g, T, NH, D, pos, inv);
-    rope_ctx c = {x0, x, dy, T, NH, D, pos, inv};
+    loom_cpu_rope_bwd(g, T, NH, D, rd, pos, inv);
+    rope_ctx c = {x0, x, dy, T, NH, D, rd, pos, inv};
     double e = fd_rel_err(rope_loss, &c, x0, g, N, 1e-3f);
-    CHECK_MSG(e < 1e-3, "rope bwd fd err %g", e);
+    CHECK_MSG(e < 1e-3, "rope bwd fd err %g (rd %d)", e, rd);
     free(x0), free(x), free(dy), free(g);
+}
+
+TEST(ops_rope) {
+    rope_case(16);
+    rope_case(4); /* Qwen3.5: a quarter of the head */
+    rope_case(10);
 }
 
 /* ---------------- attention ---------------- */

@@ -210,24 +210,26 @@ typedef struct loom_backend {
     loom_status (*lora_dy_n)(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t r, float s, int n,
                              const loom_lora_dy_op *ops, int64_t ldu, int64_t lddu);
 
-    /* ---- RoPE and attention; x (T, nh, D), positions pos (T), inv_freq
-     * (D/2) ---- */
+    /* ---- RoPE and attention; x (T, nh, D), positions pos (T), the first
+     * rd dimensions of a head turned (rd < D: a partial rotary factor),
+     * inv_freq (rd/2) ---- */
     loom_status (*rope)(loom_dev *d, loom_ctx *ctx, bool backward, void *x, int64_t T, int64_t nh,
-                        int64_t D, const int32_t *pos, const float *inv_freq);
+                        int64_t D, int64_t rd, const int32_t *pos, const float *inv_freq);
     /* the (cos, sin) table (T, D/2 pairs) qknorm_rope may read; nothing when
      * table is NULL (a backend without the fused kernel allocates none) */
     loom_status (*rope_table)(loom_dev *d, loom_ctx *ctx, const int32_t *pos, int64_t T, int64_t D,
                               const float *inv_freq, float *table);
     /* y = rope(rmsnorm(x)) per head (Qwen3's q and k norms); the backward in
-     * place on dy, dw (D, fp32) added to; table may be NULL */
+     * place on dy, dw (D, fp32) added to; table may be NULL (and is not
+     * read when rd < D) */
     loom_status (*qknorm_rope_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
-                                   int64_t T, int64_t nh, int64_t D, float eps, const int32_t *pos,
-                                   const float *inv_freq, const float *table, void *y,
-                                   float *rstd);
+                                   int64_t T, int64_t nh, int64_t D, int64_t rd, float eps,
+                                   const int32_t *pos, const float *inv_freq, const float *table,
+                                   void *y, float *rstd);
     loom_status (*qknorm_rope_bwd)(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
                                    const void *w, const float *rstd, int64_t T, int64_t nh,
-                                   int64_t D, const int32_t *pos, const float *inv_freq,
-                                   const float *table, float *dw);
+                                   int64_t D, int64_t rd, const int32_t *pos,
+                                   const float *inv_freq, const float *table, float *dw);
     /* causal GQA attention over documents cu (ndocs+1) of the T keys, for
      * the Tq queries at global positions qidx (NULL: all T); seqlen: every
      * document's length when all are equal, else 0 (cpu_ops.h) */

@@ -202,15 +202,16 @@ loom_status loom_k_rmsnorm_bwd_add(loom_model *m, void *dy, const void *x, const
 
 loom_status loom_k_qknorm_rope_fwd(loom_model *m, const loom_micro *mb, const void *x,
                                    const void *w, int64_t nh, float eps, void *y, float *rstd) {
-    return m->dev.be->qknorm_rope_fwd(&m->dev, m->ctx, x, w, m->Tc, nh, m->D, eps, mb->d_pos,
+    return m->dev.be->qknorm_rope_fwd(&m->dev, m->ctx, x, w, m->Tc, nh, m->D, m->rd, eps, mb->d_pos,
                                       m->d_inv_freq, mb->d_rope, y, rstd);
 }
 
 loom_status loom_k_qknorm_rope_bwd(loom_model *m, const loom_micro *mb, void *dy, const void *x,
                                    const void *w, const float *rstd, int64_t nh, float *dw) {
-    if (dw) CK(loom_grad_prepare(m, dw, (size_t)m->D, NULL));
-    return m->dev.be->qknorm_rope_bwd(&m->dev, m->ctx, dy, x, w, rstd, m->Tc, nh, m->D, mb->d_pos,
-                                      m->d_inv_freq, mb->d_rope, dw);
+    if (dw)
+        CK(loom_grad_prepare(m, dw, (size_t)m->D, NULL));
+    return m->dev.be->qknorm_rope_bwd(&m->dev, m->ctx, dy, x, w, rstd, m->Tc, nh, m->D, m->rd,
+                                      mb->d_pos, m->d_inv_freq, mb->d_rope, dw);
 }
 
 loom_status loom_k_rope_table(loom_model *m, loom_micro *mb) {
@@ -220,7 +221,7 @@ loom_status loom_k_rope_table(loom_model *m, loom_micro *mb) {
 
 loom_status loom_k_rope(loom_model *m, bool backward, void *x, int64_t T, int64_t nh,
                         const int32_t *pos) {
-    return m->dev.be->rope(&m->dev, m->ctx, backward, x, T, nh, m->D, pos, m->d_inv_freq);
+    return m->dev.be->rope(&m->dev, m->ctx, backward, x, T, nh, m->D, m->rd, pos, m->d_inv_freq);
 }
 
 loom_status loom_k_attn_fwd(loom_model *m, const void *q, const int32_t *qidx, int64_t Tq,

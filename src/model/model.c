@@ -484,6 +484,7 @@ void loom_model_set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_mo
     m->Hq = c->num_heads;
     m->Hkv = c->num_kv_heads;
     m->D = c->head_dim;
+    m->rd = c->rotary_dim > 0 ? c->rotary_dim : c->head_dim;
     m->Vl = m->Vp / m->tp;
     m->Il = m->I / m->tp;
     m->Hql = m->Hq / m->tp;
@@ -662,7 +663,7 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         m->chunks[ci].first = v == 0;
         m->chunks[ci].last = v == (int64_t)m->pp * m->vpp - 1;
     }
-    loom_rope_inv_freq((int)c->rope_type, c->rope_theta, m->D, c->rope_factor,
+    loom_rope_inv_freq((int)c->rope_type, c->rope_theta, m->rd, c->rope_factor,
                        c->rope_low_freq_factor, c->rope_high_freq_factor,
                        c->rope_original_max_pos, m->inv_freq);
     if ((st = load_weights(m, dir))) goto fail;

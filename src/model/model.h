@@ -186,6 +186,7 @@ struct loom_model {
     bool sp;
 
     int64_t V, Vp, H, I, L, Hq, Hkv, D;  /* full model */
+    int64_t rd;                          /* the leading dimensions of a head RoPE turns */
     int64_t Vl, Il, Hql, Hkvl;           /* per tp rank */
     float attn_scale;
 
@@ -193,7 +194,7 @@ struct loom_model {
     loom_arena base;         /* this rank's share of the model's tensors */
     int embed, final_norm, head; /* base slots; -1 when not on this rank; head == embed when tied, pp == 1 */
     loom_layer *layer;       /* (L): the layer table (block.h); slots -1 in other stages' layers */
-    float *inv_freq;         /* (D/2) */
+    float *inv_freq;         /* (D/2): rd/2 frequencies, zero after */
     float *d_inv_freq;       /* its device copy (== inv_freq on CPU) */
     int64_t bucket_elems;
 

@@ -250,9 +250,10 @@ static loom_status cpu_lora_dy_n(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t 
 /* ---- RoPE and attention ---- */
 
 static loom_status cpu_rope(loom_dev *d, loom_ctx *ctx, bool backward, void *x, int64_t T,
-                            int64_t nh, int64_t D, const int32_t *pos, const float *inv_freq) {
+                            int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
+                            const float *inv_freq) {
     (void)d, (void)ctx;
-    (backward ? loom_cpu_rope_bwd : loom_cpu_rope_fwd)(F(x), T, nh, D, pos, inv_freq);
+    (backward ? loom_cpu_rope_bwd : loom_cpu_rope_fwd)(F(x), T, nh, D, rd, pos, inv_freq);
     return LOOM_OK;
 }
 
@@ -263,20 +264,20 @@ static loom_status cpu_rope_table(loom_dev *d, loom_ctx *ctx, const int32_t *pos
 }
 
 static loom_status cpu_qknorm_rope_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
-                                       int64_t T, int64_t nh, int64_t D, float eps,
+                                       int64_t T, int64_t nh, int64_t D, int64_t rd, float eps,
                                        const int32_t *pos, const float *inv_freq,
                                        const float *table, void *y, float *rstd) {
     (void)table;
     cpu_rmsnorm_fwd(d, ctx, x, w, T * nh, D, eps, y, rstd);
-    return cpu_rope(d, ctx, false, y, T, nh, D, pos, inv_freq);
+    return cpu_rope(d, ctx, false, y, T, nh, D, rd, pos, inv_freq);
 }
 
 static loom_status cpu_qknorm_rope_bwd(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
                                        const void *w, const float *rstd, int64_t T, int64_t nh,
-                                       int64_t D, const int32_t *pos, const float *inv_freq,
-                                       const float *table, float *dw) {
+                                       int64_t D, int64_t rd, const int32_t *pos,
+                                       const float *inv_freq, const float *table, float *dw) {
     (void)table;
-    cpu_rope(d, ctx, true, dy, T, nh, D, pos, inv_freq);
+    cpu_rope(d, ctx, true, dy, T, nh, D, rd, pos, inv_freq);
     return cpu_rmsnorm_bwd(d, ctx, dy, x, w, rstd, T * nh, D, dy, dw);
 }
 

@@ -54,13 +54,15 @@ void loom_rope_inv_freq(int rope_type, double theta, int64_t D, double factor,
 /* RoPE, HF rotate_half convention, in place. x: (T, nh, D), D even;
  * pos: (T) position ids (restart per packed document); inv_freq: (D/2).
  * angle = fp32(pos * inv_freq[i]) (fp32 product, as HF), cos/sin of that
- * float angle computed in double and rounded to fp32. For i < D/2:
- * x[i] = x1*cos - x2*sin, x[i+D/2] = x2*cos + x1*sin (x1 = x[i], x2 = x[i+D/2]).
- * bwd applies the inverse rotation to the gradient dx in place. */
-void loom_cpu_rope_fwd(float *x, int64_t T, int64_t nh, int64_t D, const int32_t *pos,
+ * float angle computed in double and rounded to fp32. Only the first rd
+ * dimensions of each head turn (rd = D but for a partial rotary factor,
+ * Qwen3.5's; inv_freq then has rd/2 entries): for i < rd/2,
+ * x[i] = x1*cos - x2*sin, x[i+rd/2] = x2*cos + x1*sin (x1 = x[i], x2 = x[i+rd/2]);
+ * the rest pass. bwd applies the inverse rotation to the gradient dx in place. */
+void loom_cpu_rope_fwd(float *x, int64_t T, int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
                        const float *inv_freq);
-void loom_cpu_rope_bwd(float *dx, int64_t T, int64_t nh, int64_t D, const int32_t *pos,
-                       const float *inv_freq);
+void loom_cpu_rope_bwd(float *dx, int64_t T, int64_t nh, int64_t D, int64_t rd,
+                       const int32_t *pos, const float *inv_freq);
 
 /* Causal grouped-query attention with document masking.
  * q: (T, Hq, D); k, v: (T, Hkv, D), Hq a multiple of Hkv, query head h uses

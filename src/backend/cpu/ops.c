@@ -102,10 +102,11 @@ void loom_rope_inv_freq(int rope_type, double theta, int64_t D, double factor,
     }
 }
 
-/* Rotates x: (T, nh, D) in place by angle sign * pos * inv_freq. */
-static void rope_apply(float *x, int64_t T, int64_t nh, int64_t D, const int32_t *pos,
+/* Rotates the first rd dimensions of each head of x: (T, nh, D) in place
+ * by angle sign * pos * inv_freq. */
+static void rope_apply(float *x, int64_t T, int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
                        const float *inv_freq, int sign) {
-    const int64_t half = D / 2;
+    const int64_t half = rd / 2;
 #pragma omp parallel for schedule(static) if (T * nh * D > 65536)
     for (int64_t t = 0; t < T; t++) {
         float p = (float)pos[t];
@@ -123,15 +124,15 @@ static void rope_apply(float *x, int64_t T, int64_t nh, int64_t D, const int32_t
     }
 }
 
-void loom_cpu_rope_fwd(float *x, int64_t T, int64_t nh, int64_t D, const int32_t *pos,
+void loom_cpu_rope_fwd(float *x, int64_t T, int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
                        const float *inv_freq) {
-    rope_apply(x, T, nh, D, pos, inv_freq, 1);
+    rope_apply(x, T, nh, D, rd, pos, inv_freq, 1);
 }
 
-void loom_cpu_rope_bwd(float *dx, int64_t T, int64_t nh, int64_t D, const int32_t *pos,
-                       const float *inv_freq) {
+void loom_cpu_rope_bwd(float *dx, int64_t T, int64_t nh, int64_t D, int64_t rd,
+                       const int32_t *pos, const float *inv_freq) {
     /* the rotation is orthogonal: its transpose is the rotation by -angle */
-    rope_apply(dx, T, nh, D, pos, inv_freq, -1);
+    rope_apply(dx, T, nh, D, rd, pos, inv_freq, -1);
 }
 
 /* ---- SwiGLU, residual, bias ---- */

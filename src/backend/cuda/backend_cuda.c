@@ -437,8 +437,9 @@ static loom_status cuda_lora_dy_n(loom_dev *d, loom_ctx *ctx, int64_t T, int64_t
 /* ---- RoPE and attention ---- */
 
 static loom_status cuda_rope(loom_dev *d, loom_ctx *ctx, bool backward, void *x, int64_t T,
-                             int64_t nh, int64_t D, const int32_t *pos, const float *inv_freq) {
-    return (backward ? loom_cuda_rope_bwd : loom_cuda_rope_fwd)(ctx, x, d->adt, T, nh, D, pos,
+                             int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
+                             const float *inv_freq) {
+    return (backward ? loom_cuda_rope_bwd : loom_cuda_rope_fwd)(ctx, x, d->adt, T, nh, D, rd, pos,
                                                                 inv_freq, d->stream);
 }
 
@@ -448,30 +449,30 @@ static loom_status cuda_rope_table(loom_dev *d, loom_ctx *ctx, const int32_t *po
 }
 
 static loom_status cuda_qknorm_rope_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
-                                        int64_t T, int64_t nh, int64_t D, float eps,
+                                        int64_t T, int64_t nh, int64_t D, int64_t rd, float eps,
                                         const int32_t *pos, const float *inv_freq,
                                         const float *table, void *y, float *rstd) {
-    if (table && loom_cuda_qknorm_rope_ok(d->adt, D))
+    if (table && rd == D && loom_cuda_qknorm_rope_ok(d->adt, D))
         return loom_cuda_qknorm_rope_fwd(ctx, x, d->adt, w, d->adt, T * nh, nh, D, eps, table, y,
                                          rstd, d->stream);
     loom_status st = cuda_rmsnorm_fwd(d, ctx, x, w, T * nh, D, eps, y, rstd);
-    return st ? st : cuda_rope(d, ctx, false, y, T, nh, D, pos, inv_freq);
+    return st ? st : cuda_rope(d, ctx, false, y, T, nh, D, rd, pos, inv_freq);
 }
 
 static loom_status cuda_qknorm_rope_bwd(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
                                         const void *w, const float *rstd, int64_t T, int64_t nh,
-                                        int64_t D, const int32_t *pos, const float *inv_freq,
-                                        const float *table, float *dw) {
+                                        int64_t D, int64_t rd, const int32_t *pos,
+                                        const float *inv_freq, const float *table, float *dw) {
     const int64_t N = T * nh;
     loom_status st;
-    if (table && loom_cuda_qknorm_rope_ok(d->adt, D)) {
+    if (table && rd == D && loom_cuda_qknorm_rope_ok(d->adt, D)) {
         void *scr;
         struct loom_cuda_dw_batch *b;
         if ((st = loom_cuda_dev_dw_scratch(d, ctx, N, D, dw, &scr, &b))) return st;
         return loom_cuda_qknorm_rope_bwd(ctx, dy, x, d->adt, w, d->adt, rstd, N, nh, D, table, dy,
                                          dw, scr, b, d->stream);
     }
-    if ((st = cuda_rope(d, ctx, true, dy, T, nh, D, pos, inv_freq))) return st;
+    if ((st = cuda_rope(d, ctx, true, dy, T, nh, D, rd, pos, inv_freq))) return st;
     return cuda_rmsnorm_bwd(d, ctx, dy, x, w, rstd, N, D, dy, dw);
 }
 

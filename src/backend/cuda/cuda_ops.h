@@ -271,14 +271,17 @@ loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, const void 
                                       void *scratch, loom_cuda_dw_batch *batch, void *stream);
 
 /* ---- RoPE (ops_rope.cu) ----
- * In place on x: (T, nh, D) in dtype, D even; pos: (T); inv_freq: (D/2) fp32
- * (from loom_rope_inv_freq, uploaded). The CPU's exact angle rule:
+ * In place on x: (T, nh, D) in dtype, the first rd dimensions of a head
+ * turned (rd even, <= D: cpu_ops.h's pairing); pos: (T); inv_freq: (rd/2)
+ * fp32 (from loom_rope_inv_freq, uploaded). The CPU's exact angle rule:
  * angle = fp32(pos * inv_freq[i]), cos/sin of it in double, rounded to fp32;
  * the rotation in fp32 without fused multiply-adds. bwd rotates dx by -angle. */
 loom_status loom_cuda_rope_fwd(loom_ctx *ctx, void *x, loom_dtype dtype, int64_t T, int64_t nh,
-                               int64_t D, const int32_t *pos, const float *inv_freq, void *stream);
+                               int64_t D, int64_t rd, const int32_t *pos, const float *inv_freq,
+                               void *stream);
 loom_status loom_cuda_rope_bwd(loom_ctx *ctx, void *dx, loom_dtype dtype, int64_t T, int64_t nh,
-                               int64_t D, const int32_t *pos, const float *inv_freq, void *stream);
+                               int64_t D, int64_t rd, const int32_t *pos, const float *inv_freq,
+                               void *stream);
 /* cs (T, D/2, 2) fp32: cos and sin of every token's angle per frequency, by
  * the rule above (computed once per micro-batch for the fused ops). */
 loom_status loom_cuda_rope_table(loom_ctx *ctx, const int32_t *pos, int64_t T, int64_t D,

@@ -6,9 +6,9 @@
 using namespace loom_cuda;
 
 // One thread per (token, frequency): the angle once, then every head.
-__global__ void rope_kernel(void *x, loom_dtype dt, int64_t T, int64_t nh, int64_t D,
+__global__ void rope_kernel(void *x, loom_dtype dt, int64_t T, int64_t nh, int64_t D, int64_t rd,
                             const int32_t *pos, const float *inv_freq, float sign) {
-    const int64_t half = D / 2, n = T * half, stride = (int64_t)gridDim.x * blockDim.x;
+    const int64_t half = rd / 2, n = T * half, stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
         const int64_t t = idx / half, i = idx - t * half;
         const float ang = __fmul_rn((float)pos[t], inv_freq[i]);
@@ -47,27 +47,29 @@ extern "C" loom_status loom_cuda_rope_table(loom_ctx *ctx, const int32_t *pos, i
 }
 
 static loom_status rope(loom_ctx *ctx, const char *op, void *x, loom_dtype dtype, int64_t T,
-                        int64_t nh, int64_t D, const int32_t *pos, const float *inv_freq,
-                        float sign, void *stream) {
+                        int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
+                        const float *inv_freq, float sign, void *stream) {
     loom_status st;
     if ((st = need_float(ctx, dtype, op, "x"))) return st;
-    if (D % 2)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda %s: head size %lld is odd", op, (long long)D);
-    if (T <= 0 || nh <= 0 || D <= 0) return LOOM_OK;
-    rope_kernel<<<grid_for(T * (D / 2), 256), 256, 0, as_stream(stream)>>>(x, dtype, T, nh, D, pos,
-                                                                          inv_freq, sign);
+    if (rd % 2 || rd > D || rd < 0)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "cuda %s: %lld rotary dimensions of a head of %lld (even, at most the head)",
+                         op, (long long)rd, (long long)D);
+    if (T <= 0 || nh <= 0 || rd <= 0) return LOOM_OK;
+    rope_kernel<<<grid_for(T * (rd / 2), 256), 256, 0, as_stream(stream)>>>(x, dtype, T, nh, D, rd,
+                                                                           pos, inv_freq, sign);
     return check_launch(ctx, op);
 }
 
 extern "C" loom_status loom_cuda_rope_fwd(loom_ctx *ctx, void *x, loom_dtype dtype, int64_t T,
-                                          int64_t nh, int64_t D, const int32_t *pos,
+                                          int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
                                           const float *inv_freq, void *stream) {
-    return rope(ctx, "rope_fwd", x, dtype, T, nh, D, pos, inv_freq, 1.0f, stream);
+    return rope(ctx, "rope_fwd", x, dtype, T, nh, D, rd, pos, inv_freq, 1.0f, stream);
 }
 
 extern "C" loom_status loom_cuda_rope_bwd(loom_ctx *ctx, void *dx, loom_dtype dtype, int64_t T,
-                                          int64_t nh, int64_t D, const int32_t *pos,
+                                          int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
                                           const float *inv_freq, void *stream) {
     // the rotation is orthogonal: its transpose is the rotation by -angle
-    return rope(ctx, "rope_bwd", dx, dtype, T, nh, D, pos, inv_freq, -1.0f, stream);
+    return rope(ctx, "rope_bwd", dx, dtype, T, nh, D, rd, pos, inv_freq, -1.0f, stream);
 }
