@@ -444,12 +444,14 @@ static void norm_ops(loom_ctx *ctx, side x, loom_dtype adt) {
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &rstd, (size_t)N * 4, "rstd"));
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dw, (size_t)H * 4, "dw"));
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dw2, (size_t)H * 4, "dw2"));
-        REQUIRE_OK(ctx, s.be->add_rmsnorm_fwd(s.d, ctx, dev_in[0], dev_in[1], xs, dev_in[2], N, H,
-                                              1e-6f, y, rstd));
-        REQUIRE_OK(ctx, s.be->rmsnorm_bwd(s.d, ctx, dev_in[3], xs, dev_in[2], rstd, N, H, dx, dw));
+        REQUIRE_OK(ctx, s.be->add_rmsnorm_fwd(s.d, ctx, dev_in[0], dev_in[1], xs, dev_in[2], 0.0f,
+                                              N, H, 1e-6f, y, rstd));
+        REQUIRE_OK(ctx,
+                   s.be->rmsnorm_bwd(s.d, ctx, dev_in[3], xs, dev_in[2], 0.0f, rstd, N, H, dx, dw));
         REQUIRE_OK(ctx, s.be->copy(s.d, ctx, dyc, dev_in[3], (size_t)n * es));
         REQUIRE_OK(ctx, s.be->copy(s.d, ctx, dx2, dev_in[1], (size_t)n * es)); /* dx2 = res */
-        REQUIRE_OK(ctx, s.be->rmsnorm_bwd_add(s.d, ctx, dyc, xs, dev_in[2], rstd, N, H, dx2, dw2));
+        REQUIRE_OK(ctx,
+                   s.be->rmsnorm_bwd_add(s.d, ctx, dyc, xs, dev_in[2], 0.0f, rstd, N, H, dx2, dw2));
         REQUIRE_OK(ctx, s.be->dw_flush(s.d, ctx));
         void *dev[6] = {y, xs, dx, dw, dx2, dw2};
         const int64_t len[6] = {n, n, n, H, n, H};

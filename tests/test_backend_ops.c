@@ -294,20 +294,20 @@ static void attention_family(run *r, bool cp_subset) {
         REQUIRE_OK(r->ctx, be->rope_table(d, r->ctx, P, Tq, D, IF, tab));
         qn[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
         rs[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
-        REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, Tq, Hq, D, D, 1e-6f, P, IF, tab,
-                                               qn[k], rs[k]));
+        REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, 0.0f, Tq, Hq, D, D, 1e-6f, P, IF,
+                                               tab, qn[k], rs[k]));
         qnp[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
         rsp[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
-        REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, Tq, Hq, D, D / 2, 1e-6f, P, IF,
-                                               tab, qnp[k], rsp[k]));
+        REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, 0.0f, Tq, Hq, D, D / 2, 1e-6f, P,
+                                               IF, tab, qnp[k], rsp[k]));
         dqn[k] = in(r, k, dyq, Tq * Hq * D, true);
         dw[k] = keep(r, k, (size_t)D * 4);
-        REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqn[k], Q, WQ, rs[k], Tq, Hq, D, D, P,
-                                               IF, tab, dw[k]));
+        REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqn[k], Q, WQ, 0.0f, rs[k], Tq, Hq, D, D,
+                                               P, IF, tab, dw[k]));
         dqnp[k] = in(r, k, dyq, Tq * Hq * D, true);
         dwp[k] = keep(r, k, (size_t)D * 4);
-        REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqnp[k], Q, WQ, rsp[k], Tq, Hq, D, D / 2,
-                                               P, IF, tab, dwp[k]));
+        REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqnp[k], Q, WQ, 0.0f, rsp[k], Tq, Hq, D,
+                                               D / 2, P, IF, tab, dwp[k]));
         REQUIRE_OK(r->ctx, be->dw_flush(d, r->ctx));
     }
     const double tol = tol_of(r);

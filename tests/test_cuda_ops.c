@@ -168,7 +168,7 @@ static void rmsnorm_case(gpu *g, int64_t N, int64_t H, loom_dtype xdt, loom_dtyp
     float *drs = dalloc(g, (size_t)N * 4);
     if (g->bad) return;
     /* forward */
-    loom_cpu_rmsnorm_fwd(x, w, N, H, eps, y, rs);
+    loom_cpu_rmsnorm_fwd(x, w, 0.0f, N, H, eps, y, rs);
     round_to(g, y, N * H, ydt);
     CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, dx_d, xdt, dw_d, wdt, N, H, eps, dy_d, ydt, drs, NULL));
     down(g, got, dy_d, N * H, ydt);
@@ -181,7 +181,7 @@ static void rmsnorm_case(gpu *g, int64_t N, int64_t H, loom_dtype xdt, loom_dtyp
     float *drs2 = up(g, rs, N, LOOM_F32);
     void *scratch = dalloc(g, loom_cuda_rmsnorm_bwd_scratch_bytes(N, H));
     if (g->bad) return;
-    loom_cpu_rmsnorm_bwd(dy, x, w, rs, N, H, dx, dw);
+    loom_cpu_rmsnorm_bwd(dy, x, w, 0.0f, rs, N, H, dx, dw);
     round_to(g, dx, N * H, xdt);
     CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, ddy, xdt, dx_d, xdt, dw_d, wdt, drs2, N, H, ddy,
                                            xdt, ddw, scratch, NULL));
@@ -196,7 +196,7 @@ static void rmsnorm_case(gpu *g, int64_t N, int64_t H, loom_dtype xdt, loom_dtyp
     if (g->bad) return;
     CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, ddy2, xdt, dx_d, xdt, dw_d, wdt, drs2, N, H, ddx,
                                            LOOM_F32, NULL, NULL, NULL));
-    loom_cpu_rmsnorm_bwd(dy, x, w, rs, N, H, dx, NULL);
+    loom_cpu_rmsnorm_bwd(dy, x, w, 0.0f, rs, N, H, dx, NULL);
     down(g, got, ddx, N * H, LOOM_F32);
     CHECK_CLOSE(got, dx, N * H, LOOM_F32, "rmsnorm_bwd (frozen) dx N=%lld H=%lld", (long long)N,
                 (long long)H);
@@ -350,7 +350,7 @@ static void add_norm_case(gpu *g, int64_t N, int64_t H, loom_dtype dt, bool with
     CHECK_SAME(g, d_rs, d_rs2, N, LOOM_F32, "add_rmsnorm_fwd rstd N=%lld", (long long)N);
     for (int64_t i = 0; i < n; i++) xs[i] = x[i] + res[i];
     round_to(g, xs, n, dt);
-    loom_cpu_rmsnorm_fwd(xs, w, N, H, eps, y, rs);
+    loom_cpu_rmsnorm_fwd(xs, w, 0.0f, N, H, eps, y, rs);
     round_to(g, y, n, dt);
     down(g, got, d_y, n, dt);
     CHECK_CLOSE(got, y, n, dt, "add_rmsnorm_fwd y vs CPU N=%lld H=%lld", (long long)N, (long long)H);
@@ -375,7 +375,7 @@ static void add_norm_case(gpu *g, int64_t N, int64_t H, loom_dtype dt, bool with
     down(g, got, d_rs, N, LOOM_F32);
     float *cdw = falloc(H);
     memcpy(cdw, dw, sizeof(float) * (size_t)H);
-    loom_cpu_rmsnorm_bwd(dy, xs, w, got, N, H, dx, with_dw ? cdw : NULL);
+    loom_cpu_rmsnorm_bwd(dy, xs, w, 0.0f, got, N, H, dx, with_dw ? cdw : NULL);
     round_to(g, dx, n, dt);
     for (int64_t i = 0; i < n; i++) dx[i] += dx0[i];
     round_to(g, dx, n, dt);
@@ -420,7 +420,7 @@ static void qknorm_rope_case(gpu *g, int64_t T, int64_t nh, int64_t D, loom_dtyp
     CHECK_SAME(g, d_y, d_y2, n, dt, "qknorm_rope_fwd T=%lld nh=%lld D=%lld", (long long)T,
                (long long)nh, (long long)D);
     CHECK_SAME(g, d_rs, d_rs2, N, LOOM_F32, "qknorm_rope_fwd rstd D=%lld", (long long)D);
-    loom_cpu_rmsnorm_fwd(x, w, N, D, eps, y, rs);
+    loom_cpu_rmsnorm_fwd(x, w, 0.0f, N, D, eps, y, rs);
     round_to(g, y, n, dt);
     loom_cpu_rope_fwd(y, T, nh, D, D, pos, inv);
     round_to(g, y, n, dt);
@@ -447,7 +447,7 @@ static void qknorm_rope_case(gpu *g, int64_t T, int64_t nh, int64_t D, loom_dtyp
     round_to(g, dy, n, dt);
     memcpy(cdw, dw, sizeof(float) * (size_t)D);
     float *dx = falloc(n);
-    loom_cpu_rmsnorm_bwd(dy, x, w, rs, N, D, dx, with_dw ? cdw : NULL);
+    loom_cpu_rmsnorm_bwd(dy, x, w, 0.0f, rs, N, D, dx, with_dw ? cdw : NULL);
     round_to(g, dx, n, dt);
     down(g, got, d_dy, n, dt);
     CHECK_CLOSE(got, dx, n, dt, "qknorm_rope_bwd dx vs CPU D=%lld", (long long)D);

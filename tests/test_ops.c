@@ -99,20 +99,22 @@ TEST(ops_embedding) {
 typedef struct {
     float *x, *w, *y, *rstd, *dy;
     int64_t N, H;
-    float eps;
+    float eps, woff;
 } rms_ctx;
 
 static double rms_loss(void *p) {
     rms_ctx *c = p;
-    loom_cpu_rmsnorm_fwd(c->x, c->w, c->N, c->H, c->eps, c->y, c->rstd);
+    loom_cpu_rmsnorm_fwd(c->x, c->w, c->woff, c->N, c->H, c->eps, c->y, c->rstd);
     return sum_prod(c->dy, c->y, c->N * c->H);
 }
 
-static void rms_case(int64_t N, int64_t H) {
-    rms_ctx c = {falloc(N * H), falloc(H), falloc(N * H), falloc(N), falloc(N * H), N, H, 1e-6f};
+/* woff 1: zero-centred weights (Qwen3.5), w around 0, the scale 1 + w */
+static void rms_case(int64_t N, int64_t H, float woff) {
+    rms_ctx c = {falloc(N * H), falloc(H), falloc(N * H), falloc(N), falloc(N * H),
+                 N,             H,         1e-6f,         woff};
     fill(c.x, N * H, 10 + (uint64_t)H, 1);
     fill(c.w, H, 20, 0.5f);
-    for (int64_t j = 0; j < H; j++) c.w[j] += 1.0f;
+    for (int64_t j = 0; j < H; j++) c.w[j] += 1.0f - woff;
     fill(c.dy, N * H, 30, 1);
     rms_loss(&c);
     double worst = 0, wr = 0;
@@ -122,12 +124,12 @@ static void rms_case(int64_t N, int64_t H) {
         double rs = 1 / sqrt(ss / H + c.eps);
         wr = fmax(wr, fabs(c.rstd[r] - rs) / rs);
         for (int64_t j = 0; j < H; j++)
-            worst = fmax(worst, fabs(c.y[r * H + j] - c.x[r * H + j] * rs * c.w[j]));
+            worst = fmax(worst, fabs(c.y[r * H + j] - c.x[r * H + j] * rs * (woff + c.w[j])));
     }
     CHECK_MSG(worst < 1e-5 && wr < 1e-6, "rmsnorm fwd N=%lld H=%lld: y err %g rstd err %g",
               (long long)N, (long long)H, worst, wr);
     float *dx = falloc(N * H), *dw = falloc(H), *dw2 = falloc(H);
-    loom_cpu_rmsnorm_bwd(c.dy, c.x, c.w, c.rstd, N, H, dx, dw);
+    loom_cpu_rmsnorm_bwd(c.dy, c.x, c.w, woff, c.rstd, N, H, dx, dw);
     double ex = fd_rel_err(rms_loss, &c, c.x, dx, N * H, 1e-3f);
     double ew = fd_rel_err(rms_loss, &c, c.w, dw, H, 1e-3f);
     CHECK_MSG(ex < 1e-3 && ew < 1e-3, "rmsnorm bwd N=%lld H=%lld: dx err %g dw err %g",
@@ -136,7 +138,7 @@ static void rms_case(int64_t N, int64_t H) {
     for (int64_t j = 0; j < H; j++) dw2[j] = 0.25f;
     float *dyx = falloc(N * H);
     memcpy(dyx, c.dy, sizeof(float) * N * H);
-    loom_cpu_rmsnorm_bwd(dyx, c.x, c.w, c.rstd, N, H, dyx, dw2);
+    loom_cpu_rmsnorm_bwd(dyx, c.x, c.w, woff, c.rstd, N, H, dyx, dw2);
     double ea = 0;
     for (int64_t j = 0; j < H; j++) ea = fmax(ea, fabs(dw2[j] - 0.25f - dw[j]));
     CHECK_MSG(ea < 1e-5, "rmsnorm dw accumulation err %g", ea);
@@ -146,8 +148,10 @@ static void rms_case(int64_t N, int64_t H) {
 }
 
 TEST(ops_rmsnorm) {
-    rms_case(7, 13);    /* hidden rows */
-    rms_case(7 * 3, 8); /* per-head q/k norm: T*heads rows of head_dim */
+    rms_case(7, 13, 0.0f);    /* hidden rows */
+    rms_case(7 * 3, 8, 0.0f); /* per-head q/k norm: T*heads rows of head_dim */
+    rms_case(7, 13, 1.0f);    /* zero-centred weights */
+    rms_case(7 * 3, 8, 1.0f);
 }
 
 /* ---------------- RoPE ---------------- */

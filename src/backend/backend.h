@@ -169,20 +169,21 @@ typedef struct loom_backend {
     loom_status (*fill_randn)(loom_dev *d, loom_ctx *ctx, void *x, int64_t n, uint64_t base);
 
     /* ---- RMSNorm over N rows of H (cpu_ops.h's loom_cpu_rmsnorm_*; rstd
-     * and dw fp32, dw added to) ---- */
-    loom_status (*rmsnorm_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *w, int64_t N,
-                               int64_t H, float eps, void *y, float *rstd);
+     * and dw fp32, dw added to); the weight is woff + w (woff 1: zero-centred
+     * weights, Qwen3.5's; 0 otherwise), formed in fp32 ---- */
+    loom_status (*rmsnorm_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
+                               float woff, int64_t N, int64_t H, float eps, void *y, float *rstd);
     loom_status (*rmsnorm_bwd)(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
-                               const void *w, const float *rstd, int64_t N, int64_t H, void *dx,
-                               float *dw);
+                               const void *w, float woff, const float *rstd, int64_t N, int64_t H,
+                               void *dx, float *dw);
     /* xsum = x + res (xsum may be x), then rmsnorm_fwd of xsum */
     loom_status (*add_rmsnorm_fwd)(loom_dev *d, loom_ctx *ctx, void *x, const void *res,
-                                   void *xsum, const void *w, int64_t N, int64_t H, float eps,
-                                   void *y, float *rstd);
+                                   void *xsum, const void *w, float woff, int64_t N, int64_t H,
+                                   float eps, void *y, float *rstd);
     /* dx += rmsnorm_bwd's input gradient (dy may be used as scratch) */
     loom_status (*rmsnorm_bwd_add)(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
-                                   const void *w, const float *rstd, int64_t N, int64_t H,
-                                   void *dx, float *dw);
+                                   const void *w, float woff, const float *rstd, int64_t N,
+                                   int64_t H, void *dx, float *dw);
     /* dw of the norms may be added late (a GPU batches them): flush adds
      * them now, drop forgets them (the gradients were cleared) */
     loom_status (*dw_flush)(loom_dev *d, loom_ctx *ctx);
@@ -223,12 +224,12 @@ typedef struct loom_backend {
      * place on dy, dw (D, fp32) added to; table may be NULL (and is not
      * read when rd < D) */
     loom_status (*qknorm_rope_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
-                                   int64_t T, int64_t nh, int64_t D, int64_t rd, float eps,
-                                   const int32_t *pos, const float *inv_freq, const float *table,
-                                   void *y, float *rstd);
+                                   float woff, int64_t T, int64_t nh, int64_t D, int64_t rd,
+                                   float eps, const int32_t *pos, const float *inv_freq,
+                                   const float *table, void *y, float *rstd);
     loom_status (*qknorm_rope_bwd)(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
-                                   const void *w, const float *rstd, int64_t T, int64_t nh,
-                                   int64_t D, int64_t rd, const int32_t *pos,
+                                   const void *w, float woff, const float *rstd, int64_t T,
+                                   int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
                                    const float *inv_freq, const float *table, float *dw);
     /* causal GQA attention over documents cu (ndocs+1) of the T keys, for
      * the Tq queries at global positions qidx (NULL: all T); seqlen: every

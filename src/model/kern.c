@@ -175,7 +175,7 @@ loom_status loom_k_lora_dy(loom_model *m, int64_t T, int64_t out, int64_t r, flo
 
 loom_status loom_k_rmsnorm_fwd(loom_model *m, const void *x, const void *w, int64_t N, int64_t H,
                                float eps, void *y, float *rstd) {
-    return m->dev.be->rmsnorm_fwd(&m->dev, m->ctx, x, w, N, H, eps, y, rstd);
+    return m->dev.be->rmsnorm_fwd(&m->dev, m->ctx, x, w, m->norm_off, N, H, eps, y, rstd);
 }
 
 loom_status loom_k_dw_flush(loom_model *m) { return m->dev.be->dw_flush(&m->dev, m->ctx); }
@@ -185,24 +185,25 @@ void loom_k_dw_drop(loom_model *m) { m->dev.be->dw_drop(&m->dev); }
 loom_status loom_k_rmsnorm_bwd(loom_model *m, const void *dy, const void *x, const void *w,
                                const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
     if (dw) CK(loom_grad_prepare(m, dw, (size_t)H, NULL));
-    return m->dev.be->rmsnorm_bwd(&m->dev, m->ctx, dy, x, w, rstd, N, H, dx, dw);
+    return m->dev.be->rmsnorm_bwd(&m->dev, m->ctx, dy, x, w, m->norm_off, rstd, N, H, dx, dw);
 }
 
 loom_status loom_k_add_rmsnorm_fwd(loom_model *m, void *x, const void *res, void *xsum,
                                    const void *w, int64_t N, int64_t H, float eps, void *y,
                                    float *rstd) {
-    return m->dev.be->add_rmsnorm_fwd(&m->dev, m->ctx, x, res, xsum, w, N, H, eps, y, rstd);
+    return m->dev.be->add_rmsnorm_fwd(&m->dev, m->ctx, x, res, xsum, w, m->norm_off, N, H, eps, y,
+                                      rstd);
 }
 
 loom_status loom_k_rmsnorm_bwd_add(loom_model *m, void *dy, const void *x, const void *w,
                                    const float *rstd, int64_t N, int64_t H, void *dx, float *dw) {
     if (dw) CK(loom_grad_prepare(m, dw, (size_t)H, NULL));
-    return m->dev.be->rmsnorm_bwd_add(&m->dev, m->ctx, dy, x, w, rstd, N, H, dx, dw);
+    return m->dev.be->rmsnorm_bwd_add(&m->dev, m->ctx, dy, x, w, m->norm_off, rstd, N, H, dx, dw);
 }
 
 loom_status loom_k_qknorm_rope_fwd(loom_model *m, const loom_micro *mb, const void *x,
                                    const void *w, int64_t nh, float eps, void *y, float *rstd) {
-    return m->dev.be->qknorm_rope_fwd(&m->dev, m->ctx, x, w, m->Tc, nh, m->D, m->rd, eps, mb->d_pos,
+    return m->dev.be->qknorm_rope_fwd(&m->dev, m->ctx, x, w, m->norm_off, m->Tc, nh, m->D, m->rd, eps, mb->d_pos,
                                       m->d_inv_freq, mb->d_rope, y, rstd);
 }
 
@@ -210,7 +211,7 @@ loom_status loom_k_qknorm_rope_bwd(loom_model *m, const loom_micro *mb, void *dy
                                    const void *w, const float *rstd, int64_t nh, float *dw) {
     if (dw)
         CK(loom_grad_prepare(m, dw, (size_t)m->D, NULL));
-    return m->dev.be->qknorm_rope_bwd(&m->dev, m->ctx, dy, x, w, rstd, m->Tc, nh, m->D, m->rd,
+    return m->dev.be->qknorm_rope_bwd(&m->dev, m->ctx, dy, x, w, m->norm_off, rstd, m->Tc, nh, m->D, m->rd,
                                       mb->d_pos, m->d_inv_freq, mb->d_rope, dw);
 }
 

@@ -485,6 +485,7 @@ void loom_model_set_sizes(loom_model *m, const loom_mesh_sizes *n, const loom_mo
     m->Hkv = c->num_kv_heads;
     m->D = c->head_dim;
     m->rd = c->rotary_dim > 0 ? c->rotary_dim : c->head_dim;
+    m->norm_off = c->norm_offset ? 1.0f : 0.0f;
     m->Vl = m->Vp / m->tp;
     m->Il = m->I / m->tp;
     m->Hql = m->Hq / m->tp;

@@ -187,6 +187,7 @@ struct loom_model {
 
     int64_t V, Vp, H, I, L, Hq, Hkv, D;  /* full model */
     int64_t rd;                          /* the leading dimensions of a head RoPE turns */
+    float norm_off;                      /* RMSNorm weights are norm_off + w (1: zero-centred) */
     int64_t Vl, Il, Hql, Hkvl;           /* per tp rank */
     float attn_scale;
 

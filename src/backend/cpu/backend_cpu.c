@@ -169,32 +169,33 @@ static loom_status cpu_fill_randn(loom_dev *d, loom_ctx *ctx, void *x, int64_t n
 /* ---- RMSNorm ---- */
 
 static loom_status cpu_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
-                                   int64_t N, int64_t H, float eps, void *y, float *rstd) {
+                                   float woff, int64_t N, int64_t H, float eps, void *y,
+                                   float *rstd) {
     (void)d, (void)ctx;
-    loom_cpu_rmsnorm_fwd(CF(x), CF(w), N, H, eps, F(y), rstd);
+    loom_cpu_rmsnorm_fwd(CF(x), CF(w), woff, N, H, eps, F(y), rstd);
     return LOOM_OK;
 }
 
 static loom_status cpu_rmsnorm_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
-                                   const void *w, const float *rstd, int64_t N, int64_t H,
-                                   void *dx, float *dw) {
+                                   const void *w, float woff, const float *rstd, int64_t N,
+                                   int64_t H, void *dx, float *dw) {
     (void)d, (void)ctx;
-    loom_cpu_rmsnorm_bwd(CF(dy), CF(x), CF(w), rstd, N, H, F(dx), dw);
+    loom_cpu_rmsnorm_bwd(CF(dy), CF(x), CF(w), woff, rstd, N, H, F(dx), dw);
     return LOOM_OK;
 }
 
 static loom_status cpu_add_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, void *x, const void *res,
-                                       void *xsum, const void *w, int64_t N, int64_t H, float eps,
-                                       void *y, float *rstd) {
+                                       void *xsum, const void *w, float woff, int64_t N, int64_t H,
+                                       float eps, void *y, float *rstd) {
     if (xsum != x) memmove(xsum, x, (size_t)(N * H) * sizeof(float));
     loom_cpu_residual_add(F(xsum), CF(res), N * H);
-    return cpu_rmsnorm_fwd(d, ctx, xsum, w, N, H, eps, y, rstd);
+    return cpu_rmsnorm_fwd(d, ctx, xsum, w, woff, N, H, eps, y, rstd);
 }
 
 static loom_status cpu_rmsnorm_bwd_add(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
-                                       const void *w, const float *rstd, int64_t N, int64_t H,
-                                       void *dx, float *dw) {
-    loom_status st = cpu_rmsnorm_bwd(d, ctx, dy, x, w, rstd, N, H, dy, dw);
+                                       const void *w, float woff, const float *rstd, int64_t N,
+                                       int64_t H, void *dx, float *dw) {
+    loom_status st = cpu_rmsnorm_bwd(d, ctx, dy, x, w, woff, rstd, N, H, dy, dw);
     if (!st) loom_cpu_residual_add(F(dx), CF(dy), N * H);
     return st;
 }
@@ -264,21 +265,21 @@ static loom_status cpu_rope_table(loom_dev *d, loom_ctx *ctx, const int32_t *pos
 }
 
 static loom_status cpu_qknorm_rope_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
-                                       int64_t T, int64_t nh, int64_t D, int64_t rd, float eps,
-                                       const int32_t *pos, const float *inv_freq,
+                                       float woff, int64_t T, int64_t nh, int64_t D, int64_t rd,
+                                       float eps, const int32_t *pos, const float *inv_freq,
                                        const float *table, void *y, float *rstd) {
     (void)table;
-    cpu_rmsnorm_fwd(d, ctx, x, w, T * nh, D, eps, y, rstd);
+    cpu_rmsnorm_fwd(d, ctx, x, w, woff, T * nh, D, eps, y, rstd);
     return cpu_rope(d, ctx, false, y, T, nh, D, rd, pos, inv_freq);
 }
 
 static loom_status cpu_qknorm_rope_bwd(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
-                                       const void *w, const float *rstd, int64_t T, int64_t nh,
-                                       int64_t D, int64_t rd, const int32_t *pos,
+                                       const void *w, float woff, const float *rstd, int64_t T,
+                                       int64_t nh, int64_t D, int64_t rd, const int32_t *pos,
                                        const float *inv_freq, const float *table, float *dw) {
     (void)table;
     cpu_rope(d, ctx, true, dy, T, nh, D, rd, pos, inv_freq);
-    return cpu_rmsnorm_bwd(d, ctx, dy, x, w, rstd, T * nh, D, dy, dw);
+    return cpu_rmsnorm_bwd(d, ctx, dy, x, w, woff, rstd, T * nh, D, dy, dw);
 }
 
 static loom_status cpu_attn_fwd(loom_dev *d, loom_ctx *ctx, const void *q, const int32_t *qidx,

@@ -33,15 +33,17 @@ void loom_cpu_embedding_fwd(const int32_t *ids, int64_t T, const float *W, int64
 void loom_cpu_embedding_bwd(const int32_t *ids, int64_t T, const float *dout, int64_t H,
                             float *dW);
 
-/* RMSNorm over N rows of width H: y = x * rsqrt(mean(x^2) + eps) * w (the
- * mean in double, y rounded as HF does: w * (x * rstd) in fp32).
- * x, y: (N, H); w: (H); rstd: (N), saved for the backward. With rows of
- * head_dim over T*heads rows this is Qwen3's per-head q/k norm.
- * bwd: dx (N, H) overwritten (may alias dy), dw (H) accumulated. */
-void loom_cpu_rmsnorm_fwd(const float *x, const float *w, int64_t N, int64_t H, float eps,
-                          float *y, float *rstd);
-void loom_cpu_rmsnorm_bwd(const float *dy, const float *x, const float *w, const float *rstd,
-                          int64_t N, int64_t H, float *dx, float *dw);
+/* RMSNorm over N rows of width H: y = x * rsqrt(mean(x^2) + eps) * (woff + w)
+ * (the mean in double, y rounded as HF does: (woff + w) * (x * rstd) in
+ * fp32; woff 0, or 1 for zero-centred weights, Qwen3.5's, whose 1 + w HF
+ * forms in fp32). x, y: (N, H); w: (H); rstd: (N), saved for the
+ * backward. With rows of head_dim over T*heads rows this is Qwen3's
+ * per-head q/k norm. bwd: dx (N, H) overwritten (may alias dy), dw (H)
+ * accumulated (d/dw: the offset does not change it). */
+void loom_cpu_rmsnorm_fwd(const float *x, const float *w, float woff, int64_t N, int64_t H,
+                          float eps, float *y, float *rstd);
+void loom_cpu_rmsnorm_bwd(const float *dy, const float *x, const float *w, float woff,
+                          const float *rstd, int64_t N, int64_t H, float *dx, float *dw);
 
 /* RoPE inverse frequencies inv_freq[D/2] as HF computes them (fp32).
  * rope_type 0: default, inv_freq[i] = 1 / theta^((float)(2i)/D);

@@ -36,8 +36,8 @@ void loom_cpu_embedding_bwd(const int32_t *ids, int64_t T, const float *dout, in
 
 /* ---- RMSNorm ---- */
 
-void loom_cpu_rmsnorm_fwd(const float *x, const float *w, int64_t N, int64_t H, float eps,
-                          float *y, float *rstd) {
+void loom_cpu_rmsnorm_fwd(const float *x, const float *w, float woff, int64_t N, int64_t H,
+                          float eps, float *y, float *rstd) {
     // x, y: (N, H); w: (H); rstd: (N)
 #pragma omp parallel for schedule(static) if (N * H > 65536)
     for (int64_t r = 0; r < N; r++) {
@@ -47,12 +47,12 @@ void loom_cpu_rmsnorm_fwd(const float *x, const float *w, int64_t N, int64_t H, 
         for (int64_t j = 0; j < H; j++) ss += (double)xr[j] * xr[j];
         float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
         rstd[r] = rs;
-        for (int64_t j = 0; j < H; j++) yr[j] = w[j] * (xr[j] * rs);
+        for (int64_t j = 0; j < H; j++) yr[j] = (woff + w[j]) * (xr[j] * rs);
     }
 }
 
-void loom_cpu_rmsnorm_bwd(const float *dy, const float *x, const float *w, const float *rstd,
-                          int64_t N, int64_t H, float *dx, float *dw) {
+void loom_cpu_rmsnorm_bwd(const float *dy, const float *x, const float *w, float woff,
+                          const float *rstd, int64_t N, int64_t H, float *dx, float *dw) {
     // dy, x, dx: (N, H); w, dw: (H); rstd: (N).
     // y_j = w_j x_j r with r = (mean(x^2) + eps)^-1/2, dr/dx_j = -r^3 x_j / H:
     // dx_j = r w_j dy_j - x_j r^3 / H * sum_k dy_k w_k x_k;  dw_j += sum_rows dy_j x_j r.
@@ -68,9 +68,10 @@ void loom_cpu_rmsnorm_bwd(const float *dy, const float *x, const float *w, const
         const float *dyr = dy + r * H, *xr = x + r * H;
         float *dxr = dx + r * H;
         double rs = rstd[r], dot = 0;
-        for (int64_t j = 0; j < H; j++) dot += (double)dyr[j] * w[j] * xr[j];
+        for (int64_t j = 0; j < H; j++) dot += (double)dyr[j] * (woff + w[j]) * xr[j];
         double c = dot * rs * rs * rs / (double)H;
-        for (int64_t j = 0; j < H; j++) dxr[j] = (float)(rs * w[j] * dyr[j] - c * xr[j]);
+        for (int64_t j = 0; j < H; j++)
+            dxr[j] = (float)(rs * (woff + w[j]) * dyr[j] - c * xr[j]);
     }
 }
 
