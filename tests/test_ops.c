@@ -375,6 +375,41 @@ TEST(ops_swiglu) {
     free(c.g), free(c.u), free(c.h), free(c.dh), free(dg), free(du);
 }
 
+/* the gated attention's output gate: y = o sigmoid(g) */
+static double gate_loss(void *p) {
+    swiglu_ctx *c = p; /* g, u = o, h = y, dh = dy */
+    loom_cpu_gate_fwd(c->u, c->g, c->n, c->h);
+    return sum_prod(c->dh, c->h, c->n);
+}
+
+TEST(ops_gate) {
+    enum { N = 37 };
+    swiglu_ctx c = {falloc(N), falloc(N), falloc(N), falloc(N), N};
+    fill(c.g, N, 63, 2);
+    fill(c.u, N, 64, 1);
+    fill(c.dh, N, 65, 1);
+    c.g[0] = -30, c.g[1] = 30; /* saturated sigmoid */
+    gate_loss(&c);
+    double worst = 0;
+    for (int i = 0; i < N; i++) {
+        const double want = c.u[i] / (1 + exp(-(double)c.g[i]));
+        worst = fmax(worst, fabs(c.h[i] - want) / (1 + fabs(want)));
+    }
+    CHECK_MSG(worst < 1e-6, "gate fwd err %g", worst);
+    float *dout = falloc(N), *dg = falloc(N);
+    loom_cpu_gate_bwd(c.dh, c.u, c.g, N, dout, dg);
+    double eg = fd_rel_err(gate_loss, &c, c.g, dg, N, 1e-3f);
+    double eo = fd_rel_err(gate_loss, &c, c.u, dout, N, 1e-3f);
+    CHECK_MSG(eg < 1e-3 && eo < 1e-3, "gate bwd: dg err %g do err %g", eg, eo);
+    /* in place: do over dy, dg over g */
+    float *dy2 = falloc(N), *g2 = falloc(N);
+    memcpy(dy2, c.dh, sizeof(float) * N);
+    memcpy(g2, c.g, sizeof(float) * N);
+    loom_cpu_gate_bwd(dy2, c.u, g2, N, dy2, g2);
+    CHECK(max_abs_diff(dy2, dout, N) == 0 && max_abs_diff(g2, dg, N) == 0);
+    free(c.g), free(c.u), free(c.h), free(c.dh), free(dout), free(dg), free(dy2), free(g2);
+}
+
 TEST(ops_residual_and_bias) {
     enum { T = 5, N = 9 };
     float y[T * N], y0[T * N], x[T * N], b[N], db[N];

@@ -119,6 +119,11 @@ typedef struct loom_backend {
      * (download, upload); bytes > 0 and distinct pointers (the caller
      * checks). */
     loom_status (*copy)(loom_dev *d, loom_ctx *ctx, void *dst, const void *src, size_t bytes);
+    /* rows of `width` bytes from src (a row every lds bytes) to dst (every
+     * ldd bytes), in stream order; the ranges do not overlap (Qwen3.5's
+     * q_proj output split into each head's query and gate, and back) */
+    loom_status (*copy2d)(loom_dev *d, loom_ctx *ctx, void *dst, size_t ldd, const void *src,
+                          size_t lds, size_t width, size_t rows);
     loom_status (*zero)(loom_dev *d, loom_ctx *ctx, void *p, size_t bytes);
     loom_status (*download)(loom_dev *d, loom_ctx *ctx, void *host, const void *dev,
                             size_t bytes);
@@ -141,6 +146,12 @@ typedef struct loom_backend {
                               void *h);
     loom_status (*swiglu_bwd)(loom_dev *d, loom_ctx *ctx, const void *dh, const void *g,
                               const void *u, int64_t n, void *dg, void *du);
+    /* y = o * sigmoid(g) over n (Qwen3.5's gated attention); its backward
+     * into do_ (may alias dy) and dg (may alias g) */
+    loom_status (*gate_fwd)(loom_dev *d, loom_ctx *ctx, const void *o, const void *g, int64_t n,
+                            void *y);
+    loom_status (*gate_bwd)(loom_dev *d, loom_ctx *ctx, const void *dy, const void *o,
+                            const void *g, int64_t n, void *do_, void *dg);
     /* y += x over n */
     loom_status (*add)(loom_dev *d, loom_ctx *ctx, void *y, const void *x, int64_t n);
     /* y (T, N) += b (N); db (N, fp32) += the column sums of dy (T, N) */

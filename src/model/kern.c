@@ -242,6 +242,21 @@ loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, cons
                                m->D, cu, ndocs, seqlen, m->attn_scale, dq, dk, dv);
 }
 
+loom_status loom_k_gate_fwd(loom_model *m, const void *o, const void *g, int64_t n, void *y) {
+    return m->dev.be->gate_fwd(&m->dev, m->ctx, o, g, n, y);
+}
+
+loom_status loom_k_gate_bwd(loom_model *m, const void *dy, const void *o, const void *g,
+                            int64_t n, void *dout, void *dg) {
+    return m->dev.be->gate_bwd(&m->dev, m->ctx, dy, o, g, n, dout, dg);
+}
+
+loom_status loom_k_copy2d(loom_model *m, void *dst, size_t ldd, const void *src, size_t lds,
+                          size_t width, size_t rows) {
+    if (!width || !rows) return LOOM_OK;
+    return m->dev.be->copy2d(&m->dev, m->ctx, dst, ldd, src, lds, width, rows);
+}
+
 loom_status loom_k_swiglu_fwd(loom_model *m, const void *g, const void *u, int64_t n, void *h) {
     return m->dev.be->swiglu_fwd(&m->dev, m->ctx, g, u, n, h);
 }

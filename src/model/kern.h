@@ -162,6 +162,14 @@ loom_status loom_k_attn_bwd(loom_model *m, const void *dout, const void *q, cons
                             const float *lse, int64_t T, int64_t Hq, int64_t Hkv,
                             const int32_t *cu, int64_t ndocs, int64_t seqlen, void *dq, void *dk,
                             void *dv);
+/* Qwen3.5's gated attention: y = o * sigmoid(g) over n, its backward (dout
+ * may alias dy, dg g); rows of width bytes between strided buffers (the
+ * q_proj output split into each head's query and gate, and back) */
+loom_status loom_k_gate_fwd(loom_model *m, const void *o, const void *g, int64_t n, void *y);
+loom_status loom_k_gate_bwd(loom_model *m, const void *dy, const void *o, const void *g,
+                            int64_t n, void *dout, void *dg);
+loom_status loom_k_copy2d(loom_model *m, void *dst, size_t ldd, const void *src, size_t lds,
+                          size_t width, size_t rows);
 loom_status loom_k_swiglu_fwd(loom_model *m, const void *g, const void *u, int64_t n, void *h);
 loom_status loom_k_swiglu_bwd(loom_model *m, const void *dh, const void *g, const void *u,
                               int64_t n, void *dg, void *du);

@@ -73,6 +73,14 @@ static loom_status cpu_copy(loom_dev *d, loom_ctx *ctx, void *dst, const void *s
     return LOOM_OK;
 }
 
+static loom_status cpu_copy2d(loom_dev *d, loom_ctx *ctx, void *dst, size_t ldd, const void *src,
+                              size_t lds, size_t width, size_t rows) {
+    (void)d, (void)ctx;
+    for (size_t r = 0; r < rows; r++)
+        memcpy((char *)dst + r * ldd, (const char *)src + r * lds, width);
+    return LOOM_OK;
+}
+
 static loom_status cpu_zero(loom_dev *d, loom_ctx *ctx, void *p, size_t bytes) {
     (void)d, (void)ctx;
     memset(p, 0, bytes);
@@ -87,6 +95,20 @@ static loom_status cpu_convert(loom_dev *d, loom_ctx *ctx, void *dst, loom_dtype
 }
 
 /* ---- element-wise: the CPU computes in fp32 ---- */
+
+static loom_status cpu_gate_fwd(loom_dev *d, loom_ctx *ctx, const void *o, const void *g,
+                                int64_t n, void *y) {
+    (void)d, (void)ctx;
+    loom_cpu_gate_fwd(CF(o), CF(g), n, F(y));
+    return LOOM_OK;
+}
+
+static loom_status cpu_gate_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *o,
+                                const void *g, int64_t n, void *do_, void *dg) {
+    (void)d, (void)ctx;
+    loom_cpu_gate_bwd(CF(dy), CF(o), CF(g), n, F(do_), F(dg));
+    return LOOM_OK;
+}
 
 static loom_status cpu_swiglu_fwd(loom_dev *d, loom_ctx *ctx, const void *g, const void *u,
                                   int64_t n, void *h) {
@@ -516,12 +538,15 @@ const loom_backend *loom_backend_cpu(void) {
         .free = cpu_free,
         .host_alloc = cpu_host_alloc,
         .copy = cpu_copy,
+        .copy2d = cpu_copy2d,
         .zero = cpu_zero,
         .download = cpu_copy, /* host and device memory are one */
         .upload = cpu_copy,
         .convert = cpu_convert,
         .mark = cpu_mark,
         .marks_ms = cpu_marks_ms,
+        .gate_fwd = cpu_gate_fwd,
+        .gate_bwd = cpu_gate_bwd,
         .swiglu_fwd = cpu_swiglu_fwd,
         .swiglu_bwd = cpu_swiglu_bwd,
         .add = cpu_add,

@@ -98,6 +98,12 @@ void loom_cpu_attention_bwd_q(const float *dout, const float *q, const int32_t *
 
 /* SwiGLU: h = silu(g) * u over n elements, silu(x) = x * sigmoid(x).
  * bwd: dg, du overwritten (dg may alias g or dh; du may alias u or dh). */
+/* Gated attention's output gate: y = o * sigmoid(g) over n (fp32).
+ * bwd: do_ = dy sigmoid(g), dg = dy o sigmoid(g) (1 - sigmoid(g)); do_ may
+ * alias dy, dg may alias g. */
+void loom_cpu_gate_fwd(const float *o, const float *g, int64_t n, float *y);
+void loom_cpu_gate_bwd(const float *dy, const float *o, const float *g, int64_t n, float *do_,
+                       float *dg);
 void loom_cpu_swiglu_fwd(const float *g, const float *u, int64_t n, float *h);
 void loom_cpu_swiglu_bwd(const float *dh, const float *g, const float *u, int64_t n, float *dg,
                          float *du);

@@ -149,6 +149,21 @@ static inline void swiglu1_bwd(float d, float g, float u, float *dg, float *du) 
     *du = d * g * sg;
 }
 
+void loom_cpu_gate_fwd(const float *o, const float *g, int64_t n, float *y) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) y[i] = o[i] * (1.0f / (1.0f + expf(-g[i])));
+}
+
+void loom_cpu_gate_bwd(const float *dy, const float *o, const float *g, int64_t n, float *do_,
+                       float *dg) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const float s = 1.0f / (1.0f + expf(-g[i])), d = dy[i], oi = o[i];
+        do_[i] = d * s; /* every read of element i is done: the outputs may alias */
+        dg[i] = d * oi * s * (1.0f - s);
+    }
+}
+
 void loom_cpu_swiglu_fwd(const float *g, const float *u, int64_t n, float *h) {
     // g, u, h: (n)
 #pragma omp parallel for schedule(static) if (n > 65536)

@@ -174,6 +174,11 @@ static loom_status cuda_copy(loom_dev *d, loom_ctx *ctx, void *dst, const void *
     return loom_cuda_memcpy_async(ctx, dst, src, bytes, d->stream);
 }
 
+static loom_status cuda_copy2d(loom_dev *d, loom_ctx *ctx, void *dst, size_t ldd,
+                               const void *src, size_t lds, size_t width, size_t rows) {
+    return loom_cuda_memcpy2d_async(ctx, dst, ldd, src, lds, width, rows, d->stream);
+}
+
 static loom_status cuda_zero(loom_dev *d, loom_ctx *ctx, void *p, size_t bytes) {
     return loom_cuda_memset_async(ctx, p, bytes, d->stream);
 }
@@ -196,6 +201,16 @@ static loom_status cuda_convert(loom_dev *d, loom_ctx *ctx, void *dst, loom_dtyp
 }
 
 /* ---- element-wise, in the compute dtype, on the model's stream ---- */
+
+static loom_status cuda_gate_fwd(loom_dev *d, loom_ctx *ctx, const void *o, const void *g,
+                                 int64_t n, void *y) {
+    return loom_cuda_gate_fwd(ctx, o, g, n, y, d->adt, d->stream);
+}
+
+static loom_status cuda_gate_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *o,
+                                 const void *g, int64_t n, void *do_, void *dg) {
+    return loom_cuda_gate_bwd(ctx, dy, o, g, n, do_, dg, d->adt, d->stream);
+}
 
 static loom_status cuda_swiglu_fwd(loom_dev *d, loom_ctx *ctx, const void *g, const void *u,
                                    int64_t n, void *h) {
@@ -786,12 +801,15 @@ const loom_backend *loom_backend_cuda(void) {
         .free = cuda_free,
         .host_alloc = cuda_host_alloc,
         .copy = cuda_copy,
+        .copy2d = cuda_copy2d,
         .zero = cuda_zero,
         .download = cuda_download,
         .upload = cuda_upload,
         .convert = cuda_convert,
         .mark = cuda_mark,
         .marks_ms = cuda_marks_ms,
+        .gate_fwd = cuda_gate_fwd,
+        .gate_bwd = cuda_gate_bwd,
         .swiglu_fwd = cuda_swiglu_fwd,
         .swiglu_bwd = cuda_swiglu_bwd,
         .add = cuda_add,

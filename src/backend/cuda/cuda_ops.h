@@ -294,6 +294,13 @@ loom_status loom_cuda_swiglu_fwd(loom_ctx *ctx, const void *g, const void *u, in
                                  loom_dtype dtype, void *stream);
 loom_status loom_cuda_swiglu_bwd(loom_ctx *ctx, const void *dh, const void *g, const void *u,
                                  int64_t n, void *dg, void *du, loom_dtype dtype, void *stream);
+/* The gated attention's output gate over n elements in dtype: y = o *
+ * sigmoid(g) in fp32, rounded once. bwd: do_ = dy sigmoid(g) (may alias
+ * dy), dg = dy o sigmoid(g) (1 - sigmoid(g)) (may alias g). */
+loom_status loom_cuda_gate_fwd(loom_ctx *ctx, const void *o, const void *g, int64_t n, void *y,
+                               loom_dtype dtype, void *stream);
+loom_status loom_cuda_gate_bwd(loom_ctx *ctx, const void *dy, const void *o, const void *g,
+                               int64_t n, void *do_, void *dg, loom_dtype dtype, void *stream);
 /* y += x over n elements (y_dtype and x_dtype may differ, e.g. an fp32
  * residual stream and a bf16 branch). */
 loom_status loom_cuda_residual_add(loom_ctx *ctx, void *y, loom_dtype y_dtype, const void *x,

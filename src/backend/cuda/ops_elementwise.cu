@@ -139,6 +139,41 @@ extern "C" loom_status loom_cuda_swiglu_bwd(loom_ctx *ctx, const void *dh, const
     return check_launch(ctx, "swiglu_bwd");
 }
 
+__global__ void gate_fwd_kernel(const void *o, const void *g, int64_t n, void *y, loom_dtype dt) {
+    grid_each(n, [&](int64_t i) {
+        st(y, dt, i, __fmul_rn(ld(o, dt, i), sigmoid1(ld(g, dt, i), false)));
+    });
+}
+
+__global__ void gate_bwd_kernel(const void *dy, const void *o, const void *g, int64_t n, void *dout,
+                                void *dg, loom_dtype dt) {
+    grid_each(n, [&](int64_t i) {
+        const float s = sigmoid1(ld(g, dt, i), false), d = ld(dy, dt, i), oi = ld(o, dt, i);
+        // every read of element i is done: dout may alias dy, dg may alias g
+        st(dout, dt, i, __fmul_rn(d, s));
+        st(dg, dt, i, __fmul_rn(__fmul_rn(__fmul_rn(d, oi), s), __fsub_rn(1.0f, s)));
+    });
+}
+
+extern "C" loom_status loom_cuda_gate_fwd(loom_ctx *ctx, const void *o, const void *g, int64_t n,
+                                          void *y, loom_dtype dtype, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dtype, "gate_fwd", "o, g, y"))) return st;
+    if (n <= 0) return LOOM_OK;
+    gate_fwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(o, g, n, y, dtype);
+    return check_launch(ctx, "gate_fwd");
+}
+
+extern "C" loom_status loom_cuda_gate_bwd(loom_ctx *ctx, const void *dy, const void *o,
+                                          const void *g, int64_t n, void *dout, void *dg,
+                                          loom_dtype dtype, void *stream) {
+    loom_status st;
+    if ((st = need_float(ctx, dtype, "gate_bwd", "dy, o, g, do, dg"))) return st;
+    if (n <= 0) return LOOM_OK;
+    gate_bwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(dy, o, g, n, dout, dg, dtype);
+    return check_launch(ctx, "gate_bwd");
+}
+
 extern "C" loom_status loom_cuda_residual_add(loom_ctx *ctx, void *y, loom_dtype y_dtype,
                                               const void *x, loom_dtype x_dtype, int64_t n,
                                               void *stream) {

@@ -584,6 +584,16 @@ extern "C" loom_status loom_cuda_memcpy_async(loom_ctx *ctx, void *dst, const vo
                  "memcpy_async");
 }
 
+extern "C" loom_status loom_cuda_memcpy2d_async(loom_ctx *ctx, void *dst, size_t ldd,
+                                                const void *src, size_t lds, size_t width,
+                                                size_t rows, void *stream) {
+    if (width == 0 || rows == 0) return LOOM_OK;
+    return check(ctx,
+                 cudaMemcpy2DAsync(dst, ldd, src, lds, width, rows, cudaMemcpyDefault,
+                                   as_stream(stream)),
+                 "memcpy2d_async");
+}
+
 extern "C" loom_status loom_cuda_events_create(loom_ctx *ctx, int n, void **ev) {
     *ev = NULL;
     cudaEvent_t *e = (cudaEvent_t *)calloc((size_t)n, sizeof *e);
