@@ -578,6 +578,14 @@ TEST(tokenizer_refuses_unsupported) {
                   "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
                   "{\"Regex\": \"\\\\s+\"}, \"behavior\": \"Isolated\", \"invert\": false}, " BYTE_LEVEL
                   "]}");
+    /* Qwen3.5's regex with \p{M} in one class only: refused, the message lists the four */
+    CHECK_REFUSED(U, "the regexes of Qwen2/Qwen3, Qwen3.5, Llama 3 and GPT-2", "PRE",
+                  "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
+                  "{\"Regex\": \"(?i:'s|'t|'re|'ve|'m|'ll|'d)|"
+                  "[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?[\\\\p{L}\\\\p{M}]+|\\\\p{N}| "
+                  "?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|\\\\s*[\\\\r\\\\n]+|"
+                  "\\\\s+(?!\\\\S)|\\\\s+\"}, \"behavior\": \"Isolated\", \"invert\": false}, " BYTE_LEVEL
+                  "]}");
     CHECK_REFUSED(U, "behavior \"Removed\" is not supported", "PRE",
                   "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
                   "{\"Regex\": \"'s|'t|'re|'ve|'m|'ll|'d| ?\\\\p{L}+| ?\\\\p{N}+| "
