@@ -584,8 +584,8 @@ TEST(tokenizer_refuses_unsupported) {
                   "{\"Regex\": \"(?i:'s|'t|'re|'ve|'m|'ll|'d)|"
                   "[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?[\\\\p{L}\\\\p{M}]+|\\\\p{N}| "
                   "?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|\\\\s*[\\\\r\\\\n]+|"
-                  "\\\\s+(?!\\\\S)|\\\\s+\"}, \"behavior\": \"Isolated\", \"invert\": false}, " BYTE_LEVEL
-                  "]}");
+                  "\\\\s+(?!\\\\S)|\\\\s+\"}, \"behavior\": \"Isolated\", "
+                  "\"invert\": false}, " BYTE_LEVEL "]}");
     CHECK_REFUSED(U, "behavior \"Removed\" is not supported", "PRE",
                   "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
                   "{\"Regex\": \"'s|'t|'re|'ve|'m|'ll|'d| ?\\\\p{L}+| ?\\\\p{N}+| "
