@@ -285,6 +285,23 @@ TEST(tokenizer_pretokenizer_regexes) {
     CHECK_EQ_INT(loom_pretok_find("\\s+", 3), -1);
 }
 
+/* Qwen3.5's regex: a mark (U+0301 here) joins the letters around it, starts
+ * a word, and follows the one space or "other" before it; for Qwen2's regex a
+ * mark is "other". tests/test_tokenizer_qwen35.c has HF's pieces of many
+ * more texts. */
+TEST(tokenizer_pretokenizer_qwen35_marks) {
+    const loom_pretok_pattern Q = LOOM_PAT_QWEN2, Q35 = LOOM_PAT_QWEN35;
+    CHECK_SPLIT(Q35, "cafe\xCC\x81!", "cafe\xCC\x81|!");
+    CHECK_SPLIT(Q, "cafe\xCC\x81!", "cafe|\xCC\x81!");
+    CHECK_SPLIT(Q35, "e\xCC\x81x", "e\xCC\x81x");
+    CHECK_SPLIT(Q, "e\xCC\x81x", "e|\xCC\x81x");
+    CHECK_SPLIT(Q35, " \xCC\x81\xCC\x81 1\xCC\x81", " \xCC\x81\xCC\x81| |1|\xCC\x81");
+    CHECK_SPLIT(Q35, "!\xCC\x81\n\xCC\x81", "!\xCC\x81|\n|\xCC\x81");
+    CHECK_SPLIT(Q35, "x's\xCC\x81", "x|'s|\xCC\x81");
+    const char *re = loom_pretok_regex(Q35);
+    CHECK_EQ_INT(loom_pretok_find(re, strlen(re)), Q35);
+}
+
 /* ---------------------------------------------------------------------- */
 /* A tiny tokenizer.json                                                   */
 /* ---------------------------------------------------------------------- */
@@ -561,6 +578,14 @@ TEST(tokenizer_refuses_unsupported) {
                   "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
                   "{\"Regex\": \"\\\\s+\"}, \"behavior\": \"Isolated\", \"invert\": false}, " BYTE_LEVEL
                   "]}");
+    /* Qwen3.5's regex with \p{M} in one class only: refused, the message lists the four */
+    CHECK_REFUSED(U, "the regexes of Qwen2/Qwen3, Qwen3.5, Llama 3 and GPT-2", "PRE",
+                  "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
+                  "{\"Regex\": \"(?i:'s|'t|'re|'ve|'m|'ll|'d)|"
+                  "[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?[\\\\p{L}\\\\p{M}]+|\\\\p{N}| "
+                  "?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|\\\\s*[\\\\r\\\\n]+|"
+                  "\\\\s+(?!\\\\S)|\\\\s+\"}, \"behavior\": \"Isolated\", "
+                  "\"invert\": false}, " BYTE_LEVEL "]}");
     CHECK_REFUSED(U, "behavior \"Removed\" is not supported", "PRE",
                   "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
                   "{\"Regex\": \"'s|'t|'re|'ve|'m|'ll|'d| ?\\\\p{L}+| ?\\\\p{N}+| "

@@ -9,8 +9,9 @@ The generated files are committed: the build never runs this script.
 What the tables are for, and which Unicode version each must have to reproduce
 Hugging Face `tokenizers` (0.2x, the Python wheels) exactly:
 
-* General categories L* (letters) and N* (numbers) and the White_Space
-  property: the pre-tokenizer regexes (`\\p{L}`, `\\p{N}`, `\\s`) run in
+* General categories L* (letters), N* (numbers) and M* (marks: Mn, Mc, Me;
+  only Qwen3.5's regex names them) and the White_Space property: the
+  pre-tokenizer regexes (`\\p{L}`, `\\p{N}`, `\\p{M}`, `\\s`) run in
   Oniguruma 6.9.10 (onig_sys 69.9), whose tables are Unicode 16.0.0. Python's
   own `unicodedata` may be older (3.11 has 14.0.0): this script takes
   `unicodedata2` when it is installed (`pip install unicodedata2==16.0.0`) and
@@ -54,7 +55,7 @@ L_COUNT, V_COUNT, T_COUNT = 19, 21, 28
 N_COUNT = V_COUNT * T_COUNT
 S_COUNT = L_COUNT * N_COUNT
 
-CLS_L, CLS_N, CLS_WS = 1, 2, 3
+CLS_L, CLS_N, CLS_WS, CLS_M = 1, 2, 3, 4
 
 
 def load_ucd(any_version):
@@ -206,6 +207,8 @@ def build(any_version):
             return CLS_L
         if cat[0] == "N":
             return CLS_N
+        if cat[0] == "M":
+            return CLS_M
         if cat in ("Zs", "Zl", "Zp") or 0x09 <= c <= 0x0D or c == 0x85:
             return CLS_WS
         return 0
@@ -223,6 +226,8 @@ def build(any_version):
     assert ws == iss, (ws, iss)
     assert ws == [9, 10, 11, 12, 13, 0x20, 0x85, 0xA0, 0x1680] + list(range(0x2000, 0x200B)) + \
         [0x2028, 0x2029, 0x202F, 0x205F, 0x3000], ws
+    # no mark is White_Space or below U+0300 (the ASCII table has no marks)
+    assert min(c for c, v in classes.items() if v == CLS_M) == 0x300
     class_ranges = valued_ranges(classes)
     ascii_class = [classes.get(c, 0) for c in range(128)]
 
@@ -337,8 +342,8 @@ def header_comment(meta):
         " * Age property, Perl's Unicode::UCD (Unicode %(perl)s). Do not edit: change the script and\n"
         " * run it again (python3 tools/gen_unicode.py).\n"
         " *\n"
-        " * - Classes L / N / White_Space: Unicode %(ud_version)s, as the regexes of Hugging Face\n"
-        " *   tokenizers see them (Oniguruma 6.9.10).\n"
+        " * - Classes L / N / M / White_Space: Unicode %(ud_version)s, as the regexes of Hugging\n"
+        " *   Face tokenizers see them (Oniguruma 6.9.10).\n"
         " * - NFC data: Unicode " + NFC_VERSION + ".0 (the tables of unicode-normalization-alignments\n"
         " *   0.1.12, which tokenizers normalizes with): the data restricted to the code points\n"
         " *   assigned in " + NFC_VERSION + "; later code points are inert starters. */\n") % meta
@@ -354,7 +359,7 @@ def render(meta, ascii_class, class_ranges, ccc_ranges, dec_rows, pool, comp_row
 #define LOOM_UC_NFC_VERSION "%(nfc)s.0"
 
 /* Character classes of the pre-tokenizer regexes. */
-enum { LOOM_UC_OTHER = 0, LOOM_UC_L = 1, LOOM_UC_N = 2, LOOM_UC_WS = 3 };
+enum { LOOM_UC_OTHER = 0, LOOM_UC_L = 1, LOOM_UC_N = 2, LOOM_UC_WS = 3, LOOM_UC_M = 4 };
 
 /* A run of code points [lo, hi] with a value v: hi_v = hi | v << 24. */
 typedef struct loom_uc_range {
@@ -364,7 +369,8 @@ typedef struct loom_uc_range {
 #define LOOM_UC_V(r) ((r).hi_v >> 24)
 
 extern const uint8_t loom_uc_ascii_class[128];
-/* Runs of letters (L*), numbers (N*) and White_Space, sorted, disjoint. */
+/* Runs of letters (L*), numbers (N*), White_Space and marks (M*), sorted,
+ * disjoint. */
 extern const loom_uc_range loom_uc_class_ranges[];
 extern const uint32_t loom_uc_n_class_ranges;
 

@@ -61,6 +61,7 @@ typedef enum loom_pretok_pattern {
     LOOM_PAT_QWEN2 = 0, /* Qwen2 / Qwen2.5 / Qwen3: \p{N} alone */
     LOOM_PAT_LLAMA3,    /* Llama 3: \p{N}{1,3} */
     LOOM_PAT_GPT2,      /* GPT-2 (ByteLevel use_regex) */
+    LOOM_PAT_QWEN35,    /* Qwen3.5: marks join letters ([\p{L}\p{M}]+) */
 } loom_pretok_pattern;
 
 /* The exact regex text of a pattern (as in tokenizer.json). */

@@ -236,7 +236,7 @@ static loom_status parse_split(ld *l, const loom_json *v, const char *where) {
         if (loom_json_get(pat, "String"))
             return bad(l, LOOM_ERR_UNSUPPORTED,
                        "%s.pattern: a String pattern is not supported (loom implements the "
-                       "regexes of Qwen2/Qwen3, Llama 3 and GPT-2)",
+                       "regexes of Qwen2/Qwen3, Qwen3.5, Llama 3 and GPT-2)",
                        where);
         return bad(l, LOOM_ERR_FORMAT, "%s.pattern must be {\"Regex\": ...} or {\"String\": ...}",
                    where);
@@ -249,7 +249,7 @@ static loom_status parse_split(ld *l, const loom_json *v, const char *where) {
         char b[112];
         return bad(l, LOOM_ERR_UNSUPPORTED,
                    "%s: the regex \"%s\" is not supported (loom implements exactly the regexes of "
-                   "Qwen2/Qwen3, Llama 3 and GPT-2)",
+                   "Qwen2/Qwen3, Qwen3.5, Llama 3 and GPT-2)",
                    where, show(re->s, re->slen, b));
     }
     const loom_json *beh = loom_json_get(v, "behavior");

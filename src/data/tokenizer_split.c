@@ -1,10 +1,12 @@
-/* The pre-tokenizer regexes of Qwen2/Qwen3, Llama 3 and GPT-2, each matched
- * by hand over code points with the semantics of the backtracking engine
- * Hugging Face tokenizers runs them in (Oniguruma): at a position, the
+/* The pre-tokenizer regexes of Qwen2/Qwen3, Qwen3.5, Llama 3 and GPT-2, each
+ * matched by hand over code points with the semantics of the backtracking
+ * engine Hugging Face tokenizers runs them in (Oniguruma): at a position, the
  * alternatives are tried in order and the first that matches wins; inside
  * one, greedy quantifiers take the longest run that lets the rest match.
- * Classes: \p{L} letters, \p{N} numbers, \s White_Space (see
- * unicode_tables.h), "other" = none of them. */
+ * Classes: \p{L} letters, \p{N} numbers, \p{M} marks, \s White_Space, from
+ * Unicode 16.0.0 as in Oniguruma 6.9.10 (see unicode_tables.h); "other" =
+ * none of them. Only Qwen3.5's regex names \p{M}: for the others a mark is
+ * "other". */
 #include <string.h>
 
 #include "tokenizer_impl.h"
@@ -15,6 +17,9 @@ static const char *const REGEX[] = {
     [LOOM_PAT_LLAMA3] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
                         "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
     [LOOM_PAT_GPT2] = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
+    [LOOM_PAT_QWEN35] =
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| "
+        "?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
 };
 
 const char *loom_pretok_regex(loom_pretok_pattern p) { return REGEX[p]; }
@@ -25,11 +30,13 @@ int loom_pretok_find(const char *re, size_t len) {
     return -1;
 }
 
-/* A cursor over valid UTF-8. */
+/* A cursor over valid UTF-8; marks: whether the pattern tells \p{M} from
+ * "other". */
 typedef struct cur {
     const unsigned char *s;
     size_t n;
     uint32_t hint;
+    bool marks;
 } cur;
 
 /* The code point at i (i < n), its class, and the index after it. */
@@ -37,16 +44,20 @@ static inline uint32_t at(cur *c, size_t i, int *cls, size_t *next) {
     *next = i;
     uint32_t cp = loom_utf8_next(c->s, next);
     *cls = loom_uc_class(cp, &c->hint);
+    if (*cls == LOOM_UC_M && !c->marks) *cls = LOOM_UC_OTHER;
     return cp;
 }
 
-/* End of the run of code points of class k starting at i. */
-static size_t run_of(cur *c, size_t i, int k) {
+#define BIT(k) (1u << (k))
+
+/* End of the run of code points whose class is in the set `set` (of BIT(k))
+ * starting at i. */
+static size_t run_in(cur *c, size_t i, unsigned set) {
     while (i < c->n) {
         int cls;
         size_t j;
         at(c, i, &cls, &j);
-        if (cls != k) break;
+        if (!(set & BIT(cls))) break;
         i = j;
     }
     return i;
@@ -109,7 +120,8 @@ static size_t ws_tail(cur *c, size_t i, bool crlf_alt) {
     return last;                               /* \s+(?!\S): all but the last */
 }
 
-/* Qwen2 / Llama 3 at i: the match end (> i), or 0. */
+/* Qwen2 / Llama 3 / Qwen3.5 at i: the match end (> i), or 0. Qwen3.5 is
+ * Qwen2 with [\p{L}\p{M}]+ for \p{L}+ (c->marks: a mark is not "other"). */
 static size_t match_qwen(cur *c, size_t i, bool llama) {
     int k0, k1;
     size_t i1, i2;
@@ -119,11 +131,13 @@ static size_t match_qwen(cur *c, size_t i, bool llama) {
         size_t e = contraction(c, i, true);
         if (e) return e;
     }
-    /* [^\r\n\p{L}\p{N}]?\p{L}+ */
-    if (k0 == LOOM_UC_L) return run_of(c, i1, LOOM_UC_L);
+    /* [^\r\n\p{L}\p{N}]?\p{L}+, or [^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+: a leading
+     * mark is taken by either part, the end is the same */
+    const unsigned word = c->marks ? BIT(LOOM_UC_L) | BIT(LOOM_UC_M) : BIT(LOOM_UC_L);
+    if (word & BIT(k0)) return run_in(c, i1, word);
     if (c0 != '\r' && c0 != '\n' && k0 != LOOM_UC_N && i1 < c->n) {
         at(c, i1, &k1, &i2);
-        if (k1 == LOOM_UC_L) return run_of(c, i2, LOOM_UC_L);
+        if (word & BIT(k1)) return run_in(c, i2, word);
     }
     /* \p{N} or \p{N}{1,3} */
     if (k0 == LOOM_UC_N) {
@@ -136,12 +150,12 @@ static size_t match_qwen(cur *c, size_t i, bool llama) {
         }
         return e;
     }
-    /*  ?[^\s\p{L}\p{N}]+[\r\n]* */
+    /*  ?[^\s\p{L}\p{N}]+[\r\n]* (Qwen3.5: [^\s\p{L}\p{M}\p{N}]: "other") */
     if (c0 == ' ' && i1 < c->n) {
         at(c, i1, &k1, &i2);
-        if (k1 == LOOM_UC_OTHER) return run_crlf(c, run_of(c, i2, LOOM_UC_OTHER));
+        if (k1 == LOOM_UC_OTHER) return run_crlf(c, run_in(c, i2, BIT(LOOM_UC_OTHER)));
     }
-    if (k0 == LOOM_UC_OTHER) return run_crlf(c, run_of(c, i1, LOOM_UC_OTHER));
+    if (k0 == LOOM_UC_OTHER) return run_crlf(c, run_in(c, i1, BIT(LOOM_UC_OTHER)));
     /* \s*[\r\n]+|\s+(?!\S)|\s+ */
     return ws_tail(c, i, true);
 }
@@ -158,16 +172,16 @@ static size_t match_gpt2(cur *c, size_t i) {
     /*  ?\p{L}+ |  ?\p{N}+ |  ?[^\s\p{L}\p{N}]+ */
     if (c0 == ' ' && i1 < c->n) {
         at(c, i1, &k1, &i2);
-        if (k1 != LOOM_UC_WS) return run_of(c, i2, k1);
+        if (k1 != LOOM_UC_WS) return run_in(c, i2, BIT(k1));
     }
-    if (k0 != LOOM_UC_WS) return run_of(c, i1, k0);
+    if (k0 != LOOM_UC_WS) return run_in(c, i1, BIT(k0));
     /* \s+(?!\S)|\s+ */
     return ws_tail(c, i, false);
 }
 
 bool loom_pretok_next(loom_pretok_pattern p, const char *s, size_t n, size_t pos, size_t *start,
                       size_t *end) {
-    cur c = {(const unsigned char *)s, n, 0};
+    cur c = {(const unsigned char *)s, n, 0, p == LOOM_PAT_QWEN35};
     /* Every code point begins a match of these patterns (each class has an
      * alternative), so the leftmost match starts at pos. */
     if (pos >= n) return false;

@@ -2,8 +2,8 @@
  * Age property, Perl's Unicode::UCD (Unicode 14.0.0). Do not edit: change the script and
  * run it again (python3 tools/gen_unicode.py).
  *
- * - Classes L / N / White_Space: Unicode 16.0.0, as the regexes of Hugging Face
- *   tokenizers see them (Oniguruma 6.9.10).
+ * - Classes L / N / M / White_Space: Unicode 16.0.0, as the regexes of Hugging
+ *   Face tokenizers see them (Oniguruma 6.9.10).
  * - NFC data: Unicode 9.0.0 (the tables of unicode-normalization-alignments
  *   0.1.12, which tokenizers normalizes with): the data restricted to the code points
  *   assigned in 9.0; later code points are inert starters. */
@@ -16,7 +16,7 @@
 #define LOOM_UC_NFC_VERSION "9.0.0"
 
 /* Character classes of the pre-tokenizer regexes. */
-enum { LOOM_UC_OTHER = 0, LOOM_UC_L = 1, LOOM_UC_N = 2, LOOM_UC_WS = 3 };
+enum { LOOM_UC_OTHER = 0, LOOM_UC_L = 1, LOOM_UC_N = 2, LOOM_UC_WS = 3, LOOM_UC_M = 4 };
 
 /* A run of code points [lo, hi] with a value v: hi_v = hi | v << 24. */
 typedef struct loom_uc_range {
@@ -26,7 +26,8 @@ typedef struct loom_uc_range {
 #define LOOM_UC_V(r) ((r).hi_v >> 24)
 
 extern const uint8_t loom_uc_ascii_class[128];
-/* Runs of letters (L*), numbers (N*) and White_Space, sorted, disjoint. */
+/* Runs of letters (L*), numbers (N*), White_Space and marks (M*), sorted,
+ * disjoint. */
 extern const loom_uc_range loom_uc_class_ranges[];
 extern const uint32_t loom_uc_n_class_ranges;
 
