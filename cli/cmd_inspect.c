@@ -114,14 +114,17 @@ static void print_text(const char *src, const loom_model_config *c, const loom_p
                c->mlp_bias ? ", with biases" : "");
     }
     const int64_t nlin = loom_config_linear_layers(c);
-    if (nlin > 0 || c->attn_gate)
-        printf("  layers: %" PRId64 " Gated DeltaNet (key heads %" PRId64 " of %" PRId64
-               ", value heads %" PRId64 " of %" PRId64 ", conv %" PRId64 "), %" PRId64
-               " full attention (output gate, %" PRId64 " of %" PRId64
+    if (nlin > 0 || c->attn_gate) {
+        printf("  layers: ");
+        if (nlin > 0)
+            printf("%" PRId64 " Gated DeltaNet (key heads %" PRId64 " of %" PRId64
+                   ", value heads %" PRId64 " of %" PRId64 ", conv %" PRId64 "), ",
+                   nlin, c->lin_k_heads, c->lin_k_dim, c->lin_v_heads, c->lin_v_dim,
+                   c->lin_conv_kernel);
+        printf("%" PRId64 " full attention (output gate, %" PRId64 " of %" PRId64
                " dimensions rotated); zero-centred norms; text model under %s\n",
-               nlin, c->lin_k_heads, c->lin_k_dim, c->lin_v_heads, c->lin_v_dim,
-               c->lin_conv_kernel, c->num_layers - nlin, c->rotary_dim, c->head_dim,
-               loom_config_text_prefix(c));
+               c->num_layers - nlin, c->rotary_dim, c->head_dim, loom_config_text_prefix(c));
+    }
     printf("  rope %s, theta %.10g", loom_rope_type_name(c->rope_type), c->rope_theta);
     if (c->rope_type != LOOM_ROPE_DEFAULT) printf(", factor %g", c->rope_factor);
     printf("; rms_norm_eps %g; qk-norm %s; qkv bias %s; tied embeddings %s\n", c->rms_norm_eps,

@@ -359,7 +359,7 @@ TEST(config_qwen3_5) {
             CHECK(plan.p[i].ndim == 2 && plan.p[i].shape[0] == 128 && plan.p[i].shape[1] == 4);
     loom_param_plan_free(&plan);
     CHECK_EQ_INT(loom_config_check_built(ctx, &c), LOOM_ERR_UNSUPPORTED);
-    CHECK_CONTAINS(loom_last_error(ctx), "3 Gated DeltaNet linear_attention layers of 4");
+    CHECK_CONTAINS(loom_last_error(ctx), "Gated DeltaNet layers (3 linear_attention layers of 4)");
     loom_config_free(&c);
 
     REQUIRE_OK(ctx, loom_config_load(ctx, "tests/fixtures_qwen3_5/models/tiny-qwen3_5-moe", &c));

@@ -5,6 +5,12 @@
  *   o = attention(q, k, v)                causal, GQA, documents from cu_seqlens
  *   out = o Wo^T                          row-parallel: a partial sum over tp
  *
+ * Qwen3.5's gated attention (attn_gate): h Wq^T gives each head's query and
+ * an output gate side by side (2 head_dim columns a head), split apart
+ * (copy2d); o = attention(...) * sigmoid(gate) before Wo. Its RoPE turns
+ * the first rd dimensions of a head, its norms' weights are 1 + w (the ops'
+ * woff).
+ *
  * HF weights are (out, in): y = x W^T. */
 #include "block.h"
 #include "model.h"
@@ -12,8 +18,8 @@
 /* its tensors, its linears, its activation buffers per layer, its scratch */
 enum { WQ, WK, WV, WO, BQ, BK, BV, BO, QN, KN, NSLOT };
 enum { LQ, LK, LV, LO, NLIN };
-enum { QPRE, KPRE, RSTDQ, RSTDK, Q, K, V, O, LSE, NBUF };
-enum { DQ, DOUT, DK, DV, DKL, DVL, KVBLK, NSCRATCH };
+enum { QPRE, KPRE, RSTDQ, RSTDK, Q, K, V, O, LSE, GATE, OG, NBUF };
+enum { DQ, DOUT, DK, DV, DKL, DVL, KVBLK, QG, DGATE, NSCRATCH };
 
 static const loom_block_slot slots[NSLOT] = {
     [WQ] = {"self_attn.q_proj.weight", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
@@ -42,7 +48,7 @@ static loom_status attn_params(const loom_model_config *c, int64_t l, loom_param
     loom_param_put(s, WV, kv, H);
     loom_param_put(s, WO, H, q);
     if (c->qkv_bias) {
-        loom_param_put(s, BQ, q, 0);
+        loom_param_put(s, BQ, c->attn_gate ? 2 * q : q, 0);
         loom_param_put(s, BK, kv, 0);
         loom_param_put(s, BV, kv, 0);
     }
@@ -78,6 +84,19 @@ static const int32_t *my_qidx_d(const loom_model *m) {
     return m->cp == 1 ? NULL : m->d_perm + (int64_t)m->mesh->cp_rank * m->Tc;
 }
 
+/* The gated q_proj's rows (Tc, heads, [query, gate] of D each) <-> query
+ * and gate (Tc, heads, D) each: apart (back false) or together (back). */
+static loom_status gate_split(loom_model *m, void *qg, void *q, void *g, bool back) {
+    const size_t e = m->dev.esz, D = (size_t)m->D, rows = (size_t)(m->Tc * m->Hql);
+    char *qgc = qg;
+    if (back) {
+        CK(loom_k_copy2d(m, qgc, 2 * D * e, q, D * e, D * e, rows));
+        return loom_k_copy2d(m, qgc + D * e, 2 * D * e, g, D * e, D * e, rows);
+    }
+    CK(loom_k_copy2d(m, q, D * e, qgc, 2 * D * e, D * e, rows));
+    return loom_k_copy2d(m, g, D * e, qgc + D * e, 2 * D * e, D * e, rows);
+}
+
 static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
     loom_model *m = b->m;
     const int *w = b->w;
@@ -91,10 +110,15 @@ static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
     void *kl = m->cp == 1 ? k : b->scratch[DKL], *vl = m->cp == 1 ? v : b->scratch[DVL];
     void *qdst = m->cfg.qk_norm ? a[QPRE] : q;
     void *kdst = m->cfg.qk_norm ? a[KPRE] : kl;
-    CK(loom_blk_lin(b, LQ, h, Tc, H, loom_wc(m, w[WQ]), QD, qdst));
+    const bool gated = m->cfg.attn_gate;
+    /* gated: each head's query and gate into QG, then apart */
+    void *qproj = gated ? b->scratch[QG] : qdst;
+    const int64_t QW = gated ? 2 * QD : QD;
+    CK(loom_blk_lin(b, LQ, h, Tc, H, loom_wc(m, w[WQ]), QW, qproj));
     CK(loom_blk_lin(b, LK, h, Tc, H, loom_wc(m, w[WK]), KD, kdst));
     CK(loom_blk_lin(b, LV, h, Tc, H, loom_wc(m, w[WV]), KD, vl));
-    if (w[BQ] >= 0) CK(loom_k_bias_fwd(m, qdst, loom_wc(m, w[BQ]), Tc, QD));
+    if (w[BQ] >= 0) CK(loom_k_bias_fwd(m, qproj, loom_wc(m, w[BQ]), Tc, QW));
+    if (gated) CK(gate_split(m, qproj, qdst, a[GATE], false));
     if (w[BK] >= 0) CK(loom_k_bias_fwd(m, kdst, loom_wc(m, w[BK]), Tc, KD));
     if (w[BV] >= 0) CK(loom_k_bias_fwd(m, vl, loom_wc(m, w[BV]), Tc, KD));
     if (m->cfg.qk_norm) {
@@ -108,8 +132,10 @@ static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
     CK(cp_gather(m, vl, KD, v, b->scratch[KVBLK]));
     CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
                        mb->even_len, o, a[LSE]));
-    if (!out) return loom_blk_lora_fwd(b, LO, o, Tc, m->dtmp);
-    return loom_blk_lin(b, LO, o, Tc, QD, loom_wc(m, w[WO]), H, out);
+    if (gated) CK(loom_k_gate_fwd(m, o, a[GATE], Tc * QD, a[OG]));
+    void *oin = gated ? a[OG] : o; /* o_proj's input */
+    if (!out) return loom_blk_lora_fwd(b, LO, oin, Tc, m->dtmp);
+    return loom_blk_lin(b, LO, oin, Tc, QD, loom_wc(m, w[WO]), H, out);
 }
 
 #define DW(dy, x, T, out, in, dW) CK(loom_k_lin_dw(m, dy, x, T, out, in, 1.0f, dW))
@@ -129,10 +155,14 @@ static loom_status attn_bwd_core(const loom_blk *b, const void *dy, void *dkl, v
     bool acc = false;
     loom_dx_term t[4];
     int nt = 0;
-    CK(loom_blk_lora_bwd(b, LO, a[O], Tc, dy, dout, &acc, t, &nt));
+    const bool gated = m->cfg.attn_gate;
+    const void *oin = gated ? a[OG] : a[O]; /* o_proj's input */
+    CK(loom_blk_lora_bwd(b, LO, oin, Tc, dy, dout, &acc, t, &nt));
     t[nt++] = loom_dx_base(dy, H, loom_wc(m, w[WO]));
     CK(loom_k_lin_dx_sum(m, Tc, QD, nt, t, acc ? 1.0f : 0.0f, dout));
-    DW(dy, a[O], Tc, H, QD, loom_g(m, w[WO]));
+    DW(dy, oin, Tc, H, QD, loom_g(m, w[WO]));
+    /* through the gate: d o in place, d gate aside */
+    if (gated) CK(loom_k_gate_bwd(m, dout, a[O], a[GATE], Tc * QD, dout, sc[DGATE]));
     CK(loom_k_attn_bwd(m, dout, a[Q], my_qidx_d(m), Tc, a[K], a[V], a[O], a[LSE], T, m->Hql,
                        m->Hkvl, mb->d_cu, mb->ndocs, mb->even_len, dq, dk, dv));
     CK(cp_reduce(m, dk, KD, dkl, sc[KVBLK]));
@@ -146,7 +176,9 @@ static loom_status attn_bwd_core(const loom_blk *b, const void *dy, void *dkl, v
         CK(loom_k_rope(m, true, dq, Tc, m->Hql, mb->d_pos));
         CK(loom_k_rope(m, true, dkl, Tc, m->Hkvl, mb->d_pos));
     }
-    if (w[BQ] >= 0) CK(loom_k_bias_bwd(m, dq, Tc, QD, loom_g(m, w[BQ])));
+    if (gated) CK(gate_split(m, sc[QG], dq, sc[DGATE], true)); /* d q_proj's output */
+    void *dqw = gated ? sc[QG] : dq;
+    if (w[BQ] >= 0) CK(loom_k_bias_bwd(m, dqw, Tc, gated ? 2 * QD : QD, loom_g(m, w[BQ])));
     if (w[BK] >= 0) CK(loom_k_bias_bwd(m, dkl, Tc, KD, loom_g(m, w[BK])));
     if (w[BV] >= 0) CK(loom_k_bias_bwd(m, dvl, Tc, KD, loom_g(m, w[BV])));
     return LOOM_OK;
@@ -157,8 +189,12 @@ static loom_status attn_bwd(const loom_blk *b, const void *h, const void *dy, vo
     const int *w = b->w;
     const int64_t H = m->H, QD = m->Hql * m->D, KD = m->Hkvl * m->D, Tc = m->Tc;
     void *const *sc = b->scratch;
-    void *dq = sc[DQ], *dkl = sc[m->cp == 1 ? DK : DKL], *dvl = sc[m->cp == 1 ? DV : DVL];
+    void *dkl = sc[m->cp == 1 ? DK : DKL], *dvl = sc[m->cp == 1 ? DV : DVL];
     CK(attn_bwd_core(b, dy, dkl, dvl));
+    /* d of q_proj's output: the query's, or (gated) the query's and the
+     * gate's side by side */
+    void *dq = m->cfg.attn_gate ? sc[QG] : sc[DQ];
+    const int64_t QW = m->cfg.attn_gate ? 2 * QD : QD;
     bool acc = false;
     loom_dx_term t[4];
     int nt = 0;
@@ -166,12 +202,12 @@ static loom_status attn_bwd(const loom_blk *b, const void *h, const void *dy, vo
     CK(loom_blk_lora_bwd(b, LK, h, Tc, dkl, dx, &acc, NULL, NULL));
     CK(loom_blk_lora_bwd(b, LV, h, Tc, dvl, dx, &acc, t, &nt));
     if (dx) {
-        t[nt++] = loom_dx_base(dq, QD, loom_wc(m, w[WQ]));
+        t[nt++] = loom_dx_base(dq, QW, loom_wc(m, w[WQ]));
         t[nt++] = loom_dx_base(dkl, KD, loom_wc(m, w[WK]));
         t[nt++] = loom_dx_base(dvl, KD, loom_wc(m, w[WV]));
         CK(loom_k_lin_dx_sum(m, Tc, H, nt, t, acc ? 1.0f : 0.0f, dx));
     }
-    DW(dq, h, Tc, QD, H, loom_g(m, w[WQ]));
+    DW(dq, h, Tc, QW, H, loom_g(m, w[WQ]));
     DW(dkl, h, Tc, KD, H, loom_g(m, w[WK]));
     DW(dvl, h, Tc, KD, H, loom_g(m, w[WV]));
     return LOOM_OK;
@@ -189,6 +225,8 @@ static int attn_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loo
     out[K].bytes = out[V].bytes = (size_t)(T * KD) * e; /* the whole micro-batch's (over cp) */
     out[O].bytes = (size_t)(Tc * QD) * e;
     out[LSE].bytes = (size_t)(Tc * m->Hql) * f;
+    /* gated: the gate, and o * sigmoid(gate) (o_proj's input) */
+    out[GATE].bytes = out[OG].bytes = m->cfg.attn_gate ? (size_t)(Tc * QD) * e : 0;
     return NBUF; /* all kept under selective recomputation */
 }
 
@@ -199,6 +237,9 @@ static int attn_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *byte
     bytes[DK] = bytes[DV] = (size_t)(T * KD) * e;
     bytes[DKL] = bytes[DVL] = (size_t)(Tc * KD) * e;
     bytes[KVBLK] = (size_t)(T * KD) * e; /* a cp exchange's gathered blocks */
+    /* gated: q_proj's output (the forward's, then its gradient), d gate */
+    bytes[QG] = m->cfg.attn_gate ? (size_t)(Tc * 2 * QD) * e : 0;
+    bytes[DGATE] = m->cfg.attn_gate ? (size_t)(Tc * QD) * e : 0;
     return NSCRATCH;
 }
 

@@ -643,6 +643,13 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     m->attn_scale = (float)(1.0 / sqrt((double)m->D));
+    if (cuda && c->norm_offset) {
+        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                       "%s: %s's zero-centred RMSNorm weights (1 + w) are not in the CUDA kernels "
+                       "yet: train it on the CPU (--device cpu) for now (issue 38)",
+                       dir, c->model_type);
+        goto fail;
+    }
     m->loss = loom_loss_cross_entropy();
     if ((st = loom_config_check_built(ctx, c)) || (st = loom_param_plan_build(ctx, c, &m->plan)))
         goto fail;

@@ -114,14 +114,14 @@ static void add_layer(loom_param_sink *b, const loom_model_config *c, int64_t l)
 }
 
 loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c) {
-    if (!c->attn_gate && !c->norm_offset && loom_config_linear_layers(c) == 0) return LOOM_OK;
+    if (loom_config_linear_layers(c) == 0) return LOOM_OK;
     return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                     "%s: Qwen3.5's layers (%lld Gated DeltaNet linear_attention layers of %lld, "
-                     "gated full attention with %lld of %lld head dimensions rotated, "
-                     "zero-centred norms) are not built yet: loom reads the config and `loom "
-                     "inspect` checks the checkpoint, but cannot train this model yet (issue 38)",
+                     "%s: Qwen3.5's Gated DeltaNet layers (%lld linear_attention layers of %lld) "
+                     "are not built yet: loom reads the config and `loom inspect` checks the "
+                     "checkpoint, but cannot train this model yet (issue 38; its gated full "
+                     "attention, partial RoPE and zero-centred norms train on the CPU)",
                      c->model_type, (long long)loom_config_linear_layers(c),
-                     (long long)c->num_layers, (long long)c->rotary_dim, (long long)c->head_dim);
+                     (long long)c->num_layers);
 }
 
 loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *c,
@@ -247,6 +247,7 @@ typedef struct random_src {
     const loom_param_plan *plan;
     uint64_t seed;
     double std, embed_std;
+    float norm_w; /* a norm's weight: 1, or 0 for zero-centred ones (1 + w) */
 } random_src;
 
 static void random_info(void *u, size_t i, char *name, size_t cap, int *ndim, int64_t shape[2]) {
@@ -263,7 +264,7 @@ static loom_status random_fetch(void *u, size_t i, float *buf) {
     const size_t n = (size_t)loom_param_numel(p);
     const char *leaf = strrchr(p->name, '.');
     if (p->ndim == 1) {
-        const float v = leaf && !strcmp(leaf, ".bias") ? 0.0f : 1.0f;
+        const float v = leaf && !strcmp(leaf, ".bias") ? 0.0f : r->norm_w;
         for (size_t j = 0; j < n; j++) buf[j] = v;
         return LOOM_OK;
     }
@@ -286,7 +287,8 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
     loom_param_plan plan;
     if ((st = loom_config_check_built(ctx, cfg)) || (st = loom_param_plan_build(ctx, cfg, &plan)))
         return st;
-    random_src r = {&plan, seed, std, embed_std > 0 ? embed_std : std};
+    random_src r = {&plan, seed, std, embed_std > 0 ? embed_std : std,
+                    cfg->norm_offset ? 0.0f : 1.0f};
     const loom_tensor_source src = {&r, plan.n, random_info, random_fetch};
     st = loom_hf_dir_write(ctx, "out", out_dir, true, &src, dtype, max_shard_bytes, cfg, NULL,
                            false);

@@ -63,7 +63,7 @@ const char *loom_preset_config(const char *name);
 
 /* Writes a model directory (config.json + safetensors) with random weights:
  * matrices and embeddings ~ N(0, initializer_range (default 0.02)), norm
- * weights 1, biases 0; embed_std > 0 gives the token embedding that std
+ * weights 1 (0 where they are zero-centred: Qwen3.5's 1 + w), biases 0; embed_std > 0 gives the token embedding that std
  * instead (0: initializer_range). Values depend only on (seed, tensor name,
  * element index), not on the shard layout. */
 loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
