@@ -10,14 +10,15 @@
 #include "../include/loom.h"
 #include "../src/core/rng.h"
 #include "../src/io/hf_config.h"
+#include "../src/io/safetensors.h"
 #include "../src/model/model.h"
 #include "../src/model/params.h"
 #include "harness.h"
 
 static const char CONFIG[] =
     "{\"model_type\": \"qwen3_5_text\", \"vocab_size\": 64, \"hidden_size\": 32, "
-    "\"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
-    "\"num_key_value_heads\": 1, \"head_dim\": 16, \"layer_types\": [\"full_attention\", "
+    "\"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+    "\"num_key_value_heads\": 2, \"head_dim\": 16, \"layer_types\": [\"full_attention\", "
     "\"full_attention\"], \"rope_parameters\": {\"rope_theta\": 10000.0, "
     "\"partial_rotary_factor\": 0.25, \"rope_type\": \"default\"}, \"rms_norm_eps\": 1e-6, "
     "\"tie_word_embeddings\": false, \"initializer_range\": 0.2}";
@@ -113,5 +114,110 @@ TEST(qwen35_gated_attention_gradients_match_differences) {
     }
     printf("    gradients vs central differences: worst %.3g of a tensor's largest\n", worst);
     loom_model_free(m);
+    loom_ctx_free(ctx);
+}
+
+/* max |a - b| / max |b| of every tensor of ref named `prefix`*, against
+ * got's of the same name; *n counts them (INFINITY: one missing) */
+static double worst_rel(loom_ctx *ctx, loom_safetensors *got, loom_safetensors *ref,
+                        const char *prefix, int *n) {
+    double worst = 0.0;
+    for (size_t i = 0; i < loom_st_count(ref); i++) {
+        const loom_st_tensor *r = loom_st_at(ref, i), *g = NULL;
+        if (strncmp(r->name, prefix, strlen(prefix))) continue;
+        if (!(g = loom_st_find(got, r->name)) || g->numel != r->numel) return INFINITY;
+        float *a = malloc(r->numel * 4), *b = malloc(r->numel * 4);
+        double md = 0.0, mr = 0.0;
+        if (!loom_st_read(ctx, g, LOOM_F32, a, r->numel) &&
+            !loom_st_read(ctx, r, LOOM_F32, b, r->numel))
+            for (uint64_t k = 0; k < r->numel; k++) {
+                md = fmax(md, fabs((double)a[k] - b[k]));
+                mr = fmax(mr, fabs((double)b[k]));
+            }
+        else
+            md = INFINITY;
+        worst = fmax(worst, md / (mr > 0 ? mr : 1.0));
+        (*n)++;
+        free(a), free(b);
+    }
+    return worst;
+}
+
+/* The gated model under tensor (+ sequence), pipeline, context and data
+ * parallelism on MPI ranks equals the one-process run: loss, log-probs and
+ * every gradient (`loom golden`, 3 AdamW steps), within 1e-5. */
+TEST(qwen35_gated_attention_parallel_layouts) {
+    if (!loom_test_have_mpirun())
+        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char tmp[1024], dir[1100], batch[1100];
+    snprintf(tmp, sizeof tmp, "%s/qwen35-par", loom_test_tmpdir());
+    loom_model *m = gated_model(ctx, tmp);
+    REQUIRE(m != NULL);
+    /* the model with its norms set, as a directory the ranks read */
+    snprintf(dir, sizeof dir, "%s/model", tmp);
+    REQUIRE_OK(ctx, loom_model_save_hf(m, dir, LOOM_F32, 0));
+    loom_model_free(m);
+    int32_t ids[2 * 24], tgt[2 * 24];
+    for (int i = 0; i < 48; i++) ids[i] = (int32_t)(loom_splitmix64(31 + (uint64_t)i) % 64);
+    for (int i = 0; i < 48; i++) tgt[i] = i % 24 == 23 ? -100 : ids[i + 1];
+    loom_st_writer *w = NULL;
+    const int64_t sh[2] = {2, 24};
+    REQUIRE_OK(ctx, loom_st_writer_create(ctx, tmp, "batch", 0, NULL, &w));
+    REQUIRE_OK(ctx, loom_st_writer_declare(ctx, w, "input_ids", LOOM_I64, 2, sh));
+    REQUIRE_OK(ctx, loom_st_writer_declare(ctx, w, "targets", LOOM_I64, 2, sh));
+    REQUIRE_OK(ctx, loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids));
+    REQUIRE_OK(ctx, loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt));
+    REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
+    loom_st_writer_free(w);
+    snprintf(batch, sizeof batch, "%s/batch.safetensors", tmp);
+    static const char *const layouts[][6] = {
+        {NULL},
+        {"--tp", "2"},
+        {"--tp", "2", "--sequence-parallel"},
+        {"--pp", "2"},
+        {"--cp", "2"},
+        {"--dp", "2"},
+    };
+    char one[1200];
+    snprintf(one, sizeof one, "%s/one.safetensors", tmp);
+    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
+        char out[1200];
+        snprintf(out, sizeof out, "%s/layout%zu.safetensors", tmp, l);
+        const char *argv[32];
+        int n = 0;
+        if (l) argv[n++] = "mpirun", argv[n++] = "-np", argv[n++] = "2";
+        const char *fixed[] = {loom_test_bin(), "golden",   "--device",   "cpu",  "--model",
+                               dir,             "--batch",  batch,        "--out", l ? out : one,
+                               "--steps",       "3",        "--lr",       "1e-3", "--log-level",
+                               "warn"};
+        for (size_t k = 0; k < sizeof fixed / sizeof fixed[0]; k++) argv[n++] = fixed[k];
+        for (int k = 0; k < 6 && layouts[l][k]; k++) argv[n++] = layouts[l][k];
+        argv[n] = NULL;
+        char *log = NULL;
+        const int rc = loom_test_run(&log, argv);
+        CHECK_MSG(rc == 0, "layout %zu (%s ...): exit %d\n%s", l, l ? layouts[l][0] : "one", rc,
+                  log ? log : "");
+        free(log);
+        if (rc || !l) continue;
+        loom_safetensors *got = NULL, *ref = NULL;
+        if (!loom_st_open_file(ctx, out, &got) && !loom_st_open_file(ctx, one, &ref)) {
+            int nf = 0, ng = 0;
+            const double ef = fmax(worst_rel(ctx, got, ref, "loss", &nf),
+                                   worst_rel(ctx, got, ref, "token_logprobs", &nf));
+            const double eg = worst_rel(ctx, got, ref, "grad.", &ng);
+            CHECK_MSG(ef <= 1e-5 && nf == 2, "%s %s: forward differs by %.3g", layouts[l][0],
+                      layouts[l][1], ef);
+            CHECK_MSG(eg <= 1e-5 && ng > 20, "%s %s: gradients differ by %.3g (%d tensors)",
+                      layouts[l][0], layouts[l][1], eg, ng);
+        } else {
+            loom_test_fail(__FILE__, __LINE__, "%s", loom_last_error(ctx));
+        }
+        loom_st_close(got);
+        loom_st_close(ref);
+    }
     loom_ctx_free(ctx);
 }
