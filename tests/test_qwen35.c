@@ -221,3 +221,110 @@ TEST(qwen35_gated_attention_parallel_layouts) {
     }
     loom_ctx_free(ctx);
 }
+
+/* The hub's vision-language layout: the text model under
+ * model.language_model., a vision tower and an mtp head beside it, the
+ * text config under text_config. loom trains the text model and writes
+ * the rest back byte for byte, in the layout read; the saved directory
+ * loads again. */
+TEST(qwen35_vision_language_checkpoint_keeps_what_it_does_not_train) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    char text[1024], vl[1100], out[1100], path[1200];
+    snprintf(text, sizeof text, "%s/qwen35-text", loom_test_tmpdir());
+    snprintf(vl, sizeof vl, "%s/qwen35-vl", loom_test_tmpdir());
+    snprintf(out, sizeof out, "%s/qwen35-vl-out", loom_test_tmpdir());
+    loom_model_config cfg;
+    snprintf(path, sizeof path, "%s/config.json", text);
+    REQUIRE_OK(ctx, loom_mkdirs(ctx, text));
+    REQUIRE_OK(ctx, loom_write_file_atomic(ctx, path, CONFIG, sizeof CONFIG - 1));
+    REQUIRE_OK(ctx, loom_config_load(ctx, text, &cfg));
+    REQUIRE_OK(ctx, loom_write_random_model(ctx, &cfg, text, 3, 0, LOOM_F32, 0));
+    loom_config_free(&cfg);
+    /* the vision-language directory: config and tensors */
+    REQUIRE_OK(ctx, loom_mkdirs(ctx, vl));
+    char vcfg[2048];
+    snprintf(vcfg, sizeof vcfg,
+             "{\"model_type\": \"qwen3_5\", \"text_config\": %.*s, \"vision_config\": "
+             "{\"depth\": 1, \"model_type\": \"qwen3_5_vision\"}, \"tie_word_embeddings\": false}",
+             (int)sizeof CONFIG - 1, CONFIG);
+    char *tm = strstr(vcfg, "\"qwen3_5_text\"");
+    REQUIRE(tm != NULL); /* the text config's model_type stays qwen3_5_text */
+    snprintf(path, sizeof path, "%s/config.json", vl);
+    REQUIRE_OK(ctx, loom_write_file_atomic(ctx, path, vcfg, strlen(vcfg)));
+    loom_safetensors *in = NULL;
+    REQUIRE_OK(ctx, loom_st_open_dir(ctx, text, "model", &in));
+    uint16_t vis[4 * 3 * 2 * 2 * 2];
+    float mtp[4 * 8];
+    for (size_t i = 0; i < sizeof vis / sizeof vis[0]; i++)
+        vis[i] = (uint16_t)(0x3c00 + 7 * i);
+    for (size_t i = 0; i < sizeof mtp / sizeof mtp[0]; i++)
+        mtp[i] = 0.25f * (float)i - 3.0f;
+    const int64_t vsh[5] = {4, 3, 2, 2, 2}, msh[2] = {4, 8};
+    loom_st_writer *w = NULL;
+    REQUIRE_OK(ctx, loom_st_writer_create(ctx, vl, "model", 0, NULL, &w));
+    char name[512];
+    for (size_t i = 0; i < loom_st_count(in); i++) {
+        const loom_st_tensor *t = loom_st_at(in, i);
+        snprintf(name, sizeof name, "%s%s",
+                 strncmp(t->name, "model.", 6) ? "" : "model.language_model.",
+                 strncmp(t->name, "model.", 6) ? t->name : t->name + 6);
+        REQUIRE_OK(ctx, loom_st_writer_declare(ctx, w, name, t->dtype, t->ndim, t->shape));
+    }
+    REQUIRE_OK(ctx, loom_st_writer_declare(ctx, w, "model.visual.patch_embed.proj.weight",
+                                           LOOM_BF16, 5, vsh));
+    REQUIRE_OK(ctx, loom_st_writer_declare(ctx, w, "mtp.fc.weight", LOOM_F32, 2, msh));
+    for (size_t i = 0; i < loom_st_count(in); i++) {
+        const loom_st_tensor *t = loom_st_at(in, i);
+        snprintf(name, sizeof name, "%s%s",
+                 strncmp(t->name, "model.", 6) ? "" : "model.language_model.",
+                 strncmp(t->name, "model.", 6) ? t->name : t->name + 6);
+        REQUIRE_OK(ctx, loom_st_writer_write(ctx, w, name, t->dtype, t->data));
+    }
+    REQUIRE_OK(
+        ctx, loom_st_writer_write(ctx, w, "model.visual.patch_embed.proj.weight", LOOM_BF16, vis));
+    REQUIRE_OK(ctx, loom_st_writer_write(ctx, w, "mtp.fc.weight", LOOM_F32, mtp));
+    REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
+    loom_st_writer_free(w);
+    /* load, save in bf16 (the carried tensors keep their own dtypes) */
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = LOOM_DEVICE_CPU;
+    loom_model *m = NULL;
+    REQUIRE_OK(ctx, loom_model_create(ctx, vl, &o, &m));
+    CHECK(m->cfg.nested_text);
+    REQUIRE_OK(ctx, loom_model_save_hf(m, out, LOOM_BF16, 0));
+    loom_model_free(m);
+    loom_safetensors *src = NULL, *got = NULL;
+    REQUIRE_OK(ctx, loom_st_open_dir(ctx, vl, "model", &src));
+    REQUIRE_OK(ctx, loom_st_open_dir(ctx, out, "model", &got));
+    CHECK_EQ_INT(loom_st_count(got), loom_st_count(src));
+    for (size_t i = 0; i < loom_st_count(src); i++) {
+        const loom_st_tensor *a = loom_st_at(src, i), *b = loom_st_find(got, a->name);
+        CHECK_MSG(b != NULL, "%s: not written back", a->name);
+        if (!b)
+            continue;
+        CHECK_MSG(a->ndim == b->ndim && !memcmp(a->shape, b->shape, sizeof a->shape),
+                  "%s: shape changed", a->name);
+        const bool text_model =
+            !strncmp(a->name, "model.language_model.", 21) || !strcmp(a->name, "lm_head.weight");
+        if (!text_model) /* byte for byte */
+            CHECK_MSG(a->dtype == b->dtype && a->nbytes == b->nbytes &&
+                          !memcmp(a->data, b->data, a->nbytes),
+                      "%s: not carried as read", a->name);
+        else
+            CHECK_MSG(b->dtype == LOOM_BF16, "%s: saved as %s", a->name, loom_dtype_name(b->dtype));
+    }
+    loom_st_close(src);
+    loom_st_close(got);
+    loom_st_close(in);
+    loom_model_config back;
+    REQUIRE_OK(ctx, loom_config_load(ctx, out, &back));
+    CHECK(back.nested_text && back.num_layers == 2 && back.rotary_dim == 4);
+    CHECK(loom_json_get(back.raw, "vision_config") != NULL);
+    loom_config_free(&back);
+    REQUIRE_OK(ctx, loom_model_create(ctx, out, &o, &m)); /* loads again */
+    loom_model_free(m);
+    loom_ctx_free(ctx);
+}

@@ -10,16 +10,52 @@
 #include "outdir.h"
 #include "safetensors.h"
 
+/* The names and shapes a checkpoint holds for loom's (present_text's
+ * inverse): under model.language_model. for a vision-language config, a
+ * Gated DeltaNet conv1d weight (C, K) as [C, 1, K]. */
+static loom_status hub_names(loom_ctx *ctx, loom_hf_layout *lay, bool nested) {
+    static const char conv[] = ".linear_attn.conv1d.weight";
+    for (size_t k = 0; k < lay->n; k++) {
+        loom_hf_out *t = &lay->t[k];
+        const size_t n = strlen(t->name), nc = sizeof conv - 1;
+        if (t->ndim == 2 && n > nc && !strcmp(t->name + n - nc, conv)) {
+            t->ndim = 3;
+            t->shape[2] = t->shape[1];
+            t->shape[1] = 1;
+        }
+        if (!nested || strncmp(t->name, "model.", 6)) continue;
+        char *r = loom_malloc(ctx, n + sizeof "language_model.", "tensor names");
+        if (!r) return LOOM_ERR_OOM;
+        sprintf(r, "model.language_model.%s", t->name + 6);
+        free(t->name);
+        t->name = r;
+    }
+    return LOOM_OK;
+}
+
+/* A vision-language checkpoint's tensors outside the text model (the
+ * vision tower, the mtp head): carried as read. */
+static bool carried(const char *name) {
+    return strncmp(name, "model.language_model.", 21) && strcmp(name, "lm_head.weight");
+}
+
 /* <base>.safetensors (sharded past max_shard; 0: one file) from src into
  * dir on the writer, {"format": "pt"} as its metadata, as transformers
- * writes; src's experts fused with `fused`. Every rank fetches every
- * tensor, whatever the writer's state. */
+ * writes; src's experts fused with `fused`, named as the hub names them
+ * (hub_names; nested: a vision-language config), then `carry`'s tensors
+ * outside the text model byte for byte (NULL: none). Every rank fetches
+ * every tensor of src, whatever the writer's state. */
 static loom_status write_tensors(loom_ctx *ctx, const char *dir, const char *base,
                                  uint64_t max_shard, loom_dtype dtype, bool writer,
-                                 const loom_tensor_source *src, bool fused, loom_status st) {
+                                 const loom_tensor_source *src, bool fused, bool nested,
+                                 const loom_safetensors *carry, loom_status st) {
     loom_hf_layout lay;
     loom_status ls = loom_hf_layout_build(ctx, src, fused, &lay); /* alike on every rank */
-    if (ls) return st ? st : ls;
+    if (!ls) ls = hub_names(ctx, &lay, nested);
+    if (ls) {
+        loom_hf_layout_free(&lay);
+        return st ? st : ls;
+    }
     loom_st_writer *w = NULL;
     if (writer && !st) {
         loom_json *meta = loom_json_new_object(ctx);
@@ -29,6 +65,11 @@ static loom_status write_tensors(loom_ctx *ctx, const char *dir, const char *bas
         for (size_t k = 0; k < lay.n && !st; k++)
             st =
                 loom_st_writer_declare(ctx, w, lay.t[k].name, dtype, lay.t[k].ndim, lay.t[k].shape);
+        for (size_t i = 0; carry && i < loom_st_count(carry) && !st; i++) {
+            const loom_st_tensor *t = loom_st_at(carry, i);
+            if (carried(t->name))
+                st = loom_st_writer_declare(ctx, w, t->name, t->dtype, t->ndim, t->shape);
+        }
     }
     float *buf = NULL;
     size_t cap = 0;
@@ -58,6 +99,10 @@ static loom_status write_tensors(loom_ctx *ctx, const char *dir, const char *bas
     }
     free(buf);
     loom_hf_layout_free(&lay);
+    for (size_t i = 0; writer && carry && i < loom_st_count(carry) && !st; i++) {
+        const loom_st_tensor *t = loom_st_at(carry, i);
+        if (carried(t->name)) st = loom_st_writer_write(ctx, w, t->name, t->dtype, t->data);
+    }
     if (writer && !st) st = loom_st_writer_finish(ctx, w);
     loom_st_writer_free(w);
     return st;
@@ -73,8 +118,14 @@ loom_status loom_hf_dir_write(loom_ctx *ctx, const char *what, const char *dir, 
     if (!max_shard_bytes) max_shard_bytes = 5000000000ull; /* transformers' default */
     loom_out out = {0}; /* the writer writes into a temporary directory, moved into place whole */
     loom_status st = writer ? loom_out_begin(ctx, what, dir, LOOM_OUT_DIR, &out) : LOOM_OK;
+    /* a vision-language checkpoint read from side_dir: what loom does not
+     * train goes out as it came in */
+    loom_safetensors *carry = NULL;
+    if (writer && !st && cfg->nested_text && side_dir)
+        st = loom_st_open_dir(ctx, side_dir, "model", &carry);
     st = write_tensors(ctx, out.tmp, "model", max_shard_bytes, dtype, writer, src, fused_experts,
-                       st);
+                       cfg->nested_text, carry, st);
+    loom_st_close(carry);
     if (writer && !st) st = loom_config_save(ctx, cfg, out.tmp, dtype);
     if (writer && !st && side_dir) st = loom_out_copy_side_files(ctx, side_dir, out.tmp);
     if (writer && !st) return loom_out_commit(ctx, &out);
@@ -196,11 +247,14 @@ loom_status loom_peft_dir_write(loom_ctx *ctx, const char *dir, bool writer,
     if (dtype != LOOM_F32 && dtype != LOOM_BF16 && dtype != LOOM_F16 && dtype != LOOM_F64)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "adapters are saved as F32, BF16, F16 or F64");
     loom_out out = {0}; /* the writer writes into a temporary directory, moved into place whole */
-    loom_status st = writer ? loom_out_begin(ctx, "save_adapter", dir, LOOM_OUT_DIR, &out)
-                            : LOOM_OK;
-    st = write_tensors(ctx, out.tmp, "adapter_model", 0, dtype, writer, src, false, st);
-    if (writer && !st) st = write_config(ctx, out.tmp, c, targets, ntargets);
-    if (writer && !st) return loom_out_commit(ctx, &out);
+    loom_status st =
+        writer ? loom_out_begin(ctx, "save_adapter", dir, LOOM_OUT_DIR, &out) : LOOM_OK;
+    st =
+        write_tensors(ctx, out.tmp, "adapter_model", 0, dtype, writer, src, false, false, NULL, st);
+    if (writer && !st)
+        st = write_config(ctx, out.tmp, c, targets, ntargets);
+    if (writer && !st)
+        return loom_out_commit(ctx, &out);
     loom_out_abort(&out);
     return st;
 }
