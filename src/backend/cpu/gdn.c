@@ -233,6 +233,12 @@ typedef struct gdn_geo {
     int64_t Hk, Hv, dk, dv, C; /* C = 2 Hk dk + Hv dv: qkv's row */
 } gdn_geo;
 
+/* The rule's tensors (cpu_gdn.h); the backward's NULL in the forward. */
+typedef struct gdn_io {
+    const float *qkv, *g, *beta, *dout;
+    float *o, *dqkv, *dg, *dbeta;
+} gdn_io;
+
 /* One task's scratch (a document and a key head), doubles: the normalised q
  * and k of the document, the state, one chunk's matrices; for the backward
  * the chunks' starting states and the gradients. */
@@ -358,33 +364,35 @@ static void chunk_state(gdn_ws *w, const gdn_geo *z, int64_t c0, int64_t L, doub
     }
 }
 
-static void task_fwd(gdn_ws *w, const gdn_geo *z, const float *qkv, const float *g,
-                     const float *beta, int64_t s, int64_t hk, float *o) {
-    const int64_t dk = z->dk, dv = z->dv, grp = z->Hv / z->Hk;
-    load_qk(w, z, qkv, s, hk);
-    for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
-        memset(w->S, 0, (size_t)(dk * dv) * sizeof(double));
-        for (int64_t c0 = 0; c0 < w->len; c0 += CH) {
-            const int64_t L = w->len - c0 < CH ? w->len - c0 : CH;
-            chunk_prep(w, z, qkv, g, beta, s, c0, L, h, w->S);
-            /* O_i = e^G_i S0^T q_i + sum_j<=i P_ij U_j */
-            for (int64_t i = 0; i < L; i++) {
-                const double *qi = w->qn + (c0 + i) * dk;
-                double *acc = w->tmp;
-                for (int64_t b = 0; b < dv; b++) acc[b] = 0;
-                for (int64_t a = 0; a < dk; a++) {
-                    const double qa = w->eG[i] * qi[a], *sr = w->S + a * dv;
-                    for (int64_t b = 0; b < dv; b++) acc[b] += qa * sr[b];
-                }
-                for (int64_t j = 0; j <= i; j++) {
-                    const double p = w->P[i * CH + j], *u = w->U + j * dv;
-                    for (int64_t b = 0; b < dv; b++) acc[b] += p * u[b];
-                }
-                float *oi = o + ((s + c0 + i) * z->Hv + h) * dv;
-                for (int64_t b = 0; b < dv; b++) oi[b] = (float)acc[b];
-            }
-            chunk_state(w, z, c0, L, w->S);
+/* Value head h over the document (from token s), q and k loaded: o (when
+ * io->o) and the chunks' starting states (when w->states, the backward's). */
+static void head_fwd(gdn_ws *w, const gdn_geo *z, const gdn_io *io, int64_t s, int64_t h) {
+    const int64_t dk = z->dk, dv = z->dv;
+    memset(w->S, 0, (size_t)(dk * dv) * sizeof(double));
+    for (int64_t c0 = 0; c0 < w->len; c0 += CH) {
+        const int64_t L = w->len - c0 < CH ? w->len - c0 : CH;
+        if (w->states) {
+            memcpy(w->states + c0 / CH * dk * dv, w->S, (size_t)(dk * dv) * sizeof(double));
+            if (c0 + CH >= w->len) return; /* the last chunk's end state is not needed */
         }
+        chunk_prep(w, z, io->qkv, io->g, io->beta, s, c0, L, h, w->S);
+        /* O_i = e^G_i S0^T q_i + sum_j<=i P_ij U_j */
+        for (int64_t i = 0; io->o && i < L; i++) {
+            const double *qi = w->qn + (c0 + i) * dk;
+            double *acc = w->tmp;
+            for (int64_t b = 0; b < dv; b++) acc[b] = 0;
+            for (int64_t a = 0; a < dk; a++) {
+                const double qa = w->eG[i] * qi[a], *sr = w->S + a * dv;
+                for (int64_t b = 0; b < dv; b++) acc[b] += qa * sr[b];
+            }
+            for (int64_t j = 0; j <= i; j++) {
+                const double p = w->P[i * CH + j], *u = w->U + j * dv;
+                for (int64_t b = 0; b < dv; b++) acc[b] += p * u[b];
+            }
+            float *oi = io->o + ((s + c0 + i) * z->Hv + h) * dv;
+            for (int64_t b = 0; b < dv; b++) oi[b] = (float)acc[b];
+        }
+        chunk_state(w, z, c0, L, w->S);
     }
 }
 
@@ -402,34 +410,6 @@ static int64_t max_doc(const int32_t *cu, int64_t ndocs) {
     for (int64_t n = 0; n < ndocs; n++)
         if (cu[n + 1] - cu[n] > m) m = cu[n + 1] - cu[n];
     return m;
-}
-
-loom_status loom_cpu_gdn_fwd(loom_ctx *ctx, const float *qkv, const float *g, const float *beta,
-                             int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
-                             const int32_t *cu, int64_t ndocs, float *o) {
-    const gdn_geo z = {Hk, Hv, dk, dv, 2 * Hk * dk + Hv * dv};
-    loom_status st = gdn_check(ctx, "gdn_fwd", T, &z, cu, ndocs);
-    if (st) return st;
-    bool oom = false;
-#pragma omp parallel for schedule(dynamic, 1) if (ndocs * Hk > 1)
-    for (int64_t task = 0; task < ndocs * Hk; task++) {
-        const int64_t n = task / Hk, hk = task % Hk;
-        gdn_ws w;
-        double *mem = ws_init(&w, &z, cu[n + 1] - cu[n], false);
-        if (!mem) {
-#pragma omp atomic write
-            oom = true;
-            continue;
-        }
-        task_fwd(&w, &z, qkv, g, beta, cu[n], hk, o);
-        free(mem);
-    }
-    if (oom)
-        return loom_errf(ctx, LOOM_ERR_OOM,
-                         "gdn_fwd: no memory for a document's scratch (%lld "
-                         "tokens)",
-                         (long long)max_doc(cu, ndocs));
-    return LOOM_OK;
 }
 
 /* The backward of one chunk (value head h) from S0 and dS (the gradient of
@@ -569,36 +549,63 @@ static void l2_bwd(const float *x, const double *dy, int64_t n, double sc, float
     for (int64_t i = 0; i < n; i++) dx[i] = (float)(sc * (r * dy[i] - r * r * r * xd * x[i]));
 }
 
-static void task_bwd(gdn_ws *w, const gdn_geo *z, const float *dout, const float *qkv,
-                     const float *g, const float *beta, int64_t s, int64_t hk, float *dqkv,
-                     float *dg, float *dbeta) {
+/* The document (from token s) for key head hk and its group's value heads. */
+static void doc_task(gdn_ws *w, const gdn_geo *z, const gdn_io *io, int64_t s, int64_t hk) {
     const int64_t dk = z->dk, dv = z->dv, grp = z->Hv / z->Hk;
-    load_qk(w, z, qkv, s, hk);
+    load_qk(w, z, io->qkv, s, hk);
     for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
-        /* the chunks' starting states */
-        memset(w->S, 0, (size_t)(dk * dv) * sizeof(double));
-        for (int64_t c = 0; c < w->nch; c++) {
-            const int64_t c0 = c * CH, L = w->len - c0 < CH ? w->len - c0 : CH;
-            memcpy(w->states + c * dk * dv, w->S, (size_t)(dk * dv) * sizeof(double));
-            if (c + 1 < w->nch) {
-                chunk_prep(w, z, qkv, g, beta, s, c0, L, h, w->S);
-                chunk_state(w, z, c0, L, w->S);
-            }
-        }
+        head_fwd(w, z, io, s, h);
+        if (!io->dqkv) continue;
         memset(w->dS, 0, (size_t)(dk * dv) * sizeof(double));
         for (int64_t c = w->nch - 1; c >= 0; c--) {
             const int64_t c0 = c * CH, L = w->len - c0 < CH ? w->len - c0 : CH;
             const double *S0 = w->states + c * dk * dv;
-            chunk_prep(w, z, qkv, g, beta, s, c0, L, h, S0);
-            chunk_bwd(w, z, dout, qkv, s, c0, L, h, S0, dqkv, dg, dbeta);
+            chunk_prep(w, z, io->qkv, io->g, io->beta, s, c0, L, h, S0);
+            chunk_bwd(w, z, io->dout, io->qkv, s, c0, L, h, S0, io->dqkv, io->dg, io->dbeta);
         }
     }
+    if (!io->dqkv) return;
     const double sc = 1.0 / sqrt((double)dk);
     for (int64_t t = 0; t < w->len; t++) {
         const int64_t off = (s + t) * z->C + hk * dk, koff = off + z->Hk * dk;
-        l2_bwd(qkv + off, w->dqn + t * dk, dk, sc, dqkv + off);
-        l2_bwd(qkv + koff, w->dkn + t * dk, dk, 1.0, dqkv + koff);
+        l2_bwd(io->qkv + off, w->dqn + t * dk, dk, sc, io->dqkv + off);
+        l2_bwd(io->qkv + koff, w->dkn + t * dk, dk, 1.0, io->dqkv + koff);
     }
+}
+
+/* Every (document, key head) a task, each with scratch of its own. */
+static loom_status gdn_run(loom_ctx *ctx, const char *op, const gdn_io *io, int64_t T,
+                           const gdn_geo *z, const int32_t *cu, int64_t ndocs) {
+    loom_status st = gdn_check(ctx, op, T, z, cu, ndocs);
+    if (st) return st;
+    bool oom = false;
+    const bool bwd = io->dqkv != NULL;
+    const int64_t Hk = z->Hk;
+#pragma omp parallel for schedule(dynamic, 1) if (ndocs * Hk > 1)
+    for (int64_t task = 0; task < ndocs * Hk; task++) {
+        const int64_t n = task / Hk, hk = task % Hk;
+        gdn_ws w;
+        double *mem = ws_init(&w, z, cu[n + 1] - cu[n], bwd);
+        if (!mem) {
+#pragma omp atomic write
+            oom = true;
+            continue;
+        }
+        doc_task(&w, z, io, cu[n], hk);
+        free(mem);
+    }
+    if (oom)
+        return loom_errf(ctx, LOOM_ERR_OOM, "%s: no memory for a document's scratch (%lld tokens)",
+                         op, (long long)max_doc(cu, ndocs));
+    return LOOM_OK;
+}
+
+loom_status loom_cpu_gdn_fwd(loom_ctx *ctx, const float *qkv, const float *g, const float *beta,
+                             int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                             const int32_t *cu, int64_t ndocs, float *o) {
+    const gdn_geo z = {Hk, Hv, dk, dv, 2 * Hk * dk + Hv * dv};
+    const gdn_io io = {.qkv = qkv, .g = g, .beta = beta, .o = o};
+    return gdn_run(ctx, "gdn_fwd", &io, T, &z, cu, ndocs);
 }
 
 loom_status loom_cpu_gdn_bwd(loom_ctx *ctx, const float *dout, const float *qkv, const float *g,
@@ -606,26 +613,7 @@ loom_status loom_cpu_gdn_bwd(loom_ctx *ctx, const float *dout, const float *qkv,
                              int64_t dv, const int32_t *cu, int64_t ndocs, float *dqkv, float *dg,
                              float *dbeta) {
     const gdn_geo z = {Hk, Hv, dk, dv, 2 * Hk * dk + Hv * dv};
-    loom_status st = gdn_check(ctx, "gdn_bwd", T, &z, cu, ndocs);
-    if (st) return st;
-    bool oom = false;
-#pragma omp parallel for schedule(dynamic, 1) if (ndocs * Hk > 1)
-    for (int64_t task = 0; task < ndocs * Hk; task++) {
-        const int64_t n = task / Hk, hk = task % Hk;
-        gdn_ws w;
-        double *mem = ws_init(&w, &z, cu[n + 1] - cu[n], true);
-        if (!mem) {
-#pragma omp atomic write
-            oom = true;
-            continue;
-        }
-        task_bwd(&w, &z, dout, qkv, g, beta, cu[n], hk, dqkv, dg, dbeta);
-        free(mem);
-    }
-    if (oom)
-        return loom_errf(ctx, LOOM_ERR_OOM,
-                         "gdn_bwd: no memory for a document's scratch (%lld "
-                         "tokens)",
-                         (long long)max_doc(cu, ndocs));
-    return LOOM_OK;
+    const gdn_io io = {
+        .qkv = qkv, .g = g, .beta = beta, .dout = dout, .dqkv = dqkv, .dg = dg, .dbeta = dbeta};
+    return gdn_run(ctx, "gdn_bwd", &io, T, &z, cu, ndocs);
 }
