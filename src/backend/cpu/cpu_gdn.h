@@ -62,9 +62,12 @@ loom_status loom_cpu_gdn_gate_bwd(loom_ctx *ctx, const float *dg, const float *d
  * LOOM_GDN_CHUNK tokens from each document's start (the UT transform within
  * a chunk, the state carried from chunk to chunk), in double.
  * bwd from dout (T, Hv, dv): dqkv (qkv's layout: the gradients of the
- * unnormalised q, k and of v), dg and dbeta (T, Hv); it recomputes the
- * chunks' starting states (scratch: one document's states of one head at a
- * time per thread, doubles). */
+ * unnormalised q, k and of v), dg and dbeta (T, Hv). Nothing is saved
+ * between the two: the backward recomputes the normalised q, k and each
+ * chunk's starting state. Scratch, a (document, key head) a thread at a
+ * time, in doubles, for a document of n tokens: forward 2 n dk + dk dv + 4
+ * 64^2 + 64 (dk + 2 dv); backward that plus (ceil(n / 64) + 2) dk dv (the
+ * states) + 2 n dk + 64 (dk + 2 dv). */
 loom_status loom_cpu_gdn_fwd(loom_ctx *ctx, const float *qkv, const float *g, const float *beta,
                              int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
                              const int32_t *cu, int64_t ndocs, float *o);
