@@ -1057,9 +1057,14 @@ TEST(backend_moe_lora_gemm_grouped_equals_cpu) {
 }
 
 /* Every backend fills every slot of its table (a NULL would crash the model
- * on the first use of that op, far from here). */
+ * on the first use of that op, far from here). The one exception: the
+ * Gated DeltaNet ops (gdn_conv_fwd .. gdn_norm_bwd) may be NULL on a backend
+ * other than the CPU's, which has no kernels for them yet; kern.c's
+ * loom_k_gdn_* answer LOOM_ERR_UNSUPPORTED for a NULL one (test_gdn_ops.c). */
 TEST(backend_tables_are_complete) {
     const loom_backend *all[2] = {loom_backend_cpu(), loom_backend_cuda()};
+    const size_t gdn_from = offsetof(loom_backend, gdn_conv_fwd) / sizeof(void *),
+                 gdn_to = offsetof(loom_backend, gdn_norm_bwd) / sizeof(void *) + 1;
     for (int b = 0; b < 2; b++) {
         if (!all[b])
             continue;
@@ -1070,7 +1075,17 @@ TEST(backend_tables_are_complete) {
         CHECK(all[b]->attn_max_d >= 128);
         const size_t from = offsetof(loom_backend, ce_max) / sizeof(void *),
                      to = sizeof(loom_backend) / sizeof(void *);
-        for (size_t i = from; i < to; i++)
+        int gdn_null = 0;
+        for (size_t i = from; i < to; i++) {
+            if (b > 0 && i >= gdn_from && i < gdn_to && !p[i]) {
+                gdn_null++;
+                continue;
+            }
             CHECK_MSG(p[i] != NULL, "%s backend: table slot %zu is empty", all[b]->name, i);
+        }
+        if (gdn_null)
+            printf("  note: %s backend: %d of the %zu Gated DeltaNet ops are NULL (no kernels "
+                   "yet), not checked\n",
+                   all[b]->name, gdn_null, gdn_to - gdn_from);
     }
 }

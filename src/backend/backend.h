@@ -347,6 +347,47 @@ typedef struct loom_backend {
     loom_status (*zero_parts)(loom_dev *d, loom_ctx *ctx, float *g, const loom_k_part *parts,
                               int n, loom_part_lists *lists);
     void (*lists_free)(loom_dev *d, loom_part_lists *lists);
+
+    /* ---- Gated DeltaNet, Qwen3.5's linear attention (cpu_gdn.h's
+     * semantics): T tokens in documents cu (ndocs + 1), activations and
+     * weights in adt, the decay g and beta fp32 (T, H), parameter gradients
+     * fp32 added to (NULL: frozen). NULL in a backend without kernels for
+     * them (CUDA for now): kern.c's loom_k_gdn_* then fail ---- */
+    /* y (T, C) = silu(causal depthwise conv of x (T, C) by w (C, K)); dx
+     * (T, C), dw (C, K) */
+    loom_status (*gdn_conv_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *w, int64_t T,
+                                int64_t C, int64_t K, const int32_t *cu, int64_t ndocs, void *y);
+    loom_status (*gdn_conv_bwd)(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                                const void *w, int64_t T, int64_t C, int64_t K, const int32_t *cu,
+                                int64_t ndocs, void *dx, float *dw);
+    /* g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); a, b, da, db
+     * (T, H) */
+    loom_status (*gdn_gate_fwd)(loom_dev *d, loom_ctx *ctx, const void *a, const void *b,
+                                const void *A_log, const void *dt_bias, int64_t T, int64_t H,
+                                float *g, float *beta);
+    loom_status (*gdn_gate_bwd)(loom_dev *d, loom_ctx *ctx, const float *dg, const float *dbeta,
+                                const void *a, const void *b, const void *A_log,
+                                const void *dt_bias, int64_t T, int64_t H, void *da, void *db,
+                                float *dA_log, float *ddt_bias);
+    /* the gated delta rule, q and k L2-normalised inside: qkv (T, 2 Hk dk +
+     * Hv dv) the convolution's output (q, k, v), o (T, Hv, dv); the
+     * backward recomputes what it needs from the inputs: dqkv (qkv's
+     * layout), dg, dbeta (T, Hv) */
+    loom_status (*gdn_fwd)(loom_dev *d, loom_ctx *ctx, const void *qkv, const float *g,
+                           const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                           int64_t dv, const int32_t *cu, int64_t ndocs, void *o);
+    loom_status (*gdn_bwd)(loom_dev *d, loom_ctx *ctx, const void *dout, const void *qkv,
+                           const float *g, const float *beta, int64_t T, int64_t Hk, int64_t Hv,
+                           int64_t dk, int64_t dv, const int32_t *cu, int64_t ndocs, void *dqkv,
+                           float *dg, float *dbeta);
+    /* y = w rmsnorm(x) silu(z) over N rows of D; rstd (N) kept for the
+     * backward: dx, dz (N, D), dw (D) */
+    loom_status (*gdn_norm_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *z,
+                                const void *w, int64_t N, int64_t D, float eps, void *y,
+                                float *rstd);
+    loom_status (*gdn_norm_bwd)(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                                const void *z, const void *w, const float *rstd, int64_t N,
+                                int64_t D, void *dx, void *dz, float *dw);
 } loom_backend;
 
 const loom_backend *loom_backend_cpu(void);

@@ -472,3 +472,74 @@ loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const lo
     return m->dev.be->gemm_grouped(&m->dev, m->ctx, ta, tb, G, g, alpha, lda, ldb, m->dev.adt, beta,
                                    c_f32 ? LOOM_F32 : m->dev.adt, ldc);
 }
+
+/* ---- Gated DeltaNet ---- */
+
+/* The backend's op, or the error of a backend that has none yet. */
+#define GDN_OP(m, op)                                                                              \
+    do {                                                                                           \
+        if (!(m)->dev.be->op)                                                                      \
+            return loom_errf((m)->ctx, LOOM_ERR_UNSUPPORTED,                                       \
+                             "Gated DeltaNet ops are not on the %s backend yet (%s)",              \
+                             (m)->dev.cuda ? "CUDA" : (m)->dev.be->name, #op);                     \
+    } while (0)
+
+loom_status loom_k_gdn_conv_fwd(loom_model *m, const void *x, const void *w, int64_t T, int64_t C,
+                                int64_t K, const int32_t *cu, int64_t ndocs, void *y) {
+    GDN_OP(m, gdn_conv_fwd);
+    return m->dev.be->gdn_conv_fwd(&m->dev, m->ctx, x, w, T, C, K, cu, ndocs, y);
+}
+
+loom_status loom_k_gdn_conv_bwd(loom_model *m, const void *dy, const void *x, const void *w,
+                                int64_t T, int64_t C, int64_t K, const int32_t *cu, int64_t ndocs,
+                                void *dx, float *dw) {
+    GDN_OP(m, gdn_conv_bwd);
+    if (dw) CK(loom_grad_prepare(m, dw, (size_t)(C * K), NULL));
+    return m->dev.be->gdn_conv_bwd(&m->dev, m->ctx, dy, x, w, T, C, K, cu, ndocs, dx, dw);
+}
+
+loom_status loom_k_gdn_gate_fwd(loom_model *m, const void *a, const void *b, const void *A_log,
+                                const void *dt_bias, int64_t T, int64_t H, float *g, float *beta) {
+    GDN_OP(m, gdn_gate_fwd);
+    return m->dev.be->gdn_gate_fwd(&m->dev, m->ctx, a, b, A_log, dt_bias, T, H, g, beta);
+}
+
+loom_status loom_k_gdn_gate_bwd(loom_model *m, const float *dg, const float *dbeta, const void *a,
+                                const void *b, const void *A_log, const void *dt_bias, int64_t T,
+                                int64_t H, void *da, void *db, float *dA_log, float *ddt_bias) {
+    GDN_OP(m, gdn_gate_bwd);
+    if (dA_log) CK(loom_grad_prepare(m, dA_log, (size_t)H, NULL));
+    if (ddt_bias) CK(loom_grad_prepare(m, ddt_bias, (size_t)H, NULL));
+    return m->dev.be->gdn_gate_bwd(&m->dev, m->ctx, dg, dbeta, a, b, A_log, dt_bias, T, H, da, db,
+                                   dA_log, ddt_bias);
+}
+
+loom_status loom_k_gdn_fwd(loom_model *m, const void *qkv, const float *g, const float *beta,
+                           int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                           const int32_t *cu, int64_t ndocs, void *o) {
+    GDN_OP(m, gdn_fwd);
+    return m->dev.be->gdn_fwd(&m->dev, m->ctx, qkv, g, beta, T, Hk, Hv, dk, dv, cu, ndocs, o);
+}
+
+loom_status loom_k_gdn_bwd(loom_model *m, const void *dout, const void *qkv, const float *g,
+                           const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                           int64_t dv, const int32_t *cu, int64_t ndocs, void *dqkv, float *dg,
+                           float *dbeta) {
+    GDN_OP(m, gdn_bwd);
+    return m->dev.be->gdn_bwd(&m->dev, m->ctx, dout, qkv, g, beta, T, Hk, Hv, dk, dv, cu, ndocs,
+                              dqkv, dg, dbeta);
+}
+
+loom_status loom_k_gdn_norm_fwd(loom_model *m, const void *x, const void *z, const void *w,
+                                int64_t N, int64_t D, float eps, void *y, float *rstd) {
+    GDN_OP(m, gdn_norm_fwd);
+    return m->dev.be->gdn_norm_fwd(&m->dev, m->ctx, x, z, w, N, D, eps, y, rstd);
+}
+
+loom_status loom_k_gdn_norm_bwd(loom_model *m, const void *dy, const void *x, const void *z,
+                                const void *w, const float *rstd, int64_t N, int64_t D, void *dx,
+                                void *dz, float *dw) {
+    GDN_OP(m, gdn_norm_bwd);
+    if (dw) CK(loom_grad_prepare(m, dw, (size_t)D, NULL));
+    return m->dev.be->gdn_norm_bwd(&m->dev, m->ctx, dy, x, z, w, rstd, N, D, dx, dz, dw);
+}

@@ -286,4 +286,42 @@ loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const lo
                                 float alpha, int64_t lda, int64_t ldb, float beta, bool c_f32,
                                 int64_t ldc);
 
+/* ---- Gated DeltaNet, Qwen3.5's linear attention (backend.h's gdn_*,
+ * cpu_gdn.h's semantics): T tokens in documents cu (ndocs + 1) (the
+ * micro-batch's d_cu), activations and weights in adt, g and beta fp32 (T,
+ * H), weight gradients fp32 added to (NULL: frozen). Each fails with
+ * LOOM_ERR_UNSUPPORTED on a backend without these kernels (CUDA for now).
+ * conv: y (T, C) = silu(causal depthwise conv of x by w (C, K)), the
+ *   convolution restarting at each document; bwd dx (T, C), dw (C, K).
+ * gate: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (a, b:
+ *   (T, H)); bwd da, db, dA_log, ddt_bias (H).
+ * rule: o (T, Hv, dv) from qkv (T, 2 Hk dk + Hv dv: the convolution's q, k,
+ *   v, q and k L2-normalised inside), the state restarting at each
+ *   document; bwd dqkv (qkv's layout), dg, dbeta (T, Hv), from the inputs
+ *   alone (nothing saved).
+ * norm: y = w rmsnorm(x) silu(z) over N rows of D, rstd (N) for the
+ *   backward: dx, dz (N, D), dw (D). */
+loom_status loom_k_gdn_conv_fwd(loom_model *m, const void *x, const void *w, int64_t T, int64_t C,
+                                int64_t K, const int32_t *cu, int64_t ndocs, void *y);
+loom_status loom_k_gdn_conv_bwd(loom_model *m, const void *dy, const void *x, const void *w,
+                                int64_t T, int64_t C, int64_t K, const int32_t *cu, int64_t ndocs,
+                                void *dx, float *dw);
+loom_status loom_k_gdn_gate_fwd(loom_model *m, const void *a, const void *b, const void *A_log,
+                                const void *dt_bias, int64_t T, int64_t H, float *g, float *beta);
+loom_status loom_k_gdn_gate_bwd(loom_model *m, const float *dg, const float *dbeta, const void *a,
+                                const void *b, const void *A_log, const void *dt_bias, int64_t T,
+                                int64_t H, void *da, void *db, float *dA_log, float *ddt_bias);
+loom_status loom_k_gdn_fwd(loom_model *m, const void *qkv, const float *g, const float *beta,
+                           int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                           const int32_t *cu, int64_t ndocs, void *o);
+loom_status loom_k_gdn_bwd(loom_model *m, const void *dout, const void *qkv, const float *g,
+                           const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                           int64_t dv, const int32_t *cu, int64_t ndocs, void *dqkv, float *dg,
+                           float *dbeta);
+loom_status loom_k_gdn_norm_fwd(loom_model *m, const void *x, const void *z, const void *w,
+                                int64_t N, int64_t D, float eps, void *y, float *rstd);
+loom_status loom_k_gdn_norm_bwd(loom_model *m, const void *dy, const void *x, const void *z,
+                                const void *w, const float *rstd, int64_t N, int64_t D, void *dx,
+                                void *dz, float *dw);
+
 #endif /* LOOM_MODEL_KERN_H */

@@ -5,6 +5,7 @@
 #include "../../core/core.h"
 #include "../../core/rng.h"
 #include "../backend.h"
+#include "cpu_gdn.h"
 #include "cpu_glue.h"
 #include "cpu_moe.h"
 #include "cpu_ops.h"
@@ -528,6 +529,68 @@ static void cpu_lists_free(loom_dev *d, loom_part_lists *lists) {
     memset(lists, 0, sizeof *lists);
 }
 
+/* ---- Gated DeltaNet (gdn.c) ---- */
+
+static loom_status cpu_gdn_conv_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
+                                    int64_t T, int64_t C, int64_t K, const int32_t *cu,
+                                    int64_t ndocs, void *y) {
+    (void)d;
+    return loom_cpu_gdn_conv_fwd(ctx, CF(x), CF(w), T, C, K, cu, ndocs, F(y));
+}
+
+static loom_status cpu_gdn_conv_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                                    const void *w, int64_t T, int64_t C, int64_t K,
+                                    const int32_t *cu, int64_t ndocs, void *dx, float *dw) {
+    (void)d;
+    return loom_cpu_gdn_conv_bwd(ctx, CF(dy), CF(x), CF(w), T, C, K, cu, ndocs, F(dx), dw);
+}
+
+static loom_status cpu_gdn_gate_fwd(loom_dev *d, loom_ctx *ctx, const void *a, const void *b,
+                                    const void *A_log, const void *dt_bias, int64_t T, int64_t H,
+                                    float *g, float *beta) {
+    (void)d;
+    return loom_cpu_gdn_gate_fwd(ctx, CF(a), CF(b), CF(A_log), CF(dt_bias), T, H, g, beta);
+}
+
+static loom_status cpu_gdn_gate_bwd(loom_dev *d, loom_ctx *ctx, const float *dg, const float *dbeta,
+                                    const void *a, const void *b, const void *A_log,
+                                    const void *dt_bias, int64_t T, int64_t H, void *da, void *db,
+                                    float *dA_log, float *ddt_bias) {
+    (void)d;
+    return loom_cpu_gdn_gate_bwd(ctx, dg, dbeta, CF(a), CF(b), CF(A_log), CF(dt_bias), T, H, F(da),
+                                 F(db), dA_log, ddt_bias);
+}
+
+static loom_status cpu_gdn_fwd(loom_dev *d, loom_ctx *ctx, const void *qkv, const float *g,
+                               const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                               int64_t dv, const int32_t *cu, int64_t ndocs, void *o) {
+    (void)d;
+    return loom_cpu_gdn_fwd(ctx, CF(qkv), g, beta, T, Hk, Hv, dk, dv, cu, ndocs, F(o));
+}
+
+static loom_status cpu_gdn_bwd(loom_dev *d, loom_ctx *ctx, const void *dout, const void *qkv,
+                               const float *g, const float *beta, int64_t T, int64_t Hk, int64_t Hv,
+                               int64_t dk, int64_t dv, const int32_t *cu, int64_t ndocs, void *dqkv,
+                               float *dg, float *dbeta) {
+    (void)d;
+    return loom_cpu_gdn_bwd(ctx, CF(dout), CF(qkv), g, beta, T, Hk, Hv, dk, dv, cu, ndocs, F(dqkv),
+                            dg, dbeta);
+}
+
+static loom_status cpu_gdn_norm_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *z,
+                                    const void *w, int64_t N, int64_t D, float eps, void *y,
+                                    float *rstd) {
+    (void)d;
+    return loom_cpu_gdn_norm_fwd(ctx, CF(x), CF(z), CF(w), N, D, eps, F(y), rstd);
+}
+
+static loom_status cpu_gdn_norm_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                                    const void *z, const void *w, const float *rstd, int64_t N,
+                                    int64_t D, void *dx, void *dz, float *dw) {
+    (void)d;
+    return loom_cpu_gdn_norm_bwd(ctx, CF(dy), CF(x), CF(z), CF(w), rstd, N, D, F(dx), F(dz), dw);
+}
+
 const loom_backend *loom_backend_cpu(void) {
     static const loom_backend be = {
         .name = "cpu",
@@ -599,6 +662,14 @@ const loom_backend *loom_backend_cpu(void) {
         .sumsq = cpu_sumsq,
         .zero_parts = cpu_zero_parts,
         .lists_free = cpu_lists_free,
+        .gdn_conv_fwd = cpu_gdn_conv_fwd,
+        .gdn_conv_bwd = cpu_gdn_conv_bwd,
+        .gdn_gate_fwd = cpu_gdn_gate_fwd,
+        .gdn_gate_bwd = cpu_gdn_gate_bwd,
+        .gdn_fwd = cpu_gdn_fwd,
+        .gdn_bwd = cpu_gdn_bwd,
+        .gdn_norm_fwd = cpu_gdn_norm_fwd,
+        .gdn_norm_bwd = cpu_gdn_norm_bwd,
     };
     return &be;
 }

@@ -862,6 +862,16 @@ const loom_backend *loom_backend_cuda(void) {
         .sumsq = cuda_sumsq,
         .zero_parts = cuda_zero_parts,
         .lists_free = cuda_lists_free,
+        /* Gated DeltaNet: no CUDA kernels yet (kern.c's loom_k_gdn_* fail
+         * with LOOM_ERR_UNSUPPORTED) */
+        .gdn_conv_fwd = NULL,
+        .gdn_conv_bwd = NULL,
+        .gdn_gate_fwd = NULL,
+        .gdn_gate_bwd = NULL,
+        .gdn_fwd = NULL,
+        .gdn_bwd = NULL,
+        .gdn_norm_fwd = NULL,
+        .gdn_norm_bwd = NULL,
     };
     return &be;
 }
