@@ -57,8 +57,7 @@ int loom_cmd_convert(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
     void *buf = NULL;
     loom_status st = loom_config_load(ctx, s->model, &cfg);
     if (st) return loom_cli_fail(ctx);
-    if ((st = loom_config_check_built(ctx, &cfg)) || (st = loom_param_plan_build(ctx, &cfg, &plan)))
-        goto done;
+    if ((st = loom_param_plan_build(ctx, &cfg, &plan))) goto done;
     if ((st = loom_hf_dir_open(ctx, s->model, &in))) goto done;
     /* every expected tensor must be there with its shape; the dtype of the
      * output defaults to that of the first tensor read */

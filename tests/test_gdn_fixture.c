@@ -87,12 +87,9 @@ static void gdn_layer(fx *f, int l, const float *xn, int64_t T, const int32_t *c
 
 /* RoPE on the first ROT dims of each of nh heads of x (T, nh, HD) */
 static void rope_part(float *x, int64_t T, int64_t nh, const int32_t *pos) {
-    float inv[ROT / 2], *r = calloc(T * nh * ROT, 4);
+    float inv[ROT / 2];
     loom_rope_inv_freq(0, 1e7, ROT, 1, 1, 1, 0, inv);
-    for (int64_t i = 0; i < T * nh; i++) memcpy(r + i * ROT, x + i * HD, ROT * 4);
-    loom_cpu_rope_fwd(r, T, nh, ROT, pos, inv);
-    for (int64_t i = 0; i < T * nh; i++) memcpy(x + i * HD, r + i * ROT, ROT * 4);
-    free(r);
+    loom_cpu_rope_fwd(x, T, nh, HD, ROT, pos, inv); /* the first ROT of HD turn */
 }
 
 static void attn_layer(fx *f, int l, const float *xn, int64_t T, const int32_t *cu, int64_t nd,
@@ -101,8 +98,8 @@ static void attn_layer(fx *f, int l, const float *xn, int64_t T, const int32_t *
     float *Wk = wtl(f, l, "self_attn.k_proj.weight", HKV * HD * HID, false);
     float *Wv = wtl(f, l, "self_attn.v_proj.weight", HKV * HD * HID, false);
     float *Wo = wtl(f, l, "self_attn.o_proj.weight", HID * HQ * HD, false);
-    float *qn = wtl(f, l, "self_attn.q_norm.weight", HD, true);
-    float *kn = wtl(f, l, "self_attn.k_norm.weight", HD, true);
+    float *qn = wtl(f, l, "self_attn.q_norm.weight", HD, false);
+    float *kn = wtl(f, l, "self_attn.k_norm.weight", HD, false);
     float *qg = calloc(T * 2 * HQ * HD, 4), *q = calloc(T * HQ * HD, 4);
     float *gate = calloc(T * HQ * HD, 4), *k = calloc(T * HKV * HD, 4);
     float *v = calloc(T * HKV * HD, 4), *o = calloc(T * HQ * HD, 4), *lse = calloc(T * HQ, 4);
@@ -114,8 +111,8 @@ static void attn_layer(fx *f, int l, const float *xn, int64_t T, const int32_t *
         memcpy(q + i * HD, qg + i * 2 * HD, HD * 4);
         memcpy(gate + i * HD, qg + i * 2 * HD + HD, HD * 4);
     }
-    loom_cpu_rmsnorm_fwd(q, qn, T * HQ, HD, EPS, q, rs);
-    loom_cpu_rmsnorm_fwd(k, kn, T * HKV, HD, EPS, k, rs);
+    loom_cpu_rmsnorm_fwd(q, qn, 1.0f, T * HQ, HD, EPS, q, rs);
+    loom_cpu_rmsnorm_fwd(k, kn, 1.0f, T * HKV, HD, EPS, k, rs);
     rope_part(q, T, HQ, pos);
     rope_part(k, T, HKV, pos);
     loom_cpu_attention_fwd(q, k, v, T, HQ, HKV, HD, cu, nd, 0.25f, o, lse);
@@ -133,18 +130,18 @@ static void forward(fx *f, const int32_t *ids, int64_t T, const int32_t *cu, int
     float *gu = calloc(2 * T * FF, 4), *act = calloc(T * FF, 4), *rs = calloc(T, 4);
     loom_cpu_embedding_fwd(ids, T, E, HID, h);
     for (int l = 0; l < NL && f->ok; l++) {
-        float *win = wtl(f, l, "input_layernorm.weight", HID, true);
-        float *wpost = wtl(f, l, "post_attention_layernorm.weight", HID, true);
+        float *win = wtl(f, l, "input_layernorm.weight", HID, false);
+        float *wpost = wtl(f, l, "post_attention_layernorm.weight", HID, false);
         float *Wg = wtl(f, l, "mlp.gate_proj.weight", FF * HID, false);
         float *Wu = wtl(f, l, "mlp.up_proj.weight", FF * HID, false);
         float *Wd = wtl(f, l, "mlp.down_proj.weight", HID * FF, false);
-        loom_cpu_rmsnorm_fwd(h, win, T, HID, EPS, xn, rs);
+        loom_cpu_rmsnorm_fwd(h, win, 1.0f, T, HID, EPS, xn, rs);
         if (l < 3)
             gdn_layer(f, l, xn, T, cu, nd, d);
         else
             attn_layer(f, l, xn, T, cu, nd, pos, d);
         loom_cpu_residual_add(h, d, T * HID);
-        loom_cpu_rmsnorm_fwd(h, wpost, T, HID, EPS, xn, rs);
+        loom_cpu_rmsnorm_fwd(h, wpost, 1.0f, T, HID, EPS, xn, rs);
         lin(xn, T, HID, Wg, FF, gu);
         lin(xn, T, HID, Wu, FF, gu + T * FF);
         loom_cpu_swiglu_fwd(gu, gu + T * FF, T * FF, act);
@@ -152,8 +149,8 @@ static void forward(fx *f, const int32_t *ids, int64_t T, const int32_t *cu, int
         loom_cpu_residual_add(h, d, T * HID);
         free(win), free(wpost), free(Wg), free(Wu), free(Wd);
     }
-    float *wn = wt(f, "norm.weight", HID, true);
-    loom_cpu_rmsnorm_fwd(h, wn, T, HID, EPS, xn, rs);
+    float *wn = wt(f, "norm.weight", HID, false);
+    loom_cpu_rmsnorm_fwd(h, wn, 1.0f, T, HID, EPS, xn, rs);
     lin(xn, T, HID, E, VOC, logits);
     free(E), free(h), free(xn), free(d), free(gu), free(act), free(rs), free(wn);
 }

@@ -9,12 +9,13 @@
  *                                        the key heads repeated to the value heads
  *   out = (w rmsnorm(o) silu(z)) Wout^T  per value head
  *
- * Today the kind declares the layer's tensors (the parameter plan, the
- * checkpoint's names and shapes, LoRA's targets: in_proj_qkv, in_proj_z and
- * out_proj under all-linear; in_proj_a and in_proj_b when named); a model
- * with such layers is refused before it is built (loom_config_check_built)
- * until the forward and backward exist (issue 38). The conv1d weight,
- * [C, 1, K] in the checkpoint, is (C, K) here (export.c presents it so). */
+ * One process, no tensor or context parallelism yet (loom_config_check_built
+ * refuses the others; the in_proj_qkv and conv1d splits over tp need the
+ * q, k, v parts split apart). The conv1d weight, [C, 1, K] in the
+ * checkpoint, is (C, K) here (export.c presents it so). Kept for the
+ * backward: the projections' outputs, the convolution's, the gates, the
+ * rule's output, the norm's rstd and output (out_proj's input); the rule's
+ * backward recomputes what it needs from its inputs (cpu_gdn.h). */
 #include "block.h"
 #include "model.h"
 
@@ -58,20 +59,119 @@ static loom_status gdn_params(const loom_model_config *c, int64_t l, loom_param_
     return LOOM_OK;
 }
 
-static loom_status gdn_unbuilt(const loom_blk *b) {
-    return loom_errf(b->m->ctx, LOOM_ERR_UNSUPPORTED,
-                     "layer %lld: the Gated DeltaNet's forward and backward are not built yet",
-                     (long long)b->l);
+/* activations per layer, scratch */
+enum { PRE, QKV, Z, A, B, G, BETA, O, RSTD, Y, NBUF };
+enum { DY, DO, DZ, DQKV, DPRE, DG, DBETA, DA, DB, NSCRATCH };
+
+/* the sizes of a layer: key and value widths, the conv's channels */
+typedef struct gdims {
+    int64_t Hk, Hv, dk, dv, hv, C, K;
+} gdims;
+
+static gdims dims(const loom_model *m) {
+    const loom_model_config *c = &m->cfg;
+    gdims d = {c->lin_k_heads, c->lin_v_heads, c->lin_k_dim, c->lin_v_dim, 0, 0,
+               c->lin_conv_kernel};
+    d.hv = d.Hv * d.dv;
+    d.C = 2 * d.Hk * d.dk + d.hv;
+    return d;
 }
 
 static loom_status gdn_fwd(const loom_blk *b, const void *h, void *out) {
-    (void)h, (void)out;
-    return gdn_unbuilt(b);
+    loom_model *m = b->m;
+    const int *w = b->w;
+    void *const *a = b->act;
+    const gdims d = dims(m);
+    const int64_t H = m->H, Tc = m->Tc;
+    const int32_t *cu = b->mb->d_cu;
+    const int64_t nd = b->mb->ndocs;
+    CK(loom_blk_lin(b, LQKV, h, Tc, H, loom_wc(m, w[WQKV]), d.C, a[PRE]));
+    CK(loom_blk_lin(b, LZ, h, Tc, H, loom_wc(m, w[WZ]), d.hv, a[Z]));
+    CK(loom_blk_lin(b, LB, h, Tc, H, loom_wc(m, w[WB]), d.Hv, a[B]));
+    CK(loom_blk_lin(b, LA, h, Tc, H, loom_wc(m, w[WA]), d.Hv, a[A]));
+    CK(loom_k_gdn_conv_fwd(m, a[PRE], loom_wc(m, w[CONV]), Tc, d.C, d.K, cu, nd, a[QKV]));
+    CK(loom_k_gdn_gate_fwd(m, a[A], a[B], loom_wc(m, w[ALOG]), loom_wc(m, w[DTB]), Tc, d.Hv,
+                           a[G], a[BETA]));
+    CK(loom_k_gdn_fwd(m, a[QKV], a[G], a[BETA], Tc, d.Hk, d.Hv, d.dk, d.dv, cu, nd, a[O]));
+    CK(loom_k_gdn_norm_fwd(m, a[O], a[Z], loom_wc(m, w[NORMW]), Tc * d.Hv, d.dv,
+                           (float)m->cfg.rms_norm_eps, a[Y], a[RSTD]));
+    if (!out) return loom_blk_lora_fwd(b, LOUT, a[Y], Tc, m->dtmp);
+    return loom_blk_lin(b, LOUT, a[Y], Tc, d.hv, loom_wc(m, w[WOUT]), H, out);
 }
 
+#define DW(dy, x, T, out, in, dW) CK(loom_k_lin_dw(m, dy, x, T, out, in, 1.0f, dW))
+
 static loom_status gdn_bwd(const loom_blk *b, const void *h, const void *dy, void *dx) {
-    (void)h, (void)dy, (void)dx;
-    return gdn_unbuilt(b);
+    loom_model *m = b->m;
+    const int *w = b->w;
+    void *const *a = b->act, *const *sc = b->scratch;
+    const gdims d = dims(m);
+    const int64_t H = m->H, Tc = m->Tc;
+    const int32_t *cu = b->mb->d_cu;
+    const int64_t nd = b->mb->ndocs;
+    /* out_proj: d of the gated norm's output */
+    bool acc = false;
+    loom_dx_term t[4];
+    int nt = 0;
+    CK(loom_blk_lora_bwd(b, LOUT, a[Y], Tc, dy, sc[DY], &acc, t, &nt));
+    t[nt++] = loom_dx_base(dy, H, loom_wc(m, w[WOUT]));
+    CK(loom_k_lin_dx_sum(m, Tc, d.hv, nt, t, acc ? 1.0f : 0.0f, sc[DY]));
+    DW(dy, a[Y], Tc, H, d.hv, loom_g(m, w[WOUT]));
+    /* the gated norm, the rule, the gates, the convolution */
+    CK(loom_k_gdn_norm_bwd(m, sc[DY], a[O], a[Z], loom_wc(m, w[NORMW]), a[RSTD], Tc * d.Hv,
+                           d.dv, sc[DO], sc[DZ], loom_g(m, w[NORMW])));
+    CK(loom_k_gdn_bwd(m, sc[DO], a[QKV], a[G], a[BETA], Tc, d.Hk, d.Hv, d.dk, d.dv, cu, nd,
+                      sc[DQKV], sc[DG], sc[DBETA]));
+    CK(loom_k_gdn_gate_bwd(m, sc[DG], sc[DBETA], a[A], a[B], loom_wc(m, w[ALOG]),
+                           loom_wc(m, w[DTB]), Tc, d.Hv, sc[DA], sc[DB], loom_g(m, w[ALOG]),
+                           loom_g(m, w[DTB])));
+    CK(loom_k_gdn_conv_bwd(m, sc[DQKV], a[PRE], loom_wc(m, w[CONV]), Tc, d.C, d.K, cu, nd,
+                           sc[DPRE], loom_g(m, w[CONV])));
+    /* the four projections of h: LoRA's terms, then the base's two at a
+     * time (qkv and z, then b and a) */
+    acc = false;
+    nt = 0;
+    CK(loom_blk_lora_bwd(b, LQKV, h, Tc, sc[DPRE], dx, &acc, NULL, NULL));
+    CK(loom_blk_lora_bwd(b, LZ, h, Tc, sc[DZ], dx, &acc, NULL, NULL));
+    CK(loom_blk_lora_bwd(b, LB, h, Tc, sc[DB], dx, &acc, NULL, NULL));
+    CK(loom_blk_lora_bwd(b, LA, h, Tc, sc[DA], dx, &acc, t, &nt));
+    if (dx) {
+        t[nt++] = loom_dx_base(sc[DPRE], d.C, loom_wc(m, w[WQKV]));
+        t[nt++] = loom_dx_base(sc[DZ], d.hv, loom_wc(m, w[WZ]));
+        CK(loom_k_lin_dx_sum(m, Tc, H, nt, t, acc ? 1.0f : 0.0f, dx));
+        const loom_dx_term ab[2] = {loom_dx_base(sc[DB], d.Hv, loom_wc(m, w[WB])),
+                                    loom_dx_base(sc[DA], d.Hv, loom_wc(m, w[WA]))};
+        CK(loom_k_lin_dx_sum(m, Tc, H, 2, ab, 1.0f, dx));
+    }
+    DW(sc[DPRE], h, Tc, d.C, H, loom_g(m, w[WQKV]));
+    DW(sc[DZ], h, Tc, d.hv, H, loom_g(m, w[WZ]));
+    DW(sc[DB], h, Tc, d.Hv, H, loom_g(m, w[WB]));
+    DW(sc[DA], h, Tc, d.Hv, H, loom_g(m, w[WA]));
+    return LOOM_OK;
+}
+
+static int gdn_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out) {
+    (void)T, (void)Tn;
+    const size_t e = m->dev.esz, f = sizeof(float);
+    const bool any = loom_config_linear_layers(&m->cfg) > 0;
+    const gdims d = dims(m);
+    out[PRE].bytes = out[QKV].bytes = any ? (size_t)(Tc * d.C) * e : 0;
+    out[Z].bytes = out[O].bytes = out[Y].bytes = any ? (size_t)(Tc * d.hv) * e : 0;
+    out[A].bytes = out[B].bytes = any ? (size_t)(Tc * d.Hv) * e : 0;
+    out[G].bytes = out[BETA].bytes = out[RSTD].bytes = any ? (size_t)(Tc * d.Hv) * f : 0;
+    return NBUF; /* all kept under selective recomputation */
+}
+
+static int gdn_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes) {
+    (void)T;
+    const size_t e = m->dev.esz, f = sizeof(float);
+    const bool any = loom_config_linear_layers(&m->cfg) > 0;
+    const gdims d = dims(m);
+    bytes[DY] = bytes[DO] = bytes[DZ] = any ? (size_t)(Tc * d.hv) * e : 0;
+    bytes[DQKV] = bytes[DPRE] = any ? (size_t)(Tc * d.C) * e : 0;
+    bytes[DG] = bytes[DBETA] = any ? (size_t)(Tc * d.Hv) * f : 0;
+    bytes[DA] = bytes[DB] = any ? (size_t)(Tc * d.Hv) * e : 0;
+    return NSCRATCH;
 }
 
 const loom_block_kind loom_block_gdn = {
@@ -84,6 +184,8 @@ const loom_block_kind loom_block_gdn = {
     .nlin = NLIN,
     .out_bias = -1,
     .params = gdn_params,
+    .acts = gdn_acts,
+    .scratch = gdn_scratch,
     .fwd = gdn_fwd,
     .bwd = gdn_bwd,
 };

@@ -93,7 +93,6 @@ loom_status loom_meta_create(loom_ctx *ctx, const char *dir, const loom_model_op
         (q->lora_r && (st = loom_lora_parse_targets(ctx, q->lora_target ? q->lora_target
                                                                           : "all-linear",
                                                     in.lora_target))) ||
-        (st = loom_config_check_built(ctx, &mt->cfg)) ||
         (st = loom_param_plan_build(ctx, &mt->cfg, &mt->plan)))
         goto fail;
     in.n = mt->n;
@@ -259,8 +258,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
     m->dev.esz = loom_dtype_size(in->adt);
     loom_pp_plan plan = {0};
     m->lora_r = in->lora_r;
-    loom_status st = loom_config_check_built(ctx, cfg);
-    if (!st) st = loom_param_plan_build(ctx, cfg, &m->plan);
+    loom_status st = loom_param_plan_build(ctx, cfg, &m->plan);
     if (!st && (m->edp <= 0 || m->ep * m->etp * m->edp != m->tp * m->cp * m->dp))
         st = loom_errf(ctx, LOOM_ERR_CONFIG, "the expert fold (ep=%d, etp=%d) does not divide "
                        "tp*cp*dp = %d", m->ep, m->etp, m->tp * m->cp * m->dp);

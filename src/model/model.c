@@ -651,7 +651,8 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     m->loss = loom_loss_cross_entropy();
-    if ((st = loom_config_check_built(ctx, c)) || (st = loom_param_plan_build(ctx, c, &m->plan)))
+    if ((st = loom_config_check_built(ctx, c, m->tp, m->cp, cuda)) ||
+        (st = loom_param_plan_build(ctx, c, &m->plan)))
         goto fail;
     if ((st = loom_model_build_slots(m))) goto fail;
     /* the base's gradients come with its first forward_backward (a LoRA run

@@ -113,15 +113,16 @@ static void add_layer(loom_param_sink *b, const loom_model_config *c, int64_t l)
     b->layer = -1;
 }
 
-loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c) {
-    if (loom_config_linear_layers(c) == 0) return LOOM_OK;
+loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c, int tp, int cp,
+                                    bool cuda) {
+    if (loom_config_linear_layers(c) == 0 || (tp == 1 && cp == 1 && !cuda)) return LOOM_OK;
     return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                      "%s: Qwen3.5's Gated DeltaNet layers (%lld linear_attention layers of %lld) "
-                     "are not built yet: loom reads the config and `loom inspect` checks the "
-                     "checkpoint, but cannot train this model yet (issue 38; its gated full "
-                     "attention, partial RoPE and zero-centred norms train on the CPU)",
+                     "train on the CPU without tensor or context parallelism so far (this run: "
+                     "%s, tp=%d, cp=%d): use --device cpu --tp 1 --cp 1 (pipeline and data "
+                     "parallelism work) until they come (issue 38)",
                      c->model_type, (long long)loom_config_linear_layers(c),
-                     (long long)c->num_layers);
+                     (long long)c->num_layers, cuda ? "GPU" : "CPU", tp, cp);
 }
 
 loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *c,
@@ -285,8 +286,7 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "init_embedding_std = %g: give 0 (the "
                          "config's initializer_range) or a positive standard deviation", embed_std);
     loom_param_plan plan;
-    if ((st = loom_config_check_built(ctx, cfg)) || (st = loom_param_plan_build(ctx, cfg, &plan)))
-        return st;
+    if ((st = loom_param_plan_build(ctx, cfg, &plan))) return st;
     random_src r = {&plan, seed, std, embed_std > 0 ? embed_std : std,
                     cfg->norm_offset ? 0.0f : 1.0f};
     const loom_tensor_source src = {&r, plan.n, random_info, random_fetch};
