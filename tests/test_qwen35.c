@@ -344,21 +344,51 @@ static double rel_to_max(const float *got, const float *ref, int64_t n) {
  * the hub's vision-language checkpoint) on the CPU against transformers:
  * logits, log-probs, entropy, the loss and the gradient of every
  * language-model tensor. */
-TEST(qwen35_model_matches_hf) {
+/* the gradient of hub tensor t (loom's name `name`); transformers' fused
+ * experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) from loom's
+ * per-expert tensors */
+static loom_status get_grad_hub(loom_model *m, const char *name, const loom_st_tensor *t,
+                                float *g) {
+    const char *gu = strstr(name, ".experts.gate_up_proj"),
+               *dn = strstr(name, ".experts.down_proj");
+    if (!gu && !dn)
+        return loom_model_get_grad(m, name, g, (int64_t)t->numel);
+    const int64_t E = t->shape[0], per = (int64_t)t->numel / E;
+    const int plen = (int)((gu ? gu : dn) - name);
+    char en[256];
+    for (int64_t e = 0; e < E; e++) {
+        for (int k = 0; k < (gu ? 2 : 1); k++) {
+            snprintf(en, sizeof en, "%.*s.experts.%lld.%s.weight", plen, name, (long long)e,
+                     dn  ? "down_proj"
+                     : k ? "up_proj"
+                         : "gate_proj");
+            const int64_t part = gu ? per / 2 : per;
+            loom_status st = loom_model_get_grad(m, en, g + e * per + k * part, part);
+            if (st)
+                return st;
+        }
+    }
+    return LOOM_OK;
+}
+
+static void check_hf(const char *model, int ngrads) {
     loom_ctx *ctx;
     REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
     loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     loom_model_options o;
     loom_model_options_default(&o);
     o.device = LOOM_DEVICE_CPU;
+    o.config_overrides = "{\"router_aux_loss_coef\": 0}"; /* the LM loss's gradients */
     loom_model *m = NULL;
     loom_safetensors *gs = NULL;
     loom_json *meta = NULL;
-    REQUIRE_OK(ctx, loom_model_create(ctx, "tests/fixtures_qwen3_5/models/tiny-qwen3_5", &o, &m));
-    REQUIRE_OK(ctx, loom_st_open_file(ctx, "tests/fixtures_qwen3_5/golden/tiny-qwen3_5.safetensors",
-                                      &gs));
-    REQUIRE_OK(ctx, loom_json_parse_file(ctx, "tests/fixtures_qwen3_5/golden/tiny-qwen3_5.json",
-                                         &meta));
+    char p[512];
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/models/%s", model);
+    REQUIRE_OK(ctx, loom_model_create(ctx, p, &o, &m));
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.safetensors", model);
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, p, &gs));
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.json", model);
+    REQUIRE_OK(ctx, loom_json_parse_file(ctx, p, &meta));
     enum { R = 2, S = 80, V = 1024 };
     static int32_t ids[R * S], tgt[R * S];
     REQUIRE_OK(ctx, loom_st_read_named(ctx, gs, "input_ids", 2, (int64_t[]){R, S}, LOOM_I32, ids));
@@ -372,9 +402,9 @@ TEST(qwen35_model_matches_hf) {
     float *got[3] = {lg, lp, ent};
     const int64_t n[3] = {R * S * V, R * S, R * S};
     for (int k = 0; k < 3; k++) {
-        REQUIRE_OK(ctx, loom_st_read_named(ctx, gs, outs[k], k ? 2 : 3,
-                                           k ? (int64_t[]){R, S} : (int64_t[]){R, S, V}, LOOM_F32,
-                                           ref));
+        REQUIRE_OK(ctx,
+                   loom_st_read_named(ctx, gs, outs[k], k ? 2 : 3,
+                                      k ? (int64_t[]){R, S} : (int64_t[]){R, S, V}, LOOM_F32, ref));
         const double e = rel_to_max(got[k], ref, n[k]);
         printf("    %s: %.3g of the largest\n", outs[k], e);
         CHECK_MSG(e < 1e-4, "%s differs from HF by %.3g", outs[k], e);
@@ -391,7 +421,8 @@ TEST(qwen35_model_matches_hf) {
     const char *wn = "";
     for (size_t i = 0; i < loom_st_count(gs); i++) {
         const loom_st_tensor *t = loom_st_at(gs, i);
-        if (strncmp(t->name, "grad.", 5)) continue;
+        if (strncmp(t->name, "grad.", 5))
+            continue;
         char name[256];
         const char *hub = t->name + 5;
         if (!strncmp(hub, "model.language_model.", 21))
@@ -400,7 +431,7 @@ TEST(qwen35_model_matches_hf) {
             snprintf(name, sizeof name, "%s", hub);
         float *a = malloc(t->numel * 4), *g = malloc(t->numel * 4);
         REQUIRE_OK(ctx, loom_st_read(ctx, t, LOOM_F32, a, t->numel));
-        const loom_status st = loom_model_get_grad(m, name, g, (int64_t)t->numel);
+        const loom_status st = get_grad_hub(m, name, t, g);
         CHECK_MSG(st == LOOM_OK, "%s: %s", name, loom_last_error(ctx));
         if (!st) {
             const double e = rel_to_max(g, a, (int64_t)t->numel);
@@ -408,7 +439,8 @@ TEST(qwen35_model_matches_hf) {
             for (uint64_t k = 0; k < t->numel; k++)
                 dd += ((double)g[k] - a[k]) * ((double)g[k] - a[k]), rr += (double)a[k] * a[k];
             const double l2 = sqrt(dd / (rr > 0 ? rr : 1.0));
-            if (!(e <= worst)) worst = e, wn = t->name;
+            if (!(e <= worst))
+                worst = e, wn = t->name;
             worst_l2 = fmax(worst_l2, l2);
             checked++;
         }
@@ -421,7 +453,7 @@ TEST(qwen35_model_matches_hf) {
      * (test_gdn.c) */
     printf("    %d gradients: worst %.3g of the largest (%s), %.3g in L2\n", checked, worst, wn,
            worst_l2);
-    CHECK_MSG(worst < 2e-4 && worst_l2 < 1e-4 && checked == 55,
+    CHECK_MSG(worst < 2e-4 && worst_l2 < 1e-4 && checked == ngrads,
               "gradient %s differs from HF by %.3g (L2 %.3g; %d checked)", wn, worst, worst_l2,
               checked);
     free(lp), free(ent), free(lg), free(ref);
@@ -430,3 +462,60 @@ TEST(qwen35_model_matches_hf) {
     loom_model_free(m);
     loom_ctx_free(ctx);
 }
+
+TEST(qwen35_model_matches_hf) { check_hf("tiny-qwen3_5", 55); }
+TEST(qwen35_moe_model_matches_hf) { check_hf("tiny-qwen3_5-moe", 72); }
+
+/* Packed documents (7, 70 and 21 tokens in one row): the recurrent state
+ * and the convolution restart at every boundary, so each document's
+ * log-probs are its run alone (transformers' packed.token_logprobs). */
+static void check_packed(const char *model) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = LOOM_DEVICE_CPU;
+    char p[512];
+    loom_model *m = NULL;
+    loom_safetensors *gs = NULL;
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/models/%s", model);
+    REQUIRE_OK(ctx, loom_model_create(ctx, p, &o, &m));
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.safetensors", model);
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, p, &gs));
+    enum { S = 98 };
+    int32_t ids[S], pos[S], tgt[S], cu[4];
+    float ref[S], lp[S];
+    REQUIRE_OK(
+        ctx, loom_st_read_named(ctx, gs, "packed.input_ids", 2, (int64_t[]){1, S}, LOOM_I32, ids));
+    REQUIRE_OK(ctx, loom_st_read_named(ctx, gs, "packed.position_ids", 2, (int64_t[]){1, S},
+                                       LOOM_I32, pos));
+    REQUIRE_OK(ctx,
+               loom_st_read_named(ctx, gs, "packed.cu_seqlens", 1, (int64_t[]){4}, LOOM_I32, cu));
+    REQUIRE_OK(ctx, loom_st_read_named(ctx, gs, "packed.token_logprobs", 2, (int64_t[]){1, S},
+                                       LOOM_F32, ref));
+    for (int d = 0; d < 3; d++)
+        for (int t = cu[d]; t < cu[d + 1]; t++)
+            tgt[t] = t + 1 < cu[d + 1] ? ids[t + 1] : -100;
+    loom_batch b = {.rows = 1,
+                    .seq_len = S,
+                    .input_ids = ids,
+                    .targets = tgt,
+                    .cu_seqlens = cu,
+                    .n_docs = 3,
+                    .position_ids = pos};
+    loom_fb_result r;
+    REQUIRE_OK(ctx, loom_model_forward_only(m, &b, 1, lp, NULL, NULL, &r));
+    double md = 0.0, mr = 0.0;
+    for (int t = 0; t < S; t++)
+        if (tgt[t] != -100)
+            md = fmax(md, fabs((double)lp[t] - ref[t])), mr = fmax(mr, fabs(ref[t]));
+    printf("    packed documents 7, 70, 21: log-probs %.3g of the largest\n", md / mr);
+    CHECK_MSG(md / mr < 1e-4, "packed log-probs differ from HF by %.3g", md / mr);
+    loom_st_close(gs);
+    loom_model_free(m);
+    loom_ctx_free(ctx);
+}
+
+TEST(qwen35_packed_documents) { check_packed("tiny-qwen3_5"); }
+TEST(qwen35_moe_packed_documents) { check_packed("tiny-qwen3_5-moe"); }
