@@ -438,7 +438,7 @@ static loom_status load_weights(loom_model *m, const char *dir) {
     }
     if (!s) s = fill_base(m, st);
     if (!s && m->mesh->rank == 0) {
-        size_t unused = 0;
+        size_t unused = 0, carried = 0;
         const char *first = NULL;
         for (size_t i = 0; i < loom_st_count(st); i++) {
             const char *name = loom_st_at(st, i)->name;
@@ -452,8 +452,18 @@ static loom_status load_weights(loom_model *m, const char *dir) {
                            dir);
                 continue;
             }
+            /* a vision-language checkpoint's vision tower and mtp head: not
+             * trained, written back as read (save_hf) */
+            if (m->cfg.nested_text && (!strncmp(name, "model.visual.", 13) ||
+                                       !strncmp(name, "mtp.", 4))) {
+                carried++;
+                continue;
+            }
             if (!unused++) first = name;
         }
+        if (carried)
+            LOOM_LOG_I(ctx, "%s: %zu tensors of the vision tower and the mtp head are not trained; "
+                       "save_hf writes them back as read", dir, carried);
         if (unused)
             LOOM_LOG_W(ctx, "%s: %zu tensor%s of the checkpoint %s not used by the model (%s%s)",
                        dir, unused, unused == 1 ? "" : "s", unused == 1 ? "is" : "are", first,
