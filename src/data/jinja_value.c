@@ -1,0 +1,489 @@
+/* Jinja values: constructors, lists and dicts (insertion order), JSON in
+ * and out (json.dumps as transformers' tojson calls it), and the parts of
+ * Python's semantics jinja2 delegates to: truthiness, ==, ordering, str()
+ * and repr(). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "jinja_impl.h"
+
+jv jv_undef(const char *name) { return (jv){.t = JV_UNDEF, .name = name}; }
+jv jv_none(void) { return (jv){.t = JV_NONE}; }
+jv jv_bool(bool b) { return (jv){.t = JV_BOOL, .b = b}; }
+jv jv_int(int64_t i) { return (jv){.t = JV_INT, .i = i}; }
+jv jv_float(double f) { return (jv){.t = JV_FLOAT, .f = f}; }
+jv jv_str(const char *p, size_t n) { return (jv){.t = JV_STR, .s = {p, n}}; }
+jv jv_cstr(const char *p) { return jv_str(p, strlen(p)); }
+
+jv jv_newlist(jr *r) {
+    jv v = {.t = JV_LIST};
+    v.l = ja_alloc(&r->arena, sizeof *v.l);
+    return v;
+}
+jv jv_newdict(jr *r, jt t) {
+    jv v = {.t = t};
+    v.d = ja_alloc(&r->arena, sizeof *v.d);
+    return v;
+}
+
+void jl_push(jr *r, jlist *l, jv v) {
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 4;
+        jv *nv = ja_alloc(&r->arena, cap * sizeof *nv);
+        if (l->n)
+            memcpy(nv, l->v, l->n * sizeof *nv);
+        l->v = nv, l->cap = cap;
+    }
+    l->v[l->n++] = v;
+}
+
+const jv *jd_get(const jdict *d, jv k) {
+    for (size_t i = 0; i < d->n; i++)
+        if (jv_eq(d->k[i], k))
+            return &d->v[i];
+    return NULL;
+}
+const jv *jd_gets(const jdict *d, const char *k) {
+    size_t n = strlen(k);
+    for (size_t i = 0; i < d->n; i++)
+        if (d->k[i].t == JV_STR && d->k[i].s.n == n && memcmp(d->k[i].s.p, k, n) == 0)
+            return &d->v[i];
+    return NULL;
+}
+
+void jd_set(jr *r, jdict *d, jv k, jv v) {
+    jv *old = (jv *)jd_get(d, k);
+    if (old) {
+        *old = v;
+        return;
+    }
+    if (d->n == d->cap) {
+        size_t cap = d->cap ? d->cap * 2 : 4;
+        jv *nk = ja_alloc(&r->arena, cap * sizeof *nk), *nv = ja_alloc(&r->arena, cap * sizeof *nv);
+        if (d->n)
+            memcpy(nk, d->k, d->n * sizeof *nk), memcpy(nv, d->v, d->n * sizeof *nv);
+        d->k = nk, d->v = nv, d->cap = cap;
+    }
+    d->k[d->n] = k, d->v[d->n] = v;
+    d->n++;
+}
+
+jv jv_from_json(jr *r, const loom_json *j) {
+    switch (j->type) {
+    case LOOM_JSON_NULL:
+        return jv_none();
+    case LOOM_JSON_BOOL:
+        return jv_bool(j->b);
+    case LOOM_JSON_NUMBER:
+        return j->is_int ? jv_int(j->i) : jv_float(j->d);
+    case LOOM_JSON_STRING:
+        return jv_str(j->s, j->slen);
+    case LOOM_JSON_ARRAY: {
+        jv l = jv_newlist(r);
+        for (size_t i = 0; i < j->n; i++)
+            jl_push(r, l.l, jv_from_json(r, j->items[i]));
+        return l;
+    }
+    case LOOM_JSON_OBJECT: {
+        jv d = jv_newdict(r, JV_DICT);
+        for (size_t i = 0; i < j->n; i++)
+            jd_set(r, d.d, jv_cstr(j->keys[i]), jv_from_json(r, j->items[i]));
+        return d;
+    }
+    }
+    return jv_none();
+}
+
+bool jv_truthy(jv v) {
+    switch (v.t) {
+    case JV_UNDEF:
+    case JV_NONE:
+        return false;
+    case JV_BOOL:
+        return v.b;
+    case JV_INT:
+        return v.i != 0;
+    case JV_FLOAT:
+        return v.f != 0;
+    case JV_STR:
+        return v.s.n != 0;
+    case JV_LIST:
+        return v.l->n != 0;
+    case JV_DICT:
+        return v.d->n != 0;
+    default:
+        return true;
+    }
+}
+
+static bool is_num(jv v) { return v.t == JV_BOOL || v.t == JV_INT || v.t == JV_FLOAT; }
+static double num_d(jv v) {
+    return v.t == JV_FLOAT ? v.f : v.t == JV_INT ? (double)v.i : (double)v.b;
+}
+static int64_t num_i(jv v) { return v.t == JV_INT ? v.i : v.b; }
+
+bool jv_eq(jv a, jv b) {
+    if (is_num(a) && is_num(b)) {
+        if (a.t != JV_FLOAT && b.t != JV_FLOAT)
+            return num_i(a) == num_i(b);
+        return num_d(a) == num_d(b);
+    }
+    if (a.t != b.t)
+        return false;
+    switch (a.t) {
+    case JV_UNDEF:
+    case JV_NONE:
+        return true;
+    case JV_STR:
+        return a.s.n == b.s.n && memcmp(a.s.p, b.s.p, a.s.n) == 0;
+    case JV_LIST:
+        if (a.tuple != b.tuple || a.l->n != b.l->n)
+            return false;
+        for (size_t i = 0; i < a.l->n; i++)
+            if (!jv_eq(a.l->v[i], b.l->v[i]))
+                return false;
+        return true;
+    case JV_DICT:
+        if (a.d->n != b.d->n)
+            return false;
+        for (size_t i = 0; i < a.d->n; i++) {
+            const jv *o = jd_get(b.d, a.d->k[i]);
+            if (!o || !jv_eq(a.d->v[i], *o))
+                return false;
+        }
+        return true;
+    case JV_NS:
+        return a.d == b.d;
+    case JV_MACRO:
+        return a.mac == b.mac;
+    case JV_FUNC:
+        return a.fn == b.fn;
+    default:
+        return false;
+    }
+}
+
+const char *jv_typename(jv v) {
+    static const char *const N[] = {"undefined", "NoneType", "bool",      "int",   "float",   "str",
+                                    "list",      "dict",     "Namespace", "macro", "function"};
+    if (v.t == JV_LIST && v.tuple)
+        return "tuple";
+    return N[v.t];
+}
+
+int jv_cmp(jr *r, const jnode *at, jv a, jv b) {
+    if (is_num(a) && is_num(b)) {
+        if (a.t != JV_FLOAT && b.t != JV_FLOAT)
+            return num_i(a) < num_i(b) ? -1 : num_i(a) > num_i(b);
+        double x = num_d(a), y = num_d(b);
+        return x < y ? -1 : x > y;
+    }
+    if (a.t == JV_STR && b.t == JV_STR) {
+        size_t n = a.s.n < b.s.n ? a.s.n : b.s.n;
+        int c = memcmp(a.s.p, b.s.p, n);
+        if (c)
+            return c < 0 ? -1 : 1;
+        return a.s.n < b.s.n ? -1 : a.s.n > b.s.n;
+    }
+    if (a.t == JV_LIST && b.t == JV_LIST) {
+        for (size_t i = 0; i < a.l->n && i < b.l->n; i++) {
+            if (jv_eq(a.l->v[i], b.l->v[i]))
+                continue;
+            return jv_cmp(r, at, a.l->v[i], b.l->v[i]);
+        }
+        return a.l->n < b.l->n ? -1 : a.l->n > b.l->n;
+    }
+    if (a.t == JV_UNDEF || b.t == JV_UNDEF)
+        jr_fail(r, at, LOOM_ERR_FORMAT, "'%s' is undefined",
+                (a.t == JV_UNDEF ? a : b).name ? (a.t == JV_UNDEF ? a : b).name : "value");
+    jr_fail(r, at, LOOM_ERR_FORMAT, "'<' not supported between instances of '%s' and '%s'",
+            jv_typename(a), jv_typename(b));
+}
+
+/* ---------------------------------------------------------------------- */
+/* Buffers, UTF-8                                                          */
+/* ---------------------------------------------------------------------- */
+
+void jb_put(jr *r, jbuf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        while (cap < b->n + n + 1)
+            cap *= 2;
+        char *p = ja_alloc(&r->arena, cap);
+        if (b->n)
+            memcpy(p, b->p, b->n);
+        b->p = p, b->cap = cap;
+    }
+    if (n)
+        memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+void jb_puts(jr *r, jbuf *b, const char *s) { jb_put(r, b, s, strlen(s)); }
+
+size_t utf8_count(const char *p, size_t n) {
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++)
+        if (((unsigned char)p[i] & 0xC0) != 0x80)
+            c++;
+    return c;
+}
+size_t utf8_offset(const char *p, size_t n, size_t cp) {
+    size_t i = 0;
+    for (size_t c = 0; i < n; i++)
+        if (((unsigned char)p[i] & 0xC0) != 0x80 && c++ == cp)
+            return i;
+    return n;
+}
+
+/* ---------------------------------------------------------------------- */
+/* str(), repr()                                                           */
+/* ---------------------------------------------------------------------- */
+
+/* Python's repr(float): the shortest digits that read back to f. */
+static void write_float(jr *r, jbuf *b, double f, bool json) {
+    char buf[64];
+    if (isnan(f))
+        return jb_puts(r, b, json ? "NaN" : "nan");
+    if (isinf(f))
+        return jb_puts(r, b, f < 0 ? (json ? "-Infinity" : "-inf") : (json ? "Infinity" : "inf"));
+    if (f == 0)
+        return jb_puts(r, b, signbit(f) ? "-0.0" : "0.0");
+    int prec = 1;
+    for (; prec <= 17; prec++) {
+        snprintf(buf, sizeof buf, "%.*e", prec - 1, f);
+        if (strtod(buf, NULL) == f)
+            break;
+    }
+    /* buf: [-]d.ddde[+-]XX */
+    char digits[32];
+    int nd = 0, exp10;
+    const char *p = buf;
+    bool neg = *p == '-';
+    if (neg)
+        p++;
+    for (; *p && *p != 'e'; p++)
+        if (*p != '.')
+            digits[nd++] = *p;
+    exp10 = atoi(p + 1);
+    while (nd > 1 && digits[nd - 1] == '0')
+        nd--;
+    char out[64];
+    int o = 0;
+    if (neg)
+        out[o++] = '-';
+    if (exp10 >= -4 && exp10 < 16) {
+        if (exp10 < 0) {
+            out[o++] = '0', out[o++] = '.';
+            for (int k = 0; k < -exp10 - 1; k++)
+                out[o++] = '0';
+            for (int k = 0; k < nd; k++)
+                out[o++] = digits[k];
+        } else {
+            for (int k = 0; k <= exp10; k++)
+                out[o++] = k < nd ? digits[k] : '0';
+            out[o++] = '.';
+            if (nd > exp10 + 1)
+                for (int k = exp10 + 1; k < nd; k++)
+                    out[o++] = digits[k];
+            else
+                out[o++] = '0';
+        }
+        out[o] = 0;
+    } else {
+        out[o++] = digits[0];
+        if (nd > 1) {
+            out[o++] = '.';
+            for (int k = 1; k < nd; k++)
+                out[o++] = digits[k];
+        }
+        o +=
+            snprintf(out + o, sizeof out - (size_t)o, "e%c%02d", exp10 < 0 ? '-' : '+', abs(exp10));
+    }
+    jb_put(r, b, out, (size_t)o);
+}
+
+static void write_repr_str(jr *r, jbuf *b, const char *s, size_t n) {
+    bool has_sq = memchr(s, '\'', n) != NULL, has_dq = memchr(s, '"', n) != NULL;
+    char q = has_sq && !has_dq ? '"' : '\'';
+    jb_put(r, b, &q, 1);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        char e[8];
+        if (c == '\\')
+            jb_puts(r, b, "\\\\");
+        else if (c == (unsigned char)q)
+            jb_put(r, b, (const char[]){'\\', (char)q}, 2);
+        else if (c == '\n')
+            jb_puts(r, b, "\\n");
+        else if (c == '\r')
+            jb_puts(r, b, "\\r");
+        else if (c == '\t')
+            jb_puts(r, b, "\\t");
+        else if (c < 0x20 || c == 0x7f) {
+            snprintf(e, sizeof e, "\\x%02x", c);
+            jb_puts(r, b, e);
+        } else
+            jb_put(r, b, (const char *)&c, 1);
+    }
+    jb_put(r, b, &q, 1);
+}
+
+void jv_write_str(jr *r, jbuf *b, jv v, bool repr) {
+    char buf[32];
+    switch (v.t) {
+    case JV_UNDEF:
+        return;
+    case JV_NONE:
+        return jb_puts(r, b, "None");
+    case JV_BOOL:
+        return jb_puts(r, b, v.b ? "True" : "False");
+    case JV_INT:
+        snprintf(buf, sizeof buf, "%lld", (long long)v.i);
+        return jb_puts(r, b, buf);
+    case JV_FLOAT:
+        return write_float(r, b, v.f, false);
+    case JV_STR:
+        if (repr)
+            return write_repr_str(r, b, v.s.p, v.s.n);
+        return jb_put(r, b, v.s.p, v.s.n);
+    case JV_LIST:
+        jb_puts(r, b, v.tuple ? "(" : "[");
+        for (size_t i = 0; i < v.l->n; i++) {
+            if (i)
+                jb_puts(r, b, ", ");
+            jv_write_str(r, b, v.l->v[i], true);
+        }
+        if (v.tuple && v.l->n == 1)
+            jb_puts(r, b, ",");
+        return jb_puts(r, b, v.tuple ? ")" : "]");
+    case JV_NS:
+    case JV_DICT:
+        jb_puts(r, b, v.t == JV_NS ? "<Namespace {" : "{");
+        for (size_t i = 0; i < v.d->n; i++) {
+            if (i)
+                jb_puts(r, b, ", ");
+            jv_write_str(r, b, v.d->k[i], true);
+            jb_puts(r, b, ": ");
+            jv_write_str(r, b, v.d->v[i], true);
+        }
+        return jb_puts(r, b, v.t == JV_NS ? "}>" : "}");
+    case JV_MACRO:
+        return jb_puts(r, b, "<Macro>");
+    case JV_FUNC:
+        return jb_puts(r, b, "<function>");
+    }
+}
+
+jv jv_to_str(jr *r, jv v) {
+    if (v.t == JV_STR)
+        return v;
+    jbuf b = {0};
+    jv_write_str(r, &b, v, false);
+    return jv_str(b.p ? b.p : "", b.n);
+}
+
+/* ---------------------------------------------------------------------- */
+/* json.dumps(ensure_ascii=False)                                          */
+/* ---------------------------------------------------------------------- */
+
+static void write_json_str(jr *r, jbuf *b, const char *s, size_t n) {
+    jb_puts(r, b, "\"");
+    size_t run = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        const char *e = NULL;
+        char u[8];
+        if (c == '"')
+            e = "\\\"";
+        else if (c == '\\')
+            e = "\\\\";
+        else if (c == '\n')
+            e = "\\n";
+        else if (c == '\r')
+            e = "\\r";
+        else if (c == '\t')
+            e = "\\t";
+        else if (c == '\b')
+            e = "\\b";
+        else if (c == '\f')
+            e = "\\f";
+        else if (c < 0x20) {
+            snprintf(u, sizeof u, "\\u%04x", c);
+            e = u;
+        }
+        if (!e)
+            continue;
+        jb_put(r, b, s + run, i - run);
+        jb_puts(r, b, e);
+        run = i + 1;
+    }
+    jb_put(r, b, s + run, n - run);
+    jb_puts(r, b, "\"");
+}
+
+static void newline_indent(jr *r, jbuf *b, int indent, int level) {
+    jb_puts(r, b, "\n");
+    for (int k = 0; k < indent * level; k++)
+        jb_puts(r, b, " ");
+}
+
+void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level) {
+    if (level > 128)
+        jr_fail(r, NULL, LOOM_ERR_FORMAT, "tojson: value nested too deeply");
+    switch (v.t) {
+    case JV_NONE:
+        return jb_puts(r, b, "null");
+    case JV_BOOL:
+        return jb_puts(r, b, v.b ? "true" : "false");
+    case JV_INT:
+    case JV_FLOAT:
+        return v.t == JV_INT ? jv_write_str(r, b, v, false) : write_float(r, b, v.f, true);
+    case JV_STR:
+        return write_json_str(r, b, v.s.p, v.s.n);
+    case JV_LIST:
+        if (!v.l->n)
+            return jb_puts(r, b, "[]");
+        jb_puts(r, b, "[");
+        for (size_t i = 0; i < v.l->n; i++) {
+            if (i)
+                jb_puts(r, b, indent >= 0 ? "," : ", ");
+            if (indent >= 0)
+                newline_indent(r, b, indent, level + 1);
+            jv_write_json(r, b, v.l->v[i], indent, level + 1);
+        }
+        if (indent >= 0)
+            newline_indent(r, b, indent, level);
+        return jb_puts(r, b, "]");
+    case JV_DICT:
+        if (!v.d->n)
+            return jb_puts(r, b, "{}");
+        jb_puts(r, b, "{");
+        for (size_t i = 0; i < v.d->n; i++) {
+            if (i)
+                jb_puts(r, b, indent >= 0 ? "," : ", ");
+            if (indent >= 0)
+                newline_indent(r, b, indent, level + 1);
+            jv k = v.d->k[i];
+            if (k.t == JV_STR)
+                write_json_str(r, b, k.s.p, k.s.n);
+            else if (k.t == JV_INT || k.t == JV_FLOAT || k.t == JV_BOOL || k.t == JV_NONE) {
+                jbuf kb = {0};
+                jv_write_json(r, &kb, k, -1, 0);
+                write_json_str(r, b, kb.p, kb.n);
+            } else
+                jr_fail(r, NULL, LOOM_ERR_FORMAT,
+                        "tojson: keys must be str, int, float, bool or None, not %s",
+                        jv_typename(k));
+            jb_puts(r, b, ": ");
+            jv_write_json(r, b, v.d->v[i], indent, level + 1);
+        }
+        if (indent >= 0)
+            newline_indent(r, b, indent, level);
+        return jb_puts(r, b, "}");
+    default:
+        jr_fail(r, NULL, LOOM_ERR_FORMAT, "tojson: Object of type %s is not JSON serializable",
+                v.t == JV_UNDEF ? "Undefined" : jv_typename(v));
+    }
+}
