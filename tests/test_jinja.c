@@ -5,6 +5,7 @@
  * make_cases.py there): text and {% generation %} byte ranges. */
 #include <stdlib.h>
 
+#include "../src/data/chat.h"
 #include "../src/data/jinja.h"
 #include "harness.h"
 
@@ -338,6 +339,122 @@ TEST(jinja_real_templates) {
     CHECK(cases >= 300);
     for (int k = 0; k < ntpl; k++)
         loom_jinja_free(tpls[k]), free(names[k]);
+    free(data);
+    loom_ctx_free(ctx);
+}
+
+/* The Qwen3 fixture of test_chat.c (HF's text) through the interpreter. */
+TEST(jinja_chat_fixture_cases) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    char path[1024], *src = NULL, *data = NULL;
+    size_t n = 0, dlen = 0;
+    snprintf(path, sizeof path, "%s/tokenizer/chat_template.jinja", loom_test_fixtures());
+    REQUIRE_OK(ctx, loom_read_file(ctx, path, 0, &src, &n));
+    loom_jinja *t;
+    REQUIRE_OK(ctx, loom_jinja_parse(ctx, src, n, "chat_template.jinja", &t));
+    snprintf(path, sizeof path, "%s/tokenizer/chat_cases.jsonl", loom_test_fixtures());
+    REQUIRE_OK(ctx, loom_read_file(ctx, path, 0, &data, &dlen));
+    int cases = 0;
+    for (char *line = data; *line;) {
+        char *end = strchr(line, '\n');
+        size_t l = end ? (size_t)(end - line) : strlen(line);
+        loom_json *cs = NULL;
+        if (!l || loom_json_parse(ctx, line, l, "chat_cases.jsonl", &cs) != LOOM_OK)
+            break;
+        line += l + (end ? 1 : 0);
+        loom_sb sb;
+        loom_sb_init(&sb);
+        const loom_json *g = loom_json_get(cs, "add_generation_prompt");
+        loom_sb_puts(&sb, "{\"add_generation_prompt\": ");
+        loom_sb_puts(&sb, g && g->b ? "true" : "false");
+        loom_sb_puts(&sb, ", \"tools\": null, \"messages\": ");
+        CHECK_OK(ctx, loom_json_write(ctx, loom_json_get(cs, "messages"), -1, &sb));
+        loom_sb_puts(&sb, "}");
+        loom_json *vars = NULL;
+        CHECK_OK(ctx, loom_json_parse(ctx, sb.buf, sb.len, "vars", &vars));
+        char *text = NULL;
+        size_t len = 0;
+        CHECK_OK(ctx, loom_jinja_render(ctx, t, vars, &text, &len, NULL, NULL));
+        CHECK_STR(text, loom_json_get(cs, "text")->s);
+        cases++;
+        free(text);
+        loom_json_free(vars);
+        loom_sb_free(&sb);
+        loom_json_free(cs);
+    }
+    CHECK(cases >= 6);
+    free(data);
+    free(src);
+    loom_jinja_free(t);
+    loom_ctx_free(ctx);
+}
+
+/* The built-in renderers of chat.c agree with the interpreter on the cases
+ * they take (no tools= argument): text, and for Qwen3 (whose template has
+ * {% generation %}) the per-byte assistant mask. */
+TEST(jinja_matches_builtin_renderers) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    char *data = NULL;
+    size_t dlen = 0;
+    REQUIRE_OK(ctx, loom_read_file(ctx, tpl_path("cases.jsonl"), 0, &data, &dlen));
+    int compared = 0, refused = 0;
+    for (char *line = data; *line;) {
+        char *end = strchr(line, '\n');
+        size_t l = end ? (size_t)(end - line) : strlen(line);
+        loom_json *cs = NULL;
+        if (!l || loom_json_parse(ctx, line, l, "cases.jsonl", &cs) != LOOM_OK)
+            break;
+        line += l + (end ? 1 : 0);
+        const char *tname = loom_json_get(cs, "template")->s;
+        const loom_json *vars = loom_json_get(cs, "vars"), *want = loom_json_get(cs, "text");
+        const char *name = !strcmp(tname, "qwen3.jinja")      ? "qwen3"
+                           : !strcmp(tname, "qwen2.5.jinja")  ? "qwen2.5"
+                           : !strcmp(tname, "llama3.1.jinja") ? "llama3.1"
+                                                              : NULL;
+        if (!name || !want || loom_json_get(vars, "tools")->type != LOOM_JSON_NULL) {
+            loom_json_free(cs);
+            continue;
+        }
+        loom_chat *c = NULL;
+        REQUIRE_OK(ctx, loom_chat_create_named(ctx, name, &c));
+        const loom_json *think = loom_json_get(vars, "enable_thinking");
+        if (think)
+            loom_chat_set_enable_thinking(c, think->b);
+        char *text = NULL;
+        uint8_t *mask = NULL;
+        bool agp = loom_json_get(vars, "add_generation_prompt")->b;
+        if (loom_chat_render(ctx, c, loom_json_get(vars, "messages"), agp, &text, &mask) !=
+            LOOM_OK) {
+            refused++;
+        } else {
+            compared++;
+            CHECK_MSG(strcmp(text, want->s) == 0,
+                      "%s: built-in renderer differs:\n%s\nvs jinja\n%s",
+                      loom_json_get(cs, "name")->s, text, want->s);
+            const loom_json *sp = loom_json_get(cs, "spans");
+            if (!strcmp(name, "qwen3") && strcmp(text, want->s) == 0) {
+                size_t k = 0;
+                bool same = true;
+                for (size_t i = 0; i < want->slen; i++) {
+                    while (k < sp->n && (size_t)sp->items[k]->items[1]->i <= i)
+                        k++;
+                    bool in = k < sp->n && (size_t)sp->items[k]->items[0]->i <= i;
+                    same &= in == (mask[i] != 0);
+                }
+                CHECK_MSG(same, "%s: assistant mask differs from the generation spans",
+                          loom_json_get(cs, "name")->s);
+            }
+        }
+        free(text);
+        free(mask);
+        loom_chat_free(c);
+        loom_json_free(cs);
+    }
+    printf("  jinja_matches_builtin_renderers: %d cases compared, %d refused by the built-ins\n",
+           compared, refused);
+    CHECK(compared >= 50);
     free(data);
     loom_ctx_free(ctx);
 }
