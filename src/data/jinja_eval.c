@@ -271,7 +271,18 @@ static jv eval_call(jr *r, jframe *f, const jnode *e) {
     jr_fail(r, e, LOOM_ERR_FORMAT, "'%s' object is not callable", jv_typename(fn));
 }
 
+/* Bounds on one render: evaluation steps and memory (a template is an outside file). */
+enum { MAX_STEPS = 50000000 };
+#define MAX_ARENA ((size_t)1 << 30)
+
+static void step(jr *r, const jnode *at) {
+    if (++r->steps > MAX_STEPS)
+        jr_fail(r, at, LOOM_ERR_FORMAT,
+                "the template ran over %d evaluation steps (a runaway loop?)", MAX_STEPS);
+}
+
 jv jr_eval(jr *r, jframe *f, const jnode *e) {
+    step(r, e);
     switch (e->kind) {
     case K_LIT:
         return e->lit;
@@ -514,6 +525,7 @@ static void exec_for(jr *r, jframe *f, const jnode *n) {
 }
 
 static void exec_stmt(jr *r, jframe *f, const jnode *n) {
+    step(r, n);
     switch (n->kind) {
     case K_DATA:
         return jb_put(r, r->out, n->text, n->len);
@@ -607,7 +619,7 @@ loom_status loom_jinja_render(loom_ctx *ctx, const loom_jinja *t, const loom_jso
     if (!r)
         return loom_errf(ctx, LOOM_ERR_OOM, "jinja: out of memory");
     r->ctx = ctx, r->t = t;
-    r->arena.ctx = ctx, r->arena.jb = &r->jb;
+    r->arena.ctx = ctx, r->arena.jb = &r->jb, r->arena.limit = MAX_ARENA;
     r->out = &r->main;
     if (setjmp(r->jb)) {
         loom_status st = ctx && ctx->status != LOOM_OK ? ctx->status : LOOM_ERR_FORMAT;

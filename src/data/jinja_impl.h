@@ -15,7 +15,8 @@ typedef struct ja_block ja_block;
 typedef struct ja {
     ja_block *head;
     loom_ctx *ctx;
-    jmp_buf *jb; /* where an allocation failure goes */
+    jmp_buf *jb;        /* where an allocation failure goes */
+    size_t total, limit; /* bytes taken from malloc; 0: no limit */
 } ja;
 void *ja_alloc(ja *a, size_t n); /* zeroed; longjmps on failure */
 char *ja_strndup(ja *a, const char *s, size_t n);
@@ -128,13 +129,17 @@ struct jmacro {
     struct jframe *closure;
 };
 
+/* depth: how deeply lists and dicts nest inside (bounded, so that the
+ * recursive ==, < and str() cannot overflow the stack) */
 struct jlist {
     jv *v;
     size_t n, cap;
+    int depth;
 };
 struct jdict {
     jv *k, *v;
     size_t n, cap;
+    int depth;
 };
 
 struct jnode {
@@ -245,6 +250,7 @@ struct jr {
     size_t nspans, capspans;
     int depth; /* macro call / expression nesting */
     int brk;   /* 1 break, 2 continue pending */
+    uint64_t steps; /* statements and expressions evaluated (a runaway template stops) */
 };
 
 /* Raises a render error at node `at` (line/column named); never returns. */

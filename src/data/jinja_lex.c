@@ -19,6 +19,13 @@ void *ja_alloc(ja *a, size_t n) {
     n = (n + 15) & ~(size_t)15;
     if (!a->head || a->head->cap - a->head->used < n) {
         size_t cap = n > 65536 ? n : 65536;
+        if (a->limit && a->total + cap > a->limit) {
+            loom_errf(a->ctx, LOOM_ERR_OOM,
+                      "jinja: the template needs over %zu MiB to render (a runaway loop?)",
+                      a->limit >> 20);
+            longjmp(*a->jb, 1);
+        }
+        a->total += cap;
         ja_block *b = malloc(sizeof *b + cap);
         if (!b) {
             loom_errf(a->ctx, LOOM_ERR_OOM, "jinja: out of memory (%zu bytes)", n);

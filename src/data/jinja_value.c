@@ -27,7 +27,19 @@ jv jv_newdict(jr *r, jt t) {
     return v;
 }
 
+enum { MAX_NESTING = 200 };
+
+/* Nesting depth a container gets by holding v (namespaces are mutable and
+ * compared by identity: they do not count). */
+static void hold(jr *r, int *depth, jv v) {
+    int d = v.t == JV_LIST ? v.l->depth + 1 : v.t == JV_DICT ? v.d->depth + 1 : 0;
+    if (d > MAX_NESTING)
+        jr_fail(r, NULL, LOOM_ERR_FORMAT, "lists and dicts nested over %d deep", MAX_NESTING);
+    if (d > *depth) *depth = d;
+}
+
 void jl_push(jr *r, jlist *l, jv v) {
+    hold(r, &l->depth, v);
     if (l->n == l->cap) {
         size_t cap = l->cap ? l->cap * 2 : 4;
         jv *nv = ja_alloc(&r->arena, cap * sizeof *nv);
@@ -53,6 +65,8 @@ const jv *jd_gets(const jdict *d, const char *k) {
 }
 
 void jd_set(jr *r, jdict *d, jv k, jv v) {
+    hold(r, &d->depth, k);
+    hold(r, &d->depth, v);
     jv *old = (jv *)jd_get(d, k);
     if (old) {
         *old = v;
@@ -330,8 +344,14 @@ static void write_repr_str(jr *r, jbuf *b, const char *s, size_t n) {
     jb_put(r, b, &q, 1);
 }
 
-void jv_write_str(jr *r, jbuf *b, jv v, bool repr) {
+static void write_str(jr *r, jbuf *b, jv v, bool repr, int depth);
+
+void jv_write_str(jr *r, jbuf *b, jv v, bool repr) { write_str(r, b, v, repr, 0); }
+
+static void write_str(jr *r, jbuf *b, jv v, bool repr, int depth) {
     char buf[32];
+    if (depth > MAX_NESTING + 8)
+        jr_fail(r, NULL, LOOM_ERR_FORMAT, "str(): namespaces nested over %d deep", MAX_NESTING);
     switch (v.t) {
     case JV_UNDEF:
         return;
@@ -353,7 +373,7 @@ void jv_write_str(jr *r, jbuf *b, jv v, bool repr) {
         for (size_t i = 0; i < v.l->n; i++) {
             if (i)
                 jb_puts(r, b, ", ");
-            jv_write_str(r, b, v.l->v[i], true);
+            write_str(r, b, v.l->v[i], true, depth + 1);
         }
         if (v.tuple && v.l->n == 1)
             jb_puts(r, b, ",");
@@ -364,9 +384,9 @@ void jv_write_str(jr *r, jbuf *b, jv v, bool repr) {
         for (size_t i = 0; i < v.d->n; i++) {
             if (i)
                 jb_puts(r, b, ", ");
-            jv_write_str(r, b, v.d->k[i], true);
+            write_str(r, b, v.d->k[i], true, depth + 1);
             jb_puts(r, b, ": ");
-            jv_write_str(r, b, v.d->v[i], true);
+            write_str(r, b, v.d->v[i], true, depth + 1);
         }
         return jb_puts(r, b, v.t == JV_NS ? "}>" : "}");
     case JV_MACRO:
