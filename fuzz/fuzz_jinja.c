@@ -45,7 +45,8 @@ static char *render(loom_ctx *ctx, const loom_jinja *t, const loom_json *vars, s
     CHECK(text && text[*len] == 0);
     for (size_t i = 0; i < n; i++) {
         CHECK(sp[i].start <= sp[i].end && sp[i].end <= *len);
-        if (i) CHECK(sp[i - 1].end <= sp[i].end);
+        if (i)
+            CHECK(sp[i - 1].end <= sp[i].end);
     }
     free(sp);
     return text;
@@ -53,7 +54,8 @@ static char *render(loom_ctx *ctx, const loom_jinja *t, const loom_json *vars, s
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     loom_ctx *ctx;
-    if (loom_ctx_create(&ctx) != LOOM_OK) return 0;
+    if (loom_ctx_create(&ctx) != LOOM_OK)
+        return 0;
     const char *src = (const char *)data;
     const uint8_t *nul = memchr(data, 0, size);
     size_t tlen = nul ? (size_t)(nul - data) : size;
@@ -67,7 +69,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             vars = NULL;
         }
     }
-    if (!vars) CHECK(loom_json_parse(ctx, VARS, strlen(VARS), "vars", &vars) == LOOM_OK);
+    if (!vars)
+        CHECK(loom_json_parse(ctx, VARS, strlen(VARS), "vars", &vars) == LOOM_OK);
 
     loom_jinja *t = NULL;
     loom_status st = loom_jinja_parse(ctx, src, tlen, "fuzz", &t);
@@ -80,7 +83,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         char *a = render(ctx, t, vars, &l1);
         char *b = render(ctx, t, vars, &l2);
         /* the same text twice, unless the clock is read */
-        if (a && b && !memmem(src, tlen, "strftime", 8)) CHECK(l1 == l2 && !memcmp(a, b, l1));
+        if (a && b && !memmem(src, tlen, "strftime", 8))
+            CHECK(l1 == l2 && !memcmp(a, b, l1));
         CHECK(!a == !b);
         free(a);
         free(b);

@@ -238,13 +238,20 @@ TEST(jinja_errors) {
     expect_parse_err(ctx, "{% endfor %}", LOOM_ERR_FORMAT, "unexpected 'endfor'");
     expect_parse_err(ctx, "{{ 'abc }}", LOOM_ERR_FORMAT, "unterminated string");
     expect_parse_err(ctx, "{{ (1 }}", LOOM_ERR_FORMAT, "");
+    expect_parse_err(ctx, "{{ cycler(1) }}", LOOM_ERR_UNSUPPORTED,
+                     "tpl:1:4: unsupported function 'cycler'");
+    expect_parse_err(ctx, "{{ 'a'.format(1) }}", LOOM_ERR_UNSUPPORTED,
+                     "unsupported method 'format'");
+    expect_parse_err(ctx, "{% for x in y %}{{ loop.cycle(1, 2) }}{% endfor %}",
+                     LOOM_ERR_UNSUPPORTED, "unsupported method 'cycle'");
     EXPECT_ERR("{{ raise_exception('no tools here') }}", NULL,
                "t:1:4: the template refused the input: no tools here");
     EXPECT_ERR("{{ x.y }}", NULL, "'x' is undefined");
     EXPECT_ERR("{{ x + 1 }}", NULL, "'x' is undefined");
     EXPECT_ERR("{{ 'a' + 1 }}", NULL, "unsupported operand type(s) for +: 'str' and 'int'");
-    EXPECT_ERR("{{ 'a'.format(1) }}", NULL, "unsupported string method 'format'");
-    EXPECT_ERR("{{ [1].append(2) }}", NULL, "modifies its object");
+    EXPECT_ERR("{{ 'a'.title(1) }}", NULL, "title takes at most 0 argument(s)");
+    expect_parse_err(ctx, "{{ [1].append(2) }}", LOOM_ERR_UNSUPPORTED,
+                     "unsupported method 'append'");
     EXPECT_ERR("{{ 1 / 0 }}", NULL, "division by zero");
     EXPECT_ERR("{% set x = 1 %}{% set x.a = 1 %}", NULL,
                "cannot assign attribute on non-namespace object");

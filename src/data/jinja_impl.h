@@ -15,7 +15,7 @@ typedef struct ja_block ja_block;
 typedef struct ja {
     ja_block *head;
     loom_ctx *ctx;
-    jmp_buf *jb;        /* where an allocation failure goes */
+    jmp_buf *jb;         /* where an allocation failure goes */
     size_t total, limit; /* bytes taken from malloc; 0: no limit */
 } ja;
 void *ja_alloc(ja *a, size_t n); /* zeroed; longjmps on failure */
@@ -248,8 +248,8 @@ struct jr {
     jbuf main; /* the template's output */
     loom_jinja_span *spans;
     size_t nspans, capspans;
-    int depth; /* macro call / expression nesting */
-    int brk;   /* 1 break, 2 continue pending */
+    int depth;      /* macro call / expression nesting */
+    int brk;        /* 1 break, 2 continue pending */
     uint64_t steps; /* statements and expressions evaluated (a runaway template stops) */
 };
 

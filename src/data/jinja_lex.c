@@ -366,7 +366,8 @@ static int lex_tag(jp *P, size_t *pi, bool block, size_t tag_off) {
 
 void jx_lex(jp *P) {
     for (size_t k = 0; k < P->len; k++)
-        if (P->src[k] == 0) perr_off(P, k, "NUL byte in the template");
+        if (P->src[k] == 0)
+            perr_off(P, k, "NUL byte in the template");
     size_t i = 0;
     bool line_starting = true;
     while (i < P->len) {

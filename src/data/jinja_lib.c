@@ -755,8 +755,10 @@ static jv str_method(jr *r, const jnode *at, jv s, const char *name, jv *args, i
         return split(r, at, s, sep, need_int(r, at, mx, "maxsplit"), name[0] == 'r');
     }
     if (!strcmp(name, "lower") || !strcmp(name, "upper") || !strcmp(name, "capitalize") ||
-        !strcmp(name, "title"))
+        !strcmp(name, "title")) {
+        max_args(r, at, name, nargs + nkw, 0);
         return case_map(r, s, name[0] == 'l' ? 0 : name[0] == 'u' ? 1 : name[0] == 'c' ? 2 : 3);
+    }
     if (!strcmp(name, "replace")) {
         jv old = need_str(r, at, a0, "replace"),
            nw = need_str(r, at, nargs > 1 ? args[1] : jv_none(), "replace");

@@ -770,6 +770,67 @@ static jnode *p_body(jp *P, const char *const *ends, const char **which) {
     return body;
 }
 
+/* ---- load-time checks of calls ---- */
+
+typedef struct names {
+    const char **v;
+    int n, cap;
+} names;
+
+/* The macro and variable names a template defines (a call may target them). */
+static void collect_defs(jp *P, const jnode *n, names *out) {
+    if (!n)
+        return;
+    if ((n->kind == K_MACRO || n->kind == K_SET || n->kind == K_SETBLOCK) && n->name) {
+        if (out->n == out->cap) {
+            int cap = out->cap ? out->cap * 2 : 16;
+            const char **v = ja_alloc(P->a, (size_t)cap * sizeof *v);
+            if (out->n)
+                memcpy(v, out->v, (size_t)out->n * sizeof *v);
+            out->v = v, out->cap = cap;
+        }
+        out->v[out->n++] = n->name;
+    }
+    collect_defs(P, n->a, out), collect_defs(P, n->b, out);
+    collect_defs(P, n->c, out), collect_defs(P, n->d, out);
+    for (int i = 0; i < n->nkids; i++)
+        collect_defs(P, n->kids[i], out);
+    for (int i = 0; i < n->nkw; i++)
+        collect_defs(P, n->kwv[i], out);
+}
+
+static bool defined_here(const names *d, const char *name) {
+    for (int i = 0; i < d->n; i++)
+        if (strcmp(d->v[i], name) == 0)
+            return true;
+    return false;
+}
+
+/* Refuses a call to a function or method the interpreter lacks, naming it. */
+static void check_calls(jp *P, const jnode *n, const names *d) {
+    if (!n)
+        return;
+    if (n->kind == K_CALL) {
+        const jnode *c = n->a;
+        int fn;
+        if (c->kind == K_NAME && !jlib_has_global(c->name, &fn) && !defined_here(d, c->name))
+            jx_perr_at(P, c->line, c->col, LOOM_ERR_UNSUPPORTED,
+                       "unsupported function '%s' (not a macro of the template nor a global "
+                       "loom's Jinja interpreter has: range, namespace, dict, raise_exception, "
+                       "strftime_now)",
+                       c->name);
+        if (c->kind == K_ATTR && !jlib_has_method(c->name) && !defined_here(d, c->name))
+            jx_perr_at(P, c->line, c->col, LOOM_ERR_UNSUPPORTED,
+                       "unsupported method '%s' (loom's Jinja interpreter lacks it)", c->name);
+    }
+    check_calls(P, n->a, d), check_calls(P, n->b, d);
+    check_calls(P, n->c, d), check_calls(P, n->d, d);
+    for (int i = 0; i < n->nkids; i++)
+        check_calls(P, n->kids[i], d);
+    for (int i = 0; i < n->nkw; i++)
+        check_calls(P, n->kwv[i], d);
+}
+
 /* Normalizes newlines (\r\n and \r to \n) and drops one trailing newline, as jinja2 does. */
 static char *normalize(ja *a, const char *src, size_t len, size_t *out_len) {
     char *s = ja_alloc(a, len + 1);
@@ -813,6 +874,9 @@ loom_status loom_jinja_parse(loom_ctx *ctx, const char *src, size_t len, const c
     P.src = normalize(&t->arena, src, len, &P.len);
     jx_lex(&P);
     t->root = p_body(&P, NULL, NULL);
+    names defs = {0};
+    collect_defs(&P, t->root, &defs);
+    check_calls(&P, t->root, &defs);
     t->arena.jb = NULL;
     *out = t;
     return LOOM_OK;

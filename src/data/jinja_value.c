@@ -35,7 +35,8 @@ static void hold(jr *r, int *depth, jv v) {
     int d = v.t == JV_LIST ? v.l->depth + 1 : v.t == JV_DICT ? v.d->depth + 1 : 0;
     if (d > MAX_NESTING)
         jr_fail(r, NULL, LOOM_ERR_FORMAT, "lists and dicts nested over %d deep", MAX_NESTING);
-    if (d > *depth) *depth = d;
+    if (d > *depth)
+        *depth = d;
 }
 
 void jl_push(jr *r, jlist *l, jv v) {
