@@ -17,6 +17,20 @@ static char *tpl_path(const char *name) {
     return p;
 }
 
+/* The next line of a JSON-lines file (NULL at its end; a line that does not
+ * parse fails the test). */
+static loom_json *next_case(loom_ctx *ctx, char **line, const char *what) {
+    char *end = strchr(*line, '\n');
+    size_t l = end ? (size_t)(end - *line) : strlen(*line);
+    loom_json *cs = NULL;
+    if (!l)
+        return NULL;
+    if (loom_json_parse(ctx, *line, l, what, &cs) != LOOM_OK)
+        CHECK_MSG(false, "%s: %s", what, loom_last_error(ctx));
+    *line += l + (end ? 1 : 0);
+    return cs;
+}
+
 /* Renders src with vars (JSON text, NULL for none); returns the text (caller
  * frees) or NULL with the error in ctx. */
 static char *render(loom_ctx *ctx, const char *src, const char *vars) {
@@ -273,17 +287,8 @@ TEST(jinja_real_templates) {
     char *names[8] = {0};
     loom_jinja *tpls[8] = {0};
     int ntpl = 0, cases = 0, errors = 0, spans = 0, failed = 0;
-    for (char *line = data; *line;) {
-        char *end = strchr(line, '\n');
-        size_t l = end ? (size_t)(end - line) : strlen(line);
-        loom_json *cs = NULL;
-        if (!l)
-            break;
-        if (loom_json_parse(ctx, line, l, "cases.jsonl", &cs) != LOOM_OK) {
-            CHECK_MSG(false, "cases.jsonl: %s", loom_last_error(ctx));
-            break;
-        }
-        line += l + (end ? 1 : 0);
+    loom_json *cs;
+    for (char *line = data; (cs = next_case(ctx, &line, "cases.jsonl"));) {
         const char *tname = loom_json_get(cs, "template")->s, *cname = loom_json_get(cs, "name")->s;
         int k = 0;
         for (; k < ntpl && strcmp(names[k], tname) != 0; k++) {
@@ -363,13 +368,8 @@ TEST(jinja_chat_fixture_cases) {
     snprintf(path, sizeof path, "%s/tokenizer/chat_cases.jsonl", loom_test_fixtures());
     REQUIRE_OK(ctx, loom_read_file(ctx, path, 0, &data, &dlen));
     int cases = 0;
-    for (char *line = data; *line;) {
-        char *end = strchr(line, '\n');
-        size_t l = end ? (size_t)(end - line) : strlen(line);
-        loom_json *cs = NULL;
-        if (!l || loom_json_parse(ctx, line, l, "chat_cases.jsonl", &cs) != LOOM_OK)
-            break;
-        line += l + (end ? 1 : 0);
+    loom_json *cs;
+    for (char *line = data; (cs = next_case(ctx, &line, "chat_cases.jsonl"));) {
         loom_sb sb;
         loom_sb_init(&sb);
         const loom_json *g = loom_json_get(cs, "add_generation_prompt");
@@ -407,13 +407,8 @@ TEST(jinja_matches_builtin_renderers) {
     size_t dlen = 0;
     REQUIRE_OK(ctx, loom_read_file(ctx, tpl_path("cases.jsonl"), 0, &data, &dlen));
     int compared = 0, refused = 0;
-    for (char *line = data; *line;) {
-        char *end = strchr(line, '\n');
-        size_t l = end ? (size_t)(end - line) : strlen(line);
-        loom_json *cs = NULL;
-        if (!l || loom_json_parse(ctx, line, l, "cases.jsonl", &cs) != LOOM_OK)
-            break;
-        line += l + (end ? 1 : 0);
+    loom_json *cs;
+    for (char *line = data; (cs = next_case(ctx, &line, "cases.jsonl"));) {
         const char *tname = loom_json_get(cs, "template")->s;
         const loom_json *vars = loom_json_get(cs, "vars"), *want = loom_json_get(cs, "text");
         const char *name = !strcmp(tname, "qwen3.jinja")      ? "qwen3"

@@ -571,13 +571,7 @@ static void exec_stmt(jr *r, jframe *f, const jnode *n) {
         exec_body(r, f, n->b);
         if (!top)
             return;
-        if (r->nspans == r->capspans) {
-            size_t cap = r->capspans ? r->capspans * 2 : 8;
-            loom_jinja_span *s = ja_alloc(&r->arena, cap * sizeof *s);
-            if (r->nspans)
-                memcpy(s, r->spans, r->nspans * sizeof *s);
-            r->spans = s, r->capspans = cap;
-        }
+        r->spans = ja_grow(&r->arena, r->spans, r->nspans, &r->capspans, sizeof *r->spans);
         r->spans[r->nspans++] = (loom_jinja_span){start, r->main.n};
         return;
     }

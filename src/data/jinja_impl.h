@@ -20,6 +20,9 @@ typedef struct ja {
 } ja;
 void *ja_alloc(ja *a, size_t n); /* zeroed; longjmps on failure */
 char *ja_strndup(ja *a, const char *s, size_t n);
+/* Room for one more item in an arena array v of n items (*cap of them
+ * allocated): v itself or a larger copy. */
+void *ja_grow(ja *a, void *v, size_t n, size_t *cap, size_t elem);
 void ja_free(ja *a);
 
 /* Python's str.isspace() for the code point at s; *len gets its byte length (jinja_parse.c) */

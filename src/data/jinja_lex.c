@@ -40,6 +40,17 @@ void *ja_alloc(ja *a, size_t n) {
     return p;
 }
 
+void *ja_grow(ja *a, void *v, size_t n, size_t *cap, size_t elem) {
+    if (n < *cap)
+        return v;
+    size_t c = *cap ? *cap * 2 : 8;
+    void *nv = ja_alloc(a, c * elem);
+    if (n)
+        memcpy(nv, v, n * elem);
+    *cap = c;
+    return nv;
+}
+
 char *ja_strndup(ja *a, const char *s, size_t n) {
     char *p = ja_alloc(a, n + 1);
     memcpy(p, s, n);
@@ -86,13 +97,7 @@ _Noreturn static void perr_off(jp *P, size_t off, const char *msg) {
 }
 
 static tok *push_tok(jp *P, tk kind, size_t off) {
-    if (P->ntok == P->cap) {
-        size_t cap = P->cap ? P->cap * 2 : 256;
-        tok *t = ja_alloc(P->a, cap * sizeof *t);
-        if (P->ntok)
-            memcpy(t, P->toks, P->ntok * sizeof *t);
-        P->toks = t, P->cap = cap;
-    }
+    P->toks = ja_grow(P->a, P->toks, P->ntok, &P->cap, sizeof *P->toks);
     tok *t = &P->toks[P->ntok++];
     memset(t, 0, sizeof *t);
     t->kind = kind;

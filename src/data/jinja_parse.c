@@ -98,16 +98,10 @@ static jnode *mk(jp *P, jk kind, const tok *at) {
 
 typedef struct nvec {
     jnode **v;
-    int n, cap;
+    size_t n, cap;
 } nvec;
 static void nv_push(jp *P, nvec *v, jnode *x) {
-    if (v->n == v->cap) {
-        int cap = v->cap ? v->cap * 2 : 4;
-        jnode **nv = ja_alloc(P->a, (size_t)cap * sizeof *nv);
-        if (v->n)
-            memcpy(nv, v->v, (size_t)v->n * sizeof *nv);
-        v->v = nv, v->cap = cap;
-    }
+    v->v = ja_grow(P->a, v->v, v->n, &v->cap, sizeof *v->v);
     v->v[v->n++] = x;
 }
 
@@ -125,7 +119,7 @@ static void enter(jp *P, const tok *t) {
 static void p_args(jp *P, jnode *n) {
     nvec pos = {0}, kv = {0};
     const char **names = NULL;
-    int cap = 0;
+    size_t ncap = 0;
     while (!is_op(peek(P), ")")) {
         if (pos.n + kv.n && !accept_op(P, ","))
             perr_tok(P, peek(P), "',' or ')'");
@@ -137,13 +131,7 @@ static void p_args(jp *P, jnode *n) {
         if (peek(P)->kind == T_NAME && is_op(peek2(P), "=")) {
             const char *k = expect_ident(P);
             next(P);
-            if (kv.n == cap) {
-                cap = cap ? cap * 2 : 4;
-                const char **nn = ja_alloc(P->a, (size_t)cap * sizeof *nn);
-                if (kv.n)
-                    memcpy(nn, names, (size_t)kv.n * sizeof *nn);
-                names = nn;
-            }
+            names = ja_grow(P->a, (void *)names, kv.n, &ncap, sizeof *names);
             names[kv.n] = k;
             nv_push(P, &kv, p_expr(P));
         } else {
@@ -155,6 +143,20 @@ static void p_args(jp *P, jnode *n) {
     next(P);
     n->kids = pos.v, n->nkids = pos.n;
     n->kwv = kv.v, n->kwn = names, n->nkw = kv.n;
+}
+
+/* In a comma-separated list closed by `close` (n items so far): whether
+ * another item follows; the closing token is consumed when not. A trailing
+ * comma is allowed. */
+static bool more_items(jp *P, size_t n, const char *close) {
+    if (n && !is_op(peek(P), close) && !accept_op(P, ",")) {
+        char want[16];
+        snprintf(want, sizeof want, "',' or '%s'", close);
+        perr_tok(P, peek(P), want);
+    }
+    if (accept_op(P, close))
+        return false;
+    return true;
 }
 
 static jnode *p_primary(jp *P) {
@@ -212,29 +214,18 @@ static jnode *p_primary(jp *P) {
     } else if (is_op(t, "[")) {
         next(P);
         nvec v = {0};
-        while (!is_op(peek(P), "]")) {
-            if (v.n && !accept_op(P, ","))
-                perr_tok(P, peek(P), "',' or ']'");
-            if (is_op(peek(P), "]"))
-                break;
+        while (more_items(P, v.n, "]"))
             nv_push(P, &v, p_expr(P));
-        }
-        next(P);
         n = mk(P, K_LIST, t);
         n->kids = v.v, n->nkids = v.n;
     } else if (is_op(t, "{")) {
         next(P);
         nvec k = {0}, v = {0};
-        while (!is_op(peek(P), "}")) {
-            if (k.n && !accept_op(P, ","))
-                perr_tok(P, peek(P), "',' or '}'");
-            if (is_op(peek(P), "}"))
-                break;
+        while (more_items(P, k.n, "}")) {
             nv_push(P, &k, p_expr(P));
             expect_op(P, ":");
             nv_push(P, &v, p_expr(P));
         }
-        next(P);
         n = mk(P, K_DICT, t);
         n->kids = k.v, n->nkids = k.n, n->kwv = v.v, n->nkw = v.n;
     } else {
@@ -378,54 +369,33 @@ static jnode *p_unary(jp *P, bool with_filter) {
     return n;
 }
 
-static jnode *bin(jp *P, const tok *t, int op, jnode *a, jnode *b) {
-    jnode *n = mk(P, K_BIN, t);
-    n->op = op, n->a = a, n->b = b;
-    return n;
-}
+/* The binary operators by level, loosest first: jinja2's parse_math1,
+ * parse_concat, parse_math2 and parse_pow (all left-associative). */
+static const struct {
+    const char *tok;
+    int op, level;
+} BINOPS[] = {{"+", OP_ADD, 0}, {"-", OP_SUB, 0},   {"~", OP_CAT, 1}, {"*", OP_MUL, 2},
+              {"/", OP_DIV, 2}, {"//", OP_FDIV, 2}, {"%", OP_MOD, 2}, {"**", OP_POW, 3}};
 
-static jnode *p_pow(jp *P) {
-    jnode *n = p_unary(P, true);
-    while (is_op(peek(P), "**")) {
-        tok *t = next(P);
-        n = bin(P, t, OP_POW, n, p_unary(P, true));
-    }
-    return n;
-}
-static jnode *p_math2(jp *P) {
-    jnode *n = p_pow(P);
+static jnode *p_binary(jp *P, int level) {
+    if (level > 3)
+        return p_unary(P, true);
+    jnode *n = p_binary(P, level + 1);
     for (;;) {
         tok *t = peek(P);
-        int op = is_op(t, "*")    ? OP_MUL
-                 : is_op(t, "/")  ? OP_DIV
-                 : is_op(t, "//") ? OP_FDIV
-                 : is_op(t, "%")  ? OP_MOD
-                                  : -1;
+        int op = -1;
+        for (size_t k = 0; k < sizeof BINOPS / sizeof *BINOPS; k++)
+            if (BINOPS[k].level == level && is_op(t, BINOPS[k].tok))
+                op = BINOPS[k].op;
         if (op < 0)
             return n;
         next(P);
-        n = bin(P, t, op, n, p_pow(P));
+        jnode *x = mk(P, K_BIN, t);
+        x->op = op, x->a = n, x->b = p_binary(P, level + 1);
+        n = x;
     }
 }
-static jnode *p_concat(jp *P) {
-    jnode *n = p_math2(P);
-    while (is_op(peek(P), "~")) {
-        tok *t = next(P);
-        n = bin(P, t, OP_CAT, n, p_math2(P));
-    }
-    return n;
-}
-static jnode *p_math1(jp *P) {
-    jnode *n = p_concat(P);
-    for (;;) {
-        tok *t = peek(P);
-        int op = is_op(t, "+") ? OP_ADD : is_op(t, "-") ? OP_SUB : -1;
-        if (op < 0)
-            return n;
-        next(P);
-        n = bin(P, t, op, n, p_concat(P));
-    }
-}
+static jnode *p_math1(jp *P) { return p_binary(P, 0); }
 static jnode *p_compare(jp *P) {
     tok *t0 = peek(P);
     jnode *first = p_math1(P);
@@ -475,26 +445,18 @@ static jnode *p_not(jp *P) {
     }
     return p_compare(P);
 }
-static jnode *p_and(jp *P) {
-    jnode *n = p_not(P);
-    while (is_name(peek(P), "and")) {
+/* `a and b` binds tighter than `a or b` */
+static jnode *p_logic(jp *P, bool is_or) {
+    jnode *n = is_or ? p_logic(P, false) : p_not(P);
+    while (is_name(peek(P), is_or ? "or" : "and")) {
         tok *t = next(P);
-        jnode *x = mk(P, K_AND, t);
-        x->a = n, x->b = p_not(P);
+        jnode *x = mk(P, is_or ? K_OR : K_AND, t);
+        x->a = n, x->b = is_or ? p_logic(P, false) : p_not(P);
         n = x;
     }
     return n;
 }
-static jnode *p_or(jp *P) {
-    jnode *n = p_and(P);
-    while (is_name(peek(P), "or")) {
-        tok *t = next(P);
-        jnode *x = mk(P, K_OR, t);
-        x->a = n, x->b = p_and(P);
-        n = x;
-    }
-    return n;
-}
+static jnode *p_or(jp *P) { return p_logic(P, true); }
 /* condexpr: `a if cond else b` (else optional: undefined) */
 static jnode *p_expr_nocond(jp *P) { return p_or(P); }
 static jnode *p_expr(jp *P) {
@@ -774,7 +736,7 @@ static jnode *p_body(jp *P, const char *const *ends, const char **which) {
 
 typedef struct names {
     const char **v;
-    int n, cap;
+    size_t n, cap;
 } names;
 
 /* The macro and variable names a template defines (a call may target them). */
@@ -782,13 +744,7 @@ static void collect_defs(jp *P, const jnode *n, names *out) {
     if (!n)
         return;
     if ((n->kind == K_MACRO || n->kind == K_SET || n->kind == K_SETBLOCK) && n->name) {
-        if (out->n == out->cap) {
-            int cap = out->cap ? out->cap * 2 : 16;
-            const char **v = ja_alloc(P->a, (size_t)cap * sizeof *v);
-            if (out->n)
-                memcpy(v, out->v, (size_t)out->n * sizeof *v);
-            out->v = v, out->cap = cap;
-        }
+        out->v = ja_grow(P->a, (void *)out->v, out->n, &out->cap, sizeof *out->v);
         out->v[out->n++] = n->name;
     }
     collect_defs(P, n->a, out), collect_defs(P, n->b, out);
@@ -800,7 +756,7 @@ static void collect_defs(jp *P, const jnode *n, names *out) {
 }
 
 static bool defined_here(const names *d, const char *name) {
-    for (int i = 0; i < d->n; i++)
+    for (size_t i = 0; i < d->n; i++)
         if (strcmp(d->v[i], name) == 0)
             return true;
     return false;

@@ -41,13 +41,7 @@ static void hold(jr *r, int *depth, jv v) {
 
 void jl_push(jr *r, jlist *l, jv v) {
     hold(r, &l->depth, v);
-    if (l->n == l->cap) {
-        size_t cap = l->cap ? l->cap * 2 : 4;
-        jv *nv = ja_alloc(&r->arena, cap * sizeof *nv);
-        if (l->n)
-            memcpy(nv, l->v, l->n * sizeof *nv);
-        l->v = nv, l->cap = cap;
-    }
+    l->v = ja_grow(&r->arena, l->v, l->n, &l->cap, sizeof *l->v);
     l->v[l->n++] = v;
 }
 
@@ -73,13 +67,9 @@ void jd_set(jr *r, jdict *d, jv k, jv v) {
         *old = v;
         return;
     }
-    if (d->n == d->cap) {
-        size_t cap = d->cap ? d->cap * 2 : 4;
-        jv *nk = ja_alloc(&r->arena, cap * sizeof *nk), *nv = ja_alloc(&r->arena, cap * sizeof *nv);
-        if (d->n)
-            memcpy(nk, d->k, d->n * sizeof *nk), memcpy(nv, d->v, d->n * sizeof *nv);
-        d->k = nk, d->v = nv, d->cap = cap;
-    }
+    size_t cap = d->cap;
+    d->k = ja_grow(&r->arena, d->k, d->n, &cap, sizeof *d->k);
+    d->v = ja_grow(&r->arena, d->v, d->n, &d->cap, sizeof *d->v);
     d->k[d->n] = k, d->v[d->n] = v;
     d->n++;
 }
@@ -450,6 +440,21 @@ static void newline_indent(jr *r, jbuf *b, int indent, int level) {
         jb_puts(r, b, " ");
 }
 
+/* A dict key as json.dumps writes it: str as is; int, float, bool and None as their JSON text. */
+static void write_json_key(jr *r, jbuf *b, jv k) {
+    if (k.t == JV_STR) {
+        write_json_str(r, b, k.s.p, k.s.n);
+    } else if (k.t == JV_INT || k.t == JV_FLOAT || k.t == JV_BOOL || k.t == JV_NONE) {
+        jbuf kb = {0};
+        jv_write_json(r, &kb, k, -1, 0);
+        write_json_str(r, b, kb.p, kb.n);
+    } else {
+        jr_fail(r, NULL, LOOM_ERR_FORMAT,
+                "tojson: keys must be str, int, float, bool or None, not %s", jv_typename(k));
+    }
+    jb_puts(r, b, ": ");
+}
+
 void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level) {
     if (level > 128)
         jr_fail(r, NULL, LOOM_ERR_FORMAT, "tojson: value nested too deeply");
@@ -464,45 +469,25 @@ void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level) {
     case JV_STR:
         return write_json_str(r, b, v.s.p, v.s.n);
     case JV_LIST:
-        if (!v.l->n)
-            return jb_puts(r, b, "[]");
-        jb_puts(r, b, "[");
-        for (size_t i = 0; i < v.l->n; i++) {
+    case JV_DICT: {
+        bool dict = v.t == JV_DICT;
+        size_t n = dict ? v.d->n : v.l->n;
+        if (!n)
+            return jb_puts(r, b, dict ? "{}" : "[]");
+        jb_puts(r, b, dict ? "{" : "[");
+        for (size_t i = 0; i < n; i++) {
             if (i)
                 jb_puts(r, b, indent >= 0 ? "," : ", ");
             if (indent >= 0)
                 newline_indent(r, b, indent, level + 1);
-            jv_write_json(r, b, v.l->v[i], indent, level + 1);
+            if (dict)
+                write_json_key(r, b, v.d->k[i]);
+            jv_write_json(r, b, dict ? v.d->v[i] : v.l->v[i], indent, level + 1);
         }
         if (indent >= 0)
             newline_indent(r, b, indent, level);
-        return jb_puts(r, b, "]");
-    case JV_DICT:
-        if (!v.d->n)
-            return jb_puts(r, b, "{}");
-        jb_puts(r, b, "{");
-        for (size_t i = 0; i < v.d->n; i++) {
-            if (i)
-                jb_puts(r, b, indent >= 0 ? "," : ", ");
-            if (indent >= 0)
-                newline_indent(r, b, indent, level + 1);
-            jv k = v.d->k[i];
-            if (k.t == JV_STR)
-                write_json_str(r, b, k.s.p, k.s.n);
-            else if (k.t == JV_INT || k.t == JV_FLOAT || k.t == JV_BOOL || k.t == JV_NONE) {
-                jbuf kb = {0};
-                jv_write_json(r, &kb, k, -1, 0);
-                write_json_str(r, b, kb.p, kb.n);
-            } else
-                jr_fail(r, NULL, LOOM_ERR_FORMAT,
-                        "tojson: keys must be str, int, float, bool or None, not %s",
-                        jv_typename(k));
-            jb_puts(r, b, ": ");
-            jv_write_json(r, b, v.d->v[i], indent, level + 1);
-        }
-        if (indent >= 0)
-            newline_indent(r, b, indent, level);
-        return jb_puts(r, b, "}");
+        return jb_puts(r, b, dict ? "}" : "]");
+    }
     default:
         jr_fail(r, NULL, LOOM_ERR_FORMAT, "tojson: Object of type %s is not JSON serializable",
                 v.t == JV_UNDEF ? "Undefined" : jv_typename(v));
