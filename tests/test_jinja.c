@@ -190,6 +190,10 @@ TEST(jinja_filters_tests_methods) {
     EXPECT("{{ 'a</think>b</think>c'.split('</think>')[-1] }}{{ 'Ab'.upper() }}{{ "
            "'aXa'.replace('a', 'b') }}",
            NULL, "cABbXb");
+    EXPECT("{{ 'Grüße ÿ ß ı' | upper }} {{ 'ÀÉÎ Σ'[:3] | lower }} {{ 'ПРИВЕТ мир' | lower }} "
+           "{{ 'élan vital' | capitalize }} {{ 'hello wörld'.title() }}",
+           NULL, "GRÜSSE Ÿ SS I àéî привет мир Élan vital Hello Wörld");
+    EXPECT_ERR("{{ 'ΑΣ' | lower }}", NULL, "lower of U+03A3");
     EXPECT("{{ d.get('a') }}{{ d.get('z') }}{{ d.get('z', 0) }}{{ d.keys() | list }}{{ d.values() "
            "| list }}",
            "{\"d\": {\"a\": 1}}", "1None0['a'][1]");

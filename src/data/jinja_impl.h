@@ -230,6 +230,10 @@ void jb_put(jr *r, jbuf *b, const char *s, size_t n);
 void jb_puts(jr *r, jbuf *b, const char *s);
 void jv_write_str(jr *r, jbuf *b, jv v, bool repr);
 jv jv_to_str(jr *r, jv v);
+/* Python's str.lower (mode 0), upper (1), capitalize (2), title (3) for
+ * ASCII, Latin-1, Latin Extended-A, basic Greek and Cyrillic; other cased
+ * letters are refused (loom has no full Unicode case tables). */
+jv jv_case(jr *r, const jnode *at, jv s, int mode);
 void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level);
 size_t utf8_count(const char *p, size_t n);
 size_t utf8_offset(const char *p, size_t n, size_t cp); /* byte offset of code point cp */

@@ -155,26 +155,6 @@ static jv strip(jv s, jv chars, bool left, bool right) {
     return jv_str(s.s.p + b, e - b);
 }
 
-static jv case_map(jr *r, jv s,
-                   int mode) { /* 0 lower, 1 upper, 2 capitalize, 3 title (ASCII letters) */
-    char *p = ja_strndup(&r->arena, s.s.p, s.s.n);
-    bool start = true;
-    for (size_t i = 0; i < s.s.n; i++) {
-        char c = p[i];
-        bool alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-        bool up = mode == 1 || ((mode == 2 || mode == 3) && start && alpha);
-        if (mode == 2 && i > 0)
-            up = false;
-        if (up && c >= 'a' && c <= 'z')
-            p[i] = (char)(c - 32);
-        else if (!up && mode != 1 && c >= 'A' && c <= 'Z')
-            p[i] = (char)(c + 32);
-        if (mode == 3)
-            start = !alpha;
-    }
-    return jv_str(p, s.s.n);
-}
-
 static ptrdiff_t find_sub(jv s, jv sub, size_t from) {
     if (sub.s.n > s.s.n)
         return -1;
@@ -633,11 +613,11 @@ jv jlib_filter(jr *r, jframe *f, const jnode *at, const char *name, jv v, jv *ar
         return to_list(r, at, v);
     if (!strcmp(name, "upper") || !strcmp(name, "lower") || !strcmp(name, "capitalize") ||
         !strcmp(name, "title"))
-        return case_map(r, jv_to_str(r, v),
-                        name[0] == 'l'   ? 0
-                        : name[0] == 'u' ? 1
-                        : name[0] == 'c' ? 2
-                                         : 3);
+        return jv_case(r, at, jv_to_str(r, v),
+                       name[0] == 'l'   ? 0
+                       : name[0] == 'u' ? 1
+                       : name[0] == 'c' ? 2
+                                        : 3);
     if (!strcmp(name, "default") || !strcmp(name, "d")) {
         jv dv = arg(args, nargs, kwn, kwv, nkw, 0, "default_value", jv_str("", 0));
         jv boolean = arg(args, nargs, kwn, kwv, nkw, 1, "boolean", jv_bool(false));
@@ -757,7 +737,7 @@ static jv str_method(jr *r, const jnode *at, jv s, const char *name, jv *args, i
     if (!strcmp(name, "lower") || !strcmp(name, "upper") || !strcmp(name, "capitalize") ||
         !strcmp(name, "title")) {
         max_args(r, at, name, nargs + nkw, 0);
-        return case_map(r, s, name[0] == 'l' ? 0 : name[0] == 'u' ? 1 : name[0] == 'c' ? 2 : 3);
+        return jv_case(r, at, s, name[0] == 'l' ? 0 : name[0] == 'u' ? 1 : name[0] == 'c' ? 2 : 3);
     }
     if (!strcmp(name, "replace")) {
         jv old = need_str(r, at, a0, "replace"),

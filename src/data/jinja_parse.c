@@ -508,7 +508,7 @@ static void check_block_name(jp *P, const char *const *ends, const char *got, co
 
 static jnode *p_if(jp *P, const tok *at) {
     jnode *n = mk(P, K_IF, at);
-    n->a = p_expr(P);
+    n->a = p_or(P); /* jinja2: no `x if c else y` here without parentheses */
     expect_end(P);
     const char *which;
     n->b = p_body(P, END_IF, &which);

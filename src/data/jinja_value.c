@@ -493,3 +493,135 @@ void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level) {
                 v.t == JV_UNDEF ? "Undefined" : jv_typename(v));
     }
 }
+
+/* ---------------------------------------------------------------------- */
+/* Case mapping                                                            */
+/* ---------------------------------------------------------------------- */
+
+static uint32_t decode(const char *p, size_t n, size_t *len) {
+    unsigned char c = (unsigned char)p[0];
+    int k = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+    if ((size_t)k > n)
+        k = 1;
+    uint32_t cp = k == 1 ? c : c & (0x7F >> k);
+    for (int i = 1; i < k; i++)
+        cp = cp << 6 | ((unsigned char)p[i] & 0x3F);
+    *len = (size_t)k;
+    return cp;
+}
+
+static void encode(jr *r, jbuf *b, uint32_t cp) {
+    char o[4];
+    size_t n;
+    if (cp < 0x80)
+        o[0] = (char)cp, n = 1;
+    else if (cp < 0x800)
+        o[0] = (char)(0xC0 | cp >> 6), o[1] = (char)(0x80 | (cp & 0x3F)), n = 2;
+    else if (cp < 0x10000)
+        o[0] = (char)(0xE0 | cp >> 12), o[1] = (char)(0x80 | ((cp >> 6) & 0x3F)),
+        o[2] = (char)(0x80 | (cp & 0x3F)), n = 3;
+    else
+        o[0] = (char)(0xF0 | cp >> 18), o[1] = (char)(0x80 | ((cp >> 12) & 0x3F)),
+        o[2] = (char)(0x80 | ((cp >> 6) & 0x3F)), o[3] = (char)(0x80 | (cp & 0x3F)), n = 4;
+    jb_put(r, b, o, n);
+}
+
+/* The other case of cp (cp when it has none); *cased: cp is a cased letter;
+ * false return: a cased letter loom cannot map. Multi-character results
+ * (German sharp s, dotted capital I) are written by the caller. */
+static bool other_case(uint32_t cp, bool up, uint32_t *out, bool *cased) {
+    *out = cp, *cased = false;
+    uint32_t lo = 0, hi = 0; /* a block where upper + d = lower */
+    int d = 0;
+    if ((cp >= 'A' && cp <= 'Z') || (cp >= 0xC0 && cp <= 0xDE && cp != 0xD7))
+        lo = cp, hi = cp, d = 32;
+    else if ((cp >= 'a' && cp <= 'z') || (cp >= 0xE0 && cp <= 0xFE && cp != 0xF7))
+        lo = cp - 32, hi = cp, d = 32;
+    else if (cp >= 0x391 && cp <= 0x3A9 && cp != 0x3A2 && cp != 0x3A3)
+        lo = cp, hi = cp, d = 32;
+    else if (cp >= 0x3B1 && cp <= 0x3C9 && cp != 0x3C2)
+        lo = cp - 32, hi = cp, d = 32;
+    else if (cp >= 0x410 && cp <= 0x42F)
+        lo = cp, hi = cp, d = 32;
+    else if (cp >= 0x430 && cp <= 0x44F)
+        lo = cp - 32, hi = cp, d = 32;
+    else if (cp >= 0x400 && cp <= 0x40F)
+        lo = cp, hi = cp, d = 80;
+    else if (cp >= 0x450 && cp <= 0x45F)
+        lo = cp - 80, hi = cp, d = 80;
+    else if (cp >= 0x100 && cp <= 0x17F && cp != 0x130 && cp != 0x131 && cp != 0x138 &&
+             cp != 0x149 && cp != 0x178 && cp != 0x17F) {
+        /* Latin Extended-A: pairs, upper first; from U+0139 to U+0148 and U+0179 to U+017E
+         * the upper one is odd */
+        bool odd_upper = (cp >= 0x139 && cp <= 0x148) || (cp >= 0x179 && cp <= 0x17E);
+        bool is_upper = (cp % 2 == 1) == odd_upper;
+        *cased = true;
+        if (is_upper != up)
+            *out = is_upper ? cp + 1 : cp - 1;
+        return true;
+    } else if (cp == 0xFF || cp == 0x178) {
+        *cased = true;
+        if (up && cp == 0xFF)
+            *out = 0x178;
+        if (!up && cp == 0x178)
+            *out = 0xFF;
+        return true;
+    } else if (cp == 0xB5 || cp == 0x131 || cp == 0x17F) {
+        *cased = true;
+        if (up)
+            *out = cp == 0xB5 ? 0x39C : cp == 0x131 ? 'I' : 'S';
+        return true;
+    } else if (cp == 0x138 || cp == 0xDF || cp == 0x130) {
+        *cased = true;
+        return true;
+    } else {
+        /* cased letters outside the blocks above: refused */
+        bool other = (cp >= 0x180 && cp <= 0x24F) || (cp >= 0x370 && cp <= 0x3FF) ||
+                     (cp >= 0x460 && cp <= 0x52F) || (cp >= 0x531 && cp <= 0x587) ||
+                     (cp >= 0x10A0 && cp <= 0x10FF) || (cp >= 0x13A0 && cp <= 0x13FF) ||
+                     (cp >= 0x1C80 && cp <= 0x1CBF) || (cp >= 0x1E00 && cp <= 0x1FFF) ||
+                     (cp >= 0x2C00 && cp <= 0x2C7F) || (cp >= 0x2C80 && cp <= 0x2CFF) ||
+                     (cp >= 0xA640 && cp <= 0xA69F) || (cp >= 0xA720 && cp <= 0xA7FF) ||
+                     (cp >= 0xAB70 && cp <= 0xABBF) || (cp >= 0xFB00 && cp <= 0xFB17) ||
+                     (cp >= 0xFF21 && cp <= 0xFF5A) || (cp >= 0x10400 && cp <= 0x1E95F) ||
+                     (cp >= 0x2160 && cp <= 0x217F) || (cp >= 0x24B6 && cp <= 0x24E9) ||
+                     cp == 0x149 || cp == 0x345;
+        return !other;
+    }
+    *cased = true;
+    bool is_upper = cp == lo;
+    if (is_upper && !up)
+        *out = cp + (uint32_t)d;
+    else if (!is_upper && up)
+        *out = cp - (uint32_t)d;
+    (void)hi;
+    return true;
+}
+
+jv jv_case(jr *r, const jnode *at, jv s, int mode) {
+    jbuf b = {0};
+    bool start = true; /* title: at the start of a word; capitalize: at the start */
+    for (size_t i = 0, k; i < s.s.n; i += k) {
+        uint32_t cp = decode(s.s.p + i, s.s.n - i, &k), out;
+        bool up = mode == 1 || (mode >= 2 && start), cased;
+        if (!other_case(cp, up, &out, &cased))
+            jr_fail(r, at, LOOM_ERR_UNSUPPORTED,
+                    "%s of U+%04X: loom's Jinja interpreter maps case for ASCII, Latin-1, "
+                    "Latin Extended-A, basic Greek and Cyrillic only",
+                    mode == 0   ? "lower"
+                    : mode == 1 ? "upper"
+                                : "capitalize/title",
+                    (unsigned)cp);
+        if (up && cp == 0xDF)
+            jb_puts(r, &b, "SS");
+        else if (!up && cp == 0x130)
+            jb_puts(r, &b, "i\xcc\x87");
+        else
+            encode(r, &b, out);
+        if (mode == 2)
+            start = false;
+        else if (mode == 3)
+            start = !cased;
+    }
+    return jv_str(b.p ? b.p : "", b.n);
+}
