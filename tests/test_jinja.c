@@ -184,6 +184,8 @@ TEST(jinja_filters_tests_methods) {
     EXPECT("{{ 'abc'.startswith('ab') }}{{ 'abc'.endswith(('x', 'c')) }}{{ '  a  '.strip() }}|"
            "{{ 'xxaxx'.lstrip('x') }}|{{ '\\n\\na\\n'.rstrip('\\n') }}|",
            NULL, "TrueTruea|axx|\n\na|");
+    EXPECT("{{ ' a b c '.split(None, 1) }}{{ ' a b c '.rsplit(None, 1) }}{{ ' a '.rsplit() }}",
+           NULL, "['a', 'b c '][' a b', 'c']['a']");
     EXPECT("{{ 'a,b,,c'.split(',') }}{{ ' a  b '.split() }}{{ 'a,b,c'.split(',', 1) }}{{ "
            "'a,b,c'.rsplit(',', 1) }}",
            NULL, "['a', 'b', '', 'c']['a', 'b']['a', 'b,c']['a,b', 'c']");

@@ -223,9 +223,7 @@ static jv split(jr *r, const jnode *at, jv s, jv sep, int64_t maxsplit, bool fro
                 if (i >= n)
                     break;
                 if (maxsplit >= 0 && done >= maxsplit) {
-                    size_t e = n;
-                    jv rest = strip(jv_str(s.s.p + i, e - i), jv_none(), false, true);
-                    jl_push(r, tmp, rest);
+                    jl_push(r, tmp, jv_str(s.s.p + i, n - i));
                     break;
                 }
                 size_t j = i;
@@ -246,7 +244,7 @@ static jv split(jr *r, const jnode *at, jv s, jv sep, int64_t maxsplit, bool fro
         size_t head_items = all.l->n - keep;
         /* the head is the original text up to the end of item head_items-1 */
         const char *last = all.l->v[head_items - 1].s.p + all.l->v[head_items - 1].s.n;
-        jv head = strip(jv_str(s.s.p, (size_t)(last - s.s.p)), jv_none(), true, false);
+        jv head = jv_str(s.s.p, (size_t)(last - s.s.p));
         jl_push(r, tmp, head);
         for (size_t i = head_items; i < all.l->n; i++)
             jl_push(r, tmp, all.l->v[i]);
