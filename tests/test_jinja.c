@@ -196,6 +196,17 @@ TEST(jinja_filters_tests_methods) {
            "{{ 'élan vital' | capitalize }} {{ 'hello wörld'.title() }}",
            NULL, "GRÜSSE Ÿ SS I àéî привет мир Élan vital Hello Wörld");
     EXPECT_ERR("{{ 'ΑΣ' | lower }}", NULL, "lower of U+03A3");
+    EXPECT("{{ d | dictsort }}{{ d | dictsort(reverse=true) | first }}{{ d | dictsort(by='value') "
+           "| last }}"
+           "{{ ['b', 'A', 'a', 'C'] | sort }}{{ [3, 1, 2] | sort(reverse=true) }}"
+           "{{ l | sort(attribute='n') | map(attribute='k') | join }}",
+           "{\"d\": {\"b\": 2, \"A\": 3, \"c\": 1}, \"l\": [{\"n\": 2, \"k\": \"x\"}, "
+           "{\"n\": 1, \"k\": \"y\"}, {\"n\": 1, \"k\": \"z\"}]}",
+           "[('A', 3), ('b', 2), ('c', 1)]('c', 1)('A', 3)['A', 'a', 'b', 'C'][3, 2, 1]yzx");
+    EXPECT("{{ d | tojson(sort_keys=true) }}{{ d | tojson(separators=(',', ':')) }}{{ 'é😀' | "
+           "tojson(ensure_ascii=true) }}",
+           "{\"d\": {\"b\": 1, \"a\": [1, 2]}}",
+           "{\"a\": [1, 2], \"b\": 1}{\"b\":1,\"a\":[1,2]}\"\\u00e9\\ud83d\\ude00\"");
     EXPECT("{{ d.get('a') }}{{ d.get('z') }}{{ d.get('z', 0) }}{{ d.keys() | list }}{{ d.values() "
            "| list }}",
            "{\"d\": {\"a\": 1}}", "1None0['a'][1]");

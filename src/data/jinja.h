@@ -4,8 +4,8 @@
  * (break, continue), the {% generation %} ... {% endgeneration %} block
  * (its output's byte ranges come back with the text), and the globals
  * raise_exception(msg), strftime_now(format) and the tojson filter as
- * transformers defines them (json.dumps with ensure_ascii=False, keys in
- * insertion order, optional indent).
+ * transformers defines them (json.dumps: ensure_ascii=False, keys in
+ * insertion order, and its indent, separators, sort_keys, ensure_ascii).
  *
  * Values follow Python where jinja2 hands the work to Python: truthiness,
  * str() of numbers, lists and dicts, string slicing by code point, negative

@@ -234,7 +234,13 @@ jv jv_to_str(jr *r, jv v);
  * ASCII, Latin-1, Latin Extended-A, basic Greek and Cyrillic; other cased
  * letters are refused (loom has no full Unicode case tables). */
 jv jv_case(jr *r, const jnode *at, jv s, int mode);
-void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level);
+/* json.dumps' options: indent < 0 for none; separators; ensure_ascii; sort_keys */
+typedef struct jjson {
+    int indent;
+    const char *item_sep, *key_sep;
+    bool ascii, sort_keys;
+} jjson;
+void jv_write_json(jr *r, jbuf *b, jv v, const jjson *o, int level);
 size_t utf8_count(const char *p, size_t n);
 size_t utf8_offset(const char *p, size_t n, size_t cp); /* byte offset of code point cp */
 int jv_cmp(jr *r, const jnode *at, jv a, jv b);         /* ordering: -1, 0, 1 */
@@ -266,6 +272,12 @@ _Noreturn void jr_fail(jr *r, const jnode *at, loom_status st, const char *fmt, 
 jv jr_eval(jr *r, jframe *f, const jnode *e);
 jv jr_call_macro(jr *r, jframe *f, const jnode *at, jv m, jv *args, int nargs, const char **kwn,
                  jv *kwv, int nkw);
+
+/* ---- sorting (jinja_sort.c) ---- */
+void jx_sort(jr *r, const jnode *at, jv *keys, jv *items, size_t n, bool reverse);
+jv jx_sort_filter(jr *r, const jnode *at, jv seq, bool reverse, bool case_sensitive,
+                  const char *attr);
+jv jx_dictsort(jr *r, const jnode *at, jv d, bool case_sensitive, bool by_value, bool reverse);
 
 /* ---- library (jinja_lib.c) ---- */
 bool jlib_has_filter(const char *name);

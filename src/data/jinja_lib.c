@@ -9,10 +9,10 @@
 #include "jinja_impl.h"
 
 static const char *const FILTERS[] = {
-    "abs",        "capitalize", "count",      "d",       "default", "first", "float",
-    "int",        "items",      "join",       "last",    "length",  "list",  "lower",
-    "map",        "reject",     "rejectattr", "replace", "reverse", "safe",  "select",
-    "selectattr", "string",     "title",      "tojson",  "trim",    "upper", NULL};
+    "abs",    "capitalize", "count",      "d",       "default", "dictsort", "first",  "float",
+    "sort",   "int",        "items",      "join",    "last",    "length",   "list",   "lower",
+    "map",    "reject",     "rejectattr", "replace", "reverse", "safe",     "select", "selectattr",
+    "string", "title",      "tojson",     "trim",    "upper",   NULL};
 static const char *const TESTS[] = {
     "defined", "undefined", "none",    "string",   "number",   "integer",  "float", "boolean",
     "true",    "false",     "mapping", "iterable", "sequence", "callable", "eq",    "equalto",
@@ -581,21 +581,42 @@ jv jlib_filter(jr *r, jframe *f, const jnode *at, const char *name, jv v, jv *ar
         jv ind = arg(args, nargs, kwn, kwv, nkw, 1, "indent", jv_none());
         jv sep = arg(args, nargs, kwn, kwv, nkw, 2, "separators", jv_none());
         jv sk = arg(args, nargs, kwn, kwv, nkw, 3, "sort_keys", jv_bool(false));
-        if (jv_truthy(ea) || sep.t != JV_NONE || jv_truthy(sk))
-            jr_fail(r, at, LOOM_ERR_UNSUPPORTED,
-                    "unsupported tojson option (loom implements indent only, not ensure_ascii, "
-                    "separators, sort_keys)");
-        int indent = -1;
+        jjson o = {-1, ", ", ": ", jv_truthy(ea), jv_truthy(sk)};
         if (ind.t != JV_NONE) {
             int64_t i = need_int(r, at, ind, "tojson indent");
-            indent = i < 0 ? 0 : i > 64 ? 64 : (int)i;
+            o.indent = i < 0 ? 0 : i > 64 ? 64 : (int)i;
+            o.item_sep = ",";
+        }
+        if (sep.t != JV_NONE) {
+            if (sep.t != JV_LIST || sep.l->n != 2 || sep.l->v[0].t != JV_STR ||
+                sep.l->v[1].t != JV_STR)
+                jr_fail(r, at, LOOM_ERR_FORMAT, "tojson: separators must be two strings");
+            o.item_sep = ja_strndup(&r->arena, sep.l->v[0].s.p, sep.l->v[0].s.n);
+            o.key_sep = ja_strndup(&r->arena, sep.l->v[1].s.p, sep.l->v[1].s.n);
         }
         jbuf b = {0};
-        jv_write_json(r, &b, v, indent, 0);
+        jv_write_json(r, &b, v, &o, 0);
         return jv_str(b.p, b.n);
     }
     if (!strcmp(name, "safe"))
         return v;
+    if (!strcmp(name, "sort") || !strcmp(name, "dictsort")) {
+        bool d = name[0] == 'd';
+        jv rev = arg(args, nargs, kwn, kwv, nkw, d ? 2 : 0, "reverse", jv_bool(false));
+        jv cs = arg(args, nargs, kwn, kwv, nkw, d ? 0 : 1, "case_sensitive", jv_bool(false));
+        jv ex = arg(args, nargs, kwn, kwv, nkw, d ? 1 : 2, d ? "by" : "attribute", jv_none());
+        if (d) {
+            bool by_value = ex.t == JV_STR && ex.s.n == 5 && !memcmp(ex.s.p, "value", 5);
+            if (ex.t != JV_NONE && !by_value &&
+                !(ex.t == JV_STR && ex.s.n == 3 && !memcmp(ex.s.p, "key", 3)))
+                jr_fail(r, at, LOOM_ERR_FORMAT, "dictsort: by must be 'key' or 'value'");
+            return jx_dictsort(r, at, v, jv_truthy(cs), by_value, jv_truthy(rev));
+        }
+        if (ex.t != JV_NONE && ex.t != JV_STR)
+            jr_fail(r, at, LOOM_ERR_FORMAT, "sort: attribute must be a string");
+        const char *attr = ex.t == JV_STR ? ja_strndup(&r->arena, ex.s.p, ex.s.n) : NULL;
+        return jx_sort_filter(r, at, v, jv_truthy(rev), jv_truthy(cs), attr);
+    }
     if (!strcmp(name, "string"))
         return jv_to_str(r, v);
     if (!strcmp(name, "trim")) {

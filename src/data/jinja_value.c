@@ -399,7 +399,9 @@ jv jv_to_str(jr *r, jv v) {
 /* json.dumps(ensure_ascii=False)                                          */
 /* ---------------------------------------------------------------------- */
 
-static void write_json_str(jr *r, jbuf *b, const char *s, size_t n) {
+static uint32_t decode_cp(const char *p, size_t n, size_t *len);
+
+static void write_json_str(jr *r, jbuf *b, const char *s, size_t n, bool ascii) {
     jb_puts(r, b, "\"");
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
@@ -424,10 +426,22 @@ static void write_json_str(jr *r, jbuf *b, const char *s, size_t n) {
             snprintf(u, sizeof u, "\\u%04x", c);
             e = u;
         }
+        size_t k = 1;
+        char w[16];
+        if (!e && ascii && c >= 0x80) {
+            uint32_t cp = decode_cp(s + i, n - i, &k);
+            if (cp >= 0x10000)
+                snprintf(w, sizeof w, "\\u%04x\\u%04x", 0xD800 + ((cp - 0x10000) >> 10),
+                         0xDC00 + ((cp - 0x10000) & 0x3FF));
+            else
+                snprintf(w, sizeof w, "\\u%04x", cp);
+            e = w;
+        }
         if (!e)
             continue;
         jb_put(r, b, s + run, i - run);
         jb_puts(r, b, e);
+        i += k - 1;
         run = i + 1;
     }
     jb_put(r, b, s + run, n - run);
@@ -441,21 +455,22 @@ static void newline_indent(jr *r, jbuf *b, int indent, int level) {
 }
 
 /* A dict key as json.dumps writes it: str as is; int, float, bool and None as their JSON text. */
-static void write_json_key(jr *r, jbuf *b, jv k) {
+static void write_json_key(jr *r, jbuf *b, jv k, const jjson *o) {
     if (k.t == JV_STR) {
-        write_json_str(r, b, k.s.p, k.s.n);
+        write_json_str(r, b, k.s.p, k.s.n, o->ascii);
     } else if (k.t == JV_INT || k.t == JV_FLOAT || k.t == JV_BOOL || k.t == JV_NONE) {
         jbuf kb = {0};
-        jv_write_json(r, &kb, k, -1, 0);
-        write_json_str(r, b, kb.p, kb.n);
+        jv_write_json(r, &kb, k, o, 0);
+        write_json_str(r, b, kb.p, kb.n, false);
     } else {
         jr_fail(r, NULL, LOOM_ERR_FORMAT,
                 "tojson: keys must be str, int, float, bool or None, not %s", jv_typename(k));
     }
-    jb_puts(r, b, ": ");
+    jb_puts(r, b, o->key_sep);
 }
 
-void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level) {
+void jv_write_json(jr *r, jbuf *b, jv v, const jjson *o, int level) {
+    int indent = o->indent;
     if (level > 128)
         jr_fail(r, NULL, LOOM_ERR_FORMAT, "tojson: value nested too deeply");
     switch (v.t) {
@@ -467,22 +482,29 @@ void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level) {
     case JV_FLOAT:
         return v.t == JV_INT ? jv_write_str(r, b, v, false) : write_float(r, b, v.f, true);
     case JV_STR:
-        return write_json_str(r, b, v.s.p, v.s.n);
+        return write_json_str(r, b, v.s.p, v.s.n, o->ascii);
     case JV_LIST:
     case JV_DICT: {
         bool dict = v.t == JV_DICT;
         size_t n = dict ? v.d->n : v.l->n;
         if (!n)
             return jb_puts(r, b, dict ? "{}" : "[]");
+        jv *keys = dict ? v.d->k : NULL, *vals = dict ? v.d->v : v.l->v;
+        if (dict && o->sort_keys) {
+            keys = ja_alloc(&r->arena, n * sizeof *keys),
+            vals = ja_alloc(&r->arena, n * sizeof *vals);
+            memcpy(keys, v.d->k, n * sizeof *keys), memcpy(vals, v.d->v, n * sizeof *vals);
+            jx_sort(r, NULL, keys, vals, n, false);
+        }
         jb_puts(r, b, dict ? "{" : "[");
         for (size_t i = 0; i < n; i++) {
             if (i)
-                jb_puts(r, b, indent >= 0 ? "," : ", ");
+                jb_puts(r, b, o->item_sep);
             if (indent >= 0)
                 newline_indent(r, b, indent, level + 1);
             if (dict)
-                write_json_key(r, b, v.d->k[i]);
-            jv_write_json(r, b, dict ? v.d->v[i] : v.l->v[i], indent, level + 1);
+                write_json_key(r, b, keys[i], o);
+            jv_write_json(r, b, vals[i], o, level + 1);
         }
         if (indent >= 0)
             newline_indent(r, b, indent, level);
@@ -498,7 +520,7 @@ void jv_write_json(jr *r, jbuf *b, jv v, int indent, int level) {
 /* Case mapping                                                            */
 /* ---------------------------------------------------------------------- */
 
-static uint32_t decode(const char *p, size_t n, size_t *len) {
+static uint32_t decode_cp(const char *p, size_t n, size_t *len) {
     unsigned char c = (unsigned char)p[0];
     int k = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
     if ((size_t)k > n)
@@ -602,7 +624,7 @@ jv jv_case(jr *r, const jnode *at, jv s, int mode) {
     jbuf b = {0};
     bool start = true; /* title: at the start of a word; capitalize: at the start */
     for (size_t i = 0, k; i < s.s.n; i += k) {
-        uint32_t cp = decode(s.s.p + i, s.s.n - i, &k), out;
+        uint32_t cp = decode_cp(s.s.p + i, s.s.n - i, &k), out;
         bool up = mode == 1 || (mode >= 2 && start), cased;
         if (!other_case(cp, up, &out, &cased))
             jr_fail(r, at, LOOM_ERR_UNSUPPORTED,
