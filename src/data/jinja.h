@@ -13,9 +13,8 @@
  * on attribute access and arithmetic).
  *
  * A construct the interpreter does not implement (a statement such as
- * {% include %}, an unknown filter, test or global function) is refused when
- * the template is parsed, with the construct, line and column named; string
- * methods are resolved when called (refused with their name then). */
+ * {% include %}, a filter, test, function or method it lacks) is refused
+ * when the template is parsed, with the construct, line and column named. */
 #ifndef LOOM_JINJA_H
 #define LOOM_JINJA_H
 
