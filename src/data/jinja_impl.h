@@ -1,5 +1,6 @@
-/* Internals of the Jinja interpreter (jinja_parse.c, jinja_value.c,
- * jinja_eval.c, jinja_lib.c). Everything a parse or a render allocates
+/* Internals of the Jinja interpreter (jinja_lex.c, jinja_parse.c,
+ * jinja_value.c, jinja_eval.c, jinja_lib.c, jinja_sort.c; jinja_chat.c is
+ * chat.c's side). Everything a parse or a render allocates
  * lives in an arena freed at its end; errors set the loom_ctx message and
  * leave through longjmp to the entry point, so no partial state needs
  * unwinding. */
