@@ -580,7 +580,7 @@ TEST(chat_recognise_templates) {
         {"{% for m in messages %}{{ m.content }}{% endfor %}", "matches none"},
         {"<|im_start|>{{ '<think>\\n' }}{{ m.reasoning_content }}", "Qwen3 relative"},
         {"<|start_header_id|><|eot_id|>{{ strftime_now('%d %b %Y') }}", "Llama 3.2"},
-        {"<|im_start|>You are a helpful assistant.{% if tools %}", "not Qwen2's"},
+        {"<|im_start|>You are a helpful assistant.{% if tools %}{% endif %}", "not Qwen2's"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         loom_chat *c = NULL;
@@ -590,6 +590,18 @@ TEST(chat_recognise_templates) {
                                              "(Qwen3, Qwen2/2.5 ChatML, Llama 3)");
         CHECK_CONTAINS(loom_last_error(ctx), bad[i].why);
     }
+    /* a template the interpreter cannot run is refused, naming the construct */
+    loom_chat *c = NULL;
+    CHECK_EQ_INT(loom_chat_parse(ctx, "{% include 'x.jinja' %}", "dir/x", &c),
+                 LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(ctx), "dir/x:1:4: unsupported statement 'include'");
+    CHECK_EQ_INT(loom_chat_parse(ctx,
+                                 "{% for m in messages %}{% generation %}{{ m.content | "
+                                 "wordcount }}{% endgeneration %}{% endfor %}",
+                                 "dir/x", &c),
+                 LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(ctx), "unsupported filter 'wordcount'");
+    CHECK(c == NULL);
     /* Qwen3's template with the generation marks removed (the hub's) is Qwen3 too */
     loom_sb sb;
     loom_sb_init(&sb);
@@ -607,6 +619,39 @@ TEST(chat_recognise_templates) {
     expect_parse(ctx, sb.buf, "qwen3");
     loom_sb_free(&sb);
     free(qwen3);
+    loom_ctx_free(ctx);
+}
+
+/* A template loom does not recognise, with {% generation %} marks: the
+ * interpreter renders it and the marks are the mask. */
+TEST(chat_any_template_with_generation_marks) {
+    loom_ctx *ctx = new_ctx();
+    const char *tpl = "{{ bos_token }}{% for m in messages %}[{{ m.role | upper }}] "
+                      "{% if m.role == 'assistant' %}{% generation %}{{ m.content | trim }}</s>"
+                      "{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+                      "{% if add_generation_prompt %}[ASSISTANT] {% endif %}";
+    loom_chat *c = NULL;
+    REQUIRE_OK(ctx, loom_chat_parse(ctx, tpl, "dir/x", &c));
+    CHECK_EQ_INT(loom_chat_kind_of(c), LOOM_CHAT_TEMPLATE);
+    CHECK_STR(loom_chat_name(c), "template");
+    const char *msgs = "[{\"role\": \"user\", \"content\": \"hi\"}, "
+                       "{\"role\": \"assistant\", \"content\": \" yo \"}]";
+    loom_json *m = NULL;
+    REQUIRE_OK(ctx, loom_json_parse(ctx, msgs, strlen(msgs), "m", &m));
+    char *text = NULL;
+    uint8_t *mask = NULL;
+    REQUIRE_OK(ctx, loom_chat_render(ctx, c, m, true, &text, &mask));
+    /* as jinja2: trim_blocks takes the newline after {% endif %}; no bos_token without a
+     * tokenizer_config.json */
+    CHECK_STR(text, "[USER] hi[ASSISTANT] yo</s>[ASSISTANT] ");
+    const char *want = "000000000000000000000111111000000000000";
+    for (size_t i = 0; text && i < strlen(text); i++)
+        CHECK_MSG(mask[i] == (uint8_t)(want[i] - '0'), "mask[%zu] = %d", i, mask[i]);
+    free(text);
+    free(mask);
+    CHECK_EQ_INT(loom_chat_render(ctx, c, NULL, false, &text, &mask), LOOM_ERR_INVALID_ARG);
+    loom_json_free(m);
+    loom_chat_free(c);
     loom_ctx_free(ctx);
 }
 

@@ -18,6 +18,8 @@
  * (char_to_token of both ends), i.e. every token overlapping the span. */
 #include "chat.h"
 
+#include "jinja_chat.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +27,10 @@
 struct loom_chat {
     loom_chat_kind kind;
     int variant; /* QWEN2: 0 Qwen2.5, 1 Qwen2; LLAMA3: 0 Llama 3.1, 1 Llama 3.0 */
-    bool enable_thinking;
+    bool enable_thinking, thinking_set;
+    loom_jinja *tpl; /* the template's text, compiled (NULL: built-in only) */
+    bool tpl_marks;  /* it has {% generation %}: its spans are the mask */
+    char *bos, *eos; /* tokenizer_config.json's special tokens (NULL: none) */
 };
 
 enum { V_QWEN25 = 0, V_QWEN2 = 1, V_LLAMA31 = 0, V_LLAMA30 = 1 };
@@ -720,11 +725,23 @@ loom_status loom_chat_create_named(loom_ctx *ctx, const char *name, loom_chat **
                      "llama3)", name ? name : "(null)");
 }
 
-void loom_chat_free(loom_chat *c) { free(c); }
+void loom_chat_free(loom_chat *c) {
+    if (!c)
+        return;
+    loom_jinja_free(c->tpl);
+    free(c->bos);
+    free(c->eos);
+    free(c);
+}
 loom_chat_kind loom_chat_kind_of(const loom_chat *c) { return c->kind; }
-void loom_chat_set_enable_thinking(loom_chat *c, bool enable) { c->enable_thinking = enable; }
+void loom_chat_set_enable_thinking(loom_chat *c, bool enable) {
+    c->enable_thinking = enable;
+    c->thinking_set = true;
+}
 
 const char *loom_chat_name(const loom_chat *c) {
+    if (c->kind == LOOM_CHAT_TEMPLATE)
+        return "template";
     for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++)
         if (NAMES[i].kind == c->kind && NAMES[i].variant == c->variant) return NAMES[i].name;
     return "?";
@@ -735,10 +752,7 @@ static bool has(const char *t, const char *s) { return strstr(t, s) != NULL; }
 /* Each renderer is picked only when the text carries the pieces whose
  * behaviour it implements; templates of relatives (QwQ, Qwen3-2507, Qwen2.5-Math,
  * Llama 3.2 with today's date) miss one and are refused. */
-loom_status loom_chat_parse(loom_ctx *ctx, const char *t, const char *what, loom_chat **out) {
-    if (!out) return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_chat_parse: out is NULL");
-    *out = NULL;
-    if (!t) return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_chat_parse: no template text");
+static loom_status recognise(loom_ctx *ctx, const char *t, const char *what, loom_chat **out) {
     const char *why = "it matches none of them";
     if (has(t, "<|im_start|>") && has(t, "<think>") && has(t, "reasoning_content")) {
         if (has(t, "last_query_index") && has(t, "enable_thinking is false") &&
@@ -773,8 +787,36 @@ loom_status loom_chat_parse(loom_ctx *ctx, const char *t, const char *what, loom
     }
     return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                      "chat template of %s is not one loom renders (Qwen3, Qwen2/2.5 ChatML, "
-                     "Llama 3): %s; render the conversations to text yourself and train on "
-                     "plain text", what, why);
+                     "Llama 3): %s, and it has no {%% generation %%} marks to say which text is "
+                     "the assistant's; add them around the assistant's turns, or render the "
+                     "conversations to text yourself and train on plain text",
+                     what, why);
+}
+
+/* Compiles the template (a construct the interpreter lacks is refused), then
+ * recognises it; a template not recognised is taken when it has
+ * {% generation %} marks. */
+loom_status loom_chat_parse(loom_ctx *ctx, const char *t, const char *what, loom_chat **out) {
+    if (!out)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_chat_parse: out is NULL");
+    *out = NULL;
+    if (!t)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_chat_parse: no template text");
+    loom_jinja *tpl = NULL;
+    loom_status st = loom_jinja_parse(ctx, t, strlen(t), what, &tpl);
+    if (st)
+        return loom_err_prefix(ctx, "chat template");
+    bool marks = loom_jinja_has_generation(tpl);
+    st = recognise(ctx, t, what, out);
+    if (st == LOOM_ERR_UNSUPPORTED && marks)
+        st = chat_new(ctx, LOOM_CHAT_TEMPLATE, 0, out);
+    if (st) {
+        loom_jinja_free(tpl);
+        return st;
+    }
+    (*out)->tpl = tpl;
+    (*out)->tpl_marks = marks;
+    return LOOM_OK;
 }
 
 loom_status loom_chat_load(loom_ctx *ctx, const char *model_dir, loom_chat **out) {
@@ -840,15 +882,15 @@ loom_status loom_chat_load(loom_ctx *ctx, const char *model_dir, loom_chat **out
                          "tokenizer, or the template lives elsewhere", model_dir);
     st = loom_chat_parse(ctx, text, model_dir, out);
     free(text);
+    if (!st && (st = loom_jinja_chat_tokens(ctx, model_dir, &(*out)->bos, &(*out)->eos))) {
+        loom_chat_free(*out);
+        *out = NULL;
+    }
     return st;
 }
 
-loom_status loom_chat_render(loom_ctx *ctx, const loom_chat *c, const loom_json *messages,
-                             bool add_generation_prompt, char **text, uint8_t **mask) {
-    if (!c || !text)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_chat_render: NULL argument");
-    *text = NULL;
-    if (mask) *mask = NULL;
+static loom_status render_builtin(loom_ctx *ctx, const loom_chat *c, const loom_json *messages,
+                                  bool add_generation_prompt, char **text, uint8_t **mask) {
     rout o;
     loom_sb_init(&o.text);
     loom_sb_init(&o.mask);
@@ -874,6 +916,62 @@ loom_status loom_chat_render(loom_ctx *ctx, const loom_chat *c, const loom_json 
         loom_sb_free(&o.mask);
     }
     return LOOM_OK;
+}
+
+/* The template's own text through the interpreter; a recognised template
+ * goes through its built-in renderer too (the messages' checks, and the mask
+ * when the template has no {% generation %} marks), whose text must agree. */
+loom_status loom_chat_render(loom_ctx *ctx, const loom_chat *c, const loom_json *messages,
+                             bool add_generation_prompt, char **text, uint8_t **mask) {
+    if (!c || !text)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_chat_render: NULL argument");
+    *text = NULL;
+    if (mask)
+        *mask = NULL;
+    if (!c->tpl)
+        return render_builtin(ctx, c, messages, add_generation_prompt, text, mask);
+    char *btext = NULL;
+    uint8_t *bmask = NULL;
+    loom_status st;
+    if (c->kind != LOOM_CHAT_TEMPLATE) {
+        st = render_builtin(ctx, c, messages, add_generation_prompt, &btext, &bmask);
+        if (st)
+            return st;
+    } else if (!messages || messages->type != LOOM_JSON_ARRAY || !messages->n) {
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "messages must be a non-empty JSON array of {\"role\", \"content\"} "
+                         "objects");
+    }
+    const char *bos = c->bos ? c->bos : c->kind == LOOM_CHAT_LLAMA3 ? "<|begin_of_text|>" : NULL;
+    loom_jinja_chat_opts o = {add_generation_prompt, c->thinking_set ? c->enable_thinking : -1, bos,
+                              c->eos};
+    uint8_t *jmask = NULL;
+    st = loom_jinja_chat_render(ctx, c->tpl, messages, &o, text, &jmask);
+    if (!st && btext && strcmp(btext, *text) != 0) {
+        size_t d = 0;
+        while (btext[d] && btext[d] == (*text)[d])
+            d++;
+        st = loom_errf(ctx, LOOM_ERR_INTERNAL,
+                       "the %s template's text from the Jinja interpreter differs from loom's "
+                       "built-in renderer at byte %zu: a bug, please report it",
+                       loom_chat_name(c), d);
+    }
+    if (!st && mask) {
+        bool marks = c->tpl_marks || !bmask;
+        *mask = marks ? jmask : bmask;
+        if (marks)
+            jmask = NULL;
+        else
+            bmask = NULL;
+    }
+    if (st) {
+        free(*text);
+        *text = NULL;
+    }
+    free(btext);
+    free(bmask);
+    free(jmask);
+    return st;
 }
 
 /* ---------------------------------------------------------------------- */

@@ -1,13 +1,24 @@
-/* Chat templates: built-in renderers that produce exactly what
- * transformers' apply_chat_template produces with the model's own Jinja
- * template, for the templates loom recognises: Qwen3 (ChatML with the
- * <think> rules of its template), Qwen2/Qwen2.5 ChatML, Llama 3. The
- * renderer is chosen from the model directory's template text
- * (chat_template.jinja, which wins as in transformers, else
- * tokenizer_config.json's chat_template: a string, or the list entry named
- * "default"); a template loom does not recognise is refused, never guessed.
- * Tools (HF's `tools=` argument) are not taken; tool calls and tool
- * messages inside the conversation are rendered by the Qwen templates. */
+/* Chat templates. A template loaded from a model directory (or given as
+ * text) is rendered by loom's Jinja interpreter (jinja.h) as transformers'
+ * apply_chat_template renders it; a template that uses a construct the
+ * interpreter lacks is refused, naming it. The assistant mask is the
+ * template's {% generation %} spans.
+ *
+ * loom also has built-in renderers for Qwen3 (ChatML with the <think> rules
+ * of its template), Qwen2/Qwen2.5 ChatML and Llama 3, recognised from the
+ * template text. They render when there is no template text
+ * (loom_chat_create*); for a loaded template they check the messages (errors
+ * naming the message index), give the mask where the template has no
+ * {% generation %} marks (the hub's Qwen2/2.5, Llama 3 and Qwen3 templates
+ * have none: the built-ins' rule below), and their text must equal the
+ * interpreter's. A template loom does not recognise needs {% generation %}
+ * marks (else it is refused, never guessed).
+ *
+ * The text is the model directory's chat_template.jinja (which wins, as in
+ * transformers), else tokenizer_config.json's chat_template (a string, or
+ * the list entry named "default"); the config's bos_token and eos_token are
+ * passed to the template. Tools (HF's `tools=` argument) are not taken; tool
+ * calls and tool messages inside the conversation are rendered. */
 #ifndef LOOM_CHAT_H
 #define LOOM_CHAT_H
 
@@ -18,6 +29,8 @@ typedef enum loom_chat_kind {
     LOOM_CHAT_QWEN3 = 0,
     LOOM_CHAT_QWEN2, /* Qwen2 / Qwen2.5 ChatML (default system prompt rules of the template) */
     LOOM_CHAT_LLAMA3,
+    LOOM_CHAT_TEMPLATE, /* any other template that marks the assistant's text with
+                         * {% generation %}: the Jinja interpreter renders it */
 } loom_chat_kind;
 
 typedef struct loom_chat loom_chat;
