@@ -57,7 +57,9 @@ _Noreturn static void fail_undef(jr *r, const jnode *at, jv u) {
 
 static bool numeric(jv v) { return v.t == JV_INT || v.t == JV_FLOAT || v.t == JV_BOOL; }
 static double as_d(jv v) { return v.t == JV_FLOAT ? v.f : v.t == JV_INT ? (double)v.i : v.b; }
-static int64_t as_i(jv v) { return v.t == JV_INT ? v.i : v.b; }
+/* a float's as_i is never used (binop reads it only when both are ints or
+ * bools), but reading the union's bool there would be undefined */
+static int64_t as_i(jv v) { return v.t == JV_INT ? v.i : v.t == JV_BOOL ? (int64_t)v.b : 0; }
 
 static const char *OPNAME[] = {"+", "-", "*", "/", "//", "%", "**", "~"};
 
