@@ -165,6 +165,28 @@ static int golden_run(int np, const char *dir, const char *batch, const char *ou
     return rc;
 }
 
+/* a layout's `loom golden` file against one process's: forward (loss,
+ * log-probs) within 1e-5, every gradient within tol (ngrads of them; 0:
+ * more than 20) */
+static void compare_layout(loom_ctx *ctx, const char *out, const char *one, const char *label,
+                           double tol, int ngrads) {
+    loom_safetensors *got = NULL, *ref = NULL;
+    if (!loom_st_open_file(ctx, out, &got) && !loom_st_open_file(ctx, one, &ref)) {
+        int nf = 0, ng = 0;
+        const double ef = fmax(worst_rel(ctx, got, ref, "loss", &nf),
+                               worst_rel(ctx, got, ref, "token_logprobs", &nf));
+        const double eg = worst_rel(ctx, got, ref, "grad.", &ng);
+        printf("    %s: forward %.3g, gradients %.3g of a tensor's largest\n", label, ef, eg);
+        CHECK_MSG(ef <= 1e-5 && nf == 2, "%s: forward differs by %.3g", label, ef);
+        CHECK_MSG(eg <= tol && (ngrads ? ng == ngrads : ng > 20),
+                  "%s: gradients differ by %.3g (%d tensors)", label, eg, ng);
+    } else {
+        loom_test_fail(__FILE__, __LINE__, "%s", loom_last_error(ctx));
+    }
+    loom_st_close(got);
+    loom_st_close(ref);
+}
+
 /* tiny-qwen3_5 (Gated DeltaNet layers) under PP2 and DP2 on MPI ranks
  * against one process. PP2 keeps every micro-batch whole: within 1e-5.
  * DP2 runs each rank's row alone, as two micro-batches in one process do:
@@ -191,21 +213,7 @@ TEST(qwen35_parallel_layouts) {
     for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
         CHECK_MSG(golden_run(2, dir, batch, out, layouts[l].flags) == 0, "%s 2 failed",
                   layouts[l].flags[0]);
-        loom_safetensors *got = NULL, *ref = NULL;
-        if (!loom_st_open_file(ctx, out, &got) && !loom_st_open_file(ctx, one, &ref)) {
-            int nf = 0, ng = 0;
-            const double ef = fmax(worst_rel(ctx, got, ref, "loss", &nf),
-                                   worst_rel(ctx, got, ref, "token_logprobs", &nf));
-            const double eg = worst_rel(ctx, got, ref, "grad.", &ng);
-            printf("    %s 2: forward %.3g, gradients %.3g of a tensor's largest\n",
-                   layouts[l].flags[0], ef, eg);
-            CHECK_MSG(ef <= 1e-5 && nf == 2 && eg <= layouts[l].tol && ng == 55,
-                      "%s 2: forward %.3g, gradients %.3g (%d)", layouts[l].flags[0], ef, eg, ng);
-        } else {
-            loom_test_fail(__FILE__, __LINE__, "%s", loom_last_error(ctx));
-        }
-        loom_st_close(got);
-        loom_st_close(ref);
+        compare_layout(ctx, out, one, layouts[l].flags[0], layouts[l].tol, 55);
     }
     loom_ctx_free(ctx);
 }
@@ -241,50 +249,23 @@ TEST(qwen35_gated_attention_parallel_layouts) {
     REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
     loom_st_writer_free(w);
     snprintf(batch, sizeof batch, "%s/batch.safetensors", tmp);
-    static const char *const layouts[][6] = {
-        {NULL},
-        {"--tp", "2"},
-        {"--tp", "2", "--sequence-parallel"},
-        {"--pp", "2"},
-        {"--cp", "2"},
-        {"--dp", "2"},
+    static const char *const layouts[][4] = {
+        {"--tp", "2", NULL},
+        {"--tp", "2", "--sequence-parallel", NULL},
+        {"--pp", "2", NULL},
+        {"--cp", "2", NULL},
+        {"--dp", "2", NULL},
     };
-    char one[1200];
+    char one[1200], out[1200];
     snprintf(one, sizeof one, "%s/one.safetensors", tmp);
+    snprintf(out, sizeof out, "%s/layout.safetensors", tmp);
+    REQUIRE(golden_run(0, dir, batch, one, NULL) == 0);
     for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
-        char out[1200];
-        snprintf(out, sizeof out, "%s/layout%zu.safetensors", tmp, l);
-        const char *argv[32];
-        int n = 0;
-        if (l) argv[n++] = "mpirun", argv[n++] = "-np", argv[n++] = "2";
-        const char *fixed[] = {loom_test_bin(), "golden",   "--device",   "cpu",  "--model",
-                               dir,             "--batch",  batch,        "--out", l ? out : one,
-                               "--steps",       "3",        "--lr",       "1e-3", "--log-level",
-                               "warn"};
-        for (size_t k = 0; k < sizeof fixed / sizeof fixed[0]; k++) argv[n++] = fixed[k];
-        for (int k = 0; k < 6 && layouts[l][k]; k++) argv[n++] = layouts[l][k];
-        argv[n] = NULL;
-        char *log = NULL;
-        const int rc = loom_test_run(&log, argv);
-        CHECK_MSG(rc == 0, "layout %zu (%s ...): exit %d\n%s", l, l ? layouts[l][0] : "one", rc,
-                  log ? log : "");
-        free(log);
-        if (rc || !l) continue;
-        loom_safetensors *got = NULL, *ref = NULL;
-        if (!loom_st_open_file(ctx, out, &got) && !loom_st_open_file(ctx, one, &ref)) {
-            int nf = 0, ng = 0;
-            const double ef = fmax(worst_rel(ctx, got, ref, "loss", &nf),
-                                   worst_rel(ctx, got, ref, "token_logprobs", &nf));
-            const double eg = worst_rel(ctx, got, ref, "grad.", &ng);
-            CHECK_MSG(ef <= 1e-5 && nf == 2, "%s %s: forward differs by %.3g", layouts[l][0],
-                      layouts[l][1], ef);
-            CHECK_MSG(eg <= 1e-5 && ng > 20, "%s %s: gradients differ by %.3g (%d tensors)",
-                      layouts[l][0], layouts[l][1], eg, ng);
-        } else {
-            loom_test_fail(__FILE__, __LINE__, "%s", loom_last_error(ctx));
-        }
-        loom_st_close(got);
-        loom_st_close(ref);
+        char label[64];
+        snprintf(label, sizeof label, "%s %s%s", layouts[l][0], layouts[l][1],
+                 layouts[l][2] ? " +sp" : "");
+        CHECK_MSG(golden_run(2, dir, batch, out, layouts[l]) == 0, "%s failed", label);
+        compare_layout(ctx, out, one, label, 1e-5, 0);
     }
     loom_ctx_free(ctx);
 }
