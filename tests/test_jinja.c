@@ -1,6 +1,6 @@
 /* The Jinja interpreter (src/data/jinja*.c): the constructs one by one
  * (expected strings are jinja2's, as transformers configures it), the
- * errors, and the real chat templates of tests/fixtures/chat_templates/
+ * errors, and the real chat templates of tests/fixtures_chat_templates/
  * against what jinja2 renders for them (cases.jsonl, written by
  * make_cases.py there): text and {% generation %} byte ranges. */
 #include <stdlib.h>
@@ -13,7 +13,7 @@ static char *tpl_path(const char *name) {
     static char buf[4][1024];
     static int next;
     char *p = buf[next++ % 4];
-    snprintf(p, sizeof buf[0], "%s/chat_templates/%s", loom_test_fixtures(), name);
+    snprintf(p, sizeof buf[0], "tests/fixtures_chat_templates/%s", name);
     return p;
 }
 
