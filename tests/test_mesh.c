@@ -277,6 +277,17 @@ TEST(mesh_check_model) {
                                          "tensor-parallel size tp=2");
     loom_config_free(&cfg);
 
+    /* tiny-qwen3_5: 2 key and 4 value heads in its Gated DeltaNet layers */
+    REQUIRE_OK(ctx, loom_config_load(ctx, "tests/fixtures_qwen3_5/models/tiny-qwen3_5", &cfg));
+    m = resolved(2, 1, 1, 1, 1);
+    CHECK_OK(ctx, loom_mesh_check_model(ctx, &m, &cfg));
+    cfg.lin_k_heads = 3;
+    CHECK_EQ_INT(loom_mesh_check_model(ctx, &m, &cfg), LOOM_ERR_CONFIG);
+    CHECK_CONTAINS(loom_last_error(ctx), "linear_num_key_heads=3 and linear_num_value_heads=4 "
+                                         "(the Gated DeltaNet layers' heads) must both be "
+                                         "divisible by tensor-parallel size tp=2");
+    loom_config_free(&cfg);
+
     /* tiny-qwen3-moe: 8 experts, moe_intermediate_size 32, every layer sparse */
     REQUIRE(load(ctx, "tiny-qwen3-moe", &cfg));
     m = resolved(2, 1, 2, 1, 1);

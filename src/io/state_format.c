@@ -14,6 +14,15 @@
 
 static const char *const kind_prefix[3] = {"", "exp_avg.", "exp_avg_sq."};
 
+/* A piece's key in its rank's file: "<prefix><name>@<f0>", and ".r<row0>"
+ * after it for a block of a tensor the rank holds several of (row0 >= 0). */
+static void piece_key(char *key, size_t cap, const char *prefix, const char *name, int64_t f0,
+                      int64_t row0) {
+    int n = snprintf(key, cap, "%s%s@%lld", prefix, name, (long long)f0);
+    if (row0 >= 0 && n > 0 && (size_t)n < cap)
+        snprintf(key + n, cap - (size_t)n, ".r%lld", (long long)row0);
+}
+
 void loom_state_file_name(int rank, char name[40]) {
     snprintf(name, 40, "rank_%05d.safetensors", rank);
 }
@@ -48,8 +57,8 @@ loom_status loom_state_file_write(loom_ctx *ctx, const char *dir, int rank,
         for (size_t i = 0; i < np && !st; i++) {
             const loom_state_piece *q = &p[i];
             for (int k = 0; k < (q->moments && moments ? 3 : 1) && !st; k++) {
-                snprintf(key, sizeof key, "%s%s@%lld", kind_prefix[k], t->names[q->tensor],
-                         (long long)q->f0);
+                piece_key(key, sizeof key, kind_prefix[k], t->names[q->tensor], q->f0,
+                          q->split ? q->row0 : -1);
                 st = pass ? loom_st_writer_write(ctx, w, key, LOOM_F32, data[k] + at[i])
                           : loom_st_writer_declare(ctx, w, key, LOOM_F32, 1, &q->len);
             }
@@ -283,7 +292,9 @@ loom_status loom_state_read(loom_state_reader *R, const char *name, int ndim, in
             if (!t) return loom_errf(ctx, LOOM_ERR_OOM, "out of memory reading %s", name);
             R->scratch = t, R->cap = (size_t)x[6];
         }
-        snprintf(key, sizeof key, "%s%s@%lld", kind_prefix[k], name, (long long)x[5]);
+        piece_key(key, sizeof key, kind_prefix[k], name, x[5], x[1]); /* a split block's */
+        if (!loom_st_find(R->sf[r], key))
+            piece_key(key, sizeof key, kind_prefix[k], name, x[5], -1);
         loom_status st = loom_st_read_named(ctx, R->sf[r], key, 1, &x[6], LOOM_F32, R->scratch);
         if (st) return st;
         covered += place(x[1], x[2], x[4], x[5], x[6], R->scratch, rows, cols, full);

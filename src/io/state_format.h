@@ -7,8 +7,11 @@
  * meta.json says; this file knows where they go and reads them back.
  *
  * In a rank's file a piece is 1-D F32 under "<name>@<f0>" (values),
- * "exp_avg.<name>@<f0>" and "exp_avg_sq.<name>@<f0>" (moments). In
- * meta.json a piece is [rank, row0, col0, rows, cols, f0, len, moments]. */
+ * "exp_avg.<name>@<f0>" and "exp_avg_sq.<name>@<f0>" (moments); a tensor a
+ * rank holds as several blocks (fused q, k and v rows, each split over tp)
+ * names its pieces "<name>@<f0>.r<row0>", as f0 counts from the block's
+ * start. In meta.json a piece is [rank, row0, col0, rows, cols, f0, len,
+ * moments]. */
 #ifndef LOOM_IO_STATE_FORMAT_H
 #define LOOM_IO_STATE_FORMAT_H
 
@@ -26,6 +29,8 @@
  * tensor list), with the AdamW moments (moments 1) or values only. */
 typedef struct loom_state_piece {
     int64_t tensor, row0, col0, rows, cols, f0, len, moments;
+    bool split; /* one of the rank's several blocks of the tensor (its key names row0; not in
+                 * meta.json: a reader looks for that key first) */
 } loom_state_piece;
 
 /* The trained tensors, over the whole model: names, shapes (cols 1 for

@@ -68,6 +68,8 @@ loom_status loom_layers_build(loom_ctx *ctx, const loom_model_config *c,
             x->in = p->shape[1];
             x->row_par = k->slots[p->slot].shard == LOOM_SHARD_COLS;
             x->rep = k->slots[p->slot].shard == LOOM_SHARD_NONE;
+            x->nparts = p->nparts;
+            memcpy(x->part, p->part, sizeof x->part);
         }
     }
     /* a linear whose weight the kind did not declare for the layer is absent:

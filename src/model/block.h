@@ -45,6 +45,15 @@ extern const loom_block_kind *const loom_block_kinds[LOOM_NKINDS];
 
 /* ---- parameters ---- */
 
+/* How random weights (loom_write_random_model) fill a tensor: by its shape
+ * (matrices ~ N(0, initializer_range), 1-D weights 1, or 0 where norms are
+ * zero-centred, biases 0), or as transformers initialises the kind's own. */
+typedef enum loom_init {
+    LOOM_INIT_SHAPE = 0,
+    LOOM_INIT_ONES,  /* 1 (the gated norm's weight, Gated DeltaNet's dt_bias) */
+    LOOM_INIT_LOG_U16 /* log(U(0, 16)) (Gated DeltaNet's A_log) */
+} loom_init;
+
 /* One tensor of a kind, by the kind's slot number. */
 typedef struct loom_block_slot {
     const char *leaf;   /* HF name after "model.layers.<l>.", e.g. "self_attn.q_proj.weight"
@@ -54,6 +63,7 @@ typedef struct loom_block_slot {
                          * row-parallel one, NONE replicated */
     bool headwise;      /* replicated but applied to this rank's heads only (q/k norms): its
                          * gradient is a partial sum over tp */
+    loom_init init;     /* its random values */
 } loom_block_slot;
 
 /* A linear of a kind: y = x W^T, W (out, in) its weight's slot. LoRA can
@@ -78,6 +88,11 @@ typedef struct loom_param_sink loom_param_sink;
 void loom_param_put(loom_param_sink *s, int slot, int64_t d0, int64_t d1);
 /* The same for expert e's tensor (the slot's leaf formats e). */
 void loom_param_put_expert(loom_param_sink *s, int slot, int64_t e, int64_t d0, int64_t d1);
+/* Slot `slot` of the kind whose rows are nparts (<= LOOM_ROW_PARTS_MAX)
+ * fused tensors of part[k] rows each, d1 columns: a ROWS slot splits each
+ * part over tp on its own, so a rank holds its share of every part. */
+void loom_param_put_parts(loom_param_sink *s, int slot, int64_t d1, int nparts,
+                          const int64_t *part);
 loom_ctx *loom_param_sink_ctx(loom_param_sink *s);
 /* block_mlp.c: a SwiGLU MLP's gate, up and down (and their biases under
  * mlp_bias) of width `inter`, expert e's (-1: none), as the calling kind's
@@ -106,6 +121,9 @@ typedef struct loom_layer_lin {
                         * (a MoE layer without a shared expert; target -1) */
     bool row_par;      /* row-parallel (input split over tp), else column-parallel */
     bool rep;          /* replicated, neither split (the shared expert's gate) */
+    int nparts;        /* its weight's fused row parts (loom_param_spec.part), 0: none; LoRA's
+                        * B splits over tp as they do */
+    int64_t part[LOOM_ROW_PARTS_MAX];
 } loom_layer_lin;
 
 typedef struct loom_layer {

@@ -9,10 +9,16 @@
  *                                        the key heads repeated to the value heads
  *   out = (w rmsnorm(o) silu(z)) Wout^T  per value head
  *
- * One process, no tensor or context parallelism yet (loom_config_check_built
- * refuses the others; the in_proj_qkv and conv1d splits over tp need the
- * q, k, v parts split apart). The conv1d weight, [C, 1, K] in the
- * checkpoint, is (C, K) here (export.c presents it so). Kept for the
+ * Tensor parallelism splits the heads, as attention's: a rank holds Hk/tp
+ * key heads and Hv/tp value heads (value head h still reads key head
+ * h / (Hv / Hk)), so in_proj_qkv and the conv weight, whose rows are the
+ * q, k and v channels fused, split each of the three parts over tp on its
+ * own (loom_param_put_parts); z, b, a, A_log and dt_bias by rows, out_proj
+ * by columns, the gated norm's weight replicated (its gradient a partial
+ * sum over tp). No context parallelism yet (loom_config_check_built
+ * refuses it: the state and the convolution would have to pass between cp
+ * ranks). The conv1d weight, [C, 1, K] in the checkpoint, is (C, K) here
+ * (export.c presents it so). Kept for the
  * backward: the projections' outputs, the convolution's, the gates, the
  * rule's output, the norm's rstd and output (out_proj's input); the rule's
  * backward recomputes what it needs from its inputs (cpu_gdn.h). */
@@ -28,9 +34,9 @@ static const loom_block_slot slots[NSLOT] = {
     [WB] = {"linear_attn.in_proj_b.weight", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
     [WA] = {"linear_attn.in_proj_a.weight", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
     [CONV] = {"linear_attn.conv1d.weight", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
-    [ALOG] = {"linear_attn.A_log", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
-    [DTB] = {"linear_attn.dt_bias", LOOM_COMP_ATTN, LOOM_SHARD_ROWS},
-    [NORMW] = {"linear_attn.norm.weight", LOOM_COMP_ATTN, LOOM_SHARD_NONE, true},
+    [ALOG] = {"linear_attn.A_log", LOOM_COMP_ATTN, LOOM_SHARD_ROWS, .init = LOOM_INIT_LOG_U16},
+    [DTB] = {"linear_attn.dt_bias", LOOM_COMP_ATTN, LOOM_SHARD_ROWS, .init = LOOM_INIT_ONES},
+    [NORMW] = {"linear_attn.norm.weight", LOOM_COMP_ATTN, LOOM_SHARD_NONE, true, LOOM_INIT_ONES},
     [WOUT] = {"linear_attn.out_proj.weight", LOOM_COMP_ATTN, LOOM_SHARD_COLS},
 };
 
@@ -46,12 +52,12 @@ static const loom_block_linear linears[NLIN] = {
 static loom_status gdn_params(const loom_model_config *c, int64_t l, loom_param_sink *s) {
     (void)l;
     const int64_t H = c->hidden_size, hk = c->lin_k_heads * c->lin_k_dim;
-    const int64_t hv = c->lin_v_heads * c->lin_v_dim, C = 2 * hk + hv;
-    loom_param_put(s, WQKV, C, H);
+    const int64_t hv = c->lin_v_heads * c->lin_v_dim, qkv[3] = {hk, hk, hv};
+    loom_param_put_parts(s, WQKV, H, 3, qkv);
     loom_param_put(s, WZ, hv, H);
     loom_param_put(s, WB, c->lin_v_heads, H);
     loom_param_put(s, WA, c->lin_v_heads, H);
-    loom_param_put(s, CONV, C, c->lin_conv_kernel);
+    loom_param_put_parts(s, CONV, c->lin_conv_kernel, 3, qkv);
     loom_param_put(s, ALOG, c->lin_v_heads, 0);
     loom_param_put(s, DTB, c->lin_v_heads, 0);
     loom_param_put(s, NORMW, c->lin_v_dim, 0);
@@ -63,14 +69,15 @@ static loom_status gdn_params(const loom_model_config *c, int64_t l, loom_param_
 enum { PRE, QKV, Z, A, B, G, BETA, O, RSTD, Y, NBUF };
 enum { DY, DO, DZ, DQKV, DPRE, DG, DBETA, DA, DB, NSCRATCH };
 
-/* the sizes of a layer: key and value widths, the conv's channels */
+/* the sizes of a layer on this rank (its heads of tp): key and value
+ * widths, the conv's channels */
 typedef struct gdims {
     int64_t Hk, Hv, dk, dv, hv, C, K;
 } gdims;
 
 static gdims dims(const loom_model *m) {
     const loom_model_config *c = &m->cfg;
-    gdims d = {c->lin_k_heads, c->lin_v_heads, c->lin_k_dim, c->lin_v_dim, 0, 0,
+    gdims d = {c->lin_k_heads / m->tp, c->lin_v_heads / m->tp, c->lin_k_dim, c->lin_v_dim, 0, 0,
                c->lin_conv_kernel};
     d.hv = d.Hv * d.dv;
     d.C = 2 * d.Hk * d.dk + d.hv;

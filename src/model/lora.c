@@ -189,6 +189,7 @@ static loom_status add_ab(loom_model *m, loom_adapter *a, int64_t l, int j, int6
     /* an expert's: split over etp like its base, its buckets over edp */
     loom_slot *sl = loom_slot_add(m, &a->ar, a->names[s], ab ? x->out : a->r, ab ? a->r : x->in,
                                   2, sh, false, e >= 0);
+    if (ab) loom_slot_row_parts(m, sl, x->nparts, x->part); /* B: as its base's rows */
     if (e >= 0)
         sl->etp_partial = m->etp > 1 && sh == LOOM_SHARD_NONE;
     else
@@ -306,7 +307,7 @@ loom_status loom_model_add_adapter(loom_model *m, const char *name, const loom_l
         float *w = a->ar.w + sl->off;
         for (int64_t r = 0; r < sl->rows; r++)
             for (int64_t k = 0; k < sl->cols; k++) {
-                uint64_t idx = (uint64_t)((sl->row0 + r) * sl->shape[1] + sl->col0 + k);
+                uint64_t idx = (uint64_t)(loom_slot_grow(sl, r) * sl->shape[1] + sl->col0 + k);
                 w[r * sl->cols + k] = (float)(bound * (2.0 * loom_rng_uniform(c->seed, key, idx) - 1.0));
             }
     }

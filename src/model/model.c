@@ -51,12 +51,35 @@ loom_slot *loom_slot_add(loom_model *m, loom_arena *a, const char *name, int64_t
         sl->col0 = r * sl->cols;
     }
     sl->numel = (size_t)(sl->rows * sl->cols);
+    sl->nruns = 1;
+    sl->run0[0] = sl->row0;
+    sl->runn[0] = sl->rows;
     return sl;
 }
 
+void loom_slot_row_parts(loom_model *m, loom_slot *sl, int nparts, const int64_t *part) {
+    if (sl->shard != LOOM_SHARD_ROWS || nparts < 2) return;
+    const int parts = sl->expert ? m->etp : m->tp;
+    const int r = sl->expert ? m->mesh->etp_rank : m->mesh->tp_rank;
+    int64_t at = 0;
+    sl->rows = 0;
+    for (int k = 0; k < nparts; k++) {
+        sl->runn[k] = part[k] / parts;
+        sl->run0[k] = at + r * sl->runn[k];
+        sl->rows += sl->runn[k];
+        at += part[k];
+    }
+    sl->nruns = nparts;
+    sl->row0 = sl->run0[0];
+    sl->numel = (size_t)(sl->rows * sl->cols);
+}
+
 static loom_slot *add_slot(loom_model *m, const loom_param_spec *p, loom_shard shard, bool vocab) {
-    return loom_slot_add(m, &m->base, p->name, p->shape[0], p->ndim == 2 ? p->shape[1] : 1,
-                         p->ndim, shard, vocab, p->expert >= 0);
+    loom_slot *sl = loom_slot_add(m, &m->base, p->name, p->shape[0],
+                                  p->ndim == 2 ? p->shape[1] : 1, p->ndim, shard, vocab,
+                                  p->expert >= 0);
+    loom_slot_row_parts(m, sl, p->nparts, p->part);
+    return sl;
 }
 
 /* A layer tensor's slot (its block's input norm, or one of the kind's
@@ -69,7 +92,7 @@ static loom_status layer_slot(loom_model *m, const loom_param_spec *p) {
     /* an expert: only this ep rank's E/ep, split over etp */
     const int64_t El = m->cfg.num_experts / m->ep, e0 = (int64_t)m->mesh->ep_rank * El;
     if (p->expert >= 0 && (p->expert < e0 || p->expert >= e0 + El)) return LOOM_OK;
-    const loom_block_slot none = {NULL, LOOM_COMP_NORM, LOOM_SHARD_NONE, false};
+    const loom_block_slot none = {NULL, LOOM_COMP_NORM, LOOM_SHARD_NONE, false, LOOM_INIT_SHAPE};
     const loom_block_slot *ks = p->slot == LOOM_SLOT_NORM ? &none : &k->slots[p->slot];
     int *at = p->slot == LOOM_SLOT_NORM ? &b->norm : &b->w[p->slot];
     if (*at < 0) *at = m->base.nslots; /* an expert's: the first local expert's, the rest follow */
@@ -327,7 +350,7 @@ loom_status loom_slot_read(loom_ctx *ctx, const void *data, loom_dtype dt, const
     int64_t full_cols = sl->shape[1], esz = (int64_t)loom_dtype_size(dt);
     const char *base = data;
     for (int64_t r = 0; r < sl->rows; r++) {
-        int64_t gr = sl->row0 + r;
+        int64_t gr = loom_slot_grow(sl, r);
         if (gr >= sl->shape[0]) break;
         loom_status st = loom_convert(ctx, dst + r * sl->cols, LOOM_F32,
                                       base + (gr * full_cols + sl->col0) * esz, dt,
@@ -341,7 +364,7 @@ loom_status loom_slot_read(loom_ctx *ctx, const void *data, loom_dtype dt, const
 
 /* This rank's block of a slot, copied as it is (the checkpoint's dtype is
  * the compute dtype) into the device at dev: straight from the mapping when
- * the block is whole rows, else through host rows. */
+ * the block is whole consecutive rows, else through host rows. */
 static loom_status slot_upload(loom_model *m, const loom_st_tensor *t, const loom_slot *sl,
                                void *dev, char **rows, size_t *rows_cap) {
     const size_t esz = m->dev.esz, full_cols = (size_t)sl->shape[1];
@@ -350,7 +373,7 @@ static loom_status slot_upload(loom_model *m, const loom_st_tensor *t, const loo
                                                             : sl->shape[0] - sl->row0;
     const char *src = (const char *)t->data + (size_t)sl->row0 * full_cols * esz;
     const size_t bytes = (size_t)nr * (size_t)sl->cols * esz; /* rows past: padding, zero */
-    if ((size_t)sl->cols == full_cols) return loom_k_upload(m, dev, src, bytes);
+    if ((size_t)sl->cols == full_cols && sl->nruns == 1) return loom_k_upload(m, dev, src, bytes);
     if (*rows_cap < bytes) {
         char *r = realloc(*rows, bytes);
         if (!r) return loom_errf(m->ctx, LOOM_ERR_OOM, "no memory for the rows of %s", sl->name);
@@ -358,7 +381,9 @@ static loom_status slot_upload(loom_model *m, const loom_st_tensor *t, const loo
         *rows_cap = bytes;
     }
     for (int64_t r = 0; r < nr; r++)
-        memcpy(*rows + (size_t)r * sl->cols * esz, src + ((size_t)r * full_cols + sl->col0) * esz,
+        memcpy(*rows + (size_t)r * sl->cols * esz,
+               (const char *)t->data +
+                   ((size_t)loom_slot_grow(sl, r) * full_cols + sl->col0) * esz,
                (size_t)sl->cols * esz);
     return loom_k_upload(m, dev, *rows, bytes);
 }
@@ -966,9 +991,9 @@ loom_status loom_gather_full(loom_model *m, loom_arena *a, const char *name, int
             free(tmp);
             return st;
         }
-        for (int64_t r = 0; r < s->rows && s->row0 + r < rows; r++)
+        for (int64_t r = 0; r < s->rows && loom_slot_grow(s, r) < rows; r++)
             for (int64_t c = 0; c < s->cols; c++)
-                dst[(s->row0 + r) * cols + s->col0 + c] += src[r * s->cols + c] * scale;
+                dst[loom_slot_grow(s, r) * cols + s->col0 + c] += src[r * s->cols + c] * scale;
     }
     free(tmp);
     if (loom_comm_size(m->world) == 1) return LOOM_OK;

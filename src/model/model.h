@@ -41,6 +41,11 @@ typedef struct loom_slot {
     int64_t shape[2];   /* full HF shape ([n, 1] for 1-D) */
     int64_t rows, cols; /* held here */
     int64_t row0, col0; /* where the held block starts in the (vocab-padded) full tensor */
+    /* the held rows as runs of the full tensor's: one (row0, rows) but for a
+     * tensor of fused parts split over tp part by part (loom_slot_row_parts),
+     * whose local rows are run k's after run k-1's */
+    int nruns;
+    int64_t run0[LOOM_ROW_PARTS_MAX], runn[LOOM_ROW_PARTS_MAX];
     loom_shard shard;
     size_t off, numel;  /* in w / g */
     bool decay;         /* AdamW weight decay applies (2-D) */
@@ -346,6 +351,15 @@ void loom_adapters_free(loom_model *m);
 /* model.c helpers shared with lora.c */
 loom_slot *loom_slot_add(loom_model *m, loom_arena *a, const char *name, int64_t rows,
                          int64_t cols, int ndim, loom_shard shard, bool vocab, bool expert);
+/* A ROWS slot of fused parts (loom_param_spec.part): each part split over
+ * tp on its own; the rank's rows are its share of each, in part order. */
+void loom_slot_row_parts(loom_model *m, loom_slot *sl, int nparts, const int64_t *part);
+/* The full tensor's row of the slot's held row r. */
+static inline int64_t loom_slot_grow(const loom_slot *s, int64_t r) {
+    int k = 0;
+    while (k + 1 < s->nruns && r >= s->runn[k]) r -= s->runn[k++];
+    return s->run0[k] + r;
+}
 loom_status loom_slot_read(loom_ctx *ctx, const void *data, loom_dtype dt, const loom_slot *sl,
                            float *dst);
 /* The whole tensor on every rank from the arena's blocks named `name` (see

@@ -76,6 +76,7 @@ static void add(loom_param_sink *b, loom_component comp, int64_t expert, int slo
     s->expert = expert;
     s->block = b->layer >= 0 ? b->block : -1;
     s->slot = b->layer >= 0 ? slot : -1;
+    s->nparts = 0;
     b->plan->n++;
 }
 
@@ -93,6 +94,17 @@ void loom_param_put(loom_param_sink *s, int slot, int64_t d0, int64_t d1) {
 
 void loom_param_put_expert(loom_param_sink *s, int slot, int64_t e, int64_t d0, int64_t d1) {
     put(s, slot, e, d0, d1);
+}
+
+void loom_param_put_parts(loom_param_sink *s, int slot, int64_t d1, int nparts,
+                          const int64_t *part) {
+    int64_t d0 = 0;
+    for (int k = 0; k < nparts; k++) d0 += part[k];
+    put(s, slot, -1, d0, d1);
+    if (s->st) return;
+    loom_param_spec *p = &s->plan->p[s->plan->n - 1];
+    p->nparts = nparts;
+    for (int k = 0; k < nparts; k++) p->part[k] = part[k];
 }
 
 loom_ctx *loom_param_sink_ctx(loom_param_sink *s) { return s->ctx; }
@@ -115,14 +127,15 @@ static void add_layer(loom_param_sink *b, const loom_model_config *c, int64_t l)
 
 loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c, int tp, int cp,
                                     bool cuda) {
-    if (loom_config_linear_layers(c) == 0 || (tp == 1 && cp == 1 && !cuda)) return LOOM_OK;
+    (void)tp; /* split like attention's heads (block_gdn.c) */
+    if (loom_config_linear_layers(c) == 0 || (cp == 1 && !cuda)) return LOOM_OK;
     return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
                      "%s: Qwen3.5's Gated DeltaNet layers (%lld linear_attention layers of %lld) "
-                     "train on the CPU without tensor or context parallelism so far (this run: "
-                     "%s, tp=%d, cp=%d): use --device cpu --tp 1 --cp 1 (pipeline and data "
-                     "parallelism work) until they come (issue 38)",
+                     "train on the CPU without context parallelism so far (this run: %s, cp=%d): "
+                     "use --device cpu --cp 1 (tensor, sequence, pipeline and data parallelism "
+                     "work) until they come (issue 38)",
                      c->model_type, (long long)loom_config_linear_layers(c),
-                     (long long)c->num_layers, cuda ? "GPU" : "CPU", tp, cp);
+                     (long long)c->num_layers, cuda ? "GPU" : "CPU", cp);
 }
 
 loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *c,
@@ -245,6 +258,7 @@ const char *loom_preset_config(const char *name) {
  * normal(0, std) from (seed, the tensor's name, the index); the token
  * embedding normal(0, embed_std). */
 typedef struct random_src {
+    const loom_model_config *cfg;
     const loom_param_plan *plan;
     uint64_t seed;
     double std, embed_std;
@@ -264,12 +278,23 @@ static loom_status random_fetch(void *u, size_t i, float *buf) {
     const loom_param_spec *p = &r->plan->p[i];
     const size_t n = (size_t)loom_param_numel(p);
     const char *leaf = strrchr(p->name, '.');
+    const uint64_t key = loom_hash_str(p->name);
+    const loom_block_kind *k[LOOM_LAYER_MAX_BLOCKS];
+    const loom_init init = p->slot >= 0 && loom_layer_kinds(r->cfg, p->layer, k) > p->block
+                               ? k[p->block]->slots[p->slot].init
+                               : LOOM_INIT_SHAPE;
+    if (init == LOOM_INIT_ONES || init == LOOM_INIT_LOG_U16) {
+        for (size_t j = 0; j < n; j++)
+            buf[j] = init == LOOM_INIT_ONES
+                         ? 1.0f
+                         : (float)log(16.0 * loom_rng_uniform(r->seed, key, (uint64_t)j));
+        return LOOM_OK;
+    }
     if (p->ndim == 1) {
         const float v = leaf && !strcmp(leaf, ".bias") ? 0.0f : r->norm_w;
         for (size_t j = 0; j < n; j++) buf[j] = v;
         return LOOM_OK;
     }
-    const uint64_t key = loom_hash_str(p->name);
     const size_t nl = strlen(p->name), ne = strlen("embed_tokens.weight");
     const bool embed = nl >= ne && !strcmp(p->name + nl - ne, "embed_tokens.weight");
     loom_rng_normal_fill(r->seed, key, 0, n, embed ? r->embed_std : r->std, buf);
@@ -287,7 +312,7 @@ loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,
                          "config's initializer_range) or a positive standard deviation", embed_std);
     loom_param_plan plan;
     if ((st = loom_param_plan_build(ctx, cfg, &plan))) return st;
-    random_src r = {&plan, seed, std, embed_std > 0 ? embed_std : std,
+    random_src r = {cfg, &plan, seed, std, embed_std > 0 ? embed_std : std,
                     cfg->norm_offset ? 0.0f : 1.0f};
     const loom_tensor_source src = {&r, plan.n, random_info, random_fetch};
     st = loom_hf_dir_write(ctx, "out", out_dir, true, &src, dtype, max_shard_bytes, cfg, NULL,

@@ -23,6 +23,9 @@ typedef enum loom_component {
  * (row-parallel linears). */
 typedef enum loom_shard { LOOM_SHARD_NONE = 0, LOOM_SHARD_ROWS, LOOM_SHARD_COLS } loom_shard;
 
+/* Parts of a fused tensor's rows at most (loom_param_spec.part). */
+#define LOOM_ROW_PARTS_MAX 4
+
 /* A layer tensor's slot in its block (block.h) when it is the block's input
  * norm, which the layer walker owns. */
 #define LOOM_SLOT_NORM (-2)
@@ -36,6 +39,9 @@ typedef struct loom_param_spec {
     int64_t expert;      /* -1 unless an expert weight */
     int block;           /* inside a layer: its block (block.h), else -1 */
     int slot;            /* the block kind's slot, or LOOM_SLOT_NORM; -1 outside layers */
+    int nparts;          /* 0, or its rows are nparts fused tensors of part[k] rows each (Gated
+                          * DeltaNet's in_proj_qkv: q, k, v), each split over tp on its own */
+    int64_t part[LOOM_ROW_PARTS_MAX];
 } loom_param_spec;
 
 typedef struct loom_param_plan {
@@ -64,7 +70,10 @@ const char *loom_preset_config(const char *name);
 
 /* Writes a model directory (config.json + safetensors) with random weights:
  * matrices and embeddings ~ N(0, initializer_range (default 0.02)), norm
- * weights 1 (0 where they are zero-centred: Qwen3.5's 1 + w), biases 0; embed_std > 0 gives the token embedding that std
+ * weights 1 (0 where they are zero-centred: Qwen3.5's 1 + w), biases 0, a
+ * kind's own tensors as transformers initialises them (block.h's
+ * loom_init: Gated DeltaNet's A_log = log(U(0, 16)), dt_bias and gated
+ * norm 1); embed_std > 0 gives the token embedding that std
  * instead (0: initializer_range). Values depend only on (seed, tensor name,
  * element index), not on the shard layout. */
 loom_status loom_write_random_model(loom_ctx *ctx, const loom_model_config *cfg,

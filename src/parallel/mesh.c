@@ -113,6 +113,13 @@ loom_status loom_mesh_check_model(loom_ctx *ctx, const loom_mesh_sizes *m,
                          "config.json: num_key_value_heads=%lld is not divisible by "
                          "tensor-parallel size tp=%d; use a tp that divides it",
                          (long long)cfg->num_kv_heads, tp);
+    if (loom_config_linear_layers(cfg) > 0 &&
+        (cfg->lin_k_heads % tp || cfg->lin_v_heads % tp))
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "config.json: linear_num_key_heads=%lld and linear_num_value_heads=%lld "
+                         "(the Gated DeltaNet layers' heads) must both be divisible by "
+                         "tensor-parallel size tp=%d; use a tp that divides them",
+                         (long long)cfg->lin_k_heads, (long long)cfg->lin_v_heads, tp);
     bool moe = cfg->num_experts > 0, dense_layer = !moe;
     for (int64_t l = 0; moe && l < cfg->num_layers; l++)
         if (!loom_config_layer_is_moe(cfg, l)) dense_layer = true;

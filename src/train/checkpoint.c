@@ -281,6 +281,26 @@ static int64_t tensor_of(const loom_state_snapshot *sn, const loom_slot *s, size
     return -1;
 }
 
+/* The pieces of the flat range [f0, f0 + len) of slot s's held block, kept
+ * at `at` on: one, or one per run of rows it meets for a slot of fused
+ * parts split over tp (loom_slot_row_parts), each a block of its own. */
+static loom_status add_runs(loom_ctx *ctx, loom_state_snapshot *sn, loom_state_piece p,
+                            const loom_slot *s, int64_t f0, int64_t len, size_t at, int slot) {
+    int64_t lo = 0;
+    for (int k = 0; k < s->nruns; k++) {
+        const int64_t hi = lo + s->runn[k] * s->cols;
+        const int64_t a = f0 > lo ? f0 : lo, b = f0 + len < hi ? f0 + len : hi;
+        if (a < b) {
+            p.row0 = s->run0[k], p.rows = s->runn[k], p.split = s->nruns > 1;
+            p.f0 = a - lo, p.len = b - a;
+            loom_status st = add_piece(ctx, sn, &p, at + (size_t)(a - f0), slot);
+            if (st) return st;
+        }
+        lo = hi;
+    }
+    return LOOM_OK;
+}
+
 /* This rank's pieces: each slot's parts of its shards, and the whole block
  * of a frozen slot it owns (laid after the shards in the values buffer). */
 static loom_status find_pieces(loom_model *m, loom_arena *A, loom_state_snapshot *sn,
@@ -301,15 +321,13 @@ static loom_status find_pieces(loom_model *m, loom_arena *A, loom_state_snapshot
                              s->name);
         loom_status st = LOOM_OK;
         if (s->frozen) {
-            p.f0 = 0, p.len = (int64_t)s->numel;
-            st = add_piece(m->ctx, sn, &p, A->shard_numel + fz, i);
+            st = add_runs(m->ctx, sn, p, s, 0, (int64_t)s->numel, A->shard_numel + fz, i);
             fz += s->numel;
         }
         for (int b = 0; !s->frozen && b < A->nbuckets && !st; b++) {
             size_t o0, len, so;
             if (!loom_shard_part(m, A, b, i, &o0, &len, &so)) continue;
-            p.f0 = (int64_t)(o0 - s->off), p.len = (int64_t)len;
-            st = add_piece(m->ctx, sn, &p, so, i);
+            st = add_runs(m->ctx, sn, p, s, (int64_t)(o0 - s->off), (int64_t)len, so, i);
         }
         if (st) return st;
     }
@@ -348,8 +366,8 @@ loom_status loom_state_snapshot_take(loom_model *m, const loom_train_progress *p
                   : loom_k_download_f32(m, sn->buf[0] + base,
                                         (const char *)A->wc + s0 * m->dev.esz, per);
     }
-    for (size_t i = 0; i < sn->np && !st; i++) {
-        if (sn->p[i].moments) continue;
+    for (size_t i = 0; i < sn->np && !st; i++) { /* a frozen slot's whole block, once */
+        if (sn->p[i].moments || (i && sn->slot[i - 1] == sn->slot[i])) continue;
         const loom_slot *s = &A->slots[sn->slot[i]];
         float *dst = sn->buf[0] + sn->at[i];
         st = A->w ? loom_k_download(m, dst, A->w + s->off, s->numel * sizeof(float))
@@ -467,7 +485,9 @@ static void take_block(const loom_slot *s, const float *full, int64_t rows, int6
                        float *dst) {
     for (int64_t r = 0; r < s->rows; r++)
         for (int64_t c = 0; c < s->cols; c++)
-            dst[r * s->cols + c] = s->row0 + r < rows ? full[(s->row0 + r) * cols + s->col0 + c] : 0;
+            dst[r * s->cols + c] = loom_slot_grow(s, r) < rows
+                                       ? full[loom_slot_grow(s, r) * cols + s->col0 + c]
+                                       : 0;
 }
 
 loom_status loom_model_load_state(loom_model *m, const char *dir, int optimizer,
