@@ -569,15 +569,18 @@ static double rel_to_max(const float *got, const float *ref, int64_t n) {
  * the hub's vision-language checkpoint) on the CPU against transformers:
  * logits, log-probs, entropy, the loss and the gradient of every
  * language-model tensor. */
-/* the gradient of hub tensor t (loom's name `name`); transformers' fused
+/* the gradient (get: loom_model_get_grad) or value (loom_model_get_param)
+ * of hub tensor t (loom's name `name`); transformers' fused
  * experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) from loom's
  * per-expert tensors */
-static loom_status get_grad_hub(loom_model *m, const char *name, const loom_st_tensor *t,
-                                float *g) {
+typedef loom_status (*tensor_get)(loom_model *m, const char *name, float *dst, int64_t n);
+
+static loom_status get_hub(loom_model *m, tensor_get get, const char *name,
+                           const loom_st_tensor *t, float *g) {
     const char *gu = strstr(name, ".experts.gate_up_proj"),
                *dn = strstr(name, ".experts.down_proj");
     if (!gu && !dn)
-        return loom_model_get_grad(m, name, g, (int64_t)t->numel);
+        return get(m, name, g, (int64_t)t->numel);
     const int64_t E = t->shape[0], per = (int64_t)t->numel / E;
     const int plen = (int)((gu ? gu : dn) - name);
     char en[256];
@@ -588,7 +591,7 @@ static loom_status get_grad_hub(loom_model *m, const char *name, const loom_st_t
                      : k ? "up_proj"
                          : "gate_proj");
             const int64_t part = gu ? per / 2 : per;
-            loom_status st = loom_model_get_grad(m, en, g + e * per + k * part, part);
+            loom_status st = get(m, en, g + e * per + k * part, part);
             if (st)
                 return st;
         }
@@ -656,7 +659,7 @@ static void check_hf(const char *model, int ngrads) {
             snprintf(name, sizeof name, "%s", hub);
         float *a = malloc(t->numel * 4), *g = malloc(t->numel * 4);
         REQUIRE_OK(ctx, loom_st_read(ctx, t, LOOM_F32, a, t->numel));
-        const loom_status st = get_grad_hub(m, name, t, g);
+        const loom_status st = get_hub(m, loom_model_get_grad, name, t, g);
         CHECK_MSG(st == LOOM_OK, "%s: %s", name, loom_last_error(ctx));
         if (!st) {
             const double e = rel_to_max(g, a, (int64_t)t->numel);
@@ -690,6 +693,136 @@ static void check_hf(const char *model, int ngrads) {
 
 TEST(qwen35_model_matches_hf) { check_hf("tiny-qwen3_5", 55); }
 TEST(qwen35_moe_model_matches_hf) { check_hf("tiny-qwen3_5-moe", 72); }
+
+/* The fixture's 5 AdamW steps (lr 1e-3, betas 0.9 and 0.95, decay 0.1 on
+ * matrices, clipping at 1) on its batch from model dir p: the losses and
+ * grad norms; with noise, the embedding first scaled element by element by
+ * 1 + 2^-24 N(0, 1), fp32's rounding. NULL on failure (reported). */
+static loom_model *trajectory(loom_ctx *ctx, const char *model, loom_safetensors *gs, bool noise,
+                              double loss[5], double norm[5]) {
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = LOOM_DEVICE_CPU;
+    o.config_overrides = "{\"router_aux_loss_coef\": 0}"; /* the LM loss alone, as the fixture */
+    char p[512];
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/models/%s", model);
+    loom_model *m = NULL;
+    enum { R = 2, S = 80 };
+    static int32_t ids[R * S], tgt[R * S];
+    loom_optimizer_config oc = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                                .weight_decay = 0.1};
+    bool ok = !loom_model_create(ctx, p, &o, &m) && !loom_model_set_optimizer(m, &oc) &&
+              !loom_st_read_named(ctx, gs, "input_ids", 2, (int64_t[]){R, S}, LOOM_I32, ids) &&
+              !loom_st_read_named(ctx, gs, "targets", 2, (int64_t[]){R, S}, LOOM_I32, tgt);
+    const int e = ok ? loom_model_find_slot(m, "model.embed_tokens.weight") : -1;
+    if (ok && noise && e >= 0) {
+        float *w = loom_w(m, e);
+        for (size_t i = 0; i < m->base.slots[e].numel; i++)
+            w[i] *= 1.0f + 0x1p-24f * (float)loom_rng_normal(99, 1, i);
+    }
+    loom_batch b = {.rows = R, .seq_len = S, .input_ids = ids, .targets = tgt};
+    for (int s = 0; ok && s < 5; s++) {
+        loom_fb_result r;
+        loom_step_result sr;
+        ok = !loom_model_forward_backward(m, &b, 1, &r) &&
+             !loom_model_clip_grad_and_step(m, 1.0, 1, &sr);
+        loss[s] = r.loss, norm[s] = sr.grad_norm;
+    }
+    if (!ok) {
+        loom_test_fail(__FILE__, __LINE__, "%s: %s", model, loom_last_error(ctx));
+        loom_model_free(m);
+        m = NULL;
+    }
+    return m;
+}
+
+/* relative L2 distance of a from b */
+static double rel_l2(const float *a, const float *b, size_t n) {
+    double dd = 0.0, rr = 0.0;
+    for (size_t k = 0; k < n; k++)
+        dd += ((double)a[k] - b[k]) * ((double)a[k] - b[k]), rr += (double)b[k] * b[k];
+    return sqrt(dd / (rr > 0 ? rr : 1.0));
+}
+
+/* The fixture's 5-step trajectory: losses, grad norms and every final
+ * weight within 1e-4 of transformers', or within 4 times what fp32's
+ * rounding alone moves them by. The reference ran in float64 but for the
+ * Gated DeltaNet's kernel, which transformers computes in fp32, and these
+ * random models are ill-conditioned: rounding-sized noise on the
+ * embedding moves a few final weights by 1e-4 and more (AdamW divides by
+ * sqrt(v), so a gradient near zero gets an update of order lr from its
+ * rounding). So loom runs twice, the second time with that noise, and the
+ * distance between its two runs bounds what agreement the reference can
+ * show; an error of the method itself (the rule, the decay, AdamW) moves
+ * the weights far past both. */
+static void check_trajectory(const char *model) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    loom_safetensors *gs = NULL;
+    loom_json *meta = NULL;
+    char p[512];
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.safetensors", model);
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, p, &gs));
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.json", model);
+    REQUIRE_OK(ctx, loom_json_parse_file(ctx, p, &meta));
+    const loom_json *rl = loom_json_get(meta, "adamw_losses"),
+                    *rn = loom_json_get(meta, "adamw_grad_norms_before_clip");
+    REQUIRE(rl && rn && rl->n == 5 && rn->n == 5);
+    double la[5], na[5], lb[5], nb[5];
+    loom_model *a = trajectory(ctx, model, gs, false, la, na);
+    loom_model *b = a ? trajectory(ctx, model, gs, true, lb, nb) : NULL;
+    double worst = 0.0, noise_at = 0.0;
+    const char *wn = "";
+    for (int s = 0; b && s < 5; s++) {
+        const double r[2] = {rl->items[s]->d, rn->items[s]->d}, x[2] = {la[s], na[s]},
+                     y[2] = {lb[s], nb[s]};
+        for (int k = 0; k < 2; k++) {
+            const double e = fabs(x[k] - r[k]) / r[k], en = fabs(x[k] - y[k]) / r[k];
+            CHECK_MSG(e <= fmax(1e-4, 4 * en), "step %d %s %.9g, HF %.9g (noise moves it %.3g)",
+                      s + 1, k ? "grad norm" : "loss", x[k], r[k], en);
+            if (e > worst) worst = e, noise_at = en, wn = k ? "a grad norm" : "a loss";
+        }
+    }
+    int nfinal = 0, beyond = 0;
+    for (size_t i = 0; b && i < loom_st_count(gs); i++) {
+        const loom_st_tensor *t = loom_st_at(gs, i);
+        if (strncmp(t->name, "final.", 6)) continue;
+        const char *hub = t->name + 6;
+        char name[256];
+        if (!strncmp(hub, "model.language_model.", 21))
+            snprintf(name, sizeof name, "model.%s", hub + 21);
+        else
+            snprintf(name, sizeof name, "%s", hub);
+        float *ref = malloc(t->numel * 4), *x = malloc(t->numel * 4), *y = malloc(t->numel * 4);
+        const bool ok = ref && x && y && !loom_st_read(ctx, t, LOOM_F32, ref, t->numel) &&
+                        !get_hub(a, loom_model_get_param, name, t, x) &&
+                        !get_hub(b, loom_model_get_param, name, t, y);
+        CHECK_MSG(ok, "%s: %s", name, loom_last_error(ctx));
+        if (ok) {
+            const double e = rel_l2(x, ref, t->numel), en = rel_l2(x, y, t->numel);
+            CHECK_MSG(e <= fmax(1e-4, 4 * en), "%s: relative L2 %.3g from HF (noise: %.3g)",
+                      name, e, en);
+            beyond += e > 1e-4;
+            if (e > worst) worst = e, noise_at = en, wn = t->name;
+            nfinal++;
+        }
+        free(ref), free(x), free(y);
+    }
+    printf("    %d final weights, %d beyond 1e-4; worst %.3g (%s), where fp32 noise moves it "
+           "%.3g\n", nfinal, beyond, worst, wn, noise_at);
+    CHECK(nfinal > 50);
+    loom_model_free(a);
+    loom_model_free(b);
+    loom_json_free(meta);
+    loom_st_close(gs);
+    loom_ctx_free(ctx);
+}
+
+/* (tiny-qwen3_5-moe is not held to it yet: from step 3 on its loss and
+ * grad norm leave transformers' by 1.5e-4 and 0.6%, past what the same
+ * noise moves them, 8e-7 and 0.1%; issue 38's notes.) */
+TEST(qwen35_adamw_trajectory) { check_trajectory("tiny-qwen3_5"); }
 
 /* Packed documents (7, 70 and 21 tokens in one row): the recurrent state
  * and the convolution restart at every boundary, so each document's
