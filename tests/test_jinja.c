@@ -414,7 +414,7 @@ TEST(jinja_chat_fixture_cases) {
     loom_ctx_free(ctx);
 }
 
-/* The built-in renderers of chat.c agree with the interpreter on the cases
+/* The built-in renderers (chat_builtin.c) agree with the interpreter on the cases
  * they take (no tools= argument): text, and for Qwen3 (whose template has
  * {% generation %}) the per-byte assistant mask. */
 TEST(jinja_matches_builtin_renderers) {
