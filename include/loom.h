@@ -532,7 +532,9 @@ loom_status loom_encoder_create(loom_ctx *ctx, const char *dir, loom_encoder **o
 void loom_encoder_free(loom_encoder *e);
 /* One sample, a JSON object as `loom train` reads in JSONL: {"text": ...},
  * {"messages": [{"role", "content"}, ...]} (the chat template; loss on the
- * assistant's tokens) or {"prompt", "completion"} (loss on the completion).
+ * assistant's tokens; an optional "tools": HF's apply_chat_template tools=,
+ * a list of tool objects or that list JSON-encoded in a string) or
+ * {"prompt", "completion"} (loss on the completion).
  * *ids and *mask (1: the token is predicted; may be all 1) are malloc'd:
  * free them with loom_free. append_eos: an EOS token after text and
  * completion samples. */

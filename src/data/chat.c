@@ -218,24 +218,46 @@ loom_status loom_chat_load(loom_ctx *ctx, const char *model_dir, loom_chat **out
     return st;
 }
 
+loom_status loom_chat_check_tools(loom_ctx *ctx, const loom_json *tools) {
+    if (!tools || tools->type == LOOM_JSON_NULL)
+        return LOOM_OK;
+    if (tools->type != LOOM_JSON_ARRAY)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "tools must be a JSON array of tool objects (JSON schemas, as "
+                         "transformers' apply_chat_template(tools=...) takes), got %s",
+                         loom_json_type_name(tools->type));
+    for (size_t i = 0; i < tools->n; i++)
+        if (tools->items[i]->type != LOOM_JSON_OBJECT)
+            return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                             "tools[%zu] must be an object (a tool's JSON schema, such as "
+                             "{\"type\": \"function\", \"function\": {...}}), got %s",
+                             i, loom_json_type_name(tools->items[i]->type));
+    return LOOM_OK;
+}
 
 /* The template's own text through the interpreter; a recognised template
  * goes through its built-in renderer too (the messages' checks, and the mask
  * when the template has no {% generation %} marks), whose text must agree. */
 loom_status loom_chat_render(loom_ctx *ctx, const loom_chat *c, const loom_json *messages,
-                             bool add_generation_prompt, char **text, uint8_t **mask) {
+                             const loom_json *tools, bool add_generation_prompt, char **text,
+                             uint8_t **mask) {
     if (!c || !text)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_chat_render: NULL argument");
     *text = NULL;
     if (mask)
         *mask = NULL;
+    loom_status st = loom_chat_check_tools(ctx, tools);
+    if (st)
+        return st;
+    if (tools && tools->type == LOOM_JSON_NULL)
+        tools = NULL; /* None, as without tools= */
     if (!c->tpl)
-        return loom_chat_render_builtin(ctx, c, messages, add_generation_prompt, text, mask);
+        return loom_chat_render_builtin(ctx, c, messages, tools, add_generation_prompt, text, mask);
     char *btext = NULL;
     uint8_t *bmask = NULL;
-    loom_status st;
     if (c->kind != LOOM_CHAT_TEMPLATE) {
-        st = loom_chat_render_builtin(ctx, c, messages, add_generation_prompt, &btext, &bmask);
+        st = loom_chat_render_builtin(ctx, c, messages, tools, add_generation_prompt, &btext,
+                                      &bmask);
         if (st)
             return st;
     } else if (!messages || messages->type != LOOM_JSON_ARRAY || !messages->n) {
@@ -245,7 +267,7 @@ loom_status loom_chat_render(loom_ctx *ctx, const loom_chat *c, const loom_json 
     }
     const char *bos = c->bos ? c->bos : c->kind == LOOM_CHAT_LLAMA3 ? "<|begin_of_text|>" : NULL;
     loom_jinja_chat_opts o = {add_generation_prompt, c->thinking_set ? c->enable_thinking : -1, bos,
-                              c->eos};
+                              c->eos, tools};
     uint8_t *jmask = NULL;
     st = loom_jinja_chat_render(ctx, c->tpl, messages, &o, text, &jmask);
     if (!st && btext && strcmp(btext, *text) != 0) {

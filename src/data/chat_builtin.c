@@ -389,12 +389,37 @@ static loom_status get_tool_calls(loom_ctx *ctx, const loom_json *m, size_t i,
     return LOOM_OK;
 }
 
+/* The tools of the Qwen3 and Qwen2.5 system message, from "# Tools" through
+ * its "<|im_end|>\n": each tool through tojson on a line of its own. */
+static loom_status emit_tools(loom_ctx *ctx, rout *o, const loom_json *tools) {
+    loom_sb sb;
+    loom_sb_init(&sb);
+    loom_sb_puts(&sb, "# Tools\n\nYou may call one or more functions to assist with the user "
+                      "query.\n\nYou are provided with function signatures within "
+                      "<tools></tools> XML tags:\n<tools>");
+    loom_status st = LOOM_OK;
+    for (size_t i = 0; i < tools->n && !st; i++) {
+        char what[32];
+        snprintf(what, sizeof what, "tools[%zu]", i);
+        loom_sb_putc(&sb, '\n');
+        st = py_json(ctx, &sb, tools->items[i], what);
+    }
+    loom_sb_puts(&sb, "\n</tools>\n\nFor each function call, return a json object with function "
+                      "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                      "{\"name\": <function-name>, \"arguments\": "
+                      "<args-json-object>}\n</tool_call><|im_end|>\n");
+    if (!st)
+        emit(o, (str){sb.buf, sb.len}, 0);
+    loom_sb_free(&sb);
+    return st;
+}
+
 /* ---------------------------------------------------------------------- */
 /* Qwen3                                                                   */
 /* ---------------------------------------------------------------------- */
 
 static loom_status render_qwen3(loom_ctx *ctx, const loom_chat *c, const loom_json *msgs,
-                                bool add_generation_prompt, rout *o) {
+                                const loom_json *tools, bool add_generation_prompt, rout *o) {
     static const char *const roles[] = {"system", "user", "assistant", "tool", NULL};
     loom_status st = check_messages(ctx, c, msgs, roles);
     if (st) return st;
@@ -416,8 +441,18 @@ static loom_status render_qwen3(loom_ctx *ctx, const loom_chat *c, const loom_js
         return st;
     }
 
-    /* The system message first (no tools: loom's API takes none). */
-    if (role_is(msgs, 0, "system")) {
+    /* The system message first, the tools in it when there are some. */
+    if (tools && tools->n) {
+        emits(o, "<|im_start|>system\n", 0);
+        if (role_is(msgs, 0, "system")) {
+            emit(o, content[0], 0);
+            emits(o, "\n\n", 0);
+        }
+        if ((st = emit_tools(ctx, o, tools))) {
+            free(content);
+            return st;
+        }
+    } else if (role_is(msgs, 0, "system")) {
         emits(o, "<|im_start|>system\n", 0);
         emit(o, content[0], 0);
         emits(o, "<|im_end|>\n", 0);
@@ -507,8 +542,13 @@ static loom_status render_qwen3(loom_ctx *ctx, const loom_chat *c, const loom_js
 /* Qwen2 (and Qwen1.5): every message '<|im_start|>' role '\n' content
  * '<|im_end|>\n', after a default system message when the first is not one. */
 static loom_status render_qwen2(loom_ctx *ctx, const loom_chat *c, const loom_json *msgs,
-                                bool add_generation_prompt, rout *o) {
+                                const loom_json *tools, bool add_generation_prompt, rout *o) {
     static const char *const roles[] = {"system", "user", "assistant", "tool", NULL};
+    if (tools && tools->n)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "tools: the qwen2 template has no tools (it would drop the %zu given); "
+                         "put them in the system message's text instead",
+                         tools->n);
     loom_status st = check_messages(ctx, c, msgs, roles);
     if (st) return st;
     for (size_t i = 0; i < msgs->n; i++) {
@@ -540,7 +580,7 @@ static loom_status render_qwen2(loom_ctx *ctx, const loom_chat *c, const loom_js
 }
 
 static loom_status render_qwen25(loom_ctx *ctx, const loom_chat *c, const loom_json *msgs,
-                                 bool add_generation_prompt, rout *o) {
+                                 const loom_json *tools, bool add_generation_prompt, rout *o) {
     static const char *const roles[] = {"system", "user", "assistant", "tool", NULL};
     loom_status st = check_messages(ctx, c, msgs, roles);
     if (st) return st;
@@ -563,7 +603,13 @@ static loom_status render_qwen25(loom_ctx *ctx, const loom_chat *c, const loom_j
     } else {
         emits(o, LOOM_QWEN25_SYSTEM, 0);
     }
-    emits(o, "<|im_end|>\n", 0);
+    if (tools && tools->n) {
+        emits(o, "\n\n", 0);
+        if ((st = emit_tools(ctx, o, tools)))
+            return st;
+    } else {
+        emits(o, "<|im_end|>\n", 0);
+    }
     loom_sb calls;
     loom_sb_init(&calls);
     for (size_t i = 0; i < n && !st; i++) {
@@ -614,8 +660,15 @@ static loom_status render_qwen25(loom_ctx *ctx, const loom_chat *c, const loom_j
 /* ---------------------------------------------------------------------- */
 
 static loom_status render_llama3(loom_ctx *ctx, const loom_chat *c, const loom_json *msgs,
-                                 bool add_generation_prompt, rout *o) {
+                                 const loom_json *tools, bool add_generation_prompt, rout *o) {
     static const char *const roles[] = {"system", "user", "assistant", NULL};
+    /* even tools=[]: the 3.1 template writes "Environment: ipython" for any list */
+    if (tools)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "tools: loom's %s renderer does not do tool use; give no tools (or "
+                         "null), or render the conversations to text yourself and train on "
+                         "plain text",
+                         loom_chat_name(c));
     for (size_t i = 0; msgs && msgs->type == LOOM_JSON_ARRAY && i < msgs->n; i++) {
         const loom_json *m = msgs->items[i], *r = loom_json_get(m, "role");
         if (r && r->type == LOOM_JSON_STRING && (!strcmp(r->s, "tool") || !strcmp(r->s, "ipython")))
@@ -663,17 +716,20 @@ static loom_status render_llama3(loom_ctx *ctx, const loom_chat *c, const loom_j
 }
 
 loom_status loom_chat_render_builtin(loom_ctx *ctx, const loom_chat *c, const loom_json *messages,
-                                     bool add_generation_prompt, char **text, uint8_t **mask) {
+                                     const loom_json *tools, bool add_generation_prompt,
+                                     char **text, uint8_t **mask) {
     rout o;
     loom_sb_init(&o.text);
     loom_sb_init(&o.mask);
     loom_status st;
-    if (c->kind == LOOM_CHAT_QWEN3) st = render_qwen3(ctx, c, messages, add_generation_prompt, &o);
+    if (c->kind == LOOM_CHAT_QWEN3)
+        st = render_qwen3(ctx, c, messages, tools, add_generation_prompt, &o);
     else if (c->kind == LOOM_CHAT_QWEN2 && c->variant == V_QWEN2)
-        st = render_qwen2(ctx, c, messages, add_generation_prompt, &o);
+        st = render_qwen2(ctx, c, messages, tools, add_generation_prompt, &o);
     else if (c->kind == LOOM_CHAT_QWEN2)
-        st = render_qwen25(ctx, c, messages, add_generation_prompt, &o);
-    else st = render_llama3(ctx, c, messages, add_generation_prompt, &o);
+        st = render_qwen25(ctx, c, messages, tools, add_generation_prompt, &o);
+    else
+        st = render_llama3(ctx, c, messages, tools, add_generation_prompt, &o);
     if (!st && (o.text.failed || o.mask.failed))
         st = loom_errf(ctx, LOOM_ERR_OOM, "out of memory rendering a chat");
     if (st) {

@@ -50,8 +50,8 @@ static loom_status token_ranges(loom_ctx *ctx, const loom_tokenizer *t, const in
 }
 
 loom_status loom_chat_encode(loom_ctx *ctx, const loom_chat *c, const loom_tokenizer *t,
-                             const loom_json *messages, int32_t **ids, uint8_t **mask,
-                             int64_t *n) {
+                             const loom_json *messages, const loom_json *tools, int32_t **ids,
+                             uint8_t **mask, int64_t *n) {
     if (!c || !t || !ids || !n)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "loom_chat_encode: NULL argument");
     *ids = NULL;
@@ -62,7 +62,7 @@ loom_status loom_chat_encode(loom_ctx *ctx, const loom_chat *c, const loom_token
     int32_t *tok = NULL;
     size_t *start = NULL, *len = NULL;
     int64_t nt = 0;
-    loom_status st = loom_chat_render(ctx, c, messages, false, &text, &bmask);
+    loom_status st = loom_chat_render(ctx, c, messages, tools, false, &text, &bmask);
     if (!st) st = loom_tokenizer_encode(ctx, t, text, strlen(text), &tok, &nt);
     if (st || !mask) goto done;
     if ((st = loom_tokenizer_decode(ctx, t, tok, nt, &dec))) goto done;

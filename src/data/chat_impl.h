@@ -24,8 +24,10 @@ enum { V_QWEN25 = 0, V_QWEN2 = 1, V_LLAMA31 = 0, V_LLAMA30 = 1 };
 
 /* The built-in renderer of c's kind and variant (chat_builtin.c): the
  * messages' checks (errors naming the message index), the text and its
- * per-byte assistant mask (may be NULL), both malloc'd. */
+ * per-byte assistant mask (may be NULL), both malloc'd. tools: NULL, or an
+ * array of objects (loom_chat_check_tools has passed it). */
 loom_status loom_chat_render_builtin(loom_ctx *ctx, const loom_chat *c, const loom_json *messages,
-                                     bool add_generation_prompt, char **text, uint8_t **mask);
+                                     const loom_json *tools, bool add_generation_prompt,
+                                     char **text, uint8_t **mask);
 
 #endif /* LOOM_CHAT_IMPL_H */
