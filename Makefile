@@ -320,8 +320,8 @@ endif
 FUZZ_CC ?= clang
 FUZZ_LIB_SRC := src/core/core.c src/core/dtype.c src/core/json.c src/core/json_write.c src/core/sha256.c \
                 src/io/safetensors.c src/io/safetensors_writer.c src/io/hf_experts.c src/io/hf_config.c src/io/outdir.c src/io/ckpt_dir.c src/io/state_format.c \
-                src/data/tokens.c src/data/dataset.c src/data/loader.c src/data/chat.c \
-                $(wildcard src/data/tokenizer*.c src/data/unicode*.c src/data/jinja*.c)
+                src/data/tokens.c src/data/dataset.c src/data/loader.c \
+                $(wildcard src/data/chat*.c src/data/tokenizer*.c src/data/unicode*.c src/data/jinja*.c)
 FUZZ_TARGETS := json safetensors tokens dataset tokenizer state config jinja
 build-fuzz/fuzz_%: fuzz/fuzz_%.c $(FUZZ_LIB_SRC) $(wildcard include/*.h src/*/*.h)
 	@mkdir -p build-fuzz

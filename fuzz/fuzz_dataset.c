@@ -35,8 +35,8 @@ static loom_status fake_text(loom_ctx *ctx, void *self, const char *text, size_t
     return LOOM_OK;
 }
 
-static loom_status fake_chat(loom_ctx *ctx, void *self, const loom_json *messages, int32_t **ids,
-                             uint8_t **mask, int64_t *n) {
+static loom_status fake_chat(loom_ctx *ctx, void *self, const loom_json *messages,
+                             const loom_json *tools, int32_t **ids, uint8_t **mask, int64_t *n) {
     size_t cap = 1;
     for (size_t i = 0; i < messages->n; i++)
         cap += loom_json_get(messages->items[i], "content")->slen + 2;

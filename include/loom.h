@@ -532,7 +532,9 @@ loom_status loom_encoder_create(loom_ctx *ctx, const char *dir, loom_encoder **o
 void loom_encoder_free(loom_encoder *e);
 /* One sample, a JSON object as `loom train` reads in JSONL: {"text": ...},
  * {"messages": [{"role", "content"}, ...]} (the chat template; loss on the
- * assistant's tokens) or {"prompt", "completion"} (loss on the completion).
+ * assistant's tokens; an optional "tools": HF's apply_chat_template tools=,
+ * a list of tool objects or that list JSON-encoded in a string) or
+ * {"prompt", "completion"} (loss on the completion).
  * *ids and *mask (1: the token is predicted; may be all 1) are malloc'd:
  * free them with loom_free. append_eos: an EOS token after text and
  * completion samples. */
@@ -584,7 +586,9 @@ loom_status loom_model_merge_adapter(loom_model *m, const char *name);
 loom_status loom_model_unmerge_adapter(loom_model *m, const char *name);
 /* Adapter tensors go by their PEFT names in get_param / get_grad:
  * "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" (the
- * active adapter), or with the adapter named: "...q_proj.lora_A.<name>.weight".
+ * active adapter; a vision-language checkpoint's text model:
+ * "base_model.model.model.language_model.layers.0..."), or with the adapter
+ * named: "...q_proj.lora_A.<name>.weight".
  * The i-th tensor of adapter `name` (NULL past the end): */
 const char *loom_model_adapter_tensor(loom_model *m, const char *name, int64_t i, char *buf,
                                       size_t cap, int64_t shape[2]);

@@ -30,14 +30,17 @@ static loom_chat *named(loom_ctx *ctx, const char *name) {
     return c;
 }
 
-/* Renders messages (JSON text); NULL on error (message in ctx). With mask:
- * *masked gets the masked bytes, runs separated by '|'. */
-static char *render(loom_ctx *ctx, const loom_chat *c, const char *msgs, bool gen, char **masked) {
-    loom_json *j = J(ctx, msgs);
+/* Renders messages with tools (JSON texts; tools NULL: none); NULL on error
+ * (message in ctx). With mask: *masked gets the masked bytes, runs separated
+ * by '|'. */
+static char *render_tools(loom_ctx *ctx, const loom_chat *c, const char *msgs, const char *tools,
+                          bool gen, char **masked) {
+    loom_json *j = J(ctx, msgs), *tj = tools ? J(ctx, tools) : NULL;
     char *text = NULL;
     uint8_t *mask = NULL;
-    loom_status st = loom_chat_render(ctx, c, j, gen, &text, &mask);
+    loom_status st = loom_chat_render(ctx, c, j, tj, gen, &text, &mask);
     loom_json_free(j);
+    loom_json_free(tj);
     if (st) return NULL;
     if (masked) {
         size_t n = strlen(text);
@@ -51,6 +54,10 @@ static char *render(loom_ctx *ctx, const loom_chat *c, const char *msgs, bool ge
     }
     free(mask);
     return text;
+}
+
+static char *render(loom_ctx *ctx, const loom_chat *c, const char *msgs, bool gen, char **masked) {
+    return render_tools(ctx, c, msgs, NULL, gen, masked);
 }
 
 /* Renders and checks the text (and the masked bytes when want_masked). */
@@ -124,7 +131,7 @@ TEST(chat_fixture_text) {
     for (size_t i = 0; i < n; i++) {
         char *text = NULL;
         uint8_t *mask = NULL;
-        CHECK_OK(ctx, loom_chat_render(ctx, c, loom_json_get(cases[i], "messages"),
+        CHECK_OK(ctx, loom_chat_render(ctx, c, loom_json_get(cases[i], "messages"), NULL,
                                        case_gen(cases[i]), &text, &mask));
         const loom_json *want = loom_json_get(cases[i], "text");
         CHECK_MSG(text && strcmp(text, want->s) == 0, "case %zu: text\n%s\nwant\n%s", i,
@@ -156,8 +163,8 @@ TEST(chat_fixture_ids_and_mask) {
             const loom_json *text = loom_json_get(cases[i], "text");
             CHECK_OK(ctx, loom_tokenizer_encode(ctx, t, text->s, text->slen, &ids, &nt));
         } else {
-            CHECK_OK(ctx, loom_chat_encode(ctx, c, t, loom_json_get(cases[i], "messages"), &ids,
-                                           &mask, &nt));
+            CHECK_OK(ctx, loom_chat_encode(ctx, c, t, loom_json_get(cases[i], "messages"), NULL,
+                                           &ids, &mask, &nt));
         }
         CHECK_MSG(nt == (int64_t)want_ids->n, "case %zu: %lld tokens, want %zu", i, (long long)nt,
                   want_ids->n);
@@ -199,7 +206,7 @@ TEST(chat_encode_normalized_text) {
     int32_t *ids = NULL;
     uint8_t *mask = NULL;
     int64_t n = 0;
-    REQUIRE_OK(ctx, loom_chat_encode(ctx, c, t, j, &ids, &mask, &n));
+    REQUIRE_OK(ctx, loom_chat_encode(ctx, c, t, j, NULL, &ids, &mask, &n));
     /* the pieces tokenize on their own (they meet at special tokens and newlines) */
     int64_t at = 0;
     for (int p = 0; p < 4; p++) {
@@ -363,6 +370,126 @@ TEST(chat_qwen3_tools) {
                  "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 2.0}}\n</tool_call><|im_end|>\n");
     loom_chat_free(c);
     loom_ctx_free(ctx);
+}
+
+/* tools= (HF's list of JSON schemas): Qwen3 and Qwen2.5 write them into the
+ * system message (prompt, never in the mask); Qwen2 and Llama 3 refuse
+ * them; a marked template gets them as `tools`; bad tools are refused. */
+TEST(chat_tools) {
+    loom_ctx *ctx = new_ctx();
+    const char *msgs = "[{\"role\": \"system\", \"content\": \"S\"}, "
+                       "{\"role\": \"user\", \"content\": \"Q\"}, "
+                       "{\"role\": \"assistant\", \"content\": \"A\"}]";
+    const char *tools =
+        "[{\"type\": \"function\", \"function\": {\"name\": \"f\", "
+        "\"parameters\": {\"x\": 1.5, \"s\": \"\\u00e9\\\"\"}}}, {\"name\": \"g\"}]";
+#define TOOLS_HEAD                                                                                 \
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "     \
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>\n"                \
+    "{\"type\": \"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"x\": 1.5, "       \
+    "\"s\": \"\xc3\xa9\\\"\"}}}\n{\"name\": \"g\"}\n</tools>\n\nFor each function call, return a " \
+    "json object with function name and arguments within <tool_call></tool_call> XML tags:\n"      \
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"                \
+    "</tool_call><|im_end|>\n"
+    struct {
+        const char *name, *want;
+    } ok[] = {
+        {"qwen3", "<|im_start|>system\nS\n\n" TOOLS_HEAD "<|im_start|>user\nQ<|im_end|>\n"
+                  "<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n"},
+        {"qwen2.5", "<|im_start|>system\nS\n\n" TOOLS_HEAD "<|im_start|>user\nQ<|im_end|>\n"
+                    "<|im_start|>assistant\nA<|im_end|>\n"},
+    };
+    for (size_t k = 0; k < 2; k++) {
+        loom_chat *c = named(ctx, ok[k].name);
+        char *m = NULL, *t = render_tools(ctx, c, msgs, tools, false, &m);
+        CHECK_MSG(t, "%s: %s", ok[k].name, loom_last_error(ctx));
+        if (t) {
+            CHECK_STR(t, ok[k].want);
+            /* the tools are prompt: only the assistant's turn is masked */
+            CHECK_STR(m, strstr(ok[k].want, "<|im_start|>assistant\n") + 22);
+        }
+        free(t), free(m);
+        /* no system message: Qwen3 opens one for the tools alone, Qwen2.5 with its default */
+        t = render_tools(ctx, c, "[{\"role\": \"user\", \"content\": \"Q\"}]",
+                         "[{\"name\": \"g\"}]", false, NULL);
+        const char *pre = k ? "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You "
+                              "are a helpful assistant.\n\n# Tools\n\n"
+                            : "<|im_start|>system\n# Tools\n\n";
+        CHECK_MSG(t && !strncmp(t, pre, strlen(pre)), "%s: %s", ok[k].name,
+                  t ? t : loom_last_error(ctx));
+        free(t);
+        /* [] and null are no tools (jinja2: an empty list is false) */
+        char *plain = render(ctx, c, msgs, false, NULL);
+        t = render_tools(ctx, c, msgs, "[]", false, NULL);
+        CHECK(plain && t && !strcmp(plain, t));
+        free(t);
+        t = render_tools(ctx, c, msgs, "null", false, NULL);
+        CHECK(plain && t && !strcmp(plain, t));
+        free(t), free(plain);
+        loom_chat_free(c);
+    }
+    /* Qwen2's template has no tools: refused when there are some, [] renders. Llama 3:
+     * even [] (the 3.1 template's tool preamble shows for any list), null renders. */
+    static const struct {
+        const char *name, *refused, *why, *renders;
+    } refusing[] = {
+        {"qwen2", NULL, "the qwen2 template has no tools (it would drop the 2", "[]"},
+        {"llama3.1", "[]", "llama3.1 renderer does not do tool use", "null"},
+        {"llama3", "[]", "llama3 renderer does not do tool use", "null"},
+    };
+    loom_chat *c;
+    char *t;
+    for (size_t k = 0; k < 3; k++) {
+        c = named(ctx, refusing[k].name);
+        t = render_tools(ctx, c, msgs, refusing[k].refused ? refusing[k].refused : tools, false,
+                         NULL);
+        CHECK(!t);
+        CHECK_EQ_INT(ctx->status, LOOM_ERR_UNSUPPORTED);
+        CHECK_CONTAINS(loom_last_error(ctx), refusing[k].why);
+        free(t);
+        t = render_tools(ctx, c, msgs, refusing[k].renders, false, NULL);
+        CHECK_MSG(t, "%s: %s", refusing[k].name, loom_last_error(ctx));
+        free(t);
+        loom_chat_free(c);
+    }
+    /* bad tools, for every renderer */
+    const char *names[] = {"qwen3", "qwen2.5", "qwen2", "llama3.1", "llama3"};
+    for (size_t k = 0; k < 5; k++) {
+        c = named(ctx, names[k]);
+        const char *bad[][3] = {
+            {"{\"name\": \"f\"}", "tools must be a JSON array of tool objects", "got object"},
+            {"\"[]\"", "tools must be a JSON array", "got string"},
+            {"[{\"name\": \"f\"}, 3]", "tools[1] must be an object", "got number"},
+        };
+        for (size_t b = 0; b < 3; b++) {
+            t = render_tools(ctx, c, msgs, bad[b][0], false, NULL);
+            CHECK_MSG(!t, "%s: rendered with tools %s", names[k], bad[b][0]);
+            free(t);
+            CHECK_EQ_INT(ctx->status, LOOM_ERR_INVALID_ARG);
+            CHECK_CONTAINS(loom_last_error(ctx), bad[b][1]);
+            CHECK_CONTAINS(loom_last_error(ctx), bad[b][2]);
+        }
+        loom_chat_free(c);
+    }
+    c = named(ctx, "qwen3");
+    t = render_tools(ctx, c, msgs, "[{\"n\": 1e30}]", false, NULL);
+    CHECK(!t);
+    CHECK_CONTAINS(loom_last_error(ctx), "tools[0]: number 1e+30 is too large");
+    free(t);
+    loom_chat_free(c);
+    /* a template loom does not recognise gets them as `tools` */
+    REQUIRE_OK(ctx, loom_chat_parse(ctx,
+                                    "{% for t in tools %}{{ t.name }};{% endfor %}{% for m in "
+                                    "messages %}{% generation %}{{ m.content }}{% endgeneration "
+                                    "%}{% endfor %}",
+                                    "x", &c));
+    t = render_tools(ctx, c, "[{\"role\": \"user\", \"content\": \"Q\"}]",
+                     "[{\"name\": \"f\"}, {\"name\": \"g\"}]", false, NULL);
+    CHECK_STR(t ? t : loom_last_error(ctx), "f;g;Q");
+    free(t);
+    loom_chat_free(c);
+    loom_ctx_free(ctx);
+#undef TOOLS_HEAD
 }
 
 /* ---------------------------------------------------------------------- */
@@ -640,7 +767,7 @@ TEST(chat_any_template_with_generation_marks) {
     REQUIRE_OK(ctx, loom_json_parse(ctx, msgs, strlen(msgs), "m", &m));
     char *text = NULL;
     uint8_t *mask = NULL;
-    REQUIRE_OK(ctx, loom_chat_render(ctx, c, m, true, &text, &mask));
+    REQUIRE_OK(ctx, loom_chat_render(ctx, c, m, NULL, true, &text, &mask));
     /* as jinja2: trim_blocks takes the newline after {% endif %}; no bos_token without a
      * tokenizer_config.json */
     CHECK_STR(text, "[USER] hi[ASSISTANT] yo</s>[ASSISTANT] ");
@@ -649,7 +776,7 @@ TEST(chat_any_template_with_generation_marks) {
         CHECK_MSG(mask[i] == (uint8_t)(want[i] - '0'), "mask[%zu] = %d", i, mask[i]);
     free(text);
     free(mask);
-    CHECK_EQ_INT(loom_chat_render(ctx, c, NULL, false, &text, &mask), LOOM_ERR_INVALID_ARG);
+    CHECK_EQ_INT(loom_chat_render(ctx, c, NULL, NULL, false, &text, &mask), LOOM_ERR_INVALID_ARG);
     loom_json_free(m);
     loom_chat_free(c);
     loom_ctx_free(ctx);
@@ -769,7 +896,7 @@ TEST(chat_errors) {
         content->s[1] = (char)0xff;
         char *text = NULL;
         uint8_t *mask = NULL;
-        CHECK_EQ_INT(loom_chat_render(ctx, c, j, false, &text, &mask), LOOM_ERR_INVALID_ARG);
+        CHECK_EQ_INT(loom_chat_render(ctx, c, j, NULL, false, &text, &mask), LOOM_ERR_INVALID_ARG);
         CHECK(text == NULL && mask == NULL);
         CHECK_CONTAINS(loom_last_error(ctx), "messages[1]: 'content' is not valid UTF-8");
         loom_json_free(j);
@@ -804,7 +931,7 @@ TEST(chat_errors) {
         int32_t *ids = (int32_t *)1;
         uint8_t *mask = (uint8_t *)1;
         int64_t n = 5;
-        CHECK_EQ_INT(loom_chat_encode(ctx, c, t, j, &ids, &mask, &n), LOOM_ERR_INVALID_ARG);
+        CHECK_EQ_INT(loom_chat_encode(ctx, c, t, j, NULL, &ids, &mask, &n), LOOM_ERR_INVALID_ARG);
         CHECK(ids == NULL && mask == NULL && n == 0);
         CHECK_CONTAINS(loom_last_error(ctx), "messages[0]: unknown role 'robot'");
         loom_json_free(j);

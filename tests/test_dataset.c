@@ -13,6 +13,7 @@
 
 #include "../src/core/json.h"
 #include "../src/data/dataset.h"
+#include "../src/data/tokenizer.h"
 #include "harness.h"
 
 static loom_ctx *new_ctx(void) {
@@ -58,8 +59,8 @@ static loom_status fake_text(loom_ctx *ctx, void *self, const char *text, size_t
     return LOOM_OK;
 }
 
-static loom_status fake_chat(loom_ctx *ctx, void *self, const loom_json *messages, int32_t **ids,
-                             uint8_t **mask, int64_t *n) {
+static loom_status fake_chat(loom_ctx *ctx, void *self, const loom_json *messages,
+                             const loom_json *tools, int32_t **ids, uint8_t **mask, int64_t *n) {
     size_t cap = 16;
     for (size_t i = 0; i < messages->n; i++)
         cap += loom_json_get(messages->items[i], "content")->slen + 2;
@@ -137,6 +138,28 @@ TEST(dataset_parses_the_three_shapes) {
     CHECK(s.completion_len == 3 && s.completion[1] == '\0');
     loom_sample_free(&s);
     CHECK(loom_line_blank(" \t\r", 3) && !loom_line_blank(" x", 2));
+    /* tools beside messages: a list, the list JSON-encoded, or null (none) */
+    const char *tl = "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+                     "\"tools\": [{\"name\": \"f\"}, {\"name\": \"g\"}]}";
+    REQUIRE_OK(ctx, loom_sample_parse(ctx, tl, strlen(tl), "f:4", &s));
+    CHECK(s.tools && s.tools->type == LOOM_JSON_ARRAY && s.tools->n == 2 && !s.tools_doc);
+    loom_sample_free(&s);
+    const char *ts = "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+                     "\"tools\": \"[{\\\"name\\\": \\\"f\\\"}]\"}";
+    REQUIRE_OK(ctx, loom_sample_parse(ctx, ts, strlen(ts), "f:5", &s));
+    CHECK(s.tools && s.tools == s.tools_doc && s.tools->n == 1);
+    CHECK_STR(loom_json_get(s.tools->items[0], "name")->s, "f");
+    loom_sample_free(&s);
+    const char *tn[] = {"null", "\"null\""};
+    for (int k = 0; k < 2; k++) {
+        char row[200];
+        snprintf(row, sizeof row,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tools\": %s}",
+                 tn[k]);
+        REQUIRE_OK(ctx, loom_sample_parse(ctx, row, strlen(row), "f:6", &s));
+        CHECK(s.tools == NULL);
+        loom_sample_free(&s);
+    }
     loom_ctx_free(ctx);
 }
 
@@ -197,6 +220,44 @@ TEST(dataset_bad_lines_each_have_a_clear_message) {
     loom_sample s;
     CHECK(loom_sample_parse(ctx, line, strlen(line), "d.jsonl:8", &s) == LOOM_ERR_FORMAT);
     CHECK_CONTAINS(loom_last_error(ctx), "0000\"... (roles are");
+    loom_ctx_free(ctx);
+}
+
+/* Bad "tools" (not a list, not objects, a string that is not JSON, beside
+ * a text or prompt): LOOM_ERR_FORMAT naming the row. */
+TEST(dataset_bad_tools_name_the_row) {
+    static const struct {
+        const char *line, *msg, *msg2;
+    } cases[] = {
+#define Q "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}], \"tools\": "
+        {Q "{\"name\": \"f\"}}", "tools must be a JSON array of tool objects", "got object"},
+        {Q "5}", "tools must be a JSON array of tool objects", "got number"},
+        {Q "[{\"name\": \"f\"}, \"g\"]}", "tools[1] must be an object", "got string"},
+        {Q "\"[{\\\"name\\\": \\\"f\\\"}, 2]\"}", "tools[1] must be an object",
+         "got number (decoded from the JSON string \"tools\")"},
+        {Q "\"{\\\"name\\\": 1}\"}", "tools must be a JSON array", "got object (decoded"},
+        {Q "\"get_weather\"}", "\"tools\" is a string but not JSON", "tools: line 1, column 1"},
+        {Q "\"\"}", "\"tools\" is a string but not JSON", ""},
+#undef Q
+        {"{\"text\": \"a\", \"tools\": []}", "has \"tools\" but no \"messages\"", "a text sample"},
+        {"{\"prompt\": \"a\", \"completion\": \"b\", \"tools\": \"[]\"}",
+         "has \"tools\" but no \"messages\"", "a prompt/completion sample"},
+    };
+    loom_ctx *ctx = new_ctx();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        loom_sample s;
+        loom_status st =
+            loom_sample_parse(ctx, cases[i].line, strlen(cases[i].line), "d.jsonl:9", &s);
+        CHECK_MSG(st == LOOM_ERR_FORMAT, "case %zu (%s) -> %s", i, cases[i].line,
+                  loom_status_str(st));
+        CHECK_MSG(!strncmp(loom_last_error(ctx), "d.jsonl:9: ", 11), "case %zu: %s", i,
+                  loom_last_error(ctx));
+        CHECK_CONTAINS(loom_last_error(ctx), cases[i].msg);
+        CHECK_CONTAINS(loom_last_error(ctx), cases[i].msg2);
+        CHECK(s.doc == NULL && s.tools_doc == NULL && s.tools == NULL);
+        if (!st)
+            loom_sample_free(&s);
+    }
     loom_ctx_free(ctx);
 }
 
@@ -595,6 +656,185 @@ TEST(dataset_cli_tokenize) {
     CHECK_EQ_INT(RUN(&out, loom_test_bin(), "tokenize"), 1);
     CHECK_CONTAINS(out, "needs --tokenizer DIR");
     free(out);
+}
+
+/* The ids of text and, per token, whether it overlaps one of jinja2's
+ * {% generation %} spans (byte ranges): HF's assistant mask. A token that is
+ * a piece of a character goes with the fewest next ones that decode to whole
+ * characters (HF gives them all that character's offsets); false when the
+ * tokens do not decode to the text. */
+static bool jinja2_ids_and_mask(loom_ctx *ctx, const loom_tokenizer *t, const loom_json *text,
+                                const loom_json *spans, int32_t **ids, uint8_t **mask, int64_t *n) {
+    if (loom_tokenizer_encode(ctx, t, text->s, text->slen, ids, n) != LOOM_OK)
+        return false;
+    *mask = calloc((size_t)*n + 1, 1);
+    size_t pos = 0;
+    for (int64_t k = 0, m; k < *n; k = m) {
+        size_t len = 0;
+        bool fits = false;
+        for (m = k + 1; m <= *n && !fits; m++) {
+            char *piece = NULL;
+            if (loom_tokenizer_decode(ctx, t, *ids + k, m - k, &piece) != LOOM_OK)
+                return false;
+            len = strlen(piece);
+            fits = len <= text->slen - pos && !memcmp(text->s + pos, piece, len) &&
+                   !strstr(piece, "\xef\xbf\xbd"); /* no U+FFFD of a cut character */
+            free(piece);
+        }
+        m--;
+        if (!fits)
+            return false;
+        uint8_t in = 0;
+        for (size_t i = 0; i < spans->n; i++)
+            in |= (int64_t)pos < spans->items[i]->items[1]->i &&
+                  (int64_t)(pos + len) > spans->items[i]->items[0]->i;
+        memset(*mask + k, in, (size_t)(m - k));
+        pos += len;
+    }
+    return pos == text->slen;
+}
+
+/* Rows with "tools" beside "messages" (every other one as the list
+ * JSON-encoded in a string) through the dataset path, a token file and
+ * `loom tokenize`: the ids are those of the text jinja2 renders for the same
+ * conversation and tools with Qwen3's template (the fixture tokenizer's,
+ * tests/fixtures_chat_templates/cases.jsonl), the mask the tokens of its
+ * {% generation %} spans. */
+TEST(dataset_tools_rows_match_jinja2) {
+    loom_ctx *ctx = new_ctx();
+    loom_dataset_encoder *e = NULL;
+    REQUIRE_OK(ctx, loom_dataset_encoder_load(ctx, fixture("tokenizer"), &e));
+    REQUIRE(e->encode_chat && e->tokenizer);
+    char *data = NULL, *save = NULL;
+    size_t dlen = 0;
+    REQUIRE_OK(ctx,
+               loom_read_file(ctx, "tests/fixtures_chat_templates/cases.jsonl", 0, &data, &dlen));
+    loom_sb jsonl, want;
+    loom_sb_init(&jsonl);
+    loom_sb_init(&want);
+    enum { MAXR = 32 };
+    loom_json *want_ids[MAXR] = {0};
+    int rows = 0, masked = 0, skipped = 0;
+    for (char *line = strtok_r(data, "\n", &save); line && rows < MAXR;
+         line = strtok_r(NULL, "\n", &save)) {
+        loom_json *cs = NULL;
+        REQUIRE_OK(ctx, loom_json_parse(ctx, line, strlen(line), "cases.jsonl", &cs));
+        const loom_json *vars = loom_json_get(cs, "vars"), *text = loom_json_get(cs, "text");
+        const loom_json *tools = loom_json_get(vars, "tools");
+        const char *name = loom_json_get(cs, "name")->s;
+        /* training samples: no generation prompt, the template's default thinking */
+        if (strcmp(loom_json_get(cs, "template")->s, "qwen3.jinja") || !text ||
+            tools->type == LOOM_JSON_NULL || loom_json_get(vars, "add_generation_prompt")->b ||
+            loom_json_get(vars, "enable_thinking")) {
+            loom_json_free(cs);
+            continue;
+        }
+        loom_json *row = loom_json_new_object(ctx);
+        loom_json_set(ctx, row, "messages", loom_json_clone(ctx, loom_json_get(vars, "messages")));
+        if (rows % 2) {
+            loom_sb ts;
+            loom_sb_init(&ts);
+            REQUIRE_OK(ctx, loom_json_write(ctx, tools, -1, &ts));
+            loom_json_set(ctx, row, "tools", loom_json_new_str(ctx, ts.buf));
+            loom_sb_free(&ts);
+        } else {
+            loom_json_set(ctx, row, "tools", loom_json_clone(ctx, tools));
+        }
+        loom_sb rl;
+        loom_sb_init(&rl);
+        REQUIRE_OK(ctx, loom_json_write(ctx, row, -1, &rl));
+        loom_json_free(row);
+        loom_sample s;
+        if (loom_sample_parse(ctx, rl.buf, rl.len, "row", &s) != LOOM_OK) {
+            /* an unknown role, the ipython role: not dataset rows */
+            CHECK_MSG(strstr(name, "/bad_role+") || strstr(name, "/builtin_call+"), "%s: %s", name,
+                      loom_last_error(ctx));
+            skipped++;
+            loom_sb_free(&rl);
+            loom_json_free(cs);
+            continue;
+        }
+        int32_t *ids = NULL, *wids = NULL;
+        uint8_t *mask = NULL, *wmask = NULL;
+        int64_t n = 0, wn = 0;
+        CHECK_OK(ctx, loom_dataset_encode(ctx, e, &s, false, &ids, &mask, &n, NULL));
+        bool aligned = jinja2_ids_and_mask(ctx, e->tokenizer, text, loom_json_get(cs, "spans"),
+                                           &wids, &wmask, &wn);
+        CHECK_MSG(aligned, "%s: the expected ids do not split at the text's bytes", name);
+        bool same = aligned && ids && mask && n == wn && !memcmp(ids, wids, (size_t)n * 4) &&
+                    !memcmp(mask, wmask, (size_t)n);
+        CHECK_MSG(same, "%s: ids or mask differ from jinja2's text (%lld tokens, want %lld)", name,
+                  (long long)n, (long long)wn);
+        bool any = false;
+        for (int64_t k = 0; k < wn; k++)
+            any |= wmask[k];
+        masked += any;
+        /* what `loom tokenize` prints for the row */
+        loom_sb_puts(&want, "{\"ids\":[");
+        for (int64_t k = 0; k < wn; k++)
+            loom_sb_printf(&want, "%s%d", k ? "," : "", wids[k]);
+        loom_sb_puts(&want, "],\"assistant_mask\":[");
+        for (int64_t k = 0; k < wn; k++)
+            loom_sb_printf(&want, "%s%d", k ? "," : "", wmask[k]);
+        loom_sb_puts(&want, "]}\n");
+        want_ids[rows++] = loom_json_clone(ctx, loom_json_get(cs, "text"));
+        loom_sb_append(&jsonl, rl.buf, rl.len);
+        loom_sb_putc(&jsonl, '\n');
+        free(ids), free(mask), free(wids), free(wmask);
+        loom_sample_free(&s);
+        loom_sb_free(&rl);
+        loom_json_free(cs);
+    }
+    /* the 12 of the generator's 13 conversations that jinja2 renders, 2 of them no dataset
+     * rows */
+    CHECK_EQ_INT(rows, 10);
+    CHECK_EQ_INT(skipped, 2);
+    CHECK(masked >= 5);
+    const char *path = tmp_path("tools.jsonl");
+    write_text(path, jsonl.buf);
+    /* the token file `loom train` reads: the same ids, document by document */
+    loom_dataset_config cfg = loom_dataset_config_default();
+    loom_tokfile *tf = NULL;
+    loom_dataset_report rep;
+    REQUIRE_OK(ctx, loom_dataset_open(ctx, path, e, &cfg, &tf, &rep));
+    CHECK_EQ_INT(loom_tokfile_n_docs(tf), rows);
+    const uint64_t *off = loom_tokfile_doc_offsets(tf);
+    for (int d = 0; d < rows && d < loom_tokfile_n_docs(tf); d++) {
+        char *dec = NULL;
+        int32_t buf[4096];
+        int64_t nd = (int64_t)(off[d + 1] - off[d]);
+        REQUIRE(nd <= 4096);
+        for (int64_t k = 0; k < nd; k++)
+            buf[k] = (int32_t)loom_tokfile_ids(tf)[off[d] + (uint64_t)k];
+        CHECK_OK(ctx, loom_tokenizer_decode(ctx, e->tokenizer, buf, nd, &dec));
+        CHECK_MSG(dec && !strcmp(dec, want_ids[d]->s), "token file document %d differs", d);
+        free(dec);
+    }
+    loom_tokfile_free(tf);
+    char cmd[4096], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s tokenize --tokenizer %s < %s", loom_test_bin(),
+             fixture("tokenizer"), path);
+    CHECK_EQ_INT(RUN(&out, "sh", "-c", cmd), 0);
+    size_t at = 0;
+    while (out && out[at] && out[at] == want.buf[at])
+        at++;
+    CHECK_MSG(out && !out[at] && !want.buf[at], "loom tokenize differs at byte %zu: \"%.80s\"", at,
+              out ? out + at : "(none)");
+    free(out);
+    /* a bad "tools" stops `loom tokenize` at its line */
+    write_text(path,
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}], \"tools\": []}\n"
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}], \"tools\": [\"f\"]}\n");
+    CHECK_EQ_INT(RUN(&out, "sh", "-c", cmd), 1);
+    CHECK_CONTAINS(out, "loom: error: stdin:2: tools[0] must be an object");
+    free(out);
+    for (int d = 0; d < rows; d++)
+        loom_json_free(want_ids[d]);
+    loom_sb_free(&jsonl);
+    loom_sb_free(&want);
+    free(data);
+    loom_dataset_encoder_free(e);
+    loom_ctx_free(ctx);
 }
 
 static double loss_at(const char *out, const char *step) {

@@ -414,16 +414,17 @@ TEST(jinja_chat_fixture_cases) {
     loom_ctx_free(ctx);
 }
 
-/* The built-in renderers of chat.c agree with the interpreter on the cases
- * they take (no tools= argument): text, and for Qwen3 (whose template has
- * {% generation %}) the per-byte assistant mask. */
+/* The built-in renderers (chat_builtin.c) agree with the interpreter on the cases
+ * they take (tools= included: Qwen3 and Qwen2.5 render them, Llama 3.1
+ * refuses them): text, and for Qwen3 (whose template has {% generation %})
+ * the per-byte assistant mask. */
 TEST(jinja_matches_builtin_renderers) {
     loom_ctx *ctx;
     REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
     char *data = NULL;
     size_t dlen = 0;
     REQUIRE_OK(ctx, loom_read_file(ctx, tpl_path("cases.jsonl"), 0, &data, &dlen));
-    int compared = 0, refused = 0;
+    int compared = 0, refused = 0, with_tools = 0, llama_tools = 0, llama_tools_refused = 0;
     loom_json *cs;
     for (char *line = data; (cs = next_case(ctx, &line, "cases.jsonl"));) {
         const char *tname = loom_json_get(cs, "template")->s;
@@ -432,8 +433,9 @@ TEST(jinja_matches_builtin_renderers) {
                            : !strcmp(tname, "qwen2.5.jinja")  ? "qwen2.5"
                            : !strcmp(tname, "llama3.1.jinja") ? "llama3.1"
                                                               : NULL;
-        /* the built-ins take no tools= and none of the templates' own keyword arguments */
-        bool plain = loom_json_get(vars, "tools")->type == LOOM_JSON_NULL;
+        /* the built-ins take none of the templates' own keyword arguments */
+        const loom_json *tools = loom_json_get(vars, "tools");
+        bool plain = true;
         static const char *const STD[] = {"messages",       "tools",     "documents",
                                           "bos_token",      "eos_token", "add_generation_prompt",
                                           "enable_thinking"};
@@ -455,11 +457,16 @@ TEST(jinja_matches_builtin_renderers) {
         char *text = NULL;
         uint8_t *mask = NULL;
         bool agp = loom_json_get(vars, "add_generation_prompt")->b;
-        if (loom_chat_render(ctx, c, loom_json_get(vars, "messages"), agp, &text, &mask) !=
+        bool tooled = tools->type != LOOM_JSON_NULL;
+        llama_tools += tooled && !strcmp(name, "llama3.1");
+        if (loom_chat_render(ctx, c, loom_json_get(vars, "messages"), tools, agp, &text, &mask) !=
             LOOM_OK) {
             refused++;
+            bool said = strstr(loom_last_error(ctx), "does not do tool use") != NULL;
+            llama_tools_refused += tooled && !strcmp(name, "llama3.1") && said;
         } else {
             compared++;
+            with_tools += tooled;
             CHECK_MSG(strcmp(text, want->s) == 0,
                       "%s: built-in renderer differs:\n%s\nvs jinja\n%s",
                       loom_json_get(cs, "name")->s, text, want->s);
@@ -482,9 +489,14 @@ TEST(jinja_matches_builtin_renderers) {
         loom_chat_free(c);
         loom_json_free(cs);
     }
-    printf("  jinja_matches_builtin_renderers: %d cases compared, %d refused by the built-ins\n",
-           compared, refused);
-    CHECK(compared >= 50);
+    printf("  jinja_matches_builtin_renderers: %d cases compared (%d with tools), %d refused by "
+           "the built-ins\n",
+           compared, with_tools, refused);
+    CHECK(compared >= 100);
+    /* Qwen3's and Qwen2.5's tools cases: 10 conversations each render */
+    CHECK(with_tools >= 40);
+    /* Llama 3.1's refusal says why (every tools case of it) */
+    CHECK(llama_tools > 0 && llama_tools_refused == llama_tools);
     free(data);
     loom_ctx_free(ctx);
 }

@@ -432,13 +432,31 @@ TEST(moe_shared_expert_peft_names_parse) {
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         int64_t l = -7, e = -7;
         char block[64] = "", module[32] = "", ab = 0;
-        const bool ok = loom_peft_weight_parse(cases[i].name, &l, &e, block, module, &ab);
+        const bool ok = loom_peft_weight_parse(cases[i].name, &l, &e, block, module, &ab, NULL);
         CHECK_MSG(ok == cases[i].ok, "%s: parsed %d", cases[i].name, ok);
         if (!ok || !cases[i].ok) continue;
         CHECK(l == cases[i].layer && e == cases[i].expert && ab == cases[i].ab);
         CHECK_STR(block, cases[i].block);
         CHECK_STR(module, cases[i].module);
     }
+    /* a vision-language checkpoint's layout (model.language_model.), said by nested */
+    int64_t l = -1, e = -1;
+    char block[64] = "", module[32] = "", ab = 0;
+    bool nested = false;
+    CHECK(loom_peft_weight_parse(
+        "base_model.model.model.language_model.layers.2.linear_attn.out_proj.lora_B.weight", &l, &e,
+        block, module, &ab, &nested));
+    CHECK(nested && l == 2 && e == -1 && ab == 'B');
+    CHECK_STR(block, "linear_attn");
+    CHECK_STR(module, "out_proj");
+    CHECK(loom_peft_weight_parse("base_model.model.model.layers.2.mlp.up_proj.lora_A.weight", &l,
+                                 &e, block, module, &ab, &nested));
+    CHECK(!nested);
+    CHECK(
+        !loom_peft_weight_parse("base_model.model.model.language_model.2.mlp.up_proj.lora_A.weight",
+                                &l, &e, block, module, &ab, &nested));
+    CHECK(!loom_peft_weight_parse("base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight",
+                                  &l, &e, block, module, &ab, &nested));
 }
 
 /* On a GPU (fp32) against the CPU: the loss and every gradient, of the

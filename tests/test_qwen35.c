@@ -554,6 +554,110 @@ TEST(qwen35_vision_language_checkpoint_keeps_what_it_does_not_train) {
     loom_ctx_free(ctx);
 }
 
+/* A LoRA adapter of the vision-language checkpoint (tiny-qwen3_5: Gated
+ * DeltaNet and gated attention layers) goes by the names PEFT gives the
+ * ...ForConditionalGeneration's text model:
+ * base_model.model.model.language_model.layers.<i>.<path>.lora_<A|B>.weight,
+ * target_modules by module name. Saved and loaded back (B made non-zero
+ * first), every tensor is bit for bit the one saved; an adapter with the
+ * text-only layout's names is read by layer and module too. (The text-only
+ * layout's names, base_model.model.model.layers..., are test_lora.c's
+ * lora_save_and_reload against PEFT's own file.) */
+TEST(qwen35_vision_language_adapter_names) {
+    const char *dir = "tests/fixtures_qwen3_5/models/tiny-qwen3_5";
+    REQUIRE_FIXTURE(dir);
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    loom_model_options o;
+    loom_model_options_default(&o);
+    o.device = LOOM_DEVICE_CPU;
+    loom_model *m = NULL;
+    REQUIRE_OK(ctx, loom_model_create(ctx, dir, &o, &m));
+    REQUIRE(m->cfg.nested_text);
+    loom_lora_config c = {.r = 4, .lora_alpha = 8, .target_modules = "all-linear", .seed = 9};
+    REQUIRE_OK(ctx, loom_model_add_adapter(m, "default", &c));
+    loom_arena *ar = &m->adapters[0].ar;
+    for (int s = 0; s < ar->nslots; s++) /* B is 0 when fresh: every value its own */
+        for (size_t i = 0; i < ar->slots[s].numel; i++)
+            ar->w[ar->slots[s].off + i] =
+                (float)loom_rng_normal(5, loom_hash_str(ar->slots[s].name), i);
+    char out[1100], path[1200];
+    snprintf(out, sizeof out, "%s/qwen35-vl-adapter", loom_test_tmpdir());
+    REQUIRE_OK(ctx, loom_model_save_adapter(m, "default", out, LOOM_F32));
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", out);
+    loom_safetensors *st = NULL;
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, path, &st));
+    static const char pre[] = "base_model.model.model.language_model.layers.";
+    bool gdn = false, attn = false;
+    for (size_t i = 0; i < loom_st_count(st); i++) {
+        const char *n = loom_st_at(st, i)->name;
+        CHECK_MSG(!strncmp(n, pre, sizeof pre - 1), "%s: not the vision-language layout's name", n);
+        gdn |= strstr(n, ".linear_attn.in_proj_qkv.lora_A.weight") != NULL;
+        attn |= strstr(n, ".self_attn.q_proj.lora_B.weight") != NULL;
+    }
+    CHECK(gdn && attn && loom_st_count(st) >= 40);
+    /* the PEFT names are those of get_param too */
+    char name[256];
+    int64_t shape[2];
+    REQUIRE(loom_model_adapter_tensor(m, "default", 0, name, sizeof name, shape) != NULL);
+    CHECK(!strncmp(name, pre, sizeof pre - 1));
+    snprintf(path, sizeof path, "%s/adapter_config.json", out);
+    loom_json *cfg = NULL;
+    REQUIRE_OK(ctx, loom_json_parse_file(ctx, path, &cfg));
+    const loom_json *tm = loom_json_get(cfg, "target_modules");
+    REQUIRE(tm && tm->type == LOOM_JSON_ARRAY && tm->n > 0);
+    for (size_t i = 0; i < tm->n; i++) /* module names, no paths */
+        CHECK_MSG(tm->items[i]->type == LOOM_JSON_STRING && !strchr(tm->items[i]->s, '.'),
+                  "target_modules[%zu]", i);
+    loom_json_free(cfg);
+    /* loaded back: bit for bit; then the same file with text-only names */
+    REQUIRE_OK(ctx, loom_model_load_adapter(m, "again", out));
+    loom_arena *br = &m->adapters[1].ar;
+    REQUIRE(br->nslots == ar->nslots);
+    bool same = true;
+    for (int s = 0; s < ar->nslots; s++)
+        same &= !strcmp(ar->slots[s].name, br->slots[s].name) &&
+                ar->slots[s].numel == br->slots[s].numel &&
+                !memcmp(ar->w + ar->slots[s].off, br->w + br->slots[s].off,
+                        ar->slots[s].numel * sizeof(float));
+    CHECK(same);
+    char text_dir[1100];
+    snprintf(text_dir, sizeof text_dir, "%s/qwen35-vl-adapter-text-names", loom_test_tmpdir());
+    REQUIRE_OK(ctx, loom_mkdirs(ctx, text_dir));
+    loom_st_writer *w = NULL;
+    REQUIRE_OK(ctx, loom_st_writer_create(ctx, text_dir, "adapter_model", 0, NULL, &w));
+    for (int pass = 0; pass < 2; pass++)
+        for (size_t i = 0; i < loom_st_count(st); i++) {
+            const loom_st_tensor *t = loom_st_at(st, i);
+            snprintf(name, sizeof name, "base_model.model.model.layers.%s",
+                     t->name + sizeof pre - 1);
+            if (!pass)
+                REQUIRE_OK(ctx, loom_st_writer_declare(ctx, w, name, t->dtype, t->ndim, t->shape));
+            else
+                REQUIRE_OK(ctx, loom_st_writer_write(ctx, w, name, t->dtype, t->data));
+        }
+    REQUIRE_OK(ctx, loom_st_writer_finish(ctx, w));
+    loom_st_writer_free(w);
+    char *cj = NULL;
+    size_t cl = 0;
+    REQUIRE_OK(ctx, loom_read_file(ctx, path, 0, &cj, &cl));
+    snprintf(path, sizeof path, "%s/adapter_config.json", text_dir);
+    REQUIRE_OK(ctx, loom_write_file_atomic(ctx, path, cj, cl));
+    free(cj);
+    REQUIRE_OK(ctx, loom_model_load_adapter(m, "text_names", text_dir));
+    loom_arena *cr = &m->adapters[2].ar;
+    same = cr->nslots == ar->nslots;
+    for (int s = 0; same && s < ar->nslots; s++)
+        same &= !strcmp(ar->slots[s].name, cr->slots[s].name) &&
+                !memcmp(ar->w + ar->slots[s].off, cr->w + cr->slots[s].off,
+                        ar->slots[s].numel * sizeof(float));
+    CHECK(same);
+    loom_st_close(st);
+    loom_model_free(m);
+    loom_ctx_free(ctx);
+}
+
 /* max |got - ref| / max |ref| */
 static double rel_to_max(const float *got, const float *ref, int64_t n) {
     double md = 0.0, mr = 0.0;

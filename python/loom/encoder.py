@@ -6,6 +6,7 @@ import numpy as np
 
 from . import _lib as L
 from .batch import IGNORE, dumps
+from .errors import InvalidArgumentError
 
 
 class Encoder:
@@ -19,8 +20,21 @@ class Encoder:
         self.vocab_size = L.lib.loom_encoder_vocab_size(h)
         self.eos_id = L.lib.loom_encoder_eos_id(h)
 
-    def encode(self, sample, append_eos=True, where="sample"):
-        """(ids, labels) of a text / messages / prompt-completion sample."""
+    def encode(self, sample, append_eos=True, where="sample", tools=None):
+        """(ids, labels) of a text / messages / prompt-completion sample.
+
+        tools: transformers' apply_chat_template(tools=...), a list of tool
+        JSON schemas (dicts) for the chat template; the same as the sample's
+        own "tools" key (a list, or the list JSON-encoded in a string), which
+        it may not also have."""
+        if tools is not None:
+            if not isinstance(sample, dict):
+                raise InvalidArgumentError("%s: tools= goes with a dict sample, not %s"
+                                           % (where, type(sample).__name__))
+            if sample.get("tools") is not None:
+                raise InvalidArgumentError("%s has \"tools\" and tools= was given too: give "
+                                           "one of them" % where)
+            sample = dict(sample, tools=tools)
         text = dumps(sample).encode()
         ids = C.POINTER(C.c_int32)()
         mask = C.POINTER(C.c_uint8)()

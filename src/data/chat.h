@@ -17,8 +17,12 @@
  * The text is the model directory's chat_template.jinja (which wins, as in
  * transformers), else tokenizer_config.json's chat_template (a string, or
  * the list entry named "default"); the config's bos_token and eos_token are
- * passed to the template. Tools (HF's `tools=` argument) are not taken; tool
- * calls and tool messages inside the conversation are rendered. */
+ * passed to the template. Tools (HF's `tools=` argument: a list of JSON
+ * schemas) are passed to the template as `tools`; the built-in Qwen3 and
+ * Qwen2.5 renderers write them as those templates do, the Qwen2 and Llama 3
+ * ones refuse them (Qwen2's template has no tools and would drop them; loom's
+ * Llama 3 renderer does not do tool use). Tool calls and tool messages inside
+ * the conversation are rendered. */
 #ifndef LOOM_CHAT_H
 #define LOOM_CHAT_H
 
@@ -55,15 +59,23 @@ const char *loom_chat_name(const loom_chat *c);
  * false, add_generation_prompt also writes the empty think block. */
 void loom_chat_set_enable_thinking(loom_chat *c, bool enable);
 
+/* tools= as loom takes it: NULL, a JSON null (no tools) or an array of
+ * objects (each a tool's JSON schema, passed as it is). Anything else is
+ * LOOM_ERR_INVALID_ARG naming what is wrong ("tools[1] must be an object
+ * ..."). */
+loom_status loom_chat_check_tools(loom_ctx *ctx, const loom_json *tools);
+
 /* Renders a conversation (`messages`: a JSON array of {"role", "content"}
  * objects; roles system, user, assistant, and tool where the template has
- * it) to text, and a per-byte mask of the text that is assistant output (the
- * template's {% generation %} spans: what HF's assistant-token mask covers).
+ * it; `tools`: as loom_chat_check_tools takes, HF's tools=) to text, and a
+ * per-byte mask of the text that is assistant output (the template's
+ * {% generation %} spans: what HF's assistant-token mask covers).
  * add_generation_prompt as in HF. Unknown roles, a missing or non-string
  * content, an empty conversation: errors naming the message index. *text and
  * *mask (strlen(*text) bytes, 0/1) are malloc'd. */
 loom_status loom_chat_render(loom_ctx *ctx, const loom_chat *c, const loom_json *messages,
-                             bool add_generation_prompt, char **text, uint8_t **mask);
+                             const loom_json *tools, bool add_generation_prompt, char **text,
+                             uint8_t **mask);
 
 /* Renders (no generation prompt) and tokenizes with loom_tokenizer_encode
  * (no post-processor tokens: the template writes its own): ids and the
@@ -71,7 +83,7 @@ loom_status loom_chat_render(loom_ctx *ctx, const loom_chat *c, const loom_json 
  * it: every token from the one holding a span's first character to the one
  * holding its last (the tokens overlapping the span). mask may be NULL. */
 loom_status loom_chat_encode(loom_ctx *ctx, const loom_chat *c, const loom_tokenizer *t,
-                             const loom_json *messages, int32_t **ids, uint8_t **mask,
-                             int64_t *n);
+                             const loom_json *messages, const loom_json *tools, int32_t **ids,
+                             uint8_t **mask, int64_t *n);
 
 #endif /* LOOM_CHAT_H */

@@ -135,6 +135,33 @@ static loom_status check_messages(loom_ctx *ctx, const char *where, const loom_j
     return LOOM_OK;
 }
 
+/* The row's "tools" (transformers' tools=): a list of tool objects, or that
+ * list JSON-encoded in a string (datasets store rows whose tools differ in
+ * shape that way); null or absent: none. */
+static loom_status parse_tools(loom_ctx *ctx, const char *where, const loom_json *t,
+                               loom_sample *out) {
+    if (!t || t->type == LOOM_JSON_NULL)
+        return LOOM_OK;
+    if (t->type == LOOM_JSON_STRING) {
+        loom_status st = loom_json_parse(ctx, t->s, t->slen, "tools", &out->tools_doc);
+        if (st == LOOM_ERR_OOM)
+            return st;
+        if (st)
+            return bad(ctx, where,
+                       "\"tools\" is a string but not JSON (it should be a list of tools, or "
+                       "that list JSON-encoded): %s",
+                       loom_last_error(ctx));
+        t = out->tools_doc;
+        if (t->type == LOOM_JSON_NULL)
+            return LOOM_OK;
+    }
+    if (loom_chat_check_tools(ctx, t))
+        return bad(ctx, where, "%s%s", loom_last_error(ctx),
+                   t == out->tools_doc ? " (decoded from the JSON string \"tools\")" : "");
+    out->tools = t;
+    return LOOM_OK;
+}
+
 /* "FILE:LINE: line 1, column C: problem" from the JSON parser becomes
  * "FILE:LINE: malformed JSON at column C: problem". */
 static loom_status json_error(loom_ctx *ctx, const char *where) {
@@ -203,6 +230,8 @@ loom_status loom_sample_parse(loom_ctx *ctx, const char *line, size_t len, const
         out->kind = LOOM_SAMPLE_MESSAGES;
         out->messages = m;
         st = check_messages(ctx, where, m);
+        if (!st)
+            st = parse_tools(ctx, where, loom_json_get(doc, "tools"), out);
     } else if (t) {
         out->kind = LOOM_SAMPLE_TEXT;
         st = need_string(ctx, where, "text", t, true);
@@ -224,7 +253,14 @@ loom_status loom_sample_parse(loom_ctx *ctx, const char *line, size_t len, const
             out->completion_len = c->slen;
         }
     }
+    const loom_json *tools = loom_json_get(doc, "tools");
+    if (!st && !m && tools && tools->type != LOOM_JSON_NULL)
+        st = bad(ctx, where,
+                 "has \"tools\" but no \"messages\": tools go to the chat template with a "
+                 "conversation; a %s sample has no template",
+                 t ? "text" : "prompt/completion");
     if (st) {
+        loom_json_free(out->tools_doc);
         loom_json_free(doc);
         memset(out, 0, sizeof *out);
         return st;
@@ -235,6 +271,7 @@ loom_status loom_sample_parse(loom_ctx *ctx, const char *line, size_t len, const
 
 void loom_sample_free(loom_sample *s) {
     if (!s) return;
+    loom_json_free(s->tools_doc);
     loom_json_free(s->doc);
     memset(s, 0, sizeof *s);
 }
@@ -260,9 +297,10 @@ static loom_status tok_encode_text(loom_ctx *ctx, void *self, const char *text, 
 }
 
 static loom_status tok_encode_chat(loom_ctx *ctx, void *self, const loom_json *messages,
-                                   int32_t **ids, uint8_t **mask, int64_t *n) {
+                                   const loom_json *tools, int32_t **ids, uint8_t **mask,
+                                   int64_t *n) {
     loaded_encoder *le = self;
-    return loom_chat_encode(ctx, le->chat, le->tok, messages, ids, mask, n);
+    return loom_chat_encode(ctx, le->chat, le->tok, messages, tools, ids, mask, n);
 }
 
 static uint64_t fnv1a(uint64_t h, const void *data, size_t len) {
@@ -442,7 +480,7 @@ loom_status loom_dataset_encode(loom_ctx *ctx, const loom_dataset_encoder *e, co
             return loom_errf(ctx, LOOM_ERR_CONFIG,
                              "a \"messages\" sample needs the model's chat template: %s",
                              e->chat_error ? e->chat_error : "this encoder has none");
-        st = e->encode_chat(ctx, e->self, s->messages, ids, mask, n);
+        st = e->encode_chat(ctx, e->self, s->messages, s->tools, ids, mask, n);
         break;
     case LOOM_SAMPLE_PROMPT_COMPLETION: {
         size_t len = s->prompt_len + s->completion_len;

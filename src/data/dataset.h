@@ -6,7 +6,10 @@
  *   {"messages": [{"role": "user", "content": "..."}, ...]}
  *       rendered with the model's chat template (chat.h) and tokenized; the
  *       loss mask is the template's assistant mask. Roles: system, user,
- *       assistant, tool; content must be a string.
+ *       assistant, tool; content must be a string. An optional "tools"
+ *       beside "messages" goes to the template as apply_chat_template's
+ *       tools=: a list of tool objects (JSON schemas), or that list
+ *       JSON-encoded in a string (as datasets store it); null: none.
  *   {"text": "..."}
  *       tokenized; loss on every token. The tokenizer's EOS token is
  *       appended unless the text already ends with it (as TRL's SFTTrainer
@@ -21,7 +24,8 @@
  * with a line is an error "FILE:LINE: ..." saying what is wrong: malformed
  * JSON (with the column), invalid UTF-8 (with the byte), not an object,
  * missing or conflicting fields, a field of the wrong type, an empty text or
- * conversation, an unknown role, a message without content. With
+ * conversation, an unknown role, a message without content, "tools" that
+ * are not a list of objects (or beside "text" or "prompt"). With
  * LOOM_BAD_LINES_SKIP such lines are skipped and counted (the report has
  * the count and the first message); with LOOM_BAD_LINES_STOP the first one
  * stops the build.
@@ -47,7 +51,7 @@
 #include "tokens.h"
 
 /* Bump when the way samples become tokens changes: old caches are rebuilt. */
-#define LOOM_DATASET_CACHE_VERSION 1
+#define LOOM_DATASET_CACHE_VERSION 2 /* 2: a row's "tools" is rendered (1 ignored it) */
 
 typedef enum loom_bad_lines {
     LOOM_BAD_LINES_STOP = 0, /* the first bad line is an error */
@@ -70,6 +74,8 @@ typedef struct loom_sample {
     loom_sample_kind kind;
     loom_json *doc;            /* the line's JSON object (owned) */
     const loom_json *messages; /* MESSAGES: a non-empty array of {role, content} */
+    const loom_json *tools;    /* MESSAGES: NULL (none) or an array of objects */
+    loom_json *tools_doc;      /* "tools" decoded from its JSON string (owned), or NULL */
     const char *text;          /* TEXT: non-empty */
     size_t text_len;
     const char *prompt;        /* PROMPT_COMPLETION: may be empty */
@@ -98,10 +104,11 @@ typedef struct loom_dataset_encoder {
     /* UTF-8 text to ids (*ids malloc'd). */
     loom_status (*encode_text)(loom_ctx *ctx, void *self, const char *text, size_t len,
                                int32_t **ids, int64_t *n);
-    /* A conversation to ids and the assistant mask per token (both
-     * malloc'd). NULL when there is no chat template; chat_error says why. */
+    /* A conversation (and its tools, NULL: none) to ids and the assistant
+     * mask per token (both malloc'd). NULL when there is no chat template;
+     * chat_error says why. */
     loom_status (*encode_chat)(loom_ctx *ctx, void *self, const loom_json *messages,
-                               int32_t **ids, uint8_t **mask, int64_t *n);
+                               const loom_json *tools, int32_t **ids, uint8_t **mask, int64_t *n);
     const char *chat_error;
     int32_t eos_id;        /* -1: the tokenizer has no EOS token */
     const char *eos_token; /* its text, NULL when none */

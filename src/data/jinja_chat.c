@@ -47,7 +47,8 @@ loom_status loom_jinja_chat_render(loom_ctx *ctx, const loom_jinja *t, const loo
      * the tokenizer's special tokens, then the caller's keyword arguments */
     bool ok =
         put(ctx, vars, "messages", loom_json_clone(ctx, messages)) &&
-        put(ctx, vars, "tools", loom_json_new_null(ctx)) &&
+        put(ctx, vars, "tools",
+            o->tools ? loom_json_clone(ctx, o->tools) : loom_json_new_null(ctx)) &&
         put(ctx, vars, "documents", loom_json_new_null(ctx)) &&
         put(ctx, vars, "add_generation_prompt", loom_json_new_bool(ctx, o->add_generation_prompt));
     if (ok && o->bos_token)

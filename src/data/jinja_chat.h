@@ -12,12 +12,14 @@ typedef struct loom_jinja_chat_opts {
     bool add_generation_prompt;
     int enable_thinking;               /* -1: not passed (transformers' default), else 0/1 */
     const char *bos_token, *eos_token; /* NULL: not passed */
+    const loom_json *tools;            /* tools=: NULL passes None */
 } loom_jinja_chat_opts;
 
 /* Renders a conversation with the variables apply_chat_template passes
- * (messages, tools=None, documents=None, add_generation_prompt, the special
- * tokens, enable_thinking when set). *mask: 1 on the bytes inside
- * {% generation %} blocks (may be NULL). *text and *mask are malloc'd. */
+ * (messages, tools (None when o->tools is NULL), documents=None,
+ * add_generation_prompt, the special tokens, enable_thinking when set).
+ * *mask: 1 on the bytes inside {% generation %} blocks (may be NULL). *text
+ * and *mask are malloc'd. */
 loom_status loom_jinja_chat_render(loom_ctx *ctx, const loom_jinja *t, const loom_json *messages,
                                    const loom_jinja_chat_opts *o, char **text, uint8_t **mask);
 

@@ -135,10 +135,10 @@ loom_status loom_hf_dir_write(loom_ctx *ctx, const char *what, const char *dir, 
 
 /* ---- PEFT ---- */
 
-void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *block,
-                           const char *module, char ab) {
-    snprintf(buf, cap, "base_model.model.model.layers.%lld.%s.%s.lora_%c.weight", (long long)layer,
-             block, module, ab);
+void loom_peft_weight_name(char *buf, size_t cap, const char *text_prefix, int64_t layer,
+                           const char *block, const char *module, char ab) {
+    snprintf(buf, cap, "base_model.model.%slayers.%lld.%s.%s.lora_%c.weight", text_prefix,
+             (long long)layer, block, module, ab);
 }
 
 /* n characters of [a-z_] (dots too, not at the ends: a block's path) */
@@ -151,11 +151,21 @@ static bool name_chars(const char *p, size_t n, bool dots) {
 }
 
 bool loom_peft_weight_parse(const char *name, int64_t *layer, int64_t *expert, char block[64],
-                            char module[32], char *ab) {
-    static const char pre[] = "base_model.model.model.layers.", suf[] = ".weight";
+                            char module[32], char *ab, bool *nested) {
+    static const char pre[] = "base_model.model.model.", lm[] = "language_model.",
+                      layers[] = "layers.", suf[] = ".weight";
     *expert = -1;
     if (strncmp(name, pre, sizeof pre - 1)) return false;
-    const char *p = name + sizeof pre - 1, *q = p;
+    const char *p = name + sizeof pre - 1;
+    const bool vl = !strncmp(p, lm, sizeof lm - 1);
+    if (vl)
+        p += sizeof lm - 1;
+    if (strncmp(p, layers, sizeof layers - 1))
+        return false;
+    p += sizeof layers - 1;
+    if (nested)
+        *nested = vl;
+    const char *q = p;
     long long l = 0;
     while (*q >= '0' && *q <= '9' && q - p < 9) l = l * 10 + (*q++ - '0');
     if (q == p || *q != '.' || (q - p > 1 && *p == '0')) return false;
@@ -439,8 +449,8 @@ loom_status loom_peft_dir_tensor(loom_ctx *ctx, const loom_peft_dir *d, size_t i
     const loom_st_tensor *x = loom_st_at(d->st, i);
     memset(t, 0, sizeof *t);
     t->name = x->name;
-    t->lora =
-        loom_peft_weight_parse(x->name, &t->layer, &t->expert, t->block, t->module, &t->ab);
+    t->lora = loom_peft_weight_parse(x->name, &t->layer, &t->expert, t->block, t->module, &t->ab,
+                                     &t->nested);
     t->ndim = x->ndim;
     t->shape[0] = x->ndim > 0 ? x->shape[0] : 0;
     t->shape[1] = x->ndim > 1 ? x->shape[1] : 0;

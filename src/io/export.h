@@ -64,15 +64,19 @@ loom_status loom_peft_dir_write(loom_ctx *ctx, const char *dir, bool writer,
                                 const loom_peft_config *c, const char *const *targets,
                                 int ntargets);
 
-/* PEFT's name of a decoder layer's LoRA weight: "base_model.model.model.
- * layers.<layer>.<block>.<module>.lora_<A|B>.weight" (block: self_attn, mlp,
- * mlp.shared_expert, or an expert's mlp.experts.<e>). parse gives layer, the
- * expert (-1: not an expert's), the block (an expert's: mlp.experts), module
- * and 'A'/'B'; false for any other name. */
-void loom_peft_weight_name(char *buf, size_t cap, int64_t layer, const char *block,
-                           const char *module, char ab);
+/* PEFT's name of a decoder layer's LoRA weight: "base_model.model.<text
+ * prefix>layers.<layer>.<block>.<module>.lora_<A|B>.weight", text_prefix
+ * the checkpoint's (loom_config_text_prefix: "model." for a text-only one,
+ * "model.language_model." for a vision-language one, whose PEFT model wraps
+ * the ...ForConditionalGeneration) (block: self_attn, mlp,
+ * mlp.shared_expert, or an expert's mlp.experts.<e>). parse takes either
+ * layout and gives layer, the expert (-1: not an expert's), the block (an
+ * expert's: mlp.experts), module, 'A'/'B' and whether the name had the
+ * vision-language prefix (nested may be NULL); false for any other name. */
+void loom_peft_weight_name(char *buf, size_t cap, const char *text_prefix, int64_t layer,
+                           const char *block, const char *module, char ab);
 bool loom_peft_weight_parse(const char *name, int64_t *layer, int64_t *expert, char block[64],
-                            char module[32], char *ab);
+                            char module[32], char *ab, bool *nested);
 
 /* ---- reading ---- */
 
@@ -106,6 +110,7 @@ typedef struct loom_peft_tensor {
     bool lora;
     int64_t layer;
     int64_t expert;        /* an expert's module (mlp.experts.<e>.<module>), else -1 */
+    bool nested;           /* named under model.language_model. (a vision-language model's) */
     char block[64];        /* the module's path in the layer: self_attn, mlp.shared_expert */
     char module[32];
     char ab;               /* 'A' or 'B' */

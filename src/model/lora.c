@@ -81,7 +81,8 @@ static void weight_name(const loom_model *m, char *buf, size_t cap, int64_t l, i
         snprintf(path, sizeof path, "%s.%lld", k->path, (long long)e);
     else
         snprintf(path, sizeof path, "%s", k->path);
-    loom_peft_weight_name(buf, cap, l, path, k->name, ab ? 'B' : 'A');
+    loom_peft_weight_name(buf, cap, loom_config_text_prefix(&m->cfg), l, path, k->name,
+                          ab ? 'B' : 'A');
 }
 
 static loom_adapter *find(loom_model *m, const char *name) {
@@ -380,6 +381,7 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
                          target, &a)))
         goto done;
     int found = 0;
+    bool warned = false;
     for (size_t i = 0; i < loom_peft_dir_count(pd) && !s; i++) {
         loom_peft_tensor t;
         if ((s = loom_peft_dir_tensor(ctx, pd, i, &t))) break;
@@ -405,8 +407,24 @@ loom_status loom_model_load_adapter(loom_model *m, const char *name, const char 
             break;
         }
         found++;
+        /* the other layout's names (text-only vs vision-language) are the same
+         * text-model weights: read by layer and module, under this model's name */
+        if (t.nested != m->cfg.nested_text && !warned) {
+            LOOM_LOG_W(ctx,
+                       "%s: the adapter's names are %s's (base_model.model.%slayers...), this "
+                       "checkpoint is %s (base_model.model.%slayers...); loom reads them by "
+                       "layer and module, PEFT would not place them on this model: save the "
+                       "adapter again from loom to get this model's names",
+                       dir, t.nested ? "a vision-language checkpoint" : "a text-only checkpoint",
+                       t.nested ? "model.language_model." : "model.",
+                       m->cfg.nested_text ? "vision-language" : "text-only",
+                       loom_config_text_prefix(&m->cfg));
+            warned = true;
+        }
+        char own[256];
+        weight_name(m, own, sizeof own, t.layer, j, t.expert, t.ab == 'B');
         for (int n = 0; n < a->ar.nslots && !s; n++)
-            if (!strcmp(a->ar.slots[n].name, t.name))
+            if (!strcmp(a->ar.slots[n].name, own))
                 s = loom_slot_read(ctx, t.data, t.dtype, &a->ar.slots[n],
                                    a->ar.w + a->ar.slots[n].off);
     }

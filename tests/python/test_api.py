@@ -182,6 +182,36 @@ def test_set_template_tokenizes_as_the_chat_template(m):
     assert np.abs(r["logps"][0] - r2["logps"][0]).max() < 1e-5  # another batch shape
 
 
+def test_tools_reach_the_chat_template(m):
+    """tools= (transformers' apply_chat_template keyword) and a sample's own
+    "tools" (a list or the list JSON-encoded) give the ids of the text jinja2
+    renders for the conversation with those tools (cases.jsonl)."""
+    m.set_template("Template")
+    path = os.path.join(ROOT, "tests", "fixtures_chat_templates", "cases.jsonl")
+    with open(path, encoding="utf-8") as f:
+        case = next(c for c in map(json.loads, f)
+                    if c["name"] == "qwen3.jinja/tool_turn+tools")
+    msgs, tools = case["vars"]["messages"], case["vars"]["tools"]
+    ids, labels = m._encoder.encode({"messages": msgs}, tools=tools)
+    assert m._encoder.decode(ids) == case["text"]
+    plain, _ = m._encoder.encode({"messages": msgs})
+    assert len(ids) > len(plain) + 100  # the tools block is in
+    for sample in ({"messages": msgs, "tools": tools},
+                   {"messages": msgs, "tools": json.dumps(tools)}):
+        ids2, labels2 = m._encoder.encode(sample)
+        assert ids2.tolist() == ids.tolist() and labels2.tolist() == labels.tolist()
+    # the tools are prompt: the labels are those of the same turns without them
+    assert (labels != -100).sum() == (m._encoder.encode({"messages": msgs})[1] != -100).sum()
+    r = m.forward_only(inputs=[{"messages": msgs, "tools": tools}])
+    assert len(r["logps"][0]) == len(ids)
+    with pytest.raises(loom.LoomError, match=r"tools\[0\] must be an object"):
+        m._encoder.encode({"messages": msgs}, tools=["get_weather"], where="inputs[3]")
+    with pytest.raises(loom.LoomError, match="tools must be a JSON array.*got object"):
+        m._encoder.encode({"messages": msgs}, tools={"name": "f"})
+    with pytest.raises(loom.InvalidArgumentError, match="give one of them"):
+        m._encoder.encode({"messages": msgs, "tools": tools}, tools=tools)
+
+
 def test_model_id_resolution(tmp_path, monkeypatch):
     from loom.hub import resolve_model
     snap = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "abc"
