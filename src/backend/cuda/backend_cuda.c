@@ -314,41 +314,31 @@ loom_status loom_cuda_dev_dw_scratch(loom_dev *d, loom_ctx *ctx, int64_t N, int6
     return LOOM_OK;
 }
 
-/* zero-centred weights (woff != 0, Qwen3.5's) are not in the CUDA kernels
- * yet: refused, never approximated */
-static loom_status no_offset(loom_ctx *ctx, const char *op) {
-    return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                     "cuda %s: zero-centred RMSNorm weights (1 + w, Qwen3.5) are not on the CUDA "
-                     "backend yet; train this model on the CPU (--device cpu) for now",
-                     op);
-}
-
+/* The norms' weight is woff + w (woff 1: Qwen3.5's zero-centred weights),
+ * formed in fp32 inside the kernels (ops_rmsnorm.cu). */
 static loom_status cuda_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
                                     float woff, int64_t N, int64_t H, float eps, void *y,
                                     float *rstd) {
     const loom_dtype t = d->adt;
-    if (woff != 0.0f) return no_offset(ctx, "rmsnorm_fwd");
-    return loom_cuda_rmsnorm_fwd(ctx, x, t, w, t, N, H, eps, y, t, rstd, d->stream);
+    return loom_cuda_rmsnorm_fwd(ctx, x, t, w, t, woff, N, H, eps, y, t, rstd, d->stream);
 }
 
 static loom_status cuda_rmsnorm_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
                                     const void *w, float woff, const float *rstd, int64_t N,
                                     int64_t H, void *dx, float *dw) {
     const loom_dtype t = d->adt;
-    if (woff != 0.0f) return no_offset(ctx, "rmsnorm_bwd");
     loom_status st = loom_cuda_dev_rms_scratch(d, ctx, N, H, dw);
     if (st) return st;
-    return loom_cuda_rmsnorm_bwd(ctx, dy, t, x, t, w, t, rstd, N, H, dx, t, dw, d->rms_scratch,
+    return loom_cuda_rmsnorm_bwd(ctx, dy, t, x, t, w, t, woff, rstd, N, H, dx, t, dw, d->rms_scratch,
                                  d->stream);
 }
 
 static loom_status cuda_add_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, void *x, const void *res,
                                         void *xsum, const void *w, float woff, int64_t N,
                                         int64_t H, float eps, void *y, float *rstd) {
-    if (woff != 0.0f) return no_offset(ctx, "add_rmsnorm_fwd");
     if (loom_cuda_rmsnorm_fused_ok(d->adt, H))
-        return loom_cuda_add_rmsnorm_fwd(ctx, x, res, xsum, d->adt, w, d->adt, N, H, eps, y, rstd,
-                                         d->stream);
+        return loom_cuda_add_rmsnorm_fwd(ctx, x, res, xsum, d->adt, w, d->adt, woff, N, H, eps, y,
+                                         rstd, d->stream);
     loom_status st = xsum != x ? cuda_copy(d, ctx, xsum, x, (size_t)(N * H) * d->esz) : LOOM_OK;
     if (!st) st = cuda_add(d, ctx, xsum, res, N * H);
     return st ? st : cuda_rmsnorm_fwd(d, ctx, xsum, w, woff, N, H, eps, y, rstd);
@@ -357,14 +347,13 @@ static loom_status cuda_add_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, void *x, con
 static loom_status cuda_rmsnorm_bwd_add(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
                                         const void *w, float woff, const float *rstd, int64_t N,
                                         int64_t H, void *dx, float *dw) {
-    if (woff != 0.0f) return no_offset(ctx, "rmsnorm_bwd_add");
     if (loom_cuda_rmsnorm_fused_ok(d->adt, H)) {
         void *scr;
         struct loom_cuda_dw_batch *b;
         loom_status st = loom_cuda_dev_dw_scratch(d, ctx, N, H, dw, &scr, &b);
         if (st) return st;
-        return loom_cuda_rmsnorm_bwd_add(ctx, dy, x, d->adt, w, d->adt, rstd, N, H, dx, dw, scr, b,
-                                         d->stream);
+        return loom_cuda_rmsnorm_bwd_add(ctx, dy, x, d->adt, w, d->adt, woff, rstd, N, H, dx, dw,
+                                         scr, b, d->stream);
     }
     loom_status st = cuda_rmsnorm_bwd(d, ctx, dy, x, w, woff, rstd, N, H, dy, dw);
     return st ? st : cuda_add(d, ctx, dx, dy, N * H);
@@ -481,10 +470,9 @@ static loom_status cuda_qknorm_rope_fwd(loom_dev *d, loom_ctx *ctx, const void *
                                         float woff, int64_t T, int64_t nh, int64_t D, int64_t rd,
                                         float eps, const int32_t *pos, const float *inv_freq,
                                         const float *table, void *y, float *rstd) {
-    if (woff != 0.0f) return no_offset(ctx, "qknorm_rope_fwd");
     if (table && rd == D && loom_cuda_qknorm_rope_ok(d->adt, D))
-        return loom_cuda_qknorm_rope_fwd(ctx, x, d->adt, w, d->adt, T * nh, nh, D, eps, table, y,
-                                         rstd, d->stream);
+        return loom_cuda_qknorm_rope_fwd(ctx, x, d->adt, w, d->adt, woff, T * nh, nh, D, eps,
+                                         table, y, rstd, d->stream);
     loom_status st = cuda_rmsnorm_fwd(d, ctx, x, w, woff, T * nh, D, eps, y, rstd);
     return st ? st : cuda_rope(d, ctx, false, y, T, nh, D, rd, pos, inv_freq);
 }
@@ -495,13 +483,12 @@ static loom_status cuda_qknorm_rope_bwd(loom_dev *d, loom_ctx *ctx, void *dy, co
                                         const float *inv_freq, const float *table, float *dw) {
     const int64_t N = T * nh;
     loom_status st;
-    if (woff != 0.0f) return no_offset(ctx, "qknorm_rope_bwd");
     if (table && rd == D && loom_cuda_qknorm_rope_ok(d->adt, D)) {
         void *scr;
         struct loom_cuda_dw_batch *b;
         if ((st = loom_cuda_dev_dw_scratch(d, ctx, N, D, dw, &scr, &b))) return st;
-        return loom_cuda_qknorm_rope_bwd(ctx, dy, x, d->adt, w, d->adt, rstd, N, nh, D, table, dy,
-                                         dw, scr, b, d->stream);
+        return loom_cuda_qknorm_rope_bwd(ctx, dy, x, d->adt, w, d->adt, woff, rstd, N, nh, D,
+                                         table, dy, dw, scr, b, d->stream);
     }
     if ((st = cuda_rope(d, ctx, true, dy, T, nh, D, rd, pos, inv_freq))) return st;
     return cuda_rmsnorm_bwd(d, ctx, dy, x, w, woff, rstd, N, D, dy, dw);

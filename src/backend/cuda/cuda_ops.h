@@ -202,7 +202,8 @@ loom_status loom_cuda_embedding_bwd(loom_ctx *ctx, const int32_t *ids, int64_t T
                                     loom_dtype dout_dtype, int64_t H, float *dW, void *stream);
 
 /* ---- RMSNorm (ops_rmsnorm.cu) ----
- * y = w * (x * rstd), rstd = 1/sqrt(mean(x^2) + eps) with the mean in double
+ * y = (woff + w) * (x * rstd) (woff + w formed in fp32 wherever w is read;
+ * woff 1: Qwen3.5's zero-centred weights, 0: the others), rstd = 1/sqrt(mean(x^2) + eps) with the mean in double
  * (as the CPU; on 16-bit rows, fp32 sums of 8 elements added in double, and
  * the backward's element products in fp32). x: (N, H) x_dtype; w: (H) w_dtype; y: (N, H) y_dtype (may be
  * x when the dtypes agree); rstd: (N) fp32, saved for the backward.
@@ -213,11 +214,11 @@ loom_status loom_cuda_embedding_bwd(loom_ctx *ctx, const int32_t *ids, int64_t T
  * loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) bytes of device memory (not
  * needed, may be NULL, when dw is NULL). */
 loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_dtype x_dtype, const void *w,
-                                  loom_dtype w_dtype, int64_t N, int64_t H, float eps, void *y,
+                                  loom_dtype w_dtype, float woff, int64_t N, int64_t H, float eps, void *y,
                                   loom_dtype y_dtype, float *rstd, void *stream);
 size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H);
 loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_dtype, const void *x,
-                                  loom_dtype x_dtype, const void *w, loom_dtype w_dtype,
+                                  loom_dtype x_dtype, const void *w, loom_dtype w_dtype, float woff,
                                   const float *rstd, int64_t N, int64_t H, void *dx,
                                   loom_dtype dx_dtype, float *dw, void *scratch, void *stream);
 
@@ -237,8 +238,9 @@ loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_d
 bool loom_cuda_rmsnorm_fused_ok(loom_dtype dtype, int64_t H);
 bool loom_cuda_qknorm_rope_ok(loom_dtype dtype, int64_t D);
 loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, const void *res, void *xsum,
-                                      loom_dtype dtype, const void *w, loom_dtype w_dtype, int64_t N,
-                                      int64_t H, float eps, void *y, float *rstd, void *stream);
+                                      loom_dtype dtype, const void *w, loom_dtype w_dtype, float woff,
+                                      int64_t N, int64_t H, float eps, void *y, float *rstd,
+                                      void *stream);
 /* The weight gradient's last stage deferred over many ops: with a batch,
  * rmsnorm_bwd_add and qknorm_rope_bwd leave their chunks' partial sums in
  * scratch taken from the batch (loom_cuda_dw_batch_scratch) and record where;
@@ -259,14 +261,16 @@ loom_status loom_cuda_dw_batch_flush(loom_ctx *ctx, loom_cuda_dw_batch *b, void 
 void loom_cuda_dw_batch_drop(loom_cuda_dw_batch *b);
 /* batch: NULL, or the batch that `scratch` came from (dw then added at its flush) */
 loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, const void *x, loom_dtype dtype,
-                                      const void *w, loom_dtype w_dtype, const float *rstd, int64_t N,
+                                      const void *w, loom_dtype w_dtype, float woff,
+                                      const float *rstd, int64_t N,
                                       int64_t H, void *dx, float *dw, void *scratch,
                                       loom_cuda_dw_batch *batch, void *stream);
 loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, loom_dtype dtype, const void *w,
-                                      loom_dtype w_dtype, int64_t N, int64_t nh, int64_t D, float eps,
+                                      loom_dtype w_dtype, float woff, int64_t N, int64_t nh, int64_t D, float eps,
                                       const float *cs, void *y, float *rstd, void *stream);
 loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, const void *x, loom_dtype dtype,
-                                      const void *w, loom_dtype w_dtype, const float *rstd, int64_t N,
+                                      const void *w, loom_dtype w_dtype, float woff,
+                                      const float *rstd, int64_t N,
                                       int64_t nh, int64_t D, const float *cs, void *dx, float *dw,
                                       void *scratch, loom_cuda_dw_batch *batch, void *stream);
 
