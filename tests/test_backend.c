@@ -406,9 +406,10 @@ static void dedup_ops(loom_ctx *ctx, side g) {
 TEST(backend_moe_dedup_ops_equal_cpu) { on_cuda_f32(dedup_ops); }
 
 /* ---- RMSNorm: a backend against the CPU table, in fp32 (the CUDA kernels'
- * plain forms) and bf16 (the fused forms, with the dw batch) ---- */
+ * plain forms) and bf16 (the fused forms, with the dw batch), with plain
+ * (woff 0) and zero-centred (woff 1, Qwen3.5's) weights ---- */
 
-static void norm_ops(loom_ctx *ctx, side x, loom_dtype adt) {
+static void norm_ops(loom_ctx *ctx, side x, loom_dtype adt, float woff) {
     const loom_backend *cpu = loom_backend_cpu();
     loom_dev cd = {.adt = LOOM_F32, .esz = 4};
     REQUIRE_OK(ctx, cpu->init(&cd, ctx));
@@ -457,14 +458,14 @@ static void norm_ops(loom_ctx *ctx, side x, loom_dtype adt) {
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &rstd, (size_t)N * 4, "rstd"));
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dw, (size_t)H * 4, "dw"));
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &dw2, (size_t)H * 4, "dw2"));
-        REQUIRE_OK(ctx, s.be->add_rmsnorm_fwd(s.d, ctx, dev_in[0], dev_in[1], xs, dev_in[2], 0.0f,
+        REQUIRE_OK(ctx, s.be->add_rmsnorm_fwd(s.d, ctx, dev_in[0], dev_in[1], xs, dev_in[2], woff,
                                               N, H, 1e-6f, y, rstd));
         REQUIRE_OK(ctx,
-                   s.be->rmsnorm_bwd(s.d, ctx, dev_in[3], xs, dev_in[2], 0.0f, rstd, N, H, dx, dw));
+                   s.be->rmsnorm_bwd(s.d, ctx, dev_in[3], xs, dev_in[2], woff, rstd, N, H, dx, dw));
         REQUIRE_OK(ctx, s.be->copy(s.d, ctx, dyc, dev_in[3], (size_t)n * es));
         REQUIRE_OK(ctx, s.be->copy(s.d, ctx, dx2, dev_in[1], (size_t)n * es)); /* dx2 = res */
         REQUIRE_OK(ctx,
-                   s.be->rmsnorm_bwd_add(s.d, ctx, dyc, xs, dev_in[2], 0.0f, rstd, N, H, dx2, dw2));
+                   s.be->rmsnorm_bwd_add(s.d, ctx, dyc, xs, dev_in[2], woff, rstd, N, H, dx2, dw2));
         REQUIRE_OK(ctx, s.be->dw_flush(s.d, ctx));
         void *dev[6] = {y, xs, dx, dw, dx2, dw2};
         const int64_t len[6] = {n, n, n, H, n, H};
@@ -488,8 +489,9 @@ static void norm_ops(loom_ctx *ctx, side x, loom_dtype adt) {
     const int64_t len[6] = {n, n, n, H, n, H};
     const double tol = adt == LOOM_F32 ? 1e-5 : 2e-2;
     for (int j = 0; j < 6; j++) {
-        CHECK_MSG(close_to(out[1][j], out[0][j], len[j], tol), "%s (%s): %s differs from the CPU's",
-                  x.be->name, loom_dtype_name(adt), what[j]);
+        CHECK_MSG(close_to(out[1][j], out[0][j], len[j], tol),
+                  "%s (%s, woff %g): %s differs from the CPU's", x.be->name, loom_dtype_name(adt),
+                  (double)woff, what[j]);
         free(out[0][j]);
         free(out[1][j]);
     }
@@ -507,7 +509,8 @@ TEST(backend_norm_ops_equal_cpu) {
         loom_dev gd = {.cuda = true, .adt = dts[i], .esz = loom_dtype_size(dts[i]), .device = 0};
         const loom_backend *be = loom_backend_cuda();
         REQUIRE_OK(ctx, be->init(&gd, ctx));
-        norm_ops(ctx, (side){be, &gd}, dts[i]);
+        norm_ops(ctx, (side){be, &gd}, dts[i], 0.0f);
+        norm_ops(ctx, (side){be, &gd}, dts[i], 1.0f);
         be->release(&gd);
     }
     loom_ctx_free(ctx);

@@ -170,7 +170,7 @@ static void rmsnorm_case(gpu *g, int64_t N, int64_t H, loom_dtype xdt, loom_dtyp
     /* forward */
     loom_cpu_rmsnorm_fwd(x, w, 0.0f, N, H, eps, y, rs);
     round_to(g, y, N * H, ydt);
-    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, dx_d, xdt, dw_d, wdt, N, H, eps, dy_d, ydt, drs, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, dx_d, xdt, dw_d, wdt, 0.0f, N, H, eps, dy_d, ydt, drs, NULL));
     down(g, got, dy_d, N * H, ydt);
     down(g, gotrs, drs, N, LOOM_F32);
     CHECK_CLOSE(got, y, N * H, ydt, "rmsnorm_fwd y N=%lld H=%lld x %s w %s y %s", (long long)N,
@@ -183,7 +183,7 @@ static void rmsnorm_case(gpu *g, int64_t N, int64_t H, loom_dtype xdt, loom_dtyp
     if (g->bad) return;
     loom_cpu_rmsnorm_bwd(dy, x, w, 0.0f, rs, N, H, dx, dw);
     round_to(g, dx, N * H, xdt);
-    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, ddy, xdt, dx_d, xdt, dw_d, wdt, drs2, N, H, ddy,
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, ddy, xdt, dx_d, xdt, dw_d, wdt, 0.0f, drs2, N, H, ddy,
                                            xdt, ddw, scratch, NULL));
     down(g, got, ddy, N * H, xdt);
     down(g, gotdw, ddw, H, LOOM_F32);
@@ -194,7 +194,7 @@ static void rmsnorm_case(gpu *g, int64_t N, int64_t H, loom_dtype xdt, loom_dtyp
     /* frozen weight: dw NULL, no scratch; dx into a separate fp32 buffer */
     void *ddy2 = up(g, dy, N * H, xdt), *ddx = dalloc(g, (size_t)(N * H) * 4);
     if (g->bad) return;
-    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, ddy2, xdt, dx_d, xdt, dw_d, wdt, drs2, N, H, ddx,
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, ddy2, xdt, dx_d, xdt, dw_d, wdt, 0.0f, drs2, N, H, ddx,
                                            LOOM_F32, NULL, NULL, NULL));
     loom_cpu_rmsnorm_bwd(dy, x, w, 0.0f, rs, N, H, dx, NULL);
     down(g, got, ddx, N * H, LOOM_F32);
@@ -221,7 +221,7 @@ TEST(cuda_ops_rmsnorm) {
     rmsnorm_case(&g, 70, 512, LOOM_BF16, LOOM_F32, LOOM_BF16);
     REQUIRE(!g.bad);
     /* errors name the op */
-    CHECK(loom_cuda_rmsnorm_fwd(g.ctx, NULL, LOOM_I32, NULL, LOOM_F32, 1, 1, 1e-6f, NULL, LOOM_F32,
+    CHECK(loom_cuda_rmsnorm_fwd(g.ctx, NULL, LOOM_I32, NULL, LOOM_F32, 0.0f, 1, 1, 1e-6f, NULL, LOOM_F32,
                                 NULL, NULL) == LOOM_ERR_UNSUPPORTED);
     CHECK_CONTAINS(loom_last_error(g.ctx), "cuda rmsnorm_fwd");
     gpu_close(&g);
@@ -341,10 +341,10 @@ static void add_norm_case(gpu *g, int64_t N, int64_t H, loom_dtype dt, bool with
     void *scr = dalloc(g, loom_cuda_rmsnorm_bwd_scratch_bytes(N, H));
     if (g->bad) return;
     /* forward, in place on x as the model runs it */
-    CHECK_OK(g->ctx, loom_cuda_add_rmsnorm_fwd(g->ctx, d_x, d_res, d_x, dt, d_w, dt, N, H, eps, d_y,
+    CHECK_OK(g->ctx, loom_cuda_add_rmsnorm_fwd(g->ctx, d_x, d_res, d_x, dt, d_w, dt, 0.0f, N, H, eps, d_y,
                                                d_rs, NULL));
     CHECK_OK(g->ctx, loom_cuda_residual_add(g->ctx, d_x2, dt, d_res, dt, n, NULL));
-    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, d_x2, dt, d_w, dt, N, H, eps, d_y2, dt, d_rs2, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, d_x2, dt, d_w, dt, 0.0f, N, H, eps, d_y2, dt, d_rs2, NULL));
     CHECK_SAME(g, d_x, d_x2, n, dt, "add_rmsnorm_fwd sum N=%lld H=%lld", (long long)N, (long long)H);
     CHECK_SAME(g, d_y, d_y2, n, dt, "add_rmsnorm_fwd y N=%lld H=%lld", (long long)N, (long long)H);
     CHECK_SAME(g, d_rs, d_rs2, N, LOOM_F32, "add_rmsnorm_fwd rstd N=%lld", (long long)N);
@@ -355,20 +355,20 @@ static void add_norm_case(gpu *g, int64_t N, int64_t H, loom_dtype dt, bool with
     down(g, got, d_y, n, dt);
     CHECK_CLOSE(got, y, n, dt, "add_rmsnorm_fwd y vs CPU N=%lld H=%lld", (long long)N, (long long)H);
     /* backward: dx += rmsnorm_bwd(dy) */
-    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd_add(g->ctx, d_dy, d_x, dt, d_w, dt, d_rs, N, H, d_dx, d_dw,
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd_add(g->ctx, d_dy, d_x, dt, d_w, dt, 0.0f, d_rs, N, H, d_dx, d_dw,
                                                scr, NULL, NULL));
     if (with_dw) { /* dw through a batch */
         dw_batch bt;
         void *bdx = up(g, dx0, n, dt);
         if (dw_batch_begin(g, &bt, N, H, dw)) {
-            CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd_add(g->ctx, d_dy, d_x, dt, d_w, dt, d_rs, N, H, bdx,
+            CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd_add(g->ctx, d_dy, d_x, dt, d_w, dt, 0.0f, d_rs, N, H, bdx,
                                                        bt.dw, bt.scratch, bt.b, NULL));
             dw_batch_end(g, &bt, d_dw, "rmsnorm_bwd_add");
         }
     }
     /* without dw the backward is the vector kernel: the fused kernels' dx
      * must have its bits */
-    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, d_rs, N, H, d_dy2, dt,
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, 0.0f, d_rs, N, H, d_dy2, dt,
                                            NULL, scr, NULL));
     CHECK_OK(g->ctx, loom_cuda_residual_add(g->ctx, d_dx2, dt, d_dy2, dt, n, NULL));
     CHECK_SAME(g, d_dx, d_dx2, n, dt, "rmsnorm_bwd_add dx N=%lld H=%lld", (long long)N, (long long)H);
@@ -413,9 +413,9 @@ static void qknorm_rope_case(gpu *g, int64_t T, int64_t nh, int64_t D, loom_dtyp
     void *scr = dalloc(g, loom_cuda_rmsnorm_bwd_scratch_bytes(N, D));
     if (g->bad) return;
     CHECK_OK(g->ctx, loom_cuda_rope_table(g->ctx, d_pos, T, D, d_inv, cs, NULL));
-    CHECK_OK(g->ctx, loom_cuda_qknorm_rope_fwd(g->ctx, d_x, dt, d_w, dt, N, nh, D, eps, cs, d_y, d_rs,
+    CHECK_OK(g->ctx, loom_cuda_qknorm_rope_fwd(g->ctx, d_x, dt, d_w, dt, 0.0f, N, nh, D, eps, cs, d_y, d_rs,
                                                NULL));
-    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, d_x, dt, d_w, dt, N, D, eps, d_y2, dt, d_rs2, NULL));
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_fwd(g->ctx, d_x, dt, d_w, dt, 0.0f, N, D, eps, d_y2, dt, d_rs2, NULL));
     CHECK_OK(g->ctx, loom_cuda_rope_fwd(g->ctx, d_y2, dt, T, nh, D, D, d_pos, d_inv, NULL));
     CHECK_SAME(g, d_y, d_y2, n, dt, "qknorm_rope_fwd T=%lld nh=%lld D=%lld", (long long)T,
                (long long)nh, (long long)D);
@@ -428,18 +428,18 @@ static void qknorm_rope_case(gpu *g, int64_t T, int64_t nh, int64_t D, loom_dtyp
     CHECK_CLOSE(got, y, n, dt, "qknorm_rope_fwd vs CPU D=%lld", (long long)D);
     /* backward, dx over dy */
     void *d_dy3 = up(g, dy, n, dt);
-    CHECK_OK(g->ctx, loom_cuda_qknorm_rope_bwd(g->ctx, d_dy, d_x, dt, d_w, dt, d_rs, N, nh, D, cs,
+    CHECK_OK(g->ctx, loom_cuda_qknorm_rope_bwd(g->ctx, d_dy, d_x, dt, d_w, dt, 0.0f, d_rs, N, nh, D, cs,
                                                d_dy, d_dw, scr, NULL, NULL));
     if (with_dw) { /* dw through a batch */
         dw_batch bt;
         if (dw_batch_begin(g, &bt, N, D, dw)) {
-            CHECK_OK(g->ctx, loom_cuda_qknorm_rope_bwd(g->ctx, d_dy3, d_x, dt, d_w, dt, d_rs, N, nh, D,
+            CHECK_OK(g->ctx, loom_cuda_qknorm_rope_bwd(g->ctx, d_dy3, d_x, dt, d_w, dt, 0.0f, d_rs, N, nh, D,
                                                        cs, d_dy3, bt.dw, bt.scratch, bt.b, NULL));
             dw_batch_end(g, &bt, d_dw, "qknorm_rope_bwd");
         }
     }
     CHECK_OK(g->ctx, loom_cuda_rope_bwd(g->ctx, d_dy2, dt, T, nh, D, D, d_pos, d_inv, NULL));
-    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, d_rs, N, D, d_dy2, dt,
+    CHECK_OK(g->ctx, loom_cuda_rmsnorm_bwd(g->ctx, d_dy2, dt, d_x, dt, d_w, dt, 0.0f, d_rs, N, D, d_dy2, dt,
                                            d_dw2, scr, NULL));
     CHECK_SAME(g, d_dy, d_dy2, n, dt, "qknorm_rope_bwd dx T=%lld nh=%lld D=%lld", (long long)T,
                (long long)nh, (long long)D);
@@ -490,17 +490,17 @@ TEST(cuda_ops_fused_norms) {
     void *p = dalloc(&g, 4096);
     REQUIRE(p);
     CHECK(!loom_cuda_rmsnorm_fused_ok(LOOM_F32, 64) && !loom_cuda_rmsnorm_fused_ok(LOOM_BF16, 36));
-    CHECK(loom_cuda_add_rmsnorm_fwd(g.ctx, p, p, p, LOOM_F32, p, LOOM_F32, 2, 64, 1e-6f, p, p, NULL) ==
+    CHECK(loom_cuda_add_rmsnorm_fwd(g.ctx, p, p, p, LOOM_F32, p, LOOM_F32, 0.0f, 2, 64, 1e-6f, p, p, NULL) ==
           LOOM_ERR_UNSUPPORTED);
     CHECK_CONTAINS(loom_last_error(g.ctx), "cuda add_rmsnorm_fwd");
     CHECK(!loom_cuda_qknorm_rope_ok(LOOM_BF16, 48));
-    CHECK(loom_cuda_qknorm_rope_fwd(g.ctx, p, LOOM_BF16, p, LOOM_BF16, 4, 2, 48, 1e-6f, p, p, p, NULL) ==
+    CHECK(loom_cuda_qknorm_rope_fwd(g.ctx, p, LOOM_BF16, p, LOOM_BF16, 0.0f, 4, 2, 48, 1e-6f, p, p, p, NULL) ==
           LOOM_ERR_UNSUPPORTED);
     CHECK_CONTAINS(loom_last_error(g.ctx), "cuda qknorm_rope_fwd");
-    CHECK(loom_cuda_qknorm_rope_fwd(g.ctx, p, LOOM_BF16, p, LOOM_BF16, 5, 2, 128, 1e-6f, p, p, p, NULL) ==
+    CHECK(loom_cuda_qknorm_rope_fwd(g.ctx, p, LOOM_BF16, p, LOOM_BF16, 0.0f, 5, 2, 128, 1e-6f, p, p, p, NULL) ==
           LOOM_ERR_INVALID_ARG);
     CHECK_CONTAINS(loom_last_error(g.ctx), "not tokens of 2 heads");
-    CHECK(loom_cuda_rmsnorm_bwd_add(g.ctx, (char *)p + 2, p, LOOM_BF16, p, LOOM_BF16, p, 2, 64,
+    CHECK(loom_cuda_rmsnorm_bwd_add(g.ctx, (char *)p + 2, p, LOOM_BF16, p, LOOM_BF16, 0.0f, p, 2, 64,
                                     (char *)p + 512, NULL, NULL, NULL, NULL) == LOOM_ERR_INVALID_ARG);
     CHECK_CONTAINS(loom_last_error(g.ctx), "16-byte aligned");
     gpu_close(&g);
@@ -1254,12 +1254,12 @@ TEST(cuda_ops_bench) {
         REQUIRE(!g.bad);
         REQUIRE(cudaMemset(pos, 0, (size_t)N * 4) == cudaSuccess && cudaMemset(inv, 0, 64 * 4) == cudaSuccess);
         BENCH(&bo, "rmsnorm fwd 8192x4096 bf16 (TB/s)", 4.0 * N * H, 5,
-              loom_cuda_rmsnorm_fwd(g.ctx, x, LOOM_BF16, w, LOOM_BF16, N, H, 1e-6f, y, LOOM_BF16, rs, NULL));
+              loom_cuda_rmsnorm_fwd(g.ctx, x, LOOM_BF16, w, LOOM_BF16, 0.0f, N, H, 1e-6f, y, LOOM_BF16, rs, NULL));
         BENCH(&bo, "rmsnorm bwd 8192x4096 bf16 (TB/s)", 8.0 * N * H, 5,
-              loom_cuda_rmsnorm_bwd(g.ctx, y, LOOM_BF16, x, LOOM_BF16, w, LOOM_BF16, rs, N, H, y,
+              loom_cuda_rmsnorm_bwd(g.ctx, y, LOOM_BF16, x, LOOM_BF16, w, LOOM_BF16, 0.0f, rs, N, H, y,
                                     LOOM_BF16, dw, scr, NULL));
         BENCH(&bo, "rmsnorm bwd 262144x128 (q/k norm) (TB/s)", 8.0 * NQ * 128, 5,
-              loom_cuda_rmsnorm_bwd(g.ctx, y, LOOM_BF16, x, LOOM_BF16, w, LOOM_BF16, rs, NQ, 128, y,
+              loom_cuda_rmsnorm_bwd(g.ctx, y, LOOM_BF16, x, LOOM_BF16, w, LOOM_BF16, 0.0f, rs, NQ, 128, y,
                                     LOOM_BF16, dw, scr, NULL));
         BENCH(&bo, "swiglu fwd 8192x4096 bf16 (TB/s)", 6.0 * N * H, 5,
               loom_cuda_swiglu_fwd(g.ctx, x, y, N * H, y, LOOM_BF16, NULL));
@@ -1268,7 +1268,7 @@ TEST(cuda_ops_bench) {
         { /* x is read as (cos, sin) pairs: any finite values */
             const float *cs = (const float *)x;
             BENCH(&bo, "q/k norm + rope fwd T=8192 nh=32 D=128 bf16 (TB/s)", 4.0 * N * H, 5,
-                  loom_cuda_qknorm_rope_fwd(g.ctx, x, LOOM_BF16, w, LOOM_BF16, NQ, 32, 128, 1e-6f, cs, y, rs,
+                  loom_cuda_qknorm_rope_fwd(g.ctx, x, LOOM_BF16, w, LOOM_BF16, 0.0f, NQ, 32, 128, 1e-6f, cs, y, rs,
                                             NULL));
         }
         BENCH(&bo, "bias bwd T=8192 N=4096 bf16 (TB/s)", 2.0 * N * H, 5,
@@ -1499,7 +1499,7 @@ TEST(cuda_ops_sustain) {
                     if (!tk) break;
                     work += 3.5 * afl * 1e-12;
                 } else if (part == 2) { /* x, res in; sum, normed out */
-                    st = loom_cuda_add_rmsnorm_fwd(g.ctx, x, res, xs, dt, nw, dt, T, H, 1e-6f, xn, rs, NULL);
+                    st = loom_cuda_add_rmsnorm_fwd(g.ctx, x, res, xs, dt, nw, dt, 0.0f, T, H, 1e-6f, xn, rs, NULL);
                     work += 2.0 * 4.0 * T * H * 1e-12;
                 } else if (part == 3) { /* g, u in; h out */
                     st = loom_cuda_swiglu_fwd(g.ctx, gt, up, T * F, y, dt, NULL);
@@ -1508,7 +1508,7 @@ TEST(cuda_ops_sustain) {
                     st = loom_cuda_swiglu_bwd(g.ctx, dh, gt, up, T * F, dg, du, dt, NULL);
                     work += 2.0 * 5.0 * T * F * 1e-12;
                 } else { /* dy, x, dres in; dres out */
-                    st = loom_cuda_rmsnorm_bwd_add(g.ctx, xn, xs, dt, nw, dt, rs, T, H, res, NULL, NULL, NULL,
+                    st = loom_cuda_rmsnorm_bwd_add(g.ctx, xn, xs, dt, nw, dt, 0.0f, rs, T, H, res, NULL, NULL, NULL,
                                                    NULL);
                     work += 2.0 * 4.0 * T * H * 1e-12;
                 }

@@ -44,6 +44,8 @@ typedef struct loom_dev {
     size_t lora_scratch_bytes;
     void *moe_scratch; /* device: the MoE router's column sums, route's chunk counts */
     size_t moe_scratch_bytes;
+    void *gdn_scratch; /* device: Gated DeltaNet's workspace (cuda_ops.h's *_scratch_bytes) */
+    size_t gdn_scratch_bytes;
     bool lora_cublas;         /* LOOM_LORA_KERNELS=cublas: LoRA's forward and backward, and the
                                  input gradients' sums, on cuBLASLt (no GEMM of loom's own) */
     size_t used0;             /* GPU memory in use when the model was created */
@@ -351,8 +353,9 @@ typedef struct loom_backend {
     /* ---- Gated DeltaNet, Qwen3.5's linear attention (cpu_gdn.h's
      * semantics): T tokens in documents cu (ndocs + 1), activations and
      * weights in adt, the decay g and beta fp32 (T, H), parameter gradients
-     * fp32 added to (NULL: frozen). NULL in a backend without kernels for
-     * them (CUDA for now): kern.c's loom_k_gdn_* then fail ---- */
+     * fp32 added to (NULL: frozen). Every backend has them (CUDA's in
+     * ops_gdn.cu, ops_gdn_rule.cu); kern.c's loom_k_gdn_* still fail for a
+     * table without them ---- */
     /* y (T, C) = silu(causal depthwise conv of x (T, C) by w (C, K)); dx
      * (T, C), dw (C, K) */
     loom_status (*gdn_conv_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *w, int64_t T,

@@ -125,6 +125,9 @@ static void add_layer(loom_param_sink *b, const loom_model_config *c, int64_t l)
     b->layer = -1;
 }
 
+/* On GPUs: the CUDA backend has the Gated DeltaNet ops (ops_gdn*.cu), compiled
+ * but not yet run on a GPU; the refusal stays until tests/test_backend_gdn.c
+ * passed there. */
 loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c, int tp, int cp,
                                     bool cuda) {
     (void)tp; /* split like attention's heads (block_gdn.c) */

@@ -68,6 +68,9 @@ static void cuda_release(loom_dev *d) {
     loom_cuda_free(d->moe_scratch);
     d->moe_scratch = NULL;
     d->moe_scratch_bytes = 0;
+    loom_cuda_free(d->gdn_scratch);
+    d->gdn_scratch = NULL;
+    d->gdn_scratch_bytes = 0;
     loom_cuda_events_free(d->marks, LOOM_MARKS_MAX);
     d->marks = NULL;
     free(d->bufs);
@@ -314,41 +317,31 @@ loom_status loom_cuda_dev_dw_scratch(loom_dev *d, loom_ctx *ctx, int64_t N, int6
     return LOOM_OK;
 }
 
-/* zero-centred weights (woff != 0, Qwen3.5's) are not in the CUDA kernels
- * yet: refused, never approximated */
-static loom_status no_offset(loom_ctx *ctx, const char *op) {
-    return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                     "cuda %s: zero-centred RMSNorm weights (1 + w, Qwen3.5) are not on the CUDA "
-                     "backend yet; train this model on the CPU (--device cpu) for now",
-                     op);
-}
-
+/* The norms' weight is woff + w (woff 1: Qwen3.5's zero-centred weights),
+ * formed in fp32 inside the kernels (ops_rmsnorm.cu). */
 static loom_status cuda_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
                                     float woff, int64_t N, int64_t H, float eps, void *y,
                                     float *rstd) {
     const loom_dtype t = d->adt;
-    if (woff != 0.0f) return no_offset(ctx, "rmsnorm_fwd");
-    return loom_cuda_rmsnorm_fwd(ctx, x, t, w, t, N, H, eps, y, t, rstd, d->stream);
+    return loom_cuda_rmsnorm_fwd(ctx, x, t, w, t, woff, N, H, eps, y, t, rstd, d->stream);
 }
 
 static loom_status cuda_rmsnorm_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
                                     const void *w, float woff, const float *rstd, int64_t N,
                                     int64_t H, void *dx, float *dw) {
     const loom_dtype t = d->adt;
-    if (woff != 0.0f) return no_offset(ctx, "rmsnorm_bwd");
     loom_status st = loom_cuda_dev_rms_scratch(d, ctx, N, H, dw);
     if (st) return st;
-    return loom_cuda_rmsnorm_bwd(ctx, dy, t, x, t, w, t, rstd, N, H, dx, t, dw, d->rms_scratch,
+    return loom_cuda_rmsnorm_bwd(ctx, dy, t, x, t, w, t, woff, rstd, N, H, dx, t, dw, d->rms_scratch,
                                  d->stream);
 }
 
 static loom_status cuda_add_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, void *x, const void *res,
                                         void *xsum, const void *w, float woff, int64_t N,
                                         int64_t H, float eps, void *y, float *rstd) {
-    if (woff != 0.0f) return no_offset(ctx, "add_rmsnorm_fwd");
     if (loom_cuda_rmsnorm_fused_ok(d->adt, H))
-        return loom_cuda_add_rmsnorm_fwd(ctx, x, res, xsum, d->adt, w, d->adt, N, H, eps, y, rstd,
-                                         d->stream);
+        return loom_cuda_add_rmsnorm_fwd(ctx, x, res, xsum, d->adt, w, d->adt, woff, N, H, eps, y,
+                                         rstd, d->stream);
     loom_status st = xsum != x ? cuda_copy(d, ctx, xsum, x, (size_t)(N * H) * d->esz) : LOOM_OK;
     if (!st) st = cuda_add(d, ctx, xsum, res, N * H);
     return st ? st : cuda_rmsnorm_fwd(d, ctx, xsum, w, woff, N, H, eps, y, rstd);
@@ -357,14 +350,13 @@ static loom_status cuda_add_rmsnorm_fwd(loom_dev *d, loom_ctx *ctx, void *x, con
 static loom_status cuda_rmsnorm_bwd_add(loom_dev *d, loom_ctx *ctx, void *dy, const void *x,
                                         const void *w, float woff, const float *rstd, int64_t N,
                                         int64_t H, void *dx, float *dw) {
-    if (woff != 0.0f) return no_offset(ctx, "rmsnorm_bwd_add");
     if (loom_cuda_rmsnorm_fused_ok(d->adt, H)) {
         void *scr;
         struct loom_cuda_dw_batch *b;
         loom_status st = loom_cuda_dev_dw_scratch(d, ctx, N, H, dw, &scr, &b);
         if (st) return st;
-        return loom_cuda_rmsnorm_bwd_add(ctx, dy, x, d->adt, w, d->adt, rstd, N, H, dx, dw, scr, b,
-                                         d->stream);
+        return loom_cuda_rmsnorm_bwd_add(ctx, dy, x, d->adt, w, d->adt, woff, rstd, N, H, dx, dw,
+                                         scr, b, d->stream);
     }
     loom_status st = cuda_rmsnorm_bwd(d, ctx, dy, x, w, woff, rstd, N, H, dy, dw);
     return st ? st : cuda_add(d, ctx, dx, dy, N * H);
@@ -481,10 +473,9 @@ static loom_status cuda_qknorm_rope_fwd(loom_dev *d, loom_ctx *ctx, const void *
                                         float woff, int64_t T, int64_t nh, int64_t D, int64_t rd,
                                         float eps, const int32_t *pos, const float *inv_freq,
                                         const float *table, void *y, float *rstd) {
-    if (woff != 0.0f) return no_offset(ctx, "qknorm_rope_fwd");
     if (table && rd == D && loom_cuda_qknorm_rope_ok(d->adt, D))
-        return loom_cuda_qknorm_rope_fwd(ctx, x, d->adt, w, d->adt, T * nh, nh, D, eps, table, y,
-                                         rstd, d->stream);
+        return loom_cuda_qknorm_rope_fwd(ctx, x, d->adt, w, d->adt, woff, T * nh, nh, D, eps,
+                                         table, y, rstd, d->stream);
     loom_status st = cuda_rmsnorm_fwd(d, ctx, x, w, woff, T * nh, D, eps, y, rstd);
     return st ? st : cuda_rope(d, ctx, false, y, T, nh, D, rd, pos, inv_freq);
 }
@@ -495,13 +486,12 @@ static loom_status cuda_qknorm_rope_bwd(loom_dev *d, loom_ctx *ctx, void *dy, co
                                         const float *inv_freq, const float *table, float *dw) {
     const int64_t N = T * nh;
     loom_status st;
-    if (woff != 0.0f) return no_offset(ctx, "qknorm_rope_bwd");
     if (table && rd == D && loom_cuda_qknorm_rope_ok(d->adt, D)) {
         void *scr;
         struct loom_cuda_dw_batch *b;
         if ((st = loom_cuda_dev_dw_scratch(d, ctx, N, D, dw, &scr, &b))) return st;
-        return loom_cuda_qknorm_rope_bwd(ctx, dy, x, d->adt, w, d->adt, rstd, N, nh, D, table, dy,
-                                         dw, scr, b, d->stream);
+        return loom_cuda_qknorm_rope_bwd(ctx, dy, x, d->adt, w, d->adt, woff, rstd, N, nh, D,
+                                         table, dy, dw, scr, b, d->stream);
     }
     if ((st = cuda_rope(d, ctx, true, dy, T, nh, D, rd, pos, inv_freq))) return st;
     return cuda_rmsnorm_bwd(d, ctx, dy, x, w, woff, rstd, N, D, dy, dw);
@@ -684,6 +674,92 @@ static loom_status cuda_gemm_grouped(loom_dev *d, loom_ctx *ctx, bool ta, bool t
                                   d->stream);
 }
 
+/* ---- Gated DeltaNet (ops_gdn.cu, ops_gdn_rule.cu; compiled, not yet run on
+ * a GPU: tests/test_backend_gdn.c), on the model's stream, the workspace in
+ * d->gdn_scratch ---- */
+
+/* d->gdn_scratch grown to `need` bytes (at the first call of a larger shape:
+ * the rule's backward at a model's first step) */
+static loom_status gdn_scratch(loom_dev *d, loom_ctx *ctx, size_t need) {
+    if (need <= d->gdn_scratch_bytes)
+        return LOOM_OK;
+    loom_cuda_free(d->gdn_scratch);
+    d->gdn_scratch = NULL;
+    d->gdn_scratch_bytes = 0;
+    loom_status st = loom_cuda_malloc(ctx, &d->gdn_scratch, need, "Gated DeltaNet workspace");
+    if (!st)
+        d->gdn_scratch_bytes = need;
+    return st;
+}
+
+static loom_status cuda_gdn_conv_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *w,
+                                     int64_t T, int64_t C, int64_t K, const int32_t *cu,
+                                     int64_t ndocs, void *y) {
+    return loom_cuda_gdn_conv_fwd(ctx, x, w, d->adt, T, C, K, cu, ndocs, y, d->stream);
+}
+
+static loom_status cuda_gdn_conv_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                                     const void *w, int64_t T, int64_t C, int64_t K,
+                                     const int32_t *cu, int64_t ndocs, void *dx, float *dw) {
+    loom_status st = dw ? gdn_scratch(d, ctx, loom_cuda_gdn_conv_scratch_bytes(T, C, K)) : LOOM_OK;
+    return st ? st
+              : loom_cuda_gdn_conv_bwd(ctx, dy, x, w, d->adt, T, C, K, cu, ndocs, dx, dw,
+                                       d->gdn_scratch, d->stream);
+}
+
+static loom_status cuda_gdn_gate_fwd(loom_dev *d, loom_ctx *ctx, const void *a, const void *b,
+                                     const void *A_log, const void *dt_bias, int64_t T, int64_t H,
+                                     float *g, float *beta) {
+    return loom_cuda_gdn_gate_fwd(ctx, a, b, A_log, dt_bias, d->adt, T, H, g, beta, d->stream);
+}
+
+static loom_status cuda_gdn_gate_bwd(loom_dev *d, loom_ctx *ctx, const float *dg,
+                                     const float *dbeta, const void *a, const void *b,
+                                     const void *A_log, const void *dt_bias, int64_t T, int64_t H,
+                                     void *da, void *db, float *dA_log, float *ddt_bias) {
+    loom_status st =
+        dA_log || ddt_bias ? gdn_scratch(d, ctx, loom_cuda_gdn_gate_scratch_bytes(T, H)) : LOOM_OK;
+    return st ? st
+              : loom_cuda_gdn_gate_bwd(ctx, dg, dbeta, a, b, A_log, dt_bias, d->adt, T, H, da, db,
+                                       dA_log, ddt_bias, d->gdn_scratch, d->stream);
+}
+
+static loom_status cuda_gdn_fwd(loom_dev *d, loom_ctx *ctx, const void *qkv, const float *g,
+                                const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                                int64_t dv, const int32_t *cu, int64_t ndocs, void *o) {
+    loom_status st =
+        gdn_scratch(d, ctx, loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, ndocs, false));
+    return st ? st
+              : loom_cuda_gdn_fwd(ctx, qkv, d->adt, g, beta, T, Hk, Hv, dk, dv, cu, ndocs, o,
+                                  d->gdn_scratch, d->stream);
+}
+
+static loom_status cuda_gdn_bwd(loom_dev *d, loom_ctx *ctx, const void *dout, const void *qkv,
+                                const float *g, const float *beta, int64_t T, int64_t Hk,
+                                int64_t Hv, int64_t dk, int64_t dv, const int32_t *cu,
+                                int64_t ndocs, void *dqkv, float *dg, float *dbeta) {
+    loom_status st =
+        gdn_scratch(d, ctx, loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, ndocs, true));
+    return st ? st
+              : loom_cuda_gdn_bwd(ctx, dout, qkv, d->adt, g, beta, T, Hk, Hv, dk, dv, cu, ndocs,
+                                  dqkv, dg, dbeta, d->gdn_scratch, d->stream);
+}
+
+static loom_status cuda_gdn_norm_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *z,
+                                     const void *w, int64_t N, int64_t D, float eps, void *y,
+                                     float *rstd) {
+    return loom_cuda_gdn_norm_fwd(ctx, x, z, w, d->adt, N, D, eps, y, rstd, d->stream);
+}
+
+static loom_status cuda_gdn_norm_bwd(loom_dev *d, loom_ctx *ctx, const void *dy, const void *x,
+                                     const void *z, const void *w, const float *rstd, int64_t N,
+                                     int64_t D, void *dx, void *dz, float *dw) {
+    loom_status st = dw ? gdn_scratch(d, ctx, loom_cuda_gdn_norm_scratch_bytes(N, D)) : LOOM_OK;
+    return st ? st
+              : loom_cuda_gdn_norm_bwd(ctx, dy, x, z, w, d->adt, rstd, N, D, dx, dz, dw,
+                                       d->gdn_scratch, d->stream);
+}
+
 /* ---- the optimizer: the parts cut into chunks of at most LOOM_CUDA_CHUNK
  * elements once (the layout never changes), kept on the device ---- */
 
@@ -862,16 +938,14 @@ const loom_backend *loom_backend_cuda(void) {
         .sumsq = cuda_sumsq,
         .zero_parts = cuda_zero_parts,
         .lists_free = cuda_lists_free,
-        /* Gated DeltaNet: no CUDA kernels yet (kern.c's loom_k_gdn_* fail
-         * with LOOM_ERR_UNSUPPORTED) */
-        .gdn_conv_fwd = NULL,
-        .gdn_conv_bwd = NULL,
-        .gdn_gate_fwd = NULL,
-        .gdn_gate_bwd = NULL,
-        .gdn_fwd = NULL,
-        .gdn_bwd = NULL,
-        .gdn_norm_fwd = NULL,
-        .gdn_norm_bwd = NULL,
+        .gdn_conv_fwd = cuda_gdn_conv_fwd,
+        .gdn_conv_bwd = cuda_gdn_conv_bwd,
+        .gdn_gate_fwd = cuda_gdn_gate_fwd,
+        .gdn_gate_bwd = cuda_gdn_gate_bwd,
+        .gdn_fwd = cuda_gdn_fwd,
+        .gdn_bwd = cuda_gdn_bwd,
+        .gdn_norm_fwd = cuda_gdn_norm_fwd,
+        .gdn_norm_bwd = cuda_gdn_norm_bwd,
     };
     return &be;
 }

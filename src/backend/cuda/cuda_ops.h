@@ -202,7 +202,8 @@ loom_status loom_cuda_embedding_bwd(loom_ctx *ctx, const int32_t *ids, int64_t T
                                     loom_dtype dout_dtype, int64_t H, float *dW, void *stream);
 
 /* ---- RMSNorm (ops_rmsnorm.cu) ----
- * y = w * (x * rstd), rstd = 1/sqrt(mean(x^2) + eps) with the mean in double
+ * y = (woff + w) * (x * rstd) (woff + w formed in fp32 wherever w is read;
+ * woff 1: Qwen3.5's zero-centred weights, 0: the others), rstd = 1/sqrt(mean(x^2) + eps) with the mean in double
  * (as the CPU; on 16-bit rows, fp32 sums of 8 elements added in double, and
  * the backward's element products in fp32). x: (N, H) x_dtype; w: (H) w_dtype; y: (N, H) y_dtype (may be
  * x when the dtypes agree); rstd: (N) fp32, saved for the backward.
@@ -213,11 +214,11 @@ loom_status loom_cuda_embedding_bwd(loom_ctx *ctx, const int32_t *ids, int64_t T
  * loom_cuda_rmsnorm_bwd_scratch_bytes(N, H) bytes of device memory (not
  * needed, may be NULL, when dw is NULL). */
 loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_dtype x_dtype, const void *w,
-                                  loom_dtype w_dtype, int64_t N, int64_t H, float eps, void *y,
+                                  loom_dtype w_dtype, float woff, int64_t N, int64_t H, float eps, void *y,
                                   loom_dtype y_dtype, float *rstd, void *stream);
 size_t loom_cuda_rmsnorm_bwd_scratch_bytes(int64_t N, int64_t H);
 loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_dtype, const void *x,
-                                  loom_dtype x_dtype, const void *w, loom_dtype w_dtype,
+                                  loom_dtype x_dtype, const void *w, loom_dtype w_dtype, float woff,
                                   const float *rstd, int64_t N, int64_t H, void *dx,
                                   loom_dtype dx_dtype, float *dw, void *scratch, void *stream);
 
@@ -237,8 +238,9 @@ loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_d
 bool loom_cuda_rmsnorm_fused_ok(loom_dtype dtype, int64_t H);
 bool loom_cuda_qknorm_rope_ok(loom_dtype dtype, int64_t D);
 loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, const void *res, void *xsum,
-                                      loom_dtype dtype, const void *w, loom_dtype w_dtype, int64_t N,
-                                      int64_t H, float eps, void *y, float *rstd, void *stream);
+                                      loom_dtype dtype, const void *w, loom_dtype w_dtype, float woff,
+                                      int64_t N, int64_t H, float eps, void *y, float *rstd,
+                                      void *stream);
 /* The weight gradient's last stage deferred over many ops: with a batch,
  * rmsnorm_bwd_add and qknorm_rope_bwd leave their chunks' partial sums in
  * scratch taken from the batch (loom_cuda_dw_batch_scratch) and record where;
@@ -259,16 +261,75 @@ loom_status loom_cuda_dw_batch_flush(loom_ctx *ctx, loom_cuda_dw_batch *b, void 
 void loom_cuda_dw_batch_drop(loom_cuda_dw_batch *b);
 /* batch: NULL, or the batch that `scratch` came from (dw then added at its flush) */
 loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, const void *x, loom_dtype dtype,
-                                      const void *w, loom_dtype w_dtype, const float *rstd, int64_t N,
+                                      const void *w, loom_dtype w_dtype, float woff,
+                                      const float *rstd, int64_t N,
                                       int64_t H, void *dx, float *dw, void *scratch,
                                       loom_cuda_dw_batch *batch, void *stream);
 loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, loom_dtype dtype, const void *w,
-                                      loom_dtype w_dtype, int64_t N, int64_t nh, int64_t D, float eps,
+                                      loom_dtype w_dtype, float woff, int64_t N, int64_t nh, int64_t D, float eps,
                                       const float *cs, void *y, float *rstd, void *stream);
 loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, const void *x, loom_dtype dtype,
-                                      const void *w, loom_dtype w_dtype, const float *rstd, int64_t N,
+                                      const void *w, loom_dtype w_dtype, float woff,
+                                      const float *rstd, int64_t N,
                                       int64_t nh, int64_t D, const float *cs, void *dx, float *dw,
                                       void *scratch, loom_cuda_dw_batch *batch, void *stream);
+
+/* ---- Gated DeltaNet (ops_gdn.cu: convolution, gates, gated norm;
+ * ops_gdn_rule.cu: the chunked gated delta rule) ----
+ * The semantics of src/backend/cpu/cpu_gdn.h (the CPU reference, in double):
+ * T tokens packed as documents cu (ndocs + 1, device, trusted), activations
+ * and weights in `dtype`, g / beta and parameter gradients fp32, parameter
+ * gradients added to (NULL: frozen). Arithmetic in fp32 (sums of the
+ * reductions over tokens in double); every reduction in a fixed order (no
+ * atomics). `scratch`: device memory of the size the matching
+ * *_scratch_bytes gives (nothing kept in it between calls).
+ * NOTE: written and compiled without a GPU: these kernels have not run yet;
+ * tests/test_backend_gdn.c compares them with the CPU's. */
+/* y (T, C) = silu(causal depthwise conv of x (T, C) by w (C, K)), K <= 16;
+ * bwd: dx (T, C), dw (C, K) += (scratch only with dw). */
+size_t loom_cuda_gdn_conv_scratch_bytes(int64_t T, int64_t C, int64_t K);
+loom_status loom_cuda_gdn_conv_fwd(loom_ctx *ctx, const void *x, const void *w, loom_dtype dtype,
+                                   int64_t T, int64_t C, int64_t K, const int32_t *cu,
+                                   int64_t ndocs, void *y, void *stream);
+loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, const void *x, const void *w,
+                                   loom_dtype dtype, int64_t T, int64_t C, int64_t K,
+                                   const int32_t *cu, int64_t ndocs, void *dx, float *dw,
+                                   void *scratch, void *stream);
+/* g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), (T, H) fp32;
+ * bwd: da, db (T, H) in dtype, dA_log, ddt_bias (H) += (scratch with either) */
+size_t loom_cuda_gdn_gate_scratch_bytes(int64_t T, int64_t H);
+loom_status loom_cuda_gdn_gate_fwd(loom_ctx *ctx, const void *a, const void *b, const void *A_log,
+                                   const void *dt_bias, loom_dtype dtype, int64_t T, int64_t H,
+                                   float *g, float *beta, void *stream);
+loom_status loom_cuda_gdn_gate_bwd(loom_ctx *ctx, const float *dg, const float *dbeta,
+                                   const void *a, const void *b, const void *A_log,
+                                   const void *dt_bias, loom_dtype dtype, int64_t T, int64_t H,
+                                   void *da, void *db, float *dA_log, float *ddt_bias,
+                                   void *scratch, void *stream);
+/* y = w (x rstd) silu(z) over N rows of D, rstd (N) fp32; bwd: dx, dz (N, D)
+ * (not aliasing dy), dw (D) += (scratch only with dw) */
+size_t loom_cuda_gdn_norm_scratch_bytes(int64_t N, int64_t D);
+loom_status loom_cuda_gdn_norm_fwd(loom_ctx *ctx, const void *x, const void *z, const void *w,
+                                   loom_dtype dtype, int64_t N, int64_t D, float eps, void *y,
+                                   float *rstd, void *stream);
+loom_status loom_cuda_gdn_norm_bwd(loom_ctx *ctx, const void *dy, const void *x, const void *z,
+                                   const void *w, loom_dtype dtype, const float *rstd, int64_t N,
+                                   int64_t D, void *dx, void *dz, float *dw, void *scratch,
+                                   void *stream);
+/* The rule: qkv (T, 2 Hk dk + Hv dv), o (T, Hv, dv); bwd: dqkv (qkv's
+ * layout), dg, dbeta (T, Hv). dk <= 256, Hv a multiple of Hk. The scratch
+ * (forward's, or backward's with bwd) holds the normalised q and k, each
+ * chunk's matrices and starting states: loom_cuda_gdn_scratch_bytes. */
+size_t loom_cuda_gdn_scratch_bytes(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                                   int64_t ndocs, bool bwd);
+loom_status loom_cuda_gdn_fwd(loom_ctx *ctx, const void *qkv, loom_dtype dtype, const float *g,
+                              const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                              int64_t dv, const int32_t *cu, int64_t ndocs, void *o,
+                              void *scratch, void *stream);
+loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const void *qkv, loom_dtype dtype,
+                              const float *g, const float *beta, int64_t T, int64_t Hk, int64_t Hv,
+                              int64_t dk, int64_t dv, const int32_t *cu, int64_t ndocs,
+                              void *dqkv, float *dg, float *dbeta, void *scratch, void *stream);
 
 /* ---- RoPE (ops_rope.cu) ----
  * In place on x: (T, nh, D) in dtype, the first rd dimensions of a head

@@ -3,7 +3,9 @@
 // double, see sumsq8), the output rounded as HF: w * (x * rstd).
 // The weight gradient is reduced in two fixed-order stages through scratch.
 // BF16/F16 rows whose length is a multiple of 8 (16-byte aligned) take the
-// vector kernels: 8 elements per 16-byte load, same math.
+// vector kernels: 8 elements per 16-byte load, same math. The weight is
+// (woff + w) in fp32 wherever it is read (woff 1: Qwen3.5's zero-centred
+// weights), as the CPU's.
 #include <stdlib.h>
 
 #include "cuda_backend.h"
@@ -59,26 +61,32 @@ __device__ __forceinline__ float dx_coef(double dot, float rstd, int64_t H) {
     const double rs = (double)rstd;
     return (float)(dot * rs * rs * rs / (double)H);
 }
-// w[j .. j + 8) as floats, j a multiple of 8: 16-byte loads where w is
-// 16-byte aligned, else one element at a time
-__device__ __forceinline__ void w8(const void *w, loom_dtype wdt, int64_t j, float (&o)[8]) {
+// The weight used: woff + w formed in fp32 (woff 1: Qwen3.5's zero-centred
+// weights; 0: w itself, as the CPU's (woff + w[j]))
+__device__ __forceinline__ float wo(float woff, float w) { return __fadd_rn(woff, w); }
+// (woff + w)[j .. j + 8) as floats, j a multiple of 8: 16-byte loads where w
+// is 16-byte aligned, else one element at a time
+__device__ __forceinline__ void w8(const void *w, loom_dtype wdt, float woff, int64_t j,
+                                   float (&o)[8]) {
     if (((uintptr_t)w & 15) == 0) {
         if (wdt == LOOM_F32) {
             const float4 a = ((const float4 *)w)[j / 4], b = ((const float4 *)w)[j / 4 + 1];
             o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
-            return;
+        } else {
+            const uint4 u = ((const uint4 *)w)[j / 8];
+            if (wdt == LOOM_BF16) cvt8<__nv_bfloat16>(u, o);
+            else cvt8<__half>(u, o);
         }
-        const uint4 u = ((const uint4 *)w)[j / 8];
-        if (wdt == LOOM_BF16) cvt8<__nv_bfloat16>(u, o);
-        else cvt8<__half>(u, o);
-        return;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = ld(w, wdt, j + i);
     }
 #pragma unroll
-    for (int i = 0; i < 8; i++) o[i] = ld(w, wdt, j + i);
+    for (int i = 0; i < 8; i++) o[i] = wo(woff, o[i]);
 }
 
 __global__ void rmsnorm_fwd_kernel(const void *x, loom_dtype xdt, const void *w, loom_dtype wdt,
-                                   int64_t N, int64_t H, float eps, void *y, loom_dtype ydt,
+                                   float woff, int64_t N, int64_t H, float eps, void *y, loom_dtype ydt,
                                    float *rstd) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -93,7 +101,7 @@ __global__ void rmsnorm_fwd_kernel(const void *x, loom_dtype xdt, const void *w,
     const float rs = (float)(1.0 / sqrt(ss / (double)H + (double)eps));
     if (lane == 0) rstd[r] = rs;
     for (int64_t j = lane; j < H; j += 32)
-        st(y, ydt, base + j, __fmul_rn(ld(w, wdt, j), __fmul_rn(ld(x, xdt, base + j), rs)));
+        st(y, ydt, base + j, __fmul_rn(wo(woff, ld(w, wdt, j)), __fmul_rn(ld(x, xdt, base + j), rs)));
 }
 
 // partial[c, j] = sum over the rows of chunk c of dy[r, j] * x[r, j] * rstd[r] (double).
@@ -145,7 +153,7 @@ __global__ void rmsnorm_dw_batch_kernel(const __grid_constant__ dw_batch_args a)
 
 // dx_j = rstd w_j dy_j - x_j rstd^3 / H * sum_k dy_k w_k x_k (double, rounded once).
 __global__ void rmsnorm_dx_kernel(const void *dy, loom_dtype dydt, const void *x, loom_dtype xdt,
-                                  const void *w, loom_dtype wdt, const float *rstd, int64_t N,
+                                  const void *w, loom_dtype wdt, float woff, const float *rstd, int64_t N,
                                   int64_t H, void *dx, loom_dtype dxdt) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -153,13 +161,13 @@ __global__ void rmsnorm_dx_kernel(const void *dy, loom_dtype dydt, const void *x
     const int64_t base = r * H;
     double dot = 0;
     for (int64_t j = lane; j < H; j += 32)
-        dot += (double)ld(dy, dydt, base + j) * (double)ld(w, wdt, j) * (double)ld(x, xdt, base + j);
+        dot += (double)ld(dy, dydt, base + j) * (double)wo(woff, ld(w, wdt, j)) * (double)ld(x, xdt, base + j);
     dot = warp_sum(dot);
     const double rs = (double)rstd[r];
     const double c = dot * rs * rs * rs / (double)H;
     // every lane has read its dy elements above; each writes only its own: dx may alias dy
     for (int64_t j = lane; j < H; j += 32) {
-        double g = rs * (double)ld(w, wdt, j) * (double)ld(dy, dydt, base + j);
+        double g = rs * (double)wo(woff, ld(w, wdt, j)) * (double)ld(dy, dydt, base + j);
         st(dx, dxdt, base + j, (float)(g - c * (double)ld(x, xdt, base + j)));
     }
 }
@@ -169,7 +177,7 @@ __global__ void rmsnorm_dx_kernel(const void *dy, loom_dtype dydt, const void *x
 // and written to xsum (may alias x); the norm is of that sum.
 template <typename T>
 __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const void *w,
-                                       loom_dtype wdt, int64_t N, int64_t H, float eps, T *y,
+                                       loom_dtype wdt, float woff, int64_t N, int64_t H, float eps, T *y,
                                        float *rstd) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -197,7 +205,7 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
     for (int64_t j = lane * 8; j < H; j += 256) {
         float v[8], wv[8];
         ld8(xr + j, v);
-        w8(w, wdt, j, wv);
+        w8(w, wdt, woff, j, wv);
 #pragma unroll
         for (int i = 0; i < 8; i++) v[i] = __fmul_rn(wv[i], __fmul_rn(v[i], rs));
         st8(y + r * H + j, v);
@@ -213,8 +221,8 @@ __global__ void rmsnorm_fwd_vec_kernel(const T *x, const T *res, T *xsum, const 
 // 8B's 4096 x 4096 on the H100.
 template <typename T, int NV>
 __global__ void __launch_bounds__(WARPS * 32)
-add_rmsnorm_fwd_reg_kernel(const T *x, const T *res, T *xsum, const void *w, loom_dtype wdt, int64_t N,
-                           float eps, T *y, float *rstd) {
+add_rmsnorm_fwd_reg_kernel(const T *x, const T *res, T *xsum, const void *w, loom_dtype wdt, float woff,
+                           int64_t N, float eps, T *y, float *rstd) {
     constexpr int64_t H = 256 * NV;
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -244,7 +252,7 @@ add_rmsnorm_fwd_reg_kernel(const T *x, const T *res, T *xsum, const void *w, loo
     for (int i = 0; i < NV; i++) {
         float v[8], wv[8];
         cvt8<T>(a[i], v);
-        w8(w, wdt, lane * 8 + 256 * i, wv);
+        w8(w, wdt, woff, lane * 8 + 256 * i, wv);
 #pragma unroll
         for (int k = 0; k < 8; k++) v[k] = __fmul_rn(wv[k], __fmul_rn(v[k], rs));
         st8(y + o + 256 * i, v);
@@ -254,11 +262,11 @@ add_rmsnorm_fwd_reg_kernel(const T *x, const T *res, T *xsum, const void *w, loo
 // The 16-bit add + norm: the register kernel where it has H's width, else
 // the loop.
 template <typename T>
-void add_fwd_vec(const T *x, const T *res, T *xsum, const void *w, loom_dtype wdt, int64_t N, int64_t H,
-                 float eps, T *y, float *rstd, cudaStream_t s) {
+void add_fwd_vec(const T *x, const T *res, T *xsum, const void *w, loom_dtype wdt, float woff, int64_t N,
+                 int64_t H, float eps, T *y, float *rstd, cudaStream_t s) {
     const unsigned blocks = (unsigned)((N + WARPS - 1) / WARPS);
 #define REG(NV)                                                                                         \
-    return add_rmsnorm_fwd_reg_kernel<T, NV><<<blocks, WARPS * 32, 0, s>>>(x, res, xsum, w, wdt, N, eps, y, \
+    return add_rmsnorm_fwd_reg_kernel<T, NV><<<blocks, WARPS * 32, 0, s>>>(x, res, xsum, w, wdt, woff, N, eps, y, \
                                                                            rstd)
     if (H % 256 == 0) switch (H / 256) {
         case 4: REG(4);
@@ -269,14 +277,14 @@ void add_fwd_vec(const T *x, const T *res, T *xsum, const void *w, loom_dtype wd
         default: break;
         }
 #undef REG
-    rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, s>>>(x, res, xsum, w, wdt, N, H, eps, y, rstd);
+    rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, s>>>(x, res, xsum, w, wdt, woff, N, H, eps, y, rstd);
 }
 
 // With res: dx = res + (the gradient rounded to T), as loom_cuda_residual_add
 // after the norm's backward (res may alias dx).
 template <typename T>
 __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt,
-                                      const float *rstd, int64_t N, int64_t H, const T *res, T *dx) {
+                                      float woff, const float *rstd, int64_t N, int64_t H, const T *res, T *dx) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= N) return;
@@ -285,7 +293,7 @@ __global__ void rmsnorm_dx_vec_kernel(const T *dy, const T *x, const void *w, lo
     auto load = [&](int64_t j, float (&g)[8], float (&v)[8], float (&wv)[8]) {
         ld8(dy + base + j, g);
         ld8(x + base + j, v);
-        w8(w, wdt, j, wv);
+        w8(w, wdt, woff, j, wv);
     };
     double dot = 0;
 #pragma unroll 4 // loads of several chunks in flight
@@ -360,7 +368,7 @@ __device__ __forceinline__ void rope_pair(float (&lo)[8], float (&hi)[8], const 
 // then rope_fwd apart). A group of TPR lanes per row.
 template <typename T, int TPR>
 __global__ void __launch_bounds__(FUSED_THREADS)
-qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int64_t nh, float eps,
+qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, float woff, int64_t N, int64_t nh, float eps,
                        const float2 *cs, T *y, float *rstd) {
     constexpr int D = 16 * TPR, GPB = FUSED_THREADS / TPR;
     const int l = threadIdx.x % TPR;
@@ -378,7 +386,7 @@ qknorm_rope_fwd_kernel(const T *x, const void *w, loom_dtype wdt, int64_t N, int
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         float wv[8];
-        w8(w, wdt, h * (D / 2) + l * 8, wv);
+        w8(w, wdt, woff, h * (D / 2) + l * 8, wv);
 #pragma unroll
         for (int i = 0; i < 8; i++) v[h][i] = round_to<T>(__fmul_rn(wv[i], __fmul_rn(v[h][i], rs)));
     }
@@ -401,7 +409,7 @@ template <int NV, bool ADD> struct norm_row {
 
 template <typename T, int TPR, int NV, bool ROPE, bool DW, bool ADD>
 __global__ void __launch_bounds__(FUSED_THREADS, NV <= 2 ? 2 : 1)
-norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, const float *rstd,
+norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, float woff, const float *rstd,
                       int64_t N, int64_t rows, int64_t nh, const float2 *cs, const T *res, T *dx,
                       double *partial) {
     static_assert(!ROPE || NV == 2, "RoPE rows are two accesses a lane");
@@ -412,7 +420,7 @@ norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, co
     float wr[NV][8];
 #pragma unroll
     for (int v = 0; v < NV; v++) {
-        w8(w, wdt, (v * TPR + l) * 8, wr[v]);
+        w8(w, wdt, woff, (v * TPR + l) * 8, wr[v]);
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[v][i] = 0.0f;
     }
@@ -494,7 +502,7 @@ norm_bwd_fused_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, co
 // norm) only dx.
 template <typename T, bool ADD, bool DW>
 __global__ void __launch_bounds__(1024)
-norm_bwd_wide_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, const float *rstd, int64_t N,
+norm_bwd_wide_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, float woff, const float *rstd, int64_t N,
                      int64_t H, int64_t rows, const T *res, T *dx, double *partial) {
     __shared__ float dots[1024]; // [access][lane]
     __shared__ double rowdot;
@@ -502,7 +510,7 @@ norm_bwd_wide_kernel(const T *dy, const T *x, const void *w, loom_dtype wdt, con
     const int64_t r0 = (int64_t)blockIdx.x * rows, r1 = r0 + rows < N ? r0 + rows : N;
     const int64_t col = (int64_t)e * 8;
     float wr[8], acc[8];
-    w8(w, wdt, col, wr);
+    w8(w, wdt, woff, col, wr);
 #pragma unroll
     for (int i = 0; i < 8; i++) acc[i] = 0.0f;
     uint4 ng = make_uint4(0, 0, 0, 0), nx = ng, nr = ng;
@@ -574,12 +582,12 @@ int64_t fused_chunk_rows(int64_t N, fused_shape f) {
 }
 
 template <typename T, int TPR, int NV, bool ROPE, bool DW, bool ADD>
-void launch_bwd_fused(const void *dy, const void *x, const void *w, loom_dtype wdt, const float *rstd,
+void launch_bwd_fused(const void *dy, const void *x, const void *w, loom_dtype wdt, float woff, const float *rstd,
                       int64_t N, int64_t rows, int64_t nh, const float *cs, const void *res, void *dx,
                       void *scratch, cudaStream_t s) {
     const unsigned blocks = (unsigned)((N + rows - 1) / rows);
     norm_bwd_fused_kernel<T, TPR, NV, ROPE, DW, ADD><<<blocks, FUSED_THREADS, 0, s>>>(
-        (const T *)dy, (const T *)x, w, wdt, rstd, N, rows, nh, (const float2 *)cs, (const T *)res,
+        (const T *)dy, (const T *)x, w, wdt, woff, rstd, N, rows, nh, (const float2 *)cs, (const T *)res,
         (T *)dx, (double *)scratch);
 }
 
@@ -587,10 +595,10 @@ void launch_bwd_fused(const void *dy, const void *x, const void *w, loom_dtype w
 // 256/512/1024 with dw (add or not).
 template <typename T>
 bool bwd_fused(fused_shape f, bool rope, bool dw, bool add, const void *dy, const void *x,
-               const void *w, loom_dtype wdt, const float *rstd, int64_t N, int64_t rows, int64_t nh,
-               const float *cs, const void *res, void *dx, void *scratch, cudaStream_t s) {
+               const void *w, loom_dtype wdt, float woff, const float *rstd, int64_t N, int64_t rows,
+               int64_t nh, const float *cs, const void *res, void *dx, void *scratch, cudaStream_t s) {
 #define LB(TPR, NV, R, D, A)                                                                        \
-    launch_bwd_fused<T, TPR, NV, R, D, A>(dy, x, w, wdt, rstd, N, rows, nh, cs, res, dx, scratch, s)
+    launch_bwd_fused<T, TPR, NV, R, D, A>(dy, x, w, wdt, woff, rstd, N, rows, nh, cs, res, dx, scratch, s)
 #define LB_DW(TPR) (dw ? LB(TPR, 2, true, true, false) : LB(TPR, 2, true, false, false))
 #define LB_ADD(NV) (add ? LB(32, NV, false, true, true) : LB(32, NV, false, true, false))
     if (rope && !add) {
@@ -615,7 +623,7 @@ bool bwd_fused(fused_shape f, bool rope, bool dw, bool add, const void *dy, cons
 } // namespace
 
 extern "C" loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_dtype x_dtype,
-                                             const void *w, loom_dtype w_dtype, int64_t N,
+                                             const void *w, loom_dtype w_dtype, float woff, int64_t N,
                                              int64_t H, float eps, void *y, loom_dtype y_dtype,
                                              float *rstd, void *stream) {
     loom_status st;
@@ -633,15 +641,15 @@ extern "C" loom_status loom_cuda_rmsnorm_fwd(loom_ctx *ctx, const void *x, loom_
         if (x_dtype == LOOM_BF16)
             rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(
                 (const __nv_bfloat16 *)x, (const __nv_bfloat16 *)nullptr, (__nv_bfloat16 *)nullptr, w,
-                w_dtype, N, H, eps,
+                w_dtype, woff, N, H, eps,
                 (__nv_bfloat16 *)y, rstd);
         else
             rmsnorm_fwd_vec_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(
-                (const __half *)x, (const __half *)nullptr, (__half *)nullptr, w, w_dtype, N, H, eps,
+                (const __half *)x, (const __half *)nullptr, (__half *)nullptr, w, w_dtype, woff, N, H, eps,
                 (__half *)y, rstd);
         return check_launch(ctx, "rmsnorm_fwd");
     }
-    rmsnorm_fwd_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(x, x_dtype, w, w_dtype, N, H, eps,
+    rmsnorm_fwd_kernel<<<blocks, WARPS * 32, 0, as_stream(stream)>>>(x, x_dtype, w, w_dtype, woff, N, H, eps,
                                                                       y, y_dtype, rstd);
     return check_launch(ctx, "rmsnorm_fwd");
 }
@@ -669,7 +677,7 @@ static loom_status fused_args(loom_ctx *ctx, const char *op, bool ok, const void
 
 extern "C" loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, const void *res,
                                                  void *xsum, loom_dtype dtype, const void *w,
-                                                 loom_dtype w_dtype, int64_t N, int64_t H, float eps,
+                                                 loom_dtype w_dtype, float woff, int64_t N, int64_t H, float eps,
                                                  void *y, float *rstd, void *stream) {
     loom_status st;
     if ((st = need_float(ctx, w_dtype, "add_rmsnorm_fwd", "w")) ||
@@ -678,10 +686,10 @@ extern "C" loom_status loom_cuda_add_rmsnorm_fwd(loom_ctx *ctx, const void *x, c
     if (N <= 0) return LOOM_OK;
     if (dtype == LOOM_BF16)
         add_fwd_vec<__nv_bfloat16>((const __nv_bfloat16 *)x, (const __nv_bfloat16 *)res,
-                                   (__nv_bfloat16 *)xsum, w, w_dtype, N, H, eps, (__nv_bfloat16 *)y, rstd,
+                                   (__nv_bfloat16 *)xsum, w, w_dtype, woff, N, H, eps, (__nv_bfloat16 *)y, rstd,
                                    as_stream(stream));
     else
-        add_fwd_vec<__half>((const __half *)x, (const __half *)res, (__half *)xsum, w, w_dtype, N, H, eps,
+        add_fwd_vec<__half>((const __half *)x, (const __half *)res, (__half *)xsum, w, w_dtype, woff, N, H, eps,
                             (__half *)y, rstd, as_stream(stream));
     return check_launch(ctx, "add_rmsnorm_fwd");
 }
@@ -768,7 +776,7 @@ static loom_status dw_final(loom_ctx *ctx, const char *op, const void *scratch, 
 
 // rmsnorm_bwd, with res: dx = res + the gradient (the 16-bit vector paths only).
 static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype dy_dtype,
-                       const void *x, loom_dtype x_dtype, const void *w, loom_dtype w_dtype,
+                       const void *x, loom_dtype x_dtype, const void *w, loom_dtype w_dtype, float woff,
                        const float *rstd, int64_t N, int64_t H, const void *res, void *dx,
                        loom_dtype dx_dtype, float *dw, void *scratch, cudaStream_t s,
                        loom_cuda_dw_batch *batch) {
@@ -780,7 +788,7 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
         const int64_t rows = fused_chunk_rows(N, f);
         const bool bf = x_dtype == LOOM_BF16;
         if ((bf ? bwd_fused<__nv_bfloat16> : bwd_fused<__half>)(f, false, true, res != nullptr, dy, x,
-                                                                 w, w_dtype, rstd, N, rows, 1,
+                                                                 w, w_dtype, woff, rstd, N, rows, 1,
                                                                  nullptr, res, dx, scratch, s)) {
             if ((st = check_launch(ctx, op))) return st;
             return dw_final(ctx, op, scratch, N, H, rows, dw, s, batch);
@@ -793,7 +801,7 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
         const int64_t rows = wide_rows(N, dw != nullptr);
         const unsigned blocks = (unsigned)((N + rows - 1) / rows), threads = (unsigned)(H / 8);
 #define WIDE(T, A, D)                                                                               \
-    norm_bwd_wide_kernel<T, A, D><<<blocks, threads, 0, s>>>((const T *)dy, (const T *)x, w, w_dtype, rstd, \
+    norm_bwd_wide_kernel<T, A, D><<<blocks, threads, 0, s>>>((const T *)dy, (const T *)x, w, w_dtype, woff, rstd, \
                                                              N, H, rows, (const T *)res, (T *)dx,   \
                                                              (double *)scratch)
 #define WIDE_T(T) (res ? (dw ? WIDE(T, true, true) : WIDE(T, true, false)) : WIDE(T, false, true))
@@ -817,15 +825,15 @@ static loom_status bwd(loom_ctx *ctx, const char *op, const void *dy, loom_dtype
     if (vec) {
         if (x_dtype == LOOM_BF16)
             rmsnorm_dx_vec_kernel<<<blocks, WARPS * 32, 0, s>>>(
-                (const __nv_bfloat16 *)dy, (const __nv_bfloat16 *)x, w, w_dtype, rstd, N, H,
+                (const __nv_bfloat16 *)dy, (const __nv_bfloat16 *)x, w, w_dtype, woff, rstd, N, H,
                 (const __nv_bfloat16 *)res, (__nv_bfloat16 *)dx);
         else
             rmsnorm_dx_vec_kernel<<<blocks, WARPS * 32, 0, s>>>((const __half *)dy, (const __half *)x, w,
-                                                                w_dtype, rstd, N, H, (const __half *)res,
+                                                                w_dtype, woff, rstd, N, H, (const __half *)res,
                                                                 (__half *)dx);
         return check_launch(ctx, op);
     }
-    rmsnorm_dx_kernel<<<blocks, WARPS * 32, 0, s>>>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, N, H, dx,
+    rmsnorm_dx_kernel<<<blocks, WARPS * 32, 0, s>>>(dy, dy_dtype, x, x_dtype, w, w_dtype, woff, rstd, N, H, dx,
                                                     dx_dtype);
     return check_launch(ctx, op);
 }
@@ -849,7 +857,7 @@ static loom_status bwd_checks(loom_ctx *ctx, const char *op, loom_dtype dy_dtype
 
 extern "C" loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom_dtype dy_dtype,
                                              const void *x, loom_dtype x_dtype, const void *w,
-                                             loom_dtype w_dtype, const float *rstd, int64_t N,
+                                             loom_dtype w_dtype, float woff, const float *rstd, int64_t N,
                                              int64_t H, void *dx, loom_dtype dx_dtype, float *dw,
                                              void *scratch, void *stream) {
     loom_status st;
@@ -857,13 +865,13 @@ extern "C" loom_status loom_cuda_rmsnorm_bwd(loom_ctx *ctx, const void *dy, loom
                          scratch)))
         return st;
     if (N <= 0 || H <= 0) return LOOM_OK;
-    return bwd(ctx, "rmsnorm_bwd", dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, N, H, nullptr, dx,
+    return bwd(ctx, "rmsnorm_bwd", dy, dy_dtype, x, x_dtype, w, w_dtype, woff, rstd, N, H, nullptr, dx,
                dx_dtype, dw, scratch, as_stream(stream), nullptr);
 }
 
 extern "C" loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, const void *x,
                                                  loom_dtype dtype, const void *w, loom_dtype w_dtype,
-                                                 const float *rstd, int64_t N, int64_t H, void *dx,
+                                                 float woff, const float *rstd, int64_t N, int64_t H, void *dx,
                                                  float *dw, void *scratch, loom_cuda_dw_batch *batch,
                                                  void *stream) {
     loom_status st;
@@ -873,12 +881,12 @@ extern "C" loom_status loom_cuda_rmsnorm_bwd_add(loom_ctx *ctx, const void *dy, 
     if (dx == dy)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG, "cuda rmsnorm_bwd_add: dx must not alias dy");
     if (N <= 0) return LOOM_OK;
-    return bwd(ctx, "rmsnorm_bwd_add", dy, dtype, x, dtype, w, w_dtype, rstd, N, H, dx, dx, dtype, dw,
+    return bwd(ctx, "rmsnorm_bwd_add", dy, dtype, x, dtype, w, w_dtype, woff, rstd, N, H, dx, dx, dtype, dw,
                scratch, as_stream(stream), batch);
 }
 
 extern "C" loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, loom_dtype dtype,
-                                                 const void *w, loom_dtype w_dtype, int64_t N,
+                                                 const void *w, loom_dtype w_dtype, float woff, int64_t N,
                                                  int64_t nh, int64_t D, float eps, const float *cs,
                                                  void *y, float *rstd, void *stream) {
     loom_status st;
@@ -894,7 +902,7 @@ extern "C" loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, l
     cudaStream_t s = as_stream(stream);
 #define QF(T, TPR)                                                                                  \
     qknorm_rope_fwd_kernel<T, TPR><<<blocks, FUSED_THREADS, 0, s>>>(                                \
-        (const T *)x, w, w_dtype, N, nh, eps, (const float2 *)cs, (T *)y, rstd)
+        (const T *)x, w, w_dtype, woff, N, nh, eps, (const float2 *)cs, (T *)y, rstd)
     if (dtype == LOOM_BF16) {
         if (tpr == 4) QF(__nv_bfloat16, 4);
         else if (tpr == 8) QF(__nv_bfloat16, 8);
@@ -910,7 +918,7 @@ extern "C" loom_status loom_cuda_qknorm_rope_fwd(loom_ctx *ctx, const void *x, l
 
 extern "C" loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, const void *x,
                                                  loom_dtype dtype, const void *w, loom_dtype w_dtype,
-                                                 const float *rstd, int64_t N, int64_t nh, int64_t D,
+                                                 float woff, const float *rstd, int64_t N, int64_t nh, int64_t D,
                                                  const float *cs, void *dx, float *dw, void *scratch,
                                                  loom_cuda_dw_batch *batch, void *stream) {
     loom_status st;
@@ -925,7 +933,7 @@ extern "C" loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, 
     const fused_shape f = fused_rows(D, true);
     const int64_t rows = fused_chunk_rows(N, f);
     (dtype == LOOM_BF16 ? bwd_fused<__nv_bfloat16> : bwd_fused<__half>)(
-        f, true, dw != nullptr, false, dy, x, w, w_dtype, rstd, N, rows, nh, cs, nullptr, dx, scratch, s);
+        f, true, dw != nullptr, false, dy, x, w, w_dtype, woff, rstd, N, rows, nh, cs, nullptr, dx, scratch, s);
     if ((st = check_launch(ctx, "qknorm_rope_bwd")) || !dw) return st;
     return dw_final(ctx, "qknorm_rope_bwd", scratch, N, D, rows, dw, s, batch);
 }

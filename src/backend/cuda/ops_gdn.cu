@@ -1,0 +1,401 @@
+// Gated DeltaNet's small ops (cuda_ops.h; the CPU reference is
+// src/backend/cpu/gdn.c): the causal depthwise convolution with SiLU, the
+// gates g and beta, and the gated RMSNorm. The chunked rule is in
+// ops_gdn_rule.cu. Arithmetic in fp32 (the norms' sums of squares and dots
+// in double, as the CPU); a parameter gradient's sum over tokens or rows is
+// taken as per-chunk partials in double, then the chunks added in order by
+// one thread per column: a fixed order, no atomics.
+//
+// NOTE: written and compiled on a machine without a GPU; these kernels have
+// not run yet. tests/test_backend_gdn.c holds them to the CPU's.
+#include "ops_common.cuh"
+
+using namespace loom_cuda;
+
+namespace {
+constexpr int NT = 256;        // threads per block
+constexpr int WARPS = NT / 32; // rows per block of the norm's row kernels
+constexpr int CONV_MAX_K = 16; // the convolution's widest kernel here (Qwen3.5's is 4)
+
+// Rows per chunk of a reduction over n rows: 64, or more so that there are
+// at most 1024 chunks. A function of n only: the sums' order is fixed.
+int64_t red_rows(int64_t n) {
+    int64_t r = 64;
+    if ((n + r - 1) / r > 1024)
+        r = (n + 1023) / 1024;
+    return r;
+}
+int64_t red_chunks(int64_t n) { return n > 0 ? (n + red_rows(n) - 1) / red_rows(n) : 0; }
+
+__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// The document n of token t: cu[n] <= t < cu[n + 1] (cu ascending from 0 to T).
+__device__ __forceinline__ int64_t doc_of(const int32_t *cu, int64_t ndocs, int64_t t) {
+    int64_t lo = 0, hi = ndocs; // cu[lo] <= t < cu[hi]
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (cu[mid] <= t)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+// out0[col] += the sum over the nchunk chunks of partial[chunk][col] (in
+// chunk order) for col < n0, out1[col - n0] for the columns after; a NULL
+// output's columns are skipped.
+__global__ void col_final_kernel(const double *partial, int64_t nchunk, int64_t ncols, int64_t n0,
+                                 float *out0, float *out1) {
+    const int64_t col = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= ncols)
+        return;
+    float *out = col < n0 ? out0 : out1;
+    if (!out)
+        return;
+    double acc = 0;
+    for (int64_t c = 0; c < nchunk; c++)
+        acc += partial[c * ncols + col];
+    out[col < n0 ? col : col - n0] += (float)acc;
+}
+
+loom_status col_final(loom_ctx *ctx, const char *op, const void *partial, int64_t nchunk,
+                      int64_t ncols, int64_t n0, float *out0, float *out1, cudaStream_t s) {
+    col_final_kernel<<<(unsigned)((ncols + NT - 1) / NT), NT, 0, s>>>(
+        (const double *)partial, nchunk, ncols, n0, out0, out1);
+    return check_launch(ctx, op);
+}
+
+// ---- the causal depthwise convolution, SiLU fused ----
+
+// The pre-activation at token t (its document from s) of channel c.
+__device__ __forceinline__ float conv_pre(const void *x, const void *w, loom_dtype dt, int64_t C,
+                                          int64_t K, int64_t s, int64_t t, int64_t c) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < K; j++) {
+        const int64_t u = t - K + 1 + j;
+        if (u >= s)
+            acc = fmaf(ld(w, dt, c * K + j), ld(x, dt, u * C + c), acc);
+    }
+    return acc;
+}
+
+// dL/dpre at (t, c): dy silu'(pre)
+__device__ __forceinline__ float conv_dpre(const void *dy, const void *x, const void *w,
+                                           loom_dtype dt, int64_t C, int64_t K, int64_t s,
+                                           int64_t t, int64_t c) {
+    const float p = conv_pre(x, w, dt, C, K, s, t, c), sg = sigm(p);
+    return ld(dy, dt, t * C + c) * sg * (1.0f + p * (1.0f - sg));
+}
+
+__global__ void conv_fwd_kernel(const void *x, const void *w, loom_dtype dt, int64_t T, int64_t C,
+                                int64_t K, const int32_t *cu, int64_t ndocs, void *y) {
+    grid_each(T * C, [&](int64_t i) {
+        const int64_t t = i / C, c = i % C, s = cu[doc_of(cu, ndocs, t)];
+        const float p = conv_pre(x, w, dt, C, K, s, t, c);
+        st(y, dt, i, p * sigm(p));
+    });
+}
+
+// dx[u, c] = sum_j w[c, j] dpre[u + K - 1 - j, c] over the tokens of u's document
+__global__ void conv_dx_kernel(const void *dy, const void *x, const void *w, loom_dtype dt,
+                               int64_t T, int64_t C, int64_t K, const int32_t *cu, int64_t ndocs,
+                               void *dx) {
+    grid_each(T * C, [&](int64_t i) {
+        const int64_t u = i / C, c = i % C, n = doc_of(cu, ndocs, u);
+        const int64_t s = cu[n], e = cu[n + 1];
+        float acc = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t t = u + K - 1 - j;
+            if (t < e)
+                acc = fmaf(ld(w, dt, c * K + j), conv_dpre(dy, x, w, dt, C, K, s, t, c), acc);
+        }
+        st(dx, dt, i, acc);
+    });
+}
+
+// partial[chunk][c K + j] = sum over the chunk's tokens t of dpre[t, c]
+// x[t - K + 1 + j, c] (that token in t's document); a thread per channel.
+__global__ void conv_dw_partial_kernel(const void *dy, const void *x, const void *w, loom_dtype dt,
+                                       int64_t T, int64_t C, int64_t K, const int32_t *cu,
+                                       int64_t ndocs, int64_t rows, double *partial) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, ch = blockIdx.y;
+    if (c >= C)
+        return;
+    const int64_t r0 = ch * rows, r1 = r0 + rows < T ? r0 + rows : T;
+    double acc[CONV_MAX_K];
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_K; j++)
+        acc[j] = 0;
+    int64_t n = doc_of(cu, ndocs, r0);
+    for (int64_t t = r0; t < r1; t++) {
+        while (t >= cu[n + 1])
+            n++;
+        const int64_t s = cu[n];
+        const double dp = conv_dpre(dy, x, w, dt, C, K, s, t, c);
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_K; j++) {
+            const int64_t u = t - K + 1 + j;
+            if (j < K && u >= s)
+                acc[j] += dp * (double)ld(x, dt, u * C + c);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_K; j++)
+        if (j < K)
+            partial[ch * C * K + c * K + j] = acc[j];
+}
+
+// ---- the gates ----
+
+// torch's softplus (beta 1, threshold 20)
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+__global__ void gate_fwd_kernel(const void *a, const void *b, const void *A_log,
+                                const void *dt_bias, loom_dtype dt, int64_t T, int64_t H, float *g,
+                                float *beta) {
+    grid_each(T * H, [&](int64_t i) {
+        const int64_t h = i % H;
+        const float x = ld(a, dt, i) + ld(dt_bias, dt, h);
+        g[i] = -expf(ld(A_log, dt, h)) * softplus(x);
+        beta[i] = sigm(ld(b, dt, i));
+    });
+}
+
+// da = dg * -exp(A_log) sigmoid(a + dt_bias) (softplus' past 20: 1), db = dbeta beta (1 - beta)
+__global__ void gate_bwd_kernel(const float *dg, const float *dbeta, const void *a, const void *b,
+                                const void *A_log, const void *dt_bias, loom_dtype dt, int64_t T,
+                                int64_t H, void *da, void *db) {
+    grid_each(T * H, [&](int64_t i) {
+        const int64_t h = i % H;
+        const float x = ld(a, dt, i) + ld(dt_bias, dt, h), sb = sigm(ld(b, dt, i));
+        st(da, dt, i, dg[i] * -expf(ld(A_log, dt, h)) * (x > 20.0f ? 1.0f : sigm(x)));
+        st(db, dt, i, dbeta[i] * sb * (1.0f - sb));
+    });
+}
+
+// partial[chunk][h] = sum of dg g / ... over the chunk's tokens: dA_log's
+// terms (dg * -exp(A_log) softplus) at h, ddt_bias's (dg * -exp(A_log)
+// sigmoid) at H + h
+__global__ void gate_partial_kernel(const float *dg, const void *a, const void *A_log,
+                                    const void *dt_bias, loom_dtype dt, int64_t T, int64_t H,
+                                    int64_t rows, double *partial) {
+    const int64_t ch = blockIdx.x, r0 = ch * rows, r1 = r0 + rows < T ? r0 + rows : T;
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+        const float eA = expf(ld(A_log, dt, h)), bias = ld(dt_bias, dt, h);
+        double sa = 0, sd = 0;
+        for (int64_t t = r0; t < r1; t++) {
+            const float x = ld(a, dt, t * H + h), d = dg[t * H + h];
+            const float xx = x + bias;
+            sa += (double)(d * -eA * softplus(xx));
+            sd += (double)(d * -eA * (xx > 20.0f ? 1.0f : sigm(xx)));
+        }
+        partial[ch * 2 * H + h] = sa;
+        partial[ch * 2 * H + H + h] = sd;
+    }
+}
+
+// ---- the gated RMSNorm: a warp per row ----
+
+__global__ void norm_fwd_kernel(const void *x, const void *z, const void *w, loom_dtype dt,
+                                int64_t N, int64_t D, float eps, void *y, float *rstd) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (r >= N)
+        return;
+    const int64_t base = r * D;
+    double ss = 0;
+    for (int64_t j = lane; j < D; j += 32) {
+        const double v = ld(x, dt, base + j);
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const float rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
+    if (lane == 0)
+        rstd[r] = rs;
+    for (int64_t j = lane; j < D; j += 32) {
+        const float nx = ld(x, dt, base + j) * rs, zz = ld(z, dt, base + j); // nx rounded as HF's
+        st(y, dt, base + j, ld(w, dt, j) * nx * (zz * sigm(zz)));
+    }
+}
+
+// dn = dy w silu(z), dx = rstd dn - rstd^3 / D (dn . x) x, dz = dy w (x rstd) silu'(z)
+__global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, const void *w,
+                                loom_dtype dt, const float *rstd, int64_t N, int64_t D, void *dx,
+                                void *dz) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (r >= N)
+        return;
+    const int64_t base = r * D;
+    double dot = 0;
+    for (int64_t j = lane; j < D; j += 32) {
+        const float zz = ld(z, dt, base + j);
+        dot += (double)(ld(dy, dt, base + j) * ld(w, dt, j) * zz * sigm(zz)) *
+               (double)ld(x, dt, base + j);
+    }
+    dot = warp_sum(dot);
+    const float rs = rstd[r];
+    const float c = (float)(dot * (double)rs * (double)rs * (double)rs / (double)D);
+    for (int64_t j = lane; j < D; j += 32) {
+        const float zz = ld(z, dt, base + j), sg = sigm(zz), xx = ld(x, dt, base + j);
+        const float gw = ld(dy, dt, base + j) * ld(w, dt, j);
+        st(dx, dt, base + j, rs * (gw * zz * sg) - c * xx);
+        st(dz, dt, base + j, gw * (xx * rs) * sg * (1.0f + zz * (1.0f - sg)));
+    }
+}
+
+// partial[chunk][j] = sum over the chunk's rows of dy (x rstd) silu(z) at column j
+__global__ void norm_dw_partial_kernel(const void *dy, const void *x, const void *z, loom_dtype dt,
+                                       const float *rstd, int64_t N, int64_t D, int64_t rows,
+                                       double *partial) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, ch = blockIdx.y;
+    if (j >= D)
+        return;
+    const int64_t r0 = ch * rows, r1 = r0 + rows < N ? r0 + rows : N;
+    double acc = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        const float zz = ld(z, dt, r * D + j);
+        acc += (double)ld(dy, dt, r * D + j) * (double)(ld(x, dt, r * D + j) * rstd[r]) *
+               (double)(zz * sigm(zz));
+    }
+    partial[ch * D + j] = acc;
+}
+
+loom_status no_scratch(loom_ctx *ctx, const char *op) {
+    return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                     "cuda %s: a parameter gradient needs the op's scratch (cuda_ops.h)", op);
+}
+} // namespace
+
+extern "C" size_t loom_cuda_gdn_conv_scratch_bytes(int64_t T, int64_t C, int64_t K) {
+    return (size_t)(red_chunks(T) * C * K) * sizeof(double);
+}
+
+extern "C" size_t loom_cuda_gdn_gate_scratch_bytes(int64_t T, int64_t H) {
+    return (size_t)(red_chunks(T) * 2 * H) * sizeof(double);
+}
+
+extern "C" size_t loom_cuda_gdn_norm_scratch_bytes(int64_t N, int64_t D) {
+    return (size_t)(red_chunks(N) * D) * sizeof(double);
+}
+
+static loom_status conv_args(loom_ctx *ctx, const char *op, loom_dtype dt, int64_t C, int64_t K,
+                             int64_t ndocs) {
+    loom_status st = need_float(ctx, dt, op, "x");
+    if (st)
+        return st;
+    if (K < 1 || K > CONV_MAX_K || C < 1 || ndocs < 1)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "cuda %s: kernel %lld over %lld channels, %lld documents (kernels of 1 to "
+                         "%d taps)",
+                         op, (long long)K, (long long)C, (long long)ndocs, CONV_MAX_K);
+    return LOOM_OK;
+}
+
+extern "C" loom_status loom_cuda_gdn_conv_fwd(loom_ctx *ctx, const void *x, const void *w,
+                                              loom_dtype dtype, int64_t T, int64_t C, int64_t K,
+                                              const int32_t *cu, int64_t ndocs, void *y,
+                                              void *stream) {
+    loom_status st = conv_args(ctx, "gdn_conv_fwd", dtype, C, K, ndocs);
+    if (st || T <= 0)
+        return st;
+    conv_fwd_kernel<<<grid_for(T * C, NT), NT, 0, as_stream(stream)>>>(x, w, dtype, T, C, K, cu,
+                                                                       ndocs, y);
+    return check_launch(ctx, "gdn_conv_fwd");
+}
+
+extern "C" loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, const void *x,
+                                              const void *w, loom_dtype dtype, int64_t T, int64_t C,
+                                              int64_t K, const int32_t *cu, int64_t ndocs, void *dx,
+                                              float *dw, void *scratch, void *stream) {
+    loom_status st = conv_args(ctx, "gdn_conv_bwd", dtype, C, K, ndocs);
+    if (st || T <= 0)
+        return st;
+    if (dw && !scratch)
+        return no_scratch(ctx, "gdn_conv_bwd");
+    cudaStream_t s = as_stream(stream);
+    conv_dx_kernel<<<grid_for(T * C, NT), NT, 0, s>>>(dy, x, w, dtype, T, C, K, cu, ndocs, dx);
+    if ((st = check_launch(ctx, "gdn_conv_bwd")) || !dw)
+        return st;
+    const int64_t rows = red_rows(T), nch = red_chunks(T);
+    dim3 grid((unsigned)((C + NT - 1) / NT), (unsigned)nch);
+    conv_dw_partial_kernel<<<grid, NT, 0, s>>>(dy, x, w, dtype, T, C, K, cu, ndocs, rows,
+                                               (double *)scratch);
+    if ((st = check_launch(ctx, "gdn_conv_bwd")))
+        return st;
+    return col_final(ctx, "gdn_conv_bwd", scratch, nch, C * K, C * K, dw, nullptr, s);
+}
+
+extern "C" loom_status loom_cuda_gdn_gate_fwd(loom_ctx *ctx, const void *a, const void *b,
+                                              const void *A_log, const void *dt_bias,
+                                              loom_dtype dtype, int64_t T, int64_t H, float *g,
+                                              float *beta, void *stream) {
+    loom_status st = need_float(ctx, dtype, "gdn_gate_fwd", "a");
+    if (st || T <= 0 || H <= 0)
+        return st;
+    gate_fwd_kernel<<<grid_for(T * H, NT), NT, 0, as_stream(stream)>>>(a, b, A_log, dt_bias, dtype,
+                                                                       T, H, g, beta);
+    return check_launch(ctx, "gdn_gate_fwd");
+}
+
+extern "C" loom_status loom_cuda_gdn_gate_bwd(loom_ctx *ctx, const float *dg, const float *dbeta,
+                                              const void *a, const void *b, const void *A_log,
+                                              const void *dt_bias, loom_dtype dtype, int64_t T,
+                                              int64_t H, void *da, void *db, float *dA_log,
+                                              float *ddt_bias, void *scratch, void *stream) {
+    loom_status st = need_float(ctx, dtype, "gdn_gate_bwd", "a");
+    if (st || T <= 0 || H <= 0)
+        return st;
+    if ((dA_log || ddt_bias) && !scratch)
+        return no_scratch(ctx, "gdn_gate_bwd");
+    cudaStream_t s = as_stream(stream);
+    gate_bwd_kernel<<<grid_for(T * H, NT), NT, 0, s>>>(dg, dbeta, a, b, A_log, dt_bias, dtype, T, H,
+                                                       da, db);
+    if ((st = check_launch(ctx, "gdn_gate_bwd")) || (!dA_log && !ddt_bias))
+        return st;
+    const int64_t rows = red_rows(T), nch = red_chunks(T);
+    gate_partial_kernel<<<(unsigned)nch, NT, 0, s>>>(dg, a, A_log, dt_bias, dtype, T, H, rows,
+                                                     (double *)scratch);
+    if ((st = check_launch(ctx, "gdn_gate_bwd")))
+        return st;
+    return col_final(ctx, "gdn_gate_bwd", scratch, nch, 2 * H, H, dA_log, ddt_bias, s);
+}
+
+extern "C" loom_status loom_cuda_gdn_norm_fwd(loom_ctx *ctx, const void *x, const void *z,
+                                              const void *w, loom_dtype dtype, int64_t N, int64_t D,
+                                              float eps, void *y, float *rstd, void *stream) {
+    loom_status st = need_float(ctx, dtype, "gdn_norm_fwd", "x");
+    if (st || N <= 0 || D <= 0)
+        return st;
+    norm_fwd_kernel<<<(unsigned)((N + WARPS - 1) / WARPS), NT, 0, as_stream(stream)>>>(
+        x, z, w, dtype, N, D, eps, y, rstd);
+    return check_launch(ctx, "gdn_norm_fwd");
+}
+
+extern "C" loom_status loom_cuda_gdn_norm_bwd(loom_ctx *ctx, const void *dy, const void *x,
+                                              const void *z, const void *w, loom_dtype dtype,
+                                              const float *rstd, int64_t N, int64_t D, void *dx,
+                                              void *dz, float *dw, void *scratch, void *stream) {
+    loom_status st = need_float(ctx, dtype, "gdn_norm_bwd", "x");
+    if (st || N <= 0 || D <= 0)
+        return st;
+    if (dx == dy || dz == dy)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "cuda gdn_norm_bwd: dx and dz must not alias dy");
+    if (dw && !scratch)
+        return no_scratch(ctx, "gdn_norm_bwd");
+    cudaStream_t s = as_stream(stream);
+    if (dw) { // the partials first (they read dy), though dx and dz never alias it
+        const int64_t rows = red_rows(N), nch = red_chunks(N);
+        dim3 grid((unsigned)((D + NT - 1) / NT), (unsigned)nch);
+        norm_dw_partial_kernel<<<grid, NT, 0, s>>>(dy, x, z, dtype, rstd, N, D, rows,
+                                                   (double *)scratch);
+        if ((st = check_launch(ctx, "gdn_norm_bwd")) ||
+            (st = col_final(ctx, "gdn_norm_bwd", scratch, nch, D, D, dw, nullptr, s)))
+            return st;
+    }
+    norm_bwd_kernel<<<(unsigned)((N + WARPS - 1) / WARPS), NT, 0, s>>>(dy, x, z, w, dtype, rstd, N,
+                                                                       D, dx, dz);
+    return check_launch(ctx, "gdn_norm_bwd");
+}
