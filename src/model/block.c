@@ -161,3 +161,37 @@ loom_status loom_blk_lora_bwd(const loom_blk *b, int k, const void *x, int64_t T
     if (t && t[*n].dy) (*n)++;
     return LOOM_OK;
 }
+
+/* ---- context parallelism: the whole micro-batch's rows ---- */
+
+/* w columns of dt in the model's elements (the row ops copy bits) */
+static int64_t as_adt(const loom_model *m, int64_t w, loom_dtype dt) {
+    return w * (int64_t)loom_dtype_size(dt) / (int64_t)m->dev.esz;
+}
+
+loom_status loom_cp_gather(loom_model *m, const void *loc, int64_t w, loom_dtype dt, void *full,
+                           void *blk) {
+    const size_t n = (size_t)(m->Tc * w);
+    if (m->cp == 1) return loom_k_copy(m, full, loc, n * loom_dtype_size(dt));
+    CK(loom_comm_allgather(m->mesh->cp, loc, blk, n, dt));
+    return loom_k_rows_scatter(m, full, blk, m->d_perm, m->T, as_adt(m, w, dt));
+}
+
+loom_status loom_cp_reduce(loom_model *m, const void *full, int64_t w, loom_dtype dt, void *loc,
+                           void *blk) {
+    const size_t n = (size_t)(m->Tc * w);
+    if (m->cp == 1) return loom_k_copy(m, loc, full, n * loom_dtype_size(dt));
+    CK(loom_k_rows_gather(m, blk, full, m->d_perm, m->T, as_adt(m, w, dt)));
+    return loom_comm_reduce_scatter(m->mesh->cp, blk, loc, n, dt, LOOM_RED_SUM);
+}
+
+loom_status loom_cp_take(loom_model *m, const void *full, int64_t w, void *loc) {
+    const int32_t *mine = m->d_perm + (int64_t)m->mesh->cp_rank * m->Tc;
+    return loom_k_rows_gather(m, loc, full, mine, m->Tc, w);
+}
+
+loom_status loom_cp_place(loom_model *m, const void *loc, int64_t w, void *full) {
+    const int32_t *mine = m->d_perm + (int64_t)m->mesh->cp_rank * m->Tc;
+    CK(loom_k_zero(m, full, (size_t)(m->T * w) * m->dev.esz));
+    return loom_k_rows_scatter(m, full, loc, mine, m->Tc, w);
+}

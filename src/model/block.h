@@ -33,7 +33,7 @@ enum {
     LOOM_BLOCK_MAX_LINEARS = 8,  /* linears of one block */
     LOOM_LAYER_MAX_LINEARS = 16, /* linears of one layer */
     LOOM_BLOCK_MAX_BUFS = 32,    /* activation buffers of one block, per layer */
-    LOOM_BLOCK_MAX_SCRATCH = 16, /* scratch buffers of one kind */
+    LOOM_BLOCK_MAX_SCRATCH = 24, /* scratch buffers of one kind */
     LOOM_MOE_MAX_EXPERTS = 512,  /* experts of a MoE layer */
     LOOM_MOE_EXPERT_SLOTS = 3,   /* an expert's tensors (gate, up, down): expert e's slots
                                   * lie this many after expert e-1's */
@@ -264,6 +264,22 @@ loom_status loom_blk_lora_fwd(const loom_blk *b, int k, const void *x, int64_t T
  * projections' terms, one GEMM). */
 loom_status loom_blk_lora_bwd(const loom_blk *b, int k, const void *x, int64_t T,
                               const void *dy, void *dx, bool *acc, loom_dx_term *t, int *n);
+
+/* ---- for the kinds: context parallelism (cp > 1: this rank holds Tc of
+ * the micro-batch's T tokens, m->d_perm says which) ---- */
+
+/* loc (Tc, w) of every cp rank -> full (T, w) in token order, elements of
+ * dt (the model's or F32); blk: (T, w) scratch. A copy when cp is 1. */
+loom_status loom_cp_gather(loom_model *m, const void *loc, int64_t w, loom_dtype dt, void *full,
+                           void *blk);
+/* full (T, w) partial sums (this rank's share of a gradient) -> loc (Tc, w),
+ * the sums over cp of this rank's rows. */
+loom_status loom_cp_reduce(loom_model *m, const void *full, int64_t w, loom_dtype dt, void *loc,
+                           void *blk);
+/* this rank's rows of full (T, w) -> loc (Tc, w), the model's elements */
+loom_status loom_cp_take(loom_model *m, const void *full, int64_t w, void *loc);
+/* loc (Tc, w) -> its rows of full (T, w), zero elsewhere */
+loom_status loom_cp_place(loom_model *m, const void *loc, int64_t w, void *full);
 
 /* A base projection's term dy (T, out) W (out, in) of an input gradient. */
 static inline loom_dx_term loom_dx_base(const void *dy, int64_t out, const void *W) {

@@ -62,22 +62,6 @@ static loom_status attn_params(const loom_model_config *c, int64_t l, loom_param
 
 /* ---- context parallel: keys and values of the whole micro-batch ---- */
 
-/* loc (Tc, w) of every cp rank -> full (T, w) in token order (blk: (T, w)
- * scratch). */
-static loom_status cp_gather(loom_model *m, const void *loc, int64_t w, void *full, void *blk) {
-    if (m->cp == 1) return loom_k_copy(m, full, loc, (size_t)(m->Tc * w) * m->dev.esz);
-    CK(loom_comm_allgather(m->mesh->cp, loc, blk, (size_t)(m->Tc * w), m->dev.adt));
-    return loom_k_rows_scatter(m, full, blk, m->d_perm, m->T, w);
-}
-
-/* full (T, w) gradients from this rank's queries -> loc (Tc, w) summed over cp. */
-static loom_status cp_reduce(loom_model *m, const void *full, int64_t w, void *loc, void *blk) {
-    if (m->cp == 1) return loom_k_copy(m, loc, full, (size_t)(m->Tc * w) * m->dev.esz);
-    CK(loom_k_rows_gather(m, blk, full, m->d_perm, m->T, w));
-    return loom_comm_reduce_scatter(m->mesh->cp, blk, loc, (size_t)(m->Tc * w), m->dev.adt,
-                                    LOOM_RED_SUM);
-}
-
 /* Global token index (within the micro-batch) of this rank's local tokens,
  * as the ops read it. */
 static const int32_t *my_qidx_d(const loom_model *m) {
@@ -128,8 +112,8 @@ static loom_status attn_fwd(const loom_blk *b, const void *h, void *out) {
         CK(loom_k_rope(m, false, q, Tc, m->Hql, mb->d_pos));
         CK(loom_k_rope(m, false, kl, Tc, m->Hkvl, mb->d_pos));
     }
-    CK(cp_gather(m, kl, KD, k, b->scratch[KVBLK]));
-    CK(cp_gather(m, vl, KD, v, b->scratch[KVBLK]));
+    CK(loom_cp_gather(m, kl, KD, m->dev.adt, k, b->scratch[KVBLK]));
+    CK(loom_cp_gather(m, vl, KD, m->dev.adt, v, b->scratch[KVBLK]));
     CK(loom_k_attn_fwd(m, q, my_qidx_d(m), Tc, k, v, T, m->Hql, m->Hkvl, mb->d_cu, mb->ndocs,
                        mb->even_len, o, a[LSE]));
     if (gated) CK(loom_k_gate_fwd(m, o, a[GATE], Tc * QD, a[OG]));
@@ -165,8 +149,8 @@ static loom_status attn_bwd_core(const loom_blk *b, const void *dy, void *dkl, v
     if (gated) CK(loom_k_gate_bwd(m, dout, a[O], a[GATE], Tc * QD, dout, sc[DGATE]));
     CK(loom_k_attn_bwd(m, dout, a[Q], my_qidx_d(m), Tc, a[K], a[V], a[O], a[LSE], T, m->Hql,
                        m->Hkvl, mb->d_cu, mb->ndocs, mb->even_len, dq, dk, dv));
-    CK(cp_reduce(m, dk, KD, dkl, sc[KVBLK]));
-    CK(cp_reduce(m, dv, KD, dvl, sc[KVBLK]));
+    CK(loom_cp_reduce(m, dk, KD, m->dev.adt, dkl, sc[KVBLK]));
+    CK(loom_cp_reduce(m, dv, KD, m->dev.adt, dvl, sc[KVBLK]));
     if (m->cfg.qk_norm) {
         CK(loom_k_qknorm_rope_bwd(m, mb, dq, a[QPRE], loom_wc(m, w[QN]), a[RSTDQ], m->Hql,
                                   loom_g(m, w[QN])));

@@ -15,10 +15,22 @@
  * q, k and v channels fused, split each of the three parts over tp on its
  * own (loom_param_put_parts); z, b, a, A_log and dt_bias by rows, out_proj
  * by columns, the gated norm's weight replicated (its gradient a partial
- * sum over tp). No context parallelism yet (loom_config_check_built
- * refuses it: the state and the convolution would have to pass between cp
- * ranks). The conv1d weight, [C, 1, K] in the checkpoint, is (C, K) here
- * (export.c presents it so). Kept for the
+ * sum over tp).
+ *
+ * Context parallelism (a rank holds Tc of the micro-batch's T tokens, two
+ * chunks of each sequence): the rule and the convolution run along whole
+ * sequences, so the projections' qkv and the gates g, beta are all-gathered
+ * over cp and every rank runs the convolution and the rule on the whole
+ * micro-batch, keeping its own tokens' outputs; the projections, the gated
+ * norm and out_proj (most of the work) stay split. Backward: this rank's
+ * output gradients, zero elsewhere, through the whole rule and convolution,
+ * then the q, k, v and gate gradients reduce-scattered over cp (each rank's
+ * share of the sums, as attention's keys and values); the conv weight's
+ * gradient from those shares is a partial sum that the gradients' reduction
+ * over cp completes. The rule's work is repeated on every cp rank (it is
+ * linear in T and small beside the projections; passing the state between
+ * ranks would not repeat it). The conv1d weight, [C, 1, K] in the
+ * checkpoint, is (C, K) here (export.c presents it so). Kept for the
  * backward: the projections' outputs, the convolution's, the gates, the
  * rule's output, the norm's rstd and output (out_proj's input); the rule's
  * backward recomputes what it needs from its inputs (cpu_gdn.h). */
@@ -65,9 +77,13 @@ static loom_status gdn_params(const loom_model_config *c, int64_t l, loom_param_
     return LOOM_OK;
 }
 
-/* activations per layer, scratch */
+/* activations per layer (PRE, QKV, G, BETA of the whole micro-batch: T
+ * rows under cp), scratch (the last ones only under cp: this rank's
+ * projections and gates before the exchange, the whole micro-batch's
+ * output and gradients, the exchange's blocks) */
 enum { PRE, QKV, Z, A, B, G, BETA, O, RSTD, Y, NBUF };
-enum { DY, DO, DZ, DQKV, DPRE, DG, DBETA, DA, DB, NSCRATCH };
+enum { DY, DO, DZ, DQKV, DPRE, DG, DBETA, DA, DB, PL, GL, BL, OF, DOF, DQF, DPF, DGF, DBF, XBLK,
+       NSCRATCH };
 
 /* the sizes of a layer on this rank (its heads of tp): key and value
  * widths, the conv's channels */
@@ -87,19 +103,28 @@ static gdims dims(const loom_model *m) {
 static loom_status gdn_fwd(const loom_blk *b, const void *h, void *out) {
     loom_model *m = b->m;
     const int *w = b->w;
-    void *const *a = b->act;
+    void *const *a = b->act, *const *sc = b->scratch;
     const gdims d = dims(m);
-    const int64_t H = m->H, Tc = m->Tc;
+    const int64_t H = m->H, Tc = m->Tc, T = m->T;
     const int32_t *cu = b->mb->d_cu;
     const int64_t nd = b->mb->ndocs;
-    CK(loom_blk_lin(b, LQKV, h, Tc, H, loom_wc(m, w[WQKV]), d.C, a[PRE]));
+    const bool cpx = m->cp > 1; /* the whole micro-batch's rows apart from this rank's */
+    void *pre = cpx ? sc[PL] : a[PRE], *g = cpx ? sc[GL] : a[G], *be = cpx ? sc[BL] : a[BETA];
+    void *o = cpx ? sc[OF] : a[O];
+    CK(loom_blk_lin(b, LQKV, h, Tc, H, loom_wc(m, w[WQKV]), d.C, pre));
     CK(loom_blk_lin(b, LZ, h, Tc, H, loom_wc(m, w[WZ]), d.hv, a[Z]));
     CK(loom_blk_lin(b, LB, h, Tc, H, loom_wc(m, w[WB]), d.Hv, a[B]));
     CK(loom_blk_lin(b, LA, h, Tc, H, loom_wc(m, w[WA]), d.Hv, a[A]));
-    CK(loom_k_gdn_conv_fwd(m, a[PRE], loom_wc(m, w[CONV]), Tc, d.C, d.K, cu, nd, a[QKV]));
-    CK(loom_k_gdn_gate_fwd(m, a[A], a[B], loom_wc(m, w[ALOG]), loom_wc(m, w[DTB]), Tc, d.Hv,
-                           a[G], a[BETA]));
-    CK(loom_k_gdn_fwd(m, a[QKV], a[G], a[BETA], Tc, d.Hk, d.Hv, d.dk, d.dv, cu, nd, a[O]));
+    CK(loom_k_gdn_gate_fwd(m, a[A], a[B], loom_wc(m, w[ALOG]), loom_wc(m, w[DTB]), Tc, d.Hv, g,
+                           be));
+    if (cpx) {
+        CK(loom_cp_gather(m, pre, d.C, m->dev.adt, a[PRE], sc[XBLK]));
+        CK(loom_cp_gather(m, g, d.Hv, LOOM_F32, a[G], sc[XBLK]));
+        CK(loom_cp_gather(m, be, d.Hv, LOOM_F32, a[BETA], sc[XBLK]));
+    }
+    CK(loom_k_gdn_conv_fwd(m, a[PRE], loom_wc(m, w[CONV]), T, d.C, d.K, cu, nd, a[QKV]));
+    CK(loom_k_gdn_fwd(m, a[QKV], a[G], a[BETA], T, d.Hk, d.Hv, d.dk, d.dv, cu, nd, o));
+    if (cpx) CK(loom_cp_take(m, o, d.hv, a[O]));
     CK(loom_k_gdn_norm_fwd(m, a[O], a[Z], loom_wc(m, w[NORMW]), Tc * d.Hv, d.dv,
                            (float)m->cfg.rms_norm_eps, a[Y], a[RSTD]));
     if (!out) return loom_blk_lora_fwd(b, LOUT, a[Y], Tc, m->dtmp);
@@ -113,9 +138,13 @@ static loom_status gdn_bwd(const loom_blk *b, const void *h, const void *dy, voi
     const int *w = b->w;
     void *const *a = b->act, *const *sc = b->scratch;
     const gdims d = dims(m);
-    const int64_t H = m->H, Tc = m->Tc;
+    const int64_t H = m->H, Tc = m->Tc, T = m->T;
     const int32_t *cu = b->mb->d_cu;
     const int64_t nd = b->mb->ndocs;
+    const bool cpx = m->cp > 1;
+    void *dof = cpx ? sc[DOF] : sc[DO], *dq = cpx ? sc[DQF] : sc[DQKV];
+    void *dp = cpx ? sc[DPF] : sc[DPRE], *dg = cpx ? sc[DGF] : sc[DG];
+    void *db = cpx ? sc[DBF] : sc[DBETA];
     /* out_proj: d of the gated norm's output */
     bool acc = false;
     loom_dx_term t[4];
@@ -127,13 +156,19 @@ static loom_status gdn_bwd(const loom_blk *b, const void *h, const void *dy, voi
     /* the gated norm, the rule, the gates, the convolution */
     CK(loom_k_gdn_norm_bwd(m, sc[DY], a[O], a[Z], loom_wc(m, w[NORMW]), a[RSTD], Tc * d.Hv,
                            d.dv, sc[DO], sc[DZ], loom_g(m, w[NORMW])));
-    CK(loom_k_gdn_bwd(m, sc[DO], a[QKV], a[G], a[BETA], Tc, d.Hk, d.Hv, d.dk, d.dv, cu, nd,
-                      sc[DQKV], sc[DG], sc[DBETA]));
+    if (cpx) CK(loom_cp_place(m, sc[DO], d.hv, dof));
+    CK(loom_k_gdn_bwd(m, dof, a[QKV], a[G], a[BETA], T, d.Hk, d.Hv, d.dk, d.dv, cu, nd, dq, dg,
+                      db));
+    CK(loom_k_gdn_conv_bwd(m, dq, a[PRE], loom_wc(m, w[CONV]), T, d.C, d.K, cu, nd, dp,
+                           loom_g(m, w[CONV])));
+    if (cpx) {
+        CK(loom_cp_reduce(m, dp, d.C, m->dev.adt, sc[DPRE], sc[XBLK]));
+        CK(loom_cp_reduce(m, dg, d.Hv, LOOM_F32, sc[DG], sc[XBLK]));
+        CK(loom_cp_reduce(m, db, d.Hv, LOOM_F32, sc[DBETA], sc[XBLK]));
+    }
     CK(loom_k_gdn_gate_bwd(m, sc[DG], sc[DBETA], a[A], a[B], loom_wc(m, w[ALOG]),
                            loom_wc(m, w[DTB]), Tc, d.Hv, sc[DA], sc[DB], loom_g(m, w[ALOG]),
                            loom_g(m, w[DTB])));
-    CK(loom_k_gdn_conv_bwd(m, sc[DQKV], a[PRE], loom_wc(m, w[CONV]), Tc, d.C, d.K, cu, nd,
-                           sc[DPRE], loom_g(m, w[CONV])));
     /* the four projections of h: LoRA's terms, then the base's two at a
      * time (qkv and z, then b and a) */
     acc = false;
@@ -158,26 +193,33 @@ static loom_status gdn_bwd(const loom_blk *b, const void *h, const void *dy, voi
 }
 
 static int gdn_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom_block_buf *out) {
-    (void)T, (void)Tn;
+    (void)Tn;
     const size_t e = m->dev.esz, f = sizeof(float);
     const bool any = loom_config_linear_layers(&m->cfg) > 0;
     const gdims d = dims(m);
-    out[PRE].bytes = out[QKV].bytes = any ? (size_t)(Tc * d.C) * e : 0;
+    out[PRE].bytes = out[QKV].bytes = any ? (size_t)(T * d.C) * e : 0;
     out[Z].bytes = out[O].bytes = out[Y].bytes = any ? (size_t)(Tc * d.hv) * e : 0;
     out[A].bytes = out[B].bytes = any ? (size_t)(Tc * d.Hv) * e : 0;
-    out[G].bytes = out[BETA].bytes = out[RSTD].bytes = any ? (size_t)(Tc * d.Hv) * f : 0;
+    out[G].bytes = out[BETA].bytes = any ? (size_t)(T * d.Hv) * f : 0;
+    out[RSTD].bytes = any ? (size_t)(Tc * d.Hv) * f : 0;
     return NBUF; /* all kept under selective recomputation */
 }
 
 static int gdn_scratch(const loom_model *m, int64_t T, int64_t Tc, size_t *bytes) {
-    (void)T;
     const size_t e = m->dev.esz, f = sizeof(float);
-    const bool any = loom_config_linear_layers(&m->cfg) > 0;
+    const bool any = loom_config_linear_layers(&m->cfg) > 0, cpx = any && m->cp > 1;
     const gdims d = dims(m);
     bytes[DY] = bytes[DO] = bytes[DZ] = any ? (size_t)(Tc * d.hv) * e : 0;
     bytes[DQKV] = bytes[DPRE] = any ? (size_t)(Tc * d.C) * e : 0;
     bytes[DG] = bytes[DBETA] = any ? (size_t)(Tc * d.Hv) * f : 0;
     bytes[DA] = bytes[DB] = any ? (size_t)(Tc * d.Hv) * e : 0;
+    bytes[PL] = cpx ? (size_t)(Tc * d.C) * e : 0;
+    bytes[GL] = bytes[BL] = cpx ? (size_t)(Tc * d.Hv) * f : 0;
+    bytes[OF] = bytes[DOF] = cpx ? (size_t)(T * d.hv) * e : 0;
+    bytes[DQF] = bytes[DPF] = cpx ? (size_t)(T * d.C) * e : 0;
+    bytes[DGF] = bytes[DBF] = cpx ? (size_t)(T * d.Hv) * f : 0;
+    const size_t xb = (size_t)(T * d.C) * e, xg = (size_t)(T * d.Hv) * f;
+    bytes[XBLK] = cpx ? (xb > xg ? xb : xg) : 0;
     return NSCRATCH;
 }
 

@@ -54,7 +54,7 @@ loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *cfg,
 void loom_param_plan_free(loom_param_plan *plan);
 /* LOOM_ERR_UNSUPPORTED, saying what is missing, for a config whose layers
  * loom cannot run on this mesh and device yet (Qwen3.5's Gated DeltaNet:
- * the CPU, tp 1, cp 1 so far); the model asks before it is built. */
+ * the CPU so far, any mesh); the model asks before it is built. */
 loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c, int tp, int cp,
                                     bool cuda);
 int64_t loom_param_numel(const loom_param_spec *p);

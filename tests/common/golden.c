@@ -77,23 +77,51 @@ void loom_test_compare_layout(loom_ctx *ctx, const char *out, const char *one, c
     loom_st_close(ref);
 }
 
-loom_status loom_test_write_batch(loom_ctx *ctx, const char *dir, const char *name, int64_t rows,
-                                  int64_t S, int64_t vocab, uint64_t seed) {
-    const int64_t n = rows * S, sh[2] = {rows, S};
+/* both: docs NULL (ndocs 0) for one document a row */
+static loom_status write_batch(loom_ctx *ctx, const char *dir, const char *name, int64_t rows,
+                               int64_t S, int64_t vocab, uint64_t seed, const int *len,
+                               int ndocs) {
+    const int64_t n = rows * S, sh[2] = {rows, S}, ncu = ndocs + 1;
     int32_t *ids = malloc((size_t)n * sizeof *ids), *tgt = malloc((size_t)n * sizeof *tgt);
-    loom_status st = ids && tgt ? LOOM_OK : LOOM_ERR_OOM;
+    int32_t *pos = malloc((size_t)n * sizeof *pos), *cu = malloc((size_t)ncu * sizeof *cu);
+    loom_status st = ids && tgt && pos && cu ? LOOM_OK : LOOM_ERR_OOM;
     for (int64_t i = 0; !st && i < n; i++)
         ids[i] = (int32_t)(loom_splitmix64(seed + (uint64_t)i) % (uint64_t)vocab);
     for (int64_t i = 0; !st && i < n; i++) tgt[i] = i % S == S - 1 ? -100 : ids[i + 1];
+    int64_t at = 0;
+    for (int d = 0; !st && d < ndocs; d++) {
+        cu[d] = (int32_t)at;
+        for (int j = 0; j < len[d]; j++) pos[at + j] = j;
+        at += len[d];
+        tgt[at - 1] = -100;
+    }
+    if (!st && ndocs) cu[ndocs] = (int32_t)at;
+    if (!st && ndocs && at != n)
+        st = loom_errf(ctx, LOOM_ERR_INVALID_ARG, "documents of %lld tokens for %lld",
+                       (long long)at, (long long)n);
     loom_st_writer *w = NULL;
     if (!st) st = loom_st_writer_create(ctx, dir, name, 0, NULL, &w);
     if (!st) st = loom_st_writer_declare(ctx, w, "input_ids", LOOM_I64, 2, sh);
     if (!st) st = loom_st_writer_declare(ctx, w, "targets", LOOM_I64, 2, sh);
+    if (!st && ndocs) st = loom_st_writer_declare(ctx, w, "position_ids", LOOM_I64, 2, sh);
+    if (!st && ndocs) st = loom_st_writer_declare(ctx, w, "cu_seqlens", LOOM_I32, 1, &ncu);
     if (!st) st = loom_st_writer_write(ctx, w, "input_ids", LOOM_I32, ids);
     if (!st) st = loom_st_writer_write(ctx, w, "targets", LOOM_I32, tgt);
+    if (!st && ndocs) st = loom_st_writer_write(ctx, w, "position_ids", LOOM_I32, pos);
+    if (!st && ndocs) st = loom_st_writer_write(ctx, w, "cu_seqlens", LOOM_I32, cu);
     if (!st) st = loom_st_writer_finish(ctx, w);
     loom_st_writer_free(w);
-    free(ids);
-    free(tgt);
+    free(ids), free(tgt), free(pos), free(cu);
     return st;
+}
+
+loom_status loom_test_write_batch(loom_ctx *ctx, const char *dir, const char *name, int64_t rows,
+                                  int64_t S, int64_t vocab, uint64_t seed) {
+    return write_batch(ctx, dir, name, rows, S, vocab, seed, NULL, 0);
+}
+
+loom_status loom_test_write_docs_batch(loom_ctx *ctx, const char *dir, const char *name,
+                                       int64_t rows, int64_t S, int64_t vocab, uint64_t seed,
+                                       const int *len, int ndocs) {
+    return write_batch(ctx, dir, name, rows, S, vocab, seed, len, ndocs);
 }

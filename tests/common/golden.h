@@ -28,9 +28,15 @@ int loom_test_golden(int np, const char *dir, const char *batch, const char *out
 void loom_test_compare_layout(loom_ctx *ctx, const char *out, const char *one, const char *label,
                               double tol, int ngrads);
 
-/* A batch file (input_ids, targets [rows, S]) of ids < vocab from seed at
- * path; targets the next id, -100 at each row's end. */
+/* A batch file dir/name.safetensors (input_ids, targets [rows, S]) of ids
+ * < vocab from seed; targets the next id, -100 at each row's end. */
 loom_status loom_test_write_batch(loom_ctx *ctx, const char *dir, const char *name, int64_t rows,
                                   int64_t S, int64_t vocab, uint64_t seed);
+/* The same of packed documents: ndocs lengths laid row after row (each
+ * row's add up to S), with cu_seqlens and position_ids, -100 at each
+ * document's end. */
+loom_status loom_test_write_docs_batch(loom_ctx *ctx, const char *dir, const char *name,
+                                       int64_t rows, int64_t S, int64_t vocab, uint64_t seed,
+                                       const int *len, int ndocs);
 
 #endif
