@@ -288,7 +288,14 @@ TEST(config_file_errors_name_the_file) {
 }
 
 /* Parameter counts of the built-in shapes, against the published model sizes
- * worked out by hand from their configs. */
+ * worked out by hand from their configs. Qwen3.5-0.8B's text model: the
+ * embedding 248320 x 1024; a Gated DeltaNet layer in_proj_qkv 6144 x 1024,
+ * z 2048 x 1024, b and a 16 x 1024, conv 6144 x 4, A_log and dt_bias 16, its
+ * norm 128, out_proj 1024 x 2048, the MLP 3 x 1024 x 3584, two norms 1024
+ * (21,555,360, 18 of them); a gated attention layer q 4096 x 1024, k and v
+ * 512 x 1024, o 1024 x 2048, q/k norms 256, MLP and norms (18,352,640, 6 of
+ * them); the final norm. Qwen3.5-4B likewise at 2560 (in_proj_qkv 8192 rows,
+ * 32 value heads): 112,923,840 x 24 + 107,484,672 x 8. */
 TEST(presets_parameter_counts) {
     static const struct {
         const char *name;
@@ -296,6 +303,7 @@ TEST(presets_parameter_counts) {
     } want[] = {
         {"qwen3-0.6b", 596049920LL},  {"qwen3-4b", 4022468096LL},
         {"qwen3-8b", 8190735360LL},   {"qwen3-30b-a3b", 30532122624LL},
+        {"qwen3.5-0.8b", 752393024LL}, {"qwen3.5-4b", 4205751296LL},
         {"tiny-qwen3", 65536 + 4 * (64 * 64 * 2 + 32 * 64 * 2 + 32 + 3 * 128 * 64 + 128) + 64},
     };
     loom_ctx *ctx;

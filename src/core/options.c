@@ -23,8 +23,8 @@ static const loom_option table[] = {
     {"out", LOOM_OPT_STRING, NULL, "output directory (data: the .tokens file; golden: the .safetensors file; plot: the .svg or .html file)", OFF(out), NULL,
      LOOM_CMD_INIT | LOOM_CMD_CONVERT | LOOM_CMD_DATA | LOOM_CMD_GOLDEN | LOOM_CMD_PLOT, 0, 0},
     {"preset", LOOM_OPT_CHOICE, "tiny-qwen3", "built-in model shape", OFF(preset),
-     "tiny-qwen3|tiny-qwen2|tiny-llama|tiny-qwen3-moe|tiny-qwen2-moe|qwen3-0.6b|qwen3-4b|qwen3-8b|"
-     "qwen3-30b-a3b",
+     "tiny-qwen3|tiny-qwen2|tiny-llama|tiny-qwen3-moe|tiny-qwen2-moe|tiny-qwen3.5|qwen3-0.6b|"
+     "qwen3-4b|qwen3-8b|qwen3-30b-a3b|qwen3.5-0.8b|qwen3.5-4b",
      LOOM_CMD_INIT | LOOM_CMD_INSPECT, 0, 0},
     {"save_dtype", LOOM_OPT_CHOICE, "auto",
      "dtype of the weights written (auto: as read; float32 for init)", OFF(save_dtype),

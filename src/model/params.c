@@ -173,6 +173,20 @@ int64_t loom_param_plan_count(const loom_param_plan *plan, int64_t *counts) {
     "\"initializer_range\": 0.02, \"rms_norm_eps\": 1e-06, \"rope_scaling\": null, "         \
     "\"sliding_window\": null, \"use_cache\": true, \"use_sliding_window\": false, "
 
+/* Qwen3.5's text model (the hub's text_config, text-only layout): three
+ * Gated DeltaNet layers, then one of gated attention */
+#define QWEN35_COMMON                                                                        \
+    "\"architectures\": [\"Qwen3_5ForCausalLM\"], \"model_type\": \"qwen3_5_text\", "        \
+    "\"attention_bias\": false, \"attn_output_gate\": true, \"hidden_act\": \"silu\", "      \
+    "\"initializer_range\": 0.02, \"rms_norm_eps\": 1e-06, \"linear_conv_kernel_dim\": 4, "    \
+    "\"full_attention_interval\": 4, \"max_position_embeddings\": 262144, "                  \
+    "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 10000000, "           \
+    "\"partial_rotary_factor\": 0.25}, \"torch_dtype\": \"bfloat16\", "
+#define QWEN35_FOUR                                                                          \
+    "\"linear_attention\", \"linear_attention\", \"linear_attention\", \"full_attention\""
+#define QWEN35_TWENTY_FOUR                                                                   \
+    QWEN35_FOUR ", " QWEN35_FOUR ", " QWEN35_FOUR ", " QWEN35_FOUR ", " QWEN35_FOUR ", " QWEN35_FOUR
+
 static const struct {
     const char *name, *json;
 } presets[] = {
@@ -247,6 +261,28 @@ static const struct {
      "\"num_attention_heads\": 32, \"num_hidden_layers\": 48, \"num_key_value_heads\": 4, "
      "\"rope_theta\": 1000000.0, \"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\", "
      "\"vocab_size\": 151936}"},
+    /* tests/fixtures_qwen3_5's tiny-qwen3_5, text only */
+    {"tiny-qwen3.5",
+     "{" QWEN35_COMMON "\"head_dim\": 16, \"hidden_size\": 64, \"intermediate_size\": 128, "
+     "\"layer_types\": [" QWEN35_FOUR "], \"linear_key_head_dim\": 16, "
+     "\"linear_num_key_heads\": 2, \"linear_num_value_heads\": 4, "
+     "\"linear_value_head_dim\": 16, \"num_attention_heads\": 4, \"num_hidden_layers\": 4, "
+     "\"num_key_value_heads\": 2, \"tie_word_embeddings\": true, \"vocab_size\": 1024}"},
+    /* Qwen/Qwen3.5-0.8B's and -4B's text_config */
+    {"qwen3.5-0.8b",
+     "{" QWEN35_COMMON "\"eos_token_id\": 248044, \"head_dim\": 256, \"hidden_size\": 1024, "
+     "\"intermediate_size\": 3584, \"layer_types\": [" QWEN35_TWENTY_FOUR "], "
+     "\"linear_key_head_dim\": 128, \"linear_num_key_heads\": 16, "
+     "\"linear_num_value_heads\": 16, \"linear_value_head_dim\": 128, "
+     "\"num_attention_heads\": 8, \"num_hidden_layers\": 24, \"num_key_value_heads\": 2, "
+     "\"tie_word_embeddings\": true, \"vocab_size\": 248320}"},
+    {"qwen3.5-4b",
+     "{" QWEN35_COMMON "\"eos_token_id\": 248044, \"head_dim\": 256, \"hidden_size\": 2560, "
+     "\"intermediate_size\": 9216, \"layer_types\": [" QWEN35_TWENTY_FOUR ", " QWEN35_FOUR
+     ", " QWEN35_FOUR "], \"linear_key_head_dim\": 128, \"linear_num_key_heads\": 16, "
+     "\"linear_num_value_heads\": 32, \"linear_value_head_dim\": 128, "
+     "\"num_attention_heads\": 16, \"num_hidden_layers\": 32, \"num_key_value_heads\": 4, "
+     "\"tie_word_embeddings\": true, \"vocab_size\": 248320}"},
 };
 
 const char *loom_preset_config(const char *name) {

@@ -65,7 +65,8 @@ int64_t loom_param_plan_count(const loom_param_plan *plan, int64_t *counts);
 /* Built-in model shapes (config.json text in the classic hub layout):
  * tiny-qwen3, tiny-qwen2, tiny-llama, tiny-qwen3-moe, tiny-qwen2-moe (the
  * shape of tests/fixtures_moe's), qwen3-0.6b, qwen3-4b, qwen3-8b,
- * qwen3-30b-a3b. NULL for an unknown name. */
+ * qwen3-30b-a3b, and Qwen3.5's text models: tiny-qwen3.5 (the fixture's
+ * shape), qwen3.5-0.8b, qwen3.5-4b. NULL for an unknown name. */
 const char *loom_preset_config(const char *name);
 
 /* Writes a model directory (config.json + safetensors) with random weights:
