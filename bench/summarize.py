@@ -124,21 +124,51 @@ def model_shape(path):
     V = cfg["vocab_size"]
     tied = bool(cfg.get("tie_word_embeddings", False))
     mt = cfg.get("model_type", "?")
+    qwen35 = mt.startswith("qwen3_5")
     qkv_bias = bool(cfg.get("attention_bias", mt == "qwen2"))
-    qk_norm = mt == "qwen3"
-    attn = H * Hq * D + 2 * H * Hkv * D + Hq * D * H
+    qk_norm = mt == "qwen3" or qwen35
+    gate = 2 if qwen35 else 1  # Qwen3.5's q_proj: query and output gate per head
+    attn = H * gate * Hq * D + 2 * H * Hkv * D + Hq * D * H
     if qkv_bias:
         attn += Hq * D + 2 * Hkv * D
     if qk_norm:
         attn += 2 * D
     mlp = 3 * H * I
     norms = 2 * H * L + H
-    return dict(model_type=mt, H=H, I=I, L=L, Hq=Hq, Hkv=Hkv, D=D, V=V, tied=tied,
-                attention=attn * L, mlp=mlp * L, norms=norms, embedding=V * H,
-                lm_head=0 if tied else V * H,
-                total=attn * L + mlp * L + norms + V * H + (0 if tied else V * H),
-                n_flop=attn * L + mlp * L + norms + V * H,
-                lora_per_r=L * ((H + Hq * D) * 2 + (H + Hkv * D) * 2 + (H + I) * 3))
+    # Qwen3.5: three of four layers are Gated DeltaNet (linear attention)
+    types = cfg.get("layer_types") or (
+        ["full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0
+         else "linear_attention" for i in range(L)] if qwen35 else ["full_attention"] * L)
+    Ll = sum(t == "linear_attention" for t in types)
+    Lf = L - Ll
+    Hk, Hv = cfg.get("linear_num_key_heads", 0), cfg.get("linear_num_value_heads", 0)
+    dk, dv = cfg.get("linear_key_head_dim", 0), cfg.get("linear_value_head_dim", 0)
+    C, K = 2 * Hk * dk + Hv * dv, cfg.get("linear_conv_kernel_dim", 4)
+    gdn = H * C + H * Hv * dv + 2 * H * Hv + C * K + 2 * Hv + dv + Hv * dv * H
+    lora_attn = (H + gate * Hq * D) + (H + Hkv * D) * 2 + (Hq * D + H)
+    lora_gdn = (H + C) + (H + Hv * dv) + (Hv * dv + H)  # in_proj_qkv, in_proj_z, out_proj
+    mats = attn * Lf + gdn * Ll + mlp * L
+    return dict(model_type=mt, H=H, I=I, L=L, Lf=Lf, Ll=Ll, Hq=Hq, Hkv=Hkv, D=D, V=V,
+                Hv=Hv, dk=dk, dv=dv, tied=tied, attention=attn * Lf + gdn * Ll, mlp=mlp * L,
+                norms=norms, embedding=V * H, lm_head=0 if tied else V * H,
+                total=mats + norms + V * H + (0 if tied else V * H),
+                n_flop=mats + norms + V * H,
+                lora_per_r=Lf * lora_attn + Ll * lora_gdn + L * (H + I) * 3)
+
+
+GDN_CHUNK = 64
+
+
+def gdn_flops(shape):
+    """FLOPs per token of the chunked gated delta rule over the model's linear
+    layers, training (forward + backward = 3 x forward; bench/README.md): per
+    value head and token, with chunks of c = 64, the forward's matmuls
+    K K^T, W = T(beta K), U = T(beta V), Q K^T and (Q K^T)V' cost
+    2c(3 dk + 2 dv), the state's W S, Q S and K^T V' 6 dk dv, and the
+    triangular solve 2c^2/3."""
+    c, dk, dv = GDN_CHUNK, shape["dk"], shape["dv"]
+    fwd = 2 * c * (3 * dk + 2 * dv) + 6 * dk * dv + 2 * c * c / 3
+    return 3 * shape["Ll"] * shape["Hv"] * fwd
 
 
 def fmt_int(n):
@@ -190,7 +220,9 @@ def main():
     trainable = a.trainable
     if trainable is None and shape:
         trainable = a.lora_r * shape["lora_per_r"] if lora else shape["total"]
-    attn_flops = 6 * shape["L"] * S * shape["Hq"] * shape["D"] if shape else None
+    attn_flops = 6 * shape["Lf"] * S * shape["Hq"] * shape["D"] if shape else None
+    if shape and shape["Ll"]:
+        attn_flops += gdn_flops(shape)
     flop_tok = (4 if lora else 6) * N + attn_flops if N is not None and shape else None
 
     loom = Run("loom", a.loom_log, a.loom_rc, a.steps)
@@ -209,8 +241,10 @@ def main():
         print(f"N = {fmt_int(N)} (attention + MLP + norms + output layer V x H; input "
               f"embedding not counted); trainable "
               f"{fmt_int(trainable) if trainable is not None else 'n/a'}")
-        print(f"FLOP/token = {4 if lora else 6}N + 6 L S Hq D = {(4 if lora else 6) * N:.4g} "
-              f"+ {attn_flops:.4g} = {flop_tok:.4g}; peak {a.peak_tflops} TFLOP/s")
+        mix = " + the chunked delta rule's" if shape["Ll"] else ""
+        print(f"FLOP/token = {4 if lora else 6}N + 6 L S Hq D{mix} = "
+              f"{(4 if lora else 6) * N:.4g} + {attn_flops:.4g} = {flop_tok:.4g}; "
+              f"peak {a.peak_tflops} TFLOP/s")
     else:
         print("FLOP/token: n/a (no readable --config)")
 

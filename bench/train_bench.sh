@@ -5,7 +5,9 @@
 #
 # Usage: bash bench/train_bench.sh [case ...]
 #   cases: 0.6b-full 4b-lora 8b-lora (default: all three, in this order);
-#          tiny-full tiny-lora are smoke tests of the script itself (tiny Qwen3).
+#          30b-a3b-lora (Qwen3-MoE), q35-4b-lora q35-0.8b-full (Qwen3.5);
+#          tiny-full tiny-lora tiny-moe-lora tiny-q35-lora are smoke tests of
+#          the script itself.
 # Environment (all optional):
 #   LOOM_BIN=PATH            use this loom binary (default: build build-cuda/loom)
 #   LOOM_BENCH_DIR=DIR       work dir (default /tmp/loom-bench); logs under DIR/CASE/
@@ -61,6 +63,9 @@ case_cfg() {
         4b-lora)   PRESET=qwen3-4b;   LORA_R=8; MB=1; STEPS=30 ;;
         8b-lora)   PRESET=qwen3-8b;   LORA_R=8; MB=1; STEPS=25 ;;
         30b-a3b-lora) PRESET=qwen3-30b-a3b; LORA_R=8; MB=1; STEPS=10 ;;
+        q35-4b-lora) PRESET=qwen3.5-4b; LORA_R=8; MB=1; STEPS=20 ;;
+        q35-0.8b-full) PRESET=qwen3.5-0.8b; LORA_R=0; MB=1; STEPS=20 ;;
+        tiny-q35-lora) PRESET=tiny-qwen3.5; LORA_R=8; MB=1; STEPS=10 ;;
         tiny-moe-lora) PRESET=tiny-qwen3-moe; LORA_R=8; MB=1; STEPS=10 ;;
         tiny-full) PRESET=tiny-qwen3; LORA_R=0; MB=2; STEPS=10 ;;
         tiny-lora) PRESET=tiny-qwen3; LORA_R=8; MB=1; STEPS=10 ;;
