@@ -13,10 +13,11 @@ typedef struct {
 } mismatch;
 
 typedef struct {
-    size_t expected, found, n_missing, n_mismatch, n_unexpected;
+    size_t expected, found, n_missing, n_mismatch, n_unexpected, n_carried;
     const char **missing;   /* plan names absent from the checkpoint */
     mismatch *mismatches;
     const char **unexpected; /* checkpoint names not in the plan */
+    const char **carried;    /* ... that loom carries through its exports (loom_hf_carried) */
     int64_t ckpt_params;
     uint64_t ckpt_bytes;
     int64_t by_dtype[LOOM_DTYPE_COUNT];
@@ -33,15 +34,16 @@ static bool same_shape(const loom_param_spec *p, const loom_st_tensor *t) {
     return true;
 }
 
-static loom_status compare(loom_ctx *ctx, const loom_param_plan *plan, const loom_safetensors *st,
-                           match *m) {
+static loom_status compare(loom_ctx *ctx, const loom_model_config *c, const loom_param_plan *plan,
+                           const loom_safetensors *st, match *m) {
     memset(m, 0, sizeof *m);
     size_t nt = loom_st_count(st);
     m->missing = loom_calloc(ctx, plan->n, sizeof *m->missing, "inspect");
     m->mismatches = loom_calloc(ctx, plan->n, sizeof *m->mismatches, "inspect");
     m->unexpected = loom_calloc(ctx, nt, sizeof *m->unexpected, "inspect");
+    m->carried = loom_calloc(ctx, nt, sizeof *m->carried, "inspect");
     const char **names = loom_calloc(ctx, plan->n, sizeof *names, "inspect");
-    if (!m->missing || !m->mismatches || !m->unexpected || !names) {
+    if (!m->missing || !m->mismatches || !m->unexpected || !m->carried || !names) {
         free(names);
         return LOOM_ERR_OOM;
     }
@@ -64,7 +66,10 @@ static loom_status compare(loom_ctx *ctx, const loom_param_plan *plan, const loo
         m->ckpt_params += (int64_t)t->numel;
         m->ckpt_bytes += t->nbytes;
         m->by_dtype[t->dtype] += (int64_t)t->numel;
-        if (!bsearch(&t->name, names, plan->n, sizeof *names, cmp_str))
+        if (bsearch(&t->name, names, plan->n, sizeof *names, cmp_str)) continue;
+        if (loom_hf_carried(c, t->name))
+            m->carried[m->n_carried++] = t->name;
+        else
             m->unexpected[m->n_unexpected++] = t->name;
     }
     free(names);
@@ -75,6 +80,7 @@ static void free_match(match *m) {
     free(m->missing);
     free(m->mismatches);
     free(m->unexpected);
+    free(m->carried);
 }
 
 static void shape_str(char *buf, size_t n, int ndim, const int64_t *shape) {
@@ -160,6 +166,10 @@ static void print_text(const char *src, const loom_model_config *c, const loom_p
     printf("\n");
     printf("tensors: %zu expected, %zu found, %zu missing, %zu with another shape, %zu unexpected\n",
            m->expected, m->found, m->n_missing, m->n_mismatch, m->n_unexpected);
+    if (m->n_carried)
+        printf("  and %zu outside the text model (the vision tower, the mtp head), carried "
+               "through every export as read\n",
+               m->n_carried);
     const size_t show = 20;
     for (size_t i = 0; i < m->n_missing && i < show; i++) printf("  missing    %s\n", m->missing[i]);
     for (size_t i = 0; i < m->n_mismatch && i < show; i++) {
@@ -203,10 +213,10 @@ static loom_status print_json(loom_ctx *ctx, const char *src, const loom_model_c
                        ", \"bytes\": %" PRIu64 "}, \"expected\": %zu, \"found\": %zu",
                        loom_st_file_count(st), loom_st_count(st), m->ckpt_params, m->ckpt_bytes,
                        m->expected, m->found);
-        const char *const *lists[2] = {m->missing, m->unexpected};
-        const size_t ns[2] = {m->n_missing, m->n_unexpected};
-        const char *keys[2] = {"missing", "unexpected"};
-        for (int l = 0; l < 2; l++) {
+        const char *const *lists[3] = {m->missing, m->unexpected, m->carried};
+        const size_t ns[3] = {m->n_missing, m->n_unexpected, m->n_carried};
+        const char *keys[3] = {"missing", "unexpected", "carried"};
+        for (int l = 0; l < 3; l++) {
             loom_sb_printf(&sb, ", \"%s\": [", keys[l]);
             for (size_t i = 0; i < ns[l]; i++) {
                 if (i) loom_sb_puts(&sb, ", ");
@@ -367,7 +377,7 @@ int loom_cmd_inspect(loom_ctx *ctx, loom_settings *s, int npos, const char **pos
     if ((st = loom_param_plan_build(ctx, &cfg, &plan))) goto fail;
     if (dir) {
         if ((st = loom_hf_dir_open(ctx, dir, &ckpt))) goto fail;
-        if ((st = compare(ctx, &plan, ckpt, &m))) goto fail;
+        if ((st = compare(ctx, &cfg, &plan, ckpt, &m))) goto fail;
     }
     if (!strcmp(s->format, "json")) {
         if ((st = print_json(ctx, src, &cfg, &plan, ckpt, &m))) goto fail;

@@ -112,7 +112,7 @@ TEST(cli_inspect_fixtures) {
  * model.language_model. and the Gated DeltaNet's conv1d [C, 1, K] are read
  * as loom names them, the fused experts of the MoE one too, so every tensor
  * the config implies is found with its shape; the vision tower and the mtp
- * head are the only others. */
+ * head are the only others, listed as carried (nothing unexpected). */
 TEST(cli_inspect_qwen3_5) {
     static const struct {
         const char *model;
@@ -134,7 +134,8 @@ TEST(cli_inspect_qwen3_5) {
             CHECK_EQ_INT(found, models[i].expected);
             CHECK_EQ_INT(loom_json_get(doc, "missing")->n, 0);
             CHECK_EQ_INT(loom_json_get(doc, "shape_mismatches")->n, 0);
-            const loom_json *un = loom_json_get(doc, "unexpected");
+            CHECK_EQ_INT(loom_json_get(doc, "unexpected")->n, 0);
+            const loom_json *un = loom_json_get(doc, "carried");
             CHECK_EQ_INT(un->n, 26); /* 21 of the vision tower, 5 of the mtp head */
             for (size_t k = 0; k < un->n; k++)
                 CHECK_MSG(!strncmp(un->items[k]->s, "model.visual.", 13) ||
@@ -146,6 +147,8 @@ TEST(cli_inspect_qwen3_5) {
         CHECK_EQ_INT(LOOM2(&out, "inspect", dir), 0);
         CHECK_CONTAINS(out, "3 Gated DeltaNet (key heads 2 of 16, value heads 4 of 16, conv 4), "
                             "1 full attention (output gate, 4 of 16 dimensions rotated)");
+        CHECK_CONTAINS(out, "0 unexpected\n  and 26 outside the text model (the vision tower, "
+                            "the mtp head), carried through every export as read");
         free(out);
     }
     loom_ctx_free(ctx);

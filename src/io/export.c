@@ -39,6 +39,13 @@ static bool carried(const char *name) {
     return strncmp(name, "model.language_model.", 21) && strcmp(name, "lm_head.weight");
 }
 
+bool loom_hf_carried(const loom_model_config *cfg, const char *name) {
+    /* as loom_hf_dir_open presents them: the text model's under model. */
+    return cfg->nested_text && strncmp(name, "model.layers.", 13) &&
+           strcmp(name, "model.embed_tokens.weight") && strcmp(name, "model.norm.weight") &&
+           carried(name);
+}
+
 /* <base>.safetensors (sharded past max_shard; 0: one file) from src into
  * dir on the writer, {"format": "pt"} as its metadata, as transformers
  * writes; src's experts fused with `fused`, named as the hub names them

@@ -90,6 +90,10 @@ loom_status loom_hf_dir_open(loom_ctx *ctx, const char *dir, struct loom_safeten
 /* Whether the checkpoint loom_hf_dir_open read has its experts fused: save
  * it with fused_experts to keep its layout. */
 bool loom_hf_dir_experts_fused(const struct loom_safetensors *st);
+/* A tensor of a vision-language checkpoint (cfg->nested_text) outside its
+ * text model (the vision tower, the mtp head): loom carries it through
+ * every export as read. */
+bool loom_hf_carried(const loom_model_config *cfg, const char *name);
 
 /* A PEFT adapter directory opened for reading: adapter_config.json's
  * settings (checked as loom_peft_config_read does) and the tensors of
