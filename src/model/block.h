@@ -15,8 +15,7 @@
  * output gradient to the partial input gradient, and recompute. Kinds:
  * block_attn.c (attention), block_mlp.c (dense SwiGLU MLP), block_moe.c
  * (Qwen3-MoE's router and experts, local or dispatched over ep x etp, and
- * Qwen2-MoE's gated shared expert), block_gdn.c (Qwen3.5's Gated DeltaNet:
- * its tensors so far);
+ * Qwen2-MoE's gated shared expert), block_gdn.c (Qwen3.5's Gated DeltaNet);
  * docs/DESIGN.md, "The layer table", walks through adding one. */
 #ifndef LOOM_MODEL_BLOCK_H
 #define LOOM_MODEL_BLOCK_H
