@@ -249,6 +249,7 @@ TEST(qwen35_vision_language_adapter_names) {
     loom_json_free(cfg);
     /* loaded back: bit for bit; then the same file with text-only names */
     REQUIRE_OK(ctx, loom_model_load_adapter(m, "again", out));
+    ar = &m->adapters[0].ar; /* the adapters' array moved as it grew */
     loom_arena *br = &m->adapters[1].ar;
     REQUIRE(br->nslots == ar->nslots);
     bool same = true;
@@ -282,6 +283,7 @@ TEST(qwen35_vision_language_adapter_names) {
     REQUIRE_OK(ctx, loom_write_file_atomic(ctx, path, cj, cl));
     free(cj);
     REQUIRE_OK(ctx, loom_model_load_adapter(m, "text_names", text_dir));
+    ar = &m->adapters[0].ar;
     loom_arena *cr = &m->adapters[2].ar;
     same = cr->nslots == ar->nslots;
     for (int s = 0; same && s < ar->nslots; s++)
