@@ -302,9 +302,10 @@ TEST(backend_gdn_rule_equals_cpu) {
         {2, 4, 32, 48, 3, {0, 3, 70, 150}},
         /* one document of exactly two chunks, one head */
         {1, 1, 16, 16, 1, {0, 128}},
-        /* Qwen3.5's head size; dv 160: two column passes of the backward,
-         * part tiles of the state passes (32) and of the output (64) */
-        {1, 2, 128, 160, 2, {0, 130, 197}},
+        /* Qwen3.5's head size; dv 144: two column passes of the backward
+         * (dv + dk > 256), part tiles of the state passes (32) and of the
+         * output (64) (160, a multiple of 32, had no part tile of 32) */
+        {1, 2, 128, 144, 2, {0, 130, 197}},
         /* a document of 1 token among others */
         {2, 2, 64, 64, 3, {0, 1, 65, 100}},
     };
