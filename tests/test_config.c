@@ -457,6 +457,8 @@ TEST(config_qwen3_5_text_only_and_errors) {
          "layer_types[1] must be 'linear_attention' or 'full_attention'", LOOM_ERR_UNSUPPORTED},
         {"{\"model_type\": \"qwen3_5_text\", " Q35 ", \"partial_rotary_factor\": 0.125}",
          "partial_rotary_factor=0.125 gives 1 rotary dimensions", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3_5_text\", " Q35 ", \"partial_rotary_factor\": 9.6e25}",
+         "partial_rotary_factor=9.6e+25 gives 0 rotary dimensions", LOOM_ERR_CONFIG},
         {"{\"model_type\": \"qwen3_5_text\", " Q35
          ", \"linear_num_key_heads\": 3, \"linear_num_value_heads\": 4}",
          "linear_num_value_heads=4 is not a multiple of linear_num_key_heads=3", LOOM_ERR_CONFIG},

@@ -225,7 +225,8 @@ static loom_status parse_qwen35(loom_ctx *ctx, const loom_json *doc, const char 
         (st = loom_json_get_num_opt(ctx, rp, "partial_rotary_factor", what, &f)))
         return st;
     if ((st = loom_json_get_num_opt(ctx, doc, "partial_rotary_factor", what, &f))) return st;
-    cfg->rotary_dim = (int64_t)((double)cfg->head_dim * f);
+    /* range first: the product of an out-of-range factor may not fit an int64 */
+    cfg->rotary_dim = (f > 0 && f <= 1) ? (int64_t)((double)cfg->head_dim * f) : 0;
     if (!(f > 0 && f <= 1) || cfg->rotary_dim < 2 || cfg->rotary_dim % 2)
         return loom_errf(ctx, LOOM_ERR_CONFIG,
                          "%s: partial_rotary_factor=%g gives %lld rotary dimensions of head_dim "
