@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../include/loom.h"
+#include "../src/backend/gdn_ws.h"
 #include "../src/model/model.h"
 #include "harness.h"
 
@@ -393,6 +394,75 @@ TEST(memory_prediction_moe_capacity) {
     }
     CHECK_MSG(ep[1] * 2 < ep[0], "ep4: MoE activations dropless %llu, capacity 1.0 %llu",
               (unsigned long long)ep[0], (unsigned long long)ep[1]);
+    loom_config_free(&cfg);
+    loom_ctx_free(ctx);
+}
+
+/* Qwen3.5's Gated DeltaNet layers on GPUs: the CUDA rule's workspace
+ * (gdn_ws.h) is in the predicted workspace, once per rank, sized by the
+ * heads a tp rank holds and the whole sequence (also under cp); nothing on
+ * the CPU. The chunk bound the workspace is sized by holds for every split
+ * of the tokens into documents. */
+TEST(memory_prediction_gdn_workspace) {
+    loom_ctx *ctx;
+    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
+    loom_model_config cfg;
+    REQUIRE_OK(ctx, loom_config_load(ctx, "tests/fixtures_qwen3_5/models/tiny-qwen3_5", &cfg));
+    REQUIRE(loom_config_linear_layers(&cfg) > 0);
+    const int64_t mbs = 2, seq = 200, T = mbs * seq, NC = mbs * ((seq + 63) / 64);
+    bool *lin = cfg.linear_attn;
+    struct {
+        int tp, cp;
+        bool cuda, training;
+    } cases[] = {{1, 1, true, true}, {2, 1, true, true}, {1, 2, true, true},
+                 {1, 1, true, false}, {1, 1, false, true}};
+    uint64_t delta[5];
+    for (size_t i = 0; i < 5; i++) {
+        loom_mesh_sizes want = {.tp = cases[i].tp, .cp = cases[i].cp, .dp = 1, .pp = 1},
+                        n;
+        REQUIRE_OK(ctx, loom_mesh_sizes_resolve(ctx, &want, cases[i].tp * cases[i].cp, &n));
+        loom_mem_in in = {.n = n, .adt = LOOM_BF16, .cuda = cases[i].cuda, .micro_batch_size = mbs,
+                          .seq = seq, .n_micro = 1, .training = cases[i].training};
+        loom_mem_report with, without;
+        cfg.linear_attn = lin;
+        REQUIRE_OK(ctx, loom_memory_predict_stage(ctx, &cfg, &in, 0, &with));
+        cfg.linear_attn = NULL; /* every layer full attention: the same rows otherwise */
+        REQUIRE_OK(ctx, loom_memory_predict_stage(ctx, &cfg, &in, 0, &without));
+        delta[i] = with.work - without.work;
+        CHECK_EQ_INT((int64_t)(with.total - without.total - (with.acts - without.acts) -
+                               (with.weights - without.weights) - (with.grads - without.grads) -
+                               (with.optim - without.optim)),
+                     (int64_t)delta[i]);
+    }
+    cfg.linear_attn = lin;
+    const int64_t Hv = cfg.lin_v_heads, dk = cfg.lin_k_dim, dv = cfg.lin_v_dim;
+    const uint64_t state = (uint64_t)(NC * Hv * dk * dv * 4);
+    /* training: the chunks' states and their gradients at least; a forward
+     * keeps no gradient; tp halves the heads; cp keeps the whole sequence */
+    CHECK_MSG(delta[0] >= 2 * state && delta[0] < 2 * state + (uint64_t)T * 1024 * 64,
+              "GDN workspace %llu bytes, states %llu", (unsigned long long)delta[0],
+              (unsigned long long)state);
+    CHECK_EQ_INT((int64_t)delta[0], (int64_t)loom_gdn_ws_bytes(T, cfg.lin_k_heads, Hv, dk, dv,
+                                                               mbs, 1));
+    CHECK(delta[1] < delta[0] && delta[1] * 2 >= delta[0] - 4096);
+    CHECK_EQ_INT((int64_t)delta[2], (int64_t)delta[0]);
+    CHECK(delta[3] >= state && delta[3] < delta[0] - state + 4096);
+    CHECK_EQ_INT((int64_t)delta[4], 0);
+    /* the chunk bound, against counted chunks of random document splits */
+    uint32_t s = 7;
+    for (int trial = 0; trial < 200; trial++) {
+        const int64_t TT = 1 + trial * 7;
+        int64_t t = 0, docs = 0, chunks = 0;
+        while (t < TT) {
+            s = s * 1664525u + 1013904223u;
+            int64_t len = 1 + (int64_t)(s >> 8) % (trial % 3 == 0 ? 3 : 150);
+            if (len > TT - t) len = TT - t;
+            chunks += (len + 63) / 64, docs++, t += len;
+        }
+        CHECK_MSG(chunks <= loom_gdn_ws_chunks(TT, docs), "T %lld, %lld documents: %lld chunks > %lld",
+                  (long long)TT, (long long)docs, (long long)chunks,
+                  (long long)loom_gdn_ws_chunks(TT, docs));
+    }
     loom_config_free(&cfg);
     loom_ctx_free(ctx);
 }

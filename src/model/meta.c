@@ -10,6 +10,7 @@
 #include "model.h"
 #include "moe_dedup.h"
 #include "params.h"
+#include "../backend/gdn_ws.h"
 #include "../parallel/schedule.h"
 
 struct loom_meta {
@@ -234,6 +235,20 @@ static uint64_t moe_share(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn
     return total;
 }
 
+/* The CUDA Gated DeltaNet rule's workspace (gdn_ws.h), once per rank when
+ * the stage holds such a layer: its heads over tp, the whole sequence
+ * under cp (each cp rank runs the rule over all of it), one document per
+ * sequence (packed documents add up to one chunk each). */
+static size_t gdn_work(const loom_model *m, const loom_mem_in *in, int64_t T) {
+    const loom_model_config *c = &m->cfg;
+    bool held = false;
+    for (int64_t l = 0; l < m->L && c->linear_attn; l++)
+        held |= m->layer[l].held && c->linear_attn[l];
+    if (!in->cuda || !held) return 0;
+    return loom_gdn_ws_bytes(T, c->lin_k_heads / m->tp, c->lin_v_heads / m->tp, c->lin_k_dim,
+                             c->lin_v_dim, in->micro_batch_size, in->training);
+}
+
 static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
                                  const loom_mem_in *in, int pp_rank, loom_mem_report *r) {
     loom_model sh;
@@ -360,6 +375,7 @@ static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,
         int64_t rows_max = Tc * (m->Hql > m->Hkvl ? m->Hql : m->Hkvl);
         if (Tn > rows_max) rows_max = Tn;
         r->work = in->cuda ? (32u << 20) + (size_t)rows_max * 8 + 1024 * 8 : 0;
+        r->work += gdn_work(m, in, T);
     }
     for (int ci = 0; ci < m->vpp; ci++) free(chunks[ci].pool);
     free(m->micro);

@@ -31,6 +31,7 @@
 // SIMT loops: the chunk-local products are left for tensor cores (mma.cuh)
 // once this is known to be right.
 #include "../cpu/cpu_gdn.h"
+#include "../gdn_ws.h"
 #include "ops_common.cuh"
 
 using namespace loom_cuda;
@@ -38,6 +39,7 @@ using namespace loom_cuda;
 namespace {
 constexpr int CH = LOOM_GDN_CHUNK; // tokens per chunk
 static_assert(CH == 64, "the chunk kernels' shared arrays are laid out for 64-token chunks");
+static_assert(LOOM_GDN_WS_ARRAYS == 15, "ws_layout assigns 15 arrays");
 constexpr int NT = 256; // threads per block
 constexpr int WARPS = NT / 32;
 constexpr int LDA = CH + 1; // row stride of the (CH, CH) shared matrices (no bank conflicts)
@@ -68,33 +70,15 @@ struct gdn_ws {
     float *dqh, *dkh; // (T, Hv, dk): the normalised q's and k's gradients per value head (bwd)
 };
 
-int64_t max_chunks(int64_t T, int64_t ndocs) {
-    const int64_t n = (T + (CH - 1) * ndocs) / CH; // sum of ceil(len / CH) <= this
-    return n < T ? n : T;
-}
+int64_t max_chunks(int64_t T, int64_t ndocs) { return loom_gdn_ws_chunks(T, ndocs); }
 
-size_t al(size_t b) { return (b + 255) / 256 * 256; }
+size_t al(size_t b) { return loom_gdn_ws_align(b); }
 
 // The workspace's layout from base (NULL: the sizes only); returns its bytes.
+// The sizes are gdn_ws.h's, which the memory predictor reads too.
 size_t ws_layout(const geo &z, bool bwd, char *base, gdn_ws *w) {
-    const size_t f = sizeof(float);
-    const size_t sizes[15] = {
-        (size_t)(z.ndocs + 1) * 4,
-        (size_t)z.NC * 4,
-        (size_t)z.NC * 4,
-        (size_t)(z.T * z.Hk * z.dk) * f,
-        (size_t)(z.T * z.Hk * z.dk) * f,
-        (size_t)(z.T * z.Hv) * f,
-        (size_t)(z.NC * z.Hv * CH * CH) * f,
-        (size_t)(z.T * z.Hv * z.dk) * f,
-        (size_t)(z.T * z.Hv * z.dv) * f,
-        (size_t)(z.T * z.Hv * z.dv) * f,
-        (size_t)(z.NC * z.Hv * z.dk * z.dv) * f,
-        bwd ? (size_t)(z.NC * z.Hv * z.dk * z.dv) * f : 0,
-        bwd ? (size_t)(z.T * z.Hv * z.dv) * f : 0,
-        bwd ? (size_t)(z.T * z.Hv * z.dk) * f : 0,
-        bwd ? (size_t)(z.T * z.Hv * z.dk) * f : 0,
-    };
+    size_t sizes[LOOM_GDN_WS_ARRAYS];
+    loom_gdn_ws_sizes(z.T, z.Hk, z.Hv, z.dk, z.dv, z.ndocs, bwd, sizes);
     void *p[15];
     size_t off = 0;
     for (int i = 0; i < 15; i++) {
