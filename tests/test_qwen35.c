@@ -436,12 +436,12 @@ static void check_hf(const char *model, int ngrads) {
 TEST(qwen35_model_matches_hf) { check_hf("tiny-qwen3_5", 55); }
 TEST(qwen35_moe_model_matches_hf) { check_hf("tiny-qwen3_5-moe", 72); }
 
-/* The fixture's 5 AdamW steps (lr 1e-3, betas 0.9 and 0.95, decay 0.1 on
+/* The fixture's 5 AdamW steps (lr as given, betas 0.9 and 0.95, decay 0.1 on
  * matrices, clipping at 1) on its batch from model dir p: the losses and
  * grad norms; with noise, the embedding first scaled element by element by
  * 1 + 2^-24 N(0, 1), fp32's rounding. NULL on failure (reported). */
-static loom_model *trajectory(loom_ctx *ctx, const char *model, loom_safetensors *gs, bool noise,
-                              double loss[5], double norm[5]) {
+static loom_model *trajectory(loom_ctx *ctx, const char *model, loom_safetensors *gs, double lr,
+                              bool noise, double loss[5], double norm[5]) {
     loom_model_options o;
     loom_model_options_default(&o);
     o.device = LOOM_DEVICE_CPU;
@@ -451,7 +451,7 @@ static loom_model *trajectory(loom_ctx *ctx, const char *model, loom_safetensors
     loom_model *m = NULL;
     enum { R = 2, S = 80 };
     static int32_t ids[R * S], tgt[R * S];
-    loom_optimizer_config oc = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+    loom_optimizer_config oc = {.lr = lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
                                 .weight_decay = 0.1};
     bool ok = !loom_model_create(ctx, p, &o, &m) && !loom_model_set_optimizer(m, &oc) &&
               !loom_st_read_named(ctx, gs, "input_ids", 2, (int64_t[]){R, S}, LOOM_I32, ids) &&
@@ -486,9 +486,21 @@ static double rel_l2(const float *a, const float *b, size_t n) {
     return sqrt(dd / (rr > 0 ? rr : 1.0));
 }
 
+/* The reference's own spread for one quantity: its "spread" entry (the
+ * distance between transformers' run with a float64 Gated DeltaNet rule
+ * and with its fp32 kernel, tools/make_fixtures_qwen35_trajectory.py), 0
+ * where the set has none. */
+static double ref_spread(const loom_json *meta, const char *what, int step, const char *tensor) {
+    const loom_json *sp = loom_json_get(meta, "spread"), *x = sp ? loom_json_get(sp, what) : NULL;
+    if (!x) return 0.0;
+    if (tensor) x = loom_json_get(x, tensor);
+    else x = x->type == LOOM_JSON_ARRAY && step < (int)x->n ? x->items[step] : NULL;
+    return x && x->type == LOOM_JSON_NUMBER ? x->d : 0.0;
+}
+
 /* The fixture's 5-step trajectory: losses, grad norms and every final
- * weight within 1e-4 of transformers', or within 4 times what fp32's
- * rounding alone moves them by. The reference ran in float64 but for the
+ * weight within 1e-4 of transformers', or within 4 times what rounding alone
+ * moves them by (loom's, and the reference's own where the set records it). The reference ran in float64 but for the
  * Gated DeltaNet's kernel, which transformers computes in fp32, and these
  * random models are ill-conditioned: rounding-sized noise on the
  * embedding moves a few final weights by 1e-4 and more (AdamW divides by
@@ -497,33 +509,37 @@ static double rel_l2(const float *a, const float *b, size_t n) {
  * distance between its two runs bounds what agreement the reference can
  * show; an error of the method itself (the rule, the decay, AdamW) moves
  * the weights far past both. */
-static void check_trajectory(const char *model) {
+static void check_trajectory(const char *model, const char *golden) {
     loom_ctx *ctx;
     REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
     loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     loom_safetensors *gs = NULL;
     loom_json *meta = NULL;
     char p[512];
-    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.safetensors", model);
+    snprintf(p, sizeof p, "%s/%s.safetensors", golden, model);
     REQUIRE_OK(ctx, loom_st_open_file(ctx, p, &gs));
-    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.json", model);
+    snprintf(p, sizeof p, "%s/%s.json", golden, model);
     REQUIRE_OK(ctx, loom_json_parse_file(ctx, p, &meta));
     const loom_json *rl = loom_json_get(meta, "adamw_losses"),
-                    *rn = loom_json_get(meta, "adamw_grad_norms_before_clip");
-    REQUIRE(rl && rn && rl->n == 5 && rn->n == 5);
+                    *rn = loom_json_get(meta, "adamw_grad_norms_before_clip"),
+                    *hp = loom_json_get(meta, "hp"), *jlr = hp ? loom_json_get(hp, "lr") : NULL;
+    REQUIRE(rl && rn && rl->n == 5 && rn->n == 5 && jlr && jlr->type == LOOM_JSON_NUMBER);
     double la[5], na[5], lb[5], nb[5];
-    loom_model *a = trajectory(ctx, model, gs, false, la, na);
-    loom_model *b = a ? trajectory(ctx, model, gs, true, lb, nb) : NULL;
+    loom_model *a = trajectory(ctx, model, gs, jlr->d, false, la, na);
+    loom_model *b = a ? trajectory(ctx, model, gs, jlr->d, true, lb, nb) : NULL;
     double worst = 0.0, noise_at = 0.0;
     const char *wn = "";
     for (int s = 0; b && s < 5; s++) {
         const double r[2] = {rl->items[s]->d, rn->items[s]->d}, x[2] = {la[s], na[s]},
                      y[2] = {lb[s], nb[s]};
         for (int k = 0; k < 2; k++) {
-            const double e = fabs(x[k] - r[k]) / r[k], en = fabs(x[k] - y[k]) / r[k];
-            CHECK_MSG(e <= fmax(1e-4, 4 * en), "step %d %s %.9g, HF %.9g (noise moves it %.3g)",
-                      s + 1, k ? "grad norm" : "loss", x[k], r[k], en);
-            if (e > worst) worst = e, noise_at = en, wn = k ? "a grad norm" : "a loss";
+            const double e = fabs(x[k] - r[k]) / r[k], en = fabs(x[k] - y[k]) / r[k],
+                         er = ref_spread(meta, k ? "grad_norms" : "losses", s, NULL);
+            CHECK_MSG(e <= fmax(1e-4, 4 * fmax(en, er)),
+                      "step %d %s %.9g, HF %.9g (noise moves it %.3g, the reference's own "
+                      "rounding %.3g)",
+                      s + 1, k ? "grad norm" : "loss", x[k], r[k], en, er);
+            if (e > worst) worst = e, noise_at = fmax(en, er), wn = k ? "a grad norm" : "a loss";
         }
     }
     int nfinal = 0, beyond = 0;
@@ -542,7 +558,8 @@ static void check_trajectory(const char *model) {
                         !get_hub(b, loom_model_get_param, name, t, y);
         CHECK_MSG(ok, "%s: %s", name, loom_last_error(ctx));
         if (ok) {
-            const double e = rel_l2(x, ref, t->numel), en = rel_l2(x, y, t->numel);
+            const double e = rel_l2(x, ref, t->numel),
+                         en = fmax(rel_l2(x, y, t->numel), ref_spread(meta, "final_l2", 0, hub));
             CHECK_MSG(e <= fmax(1e-4, 4 * en), "%s: relative L2 %.3g from HF (noise: %.3g)",
                       name, e, en);
             beyond += e > 1e-4;
@@ -551,8 +568,8 @@ static void check_trajectory(const char *model) {
         }
         free(ref), free(x), free(y);
     }
-    printf("    %d final weights, %d beyond 1e-4; worst %.3g (%s), where fp32 noise moves it "
-           "%.3g\n", nfinal, beyond, worst, wn, noise_at);
+    printf("    lr %g: %d final weights, %d beyond 1e-4; worst %.3g (%s), where rounding moves "
+           "it %.3g\n", jlr->d, nfinal, beyond, worst, wn, noise_at);
     CHECK(nfinal > 50);
     loom_model_free(a);
     loom_model_free(b);
@@ -561,10 +578,26 @@ static void check_trajectory(const char *model) {
     loom_ctx_free(ctx);
 }
 
-/* (tiny-qwen3_5-moe is not held to it yet: from step 3 on its loss and
- * grad norm leave transformers' by 1.5e-4 and 0.6%, past what the same
- * noise moves them, 8e-7 and 0.1%; issue 38's notes.) */
-TEST(qwen35_adamw_trajectory) { check_trajectory("tiny-qwen3_5"); }
+/* The shared fixture's trajectory (lr 1e-3). tiny-qwen3_5-moe is not held
+ * to it: its router's top-2 margins fall to 2e-5 in probability, rounding
+ * flips tokens between experts from step 2 on, and transformers itself
+ * disagrees with its own run there by 3.5e-4 in loss and 2.9% in grad
+ * norm when only its Gated DeltaNet kernel's rounding changes
+ * (tools/make_fixtures_qwen35_trajectory.py); both models are held to the
+ * well-posed trajectory below. */
+TEST(qwen35_adamw_trajectory) {
+    check_trajectory("tiny-qwen3_5", "tests/fixtures_qwen3_5/golden");
+}
+
+/* tests/fixtures_qwen3_5_trajectory: the same models and batch at lr 1e-4
+ * against transformers with a float64 rule, each quantity within 1e-4 or 4
+ * times the larger of loom's and the reference's own rounding spread. */
+TEST(qwen35_adamw_trajectory_f64_reference) {
+    check_trajectory("tiny-qwen3_5", "tests/fixtures_qwen3_5_trajectory");
+}
+TEST(qwen35_moe_adamw_trajectory_f64_reference) {
+    check_trajectory("tiny-qwen3_5-moe", "tests/fixtures_qwen3_5_trajectory");
+}
 
 /* Packed documents (7, 70 and 21 tokens in one row): the recurrent state
  * and the convolution restart at every boundary, so each document's

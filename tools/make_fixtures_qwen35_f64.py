@@ -26,10 +26,18 @@ import torch
 
 
 def rule_f64(query, key, value, g, beta, initial_state=None, output_final_state=False,
-             use_qk_l2norm_in_kernel=False, **_):
-    """[B, T, H, d] inputs, as transformers' torch_chunk_gated_delta_rule."""
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
+    """[B, T, H, d] inputs, as transformers' torch_chunk_gated_delta_rule: q
+    and k with the key heads (newer transformers repeat them to the value
+    heads inside the kernel, older ones before it; both are taken)."""
+    if cu_seqlens is not None:
+        sys.exit('transformers passed cu_seqlens to the rule: packed documents in one row are '
+                 'not handled by the float64 replacement')
     dt = query.dtype
     q, k, v, g, beta = (x.double() for x in (query, key, value, g, beta))
+    if q.shape[2] != v.shape[2]:
+        rep = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     if use_qk_l2norm_in_kernel:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
