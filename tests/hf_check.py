@@ -24,8 +24,9 @@ def check(saved, golden, batch):
     ref = g["logits"].double()
     err = ((logits - ref).abs().max() / ref.abs().max()).item()
     ok = logits.shape == ref.shape and err <= 1e-4
+    vocab = model.config.get_text_config().vocab_size  # a vision-language config nests it
     print(f"{'ok  ' if ok else 'FAIL'} {saved}: {type(model).__name__}, "
-          f"vocab {model.config.vocab_size}, logits {tuple(logits.shape)}, relative error {err:.3g}")
+          f"vocab {vocab}, logits {tuple(logits.shape)}, relative error {err:.3g}")
     return ok
 
 
