@@ -341,20 +341,47 @@ static loom_status get_hub(loom_model *m, tensor_get get, const char *name,
     return LOOM_OK;
 }
 
-static void check_hf(const char *model, int ngrads) {
+/* The fixture model on dev in fp32 (opts: o's other fields). NULL on a
+ * GPU while loom refuses these models there (checked: the refusal comes
+ * before any work, until the kernels are checked on a GPU; a build with
+ * LOOM_QWEN35_CUDA_UNCHECKED, tests/gpu/qwen35.sh, runs them), or on a
+ * failure (reported). */
+static loom_model *fixture_model(loom_ctx *ctx, const char *model, loom_device dev,
+                                 loom_model_options *o) {
+    o->device = dev;
+    o->dtype = LOOM_F32;
+    char p[512];
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/models/%s", model);
+    loom_model *m = NULL;
+    const loom_status st = loom_model_create(ctx, p, o, &m);
+#ifndef LOOM_QWEN35_CUDA_UNCHECKED
+    if (dev == LOOM_DEVICE_CUDA) {
+        CHECK_EQ_INT(st, LOOM_ERR_UNSUPPORTED);
+        CHECK_CONTAINS(loom_last_error(ctx), "not yet checked on a GPU");
+        loom_model_free(m);
+        return NULL;
+    }
+#endif
+    CHECK_MSG(st == LOOM_OK, "%s: %s", model, loom_last_error(ctx));
+    return st ? NULL : m;
+}
+
+static void check_hf(const char *model, int ngrads, loom_device dev) {
+    if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) SKIP("no GPU visible");
     loom_ctx *ctx;
     REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
     loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     loom_model_options o;
     loom_model_options_default(&o);
-    o.device = LOOM_DEVICE_CPU;
     o.config_overrides = "{\"router_aux_loss_coef\": 0}"; /* the LM loss's gradients */
     loom_model *m = NULL;
     loom_safetensors *gs = NULL;
     loom_json *meta = NULL;
     char p[512];
-    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/models/%s", model);
-    REQUIRE_OK(ctx, loom_model_create(ctx, p, &o, &m));
+    if (!(m = fixture_model(ctx, model, dev, &o))) {
+        loom_ctx_free(ctx);
+        return;
+    }
     snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.safetensors", model);
     REQUIRE_OK(ctx, loom_st_open_file(ctx, p, &gs));
     snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.json", model);
@@ -433,8 +460,11 @@ static void check_hf(const char *model, int ngrads) {
     loom_ctx_free(ctx);
 }
 
-TEST(qwen35_model_matches_hf) { check_hf("tiny-qwen3_5", 55); }
-TEST(qwen35_moe_model_matches_hf) { check_hf("tiny-qwen3_5-moe", 72); }
+TEST(qwen35_model_matches_hf) { check_hf("tiny-qwen3_5", 55, LOOM_DEVICE_CPU); }
+TEST(qwen35_moe_model_matches_hf) { check_hf("tiny-qwen3_5-moe", 72, LOOM_DEVICE_CPU); }
+/* on a GPU in fp32, held to the same bounds (tests/gpu/qwen35.sh) */
+TEST(qwen35_cuda_model_matches_hf) { check_hf("tiny-qwen3_5", 55, LOOM_DEVICE_CUDA); }
+TEST(qwen35_cuda_moe_model_matches_hf) { check_hf("tiny-qwen3_5-moe", 72, LOOM_DEVICE_CUDA); }
 
 /* The fixture's 5 AdamW steps (lr as given, betas 0.9 and 0.95, decay 0.1 on
  * matrices, clipping at 1) on its batch from model dir p: the losses and
@@ -602,18 +632,20 @@ TEST(qwen35_moe_adamw_trajectory_f64_reference) {
 /* Packed documents (7, 70 and 21 tokens in one row): the recurrent state
  * and the convolution restart at every boundary, so each document's
  * log-probs are its run alone (transformers' packed.token_logprobs). */
-static void check_packed(const char *model) {
+static void check_packed(const char *model, loom_device dev) {
+    if (dev == LOOM_DEVICE_CUDA && !loom_test_have_gpu()) SKIP("no GPU visible");
     loom_ctx *ctx;
     REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
     loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     loom_model_options o;
     loom_model_options_default(&o);
-    o.device = LOOM_DEVICE_CPU;
     char p[512];
-    loom_model *m = NULL;
+    loom_model *m = fixture_model(ctx, model, dev, &o);
     loom_safetensors *gs = NULL;
-    snprintf(p, sizeof p, "tests/fixtures_qwen3_5/models/%s", model);
-    REQUIRE_OK(ctx, loom_model_create(ctx, p, &o, &m));
+    if (!m) {
+        loom_ctx_free(ctx);
+        return;
+    }
     snprintf(p, sizeof p, "tests/fixtures_qwen3_5/golden/%s.safetensors", model);
     REQUIRE_OK(ctx, loom_st_open_file(ctx, p, &gs));
     enum { S = 98 };
@@ -650,5 +682,6 @@ static void check_packed(const char *model) {
     loom_ctx_free(ctx);
 }
 
-TEST(qwen35_packed_documents) { check_packed("tiny-qwen3_5"); }
-TEST(qwen35_moe_packed_documents) { check_packed("tiny-qwen3_5-moe"); }
+TEST(qwen35_packed_documents) { check_packed("tiny-qwen3_5", LOOM_DEVICE_CPU); }
+TEST(qwen35_moe_packed_documents) { check_packed("tiny-qwen3_5-moe", LOOM_DEVICE_CPU); }
+TEST(qwen35_cuda_packed_documents) { check_packed("tiny-qwen3_5", LOOM_DEVICE_CUDA); }
