@@ -144,6 +144,7 @@ LIB_SRC  := $(wildcard src/*/*.c src/*/*/*.c)
 CLI_SRC  := $(wildcard cli/*.c)
 # tests/common: the runner parts the three test programs share
 TEST_SRC := $(wildcard tests/*.c) tests/common/runner.c tests/common/spawn.c tests/common/golden.c \
+            tests/common/backend_pair.c \
             tests/common/qwen35_models.c
 MPI_TEST_SRC := $(wildcard tests/mpi/*.c) tests/common/runner.c tests/common/ranks.c
 CC_SRC   := $(if $(HAVE_GLOO),src/comm/comm_gloo.cc)

@@ -17,157 +17,15 @@
 #include "../src/backend/backend.h"
 #include "../src/core/core.h"
 #include "../src/core/rng.h"
+#include "common/backend_pair.h"
 #include "harness.h"
 
-/* REQUIRE for the helpers that return a buffer: a failure ends the test's
- * process as failed (the runner forks one per test). */
-#define MUST(cond)                                                                                 \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            loom_test_fail(__FILE__, __LINE__, "MUST(%s)", #cond);                                 \
-            fflush(stderr);                                                                        \
-            _exit(1);                                                                              \
-        }                                                                                          \
-    } while (0)
-#define MUST_OK(ctx, expr)                                                                         \
-    do {                                                                                           \
-        loom_status st_ = (expr);                                                                  \
-        if (st_) {                                                                                 \
-            loom_test_fail(__FILE__, __LINE__, "%s -> %s: %s", #expr, loom_status_str(st_),        \
-                           loom_last_error(ctx));                                                  \
-            fflush(stderr);                                                                        \
-            _exit(1);                                                                              \
-        }                                                                                          \
-    } while (0)
-
-/* Side 0 is the CPU table (fp32), side 1 the backend under test (dtype t). */
-typedef struct run {
-    loom_ctx *ctx;
-    const loom_backend *be[2];
-    loom_dev d[2];
-    loom_dtype t; /* side 1's compute dtype */
-    uint64_t seed;
-    void *keep[2][64]; /* device buffers, freed by run_end */
-    int nkeep[2];
-} run;
-
-static bool run_begin(run *r, loom_dtype t) {
-    memset(r, 0, sizeof *r);
-    if (!loom_backend_cuda() || !loom_test_have_gpu())
-        return false;
-    if (loom_ctx_create(&r->ctx))
-        return false;
-    r->be[0] = loom_backend_cpu();
-    r->be[1] = loom_backend_cuda();
-    r->d[0] = (loom_dev){.adt = LOOM_F32, .esz = 4};
-    r->d[1] = (loom_dev){.cuda = true, .adt = t, .esz = loom_dtype_size(t), .device = 0};
-    r->t = t;
-    r->seed = (uint64_t)loom_now_s() * 2654435761u;
-    for (int k = 0; k < 2; k++)
-        if (r->be[k]->init(&r->d[k], r->ctx))
-            return false;
-    return true;
-}
-
-static void run_end(run *r) {
-    for (int k = 0; k < 2; k++) {
-        for (int i = 0; i < r->nkeep[k]; i++)
-            r->be[k]->free(&r->d[k], r->keep[k][i]);
-        r->be[k]->release(&r->d[k]);
-    }
-    loom_ctx_free(r->ctx);
-}
-
 /* n values in [-a, a), rounded to side 1's dtype when act */
-static float *rnd(run *r, int64_t n, float a, bool act) {
-    float *p = malloc((size_t)(n ? n : 1) * sizeof *p);
-    MUST(p);
-    r->seed += 0x9e3779b97f4a7c15ull;
-    for (int64_t i = 0; i < n; i++)
-        p[i] = (float)((double)(loom_splitmix64(r->seed + (uint64_t)i) >> 11) / 9007199254740992.0 *
-                           2.0 -
-                       1.0) *
-               a;
-    if (act && r->t != LOOM_F32) {
-        uint16_t *h = malloc((size_t)n * 2);
-        MUST(h);
-        MUST_OK(r->ctx, loom_convert(r->ctx, h, r->t, p, LOOM_F32, (size_t)n));
-        MUST_OK(r->ctx, loom_convert(r->ctx, p, LOOM_F32, h, r->t, (size_t)n));
-        free(h);
-    }
-    return p;
-}
-
-static void *keep(run *r, int k, size_t bytes) {
-    void *p = NULL;
-    MUST_OK(r->ctx, r->be[k]->alloc(&r->d[k], r->ctx, &p, bytes ? bytes : 1, "test"));
-    MUST(r->nkeep[k] < 64);
-    r->keep[k][r->nkeep[k]++] = p;
-    return p;
-}
-
-/* host data on side k: act buffers in the side's compute dtype, else as given */
-static void *in(run *r, int k, const float *h, int64_t n, bool act) {
-    const loom_dtype t = act ? r->d[k].adt : LOOM_F32;
-    const size_t es = loom_dtype_size(t);
-    void *p = keep(r, k, (size_t)n * es), *tmp = NULL;
-    const void *src = h;
-    if (t != LOOM_F32) {
-        MUST((tmp = malloc((size_t)n * es)));
-        MUST_OK(r->ctx, loom_convert(r->ctx, tmp, t, h, LOOM_F32, (size_t)n));
-        src = tmp;
-    }
-    MUST_OK(r->ctx, r->be[k]->upload(&r->d[k], r->ctx, p, src, (size_t)n * es));
-    free(tmp);
-    return p;
-}
-
-static void *raw(run *r, int k, const void *h, size_t bytes) {
-    void *p = keep(r, k, bytes);
-    MUST_OK(r->ctx, r->be[k]->upload(&r->d[k], r->ctx, p, h, bytes));
-    return p;
-}
-
-/* side k's n values at p as fp32 (act: in the side's compute dtype) */
-static float *out(run *r, int k, const void *p, int64_t n, bool act) {
-    const loom_dtype t = act ? r->d[k].adt : LOOM_F32;
-    const size_t es = loom_dtype_size(t);
-    float *h = malloc((size_t)(n ? n : 1) * 4);
-    void *tmp = malloc((size_t)(n ? n : 1) * es);
-    MUST(h && tmp);
-    MUST_OK(r->ctx, r->be[k]->download(&r->d[k], r->ctx, tmp, p, (size_t)n * es));
-    MUST_OK(r->ctx, loom_convert(r->ctx, h, LOOM_F32, tmp, t, (size_t)n));
-    free(tmp);
-    return h;
-}
-
-/* the largest |a - b| over the largest |b| (as tests/cuda_test.h's) */
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double w = 0.0, m = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        const double d = fabs((double)a[i] - b[i]);
-        if (!(d <= w)) w = isnan(d) ? INFINITY : d;
-        m = fmax(m, fabs((double)b[i]));
-    }
-    return w / (m > 0 ? m : 1.0);
-}
-
-/* compares output `what` (n values at p[0] on the CPU, p[1] on the side) */
-static void same(run *r, const char *what, void *const p[2], int64_t n, bool act, double tol) {
-    float *a = out(r, 1, p[1], n, act), *b = out(r, 0, p[0], n, act);
-    const double e = rel_err(a, b, n);
-    CHECK_MSG(e <= tol, "%s (%s): %s differs from the CPU's by %.3g (tol %.3g)", r->be[1]->name,
-              loom_dtype_name(r->t), what, e, tol);
-    free(a), free(b);
-}
-
-static double tol_of(const run *r) {
-    return r->t == LOOM_F32 ? 1e-4 : 3e-2;
-}
+static float *rnd(bp_run *r, int64_t n, float a, bool act) { return bp_rnd(r, n, -a, a, act); }
 
 /* ---- GEMMs ---- */
 
-static void gemm_family(run *r) {
+static void gemm_family(bp_run *r) {
     const int64_t T = 192, in_ = 256, o[3] = {128, 64, 64}, R = 8;
     float *x = rnd(r, T * in_, 1, true), *W = rnd(r, 256 * in_, 0.1f, true);
     float *dy[3], *B[3], *u = rnd(r, T * 3 * R, 1, true);
@@ -179,29 +37,29 @@ static void gemm_family(run *r) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
         const loom_dtype t = d->adt;
-        void *X = in(r, k, x, T * in_, true), *WW = in(r, k, W, 256 * in_, true);
-        void *U = in(r, k, u, T * 3 * R, true), *DY[3], *BB[3];
+        void *X = bp_in(r, k, x, T * in_, true), *WW = bp_in(r, k, W, 256 * in_, true);
+        void *U = bp_in(r, k, u, T * 3 * R, true), *DY[3], *BB[3];
         for (int i = 0; i < 3; i++)
-            DY[i] = in(r, k, dy[i], T * o[i], true), BB[i] = in(r, k, B[i], o[i] * R, true);
+            DY[i] = bp_in(r, k, dy[i], T * o[i], true), BB[i] = bp_in(r, k, B[i], o[i] * R, true);
         /* y = x W^T; y^T-shaped product with both transposes; dW += dy^T x (fp32 C) */
-        y[k] = keep(r, k, (size_t)(T * o[0]) * d->esz);
+        y[k] = bp_keep(r, k, (size_t)(T * o[0]) * d->esz);
         REQUIRE_OK(r->ctx, be->gemm(d, r->ctx, false, true, T, o[0], in_, 1.0f, X, in_, WW, in_, t,
                                     0.0f, y[k], t, o[0]));
-        yt[k] = keep(r, k, (size_t)(T * in_) * d->esz); /* dy (T, o0) W0 (o0, in), alpha 0.5 */
+        yt[k] = bp_keep(r, k, (size_t)(T * in_) * d->esz); /* dy (T, o0) W0 (o0, in), alpha 0.5 */
         REQUIRE_OK(r->ctx, be->gemm(d, r->ctx, false, false, T, in_, o[0], 0.5f, DY[0], o[0], WW,
                                     in_, t, 0.0f, yt[k], t, in_));
-        dW[k] = in(r, k, dW0, o[0] * in_, false);
+        dW[k] = bp_in(r, k, dW0, o[0] * in_, false);
         REQUIRE_OK(r->ctx, be->gemm(d, r->ctx, true, false, o[0], in_, T, 1.0f, DY[0], o[0], X, in_,
                                     t, 1.0f, dW[k], LOOM_F32, in_));
         /* dx = dy0 W0 + dy1 W1 + dy2 W2 (W's first rows as the three weights) */
         loom_dx_term terms[3];
         for (int i = 0, row = 0; i < 3; row += (int)o[i], i++)
             terms[i] = (loom_dx_term){DY[i], o[i], o[i], (char *)WW + (size_t)(row * in_) * d->esz};
-        dx[k] = keep(r, k, (size_t)(T * in_) * d->esz);
+        dx[k] = bp_keep(r, k, (size_t)(T * in_) * d->esz);
         REQUIRE_OK(r->ctx, be->dx_sum(d, r->ctx, T, in_, 3, terms, 0.0f, dx[k]));
         /* LoRA's backward over three projections: du (T, 3R), dB += */
-        du[k] = keep(r, k, (size_t)(T * 3 * R) * d->esz);
-        dB[k] = keep(r, k, (size_t)(256 * R) * 4);
+        du[k] = bp_keep(r, k, (size_t)(T * 3 * R) * d->esz);
+        dB[k] = bp_keep(r, k, (size_t)(256 * R) * 4);
         loom_lora_dy_op ops[3];
         for (int i = 0, row = 0; i < 3; row += (int)o[i], i++)
             ops[i] = (loom_lora_dy_op){o[i],
@@ -212,7 +70,7 @@ static void gemm_family(run *r) {
                                        (float *)dB[k] + row * R};
         REQUIRE_OK(r->ctx, be->lora_dy_n(d, r->ctx, T, R, 2.0f, 3, ops, 3 * R, 3 * R));
         /* x W^T + s u B^T: the fused GEMM where there is one, else the pair */
-        yl[k] = keep(r, k, (size_t)(T * o[0]) * d->esz);
+        yl[k] = bp_keep(r, k, (size_t)(T * o[0]) * d->esz);
         bool done = false;
         REQUIRE_OK(r->ctx, be->lin_lora_fwd(d, r->ctx, X, T, in_, WW, o[0], U, 3 * R, BB[0], R,
                                             2.0f, yl[k], &done));
@@ -223,14 +81,14 @@ static void gemm_family(run *r) {
                                         t, 1.0f, yl[k], t, o[0]));
         }
     }
-    const double tol = tol_of(r);
-    same(r, "gemm (x W^T)", y, T * o[0], true, tol);
-    same(r, "gemm (dy W)", yt, T * in_, true, tol);
-    same(r, "gemm (dW += dy^T x, fp32)", dW, o[0] * in_, false, tol);
-    same(r, "dx_sum", dx, T * in_, true, tol);
-    same(r, "lora_dy_n du", du, T * 3 * R, true, tol);
-    same(r, "lora_dy_n dB", dB, 256 * R, false, tol);
-    same(r, "lin_lora_fwd", yl, T * o[0], true, tol);
+    const double tol = bp_tol(r);
+    bp_same(r, "gemm (x W^T)", y, T * o[0], true, tol);
+    bp_same(r, "gemm (dy W)", yt, T * in_, true, tol);
+    bp_same(r, "gemm (dW += dy^T x, fp32)", dW, o[0] * in_, false, tol);
+    bp_same(r, "dx_sum", dx, T * in_, true, tol);
+    bp_same(r, "lora_dy_n du", du, T * 3 * R, true, tol);
+    bp_same(r, "lora_dy_n dB", dB, 256 * R, false, tol);
+    bp_same(r, "lin_lora_fwd", yl, T * o[0], true, tol);
     free(x), free(W), free(u), free(dW0);
     for (int i = 0; i < 3; i++)
         free(dy[i]), free(B[i]);
@@ -238,7 +96,7 @@ static void gemm_family(run *r) {
 
 /* ---- RoPE, q/k norm with RoPE, attention ---- */
 
-static void attention_family(run *r, bool cp_subset) {
+static void attention_family(bp_run *r, bool cp_subset) {
     const int64_t T = 96, Hq = 4, Hkv = 2, D = 128, nd = 3;
     const int32_t cu[4] = {0, 40, 41, 96}; /* a one-token document too */
     int32_t pos[96], qidx[48];
@@ -261,20 +119,20 @@ static void attention_family(run *r, bool cp_subset) {
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
-        void *Q = in(r, k, q, Tq * Hq * D, true), *K = in(r, k, kk, T * Hkv * D, true),
-             *V = in(r, k, v, T * Hkv * D, true), *DO = in(r, k, dout, Tq * Hq * D, true),
-             *WQ = in(r, k, w, D, true), *CU = raw(r, k, cu, sizeof cu),
-             *QI = cp_subset ? raw(r, k, qidx, sizeof qidx) : NULL,
-             *IF = raw(r, k, inv, sizeof inv);
+        void *Q = bp_in(r, k, q, Tq * Hq * D, true), *K = bp_in(r, k, kk, T * Hkv * D, true),
+             *V = bp_in(r, k, v, T * Hkv * D, true), *DO = bp_in(r, k, dout, Tq * Hq * D, true),
+             *WQ = bp_in(r, k, w, D, true), *CU = bp_raw(r, k, cu, sizeof cu),
+             *QI = cp_subset ? bp_raw(r, k, qidx, sizeof qidx) : NULL,
+             *IF = bp_raw(r, k, inv, sizeof inv);
         int32_t qpos[96];
         for (int64_t i = 0; i < Tq; i++)
             qpos[i] = pos[cp_subset ? qidx[i] : i];
-        void *P = raw(r, k, qpos, (size_t)Tq * 4);
-        o[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
-        lse[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
-        dq[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
-        dk[k] = keep(r, k, (size_t)(T * Hkv * D) * d->esz);
-        dv[k] = keep(r, k, (size_t)(T * Hkv * D) * d->esz);
+        void *P = bp_raw(r, k, qpos, (size_t)Tq * 4);
+        o[k] = bp_keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        lse[k] = bp_keep(r, k, (size_t)(Tq * Hq) * 4);
+        dq[k] = bp_keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        dk[k] = bp_keep(r, k, (size_t)(T * Hkv * D) * d->esz);
+        dv[k] = bp_keep(r, k, (size_t)(T * Hkv * D) * d->esz);
         const float sc = 1.0f / sqrtf((float)D);
         REQUIRE_OK(r->ctx, be->attn_fwd(d, r->ctx, Q, QI, Tq, K, V, T, Hq, Hkv, D, CU, nd, 0, sc,
                                         o[k], lse[k]));
@@ -282,56 +140,56 @@ static void attention_family(run *r, bool cp_subset) {
                                         CU, nd, 0, sc, dq[k], dk[k], dv[k]));
         /* RoPE forward then backward on a copy of q; q/k norm + RoPE with the
          * table (a GPU's fused kernels) and without */
-        qr[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        qr[k] = bp_keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
         REQUIRE_OK(r->ctx, be->copy(d, r->ctx, qr[k], Q, (size_t)(Tq * Hq * D) * d->esz));
         REQUIRE_OK(r->ctx, be->rope(d, r->ctx, false, qr[k], Tq, Hq, D, D, P, IF));
         /* a partial rotary factor (Qwen3.5): half the head turns */
-        qp[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        qp[k] = bp_keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
         REQUIRE_OK(r->ctx, be->copy(d, r->ctx, qp[k], Q, (size_t)(Tq * Hq * D) * d->esz));
         REQUIRE_OK(r->ctx, be->rope(d, r->ctx, false, qp[k], Tq, Hq, D, D / 2, P, IF));
         REQUIRE_OK(r->ctx, be->rope(d, r->ctx, true, qp[k], Tq, Hq, D, D / 4, P, IF));
-        float *tab = k ? keep(r, k, (size_t)(Tq * D) * 4) : NULL;
+        float *tab = k ? bp_keep(r, k, (size_t)(Tq * D) * 4) : NULL;
         const float woff = cp_subset ? 1.0f : 0.0f; /* zero-centred weights (Qwen3.5's) too */
         REQUIRE_OK(r->ctx, be->rope_table(d, r->ctx, P, Tq, D, IF, tab));
-        qn[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
-        rs[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
+        qn[k] = bp_keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        rs[k] = bp_keep(r, k, (size_t)(Tq * Hq) * 4);
         REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, woff, Tq, Hq, D, D, 1e-6f, P, IF,
                                                tab, qn[k], rs[k]));
-        qnp[k] = keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
-        rsp[k] = keep(r, k, (size_t)(Tq * Hq) * 4);
+        qnp[k] = bp_keep(r, k, (size_t)(Tq * Hq * D) * d->esz);
+        rsp[k] = bp_keep(r, k, (size_t)(Tq * Hq) * 4);
         REQUIRE_OK(r->ctx, be->qknorm_rope_fwd(d, r->ctx, Q, WQ, woff, Tq, Hq, D, D / 2, 1e-6f, P,
                                                IF, tab, qnp[k], rsp[k]));
-        dqn[k] = in(r, k, dyq, Tq * Hq * D, true);
-        dw[k] = keep(r, k, (size_t)D * 4);
+        dqn[k] = bp_in(r, k, dyq, Tq * Hq * D, true);
+        dw[k] = bp_keep(r, k, (size_t)D * 4);
         REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqn[k], Q, WQ, woff, rs[k], Tq, Hq, D, D,
                                                P, IF, tab, dw[k]));
-        dqnp[k] = in(r, k, dyq, Tq * Hq * D, true);
-        dwp[k] = keep(r, k, (size_t)D * 4);
+        dqnp[k] = bp_in(r, k, dyq, Tq * Hq * D, true);
+        dwp[k] = bp_keep(r, k, (size_t)D * 4);
         REQUIRE_OK(r->ctx, be->qknorm_rope_bwd(d, r->ctx, dqnp[k], Q, WQ, woff, rsp[k], Tq, Hq, D,
                                                D / 2, P, IF, tab, dwp[k]));
         REQUIRE_OK(r->ctx, be->dw_flush(d, r->ctx));
     }
-    const double tol = tol_of(r);
-    same(r, "attn_fwd out", o, Tq * Hq * D, true, tol);
-    same(r, "attn_fwd lse", lse, Tq * Hq, false, tol);
-    same(r, "attn_bwd dq", dq, Tq * Hq * D, true, tol);
-    same(r, "attn_bwd dk", dk, T * Hkv * D, true, tol);
-    same(r, "attn_bwd dv", dv, T * Hkv * D, true, tol);
-    same(r, "rope", qr, Tq * Hq * D, true, tol);
-    same(r, "qknorm_rope_fwd", qn, Tq * Hq * D, true, tol);
-    same(r, "qknorm_rope_fwd rstd", rs, Tq * Hq, false, tol);
-    same(r, "qknorm_rope_bwd dx", dqn, Tq * Hq * D, true, tol);
-    same(r, "qknorm_rope_bwd dw", dw, D, false, tol);
-    same(r, "rope rd D/2, then back D/4", qp, Tq * Hq * D, true, tol);
-    same(r, "qknorm_rope_fwd rd D/2", qnp, Tq * Hq * D, true, tol);
-    same(r, "qknorm_rope_bwd rd D/2 dx", dqnp, Tq * Hq * D, true, tol);
-    same(r, "qknorm_rope_bwd rd D/2 dw", dwp, D, false, tol);
+    const double tol = bp_tol(r);
+    bp_same(r, "attn_fwd out", o, Tq * Hq * D, true, tol);
+    bp_same(r, "attn_fwd lse", lse, Tq * Hq, false, tol);
+    bp_same(r, "attn_bwd dq", dq, Tq * Hq * D, true, tol);
+    bp_same(r, "attn_bwd dk", dk, T * Hkv * D, true, tol);
+    bp_same(r, "attn_bwd dv", dv, T * Hkv * D, true, tol);
+    bp_same(r, "rope", qr, Tq * Hq * D, true, tol);
+    bp_same(r, "qknorm_rope_fwd", qn, Tq * Hq * D, true, tol);
+    bp_same(r, "qknorm_rope_fwd rstd", rs, Tq * Hq, false, tol);
+    bp_same(r, "qknorm_rope_bwd dx", dqn, Tq * Hq * D, true, tol);
+    bp_same(r, "qknorm_rope_bwd dw", dw, D, false, tol);
+    bp_same(r, "rope rd D/2, then back D/4", qp, Tq * Hq * D, true, tol);
+    bp_same(r, "qknorm_rope_fwd rd D/2", qnp, Tq * Hq * D, true, tol);
+    bp_same(r, "qknorm_rope_bwd rd D/2 dx", dqnp, Tq * Hq * D, true, tol);
+    bp_same(r, "qknorm_rope_bwd rd D/2 dw", dwp, D, false, tol);
     free(q), free(kk), free(v), free(dout), free(w), free(dyq);
 }
 
 /* ---- the vocabulary-parallel cross-entropy ---- */
 
-static void loss_family(run *r) {
+static void loss_family(bp_run *r) {
     const int64_t c = 33, ld = 256, nvalid = 250, v0 = 512;
     float *z = rnd(r, c * ld, 8, true);
     int32_t tgt[33];
@@ -343,14 +201,14 @@ static void loss_family(run *r) {
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
-        void *Z = in(r, k, z, c * ld, true), *TG = raw(r, k, tgt, sizeof tgt);
-        gf[k] = in(r, k, z, c * ld, true);
-        rs[k] = in(r, k, z, c * ld, true);
-        REQUIRE_OK(r->ctx, be->rows_scale(d, r->ctx, rs[k], c, ld, in(r, k, wts, c, false)));
-        mx[k] = keep(r, k, (size_t)c * 8);
-        ce[k] = keep(r, k, (size_t)c * 24);
-        mxf[k] = keep(r, k, (size_t)c * 8);
-        cef[k] = keep(r, k, (size_t)c * 24);
+        void *Z = bp_in(r, k, z, c * ld, true), *TG = bp_raw(r, k, tgt, sizeof tgt);
+        gf[k] = bp_in(r, k, z, c * ld, true);
+        rs[k] = bp_in(r, k, z, c * ld, true);
+        REQUIRE_OK(r->ctx, be->rows_scale(d, r->ctx, rs[k], c, ld, bp_in(r, k, wts, c, false)));
+        mx[k] = bp_keep(r, k, (size_t)c * 8);
+        ce[k] = bp_keep(r, k, (size_t)c * 24);
+        mxf[k] = bp_keep(r, k, (size_t)c * 8);
+        cef[k] = bp_keep(r, k, (size_t)c * 24);
         REQUIRE_OK(r->ctx, be->ce_max(d, r->ctx, Z, c, ld, nvalid, mx[k]));
         REQUIRE_OK(r->ctx, be->ce_sums(d, r->ctx, Z, c, ld, nvalid, TG, v0, mx[k], ce[k]));
         REQUIRE_OK(r->ctx, be->ce_grad(d, r->ctx, Z, c, ld, nvalid, TG, v0, mx[k], ce[k], 0.5f));
@@ -377,16 +235,16 @@ static void loss_family(run *r) {
                   loom_dtype_name(r->t), what[j], e);
         free(h[0][j]), free(h[1][j]);
     }
-    same(r, "ce_grad", g, c * ld, true, tol_of(r));
-    same(r, "ce_fused grad", gf, c * ld, true, tol_of(r));
-    same(r, "rows_scale", rs, c * ld, true, r->t == LOOM_F32 ? 0.0 : tol_of(r));
+    bp_same(r, "ce_grad", g, c * ld, true, bp_tol(r));
+    bp_same(r, "ce_fused grad", gf, c * ld, true, bp_tol(r));
+    bp_same(r, "rows_scale", rs, c * ld, true, r->t == LOOM_F32 ? 0.0 : bp_tol(r));
     free(z), free(wts);
 }
 
 /* ---- the optimizer's passes (fp32): AdamW bit for bit, the norm's sum to
  * rounding, zero_parts exactly ---- */
 
-static void optimizer_family(run *r) {
+static void optimizer_family(bp_run *r) {
     const loom_k_part parts[4] = {{0, 0, 40000, true, true},
                                   {40064, 40000, 17, false, true},
                                   {50000, 40017, 20000, true, false}, /* not in the norm */
@@ -403,8 +261,8 @@ static void optimizer_family(run *r) {
     void *W[2], *M[2], *V[2], *G[2];
     for (int k = 0; k < 2; k++) {
         loom_part_lists lists = {0}, zl = {0};
-        W[k] = in(r, k, w, np, false), G[k] = in(r, k, g, ns, false);
-        M[k] = in(r, k, m0, ns, false), V[k] = in(r, k, v0, ns, false);
+        W[k] = bp_in(r, k, w, np, false), G[k] = bp_in(r, k, g, ns, false);
+        M[k] = bp_in(r, k, m0, ns, false), V[k] = bp_in(r, k, v0, ns, false);
         bool wc_done = true;
         REQUIRE_OK(r->ctx, r->be[k]->adamw(&r->d[k], r->ctx, W[k], G[k], M[k], V[k], parts, 4, &hp,
                                            3, gs, NULL, &lists, &wc_done));
@@ -423,7 +281,7 @@ static void optimizer_family(run *r) {
     void **bufs[4] = {W, M, V, G};
     for (int j = 0; j < 4; j++) {
         const int64_t n = j ? ns : np;
-        float *a = out(r, 1, bufs[j][1], n, false), *b = out(r, 0, bufs[j][0], n, false);
+        float *a = bp_get(r, 1, bufs[j][1], n, false), *b = bp_get(r, 0, bufs[j][0], n, false);
         CHECK_MSG(!memcmp(a, b, (size_t)n * 4), "%s: %s is not the CPU's bit for bit",
                   r->be[1]->name, what[j]);
         free(a), free(b);
@@ -434,7 +292,7 @@ static void optimizer_family(run *r) {
 /* ---- mixture of experts ---- */
 
 /* p rounded to side 1's dtype in place (what rnd does for activations) */
-static void round_act(run *r, float *p, int64_t n) {
+static void round_act(bp_run *r, float *p, int64_t n) {
     if (r->t == LOOM_F32)
         return;
     uint16_t *h = malloc((size_t)n * 2);
@@ -445,7 +303,7 @@ static void round_act(run *r, float *p, int64_t n) {
 }
 
 /* int32 output `what` (n values) equal to the CPU's, value for value */
-static void same_ints(run *r, const char *what, void *const p[2], int64_t n) {
+static void same_ints(bp_run *r, const char *what, void *const p[2], int64_t n) {
     int32_t *h[2];
     for (int k = 0; k < 2; k++) {
         MUST((h[k] = malloc((size_t)(n ? n : 1) * 4)));
@@ -468,7 +326,7 @@ static void same_ints(run *r, const char *what, void *const p[2], int64_t n) {
  * 0 (the first k experts). With E = 8 the last expert is the smallest of
  * every other row: no token picks it while k < E. Rounded to side 1's dtype
  * (distinct levels stay apart or become exact ties). */
-static float *router_logits(run *r, int64_t N, int64_t E) {
+static float *router_logits(bp_run *r, int64_t N, int64_t E) {
     float *z = malloc((size_t)(N * E) * sizeof *z);
     MUST(z);
     const double step = 8.0 / (double)E;
@@ -509,7 +367,7 @@ typedef struct router_case {
 /* The router forward (probs, w and lse within rounding, idx exactly, psum
  * added to), its backward from the CPU's probs, idx and lse, and route from
  * the CPU's idx (counts, order and pos exactly). */
-static void moe_router_family(run *r, const router_case *c) {
+static void moe_router_family(bp_run *r, const router_case *c) {
     const int64_t N = c->N, E = c->E, NK = N * c->k;
     float *z = router_logits(r, N, E), *ps0 = rnd(r, E, 1, false), *dw = rnd(r, NK, 1, false),
           *ga = rnd(r, E, 0.5f, false);
@@ -520,46 +378,46 @@ static void moe_router_family(run *r, const router_case *c) {
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
-        void *Z = in(r, k, z, N * E, true);
-        pr[k] = keep(r, k, (size_t)(N * E) * 4);
-        ix[k] = keep(r, k, (size_t)NK * 4);
-        w[k] = keep(r, k, (size_t)NK * 4);
-        ps[k] = c->psum ? in(r, k, ps0, E, false) : NULL;
-        ls[k] = c->z ? keep(r, k, (size_t)N * 4) : NULL;
+        void *Z = bp_in(r, k, z, N * E, true);
+        pr[k] = bp_keep(r, k, (size_t)(N * E) * 4);
+        ix[k] = bp_keep(r, k, (size_t)NK * 4);
+        w[k] = bp_keep(r, k, (size_t)NK * 4);
+        ps[k] = c->psum ? bp_in(r, k, ps0, E, false) : NULL;
+        ls[k] = c->z ? bp_keep(r, k, (size_t)N * 4) : NULL;
         REQUIRE_OK(r->ctx, be->moe_router_fwd(d, r->ctx, Z, N, E, c->k, c->norm, pr[k], ix[k], w[k],
                                               ps[k], ls[k]));
     }
     const double ptol = 1e-5; /* fp32 softmaxes: a few ulp apart */
-    same(r, "moe_router_fwd probs", pr, N * E, false, ptol);
+    bp_same(r, "moe_router_fwd probs", pr, N * E, false, ptol);
     same_ints(r, "moe_router_fwd idx", ix, NK);
-    same(r, "moe_router_fwd w", w, NK, false, ptol);
+    bp_same(r, "moe_router_fwd w", w, NK, false, ptol);
     if (c->psum)
-        same(r, "moe_router_fwd psum", ps, E, false, ptol);
+        bp_same(r, "moe_router_fwd psum", ps, E, false, ptol);
     if (c->z)
-        same(r, "moe_router_fwd lse", ls, N, false, ptol);
+        bp_same(r, "moe_router_fwd lse", ls, N, false, ptol);
     /* the backward and route on the CPU's forward, on both sides */
-    float *hp = out(r, 0, pr[0], N * E, false), *hl = c->z ? out(r, 0, ls[0], N, false) : NULL;
+    float *hp = bp_get(r, 0, pr[0], N * E, false), *hl = c->z ? bp_get(r, 0, ls[0], N, false) : NULL;
     int32_t *hi = malloc((size_t)NK * 4);
     MUST(hi);
     memcpy(hi, ix[0], (size_t)NK * 4); /* side 0's memory is the host's */
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
-        void *P = in(r, k, hp, N * E, false), *I = raw(r, k, hi, (size_t)NK * 4);
-        void *DW = c->dw ? in(r, k, dw, NK, false) : NULL,
-             *GA = c->ga ? in(r, k, ga, E, false) : NULL,
-             *LS = c->z ? in(r, k, hl, N, false) : NULL,
-             *ZC = c->z ? in(r, k, &zc, 1, false) : NULL;
-        dz[k] = keep(r, k, (size_t)(N * E) * d->esz);
+        void *P = bp_in(r, k, hp, N * E, false), *I = bp_raw(r, k, hi, (size_t)NK * 4);
+        void *DW = c->dw ? bp_in(r, k, dw, NK, false) : NULL,
+             *GA = c->ga ? bp_in(r, k, ga, E, false) : NULL,
+             *LS = c->z ? bp_in(r, k, hl, N, false) : NULL,
+             *ZC = c->z ? bp_in(r, k, &zc, 1, false) : NULL;
+        dz[k] = bp_keep(r, k, (size_t)(N * E) * d->esz);
         REQUIRE_OK(r->ctx,
                    be->moe_router_bwd(d, r->ctx, P, I, DW, GA, LS, ZC, N, E, c->k, c->norm, dz[k]));
-        cnt[k] = keep(r, k, (size_t)E * 4);
-        ord[k] = keep(r, k, (size_t)NK * 4);
-        pos[k] = keep(r, k, (size_t)NK * 4);
+        cnt[k] = bp_keep(r, k, (size_t)E * 4);
+        ord[k] = bp_keep(r, k, (size_t)NK * 4);
+        pos[k] = bp_keep(r, k, (size_t)NK * 4);
         REQUIRE_OK(r->ctx, be->moe_route(d, r->ctx, I, NULL, N, E, c->k, -1, false, cnt[k], ord[k],
                                          pos[k]));
     }
-    same(r, "moe_router_bwd dz", dz, N * E, true, tol_of(r));
+    bp_same(r, "moe_router_bwd dz", dz, N * E, true, bp_tol(r));
     same_ints(r, "moe_route counts", cnt, E);
     same_ints(r, "moe_route order", ord, NK);
     same_ints(r, "moe_route pos", pos, NK);
@@ -570,7 +428,7 @@ static void moe_router_family(run *r, const router_case *c) {
 
 /* route alone on larger choice lists (many chunks, up to the most experts),
  * synthetic choices: experts e >= E - 3 get none */
-static void moe_route_family(run *r, int64_t N, int64_t E, int kk) {
+static void moe_route_family(bp_run *r, int64_t N, int64_t E, int kk) {
     const int64_t NK = N * kk;
     int32_t *idx = malloc((size_t)NK * 4);
     MUST(idx);
@@ -582,10 +440,10 @@ static void moe_route_family(run *r, int64_t N, int64_t E, int kk) {
     r->seed += 0x9e3779b97f4a7c15ull;
     void *cnt[2], *ord[2], *pos[2];
     for (int k = 0; k < 2; k++) {
-        void *I = raw(r, k, idx, (size_t)NK * 4);
-        cnt[k] = keep(r, k, (size_t)E * 4);
-        ord[k] = keep(r, k, (size_t)NK * 4);
-        pos[k] = keep(r, k, (size_t)NK * 4);
+        void *I = bp_raw(r, k, idx, (size_t)NK * 4);
+        cnt[k] = bp_keep(r, k, (size_t)E * 4);
+        ord[k] = bp_keep(r, k, (size_t)NK * 4);
+        pos[k] = bp_keep(r, k, (size_t)NK * 4);
         REQUIRE_OK(r->ctx, r->be[k]->moe_route(&r->d[k], r->ctx, I, NULL, N, E, kk, -1, false,
                                                cnt[k], ord[k], pos[k]));
     }
@@ -598,7 +456,7 @@ static void moe_route_family(run *r, int64_t N, int64_t E, int kk) {
 /* route with a capacity of cap choices an expert, dropping by weight or by
  * position: skewed choices (expert h % (E / 4) first, so a few experts
  * overflow), weights on a coarse grid (exact ties among an expert's) */
-static void moe_route_cap_family(run *r, int64_t N, int64_t E, int kk, int64_t cap, bool by_pos) {
+static void moe_route_cap_family(bp_run *r, int64_t N, int64_t E, int kk, int64_t cap, bool by_pos) {
     const int64_t NK = N * kk;
     int32_t *idx = malloc((size_t)NK * 4);
     float *w = malloc((size_t)NK * 4);
@@ -613,10 +471,10 @@ static void moe_route_cap_family(run *r, int64_t N, int64_t E, int kk, int64_t c
     r->seed += 0x9e3779b97f4a7c15ull;
     void *cnt[2], *ord[2], *pos[2];
     for (int k = 0; k < 2; k++) {
-        void *I = raw(r, k, idx, (size_t)NK * 4), *W = in(r, k, w, NK, false);
-        cnt[k] = keep(r, k, (size_t)E * 4);
-        ord[k] = keep(r, k, (size_t)NK * 4);
-        pos[k] = keep(r, k, (size_t)NK * 4);
+        void *I = bp_raw(r, k, idx, (size_t)NK * 4), *W = bp_in(r, k, w, NK, false);
+        cnt[k] = bp_keep(r, k, (size_t)E * 4);
+        ord[k] = bp_keep(r, k, (size_t)NK * 4);
+        pos[k] = bp_keep(r, k, (size_t)NK * 4);
         REQUIRE_OK(r->ctx, r->be[k]->moe_route(&r->d[k], r->ctx, I, W, N, E, kk, cap, by_pos,
                                                cnt[k], ord[k], pos[k]));
     }
@@ -635,7 +493,7 @@ static void moe_route_cap_family(run *r, int64_t N, int64_t E, int kk, int64_t c
  * choices (cap >= 0: with that capacity, dropping by weight; the rows of
  * the dropped are not written, so only the kept ones are compared); H a
  * multiple of 8 takes the GPU's 16-byte paths, others not */
-static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H, int64_t cap) {
+static void moe_rows_family(bp_run *r, int64_t N, int64_t E, int kk, int64_t H, int64_t cap) {
     const int64_t NK = N * kk;
     int32_t *idx = malloc((size_t)NK * 4), *cnt = malloc((size_t)E * 4),
             *order = malloc((size_t)NK * 4), *pos = malloc((size_t)NK * 4);
@@ -658,26 +516,26 @@ static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H, int
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
-        void *O = raw(r, k, order, (size_t)NK * 4), *P = raw(r, k, pos, (size_t)NK * 4),
-             *W = in(r, k, w, NK, false), *X = in(r, k, x, N * H, true),
-             *YG = in(r, k, yg, NK * H, true), *DY = in(r, k, dy, N * H, true),
-             *DXG = in(r, k, dxg, NK * H, true);
-        xg[k] = keep(r, k, (size_t)(NK * H) * d->esz);
-        y[k] = keep(r, k, (size_t)(N * H) * d->esz);
-        dyg[k] = keep(r, k, (size_t)(NK * H) * d->esz);
-        dw[k] = keep(r, k, (size_t)NK * 4);
-        dx[k] = keep(r, k, (size_t)(N * H) * d->esz);
+        void *O = bp_raw(r, k, order, (size_t)NK * 4), *P = bp_raw(r, k, pos, (size_t)NK * 4),
+             *W = bp_in(r, k, w, NK, false), *X = bp_in(r, k, x, N * H, true),
+             *YG = bp_in(r, k, yg, NK * H, true), *DY = bp_in(r, k, dy, N * H, true),
+             *DXG = bp_in(r, k, dxg, NK * H, true);
+        xg[k] = bp_keep(r, k, (size_t)(NK * H) * d->esz);
+        y[k] = bp_keep(r, k, (size_t)(N * H) * d->esz);
+        dyg[k] = bp_keep(r, k, (size_t)(NK * H) * d->esz);
+        dw[k] = bp_keep(r, k, (size_t)NK * 4);
+        dx[k] = bp_keep(r, k, (size_t)(N * H) * d->esz);
         REQUIRE_OK(r->ctx, be->moe_permute(d, r->ctx, X, O, N, kk, H, xg[k]));
         REQUIRE_OK(r->ctx, be->moe_combine(d, r->ctx, YG, P, W, N, kk, H, y[k]));
         REQUIRE_OK(r->ctx, be->moe_combine_bwd(d, r->ctx, DY, YG, O, W, N, kk, H, dyg[k], dw[k]));
         REQUIRE_OK(r->ctx, be->moe_permute_bwd(d, r->ctx, DXG, P, N, kk, H, dx[k]));
     }
-    const double tol = tol_of(r);
-    same(r, "moe_permute", xg, R * H, true, 0.0);
-    same(r, "moe_combine", y, N * H, true, tol);
-    same(r, "moe_combine_bwd dyg", dyg, R * H, true, tol);
-    same(r, "moe_combine_bwd dw", dw, NK, false, 1e-4); /* dots of the same values */
-    same(r, "moe_permute_bwd", dx, N * H, true, tol);
+    const double tol = bp_tol(r);
+    bp_same(r, "moe_permute", xg, R * H, true, 0.0);
+    bp_same(r, "moe_combine", y, N * H, true, tol);
+    bp_same(r, "moe_combine_bwd dyg", dyg, R * H, true, tol);
+    bp_same(r, "moe_combine_bwd dw", dw, NK, false, 1e-4); /* dots of the same values */
+    bp_same(r, "moe_permute_bwd", dx, N * H, true, tol);
     free(idx), free(cnt), free(order), free(pos);
     free(x), free(yg), free(dy), free(dxg), free(w);
 }
@@ -685,31 +543,31 @@ static void moe_rows_family(run *r, int64_t N, int64_t E, int kk, int64_t H, int
 /* The shared expert's gate: g = sigmoid(z), y = g s accumulated and not,
  * g alone, and the gate's gradient (1 - g) rowdot(da, a); H and I multiples
  * of 8 take the GPU's 16-byte paths, others not */
-static void moe_gate_family(run *r, int64_t N, int64_t H, int64_t I) {
+static void moe_gate_family(bp_run *r, int64_t N, int64_t H, int64_t I) {
     float *z = rnd(r, N, 4, true), *s = rnd(r, N * H, 1, true), *y0 = rnd(r, N * H, 1, true),
           *da = rnd(r, N * I, 1, true), *a = rnd(r, N * I, 1, true);
     void *g[2], *g2[2], *y[2], *y2[2], *dz[2];
     for (int k = 0; k < 2; k++) {
         const loom_backend *be = r->be[k];
         loom_dev *d = &r->d[k];
-        void *Z = in(r, k, z, N, true), *S = in(r, k, s, N * H, true),
-             *DA = in(r, k, da, N * I, true), *A = in(r, k, a, N * I, true);
-        y[k] = in(r, k, y0, N * H, true);
-        y2[k] = keep(r, k, (size_t)(N * H) * d->esz);
-        g[k] = keep(r, k, (size_t)N * 4);
-        g2[k] = keep(r, k, (size_t)N * 4);
-        dz[k] = keep(r, k, (size_t)N * d->esz);
+        void *Z = bp_in(r, k, z, N, true), *S = bp_in(r, k, s, N * H, true),
+             *DA = bp_in(r, k, da, N * I, true), *A = bp_in(r, k, a, N * I, true);
+        y[k] = bp_in(r, k, y0, N * H, true);
+        y2[k] = bp_keep(r, k, (size_t)(N * H) * d->esz);
+        g[k] = bp_keep(r, k, (size_t)N * 4);
+        g2[k] = bp_keep(r, k, (size_t)N * 4);
+        dz[k] = bp_keep(r, k, (size_t)N * d->esz);
         REQUIRE_OK(r->ctx, be->moe_gate_fwd(d, r->ctx, Z, S, N, H, true, g[k], y[k]));
         REQUIRE_OK(r->ctx, be->moe_gate_fwd(d, r->ctx, NULL, S, N, H, false, g[k], y2[k]));
         REQUIRE_OK(r->ctx, be->moe_gate_fwd(d, r->ctx, Z, NULL, N, H, false, g2[k], NULL));
         REQUIRE_OK(r->ctx, be->moe_gate_bwd(d, r->ctx, DA, A, g[k], N, I, dz[k]));
     }
-    const double tol = tol_of(r);
-    same(r, "moe_gate_fwd g", g, N, false, 1e-6);
-    same(r, "moe_gate_fwd g alone", g2, N, false, 1e-6);
-    same(r, "moe_gate_fwd y += g s", y, N * H, true, tol);
-    same(r, "moe_gate_fwd y = g s", y2, N * H, true, tol);
-    same(r, "moe_gate_bwd dz", dz, N, true, r->t == LOOM_F32 ? 1e-4 : 1e-2);
+    const double tol = bp_tol(r);
+    bp_same(r, "moe_gate_fwd g", g, N, false, 1e-6);
+    bp_same(r, "moe_gate_fwd g alone", g2, N, false, 1e-6);
+    bp_same(r, "moe_gate_fwd y += g s", y, N * H, true, tol);
+    bp_same(r, "moe_gate_fwd y = g s", y2, N * H, true, tol);
+    bp_same(r, "moe_gate_bwd dz", dz, N, true, r->t == LOOM_F32 ? 1e-4 : 1e-2);
     free(z), free(s), free(y0), free(da), free(a);
 }
 
@@ -720,12 +578,12 @@ TEST(backend_moe_gate_ops_equal_cpu) {
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++)
         for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
-            run r;
-            if (!run_begin(&r, dts[i]))
+            bp_run r;
+            if (!bp_begin(&r, dts[i]))
                 SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the "
                      "CPU's");
             moe_gate_family(&r, cases[c].N, cases[c].H, cases[c].I);
-            run_end(&r);
+            bp_end(&r);
         }
 }
 
@@ -733,7 +591,7 @@ TEST(backend_moe_gate_ops_equal_cpu) {
  * among them): forward y_g = x_g W_g^T, input gradient dx_g = dy_g W_g, and
  * weight gradient dW_g += dy_g^T x_g into fp32 (K = cnt[g], 0 included); then
  * the weight gradient with beta 0, alpha 0.5 (the groups of no rows zeroed). */
-static void moe_gemm_family(run *r, int G, const int64_t *cnt, int64_t in_, int64_t out_) {
+static void moe_gemm_family(bp_run *r, int G, const int64_t *cnt, int64_t in_, int64_t out_) {
     int64_t T = 0;
     for (int i = 0; i < G; i++)
         T += cnt[i];
@@ -747,11 +605,11 @@ static void moe_gemm_family(run *r, int G, const int64_t *cnt, int64_t in_, int6
         loom_dev *d = &r->d[k];
         const loom_dtype t = d->adt;
         const size_t es = d->esz;
-        char *X = in(r, k, x, T * in_, true), *WW = in(r, k, W, G * out_ * in_, true),
-             *DY = in(r, k, dy, T * out_, true);
-        char *Y = keep(r, k, (size_t)(T * out_) * es), *DX = keep(r, k, (size_t)(T * in_) * es);
-        char *DWp = in(r, k, dW0, G * out_ * in_, false),
-             *DWz = in(r, k, dW0, G * out_ * in_, false);
+        char *X = bp_in(r, k, x, T * in_, true), *WW = bp_in(r, k, W, G * out_ * in_, true),
+             *DY = bp_in(r, k, dy, T * out_, true);
+        char *Y = bp_keep(r, k, (size_t)(T * out_) * es), *DX = bp_keep(r, k, (size_t)(T * in_) * es);
+        char *DWp = bp_in(r, k, dW0, G * out_ * in_, false),
+             *DWz = bp_in(r, k, dW0, G * out_ * in_, false);
         y[k] = Y, dx[k] = DX, dW[k] = DWp, dWz[k] = DWz;
         int64_t off = 0;
         for (int i = 0; i < G; off += cnt[i], i++)
@@ -786,11 +644,11 @@ static void moe_gemm_family(run *r, int G, const int64_t *cnt, int64_t in_, int6
                                                 out_, in_, t, pass ? 0.0f : 1.0f, LOOM_F32, in_));
         }
     }
-    const double tol = tol_of(r);
-    same(r, "gemm_grouped (x_g W_g^T)", y, T * out_, true, tol);
-    same(r, "gemm_grouped (dy_g W_g)", dx, T * in_, true, tol);
-    same(r, "gemm_grouped (dW_g += dy_g^T x_g, fp32)", dW, G * out_ * in_, false, tol);
-    same(r, "gemm_grouped (dW_g = dy_g^T x_g / 2, fp32)", dWz, G * out_ * in_, false, tol);
+    const double tol = bp_tol(r);
+    bp_same(r, "gemm_grouped (x_g W_g^T)", y, T * out_, true, tol);
+    bp_same(r, "gemm_grouped (dy_g W_g)", dx, T * in_, true, tol);
+    bp_same(r, "gemm_grouped (dW_g += dy_g^T x_g, fp32)", dW, G * out_ * in_, false, tol);
+    bp_same(r, "gemm_grouped (dW_g = dy_g^T x_g / 2, fp32)", dWz, G * out_ * in_, false, tol);
     free(x), free(W), free(dy), free(dW0), free(g);
 }
 
@@ -799,7 +657,7 @@ static void moe_gemm_family(run *r, int G, const int64_t *cnt, int64_t in_, int6
  * B_g, dx += du A_g, dB_g += s dy_g^T u_g and dA_g += du_g^T x_g (fp32),
  * then dA_g = du_g^T x_g / 2 (beta 0: the groups of no rows zeroed). On a GPU
  * these are loom_cuda_gemm_skinny's rowdot, expand and reduce kernels. */
-static void moe_lora_gemm_family(run *r, int G, const int64_t *cnt, int64_t rk, int64_t out_) {
+static void moe_lora_gemm_family(bp_run *r, int G, const int64_t *cnt, int64_t rk, int64_t out_) {
     const int64_t in_ = 64;
     const float sc = 2.0f;
     int64_t T = 0;
@@ -817,12 +675,12 @@ static void moe_lora_gemm_family(run *r, int G, const int64_t *cnt, int64_t rk, 
         loom_dev *d = &r->d[k];
         const loom_dtype t = d->adt;
         const size_t es = d->esz;
-        char *X = in(r, k, x, T * in_, true), *AA = in(r, k, A, G * rk * in_, true),
-             *BB = in(r, k, B, G * out_ * rk, true), *DY = in(r, k, dy, T * out_, true);
-        char *U = keep(r, k, (size_t)(T * rk) * es), *DU = keep(r, k, (size_t)(T * rk) * es);
-        char *Y = in(r, k, y0, T * out_, true), *DX = in(r, k, dx0, T * in_, true);
-        char *DB = in(r, k, dB0, G * out_ * rk, false), *DA = in(r, k, dA0, G * rk * in_, false),
-             *DAz = in(r, k, dA0, G * rk * in_, false);
+        char *X = bp_in(r, k, x, T * in_, true), *AA = bp_in(r, k, A, G * rk * in_, true),
+             *BB = bp_in(r, k, B, G * out_ * rk, true), *DY = bp_in(r, k, dy, T * out_, true);
+        char *U = bp_keep(r, k, (size_t)(T * rk) * es), *DU = bp_keep(r, k, (size_t)(T * rk) * es);
+        char *Y = bp_in(r, k, y0, T * out_, true), *DX = bp_in(r, k, dx0, T * in_, true);
+        char *DB = bp_in(r, k, dB0, G * out_ * rk, false), *DA = bp_in(r, k, dA0, G * rk * in_, false),
+             *DAz = bp_in(r, k, dA0, G * rk * in_, false);
         u[k] = U, y[k] = Y, du[k] = DU, dx[k] = DX, dB[k] = DB, dA[k] = DA, dAz[k] = DAz;
 #define GROUPS(a, b, c, m, n, kk)                                                                  \
     do {                                                                                           \
@@ -858,20 +716,20 @@ static void moe_lora_gemm_family(run *r, int G, const int64_t *cnt, int64_t rk, 
         }
 #undef GROUPS
     }
-    const double tol = tol_of(r);
-    same(r, "gemm_grouped (LoRA u = x A_g^T)", u, T * rk, true, tol);
-    same(r, "gemm_grouped (LoRA y += s u B_g^T)", y, T * out_, true, tol);
-    same(r, "gemm_grouped (LoRA du = s dy B_g)", du, T * rk, true, tol);
-    same(r, "gemm_grouped (LoRA dx += du A_g)", dx, T * in_, true, tol);
-    same(r, "gemm_grouped (LoRA dB_g += s dy_g^T u_g, fp32)", dB, G * out_ * rk, false, tol);
-    same(r, "gemm_grouped (LoRA dA_g += du_g^T x_g, fp32)", dA, G * rk * in_, false, tol);
-    same(r, "gemm_grouped (LoRA dA_g = du_g^T x_g / 2, fp32)", dAz, G * rk * in_, false, tol);
+    const double tol = bp_tol(r);
+    bp_same(r, "gemm_grouped (LoRA u = x A_g^T)", u, T * rk, true, tol);
+    bp_same(r, "gemm_grouped (LoRA y += s u B_g^T)", y, T * out_, true, tol);
+    bp_same(r, "gemm_grouped (LoRA du = s dy B_g)", du, T * rk, true, tol);
+    bp_same(r, "gemm_grouped (LoRA dx += du A_g)", dx, T * in_, true, tol);
+    bp_same(r, "gemm_grouped (LoRA dB_g += s dy_g^T u_g, fp32)", dB, G * out_ * rk, false, tol);
+    bp_same(r, "gemm_grouped (LoRA dA_g += du_g^T x_g, fp32)", dA, G * rk * in_, false, tol);
+    bp_same(r, "gemm_grouped (LoRA dA_g = du_g^T x_g / 2, fp32)", dAz, G * rk * in_, false, tol);
     free(x), free(A), free(B), free(dy), free(y0), free(dx0), free(dB0), free(dA0), free(g);
 }
 
 #define GPU_OR_SKIP(r, t)                                                                          \
     do {                                                                                           \
-        if (!run_begin(&(r), (t)))                                                                 \
+        if (!bp_begin(&(r), (t)))                                                                 \
             SKIP("no GPU (or loom built without CUDA): this compares the CUDA table with the "     \
                  "CPU's");                                                                         \
     } while (0)
@@ -879,38 +737,38 @@ static void moe_lora_gemm_family(run *r, int G, const int64_t *cnt, int64_t rk, 
 TEST(backend_gemm_ops_equal_cpu) {
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++) {
-        run r;
+        bp_run r;
         GPU_OR_SKIP(r, dts[i]);
         gemm_family(&r);
-        run_end(&r);
+        bp_end(&r);
     }
 }
 
 TEST(backend_attention_ops_equal_cpu) {
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 4; i++) {
-        run r;
+        bp_run r;
         GPU_OR_SKIP(r, dts[i / 2]);
         attention_family(&r, i % 2);
-        run_end(&r);
+        bp_end(&r);
     }
 }
 
 TEST(backend_loss_ops_equal_cpu) {
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++) {
-        run r;
+        bp_run r;
         GPU_OR_SKIP(r, dts[i]);
         loss_family(&r);
-        run_end(&r);
+        bp_end(&r);
     }
 }
 
 TEST(backend_optimizer_ops_equal_cpu) {
-    run r;
+    bp_run r;
     GPU_OR_SKIP(r, LOOM_F32);
     optimizer_family(&r);
-    run_end(&r);
+    bp_end(&r);
 }
 
 /* E = 8 and 128 (and the most, 2048), k = 1, 2 and 8, N not a multiple of
@@ -930,10 +788,10 @@ TEST(backend_moe_router_ops_equal_cpu) {
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++)
         for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
-            run r;
+            bp_run r;
             GPU_OR_SKIP(r, dts[i]);
             moe_router_family(&r, &cases[c]);
-            run_end(&r);
+            bp_end(&r);
         }
 }
 
@@ -943,10 +801,10 @@ TEST(backend_moe_route_equals_cpu) {
         int k;
     } cases[] = {{40000, 128, 8}, {3001, 512, 8}, {700, 2048, 16}, {1, 8, 1}};
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
-        run r;
+        bp_run r;
         GPU_OR_SKIP(r, LOOM_F32);
         moe_route_family(&r, cases[c].N, cases[c].E, cases[c].k);
-        run_end(&r);
+        bp_end(&r);
     }
 }
 
@@ -961,10 +819,10 @@ TEST(backend_moe_route_capacity_equals_cpu) {
                  {40000, 128, 8, 700}, {700, 2048, 16, 3}, {300, 16, 4, 90}};
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++)
         for (int by_pos = 0; by_pos < 2; by_pos++) {
-            run r;
+            bp_run r;
             GPU_OR_SKIP(r, LOOM_F32);
             moe_route_cap_family(&r, cases[c].N, cases[c].E, cases[c].k, cases[c].cap, by_pos);
-            run_end(&r);
+            bp_end(&r);
         }
 }
 
@@ -979,10 +837,10 @@ TEST(backend_moe_rows_ops_equal_cpu) {
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++)
         for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
-            run r;
+            bp_run r;
             GPU_OR_SKIP(r, dts[i]);
             moe_rows_family(&r, cases[c].N, cases[c].E, cases[c].k, cases[c].H, cases[c].cap);
-            run_end(&r);
+            bp_end(&r);
         }
 }
 
@@ -1002,12 +860,12 @@ TEST(backend_moe_gemm_grouped_equals_cpu) {
                 setenv("LOOM_GEMM_GROUPED", "loop", 1);
             else
                 unsetenv("LOOM_GEMM_GROUPED");
-            run r;
+            bp_run r;
             GPU_OR_SKIP(r, dts[i]);
             moe_gemm_family(&r, 8, c8, 64, 48);
             moe_gemm_family(&r, 128, c128, 64, 48);
             moe_gemm_family(&r, 4, c4, 256, 256); /* a group alone (1100 rows: cuBLASLt) */
-            run_end(&r);
+            bp_end(&r);
         }
     unsetenv("LOOM_GEMM_GROUPED");
 }
@@ -1047,10 +905,10 @@ TEST(backend_moe_lora_gemm_grouped_equals_cpu) {
                     unsetenv("LOOM_SKINNY_MMA");
                     unsetenv("LOOM_SKINNY_REDUCE");
                 }
-                run r;
+                bp_run r;
                 GPU_OR_SKIP(r, dts[i]);
                 moe_lora_gemm_family(&r, cases[c].G, cases[c].cnt, cases[c].rk, c % 2 ? 96 : 48);
-                run_end(&r);
+                bp_end(&r);
             }
     unsetenv("LOOM_GEMM_GROUPED");
     unsetenv("LOOM_SKINNY_MMA");

@@ -53,6 +53,29 @@ TEST(qwen35_parallel_layouts) {
     loom_ctx_free(ctx);
 }
 
+/* The start of the tests below: skipped without mpirun; a quiet context
+ * with config's random model saved under the test directory's `name` (tmp;
+ * the model's directory in dir). NULL on a failure (reported). */
+static loom_ctx *q35_begin(const char *name, const char *config, char tmp[1024],
+                           char dir[1100]) {
+    if (!loom_test_have_mpirun())
+        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
+    loom_ctx *ctx = NULL;
+    if (loom_ctx_create(&ctx)) {
+        loom_test_fail(__FILE__, __LINE__, "no context");
+        return NULL;
+    }
+    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
+    snprintf(tmp, 1024, "%s/%s", loom_test_tmpdir(), name);
+    if (!loom_q35_saved_model(ctx, tmp, config, dir, 1100)) {
+        loom_test_fail(__FILE__, __LINE__, "%s: %s", name, loom_last_error(ctx));
+        loom_ctx_free(ctx);
+        return NULL;
+    }
+    return ctx;
+}
+
 /* Runs the layouts (np ranks each, flags NULL-terminated after `extra`)
  * against one process with `extra`, at 1e-5. */
 typedef struct q35_layout {
@@ -89,15 +112,9 @@ static void run_layouts(loom_ctx *ctx, const char *tmp, const char *dir, const c
  * parallelism on MPI ranks equals the one-process run: loss, log-probs and
  * every gradient (`loom golden`, 3 AdamW steps), within 1e-5. */
 TEST(qwen35_gated_attention_parallel_layouts) {
-    if (!loom_test_have_mpirun())
-        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    loom_test_mpi_env();
-    loom_ctx *ctx;
-    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
-    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     char tmp[1024], dir[1100], batch[1100];
-    snprintf(tmp, sizeof tmp, "%s/qwen35-par", loom_test_tmpdir());
-    REQUIRE(loom_q35_saved_model(ctx, tmp, loom_q35_gated, dir, sizeof dir));
+    loom_ctx *ctx = q35_begin("qwen35-par", loom_q35_gated, tmp, dir);
+    REQUIRE(ctx);
     REQUIRE_OK(ctx, loom_test_write_batch(ctx, tmp, "batch", 2, 24, 64, 31));
     snprintf(batch, sizeof batch, "%s/batch.safetensors", tmp);
     static const q35_layout layouts[] = {
@@ -114,15 +131,9 @@ TEST(qwen35_gated_attention_parallel_layouts) {
  * CP2 x TP2+SP and CP2 x DP2 on MPI ranks equals the one-process run within
  * 1e-5: loss, log-probs and every gradient; with packed documents too. */
 TEST(qwen35_hybrid_parallel_layouts) {
-    if (!loom_test_have_mpirun())
-        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    loom_test_mpi_env();
-    loom_ctx *ctx;
-    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
-    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     char tmp[1024], dir[1100], batch[1100];
-    snprintf(tmp, sizeof tmp, "%s/qwen35-hybrid", loom_test_tmpdir());
-    REQUIRE(loom_q35_saved_model(ctx, tmp, loom_q35_hybrid, dir, sizeof dir));
+    loom_ctx *ctx = q35_begin("qwen35-hybrid", loom_q35_hybrid, tmp, dir);
+    REQUIRE(ctx);
     REQUIRE_OK(ctx, loom_test_write_batch(ctx, tmp, "batch", 4, 32, 256, 7));
     snprintf(batch, sizeof batch, "%s/batch.safetensors", tmp);
     static const q35_layout layouts[] = {
@@ -155,15 +166,9 @@ TEST(qwen35_hybrid_parallel_layouts) {
  * An adapter trained 3 steps, then TP2, TP2+SP and TP2 x PP2 against one
  * process: every LoRA gradient within 1e-5. */
 TEST(qwen35_hybrid_lora_tensor_parallel) {
-    if (!loom_test_have_mpirun())
-        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    loom_test_mpi_env();
-    loom_ctx *ctx;
-    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
-    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     char tmp[1024], dir[1100], batch[1100], adir[1100];
-    snprintf(tmp, sizeof tmp, "%s/qwen35-hybrid-lora", loom_test_tmpdir());
-    REQUIRE(loom_q35_saved_model(ctx, tmp, loom_q35_hybrid, dir, sizeof dir));
+    loom_ctx *ctx = q35_begin("qwen35-hybrid-lora", loom_q35_hybrid, tmp, dir);
+    REQUIRE(ctx);
     REQUIRE_OK(ctx, loom_test_write_batch(ctx, tmp, "batch", 2, 32, 256, 11));
     snprintf(batch, sizeof batch, "%s/batch.safetensors", tmp);
     snprintf(adir, sizeof adir, "%s/adapter", tmp);
@@ -246,15 +251,9 @@ static int hybrid_train(int np, const char *dir, const char *tokens, const char 
  * and one process resumes it: steps 3 and 4 within 1e-5 of the TP2 run's.
  * Full fine-tuning, then LoRA. */
 TEST(qwen35_tensor_parallel_checkpoints) {
-    if (!loom_test_have_mpirun())
-        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
-    loom_test_mpi_env();
-    loom_ctx *ctx;
-    REQUIRE(loom_ctx_create(&ctx) == LOOM_OK);
-    loom_ctx_set_log_level(ctx, LOOM_LOG_ERROR);
     char tmp[1024], dir[1100], txt[1100], tokens[1100], *log = NULL;
-    snprintf(tmp, sizeof tmp, "%s/qwen35-ckpt", loom_test_tmpdir());
-    REQUIRE(loom_q35_saved_model(ctx, tmp, loom_q35_hybrid, dir, sizeof dir));
+    loom_ctx *ctx = q35_begin("qwen35-ckpt", loom_q35_hybrid, tmp, dir);
+    REQUIRE(ctx);
     snprintf(txt, sizeof txt, "%s/d.txt", tmp);
     snprintf(tokens, sizeof tokens, "%s/d.tokens", tmp);
     char text[4096] = "";
