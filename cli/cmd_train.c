@@ -374,7 +374,13 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
         /* tokens/s over the steps since the last logged one */
         const double tps = (double)(tokens_total - tokens_at_log) / (now - t_log);
         if (step % s->log_interval == 0 || step == s->train_steps || step == step0) {
-            char moe[200] = "", zs[48] = "";
+            char moe[200] = "", zs[48] = "", pf[160] = "";
+            loom_step_breakdown br; /* --profile: the steps since the last log line */
+            loom_model_profile_interval(m, &br);
+            if (br.steps > 0)
+                snprintf(pf, sizeof pf,
+                         " | ms/step: compute %.1f, comm %.1f, bubble %.1f, idle %.1f", br.compute_ms,
+                         br.comm_ms, br.bubble_ms, br.idle_ms);
             const bool zl = s->moe_z_loss_coeff > 0;
             if (zl) snprintf(zs, sizeof zs, " | z-loss %.4f", sr.z_loss);
             if (sr.expert_tokens_max > 0)
@@ -385,8 +391,8 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                          sr.expert_tokens_max, sr.expert_imbalance, sr.expert_imbalance_layer);
             LOOM_LOG_I(ctx,
                        "step %" PRId64 "/%" PRId64 " | loss %.4f | grad norm %.3f | lr %.3e | "
-                       "%.0f tokens/s%s%s",
-                       step, s->train_steps, fr.loss, sr.grad_norm, sr.lr, tps, moe,
+                       "%.0f tokens/s%s%s%s",
+                       step, s->train_steps, fr.loss, sr.grad_norm, sr.lr, tps, moe, pf,
                        sr.stepped ? "" : " | step skipped");
             if (mw) {
                 loom_metrics_record r = {
@@ -402,7 +408,7 @@ int loom_cmd_train(loom_ctx *ctx, loom_settings *s, int npos, const char **pos) 
                     .expert_tokens_mean = sr.expert_tokens_mean,
                     .expert_tokens_max = sr.expert_tokens_max,
                     .expert_imbalance = sr.expert_imbalance,
-                    .z = zl, .z_loss = sr.z_loss};
+                    .z = zl, .z_loss = sr.z_loss, .prof = br};
                 if (etok && sr.expert_tokens_max > 0 &&
                     !(st = loom_model_expert_tokens(m, etok, info.num_layers * info.num_experts)))
                     r.expert_tokens = etok, r.layers = info.num_layers, r.experts = info.num_experts;

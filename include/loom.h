@@ -308,6 +308,20 @@ uint64_t loom_model_device_memory(const loom_model *m);
  * line saying so. */
 void loom_model_profile(const loom_model *m, char *buf, size_t n);
 
+/* The same profile's step time by kind, per step over the steps ended since
+ * the last call (first: since the model was made), then reset: compute; the
+ * exposed communication (the collectives loom waited on: tensor and context
+ * parallelism's, expert all-to-alls, the gradients' reduce, the parameters'
+ * gather, the loss sums); the pipeline bubble (the exchanges between
+ * stages: a stage's waits for its neighbours and the transfers); idle (host
+ * waits inside a step, and the host's time between steps). steps 0 (all
+ * zero) when profiling is off or no step ended since. */
+typedef struct loom_step_breakdown {
+    int64_t steps;
+    double compute_ms, comm_ms, bubble_ms, idle_ms;
+} loom_step_breakdown;
+void loom_model_profile_interval(loom_model *m, loom_step_breakdown *out);
+
 /* AdamW (torch semantics, fp32 master weights; no weight decay on 1-D
  * parameters). Without a scheduler lr and weight_decay are constant. */
 typedef struct loom_optimizer_config {

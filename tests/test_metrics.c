@@ -123,6 +123,15 @@ TEST(metrics_jsonl_line) {
     REQUIRE_OK(ctx, loom_json_parse(ctx, sb.buf, sb.len, "line", &doc));
     CHECK(loom_json_get(doc, "expert_imbalance_by_layer") != NULL);
     loom_json_free(doc);
+    /* --profile: the step's time by kind, last */
+    r.prof = (loom_step_breakdown){.steps = 2, .compute_ms = 12.5, .comm_ms = 2.25,
+                                   .bubble_ms = 0.5, .idle_ms = 0.125};
+    sb.len = 0;
+    loom_metrics_jsonl(&sb, &r);
+    CHECK(strstr(sb.buf, "\"expert_imbalance_by_layer\": [2, 1], \"compute_ms\": 12.5, "
+                         "\"exposed_comm_ms\": 2.25, \"bubble_ms\": 0.5, \"idle_ms\": 0.125}\n") !=
+          NULL);
+    CHECK_STR(loom_metrics_tb_tag("bubble_ms"), "time/bubble_ms");
     loom_expert_layer_stats ls;
     loom_expert_layer_stats_of(cnt + 4, 4, &ls);
     CHECK(ls.min == 0 && ls.max == 0 && ls.mean == 0 && ls.imbalance == 0);

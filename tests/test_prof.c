@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "../include/loom.h"
+#include "../src/core/json.h"
 #include "harness.h"
 
 /* The table's numbers: the host's and the parts' ms a step (header), the
@@ -95,6 +96,15 @@ static void profiled_run(const char *fixture, loom_device dev, loom_recompute rc
             REQUIRE_OK(ctx, loom_model_clip_grad_and_step(m, 1.0, acc, &sr));
         }
     loom_model_profile(m, rep, n);
+    /* the time by kind since the model was made: every step; then none */
+    loom_step_breakdown br, again;
+    loom_model_profile_interval(m, &br);
+    loom_model_profile_interval(m, &again);
+    CHECK_EQ_INT(br.steps, steps);
+    CHECK_MSG(br.compute_ms > 0.0 && br.comm_ms >= 0.0 && br.bubble_ms == 0.0 && br.idle_ms >= 0.0,
+              "compute %g, comm %g, bubble %g, idle %g ms", br.compute_ms, br.comm_ms,
+              br.bubble_ms, br.idle_ms);
+    CHECK(again.steps == 0 && again.compute_ms == 0.0 && again.idle_ms == 0.0);
     loom_model_free(m);
     loom_ctx_free(ctx);
 }
@@ -121,6 +131,18 @@ static void check_dense(loom_device dev) {
     CHECK_MSG(fabs(t.share - 100.0) <= 0.1 * t.rows, "shares %.2f%%:\n%s", t.share, rep);
     CHECK_MSG(t.host >= t.parts - 0.01, "host %.3f ms a step < the parts' %.3f:\n%s", t.host,
               t.parts, rep);
+    /* the breakdown line: its kinds add up to the parts (idle adds the time
+     * between steps, which no part holds) */
+    const char *bl = strstr(rep, "breakdown, ms a step: compute ");
+    REQUIRE(bl);
+    double c = 0, x = 0, bb = 0, id = 0;
+    CHECK_MSG(sscanf(bl, "breakdown, ms a step: compute %lf, exposed communication %lf, pipeline "
+                         "bubble %lf, idle %lf",
+                     &c, &x, &bb, &id) == 4,
+              "cannot read: %s", bl);
+    CHECK_MSG(c > 0.0 && c + x + bb <= t.parts + 0.004 && c + x + bb + id >= t.parts - 0.004,
+              "compute %g + comm %g + bubble %g (+ idle %g) against the parts' %g ms", c, x, bb,
+              id, t.parts);
 }
 
 TEST(profile_parts_add_up_cpu) { check_dense(LOOM_DEVICE_CPU); }
@@ -162,23 +184,32 @@ TEST(profile_moe_accumulation_off) {
     loom_ctx_free(ctx);
 }
 
+/* A small token file for the CLI runs below (data: its path); false on a
+ * failure (reported). */
+static bool prof_tokens(char data[1024]) {
+    char text[1024], *out = NULL;
+    snprintf(text, sizeof text, "%s/prof.txt", loom_test_tmpdir());
+    snprintf(data, 1024, "%s/prof.tokens", loom_test_tmpdir());
+    FILE *f = fopen(text, "w");
+    if (!f) return false;
+    for (int i = 0; i < 20; i++) fprintf(f, "experts route tokens %d ways.\n\n", i);
+    fclose(f);
+    const char *mk[] = {loom_test_bin(), "data", "--text", text, "--out", data, NULL};
+    const int rc = loom_test_run(&out, mk);
+    CHECK_MSG(rc == 0, "loom data: %s", out ? out : "");
+    free(out);
+    return rc == 0;
+}
+
 /* Expert parallelism on two CPU ranks (`loom train --profile`): each rank
  * prints its own table, with the all-to-alls as their own parts. */
 TEST(profile_ep2_cli) {
     if (!loom_test_have_mpirun())
         SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
     loom_test_mpi_env();
-    char model[1024], text[1024], data[1024], *out = NULL;
+    char model[1024], data[1024], *out = NULL;
     snprintf(model, sizeof model, "%s/models/tiny-qwen3-moe", loom_test_fixtures());
-    snprintf(text, sizeof text, "%s/prof-moe.txt", loom_test_tmpdir());
-    snprintf(data, sizeof data, "%s/prof-moe.tokens", loom_test_tmpdir());
-    FILE *f = fopen(text, "w");
-    REQUIRE(f);
-    for (int i = 0; i < 20; i++) fprintf(f, "experts route tokens %d ways.\n\n", i);
-    fclose(f);
-    const char *mk[] = {loom_test_bin(), "data", "--text", text, "--out", data, NULL};
-    REQUIRE(loom_test_run(&out, mk) == 0);
-    free(out);
+    REQUIRE(prof_tokens(data));
     const char *argv[] = {"mpirun", "-np", "2", loom_test_bin(), "train", "--device", "cpu",
                           "--model", model, "--data", data, "--train-steps", "2", "--seq-len",
                           "32", "--global-batch-size", "2", "--ep", "2", "--profile", NULL};
@@ -193,4 +224,62 @@ TEST(profile_ep2_cli) {
     CHECK_CONTAINS(out, "backward   moe.a2a");
     CHECK_CONTAINS(out, "step       gradient reduce");
     free(out);
+}
+
+/* The step's time by kind (`loom train --profile --metrics-file`) under PP2
+ * and TP2 on CPU ranks: the log lines carry it, and rank 0's metrics file
+ * has it on every line: the pipeline's exchanges as bubble under PP2 (none
+ * in one process), tensor parallelism's collectives as exposed
+ * communication under TP2. */
+TEST(profile_breakdown_cli_layouts) {
+    if (!loom_test_have_mpirun())
+        SKIP("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    loom_test_mpi_env();
+    loom_ctx *ctx = quiet();
+    REQUIRE(ctx);
+    char model[1024], data[1024], mf[1100];
+    snprintf(model, sizeof model, "%s/models/tiny-qwen3", loom_test_fixtures());
+    REQUIRE(prof_tokens(data));
+    static const char *const layouts[3][2] = {{"--pp", "2"}, {"--tp", "2"}, {"--dp", "1"}};
+    for (int l = 0; l < 3; l++) {
+        const bool one = l == 2;
+        snprintf(mf, sizeof mf, "%s/prof-%d.jsonl", loom_test_tmpdir(), l);
+        remove(mf);
+        char *out = NULL;
+        const char *argv[] = {"mpirun", "-np", one ? "1" : "2", loom_test_bin(), "train",
+                              "--device", "cpu", "--model", model, "--data", data,
+                              "--train-steps", "3", "--seq-len", "32", "--global-batch-size", "4",
+                              layouts[l][0], layouts[l][1], "--profile", "--metrics-file", mf,
+                              NULL};
+        CHECK_EQ_INT(loom_test_run(&out, argv), 0);
+        CHECK_MSG(out && strstr(out, "| ms/step: compute ") && strstr(out, "breakdown, ms a step"),
+                  "%s %s: no breakdown in:\n%s", layouts[l][0], layouts[l][1], out ? out : "");
+        free(out);
+        FILE *f = fopen(mf, "r");
+        CHECK_MSG(f != NULL, "no metrics file %s", mf);
+        char line[4096];
+        int lines = 0;
+        while (f && fgets(line, sizeof line, f)) {
+            loom_json *doc = NULL;
+            REQUIRE_OK(ctx, loom_json_parse(ctx, line, strlen(line), "metrics line", &doc));
+            const loom_json *c = loom_json_get(doc, "compute_ms"),
+                            *x = loom_json_get(doc, "exposed_comm_ms"),
+                            *b = loom_json_get(doc, "bubble_ms"), *i = loom_json_get(doc, "idle_ms");
+            CHECK_MSG(c && x && b && i, "%s %s: no breakdown in %s", layouts[l][0], layouts[l][1],
+                      line);
+            if (c && x && b && i) {
+                CHECK(c->d > 0.0 && i->d >= 0.0);
+                if (l == 0) CHECK_MSG(b->d > 0.0, "pp2: bubble %g ms", b->d);
+                if (l == 1) CHECK_MSG(x->d > 0.0 && b->d == 0.0, "tp2: comm %g, bubble %g ms",
+                                      x->d, b->d);
+                if (one) CHECK_MSG(b->d == 0.0, "one process: bubble %g ms", b->d);
+            }
+            loom_json_free(doc);
+            lines++;
+        }
+        if (f) fclose(f);
+        CHECK_MSG(lines == 3, "%s %s: %d metrics lines, want 3", layouts[l][0], layouts[l][1],
+                  lines);
+    }
+    loom_ctx_free(ctx);
 }

@@ -94,6 +94,11 @@ class TrainProgress(C.Structure):
                 ("data_epoch", i64), ("data_index", i64), ("data_offset", i64)]
 
 
+class StepBreakdown(C.Structure):
+    _fields_ = [("steps", i64), ("compute_ms", f64), ("comm_ms", f64), ("bubble_ms", f64),
+                ("idle_ms", f64)]
+
+
 class OptimizerConfig(C.Structure):
     _fields_ = [("lr", f64), ("beta1", f64), ("beta2", f64), ("eps", f64),
                 ("weight_decay", f64)]
@@ -172,6 +177,7 @@ _decl("loom_model_clip_grad_and_step", i32, vp, f64, i64, P(StepResult))
 _decl("loom_model_zero_grad", None, vp)
 _decl("loom_model_expert_tokens", i32, vp, P(C.c_double), i64)
 _decl("loom_model_profile", None, vp, cp, C.c_size_t)
+_decl("loom_model_profile_interval", None, vp, P(StepBreakdown))
 _decl("loom_model_tensor_name", cp, vp, i64, P(i32), P(i64))
 _decl("loom_model_get_param", i32, vp, cp, P(C.c_float), i64)
 _decl("loom_model_get_grad", i32, vp, cp, P(C.c_float), i64)

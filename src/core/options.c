@@ -159,7 +159,9 @@ static const loom_option table[] = {
      OFF(moe_router_force_load_balancing), NULL, CMD_TRAIN | LOOM_CMD_GOLDEN, 0, 0},
     {"profile", LOOM_OPT_BOOL, "false",
      "time each part of every step on the device (attention, MoE dispatch and all-to-alls, "
-     "experts, recomputation, gradient reduce, optimizer) and print the table per rank at the end",
+     "experts, recomputation, gradient reduce, optimizer) and print the table per rank at the end; "
+     "the step's time by kind (compute, exposed communication, pipeline bubble, idle) in each "
+     "step's log line and the metrics file",
      OFF(profile), NULL, CMD_TRAIN, 0, 0},
     {"recompute", LOOM_OPT_CHOICE, "none",
      "activation recomputation, memory for compute (same results): mlp recomputes each layer's "

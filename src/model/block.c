@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "model.h"
+#include "prof.h"
 
 const loom_block_kind *const loom_block_kinds[LOOM_NKINDS] = {
     [LOOM_KIND_ATTN] = &loom_block_attn,
@@ -173,7 +174,7 @@ loom_status loom_cp_gather(loom_model *m, const void *loc, int64_t w, loom_dtype
                            void *blk) {
     const size_t n = (size_t)(m->Tc * w);
     if (m->cp == 1) return loom_k_copy(m, full, loc, n * loom_dtype_size(dt));
-    CK(loom_comm_allgather(m->mesh->cp, loc, blk, n, dt));
+    LOOM_PROF_AROUND(m, "cp comm", loom_comm_allgather(m->mesh->cp, loc, blk, n, dt));
     return loom_k_rows_scatter(m, full, blk, m->d_perm, m->T, as_adt(m, w, dt));
 }
 
@@ -182,7 +183,9 @@ loom_status loom_cp_reduce(loom_model *m, const void *full, int64_t w, loom_dtyp
     const size_t n = (size_t)(m->Tc * w);
     if (m->cp == 1) return loom_k_copy(m, loc, full, n * loom_dtype_size(dt));
     CK(loom_k_rows_gather(m, blk, full, m->d_perm, m->T, as_adt(m, w, dt)));
-    return loom_comm_reduce_scatter(m->mesh->cp, blk, loc, n, dt, LOOM_RED_SUM);
+    LOOM_PROF_AROUND(m, "cp comm",
+                     loom_comm_reduce_scatter(m->mesh->cp, blk, loc, n, dt, LOOM_RED_SUM));
+    return LOOM_OK;
 }
 
 loom_status loom_cp_take(loom_model *m, const void *full, int64_t w, void *loc) {

@@ -14,7 +14,29 @@ typedef struct {
     const char *phase, *what;
     double ms[2];      /* the first step's, the later steps' */
     int64_t marks[2];
+    int cls;           /* its class (prof_class) */
 } part;
+
+/* What a part's time is (loom.h's loom_step_breakdown): the collectives
+ * loom waits on (exposed: nothing overlaps them yet), the pipeline's
+ * exchanges (a stage waiting for its neighbours, the transfers with it),
+ * the host waits inside a step, and everything else, compute. */
+enum { CL_COMPUTE, CL_COMM, CL_BUBBLE, CL_IDLE, NCL };
+static const struct {
+    const char *what;
+    int cls;
+} classes[] = {
+    {"tp comm", CL_COMM},           {"cp comm", CL_COMM},       {"moe.a2a", CL_COMM},
+    {"gradient reduce", CL_COMM},   {"parameter gather", CL_COMM},
+    {"loss sums", CL_COMM},         {"pipeline send/recv", CL_BUBBLE},
+    {"moe.counts (host wait)", CL_IDLE},
+};
+
+static int prof_class(const char *what) {
+    for (size_t i = 0; i < sizeof classes / sizeof classes[0]; i++)
+        if (!strcmp(classes[i].what, what)) return classes[i].cls;
+    return CL_COMPUTE;
+}
 
 struct loom_prof {
     const char *phase, *what; /* now */
@@ -29,6 +51,10 @@ struct loom_prof {
     double wall[2];     /* host time from a step's first mark to its end */
     double between;     /* host time from a step's end to the next one's first mark */
     int64_t reads;      /* marks read out mid-step (the queue was full) */
+    double cls_ms[2][NCL]; /* the parts' times by class: first step, later steps */
+    double ival[NCL];      /* since the last loom_model_profile_interval: by class, */
+    int64_t ival_steps;    /* the steps ended, */
+    double ival_between;   /* and the host's time between them (ms) */
 };
 
 loom_status loom_prof_new(loom_model *m) {
@@ -58,7 +84,7 @@ static int part_of(loom_prof *p, const char *phase, const char *what) {
         p->parts[PROF_PARTS - 1].phase = "", p->parts[PROF_PARTS - 1].what = "other";
         return PROF_PARTS - 1;
     }
-    p->parts[p->nparts] = (part){.phase = phase, .what = what};
+    p->parts[p->nparts] = (part){.phase = phase, .what = what, .cls = prof_class(what)};
     return p->nparts++;
 }
 
@@ -69,8 +95,11 @@ static loom_status read_marks(loom_model *m) {
     const int b = p->steps > 0;
     for (int i = 0; i + 1 < p->n; i++) {
         if (p->at[i] < 0) continue;
-        p->parts[p->at[i]].ms[b] += p->ms[i];
-        p->parts[p->at[i]].marks[b]++;
+        part *q = &p->parts[p->at[i]];
+        q->ms[b] += p->ms[i];
+        q->marks[b]++;
+        p->cls_ms[b][q->cls] += p->ms[i];
+        p->ival[q->cls] += p->ms[i];
     }
     p->n = 0;
     return LOOM_OK;
@@ -90,7 +119,10 @@ loom_status loom_prof_mark(loom_model *m, const char *what) {
         const double now = loom_now_s();
         if (p->t0 <= 0.0) {
             p->t0 = now;
-            if (p->steps > 0) p->between += now - p->t_end;
+            if (p->steps > 0) {
+                p->between += now - p->t_end;
+                p->ival_between += 1e3 * (now - p->t_end);
+            }
         }
     } else if (p->n == LOOM_MARKS_MAX - 1) { /* full: read them, the part goes on */
         CK(put(m, -1));
@@ -113,6 +145,7 @@ loom_status loom_prof_step_end(loom_model *m) {
     p->t0 = 0.0;
     p->t_end = now;
     p->steps++;
+    p->ival_steps++;
     p->what = NULL;
     p->phase = "step";
     return LOOM_OK;
@@ -155,6 +188,12 @@ void loom_prof_report(const loom_prof *p, char *buf, size_t n) {
             total > 0.0 ? 100.0 * q->ms[b] / total : 0.0, (double)q->marks[b] / (double)k);
     }
     if (p->full) OUT("  (more parts than %d: the rest counted as other)\n", PROF_PARTS - 1);
+    const double *c = p->cls_ms[b], kk = (double)k;
+    const double idle = c[CL_IDLE] + (b ? 1e3 * p->between : 0.0);
+    OUT("  breakdown, ms a step: compute %.3f, exposed communication %.3f, pipeline bubble %.3f, "
+        "idle %.3f (host waits in the step%s)\n",
+        c[CL_COMPUTE] / kk, c[CL_COMM] / kk, c[CL_BUBBLE] / kk, idle / kk,
+        b ? " and between steps" : "");
 #undef OUT
 }
 
@@ -165,4 +204,19 @@ void loom_model_profile(const loom_model *m, char *buf, size_t n) {
         return;
     }
     loom_prof_report(m->prof, buf, n);
+}
+
+void loom_model_profile_interval(loom_model *m, loom_step_breakdown *out) {
+    memset(out, 0, sizeof *out);
+    loom_prof *p = m ? m->prof : NULL;
+    if (!p || p->ival_steps == 0) return;
+    const double k = (double)p->ival_steps;
+    out->steps = p->ival_steps;
+    out->compute_ms = p->ival[CL_COMPUTE] / k;
+    out->comm_ms = p->ival[CL_COMM] / k;
+    out->bubble_ms = p->ival[CL_BUBBLE] / k;
+    out->idle_ms = (p->ival[CL_IDLE] + p->ival_between) / k;
+    memset(p->ival, 0, sizeof p->ival);
+    p->ival_steps = 0;
+    p->ival_between = 0.0;
 }

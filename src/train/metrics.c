@@ -91,6 +91,12 @@ void loom_metrics_jsonl(loom_sb *sb, const loom_metrics_record *r) {
             put_layers(sb, r, "expert_imbalance_by_layer", 3);
         }
     }
+    if (r->prof.steps > 0) {
+        put_num(sb, "compute_ms", r->prof.compute_ms, false);
+        put_num(sb, "exposed_comm_ms", r->prof.comm_ms, false);
+        put_num(sb, "bubble_ms", r->prof.bubble_ms, false);
+        put_num(sb, "idle_ms", r->prof.idle_ms, false);
+    }
     loom_sb_puts(sb, "}\n");
 }
 
@@ -111,6 +117,10 @@ static const struct {
     {"expert_tokens_max", "moe/expert_tokens_max"},
     {"expert_imbalance", "moe/expert_imbalance"},
     {"z_loss", "z_loss"},
+    {"compute_ms", "time/compute_ms"},
+    {"exposed_comm_ms", "time/exposed_comm_ms"},
+    {"bubble_ms", "time/bubble_ms"},
+    {"idle_ms", "time/idle_ms"},
 };
 #define N_TAGS (sizeof tb_tags / sizeof tb_tags[0])
 
@@ -186,6 +196,12 @@ loom_status loom_metrics_write(loom_ctx *ctx, loom_metrics *m, const loom_metric
             TB("expert_tokens_max", r->expert_tokens_max);
             TB("expert_imbalance", r->expert_imbalance);
             if (r->z) TB("z_loss", r->z_loss);
+        }
+        if (r->prof.steps > 0) {
+            TB("compute_ms", r->prof.compute_ms);
+            TB("exposed_comm_ms", r->prof.comm_ms);
+            TB("bubble_ms", r->prof.bubble_ms);
+            TB("idle_ms", r->prof.idle_ms);
         }
 #undef TB
         for (int64_t l = 0; l < nl; l++) {

@@ -16,7 +16,10 @@
  * MoE layers' indices) and "expert_tokens_min_by_layer",
  * "expert_tokens_mean_by_layer", "expert_tokens_max_by_layer",
  * "expert_imbalance_by_layer" (arrays in that order). TensorBoard gets each
- * layer's imbalance as moe/expert_imbalance/layer_<i>.
+ * layer's imbalance as moe/expert_imbalance/layer_<i>. With --profile, last:
+ * "compute_ms", "exposed_comm_ms", "bubble_ms", "idle_ms" (this rank's step
+ * time by kind, ms per step since the previous logged step: loom.h's
+ * loom_step_breakdown).
  * consumed_samples counts rows (sequences of seq_len tokens), as Megatron
  * does; consumed_tokens counts every position of those rows. */
 #ifndef LOOM_METRICS_H
@@ -43,6 +46,9 @@ typedef struct loom_metrics_record {
      * out */
     const double *expert_tokens;
     int64_t layers, experts;
+    /* --profile (written when prof.steps > 0): the step's time by kind,
+     * per step since the previous logged step (loom_model_profile_interval) */
+    loom_step_breakdown prof;
 } loom_metrics_record;
 
 /* One MoE layer's tokens per expert (E counts): min, mean and max over its

@@ -870,7 +870,9 @@ def test_profile():
                 x.clip_grad_and_step()
         p = xs[0].profile()
         assert p.startswith("steps 2-3"), p
-        rows = [r.split() for r in p.splitlines()[2:]]
+        lines = p.splitlines()
+        assert lines[-1].lstrip().startswith("breakdown, ms a step: compute "), p
+        rows = [r.split() for r in lines[2:-1]]
         parts = {(r[0], r[1]) for r in rows}
         for want in [("forward", "attention"), ("forward", "moe.experts"),
                      ("backward", "moe.router"), ("step", "optimizer")]:
@@ -878,6 +880,11 @@ def test_profile():
         total = float(p.split("the parts on the device, ")[1].split()[0])
         assert abs(sum(float(r[-3]) for r in rows) - total) < 0.001 * len(rows) + 0.01, p
         assert "profiling is off" in xs[1].profile()
+        b = xs[0].profile_breakdown()  # the 3 steps by kind, then none since
+        assert b["steps"] == 3 and b["compute_ms"] > 0 and b["bubble_ms"] == 0, b
+        assert xs[0].profile_breakdown()["steps"] == 0
+        assert xs[1].profile_breakdown() == {"steps": 0, "compute_ms": 0.0, "comm_ms": 0.0,
+                                             "bubble_ms": 0.0, "idle_ms": 0.0}
     finally:
         for x in xs:
             x.close()
