@@ -157,7 +157,7 @@ GLOO_TEST_SRC := $(wildcard tests/gloo/*.c) tests/mpi/test_comm.c tests/mpi/test
                  tests/common/runner.c tests/common/ranks.c tests/common/spawn.c
 GLOO_TEST_OBJ := $(GLOO_TEST_SRC:%.c=$(BUILD)/obj/%.o)
 
-.PHONY: all lib test test-fast test-mpi test-gloo test-nccl test-python fuzz check clean config bench-tokenizer
+.PHONY: all lib test test-fast test-mpi test-gloo test-nccl test-python test-emu fuzz check clean config bench-tokenizer
 all: $(BUILD)/libloom.a $(BUILD)/libloom.so $(BUILD)/loom
 
 config:
@@ -217,6 +217,22 @@ test:
 # Same tests, optimised build, no sanitizers.
 test-fast: $(BUILD)/loom $(BUILD)/loom_tests
 	LOOM_BIN=$(BUILD)/loom $(BUILD)/loom_tests $(T)
+
+# The CUDA Gated DeltaNet kernels on the CPU (tools/cuda_emu: threads as
+# fibers, three orders) against the CPU reference, where no GPU is
+# (tests/emu/gdn_emu.cpp). EMU_ARGS=big adds the larger cases.
+EMU_DIR := $(BUILD)/emu
+EMU_DEPS := src/backend/cuda/ops_common.cuh src/backend/cuda/cuda_ops.h src/backend/gdn_ws.h \
+            src/backend/cpu/cpu_gdn.h $(wildcard tools/cuda_emu/fake/*.h)
+EMU_CXXFLAGS := -std=c++17 -O1 -g -I. -Iinclude -Itools/cuda_emu/fake -w
+$(EMU_DIR)/%.cpp: src/backend/cuda/%.cu tools/cuda_emu/pre.py
+	@mkdir -p $(EMU_DIR)
+	$(PYTHON) tools/cuda_emu/pre.py $< $@
+$(EMU_DIR)/gdn_emu: $(EMU_DIR)/ops_gdn.cpp $(EMU_DIR)/ops_gdn_rule.cpp tools/cuda_emu/emu.cpp \
+                    tests/emu/gdn_emu.cpp $(EMU_DEPS) $(BUILD)/libloom.a
+	$(CXX) $(EMU_CXXFLAGS) -o $@ $(filter %.cpp,$^) $(BUILD)/libloom.a $(LDLIBS)
+test-emu: $(EMU_DIR)/gdn_emu
+	$(EMU_DIR)/gdn_emu $(EMU_ARGS)
 
 # The Python package (python/loom) with pytest, on the optimised library of
 # $(BUILD): the API in one process, the usage example under mpirun and under
@@ -350,6 +366,7 @@ check:
 	$(MAKE) --no-print-directory test-mpi
 	$(MAKE) --no-print-directory test-gloo
 	$(MAKE) --no-print-directory test-python
+	$(MAKE) --no-print-directory test-emu
 	$(MAKE) --no-print-directory fuzz
 
 clean:

@@ -1,0 +1,57 @@
+// The CUDA runtime as the emulator (tools/cuda_emu/emu.cpp) provides it:
+// what ops_gdn*.cu use, on the CPU.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <cstdio>
+#include <functional>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __grid_constant__
+struct uint3 { unsigned x, y, z; };
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+extern uint3 threadIdx, blockIdx;
+extern dim3 blockDim, gridDim;
+typedef void *cudaStream_t;
+typedef int cudaError_t;
+enum { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9, cudaErrorInvalidValue = 1 };
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+cudaError_t cudaGetLastError();
+const char *cudaGetErrorString(cudaError_t);
+cudaError_t cudaGetDevice(int *);
+cudaError_t cudaDeviceGetAttribute(int *, cudaDeviceAttr, int);
+cudaError_t emu_set_attr(const void *f, int v);
+template <typename T> cudaError_t cudaFuncSetAttribute(T *f, cudaFuncAttribute, int v) {
+    return emu_set_attr((const void *)f, v);
+}
+void emu_launch(const void *f, const char *name, dim3 g, dim3 b, size_t smem,
+                std::function<void()> body);
+inline void emu_launch(const void *f, const char *name, dim3 g, dim3 b) {
+    std::abort();
+}
+void *emu_dyn_smem();
+void emu_poison(void *p, size_t n);
+void __syncthreads();
+double emu_shfl_xor(double v, int o);
+inline float __shfl_xor_sync(unsigned m, float v, int o) { return (float)emu_shfl_xor(v, o); }
+inline double __shfl_xor_sync(unsigned m, double v, int o) { return emu_shfl_xor(v, o); }
+inline int __shfl_xor_sync(unsigned m, int v, int o) { return (int)emu_shfl_xor(v, o); }
+inline float __expf(float x) { return expf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
