@@ -223,7 +223,8 @@ test-fast: $(BUILD)/loom $(BUILD)/loom_tests
 # (tests/emu/gdn_emu.cpp). EMU_ARGS=big adds the larger cases.
 EMU_DIR := $(BUILD)/emu
 EMU_DEPS := src/backend/cuda/ops_common.cuh src/backend/cuda/cuda_ops.h src/backend/gdn_ws.h \
-            src/backend/cpu/cpu_gdn.h $(wildcard tools/cuda_emu/fake/*.h)
+            src/backend/cpu/cpu_gdn.h tests/emu/emu_util.h $(wildcard tools/cuda_emu/fake/*.h) \
+            tools/cuda_emu/fake/mma.cuh
 EMU_CXXFLAGS := -std=c++17 -O1 -g -I. -Iinclude -Itools/cuda_emu/fake -w
 $(EMU_DIR)/%.cpp: src/backend/cuda/%.cu tools/cuda_emu/pre.py
 	@mkdir -p $(EMU_DIR)
@@ -231,8 +232,14 @@ $(EMU_DIR)/%.cpp: src/backend/cuda/%.cu tools/cuda_emu/pre.py
 $(EMU_DIR)/gdn_emu: $(EMU_DIR)/ops_gdn.cpp $(EMU_DIR)/ops_gdn_rule.cpp tools/cuda_emu/emu.cpp \
                     tests/emu/gdn_emu.cpp $(EMU_DEPS) $(BUILD)/libloom.a
 	$(CXX) $(EMU_CXXFLAGS) -o $@ $(filter %.cpp,$^) $(BUILD)/libloom.a $(LDLIBS)
-test-emu: $(EMU_DIR)/gdn_emu
+$(EMU_DIR)/attn_emu: $(EMU_DIR)/ops_attention.cpp $(EMU_DIR)/ops_attention_mma.cpp \
+                     tools/cuda_emu/emu.cpp tests/emu/attn_emu.cpp $(EMU_DEPS) \
+                     src/backend/cuda/ops_attention.cuh src/backend/cuda/mma_addr.cuh \
+                     $(BUILD)/libloom.a
+	$(CXX) $(EMU_CXXFLAGS) -o $@ $(filter %.cpp,$^) $(BUILD)/libloom.a $(LDLIBS)
+test-emu: $(EMU_DIR)/gdn_emu $(EMU_DIR)/attn_emu
 	$(EMU_DIR)/gdn_emu $(EMU_ARGS)
+	$(EMU_DIR)/attn_emu $(EMU_ARGS)
 
 # The Python package (python/loom) with pytest, on the optimised library of
 # $(BUILD): the API in one process, the usage example under mpirun and under

@@ -33,8 +33,11 @@ cudaError_t emu_set_attr(const void *f, int v) {
 }
 void emu_poison(void *p, size_t n) { ASAN_POISON_MEMORY_REGION(p, n); }
 
-enum { RUN, BAR, WARP, DONE };
-struct fib { ucontext_t ctx; int state; double val, res; int xo; char *stack; uint3 idx; };
+enum { RUN, BAR, WARP, WCALL, DONE };
+struct fib {
+    ucontext_t ctx; int state; double val, res; int xo; char *stack; uint3 idx;
+    void *mine; void (*fn)(void *const *); // WCALL: this lane's data, the warp's operation
+};
 static std::vector<fib> F;
 static ucontext_t mainctx;
 static int cur;
@@ -50,6 +53,12 @@ double emu_shfl_xor(double v, int o) {
     F[cur].val = v; F[cur].xo = o; int me = cur;
     yield(WARP);
     return F[me].res; // set when the warp is released
+}
+// A warp-wide operation (mma, ldmatrix): every lane of the warp arrives with
+// its data; fn then runs once on the 32 lanes' pointers (in lane order).
+void emu_warp_call(void *mine, void (*fn)(void *const *)) {
+    F[cur].mine = mine; F[cur].fn = fn;
+    yield(WCALL);
 }
 static void entry() { (*body)(); F[cur].state = DONE; swapcontext(&F[cur].ctx, &mainctx); }
 
@@ -80,9 +89,22 @@ static void run_block(int n) {
         // resolve: warps whose live lanes are all at a shuffle
         bool rel = false; int ndone = 0, nbar = 0, nwarp = 0;
         for (int w0 = 0; w0 < n; w0 += 32) {
-            int at = 0, dn = 0, bar = 0;
+            int at = 0, dn = 0, bar = 0, wc = 0;
             for (int l = w0; l < w0 + 32 && l < n; l++) {
                 at += F[l].state == WARP; dn += F[l].state == DONE; bar += F[l].state == BAR;
+                wc += F[l].state == WCALL;
+            }
+            if (wc) {
+                if (wc != 32) die("a warp-wide operation without all 32 lanes of the warp");
+                void *lanes[32];
+                for (int l = 0; l < 32; l++) {
+                    if (F[w0 + l].fn != F[w0].fn) die("lanes in different warp-wide operations");
+                    lanes[l] = F[w0 + l].mine;
+                }
+                F[w0].fn(lanes);
+                for (int l = w0; l < w0 + 32; l++) F[l].state = RUN;
+                rel = true;
+                continue;
             }
             if (at && (dn || bar)) die("shuffle with lanes exited or at a barrier");
             if (at) {

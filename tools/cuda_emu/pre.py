@@ -6,19 +6,29 @@
 Rewrites only what C++ cannot take:
   - `kernel<<<grid, block, smem, stream>>>(args)` becomes
     `emu_launch(kernel, "kernel", grid, block, smem, [&] { kernel(args); })`;
-  - `extern __shared__ float sm[];` reads the launch's dynamic shared memory
+  - `extern __shared__ T name[];` reads the launch's dynamic shared memory
     (emu_dyn_smem), and `__shared__` arrays become `static` (one block runs
     at a time);
   - quoted includes relative to SRC's folder become paths from the
     repository's root (compile with -I at the root);
   - a workspace laid out by ws_layout gets its alignment padding poisoned
     for AddressSanitizer (a no-op without it).
-Kernels may use threads, blocks, __syncthreads and __shfl_xor_sync, nothing
-else of the device (no atomics, mma, cp.async): the emulator's scope.
+Kernels may use threads, blocks, __syncthreads, __shfl_xor_sync and mma.cuh
+(mma.sync, ldmatrix, cp.async: fake/mma.cuh), nothing else of the device
+(no atomics): the emulator's scope.
 """
 import os
 import re
 import sys
+
+
+# The inline PTX of kernels outside mma.cuh, as C++ (sequential fibers make
+# a reduction to global memory a plain add).
+ASM = [
+    ('asm("ex2.approx.ftz.f32 %0, %1;\\n" : "=f"(y) : "f"(x));', 'y = exp2f(x);'),
+    ('asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\\n" ::"l"(dst), "f"(x), "f"(y) : "memory");',
+     'dst[0] += x, dst[1] += y;'),
+]
 
 
 def main(src_path, out_path):
@@ -28,13 +38,23 @@ def main(src_path, out_path):
     root = os.path.dirname(root)  # tools/cuda_emu -> the repository
 
     def include(m):
+        if m.group(1) == 'mma.cuh':  # the tensor-core instructions, done on the CPU
+            return '#include "tools/cuda_emu/fake/mma.cuh"'
         p = os.path.normpath(os.path.join(here, m.group(1)))
         if os.path.exists(p):
             return '#include "%s"' % os.path.relpath(p, root)
         return m.group(0)
 
     src = re.sub(r'#include "([^"]+)"', include, src)
-    src = src.replace('extern __shared__ float sm[];', 'float *sm = (float *)emu_dyn_smem();')
+    for a, b in ASM:
+        src = src.replace(a, b)
+    left = re.search(r'\basm\b[^;]*;', src)
+    if left:
+        sys.exit('%s: inline PTX the emulator does not know (add it to pre.py\'s ASM): %s'
+                 % (src_path, left.group(0)))
+    src = re.sub(r'extern __shared__ (?:__align__\(\d+\) )?([A-Za-z_][\w ]*?) (\w+)\[\];',
+                 lambda m: '%s *%s = (%s *)emu_dyn_smem();' % (m.group(1), m.group(2), m.group(1)),
+                 src)
     src = src.replace('__shared__ ', 'static ')
     src = src.replace('p[i] = base && sizes[i] ? base + off : nullptr;',
                       'p[i] = base && sizes[i] ? base + off : nullptr;\n'

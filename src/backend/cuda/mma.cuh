@@ -1,6 +1,6 @@
 // Tensor-core building blocks shared by the mma.sync kernels (attention,
 // LoRA): the m16n8k16 product with fp32 accumulators, ldmatrix fragment
-// loads and their lane addresses, and cp.async. Internal to the CUDA backend.
+// loads (their lanes' addresses: mma_addr.cuh), and cp.async. Internal to the CUDA backend.
 //
 // Fragments (PTX ISA, mma.m16n8k16 with 16-bit inputs), g = lane / 4,
 // t = lane % 4: A (16 x 16, row) a0 = (g, 2t..2t+1), a1 = (g + 8, ..),
@@ -10,6 +10,7 @@
 #ifndef LOOM_CUDA_MMA_CUH
 #define LOOM_CUDA_MMA_CUH
 
+#include "mma_addr.cuh"
 #include "ops_common.cuh"
 
 namespace loom_cuda {
@@ -47,33 +48,6 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
                  : "r"(a));
 }
 
-// Shared-memory addresses of one lane for ldmatrix.x4 over a row-major tile
-// with row stride LDS (elements):
-// A operand, rows r0..r0+15, columns c0..c0+15: regs = a0..a3.
-template <int LDS, typename T>
-__device__ __forceinline__ const T *a_addr(const T *tile, int r0, int c0, int lane) {
-    return tile + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + c0 + (lane >> 4) * 8;
-}
-// B operand of two n-tiles from a tile stored [n][k] (n rows n0..n0+15, k
-// columns k0..k0+15): regs = {b0, b1} of n-tile 0, {b0, b1} of n-tile 1.
-template <int LDS, typename T>
-__device__ __forceinline__ const T *b_addr(const T *tile, int n0, int k0, int lane) {
-    return tile + (n0 + (lane & 7) + (lane >> 4) * 8) * LDS + k0 + ((lane >> 3) & 1) * 8;
-}
-// B operand of two n-tiles from a tile stored [k][n] (k rows k0..k0+15, n
-// columns n0..n0+15), loaded with .trans: same register order.
-template <int LDS, typename T>
-__device__ __forceinline__ const T *bt_addr(const T *tile, int k0, int n0, int lane) {
-    return tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + n0 + (lane >> 4) * 8;
-}
-
-// A operand (rows m0..m0+15, columns k0..k0+15) from a tile stored [k][m]
-// (the transpose), loaded with .trans: regs = a0..a3.
-template <int LDS, typename T>
-__device__ __forceinline__ const T *at_addr(const T *tile, int m0, int k0, int lane) {
-    return tile + (k0 + (lane & 7) + (lane >> 4) * 8) * LDS + m0 + ((lane >> 3) & 1) * 8;
-}
-
 // cp.async of 16 bytes (zeros when !valid: nothing is read from src then).
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
     const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
@@ -100,17 +74,6 @@ __device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], const void *p) {
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(a));
 }
-// B operand {b0, b1} of one n-tile (k0..k0+15, n0..n0+7) for ldmatrix.x2:
-// from a tile stored [n][k] (plain) or [k][n] (.trans).
-template <typename T>
-__device__ __forceinline__ const T *b1_addr(const T *tile, int lds, int n0, int k0, int lane) {
-    return tile + (n0 + (lane & 7)) * lds + k0 + ((lane >> 3) & 1) * 8;
-}
-template <typename T>
-__device__ __forceinline__ const T *bt1_addr(const T *tile, int lds, int k0, int n0, int lane) {
-    return tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * lds + n0;
-}
-
 } // namespace loom_cuda
 
 #endif // LOOM_CUDA_MMA_CUH

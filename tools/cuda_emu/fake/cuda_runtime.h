@@ -13,6 +13,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __grid_constant__
+#define __align__(n) alignas(n)
 struct uint3 { unsigned x, y, z; };
 struct dim3 {
     unsigned x, y, z;
@@ -21,6 +22,7 @@ struct dim3 {
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
+inline float2 make_float2(float a, float b) { return float2{a, b}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 extern uint3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
@@ -45,6 +47,22 @@ inline void emu_launch(const void *f, const char *name, dim3 g, dim3 b) {
 void *emu_dyn_smem();
 void emu_poison(void *p, size_t n);
 void __syncthreads();
+void emu_warp_call(void *mine, void (*fn)(void *const *));
+inline void emu_nothing(void *const *) {}
+/* every lane of the warp gets here before any goes on */
+inline void __syncwarp(unsigned mask = 0xffffffffu) { emu_warp_call(nullptr, emu_nothing); }
+template <typename T> inline cudaError_t cudaMallocAsync(T **p, size_t n, cudaStream_t) {
+    *p = (T *)malloc(n ? n : 1);
+    return *p ? 0 : 2;
+}
+inline cudaError_t cudaFreeAsync(void *p, cudaStream_t) {
+    free(p);
+    return 0;
+}
+inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) {
+    memset(p, v, n);
+    return 0;
+}
 double emu_shfl_xor(double v, int o);
 inline float __shfl_xor_sync(unsigned m, float v, int o) { return (float)emu_shfl_xor(v, o); }
 inline double __shfl_xor_sync(unsigned m, double v, int o) { return emu_shfl_xor(v, o); }
