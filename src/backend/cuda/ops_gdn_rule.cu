@@ -24,14 +24,18 @@
 //                     substitution with A^T)
 //   l2_bwd_kernel     the key heads' groups summed, the normalisation's backward.
 // Everything in fp32 (the CPU's in double); the states fp32. Each output
-// element has one writer: no atomics, the same bits run to run.
+// element has one writer: no atomics, the same bits run to run. In bf16
+// (dk <= 128) out_kernel and dul_kernel run as out_tc_kernel and
+// dul_tc_kernel: Q K^T, Q S0, P U and P^T dO on tensor cores (mma.sync,
+// operands rounded to bf16, fp32 accumulators); the other kernels' products
+// are still fp32 SIMT loops, the next to move.
 //
 // NOTE: written and compiled on a machine without a GPU; these kernels have
-// not run yet. tests/test_backend_gdn.c holds them to the CPU's. Plain fp32
-// SIMT loops: the chunk-local products are left for tensor cores (mma.cuh)
-// once this is known to be right.
+// not run on one yet. tests/test_backend_gdn.c holds them to the CPU's
+// there; `make test-emu` (tools/cuda_emu) runs them on the CPU in CI.
 #include "../cpu/cpu_gdn.h"
 #include "../gdn_ws.h"
+#include "mma.cuh"
 #include "ops_common.cuh"
 
 using namespace loom_cuda;
@@ -313,6 +317,155 @@ __global__ void __launch_bounds__(NT) out_kernel(geo z, gdn_ws w, loom_dtype dt,
         st(o, dt, ((t0 + i) * z.Hv + h) * dv + b, acc);
     }
 }
+
+// ---- bf16: the chunk's products on tensor cores (mma.sync) ----
+// Operands staged in fp32 shared memory as the fp32 kernels stage them,
+// zero past the chunk's rows and past dk up to a multiple of 16; each
+// element rounded to bf16 as its fragment is built, fp32 accumulators. The
+// state S0 and U rounded to bf16 for the products as flash-linear-attention
+// rounds them; the states themselves stay fp32.
+
+constexpr int TCW = WARPS; // warps of the tensor-core kernels: a 64 x 64 tile, 16 x 32 each
+static_assert(TCW == 8, "the tensor-core kernels split 64 x 64 among 8 warps");
+
+// A warp's (16 MT) x (8 NN) tile of C += A B, K a multiple of 16: element
+// (i, k) of A at A[i ars + k acs], (k, n) of B at B[k brs + n bcs].
+// Accumulator (m, n, e) is C's row 16 m + g + 8 (e >> 1), column 8 n + 2 t +
+// (e & 1), g = lane / 4, t = lane % 4 (mma.cuh's table).
+template <int MT, int NN>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][NN][4], const float *A, int ars,
+                                         int acs, const float *B, int brs, int bcs, int K) {
+    using M = mma_type<__nv_bfloat16>;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        uint32_t a[MT][4];
+        for (int m = 0; m < MT; m++) {
+            const float *r0 = A + (16 * m + g) * ars + (k0 + 2 * t) * acs, *r1 = r0 + 8 * ars;
+            a[m][0] = M::pack(r0[0], r0[acs]);
+            a[m][1] = M::pack(r1[0], r1[acs]);
+            a[m][2] = M::pack(r0[8 * acs], r0[9 * acs]);
+            a[m][3] = M::pack(r1[8 * acs], r1[9 * acs]);
+        }
+        for (int n = 0; n < NN; n++) {
+            const float *c = B + (k0 + 2 * t) * brs + (8 * n + g) * bcs;
+            const uint32_t b0 = M::pack(c[0], c[brs]), b1 = M::pack(c[8 * brs], c[9 * brs]);
+            for (int m = 0; m < MT; m++) M::mma(acc[m][n], a[m], b0, b1);
+        }
+    }
+}
+
+__host__ __device__ int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
+
+// The tensor-core kernels' shared floats: Ps (CH, LDA); Qs, Ks (CH, dk16 +
+// 4); Gs, Es (CH); Bs (max(dk16, CH), BO + 4): S0's block, then dO's; Us
+// (CH, BO + 4).
+constexpr int LDB = BO + 4;
+size_t p_tc_smem(int64_t dk) {
+    const int64_t d16 = pad16(dk), ldq = d16 + 4, rb = d16 > CH ? d16 : CH;
+    return (size_t)(CH * LDA + 2 * CH * ldq + 2 * CH + rb * LDB + CH * LDB) * sizeof(float);
+}
+
+// The chunk's q, k (zero-padded), G, e^G and P (as chunk_p) with Q K^T on
+// tensor cores. Ends with a barrier.
+__device__ void chunk_p_tc(const geo &z, const gdn_ws &w, int64_t t0, int L, int64_t h,
+                           float *Ps, float *Qs, float *Ks, float *Gs, float *Es) {
+    const int64_t dk = z.dk, d16 = pad16(dk), ldq = d16 + 4, hk = h / z.grp;
+    for (int64_t p = threadIdx.x; p < CH * d16; p += NT) {
+        const int64_t i = p / d16, a = p % d16, src = ((t0 + i) * z.Hk + hk) * dk + a;
+        const bool in = i < L && a < dk;
+        Qs[i * ldq + a] = in ? w.qn[src] : 0.0f;
+        Ks[i * ldq + a] = in ? w.kn[src] : 0.0f;
+    }
+    for (int i = threadIdx.x; i < CH; i += NT) {
+        Gs[i] = i < L ? w.G[(t0 + i) * z.Hv + h] : 0.0f;
+        Es[i] = expf(Gs[i]);
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
+    float acc[1][4][4] = {};
+    warp_mma<1, 4>(acc, Qs + r0 * ldq, (int)ldq, 1, Ks + c0 * ldq, 1, (int)ldq, (int)d16);
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) {
+            const int i = r0 + g + 8 * (e >> 1), j = c0 + 8 * n + 2 * t + (e & 1);
+            Ps[i * LDA + j] = i < L && j <= i ? acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
+        }
+    __syncthreads();
+}
+
+// out_kernel on tensor cores (bf16, dk <= 128): O = diag(e^G) Q S0 + P U
+// over BO columns of dv.
+__global__ void __launch_bounds__(NT) out_tc_kernel(geo z, gdn_ws w, loom_dtype dt, void *o) {
+    extern __shared__ float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
+    const int64_t rb = d16 > CH ? d16 : CH;
+    float *Ps = sm, *Qs = Ps + CH * LDA, *Ks = Qs + CH * ldq, *Gs = Ks + CH * ldq, *Es = Gs + CH;
+    float *Bs = Es + CH, *Us = Bs + rb * LDB;
+    const int64_t c = blockIdx.x, h = blockIdx.y, b0 = (int64_t)blockIdx.z * BO;
+    int64_t t0;
+    int L;
+    if (!chunk_of(z, w, c, &t0, &L))
+        return;
+    chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
+    const float *S0 = w.S + (c * z.Hv + h) * dk * dv;
+    for (int64_t p = threadIdx.x; p < d16 * BO; p += NT) {
+        const int64_t a = p / BO, b = p % BO;
+        Bs[a * LDB + b] = a < dk && b0 + b < dv ? S0[a * dv + b0 + b] : 0.0f;
+    }
+    for (int64_t p = threadIdx.x; p < CH * BO; p += NT) {
+        const int64_t i = p / BO, b = p % BO;
+        Us[i * LDB + b] = i < L && b0 + b < dv ? w.U[((t0 + i) * z.Hv + h) * dv + b0 + b] : 0.0f;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
+    float acc[1][4][4] = {};
+    warp_mma<1, 4>(acc, Qs + r0 * ldq, (int)ldq, 1, Bs + c0, LDB, 1, (int)d16);
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) acc[0][n][e] *= Es[r0 + g + 8 * (e >> 1)];
+    warp_mma<1, 4>(acc, Ps + r0 * LDA, LDA, 1, Us + c0, LDB, 1, CH);
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) {
+            const int i = r0 + g + 8 * (e >> 1);
+            const int64_t b = b0 + c0 + 8 * n + 2 * t + (e & 1);
+            if (i < L && b < dv) st(o, dt, ((t0 + i) * z.Hv + h) * dv + b, acc[0][n][e]);
+        }
+}
+
+// dul_kernel on tensor cores: dU's local part P^T dO over BO columns.
+__global__ void __launch_bounds__(NT)
+    dul_tc_kernel(geo z, gdn_ws w, const void *dout, loom_dtype dt) {
+    extern __shared__ float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
+    float *Ps = sm, *Qs = Ps + CH * LDA, *Ks = Qs + CH * ldq, *Gs = Ks + CH * ldq, *Es = Gs + CH;
+    float *Bs = Es + CH;
+    const int64_t c = blockIdx.x, h = blockIdx.y, b0 = (int64_t)blockIdx.z * BO;
+    int64_t t0;
+    int L;
+    if (!chunk_of(z, w, c, &t0, &L))
+        return;
+    chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
+    for (int64_t p = threadIdx.x; p < CH * BO; p += NT) {
+        const int64_t i = p / BO, b = p % BO;
+        Bs[i * LDB + b] =
+            i < L && b0 + b < dv ? ld(dout, dt, ((t0 + i) * z.Hv + h) * dv + b0 + b) : 0.0f;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
+    float acc[1][4][4] = {};
+    warp_mma<1, 4>(acc, Ps + r0, 1, LDA, Bs + c0, LDB, 1, CH); // A = P^T
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) {
+            const int j = r0 + g + 8 * (e >> 1);
+            const int64_t b = b0 + c0 + 8 * n + 2 * t + (e & 1);
+            if (j < L && b < dv) w.dU[((t0 + j) * z.Hv + h) * dv + b] = acc[0][n][e];
+        }
+}
+
+// Whether the bf16 path's tensor-core kernels take this shape (their shared
+// memory holds dk up to 128).
+bool use_tc(loom_dtype dt, int64_t dk) { return dt == LOOM_BF16 && dk <= 128; }
 
 // ---- the state passes: a document's chunks in order (reverse for the
 // backward), the state's BV columns (blockIdx.z) in shared memory ----
@@ -797,11 +950,18 @@ extern "C" loom_status loom_cuda_gdn_fwd(loom_ctx *ctx, const void *qkv, loom_dt
     cudaStream_t s = as_stream(stream);
     if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, s)))
         return st;
+    const dim3 grid((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO));
+    if (use_tc(dtype, dk)) {
+        const size_t pb = p_tc_smem(dk);
+        if ((st = smem_for(ctx, op, out_tc_kernel, pb)))
+            return st;
+        out_tc_kernel<<<grid, NT, pb, s>>>(z, w, dtype, o);
+        return check_launch(ctx, op);
+    }
     const size_t pb = p_smem(dk);
     if ((st = smem_for(ctx, op, out_kernel, pb)))
         return st;
-    out_kernel<<<dim3((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO)), NT, pb, s>>>(
-        z, w, dtype, o);
+    out_kernel<<<grid, NT, pb, s>>>(z, w, dtype, o);
     return check_launch(ctx, op);
 }
 
@@ -820,13 +980,17 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
     cudaStream_t s = as_stream(stream);
     if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, s)))
         return st;
-    const size_t pb = p_smem(dk), sb = state_smem(dk), bb = bwd_smem(dk);
-    if ((st = smem_for(ctx, op, dul_kernel, pb)) ||
+    const bool tc = use_tc(dtype, dk);
+    const size_t pb = tc ? p_tc_smem(dk) : p_smem(dk), sb = state_smem(dk), bb = bwd_smem(dk);
+    if ((st = tc ? smem_for(ctx, op, dul_tc_kernel, pb) : smem_for(ctx, op, dul_kernel, pb)) ||
         (st = smem_for(ctx, op, state_bwd_kernel, sb)) ||
         (st = smem_for(ctx, op, chunk_bwd_kernel, bb)))
         return st;
-    dul_kernel<<<dim3((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO)), NT, pb, s>>>(
-        z, w, dout, dtype);
+    const dim3 grid((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO));
+    if (tc)
+        dul_tc_kernel<<<grid, NT, pb, s>>>(z, w, dout, dtype);
+    else
+        dul_kernel<<<grid, NT, pb, s>>>(z, w, dout, dtype);
     if ((st = check_launch(ctx, op)))
         return st;
     state_bwd_kernel<<<dim3((unsigned)ndocs, (unsigned)Hv, (unsigned)((dv + BV - 1) / BV)), NT, sb,
