@@ -25,10 +25,11 @@
 //   l2_bwd_kernel     the key heads' groups summed, the normalisation's backward.
 // Everything in fp32 (the CPU's in double); the states fp32. Each output
 // element has one writer: no atomics, the same bits run to run. In bf16
-// (dk <= 128) out_kernel and dul_kernel run as out_tc_kernel and
-// dul_tc_kernel: Q K^T, Q S0, P U and P^T dO on tensor cores (mma.sync,
-// operands rounded to bf16, fp32 accumulators); the other kernels' products
-// are still fp32 SIMT loops, the next to move.
+// (dk <= 128) out_kernel, dul_kernel and state_fwd_kernel run as their _tc
+// twins: Q K^T, Q S0, P U, P^T dO, W S and Kd^T U on tensor cores
+// (mma.sync, operands rounded to bf16, fp32 accumulators, the state fp32);
+// prep_kernel's, state_bwd_kernel's and chunk_bwd_kernel's products are
+// still fp32 SIMT loops, the next to move.
 //
 // NOTE: written and compiled on a machine without a GPU; these kernels have
 // not run on one yet. tests/test_backend_gdn.c holds them to the CPU's
@@ -521,6 +522,76 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(geo z, gdn_ws w) {
     }
 }
 
+// state_fwd_kernel on tensor cores (bf16, dk <= 128), per (document, head,
+// BV columns): U = U0 - W S0 and S <- e^G_L S + Kd^T U (Kd_j = e^(G_L - G_j)
+// k_j) by mma.sync, the state in fp32 shared memory (Ss: dk16 rows, zero
+// past dk), W and Kd staged (CH, dk16 + 4), U (CH, BV + 4).
+constexpr int LDS = BV + 4;
+size_t state_tc_smem(int64_t dk) {
+    const int64_t d16 = pad16(dk), ldq = d16 + 4;
+    return (size_t)(d16 * LDS + 2 * CH * ldq + CH * LDS + CH) * sizeof(float);
+}
+
+__global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
+    extern __shared__ float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
+    float *Ss = sm, *Ws = Ss + d16 * LDS, *Ks = Ws + CH * ldq, *Us = Ks + CH * ldq;
+    float *Ds = Us + CH * LDS;
+    const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BV;
+    const int nb = dv - b0 < BV ? (int)(dv - b0) : BV;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    for (int64_t p = tid; p < d16 * LDS; p += NT)
+        Ss[p] = 0.0f;
+    const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
+    for (int c = c1; c < c2; c++) {
+        const int64_t t0 = w.ct0[c];
+        const int L = w.clen[c];
+        __syncthreads(); // Ss complete; Ws, Ks, Us, Ds free
+        const float GL = w.G[(t0 + L - 1) * z.Hv + h];
+        for (int j = tid; j < CH; j += NT)
+            Ds[j] = j < L ? expf(GL - w.G[(t0 + j) * z.Hv + h]) : 0.0f;
+        float *Sg = w.S + ((int64_t)c * z.Hv + h) * dk * dv + b0;
+        for (int64_t p = tid; p < dk * BV; p += NT)
+            if (p % BV < nb)
+                Sg[(p / BV) * dv + p % BV] = Ss[(p / BV) * LDS + p % BV];
+        __syncthreads(); // Ds
+        for (int64_t p = tid; p < CH * d16; p += NT) {
+            const int64_t j = p / d16, a = p % d16;
+            const bool in = j < L && a < dk;
+            Ws[j * ldq + a] = in ? w.W[((t0 + j) * z.Hv + h) * dk + a] : 0.0f;
+            Ks[j * ldq + a] = in ? Ds[j] * w.kn[((t0 + j) * z.Hk + hk) * dk + a] : 0.0f;
+        }
+        __syncthreads();
+        { // U = U0 - W S: a 16 x 16 tile a warp
+            const int r0 = 16 * (warp >> 1), q0 = 16 * (warp & 1);
+            float acc[1][2][4] = {};
+            warp_mma<1, 2>(acc, Ws + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
+            for (int m = 0; m < 2; m++)
+                for (int e = 0; e < 4; e++) {
+                    const int i = r0 + g + 8 * (e >> 1), b = q0 + 8 * m + 2 * t + (e & 1);
+                    float u = 0.0f;
+                    if (i < L && b < nb) {
+                        const int64_t at = ((t0 + i) * z.Hv + h) * dv + b0 + b;
+                        u = w.U0[at] - acc[0][m][e];
+                        w.U[at] = u;
+                    }
+                    Us[i * LDS + b] = u;
+                }
+        }
+        __syncthreads();
+        const float eL = expf(GL);
+        for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // S <- e^G_L S + Kd^T U
+            float acc[1][4][4] = {};
+            warp_mma<1, 4>(acc, Ks + r0, 1, (int)ldq, Us, LDS, 1, CH);
+            for (int m = 0; m < 4; m++)
+                for (int e = 0; e < 4; e++) {
+                    float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * m + 2 * t + (e & 1);
+                    *sp = eL * *sp + acc[0][m][e];
+                }
+        }
+    }
+}
+
 // dU_j = P^T dO's column j: sum_i>=j P_ij dO_i, over BO columns (the local
 // part of dU; state_bwd_kernel adds the state's)
 __global__ void __launch_bounds__(NT) dul_kernel(geo z, gdn_ws w, const void *dout, loom_dtype dt) {
@@ -922,11 +993,18 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
     prep_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, prep_b, s>>>(qkv, dt, g, beta, z, w);
     if ((st = check_launch(ctx, op)))
         return st;
+    const dim3 grid((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV));
+    if (use_tc(dt, z.dk)) {
+        const size_t state_b = state_tc_smem(z.dk);
+        if ((st = smem_for(ctx, op, state_fwd_tc_kernel, state_b)))
+            return st;
+        state_fwd_tc_kernel<<<grid, NT, state_b, s>>>(z, w);
+        return check_launch(ctx, op);
+    }
     const size_t state_b = state_smem(z.dk);
     if ((st = smem_for(ctx, op, state_fwd_kernel, state_b)))
         return st;
-    state_fwd_kernel<<<dim3((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV)),
-                       NT, state_b, s>>>(z, w);
+    state_fwd_kernel<<<grid, NT, state_b, s>>>(z, w);
     return check_launch(ctx, op);
 }
 } // namespace
