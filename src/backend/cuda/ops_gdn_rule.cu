@@ -25,56 +25,19 @@
 //   l2_bwd_kernel     the key heads' groups summed, the normalisation's backward.
 // Everything in fp32 (the CPU's in double); the states fp32. Each output
 // element has one writer: no atomics, the same bits run to run. In bf16
-// (dk <= 128) out_kernel, dul_kernel and state_fwd_kernel run as their _tc
-// twins: Q K^T, Q S0, P U, P^T dO, W S and Kd^T U on tensor cores
-// (mma.sync, operands rounded to bf16, fp32 accumulators, the state fp32);
-// prep_kernel's, state_bwd_kernel's and chunk_bwd_kernel's products are
-// still fp32 SIMT loops, the next to move.
+// (dk <= 128) out_kernel, dul_kernel and the two state passes run as their
+// tensor-core twins (ops_gdn_tc.cu); prep_kernel's and chunk_bwd_kernel's
+// products are still fp32 SIMT loops, the next to move.
 //
 // NOTE: written and compiled on a machine without a GPU; these kernels have
 // not run on one yet. tests/test_backend_gdn.c holds them to the CPU's
 // there; `make test-emu` (tools/cuda_emu) runs them on the CPU in CI.
-#include "../cpu/cpu_gdn.h"
-#include "../gdn_ws.h"
-#include "mma.cuh"
-#include "ops_common.cuh"
+#include "ops_gdn_rule.cuh"
 
 using namespace loom_cuda;
+using namespace loom_gdn;
 
 namespace {
-constexpr int CH = LOOM_GDN_CHUNK; // tokens per chunk
-static_assert(CH == 64, "the chunk kernels' shared arrays are laid out for 64-token chunks");
-static_assert(LOOM_GDN_WS_ARRAYS == 15, "ws_layout assigns 15 arrays");
-constexpr int NT = 256; // threads per block
-constexpr int WARPS = NT / 32;
-constexpr int LDA = CH + 1; // row stride of the (CH, CH) shared matrices (no bank conflicts)
-constexpr int BV = 32;      // dv columns per block of the state passes
-constexpr int BO = 64;      // dv columns per block of out_kernel and dul_kernel
-constexpr int MAX_DK = 256; // the widest key head (shared memory)
-
-// Shapes. C = 2 Hk dk + Hv dv is qkv's row; grp = Hv / Hk value heads per key head;
-// NC = the most chunks the documents can make (the grids' x).
-struct geo {
-    int64_t T, Hk, Hv, dk, dv, C, grp, ndocs, NC;
-};
-
-// The workspace (loom_cuda_gdn_scratch_bytes), fp32 unless said. Rows of
-// (T, H, d) tensors are token-major, as o.
-struct gdn_ws {
-    int32_t *cfirst;  // (ndocs + 1): a document's first chunk; cfirst[ndocs] the chunks
-    int32_t *ct0;     // (NC): a chunk's first token
-    int32_t *clen;    // (NC): its length
-    float *qn, *kn;   // (T, Hk, dk): q / |q| / sqrt(dk), k / |k|
-    float *G;         // (T, Hv): the log decay since the chunk's start (inclusive)
-    float *A;         // (NC, Hv, CH, CH): strictly lower beta_i k_i.k_j M_ij
-    float *W;         // (T, Hv, dk): X's right part
-    float *U0, *U;    // (T, Hv, dv): X's left part; U0 - W S0
-    float *S;         // (NC, Hv, dk, dv): each chunk's starting state
-    float *dS;        // (NC, Hv, dk, dv): the gradient of each chunk's end state (bwd)
-    float *dU;        // (T, Hv, dv): the gradient of U (bwd)
-    float *dqh, *dkh; // (T, Hv, dk): the normalised q's and k's gradients per value head (bwd)
-};
-
 int64_t max_chunks(int64_t T, int64_t ndocs) { return loom_gdn_ws_chunks(T, ndocs); }
 
 size_t al(size_t b) { return loom_gdn_ws_align(b); }
@@ -184,15 +147,6 @@ __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float
 
 // ---- the chunk-local forward ----
 
-// The chunk of block x (false for the grid's spare blocks: NC is a bound).
-__device__ __forceinline__ bool chunk_of(const geo &z, const gdn_ws &w, int64_t c, int64_t *t0,
-                                         int *L) {
-    if (c >= w.cfirst[z.ndocs])
-        return false;
-    *t0 = w.ct0[c];
-    *L = w.clen[c];
-    return true;
-}
 
 // G (written to w.G too), A (written to w.A) and X = (I + A)^-1 B by forward
 // substitution, a column of X per thread (no barrier: a column's rows need
@@ -319,155 +273,6 @@ __global__ void __launch_bounds__(NT) out_kernel(geo z, gdn_ws w, loom_dtype dt,
     }
 }
 
-// ---- bf16: the chunk's products on tensor cores (mma.sync) ----
-// Operands staged in fp32 shared memory as the fp32 kernels stage them,
-// zero past the chunk's rows and past dk up to a multiple of 16; each
-// element rounded to bf16 as its fragment is built, fp32 accumulators. The
-// state S0 and U rounded to bf16 for the products as flash-linear-attention
-// rounds them; the states themselves stay fp32.
-
-constexpr int TCW = WARPS; // warps of the tensor-core kernels: a 64 x 64 tile, 16 x 32 each
-static_assert(TCW == 8, "the tensor-core kernels split 64 x 64 among 8 warps");
-
-// A warp's (16 MT) x (8 NN) tile of C += A B, K a multiple of 16: element
-// (i, k) of A at A[i ars + k acs], (k, n) of B at B[k brs + n bcs].
-// Accumulator (m, n, e) is C's row 16 m + g + 8 (e >> 1), column 8 n + 2 t +
-// (e & 1), g = lane / 4, t = lane % 4 (mma.cuh's table).
-template <int MT, int NN>
-__device__ __forceinline__ void warp_mma(float (&acc)[MT][NN][4], const float *A, int ars,
-                                         int acs, const float *B, int brs, int bcs, int K) {
-    using M = mma_type<__nv_bfloat16>;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    for (int k0 = 0; k0 < K; k0 += 16) {
-        uint32_t a[MT][4];
-        for (int m = 0; m < MT; m++) {
-            const float *r0 = A + (16 * m + g) * ars + (k0 + 2 * t) * acs, *r1 = r0 + 8 * ars;
-            a[m][0] = M::pack(r0[0], r0[acs]);
-            a[m][1] = M::pack(r1[0], r1[acs]);
-            a[m][2] = M::pack(r0[8 * acs], r0[9 * acs]);
-            a[m][3] = M::pack(r1[8 * acs], r1[9 * acs]);
-        }
-        for (int n = 0; n < NN; n++) {
-            const float *c = B + (k0 + 2 * t) * brs + (8 * n + g) * bcs;
-            const uint32_t b0 = M::pack(c[0], c[brs]), b1 = M::pack(c[8 * brs], c[9 * brs]);
-            for (int m = 0; m < MT; m++) M::mma(acc[m][n], a[m], b0, b1);
-        }
-    }
-}
-
-__host__ __device__ int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
-
-// The tensor-core kernels' shared floats: Ps (CH, LDA); Qs, Ks (CH, dk16 +
-// 4); Gs, Es (CH); Bs (max(dk16, CH), BO + 4): S0's block, then dO's; Us
-// (CH, BO + 4).
-constexpr int LDB = BO + 4;
-size_t p_tc_smem(int64_t dk) {
-    const int64_t d16 = pad16(dk), ldq = d16 + 4, rb = d16 > CH ? d16 : CH;
-    return (size_t)(CH * LDA + 2 * CH * ldq + 2 * CH + rb * LDB + CH * LDB) * sizeof(float);
-}
-
-// The chunk's q, k (zero-padded), G, e^G and P (as chunk_p) with Q K^T on
-// tensor cores. Ends with a barrier.
-__device__ void chunk_p_tc(const geo &z, const gdn_ws &w, int64_t t0, int L, int64_t h,
-                           float *Ps, float *Qs, float *Ks, float *Gs, float *Es) {
-    const int64_t dk = z.dk, d16 = pad16(dk), ldq = d16 + 4, hk = h / z.grp;
-    for (int64_t p = threadIdx.x; p < CH * d16; p += NT) {
-        const int64_t i = p / d16, a = p % d16, src = ((t0 + i) * z.Hk + hk) * dk + a;
-        const bool in = i < L && a < dk;
-        Qs[i * ldq + a] = in ? w.qn[src] : 0.0f;
-        Ks[i * ldq + a] = in ? w.kn[src] : 0.0f;
-    }
-    for (int i = threadIdx.x; i < CH; i += NT) {
-        Gs[i] = i < L ? w.G[(t0 + i) * z.Hv + h] : 0.0f;
-        Es[i] = expf(Gs[i]);
-    }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
-    float acc[1][4][4] = {};
-    warp_mma<1, 4>(acc, Qs + r0 * ldq, (int)ldq, 1, Ks + c0 * ldq, 1, (int)ldq, (int)d16);
-    for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) {
-            const int i = r0 + g + 8 * (e >> 1), j = c0 + 8 * n + 2 * t + (e & 1);
-            Ps[i * LDA + j] = i < L && j <= i ? acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
-        }
-    __syncthreads();
-}
-
-// out_kernel on tensor cores (bf16, dk <= 128): O = diag(e^G) Q S0 + P U
-// over BO columns of dv.
-__global__ void __launch_bounds__(NT) out_tc_kernel(geo z, gdn_ws w, loom_dtype dt, void *o) {
-    extern __shared__ float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    const int64_t rb = d16 > CH ? d16 : CH;
-    float *Ps = sm, *Qs = Ps + CH * LDA, *Ks = Qs + CH * ldq, *Gs = Ks + CH * ldq, *Es = Gs + CH;
-    float *Bs = Es + CH, *Us = Bs + rb * LDB;
-    const int64_t c = blockIdx.x, h = blockIdx.y, b0 = (int64_t)blockIdx.z * BO;
-    int64_t t0;
-    int L;
-    if (!chunk_of(z, w, c, &t0, &L))
-        return;
-    chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
-    const float *S0 = w.S + (c * z.Hv + h) * dk * dv;
-    for (int64_t p = threadIdx.x; p < d16 * BO; p += NT) {
-        const int64_t a = p / BO, b = p % BO;
-        Bs[a * LDB + b] = a < dk && b0 + b < dv ? S0[a * dv + b0 + b] : 0.0f;
-    }
-    for (int64_t p = threadIdx.x; p < CH * BO; p += NT) {
-        const int64_t i = p / BO, b = p % BO;
-        Us[i * LDB + b] = i < L && b0 + b < dv ? w.U[((t0 + i) * z.Hv + h) * dv + b0 + b] : 0.0f;
-    }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
-    float acc[1][4][4] = {};
-    warp_mma<1, 4>(acc, Qs + r0 * ldq, (int)ldq, 1, Bs + c0, LDB, 1, (int)d16);
-    for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) acc[0][n][e] *= Es[r0 + g + 8 * (e >> 1)];
-    warp_mma<1, 4>(acc, Ps + r0 * LDA, LDA, 1, Us + c0, LDB, 1, CH);
-    for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) {
-            const int i = r0 + g + 8 * (e >> 1);
-            const int64_t b = b0 + c0 + 8 * n + 2 * t + (e & 1);
-            if (i < L && b < dv) st(o, dt, ((t0 + i) * z.Hv + h) * dv + b, acc[0][n][e]);
-        }
-}
-
-// dul_kernel on tensor cores: dU's local part P^T dO over BO columns.
-__global__ void __launch_bounds__(NT)
-    dul_tc_kernel(geo z, gdn_ws w, const void *dout, loom_dtype dt) {
-    extern __shared__ float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    float *Ps = sm, *Qs = Ps + CH * LDA, *Ks = Qs + CH * ldq, *Gs = Ks + CH * ldq, *Es = Gs + CH;
-    float *Bs = Es + CH;
-    const int64_t c = blockIdx.x, h = blockIdx.y, b0 = (int64_t)blockIdx.z * BO;
-    int64_t t0;
-    int L;
-    if (!chunk_of(z, w, c, &t0, &L))
-        return;
-    chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
-    for (int64_t p = threadIdx.x; p < CH * BO; p += NT) {
-        const int64_t i = p / BO, b = p % BO;
-        Bs[i * LDB + b] =
-            i < L && b0 + b < dv ? ld(dout, dt, ((t0 + i) * z.Hv + h) * dv + b0 + b) : 0.0f;
-    }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
-    float acc[1][4][4] = {};
-    warp_mma<1, 4>(acc, Ps + r0, 1, LDA, Bs + c0, LDB, 1, CH); // A = P^T
-    for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) {
-            const int j = r0 + g + 8 * (e >> 1);
-            const int64_t b = b0 + c0 + 8 * n + 2 * t + (e & 1);
-            if (j < L && b < dv) w.dU[((t0 + j) * z.Hv + h) * dv + b] = acc[0][n][e];
-        }
-}
-
-// Whether the bf16 path's tensor-core kernels take this shape (their shared
-// memory holds dk up to 128).
-bool use_tc(loom_dtype dt, int64_t dk) { return dt == LOOM_BF16 && dk <= 128; }
-
 // ---- the state passes: a document's chunks in order (reverse for the
 // backward), the state's BV columns (blockIdx.z) in shared memory ----
 
@@ -518,76 +323,6 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(geo z, gdn_ws w) {
             for (int j = 0; j < L; j++)
                 s += Ds[j] * w.kn[((t0 + j) * z.Hk + hk) * dk + a] * Us[j * BV + b];
             Ss[p] = s;
-        }
-    }
-}
-
-// state_fwd_kernel on tensor cores (bf16, dk <= 128), per (document, head,
-// BV columns): U = U0 - W S0 and S <- e^G_L S + Kd^T U (Kd_j = e^(G_L - G_j)
-// k_j) by mma.sync, the state in fp32 shared memory (Ss: dk16 rows, zero
-// past dk), W and Kd staged (CH, dk16 + 4), U (CH, BV + 4).
-constexpr int LDS = BV + 4;
-size_t state_tc_smem(int64_t dk) {
-    const int64_t d16 = pad16(dk), ldq = d16 + 4;
-    return (size_t)(d16 * LDS + 2 * CH * ldq + CH * LDS + CH) * sizeof(float);
-}
-
-__global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
-    extern __shared__ float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    float *Ss = sm, *Ws = Ss + d16 * LDS, *Ks = Ws + CH * ldq, *Us = Ks + CH * ldq;
-    float *Ds = Us + CH * LDS;
-    const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BV;
-    const int nb = dv - b0 < BV ? (int)(dv - b0) : BV;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    for (int64_t p = tid; p < d16 * LDS; p += NT)
-        Ss[p] = 0.0f;
-    const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
-    for (int c = c1; c < c2; c++) {
-        const int64_t t0 = w.ct0[c];
-        const int L = w.clen[c];
-        __syncthreads(); // Ss complete; Ws, Ks, Us, Ds free
-        const float GL = w.G[(t0 + L - 1) * z.Hv + h];
-        for (int j = tid; j < CH; j += NT)
-            Ds[j] = j < L ? expf(GL - w.G[(t0 + j) * z.Hv + h]) : 0.0f;
-        float *Sg = w.S + ((int64_t)c * z.Hv + h) * dk * dv + b0;
-        for (int64_t p = tid; p < dk * BV; p += NT)
-            if (p % BV < nb)
-                Sg[(p / BV) * dv + p % BV] = Ss[(p / BV) * LDS + p % BV];
-        __syncthreads(); // Ds
-        for (int64_t p = tid; p < CH * d16; p += NT) {
-            const int64_t j = p / d16, a = p % d16;
-            const bool in = j < L && a < dk;
-            Ws[j * ldq + a] = in ? w.W[((t0 + j) * z.Hv + h) * dk + a] : 0.0f;
-            Ks[j * ldq + a] = in ? Ds[j] * w.kn[((t0 + j) * z.Hk + hk) * dk + a] : 0.0f;
-        }
-        __syncthreads();
-        { // U = U0 - W S: a 16 x 16 tile a warp
-            const int r0 = 16 * (warp >> 1), q0 = 16 * (warp & 1);
-            float acc[1][2][4] = {};
-            warp_mma<1, 2>(acc, Ws + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
-            for (int m = 0; m < 2; m++)
-                for (int e = 0; e < 4; e++) {
-                    const int i = r0 + g + 8 * (e >> 1), b = q0 + 8 * m + 2 * t + (e & 1);
-                    float u = 0.0f;
-                    if (i < L && b < nb) {
-                        const int64_t at = ((t0 + i) * z.Hv + h) * dv + b0 + b;
-                        u = w.U0[at] - acc[0][m][e];
-                        w.U[at] = u;
-                    }
-                    Us[i * LDS + b] = u;
-                }
-        }
-        __syncthreads();
-        const float eL = expf(GL);
-        for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // S <- e^G_L S + Kd^T U
-            float acc[1][4][4] = {};
-            warp_mma<1, 4>(acc, Ks + r0, 1, (int)ldq, Us, LDS, 1, CH);
-            for (int m = 0; m < 4; m++)
-                for (int e = 0; e < 4; e++) {
-                    float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * m + 2 * t + (e & 1);
-                    *sp = eL * *sp + acc[0][m][e];
-                }
         }
     }
 }
@@ -956,22 +691,6 @@ loom_status rule_args(loom_ctx *ctx, const char *op, loom_dtype dt, const geo &z
 }
 
 // Lets kern take `bytes` of dynamic shared memory (refused past the device's limit).
-template <typename K> loom_status smem_for(loom_ctx *ctx, const char *op, K *kern, size_t bytes) {
-    int dev = 0, optin = 0;
-    loom_status st = check(ctx, cudaGetDevice(&dev), op);
-    if (!st)
-        st = check(
-            ctx, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), op);
-    if (st)
-        return st;
-    if (bytes + 1024 > (size_t)optin)
-        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                         "cuda %s: a block needs %zu bytes of shared memory, the device gives %d",
-                         op, bytes, optin);
-    return check(
-        ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-        op);
-}
 
 // The forward's first four steps (both directions need them): the chunk
 // table, q and k normalised, each chunk's G, A, W, U0, then the states and U.
@@ -993,18 +712,13 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
     prep_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, prep_b, s>>>(qkv, dt, g, beta, z, w);
     if ((st = check_launch(ctx, op)))
         return st;
-    const dim3 grid((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV));
-    if (use_tc(dt, z.dk)) {
-        const size_t state_b = state_tc_smem(z.dk);
-        if ((st = smem_for(ctx, op, state_fwd_tc_kernel, state_b)))
-            return st;
-        state_fwd_tc_kernel<<<grid, NT, state_b, s>>>(z, w);
-        return check_launch(ctx, op);
-    }
+    if (use_tc(dt, z.dk))
+        return tc_state_fwd(ctx, op, z, w, s);
     const size_t state_b = state_smem(z.dk);
     if ((st = smem_for(ctx, op, state_fwd_kernel, state_b)))
         return st;
-    state_fwd_kernel<<<grid, NT, state_b, s>>>(z, w);
+    state_fwd_kernel<<<dim3((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV)),
+                       NT, state_b, s>>>(z, w);
     return check_launch(ctx, op);
 }
 } // namespace
@@ -1028,18 +742,13 @@ extern "C" loom_status loom_cuda_gdn_fwd(loom_ctx *ctx, const void *qkv, loom_dt
     cudaStream_t s = as_stream(stream);
     if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, s)))
         return st;
-    const dim3 grid((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO));
-    if (use_tc(dtype, dk)) {
-        const size_t pb = p_tc_smem(dk);
-        if ((st = smem_for(ctx, op, out_tc_kernel, pb)))
-            return st;
-        out_tc_kernel<<<grid, NT, pb, s>>>(z, w, dtype, o);
-        return check_launch(ctx, op);
-    }
+    if (use_tc(dtype, dk))
+        return tc_out(ctx, op, z, w, dtype, o, s);
     const size_t pb = p_smem(dk);
     if ((st = smem_for(ctx, op, out_kernel, pb)))
         return st;
-    out_kernel<<<grid, NT, pb, s>>>(z, w, dtype, o);
+    out_kernel<<<dim3((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO)), NT, pb, s>>>(
+        z, w, dtype, o);
     return check_launch(ctx, op);
 }
 
@@ -1058,23 +767,26 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
     cudaStream_t s = as_stream(stream);
     if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, s)))
         return st;
-    const bool tc = use_tc(dtype, dk);
-    const size_t pb = tc ? p_tc_smem(dk) : p_smem(dk), sb = state_smem(dk), bb = bwd_smem(dk);
-    if ((st = tc ? smem_for(ctx, op, dul_tc_kernel, pb) : smem_for(ctx, op, dul_kernel, pb)) ||
-        (st = smem_for(ctx, op, state_bwd_kernel, sb)) ||
-        (st = smem_for(ctx, op, chunk_bwd_kernel, bb)))
+    const size_t pb = p_smem(dk), sb = state_smem(dk), bb = bwd_smem(dk);
+    if ((st = smem_for(ctx, op, chunk_bwd_kernel, bb)))
         return st;
-    const dim3 grid((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO));
-    if (tc)
-        dul_tc_kernel<<<grid, NT, pb, s>>>(z, w, dout, dtype);
-    else
-        dul_kernel<<<grid, NT, pb, s>>>(z, w, dout, dtype);
-    if ((st = check_launch(ctx, op)))
-        return st;
-    state_bwd_kernel<<<dim3((unsigned)ndocs, (unsigned)Hv, (unsigned)((dv + BV - 1) / BV)), NT, sb,
-                       s>>>(z, w, dout, dtype);
-    if ((st = check_launch(ctx, op)))
-        return st;
+    if (use_tc(dtype, dk)) {
+        if ((st = tc_dul(ctx, op, z, w, dout, dtype, s)) ||
+            (st = tc_state_bwd(ctx, op, z, w, dout, dtype, s)))
+            return st;
+    } else {
+        if ((st = smem_for(ctx, op, dul_kernel, pb)) ||
+            (st = smem_for(ctx, op, state_bwd_kernel, sb)))
+            return st;
+        dul_kernel<<<dim3((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO)), NT, pb,
+                     s>>>(z, w, dout, dtype);
+        if ((st = check_launch(ctx, op)))
+            return st;
+        state_bwd_kernel<<<dim3((unsigned)ndocs, (unsigned)Hv, (unsigned)((dv + BV - 1) / BV)), NT,
+                           sb, s>>>(z, w, dout, dtype);
+        if ((st = check_launch(ctx, op)))
+            return st;
+    }
     chunk_bwd_kernel<<<dim3((unsigned)z.NC, (unsigned)Hv), NT, bb, s>>>(qkv, dout, dtype, beta, z,
                                                                         w, dqkv, dg, dbeta);
     if ((st = check_launch(ctx, op)))

@@ -1,0 +1,95 @@
+// Shared by the gated delta rule's kernels (ops_gdn_rule.cu, fp32 SIMT and
+// the driver) and their tensor-core twins for bf16 (ops_gdn_tc.cu): the
+// chunk's sizes, the shapes, the workspace's arrays, a block's chunk, and the
+// launchers of the tensor-core kernels. Internal to the CUDA backend.
+#ifndef LOOM_CUDA_OPS_GDN_RULE_CUH
+#define LOOM_CUDA_OPS_GDN_RULE_CUH
+
+#include "../cpu/cpu_gdn.h"
+#include "../gdn_ws.h"
+#include "ops_common.cuh"
+
+namespace loom_gdn {
+using namespace loom_cuda;
+
+constexpr int CH = LOOM_GDN_CHUNK; // tokens per chunk
+static_assert(CH == 64, "the chunk kernels' shared arrays are laid out for 64-token chunks");
+static_assert(LOOM_GDN_WS_ARRAYS == 15, "ws_layout assigns 15 arrays");
+constexpr int NT = 256; // threads per block
+constexpr int WARPS = NT / 32;
+constexpr int LDA = CH + 1; // row stride of the (CH, CH) shared matrices (no bank conflicts)
+constexpr int BV = 32;      // dv columns per block of the state passes
+constexpr int BO = 64;      // dv columns per block of out_kernel and dul_kernel
+constexpr int MAX_DK = 256; // the widest key head (shared memory)
+
+// Shapes. C = 2 Hk dk + Hv dv is qkv's row; grp = Hv / Hk value heads per key head;
+// NC = the most chunks the documents can make (the grids' x).
+struct geo {
+    int64_t T, Hk, Hv, dk, dv, C, grp, ndocs, NC;
+};
+
+// The workspace (loom_cuda_gdn_scratch_bytes), fp32 unless said. Rows of
+// (T, H, d) tensors are token-major, as o.
+struct gdn_ws {
+    int32_t *cfirst;  // (ndocs + 1): a document's first chunk; cfirst[ndocs] the chunks
+    int32_t *ct0;     // (NC): a chunk's first token
+    int32_t *clen;    // (NC): its length
+    float *qn, *kn;   // (T, Hk, dk): q / |q| / sqrt(dk), k / |k|
+    float *G;         // (T, Hv): the log decay since the chunk's start (inclusive)
+    float *A;         // (NC, Hv, CH, CH): strictly lower beta_i k_i.k_j M_ij
+    float *W;         // (T, Hv, dk): X's right part
+    float *U0, *U;    // (T, Hv, dv): X's left part; U0 - W S0
+    float *S;         // (NC, Hv, dk, dv): each chunk's starting state
+    float *dS;        // (NC, Hv, dk, dv): the gradient of each chunk's end state (bwd)
+    float *dU;        // (T, Hv, dv): the gradient of U (bwd)
+    float *dqh, *dkh; // (T, Hv, dk): the normalised q's and k's gradients per value head (bwd)
+};
+
+// The chunk of block x (false for the grid's spare blocks: NC is a bound).
+__device__ __forceinline__ bool chunk_of(const geo &z, const gdn_ws &w, int64_t c, int64_t *t0,
+                                         int *L) {
+    if (c >= w.cfirst[z.ndocs])
+        return false;
+    *t0 = w.ct0[c];
+    *L = w.clen[c];
+    return true;
+}
+
+__host__ __device__ inline int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
+
+// Whether the bf16 path's tensor-core kernels take this shape (their shared
+// memory holds dk up to 128).
+inline bool use_tc(loom_dtype dt, int64_t dk) { return dt == LOOM_BF16 && dk <= 128; }
+
+// The dynamic shared memory a kernel is launched with (refused past the device's opt-in).
+template <typename K> inline loom_status smem_for(loom_ctx *ctx, const char *op, K *kern, size_t bytes) {
+    int dev = 0, optin = 0;
+    loom_status st = check(ctx, cudaGetDevice(&dev), op);
+    if (!st)
+        st = check(
+            ctx, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), op);
+    if (st)
+        return st;
+    if (bytes + 1024 > (size_t)optin)
+        return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                         "cuda %s: a block needs %zu bytes of shared memory, the device gives %d",
+                         op, bytes, optin);
+    return check(
+        ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+        op);
+}
+
+// The tensor-core kernels (ops_gdn_tc.cu), launched on s: out_kernel's,
+// dul_kernel's and the two state passes' twins.
+loom_status tc_out(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w, loom_dtype dt,
+                   void *o, cudaStream_t s);
+loom_status tc_dul(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
+                   const void *dout, loom_dtype dt, cudaStream_t s);
+loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
+                         cudaStream_t s);
+loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
+                         const void *dout, loom_dtype dt, cudaStream_t s);
+
+} // namespace loom_gdn
+
+#endif // LOOM_CUDA_OPS_GDN_RULE_CUH
