@@ -25,8 +25,8 @@
 //   l2_bwd_kernel     the key heads' groups summed, the normalisation's backward.
 // Everything in fp32 (the CPU's in double); the states fp32. Each output
 // element has one writer: no atomics, the same bits run to run. In bf16
-// (dk <= 128) out_kernel, dul_kernel and the two state passes run as their
-// tensor-core twins (ops_gdn_tc.cu); prep_kernel's and chunk_bwd_kernel's
+// (dk <= 128) prep_kernel, out_kernel, dul_kernel and the two state passes
+// run as their tensor-core twins (ops_gdn_tc.cu); chunk_bwd_kernel's
 // products are still fp32 SIMT loops, the next to move.
 //
 // NOTE: written and compiled on a machine without a GPU; these kernels have
@@ -705,6 +705,9 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
                                                                               w.kn);
     if ((st = check_launch(ctx, op)))
         return st;
+    if (use_tc(dt, z.dk))
+        return (st = tc_prep(ctx, op, qkv, dt, g, beta, z, w, s)) ? st
+                                                                  : tc_state_fwd(ctx, op, z, w, s);
     const int64_t ldk = z.dk + 1;
     const size_t prep_b = (size_t)(CH * LDA + CH * (NT > ldk ? NT : ldk) + 2 * CH) * sizeof(float);
     if ((st = smem_for(ctx, op, prep_kernel, prep_b)))
@@ -712,8 +715,6 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
     prep_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, prep_b, s>>>(qkv, dt, g, beta, z, w);
     if ((st = check_launch(ctx, op)))
         return st;
-    if (use_tc(dt, z.dk))
-        return tc_state_fwd(ctx, op, z, w, s);
     const size_t state_b = state_smem(z.dk);
     if ((st = smem_for(ctx, op, state_fwd_kernel, state_b)))
         return st;

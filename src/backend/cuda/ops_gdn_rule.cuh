@@ -79,8 +79,11 @@ template <typename K> inline loom_status smem_for(loom_ctx *ctx, const char *op,
         op);
 }
 
-// The tensor-core kernels (ops_gdn_tc.cu), launched on s: out_kernel's,
-// dul_kernel's and the two state passes' twins.
+// The tensor-core kernels (ops_gdn_tc.cu), launched on s: prep_kernel's,
+// out_kernel's, dul_kernel's and the two state passes' twins.
+loom_status tc_prep(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt,
+                    const float *g, const float *beta, const geo &z, const gdn_ws &w,
+                    cudaStream_t s);
 loom_status tc_out(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w, loom_dtype dt,
                    void *o, cudaStream_t s);
 loom_status tc_dul(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,

@@ -1,13 +1,14 @@
 // The gated delta rule's tensor-core kernels for bf16 (dk <= 128): twins of
-// ops_gdn_rule.cu's out_kernel, dul_kernel, state_fwd_kernel and
-// state_bwd_kernel with their products on mma.sync, launched by its driver
+// ops_gdn_rule.cu's prep_kernel, out_kernel, dul_kernel, state_fwd_kernel
+// and state_bwd_kernel with their products on mma.sync, launched by its driver
 // (ops_gdn_rule.cuh's tc_*). Operands are staged in fp32 shared memory as
 // the fp32 kernels stage them, zero past the chunk's rows and past dk up to
 // a multiple of 16; each element is rounded to bf16 as its fragment is
 // built, with fp32 accumulators. S0 and U are rounded to bf16 for the
 // products, as flash-linear-attention rounds them; the states themselves
-// stay fp32. prep_kernel's and chunk_bwd_kernel's products are still the
-// fp32 SIMT loops, the next to move.
+// stay fp32. prep_kernel's twin inverts I + A by forward substitution (a
+// column a thread) and takes X as a product with it. chunk_bwd_kernel's
+// products are still the fp32 SIMT loops, the next to move.
 //
 // NOTE: compiled here and checked on the CPU emulator (make test-emu) against
 // the CPU reference; not yet run on a GPU (tests/test_backend_gdn.c there).
@@ -154,6 +155,98 @@ __global__ void __launch_bounds__(NT)
             const int64_t b = b0 + c0 + 8 * n + 2 * t + (e & 1);
             if (j < L && b < dv) w.dU[((t0 + j) * z.Hv + h) * dv + b] = acc[0][n][e];
         }
+}
+
+// prep_kernel on tensor cores: G, A = strictly lower (beta_i k_i.k_j M_ij)
+// with K K^T by mma.sync, T = (I + A)^-1 by forward substitution (a column a
+// thread), then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by
+// mma.sync, BO columns at a time. Shared: As, Ts (CH, LDA); Ks (CH, dk16 +
+// 4); Xs (CH, LDB); Gs, Bs (CH).
+size_t prep_tc_smem(int64_t dk) {
+    return (size_t)(2 * CH * LDA + CH * (pad16(dk) + 4) + CH * LDB + 2 * CH) * sizeof(float);
+}
+
+__global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype dt,
+                                                     const float *g, const float *beta, geo z,
+                                                     gdn_ws w) {
+    extern __shared__ float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
+    float *As = sm, *Ts = As + CH * LDA, *Ks = Ts + CH * LDA, *Xs = Ks + CH * ldq;
+    float *Gs = Xs + CH * LDB, *Bs = Gs + CH;
+    const int64_t c = blockIdx.x, h = blockIdx.y, hk = h / z.grp;
+    int64_t t0;
+    int L;
+    if (!chunk_of(z, w, c, &t0, &L))
+        return;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t = lane & 3;
+    if (tid == 0) {
+        float acc = 0.0f;
+        for (int i = 0; i < CH; i++) {
+            if (i < L) {
+                acc += g[(t0 + i) * z.Hv + h];
+                w.G[(t0 + i) * z.Hv + h] = acc;
+            }
+            Gs[i] = i < L ? acc : 0.0f;
+        }
+    }
+    for (int i = tid; i < CH; i += NT)
+        Bs[i] = i < L ? beta[(t0 + i) * z.Hv + h] : 0.0f;
+    const float *kc = w.kn + (t0 * z.Hk + hk) * dk; // row i at kc + i Hk dk
+    for (int64_t p = tid; p < CH * d16; p += NT) {
+        const int64_t i = p / d16, a = p % d16;
+        Ks[i * ldq + a] = i < L && a < dk ? kc[i * z.Hk * dk + a] : 0.0f;
+    }
+    __syncthreads();
+    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
+    { // A by tensor cores
+        float acc[1][4][4] = {};
+        warp_mma<1, 4>(acc, Ks + r0 * ldq, (int)ldq, 1, Ks + c0 * ldq, 1, (int)ldq, (int)d16);
+        float *Ag = w.A + (c * z.Hv + h) * CH * CH;
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = r0 + gq + 8 * (e >> 1), j = c0 + 8 * n + 2 * t + (e & 1);
+                const float a = i < L && j < i ? Bs[i] * acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
+                As[i * LDA + j] = a;
+                Ag[i * CH + j] = a;
+            }
+    }
+    __syncthreads();
+    if (tid < CH) { // T's column j: T_ij = [i == j] - sum_j<=k<i A_ik T_kj
+        const int j = tid;
+        for (int i = 0; i < CH; i++) {
+            float x = i == j ? 1.0f : 0.0f;
+            for (int k = j; k < i; k++)
+                x -= As[i * LDA + k] * Ts[k * LDA + j];
+            Ts[i * LDA + j] = i < j ? 0.0f : x;
+        }
+    }
+    for (int64_t b0 = 0; b0 < dv + dk; b0 += BO) { // X's columns, BO at a time
+        __syncthreads(); // Ts complete; Xs free
+        for (int64_t p = tid; p < CH * BO; p += NT) {
+            const int i = (int)(p / BO);
+            const int64_t col = b0 + p % BO;
+            float x = 0.0f;
+            if (i < L && col < dv)
+                x = Bs[i] * ld(qkv, dt, (t0 + i) * z.C + 2 * z.Hk * dk + h * dv + col);
+            else if (i < L && col < dv + dk)
+                x = Bs[i] * expf(Gs[i]) * kc[i * z.Hk * dk + (col - dv)];
+            Xs[i * LDB + p % BO] = x;
+        }
+        __syncthreads();
+        float acc[1][4][4] = {};
+        warp_mma<1, 4>(acc, Ts + r0 * LDA, LDA, 1, Xs + c0, LDB, 1, CH);
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = r0 + gq + 8 * (e >> 1);
+                const int64_t col = b0 + c0 + 8 * n + 2 * t + (e & 1), row = (t0 + i) * z.Hv + h;
+                if (i >= L || col >= dv + dk)
+                    continue;
+                if (col < dv)
+                    w.U0[row * dv + col] = acc[0][n][e];
+                else
+                    w.W[row * dk + (col - dv)] = acc[0][n][e];
+            }
+    }
 }
 
 // state_fwd_kernel on tensor cores (bf16, dk <= 128), per (document, head,
@@ -348,6 +441,17 @@ loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_
         return st;
     state_bwd_tc_kernel<<<dim3((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV)),
                           NT, b, s>>>(z, w, dout, dt);
+    return check_launch(ctx, op);
+}
+
+loom_status tc_prep(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt,
+                    const float *g, const float *beta, const geo &z, const gdn_ws &w,
+                    cudaStream_t s) {
+    const size_t b = prep_tc_smem(z.dk);
+    loom_status st = smem_for(ctx, op, prep_tc_kernel, b);
+    if (st)
+        return st;
+    prep_tc_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, b, s>>>(qkv, dt, g, beta, z, w);
     return check_launch(ctx, op);
 }
 
