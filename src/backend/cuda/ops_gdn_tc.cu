@@ -398,61 +398,55 @@ __global__ void __launch_bounds__(NT)
 
 } // namespace
 
+namespace {
+// A kernel given its shared memory, launched on s with NT threads a block.
+template <typename... P, typename... A>
+loom_status launch(loom_ctx *ctx, const char *op, void (*kern)(P...), dim3 grid, size_t bytes,
+                   cudaStream_t s, A... args) {
+    const loom_status st = smem_for(ctx, op, kern, bytes);
+    if (st)
+        return st;
+    kern<<<grid, NT, bytes, s>>>(args...);
+    return check_launch(ctx, op);
+}
+
+// per (chunk, head, BO columns) and per (document, head, BV columns)
+dim3 chunk_grid(const geo &z) {
+    return dim3((unsigned)z.NC, (unsigned)z.Hv, (unsigned)((z.dv + BO - 1) / BO));
+}
+dim3 doc_grid(const geo &z) {
+    return dim3((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV));
+}
+} // namespace
+
 namespace loom_gdn {
 
 loom_status tc_out(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w, loom_dtype dt,
                    void *o, cudaStream_t s) {
-    const size_t b = p_tc_smem(z.dk);
-    loom_status st = smem_for(ctx, op, out_tc_kernel, b);
-    if (st)
-        return st;
-    out_tc_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv, (unsigned)((z.dv + BO - 1) / BO)), NT, b,
-                    s>>>(z, w, dt, o);
-    return check_launch(ctx, op);
+    return launch(ctx, op, out_tc_kernel, chunk_grid(z), p_tc_smem(z.dk), s, z, w, dt, o);
 }
 
 loom_status tc_dul(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                    const void *dout, loom_dtype dt, cudaStream_t s) {
-    const size_t b = p_tc_smem(z.dk);
-    loom_status st = smem_for(ctx, op, dul_tc_kernel, b);
-    if (st)
-        return st;
-    dul_tc_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv, (unsigned)((z.dv + BO - 1) / BO)), NT, b,
-                    s>>>(z, w, dout, dt);
-    return check_launch(ctx, op);
+    return launch(ctx, op, dul_tc_kernel, chunk_grid(z), p_tc_smem(z.dk), s, z, w, dout, dt);
 }
 
 loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          cudaStream_t s) {
-    const size_t b = state_tc_smem(z.dk);
-    loom_status st = smem_for(ctx, op, state_fwd_tc_kernel, b);
-    if (st)
-        return st;
-    state_fwd_tc_kernel<<<dim3((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV)),
-                          NT, b, s>>>(z, w);
-    return check_launch(ctx, op);
+    return launch(ctx, op, state_fwd_tc_kernel, doc_grid(z), state_tc_smem(z.dk), s, z, w);
 }
 
 loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          const void *dout, loom_dtype dt, cudaStream_t s) {
-    const size_t b = state_bwd_tc_smem(z.dk);
-    loom_status st = smem_for(ctx, op, state_bwd_tc_kernel, b);
-    if (st)
-        return st;
-    state_bwd_tc_kernel<<<dim3((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV)),
-                          NT, b, s>>>(z, w, dout, dt);
-    return check_launch(ctx, op);
+    return launch(ctx, op, state_bwd_tc_kernel, doc_grid(z), state_bwd_tc_smem(z.dk), s, z, w,
+                  dout, dt);
 }
 
 loom_status tc_prep(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt,
                     const float *g, const float *beta, const geo &z, const gdn_ws &w,
                     cudaStream_t s) {
-    const size_t b = prep_tc_smem(z.dk);
-    loom_status st = smem_for(ctx, op, prep_tc_kernel, b);
-    if (st)
-        return st;
-    prep_tc_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, b, s>>>(qkv, dt, g, beta, z, w);
-    return check_launch(ctx, op);
+    return launch(ctx, op, prep_tc_kernel, dim3((unsigned)z.NC, (unsigned)z.Hv),
+                  prep_tc_smem(z.dk), s, qkv, dt, g, beta, z, w);
 }
 
 } // namespace loom_gdn
