@@ -19,7 +19,7 @@ $B/loom data --text docs/DESIGN.md --out "$W/d.tokens" >/dev/null
 for dt in fp32 bf16; do
     $B/loom train --device cuda --dtype $dt --model "$W/m06" --data "$W/d.tokens" --train-steps 50 \
         --seq-len 1024 --micro-batch-size 2 --global-batch-size 4 --lr 3e-4 --lr-warmup-steps 5 \
-        2>&1 | tee "$W/train-$dt.log" | grep -E "^(step +(1|10|25|50) |trained|memory)" || true
+        2>&1 | tee "$W/train-$dt.log" | grep -E "^(step +(1|10|25|50)/|trained|memory)" || true
 done
 python3 tests/gpu/compare.py curves "$W/train-fp32.log" "$W/train-bf16.log"
 # Activation recomputation on the GPU: with the bitwise-repeatable attention
