@@ -341,6 +341,45 @@ static loom_status get_hub(loom_model *m, tensor_get get, const char *name,
     return LOOM_OK;
 }
 
+typedef struct {
+    int n;                  /* gradients compared */
+    double worst, worst_l2; /* largest |a - b| over the tensor's largest; relative L2 */
+    char worst_name[200];
+} grad_dist;
+
+/* Every grad.<hub name> of file f against the model's gradient. */
+static grad_dist grads_against(loom_ctx *ctx, loom_model *m, loom_safetensors *f) {
+    grad_dist r = {0};
+    for (size_t i = 0; i < loom_st_count(f); i++) {
+        const loom_st_tensor *t = loom_st_at(f, i);
+        if (strncmp(t->name, "grad.", 5))
+            continue;
+        char name[256];
+        const char *hub = t->name + 5;
+        if (!strncmp(hub, "model.language_model.", 21))
+            snprintf(name, sizeof name, "model.%s", hub + 21);
+        else
+            snprintf(name, sizeof name, "%s", hub);
+        float *a = malloc(t->numel * 4), *g = malloc(t->numel * 4);
+        CHECK_OK(ctx, loom_st_read(ctx, t, LOOM_F32, a, t->numel));
+        const loom_status st = get_hub(m, loom_model_get_grad, name, t, g);
+        CHECK_MSG(st == LOOM_OK, "%s: %s", name, loom_last_error(ctx));
+        if (!st) {
+            const double e = rel_to_max(g, a, (int64_t)t->numel);
+            double dd = 0.0, rr = 0.0;
+            for (uint64_t k = 0; k < t->numel; k++)
+                dd += ((double)g[k] - a[k]) * ((double)g[k] - a[k]), rr += (double)a[k] * a[k];
+            const double l2 = sqrt(dd / (rr > 0 ? rr : 1.0));
+            if (!(e <= r.worst))
+                r.worst = e, snprintf(r.worst_name, sizeof r.worst_name, "%s", hub);
+            r.worst_l2 = fmax(r.worst_l2, l2);
+            r.n++;
+        }
+        free(a), free(g);
+    }
+    return r;
+}
+
 /* The fixture model on dev in fp32 (opts: o's other fields). NULL on a
  * GPU while loom refuses these models there (checked: the refusal comes
  * before any work, until the kernels are checked on a GPU; a build with
@@ -411,48 +450,34 @@ static void check_hf(const char *model, int ngrads, loom_device dev) {
     loom_model_zero_grad(m);
     REQUIRE_OK(ctx, loom_model_forward_backward(m, &b, 1, &r));
     CHECK_MSG(fabs(r.loss - want) < 1e-4 * fabs(want), "loss %.9g, HF %.9g", r.loss, want);
-    /* every gradient of the language model (grad.model.language_model.X is
-     * loom's model.X) */
-    int checked = 0;
-    double worst = 0.0, worst_l2 = 0.0;
-    const char *wn = "";
-    for (size_t i = 0; i < loom_st_count(gs); i++) {
-        const loom_st_tensor *t = loom_st_at(gs, i);
-        if (strncmp(t->name, "grad.", 5))
-            continue;
-        char name[256];
-        const char *hub = t->name + 5;
-        if (!strncmp(hub, "model.language_model.", 21))
-            snprintf(name, sizeof name, "model.%s", hub + 21);
-        else
-            snprintf(name, sizeof name, "%s", hub);
-        float *a = malloc(t->numel * 4), *g = malloc(t->numel * 4);
-        REQUIRE_OK(ctx, loom_st_read(ctx, t, LOOM_F32, a, t->numel));
-        const loom_status st = get_hub(m, loom_model_get_grad, name, t, g);
-        CHECK_MSG(st == LOOM_OK, "%s: %s", name, loom_last_error(ctx));
-        if (!st) {
-            const double e = rel_to_max(g, a, (int64_t)t->numel);
-            double dd = 0.0, rr = 0.0;
-            for (uint64_t k = 0; k < t->numel; k++)
-                dd += ((double)g[k] - a[k]) * ((double)g[k] - a[k]), rr += (double)a[k] * a[k];
-            const double l2 = sqrt(dd / (rr > 0 ? rr : 1.0));
-            if (!(e <= worst))
-                worst = e, wn = t->name;
-            worst_l2 = fmax(worst_l2, l2);
-            checked++;
-        }
-        free(a), free(g);
-    }
-    /* transformers computes the Gated DeltaNet in fp32 inside its fp64
-     * model (the fixture's README): its rounding grows toward the first
-     * layers, to about 1.5e-4 of a tensor's largest (9e-5 in L2) at the
-     * embedding; loom's rule matches a float64 recurrence to 1e-7
-     * (test_gdn.c) */
-    printf("    %d gradients: worst %.3g of the largest (%s), %.3g in L2\n", checked, worst, wn,
-           worst_l2);
-    CHECK_MSG(worst < 2e-4 && worst_l2 < 1e-4 && checked == ngrads,
-              "gradient %s differs from HF by %.3g (L2 %.3g; %d checked)", wn, worst, worst_l2,
-              checked);
+    /* every gradient of the language model, against transformers' fp32
+     * Gated DeltaNet (the fixture) and against the same run with the rule
+     * in float64 (tests/fixtures_qwen3_5_trajectory's grad.*) */
+    grad_dist hf = grads_against(ctx, m, gs), ex = {0};
+    loom_safetensors *fs = NULL;
+    snprintf(p, sizeof p, "tests/fixtures_qwen3_5_trajectory/%s.safetensors", model);
+    REQUIRE_OK(ctx, loom_st_open_file(ctx, p, &fs));
+    ex = grads_against(ctx, m, fs);
+    loom_st_close(fs);
+    printf("    %d gradients against transformers: worst %.3g of the largest (%s), %.3g in L2\n",
+           hf.n, hf.worst, hf.worst_name, hf.worst_l2);
+    printf("    %d gradients against its float64 rule: worst %.3g of the largest (%s), %.3g in L2\n",
+           ex.n, ex.worst, ex.worst_name, ex.worst_l2);
+    CHECK_MSG(hf.n == ngrads && ex.n == ngrads, "%d and %d gradients checked of %d", hf.n, ex.n,
+              ngrads);
+    /* This tiny random model amplifies fp32 rounding toward its first layers:
+     * loom's CPU run (fp32 throughout) is 1.3e-4 of a tensor's largest
+     * (8.8e-5 in L2) off the float64 rule at the embedding, transformers'
+     * fp32 rule 5e-5..9e-5 (the set's spread.grad_max), and a GPU's other
+     * summation order adds as much again; a wrong term moves a gradient by
+     * far more (test_gdn.c holds the rule itself to a float64 recurrence,
+     * test_backend_gdn.c the GPU's ops to the CPU's) */
+    const double tw = dev == LOOM_DEVICE_CPU ? 2e-4 : 4e-4, tl = tw / 2;
+    CHECK_MSG(ex.worst < tw && ex.worst_l2 < tl,
+              "gradient %s differs from transformers' float64 rule by %.3g (L2 %.3g)",
+              ex.worst_name, ex.worst, ex.worst_l2);
+    CHECK_MSG(hf.worst < tw && hf.worst_l2 < tl, "gradient %s differs from HF by %.3g (L2 %.3g)",
+              hf.worst_name, hf.worst, hf.worst_l2);
     free(lp), free(ent), free(lg), free(ref);
     loom_json_free(meta);
     loom_st_close(gs);

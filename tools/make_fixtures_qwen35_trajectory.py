@@ -14,10 +14,12 @@ This runs make_fixtures_qwen35.py's model, batch and optimizer (Megatron's
 AdamW convention, clipping at 1) at a smaller learning rate, twice: with
 make_fixtures_qwen35_f64.py's float64 recurrence (the reference) and with
 transformers' fp32 kernel. It writes, per model, OUT/<name>.safetensors
-(input_ids, targets, final.<hub name> of the reference) and OUT/<name>.json
+(input_ids, targets, grad.<hub name> of the first forward/backward and
+final.<hub name> after the 5 steps, of the reference) and OUT/<name>.json
 (hp, adamw_losses, adamw_grad_norms_before_clip, and `spread`: per step the
-relative distance of the two runs' losses and grad norms, and per final
-tensor their relative L2 distance). The models are make_fixtures_qwen35.py's,
+relative distance of the two runs' losses and grad norms, per final tensor
+their relative L2 distance, per gradient their largest difference over the
+tensor's largest). The models are make_fixtures_qwen35.py's,
 byte for byte (the seed is the same): the test reads them from
 tests/fixtures_qwen3_5/models.
 
@@ -91,13 +93,16 @@ os.makedirs(args.out, exist_ok=True)
 for (name, S, Tn), (name2, S2, Tn2) in zip(ref, alt):
     assert name == name2
     keep = {k: v.contiguous() for k, v in Tn.items()
-            if k in ('input_ids', 'targets') or k.startswith('final.')}
+            if k in ('input_ids', 'targets') or k.startswith(('final.', 'grad.'))}
     spread = {
         'losses': [rel(a, b) for a, b in zip(S2['adamw_losses'], S['adamw_losses'])],
         'grad_norms': [rel(a, b) for a, b in zip(S2['adamw_grad_norms_before_clip'],
                                                   S['adamw_grad_norms_before_clip'])],
         'final_l2': {k[6:]: ((Tn2[k].double() - Tn[k].double()).norm() /
                              Tn[k].double().norm()).item() for k in Tn if k.startswith('final.')},
+        # the first forward/backward's gradients: largest difference over the tensor's largest
+        'grad_max': {k[5:]: ((Tn2[k].double() - Tn[k].double()).abs().max() /
+                             Tn[k].double().abs().max()).item() for k in Tn if k.startswith('grad.')},
     }
     import transformers
     out = dict(model=name, hp=S['hp'], adamw_losses=S['adamw_losses'],
