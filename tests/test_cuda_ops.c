@@ -788,7 +788,7 @@ TEST(cuda_ops_attention) {
 /* cuDNN's fused attention against the CPU: equal documents (B sequences of
  * L tokens, L not a multiple of the engines' tiles) and documents of other
  * lengths (the ragged graphs, one-token documents included), under grouped
- * and plain heads, D 64, 72 and 128, BF16 and F16; inputs it does not take
+ * and plain heads, D 64, 72, 128 and 256 (Qwen3.5's), BF16 and F16; inputs it does not take
  * come back untaken, with no error. */
 TEST(cuda_ops_attention_cudnn) {
     gpu g;
@@ -810,10 +810,13 @@ TEST(cuda_ops_attention_cudnn) {
     attn_case_h(&g, h, 300, 4, 2, 128, cuL, 4, NULL, 300, LOOM_F16, 212);
     attn_case_h(&g, h, 1000, 8, 2, 128, cuM, 5, NULL, 1000, LOOM_BF16, 213);
     attn_case_h(&g, h, 1000, 4, 4, 64, cuM, 5, NULL, 1000, LOOM_BF16, 214);
+    attn_case_h(&g, h, 256, 4, 2, 256, cu1, 1, NULL, 256, LOOM_BF16, 215);
+    attn_case_h(&g, h, 300, 4, 1, 256, cuL, 4, NULL, 300, LOOM_BF16, 216);
+    attn_case_h(&g, h, 200, 2, 2, 256, cu2, 2, NULL, 200, LOOM_F16, 217);
     long long nf = 0, nb = 0;
     loom_cuda_attn_counts(h, &nf, &nb, NULL);
-    CHECK_MSG(nf == 12 && nb == 12, "cuDNN ran %lld forwards and %lld backwards of 12", nf, nb);
-    /* F32, D = 36 and 513 documents are not for cuDNN: untaken, no error,
+    CHECK_MSG(nf == 15 && nb == 15, "cuDNN ran %lld forwards and %lld backwards of 15", nf, nb);
+    /* F32, D = 36 or 264 and 513 documents are not for cuDNN: untaken, no error,
      * nothing run */
     void *buf = dalloc(&g, 600 * 4 * 128 * 4);
     float *lse = dalloc(&g, 600 * 4 * 4);
@@ -834,8 +837,12 @@ TEST(cuda_ops_attention_cudnn) {
     CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_BF16, 600, 4, 2, 128,
                                                   d_many, 513, 0, 0.1f, buf, lse, NULL, &taken));
     CHECK(!taken);
+    taken = true;
+    CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, buf, buf, buf, LOOM_BF16, 64, 4, 2, 264,
+                                                  NULL, 1, 64, 0.1f, buf, lse, NULL, &taken));
+    CHECK(!taken);
     loom_cuda_attn_counts(h, &nf, NULL, NULL);
-    CHECK(nf == 12);
+    CHECK(nf == 15);
     loom_cuda_attn_free(h);
     REQUIRE(!g.bad);
     gpu_close(&g);

@@ -108,7 +108,7 @@ static void cuda_attn_note(const loom_dev *d, char *buf, size_t n) {
     const bool all = f == d->attn_calls[0] && b == d->attn_calls[1];
     snprintf(buf, n, "cuDNN fused attention ran %lld/%lld forwards, %lld/%lld backwards%s%s%s", f,
              d->attn_calls[0], b, d->attn_calls[1], all ? "" : "; loom's kernels the rest (",
-             all ? "" : why[0] ? why : "context parallel, or more than 512 documents",
+             all ? "" : why[0] ? why : "context parallel, more than 512 documents, or a head size over 256",
              all ? "" : ")");
 }
 

@@ -786,7 +786,7 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 // B the document count rounded up to 32 or a power of 2 up to 512, L = T.
 bool shape_of(loom_dtype dt, int64_t T, int64_t L, int64_t ndocs, int64_t Hq, int64_t Hkv,
               int64_t D, const void *const *p, int np, int64_t *B, int64_t *Lg) {
-    if ((dt != LOOM_BF16 && dt != LOOM_F16) || D % 8 != 0 || D > 128 || L < 0) return false;
+    if ((dt != LOOM_BF16 && dt != LOOM_F16) || D % 8 != 0 || D > 256 || L < 0) return false;
     if (Hkv < 1 || Hq % Hkv != 0 || T < 1) return false;
     for (int i = 0; i < np; i++)
         if (!aligned16(p[i])) return false;

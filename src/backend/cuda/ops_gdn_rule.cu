@@ -25,13 +25,12 @@
 //   l2_bwd_kernel     the key heads' groups summed, the normalisation's backward.
 // Everything in fp32 (the CPU's in double); the states fp32. Each output
 // element has one writer: no atomics, the same bits run to run. In bf16
-// (dk <= 128) prep_kernel, out_kernel, dul_kernel and the two state passes
-// run as their tensor-core twins (ops_gdn_tc.cu); chunk_bwd_kernel's
-// products are still fp32 SIMT loops, the next to move.
+// (dk <= 128) prep_kernel, out_kernel, dul_kernel, the two state passes and
+// chunk_bwd_kernel run as their tensor-core twins (ops_gdn_tc.cu).
 //
-// NOTE: written and compiled on a machine without a GPU; these kernels have
-// not run on one yet. tests/test_backend_gdn.c holds them to the CPU's
-// there; `make test-emu` (tools/cuda_emu) runs them on the CPU in CI.
+// tests/test_backend_gdn.c holds these kernels to the CPU's on a GPU (run on
+// an H200, tests/gpu/qwen35.sh); `make test-emu` (tools/cuda_emu) runs them
+// on the CPU in CI.
 #include "ops_gdn_rule.cuh"
 
 using namespace loom_cuda;
@@ -769,15 +768,15 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
     if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, s)))
         return st;
     const size_t pb = p_smem(dk), sb = state_smem(dk), bb = bwd_smem(dk);
-    if ((st = smem_for(ctx, op, chunk_bwd_kernel, bb)))
-        return st;
     if (use_tc(dtype, dk)) {
         if ((st = tc_dul(ctx, op, z, w, dout, dtype, s)) ||
-            (st = tc_state_bwd(ctx, op, z, w, dout, dtype, s)))
+            (st = tc_state_bwd(ctx, op, z, w, dout, dtype, s)) ||
+            (st = tc_chunk_bwd(ctx, op, qkv, dout, dtype, beta, z, w, dqkv, dg, dbeta, s)))
             return st;
     } else {
         if ((st = smem_for(ctx, op, dul_kernel, pb)) ||
-            (st = smem_for(ctx, op, state_bwd_kernel, sb)))
+            (st = smem_for(ctx, op, state_bwd_kernel, sb)) ||
+            (st = smem_for(ctx, op, chunk_bwd_kernel, bb)))
             return st;
         dul_kernel<<<dim3((unsigned)z.NC, (unsigned)Hv, (unsigned)((dv + BO - 1) / BO)), NT, pb,
                      s>>>(z, w, dout, dtype);
@@ -787,11 +786,11 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
                            sb, s>>>(z, w, dout, dtype);
         if ((st = check_launch(ctx, op)))
             return st;
+        chunk_bwd_kernel<<<dim3((unsigned)z.NC, (unsigned)Hv), NT, bb, s>>>(
+            qkv, dout, dtype, beta, z, w, dqkv, dg, dbeta);
+        if ((st = check_launch(ctx, op)))
+            return st;
     }
-    chunk_bwd_kernel<<<dim3((unsigned)z.NC, (unsigned)Hv), NT, bb, s>>>(qkv, dout, dtype, beta, z,
-                                                                        w, dqkv, dg, dbeta);
-    if ((st = check_launch(ctx, op)))
-        return st;
     l2_bwd_kernel<<<(unsigned)((T * Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dtype, z, w.dqh,
                                                                           w.dkh, dqkv);
     return check_launch(ctx, op);

@@ -57,6 +57,32 @@ __device__ __forceinline__ bool chunk_of(const geo &z, const gdn_ws &w, int64_t 
 
 __host__ __device__ inline int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
 
+// Fills shared dst (rows [0, R) of ld elements, columns [0, W)) with get(i,
+// c), each thread issuing its loads 16 at a time before storing any: a
+// staging loop with one load in flight a thread is latency-bound (these
+// kernels run a block or two an SM). Ends without a barrier.
+__device__ __forceinline__ void put(float *p, float v) { *p = v; }
+__device__ __forceinline__ void put(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+template <typename T, typename F>
+__device__ __forceinline__ void fill(T *dst, int ld, int R, int W, F get) {
+    constexpr int B = 16;
+    const int n = R * W;
+    for (int base = threadIdx.x; base < n; base += NT * B) {
+        float v[B];
+#pragma unroll
+        for (int u = 0; u < B; u++) {
+            const int p = base + u * NT;
+            v[u] = p < n ? get(p / W, p % W) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < B; u++) {
+            const int p = base + u * NT;
+            if (p < n)
+                put(dst + (p / W) * ld + p % W, v[u]);
+        }
+    }
+}
+
 // Whether the bf16 path's tensor-core kernels take this shape (their shared
 // memory holds dk up to 128).
 inline bool use_tc(loom_dtype dt, int64_t dk) { return dt == LOOM_BF16 && dk <= 128; }
@@ -80,7 +106,7 @@ template <typename K> inline loom_status smem_for(loom_ctx *ctx, const char *op,
 }
 
 // The tensor-core kernels (ops_gdn_tc.cu), launched on s: prep_kernel's,
-// out_kernel's, dul_kernel's and the two state passes' twins.
+// out_kernel's, dul_kernel's, the two state passes' and chunk_bwd_kernel's twins.
 loom_status tc_prep(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt,
                     const float *g, const float *beta, const geo &z, const gdn_ws &w,
                     cudaStream_t s);
@@ -92,6 +118,9 @@ loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_
                          cudaStream_t s);
 loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          const void *dout, loom_dtype dt, cudaStream_t s);
+loom_status tc_chunk_bwd(loom_ctx *ctx, const char *op, const void *qkv, const void *dout,
+                         loom_dtype dt, const float *beta, const geo &z, const gdn_ws &w,
+                         void *dqkv, float *dg, float *dbeta, cudaStream_t s);
 
 } // namespace loom_gdn
 

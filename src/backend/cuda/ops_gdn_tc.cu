@@ -1,17 +1,18 @@
 // The gated delta rule's tensor-core kernels for bf16 (dk <= 128): twins of
-// ops_gdn_rule.cu's prep_kernel, out_kernel, dul_kernel, state_fwd_kernel
-// and state_bwd_kernel with their products on mma.sync, launched by its driver
-// (ops_gdn_rule.cuh's tc_*). Operands are staged in fp32 shared memory as
-// the fp32 kernels stage them, zero past the chunk's rows and past dk up to
-// a multiple of 16; each element is rounded to bf16 as its fragment is
-// built, with fp32 accumulators. S0 and U are rounded to bf16 for the
-// products, as flash-linear-attention rounds them; the states themselves
-// stay fp32. prep_kernel's twin inverts I + A by forward substitution (a
-// column a thread) and takes X as a product with it. chunk_bwd_kernel's
-// products are still the fp32 SIMT loops, the next to move.
+// ops_gdn_rule.cu's prep_kernel, out_kernel, dul_kernel, state_fwd_kernel,
+// state_bwd_kernel and chunk_bwd_kernel with their products on mma.sync,
+// launched by its driver (ops_gdn_rule.cuh's tc_*). Operands are staged in
+// shared memory (fill: loads batched a thread), zero past the chunk's rows
+// and past dk up to a multiple of 16; each element is rounded to bf16 as its
+// fragment is built, with fp32 accumulators. S0 and U are rounded to bf16
+// for the products, as flash-linear-attention rounds them; the states
+// themselves stay fp32. prep_kernel's and chunk_bwd_kernel's twins invert
+// I + A by 16 x 16 blocks (invert_unit_lower) and take X and dB as products
+// with the inverse.
 //
-// NOTE: compiled here and checked on the CPU emulator (make test-emu) against
-// the CPU reference; not yet run on a GPU (tests/test_backend_gdn.c there).
+// Checked against the CPU reference on the CPU emulator (make test-emu) and,
+// on an H200, by tests/test_backend_gdn.c and the Qwen3.5 model tests
+// (tests/gpu/qwen35.sh).
 #include "mma.cuh"
 #include "ops_gdn_rule.cuh"
 
@@ -23,32 +24,49 @@ namespace {
 constexpr int TCW = WARPS; // warps of the tensor-core kernels: a 64 x 64 tile, 16 x 32 each
 static_assert(TCW == 8, "the tensor-core kernels split 64 x 64 among 8 warps");
 
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 // A warp's (16 MT) x (8 NN) tile of C += A B, K a multiple of 16: element
-// (i, k) of A at A[i ars + k acs], (k, n) of B at B[k brs + n bcs].
-// Accumulator (m, n, e) is C's row 16 m + g + 8 (e >> 1), column 8 n + 2 t +
-// (e & 1), g = lane / 4, t = lane % 4 (mma.cuh's table).
-template <int MT, int NN>
-__device__ __forceinline__ void warp_mma(float (&acc)[MT][NN][4], const float *A, int ars,
-                                         int acs, const float *B, int brs, int bcs, int K) {
+// (i, k) of A at A[i ars + k acs], (k, n) of B at B[k brs + n bcs] (fp32 or
+// bf16 in shared memory). Accumulator (m, n, e) is C's row 16 m + g + 8
+// (e >> 1), column 8 n + 2 t + (e & 1), g = lane / 4, t = lane % 4
+// (mma.cuh's table).
+template <int MT, int NN, typename TA, typename TB>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][NN][4], const TA *A, int ars,
+                                         int acs, const TB *B, int brs, int bcs, int K) {
     using M = mma_type<__nv_bfloat16>;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     for (int k0 = 0; k0 < K; k0 += 16) {
         uint32_t a[MT][4];
         for (int m = 0; m < MT; m++) {
-            const float *r0 = A + (16 * m + g) * ars + (k0 + 2 * t) * acs, *r1 = r0 + 8 * ars;
-            a[m][0] = M::pack(r0[0], r0[acs]);
-            a[m][1] = M::pack(r1[0], r1[acs]);
-            a[m][2] = M::pack(r0[8 * acs], r0[9 * acs]);
-            a[m][3] = M::pack(r1[8 * acs], r1[9 * acs]);
+            const TA *r0 = A + (16 * m + g) * ars + (k0 + 2 * t) * acs, *r1 = r0 + 8 * ars;
+            a[m][0] = M::pack(to_f(r0[0]), to_f(r0[acs]));
+            a[m][1] = M::pack(to_f(r1[0]), to_f(r1[acs]));
+            a[m][2] = M::pack(to_f(r0[8 * acs]), to_f(r0[9 * acs]));
+            a[m][3] = M::pack(to_f(r1[8 * acs]), to_f(r1[9 * acs]));
         }
         for (int n = 0; n < NN; n++) {
-            const float *c = B + (k0 + 2 * t) * brs + (8 * n + g) * bcs;
-            const uint32_t b0 = M::pack(c[0], c[brs]), b1 = M::pack(c[8 * brs], c[9 * brs]);
+            const TB *c = B + (k0 + 2 * t) * brs + (8 * n + g) * bcs;
+            const uint32_t b0 = M::pack(to_f(c[0]), to_f(c[brs])),
+                           b1 = M::pack(to_f(c[8 * brs]), to_f(c[9 * brs]));
             for (int m = 0; m < MT; m++) M::mma(acc[m][n], a[m], b0, b1);
         }
     }
 }
 
+// A warp's 16 x 32 tile of a 64 x 64 product (8 warps): rows r0 = 16 (warp /
+// 2) on, columns c0 = 32 (warp % 2) on; fragment (n, e) of it is element
+// (tile_i, tile_j).
+struct tile {
+    int r0, c0, g, t;
+    __device__ tile() {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1), g = lane >> 2, t = lane & 3;
+    }
+    __device__ int i(int e) const { return r0 + g + 8 * (e >> 1); }
+    __device__ int j(int n, int e) const { return c0 + 8 * n + 2 * t + (e & 1); }
+};
 
 // The tensor-core kernels' shared floats: Ps (CH, LDA); Qs, Ks (CH, dk16 +
 // 4); Gs, Es (CH); Bs (max(dk16, CH), BO + 4): S0's block, then dO's; Us
@@ -64,12 +82,10 @@ size_t p_tc_smem(int64_t dk) {
 __device__ void chunk_p_tc(const geo &z, const gdn_ws &w, int64_t t0, int L, int64_t h,
                            float *Ps, float *Qs, float *Ks, float *Gs, float *Es) {
     const int64_t dk = z.dk, d16 = pad16(dk), ldq = d16 + 4, hk = h / z.grp;
-    for (int64_t p = threadIdx.x; p < CH * d16; p += NT) {
-        const int64_t i = p / d16, a = p % d16, src = ((t0 + i) * z.Hk + hk) * dk + a;
-        const bool in = i < L && a < dk;
-        Qs[i * ldq + a] = in ? w.qn[src] : 0.0f;
-        Ks[i * ldq + a] = in ? w.kn[src] : 0.0f;
-    }
+    const int64_t rs = z.Hk * dk; // q's and k's row stride
+    const float *qc = w.qn + (t0 * z.Hk + hk) * dk, *kc = w.kn + (t0 * z.Hk + hk) * dk;
+    fill(Qs, (int)ldq, CH, (int)d16, [&](int i, int a) { return i < L && a < dk ? qc[i * rs + a] : 0.0f; });
+    fill(Ks, (int)ldq, CH, (int)d16, [&](int i, int a) { return i < L && a < dk ? kc[i * rs + a] : 0.0f; });
     for (int i = threadIdx.x; i < CH; i += NT) {
         Gs[i] = i < L ? w.G[(t0 + i) * z.Hv + h] : 0.0f;
         Es[i] = expf(Gs[i]);
@@ -102,14 +118,9 @@ __global__ void __launch_bounds__(NT) out_tc_kernel(geo z, gdn_ws w, loom_dtype 
         return;
     chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
     const float *S0 = w.S + (c * z.Hv + h) * dk * dv;
-    for (int64_t p = threadIdx.x; p < d16 * BO; p += NT) {
-        const int64_t a = p / BO, b = p % BO;
-        Bs[a * LDB + b] = a < dk && b0 + b < dv ? S0[a * dv + b0 + b] : 0.0f;
-    }
-    for (int64_t p = threadIdx.x; p < CH * BO; p += NT) {
-        const int64_t i = p / BO, b = p % BO;
-        Us[i * LDB + b] = i < L && b0 + b < dv ? w.U[((t0 + i) * z.Hv + h) * dv + b0 + b] : 0.0f;
-    }
+    fill(Bs, LDB, (int)d16, BO, [&](int a, int b) { return a < dk && b0 + b < dv ? S0[a * dv + b0 + b] : 0.0f; });
+    const float *Uc = w.U + (t0 * z.Hv + h) * dv + b0; // row i at Uc + i Hv dv
+    fill(Us, LDB, CH, BO, [&](int i, int b) { return i < L && b0 + b < dv ? Uc[i * z.Hv * dv + b] : 0.0f; });
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
@@ -139,11 +150,9 @@ __global__ void __launch_bounds__(NT)
     if (!chunk_of(z, w, c, &t0, &L))
         return;
     chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
-    for (int64_t p = threadIdx.x; p < CH * BO; p += NT) {
-        const int64_t i = p / BO, b = p % BO;
-        Bs[i * LDB + b] =
-            i < L && b0 + b < dv ? ld(dout, dt, ((t0 + i) * z.Hv + h) * dv + b0 + b) : 0.0f;
-    }
+    fill(Bs, LDB, CH, BO, [&](int i, int b) {
+        return i < L && b0 + b < dv ? ld(dout, dt, ((t0 + i) * z.Hv + h) * dv + b0 + b) : 0.0f;
+    });
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
@@ -157,10 +166,56 @@ __global__ void __launch_bounds__(NT)
         }
 }
 
+// T = (I + A)^-1 for the strictly lower A (CH x CH, row stride LDA) by
+// blocks of 16: each diagonal block by forward substitution (a column a
+// thread), then a block row at a time T_IJ = -T_II sum_J<=K<I A_IK T_KJ (an
+// element a thread). Its longest chain is 16 + 3 (48 + 16) steps where a
+// column a thread over the whole chunk takes 64 x 32. All threads; ends with
+// a barrier.
+__device__ void invert_unit_lower(const float *As, float *Ts) {
+    static_assert(NT == 256 && CH == 64, "a 16 x 16 block an element a thread");
+    const int tid = threadIdx.x;
+    if (tid < CH) {
+        const int b = 16 * (tid / 16), j = tid % 16;
+        for (int i = 0; i < 16; i++) {
+            float x = i == j ? 1.0f : 0.0f;
+            for (int k = j; k < i; k++)
+                x -= As[(b + i) * LDA + b + k] * Ts[(b + k) * LDA + b + j];
+            Ts[(b + i) * LDA + b + j] = i < j ? 0.0f : x;
+        }
+    }
+    for (int p = tid; p < CH * CH; p += NT) // zero above the diagonal blocks
+        if ((p % CH) / 16 > (p / CH) / 16)
+            Ts[(p / CH) * LDA + p % CH] = 0.0f;
+    __syncthreads();
+    const int r = tid / 16, c = tid % 16;
+    for (int I = 1; I < 4; I++) {
+        const int ri = 16 * I + r;
+        for (int J = 0; J < I; J++) { // sum_K A_IK T_KJ into T_IJ's place
+            float x = 0.0f;
+            for (int k = 16 * J; k < 16 * I; k++)
+                x += As[ri * LDA + k] * Ts[k * LDA + 16 * J + c];
+            Ts[ri * LDA + 16 * J + c] = x;
+        }
+        __syncthreads();
+        float y[3] = {0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int J = 0; J < 3; J++)
+            if (J < I)
+                for (int k = 0; k <= r; k++)
+                    y[J] -= Ts[ri * LDA + 16 * I + k] * Ts[(16 * I + k) * LDA + 16 * J + c];
+        __syncthreads();
+#pragma unroll
+        for (int J = 0; J < 3; J++)
+            if (J < I)
+                Ts[ri * LDA + 16 * J + c] = y[J];
+        __syncthreads();
+    }
+}
+
 // prep_kernel on tensor cores: G, A = strictly lower (beta_i k_i.k_j M_ij)
-// with K K^T by mma.sync, T = (I + A)^-1 by forward substitution (a column a
-// thread), then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by
-// mma.sync, BO columns at a time. Shared: As, Ts (CH, LDA); Ks (CH, dk16 +
+// with K K^T by mma.sync, T = (I + A)^-1 by blocks (invert_unit_lower),
+// then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by mma.sync, BO columns at a time. Shared: As, Ts (CH, LDA); Ks (CH, dk16 +
 // 4); Xs (CH, LDB); Gs, Bs (CH).
 size_t prep_tc_smem(int64_t dk) {
     return (size_t)(2 * CH * LDA + CH * (pad16(dk) + 4) + CH * LDB + 2 * CH) * sizeof(float);
@@ -192,10 +247,8 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
     for (int i = tid; i < CH; i += NT)
         Bs[i] = i < L ? beta[(t0 + i) * z.Hv + h] : 0.0f;
     const float *kc = w.kn + (t0 * z.Hk + hk) * dk; // row i at kc + i Hk dk
-    for (int64_t p = tid; p < CH * d16; p += NT) {
-        const int64_t i = p / d16, a = p % d16;
-        Ks[i * ldq + a] = i < L && a < dk ? kc[i * z.Hk * dk + a] : 0.0f;
-    }
+    fill(Ks, (int)ldq, CH, (int)d16,
+         [&](int i, int a) { return i < L && a < dk ? kc[i * z.Hk * dk + a] : 0.0f; });
     __syncthreads();
     const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
     { // A by tensor cores
@@ -211,27 +264,17 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
             }
     }
     __syncthreads();
-    if (tid < CH) { // T's column j: T_ij = [i == j] - sum_j<=k<i A_ik T_kj
-        const int j = tid;
-        for (int i = 0; i < CH; i++) {
-            float x = i == j ? 1.0f : 0.0f;
-            for (int k = j; k < i; k++)
-                x -= As[i * LDA + k] * Ts[k * LDA + j];
-            Ts[i * LDA + j] = i < j ? 0.0f : x;
-        }
-    }
+    invert_unit_lower(As, Ts);
     for (int64_t b0 = 0; b0 < dv + dk; b0 += BO) { // X's columns, BO at a time
         __syncthreads(); // Ts complete; Xs free
-        for (int64_t p = tid; p < CH * BO; p += NT) {
-            const int i = (int)(p / BO);
-            const int64_t col = b0 + p % BO;
-            float x = 0.0f;
+        fill(Xs, LDB, CH, BO, [&](int i, int b) {
+            const int64_t col = b0 + b;
             if (i < L && col < dv)
-                x = Bs[i] * ld(qkv, dt, (t0 + i) * z.C + 2 * z.Hk * dk + h * dv + col);
-            else if (i < L && col < dv + dk)
-                x = Bs[i] * expf(Gs[i]) * kc[i * z.Hk * dk + (col - dv)];
-            Xs[i * LDB + p % BO] = x;
-        }
+                return Bs[i] * ld(qkv, dt, (t0 + i) * z.C + 2 * z.Hk * dk + h * dv + col);
+            if (i < L && col < dv + dk)
+                return Bs[i] * expf(Gs[i]) * kc[i * z.Hk * dk + (col - dv)];
+            return 0.0f;
+        });
         __syncthreads();
         float acc[1][4][4] = {};
         warp_mma<1, 4>(acc, Ts + r0 * LDA, LDA, 1, Xs + c0, LDB, 1, CH);
@@ -250,10 +293,12 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
 }
 
 // state_fwd_kernel on tensor cores (bf16, dk <= 128), per (document, head,
-// BV columns): U = U0 - W S0 and S <- e^G_L S + Kd^T U (Kd_j = e^(G_L - G_j)
+// BVT columns): U = U0 - W S0 and S <- e^G_L S + Kd^T U (Kd_j = e^(G_L - G_j)
 // k_j) by mma.sync, the state in fp32 shared memory (Ss: dk16 rows, zero
-// past dk), W and Kd staged (CH, dk16 + 4), U (CH, BV + 4).
-constexpr int LDS = BV + 4;
+// past dk), W and Kd staged (CH, dk16 + 4), U (CH, BVT + 4).
+// BVT columns a block: half the fp32 kernels' BV, for twice the blocks (a
+// pass is a chain of chunks, latency-bound; Qwen3.5-0.8B has 16 value heads)
+constexpr int BVT = 16, LDS = BVT + 4, NNU = BVT / 16, NNS = BVT / 8;
 size_t state_tc_smem(int64_t dk) {
     const int64_t d16 = pad16(dk), ldq = d16 + 4;
     return (size_t)(d16 * LDS + 2 * CH * ldq + CH * LDS + CH) * sizeof(float);
@@ -264,8 +309,8 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
     float *Ss = sm, *Ws = Ss + d16 * LDS, *Ks = Ws + CH * ldq, *Us = Ks + CH * ldq;
     float *Ds = Us + CH * LDS;
-    const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BV;
-    const int nb = dv - b0 < BV ? (int)(dv - b0) : BV;
+    const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
+    const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     for (int64_t p = tid; p < d16 * LDS; p += NT)
         Ss[p] = 0.0f;
@@ -278,22 +323,21 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
         for (int j = tid; j < CH; j += NT)
             Ds[j] = j < L ? expf(GL - w.G[(t0 + j) * z.Hv + h]) : 0.0f;
         float *Sg = w.S + ((int64_t)c * z.Hv + h) * dk * dv + b0;
-        for (int64_t p = tid; p < dk * BV; p += NT)
-            if (p % BV < nb)
-                Sg[(p / BV) * dv + p % BV] = Ss[(p / BV) * LDS + p % BV];
+        for (int64_t p = tid; p < dk * BVT; p += NT)
+            if (p % BVT < nb)
+                Sg[(p / BVT) * dv + p % BVT] = Ss[(p / BVT) * LDS + p % BVT];
         __syncthreads(); // Ds
-        for (int64_t p = tid; p < CH * d16; p += NT) {
-            const int64_t j = p / d16, a = p % d16;
-            const bool in = j < L && a < dk;
-            Ws[j * ldq + a] = in ? w.W[((t0 + j) * z.Hv + h) * dk + a] : 0.0f;
-            Ks[j * ldq + a] = in ? Ds[j] * w.kn[((t0 + j) * z.Hk + hk) * dk + a] : 0.0f;
-        }
+        const float *Wc = w.W + (t0 * z.Hv + h) * dk, *kc = w.kn + (t0 * z.Hk + hk) * dk;
+        fill(Ws, (int)ldq, CH, (int)d16,
+             [&](int j, int a) { return j < L && a < dk ? Wc[j * z.Hv * dk + a] : 0.0f; });
+        fill(Ks, (int)ldq, CH, (int)d16,
+             [&](int j, int a) { return j < L && a < dk ? Ds[j] * kc[j * z.Hk * dk + a] : 0.0f; });
         __syncthreads();
         { // U = U0 - W S: a 16 x 16 tile a warp
-            const int r0 = 16 * (warp >> 1), q0 = 16 * (warp & 1);
-            float acc[1][2][4] = {};
-            warp_mma<1, 2>(acc, Ws + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
-            for (int m = 0; m < 2; m++)
+            const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
+            float acc[1][NNU][4] = {};
+            warp_mma<1, NNU>(acc, Ws + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
+            for (int m = 0; m < NNU; m++)
                 for (int e = 0; e < 4; e++) {
                     const int i = r0 + g + 8 * (e >> 1), b = q0 + 8 * m + 2 * t + (e & 1);
                     float u = 0.0f;
@@ -308,9 +352,9 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
         __syncthreads();
         const float eL = expf(GL);
         for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // S <- e^G_L S + Kd^T U
-            float acc[1][4][4] = {};
-            warp_mma<1, 4>(acc, Ks + r0, 1, (int)ldq, Us, LDS, 1, CH);
-            for (int m = 0; m < 4; m++)
+            float acc[1][NNS][4] = {};
+            warp_mma<1, NNS>(acc, Ks + r0, 1, (int)ldq, Us, LDS, 1, CH);
+            for (int m = 0; m < NNS; m++)
                 for (int e = 0; e < 4; e++) {
                     float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * m + 2 * t + (e & 1);
                     *sp = eL * *sp + acc[0][m][e];
@@ -322,7 +366,7 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
 // state_bwd_kernel on tensor cores (bf16, dk <= 128): dU += Kd dS and dS <-
 // e^G_L dS + Qe^T dO - W^T dU (Kd_j = e^(G_L - G_j) k_j, Qe_i = e^G_i q_i)
 // by mma.sync; dS fp32 in shared memory (dk16 rows), Kd, Qe, W staged (CH,
-// dk16 + 4), dU and dO (CH, BV + 4).
+// dk16 + 4), dU and dO (CH, BVT + 4).
 size_t state_bwd_tc_smem(int64_t dk) {
     const int64_t d16 = pad16(dk), ldq = d16 + 4;
     return (size_t)(d16 * LDS + 3 * CH * ldq + 2 * CH * LDS + 2 * CH) * sizeof(float);
@@ -334,8 +378,8 @@ __global__ void __launch_bounds__(NT)
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
     float *Ss = sm, *Kd = Ss + d16 * LDS, *Qe = Kd + CH * ldq, *Ws = Qe + CH * ldq;
     float *Us = Ws + CH * ldq, *Os = Us + CH * LDS, *Ds = Os + CH * LDS, *Es = Ds + CH;
-    const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BV;
-    const int nb = dv - b0 < BV ? (int)(dv - b0) : BV;
+    const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
+    const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     for (int64_t p = tid; p < d16 * LDS; p += NT)
         Ss[p] = 0.0f;
@@ -351,23 +395,25 @@ __global__ void __launch_bounds__(NT)
             Es[j] = j < L ? expf(Gj) : 0.0f;
         }
         float *Sg = w.dS + ((int64_t)c * z.Hv + h) * dk * dv + b0;
-        for (int64_t p = tid; p < dk * BV; p += NT)
-            if (p % BV < nb)
-                Sg[(p / BV) * dv + p % BV] = Ss[(p / BV) * LDS + p % BV];
+        for (int64_t p = tid; p < dk * BVT; p += NT)
+            if (p % BVT < nb)
+                Sg[(p / BVT) * dv + p % BVT] = Ss[(p / BVT) * LDS + p % BVT];
         __syncthreads(); // Ds, Es
-        for (int64_t p = tid; p < CH * d16; p += NT) {
-            const int64_t j = p / d16, a = p % d16, src = ((t0 + j) * z.Hk + hk) * dk + a;
-            const bool in = j < L && a < dk;
-            Kd[j * ldq + a] = in ? Ds[j] * w.kn[src] : 0.0f;
-            Qe[j * ldq + a] = in ? Es[j] * w.qn[src] : 0.0f;
-            Ws[j * ldq + a] = in ? w.W[((t0 + j) * z.Hv + h) * dk + a] : 0.0f;
-        }
+        const int64_t rs = z.Hk * dk;
+        const float *qc = w.qn + (t0 * z.Hk + hk) * dk, *kc = w.kn + (t0 * z.Hk + hk) * dk;
+        const float *Wc = w.W + (t0 * z.Hv + h) * dk;
+        fill(Kd, (int)ldq, CH, (int)d16,
+             [&](int j, int a) { return j < L && a < dk ? Ds[j] * kc[j * rs + a] : 0.0f; });
+        fill(Qe, (int)ldq, CH, (int)d16,
+             [&](int j, int a) { return j < L && a < dk ? Es[j] * qc[j * rs + a] : 0.0f; });
+        fill(Ws, (int)ldq, CH, (int)d16,
+             [&](int j, int a) { return j < L && a < dk ? Wc[j * z.Hv * dk + a] : 0.0f; });
         __syncthreads();
         { // dU += Kd dS; dO's block
-            const int r0 = 16 * (warp >> 1), q0 = 16 * (warp & 1);
-            float acc[1][2][4] = {};
-            warp_mma<1, 2>(acc, Kd + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
-            for (int m = 0; m < 2; m++)
+            const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
+            float acc[1][NNU][4] = {};
+            warp_mma<1, NNU>(acc, Kd + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
+            for (int m = 0; m < NNU; m++)
                 for (int e = 0; e < 4; e++) {
                     const int j = r0 + g + 8 * (e >> 1), b = q0 + 8 * m + 2 * t + (e & 1);
                     float du = 0.0f, od = 0.0f;
@@ -384,14 +430,304 @@ __global__ void __launch_bounds__(NT)
         __syncthreads();
         const float eL = expf(GL);
         for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // dS <- e^G_L dS + Qe^T dO - W^T dU
-            float aq[1][4][4] = {}, aw[1][4][4] = {};
-            warp_mma<1, 4>(aq, Qe + r0, 1, (int)ldq, Os, LDS, 1, CH);
-            warp_mma<1, 4>(aw, Ws + r0, 1, (int)ldq, Us, LDS, 1, CH);
-            for (int m = 0; m < 4; m++)
+            float aq[1][NNS][4] = {}, aw[1][NNS][4] = {};
+            warp_mma<1, NNS>(aq, Qe + r0, 1, (int)ldq, Os, LDS, 1, CH);
+            warp_mma<1, NNS>(aw, Ws + r0, 1, (int)ldq, Us, LDS, 1, CH);
+            for (int m = 0; m < NNS; m++)
                 for (int e = 0; e < 4; e++) {
                     float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * m + 2 * t + (e & 1);
                     *sp = eL * *sp + aq[0][m][e] - aw[0][m][e];
                 }
+        }
+    }
+}
+
+
+// chunk_bwd_kernel on tensor cores (bf16, dk <= 128), per (chunk, value
+// head), the same sums (ops_gdn_rule.cu's comment) with every product of
+// chunk by chunk or chunk by head size on mma.sync:
+//   QK = Q K^T, KK = K K^T, dp = dO U^T        (DQ = dp M, lower)
+//   dX = [dU | -dU S0^T], dB = T^T dX            (T = (I + A)^-1, as prep's)
+//   DA = -dB X^T (X = [U0 | W]), then C = DA beta M
+//   SD = e^G dO S0^T, TM = e^(G_L - G) U dS^T
+//   dq = SD + DQ K, dk = beta e^G dBk + TM + DQ^T Q + (C + C^T) K
+// a column block of 64 at a time; the row sums (dbeta, dG's) in fp32 by
+// rows, each with one writer. Shared: five (CH, LDA) matrices As (A), Ts (T,
+// then C + C^T), DA (then C), DQ, QK (then KK); four (CH, LDB) blocks; the
+// vectors; q and k as bf16 (CH, dk64 + 8), zero past the chunk and past dk.
+constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
+__host__ __device__ inline int64_t pad64(int64_t d) { return (d + 63) / 64 * 64; }
+size_t bwd_tc_smem(int64_t dk) {
+    return (size_t)(5 * CH * LDA + 4 * CH * LDB + BWD_VECS * CH) * sizeof(float) +
+           (size_t)2 * CH * (pad64(dk) + 8) * sizeof(__nv_bfloat16);
+}
+
+__global__ void __launch_bounds__(NT)
+    chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
+                        geo z, gdn_ws w, void *dqkv, float *dg, float *dbeta) {
+    extern __shared__ float sm[];
+    __shared__ double red[WARPS];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldh = pad64(dk) + 8, Hv = z.Hv;
+    float *As = sm, *Ts = As + CH * LDA, *DA = Ts + CH * LDA, *DQ = DA + CH * LDA;
+    float *QK = DQ + CH * LDA, *S1 = QK + CH * LDA, *S2 = S1 + CH * LDB, *S3 = S2 + CH * LDB;
+    float *S4 = S3 + CH * LDB, *Gs = S4 + CH * LDB, *Es = Gs + CH, *Dj = Es + CH, *Bs = Dj + CH;
+    float *SV = Bs + CH, *SK = SV + CH, *RS = SK + CH, *CS = RS + CH, *DBE = CS + CH;
+    float *DGs = DBE + CH, *PG = DGs + CH, *PD = PG + 4 * CH;
+    __nv_bfloat16 *Qh = (__nv_bfloat16 *)(PD + 4 * CH), *Kh = Qh + CH * ldh;
+    const int64_t c = blockIdx.x, h = blockIdx.y, hk = h / z.grp;
+    int64_t t0;
+    int L;
+    if (!chunk_of(z, w, c, &t0, &L))
+        return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const tile f;
+    const float *S0 = w.S + (c * Hv + h) * dk * dv, *dS = w.dS + (c * Hv + h) * dk * dv;
+    const int64_t qs = z.Hk * dk; // q's and k's row stride
+    const float *qn = w.qn + (t0 * z.Hk + hk) * dk, *kn = w.kn + (t0 * z.Hk + hk) * dk;
+    auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
+    auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
+    // stages a (CH, BO) block: element (i, b) = at(i, b) where ok(i, b), else 0
+    auto stage = [&](float *dst, auto ok, auto at) {
+        fill(dst, LDB, CH, BO, [&](int i, int b) { return ok(i, b) ? at(i, b) : 0.0f; });
+    };
+
+    const float GL = w.G[row(L - 1)];
+    for (int i = tid; i < CH; i += NT) {
+        const float Gi = i < L ? w.G[row(i)] : 0.0f;
+        Gs[i] = Gi;
+        Es[i] = i < L ? expf(Gi) : 0.0f;
+        Dj[i] = i < L ? expf(GL - Gi) : 0.0f;
+        Bs[i] = i < L ? beta[row(i)] : 0.0f;
+        SV[i] = SK[i] = 0.0f;
+    }
+    const float *Ag = w.A + (c * Hv + h) * CH * CH;
+    fill(As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
+    fill(Qh, (int)ldh, CH, (int)ldh - 8,
+         [&](int i, int a) { return i < L && a < dk ? qn[i * qs + a] : 0.0f; });
+    fill(Kh, (int)ldh, CH, (int)ldh - 8,
+         [&](int i, int a) { return i < L && a < dk ? kn[i * qs + a] : 0.0f; });
+    __syncthreads();
+    invert_unit_lower(As, Ts);
+    { // QK
+        float acc[1][4][4] = {};
+        warp_mma<1, 4>(acc, Qh + f.r0 * ldh, (int)ldh, 1, Kh + f.c0 * ldh, 1, (int)ldh, (int)d16);
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++)
+                QK[f.i(e) * LDA + f.j(n, e)] = acc[0][n][e];
+    }
+    { // DQ = (dO U^T) M, lower
+        float acc[1][4][4] = {};
+        for (int64_t b0 = 0; b0 < dv; b0 += BO) {
+            __syncthreads(); // S1, S2 free
+            const auto in = [&](int i, int b) { return i < L && b0 + b < dv; };
+            stage(S1, in, [&](int i, int b) { return ld(dout, dt, row(i) * dv + b0 + b); });
+            stage(S2, in, [&](int i, int b) { return w.U[row(i) * dv + b0 + b]; });
+            __syncthreads();
+            warp_mma<1, 4>(acc, S1 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDB, 1, LDB, BO);
+        }
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e), j = f.j(n, e);
+                DQ[i * LDA + j] = i < L && j <= i ? acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
+            }
+    }
+    __syncthreads(); // Ts, QK, DQ complete
+    // R's first part (DQ QK, strictly lower): its row sums and column sums
+    if (tid < CH) {
+        float r = 0.0f;
+        for (int j = 0; j < tid; j++)
+            r += DQ[tid * LDA + j] * QK[tid * LDA + j];
+        RS[tid] = r;
+    } else if (tid < 2 * CH) {
+        const int j = tid - CH;
+        float r = 0.0f;
+        for (int i = j + 1; i < L; i++)
+            r += DQ[i * LDA + j] * QK[i * LDA + j];
+        CS[j] = r;
+    }
+
+    // dB a column block of [dv | dk] at a time (S4), with dv, dk's B part,
+    // SV, SK; DA accumulates -dB X^T
+    float da[1][4][4] = {};
+    const int64_t nbv = (dv + BO - 1) / BO, nbk = (dk + BO - 1) / BO;
+    for (int64_t cb = 0; cb < nbv + nbk; cb++) {
+        const bool isv = cb < nbv;
+        const int64_t b0 = (isv ? cb : cb - nbv) * BO, ncol = isv ? dv : dk;
+        if (isv) {
+            __syncthreads(); // S4 free
+            stage(S4, [&](int i, int b) { return i < L && b0 + b < dv; },
+                  [&](int i, int b) { return w.dU[row(i) * dv + b0 + b]; });
+        } else { // dX = -dU S0^T over this block's keys
+            float x[1][4][4] = {};
+            for (int64_t e0 = 0; e0 < dv; e0 += BO) {
+                __syncthreads(); // S1, S3 free
+                stage(S1, [&](int i, int b) { return i < L && e0 + b < dv; },
+                      [&](int i, int b) { return w.dU[row(i) * dv + e0 + b]; });
+                stage(S3, [&](int a, int b) { return b0 + a < dk && e0 + b < dv; },
+                      [&](int a, int b) { return S0[(b0 + a) * dv + e0 + b]; });
+                __syncthreads();
+                warp_mma<1, 4>(x, S1 + f.r0 * LDB, LDB, 1, S3 + f.c0 * LDB, 1, LDB, BO);
+            }
+            for (int n = 0; n < 4; n++)
+                for (int e = 0; e < 4; e++)
+                    S4[f.i(e) * LDB + f.j(n, e)] = -x[0][n][e];
+        }
+        __syncthreads(); // dX complete
+        float db[1][4][4] = {};
+        warp_mma<1, 4>(db, Ts + f.r0, 1, LDA, S4 + f.c0, LDB, 1, CH); // T^T dX
+        __syncthreads(); // dX read
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++)
+                S4[f.i(e) * LDB + f.j(n, e)] = db[0][n][e];
+        stage(S2, [&](int i, int b) { return i < L && b0 + b < ncol; },
+              [&](int i, int b) {
+                  return isv ? w.U0[row(i) * dv + b0 + b] : w.W[row(i) * dk + b0 + b];
+              });
+        __syncthreads(); // dB, X complete
+        warp_mma<1, 4>(da, S4 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDB, 1, LDB, BO);
+        for (int i = warp; i < L; i += WARPS) {
+            float dot = 0.0f;
+            for (int b = lane; b < BO; b += 32) {
+                const int64_t col = b0 + b;
+                if (col >= ncol)
+                    continue;
+                const float x = S4[i * LDB + b];
+                if (isv) {
+                    dot += ld(qkv, dt, vcol(i) + col) * x;
+                    st(dqkv, dt, vcol(i) + col, Bs[i] * x);
+                } else {
+                    dot += kn[i * qs + col] * x;
+                    w.dkh[row(i) * dk + col] = Bs[i] * Es[i] * x;
+                }
+            }
+            dot = warp_sum(dot);
+            if (lane == 0)
+                (isv ? SV : SK)[i] += dot;
+        }
+    }
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) {
+            const int i = f.i(e), j = f.j(n, e);
+            DA[i * LDA + j] = i < L && j < i ? -da[0][n][e] : 0.0f;
+        }
+    { // KK over QK
+        float acc[1][4][4] = {};
+        warp_mma<1, 4>(acc, Kh + f.r0 * ldh, (int)ldh, 1, Kh + f.c0 * ldh, 1, (int)ldh, (int)d16);
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++)
+                QK[f.i(e) * LDA + f.j(n, e)] = acc[0][n][e];
+    }
+    __syncthreads(); // DA, KK, SV, SK complete
+    // dbeta and R's second part (DA A, strictly lower) by rows; its column sums
+    if (tid < CH) {
+        const int i = tid;
+        float dbe = SV[i] + Es[i] * SK[i], r = 0.0f;
+        for (int j = 0; j < i && i < L; j++) {
+            const float d = DA[i * LDA + j];
+            dbe += d * QK[i * LDA + j] * expf(Gs[i] - Gs[j]);
+            r += d * As[i * LDA + j];
+        }
+        DBE[i] = dbe;
+        RS[i] += r;
+    } else if (tid < 2 * CH) {
+        const int j = tid - CH;
+        float r = 0.0f;
+        for (int i = j + 1; i < L; i++)
+            r += DA[i * LDA + j] * As[i * LDA + j];
+        CS[j] += r;
+    }
+    __syncthreads();
+    for (int p = tid; p < CH * CH; p += NT) { // C = DA beta_i M
+        const int i = p / CH, j = p % CH;
+        DA[i * LDA + j] *= j < i && i < L ? Bs[i] * expf(Gs[i] - Gs[j]) : 0.0f;
+    }
+    __syncthreads();
+    for (int p = tid; p < CH * CH; p += NT) { // Ts <- C + C^T
+        const int i = p / CH, j = p % CH;
+        Ts[i * LDA + j] = DA[i * LDA + j] + DA[j * LDA + i];
+    }
+
+    // dq and dk, 64 keys at a time; SD's and TM's row dots with q and k as
+    // partial sums (PG, PD: a slot per warp column and key block)
+    double ss = 0.0;
+    for (int64_t a0 = 0; a0 < dk; a0 += BO) {
+        float sd[1][4][4] = {}, tm[1][4][4] = {};
+        for (int64_t e0 = 0; e0 < dv; e0 += BO) {
+            __syncthreads(); // the blocks free (and Ts complete)
+            const auto in = [&](int i, int b) { return i < L && e0 + b < dv; };
+            const auto ain = [&](int a, int b) { return a0 + a < dk && e0 + b < dv; };
+            stage(S1, in, [&](int i, int b) { return ld(dout, dt, row(i) * dv + e0 + b); });
+            stage(S2, in, [&](int i, int b) { return w.U[row(i) * dv + e0 + b]; });
+            stage(S3, ain, [&](int a, int b) { return S0[(a0 + a) * dv + e0 + b]; });
+            stage(S4, ain, [&](int a, int b) { return dS[(a0 + a) * dv + e0 + b]; });
+            for (int p = tid; p < CH * BO; p += NT)
+                ss += (double)S3[(p / BO) * LDB + p % BO] * (double)S4[(p / BO) * LDB + p % BO];
+            __syncthreads();
+            warp_mma<1, 4>(sd, S1 + f.r0 * LDB, LDB, 1, S3 + f.c0 * LDB, 1, LDB, BO);
+            warp_mma<1, 4>(tm, S2 + f.r0 * LDB, LDB, 1, S4 + f.c0 * LDB, 1, LDB, BO);
+        }
+        float pg[2] = {0.0f, 0.0f}, pd[2] = {0.0f, 0.0f};
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t a = a0 + f.j(n, e);
+                sd[0][n][e] *= Es[i];
+                tm[0][n][e] *= Dj[i];
+                if (i < L && a < dk) {
+                    pg[e >> 1] += qn[i * qs + a] * sd[0][n][e];
+                    pd[e >> 1] += kn[i * qs + a] * tm[0][n][e];
+                }
+            }
+        for (int k = 0; k < 2; k++)
+            for (int o = 1; o < 4; o <<= 1) {
+                pg[k] += __shfl_xor_sync(0xffffffffu, pg[k], o);
+                pd[k] += __shfl_xor_sync(0xffffffffu, pd[k], o);
+            }
+        if (f.t == 0) {
+            const int slot = (warp & 1) + 2 * (int)(a0 / BO);
+            PG[(f.r0 + f.g) * 4 + slot] = pg[0], PG[(f.r0 + f.g + 8) * 4 + slot] = pg[1];
+            PD[(f.r0 + f.g) * 4 + slot] = pd[0], PD[(f.r0 + f.g + 8) * 4 + slot] = pd[1];
+        }
+        const __nv_bfloat16 *Qb = Qh + a0 + f.c0, *Kb = Kh + a0 + f.c0;
+        warp_mma<1, 4>(sd, DQ + f.r0 * LDA, LDA, 1, Kb, (int)ldh, 1, CH); // + DQ K
+        warp_mma<1, 4>(tm, DQ + f.r0, 1, LDA, Qb, (int)ldh, 1, CH);       // + DQ^T Q
+        warp_mma<1, 4>(tm, Ts + f.r0 * LDA, LDA, 1, Kb, (int)ldh, 1, CH); // + (C + C^T) K
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t a = a0 + f.j(n, e);
+                if (i < L && a < dk) {
+                    w.dqh[row(i) * dk + a] = sd[0][n][e];
+                    w.dkh[row(i) * dk + a] += tm[0][n][e];
+                }
+            }
+    }
+    const double sds = block_sum<NT>(ss, red); // its barriers end the phase
+    const int nslot = 2 * (int)((dk + BO - 1) / BO);
+    for (int i = tid; i < CH; i += NT) {
+        float a = 0.0f, b = 0.0f;
+        for (int k = 0; k < nslot; k++)
+            a += PG[i * 4 + k], b += PD[i * 4 + k];
+        PG[i * 4] = a, PD[i * 4] = b;
+    }
+    __syncthreads();
+    for (int i = tid; i < L; i += NT) {
+        float dG = PG[i * 4] - PD[i * 4] + Bs[i] * Es[i] * SK[i] + RS[i] - CS[i];
+        if (i == L - 1) {
+            float sdd = 0.0f;
+            for (int j = 0; j < L; j++)
+                sdd += PD[j * 4];
+            dG += Es[L - 1] * (float)sds + sdd;
+        }
+        DGs[i] = dG;
+    }
+    __syncthreads();
+    if (tid == 0) { // G_i = g_0 + ... + g_i
+        float acc = 0.0f;
+        for (int i = L - 1; i >= 0; i--) {
+            acc += DGs[i];
+            dg[row(i)] = acc;
+            dbeta[row(i)] = DBE[i];
         }
     }
 }
@@ -410,12 +746,12 @@ loom_status launch(loom_ctx *ctx, const char *op, void (*kern)(P...), dim3 grid,
     return check_launch(ctx, op);
 }
 
-// per (chunk, head, BO columns) and per (document, head, BV columns)
+// per (chunk, head, BO columns) and per (document, head, BVT columns)
 dim3 chunk_grid(const geo &z) {
     return dim3((unsigned)z.NC, (unsigned)z.Hv, (unsigned)((z.dv + BO - 1) / BO));
 }
 dim3 doc_grid(const geo &z) {
-    return dim3((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BV - 1) / BV));
+    return dim3((unsigned)z.ndocs, (unsigned)z.Hv, (unsigned)((z.dv + BVT - 1) / BVT));
 }
 } // namespace
 
@@ -440,6 +776,13 @@ loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_
                          const void *dout, loom_dtype dt, cudaStream_t s) {
     return launch(ctx, op, state_bwd_tc_kernel, doc_grid(z), state_bwd_tc_smem(z.dk), s, z, w,
                   dout, dt);
+}
+
+loom_status tc_chunk_bwd(loom_ctx *ctx, const char *op, const void *qkv, const void *dout,
+                         loom_dtype dt, const float *beta, const geo &z, const gdn_ws &w,
+                         void *dqkv, float *dg, float *dbeta, cudaStream_t s) {
+    return launch(ctx, op, chunk_bwd_tc_kernel, dim3((unsigned)z.NC, (unsigned)z.Hv),
+                  bwd_tc_smem(z.dk), s, qkv, dout, dt, beta, z, w, dqkv, dg, dbeta);
 }
 
 loom_status tc_prep(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt,
