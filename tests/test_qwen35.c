@@ -380,10 +380,7 @@ static grad_dist grads_against(loom_ctx *ctx, loom_model *m, loom_safetensors *f
     return r;
 }
 
-/* The fixture model on dev in fp32 (opts: o's other fields). NULL on a
- * GPU while loom refuses these models there (checked: the refusal comes
- * before any work, until the kernels are checked on a GPU; a build with
- * LOOM_QWEN35_CUDA_UNCHECKED, tests/gpu/qwen35.sh, runs them), or on a
+/* The fixture model on dev in fp32 (opts: o's other fields); NULL on a
  * failure (reported). */
 static loom_model *fixture_model(loom_ctx *ctx, const char *model, loom_device dev,
                                  loom_model_options *o) {
@@ -393,14 +390,6 @@ static loom_model *fixture_model(loom_ctx *ctx, const char *model, loom_device d
     snprintf(p, sizeof p, "tests/fixtures_qwen3_5/models/%s", model);
     loom_model *m = NULL;
     const loom_status st = loom_model_create(ctx, p, o, &m);
-#ifndef LOOM_QWEN35_CUDA_UNCHECKED
-    if (dev == LOOM_DEVICE_CUDA) {
-        CHECK_EQ_INT(st, LOOM_ERR_UNSUPPORTED);
-        CHECK_CONTAINS(loom_last_error(ctx), "not yet checked on a GPU");
-        loom_model_free(m);
-        return NULL;
-    }
-#endif
     CHECK_MSG(st == LOOM_OK, "%s: %s", model, loom_last_error(ctx));
     return st ? NULL : m;
 }

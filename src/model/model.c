@@ -511,27 +511,8 @@ loom_status loom_model_create_in(loom_ctx *ctx, const char *dir, const loom_mode
         goto fail;
     }
     m->attn_scale = (float)(1.0 / sqrt((double)m->D));
-    /* The CUDA norms take woff since ops_rmsnorm.cu has it, but those kernels
-     * (and Gated DeltaNet's) have been compiled, not yet run on a GPU: this
-     * refusal goes once tests/test_backend*.c passed there (issue 38;
-     * LOOM_QWEN35_CUDA_UNCHECKED: params.c). */
-#ifdef LOOM_QWEN35_CUDA_UNCHECKED
-    const bool refuse_offset = false;
-#else
-    const bool refuse_offset = true;
-#endif
-    if (cuda && c->norm_offset && refuse_offset) {
-        st = loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                       "%s: %s's zero-centred RMSNorm weights (1 + w) are in the CUDA kernels but "
-                       "not yet checked on a GPU: train it on the CPU (--device cpu) for now "
-                       "(issue 38)",
-                       dir, c->model_type);
-        goto fail;
-    }
     m->loss = loom_loss_cross_entropy();
-    if ((st = loom_config_check_built(ctx, c, m->tp, m->cp, cuda)) ||
-        (st = loom_param_plan_build(ctx, c, &m->plan)))
-        goto fail;
+    if ((st = loom_param_plan_build(ctx, c, &m->plan))) goto fail;
     if ((st = loom_model_build_slots(m))) goto fail;
     /* the base's gradients come with its first forward_backward (a LoRA run
      * never allocates them) */

@@ -125,26 +125,6 @@ static void add_layer(loom_param_sink *b, const loom_model_config *c, int64_t l)
     b->layer = -1;
 }
 
-/* On GPUs: the CUDA backend has the Gated DeltaNet ops (ops_gdn*.cu), compiled
- * but not yet run on a GPU; the refusal stays until tests/test_backend_gdn.c
- * passed there. tests/gpu/qwen35.sh builds with LOOM_QWEN35_CUDA_UNCHECKED
- * defined to run them (a build for checking them, never a user's). */
-loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c, int tp, int cp,
-                                    bool cuda) {
-    (void)tp, (void)cp; /* both split them (block_gdn.c) */
-#ifdef LOOM_QWEN35_CUDA_UNCHECKED
-    cuda = false;
-#endif
-    if (loom_config_linear_layers(c) == 0 || !cuda) return LOOM_OK;
-    return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
-                     "%s: Qwen3.5's Gated DeltaNet layers (%lld linear_attention layers of %lld) "
-                     "train on the CPU so far (their CUDA kernels are written but not yet checked "
-                     "on a GPU): use --device cpu (tensor, sequence, context, pipeline and data "
-                     "parallelism work there) until they are (issue 38)",
-                     c->model_type, (long long)loom_config_linear_layers(c),
-                     (long long)c->num_layers);
-}
-
 loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *c,
                                   loom_param_plan *plan) {
     memset(plan, 0, sizeof *plan);

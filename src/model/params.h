@@ -52,11 +52,6 @@ typedef struct loom_param_plan {
 loom_status loom_param_plan_build(loom_ctx *ctx, const loom_model_config *cfg,
                                   loom_param_plan *plan);
 void loom_param_plan_free(loom_param_plan *plan);
-/* LOOM_ERR_UNSUPPORTED, saying what is missing, for a config whose layers
- * loom cannot run on this mesh and device yet (Qwen3.5's Gated DeltaNet:
- * the CPU so far, any mesh); the model asks before it is built. */
-loom_status loom_config_check_built(loom_ctx *ctx, const loom_model_config *c, int tp, int cp,
-                                    bool cuda);
 int64_t loom_param_numel(const loom_param_spec *p);
 const char *loom_component_name(loom_component c);
 /* Total parameter count, and per component (counts[LOOM_COMP_COUNT], may be NULL). */

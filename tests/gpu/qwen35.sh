@@ -11,10 +11,7 @@
 #     (tests/gpu/compare.py curves);
 #  4. with QWEN35_BENCH=1, bench/train_bench.sh q35-4b-lora q35-0.8b-full
 #     against transformers + PEFT on the same GPU (peft from .whl).
-# loom refuses these models on GPUs until 1 and 2 pass; this script builds
-# with LOOM_QWEN35_CUDA_UNCHECKED (params.c), which lifts that refusal, in
-# its own build directory.
-# Usage: bash tests/gpu/qwen35.sh [BUILD]   (default build-cuda-q35)
+# Usage: bash tests/gpu/qwen35.sh [BUILD]   (default build-cuda)
 #   QWEN35_STEPS="1 2 3" which steps (default all but the benchmark),
 #   QWEN35_TIMEOUT=S     limit of each command (default 300 s),
 #   LOOM_GPU_WORK=DIR    logs and models (default /tmp/loom-gpu-qwen35).
@@ -22,12 +19,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 py_lib() { python3 -c "import importlib.util as u; s=u.find_spec('nvidia.$1'); print(list(s.submodule_search_locations)[0]+'/lib' if s else '')" 2>/dev/null || true; }
 export LD_LIBRARY_PATH="$(py_lib nccl):$(py_lib cudnn):${LD_LIBRARY_PATH:-}"
-B=${1:-build-cuda-q35}
+B=${1:-build-cuda}
 W=${LOOM_GPU_WORK:-/tmp/loom-gpu-qwen35}
 rm -rf "$W" && mkdir -p "$W"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-make -j"$(nproc)" CUDA=1 BUILD="$B" EXTRA_CFLAGS=-DLOOM_QWEN35_CUDA_UNCHECKED \
-    "$B/loom" "$B/loom_tests" >"$W/build.log" 2>&1 || { tail -40 "$W/build.log"; exit 1; }
+make -j"$(nproc)" CUDA=1 BUILD="$B" "$B/loom" "$B/loom_tests" >"$W/build.log" 2>&1 || { tail -40 "$W/build.log"; exit 1; }
 fails=0
 part=0
 STEPS=" ${QWEN35_STEPS:-1 2 3} "
