@@ -648,14 +648,7 @@ __global__ void __launch_bounds__(NT)
         DGs[i] = dG;
     }
     __syncthreads();
-    if (tid == 0) { // G_i = g_0 + ... + g_i
-        float acc = 0.0f;
-        for (int i = L - 1; i >= 0; i--) {
-            acc += DGs[i];
-            dg[row(i)] = acc;
-            dbeta[row(i)] = DBE[i];
-        }
-    }
+    put_dg_dbeta(DGs, DBE, L, t0, Hv, h, dg, dbeta);
 }
 
 // ---- host side ----

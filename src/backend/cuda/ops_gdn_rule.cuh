@@ -89,6 +89,21 @@ __device__ __forceinline__ void fill(T *dst, int ld, int R, int W, F get) {
     }
 }
 
+// The chunk's dg (dG's reverse cumulative sum, as G_i = g_0 + ... + g_i)
+// and dbeta from shared DGs, DBE, by thread 0 (chunk_bwd_kernel and its twin).
+__device__ __forceinline__ void put_dg_dbeta(const float *DGs, const float *DBE, int L,
+                                             int64_t t0, int64_t Hv, int64_t h, float *dg,
+                                             float *dbeta) {
+    if (threadIdx.x != 0)
+        return;
+    float acc = 0.0f;
+    for (int i = L - 1; i >= 0; i--) {
+        acc += DGs[i];
+        dg[(t0 + i) * Hv + h] = acc;
+        dbeta[(t0 + i) * Hv + h] = DBE[i];
+    }
+}
+
 // Whether the bf16 path's tensor-core kernels take this shape (their shared
 // memory holds dk up to 128).
 inline bool use_tc(loom_dtype dt, int64_t dk) { return dt == LOOM_BF16 && dk <= 128; }
