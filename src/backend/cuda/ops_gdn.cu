@@ -6,8 +6,8 @@
 // taken as per-chunk partials in double, then the chunks added in order by
 // one thread per column: a fixed order, no atomics.
 //
-// NOTE: written and compiled on a machine without a GPU; these kernels have
-// not run yet. tests/test_backend_gdn.c holds them to the CPU's.
+// tests/test_backend_gdn.c holds them to the CPU's (run on an H200);
+// `make test-emu` runs them on the CPU in CI.
 #include "ops_common.cuh"
 
 using namespace loom_cuda;
@@ -80,14 +80,6 @@ __device__ __forceinline__ float conv_pre(const void *x, const void *w, loom_dty
     return acc;
 }
 
-// dL/dpre at (t, c): dy silu'(pre)
-__device__ __forceinline__ float conv_dpre(const void *dy, const void *x, const void *w,
-                                           loom_dtype dt, int64_t C, int64_t K, int64_t s,
-                                           int64_t t, int64_t c) {
-    const float p = conv_pre(x, w, dt, C, K, s, t, c), sg = sigm(p);
-    return ld(dy, dt, t * C + c) * sg * (1.0f + p * (1.0f - sg));
-}
-
 __global__ void conv_fwd_kernel(const void *x, const void *w, loom_dtype dt, int64_t T, int64_t C,
                                 int64_t K, const int32_t *cu, int64_t ndocs, void *y) {
     grid_each(T * C, [&](int64_t i) {
@@ -97,53 +89,89 @@ __global__ void conv_fwd_kernel(const void *x, const void *w, loom_dtype dt, int
     });
 }
 
-// dx[u, c] = sum_j w[c, j] dpre[u + K - 1 - j, c] over the tokens of u's document
-__global__ void conv_dx_kernel(const void *dy, const void *x, const void *w, loom_dtype dt,
-                               int64_t T, int64_t C, int64_t K, const int32_t *cu, int64_t ndocs,
-                               void *dx) {
-    grid_each(T * C, [&](int64_t i) {
-        const int64_t u = i / C, c = i % C, n = doc_of(cu, ndocs, u);
-        const int64_t s = cu[n], e = cu[n + 1];
-        float acc = 0.0f;
-        for (int64_t j = 0; j < K; j++) {
-            const int64_t t = u + K - 1 - j;
-            if (t < e)
-                acc = fmaf(ld(w, dt, c * K + j), conv_dpre(dy, x, w, dt, C, K, s, t, c), acc);
-        }
-        st(dx, dt, i, acc);
-    });
-}
-
-// partial[chunk][c K + j] = sum over the chunk's tokens t of dpre[t, c]
-// x[t - K + 1 + j, c] (that token in t's document); a thread per channel.
-__global__ void conv_dw_partial_kernel(const void *dy, const void *x, const void *w, loom_dtype dt,
-                                       int64_t T, int64_t C, int64_t K, const int32_t *cu,
-                                       int64_t ndocs, int64_t rows, double *partial) {
+// dx and dw's partial sums in one pass, a thread per channel over the rows
+// [r0, r1) of dw's chunk ch: each token's dL/dpre = dy silu'(pre) is formed
+// once and kept for the K tokens whose dx needs it (a kernel per output had
+// formed it K times, each from K taps: the largest of the convolution's
+// costs on an H200):
+//   dx[u, c] = sum_j w[c, j] dpre[u + K - 1 - j, c] over the tokens of u's document
+//   partial[ch][c K + j] = sum over the chunk's t of dpre[t, c] x[t - K + 1 + j, c]
+//                          (that token in t's document).
+// Sums in j's and t's order, as the CPU's. partial NULL: dx only.
+__global__ void conv_bwd_kernel(const void *dy, const void *x, const void *w, loom_dtype dt,
+                                int64_t T, int64_t C, int64_t K, const int32_t *cu, int64_t ndocs,
+                                int64_t rows, void *dx, double *partial) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, ch = blockIdx.y;
     if (c >= C)
         return;
     const int64_t r0 = ch * rows, r1 = r0 + rows < T ? r0 + rows : T;
+    // at token t: xw[j] = x[t - K + 1 + j]; dp[j] = dpre[t - j], of document dd[j]
+    float wk[CONV_MAX_K], xw[CONV_MAX_K], dp[CONV_MAX_K];
+    int64_t dd[CONV_MAX_K];
     double acc[CONV_MAX_K];
 #pragma unroll
-    for (int j = 0; j < CONV_MAX_K; j++)
-        acc[j] = 0;
+    for (int j = 0; j < CONV_MAX_K; j++) {
+        const int64_t u = r0 - K + j; // xw at t = r0 - 1
+        wk[j] = j < K ? ld(w, dt, c * K + j) : 0.0f;
+        xw[j] = j < K && u >= 0 ? ld(x, dt, u * C + c) : 0.0f;
+        dp[j] = 0.0f, dd[j] = -1, acc[j] = 0.0;
+    }
     int64_t n = doc_of(cu, ndocs, r0);
-    for (int64_t t = r0; t < r1; t++) {
-        while (t >= cu[n + 1])
-            n++;
-        const int64_t s = cu[n];
-        const double dp = conv_dpre(dy, x, w, dt, C, K, s, t, c);
+    for (int64_t t = r0; t < r1 + K - 1; t++) {
+        float dpt = 0.0f;
+        int64_t dt_doc = -1;
+        if (t < T) {
+            while (t >= cu[n + 1])
+                n++;
+            const int64_t s = cu[n];
+            const float xt = ld(x, dt, t * C + c);
 #pragma unroll
-        for (int j = 0; j < CONV_MAX_K; j++) {
-            const int64_t u = t - K + 1 + j;
-            if (j < K && u >= s)
-                acc[j] += dp * (double)ld(x, dt, u * C + c);
+            for (int j = 0; j < CONV_MAX_K - 1; j++)
+                xw[j] = xw[j + 1];
+#pragma unroll
+            for (int j = 0; j < CONV_MAX_K; j++)
+                if (j == K - 1)
+                    xw[j] = xt;
+            float pre = 0.0f;
+#pragma unroll
+            for (int j = 0; j < CONV_MAX_K; j++)
+                if (j < K && t - K + 1 + j >= s)
+                    pre = fmaf(wk[j], xw[j], pre);
+            const float sg = sigm(pre);
+            dpt = ld(dy, dt, t * C + c) * sg * (1.0f + pre * (1.0f - sg));
+            dt_doc = n;
+            if (partial && t < r1) {
+#pragma unroll
+                for (int j = 0; j < CONV_MAX_K; j++)
+                    if (j < K && t - K + 1 + j >= s)
+                        acc[j] += (double)dpt * (double)xw[j];
+            }
+        }
+#pragma unroll
+        for (int j = CONV_MAX_K - 1; j > 0; j--)
+            dp[j] = dp[j - 1], dd[j] = dd[j - 1];
+        dp[0] = dpt, dd[0] = dt_doc;
+        const int64_t u = t - K + 1; // dp[K - 1] is dpre[u]
+        if (u >= r0 && u < r1) {
+            int64_t du = -1;
+#pragma unroll
+            for (int j = 0; j < CONV_MAX_K; j++)
+                if (j == K - 1)
+                    du = dd[j];
+            float a = 0.0f;
+#pragma unroll
+            for (int j = 0; j < CONV_MAX_K; j++)
+                if (j < K && dd[j] == du)
+                    a = fmaf(wk[j], dp[j], a);
+            st(dx, dt, u * C + c, a);
         }
     }
+    if (partial) {
 #pragma unroll
-    for (int j = 0; j < CONV_MAX_K; j++)
-        if (j < K)
-            partial[ch * C * K + c * K + j] = acc[j];
+        for (int j = 0; j < CONV_MAX_K; j++)
+            if (j < K)
+                partial[ch * C * K + c * K + j] = acc[j];
+    }
 }
 
 // ---- the gates ----
@@ -315,14 +343,11 @@ extern "C" loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, con
     if (dw && !scratch)
         return no_scratch(ctx, "gdn_conv_bwd");
     cudaStream_t s = as_stream(stream);
-    conv_dx_kernel<<<grid_for(T * C, NT), NT, 0, s>>>(dy, x, w, dtype, T, C, K, cu, ndocs, dx);
-    if ((st = check_launch(ctx, "gdn_conv_bwd")) || !dw)
-        return st;
     const int64_t rows = red_rows(T), nch = red_chunks(T);
     dim3 grid((unsigned)((C + NT - 1) / NT), (unsigned)nch);
-    conv_dw_partial_kernel<<<grid, NT, 0, s>>>(dy, x, w, dtype, T, C, K, cu, ndocs, rows,
-                                               (double *)scratch);
-    if ((st = check_launch(ctx, "gdn_conv_bwd")))
+    conv_bwd_kernel<<<grid, NT, 0, s>>>(dy, x, w, dtype, T, C, K, cu, ndocs, rows, dx,
+                                        dw ? (double *)scratch : nullptr);
+    if ((st = check_launch(ctx, "gdn_conv_bwd")) || !dw)
         return st;
     return col_final(ctx, "gdn_conv_bwd", scratch, nch, C * K, C * K, dw, nullptr, s);
 }

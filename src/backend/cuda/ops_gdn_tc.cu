@@ -292,33 +292,77 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
     }
 }
 
-// state_fwd_kernel on tensor cores (bf16, dk <= 128), per (document, head,
-// BVT columns): U = U0 - W S0 and S <- e^G_L S + Kd^T U (Kd_j = e^(G_L - G_j)
-// k_j) by mma.sync, the state in fp32 shared memory (Ss: dk16 rows, zero
-// past dk), W and Kd staged (CH, dk16 + 4), U (CH, BVT + 4).
-// BVT columns a block: half the fp32 kernels' BV, for twice the blocks (a
-// pass is a chain of chunks, latency-bound; Qwen3.5-0.8B has 16 value heads)
+// The state passes, per (document, head, BVT columns): chains of chunks, so
+// each chunk's step is latency: its operands come by cp.async (16-byte
+// pieces, no conversion; plain loads where dk or dv is not a multiple of 4),
+// the forward's a chunk ahead, and the decays scale the small (CH, BVT)
+// side of each product instead of the staged (CH, dk) one. BVT columns a
+// block: half the fp32 kernels' BV, for twice the blocks (Qwen3.5-0.8B has
+// 16 value heads).
 constexpr int BVT = 16, LDS = BVT + 4, NNU = BVT / 16, NNS = BVT / 8;
+
+// Rows [0, CH) x columns [0, W) (W a multiple of 4) of dst (row stride ld,
+// 16-byte aligned) from src (row i at src + i rs), zero where i >= L or c >=
+// n: by cp.async when vec (n, rs multiples of 4, src 16-byte aligned), else
+// by plain loads. Neither committed nor waited for.
+__device__ __forceinline__ void stage_async(float *dst, int ld, const float *src, int64_t rs,
+                                            int L, int64_t n, int W, bool vec) {
+    const int q = W / 4;
+    for (int p = threadIdx.x; p < CH * q; p += NT) {
+        const int i = p / q, c = (p % q) * 4;
+        float *d = dst + i * ld + c;
+        const float *s = src + i * rs + c;
+        if (vec)
+            cp_async16(d, i < L && c < n ? s : src, i < L && c < n);
+        else
+            for (int e = 0; e < 4; e++)
+                d[e] = i < L && c + e < n ? s[e] : 0.0f;
+    }
+}
+
+__device__ __forceinline__ bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+// state_fwd_kernel on tensor cores (bf16, dk <= 128): U = U0 - W S0 and
+// S <- e^G_L S + K^T (Ds U) (Ds_j = e^(G_L - G_j)) by mma.sync, the state
+// in fp32 shared memory (Ss: dk16 rows, zero past dk); W, K (CH, dk16 + 4)
+// and U0 (CH, BVT + 4) double-buffered, chunk c + 1's copied while c runs.
 size_t state_tc_smem(int64_t dk) {
     const int64_t d16 = pad16(dk), ldq = d16 + 4;
-    return (size_t)(d16 * LDS + 2 * CH * ldq + CH * LDS + CH) * sizeof(float);
+    return (size_t)(d16 * LDS + 4 * CH * ldq + 3 * CH * LDS + CH) * sizeof(float);
 }
 
 __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
     extern __shared__ float sm[];
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    float *Ss = sm, *Ws = Ss + d16 * LDS, *Ks = Ws + CH * ldq, *Us = Ks + CH * ldq;
-    float *Ds = Us + CH * LDS;
+    float *Ss = sm, *Wb = Ss + d16 * LDS, *Kb = Wb + 2 * CH * ldq, *Ob = Kb + 2 * CH * ldq;
+    float *Us = Ob + 2 * CH * LDS, *Ds = Us + CH * LDS;
     const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
     const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const bool vec = dk % 4 == 0 && dv % 4 == 0 && al16(w.W) && al16(w.kn) && al16(w.U0);
     for (int64_t p = tid; p < d16 * LDS; p += NT)
         Ss[p] = 0.0f;
+    __syncthreads();
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
-    for (int c = c1; c < c2; c++) {
+    const auto prefetch = [&](int c, int buf) {
         const int64_t t0 = w.ct0[c];
         const int L = w.clen[c];
-        __syncthreads(); // Ss complete; Ws, Ks, Us, Ds free
+        stage_async(Wb + buf * CH * ldq, (int)ldq, w.W + (t0 * z.Hv + h) * dk, z.Hv * dk, L, dk,
+                    (int)d16, vec);
+        stage_async(Kb + buf * CH * ldq, (int)ldq, w.kn + (t0 * z.Hk + hk) * dk, z.Hk * dk, L, dk,
+                    (int)d16, vec);
+        stage_async(Ob + buf * CH * LDS, LDS, w.U0 + (t0 * z.Hv + h) * dv + b0, z.Hv * dv, L, nb,
+                    BVT, vec);
+        cp_commit();
+    };
+    if (c1 < c2)
+        prefetch(c1, 0);
+    for (int c = c1; c < c2; c++) {
+        const int buf = (c - c1) & 1;
+        const int64_t t0 = w.ct0[c];
+        const int L = w.clen[c];
+        if (c + 1 < c2) // into the buffers chunk c - 1 used (the last barrier freed them)
+            prefetch(c + 1, buf ^ 1);
         const float GL = w.G[(t0 + L - 1) * z.Hv + h];
         for (int j = tid; j < CH; j += NT)
             Ds[j] = j < L ? expf(GL - w.G[(t0 + j) * z.Hv + h]) : 0.0f;
@@ -326,14 +370,13 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
         for (int64_t p = tid; p < dk * BVT; p += NT)
             if (p % BVT < nb)
                 Sg[(p / BVT) * dv + p % BVT] = Ss[(p / BVT) * LDS + p % BVT];
-        __syncthreads(); // Ds
-        const float *Wc = w.W + (t0 * z.Hv + h) * dk, *kc = w.kn + (t0 * z.Hk + hk) * dk;
-        fill(Ws, (int)ldq, CH, (int)d16,
-             [&](int j, int a) { return j < L && a < dk ? Wc[j * z.Hv * dk + a] : 0.0f; });
-        fill(Ks, (int)ldq, CH, (int)d16,
-             [&](int j, int a) { return j < L && a < dk ? Ds[j] * kc[j * z.Hk * dk + a] : 0.0f; });
-        __syncthreads();
-        { // U = U0 - W S: a 16 x 16 tile a warp
+        if (c + 1 < c2)
+            cp_wait<1>();
+        else
+            cp_wait<0>();
+        __syncthreads(); // chunk c's W, K, U0; Ds
+        const float *Ws = Wb + buf * CH * ldq, *Ks = Kb + buf * CH * ldq, *Os = Ob + buf * CH * LDS;
+        { // U = U0 - W S: a 16 x 8 tile a warp
             const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
             float acc[1][NNU][4] = {};
             warp_mma<1, NNU>(acc, Ws + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
@@ -342,16 +385,15 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
                     const int i = r0 + g + 8 * (e >> 1), b = q0 + 8 * m + 2 * t + (e & 1);
                     float u = 0.0f;
                     if (i < L && b < nb) {
-                        const int64_t at = ((t0 + i) * z.Hv + h) * dv + b0 + b;
-                        u = w.U0[at] - acc[0][m][e];
-                        w.U[at] = u;
+                        u = Os[i * LDS + b] - acc[0][m][e];
+                        w.U[((t0 + i) * z.Hv + h) * dv + b0 + b] = u;
                     }
-                    Us[i * LDS + b] = u;
+                    Us[i * LDS + b] = Ds[i] * u;
                 }
         }
         __syncthreads();
         const float eL = expf(GL);
-        for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // S <- e^G_L S + Kd^T U
+        for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // S <- e^G_L S + K^T (Ds U)
             float acc[1][NNS][4] = {};
             warp_mma<1, NNS>(acc, Ks + r0, 1, (int)ldq, Us, LDS, 1, CH);
             for (int m = 0; m < NNS; m++)
@@ -360,78 +402,81 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
                     *sp = eL * *sp + acc[0][m][e];
                 }
         }
+        __syncthreads(); // Ss complete; chunk c's buffers free
     }
 }
 
-// state_bwd_kernel on tensor cores (bf16, dk <= 128): dU += Kd dS and dS <-
-// e^G_L dS + Qe^T dO - W^T dU (Kd_j = e^(G_L - G_j) k_j, Qe_i = e^G_i q_i)
-// by mma.sync; dS fp32 in shared memory (dk16 rows), Kd, Qe, W staged (CH,
-// dk16 + 4), dU and dO (CH, BVT + 4).
+// state_bwd_kernel on tensor cores (bf16, dk <= 128): dU += Ds (K dS) and
+// dS <- e^G_L dS + Q^T (Es dO) - W^T dU (Es_i = e^G_i) by mma.sync; dS fp32
+// in shared memory (dk16 rows); K, Q, W (CH, dk16 + 4) and dU's and dO's
+// blocks (CH, BVT + 4) copied at once at each chunk's start (one round trip;
+// dO by plain loads, its dtype any).
 size_t state_bwd_tc_smem(int64_t dk) {
     const int64_t d16 = pad16(dk), ldq = d16 + 4;
-    return (size_t)(d16 * LDS + 3 * CH * ldq + 2 * CH * LDS + 2 * CH) * sizeof(float);
+    return (size_t)(d16 * LDS + 3 * CH * ldq + 3 * CH * LDS + 2 * CH) * sizeof(float);
 }
 
 __global__ void __launch_bounds__(NT)
     state_bwd_tc_kernel(geo z, gdn_ws w, const void *dout, loom_dtype dt) {
     extern __shared__ float sm[];
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    float *Ss = sm, *Kd = Ss + d16 * LDS, *Qe = Kd + CH * ldq, *Ws = Qe + CH * ldq;
-    float *Us = Ws + CH * ldq, *Os = Us + CH * LDS, *Ds = Os + CH * LDS, *Es = Ds + CH;
+    float *Ss = sm, *Ks = Ss + d16 * LDS, *Qs = Ks + CH * ldq, *Ws = Qs + CH * ldq;
+    float *Us = Ws + CH * ldq, *Os = Us + CH * LDS, *Vs = Os + CH * LDS, *Ds = Vs + CH * LDS;
+    float *Es = Ds + CH;
     const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
     const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const bool vec = dk % 4 == 0 && dv % 4 == 0 && al16(w.W) && al16(w.kn) && al16(w.qn) &&
+                     al16(w.dU);
     for (int64_t p = tid; p < d16 * LDS; p += NT)
         Ss[p] = 0.0f;
+    __syncthreads();
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
     for (int c = c2 - 1; c >= c1; c--) {
         const int64_t t0 = w.ct0[c];
         const int L = w.clen[c];
-        __syncthreads(); // Ss complete; the staging free
+        const int64_t rs = z.Hk * dk;
+        stage_async(Ks, (int)ldq, w.kn + (t0 * z.Hk + hk) * dk, rs, L, dk, (int)d16, vec);
+        stage_async(Qs, (int)ldq, w.qn + (t0 * z.Hk + hk) * dk, rs, L, dk, (int)d16, vec);
+        stage_async(Ws, (int)ldq, w.W + (t0 * z.Hv + h) * dk, z.Hv * dk, L, dk, (int)d16, vec);
+        stage_async(Vs, LDS, w.dU + (t0 * z.Hv + h) * dv + b0, z.Hv * dv, L, nb, BVT, vec);
+        cp_commit();
         const float GL = w.G[(t0 + L - 1) * z.Hv + h];
         for (int j = tid; j < CH; j += NT) {
             const float Gj = j < L ? w.G[(t0 + j) * z.Hv + h] : 0.0f;
             Ds[j] = j < L ? expf(GL - Gj) : 0.0f;
             Es[j] = j < L ? expf(Gj) : 0.0f;
         }
+        fill(Os, LDS, CH, BVT, [&](int i, int b) {
+            return i < L && b < nb ? ld(dout, dt, ((t0 + i) * z.Hv + h) * dv + b0 + b) : 0.0f;
+        });
         float *Sg = w.dS + ((int64_t)c * z.Hv + h) * dk * dv + b0;
         for (int64_t p = tid; p < dk * BVT; p += NT)
             if (p % BVT < nb)
                 Sg[(p / BVT) * dv + p % BVT] = Ss[(p / BVT) * LDS + p % BVT];
-        __syncthreads(); // Ds, Es
-        const int64_t rs = z.Hk * dk;
-        const float *qc = w.qn + (t0 * z.Hk + hk) * dk, *kc = w.kn + (t0 * z.Hk + hk) * dk;
-        const float *Wc = w.W + (t0 * z.Hv + h) * dk;
-        fill(Kd, (int)ldq, CH, (int)d16,
-             [&](int j, int a) { return j < L && a < dk ? Ds[j] * kc[j * rs + a] : 0.0f; });
-        fill(Qe, (int)ldq, CH, (int)d16,
-             [&](int j, int a) { return j < L && a < dk ? Es[j] * qc[j * rs + a] : 0.0f; });
-        fill(Ws, (int)ldq, CH, (int)d16,
-             [&](int j, int a) { return j < L && a < dk ? Wc[j * z.Hv * dk + a] : 0.0f; });
-        __syncthreads();
-        { // dU += Kd dS; dO's block
+        cp_wait<0>();
+        __syncthreads(); // the chunk's K, Q, W, dU, dO; Ds, Es
+        { // dU += Ds (K dS) into Us; Es dO over Os
             const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
             float acc[1][NNU][4] = {};
-            warp_mma<1, NNU>(acc, Kd + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
+            warp_mma<1, NNU>(acc, Ks + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
             for (int m = 0; m < NNU; m++)
                 for (int e = 0; e < 4; e++) {
                     const int j = r0 + g + 8 * (e >> 1), b = q0 + 8 * m + 2 * t + (e & 1);
-                    float du = 0.0f, od = 0.0f;
+                    float du = 0.0f;
                     if (j < L && b < nb) {
-                        const int64_t at = ((t0 + j) * z.Hv + h) * dv + b0 + b;
-                        du = acc[0][m][e] + w.dU[at];
-                        w.dU[at] = du;
-                        od = ld(dout, dt, at);
+                        du = Ds[j] * acc[0][m][e] + Vs[j * LDS + b];
+                        w.dU[((t0 + j) * z.Hv + h) * dv + b0 + b] = du;
                     }
                     Us[j * LDS + b] = du;
-                    Os[j * LDS + b] = od;
+                    Os[j * LDS + b] *= Es[j];
                 }
         }
         __syncthreads();
         const float eL = expf(GL);
-        for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // dS <- e^G_L dS + Qe^T dO - W^T dU
+        for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // dS <- e^G_L dS + Q^T (Es dO) - W^T dU
             float aq[1][NNS][4] = {}, aw[1][NNS][4] = {};
-            warp_mma<1, NNS>(aq, Qe + r0, 1, (int)ldq, Os, LDS, 1, CH);
+            warp_mma<1, NNS>(aq, Qs + r0, 1, (int)ldq, Os, LDS, 1, CH);
             warp_mma<1, NNS>(aw, Ws + r0, 1, (int)ldq, Us, LDS, 1, CH);
             for (int m = 0; m < NNS; m++)
                 for (int e = 0; e < 4; e++) {
@@ -439,9 +484,9 @@ __global__ void __launch_bounds__(NT)
                     *sp = eL * *sp + aq[0][m][e] - aw[0][m][e];
                 }
         }
+        __syncthreads(); // dS complete; the staging free
     }
 }
-
 
 // chunk_bwd_kernel on tensor cores (bf16, dk <= 128), per (chunk, value
 // head), the same sums (ops_gdn_rule.cu's comment) with every product of
