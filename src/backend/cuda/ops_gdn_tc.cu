@@ -2,7 +2,8 @@
 // ops_gdn_rule.cu's prep_kernel, out_kernel, dul_kernel, state_fwd_kernel,
 // state_bwd_kernel and chunk_bwd_kernel with their products on mma.sync,
 // launched by its driver (ops_gdn_rule.cuh's tc_*). Operands are staged in
-// shared memory (fill: loads batched a thread), zero past the chunk's rows
+// shared memory (fill: loads batched a thread; the state passes' by
+// cp.async, the forward's a chunk ahead), zero past the chunk's rows
 // and past dk up to a multiple of 16; each element is rounded to bf16 as its
 // fragment is built, with fp32 accumulators. S0 and U are rounded to bf16
 // for the products, as flash-linear-attention rounds them; the states
