@@ -462,15 +462,7 @@ __global__ void __launch_bounds__(NT)
     auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
 
     // the chunk's vectors, A, and q, k staged for the pair products
-    const float GL = w.G[row(L - 1)];
-    for (int i = tid; i < CH; i += NT) {
-        const float Gi = i < L ? w.G[row(i)] : 0.0f;
-        Gs[i] = Gi;
-        Es[i] = i < L ? expf(Gi) : 0.0f;
-        Dj[i] = i < L ? expf(GL - Gi) : 0.0f;
-        Bs[i] = i < L ? beta[row(i)] : 0.0f;
-        SV[i] = SK[i] = 0.0f;
-    }
+    chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
     for (int p = tid; p < CH * CH; p += NT) {
         As[(p / CH) * LDA + p % CH] = Ag[p];
         DA[(p / CH) * LDA + p % CH] = 0.0f;

@@ -89,6 +89,23 @@ __device__ __forceinline__ void fill(T *dst, int ld, int R, int W, F get) {
     }
 }
 
+// A chunk's vectors for chunk_bwd_kernel and its twin, zero past L: G, e^G,
+// e^(G_L - G), beta (row i of (T, Hv) at (t0 + i) Hv + h), and SV, SK zeroed.
+__device__ __forceinline__ void chunk_vectors(const float *G, const float *beta, int64_t t0,
+                                              int L, int64_t Hv, int64_t h, float *Gs,
+                                              float *Es, float *Dj, float *Bs, float *SV,
+                                              float *SK) {
+    const float GL = G[(t0 + L - 1) * Hv + h];
+    for (int i = threadIdx.x; i < CH; i += NT) {
+        const float Gi = i < L ? G[(t0 + i) * Hv + h] : 0.0f;
+        Gs[i] = Gi;
+        Es[i] = i < L ? expf(Gi) : 0.0f;
+        Dj[i] = i < L ? expf(GL - Gi) : 0.0f;
+        Bs[i] = i < L ? beta[(t0 + i) * Hv + h] : 0.0f;
+        SV[i] = SK[i] = 0.0f;
+    }
+}
+
 // The chunk's dg (dG's reverse cumulative sum, as G_i = g_0 + ... + g_i)
 // and dbeta from shared DGs, DBE, by thread 0 (chunk_bwd_kernel and its twin).
 __device__ __forceinline__ void put_dg_dbeta(const float *DGs, const float *DBE, int L,

@@ -85,8 +85,10 @@ __device__ void chunk_p_tc(const geo &z, const gdn_ws &w, int64_t t0, int L, int
     const int64_t dk = z.dk, d16 = pad16(dk), ldq = d16 + 4, hk = h / z.grp;
     const int64_t rs = z.Hk * dk; // q's and k's row stride
     const float *qc = w.qn + (t0 * z.Hk + hk) * dk, *kc = w.kn + (t0 * z.Hk + hk) * dk;
-    fill(Qs, (int)ldq, CH, (int)d16, [&](int i, int a) { return i < L && a < dk ? qc[i * rs + a] : 0.0f; });
-    fill(Ks, (int)ldq, CH, (int)d16, [&](int i, int a) { return i < L && a < dk ? kc[i * rs + a] : 0.0f; });
+    fill(Qs, (int)ldq, CH, (int)d16,
+         [&](int i, int a) { return i < L && a < dk ? qc[i * rs + a] : 0.0f; });
+    fill(Ks, (int)ldq, CH, (int)d16,
+         [&](int i, int a) { return i < L && a < dk ? kc[i * rs + a] : 0.0f; });
     for (int i = threadIdx.x; i < CH; i += NT) {
         Gs[i] = i < L ? w.G[(t0 + i) * z.Hv + h] : 0.0f;
         Es[i] = expf(Gs[i]);
@@ -119,9 +121,11 @@ __global__ void __launch_bounds__(NT) out_tc_kernel(geo z, gdn_ws w, loom_dtype 
         return;
     chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
     const float *S0 = w.S + (c * z.Hv + h) * dk * dv;
-    fill(Bs, LDB, (int)d16, BO, [&](int a, int b) { return a < dk && b0 + b < dv ? S0[a * dv + b0 + b] : 0.0f; });
+    fill(Bs, LDB, (int)d16, BO,
+         [&](int a, int b) { return a < dk && b0 + b < dv ? S0[a * dv + b0 + b] : 0.0f; });
     const float *Uc = w.U + (t0 * z.Hv + h) * dv + b0; // row i at Uc + i Hv dv
-    fill(Us, LDB, CH, BO, [&](int i, int b) { return i < L && b0 + b < dv ? Uc[i * z.Hv * dv + b] : 0.0f; });
+    fill(Us, LDB, CH, BO,
+         [&](int i, int b) { return i < L && b0 + b < dv ? Uc[i * z.Hv * dv + b] : 0.0f; });
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
@@ -216,8 +220,9 @@ __device__ void invert_unit_lower(const float *As, float *Ts) {
 
 // prep_kernel on tensor cores: G, A = strictly lower (beta_i k_i.k_j M_ij)
 // with K K^T by mma.sync, T = (I + A)^-1 by blocks (invert_unit_lower),
-// then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by mma.sync, BO columns at a time. Shared: As, Ts (CH, LDA); Ks (CH, dk16 +
-// 4); Xs (CH, LDB); Gs, Bs (CH).
+// then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by mma.sync, BO
+// columns at a time. Shared: As, Ts (CH, LDA); Ks (CH, dk16 + 4); Xs (CH,
+// LDB); Gs, Bs (CH).
 size_t prep_tc_smem(int64_t dk) {
     return (size_t)(2 * CH * LDA + CH * (pad16(dk) + 4) + CH * LDB + 2 * CH) * sizeof(float);
 }
@@ -323,6 +328,21 @@ __device__ __forceinline__ void stage_async(float *dst, int ld, const float *src
 
 __device__ __forceinline__ bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
+// The passes' state (Ss: d16 rows of LDS) zeroed, with a barrier.
+__device__ __forceinline__ void zero_state(float *Ss, int64_t d16) {
+    for (int64_t p = threadIdx.x; p < d16 * LDS; p += NT)
+        Ss[p] = 0.0f;
+    __syncthreads();
+}
+
+// Ss's first nb columns of dk rows to the (dk, dv) block at Sg.
+__device__ __forceinline__ void store_state(float *Sg, const float *Ss, int64_t dk, int64_t dv,
+                                            int nb) {
+    for (int64_t p = threadIdx.x; p < dk * BVT; p += NT)
+        if (p % BVT < nb)
+            Sg[(p / BVT) * dv + p % BVT] = Ss[(p / BVT) * LDS + p % BVT];
+}
+
 // state_fwd_kernel on tensor cores (bf16, dk <= 128): U = U0 - W S0 and
 // S <- e^G_L S + K^T (Ds U) (Ds_j = e^(G_L - G_j)) by mma.sync, the state
 // in fp32 shared memory (Ss: dk16 rows, zero past dk); W, K (CH, dk16 + 4)
@@ -341,9 +361,7 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
     const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const bool vec = dk % 4 == 0 && dv % 4 == 0 && al16(w.W) && al16(w.kn) && al16(w.U0);
-    for (int64_t p = tid; p < d16 * LDS; p += NT)
-        Ss[p] = 0.0f;
-    __syncthreads();
+    zero_state(Ss, d16);
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
     const auto prefetch = [&](int c, int buf) {
         const int64_t t0 = w.ct0[c];
@@ -367,10 +385,7 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
         const float GL = w.G[(t0 + L - 1) * z.Hv + h];
         for (int j = tid; j < CH; j += NT)
             Ds[j] = j < L ? expf(GL - w.G[(t0 + j) * z.Hv + h]) : 0.0f;
-        float *Sg = w.S + ((int64_t)c * z.Hv + h) * dk * dv + b0;
-        for (int64_t p = tid; p < dk * BVT; p += NT)
-            if (p % BVT < nb)
-                Sg[(p / BVT) * dv + p % BVT] = Ss[(p / BVT) * LDS + p % BVT];
+        store_state(w.S + ((int64_t)c * z.Hv + h) * dk * dv + b0, Ss, dk, dv, nb);
         if (c + 1 < c2)
             cp_wait<1>();
         else
@@ -429,9 +444,7 @@ __global__ void __launch_bounds__(NT)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const bool vec = dk % 4 == 0 && dv % 4 == 0 && al16(w.W) && al16(w.kn) && al16(w.qn) &&
                      al16(w.dU);
-    for (int64_t p = tid; p < d16 * LDS; p += NT)
-        Ss[p] = 0.0f;
-    __syncthreads();
+    zero_state(Ss, d16);
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
     for (int c = c2 - 1; c >= c1; c--) {
         const int64_t t0 = w.ct0[c];
@@ -451,10 +464,7 @@ __global__ void __launch_bounds__(NT)
         fill(Os, LDS, CH, BVT, [&](int i, int b) {
             return i < L && b < nb ? ld(dout, dt, ((t0 + i) * z.Hv + h) * dv + b0 + b) : 0.0f;
         });
-        float *Sg = w.dS + ((int64_t)c * z.Hv + h) * dk * dv + b0;
-        for (int64_t p = tid; p < dk * BVT; p += NT)
-            if (p % BVT < nb)
-                Sg[(p / BVT) * dv + p % BVT] = Ss[(p / BVT) * LDS + p % BVT];
+        store_state(w.dS + ((int64_t)c * z.Hv + h) * dk * dv + b0, Ss, dk, dv, nb);
         cp_wait<0>();
         __syncthreads(); // the chunk's K, Q, W, dU, dO; Ds, Es
         { // dU += Ds (K dS) into Us; Es dO over Os
@@ -475,7 +485,8 @@ __global__ void __launch_bounds__(NT)
         }
         __syncthreads();
         const float eL = expf(GL);
-        for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // dS <- e^G_L dS + Q^T (Es dO) - W^T dU
+        // dS <- e^G_L dS + Q^T (Es dO) - W^T dU
+        for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) {
             float aq[1][NNS][4] = {}, aw[1][NNS][4] = {};
             warp_mma<1, NNS>(aq, Qs + r0, 1, (int)ldq, Os, LDS, 1, CH);
             warp_mma<1, NNS>(aw, Ws + r0, 1, (int)ldq, Us, LDS, 1, CH);
@@ -537,15 +548,7 @@ __global__ void __launch_bounds__(NT)
         fill(dst, LDB, CH, BO, [&](int i, int b) { return ok(i, b) ? at(i, b) : 0.0f; });
     };
 
-    const float GL = w.G[row(L - 1)];
-    for (int i = tid; i < CH; i += NT) {
-        const float Gi = i < L ? w.G[row(i)] : 0.0f;
-        Gs[i] = Gi;
-        Es[i] = i < L ? expf(Gi) : 0.0f;
-        Dj[i] = i < L ? expf(GL - Gi) : 0.0f;
-        Bs[i] = i < L ? beta[row(i)] : 0.0f;
-        SV[i] = SK[i] = 0.0f;
-    }
+    chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
     const float *Ag = w.A + (c * Hv + h) * CH * CH;
     fill(As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
     fill(Qh, (int)ldh, CH, (int)ldh - 8,
