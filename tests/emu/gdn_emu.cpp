@@ -58,11 +58,15 @@ static void rule_case(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, std::vecto
     for (int ord = 1; ord < 3; ord++) if (!same_bits(r[0], r[ord])) { printf("  ORDER %d differs from ascending: a race <<<<< FAIL\n", ord); fails++; }
 }
 void small_ops();
+static void conv_case(int64_t K);
+static void *scr(size_t b);
 int main(int argc, char **argv) {
     loom_ctx_create(&ctx);
     for (int b = 0; b < 2; b++) {
         BF = b;
         small_ops();
+        for (int64_t K : {3, 6})
+            conv_case(K);
         rule_case(2, 4, 32, 48, {0, 3, 70, 150});
         rule_case(1, 1, 16, 16, {0, 128});
         rule_case(1, 2, 128, 160, {0, 130, 197});
@@ -78,6 +82,30 @@ int main(int argc, char **argv) {
     return fails != 0;
 }
 static void *scr(size_t b) { void *p = malloc(b + 1); memset(p, 0xff, b + 1); return p; }
+// the convolution with kernel K (4: Qwen3.5's, its own kernels; 3: K below
+// that bound; 6: the wider kernels) over documents shorter and longer than K
+static void conv_case(int64_t K) {
+    const int64_t T = 150, C = 40, nd = 5;
+    std::vector<int32_t> cu = {0, 2, 3, 70, 101, 150};
+    loom_dtype dt = BF ? LOOM_BF16 : LOOM_F32;
+    double tol = BF ? 3e-2 : 1e-4;
+    printf("conv K %lld %s\n", (long long)K, BF ? "bf16" : "f32");
+    auto x = rnd(T * C, -1, 1, true), w = rnd(C * K, -1, 1, true), dy = rnd(T * C, -1, 1, true), dw0 = rnd(C * K, -1, 1, false);
+    std::vector<float> y(T * C), dx(T * C), dw = dw0;
+    loom_cpu_gdn_conv_fwd(ctx, x.data(), w.data(), T, C, K, cu.data(), nd, y.data());
+    loom_cpu_gdn_conv_bwd(ctx, dy.data(), x.data(), w.data(), T, C, K, cu.data(), nd, dx.data(), dw.data());
+    int32_t *CU = (int32_t *)malloc(cu.size() * 4); memcpy(CU, cu.data(), cu.size() * 4);
+    for (int ord = 0; ord < 3; ord += 2) {
+        emu_order = ord;
+        void *X = dev(x, true), *W = dev(w, true), *DY = dev(dy, true), *Y = outb(T * C, true), *DX = outb(T * C, true), *DW = dev(dw0, false);
+        void *S = scr(loom_cuda_gdn_conv_scratch_bytes(T, C, K));
+        if (loom_cuda_gdn_conv_fwd(ctx, X, W, dt, T, C, K, CU, nd, Y, nullptr) ||
+            loom_cuda_gdn_conv_bwd(ctx, DY, X, W, dt, T, C, K, CU, nd, DX, (float *)DW, S, nullptr)) { printf("%s\n", loom_last_error(ctx)); exit(1); }
+        cmp("conv y", back(Y, T * C, true), y, tol); cmp("conv dx", back(DX, T * C, true), dx, tol); cmp("conv dw", back(DW, C * K, false), dw, tol);
+        for (void *p : {X, W, DY, Y, DX, DW, S}) free(p);
+    }
+    free(CU);
+}
 void small_ops() {
     const int64_t T = 150, C = 40, K = 4, H = 6, N = T * H, D = 48;
     std::vector<int32_t> cu = {0, 2, 3, 70, 150};

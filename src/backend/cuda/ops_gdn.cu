@@ -68,36 +68,60 @@ loom_status col_final(loom_ctx *ctx, const char *op, const void *partial, int64_
 
 // ---- the causal depthwise convolution, SiLU fused ----
 
-// The pre-activation at token t (its document from s) of channel c.
-__device__ __forceinline__ float conv_pre(const void *x, const void *w, loom_dtype dt, int64_t C,
-                                          int64_t K, int64_t s, int64_t t, int64_t c) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < K; j++) {
-        const int64_t u = t - K + 1 + j;
-        if (u >= s)
-            acc = fmaf(ld(w, dt, c * K + j), ld(x, dt, u * C + c), acc);
-    }
-    return acc;
-}
+// Both directions run a thread per channel over a run of rows, the window of
+// the K latest inputs in registers and the document followed from the run's
+// first token (a thread per output with a search for its document and K
+// loads made the forward compute-bound on an H200). KM, a compile-time
+// bound on K, sizes the windows: 4 (Qwen3.5's kernel) keeps them in few
+// registers; the wider case spilled none but ran one block an SM.
+constexpr int CONV_FWD_ROWS = 32; // the forward's rows per thread
 
+template <int KM>
 __global__ void conv_fwd_kernel(const void *x, const void *w, loom_dtype dt, int64_t T, int64_t C,
                                 int64_t K, const int32_t *cu, int64_t ndocs, void *y) {
-    grid_each(T * C, [&](int64_t i) {
-        const int64_t t = i / C, c = i % C, s = cu[doc_of(cu, ndocs, t)];
-        const float p = conv_pre(x, w, dt, C, K, s, t, c);
-        st(y, dt, i, p * sigm(p));
-    });
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C)
+        return;
+    const int64_t r0 = (int64_t)blockIdx.y * CONV_FWD_ROWS;
+    const int64_t r1 = r0 + CONV_FWD_ROWS < T ? r0 + CONV_FWD_ROWS : T;
+    float wk[KM], xw[KM]; // xw[j] = x[t - K + 1 + j] at token t
+#pragma unroll
+    for (int j = 0; j < KM; j++) {
+        const int64_t u = r0 - K + j; // the window at t = r0 - 1
+        wk[j] = j < K ? ld(w, dt, c * K + j) : 0.0f;
+        xw[j] = j < K && u >= 0 ? ld(x, dt, u * C + c) : 0.0f;
+    }
+    int64_t n = doc_of(cu, ndocs, r0);
+    for (int64_t t = r0; t < r1; t++) {
+        while (t >= cu[n + 1])
+            n++;
+        const int64_t s = cu[n];
+#pragma unroll
+        for (int j = 0; j < KM - 1; j++)
+            xw[j] = xw[j + 1];
+        const float xt = ld(x, dt, t * C + c);
+#pragma unroll
+        for (int j = 0; j < KM; j++)
+            if (j == K - 1)
+                xw[j] = xt;
+        float p = 0.0f; // conv's sum in j's order, as the CPU's
+#pragma unroll
+        for (int j = 0; j < KM; j++)
+            if (j < K && t - K + 1 + j >= s)
+                p = fmaf(wk[j], xw[j], p);
+        st(y, dt, t * C + c, p * sigm(p));
+    }
 }
 
 // dx and dw's partial sums in one pass, a thread per channel over the rows
 // [r0, r1) of dw's chunk ch: each token's dL/dpre = dy silu'(pre) is formed
 // once and kept for the K tokens whose dx needs it (a kernel per output had
-// formed it K times, each from K taps: the largest of the convolution's
-// costs on an H200):
+// formed it K times, each from K taps):
 //   dx[u, c] = sum_j w[c, j] dpre[u + K - 1 - j, c] over the tokens of u's document
 //   partial[ch][c K + j] = sum over the chunk's t of dpre[t, c] x[t - K + 1 + j, c]
 //                          (that token in t's document).
 // Sums in j's and t's order, as the CPU's. partial NULL: dx only.
+template <int KM>
 __global__ void conv_bwd_kernel(const void *dy, const void *x, const void *w, loom_dtype dt,
                                 int64_t T, int64_t C, int64_t K, const int32_t *cu, int64_t ndocs,
                                 int64_t rows, void *dx, double *partial) {
@@ -106,61 +130,62 @@ __global__ void conv_bwd_kernel(const void *dy, const void *x, const void *w, lo
         return;
     const int64_t r0 = ch * rows, r1 = r0 + rows < T ? r0 + rows : T;
     // at token t: xw[j] = x[t - K + 1 + j]; dp[j] = dpre[t - j], of document dd[j]
-    float wk[CONV_MAX_K], xw[CONV_MAX_K], dp[CONV_MAX_K];
-    int64_t dd[CONV_MAX_K];
-    double acc[CONV_MAX_K];
+    float wk[KM], xw[KM], dp[KM];
+    int dd[KM]; // documents as offsets from r0's (-1: none)
+    double acc[KM];
 #pragma unroll
-    for (int j = 0; j < CONV_MAX_K; j++) {
+    for (int j = 0; j < KM; j++) {
         const int64_t u = r0 - K + j; // xw at t = r0 - 1
         wk[j] = j < K ? ld(w, dt, c * K + j) : 0.0f;
         xw[j] = j < K && u >= 0 ? ld(x, dt, u * C + c) : 0.0f;
         dp[j] = 0.0f, dd[j] = -1, acc[j] = 0.0;
     }
-    int64_t n = doc_of(cu, ndocs, r0);
+    const int64_t n0 = doc_of(cu, ndocs, r0);
+    int64_t n = n0;
     for (int64_t t = r0; t < r1 + K - 1; t++) {
         float dpt = 0.0f;
-        int64_t dt_doc = -1;
+        int dt_doc = -1;
         if (t < T) {
             while (t >= cu[n + 1])
                 n++;
             const int64_t s = cu[n];
             const float xt = ld(x, dt, t * C + c);
 #pragma unroll
-            for (int j = 0; j < CONV_MAX_K - 1; j++)
+            for (int j = 0; j < KM - 1; j++)
                 xw[j] = xw[j + 1];
 #pragma unroll
-            for (int j = 0; j < CONV_MAX_K; j++)
+            for (int j = 0; j < KM; j++)
                 if (j == K - 1)
                     xw[j] = xt;
             float pre = 0.0f;
 #pragma unroll
-            for (int j = 0; j < CONV_MAX_K; j++)
+            for (int j = 0; j < KM; j++)
                 if (j < K && t - K + 1 + j >= s)
                     pre = fmaf(wk[j], xw[j], pre);
             const float sg = sigm(pre);
             dpt = ld(dy, dt, t * C + c) * sg * (1.0f + pre * (1.0f - sg));
-            dt_doc = n;
+            dt_doc = (int)(n - n0);
             if (partial && t < r1) {
 #pragma unroll
-                for (int j = 0; j < CONV_MAX_K; j++)
+                for (int j = 0; j < KM; j++)
                     if (j < K && t - K + 1 + j >= s)
                         acc[j] += (double)dpt * (double)xw[j];
             }
         }
 #pragma unroll
-        for (int j = CONV_MAX_K - 1; j > 0; j--)
+        for (int j = KM - 1; j > 0; j--)
             dp[j] = dp[j - 1], dd[j] = dd[j - 1];
         dp[0] = dpt, dd[0] = dt_doc;
         const int64_t u = t - K + 1; // dp[K - 1] is dpre[u]
         if (u >= r0 && u < r1) {
-            int64_t du = -1;
+            int du = -1;
 #pragma unroll
-            for (int j = 0; j < CONV_MAX_K; j++)
+            for (int j = 0; j < KM; j++)
                 if (j == K - 1)
                     du = dd[j];
             float a = 0.0f;
 #pragma unroll
-            for (int j = 0; j < CONV_MAX_K; j++)
+            for (int j = 0; j < KM; j++)
                 if (j < K && dd[j] == du)
                     a = fmaf(wk[j], dp[j], a);
             st(dx, dt, u * C + c, a);
@@ -168,7 +193,7 @@ __global__ void conv_bwd_kernel(const void *dy, const void *x, const void *w, lo
     }
     if (partial) {
 #pragma unroll
-        for (int j = 0; j < CONV_MAX_K; j++)
+        for (int j = 0; j < KM; j++)
             if (j < K)
                 partial[ch * C * K + c * K + j] = acc[j];
     }
@@ -328,8 +353,10 @@ extern "C" loom_status loom_cuda_gdn_conv_fwd(loom_ctx *ctx, const void *x, cons
     loom_status st = conv_args(ctx, "gdn_conv_fwd", dtype, C, K, ndocs);
     if (st || T <= 0)
         return st;
-    conv_fwd_kernel<<<grid_for(T * C, NT), NT, 0, as_stream(stream)>>>(x, w, dtype, T, C, K, cu,
-                                                                       ndocs, y);
+    const dim3 grid((unsigned)((C + NT - 1) / NT),
+                    (unsigned)((T + CONV_FWD_ROWS - 1) / CONV_FWD_ROWS));
+    auto kern = K <= 4 ? conv_fwd_kernel<4> : conv_fwd_kernel<CONV_MAX_K>;
+    kern<<<grid, NT, 0, as_stream(stream)>>>(x, w, dtype, T, C, K, cu, ndocs, y);
     return check_launch(ctx, "gdn_conv_fwd");
 }
 
@@ -345,8 +372,9 @@ extern "C" loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, con
     cudaStream_t s = as_stream(stream);
     const int64_t rows = red_rows(T), nch = red_chunks(T);
     dim3 grid((unsigned)((C + NT - 1) / NT), (unsigned)nch);
-    conv_bwd_kernel<<<grid, NT, 0, s>>>(dy, x, w, dtype, T, C, K, cu, ndocs, rows, dx,
-                                        dw ? (double *)scratch : nullptr);
+    auto kern = K <= 4 ? conv_bwd_kernel<4> : conv_bwd_kernel<CONV_MAX_K>;
+    kern<<<grid, NT, 0, s>>>(dy, x, w, dtype, T, C, K, cu, ndocs, rows, dx,
+                             dw ? (double *)scratch : nullptr);
     if ((st = check_launch(ctx, "gdn_conv_bwd")) || !dw)
         return st;
     return col_final(ctx, "gdn_conv_bwd", scratch, nch, C * K, C * K, dw, nullptr, s);
