@@ -46,9 +46,9 @@ size_t al(size_t b) { return loom_gdn_ws_align(b); }
 size_t ws_layout(const geo &z, bool bwd, char *base, gdn_ws *w) {
     size_t sizes[LOOM_GDN_WS_ARRAYS];
     loom_gdn_ws_sizes(z.T, z.Hk, z.Hv, z.dk, z.dv, z.ndocs, bwd, sizes);
-    void *p[15];
+    void *p[LOOM_GDN_WS_ARRAYS];
     size_t off = 0;
-    for (int i = 0; i < 15; i++) {
+    for (int i = 0; i < LOOM_GDN_WS_ARRAYS; i++) {
         p[i] = base && sizes[i] ? base + off : nullptr;
         off += al(sizes[i]);
     }
@@ -58,6 +58,8 @@ size_t ws_layout(const geo &z, bool bwd, char *base, gdn_ws *w) {
         w->W = (float *)p[7], w->U0 = (float *)p[8], w->U = (float *)p[9], w->S = (float *)p[10];
         w->dS = (float *)p[11], w->dU = (float *)p[12], w->dqh = (float *)p[13];
         w->dkh = (float *)p[14];
+        w->qb = (__nv_bfloat16 *)p[15], w->kb = (__nv_bfloat16 *)p[16];
+        w->Wh = (__nv_bfloat16 *)p[7], w->Uh = (__nv_bfloat16 *)p[9];
     }
     return off;
 }
@@ -87,8 +89,9 @@ __global__ void chunks_kernel(const int32_t *cu, int64_t ndocs, int32_t *cfirst,
     }
 }
 
-// qn, kn of row r = (t, hk): a warp per row
-__global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, float *qn, float *kn) {
+// qn, kn of row r = (t, hk), and their bf16 roundings qb, kb: a warp per row
+__global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, float *qn, float *kn,
+                              __nv_bfloat16 *qb, __nv_bfloat16 *kb) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= z.T * z.Hk)
@@ -105,8 +108,9 @@ __global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, float *qn, 
     sk = warp_sum(sk);
     const float rq = 1.0f / sqrtf(sq + 1e-6f) / sqrtf((float)z.dk), rk = 1.0f / sqrtf(sk + 1e-6f);
     for (int64_t a = lane; a < z.dk; a += 32) {
-        qn[r * z.dk + a] = ld(qkv, dt, qo + a) * rq;
-        kn[r * z.dk + a] = ld(qkv, dt, ko + a) * rk;
+        const float q = ld(qkv, dt, qo + a) * rq, k = ld(qkv, dt, ko + a) * rk;
+        qn[r * z.dk + a] = q, kn[r * z.dk + a] = k;
+        qb[r * z.dk + a] = __float2bfloat16_rn(q), kb[r * z.dk + a] = __float2bfloat16_rn(k);
     }
 }
 
@@ -686,7 +690,7 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
     if ((st = check_launch(ctx, op)))
         return st;
     l2_fwd_kernel<<<(unsigned)((z.T * z.Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dt, z, w.qn,
-                                                                              w.kn);
+                                                                              w.kn, w.qb, w.kb);
     if ((st = check_launch(ctx, op)))
         return st;
     if (use_tc(dt, z.dk))

@@ -69,39 +69,102 @@ struct tile {
     __device__ int j(int n, int e) const { return c0 + 8 * n + 2 * t + (e & 1); }
 };
 
-// The tensor-core kernels' shared floats: Ps (CH, LDA); Qs, Ks (CH, dk16 +
-// 4); Gs, Es (CH); Bs (max(dk16, CH), BO + 4): S0's block, then dO's; Us
-// (CH, BO + 4).
-constexpr int LDB = BO + 4;
-size_t p_tc_smem(int64_t dk) {
-    const int64_t d16 = pad16(dk), ldq = d16 + 4, rb = d16 > CH ? d16 : CH;
-    return (size_t)(CH * LDA + 2 * CH * ldq + 2 * CH + rb * LDB + CH * LDB) * sizeof(float);
+// A kernel's shared memory cut into arrays, each 16-byte aligned (cp.async's
+// unit): the same sequence of take() gives the host the size (base 0) and
+// the kernel its pointers.
+struct carve {
+    uintptr_t base;
+    size_t off = 0;
+    __host__ __device__ explicit carve(void *b) : base((uintptr_t)b) {}
+    template <typename T> __host__ __device__ T *take(int64_t n) {
+        T *r = (T *)(base + off);
+        off += ((size_t)n * sizeof(T) + 15) / 16 * 16;
+        return r;
+    }
+};
+
+typedef __nv_bfloat16 bf16;
+constexpr int LDH = BO + 8; // row stride of bf16 (CH, BO) and (CH, CH) blocks: no bank conflicts
+__host__ __device__ inline int64_t ldk(int64_t dk) { return pad16(dk) + 8; } // bf16 (CH, dk16)
+
+__device__ __forceinline__ bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+// Rows [0, CH) x columns [0, W) (W a multiple of 16 bytes' elements) of dst
+// (row stride ld) from src (row i at src + i rs), zero where i >= L or c >=
+// n: by cp.async when vec (n, rs and src 16-byte multiples), else by plain
+// loads. Neither committed nor waited for.
+template <typename T>
+__device__ __forceinline__ void stage_async(T *dst, int ld, const T *src, int64_t rs, int L,
+                                            int64_t n, int W, bool vec) {
+    constexpr int E = 16 / sizeof(T);
+    const int q = W / E;
+    for (int p = threadIdx.x; p < CH * q; p += NT) {
+        const int i = p / q, c = (p % q) * E;
+        T *d = dst + i * ld + c;
+        const T *s = src + i * rs + c;
+        if (vec)
+            cp_async16(d, i < L && c < n ? s : src, i < L && c < n);
+        else
+            for (int e = 0; e < E; e++)
+                put(d + e, i < L && c + e < n ? to_f(s[e]) : 0.0f);
+    }
+}
+// Whether rows of n elements at src with row stride rs can go by cp.async.
+template <typename T> __device__ __forceinline__ bool vec_ok(const T *src, int64_t n, int64_t rs) {
+    constexpr int E = 16 / sizeof(T);
+    return n % E == 0 && rs % E == 0 && al16(src);
 }
 
-// The chunk's q, k (zero-padded), G, e^G and P (as chunk_p) with Q K^T on
-// tensor cores. Ends with a barrier.
-__device__ void chunk_p_tc(const geo &z, const gdn_ws &w, int64_t t0, int L, int64_t h,
-                           float *Ps, float *Qs, float *Ks, float *Gs, float *Es) {
-    const int64_t dk = z.dk, d16 = pad16(dk), ldq = d16 + 4, hk = h / z.grp;
-    const int64_t rs = z.Hk * dk; // q's and k's row stride
-    const float *qc = w.qn + (t0 * z.Hk + hk) * dk, *kc = w.kn + (t0 * z.Hk + hk) * dk;
-    fill(Qs, (int)ldq, CH, (int)d16,
-         [&](int i, int a) { return i < L && a < dk ? qc[i * rs + a] : 0.0f; });
-    fill(Ks, (int)ldq, CH, (int)d16,
-         [&](int i, int a) { return i < L && a < dk ? kc[i * rs + a] : 0.0f; });
-    for (int i = threadIdx.x; i < CH; i += NT) {
-        Gs[i] = i < L ? w.G[(t0 + i) * z.Hv + h] : 0.0f;
-        Es[i] = expf(Gs[i]);
+// A chunk's q and k rows of key head hk (bf16, zero-padded to dk16) into Qs,
+// Ks by cp.async (committed, not waited for).
+__device__ __forceinline__ void stage_qk(const geo &z, const gdn_ws &w, int64_t t0, int L,
+                                         int64_t hk, bf16 *Qs, bf16 *Ks) {
+    const int64_t dk = z.dk, rs = z.Hk * dk, o = (t0 * z.Hk + hk) * dk;
+    const bool vec = vec_ok(w.qb, dk, rs) && vec_ok(w.kb, dk, rs);
+    if (Qs)
+        stage_async(Qs, (int)ldk(dk), w.qb + o, rs, L, dk, (int)pad16(dk), vec);
+    stage_async(Ks, (int)ldk(dk), w.kb + o, rs, L, dk, (int)pad16(dk), vec);
+    cp_commit();
+}
+
+// out_kernel's and dul_kernel's twins: G, e^G (CH); P (CH, CH); q, k (CH,
+// dk16); B: S0's block (dk16, BO) or dO's (CH, BO); U's block (CH, BO).
+// Everything but G and e^G only an operand of products: bf16.
+struct p_smem {
+    float *Gs, *Es;
+    bf16 *Ps, *Qs, *Ks, *Bs, *Us;
+    size_t bytes;
+    __host__ __device__ p_smem(void *base, int64_t dk) {
+        carve c(base);
+        const int64_t d16 = pad16(dk), rb = d16 > CH ? d16 : CH;
+        Gs = c.take<float>(CH), Es = c.take<float>(CH);
+        Ps = c.take<bf16>(CH * LDH), Qs = c.take<bf16>(CH * ldk(dk));
+        Ks = c.take<bf16>(CH * ldk(dk)), Bs = c.take<bf16>(rb * LDH), Us = c.take<bf16>(CH * LDH);
+        bytes = c.off;
     }
+};
+
+// The chunk's G, e^G and P (as chunk_p) with Q K^T on tensor cores, q and k
+// from qb, kb. Ends with a barrier (every cp.async group of the block waited for).
+__device__ void chunk_p_tc(const geo &z, const gdn_ws &w, int64_t t0, int L, int64_t h,
+                           const p_smem &m) {
+    const int64_t ldq = ldk(z.dk);
+    stage_qk(z, w, t0, L, h / z.grp, m.Qs, m.Ks);
+    for (int i = threadIdx.x; i < CH; i += NT) {
+        m.Gs[i] = i < L ? w.G[(t0 + i) * z.Hv + h] : 0.0f;
+        m.Es[i] = expf(m.Gs[i]);
+    }
+    cp_wait<0>();
     __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
+    const tile f;
     float acc[1][4][4] = {};
-    warp_mma<1, 4>(acc, Qs + r0 * ldq, (int)ldq, 1, Ks + c0 * ldq, 1, (int)ldq, (int)d16);
+    warp_mma<1, 4>(acc, m.Qs + f.r0 * ldq, (int)ldq, 1, m.Ks + f.c0 * ldq, 1, (int)ldq,
+                   (int)pad16(z.dk));
     for (int n = 0; n < 4; n++)
         for (int e = 0; e < 4; e++) {
-            const int i = r0 + g + 8 * (e >> 1), j = c0 + 8 * n + 2 * t + (e & 1);
-            Ps[i * LDA + j] = i < L && j <= i ? acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
+            const int i = f.i(e), j = f.j(n, e);
+            put(m.Ps + i * LDH + j,
+                i < L && j <= i ? acc[0][n][e] * expf(m.Gs[i] - m.Gs[j]) : 0.0f);
         }
     __syncthreads();
 }
@@ -109,64 +172,57 @@ __device__ void chunk_p_tc(const geo &z, const gdn_ws &w, int64_t t0, int L, int
 // out_kernel on tensor cores (bf16, dk <= 128): O = diag(e^G) Q S0 + P U
 // over BO columns of dv.
 __global__ void __launch_bounds__(NT) out_tc_kernel(geo z, gdn_ws w, loom_dtype dt, void *o) {
-    extern __shared__ float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    const int64_t rb = d16 > CH ? d16 : CH;
-    float *Ps = sm, *Qs = Ps + CH * LDA, *Ks = Qs + CH * ldq, *Gs = Ks + CH * ldq, *Es = Gs + CH;
-    float *Bs = Es + CH, *Us = Bs + rb * LDB;
+    extern __shared__ __align__(16) float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = ldk(dk);
+    const p_smem m(sm, dk);
     const int64_t c = blockIdx.x, h = blockIdx.y, b0 = (int64_t)blockIdx.z * BO;
     int64_t t0;
     int L;
     if (!chunk_of(z, w, c, &t0, &L))
         return;
-    chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
+    const int64_t urs = z.Hv * dv;
+    const bf16 *Uc = w.Uh + (t0 * z.Hv + h) * dv + b0; // row i at Uc + i Hv dv
+    stage_async(m.Us, LDH, Uc, urs, L, dv - b0 < BO ? dv - b0 : BO, BO, vec_ok(Uc, dv, urs));
     const float *S0 = w.S + (c * z.Hv + h) * dk * dv;
-    fill(Bs, LDB, (int)d16, BO,
+    fill(m.Bs, LDH, (int)d16, BO,
          [&](int a, int b) { return a < dk && b0 + b < dv ? S0[a * dv + b0 + b] : 0.0f; });
-    const float *Uc = w.U + (t0 * z.Hv + h) * dv + b0; // row i at Uc + i Hv dv
-    fill(Us, LDB, CH, BO,
-         [&](int i, int b) { return i < L && b0 + b < dv ? Uc[i * z.Hv * dv + b] : 0.0f; });
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
+    chunk_p_tc(z, w, t0, L, h, m); // its barriers cover the staging above
+    const tile f;
     float acc[1][4][4] = {};
-    warp_mma<1, 4>(acc, Qs + r0 * ldq, (int)ldq, 1, Bs + c0, LDB, 1, (int)d16);
+    warp_mma<1, 4>(acc, m.Qs + f.r0 * ldq, (int)ldq, 1, m.Bs + f.c0, LDH, 1, (int)d16);
     for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) acc[0][n][e] *= Es[r0 + g + 8 * (e >> 1)];
-    warp_mma<1, 4>(acc, Ps + r0 * LDA, LDA, 1, Us + c0, LDB, 1, CH);
+        for (int e = 0; e < 4; e++) acc[0][n][e] *= m.Es[f.i(e)];
+    warp_mma<1, 4>(acc, m.Ps + f.r0 * LDH, LDH, 1, m.Us + f.c0, LDH, 1, CH);
     for (int n = 0; n < 4; n++)
         for (int e = 0; e < 4; e++) {
-            const int i = r0 + g + 8 * (e >> 1);
-            const int64_t b = b0 + c0 + 8 * n + 2 * t + (e & 1);
+            const int i = f.i(e);
+            const int64_t b = b0 + f.j(n, e);
             if (i < L && b < dv) st(o, dt, ((t0 + i) * z.Hv + h) * dv + b, acc[0][n][e]);
         }
 }
 
-// dul_kernel on tensor cores: dU's local part P^T dO over BO columns.
+// dul_kernel on tensor cores: dU's local part P^T dO over BO columns (dO bf16).
 __global__ void __launch_bounds__(NT)
     dul_tc_kernel(geo z, gdn_ws w, const void *dout, loom_dtype dt) {
-    extern __shared__ float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    float *Ps = sm, *Qs = Ps + CH * LDA, *Ks = Qs + CH * ldq, *Gs = Ks + CH * ldq, *Es = Gs + CH;
-    float *Bs = Es + CH;
+    extern __shared__ __align__(16) float sm[];
+    const int64_t dv = z.dv;
+    const p_smem m(sm, z.dk);
     const int64_t c = blockIdx.x, h = blockIdx.y, b0 = (int64_t)blockIdx.z * BO;
     int64_t t0;
     int L;
     if (!chunk_of(z, w, c, &t0, &L))
         return;
-    chunk_p_tc(z, w, t0, L, h, Ps, Qs, Ks, Gs, Es);
-    fill(Bs, LDB, CH, BO, [&](int i, int b) {
-        return i < L && b0 + b < dv ? ld(dout, dt, ((t0 + i) * z.Hv + h) * dv + b0 + b) : 0.0f;
-    });
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
+    const int64_t ors = z.Hv * dv;
+    const bf16 *Oc = (const bf16 *)dout + (t0 * z.Hv + h) * dv + b0;
+    stage_async(m.Bs, LDH, Oc, ors, L, dv - b0 < BO ? dv - b0 : BO, BO, vec_ok(Oc, dv, ors));
+    chunk_p_tc(z, w, t0, L, h, m);
+    const tile f;
     float acc[1][4][4] = {};
-    warp_mma<1, 4>(acc, Ps + r0, 1, LDA, Bs + c0, LDB, 1, CH); // A = P^T
+    warp_mma<1, 4>(acc, m.Ps + f.r0, 1, LDH, m.Bs + f.c0, LDH, 1, CH); // A = P^T
     for (int n = 0; n < 4; n++)
         for (int e = 0; e < 4; e++) {
-            const int j = r0 + g + 8 * (e >> 1);
-            const int64_t b = b0 + c0 + 8 * n + 2 * t + (e & 1);
+            const int j = f.i(e);
+            const int64_t b = b0 + f.j(n, e);
             if (j < L && b < dv) w.dU[((t0 + j) * z.Hv + h) * dv + b] = acc[0][n][e];
         }
 }
@@ -221,25 +277,35 @@ __device__ void invert_unit_lower(const float *As, float *Ts) {
 // prep_kernel on tensor cores: G, A = strictly lower (beta_i k_i.k_j M_ij)
 // with K K^T by mma.sync, T = (I + A)^-1 by blocks (invert_unit_lower),
 // then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by mma.sync, BO
-// columns at a time. Shared: As, Ts (CH, LDA); Ks (CH, dk16 + 4); Xs (CH,
-// LDB); Gs, Bs (CH).
-size_t prep_tc_smem(int64_t dk) {
-    return (size_t)(2 * CH * LDA + CH * (pad16(dk) + 4) + CH * LDB + 2 * CH) * sizeof(float);
-}
+// columns at a time (W kept as bf16). Shared: As, Ts (CH, LDA); Ks (bf16);
+// Xs (bf16 (CH, BO)); Gs, Bs (CH).
+struct prep_smem {
+    float *As, *Ts, *Gs, *Bs;
+    bf16 *Ks, *Xs;
+    size_t bytes;
+    __host__ __device__ prep_smem(void *base, int64_t dk) {
+        carve c(base);
+        As = c.take<float>(CH * LDA), Ts = c.take<float>(CH * LDA);
+        Gs = c.take<float>(CH), Bs = c.take<float>(CH);
+        Ks = c.take<bf16>(CH * ldk(dk)), Xs = c.take<bf16>(CH * LDH);
+        bytes = c.off;
+    }
+};
 
 __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype dt,
                                                      const float *g, const float *beta, geo z,
                                                      gdn_ws w) {
-    extern __shared__ float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    float *As = sm, *Ts = As + CH * LDA, *Ks = Ts + CH * LDA, *Xs = Ks + CH * ldq;
-    float *Gs = Xs + CH * LDB, *Bs = Gs + CH;
+    extern __shared__ __align__(16) float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = ldk(dk);
+    const prep_smem m(sm, dk);
+    float *As = m.As, *Ts = m.Ts, *Gs = m.Gs, *Bs = m.Bs;
     const int64_t c = blockIdx.x, h = blockIdx.y, hk = h / z.grp;
     int64_t t0;
     int L;
     if (!chunk_of(z, w, c, &t0, &L))
         return;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t = lane & 3;
+    stage_qk(z, w, t0, L, hk, nullptr, m.Ks);
     if (tid == 0) {
         float acc = 0.0f;
         for (int i = 0; i < CH; i++) {
@@ -253,13 +319,12 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
     for (int i = tid; i < CH; i += NT)
         Bs[i] = i < L ? beta[(t0 + i) * z.Hv + h] : 0.0f;
     const float *kc = w.kn + (t0 * z.Hk + hk) * dk; // row i at kc + i Hk dk
-    fill(Ks, (int)ldq, CH, (int)d16,
-         [&](int i, int a) { return i < L && a < dk ? kc[i * z.Hk * dk + a] : 0.0f; });
+    cp_wait<0>();
     __syncthreads();
     const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
     { // A by tensor cores
         float acc[1][4][4] = {};
-        warp_mma<1, 4>(acc, Ks + r0 * ldq, (int)ldq, 1, Ks + c0 * ldq, 1, (int)ldq, (int)d16);
+        warp_mma<1, 4>(acc, m.Ks + r0 * ldq, (int)ldq, 1, m.Ks + c0 * ldq, 1, (int)ldq, (int)d16);
         float *Ag = w.A + (c * z.Hv + h) * CH * CH;
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
@@ -273,7 +338,7 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
     invert_unit_lower(As, Ts);
     for (int64_t b0 = 0; b0 < dv + dk; b0 += BO) { // X's columns, BO at a time
         __syncthreads(); // Ts complete; Xs free
-        fill(Xs, LDB, CH, BO, [&](int i, int b) {
+        fill(m.Xs, LDH, CH, BO, [&](int i, int b) {
             const int64_t col = b0 + b;
             if (i < L && col < dv)
                 return Bs[i] * ld(qkv, dt, (t0 + i) * z.C + 2 * z.Hk * dk + h * dv + col);
@@ -283,7 +348,7 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
         });
         __syncthreads();
         float acc[1][4][4] = {};
-        warp_mma<1, 4>(acc, Ts + r0 * LDA, LDA, 1, Xs + c0, LDB, 1, CH);
+        warp_mma<1, 4>(acc, Ts + r0 * LDA, LDA, 1, m.Xs + c0, LDH, 1, CH);
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 const int i = r0 + gq + 8 * (e >> 1);
@@ -293,40 +358,20 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
                 if (col < dv)
                     w.U0[row * dv + col] = acc[0][n][e];
                 else
-                    w.W[row * dk + (col - dv)] = acc[0][n][e];
+                    w.Wh[row * dk + (col - dv)] = __float2bfloat16_rn(acc[0][n][e]);
             }
     }
 }
 
 // The state passes, per (document, head, BVT columns): chains of chunks, so
-// each chunk's step is latency: its operands come by cp.async (16-byte
-// pieces, no conversion; plain loads where dk or dv is not a multiple of 4),
-// the forward's a chunk ahead, and the decays scale the small (CH, BVT)
-// side of each product instead of the staged (CH, dk) one. BVT columns a
-// block: half the fp32 kernels' BV, for twice the blocks (Qwen3.5-0.8B has
-// 16 value heads).
+// each chunk's step is latency: their operands come by cp.async (16-byte
+// pieces, no conversion; plain loads where a row is not a multiple of 16
+// bytes), the forward's a chunk ahead, with two blocks an SM (q, k and W in
+// bf16: their shared memory fits twice); the decays scale the small (CH,
+// BVT) side of each product instead of the staged (CH, dk) one. BVT
+// columns a block: half the fp32 kernels' BV, for twice the blocks
+// (Qwen3.5-0.8B has 16 value heads).
 constexpr int BVT = 16, LDS = BVT + 4, NNU = BVT / 16, NNS = BVT / 8;
-
-// Rows [0, CH) x columns [0, W) (W a multiple of 4) of dst (row stride ld,
-// 16-byte aligned) from src (row i at src + i rs), zero where i >= L or c >=
-// n: by cp.async when vec (n, rs multiples of 4, src 16-byte aligned), else
-// by plain loads. Neither committed nor waited for.
-__device__ __forceinline__ void stage_async(float *dst, int ld, const float *src, int64_t rs,
-                                            int L, int64_t n, int W, bool vec) {
-    const int q = W / 4;
-    for (int p = threadIdx.x; p < CH * q; p += NT) {
-        const int i = p / q, c = (p % q) * 4;
-        float *d = dst + i * ld + c;
-        const float *s = src + i * rs + c;
-        if (vec)
-            cp_async16(d, i < L && c < n ? s : src, i < L && c < n);
-        else
-            for (int e = 0; e < 4; e++)
-                d[e] = i < L && c + e < n ? s[e] : 0.0f;
-    }
-}
-
-__device__ __forceinline__ bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 // The passes' state (Ss: d16 rows of LDS) zeroed, with a barrier.
 __device__ __forceinline__ void zero_state(float *Ss, int64_t d16) {
@@ -343,35 +388,46 @@ __device__ __forceinline__ void store_state(float *Sg, const float *Ss, int64_t 
             Sg[(p / BVT) * dv + p % BVT] = Ss[(p / BVT) * LDS + p % BVT];
 }
 
-// state_fwd_kernel on tensor cores (bf16, dk <= 128): U = U0 - W S0 and
-// S <- e^G_L S + K^T (Ds U) (Ds_j = e^(G_L - G_j)) by mma.sync, the state
-// in fp32 shared memory (Ss: dk16 rows, zero past dk); W, K (CH, dk16 + 4)
-// and U0 (CH, BVT + 4) double-buffered, chunk c + 1's copied while c runs.
-size_t state_tc_smem(int64_t dk) {
-    const int64_t d16 = pad16(dk), ldq = d16 + 4;
-    return (size_t)(d16 * LDS + 4 * CH * ldq + 3 * CH * LDS + CH) * sizeof(float);
-}
+// state_fwd_kernel on tensor cores (bf16, dk <= 128): U = U0 - W S0 (kept
+// as bf16) and S <- e^G_L S + K^T (Ds U) (Ds_j = e^(G_L - G_j)) by
+// mma.sync, the state in fp32 shared memory (Ss: dk16 rows, zero past dk);
+// W, K (bf16) and U0 (CH, BVT + 4) double-buffered, chunk c + 1's copied
+// while c runs.
+struct state_fwd_smem {
+    float *Ss, *Ob, *Us, *Ds;
+    bf16 *Wb, *Kb;
+    size_t bytes;
+    __host__ __device__ state_fwd_smem(void *base, int64_t dk) {
+        carve c(base);
+        Ss = c.take<float>(pad16(dk) * LDS), Ob = c.take<float>(2 * CH * LDS);
+        Us = c.take<float>(CH * LDS), Ds = c.take<float>(CH);
+        Wb = c.take<bf16>(2 * CH * ldk(dk)), Kb = c.take<bf16>(2 * CH * ldk(dk));
+        bytes = c.off;
+    }
+};
 
 __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
-    extern __shared__ float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    float *Ss = sm, *Wb = Ss + d16 * LDS, *Kb = Wb + 2 * CH * ldq, *Ob = Kb + 2 * CH * ldq;
-    float *Us = Ob + 2 * CH * LDS, *Ds = Us + CH * LDS;
+    extern __shared__ __align__(16) float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = ldk(dk);
+    const state_fwd_smem m(sm, dk);
+    float *Ss = m.Ss, *Us = m.Us, *Ds = m.Ds;
     const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
     const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const bool vec = dk % 4 == 0 && dv % 4 == 0 && al16(w.W) && al16(w.kn) && al16(w.U0);
+    const int64_t wrs = z.Hv * dk, krs = z.Hk * dk, ors = z.Hv * dv;
+    const bool wv = vec_ok(w.Wh, dk, wrs), kv = vec_ok(w.kb, dk, krs);
+    const bool ov = vec_ok(w.U0, dv, ors);
     zero_state(Ss, d16);
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
     const auto prefetch = [&](int c, int buf) {
         const int64_t t0 = w.ct0[c];
         const int L = w.clen[c];
-        stage_async(Wb + buf * CH * ldq, (int)ldq, w.W + (t0 * z.Hv + h) * dk, z.Hv * dk, L, dk,
-                    (int)d16, vec);
-        stage_async(Kb + buf * CH * ldq, (int)ldq, w.kn + (t0 * z.Hk + hk) * dk, z.Hk * dk, L, dk,
-                    (int)d16, vec);
-        stage_async(Ob + buf * CH * LDS, LDS, w.U0 + (t0 * z.Hv + h) * dv + b0, z.Hv * dv, L, nb,
-                    BVT, vec);
+        stage_async(m.Wb + buf * CH * ldq, (int)ldq, w.Wh + (t0 * z.Hv + h) * dk, wrs, L, dk,
+                    (int)d16, wv);
+        stage_async(m.Kb + buf * CH * ldq, (int)ldq, w.kb + (t0 * z.Hk + hk) * dk, krs, L, dk,
+                    (int)d16, kv);
+        stage_async(m.Ob + buf * CH * LDS, LDS, w.U0 + (t0 * z.Hv + h) * dv + b0, ors, L, nb,
+                    BVT, ov);
         cp_commit();
     };
     if (c1 < c2)
@@ -391,18 +447,19 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
         else
             cp_wait<0>();
         __syncthreads(); // chunk c's W, K, U0; Ds
-        const float *Ws = Wb + buf * CH * ldq, *Ks = Kb + buf * CH * ldq, *Os = Ob + buf * CH * LDS;
+        const bf16 *Ws = m.Wb + buf * CH * ldq, *Ks = m.Kb + buf * CH * ldq;
+        const float *Os = m.Ob + buf * CH * LDS;
         { // U = U0 - W S: a 16 x 8 tile a warp
             const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
             float acc[1][NNU][4] = {};
             warp_mma<1, NNU>(acc, Ws + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
-            for (int m = 0; m < NNU; m++)
+            for (int mm = 0; mm < NNU; mm++)
                 for (int e = 0; e < 4; e++) {
-                    const int i = r0 + g + 8 * (e >> 1), b = q0 + 8 * m + 2 * t + (e & 1);
+                    const int i = r0 + g + 8 * (e >> 1), b = q0 + 8 * mm + 2 * t + (e & 1);
                     float u = 0.0f;
                     if (i < L && b < nb) {
-                        u = Os[i * LDS + b] - acc[0][m][e];
-                        w.U[((t0 + i) * z.Hv + h) * dv + b0 + b] = u;
+                        u = Os[i * LDS + b] - acc[0][mm][e];
+                        w.Uh[((t0 + i) * z.Hv + h) * dv + b0 + b] = __float2bfloat16_rn(u);
                     }
                     Us[i * LDS + b] = Ds[i] * u;
                 }
@@ -412,10 +469,10 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
         for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // S <- e^G_L S + K^T (Ds U)
             float acc[1][NNS][4] = {};
             warp_mma<1, NNS>(acc, Ks + r0, 1, (int)ldq, Us, LDS, 1, CH);
-            for (int m = 0; m < NNS; m++)
+            for (int mm = 0; mm < NNS; mm++)
                 for (int e = 0; e < 4; e++) {
-                    float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * m + 2 * t + (e & 1);
-                    *sp = eL * *sp + acc[0][m][e];
+                    float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * mm + 2 * t + (e & 1);
+                    *sp = eL * *sp + acc[0][mm][e];
                 }
         }
         __syncthreads(); // Ss complete; chunk c's buffers free
@@ -424,37 +481,43 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
 
 // state_bwd_kernel on tensor cores (bf16, dk <= 128): dU += Ds (K dS) and
 // dS <- e^G_L dS + Q^T (Es dO) - W^T dU (Es_i = e^G_i) by mma.sync; dS fp32
-// in shared memory (dk16 rows); K, Q, W (CH, dk16 + 4) and dU's and dO's
-// blocks (CH, BVT + 4) copied at once at each chunk's start (one round trip;
-// dO by plain loads, its dtype any).
-size_t state_bwd_tc_smem(int64_t dk) {
-    const int64_t d16 = pad16(dk), ldq = d16 + 4;
-    return (size_t)(d16 * LDS + 3 * CH * ldq + 3 * CH * LDS + 2 * CH) * sizeof(float);
-}
+// in shared memory (dk16 rows); K, Q, W (bf16) and dU's and dO's blocks
+// (CH, BVT + 4) copied at once at each chunk's start (one round trip; dO by
+// plain loads).
+struct state_bwd_smem {
+    float *Ss, *Us, *Os, *Vs, *Ds, *Es;
+    bf16 *Ks, *Qs, *Ws;
+    size_t bytes;
+    __host__ __device__ state_bwd_smem(void *base, int64_t dk) {
+        carve c(base);
+        Ss = c.take<float>(pad16(dk) * LDS), Us = c.take<float>(CH * LDS);
+        Os = c.take<float>(CH * LDS), Vs = c.take<float>(CH * LDS);
+        Ds = c.take<float>(CH), Es = c.take<float>(CH);
+        Ks = c.take<bf16>(CH * ldk(dk)), Qs = c.take<bf16>(CH * ldk(dk));
+        Ws = c.take<bf16>(CH * ldk(dk));
+        bytes = c.off;
+    }
+};
 
 __global__ void __launch_bounds__(NT)
     state_bwd_tc_kernel(geo z, gdn_ws w, const void *dout, loom_dtype dt) {
-    extern __shared__ float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = d16 + 4;
-    float *Ss = sm, *Ks = Ss + d16 * LDS, *Qs = Ks + CH * ldq, *Ws = Qs + CH * ldq;
-    float *Us = Ws + CH * ldq, *Os = Us + CH * LDS, *Vs = Os + CH * LDS, *Ds = Vs + CH * LDS;
-    float *Es = Ds + CH;
+    extern __shared__ __align__(16) float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = ldk(dk);
+    const state_bwd_smem m(sm, dk);
+    float *Ss = m.Ss, *Us = m.Us, *Os = m.Os, *Vs = m.Vs, *Ds = m.Ds, *Es = m.Es;
     const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
     const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const bool vec = dk % 4 == 0 && dv % 4 == 0 && al16(w.W) && al16(w.kn) && al16(w.qn) &&
-                     al16(w.dU);
+    const int64_t wrs = z.Hv * dk, ors = z.Hv * dv;
+    const bool wv = vec_ok(w.Wh, dk, wrs), uv = vec_ok(w.dU, dv, ors);
     zero_state(Ss, d16);
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
     for (int c = c2 - 1; c >= c1; c--) {
         const int64_t t0 = w.ct0[c];
         const int L = w.clen[c];
-        const int64_t rs = z.Hk * dk;
-        stage_async(Ks, (int)ldq, w.kn + (t0 * z.Hk + hk) * dk, rs, L, dk, (int)d16, vec);
-        stage_async(Qs, (int)ldq, w.qn + (t0 * z.Hk + hk) * dk, rs, L, dk, (int)d16, vec);
-        stage_async(Ws, (int)ldq, w.W + (t0 * z.Hv + h) * dk, z.Hv * dk, L, dk, (int)d16, vec);
-        stage_async(Vs, LDS, w.dU + (t0 * z.Hv + h) * dv + b0, z.Hv * dv, L, nb, BVT, vec);
-        cp_commit();
+        stage_async(m.Ws, (int)ldq, w.Wh + (t0 * z.Hv + h) * dk, wrs, L, dk, (int)d16, wv);
+        stage_async(Vs, LDS, w.dU + (t0 * z.Hv + h) * dv + b0, ors, L, nb, BVT, uv);
+        stage_qk(z, w, t0, L, hk, m.Qs, m.Ks); // commits the group
         const float GL = w.G[(t0 + L - 1) * z.Hv + h];
         for (int j = tid; j < CH; j += NT) {
             const float Gj = j < L ? w.G[(t0 + j) * z.Hv + h] : 0.0f;
@@ -470,13 +533,13 @@ __global__ void __launch_bounds__(NT)
         { // dU += Ds (K dS) into Us; Es dO over Os
             const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
             float acc[1][NNU][4] = {};
-            warp_mma<1, NNU>(acc, Ks + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
-            for (int m = 0; m < NNU; m++)
+            warp_mma<1, NNU>(acc, m.Ks + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
+            for (int mm = 0; mm < NNU; mm++)
                 for (int e = 0; e < 4; e++) {
-                    const int j = r0 + g + 8 * (e >> 1), b = q0 + 8 * m + 2 * t + (e & 1);
+                    const int j = r0 + g + 8 * (e >> 1), b = q0 + 8 * mm + 2 * t + (e & 1);
                     float du = 0.0f;
                     if (j < L && b < nb) {
-                        du = Ds[j] * acc[0][m][e] + Vs[j * LDS + b];
+                        du = Ds[j] * acc[0][mm][e] + Vs[j * LDS + b];
                         w.dU[((t0 + j) * z.Hv + h) * dv + b0 + b] = du;
                     }
                     Us[j * LDS + b] = du;
@@ -488,12 +551,12 @@ __global__ void __launch_bounds__(NT)
         // dS <- e^G_L dS + Q^T (Es dO) - W^T dU
         for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) {
             float aq[1][NNS][4] = {}, aw[1][NNS][4] = {};
-            warp_mma<1, NNS>(aq, Qs + r0, 1, (int)ldq, Os, LDS, 1, CH);
-            warp_mma<1, NNS>(aw, Ws + r0, 1, (int)ldq, Us, LDS, 1, CH);
-            for (int m = 0; m < NNS; m++)
+            warp_mma<1, NNS>(aq, m.Qs + r0, 1, (int)ldq, Os, LDS, 1, CH);
+            warp_mma<1, NNS>(aw, m.Ws + r0, 1, (int)ldq, Us, LDS, 1, CH);
+            for (int mm = 0; mm < NNS; mm++)
                 for (int e = 0; e < 4; e++) {
-                    float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * m + 2 * t + (e & 1);
-                    *sp = eL * *sp + aq[0][m][e] - aw[0][m][e];
+                    float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * mm + 2 * t + (e & 1);
+                    *sp = eL * *sp + aq[0][mm][e] - aw[0][mm][e];
                 }
         }
         __syncthreads(); // dS complete; the staging free
@@ -512,6 +575,7 @@ __global__ void __launch_bounds__(NT)
 // rows, each with one writer. Shared: five (CH, LDA) matrices As (A), Ts (T,
 // then C + C^T), DA (then C), DQ, QK (then KK); four (CH, LDB) blocks; the
 // vectors; q and k as bf16 (CH, dk64 + 8), zero past the chunk and past dk.
+constexpr int LDB = BO + 4; // row stride of chunk_bwd's fp32 (CH, BO) blocks
 constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
 __host__ __device__ inline int64_t pad64(int64_t d) { return (d + 63) / 64 * 64; }
 size_t bwd_tc_smem(int64_t dk) {
@@ -522,7 +586,7 @@ size_t bwd_tc_smem(int64_t dk) {
 __global__ void __launch_bounds__(NT)
     chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
                         geo z, gdn_ws w, void *dqkv, float *dg, float *dbeta) {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     __shared__ double red[WARPS];
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldh = pad64(dk) + 8, Hv = z.Hv;
     float *As = sm, *Ts = As + CH * LDA, *DA = Ts + CH * LDA, *DQ = DA + CH * LDA;
@@ -551,10 +615,14 @@ __global__ void __launch_bounds__(NT)
     chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
     const float *Ag = w.A + (c * Hv + h) * CH * CH;
     fill(As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
-    fill(Qh, (int)ldh, CH, (int)ldh - 8,
-         [&](int i, int a) { return i < L && a < dk ? qn[i * qs + a] : 0.0f; });
-    fill(Kh, (int)ldh, CH, (int)ldh - 8,
-         [&](int i, int a) { return i < L && a < dk ? kn[i * qs + a] : 0.0f; });
+    { // q and k (bf16) by cp.async
+        const int64_t o = (t0 * z.Hk + hk) * dk;
+        const bool vec = vec_ok(w.qb, dk, qs) && vec_ok(w.kb, dk, qs);
+        stage_async(Qh, (int)ldh, w.qb + o, qs, L, dk, (int)ldh - 8, vec);
+        stage_async(Kh, (int)ldh, w.kb + o, qs, L, dk, (int)ldh - 8, vec);
+        cp_commit();
+        cp_wait<0>();
+    }
     __syncthreads();
     invert_unit_lower(As, Ts);
     { // QK
@@ -570,7 +638,7 @@ __global__ void __launch_bounds__(NT)
             __syncthreads(); // S1, S2 free
             const auto in = [&](int i, int b) { return i < L && b0 + b < dv; };
             stage(S1, in, [&](int i, int b) { return ld(dout, dt, row(i) * dv + b0 + b); });
-            stage(S2, in, [&](int i, int b) { return w.U[row(i) * dv + b0 + b]; });
+            stage(S2, in, [&](int i, int b) { return to_f(w.Uh[row(i) * dv + b0 + b]); });
             __syncthreads();
             warp_mma<1, 4>(acc, S1 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDB, 1, LDB, BO);
         }
@@ -630,7 +698,7 @@ __global__ void __launch_bounds__(NT)
                 S4[f.i(e) * LDB + f.j(n, e)] = db[0][n][e];
         stage(S2, [&](int i, int b) { return i < L && b0 + b < ncol; },
               [&](int i, int b) {
-                  return isv ? w.U0[row(i) * dv + b0 + b] : w.W[row(i) * dk + b0 + b];
+                  return isv ? w.U0[row(i) * dv + b0 + b] : to_f(w.Wh[row(i) * dk + b0 + b]);
               });
         __syncthreads(); // dB, X complete
         warp_mma<1, 4>(da, S4 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDB, 1, LDB, BO);
@@ -706,7 +774,7 @@ __global__ void __launch_bounds__(NT)
             const auto in = [&](int i, int b) { return i < L && e0 + b < dv; };
             const auto ain = [&](int a, int b) { return a0 + a < dk && e0 + b < dv; };
             stage(S1, in, [&](int i, int b) { return ld(dout, dt, row(i) * dv + e0 + b); });
-            stage(S2, in, [&](int i, int b) { return w.U[row(i) * dv + e0 + b]; });
+            stage(S2, in, [&](int i, int b) { return to_f(w.Uh[row(i) * dv + e0 + b]); });
             stage(S3, ain, [&](int a, int b) { return S0[(a0 + a) * dv + e0 + b]; });
             stage(S4, ain, [&](int a, int b) { return dS[(a0 + a) * dv + e0 + b]; });
             for (int p = tid; p < CH * BO; p += NT)
@@ -801,22 +869,22 @@ namespace loom_gdn {
 
 loom_status tc_out(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w, loom_dtype dt,
                    void *o, cudaStream_t s) {
-    return launch(ctx, op, out_tc_kernel, chunk_grid(z), p_tc_smem(z.dk), s, z, w, dt, o);
+    return launch(ctx, op, out_tc_kernel, chunk_grid(z), p_smem(nullptr, z.dk).bytes, s, z, w, dt, o);
 }
 
 loom_status tc_dul(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                    const void *dout, loom_dtype dt, cudaStream_t s) {
-    return launch(ctx, op, dul_tc_kernel, chunk_grid(z), p_tc_smem(z.dk), s, z, w, dout, dt);
+    return launch(ctx, op, dul_tc_kernel, chunk_grid(z), p_smem(nullptr, z.dk).bytes, s, z, w, dout, dt);
 }
 
 loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          cudaStream_t s) {
-    return launch(ctx, op, state_fwd_tc_kernel, doc_grid(z), state_tc_smem(z.dk), s, z, w);
+    return launch(ctx, op, state_fwd_tc_kernel, doc_grid(z), state_fwd_smem(nullptr, z.dk).bytes, s, z, w);
 }
 
 loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          const void *dout, loom_dtype dt, cudaStream_t s) {
-    return launch(ctx, op, state_bwd_tc_kernel, doc_grid(z), state_bwd_tc_smem(z.dk), s, z, w,
+    return launch(ctx, op, state_bwd_tc_kernel, doc_grid(z), state_bwd_smem(nullptr, z.dk).bytes, s, z, w,
                   dout, dt);
 }
 
@@ -831,7 +899,7 @@ loom_status tc_prep(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype d
                     const float *g, const float *beta, const geo &z, const gdn_ws &w,
                     cudaStream_t s) {
     return launch(ctx, op, prep_tc_kernel, dim3((unsigned)z.NC, (unsigned)z.Hv),
-                  prep_tc_smem(z.dk), s, qkv, dt, g, beta, z, w);
+                  prep_smem(nullptr, z.dk).bytes, s, qkv, dt, g, beta, z, w);
 }
 
 } // namespace loom_gdn

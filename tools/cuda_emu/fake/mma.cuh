@@ -7,7 +7,8 @@
 //   ldmatrix .x4 / .x2 (.trans): lane l gives the address of row l % 8 of
 //     matrix l / 8; lane l receives, of each matrix j, the pair (row l / 4,
 //     columns 2 (l % 4) and + 1), or with .trans the transposed pair;
-//   cp.async: a plain copy (zeros when !valid), its commit and wait no-ops.
+//   cp.async: a plain copy (zeros when !valid), its commit and wait no-ops;
+//   a misaligned address aborts, as it faults on the GPU.
 // pre.py points the kernels' `#include "mma.cuh"` here.
 #ifndef LOOM_EMU_MMA_CUH
 #define LOOM_EMU_MMA_CUH
@@ -123,6 +124,10 @@ inline void ldsm_x2(uint32_t (&r)[2], const void *p) { emu_ldsm(r, p, 2, false);
 inline void ldsm_x2_t(uint32_t (&r)[2], const void *p) { emu_ldsm(r, p, 2, true); }
 
 inline void cp_async16(void *dst, const void *src, bool valid) {
+    if (((uintptr_t)dst & 15) || (valid && ((uintptr_t)src & 15))) { // the GPU faults on these
+        fprintf(stderr, "emu: cp.async of 16 bytes not 16-byte aligned (dst %p, src %p)\n", dst, src);
+        abort();
+    }
     if (valid) memcpy(dst, src, 16);
     else memset(dst, 0, 16);
 }
