@@ -573,15 +573,26 @@ __global__ void __launch_bounds__(NT)
 //   dq = SD + DQ K, dk = beta e^G dBk + TM + DQ^T Q + (C + C^T) K
 // a column block of 64 at a time; the row sums (dbeta, dG's) in fp32 by
 // rows, each with one writer. Shared: five (CH, LDA) matrices As (A), Ts (T,
-// then C + C^T), DA (then C), DQ, QK (then KK); four (CH, LDB) blocks; the
-// vectors; q and k as bf16 (CH, dk64 + 8), zero past the chunk and past dk.
-constexpr int LDB = BO + 4; // row stride of chunk_bwd's fp32 (CH, BO) blocks
+// then C + C^T), DA (then C), DQ, QK (then KK); the (CH, BO) blocks S1, S2,
+// S3 (bf16: only operands of products) and S4 (fp32: dB); the vectors; q
+// and k as bf16 (CH, dk64 + 8), zero past the chunk and past dk.
+constexpr int LDB = BO + 4; // row stride of chunk_bwd's fp32 (CH, BO) block
 constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
 __host__ __device__ inline int64_t pad64(int64_t d) { return (d + 63) / 64 * 64; }
-size_t bwd_tc_smem(int64_t dk) {
-    return (size_t)(5 * CH * LDA + 4 * CH * LDB + BWD_VECS * CH) * sizeof(float) +
-           (size_t)2 * CH * (pad64(dk) + 8) * sizeof(__nv_bfloat16);
-}
+struct bwd_smem {
+    float *As, *Ts, *DA, *DQ, *QK, *S4, *V;
+    bf16 *S1, *S2, *S3, *Qh, *Kh;
+    size_t bytes;
+    __host__ __device__ bwd_smem(void *base, int64_t dk) {
+        carve c(base);
+        As = c.take<float>(CH * LDA), Ts = c.take<float>(CH * LDA), DA = c.take<float>(CH * LDA);
+        DQ = c.take<float>(CH * LDA), QK = c.take<float>(CH * LDA), S4 = c.take<float>(CH * LDB);
+        V = c.take<float>(BWD_VECS * CH);
+        S1 = c.take<bf16>(CH * LDH), S2 = c.take<bf16>(CH * LDH), S3 = c.take<bf16>(CH * LDH);
+        Qh = c.take<bf16>(CH * (pad64(dk) + 8)), Kh = c.take<bf16>(CH * (pad64(dk) + 8));
+        bytes = c.off;
+    }
+};
 
 __global__ void __launch_bounds__(NT)
     chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
@@ -589,12 +600,12 @@ __global__ void __launch_bounds__(NT)
     extern __shared__ __align__(16) float sm[];
     __shared__ double red[WARPS];
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldh = pad64(dk) + 8, Hv = z.Hv;
-    float *As = sm, *Ts = As + CH * LDA, *DA = Ts + CH * LDA, *DQ = DA + CH * LDA;
-    float *QK = DQ + CH * LDA, *S1 = QK + CH * LDA, *S2 = S1 + CH * LDB, *S3 = S2 + CH * LDB;
-    float *S4 = S3 + CH * LDB, *Gs = S4 + CH * LDB, *Es = Gs + CH, *Dj = Es + CH, *Bs = Dj + CH;
+    const bwd_smem m(sm, dk);
+    float *As = m.As, *Ts = m.Ts, *DA = m.DA, *DQ = m.DQ, *QK = m.QK, *S4 = m.S4;
+    float *Gs = m.V, *Es = Gs + CH, *Dj = Es + CH, *Bs = Dj + CH;
     float *SV = Bs + CH, *SK = SV + CH, *RS = SK + CH, *CS = RS + CH, *DBE = CS + CH;
     float *DGs = DBE + CH, *PG = DGs + CH, *PD = PG + 4 * CH;
-    __nv_bfloat16 *Qh = (__nv_bfloat16 *)(PD + 4 * CH), *Kh = Qh + CH * ldh;
+    bf16 *S1 = m.S1, *S2 = m.S2, *S3 = m.S3, *Qh = m.Qh, *Kh = m.Kh;
     const int64_t c = blockIdx.x, h = blockIdx.y, hk = h / z.grp;
     int64_t t0;
     int L;
@@ -608,8 +619,18 @@ __global__ void __launch_bounds__(NT)
     auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
     auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
     // stages a (CH, BO) block: element (i, b) = at(i, b) where ok(i, b), else 0
-    auto stage = [&](float *dst, auto ok, auto at) {
-        fill(dst, LDB, CH, BO, [&](int i, int b) { return ok(i, b) ? at(i, b) : 0.0f; });
+    auto stage = [&](auto *dst, auto ok, auto at) {
+        fill(dst, sizeof(*dst) == 2 ? LDH : LDB, CH, BO,
+             [&](int i, int b) { return ok(i, b) ? at(i, b) : 0.0f; });
+    };
+    // dO's and U's rows of columns [b0, b0 + BO) into S1, S2 by cp.async (committed)
+    const int64_t vrs = Hv * dv;
+    const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
+    const bool ouv = vec_ok(Oc, dv, vrs) && vec_ok(Uc, dv, vrs);
+    auto stage_ou = [&](int64_t b0) {
+        stage_async(S1, LDH, Oc + b0, vrs, L, dv - b0, BO, ouv);
+        stage_async(S2, LDH, Uc + b0, vrs, L, dv - b0, BO, ouv);
+        cp_commit();
     };
 
     chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
@@ -636,11 +657,10 @@ __global__ void __launch_bounds__(NT)
         float acc[1][4][4] = {};
         for (int64_t b0 = 0; b0 < dv; b0 += BO) {
             __syncthreads(); // S1, S2 free
-            const auto in = [&](int i, int b) { return i < L && b0 + b < dv; };
-            stage(S1, in, [&](int i, int b) { return ld(dout, dt, row(i) * dv + b0 + b); });
-            stage(S2, in, [&](int i, int b) { return to_f(w.Uh[row(i) * dv + b0 + b]); });
+            stage_ou(b0);
+            cp_wait<0>();
             __syncthreads();
-            warp_mma<1, 4>(acc, S1 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDB, 1, LDB, BO);
+            warp_mma<1, 4>(acc, S1 + f.r0 * LDH, LDH, 1, S2 + f.c0 * LDH, 1, LDH, BO);
         }
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
@@ -683,7 +703,7 @@ __global__ void __launch_bounds__(NT)
                 stage(S3, [&](int a, int b) { return b0 + a < dk && e0 + b < dv; },
                       [&](int a, int b) { return S0[(b0 + a) * dv + e0 + b]; });
                 __syncthreads();
-                warp_mma<1, 4>(x, S1 + f.r0 * LDB, LDB, 1, S3 + f.c0 * LDB, 1, LDB, BO);
+                warp_mma<1, 4>(x, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
             }
             for (int n = 0; n < 4; n++)
                 for (int e = 0; e < 4; e++)
@@ -701,25 +721,42 @@ __global__ void __launch_bounds__(NT)
                   return isv ? w.U0[row(i) * dv + b0 + b] : to_f(w.Wh[row(i) * dk + b0 + b]);
               });
         __syncthreads(); // dB, X complete
-        warp_mma<1, 4>(da, S4 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDB, 1, LDB, BO);
-        for (int i = warp; i < L; i += WARPS) {
-            float dot = 0.0f;
-            for (int b = lane; b < BO; b += 32) {
-                const int64_t col = b0 + b;
-                if (col >= ncol)
-                    continue;
-                const float x = S4[i * LDB + b];
-                if (isv) {
-                    dot += ld(qkv, dt, vcol(i) + col) * x;
-                    st(dqkv, dt, vcol(i) + col, Bs[i] * x);
-                } else {
-                    dot += kn[i * qs + col] * x;
-                    w.dkh[row(i) * dk + col] = Bs[i] * Es[i] * x;
+        warp_mma<1, 4>(da, S4 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDH, 1, LDH, BO);
+        // each warp's rows' dots with v or k and its outputs, four rows' loads
+        // issued at once
+        static_assert(BO == 64, "a lane's two columns");
+        constexpr int RB = 4;
+        for (int i0 = warp; i0 < L; i0 += RB * WARPS) {
+            float xv[RB][2], yv[RB][2];
+#pragma unroll
+            for (int r = 0; r < RB; r++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const int i = i0 + WARPS * r;
+                    const int64_t col = b0 + lane + 32 * u;
+                    const bool ok = i < L && col < ncol;
+                    xv[r][u] = ok ? S4[i * LDB + lane + 32 * u] : 0.0f;
+                    yv[r][u] = !ok ? 0.0f : isv ? ld(qkv, dt, vcol(i) + col) : kn[i * qs + col];
                 }
+#pragma unroll
+            for (int r = 0; r < RB; r++) {
+                const int i = i0 + WARPS * r;
+                float dot = 0.0f;
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const int64_t col = b0 + lane + 32 * u;
+                    if (i >= L || col >= ncol)
+                        continue;
+                    dot += yv[r][u] * xv[r][u];
+                    if (isv)
+                        st(dqkv, dt, vcol(i) + col, Bs[i] * xv[r][u]);
+                    else
+                        w.dkh[row(i) * dk + col] = Bs[i] * Es[i] * xv[r][u];
+                }
+                dot = warp_sum(dot);
+                if (lane == 0 && i < L)
+                    (isv ? SV : SK)[i] += dot;
             }
-            dot = warp_sum(dot);
-            if (lane == 0)
-                (isv ? SV : SK)[i] += dot;
         }
     }
     for (int n = 0; n < 4; n++)
@@ -771,17 +808,32 @@ __global__ void __launch_bounds__(NT)
         float sd[1][4][4] = {}, tm[1][4][4] = {};
         for (int64_t e0 = 0; e0 < dv; e0 += BO) {
             __syncthreads(); // the blocks free (and Ts complete)
-            const auto in = [&](int i, int b) { return i < L && e0 + b < dv; };
-            const auto ain = [&](int a, int b) { return a0 + a < dk && e0 + b < dv; };
-            stage(S1, in, [&](int i, int b) { return ld(dout, dt, row(i) * dv + e0 + b); });
-            stage(S2, in, [&](int i, int b) { return to_f(w.Uh[row(i) * dv + e0 + b]); });
-            stage(S3, ain, [&](int a, int b) { return S0[(a0 + a) * dv + e0 + b]; });
-            stage(S4, ain, [&](int a, int b) { return dS[(a0 + a) * dv + e0 + b]; });
-            for (int p = tid; p < CH * BO; p += NT)
-                ss += (double)S3[(p / BO) * LDB + p % BO] * (double)S4[(p / BO) * LDB + p % BO];
+            stage_ou(e0);
+            // S0's and dS's blocks (S3 bf16, S4 fp32), 8 elements a thread a
+            // round; sum(S0 dS) from the fp32 values in the same order as before
+            for (int p0 = 0; p0 < CH * BO; p0 += 8 * NT) {
+                float s0[8], ds[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int p = p0 + u * NT + tid, a = p / BO, b = p % BO;
+                    const bool ok = p < CH * BO && a0 + a < dk && e0 + b < dv;
+                    s0[u] = ok ? S0[(a0 + a) * dv + e0 + b] : 0.0f;
+                    ds[u] = ok ? dS[(a0 + a) * dv + e0 + b] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int p = p0 + u * NT + tid, a = p / BO, b = p % BO;
+                    if (p >= CH * BO)
+                        continue;
+                    S3[a * LDH + b] = __float2bfloat16_rn(s0[u]);
+                    S4[a * LDB + b] = ds[u];
+                    ss += (double)s0[u] * (double)ds[u];
+                }
+            }
+            cp_wait<0>();
             __syncthreads();
-            warp_mma<1, 4>(sd, S1 + f.r0 * LDB, LDB, 1, S3 + f.c0 * LDB, 1, LDB, BO);
-            warp_mma<1, 4>(tm, S2 + f.r0 * LDB, LDB, 1, S4 + f.c0 * LDB, 1, LDB, BO);
+            warp_mma<1, 4>(sd, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
+            warp_mma<1, 4>(tm, S2 + f.r0 * LDH, LDH, 1, S4 + f.c0 * LDB, 1, LDB, BO);
         }
         float pg[2] = {0.0f, 0.0f}, pd[2] = {0.0f, 0.0f};
         for (int n = 0; n < 4; n++)
@@ -892,7 +944,7 @@ loom_status tc_chunk_bwd(loom_ctx *ctx, const char *op, const void *qkv, const v
                          loom_dtype dt, const float *beta, const geo &z, const gdn_ws &w,
                          void *dqkv, float *dg, float *dbeta, cudaStream_t s) {
     return launch(ctx, op, chunk_bwd_tc_kernel, dim3((unsigned)z.NC, (unsigned)z.Hv),
-                  bwd_tc_smem(z.dk), s, qkv, dout, dt, beta, z, w, dqkv, dg, dbeta);
+                  bwd_smem(nullptr, z.dk).bytes, s, qkv, dout, dt, beta, z, w, dqkv, dg, dbeta);
 }
 
 loom_status tc_prep(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt,
