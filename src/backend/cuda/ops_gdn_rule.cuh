@@ -93,6 +93,35 @@ __device__ __forceinline__ void fill(T *dst, int ld, int R, int W, F get) {
     }
 }
 
+// fill for two (R, W) arrays at once (d1 from g1, d2 from g2), 8 loads of
+// each in flight a thread: one round trip where two fills take two.
+template <typename T1, typename F1, typename T2, typename F2>
+__device__ __forceinline__ void fill2(T1 *d1, int ld1, F1 g1, T2 *d2, int ld2, F2 g2, int R,
+                                      int W) {
+    constexpr int B = 8;
+    const int di = NT / W, dc = NT % W;
+    int i = (int)threadIdx.x / W, c = (int)threadIdx.x % W;
+    while (i < R) {
+        float v1[B], v2[B];
+        int ii[B], cc[B];
+#pragma unroll
+        for (int u = 0; u < B; u++) {
+            ii[u] = i, cc[u] = c;
+            v1[u] = i < R ? g1(i, c) : 0.0f;
+            v2[u] = i < R ? g2(i, c) : 0.0f;
+            i += di, c += dc;
+            if (c >= W)
+                c -= W, i++;
+        }
+#pragma unroll
+        for (int u = 0; u < B; u++)
+            if (ii[u] < R) {
+                put(d1 + ii[u] * ld1 + cc[u], v1[u]);
+                put(d2 + ii[u] * ld2 + cc[u], v2[u]);
+            }
+    }
+}
+
 // A chunk's vectors for chunk_bwd_kernel and its twin, zero past L: G, e^G,
 // e^(G_L - G), beta (row i of (T, Hv) at (t0 + i) Hv + h), and SV, SK zeroed.
 __device__ __forceinline__ void chunk_vectors(const float *G, const float *beta, int64_t t0,
@@ -130,7 +159,8 @@ __device__ __forceinline__ void put_dg_dbeta(const float *DGs, const float *DBE,
 inline bool use_tc(loom_dtype dt, int64_t dk) { return dt == LOOM_BF16 && dk <= 128; }
 
 // The dynamic shared memory a kernel is launched with (refused past the device's opt-in).
-template <typename K> inline loom_status smem_for(loom_ctx *ctx, const char *op, K *kern, size_t bytes) {
+template <typename K>
+inline loom_status smem_for(loom_ctx *ctx, const char *op, K *kern, size_t bytes) {
     int dev = 0, optin = 0;
     loom_status st = check(ctx, cudaGetDevice(&dev), op);
     if (!st)

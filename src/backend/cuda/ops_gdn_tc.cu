@@ -618,11 +618,6 @@ __global__ void __launch_bounds__(NT)
     const float *qn = w.qn + (t0 * z.Hk + hk) * dk, *kn = w.kn + (t0 * z.Hk + hk) * dk;
     auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
     auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
-    // stages a (CH, BO) block: element (i, b) = at(i, b) where ok(i, b), else 0
-    auto stage = [&](auto *dst, auto ok, auto at) {
-        fill(dst, sizeof(*dst) == 2 ? LDH : LDB, CH, BO,
-             [&](int i, int b) { return ok(i, b) ? at(i, b) : 0.0f; });
-    };
     // dO's and U's rows of columns [b0, b0 + BO) into S1, S2 by cp.async (committed)
     const int64_t vrs = Hv * dv;
     const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
@@ -635,13 +630,13 @@ __global__ void __launch_bounds__(NT)
 
     chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
     const float *Ag = w.A + (c * Hv + h) * CH * CH;
-    fill(As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
-    { // q and k (bf16) by cp.async
+    { // q and k (bf16) by cp.async under A's loads
         const int64_t o = (t0 * z.Hk + hk) * dk;
         const bool vec = vec_ok(w.qb, dk, qs) && vec_ok(w.kb, dk, qs);
         stage_async(Qh, (int)ldh, w.qb + o, qs, L, dk, (int)ldh - 8, vec);
         stage_async(Kh, (int)ldh, w.kb + o, qs, L, dk, (int)ldh - 8, vec);
         cp_commit();
+        fill(As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
         cp_wait<0>();
     }
     __syncthreads();
@@ -690,18 +685,29 @@ __global__ void __launch_bounds__(NT)
     for (int64_t cb = 0; cb < nbv + nbk; cb++) {
         const bool isv = cb < nbv;
         const int64_t b0 = (isv ? cb : cb - nbv) * BO, ncol = isv ? dv : dk;
-        if (isv) {
-            __syncthreads(); // S4 free
-            stage(S4, [&](int i, int b) { return i < L && b0 + b < dv; },
-                  [&](int i, int b) { return w.dU[row(i) * dv + b0 + b]; });
-        } else { // dX = -dU S0^T over this block's keys
+        __syncthreads(); // S2, S4 free
+        if (isv) { // dX = dU's block (S4) with X = U0's (S2) in one round trip
+            const auto in = [&](int i, int b) { return i < L && b0 + b < dv; };
+            fill2(
+                S4, LDB, [&](int i, int b) { return in(i, b) ? w.dU[row(i) * dv + b0 + b] : 0.0f; },
+                S2, LDH, [&](int i, int b) { return in(i, b) ? w.U0[row(i) * dv + b0 + b] : 0.0f; },
+                CH, BO);
+        } else { // X = W's block by cp.async, under dX = -dU S0^T over this block's keys
+            const bf16 *Wc = w.Wh + row(0) * dk + b0;
+            stage_async(S2, LDH, Wc, Hv * dk, L, dk - b0, BO, vec_ok(Wc, dk, Hv * dk));
+            cp_commit();
             float x[1][4][4] = {};
             for (int64_t e0 = 0; e0 < dv; e0 += BO) {
                 __syncthreads(); // S1, S3 free
-                stage(S1, [&](int i, int b) { return i < L && e0 + b < dv; },
-                      [&](int i, int b) { return w.dU[row(i) * dv + e0 + b]; });
-                stage(S3, [&](int a, int b) { return b0 + a < dk && e0 + b < dv; },
-                      [&](int a, int b) { return S0[(b0 + a) * dv + e0 + b]; });
+                const auto in = [&](int i, int b) { return i < L && e0 + b < dv; };
+                const auto ain = [&](int a, int b) { return b0 + a < dk && e0 + b < dv; };
+                const auto du = [&](int i, int b) {
+                    return in(i, b) ? w.dU[row(i) * dv + e0 + b] : 0.0f;
+                };
+                const auto s0 = [&](int a, int b) {
+                    return ain(a, b) ? S0[(b0 + a) * dv + e0 + b] : 0.0f;
+                };
+                fill2(S1, LDH, du, S3, LDH, s0, CH, BO);
                 __syncthreads();
                 warp_mma<1, 4>(x, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
             }
@@ -716,10 +722,7 @@ __global__ void __launch_bounds__(NT)
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++)
                 S4[f.i(e) * LDB + f.j(n, e)] = db[0][n][e];
-        stage(S2, [&](int i, int b) { return i < L && b0 + b < ncol; },
-              [&](int i, int b) {
-                  return isv ? w.U0[row(i) * dv + b0 + b] : to_f(w.Wh[row(i) * dk + b0 + b]);
-              });
+        cp_wait<0>();
         __syncthreads(); // dB, X complete
         warp_mma<1, 4>(da, S4 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDH, 1, LDH, BO);
         // each warp's rows' dots with v or k and its outputs, four rows' loads
@@ -921,23 +924,26 @@ namespace loom_gdn {
 
 loom_status tc_out(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w, loom_dtype dt,
                    void *o, cudaStream_t s) {
-    return launch(ctx, op, out_tc_kernel, chunk_grid(z), p_smem(nullptr, z.dk).bytes, s, z, w, dt, o);
+    const size_t b = p_smem(nullptr, z.dk).bytes;
+    return launch(ctx, op, out_tc_kernel, chunk_grid(z), b, s, z, w, dt, o);
 }
 
 loom_status tc_dul(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                    const void *dout, loom_dtype dt, cudaStream_t s) {
-    return launch(ctx, op, dul_tc_kernel, chunk_grid(z), p_smem(nullptr, z.dk).bytes, s, z, w, dout, dt);
+    const size_t b = p_smem(nullptr, z.dk).bytes;
+    return launch(ctx, op, dul_tc_kernel, chunk_grid(z), b, s, z, w, dout, dt);
 }
 
 loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          cudaStream_t s) {
-    return launch(ctx, op, state_fwd_tc_kernel, doc_grid(z), state_fwd_smem(nullptr, z.dk).bytes, s, z, w);
+    const size_t b = state_fwd_smem(nullptr, z.dk).bytes;
+    return launch(ctx, op, state_fwd_tc_kernel, doc_grid(z), b, s, z, w);
 }
 
 loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          const void *dout, loom_dtype dt, cudaStream_t s) {
-    return launch(ctx, op, state_bwd_tc_kernel, doc_grid(z), state_bwd_smem(nullptr, z.dk).bytes, s, z, w,
-                  dout, dt);
+    const size_t b = state_bwd_smem(nullptr, z.dk).bytes;
+    return launch(ctx, op, state_bwd_tc_kernel, doc_grid(z), b, s, z, w, dout, dt);
 }
 
 loom_status tc_chunk_bwd(loom_ctx *ctx, const char *op, const void *qkv, const void *dout,
