@@ -28,30 +28,58 @@ static_assert(TCW == 8, "the tensor-core kernels split 64 x 64 among 8 warps");
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// A warp's (16 MT) x (8 NN) tile of C += A B, K a multiple of 16: element
-// (i, k) of A at A[i ars + k acs], (k, n) of B at B[k brs + n bcs] (fp32 or
-// bf16 in shared memory). Accumulator (m, n, e) is C's row 16 m + g + 8
-// (e >> 1), column 8 n + 2 t + (e & 1), g = lane / 4, t = lane % 4
-// (mma.cuh's table).
+// A product's fragments from shared memory: element (i, k) of A at A[i ars
+// + k acs], (k, n) of B at B[k brs + n bcs]. A bf16 operand stored with
+// one of its strides 1 (rows 16-byte aligned) comes by ldmatrix, plain or
+// .trans; any other (fp32) element by element, rounded to bf16 as it is
+// packed. Either way the same bits.
+using M16 = mma_type<__nv_bfloat16>;
+template <typename T>
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const T *A, int ars, int acs, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const T *r0 = A + g * ars + 2 * t * acs, *r1 = r0 + 8 * ars;
+    a[0] = M16::pack(to_f(r0[0]), to_f(r0[acs]));
+    a[1] = M16::pack(to_f(r1[0]), to_f(r1[acs]));
+    a[2] = M16::pack(to_f(r0[8 * acs]), to_f(r0[9 * acs]));
+    a[3] = M16::pack(to_f(r1[8 * acs]), to_f(r1[9 * acs]));
+}
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const __nv_bfloat16 *A, int ars, int acs,
+                                       int lane) {
+    if (acs == 1)
+        ldsm_x4(a, a_addr(A, ars, 0, 0, lane));
+    else
+        ldsm_x4_t(a, at_addr(A, acs, 0, 0, lane));
+}
+template <typename T>
+__device__ __forceinline__ void frag_b(uint32_t (&b)[2], const T *B, int brs, int bcs, int lane) {
+    const T *c = B + 2 * (lane & 3) * brs + (lane >> 2) * bcs;
+    b[0] = M16::pack(to_f(c[0]), to_f(c[brs]));
+    b[1] = M16::pack(to_f(c[8 * brs]), to_f(c[9 * brs]));
+}
+__device__ __forceinline__ void frag_b(uint32_t (&b)[2], const __nv_bfloat16 *B, int brs, int bcs,
+                                       int lane) {
+    if (bcs == 1)
+        ldsm_x2_t(b, bt1_addr(B, brs, 0, 0, lane));
+    else
+        ldsm_x2(b, b1_addr(B, bcs, 0, 0, lane));
+}
+
+// A warp's (16 MT) x (8 NN) tile of C += A B, K a multiple of 16 (A, B as
+// frag_a's, fp32 or bf16 in shared memory). Accumulator (m, n, e) is C's
+// row 16 m + g + 8 (e >> 1), column 8 n + 2 t + (e & 1), g = lane / 4, t =
+// lane % 4 (mma.cuh's table).
 template <int MT, int NN, typename TA, typename TB>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NN][4], const TA *A, int ars,
                                          int acs, const TB *B, int brs, int bcs, int K) {
-    using M = mma_type<__nv_bfloat16>;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31;
     for (int k0 = 0; k0 < K; k0 += 16) {
         uint32_t a[MT][4];
-        for (int m = 0; m < MT; m++) {
-            const TA *r0 = A + (16 * m + g) * ars + (k0 + 2 * t) * acs, *r1 = r0 + 8 * ars;
-            a[m][0] = M::pack(to_f(r0[0]), to_f(r0[acs]));
-            a[m][1] = M::pack(to_f(r1[0]), to_f(r1[acs]));
-            a[m][2] = M::pack(to_f(r0[8 * acs]), to_f(r0[9 * acs]));
-            a[m][3] = M::pack(to_f(r1[8 * acs]), to_f(r1[9 * acs]));
-        }
+        for (int m = 0; m < MT; m++)
+            frag_a(a[m], A + 16 * m * ars + k0 * acs, ars, acs, lane);
         for (int n = 0; n < NN; n++) {
-            const TB *c = B + (k0 + 2 * t) * brs + (8 * n + g) * bcs;
-            const uint32_t b0 = M::pack(to_f(c[0]), to_f(c[brs])),
-                           b1 = M::pack(to_f(c[8 * brs]), to_f(c[9 * brs]));
-            for (int m = 0; m < MT; m++) M::mma(acc[m][n], a[m], b0, b1);
+            uint32_t b[2];
+            frag_b(b, B + k0 * brs + 8 * n * bcs, brs, bcs, lane);
+            for (int m = 0; m < MT; m++) M16::mma(acc[m][n], a[m], b[0], b[1]);
         }
     }
 }

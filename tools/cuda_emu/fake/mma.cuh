@@ -99,6 +99,11 @@ struct emu_ldsm_lane {
 inline void emu_ldsm_warp(void *const *lanes) {
     const emu_ldsm_lane *x0 = (const emu_ldsm_lane *)lanes[0];
     const int n = x0->n;
+    for (int l = 0; l < 8 * n; l++) // the rows' addresses: 16-byte aligned on the GPU
+        if ((uintptr_t)((const emu_ldsm_lane *)lanes[l])->row & 15) {
+            fprintf(stderr, "emu: ldmatrix row address of lane %d not 16-byte aligned\n", l);
+            abort();
+        }
     for (int l = 0; l < 32; l++)
         for (int j = 0; j < n; j++) {
             const int g = l / 4, t = l % 4;
