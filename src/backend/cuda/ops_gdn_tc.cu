@@ -305,17 +305,18 @@ __device__ void invert_unit_lower(const float *As, float *Ts) {
 // prep_kernel on tensor cores: G, A = strictly lower (beta_i k_i.k_j M_ij)
 // with K K^T by mma.sync, T = (I + A)^-1 by blocks (invert_unit_lower),
 // then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by mma.sync, BO
-// columns at a time (W kept as bf16). Shared: As, Ts (CH, LDA); Ks (bf16);
-// Xs (bf16 (CH, BO)); Gs, Bs (CH).
+// columns at a time (W kept as bf16). Shared: As, Ts (CH, LDA); Gs, Bs
+// (CH); bf16 Ks, Tb (T's rounding), Xs (CH, BO).
 struct prep_smem {
     float *As, *Ts, *Gs, *Bs;
-    bf16 *Ks, *Xs;
+    bf16 *Ks, *Tb, *Xs;
     size_t bytes;
     __host__ __device__ prep_smem(void *base, int64_t dk) {
         carve c(base);
         As = c.take<float>(CH * LDA), Ts = c.take<float>(CH * LDA);
         Gs = c.take<float>(CH), Bs = c.take<float>(CH);
-        Ks = c.take<bf16>(CH * ldk(dk)), Xs = c.take<bf16>(CH * LDH);
+        Ks = c.take<bf16>(CH * ldk(dk)), Tb = c.take<bf16>(CH * LDH);
+        Xs = c.take<bf16>(CH * LDH);
         bytes = c.off;
     }
 };
@@ -364,8 +365,10 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
     }
     __syncthreads();
     invert_unit_lower(As, Ts);
+    for (int p = tid; p < CH * CH; p += NT)
+        m.Tb[(p / CH) * LDH + p % CH] = __float2bfloat16_rn(Ts[(p / CH) * LDA + p % CH]);
     for (int64_t b0 = 0; b0 < dv + dk; b0 += BO) { // X's columns, BO at a time
-        __syncthreads(); // Ts complete; Xs free
+        __syncthreads(); // Tb complete; Xs free
         fill(m.Xs, LDH, CH, BO, [&](int i, int b) {
             const int64_t col = b0 + b;
             if (i < L && col < dv)
@@ -376,7 +379,7 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
         });
         __syncthreads();
         float acc[1][4][4] = {};
-        warp_mma<1, 4>(acc, Ts + r0 * LDA, LDA, 1, m.Xs + c0, LDH, 1, CH);
+        warp_mma<1, 4>(acc, m.Tb + r0 * LDH, LDH, 1, m.Xs + c0, LDH, 1, CH);
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 const int i = r0 + gq + 8 * (e >> 1);
@@ -399,13 +402,30 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
 // BVT) side of each product instead of the staged (CH, dk) one. BVT
 // columns a block: half the fp32 kernels' BV, for twice the blocks
 // (Qwen3.5-0.8B has 16 value heads).
-constexpr int BVT = 16, LDS = BVT + 4, NNU = BVT / 16, NNS = BVT / 8;
+constexpr int BVT = 16, LDS = BVT + 4, LDSH = BVT + 8, NNU = BVT / 16, NNS = BVT / 8;
 
-// The passes' state (Ss: d16 rows of LDS) zeroed, with a barrier.
-__device__ __forceinline__ void zero_state(float *Ss, int64_t d16) {
+// The passes' state (Ss: d16 rows of LDS) and its bf16 rounding (Sh: rows of
+// LDSH, the products' operand) zeroed, with a barrier.
+__device__ __forceinline__ void zero_state(float *Ss, bf16 *Sh, int64_t d16) {
     for (int64_t p = threadIdx.x; p < d16 * LDS; p += NT)
         Ss[p] = 0.0f;
+    for (int64_t p = threadIdx.x; p < d16 * LDSH; p += NT)
+        Sh[p] = __float2bfloat16_rn(0.0f);
     __syncthreads();
+}
+
+// A warp's tile of the state (rows r0 on): S <- next(S, mm, e) for its
+// accumulator (mm, e), in fp32 and its bf16 rounding.
+template <typename F>
+__device__ __forceinline__ void update_state(float *Ss, bf16 *Sh, int r0, F next) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int mm = 0; mm < NNS; mm++)
+        for (int e = 0; e < 4; e++) {
+            const int i = r0 + g + 8 * (e >> 1), b = 8 * mm + 2 * t + (e & 1);
+            const float v = next(Ss[i * LDS + b], mm, e);
+            Ss[i * LDS + b] = v;
+            Sh[i * LDSH + b] = __float2bfloat16_rn(v);
+        }
 }
 
 // Ss's first nb columns of dk rows to the (dk, dv) block at Sg.
@@ -422,13 +442,14 @@ __device__ __forceinline__ void store_state(float *Sg, const float *Ss, int64_t 
 // W, K (bf16) and U0 (CH, BVT + 4) double-buffered, chunk c + 1's copied
 // while c runs.
 struct state_fwd_smem {
-    float *Ss, *Ob, *Us, *Ds;
-    bf16 *Wb, *Kb;
+    float *Ss, *Ob, *Ds;
+    bf16 *Sh, *Us, *Wb, *Kb;
     size_t bytes;
     __host__ __device__ state_fwd_smem(void *base, int64_t dk) {
         carve c(base);
         Ss = c.take<float>(pad16(dk) * LDS), Ob = c.take<float>(2 * CH * LDS);
-        Us = c.take<float>(CH * LDS), Ds = c.take<float>(CH);
+        Ds = c.take<float>(CH), Sh = c.take<bf16>(pad16(dk) * LDSH);
+        Us = c.take<bf16>(CH * LDSH);
         Wb = c.take<bf16>(2 * CH * ldk(dk)), Kb = c.take<bf16>(2 * CH * ldk(dk));
         bytes = c.off;
     }
@@ -438,14 +459,15 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
     extern __shared__ __align__(16) float sm[];
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = ldk(dk);
     const state_fwd_smem m(sm, dk);
-    float *Ss = m.Ss, *Us = m.Us, *Ds = m.Ds;
+    float *Ss = m.Ss, *Ds = m.Ds;
+    bf16 *Sh = m.Sh, *Us = m.Us;
     const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
     const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int64_t wrs = z.Hv * dk, krs = z.Hk * dk, ors = z.Hv * dv;
     const bool wv = vec_ok(w.Wh, dk, wrs), kv = vec_ok(w.kb, dk, krs);
     const bool ov = vec_ok(w.U0, dv, ors);
-    zero_state(Ss, d16);
+    zero_state(Ss, Sh, d16);
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
     const auto prefetch = [&](int c, int buf) {
         const int64_t t0 = w.ct0[c];
@@ -480,7 +502,7 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
         { // U = U0 - W S: a 16 x 8 tile a warp
             const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
             float acc[1][NNU][4] = {};
-            warp_mma<1, NNU>(acc, Ws + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
+            warp_mma<1, NNU>(acc, Ws + r0 * ldq, (int)ldq, 1, Sh + q0, LDSH, 1, (int)d16);
             for (int mm = 0; mm < NNU; mm++)
                 for (int e = 0; e < 4; e++) {
                     const int i = r0 + g + 8 * (e >> 1), b = q0 + 8 * mm + 2 * t + (e & 1);
@@ -489,19 +511,16 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
                         u = Os[i * LDS + b] - acc[0][mm][e];
                         w.Uh[((t0 + i) * z.Hv + h) * dv + b0 + b] = __float2bfloat16_rn(u);
                     }
-                    Us[i * LDS + b] = Ds[i] * u;
+                    Us[i * LDSH + b] = __float2bfloat16_rn(Ds[i] * u);
                 }
         }
         __syncthreads();
         const float eL = expf(GL);
         for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) { // S <- e^G_L S + K^T (Ds U)
             float acc[1][NNS][4] = {};
-            warp_mma<1, NNS>(acc, Ks + r0, 1, (int)ldq, Us, LDS, 1, CH);
-            for (int mm = 0; mm < NNS; mm++)
-                for (int e = 0; e < 4; e++) {
-                    float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * mm + 2 * t + (e & 1);
-                    *sp = eL * *sp + acc[0][mm][e];
-                }
+            warp_mma<1, NNS>(acc, Ks + r0, 1, (int)ldq, Us, LDSH, 1, CH);
+            update_state(Ss, Sh, r0,
+                         [&](float v, int mm, int e) { return eL * v + acc[0][mm][e]; });
         }
         __syncthreads(); // Ss complete; chunk c's buffers free
     }
@@ -513,12 +532,13 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
 // (CH, BVT + 4) copied at once at each chunk's start (one round trip; dO by
 // plain loads).
 struct state_bwd_smem {
-    float *Ss, *Us, *Os, *Vs, *Ds, *Es;
-    bf16 *Ks, *Qs, *Ws;
+    float *Ss, *Os, *Vs, *Ds, *Es;
+    bf16 *Sh, *Us, *Oh, *Ks, *Qs, *Ws;
     size_t bytes;
     __host__ __device__ state_bwd_smem(void *base, int64_t dk) {
         carve c(base);
-        Ss = c.take<float>(pad16(dk) * LDS), Us = c.take<float>(CH * LDS);
+        Ss = c.take<float>(pad16(dk) * LDS), Sh = c.take<bf16>(pad16(dk) * LDSH);
+        Us = c.take<bf16>(CH * LDSH), Oh = c.take<bf16>(CH * LDSH);
         Os = c.take<float>(CH * LDS), Vs = c.take<float>(CH * LDS);
         Ds = c.take<float>(CH), Es = c.take<float>(CH);
         Ks = c.take<bf16>(CH * ldk(dk)), Qs = c.take<bf16>(CH * ldk(dk));
@@ -532,13 +552,14 @@ __global__ void __launch_bounds__(NT)
     extern __shared__ __align__(16) float sm[];
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = ldk(dk);
     const state_bwd_smem m(sm, dk);
-    float *Ss = m.Ss, *Us = m.Us, *Os = m.Os, *Vs = m.Vs, *Ds = m.Ds, *Es = m.Es;
+    float *Ss = m.Ss, *Os = m.Os, *Vs = m.Vs, *Ds = m.Ds, *Es = m.Es;
+    bf16 *Sh = m.Sh, *Us = m.Us, *Oh = m.Oh;
     const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
     const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int64_t wrs = z.Hv * dk, ors = z.Hv * dv;
     const bool wv = vec_ok(w.Wh, dk, wrs), uv = vec_ok(w.dU, dv, ors);
-    zero_state(Ss, d16);
+    zero_state(Ss, Sh, d16);
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
     for (int c = c2 - 1; c >= c1; c--) {
         const int64_t t0 = w.ct0[c];
@@ -561,7 +582,7 @@ __global__ void __launch_bounds__(NT)
         { // dU += Ds (K dS) into Us; Es dO over Os
             const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
             float acc[1][NNU][4] = {};
-            warp_mma<1, NNU>(acc, m.Ks + r0 * ldq, (int)ldq, 1, Ss + q0, LDS, 1, (int)d16);
+            warp_mma<1, NNU>(acc, m.Ks + r0 * ldq, (int)ldq, 1, Sh + q0, LDSH, 1, (int)d16);
             for (int mm = 0; mm < NNU; mm++)
                 for (int e = 0; e < 4; e++) {
                     const int j = r0 + g + 8 * (e >> 1), b = q0 + 8 * mm + 2 * t + (e & 1);
@@ -570,8 +591,8 @@ __global__ void __launch_bounds__(NT)
                         du = Ds[j] * acc[0][mm][e] + Vs[j * LDS + b];
                         w.dU[((t0 + j) * z.Hv + h) * dv + b0 + b] = du;
                     }
-                    Us[j * LDS + b] = du;
-                    Os[j * LDS + b] *= Es[j];
+                    Us[j * LDSH + b] = __float2bfloat16_rn(du);
+                    Oh[j * LDSH + b] = __float2bfloat16_rn(Os[j * LDS + b] * Es[j]);
                 }
         }
         __syncthreads();
@@ -579,13 +600,11 @@ __global__ void __launch_bounds__(NT)
         // dS <- e^G_L dS + Q^T (Es dO) - W^T dU
         for (int r0 = 16 * warp; r0 < d16; r0 += 16 * TCW) {
             float aq[1][NNS][4] = {}, aw[1][NNS][4] = {};
-            warp_mma<1, NNS>(aq, m.Qs + r0, 1, (int)ldq, Os, LDS, 1, CH);
-            warp_mma<1, NNS>(aw, m.Ws + r0, 1, (int)ldq, Us, LDS, 1, CH);
-            for (int mm = 0; mm < NNS; mm++)
-                for (int e = 0; e < 4; e++) {
-                    float *sp = Ss + (r0 + g + 8 * (e >> 1)) * LDS + 8 * mm + 2 * t + (e & 1);
-                    *sp = eL * *sp + aq[0][mm][e] - aw[0][mm][e];
-                }
+            warp_mma<1, NNS>(aq, m.Qs + r0, 1, (int)ldq, Oh, LDSH, 1, CH);
+            warp_mma<1, NNS>(aw, m.Ws + r0, 1, (int)ldq, Us, LDSH, 1, CH);
+            update_state(Ss, Sh, r0, [&](float v, int mm, int e) {
+                return eL * v + aq[0][mm][e] - aw[0][mm][e];
+            });
         }
         __syncthreads(); // dS complete; the staging free
     }
@@ -600,23 +619,26 @@ __global__ void __launch_bounds__(NT)
 //   SD = e^G dO S0^T, TM = e^(G_L - G) U dS^T
 //   dq = SD + DQ K, dk = beta e^G dBk + TM + DQ^T Q + (C + C^T) K
 // a column block of 64 at a time; the row sums (dbeta, dG's) in fp32 by
-// rows, each with one writer. Shared: five (CH, LDA) matrices As (A), Ts (T,
-// then C + C^T), DA (then C), DQ, QK (then KK); the (CH, BO) blocks S1, S2,
-// S3 (bf16: only operands of products) and S4 (fp32: dB); the vectors; q
-// and k as bf16 (CH, dk64 + 8), zero past the chunk and past dk.
+// rows, each with one writer. Shared: five fp32 (CH, LDA) matrices As (A),
+// Ts (T), DA (then C), DQ, QK (then KK); the products' bf16 operands Tb (T,
+// then C + C^T) and DQb (DQ); the (CH, BO) blocks S1, S2, S3, S5 (bf16) and
+// S4 (fp32: dB); the vectors; q and k as bf16 (CH, dk64 + 8), zero past
+// the chunk and past dk.
 constexpr int LDB = BO + 4; // row stride of chunk_bwd's fp32 (CH, BO) block
 constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
 __host__ __device__ inline int64_t pad64(int64_t d) { return (d + 63) / 64 * 64; }
 struct bwd_smem {
     float *As, *Ts, *DA, *DQ, *QK, *S4, *V;
-    bf16 *S1, *S2, *S3, *Qh, *Kh;
+    bf16 *Tb, *DQb, *S1, *S2, *S3, *S5, *Qh, *Kh;
     size_t bytes;
     __host__ __device__ bwd_smem(void *base, int64_t dk) {
         carve c(base);
         As = c.take<float>(CH * LDA), Ts = c.take<float>(CH * LDA), DA = c.take<float>(CH * LDA);
         DQ = c.take<float>(CH * LDA), QK = c.take<float>(CH * LDA), S4 = c.take<float>(CH * LDB);
         V = c.take<float>(BWD_VECS * CH);
+        Tb = c.take<bf16>(CH * LDH), DQb = c.take<bf16>(CH * LDH);
         S1 = c.take<bf16>(CH * LDH), S2 = c.take<bf16>(CH * LDH), S3 = c.take<bf16>(CH * LDH);
+        S5 = c.take<bf16>(CH * LDH);
         Qh = c.take<bf16>(CH * (pad64(dk) + 8)), Kh = c.take<bf16>(CH * (pad64(dk) + 8));
         bytes = c.off;
     }
@@ -633,7 +655,8 @@ __global__ void __launch_bounds__(NT)
     float *Gs = m.V, *Es = Gs + CH, *Dj = Es + CH, *Bs = Dj + CH;
     float *SV = Bs + CH, *SK = SV + CH, *RS = SK + CH, *CS = RS + CH, *DBE = CS + CH;
     float *DGs = DBE + CH, *PG = DGs + CH, *PD = PG + 4 * CH;
-    bf16 *S1 = m.S1, *S2 = m.S2, *S3 = m.S3, *Qh = m.Qh, *Kh = m.Kh;
+    bf16 *Tb = m.Tb, *DQb = m.DQb, *S1 = m.S1, *S2 = m.S2, *S3 = m.S3, *S5 = m.S5;
+    bf16 *Qh = m.Qh, *Kh = m.Kh;
     const int64_t c = blockIdx.x, h = blockIdx.y, hk = h / z.grp;
     int64_t t0;
     int L;
@@ -669,6 +692,8 @@ __global__ void __launch_bounds__(NT)
     }
     __syncthreads();
     invert_unit_lower(As, Ts);
+    for (int p = tid; p < CH * CH; p += NT) // T's rounding, the products' operand
+        Tb[(p / CH) * LDH + p % CH] = __float2bfloat16_rn(Ts[(p / CH) * LDA + p % CH]);
     { // QK
         float acc[1][4][4] = {};
         warp_mma<1, 4>(acc, Qh + f.r0 * ldh, (int)ldh, 1, Kh + f.c0 * ldh, 1, (int)ldh, (int)d16);
@@ -688,10 +713,12 @@ __global__ void __launch_bounds__(NT)
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 const int i = f.i(e), j = f.j(n, e);
-                DQ[i * LDA + j] = i < L && j <= i ? acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
+                const float v = i < L && j <= i ? acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
+                DQ[i * LDA + j] = v;
+                DQb[i * LDH + j] = __float2bfloat16_rn(v);
             }
     }
-    __syncthreads(); // Ts, QK, DQ complete
+    __syncthreads(); // Tb, QK, DQ complete
     // R's first part (DQ QK, strictly lower): its row sums and column sums
     if (tid < CH) {
         float r = 0.0f;
@@ -706,18 +733,18 @@ __global__ void __launch_bounds__(NT)
         CS[j] = r;
     }
 
-    // dB a column block of [dv | dk] at a time (S4), with dv, dk's B part,
+    // dB a column block of [dv | dk] at a time (S4; dX and dB's rounding S5), with dv, dk's B part,
     // SV, SK; DA accumulates -dB X^T
     float da[1][4][4] = {};
     const int64_t nbv = (dv + BO - 1) / BO, nbk = (dk + BO - 1) / BO;
     for (int64_t cb = 0; cb < nbv + nbk; cb++) {
         const bool isv = cb < nbv;
         const int64_t b0 = (isv ? cb : cb - nbv) * BO, ncol = isv ? dv : dk;
-        __syncthreads(); // S2, S4 free
-        if (isv) { // dX = dU's block (S4) with X = U0's (S2) in one round trip
+        __syncthreads(); // S2, S4, S5 free
+        if (isv) { // dX = dU's block (S5) with X = U0's (S2) in one round trip
             const auto in = [&](int i, int b) { return i < L && b0 + b < dv; };
             fill2(
-                S4, LDB, [&](int i, int b) { return in(i, b) ? w.dU[row(i) * dv + b0 + b] : 0.0f; },
+                S5, LDH, [&](int i, int b) { return in(i, b) ? w.dU[row(i) * dv + b0 + b] : 0.0f; },
                 S2, LDH, [&](int i, int b) { return in(i, b) ? w.U0[row(i) * dv + b0 + b] : 0.0f; },
                 CH, BO);
         } else { // X = W's block by cp.async, under dX = -dU S0^T over this block's keys
@@ -741,18 +768,19 @@ __global__ void __launch_bounds__(NT)
             }
             for (int n = 0; n < 4; n++)
                 for (int e = 0; e < 4; e++)
-                    S4[f.i(e) * LDB + f.j(n, e)] = -x[0][n][e];
+                    S5[f.i(e) * LDH + f.j(n, e)] = __float2bfloat16_rn(-x[0][n][e]);
         }
         __syncthreads(); // dX complete
         float db[1][4][4] = {};
-        warp_mma<1, 4>(db, Ts + f.r0, 1, LDA, S4 + f.c0, LDB, 1, CH); // T^T dX
+        warp_mma<1, 4>(db, Tb + f.r0, 1, LDH, S5 + f.c0, LDH, 1, CH); // T^T dX
         __syncthreads(); // dX read
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++)
-                S4[f.i(e) * LDB + f.j(n, e)] = db[0][n][e];
+                S4[f.i(e) * LDB + f.j(n, e)] = db[0][n][e],
+                S5[f.i(e) * LDH + f.j(n, e)] = __float2bfloat16_rn(db[0][n][e]);
         cp_wait<0>();
         __syncthreads(); // dB, X complete
-        warp_mma<1, 4>(da, S4 + f.r0 * LDB, LDB, 1, S2 + f.c0 * LDH, 1, LDH, BO);
+        warp_mma<1, 4>(da, S5 + f.r0 * LDH, LDH, 1, S2 + f.c0 * LDH, 1, LDH, BO);
         // each warp's rows' dots with v or k and its outputs, four rows' loads
         // issued at once
         static_assert(BO == 64, "a lane's two columns");
@@ -827,9 +855,9 @@ __global__ void __launch_bounds__(NT)
         DA[i * LDA + j] *= j < i && i < L ? Bs[i] * expf(Gs[i] - Gs[j]) : 0.0f;
     }
     __syncthreads();
-    for (int p = tid; p < CH * CH; p += NT) { // Ts <- C + C^T
+    for (int p = tid; p < CH * CH; p += NT) { // Tb <- C + C^T
         const int i = p / CH, j = p % CH;
-        Ts[i * LDA + j] = DA[i * LDA + j] + DA[j * LDA + i];
+        Tb[i * LDH + j] = __float2bfloat16_rn(DA[i * LDA + j] + DA[j * LDA + i]);
     }
 
     // dq and dk, 64 keys at a time; SD's and TM's row dots with q and k as
@@ -838,9 +866,9 @@ __global__ void __launch_bounds__(NT)
     for (int64_t a0 = 0; a0 < dk; a0 += BO) {
         float sd[1][4][4] = {}, tm[1][4][4] = {};
         for (int64_t e0 = 0; e0 < dv; e0 += BO) {
-            __syncthreads(); // the blocks free (and Ts complete)
+            __syncthreads(); // the blocks free (and Tb complete)
             stage_ou(e0);
-            // S0's and dS's blocks (S3 bf16, S4 fp32), 8 elements a thread a
+            // S0's and dS's blocks (S3, S5), 8 elements a thread a
             // round; sum(S0 dS) from the fp32 values in the same order as before
             for (int p0 = 0; p0 < CH * BO; p0 += 8 * NT) {
                 float s0[8], ds[8];
@@ -857,14 +885,14 @@ __global__ void __launch_bounds__(NT)
                     if (p >= CH * BO)
                         continue;
                     S3[a * LDH + b] = __float2bfloat16_rn(s0[u]);
-                    S4[a * LDB + b] = ds[u];
+                    S5[a * LDH + b] = __float2bfloat16_rn(ds[u]);
                     ss += (double)s0[u] * (double)ds[u];
                 }
             }
             cp_wait<0>();
             __syncthreads();
             warp_mma<1, 4>(sd, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
-            warp_mma<1, 4>(tm, S2 + f.r0 * LDH, LDH, 1, S4 + f.c0 * LDB, 1, LDB, BO);
+            warp_mma<1, 4>(tm, S2 + f.r0 * LDH, LDH, 1, S5 + f.c0 * LDH, 1, LDH, BO);
         }
         float pg[2] = {0.0f, 0.0f}, pd[2] = {0.0f, 0.0f};
         for (int n = 0; n < 4; n++)
@@ -889,9 +917,9 @@ __global__ void __launch_bounds__(NT)
             PD[(f.r0 + f.g) * 4 + slot] = pd[0], PD[(f.r0 + f.g + 8) * 4 + slot] = pd[1];
         }
         const __nv_bfloat16 *Qb = Qh + a0 + f.c0, *Kb = Kh + a0 + f.c0;
-        warp_mma<1, 4>(sd, DQ + f.r0 * LDA, LDA, 1, Kb, (int)ldh, 1, CH); // + DQ K
-        warp_mma<1, 4>(tm, DQ + f.r0, 1, LDA, Qb, (int)ldh, 1, CH);       // + DQ^T Q
-        warp_mma<1, 4>(tm, Ts + f.r0 * LDA, LDA, 1, Kb, (int)ldh, 1, CH); // + (C + C^T) K
+        warp_mma<1, 4>(sd, DQb + f.r0 * LDH, LDH, 1, Kb, (int)ldh, 1, CH); // + DQ K
+        warp_mma<1, 4>(tm, DQb + f.r0, 1, LDH, Qb, (int)ldh, 1, CH);       // + DQ^T Q
+        warp_mma<1, 4>(tm, Tb + f.r0 * LDH, LDH, 1, Kb, (int)ldh, 1, CH); // + (C + C^T) K
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 const int i = f.i(e);
