@@ -618,57 +618,106 @@ __global__ void __launch_bounds__(NT)
 //   DA = -dB X^T (X = [U0 | W]), then C = DA beta M
 //   SD = e^G dO S0^T, TM = e^(G_L - G) U dS^T
 //   dq = SD + DQ K, dk = beta e^G dBk + TM + DQ^T Q + (C + C^T) K
-// a column block of 64 at a time; the row sums (dbeta, dG's) in fp32 by
-// rows, each with one writer. Shared: five fp32 (CH, LDA) matrices As (A),
-// Ts (T), DA (then C), DQ, QK (then KK); the products' bf16 operands Tb (T,
-// then C + C^T) and DQb (DQ); the (CH, BO) blocks S1, S2, S3, S5 (bf16) and
-// S4 (fp32: dB); the vectors; q and k as bf16 (CH, dk64 + 8), zero past
-// the chunk and past dk.
-constexpr int LDB = BO + 4; // row stride of chunk_bwd's fp32 (CH, BO) block
+// a column block of 64 at a time. QK, KK, DQ, DA and dB stay in the warps'
+// accumulators, where their row and column sums (dbeta's, dG's parts) are
+// taken (row_sums, col_sums); shared memory holds C, the products' bf16
+// operands and, before the blocks are used, the inversion's fp32 A and T
+// in the blocks' space: 94 KB at dk 128, two blocks an SM (one block of
+// 192 KB had been latency-bound at 12% occupancy on an H200).
 constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
-__host__ __device__ inline int64_t pad64(int64_t d) { return (d + 63) / 64 * 64; }
 struct bwd_smem {
-    float *As, *Ts, *DA, *DQ, *QK, *S4, *V;
-    bf16 *Tb, *DQb, *S1, *S2, *S3, *S5, *Qh, *Kh;
+    float *Cm, *V, *RP, *CP; // C (CH, LDA); the vectors; row partials (2, CH), columns' (4, CH)
+    bf16 *Tb, *DQb, *S1, *S2, *S3, *S5, *Qs, *Ks;
+    float *As, *Ts; // the inversion's (CH, LDA) arrays, over S1 .. S5
     size_t bytes;
     __host__ __device__ bwd_smem(void *base, int64_t dk) {
         carve c(base);
-        As = c.take<float>(CH * LDA), Ts = c.take<float>(CH * LDA), DA = c.take<float>(CH * LDA);
-        DQ = c.take<float>(CH * LDA), QK = c.take<float>(CH * LDA), S4 = c.take<float>(CH * LDB);
-        V = c.take<float>(BWD_VECS * CH);
+        Cm = c.take<float>(CH * LDA), V = c.take<float>(BWD_VECS * CH);
+        RP = c.take<float>(2 * CH), CP = c.take<float>(4 * CH);
         Tb = c.take<bf16>(CH * LDH), DQb = c.take<bf16>(CH * LDH);
-        S1 = c.take<bf16>(CH * LDH), S2 = c.take<bf16>(CH * LDH), S3 = c.take<bf16>(CH * LDH);
-        S5 = c.take<bf16>(CH * LDH);
-        Qh = c.take<bf16>(CH * (pad64(dk) + 8)), Kh = c.take<bf16>(CH * (pad64(dk) + 8));
+        S1 = c.take<bf16>(4 * CH * LDH), S2 = S1 + CH * LDH, S3 = S2 + CH * LDH;
+        S5 = S3 + CH * LDH;
+        As = (float *)S1, Ts = As + CH * LDA;
+        Qs = c.take<bf16>(CH * LDH), Ks = c.take<bf16>(CH * LDH);
         bytes = c.off;
     }
 };
+static_assert(2 * CH * LDA * sizeof(float) <= 4 * CH * LDH * sizeof(bf16),
+              "the inversion's A and T fit the blocks' space");
 
-__global__ void __launch_bounds__(NT)
+// Row sums over a (CH, CH) product held as the warps' tiles (tile f): v(n,
+// e) the value at accumulator (n, e) (zero where not summed); the lanes of
+// a row by shuffles, then a row block's two warps in order through RP;
+// out(i, sum) by thread i < CH. All threads; barriers before and after out.
+template <typename F, typename O>
+__device__ __forceinline__ void row_sums(const tile &f, float *RP, F v, O out) {
+    float p[2] = {0.0f, 0.0f};
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) p[e >> 1] += v(n, e);
+    for (int k = 0; k < 2; k++)
+        for (int o = 1; o < 4; o <<= 1) p[k] += __shfl_xor_sync(0xffffffffu, p[k], o);
+    const int half = (threadIdx.x >> 5) & 1;
+    if (f.t == 0)
+        RP[half * CH + f.r0 + f.g] = p[0], RP[half * CH + f.r0 + f.g + 8] = p[1];
+    __syncthreads();
+    if (threadIdx.x < CH)
+        out((int)threadIdx.x, RP[threadIdx.x] + RP[CH + threadIdx.x]);
+    __syncthreads();
+}
+// Column sums likewise: a lane's two rows, the lanes of a column by
+// shuffles, then the four row blocks' warps in order through CP.
+template <typename F, typename O>
+__device__ __forceinline__ void col_sums(const tile &f, float *CP, F v, O out) {
+    float q[4][2];
+    for (int n = 0; n < 4; n++)
+        for (int b = 0; b < 2; b++) {
+            q[n][b] = v(n, b) + v(n, b + 2);
+            for (int o = 4; o < 32; o <<= 1) q[n][b] += __shfl_xor_sync(0xffffffffu, q[n][b], o);
+        }
+    const int blk = (threadIdx.x >> 5) >> 1;
+    if (f.g == 0)
+        for (int n = 0; n < 4; n++)
+            for (int b = 0; b < 2; b++) CP[blk * CH + f.c0 + 8 * n + 2 * f.t + b] = q[n][b];
+    __syncthreads();
+    if (threadIdx.x < CH) {
+        const int j = threadIdx.x;
+        out(j, ((CP[j] + CP[CH + j]) + CP[2 * CH + j]) + CP[3 * CH + j]);
+    }
+    __syncthreads();
+}
+
+__global__ void __launch_bounds__(NT, 2)
     chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
                         geo z, gdn_ws w, void *dqkv, float *dg, float *dbeta) {
     extern __shared__ __align__(16) float sm[];
     __shared__ double red[WARPS];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldh = pad64(dk) + 8, Hv = z.Hv;
+    const int64_t dk = z.dk, dv = z.dv, Hv = z.Hv;
     const bwd_smem m(sm, dk);
-    float *As = m.As, *Ts = m.Ts, *DA = m.DA, *DQ = m.DQ, *QK = m.QK, *S4 = m.S4;
     float *Gs = m.V, *Es = Gs + CH, *Dj = Es + CH, *Bs = Dj + CH;
     float *SV = Bs + CH, *SK = SV + CH, *RS = SK + CH, *CS = RS + CH, *DBE = CS + CH;
     float *DGs = DBE + CH, *PG = DGs + CH, *PD = PG + 4 * CH;
     bf16 *Tb = m.Tb, *DQb = m.DQb, *S1 = m.S1, *S2 = m.S2, *S3 = m.S3, *S5 = m.S5;
-    bf16 *Qh = m.Qh, *Kh = m.Kh;
     const int64_t c = blockIdx.x, h = blockIdx.y, hk = h / z.grp;
     int64_t t0;
     int L;
     if (!chunk_of(z, w, c, &t0, &L))
         return;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, warp = tid >> 5;
     const tile f;
     const float *S0 = w.S + (c * Hv + h) * dk * dv, *dS = w.dS + (c * Hv + h) * dk * dv;
     const int64_t qs = z.Hk * dk; // q's and k's row stride
     const float *qn = w.qn + (t0 * z.Hk + hk) * dk, *kn = w.kn + (t0 * z.Hk + hk) * dk;
+    const float *Ag = w.A + (c * Hv + h) * CH * CH;
     auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
     auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
+    // the keys [a0, a0 + BO) of q and k (bf16) into Qs, Ks by cp.async (committed)
+    const int64_t qko = (t0 * z.Hk + hk) * dk;
+    const bool qkvec = vec_ok(w.qb, dk, qs) && vec_ok(w.kb, dk, qs);
+    auto stage_qk64 = [&](int64_t a0) {
+        stage_async(m.Qs, LDH, w.qb + qko + a0, qs, L, dk - a0, BO, qkvec);
+        stage_async(m.Ks, LDH, w.kb + qko + a0, qs, L, dk - a0, BO, qkvec);
+        cp_commit();
+    };
     // dO's and U's rows of columns [b0, b0 + BO) into S1, S2 by cp.async (committed)
     const int64_t vrs = Hv * dv;
     const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
@@ -678,75 +727,62 @@ __global__ void __launch_bounds__(NT)
         stage_async(S2, LDH, Uc + b0, vrs, L, dv - b0, BO, ouv);
         cp_commit();
     };
+    // whether accumulator (n, e) is strictly lower within the chunk, and M there
+    auto lower = [&](int n, int e) { return f.i(e) < L && f.j(n, e) < f.i(e); };
+    auto decay = [&](int n, int e) { return expf(Gs[f.i(e)] - Gs[f.j(n, e)]); };
 
     chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
-    const float *Ag = w.A + (c * Hv + h) * CH * CH;
-    { // q and k (bf16) by cp.async under A's loads
-        const int64_t o = (t0 * z.Hk + hk) * dk;
-        const bool vec = vec_ok(w.qb, dk, qs) && vec_ok(w.kb, dk, qs);
-        stage_async(Qh, (int)ldh, w.qb + o, qs, L, dk, (int)ldh - 8, vec);
-        stage_async(Kh, (int)ldh, w.kb + o, qs, L, dk, (int)ldh - 8, vec);
-        cp_commit();
-        fill(As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
+    stage_qk64(0);
+    fill(m.As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
+    float qk[1][4][4] = {}, kk[1][4][4] = {}; // QK, KK over the keys, 64 at a time
+    for (int64_t a0 = 0; a0 < dk; a0 += BO) {
         cp_wait<0>();
+        __syncthreads();
+        warp_mma<1, 4>(qk, m.Qs + f.r0 * LDH, LDH, 1, m.Ks + f.c0 * LDH, 1, LDH, BO);
+        warp_mma<1, 4>(kk, m.Ks + f.r0 * LDH, LDH, 1, m.Ks + f.c0 * LDH, 1, LDH, BO);
+        __syncthreads();
+        if (a0 + BO < dk)
+            stage_qk64(a0 + BO);
     }
-    __syncthreads();
-    invert_unit_lower(As, Ts);
+    invert_unit_lower(m.As, m.Ts);
     for (int p = tid; p < CH * CH; p += NT) // T's rounding, the products' operand
-        Tb[(p / CH) * LDH + p % CH] = __float2bfloat16_rn(Ts[(p / CH) * LDA + p % CH]);
-    { // QK
-        float acc[1][4][4] = {};
-        warp_mma<1, 4>(acc, Qh + f.r0 * ldh, (int)ldh, 1, Kh + f.c0 * ldh, 1, (int)ldh, (int)d16);
-        for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++)
-                QK[f.i(e) * LDA + f.j(n, e)] = acc[0][n][e];
+        Tb[(p / CH) * LDH + p % CH] = __float2bfloat16_rn(m.Ts[(p / CH) * LDA + p % CH]);
+    float dq[1][4][4] = {}; // DQ = (dO U^T) M, lower
+    for (int64_t b0 = 0; b0 < dv; b0 += BO) {
+        __syncthreads(); // S1, S2 free (the inversion's arrays read)
+        stage_ou(b0);
+        cp_wait<0>();
+        __syncthreads();
+        warp_mma<1, 4>(dq, S1 + f.r0 * LDH, LDH, 1, S2 + f.c0 * LDH, 1, LDH, BO);
     }
-    { // DQ = (dO U^T) M, lower
-        float acc[1][4][4] = {};
-        for (int64_t b0 = 0; b0 < dv; b0 += BO) {
-            __syncthreads(); // S1, S2 free
-            stage_ou(b0);
-            cp_wait<0>();
-            __syncthreads();
-            warp_mma<1, 4>(acc, S1 + f.r0 * LDH, LDH, 1, S2 + f.c0 * LDH, 1, LDH, BO);
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) {
+            const int i = f.i(e), j = f.j(n, e);
+            dq[0][n][e] = i < L && j <= i ? dq[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
+            DQb[i * LDH + j] = __float2bfloat16_rn(dq[0][n][e]);
         }
-        for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++) {
-                const int i = f.i(e), j = f.j(n, e);
-                const float v = i < L && j <= i ? acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
-                DQ[i * LDA + j] = v;
-                DQb[i * LDH + j] = __float2bfloat16_rn(v);
-            }
-    }
-    __syncthreads(); // Tb, QK, DQ complete
     // R's first part (DQ QK, strictly lower): its row sums and column sums
-    if (tid < CH) {
-        float r = 0.0f;
-        for (int j = 0; j < tid; j++)
-            r += DQ[tid * LDA + j] * QK[tid * LDA + j];
-        RS[tid] = r;
-    } else if (tid < 2 * CH) {
-        const int j = tid - CH;
-        float r = 0.0f;
-        for (int i = j + 1; i < L; i++)
-            r += DQ[i * LDA + j] * QK[i * LDA + j];
-        CS[j] = r;
-    }
+    const auto r1 = [&](int n, int e) { return lower(n, e) ? dq[0][n][e] * qk[0][n][e] : 0.0f; };
+    row_sums(f, m.RP, r1, [&](int i, float v) { RS[i] = v; });
+    col_sums(f, m.CP, r1, [&](int j, float v) { CS[j] = v; });
 
-    // dB a column block of [dv | dk] at a time (S4; dX and dB's rounding S5), with dv, dk's B part,
-    // SV, SK; DA accumulates -dB X^T
+    // dB a column block of [dv | dk] at a time (dX, then dB's rounding, in
+    // S5), with dv, dk's B part, SV, SK; DA accumulates -dB X^T
     float da[1][4][4] = {};
     const int64_t nbv = (dv + BO - 1) / BO, nbk = (dk + BO - 1) / BO;
     for (int64_t cb = 0; cb < nbv + nbk; cb++) {
         const bool isv = cb < nbv;
         const int64_t b0 = (isv ? cb : cb - nbv) * BO, ncol = isv ? dv : dk;
-        __syncthreads(); // S2, S4, S5 free
+        __syncthreads(); // S2, S5 free
         if (isv) { // dX = dU's block (S5) with X = U0's (S2) in one round trip
             const auto in = [&](int i, int b) { return i < L && b0 + b < dv; };
-            fill2(
-                S5, LDH, [&](int i, int b) { return in(i, b) ? w.dU[row(i) * dv + b0 + b] : 0.0f; },
-                S2, LDH, [&](int i, int b) { return in(i, b) ? w.U0[row(i) * dv + b0 + b] : 0.0f; },
-                CH, BO);
+            const auto du = [&](int i, int b) {
+                return in(i, b) ? w.dU[row(i) * dv + b0 + b] : 0.0f;
+            };
+            const auto u0 = [&](int i, int b) {
+                return in(i, b) ? w.U0[row(i) * dv + b0 + b] : 0.0f;
+            };
+            fill2(S5, LDH, du, S2, LDH, u0, CH, BO);
         } else { // X = W's block by cp.async, under dX = -dU S0^T over this block's keys
             const bf16 *Wc = w.Wh + row(0) * dk + b0;
             stage_async(S2, LDH, Wc, Hv * dk, L, dk - b0, BO, vec_ok(Wc, dk, Hv * dk));
@@ -774,90 +810,55 @@ __global__ void __launch_bounds__(NT)
         float db[1][4][4] = {};
         warp_mma<1, 4>(db, Tb + f.r0, 1, LDH, S5 + f.c0, LDH, 1, CH); // T^T dX
         __syncthreads(); // dX read
+        // dB's rounding; dv or dk's B part and the rows' dots with v or k, from the accumulators
+        float y[4][4];
         for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++)
-                S4[f.i(e) * LDB + f.j(n, e)] = db[0][n][e],
-                S5[f.i(e) * LDH + f.j(n, e)] = __float2bfloat16_rn(db[0][n][e]);
-        cp_wait<0>();
-        __syncthreads(); // dB, X complete
-        warp_mma<1, 4>(da, S5 + f.r0 * LDH, LDH, 1, S2 + f.c0 * LDH, 1, LDH, BO);
-        // each warp's rows' dots with v or k and its outputs, four rows' loads
-        // issued at once
-        static_assert(BO == 64, "a lane's two columns");
-        constexpr int RB = 4;
-        for (int i0 = warp; i0 < L; i0 += RB * WARPS) {
-            float xv[RB][2], yv[RB][2];
-#pragma unroll
-            for (int r = 0; r < RB; r++)
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    const int i = i0 + WARPS * r;
-                    const int64_t col = b0 + lane + 32 * u;
-                    const bool ok = i < L && col < ncol;
-                    xv[r][u] = ok ? S4[i * LDB + lane + 32 * u] : 0.0f;
-                    yv[r][u] = !ok ? 0.0f : isv ? ld(qkv, dt, vcol(i) + col) : kn[i * qs + col];
-                }
-#pragma unroll
-            for (int r = 0; r < RB; r++) {
-                const int i = i0 + WARPS * r;
-                float dot = 0.0f;
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    const int64_t col = b0 + lane + 32 * u;
-                    if (i >= L || col >= ncol)
-                        continue;
-                    dot += yv[r][u] * xv[r][u];
-                    if (isv)
-                        st(dqkv, dt, vcol(i) + col, Bs[i] * xv[r][u]);
-                    else
-                        w.dkh[row(i) * dk + col] = Bs[i] * Es[i] * xv[r][u];
-                }
-                dot = warp_sum(dot);
-                if (lane == 0 && i < L)
-                    (isv ? SV : SK)[i] += dot;
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t col = b0 + f.j(n, e);
+                S5[i * LDH + f.j(n, e)] = __float2bfloat16_rn(db[0][n][e]);
+                y[n][e] = !(i < L && col < ncol) ? 0.0f
+                          : isv                  ? ld(qkv, dt, vcol(i) + col)
+                                                 : kn[i * qs + col];
             }
-        }
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t col = b0 + f.j(n, e);
+                if (i >= L || col >= ncol)
+                    continue;
+                if (isv)
+                    st(dqkv, dt, vcol(i) + col, Bs[i] * db[0][n][e]);
+                else
+                    w.dkh[row(i) * dk + col] = Bs[i] * Es[i] * db[0][n][e];
+            }
+        row_sums(f, m.RP, [&](int n, int e) { return y[n][e] * db[0][n][e]; },
+                 [&](int i, float v) { (isv ? SV : SK)[i] += v; });
+        cp_wait<0>();
+        __syncthreads(); // X complete
+        warp_mma<1, 4>(da, S5 + f.r0 * LDH, LDH, 1, S2 + f.c0 * LDH, 1, LDH, BO);
     }
     for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) {
-            const int i = f.i(e), j = f.j(n, e);
-            DA[i * LDA + j] = i < L && j < i ? -da[0][n][e] : 0.0f;
-        }
-    { // KK over QK
-        float acc[1][4][4] = {};
-        warp_mma<1, 4>(acc, Kh + f.r0 * ldh, (int)ldh, 1, Kh + f.c0 * ldh, 1, (int)ldh, (int)d16);
-        for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++)
-                QK[f.i(e) * LDA + f.j(n, e)] = acc[0][n][e];
-    }
-    __syncthreads(); // DA, KK, SV, SK complete
-    // dbeta and R's second part (DA A, strictly lower) by rows; its column sums
-    if (tid < CH) {
-        const int i = tid;
-        float dbe = SV[i] + Es[i] * SK[i], r = 0.0f;
-        for (int j = 0; j < i && i < L; j++) {
-            const float d = DA[i * LDA + j];
-            dbe += d * QK[i * LDA + j] * expf(Gs[i] - Gs[j]);
-            r += d * As[i * LDA + j];
-        }
-        DBE[i] = dbe;
-        RS[i] += r;
-    } else if (tid < 2 * CH) {
-        const int j = tid - CH;
-        float r = 0.0f;
-        for (int i = j + 1; i < L; i++)
-            r += DA[i * LDA + j] * As[i * LDA + j];
-        CS[j] += r;
-    }
-    __syncthreads();
-    for (int p = tid; p < CH * CH; p += NT) { // C = DA beta_i M
-        const int i = p / CH, j = p % CH;
-        DA[i * LDA + j] *= j < i && i < L ? Bs[i] * expf(Gs[i] - Gs[j]) : 0.0f;
-    }
+        for (int e = 0; e < 4; e++) da[0][n][e] = lower(n, e) ? -da[0][n][e] : 0.0f; // DA
+    // dbeta (DA KK M's row sums); R's second part (DA A, A from the
+    // workspace): its row and column sums
+    row_sums(f, m.RP,
+             [&](int n, int e) { return lower(n, e) ? da[0][n][e] * kk[0][n][e] * decay(n, e) : 0.0f; },
+             [&](int i, float v) { DBE[i] = SV[i] + Es[i] * SK[i] + v; });
+    float av[4][4];
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) av[n][e] = lower(n, e) ? Ag[f.i(e) * CH + f.j(n, e)] : 0.0f;
+    const auto r2 = [&](int n, int e) { return da[0][n][e] * av[n][e]; };
+    row_sums(f, m.RP, r2, [&](int i, float v) { RS[i] += v; });
+    col_sums(f, m.CP, r2, [&](int j, float v) { CS[j] += v; });
+    for (int n = 0; n < 4; n++) // C = DA beta_i M
+        for (int e = 0; e < 4; e++)
+            m.Cm[f.i(e) * LDA + f.j(n, e)] =
+                lower(n, e) ? da[0][n][e] * Bs[f.i(e)] * decay(n, e) : 0.0f;
     __syncthreads();
     for (int p = tid; p < CH * CH; p += NT) { // Tb <- C + C^T
         const int i = p / CH, j = p % CH;
-        Tb[i * LDH + j] = __float2bfloat16_rn(DA[i * LDA + j] + DA[j * LDA + i]);
+        Tb[i * LDH + j] = __float2bfloat16_rn(m.Cm[i * LDA + j] + m.Cm[j * LDA + i]);
     }
 
     // dq and dk, 64 keys at a time; SD's and TM's row dots with q and k as
@@ -867,9 +868,11 @@ __global__ void __launch_bounds__(NT)
         float sd[1][4][4] = {}, tm[1][4][4] = {};
         for (int64_t e0 = 0; e0 < dv; e0 += BO) {
             __syncthreads(); // the blocks free (and Tb complete)
+            if (e0 == 0)
+                stage_qk64(a0);
             stage_ou(e0);
-            // S0's and dS's blocks (S3, S5), 8 elements a thread a
-            // round; sum(S0 dS) from the fp32 values in the same order as before
+            // S0's and dS's blocks (S3, S5), 8 elements a thread a round;
+            // sum(S0 dS) from the fp32 values
             for (int p0 = 0; p0 < CH * BO; p0 += 8 * NT) {
                 float s0[8], ds[8];
 #pragma unroll
@@ -916,10 +919,10 @@ __global__ void __launch_bounds__(NT)
             PG[(f.r0 + f.g) * 4 + slot] = pg[0], PG[(f.r0 + f.g + 8) * 4 + slot] = pg[1];
             PD[(f.r0 + f.g) * 4 + slot] = pd[0], PD[(f.r0 + f.g + 8) * 4 + slot] = pd[1];
         }
-        const __nv_bfloat16 *Qb = Qh + a0 + f.c0, *Kb = Kh + a0 + f.c0;
-        warp_mma<1, 4>(sd, DQb + f.r0 * LDH, LDH, 1, Kb, (int)ldh, 1, CH); // + DQ K
-        warp_mma<1, 4>(tm, DQb + f.r0, 1, LDH, Qb, (int)ldh, 1, CH);       // + DQ^T Q
-        warp_mma<1, 4>(tm, Tb + f.r0 * LDH, LDH, 1, Kb, (int)ldh, 1, CH); // + (C + C^T) K
+        const bf16 *Qb = m.Qs + f.c0, *Kb = m.Ks + f.c0;
+        warp_mma<1, 4>(sd, DQb + f.r0 * LDH, LDH, 1, Kb, LDH, 1, CH); // + DQ K
+        warp_mma<1, 4>(tm, DQb + f.r0, 1, LDH, Qb, LDH, 1, CH);       // + DQ^T Q
+        warp_mma<1, 4>(tm, Tb + f.r0 * LDH, LDH, 1, Kb, LDH, 1, CH);  // + (C + C^T) K
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 const int i = f.i(e);
