@@ -92,14 +92,17 @@ __global__ void conv_fwd_kernel(const void *x, const void *w, loom_dtype dt, int
         xw[j] = j < K && u >= 0 ? ld(x, dt, u * C + c) : 0.0f;
     }
     int64_t n = doc_of(cu, ndocs, r0);
+    float xnext = r0 < r1 ? ld(x, dt, r0 * C + c) : 0.0f; // loaded a row ahead
     for (int64_t t = r0; t < r1; t++) {
+        const float xt = xnext;
+        if (t + 1 < r1)
+            xnext = ld(x, dt, (t + 1) * C + c);
         while (t >= cu[n + 1])
             n++;
         const int64_t s = cu[n];
 #pragma unroll
         for (int j = 0; j < KM - 1; j++)
             xw[j] = xw[j + 1];
-        const float xt = ld(x, dt, t * C + c);
 #pragma unroll
         for (int j = 0; j < KM; j++)
             if (j == K - 1)
@@ -142,14 +145,19 @@ __global__ void conv_bwd_kernel(const void *dy, const void *x, const void *w, lo
     }
     const int64_t n0 = doc_of(cu, ndocs, r0);
     int64_t n = n0;
+    float xnext = 0.0f, dynext = 0.0f; // x and dy loaded a row ahead
+    if (r0 < T)
+        xnext = ld(x, dt, r0 * C + c), dynext = ld(dy, dt, r0 * C + c);
     for (int64_t t = r0; t < r1 + K - 1; t++) {
         float dpt = 0.0f;
         int dt_doc = -1;
         if (t < T) {
+            const float xt = xnext, dyt = dynext;
+            if (t + 1 < T && t + 1 < r1 + K - 1)
+                xnext = ld(x, dt, (t + 1) * C + c), dynext = ld(dy, dt, (t + 1) * C + c);
             while (t >= cu[n + 1])
                 n++;
             const int64_t s = cu[n];
-            const float xt = ld(x, dt, t * C + c);
 #pragma unroll
             for (int j = 0; j < KM - 1; j++)
                 xw[j] = xw[j + 1];
@@ -163,7 +171,7 @@ __global__ void conv_bwd_kernel(const void *dy, const void *x, const void *w, lo
                 if (j < K && t - K + 1 + j >= s)
                     pre = fmaf(wk[j], xw[j], pre);
             const float sg = sigm(pre);
-            dpt = ld(dy, dt, t * C + c) * sg * (1.0f + pre * (1.0f - sg));
+            dpt = dyt * sg * (1.0f + pre * (1.0f - sg));
             dt_doc = (int)(n - n0);
             if (partial && t < r1) {
 #pragma unroll

@@ -167,14 +167,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(const void *qkv, loom_dtype dt
     if (!chunk_of(z, w, c, &t0, &L))
         return;
     const int tid = threadIdx.x;
-    if (tid == 0) {
-        float acc = 0.0f;
-        for (int i = 0; i < L; i++) {
-            acc += g[(t0 + i) * z.Hv + h];
-            Gs[i] = acc;
-            w.G[(t0 + i) * z.Hv + h] = acc;
-        }
-    }
+    chunk_g(g, t0, L, z.Hv, h, Gs, w.G);
     for (int i = tid; i < L; i += NT)
         Bs[i] = beta[(t0 + i) * z.Hv + h];
     const float *kc = w.kn + (t0 * z.Hk + hk) * dk; // row i at kc + i Hk dk

@@ -122,6 +122,26 @@ __device__ __forceinline__ void fill2(T1 *d1, int ld1, F1 g1, T2 *d2, int ld2, F
     }
 }
 
+// A chunk's G (g's cumulative sum from its start, row i of (T, Hv) at (t0 +
+// i) Hv + h) into shared Gs (zero past L) and the workspace's G: g loaded by
+// all threads, summed in order by thread 0 (a loop of global loads and
+// stores in one thread is a chain of round trips: no load moves past a
+// store to G). All threads; ends with a barrier before G's stores.
+__device__ __forceinline__ void chunk_g(const float *g, int64_t t0, int L, int64_t Hv, int64_t h,
+                                        float *Gs, float *G) {
+    for (int i = threadIdx.x; i < CH; i += NT)
+        Gs[i] = i < L ? g[(t0 + i) * Hv + h] : 0.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float acc = 0.0f;
+        for (int i = 0; i < L; i++)
+            Gs[i] = acc += Gs[i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < L; i += NT)
+        G[(t0 + i) * Hv + h] = Gs[i];
+}
+
 // A chunk's vectors for chunk_bwd_kernel and its twin, zero past L: G, e^G,
 // e^(G_L - G), beta (row i of (T, Hv) at (t0 + i) Hv + h), and SV, SK zeroed.
 __device__ __forceinline__ void chunk_vectors(const float *G, const float *beta, int64_t t0,

@@ -335,18 +335,9 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
         return;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t = lane & 3;
     stage_qk(z, w, t0, L, hk, nullptr, m.Ks);
-    if (tid == 0) {
-        float acc = 0.0f;
-        for (int i = 0; i < CH; i++) {
-            if (i < L) {
-                acc += g[(t0 + i) * z.Hv + h];
-                w.G[(t0 + i) * z.Hv + h] = acc;
-            }
-            Gs[i] = i < L ? acc : 0.0f;
-        }
-    }
     for (int i = tid; i < CH; i += NT)
         Bs[i] = i < L ? beta[(t0 + i) * z.Hv + h] : 0.0f;
+    chunk_g(g, t0, L, z.Hv, h, Gs, w.G);
     const float *kc = w.kn + (t0 * z.Hk + hk) * dk; // row i at kc + i Hk dk
     cp_wait<0>();
     __syncthreads();
@@ -403,6 +394,19 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
 // columns a block: half the fp32 kernels' BV, for twice the blocks
 // (Qwen3.5-0.8B has 16 value heads).
 constexpr int BVT = 16, LDS = BVT + 4, LDSH = BVT + 8, NNU = BVT / 16, NNS = BVT / 8;
+
+// Chunk c's decays for the state passes, loaded a chunk ahead: GL = G at
+// its last token (every thread), gj = G at token threadIdx.x (< L).
+struct chunk_decay {
+    float GL = 0.0f, gj = 0.0f;
+    __device__ void load(const geo &z, const gdn_ws &w, int c, int64_t h) {
+        const int64_t t0 = w.ct0[c];
+        const int L = w.clen[c];
+        GL = w.G[(t0 + L - 1) * z.Hv + h];
+        gj = (int)threadIdx.x < L ? w.G[(t0 + threadIdx.x) * z.Hv + h] : 0.0f;
+    }
+};
+static_assert(NT >= CH, "a thread per token of the chunk");
 
 // The passes' state (Ss: d16 rows of LDS) and its bf16 rounding (Sh: rows of
 // LDSH, the products' operand) zeroed, with a barrier.
@@ -480,17 +484,18 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
                     BVT, ov);
         cp_commit();
     };
+    chunk_decay cd, next;
     if (c1 < c2)
-        prefetch(c1, 0);
+        prefetch(c1, 0), cd.load(z, w, c1, h);
     for (int c = c1; c < c2; c++) {
         const int buf = (c - c1) & 1;
         const int64_t t0 = w.ct0[c];
         const int L = w.clen[c];
         if (c + 1 < c2) // into the buffers chunk c - 1 used (the last barrier freed them)
-            prefetch(c + 1, buf ^ 1);
-        const float GL = w.G[(t0 + L - 1) * z.Hv + h];
-        for (int j = tid; j < CH; j += NT)
-            Ds[j] = j < L ? expf(GL - w.G[(t0 + j) * z.Hv + h]) : 0.0f;
+            prefetch(c + 1, buf ^ 1), next.load(z, w, c + 1, h);
+        const float GL = cd.GL;
+        if (tid < CH)
+            Ds[tid] = tid < L ? expf(GL - cd.gj) : 0.0f;
         store_state(w.S + ((int64_t)c * z.Hv + h) * dk * dv + b0, Ss, dk, dv, nb);
         if (c + 1 < c2)
             cp_wait<1>();
@@ -523,23 +528,24 @@ __global__ void __launch_bounds__(NT) state_fwd_tc_kernel(geo z, gdn_ws w) {
                          [&](float v, int mm, int e) { return eL * v + acc[0][mm][e]; });
         }
         __syncthreads(); // Ss complete; chunk c's buffers free
+        cd = next;
     }
 }
 
 // state_bwd_kernel on tensor cores (bf16, dk <= 128): dU += Ds (K dS) and
 // dS <- e^G_L dS + Q^T (Es dO) - W^T dU (Es_i = e^G_i) by mma.sync; dS fp32
-// in shared memory (dk16 rows); K, Q, W (bf16) and dU's and dO's blocks
-// (CH, BVT + 4) copied at once at each chunk's start (one round trip; dO by
-// plain loads).
+// in shared memory (dk16 rows); K, Q, W, dO (bf16) and dU's block copied
+// at once by cp.async at each chunk's start (one round trip), the decays a
+// chunk ahead.
 struct state_bwd_smem {
-    float *Ss, *Os, *Vs, *Ds, *Es;
-    bf16 *Sh, *Us, *Oh, *Ks, *Qs, *Ws;
+    float *Ss, *Vs, *Ds, *Es;
+    bf16 *Sh, *Us, *Ob, *Oh, *Ks, *Qs, *Ws;
     size_t bytes;
     __host__ __device__ state_bwd_smem(void *base, int64_t dk) {
         carve c(base);
         Ss = c.take<float>(pad16(dk) * LDS), Sh = c.take<bf16>(pad16(dk) * LDSH);
-        Us = c.take<bf16>(CH * LDSH), Oh = c.take<bf16>(CH * LDSH);
-        Os = c.take<float>(CH * LDS), Vs = c.take<float>(CH * LDS);
+        Us = c.take<bf16>(CH * LDSH), Ob = c.take<bf16>(CH * LDSH), Oh = c.take<bf16>(CH * LDSH);
+        Vs = c.take<float>(CH * LDS);
         Ds = c.take<float>(CH), Es = c.take<float>(CH);
         Ks = c.take<bf16>(CH * ldk(dk)), Qs = c.take<bf16>(CH * ldk(dk));
         Ws = c.take<bf16>(CH * ldk(dk));
@@ -552,34 +558,37 @@ __global__ void __launch_bounds__(NT)
     extern __shared__ __align__(16) float sm[];
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = ldk(dk);
     const state_bwd_smem m(sm, dk);
-    float *Ss = m.Ss, *Os = m.Os, *Vs = m.Vs, *Ds = m.Ds, *Es = m.Es;
+    float *Ss = m.Ss, *Vs = m.Vs, *Ds = m.Ds, *Es = m.Es;
     bf16 *Sh = m.Sh, *Us = m.Us, *Oh = m.Oh;
     const int64_t n = blockIdx.x, h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * BVT;
     const int nb = dv - b0 < BVT ? (int)(dv - b0) : BVT;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int64_t wrs = z.Hv * dk, ors = z.Hv * dv;
-    const bool wv = vec_ok(w.Wh, dk, wrs), uv = vec_ok(w.dU, dv, ors);
+    const bf16 *dO = (const bf16 *)dout; // bf16, as use_tc asks
+    const bool wv = vec_ok(w.Wh, dk, wrs), uv = vec_ok(w.dU, dv, ors), ov = vec_ok(dO, dv, ors);
     zero_state(Ss, Sh, d16);
     const int c1 = w.cfirst[n], c2 = w.cfirst[n + 1];
+    chunk_decay cd, next;
+    if (c1 < c2)
+        cd.load(z, w, c2 - 1, h);
     for (int c = c2 - 1; c >= c1; c--) {
         const int64_t t0 = w.ct0[c];
         const int L = w.clen[c];
         stage_async(m.Ws, (int)ldq, w.Wh + (t0 * z.Hv + h) * dk, wrs, L, dk, (int)d16, wv);
         stage_async(Vs, LDS, w.dU + (t0 * z.Hv + h) * dv + b0, ors, L, nb, BVT, uv);
+        stage_async(m.Ob, LDSH, dO + (t0 * z.Hv + h) * dv + b0, ors, L, nb, BVT, ov);
         stage_qk(z, w, t0, L, hk, m.Qs, m.Ks); // commits the group
-        const float GL = w.G[(t0 + L - 1) * z.Hv + h];
-        for (int j = tid; j < CH; j += NT) {
-            const float Gj = j < L ? w.G[(t0 + j) * z.Hv + h] : 0.0f;
-            Ds[j] = j < L ? expf(GL - Gj) : 0.0f;
-            Es[j] = j < L ? expf(Gj) : 0.0f;
+        if (c > c1) // the next chunk's decays, a chunk ahead
+            next.load(z, w, c - 1, h);
+        const float GL = cd.GL;
+        if (tid < CH) {
+            Ds[tid] = tid < L ? expf(GL - cd.gj) : 0.0f;
+            Es[tid] = tid < L ? expf(cd.gj) : 0.0f;
         }
-        fill(Os, LDS, CH, BVT, [&](int i, int b) {
-            return i < L && b < nb ? ld(dout, dt, ((t0 + i) * z.Hv + h) * dv + b0 + b) : 0.0f;
-        });
         store_state(w.dS + ((int64_t)c * z.Hv + h) * dk * dv + b0, Ss, dk, dv, nb);
         cp_wait<0>();
         __syncthreads(); // the chunk's K, Q, W, dU, dO; Ds, Es
-        { // dU += Ds (K dS) into Us; Es dO over Os
+        { // dU += Ds (K dS) into Us; Es dO into Oh
             const int r0 = 16 * (warp >> 1), q0 = (BVT / 2) * (warp & 1);
             float acc[1][NNU][4] = {};
             warp_mma<1, NNU>(acc, m.Ks + r0 * ldq, (int)ldq, 1, Sh + q0, LDSH, 1, (int)d16);
@@ -592,7 +601,7 @@ __global__ void __launch_bounds__(NT)
                         w.dU[((t0 + j) * z.Hv + h) * dv + b0 + b] = du;
                     }
                     Us[j * LDSH + b] = __float2bfloat16_rn(du);
-                    Oh[j * LDSH + b] = __float2bfloat16_rn(Os[j * LDS + b] * Es[j]);
+                    Oh[j * LDSH + b] = __float2bfloat16_rn(to_f(m.Ob[j * LDSH + b]) * Es[j]);
                 }
         }
         __syncthreads();
@@ -607,6 +616,7 @@ __global__ void __launch_bounds__(NT)
             });
         }
         __syncthreads(); // dS complete; the staging free
+        cd = next;
     }
 }
 
@@ -843,7 +853,9 @@ __global__ void __launch_bounds__(NT, 2)
     // dbeta (DA KK M's row sums); R's second part (DA A, A from the
     // workspace): its row and column sums
     row_sums(f, m.RP,
-             [&](int n, int e) { return lower(n, e) ? da[0][n][e] * kk[0][n][e] * decay(n, e) : 0.0f; },
+             [&](int n, int e) {
+                 return lower(n, e) ? da[0][n][e] * kk[0][n][e] * decay(n, e) : 0.0f;
+             },
              [&](int i, float v) { DBE[i] = SV[i] + Es[i] * SK[i] + v; });
     float av[4][4];
     for (int n = 0; n < 4; n++)
