@@ -76,6 +76,26 @@ loom_status col_final(loom_ctx *ctx, const char *op, const void *partial, int64_
 // registers; the wider case spilled none but ran one block an SM.
 constexpr int CONV_FWD_ROWS = 32; // the forward's rows per thread
 
+// Token t (its document from s, its input xt) into the window xw (xw[j] =
+// x[t - K + 1 + j]); its pre-activation, the sum in j's order as the CPU's.
+template <int KM>
+__device__ __forceinline__ float conv_step(float (&xw)[KM], const float (&wk)[KM], float xt,
+                                           int64_t K, int64_t t, int64_t s) {
+#pragma unroll
+    for (int j = 0; j < KM - 1; j++)
+        xw[j] = xw[j + 1];
+#pragma unroll
+    for (int j = 0; j < KM; j++)
+        if (j == K - 1)
+            xw[j] = xt;
+    float p = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KM; j++)
+        if (j < K && t - K + 1 + j >= s)
+            p = fmaf(wk[j], xw[j], p);
+    return p;
+}
+
 template <int KM>
 __global__ void conv_fwd_kernel(const void *x, const void *w, loom_dtype dt, int64_t T, int64_t C,
                                 int64_t K, const int32_t *cu, int64_t ndocs, void *y) {
@@ -99,19 +119,7 @@ __global__ void conv_fwd_kernel(const void *x, const void *w, loom_dtype dt, int
             xnext = ld(x, dt, (t + 1) * C + c);
         while (t >= cu[n + 1])
             n++;
-        const int64_t s = cu[n];
-#pragma unroll
-        for (int j = 0; j < KM - 1; j++)
-            xw[j] = xw[j + 1];
-#pragma unroll
-        for (int j = 0; j < KM; j++)
-            if (j == K - 1)
-                xw[j] = xt;
-        float p = 0.0f; // conv's sum in j's order, as the CPU's
-#pragma unroll
-        for (int j = 0; j < KM; j++)
-            if (j < K && t - K + 1 + j >= s)
-                p = fmaf(wk[j], xw[j], p);
+        const float p = conv_step(xw, wk, xt, K, t, cu[n]);
         st(y, dt, t * C + c, p * sigm(p));
     }
 }
@@ -158,18 +166,7 @@ __global__ void conv_bwd_kernel(const void *dy, const void *x, const void *w, lo
             while (t >= cu[n + 1])
                 n++;
             const int64_t s = cu[n];
-#pragma unroll
-            for (int j = 0; j < KM - 1; j++)
-                xw[j] = xw[j + 1];
-#pragma unroll
-            for (int j = 0; j < KM; j++)
-                if (j == K - 1)
-                    xw[j] = xt;
-            float pre = 0.0f;
-#pragma unroll
-            for (int j = 0; j < KM; j++)
-                if (j < K && t - K + 1 + j >= s)
-                    pre = fmaf(wk[j], xw[j], pre);
+            const float pre = conv_step(xw, wk, xt, K, t, s);
             const float sg = sigm(pre);
             dpt = dyt * sg * (1.0f + pre * (1.0f - sg));
             dt_doc = (int)(n - n0);

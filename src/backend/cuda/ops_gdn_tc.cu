@@ -1,15 +1,17 @@
 // The gated delta rule's tensor-core kernels for bf16 (dk <= 128): twins of
 // ops_gdn_rule.cu's prep_kernel, out_kernel, dul_kernel, state_fwd_kernel,
 // state_bwd_kernel and chunk_bwd_kernel with their products on mma.sync,
-// launched by its driver (ops_gdn_rule.cuh's tc_*). Operands are staged in
-// shared memory (fill: loads batched a thread; the state passes' by
-// cp.async, the forward's a chunk ahead), zero past the chunk's rows
-// and past dk up to a multiple of 16; each element is rounded to bf16 as its
-// fragment is built, with fp32 accumulators. S0 and U are rounded to bf16
-// for the products, as flash-linear-attention rounds them; the states
-// themselves stay fp32. prep_kernel's and chunk_bwd_kernel's twins invert
-// I + A by 16 x 16 blocks (invert_unit_lower) and take X and dB as products
-// with the inverse.
+// launched by its driver (ops_gdn_rule.cuh's tc_*). Every product's operand
+// sits in shared memory as bf16, rounded once where it is made (q and k from
+// the workspace's bf16 copies, W and U kept as bf16 there, the states with
+// a bf16 shadow beside their fp32), so fragments come by ldmatrix; fp32
+// accumulators, fp32 states. Staging by cp.async where rows allow (the
+// forward state pass a chunk ahead), else loads batched a thread; zero past
+// the chunk's rows and past dk. Small shared memory gives two or three
+// blocks an SM: these kernels are chains of small products, latency-bound
+// at one (12% occupancy under ncu on an H200). prep_kernel's and
+// chunk_bwd_kernel's twins invert I + A by 16 x 16 blocks
+// (invert_unit_lower) and take X and dB as products with the inverse.
 //
 // Checked against the CPU reference on the CPU emulator (make test-emu) and,
 // on an H200, by tests/test_backend_gdn.c and the Qwen3.5 model tests
