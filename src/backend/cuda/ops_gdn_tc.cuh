@@ -1,0 +1,194 @@
+// The gated delta rule's tensor-core kernels' building blocks (ops_gdn_tc.cu,
+// ops_gdn_tc_bwd.cu): fragments from shared memory and the warp's product,
+// the 64 x 64 tile's split among 8 warps, shared memory carved into 16-byte
+// aligned arrays, cp.async staging and the unit lower triangle's inverse.
+// Included after mma.cuh (which the CPU emulator swaps for
+// its own). Internal to the CUDA backend.
+#ifndef LOOM_CUDA_OPS_GDN_TC_CUH
+#define LOOM_CUDA_OPS_GDN_TC_CUH
+
+#include "ops_gdn_rule.cuh"
+
+namespace loom_gdn {
+
+constexpr int TCW = WARPS; // warps of the tensor-core kernels: a 64 x 64 tile, 16 x 32 each
+static_assert(TCW == 8, "the tensor-core kernels split 64 x 64 among 8 warps");
+
+
+// A product's fragments from shared memory: element (i, k) of A at A[i ars
+// + k acs], (k, n) of B at B[k brs + n bcs]. A bf16 operand stored with
+// one of its strides 1 (rows 16-byte aligned) comes by ldmatrix, plain or
+// .trans; any other (fp32) element by element, rounded to bf16 as it is
+// packed. Either way the same bits.
+using M16 = mma_type<__nv_bfloat16>;
+template <typename T>
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const T *A, int ars, int acs, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const T *r0 = A + g * ars + 2 * t * acs, *r1 = r0 + 8 * ars;
+    a[0] = M16::pack(to_f(r0[0]), to_f(r0[acs]));
+    a[1] = M16::pack(to_f(r1[0]), to_f(r1[acs]));
+    a[2] = M16::pack(to_f(r0[8 * acs]), to_f(r0[9 * acs]));
+    a[3] = M16::pack(to_f(r1[8 * acs]), to_f(r1[9 * acs]));
+}
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const __nv_bfloat16 *A, int ars, int acs,
+                                       int lane) {
+    if (acs == 1)
+        ldsm_x4(a, a_addr(A, ars, 0, 0, lane));
+    else
+        ldsm_x4_t(a, at_addr(A, acs, 0, 0, lane));
+}
+template <typename T>
+__device__ __forceinline__ void frag_b(uint32_t (&b)[2], const T *B, int brs, int bcs, int lane) {
+    const T *c = B + 2 * (lane & 3) * brs + (lane >> 2) * bcs;
+    b[0] = M16::pack(to_f(c[0]), to_f(c[brs]));
+    b[1] = M16::pack(to_f(c[8 * brs]), to_f(c[9 * brs]));
+}
+__device__ __forceinline__ void frag_b(uint32_t (&b)[2], const __nv_bfloat16 *B, int brs, int bcs,
+                                       int lane) {
+    if (bcs == 1)
+        ldsm_x2_t(b, bt1_addr(B, brs, 0, 0, lane));
+    else
+        ldsm_x2(b, b1_addr(B, bcs, 0, 0, lane));
+}
+
+// A warp's (16 MT) x (8 NN) tile of C += A B, K a multiple of 16 (A, B as
+// frag_a's, fp32 or bf16 in shared memory). Accumulator (m, n, e) is C's
+// row 16 m + g + 8 (e >> 1), column 8 n + 2 t + (e & 1), g = lane / 4, t =
+// lane % 4 (mma.cuh's table).
+template <int MT, int NN, typename TA, typename TB>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][NN][4], const TA *A, int ars,
+                                         int acs, const TB *B, int brs, int bcs, int K) {
+    const int lane = threadIdx.x & 31;
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        uint32_t a[MT][4];
+        for (int m = 0; m < MT; m++)
+            frag_a(a[m], A + 16 * m * ars + k0 * acs, ars, acs, lane);
+        for (int n = 0; n < NN; n++) {
+            uint32_t b[2];
+            frag_b(b, B + k0 * brs + 8 * n * bcs, brs, bcs, lane);
+            for (int m = 0; m < MT; m++) M16::mma(acc[m][n], a[m], b[0], b[1]);
+        }
+    }
+}
+
+// A warp's 16 x 32 tile of a 64 x 64 product (8 warps): rows r0 = 16 (warp /
+// 2) on, columns c0 = 32 (warp % 2) on; fragment (n, e) of it is element
+// (tile_i, tile_j).
+struct tile {
+    int r0, c0, g, t;
+    __device__ tile() {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1), g = lane >> 2, t = lane & 3;
+    }
+    __device__ int i(int e) const { return r0 + g + 8 * (e >> 1); }
+    __device__ int j(int n, int e) const { return c0 + 8 * n + 2 * t + (e & 1); }
+};
+
+// A kernel's shared memory cut into arrays, each 16-byte aligned (cp.async's
+// unit): the same sequence of take() gives the host the size (base 0) and
+// the kernel its pointers.
+struct carve {
+    uintptr_t base;
+    size_t off = 0;
+    __host__ __device__ explicit carve(void *b) : base((uintptr_t)b) {}
+    template <typename T> __host__ __device__ T *take(int64_t n) {
+        T *r = (T *)(base + off);
+        off += ((size_t)n * sizeof(T) + 15) / 16 * 16;
+        return r;
+    }
+};
+
+typedef __nv_bfloat16 bf16;
+constexpr int LDH = BO + 8; // row stride of bf16 (CH, BO) and (CH, CH) blocks: no bank conflicts
+__host__ __device__ inline int64_t ldk(int64_t dk) { return pad16(dk) + 8; } // bf16 (CH, dk16)
+
+__device__ __forceinline__ bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+// Rows [0, CH) x columns [0, W) (W a multiple of 16 bytes' elements) of dst
+// (row stride ld) from src (row i at src + i rs), zero where i >= L or c >=
+// n: by cp.async when vec (n, rs and src 16-byte multiples), else by plain
+// loads. Neither committed nor waited for.
+template <typename T>
+__device__ __forceinline__ void stage_async(T *dst, int ld, const T *src, int64_t rs, int L,
+                                            int64_t n, int W, bool vec) {
+    constexpr int E = 16 / sizeof(T);
+    const int q = W / E;
+    for (int p = threadIdx.x; p < CH * q; p += NT) {
+        const int i = p / q, c = (p % q) * E;
+        T *d = dst + i * ld + c;
+        const T *s = src + i * rs + c;
+        if (vec)
+            cp_async16(d, i < L && c < n ? s : src, i < L && c < n);
+        else
+            for (int e = 0; e < E; e++)
+                put(d + e, i < L && c + e < n ? to_f(s[e]) : 0.0f);
+    }
+}
+// Whether rows of n elements at src with row stride rs can go by cp.async.
+template <typename T> __device__ __forceinline__ bool vec_ok(const T *src, int64_t n, int64_t rs) {
+    constexpr int E = 16 / sizeof(T);
+    return n % E == 0 && rs % E == 0 && al16(src);
+}
+
+// A chunk's q and k rows of key head hk (bf16, zero-padded to dk16) into Qs,
+// Ks by cp.async (committed, not waited for).
+__device__ __forceinline__ void stage_qk(const geo &z, const gdn_ws &w, int64_t t0, int L,
+                                         int64_t hk, bf16 *Qs, bf16 *Ks) {
+    const int64_t dk = z.dk, rs = z.Hk * dk, o = (t0 * z.Hk + hk) * dk;
+    const bool vec = vec_ok(w.qb, dk, rs) && vec_ok(w.kb, dk, rs);
+    if (Qs)
+        stage_async(Qs, (int)ldk(dk), w.qb + o, rs, L, dk, (int)pad16(dk), vec);
+    stage_async(Ks, (int)ldk(dk), w.kb + o, rs, L, dk, (int)pad16(dk), vec);
+    cp_commit();
+}
+
+// T = (I + A)^-1 for the strictly lower A (CH x CH, row stride LDA) by
+// blocks of 16: each diagonal block by forward substitution (a column a
+// thread), then a block row at a time T_IJ = -T_II sum_J<=K<I A_IK T_KJ (an
+// element a thread). Its longest chain is 16 + 3 (48 + 16) steps where a
+// column a thread over the whole chunk takes 64 x 32. All threads; ends with
+// a barrier.
+__device__ inline void invert_unit_lower(const float *As, float *Ts) {
+    static_assert(NT == 256 && CH == 64, "a 16 x 16 block an element a thread");
+    const int tid = threadIdx.x;
+    if (tid < CH) {
+        const int b = 16 * (tid / 16), j = tid % 16;
+        for (int i = 0; i < 16; i++) {
+            float x = i == j ? 1.0f : 0.0f;
+            for (int k = j; k < i; k++)
+                x -= As[(b + i) * LDA + b + k] * Ts[(b + k) * LDA + b + j];
+            Ts[(b + i) * LDA + b + j] = i < j ? 0.0f : x;
+        }
+    }
+    for (int p = tid; p < CH * CH; p += NT) // zero above the diagonal blocks
+        if ((p % CH) / 16 > (p / CH) / 16)
+            Ts[(p / CH) * LDA + p % CH] = 0.0f;
+    __syncthreads();
+    const int r = tid / 16, c = tid % 16;
+    for (int I = 1; I < 4; I++) {
+        const int ri = 16 * I + r;
+        for (int J = 0; J < I; J++) { // sum_K A_IK T_KJ into T_IJ's place
+            float x = 0.0f;
+            for (int k = 16 * J; k < 16 * I; k++)
+                x += As[ri * LDA + k] * Ts[k * LDA + 16 * J + c];
+            Ts[ri * LDA + 16 * J + c] = x;
+        }
+        __syncthreads();
+        float y[3] = {0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int J = 0; J < 3; J++)
+            if (J < I)
+                for (int k = 0; k <= r; k++)
+                    y[J] -= Ts[ri * LDA + 16 * I + k] * Ts[(16 * I + k) * LDA + 16 * J + c];
+        __syncthreads();
+#pragma unroll
+        for (int J = 0; J < 3; J++)
+            if (J < I)
+                Ts[ri * LDA + 16 * J + c] = y[J];
+        __syncthreads();
+    }
+}
+
+} // namespace loom_gdn
+
+#endif // LOOM_CUDA_OPS_GDN_TC_CUH

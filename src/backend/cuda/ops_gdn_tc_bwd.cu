@@ -1,0 +1,381 @@
+// chunk_bwd_kernel's tensor-core twin for bf16 (dk <= 128): the gated delta
+// rule's chunk-local backward, launched by ops_gdn_rule.cu's driver
+// (tc_chunk_bwd); its building blocks and conventions are ops_gdn_tc.cu's
+// (ops_gdn_tc.cuh).
+//
+// Checked against the CPU reference on the CPU emulator (make test-emu) and,
+// on an H200, by tests/test_backend_gdn.c and the Qwen3.5 model tests
+// (tests/gpu/qwen35.sh).
+#include "mma.cuh"
+#include "ops_gdn_tc.cuh"
+
+using namespace loom_cuda;
+using namespace loom_gdn;
+
+namespace {
+
+// chunk_bwd_kernel on tensor cores (bf16, dk <= 128), per (chunk, value
+// head), the same sums (ops_gdn_rule.cu's comment) with every product of
+// chunk by chunk or chunk by head size on mma.sync:
+//   QK = Q K^T, KK = K K^T, dp = dO U^T        (DQ = dp M, lower)
+//   dX = [dU | -dU S0^T], dB = T^T dX            (T = (I + A)^-1, as prep's)
+//   DA = -dB X^T (X = [U0 | W]), then C = DA beta M
+//   SD = e^G dO S0^T, TM = e^(G_L - G) U dS^T
+//   dq = SD + DQ K, dk = beta e^G dBk + TM + DQ^T Q + (C + C^T) K
+// a column block of 64 at a time. QK, KK, DQ, DA and dB stay in the warps'
+// accumulators, where their row and column sums (dbeta's, dG's parts) are
+// taken (row_sums, col_sums); shared memory holds C, the products' bf16
+// operands and, before the blocks are used, the inversion's fp32 A and T
+// in the blocks' space: 94 KB at dk 128, two blocks an SM (one block of
+// 192 KB had been latency-bound at 12% occupancy on an H200).
+constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
+struct bwd_smem {
+    float *Cm, *V, *RP, *CP; // C (CH, LDA); the vectors; row partials (2, CH), columns' (4, CH)
+    bf16 *Tb, *DQb, *S1, *S2, *S3, *S5, *Qs, *Ks;
+    float *As, *Ts; // the inversion's (CH, LDA) arrays, over S1 .. S5
+    size_t bytes;
+    __host__ __device__ bwd_smem(void *base, int64_t dk) {
+        carve c(base);
+        Cm = c.take<float>(CH * LDA), V = c.take<float>(BWD_VECS * CH);
+        RP = c.take<float>(2 * CH), CP = c.take<float>(4 * CH);
+        Tb = c.take<bf16>(CH * LDH), DQb = c.take<bf16>(CH * LDH);
+        S1 = c.take<bf16>(4 * CH * LDH), S2 = S1 + CH * LDH, S3 = S2 + CH * LDH;
+        S5 = S3 + CH * LDH;
+        As = (float *)S1, Ts = As + CH * LDA;
+        Qs = c.take<bf16>(CH * LDH), Ks = c.take<bf16>(CH * LDH);
+        bytes = c.off;
+    }
+};
+static_assert(2 * CH * LDA * sizeof(float) <= 4 * CH * LDH * sizeof(bf16),
+              "the inversion's A and T fit the blocks' space");
+
+// Row sums over a (CH, CH) product held as the warps' tiles (tile f): v(n,
+// e) the value at accumulator (n, e) (zero where not summed); the lanes of
+// a row by shuffles, then a row block's two warps in order through RP;
+// out(i, sum) by thread i < CH. All threads; barriers before and after out.
+template <typename F, typename O>
+__device__ __forceinline__ void row_sums(const tile &f, float *RP, F v, O out) {
+    float p[2] = {0.0f, 0.0f};
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) p[e >> 1] += v(n, e);
+    for (int k = 0; k < 2; k++)
+        for (int o = 1; o < 4; o <<= 1) p[k] += __shfl_xor_sync(0xffffffffu, p[k], o);
+    const int half = (threadIdx.x >> 5) & 1;
+    if (f.t == 0)
+        RP[half * CH + f.r0 + f.g] = p[0], RP[half * CH + f.r0 + f.g + 8] = p[1];
+    __syncthreads();
+    if (threadIdx.x < CH)
+        out((int)threadIdx.x, RP[threadIdx.x] + RP[CH + threadIdx.x]);
+    __syncthreads();
+}
+// Column sums likewise: a lane's two rows, the lanes of a column by
+// shuffles, then the four row blocks' warps in order through CP.
+template <typename F, typename O>
+__device__ __forceinline__ void col_sums(const tile &f, float *CP, F v, O out) {
+    float q[4][2];
+    for (int n = 0; n < 4; n++)
+        for (int b = 0; b < 2; b++) {
+            q[n][b] = v(n, b) + v(n, b + 2);
+            for (int o = 4; o < 32; o <<= 1) q[n][b] += __shfl_xor_sync(0xffffffffu, q[n][b], o);
+        }
+    const int blk = (threadIdx.x >> 5) >> 1;
+    if (f.g == 0)
+        for (int n = 0; n < 4; n++)
+            for (int b = 0; b < 2; b++) CP[blk * CH + f.c0 + 8 * n + 2 * f.t + b] = q[n][b];
+    __syncthreads();
+    if (threadIdx.x < CH) {
+        const int j = threadIdx.x;
+        out(j, ((CP[j] + CP[CH + j]) + CP[2 * CH + j]) + CP[3 * CH + j]);
+    }
+    __syncthreads();
+}
+
+__global__ void __launch_bounds__(NT, 2)
+    chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
+                        geo z, gdn_ws w, void *dqkv, float *dg, float *dbeta) {
+    extern __shared__ __align__(16) float sm[];
+    __shared__ double red[WARPS];
+    const int64_t dk = z.dk, dv = z.dv, Hv = z.Hv;
+    const bwd_smem m(sm, dk);
+    float *Gs = m.V, *Es = Gs + CH, *Dj = Es + CH, *Bs = Dj + CH;
+    float *SV = Bs + CH, *SK = SV + CH, *RS = SK + CH, *CS = RS + CH, *DBE = CS + CH;
+    float *DGs = DBE + CH, *PG = DGs + CH, *PD = PG + 4 * CH;
+    bf16 *Tb = m.Tb, *DQb = m.DQb, *S1 = m.S1, *S2 = m.S2, *S3 = m.S3, *S5 = m.S5;
+    const int64_t c = blockIdx.x, h = blockIdx.y, hk = h / z.grp;
+    int64_t t0;
+    int L;
+    if (!chunk_of(z, w, c, &t0, &L))
+        return;
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const tile f;
+    const float *S0 = w.S + (c * Hv + h) * dk * dv, *dS = w.dS + (c * Hv + h) * dk * dv;
+    const int64_t qs = z.Hk * dk; // q's and k's row stride
+    const float *qn = w.qn + (t0 * z.Hk + hk) * dk, *kn = w.kn + (t0 * z.Hk + hk) * dk;
+    const float *Ag = w.A + (c * Hv + h) * CH * CH;
+    auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
+    auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
+    // the keys [a0, a0 + BO) of q and k (bf16) into Qs, Ks by cp.async (committed)
+    const int64_t qko = (t0 * z.Hk + hk) * dk;
+    const bool qkvec = vec_ok(w.qb, dk, qs) && vec_ok(w.kb, dk, qs);
+    auto stage_qk64 = [&](int64_t a0) {
+        stage_async(m.Qs, LDH, w.qb + qko + a0, qs, L, dk - a0, BO, qkvec);
+        stage_async(m.Ks, LDH, w.kb + qko + a0, qs, L, dk - a0, BO, qkvec);
+        cp_commit();
+    };
+    // dO's and U's rows of columns [b0, b0 + BO) into S1, S2 by cp.async (committed)
+    const int64_t vrs = Hv * dv;
+    const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
+    const bool ouv = vec_ok(Oc, dv, vrs) && vec_ok(Uc, dv, vrs);
+    auto stage_ou = [&](int64_t b0) {
+        stage_async(S1, LDH, Oc + b0, vrs, L, dv - b0, BO, ouv);
+        stage_async(S2, LDH, Uc + b0, vrs, L, dv - b0, BO, ouv);
+        cp_commit();
+    };
+    // whether accumulator (n, e) is strictly lower within the chunk, and M there
+    auto lower = [&](int n, int e) { return f.i(e) < L && f.j(n, e) < f.i(e); };
+    auto decay = [&](int n, int e) { return expf(Gs[f.i(e)] - Gs[f.j(n, e)]); };
+
+    chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
+    stage_qk64(0);
+    fill(m.As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
+    float qk[1][4][4] = {}, kk[1][4][4] = {}; // QK, KK over the keys, 64 at a time
+    for (int64_t a0 = 0; a0 < dk; a0 += BO) {
+        cp_wait<0>();
+        __syncthreads();
+        warp_mma<1, 4>(qk, m.Qs + f.r0 * LDH, LDH, 1, m.Ks + f.c0 * LDH, 1, LDH, BO);
+        warp_mma<1, 4>(kk, m.Ks + f.r0 * LDH, LDH, 1, m.Ks + f.c0 * LDH, 1, LDH, BO);
+        __syncthreads();
+        if (a0 + BO < dk)
+            stage_qk64(a0 + BO);
+    }
+    invert_unit_lower(m.As, m.Ts);
+    for (int p = tid; p < CH * CH; p += NT) // T's rounding, the products' operand
+        Tb[(p / CH) * LDH + p % CH] = __float2bfloat16_rn(m.Ts[(p / CH) * LDA + p % CH]);
+    float dq[1][4][4] = {}; // DQ = (dO U^T) M, lower
+    for (int64_t b0 = 0; b0 < dv; b0 += BO) {
+        __syncthreads(); // S1, S2 free (the inversion's arrays read)
+        stage_ou(b0);
+        cp_wait<0>();
+        __syncthreads();
+        warp_mma<1, 4>(dq, S1 + f.r0 * LDH, LDH, 1, S2 + f.c0 * LDH, 1, LDH, BO);
+    }
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) {
+            const int i = f.i(e), j = f.j(n, e);
+            dq[0][n][e] = i < L && j <= i ? dq[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
+            DQb[i * LDH + j] = __float2bfloat16_rn(dq[0][n][e]);
+        }
+    // R's first part (DQ QK, strictly lower): its row sums and column sums
+    const auto r1 = [&](int n, int e) { return lower(n, e) ? dq[0][n][e] * qk[0][n][e] : 0.0f; };
+    row_sums(f, m.RP, r1, [&](int i, float v) { RS[i] = v; });
+    col_sums(f, m.CP, r1, [&](int j, float v) { CS[j] = v; });
+
+    // dB a column block of [dv | dk] at a time (dX, then dB's rounding, in
+    // S5), with dv, dk's B part, SV, SK; DA accumulates -dB X^T
+    float da[1][4][4] = {};
+    const int64_t nbv = (dv + BO - 1) / BO, nbk = (dk + BO - 1) / BO;
+    for (int64_t cb = 0; cb < nbv + nbk; cb++) {
+        const bool isv = cb < nbv;
+        const int64_t b0 = (isv ? cb : cb - nbv) * BO, ncol = isv ? dv : dk;
+        __syncthreads(); // S2, S5 free
+        if (isv) { // dX = dU's block (S5) with X = U0's (S2) in one round trip
+            const auto in = [&](int i, int b) { return i < L && b0 + b < dv; };
+            const auto du = [&](int i, int b) {
+                return in(i, b) ? w.dU[row(i) * dv + b0 + b] : 0.0f;
+            };
+            const auto u0 = [&](int i, int b) {
+                return in(i, b) ? w.U0[row(i) * dv + b0 + b] : 0.0f;
+            };
+            fill2(S5, LDH, du, S2, LDH, u0, CH, BO);
+        } else { // X = W's block by cp.async, under dX = -dU S0^T over this block's keys
+            const bf16 *Wc = w.Wh + row(0) * dk + b0;
+            stage_async(S2, LDH, Wc, Hv * dk, L, dk - b0, BO, vec_ok(Wc, dk, Hv * dk));
+            cp_commit();
+            float x[1][4][4] = {};
+            for (int64_t e0 = 0; e0 < dv; e0 += BO) {
+                __syncthreads(); // S1, S3 free
+                const auto in = [&](int i, int b) { return i < L && e0 + b < dv; };
+                const auto ain = [&](int a, int b) { return b0 + a < dk && e0 + b < dv; };
+                const auto du = [&](int i, int b) {
+                    return in(i, b) ? w.dU[row(i) * dv + e0 + b] : 0.0f;
+                };
+                const auto s0 = [&](int a, int b) {
+                    return ain(a, b) ? S0[(b0 + a) * dv + e0 + b] : 0.0f;
+                };
+                fill2(S1, LDH, du, S3, LDH, s0, CH, BO);
+                __syncthreads();
+                warp_mma<1, 4>(x, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
+            }
+            for (int n = 0; n < 4; n++)
+                for (int e = 0; e < 4; e++)
+                    S5[f.i(e) * LDH + f.j(n, e)] = __float2bfloat16_rn(-x[0][n][e]);
+        }
+        __syncthreads(); // dX complete
+        float db[1][4][4] = {};
+        warp_mma<1, 4>(db, Tb + f.r0, 1, LDH, S5 + f.c0, LDH, 1, CH); // T^T dX
+        __syncthreads(); // dX read
+        // dB's rounding; dv or dk's B part and the rows' dots with v or k, from the accumulators
+        float y[4][4];
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t col = b0 + f.j(n, e);
+                S5[i * LDH + f.j(n, e)] = __float2bfloat16_rn(db[0][n][e]);
+                y[n][e] = !(i < L && col < ncol) ? 0.0f
+                          : isv                  ? ld(qkv, dt, vcol(i) + col)
+                                                 : kn[i * qs + col];
+            }
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t col = b0 + f.j(n, e);
+                if (i >= L || col >= ncol)
+                    continue;
+                if (isv)
+                    st(dqkv, dt, vcol(i) + col, Bs[i] * db[0][n][e]);
+                else
+                    w.dkh[row(i) * dk + col] = Bs[i] * Es[i] * db[0][n][e];
+            }
+        row_sums(f, m.RP, [&](int n, int e) { return y[n][e] * db[0][n][e]; },
+                 [&](int i, float v) { (isv ? SV : SK)[i] += v; });
+        cp_wait<0>();
+        __syncthreads(); // X complete
+        warp_mma<1, 4>(da, S5 + f.r0 * LDH, LDH, 1, S2 + f.c0 * LDH, 1, LDH, BO);
+    }
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) da[0][n][e] = lower(n, e) ? -da[0][n][e] : 0.0f; // DA
+    // dbeta (DA KK M's row sums); R's second part (DA A, A from the
+    // workspace): its row and column sums
+    row_sums(f, m.RP,
+             [&](int n, int e) {
+                 return lower(n, e) ? da[0][n][e] * kk[0][n][e] * decay(n, e) : 0.0f;
+             },
+             [&](int i, float v) { DBE[i] = SV[i] + Es[i] * SK[i] + v; });
+    float av[4][4];
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) av[n][e] = lower(n, e) ? Ag[f.i(e) * CH + f.j(n, e)] : 0.0f;
+    const auto r2 = [&](int n, int e) { return da[0][n][e] * av[n][e]; };
+    row_sums(f, m.RP, r2, [&](int i, float v) { RS[i] += v; });
+    col_sums(f, m.CP, r2, [&](int j, float v) { CS[j] += v; });
+    for (int n = 0; n < 4; n++) // C = DA beta_i M
+        for (int e = 0; e < 4; e++)
+            m.Cm[f.i(e) * LDA + f.j(n, e)] =
+                lower(n, e) ? da[0][n][e] * Bs[f.i(e)] * decay(n, e) : 0.0f;
+    __syncthreads();
+    for (int p = tid; p < CH * CH; p += NT) { // Tb <- C + C^T
+        const int i = p / CH, j = p % CH;
+        Tb[i * LDH + j] = __float2bfloat16_rn(m.Cm[i * LDA + j] + m.Cm[j * LDA + i]);
+    }
+
+    // dq and dk, 64 keys at a time; SD's and TM's row dots with q and k as
+    // partial sums (PG, PD: a slot per warp column and key block)
+    double ss = 0.0;
+    for (int64_t a0 = 0; a0 < dk; a0 += BO) {
+        float sd[1][4][4] = {}, tm[1][4][4] = {};
+        for (int64_t e0 = 0; e0 < dv; e0 += BO) {
+            __syncthreads(); // the blocks free (and Tb complete)
+            if (e0 == 0)
+                stage_qk64(a0);
+            stage_ou(e0);
+            // S0's and dS's blocks (S3, S5), 8 elements a thread a round;
+            // sum(S0 dS) from the fp32 values
+            for (int p0 = 0; p0 < CH * BO; p0 += 8 * NT) {
+                float s0[8], ds[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int p = p0 + u * NT + tid, a = p / BO, b = p % BO;
+                    const bool ok = p < CH * BO && a0 + a < dk && e0 + b < dv;
+                    s0[u] = ok ? S0[(a0 + a) * dv + e0 + b] : 0.0f;
+                    ds[u] = ok ? dS[(a0 + a) * dv + e0 + b] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int p = p0 + u * NT + tid, a = p / BO, b = p % BO;
+                    if (p >= CH * BO)
+                        continue;
+                    S3[a * LDH + b] = __float2bfloat16_rn(s0[u]);
+                    S5[a * LDH + b] = __float2bfloat16_rn(ds[u]);
+                    ss += (double)s0[u] * (double)ds[u];
+                }
+            }
+            cp_wait<0>();
+            __syncthreads();
+            warp_mma<1, 4>(sd, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
+            warp_mma<1, 4>(tm, S2 + f.r0 * LDH, LDH, 1, S5 + f.c0 * LDH, 1, LDH, BO);
+        }
+        float pg[2] = {0.0f, 0.0f}, pd[2] = {0.0f, 0.0f};
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t a = a0 + f.j(n, e);
+                sd[0][n][e] *= Es[i];
+                tm[0][n][e] *= Dj[i];
+                if (i < L && a < dk) {
+                    pg[e >> 1] += qn[i * qs + a] * sd[0][n][e];
+                    pd[e >> 1] += kn[i * qs + a] * tm[0][n][e];
+                }
+            }
+        for (int k = 0; k < 2; k++)
+            for (int o = 1; o < 4; o <<= 1) {
+                pg[k] += __shfl_xor_sync(0xffffffffu, pg[k], o);
+                pd[k] += __shfl_xor_sync(0xffffffffu, pd[k], o);
+            }
+        if (f.t == 0) {
+            const int slot = (warp & 1) + 2 * (int)(a0 / BO);
+            PG[(f.r0 + f.g) * 4 + slot] = pg[0], PG[(f.r0 + f.g + 8) * 4 + slot] = pg[1];
+            PD[(f.r0 + f.g) * 4 + slot] = pd[0], PD[(f.r0 + f.g + 8) * 4 + slot] = pd[1];
+        }
+        const bf16 *Qb = m.Qs + f.c0, *Kb = m.Ks + f.c0;
+        warp_mma<1, 4>(sd, DQb + f.r0 * LDH, LDH, 1, Kb, LDH, 1, CH); // + DQ K
+        warp_mma<1, 4>(tm, DQb + f.r0, 1, LDH, Qb, LDH, 1, CH);       // + DQ^T Q
+        warp_mma<1, 4>(tm, Tb + f.r0 * LDH, LDH, 1, Kb, LDH, 1, CH);  // + (C + C^T) K
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t a = a0 + f.j(n, e);
+                if (i < L && a < dk) {
+                    w.dqh[row(i) * dk + a] = sd[0][n][e];
+                    w.dkh[row(i) * dk + a] += tm[0][n][e];
+                }
+            }
+    }
+    const double sds = block_sum<NT>(ss, red); // its barriers end the phase
+    const int nslot = 2 * (int)((dk + BO - 1) / BO);
+    for (int i = tid; i < CH; i += NT) {
+        float a = 0.0f, b = 0.0f;
+        for (int k = 0; k < nslot; k++)
+            a += PG[i * 4 + k], b += PD[i * 4 + k];
+        PG[i * 4] = a, PD[i * 4] = b;
+    }
+    __syncthreads();
+    for (int i = tid; i < L; i += NT) {
+        float dG = PG[i * 4] - PD[i * 4] + Bs[i] * Es[i] * SK[i] + RS[i] - CS[i];
+        if (i == L - 1) {
+            float sdd = 0.0f;
+            for (int j = 0; j < L; j++)
+                sdd += PD[j * 4];
+            dG += Es[L - 1] * (float)sds + sdd;
+        }
+        DGs[i] = dG;
+    }
+    __syncthreads();
+    put_dg_dbeta(DGs, DBE, L, t0, Hv, h, dg, dbeta);
+}
+
+} // namespace
+
+namespace loom_gdn {
+
+loom_status tc_chunk_bwd(loom_ctx *ctx, const char *op, const void *qkv, const void *dout,
+                         loom_dtype dt, const float *beta, const geo &z, const gdn_ws &w,
+                         void *dqkv, float *dg, float *dbeta, cudaStream_t s) {
+    const size_t b = bwd_smem(nullptr, z.dk).bytes;
+    const loom_status st = smem_for(ctx, op, chunk_bwd_tc_kernel, b);
+    if (st)
+        return st;
+    chunk_bwd_tc_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, b, s>>>(
+        qkv, dout, dt, beta, z, w, dqkv, dg, dbeta);
+    return check_launch(ctx, op);
+}
+
+} // namespace loom_gdn
