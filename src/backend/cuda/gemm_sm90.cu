@@ -43,24 +43,23 @@ bool device_ready(int *dev) {
     return st == 1;
 }
 
-bool a16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 bool dim_ok(int64_t n) { return n > 0 && n < INT32_MAX; }
 
 /* TMA: 16-byte aligned bases and row strides; one k block holds the rank */
 bool operands_ok(loom_dtype dtype, int64_t T, int64_t N, int64_t K, const void *x, const void *W,
                  const void *u, int64_t ldu, const void *b, int64_t r, const void *y) {
     return dtype == LOOM_BF16 && dim_ok(T) && dim_ok(N) && dim_ok(K) && N % 8 == 0 && K % 8 == 0 &&
-           r >= 8 && r <= loom_sm90::BK && r % 8 == 0 && ldu >= r && ldu % 8 == 0 && a16(x) &&
-           a16(W) && a16(u) && a16(b) && a16(y);
+           r >= 8 && r <= loom_sm90::BK && r % 8 == 0 && ldu >= r && ldu % 8 == 0 && aligned16(x) &&
+           aligned16(W) && aligned16(u) && aligned16(b) && aligned16(y);
 }
 
 bool dx_operands_ok(loom_dtype dtype, int64_t T, int64_t N, int nseg, const void *const *a,
                     const int64_t *lda, const int64_t *K, const void *const *b, const void *d) {
     if (dtype != LOOM_BF16 || !dim_ok(T) || !dim_ok(N) || N % 8 || nseg < 1 ||
-        nseg > loom_sm90::MAXSEG || !a16(d))
+        nseg > loom_sm90::MAXSEG || !aligned16(d))
         return false;
     for (int i = 0; i < nseg; i++)
-        if (!dim_ok(K[i]) || lda[i] < K[i] || lda[i] % 8 || !a16(a[i]) || !a16(b[i])) return false;
+        if (!dim_ok(K[i]) || lda[i] < K[i] || lda[i] % 8 || !aligned16(a[i]) || !aligned16(b[i])) return false;
     return true;
 }
 

@@ -778,8 +778,6 @@ __global__ void ragged_kernel(const int32_t *cu, int64_t ndocs, int64_t B, int64
     }
 }
 
-bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
-
 // Whether cuDNN can be asked at all (the engines take BF16/F16, head sizes
 // that are multiples of 8 up to 128, 16-byte aligned tensors), and the
 // graph's B and L: equal documents (L > 0) B = T / L; else the ragged graph,

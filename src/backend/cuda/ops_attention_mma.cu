@@ -754,8 +754,6 @@ loom_status bwd(loom_ctx *ctx, const attn_args &args, cudaStream_t s) {
     return st ? st : sf;
 }
 
-bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
-
 bool mine(const attn_args &a, bool backward) {
     if ((a.dt != LOOM_BF16 && a.dt != LOOM_F16) || (a.D != 64 && a.D != 128)) return false;
     if (!aligned16(a.q) || !aligned16(a.k) || !aligned16(a.v)) return false;

@@ -150,11 +150,12 @@ __device__ __forceinline__ void st8(T *p, const float (&v)[8]) {
 __host__ __device__ __forceinline__ size_t float_size(loom_dtype dt) { return dt == LOOM_F32 ? 4 : 2; }
 // v rounded to T and widened back: what a store to T and a load give.
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
+// Whether p is 16-byte aligned (vector loads, cp.async, TMA).
+__host__ __device__ __forceinline__ bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 // A BF16/F16 tensor of n elements that the vector paths take: n a multiple of
 // 8 and every pointer 16-byte aligned.
 static inline bool vec8_ok(loom_dtype t, int64_t n, const void *a, const void *b) {
-    return (t == LOOM_BF16 || t == LOOM_F16) && n % 8 == 0 && ((uintptr_t)a & 15) == 0 &&
-           ((uintptr_t)b & 15) == 0;
+    return (t == LOOM_BF16 || t == LOOM_F16) && n % 8 == 0 && aligned16(a) && aligned16(b);
 }
 
 // SwiGLU of one element, h = silu(g) u, and its gradients (d silu(g)/dg =

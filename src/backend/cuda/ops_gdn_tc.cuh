@@ -102,7 +102,6 @@ typedef __nv_bfloat16 bf16;
 constexpr int LDH = BO + 8; // row stride of bf16 (CH, BO) and (CH, CH) blocks: no bank conflicts
 __host__ __device__ inline int64_t ldk(int64_t dk) { return pad16(dk) + 8; } // bf16 (CH, dk16)
 
-__device__ __forceinline__ bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 // Rows [0, CH) x columns [0, W) (W a multiple of 16 bytes' elements) of dst
 // (row stride ld) from src (row i at src + i rs), zero where i >= L or c >=
@@ -127,19 +126,26 @@ __device__ __forceinline__ void stage_async(T *dst, int ld, const T *src, int64_
 // Whether rows of n elements at src with row stride rs can go by cp.async.
 template <typename T> __device__ __forceinline__ bool vec_ok(const T *src, int64_t n, int64_t rs) {
     constexpr int E = 16 / sizeof(T);
-    return n % E == 0 && rs % E == 0 && al16(src);
+    return n % E == 0 && rs % E == 0 && aligned16(src);
 }
 
-// A chunk's q and k rows of key head hk (bf16, zero-padded to dk16) into Qs,
-// Ks by cp.async (committed, not waited for).
+// A chunk's q and k rows of key head hk, keys [a0, a0 + W) (bf16, zero past
+// dk), into Qs, Ks (row stride ld; Qs NULL: k only) by cp.async (committed,
+// not waited for).
 __device__ __forceinline__ void stage_qk(const geo &z, const gdn_ws &w, int64_t t0, int L,
-                                         int64_t hk, bf16 *Qs, bf16 *Ks) {
-    const int64_t dk = z.dk, rs = z.Hk * dk, o = (t0 * z.Hk + hk) * dk;
+                                         int64_t hk, bf16 *Qs, bf16 *Ks, int ld, int64_t a0,
+                                         int W) {
+    const int64_t dk = z.dk, rs = z.Hk * dk, o = (t0 * z.Hk + hk) * dk + a0;
     const bool vec = vec_ok(w.qb, dk, rs) && vec_ok(w.kb, dk, rs);
     if (Qs)
-        stage_async(Qs, (int)ldk(dk), w.qb + o, rs, L, dk, (int)pad16(dk), vec);
-    stage_async(Ks, (int)ldk(dk), w.kb + o, rs, L, dk, (int)pad16(dk), vec);
+        stage_async(Qs, ld, w.qb + o, rs, L, dk - a0, W, vec);
+    stage_async(Ks, ld, w.kb + o, rs, L, dk - a0, W, vec);
     cp_commit();
+}
+// All of a chunk's keys (dk16 columns) at the row stride ldk(dk).
+__device__ __forceinline__ void stage_qk(const geo &z, const gdn_ws &w, int64_t t0, int L,
+                                         int64_t hk, bf16 *Qs, bf16 *Ks) {
+    stage_qk(z, w, t0, L, hk, Qs, Ks, (int)ldk(z.dk), 0, (int)pad16(z.dk));
 }
 
 // T = (I + A)^-1 for the strictly lower A (CH x CH, row stride LDA) by

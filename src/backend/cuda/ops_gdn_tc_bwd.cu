@@ -114,14 +114,8 @@ __global__ void __launch_bounds__(NT, 2)
     const float *Ag = w.A + (c * Hv + h) * CH * CH;
     auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
     auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
-    // the keys [a0, a0 + BO) of q and k (bf16) into Qs, Ks by cp.async (committed)
-    const int64_t qko = (t0 * z.Hk + hk) * dk;
-    const bool qkvec = vec_ok(w.qb, dk, qs) && vec_ok(w.kb, dk, qs);
-    auto stage_qk64 = [&](int64_t a0) {
-        stage_async(m.Qs, LDH, w.qb + qko + a0, qs, L, dk - a0, BO, qkvec);
-        stage_async(m.Ks, LDH, w.kb + qko + a0, qs, L, dk - a0, BO, qkvec);
-        cp_commit();
-    };
+    // the keys [a0, a0 + BO) of q and k into Qs, Ks by cp.async (committed)
+    auto stage_qk64 = [&](int64_t a0) { stage_qk(z, w, t0, L, hk, m.Qs, m.Ks, LDH, a0, BO); };
     // dO's and U's rows of columns [b0, b0 + BO) into S1, S2 by cp.async (committed)
     const int64_t vrs = Hv * dv;
     const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;

@@ -662,8 +662,6 @@ extern "C" bool loom_cuda_qknorm_rope_ok(loom_dtype dtype, int64_t D) {
     return (dtype == LOOM_BF16 || dtype == LOOM_F16) && fused_rows(D, true).tpr > 0;
 }
 
-static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
-
 // The fused entry points take what loom_cuda_*_ok accepts, on 16-byte aligned rows.
 static loom_status fused_args(loom_ctx *ctx, const char *op, bool ok, const void *a, const void *b,
                               const void *c, const void *d) {
