@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 #include <map>
 #include <vector>
+#include <deque>
 #include <algorithm>
 #include <random>
 #include <ucontext.h>
@@ -26,7 +27,13 @@ static const int OPTIN = 232448;
 cudaError_t cudaGetLastError() { int e = last_err; last_err = 0; return e; }
 const char *cudaGetErrorString(cudaError_t e) { return e ? "emulated launch error" : "no error"; }
 cudaError_t cudaGetDevice(int *d) { *d = 0; return 0; }
-cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr, int) { *v = OPTIN; return 0; }
+// A device of EMU_SMS multiprocessors (small, so that the choices made by
+// the grid's size take both ways in the tests' small cases).
+static const int EMU_SMS = 16;
+cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int) {
+    *v = a == cudaDevAttrMultiProcessorCount ? EMU_SMS : OPTIN;
+    return 0;
+}
 cudaError_t emu_set_attr(const void *f, int v) {
     if (v > OPTIN) return cudaErrorInvalidValue;
     attrs[f] = v; return 0;
@@ -34,9 +41,14 @@ cudaError_t emu_set_attr(const void *f, int v) {
 void emu_poison(void *p, size_t n) { ASAN_POISON_MEMORY_REGION(p, n); }
 
 enum { RUN, BAR, WARP, WCALL, DONE };
+// A cp.async of n bytes: src read when it is issued, dst written when its
+// group is waited for (so a read of dst before its wait sees the old bytes).
+struct cp_pending { char *dst; char bytes[16]; int n; };
 struct fib {
     ucontext_t ctx; int state; double val, res; int xo; char *stack; uint3 idx;
     void *mine; void (*fn)(void *const *); // WCALL: this lane's data, the warp's operation
+    std::vector<cp_pending> open;                // issued, not yet committed
+    std::deque<std::vector<cp_pending>> groups;  // committed, not yet waited for
 };
 static std::vector<fib> F;
 static ucontext_t mainctx;
@@ -60,6 +72,19 @@ void emu_warp_call(void *mine, void (*fn)(void *const *)) {
     F[cur].mine = mine; F[cur].fn = fn;
     yield(WCALL);
 }
+void emu_cp_async(void *dst, const void *src, int n, bool valid) {
+    cp_pending c{(char *)dst, {}, n};
+    if (valid) memcpy(c.bytes, src, n);
+    F[cur].open.push_back(c);
+}
+void emu_cp_commit() { F[cur].groups.push_back(std::move(F[cur].open)); F[cur].open.clear(); }
+void emu_cp_wait(int n) {
+    auto &q = F[cur].groups;
+    while ((int)q.size() > n) {
+        for (auto &c : q.front()) memcpy(c.dst, c.bytes, c.n);
+        q.pop_front();
+    }
+}
 static void entry() { (*body)(); F[cur].state = DONE; swapcontext(&F[cur].ctx, &mainctx); }
 
 static void die(const char *m) { fprintf(stderr, "EMU ERROR in %s block (%u,%u,%u): %s\n", kname, blockIdx.x, blockIdx.y, blockIdx.z, m); abort(); }
@@ -70,6 +95,7 @@ static void run_block(int n) {
     for (int i = 0; i < n; i++) perm[i] = emu_order == 1 ? n - 1 - i : i;
     for (int i = 0; i < n; i++) {
         F[i].state = RUN;
+        F[i].open.clear(), F[i].groups.clear();
         getcontext(&F[i].ctx);
         F[i].ctx.uc_stack.ss_sp = F[i].stack; F[i].ctx.uc_stack.ss_size = STK; F[i].ctx.uc_link = nullptr;
         makecontext(&F[i].ctx, entry, 0);

@@ -55,6 +55,13 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool vali
                  "r"(valid ? 16 : 0)
                  : "memory");
 }
+// cp.async of 4 bytes (through L1: .cg takes only 16).
+__device__ __forceinline__ void cp_async4(void *dst, const void *src, bool valid) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() {

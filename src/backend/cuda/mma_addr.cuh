@@ -45,7 +45,7 @@ __device__ __forceinline__ const T *bt1_addr(const T *tile, int lds, int k0, int
     return tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * lds + n0;
 }
 
-// a_addr and at_addr with the row stride an argument.
+// a_addr, at_addr, b_addr and bt_addr with the row stride an argument.
 template <typename T>
 __device__ __forceinline__ const T *a_addr(const T *tile, int lds, int r0, int c0, int lane) {
     return tile + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * lds + c0 + (lane >> 4) * 8;
@@ -53,6 +53,15 @@ __device__ __forceinline__ const T *a_addr(const T *tile, int lds, int r0, int c
 template <typename T>
 __device__ __forceinline__ const T *at_addr(const T *tile, int lds, int m0, int k0, int lane) {
     return tile + (k0 + (lane & 7) + (lane >> 4) * 8) * lds + m0 + ((lane >> 3) & 1) * 8;
+}
+
+template <typename T>
+__device__ __forceinline__ const T *b_addr(const T *tile, int lds, int n0, int k0, int lane) {
+    return tile + (n0 + (lane & 7) + (lane >> 4) * 8) * lds + k0 + ((lane >> 3) & 1) * 8;
+}
+template <typename T>
+__device__ __forceinline__ const T *bt_addr(const T *tile, int lds, int k0, int n0, int lane) {
+    return tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * lds + n0 + (lane >> 4) * 8;
 }
 
 } // namespace loom_cuda

@@ -85,12 +85,15 @@ struct tile {
 };
 
 // A kernel's shared memory cut into arrays, each 16-byte aligned (cp.async's
-// unit): the same sequence of take() gives the host the size (base 0) and
-// the kernel its pointers.
+// unit): the same sequence of take() gives the host the size (base NULL)
+// and the kernel its pointers. The pointers are the base's plus offsets (a
+// char pointer, not an integer) so that the compiler still knows them
+// shared: through an integer they become generic, and every access a
+// generic load.
 struct carve {
-    uintptr_t base;
+    char *base;
     size_t off = 0;
-    __host__ __device__ explicit carve(void *b) : base((uintptr_t)b) {}
+    __host__ __device__ explicit carve(void *b) : base((char *)b) {}
     template <typename T> __host__ __device__ T *take(int64_t n) {
         T *r = (T *)(base + off);
         off += ((size_t)n * sizeof(T) + 15) / 16 * 16;
@@ -106,13 +109,13 @@ __host__ __device__ inline int64_t ldk(int64_t dk) { return pad16(dk) + 8; } // 
 // Rows [0, CH) x columns [0, W) (W a multiple of 16 bytes' elements) of dst
 // (row stride ld) from src (row i at src + i rs), zero where i >= L or c >=
 // n: by cp.async when vec (n, rs and src 16-byte multiples), else by plain
-// loads. Neither committed nor waited for.
-template <typename T>
+// loads, by the block's NTH threads. Neither committed nor waited for.
+template <typename T, int NTH = NT>
 __device__ __forceinline__ void stage_async(T *dst, int ld, const T *src, int64_t rs, int L,
                                             int64_t n, int W, bool vec) {
     constexpr int E = 16 / sizeof(T);
     const int q = W / E;
-    for (int p = threadIdx.x; p < CH * q; p += NT) {
+    for (int p = threadIdx.x; p < CH * q; p += NTH) {
         const int i = p / q, c = (p % q) * E;
         T *d = dst + i * ld + c;
         const T *s = src + i * rs + c;

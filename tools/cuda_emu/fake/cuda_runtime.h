@@ -29,7 +29,7 @@ extern dim3 blockDim, gridDim;
 typedef void *cudaStream_t;
 typedef int cudaError_t;
 enum { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9, cudaErrorInvalidValue = 1 };
-enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 cudaError_t cudaGetLastError();
 const char *cudaGetErrorString(cudaError_t);
@@ -67,6 +67,8 @@ double emu_shfl_xor(double v, int o);
 inline float __shfl_xor_sync(unsigned m, float v, int o) { return (float)emu_shfl_xor(v, o); }
 inline double __shfl_xor_sync(unsigned m, double v, int o) { return emu_shfl_xor(v, o); }
 inline int __shfl_xor_sync(unsigned m, int v, int o) { return (int)emu_shfl_xor(v, o); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __fadd_rn(float a, float b) { return a + b; }

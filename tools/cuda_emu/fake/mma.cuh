@@ -7,7 +7,9 @@
 //   ldmatrix .x4 / .x2 (.trans): lane l gives the address of row l % 8 of
 //     matrix l / 8; lane l receives, of each matrix j, the pair (row l / 4,
 //     columns 2 (l % 4) and + 1), or with .trans the transposed pair;
-//   cp.async: a plain copy (zeros when !valid), its commit and wait no-ops;
+//   cp.async: the source read when issued, the destination written when
+//     its group is waited for (a read before the wait sees the old bytes:
+//     NaN in fresh shared memory), zeros when !valid;
 //   a misaligned address aborts, as it faults on the GPU.
 // pre.py points the kernels' `#include "mma.cuh"` here.
 #ifndef LOOM_EMU_MMA_CUH
@@ -21,6 +23,9 @@
 #include "src/backend/cuda/ops_common.cuh"
 
 void emu_warp_call(void *mine, void (*fn)(void *const *));
+void emu_cp_async(void *dst, const void *src, int n, bool valid);
+void emu_cp_commit();
+void emu_cp_wait(int n);
 
 namespace loom_cuda {
 
@@ -133,11 +138,17 @@ inline void cp_async16(void *dst, const void *src, bool valid) {
         fprintf(stderr, "emu: cp.async of 16 bytes not 16-byte aligned (dst %p, src %p)\n", dst, src);
         abort();
     }
-    if (valid) memcpy(dst, src, 16);
-    else memset(dst, 0, 16);
+    emu_cp_async(dst, src, 16, valid);
 }
-inline void cp_commit() {}
-template <int N> inline void cp_wait() {}
+inline void cp_async4(void *dst, const void *src, bool valid) {
+    if (((uintptr_t)dst & 3) || (valid && ((uintptr_t)src & 3))) {
+        fprintf(stderr, "emu: cp.async of 4 bytes not 4-byte aligned (dst %p, src %p)\n", dst, src);
+        abort();
+    }
+    emu_cp_async(dst, src, 4, valid);
+}
+inline void cp_commit() { emu_cp_commit(); }
+template <int N> inline void cp_wait() { emu_cp_wait(N); }
 
 } // namespace loom_cuda
 

@@ -1,0 +1,526 @@
+// The gated delta rule's state passes on tensor cores (bf16, dk <= 128):
+// the twins of ops_gdn_rule.cu's state_fwd_kernel and state_bwd_kernel,
+// launched by its driver (ops_gdn_rule.cuh's tc_state_fwd, tc_state_bwd).
+// Per (document, value head, 16 columns of dv: a unit), the document's
+// chunks in order (in reverse for the backward): each chunk's step waits
+// for the last, so a step's latency is the pass's time, and the work of a
+// step is spread over a unit's four warps.
+//
+// The state is kept transposed (S^T: 16 columns x dk16 keys) in the warps'
+// mma accumulators, warp ks holding keys [32 ks, 32 ks + 32), and rounded
+// to bf16 into shared memory (Sh) for the product over all keys. Warp ks
+// also owns the chunk's tokens [16 ks, 16 ks + 16) in that product:
+//   forward   U^T = U0^T - S^T W^T over its tokens (A: Sh, B: W's rows),
+//             then its keys of S^T <- e^G_L S^T + (Ds U)^T K
+//   backward  dU^T = Ds (dS^T K^T) + (dU's local part)^T over its tokens,
+//             then its keys of dS^T <- e^G_L dS^T + (Es dO)^T Q - dU^T W
+// (Ds_j = e^(G_L - G_j), Es_i = e^G_i), Ds U (or dU) rounded to bf16 into
+// shared memory (Us) between the two. Two barriers a chunk: one for the
+// staged operands and Sh, one for Us. The same products and roundings as
+// the fp32 kernels' operands take: the state rounded as an operand, U and
+// dU rounded after their decay; each sum over keys in one accumulator in
+// key order. A block holds NU units (the 16-column blocks of a head side
+// by side) sharing a chunk's operands (W, K, Q as bf16 rows; U0 or dU's
+// local part, dO; the decays), copied by cp.async ST - 1 chunks ahead into
+// a ring of ST stages. A document's chunks are its 64-token runs from its
+// first token, so their rows follow from its bounds, with no table loads in
+// the chain.
+//
+// Checked against the CPU reference on the CPU emulator (make test-emu,
+// both NU) and, on an H200, by tests/test_backend_gdn.c and the Qwen3.5
+// model tests (tests/gpu/qwen35.sh).
+#include "mma.cuh"
+#include "ops_gdn_tc.cuh"
+
+using namespace loom_cuda;
+using namespace loom_gdn;
+
+namespace {
+constexpr int SW = 16;       // dv columns a unit (the products' m)
+constexpr int KS = 4;        // warps a unit: key slices of 32, token slices of 16
+constexpr int ST = 3;        // stages of the ring
+constexpr int MK = 8;        // k-steps of 16 over dk16 at most (dk <= 128)
+constexpr int LDU = CH + 8;  // row stride of a unit's Us (bf16, 16 x CH)
+static_assert(KS * 32 >= 128 && KS * 16 == CH, "a unit's warps cover dk <= 128 and a chunk");
+
+// The sizes of a block of NU units.
+template <int NU> struct shape {
+    static constexpr int NTH = 32 * KS * NU; // threads
+    static constexpr int BW = SW * NU;       // dv columns
+    static constexpr int LDV = BW + 4;       // row stride of the fp32 (CH, BW) block
+    static constexpr int LDO = BW + 8;       // row stride of the bf16 (CH, BW) block
+};
+
+// A stage: the bf16 (CH, dk16) row blocks X (W, K; and Q for the
+// backward), the fp32 (CH, BW) block V (U0, or dU's local part), the bf16
+// (CH, BW) block O (dO, backward only) and the chunk's decays D = e^(G_L -
+// G) and E = e^G (backward only). The ring's stages lie one after another,
+// `bytes` apart (a stage's pointers are computed: a runtime index into an
+// array of them goes to local memory); after them each unit's Sh (16 x
+// dk16) and Us (16 x CH), bf16.
+template <int NU> struct stage_ptrs {
+    bf16 *X[3];
+    float *V, *D, *E;
+    bf16 *O;
+    size_t bytes;
+    __host__ __device__ stage_ptrs(void *base, int64_t dk, bool bwd) {
+        carve c(base);
+        for (int q = 0; q < 3; q++)
+            X[q] = q < 2 || bwd ? c.take<bf16>(CH * ldk(dk)) : nullptr;
+        V = c.take<float>(CH * shape<NU>::LDV);
+        O = bwd ? c.take<bf16>(CH * shape<NU>::LDO) : nullptr;
+        D = c.take<float>(CH);
+        E = bwd ? c.take<float>(CH) : nullptr;
+        bytes = c.off;
+    }
+};
+__host__ __device__ inline size_t unit_bytes(int64_t dk) {
+    return (size_t)(SW * ldk(dk) + SW * LDU) * sizeof(bf16);
+}
+template <int NU> __host__ __device__ inline size_t ring_bytes(int64_t dk, bool bwd) {
+    return ST * stage_ptrs<NU>(nullptr, dk, bwd).bytes + NU * unit_bytes(dk);
+}
+
+// Document n's chunks c1 <= c < c2: first token t0(c), length len(c).
+struct doc_chunks {
+    int c1, c2;
+    int64_t T0, E;
+    __device__ doc_chunks(const gdn_ws &w, int64_t n) : c1(w.cfirst[n]), c2(w.cfirst[n + 1]) {
+        T0 = c1 < c2 ? w.ct0[c1] : 0;
+        E = c1 < c2 ? w.ct0[c2 - 1] + w.clen[c2 - 1] : 0;
+    }
+    __device__ int64_t t0(int c) const { return T0 + (int64_t)(c - c1) * CH; }
+    __device__ int len(int c) const {
+        const int64_t r = E - t0(c);
+        return r < CH ? (int)r : CH;
+    }
+};
+
+// A thread's place: value head h (key head hk), the block's dv columns b0
+// on (nb valid), its unit u (columns v0 = 16 u on of the block's), key and
+// token slice ks, lane's g and t; its unit's Sh and Us.
+template <int NU> struct pass_at {
+    int64_t h, hk, b0;
+    int nb, u, ks, lane, g, t, v0, ldq;
+    bf16 *Sh, *Us;
+    __device__ pass_at(const geo &z, char *units) {
+        const int warp = (int)threadIdx.x >> 5;
+        h = blockIdx.y, hk = h / z.grp, b0 = (int64_t)blockIdx.z * shape<NU>::BW;
+        nb = z.dv - b0 < shape<NU>::BW ? (int)(z.dv - b0) : shape<NU>::BW;
+        u = warp / KS, ks = warp % KS, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        v0 = SW * u, ldq = (int)ldk(z.dk);
+        Sh = (bf16 *)(units + u * unit_bytes(z.dk));
+        Us = Sh + SW * ldq;
+    }
+    // accumulator e of a 16 x 8 tile: the block's dv column, a key (n-tile
+    // nn of the warp's 4) or a token (n-tile nt of its 2)
+    __device__ int col(int e) const { return v0 + g + 8 * (e >> 1); }
+    __device__ int key(int nn, int e) const { return 32 * ks + 8 * nn + 2 * t + (e & 1); }
+    __device__ int tok(int nt, int e) const { return 16 * ks + 8 * nt + 2 * t + (e & 1); }
+};
+
+// A chunk's G at its last token and at this thread's token (threads < CH),
+// loaded a chunk ahead (plain loads: their latency is hidden by the step
+// before).
+struct decay_ahead {
+    float GL = 0.0f, gj = 0.0f;
+    int L = 0;
+    __device__ void load(const geo &z, const gdn_ws &w, const doc_chunks &dc, int c, int64_t h) {
+        const int64_t t0 = dc.t0(c);
+        L = dc.len(c);
+        GL = w.G[(t0 + L - 1) * z.Hv + h];
+        gj = (int)threadIdx.x < L ? w.G[(t0 + threadIdx.x) * z.Hv + h] : 0.0f;
+    }
+    // D (and E) of the stage: this thread's token's
+    __device__ void put(float *D, float *E) const {
+        if ((int)threadIdx.x >= CH)
+            return;
+        const bool in = (int)threadIdx.x < L;
+        D[threadIdx.x] = in ? expf(GL - gj) : 0.0f;
+        if (E)
+            E[threadIdx.x] = in ? expf(gj) : 0.0f;
+    }
+};
+
+// stage_async for the block's NTH threads where a row's 16-byte pieces
+// divide NTH (a power of two): each thread keeps one piece column, its
+// rows NTH / pieces apart, with no division a piece.
+template <int NTH, typename T>
+__device__ __forceinline__ void stage_rows(T *dst, int ld, const T *src, int64_t rs, int L,
+                                           int64_t n, int W, bool vec) {
+    constexpr int E = 16 / sizeof(T);
+    const int q = W / E;
+    if (!vec || NTH % q) {
+        stage_async<T, NTH>(dst, ld, src, rs, L, n, W, vec);
+        return;
+    }
+    const int sh = __ffs(q) - 1, dr = NTH >> sh, c = ((int)threadIdx.x & (q - 1)) * E;
+    int i = (int)threadIdx.x >> sh;
+    T *d = dst + i * ld + c;
+    const T *s = src + i * rs + c;
+    const bool cv = c < n;
+    for (; i < CH; i += dr, d += dr * ld, s += dr * rs)
+        cp_async16(d, i < L && cv ? s : src, i < L && cv);
+}
+
+// The warp's keys of the state (S^T's, as accumulators) to the chunk's (dk,
+// dv) block Sg (fp32, the block's columns on) and, rounded, to its unit's
+// Sh: keys < dk and columns < nb to Sg, keys < dk16 to Sh (FULL: dk = 128
+// and every column).
+template <bool FULL, int NU>
+__device__ __forceinline__ void put_state(float *Sg, const float (&S)[4][4],
+                                          const pass_at<NU> &p, int dk, int dv) {
+    const int d16 = (int)pad16(dk);
+    float *base = Sg + p.key(0, 0) * dv + p.col(0); // offsets in int: a block's fit
+#pragma unroll
+    for (int nn = 0; nn < 4; nn++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (FULL || (p.key(nn, e) < dk && p.col(e) < p.nb))
+                base[(8 * nn + (e & 1)) * dv + 8 * (e >> 1)] = S[nn][e];
+        if (FULL || p.key(nn, 0) < d16)
+#pragma unroll
+            for (int r = 0; r < 2; r++) // keys 2t, 2t + 1 of rows g and g + 8
+                *(uint32_t *)(p.Sh + (p.g + 8 * r) * p.ldq + p.key(nn, 0)) =
+                    M16::pack(S[nn][2 * r], S[nn][2 * r + 1]);
+    }
+}
+
+// The two bf16 of a fragment's register, widened (exact).
+__device__ __forceinline__ float lo_of(uint32_t r) { return __uint_as_float(r << 16); }
+__device__ __forceinline__ float hi_of(uint32_t r) { return __uint_as_float(r & 0xffff0000u); }
+
+// The warp's 16 tokens of Y^T (16 x CH) = Sh R^T: the unit's Sh (16 x
+// dk16, nk k-steps) and the chunk's rows R (CH, dk16) in shared memory.
+template <int NU>
+__device__ __forceinline__ void state_times_rows(float (&y)[2][4], const pass_at<NU> &p,
+                                                 const bf16 *R, int nk) {
+#pragma unroll
+    for (int kk = 0; kk < MK; kk++)
+        if (kk < nk) {
+            uint32_t a[4], b[4];
+            ldsm_x4(a, a_addr(p.Sh, p.ldq, 0, 16 * kk, p.lane));
+            ldsm_x4(b, b_addr(R, p.ldq, 16 * p.ks, 16 * kk, p.lane));
+            M16::mma(y[0], a, b[0], b[1]);
+            M16::mma(y[1], a, b[2], b[3]);
+        }
+}
+
+// The warp's 16 tokens of Y^T (as accumulators, rounded) to its unit's Us.
+template <int NU>
+__device__ __forceinline__ void put_us(const float (&y)[2][4], const pass_at<NU> &p) {
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            *(uint32_t *)(p.Us + (p.g + 8 * r) * LDU + p.tok(nt, 0)) =
+                M16::pack(y[nt][2 * r], y[nt][2 * r + 1]);
+}
+
+// keys [16 kk, 16 kk + 16) of Y^T (16 x dk16) = A^T R for A^T (16 x CH, as
+// 4 k-steps' fragments) and the chunk's rows R.
+__device__ __forceinline__ void times_rows(float (&y)[2][4], const uint32_t (&a)[4][4],
+                                           const bf16 *R, int ld, int kk, int lane) {
+#pragma unroll
+    for (int kt = 0; kt < 4; kt++) {
+        uint32_t b[4];
+        ldsm_x4_t(b, bt_addr(R, ld, 16 * kt, 16 * kk, lane));
+        M16::mma(y[0], a[kt], b[0], b[1]);
+        M16::mma(y[1], a[kt], b[2], b[3]);
+    }
+}
+
+// The ring's prologue (stages 0 .. ST - 2) and its step: chunk number s's
+// stage waited for and seen by the block (and the units' Sh), then number
+// s + ST - 1 staged in the slot number s - 1 used. A group is committed
+// for every number, staged or not, so that the wait's count holds at the end.
+template <typename F> __device__ __forceinline__ void ring_start(int nc, F stage) {
+    for (int s = 0; s < ST - 1; s++) {
+        if (s < nc)
+            stage(s, s % ST);
+        cp_commit();
+    }
+}
+template <typename F> __device__ __forceinline__ void ring_step(int s, int nc, F stage) {
+    cp_wait<ST - 2>();
+    __syncthreads();
+    if (s + ST - 1 < nc)
+        stage(s + ST - 1, (s + ST - 1) % ST);
+    cp_commit();
+}
+
+// A compile-time flag: full (a whole chunk, all the block's columns and dk
+// = 128, every key a warp owns: no bounds to check) or not.
+template <bool B> struct flag {
+    static constexpr bool v = B;
+};
+
+// The forward pass: stores each chunk's starting state (w.S) and U = U0 -
+// W S0 (w.Uh, bf16).
+template <int NU>
+__global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, gdn_ws w) {
+    using SH = shape<NU>;
+    constexpr int NTH = SH::NTH;
+    extern __shared__ __align__(16) float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk);
+    const int nk = (int)(d16 / 16);
+    const size_t stride = stage_ptrs<NU>(nullptr, dk, false).bytes;
+    const auto slot_at = [&](int slot) {
+        return stage_ptrs<NU>((char *)sm + slot * stride, dk, false);
+    };
+    const pass_at<NU> p(z, (char *)sm + ST * stride);
+    const doc_chunks dc(w, blockIdx.x);
+    const int nc = dc.c2 - dc.c1, ldq = p.ldq;
+    const int64_t wrs = z.Hv * dk, krs = z.Hk * dk, ors = z.Hv * dv;
+    const bool wv = vec_ok(w.Wh, dk, wrs), kv = vec_ok(w.kb, dk, krs);
+    const bool ov = vec_ok(w.U0 + p.b0, dv, ors), keys = dk == 32 * KS && p.nb == SH::BW;
+    const auto stage = [&](int s, int slot) {
+        const int c = dc.c1 + s, L = dc.len(c);
+        const int64_t t0 = dc.t0(c);
+        const stage_ptrs<NU> q = slot_at(slot);
+        stage_rows<NTH>(q.X[0], ldq, w.Wh + (t0 * z.Hv + p.h) * dk, wrs, L, dk, (int)d16, wv);
+        stage_rows<NTH>(q.X[1], ldq, w.kb + (t0 * z.Hk + p.hk) * dk, krs, L, dk, (int)d16, kv);
+        stage_rows<NTH>(q.V, SH::LDV, w.U0 + (t0 * z.Hv + p.h) * dv + p.b0, ors, L, p.nb,
+                        SH::BW, ov);
+    };
+    float S[4][4] = {};
+    decay_ahead cur, nxt;
+    if (nc > 0)
+        cur.load(z, w, dc, dc.c1, p.h);
+    ring_start(nc, stage);
+    for (int s = 0; s < nc; s++) {
+        const int c = dc.c1 + s, L = cur.L;
+        const int64_t t0 = dc.t0(c);
+        const stage_ptrs<NU> q = slot_at(s % ST);
+        float *Sg = w.S + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
+        if (keys)
+            put_state<true>(Sg, S, p, (int)dk, (int)dv);
+        else
+            put_state<false>(Sg, S, p, (int)dk, (int)dv);
+        cur.put(q.D, nullptr);
+        const float eL = expf(cur.GL);
+        if (s + 1 < nc)
+            nxt.load(z, w, dc, c + 1, p.h);
+        ring_step(s, nc, stage); // the stage, D and Sh seen
+        float u[2][4] = {};
+        state_times_rows(u, p, q.X[0], nk); // (W S)^T, the warp's tokens
+        bf16 *Ug = w.Uh + (t0 * z.Hv + p.h) * dv + p.b0 + p.col(0);
+        const int urs = (int)ors; // a row of U (int: a chunk's rows fit)
+        const auto epilogue = [&](auto full) { // U = U0 - W S to Uh; u <- Ds U
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = p.tok(nt, e), v = p.col(e);
+                    float x = 0.0f;
+                    if (full.v || (i < L && v < p.nb)) {
+                        x = q.V[i * SH::LDV + v] - u[nt][e];
+                        Ug[i * urs + 8 * (e >> 1)] = __float2bfloat16_rn(x);
+                    }
+                    u[nt][e] = q.D[i] * x;
+                }
+        };
+        if (keys && L == CH)
+            epilogue(flag<true>{});
+        else
+            epilogue(flag<false>{});
+        put_us(u, p);
+        __syncthreads(); // Us
+        uint32_t ua[4][4];
+#pragma unroll
+        for (int kt = 0; kt < 4; kt++)
+            ldsm_x4(ua[kt], a_addr(p.Us, LDU, 0, 16 * kt, p.lane));
+#pragma unroll
+        for (int j = 0; j < 2; j++) // its keys: S^T <- e^G_L S^T + (Ds U)^T K
+            if (2 * p.ks + j < nk) {
+                float y[2][4] = {};
+                times_rows(y, ua, q.X[1], ldq, 2 * p.ks + j, p.lane);
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        S[2 * j + r][e] = eL * S[2 * j + r][e] + y[r][e];
+            }
+        cur = nxt;
+    }
+}
+
+// The backward pass: from dS = 0 after the document, stores each chunk's
+// end state's gradient (w.dS) and the complete dU (w.dU, over its local part).
+template <int NU>
+__global__ void __launch_bounds__(shape<NU>::NTH, 1)
+    state_bwd_tc_kernel(geo z, gdn_ws w, const void *dout) {
+    using SH = shape<NU>;
+    constexpr int NTH = SH::NTH;
+    extern __shared__ __align__(16) float sm[];
+    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk);
+    const int nk = (int)(d16 / 16);
+    const size_t stride = stage_ptrs<NU>(nullptr, dk, true).bytes;
+    const auto slot_at = [&](int slot) {
+        return stage_ptrs<NU>((char *)sm + slot * stride, dk, true);
+    };
+    const pass_at<NU> p(z, (char *)sm + ST * stride);
+    const doc_chunks dc(w, blockIdx.x);
+    const int nc = dc.c2 - dc.c1, ldq = p.ldq;
+    const int64_t wrs = z.Hv * dk, krs = z.Hk * dk, ors = z.Hv * dv;
+    const bf16 *dO = (const bf16 *)dout; // bf16, as use_tc asks
+    const bool wv = vec_ok(w.Wh, dk, wrs), kv = vec_ok(w.kb, dk, krs) && vec_ok(w.qb, dk, krs);
+    const bool uv = vec_ok(w.dU + p.b0, dv, ors), ov = vec_ok(dO + p.b0, dv, ors);
+    const bool keys = dk == 32 * KS && p.nb == SH::BW;
+    const auto stage = [&](int s, int slot) { // chunk number s from the document's end
+        const int c = dc.c2 - 1 - s, L = dc.len(c);
+        const int64_t t0 = dc.t0(c), o = (t0 * z.Hv + p.h) * dv + p.b0;
+        const int64_t ko = (t0 * z.Hk + p.hk) * dk;
+        const stage_ptrs<NU> q = slot_at(slot);
+        stage_rows<NTH>(q.X[0], ldq, w.Wh + (t0 * z.Hv + p.h) * dk, wrs, L, dk, (int)d16, wv);
+        stage_rows<NTH>(q.X[1], ldq, w.kb + ko, krs, L, dk, (int)d16, kv);
+        stage_rows<NTH>(q.X[2], ldq, w.qb + ko, krs, L, dk, (int)d16, kv);
+        stage_rows<NTH>(q.V, SH::LDV, w.dU + o, ors, L, p.nb, SH::BW, uv);
+        stage_rows<NTH>(q.O, SH::LDO, dO + o, ors, L, p.nb, SH::BW, ov);
+    };
+    float dS[4][4] = {};
+    decay_ahead cur, nxt;
+    if (nc > 0)
+        cur.load(z, w, dc, dc.c2 - 1, p.h);
+    ring_start(nc, stage);
+    for (int s = 0; s < nc; s++) {
+        const int c = dc.c2 - 1 - s, L = cur.L;
+        const int64_t t0 = dc.t0(c);
+        const stage_ptrs<NU> q = slot_at(s % ST);
+        float *Sg = w.dS + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
+        if (keys)
+            put_state<true>(Sg, dS, p, (int)dk, (int)dv);
+        else
+            put_state<false>(Sg, dS, p, (int)dk, (int)dv);
+        cur.put(q.D, q.E);
+        const float eL = expf(cur.GL);
+        if (s + 1 < nc)
+            nxt.load(z, w, dc, c - 1, p.h);
+        ring_step(s, nc, stage); // the stage, D, E and Sh seen
+        float x[2][4] = {};
+        state_times_rows(x, p, q.X[1], nk); // (K dS)^T, the warp's tokens
+        float *Ug = w.dU + (t0 * z.Hv + p.h) * dv + p.b0 + p.col(0);
+        const int urs = (int)ors; // a row of dU (int: a chunk's rows fit)
+        const auto epilogue = [&](auto full) { // dU = Ds (K dS) + its local part, to w.dU
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int j = p.tok(nt, e), v = p.col(e);
+                    float du = 0.0f;
+                    if (full.v || (j < L && v < p.nb)) {
+                        du = q.D[j] * x[nt][e] + q.V[j * SH::LDV + v];
+                        Ug[j * urs + 8 * (e >> 1)] = du;
+                    }
+                    x[nt][e] = du;
+                }
+        };
+        if (keys && L == CH)
+            epilogue(flag<true>{});
+        else
+            epilogue(flag<false>{});
+        put_us(x, p);
+        __syncthreads(); // Us
+        uint32_t da[4][4], oa[4][4];
+#pragma unroll
+        for (int kt = 0; kt < 4; kt++) {
+            ldsm_x4(da[kt], a_addr(p.Us, LDU, 0, 16 * kt, p.lane));
+            // (Es dO)^T's fragment: dO's block by .trans, a token's pair scaled by its e^G
+            ldsm_x4_t(oa[kt], at_addr(q.O, SH::LDO, p.v0, 16 * kt, p.lane));
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int i = 16 * kt + 2 * p.t + 8 * (r >> 1);
+                oa[kt][r] = M16::pack(lo_of(oa[kt][r]) * q.E[i], hi_of(oa[kt][r]) * q.E[i + 1]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) // its keys: dS^T <- e^G_L dS^T + (Es dO)^T Q - dU^T W
+            if (2 * p.ks + j < nk) {
+                float aq[2][4] = {}, aw[2][4] = {};
+                times_rows(aq, oa, q.X[2], ldq, 2 * p.ks + j, p.lane);
+                times_rows(aw, da, q.X[0], ldq, 2 * p.ks + j, p.lane);
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        dS[2 * j + r][e] = eL * dS[2 * j + r][e] + aq[r][e] - aw[r][e];
+            }
+        cur = nxt;
+    }
+}
+
+// The kernels' offsets within a chunk's rows are int.
+loom_status pass_fits(loom_ctx *ctx, const char *op, const geo &z) {
+    if ((int64_t)CH * z.Hv * (z.dv > z.dk ? z.dv : z.dk) < INT32_MAX)
+        return LOOM_OK;
+    return loom_errf(ctx, LOOM_ERR_UNSUPPORTED,
+                     "cuda %s: %lld value heads of %lld columns are past the bf16 state "
+                     "passes' 32-bit offsets (use fp32)",
+                     op, (long long)z.Hv, (long long)z.dv);
+}
+
+// Two units a block (sharing the chunk's staged rows) where that still
+// gives half the multiprocessors a block, else one: twice the blocks for
+// few heads and documents (a block a multiprocessor: the ring's shared
+// memory).
+loom_status pick_nu(loom_ctx *ctx, const char *op, const geo &z, int *nu) {
+    int dev = 0, sms = 0;
+    loom_status st = check(ctx, cudaGetDevice(&dev), op);
+    if (!st)
+        st = check(ctx, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op);
+    if (!st)
+        st = pass_fits(ctx, op, z);
+    *nu = 2 * z.ndocs * z.Hv * ((z.dv + 2 * SW - 1) / (2 * SW)) >= sms ? 2 : 1;
+    return st;
+}
+
+template <int NU> dim3 pass_grid(const geo &z) {
+    return dim3((unsigned)z.ndocs, (unsigned)z.Hv,
+                (unsigned)((z.dv + shape<NU>::BW - 1) / shape<NU>::BW));
+}
+
+template <int NU>
+loom_status launch_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
+                       cudaStream_t s) {
+    const size_t b = ring_bytes<NU>(z.dk, false);
+    const loom_status st = smem_for(ctx, op, state_fwd_tc_kernel<NU>, b);
+    if (st)
+        return st;
+    state_fwd_tc_kernel<NU><<<pass_grid<NU>(z), shape<NU>::NTH, b, s>>>(z, w);
+    return check_launch(ctx, op);
+}
+
+template <int NU>
+loom_status launch_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
+                       const void *dout, cudaStream_t s) {
+    const size_t b = ring_bytes<NU>(z.dk, true);
+    const loom_status st = smem_for(ctx, op, state_bwd_tc_kernel<NU>, b);
+    if (st)
+        return st;
+    state_bwd_tc_kernel<NU><<<pass_grid<NU>(z), shape<NU>::NTH, b, s>>>(z, w, dout);
+    return check_launch(ctx, op);
+}
+} // namespace
+
+namespace loom_gdn {
+
+loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
+                         cudaStream_t s) {
+    int nu = 1;
+    const loom_status st = pick_nu(ctx, op, z, &nu);
+    if (st)
+        return st;
+    return nu == 2 ? launch_fwd<2>(ctx, op, z, w, s) : launch_fwd<1>(ctx, op, z, w, s);
+}
+
+loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
+                         const void *dout, loom_dtype dt, cudaStream_t s) {
+    (void)dt; // bf16: use_tc's
+    int nu = 1;
+    const loom_status st = pick_nu(ctx, op, z, &nu);
+    if (st)
+        return st;
+    return nu == 2 ? launch_bwd<2>(ctx, op, z, w, dout, s) : launch_bwd<1>(ctx, op, z, w, dout, s);
+}
+
+} // namespace loom_gdn
