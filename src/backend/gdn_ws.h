@@ -1,6 +1,6 @@
 /* The CUDA Gated DeltaNet rule's workspace (ops_gdn_rule.cu), sized here so
  * that the memory predictor (src/model/meta.c) counts what the kernels will
- * ask for, in any build. Seventeen arrays, each 256-byte aligned, fp32 unless
+ * ask for, in any build. Eighteen arrays, each 256-byte aligned, fp32 unless
  * said; NC the most chunks ndocs documents of T tokens can make:
  *   chunk table   cfirst (ndocs + 1), ct0 (NC), clen (NC)          int32
  *   qn, kn        (T, Hk, dk)   the normalised q and k
@@ -11,7 +11,9 @@
  * and for the backward only
  *   dS            (NC, Hv, dk, dv); dU (T, Hv, dv); dqh, dkh (T, Hv, dk)
  * and last qb, kb (T, Hk, dk) bf16: qn and kn rounded, the tensor-core
- * kernels' operands (which also keep W and U as bf16 in their arrays).
+ * kernels' operands (which also keep W and U as bf16 in their arrays), and
+ * Tb (NC, Hv, 64, 64) bf16: (I + A)^-1 rounded, as the tensor-core prep
+ * made it for its products, for the backward's.
  * The states dominate: NC Hv dk dv 4 bytes each of S and dS. */
 #ifndef LOOM_GDN_WS_H
 #define LOOM_GDN_WS_H
@@ -19,7 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define LOOM_GDN_WS_ARRAYS 17
+#define LOOM_GDN_WS_ARRAYS 18
 
 /* The most chunks of 64 tokens ndocs documents of T tokens in all can make:
  * sum of ceil(len / 64) <= (T + 63 ndocs) / 64, and never more than T. */
@@ -46,6 +48,7 @@ static inline void loom_gdn_ws_sizes(int64_t T, int64_t Hk, int64_t Hv, int64_t 
         bwd ? (size_t)(T * Hv * dk) * f : 0,
         bwd ? (size_t)(T * Hv * dk) * f : 0,
         (size_t)(T * Hk * dk) * 2,       (size_t)(T * Hk * dk) * 2,
+        (size_t)(NC * Hv * 64 * 64) * 2,
     };
     for (int i = 0; i < LOOM_GDN_WS_ARRAYS; i++) sizes[i] = s[i];
 }

@@ -60,6 +60,7 @@ size_t ws_layout(const geo &z, bool bwd, char *base, gdn_ws *w) {
         w->dkh = (float *)p[14];
         w->qb = (__nv_bfloat16 *)p[15], w->kb = (__nv_bfloat16 *)p[16];
         w->Wh = (__nv_bfloat16 *)p[7], w->Uh = (__nv_bfloat16 *)p[9];
+        w->Tb = (__nv_bfloat16 *)p[17];
     }
     return off;
 }

@@ -14,7 +14,7 @@ using namespace loom_cuda;
 
 constexpr int CH = LOOM_GDN_CHUNK; // tokens per chunk
 static_assert(CH == 64, "the chunk kernels' shared arrays are laid out for 64-token chunks");
-static_assert(LOOM_GDN_WS_ARRAYS == 17, "ws_layout assigns 17 arrays");
+static_assert(LOOM_GDN_WS_ARRAYS == 18, "ws_layout assigns 18 arrays");
 constexpr int NT = 256; // threads per block
 constexpr int WARPS = NT / 32;
 constexpr int LDA = CH + 1; // row stride of the (CH, CH) shared matrices (no bank conflicts)
@@ -45,8 +45,9 @@ struct gdn_ws {
     float *dqh, *dkh; // (T, Hv, dk): the normalised q's and k's gradients per value head (bwd)
     // The tensor-core kernels' bf16 operands: qn and kn rounded (T, Hk, dk),
     // and W and U, which those kernels keep as bf16 in W's and U's arrays
-    // (only ever operands of products, which round them to bf16 anyway).
-    __nv_bfloat16 *qb, *kb, *Wh, *Uh;
+    // (only ever operands of products, which round them to bf16 anyway);
+    // Tb (NC, Hv, CH, CH): T = (I + A)^-1 rounded, prep's for chunk_bwd's.
+    __nv_bfloat16 *qb, *kb, *Wh, *Uh, *Tb;
 };
 
 // The chunk of block x (false for the grid's spare blocks: NC is a bound).

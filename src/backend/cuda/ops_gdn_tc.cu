@@ -9,8 +9,9 @@
 // loads batched a thread; zero past the chunk's rows and past dk. Small
 // shared memory gives two or three blocks an SM: these kernels are chains of
 // small products, latency-bound at one (12% occupancy under ncu on an
-// H200). prep_kernel's and chunk_bwd_kernel's twins invert I + A by 16 x 16
-// blocks (invert_unit_lower) and take X and dB as products with the inverse.
+// H200). prep_kernel's twin inverts I + A by 16 x 16 blocks
+// (invert_unit_lower) and keeps the inverse's rounding (w.Tb) for
+// chunk_bwd_kernel's; X and dB are products with it.
 //
 // Checked against the CPU reference on the CPU emulator (make test-emu) and,
 // on an H200, by tests/test_backend_gdn.c and the Qwen3.5 model tests
@@ -124,8 +125,8 @@ __global__ void __launch_bounds__(NT)
 }
 
 // prep_kernel on tensor cores: G, A = strictly lower (beta_i k_i.k_j M_ij)
-// with K K^T by mma.sync, T = (I + A)^-1 by blocks (invert_unit_lower),
-// then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by mma.sync, BO
+// with K K^T by mma.sync, T = (I + A)^-1 by blocks (invert_unit_lower; its
+// rounding kept in w.Tb for chunk_bwd), then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by mma.sync, BO
 // columns at a time (W kept as bf16). Shared: As, Ts (CH, LDA); Gs, Bs
 // (CH); bf16 Ks, Tb (T's rounding), Xs (CH, BO).
 struct prep_smem {
@@ -177,8 +178,12 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
     }
     __syncthreads();
     invert_unit_lower(As, Ts);
-    for (int p = tid; p < CH * CH; p += NT)
-        m.Tb[(p / CH) * LDH + p % CH] = __float2bfloat16_rn(Ts[(p / CH) * LDA + p % CH]);
+    bf16 *Tg = w.Tb + (c * z.Hv + h) * CH * CH; // T's rounding, kept for chunk_bwd's products
+    for (int p = tid; p < CH * CH; p += NT) {
+        const bf16 v = __float2bfloat16_rn(Ts[(p / CH) * LDA + p % CH]);
+        m.Tb[(p / CH) * LDH + p % CH] = v;
+        Tg[p] = v;
+    }
     for (int64_t b0 = 0; b0 < dv + dk; b0 += BO) { // X's columns, BO at a time
         __syncthreads(); // Tb complete; Xs free
         fill(m.Xs, LDH, CH, BO, [&](int i, int b) {

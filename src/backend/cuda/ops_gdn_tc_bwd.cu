@@ -18,21 +18,19 @@ namespace {
 // head), the same sums (ops_gdn_rule.cu's comment) with every product of
 // chunk by chunk or chunk by head size on mma.sync:
 //   QK = Q K^T, KK = K K^T, dp = dO U^T        (DQ = dp M, lower)
-//   dX = [dU | -dU S0^T], dB = T^T dX            (T = (I + A)^-1, as prep's)
+//   dX = [dU | -dU S0^T], dB = T^T dX            (T = (I + A)^-1: prep's, w.Tb)
 //   DA = -dB X^T (X = [U0 | W]), then C = DA beta M
 //   SD = e^G dO S0^T, TM = e^(G_L - G) U dS^T
 //   dq = SD + DQ K, dk = beta e^G dBk + TM + DQ^T Q + (C + C^T) K
 // a column block of 64 at a time. QK, KK, DQ, DA and dB stay in the warps'
 // accumulators, where their row and column sums (dbeta's, dG's parts) are
-// taken (row_sums, col_sums); shared memory holds C, the products' bf16
-// operands and, before the blocks are used, the inversion's fp32 A and T
-// in the blocks' space: 94 KB at dk 128, two blocks an SM (one block of
-// 192 KB had been latency-bound at 12% occupancy on an H200).
+// taken (row_sums, col_sums); shared memory holds C and the products' bf16
+// operands: 94 KB at dk 128, two blocks an SM (one block of 192 KB had been
+// latency-bound at 12% occupancy on an H200).
 constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
 struct bwd_smem {
     float *Cm, *V, *RP, *CP; // C (CH, LDA); the vectors; row partials (2, CH), columns' (4, CH)
     bf16 *Tb, *DQb, *S1, *S2, *S3, *S5, *Qs, *Ks;
-    float *As, *Ts; // the inversion's (CH, LDA) arrays, over S1 .. S5
     size_t bytes;
     __host__ __device__ bwd_smem(void *base, int64_t dk) {
         carve c(base);
@@ -41,13 +39,10 @@ struct bwd_smem {
         Tb = c.take<bf16>(CH * LDH), DQb = c.take<bf16>(CH * LDH);
         S1 = c.take<bf16>(4 * CH * LDH), S2 = S1 + CH * LDH, S3 = S2 + CH * LDH;
         S5 = S3 + CH * LDH;
-        As = (float *)S1, Ts = As + CH * LDA;
         Qs = c.take<bf16>(CH * LDH), Ks = c.take<bf16>(CH * LDH);
         bytes = c.off;
     }
 };
-static_assert(2 * CH * LDA * sizeof(float) <= 4 * CH * LDH * sizeof(bf16),
-              "the inversion's A and T fit the blocks' space");
 
 // Row sums over a (CH, CH) product held as the warps' tiles (tile f): v(n,
 // e) the value at accumulator (n, e) (zero where not summed); the lanes of
@@ -130,8 +125,8 @@ __global__ void __launch_bounds__(NT, 2)
     auto decay = [&](int n, int e) { return expf(Gs[f.i(e)] - Gs[f.j(n, e)]); };
 
     chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
-    stage_qk64(0);
-    fill(m.As, LDA, CH, CH, [&](int i, int j) { return Ag[i * CH + j]; });
+    stage_async(Tb, LDH, w.Tb + (c * Hv + h) * CH * CH, CH, CH, CH, CH, true); // prep's T
+    stage_qk64(0); // commits T's copy with its group
     float qk[1][4][4] = {}, kk[1][4][4] = {}; // QK, KK over the keys, 64 at a time
     for (int64_t a0 = 0; a0 < dk; a0 += BO) {
         cp_wait<0>();
@@ -142,12 +137,9 @@ __global__ void __launch_bounds__(NT, 2)
         if (a0 + BO < dk)
             stage_qk64(a0 + BO);
     }
-    invert_unit_lower(m.As, m.Ts);
-    for (int p = tid; p < CH * CH; p += NT) // T's rounding, the products' operand
-        Tb[(p / CH) * LDH + p % CH] = __float2bfloat16_rn(m.Ts[(p / CH) * LDA + p % CH]);
     float dq[1][4][4] = {}; // DQ = (dO U^T) M, lower
     for (int64_t b0 = 0; b0 < dv; b0 += BO) {
-        __syncthreads(); // S1, S2 free (the inversion's arrays read)
+        __syncthreads(); // S1, S2 free
         stage_ou(b0);
         cp_wait<0>();
         __syncthreads();
