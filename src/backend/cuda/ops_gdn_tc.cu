@@ -126,9 +126,12 @@ __global__ void __launch_bounds__(NT)
 
 // prep_kernel on tensor cores: G, A = strictly lower (beta_i k_i.k_j M_ij)
 // with K K^T by mma.sync, T = (I + A)^-1 by blocks (invert_unit_lower; its
-// rounding kept in w.Tb for chunk_bwd), then X = [U0 | W] = T [diag(beta) V | diag(beta e^G) K] by mma.sync, BO
-// columns at a time (W kept as bf16). Shared: As, Ts (CH, LDA); Gs, Bs
-// (CH); bf16 Ks, Tb (T's rounding), Xs (CH, BO).
+// rounding kept in w.Tb for chunk_bwd), then X = [U0 | W] = T [diag(beta)
+// V | diag(beta e^G) K] by mma.sync, BO columns at a time (W kept as bf16),
+// the first block's inputs loaded into registers during A and the
+// inversion (loading each next one so during the block before's product
+// took 124 registers or spilled). Shared: As, Ts (CH, LDA); Gs, Bs (CH); bf16 Ks, Tb (T's
+// rounding), Xs (CH, BO).
 struct prep_smem {
     float *As, *Ts, *Gs, *Bs;
     bf16 *Ks, *Tb, *Xs;
@@ -161,6 +164,22 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
         Bs[i] = i < L ? beta[(t0 + i) * z.Hv + h] : 0.0f;
     chunk_g(g, t0, L, z.Hv, h, Gs, w.G);
     const float *kc = w.kn + (t0 * z.Hk + hk) * dk; // row i at kc + i Hk dk
+    // X's inputs of columns [b0, b0 + BO) of [v | k] (raw: beta and e^G at the store)
+    const bf16 *vc = (const bf16 *)qkv + t0 * z.C + 2 * z.Hk * dk + h * dv; // bf16: use_tc's
+    block_regs xr;
+    const auto load_x = [&](int64_t b0) { // a thread's column is v's or k's for all its rows
+        const int64_t col = b0 + block_regs::col();
+        if (col < dv) {
+            const bf16 *p = vc + col;
+            xr.load([&](int i, int) { return i < L ? __bfloat162float(p[i * z.C]) : 0.0f; });
+        } else if (col < dv + dk) {
+            const float *p = kc + (col - dv);
+            xr.load([&](int i, int) { return i < L ? p[i * z.Hk * dk] : 0.0f; });
+        } else {
+            xr.load([](int, int) { return 0.0f; });
+        }
+    };
+    load_x(0); // in flight during A and the inversion
     cp_wait<0>();
     __syncthreads();
     const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
@@ -186,14 +205,21 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
     }
     for (int64_t b0 = 0; b0 < dv + dk; b0 += BO) { // X's columns, BO at a time
         __syncthreads(); // Tb complete; Xs free
-        fill(m.Xs, LDH, CH, BO, [&](int i, int b) {
-            const int64_t col = b0 + b;
+        const auto x = [&](int i, int64_t col, float raw) { // X's input from its raw value
             if (i < L && col < dv)
-                return Bs[i] * ld(qkv, dt, (t0 + i) * z.C + 2 * z.Hk * dk + h * dv + col);
-            if (i < L && col < dv + dk)
-                return Bs[i] * expf(Gs[i]) * kc[i * z.Hk * dk + (col - dv)];
-            return 0.0f;
-        });
+                return Bs[i] * raw;
+            return i < L && col < dv + dk ? Bs[i] * expf(Gs[i]) * raw : 0.0f;
+        };
+        if (b0 == 0)
+            xr.store(m.Xs, LDH, [&](int i, int b, float raw) { return x(i, b, raw); });
+        else
+            fill(m.Xs, LDH, CH, BO, [&](int i, int b) {
+                const int64_t col = b0 + b;
+                if (i >= L || col >= dv + dk)
+                    return 0.0f;
+                return x(i, col, col < dv ? __bfloat162float(vc[i * z.C + col])
+                                          : kc[i * z.Hk * dk + (col - dv)]);
+            });
         __syncthreads();
         float acc[1][4][4] = {};
         warp_mma<1, 4>(acc, m.Tb + r0 * LDH, LDH, 1, m.Xs + c0, LDH, 1, CH);

@@ -151,6 +151,30 @@ __device__ __forceinline__ void stage_qk(const geo &z, const gdn_ws &w, int64_t 
     stage_qk(z, w, t0, L, hk, Qs, Ks, (int)ldk(z.dk), 0, (int)pad16(z.dk));
 }
 
+// A (CH, BO) block's elements of a thread, BO CH / NT of them (u at row
+// tid / BO + u NT / BO, column tid % BO): load(raw) issues their loads into
+// registers, store(dst, ld, f) puts f(i, b, raw) to shared memory later, so
+// the loads are in flight while other work runs (and any arithmetic on them
+// waits for the store, not the load).
+struct block_regs {
+    static constexpr int N = CH * BO / NT;
+    float v[N];
+    __device__ static int row(int u) { return (int)threadIdx.x / BO + u * (NT / BO); }
+    __device__ static int col() { return (int)threadIdx.x % BO; }
+    template <typename F> __device__ __forceinline__ void load(F raw) {
+#pragma unroll
+        for (int u = 0; u < N; u++)
+            v[u] = raw(row(u), col());
+    }
+    template <typename T, typename F>
+    __device__ __forceinline__ void store(T *dst, int ld, F f) const {
+#pragma unroll
+        for (int u = 0; u < N; u++)
+            put(dst + row(u) * ld + col(), f(row(u), col(), v[u]));
+    }
+};
+static_assert(CH * BO % NT == 0 && NT % BO == 0, "block_regs' split");
+
 // T = (I + A)^-1 for the strictly lower A (CH x CH, row stride LDA) by
 // blocks of 16: each diagonal block by forward substitution (a column a
 // thread), then a block row at a time T_IJ = -T_II sum_J<=K<I A_IK T_KJ (an
