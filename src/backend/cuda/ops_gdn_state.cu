@@ -144,7 +144,9 @@ struct decay_ahead {
 
 // stage_async for the block's NTH threads where a row's 16-byte pieces
 // divide NTH (a power of two): each thread keeps one piece column, its
-// rows NTH / pieces apart, with no division a piece.
+// rows NTH / pieces apart, with no division a piece. (Taking this path in
+// stage_async itself, for every kernel, made chunk_bwd spill at its 128
+// registers and run 846 -> 959 us on an H200: kept here.)
 template <int NTH, typename T>
 __device__ __forceinline__ void stage_rows(T *dst, int ld, const T *src, int64_t rs, int L,
                                            int64_t n, int W, bool vec) {
@@ -255,6 +257,31 @@ template <bool B> struct flag {
     static constexpr bool v = B;
 };
 
+// What both passes set up: the shapes, the ring's slots (`bytes` apart
+// from the shared memory's start, the units' Sh and Us after them), the
+// thread's place, the document's chunks, the rows' strides, and whether
+// the block's tiles are full (dk = 128, every column: no bounds to check).
+template <int NU> struct pass_base {
+    int64_t dk, dv, d16, wrs, krs, ors;
+    int nk, ldq;
+    size_t bytes;
+    bool bwd;
+    char *sm;
+    pass_at<NU> p;
+    doc_chunks dc;
+    int nc;
+    bool keys;
+    __device__ pass_base(const geo &z, const gdn_ws &w, char *smem, bool bwd_)
+        : dk(z.dk), dv(z.dv), d16(pad16(z.dk)), wrs(z.Hv * z.dk), krs(z.Hk * z.dk),
+          ors(z.Hv * z.dv), nk((int)(pad16(z.dk) / 16)), ldq((int)ldk(z.dk)),
+          bytes(stage_ptrs<NU>(nullptr, z.dk, bwd_).bytes), bwd(bwd_), sm(smem),
+          p(z, smem + ST * bytes), dc(w, blockIdx.x), nc(dc.c2 - dc.c1),
+          keys(z.dk == 32 * KS && p.nb == shape<NU>::BW) {}
+    __device__ stage_ptrs<NU> slot(int s) const {
+        return stage_ptrs<NU>(sm + s * bytes, dk, bwd);
+    }
+};
+
 // The forward pass: stores each chunk's starting state (w.S) and U = U0 -
 // W S0 (w.Uh, bf16).
 template <int NU>
@@ -262,24 +289,20 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, 
     using SH = shape<NU>;
     constexpr int NTH = SH::NTH;
     extern __shared__ __align__(16) float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk);
-    const int nk = (int)(d16 / 16);
-    const size_t stride = stage_ptrs<NU>(nullptr, dk, false).bytes;
-    const auto slot_at = [&](int slot) {
-        return stage_ptrs<NU>((char *)sm + slot * stride, dk, false);
-    };
-    const pass_at<NU> p(z, (char *)sm + ST * stride);
-    const doc_chunks dc(w, blockIdx.x);
-    const int nc = dc.c2 - dc.c1, ldq = p.ldq;
-    const int64_t wrs = z.Hv * dk, krs = z.Hk * dk, ors = z.Hv * dv;
+    const pass_base<NU> b(z, w, (char *)sm, false);
+    const pass_at<NU> &p = b.p;
+    const doc_chunks &dc = b.dc;
+    const int64_t dk = b.dk, dv = b.dv, d16 = b.d16, wrs = b.wrs, krs = b.krs, ors = b.ors;
+    const int nk = b.nk, nc = b.nc, ldq = b.ldq;
     const bool wv = vec_ok(w.Wh, dk, wrs), kv = vec_ok(w.kb, dk, krs);
-    const bool ov = vec_ok(w.U0 + p.b0, dv, ors), keys = dk == 32 * KS && p.nb == SH::BW;
+    const bool ov = vec_ok(w.U0 + p.b0, dv, ors), keys = b.keys;
     const auto stage = [&](int s, int slot) {
         const int c = dc.c1 + s, L = dc.len(c);
         const int64_t t0 = dc.t0(c);
-        const stage_ptrs<NU> q = slot_at(slot);
-        stage_rows<NTH>(q.X[0], ldq, w.Wh + (t0 * z.Hv + p.h) * dk, wrs, L, dk, (int)d16, wv);
-        stage_rows<NTH>(q.X[1], ldq, w.kb + (t0 * z.Hk + p.hk) * dk, krs, L, dk, (int)d16, kv);
+        const stage_ptrs<NU> q = b.slot(slot);
+        const bf16 *Wc = w.Wh + (t0 * z.Hv + p.h) * dk, *Kc = w.kb + (t0 * z.Hk + p.hk) * dk;
+        stage_rows<NTH>(q.X[0], ldq, Wc, wrs, L, dk, (int)d16, wv);
+        stage_rows<NTH>(q.X[1], ldq, Kc, krs, L, dk, (int)d16, kv);
         stage_rows<NTH>(q.V, SH::LDV, w.U0 + (t0 * z.Hv + p.h) * dv + p.b0, ors, L, p.nb,
                         SH::BW, ov);
     };
@@ -291,7 +314,7 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, 
     for (int s = 0; s < nc; s++) {
         const int c = dc.c1 + s, L = cur.L;
         const int64_t t0 = dc.t0(c);
-        const stage_ptrs<NU> q = slot_at(s % ST);
+        const stage_ptrs<NU> q = b.slot(s % ST);
         float *Sg = w.S + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
         if (keys)
             put_state<true>(Sg, S, p, (int)dk, (int)dv);
@@ -353,26 +376,22 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1)
     using SH = shape<NU>;
     constexpr int NTH = SH::NTH;
     extern __shared__ __align__(16) float sm[];
-    const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk);
-    const int nk = (int)(d16 / 16);
-    const size_t stride = stage_ptrs<NU>(nullptr, dk, true).bytes;
-    const auto slot_at = [&](int slot) {
-        return stage_ptrs<NU>((char *)sm + slot * stride, dk, true);
-    };
-    const pass_at<NU> p(z, (char *)sm + ST * stride);
-    const doc_chunks dc(w, blockIdx.x);
-    const int nc = dc.c2 - dc.c1, ldq = p.ldq;
-    const int64_t wrs = z.Hv * dk, krs = z.Hk * dk, ors = z.Hv * dv;
+    const pass_base<NU> b(z, w, (char *)sm, true);
+    const pass_at<NU> &p = b.p;
+    const doc_chunks &dc = b.dc;
+    const int64_t dk = b.dk, dv = b.dv, d16 = b.d16, wrs = b.wrs, krs = b.krs, ors = b.ors;
+    const int nk = b.nk, nc = b.nc, ldq = b.ldq;
     const bf16 *dO = (const bf16 *)dout; // bf16, as use_tc asks
     const bool wv = vec_ok(w.Wh, dk, wrs), kv = vec_ok(w.kb, dk, krs) && vec_ok(w.qb, dk, krs);
     const bool uv = vec_ok(w.dU + p.b0, dv, ors), ov = vec_ok(dO + p.b0, dv, ors);
-    const bool keys = dk == 32 * KS && p.nb == SH::BW;
+    const bool keys = b.keys;
     const auto stage = [&](int s, int slot) { // chunk number s from the document's end
         const int c = dc.c2 - 1 - s, L = dc.len(c);
         const int64_t t0 = dc.t0(c), o = (t0 * z.Hv + p.h) * dv + p.b0;
         const int64_t ko = (t0 * z.Hk + p.hk) * dk;
-        const stage_ptrs<NU> q = slot_at(slot);
-        stage_rows<NTH>(q.X[0], ldq, w.Wh + (t0 * z.Hv + p.h) * dk, wrs, L, dk, (int)d16, wv);
+        const stage_ptrs<NU> q = b.slot(slot);
+        const bf16 *Wc = w.Wh + (t0 * z.Hv + p.h) * dk;
+        stage_rows<NTH>(q.X[0], ldq, Wc, wrs, L, dk, (int)d16, wv);
         stage_rows<NTH>(q.X[1], ldq, w.kb + ko, krs, L, dk, (int)d16, kv);
         stage_rows<NTH>(q.X[2], ldq, w.qb + ko, krs, L, dk, (int)d16, kv);
         stage_rows<NTH>(q.V, SH::LDV, w.dU + o, ors, L, p.nb, SH::BW, uv);
@@ -386,7 +405,7 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1)
     for (int s = 0; s < nc; s++) {
         const int c = dc.c2 - 1 - s, L = cur.L;
         const int64_t t0 = dc.t0(c);
-        const stage_ptrs<NU> q = slot_at(s % ST);
+        const stage_ptrs<NU> q = b.slot(s % ST);
         float *Sg = w.dS + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
         if (keys)
             put_state<true>(Sg, dS, p, (int)dk, (int)dv);
