@@ -6,8 +6,8 @@
 #
 # Usage: bash bench/profile.sh [case] [first last]
 #   case         8b-lora (default), 4b-lora, 0.6b-full, 30b-a3b-lora (with
-#                LOOM_BENCH_LAYERS=12: fewer layers), or tiny-full / tiny-lora /
-#                tiny-moe-lora
+#                LOOM_BENCH_LAYERS=12: fewer layers), q35-4b-lora, q35-0.8b-full
+#                (Qwen3.5), or tiny-full / tiny-lora / tiny-moe-lora / tiny-q35-lora
 #   first last   steps (default 3 8): a run of `first` steps counts its kernels,
 #                then a run of `last` steps records only the kernels after
 #                those, so the table covers steps first+1 .. last, warm-up and
@@ -29,8 +29,9 @@ FIRST=${2:-3}
 LAST=${3:-8}
 [ $# -le 3 ] || die "usage: bash bench/profile.sh [case] [first last]"
 case $CASE in
-    8b-lora | 4b-lora | 0.6b-full | 30b-a3b-lora | tiny-full | tiny-lora | tiny-moe-lora) ;;
-    *) die "unknown case '$CASE' (8b-lora 4b-lora 0.6b-full 30b-a3b-lora tiny-full tiny-lora tiny-moe-lora)" ;;
+    8b-lora | 4b-lora | 0.6b-full | 30b-a3b-lora | q35-4b-lora | q35-0.8b-full | tiny-full | tiny-lora | \
+        tiny-moe-lora | tiny-q35-lora) ;;
+    *) die "unknown case '$CASE' (8b-lora 4b-lora 0.6b-full 30b-a3b-lora q35-4b-lora q35-0.8b-full tiny-full tiny-lora tiny-moe-lora tiny-q35-lora)" ;;
 esac
 [[ $FIRST =~ ^[0-9]+$ && $LAST =~ ^[0-9]+$ ]] && [ "$FIRST" -ge 1 ] && [ "$LAST" -gt "$FIRST" ] && [ "$LAST" -le 1000 ] ||
     die "first and last are step counts with 1 <= first < last <= 1000 (got '$FIRST' '$LAST')"

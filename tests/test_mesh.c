@@ -163,6 +163,40 @@ static loom_mesh_sizes fold(int tp, int cp, int dp, int pp, int ep, int etp) {
     return n;
 }
 
+/* Each split's size is the number of ranks that share its color (what
+ * loom_mesh_create relies on to make one-rank groups without NCCL), on
+ * every rank of foldings with 1 to 16 ranks. */
+TEST(mesh_split_sizes) {
+    const int shapes[][6] = {{1, 1, 1, 1, 1, 1}, {2, 1, 1, 1, 1, 2}, {1, 1, 2, 1, 1, 1},
+                             {1, 1, 1, 2, 1, 1}, {2, 2, 2, 2, 1, 2}, {2, 1, 2, 1, 2, 1},
+                             {1, 2, 2, 2, 4, 1}, {2, 1, 4, 1, 4, 1}, {1, 1, 1, 4, 1, 1},
+                             {2, 1, 2, 1, 2, 2}};
+    int ones = 0;
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        const int *z = shapes[k];
+        loom_mesh_sizes n = fold(z[0], z[1], z[2], z[3], z[4], z[5]);
+        const int world = z[0] * z[1] * z[2] * z[3];
+        for (int r = 0; r < world; r++) {
+            loom_mesh_split mine[LOOM_MESH_NGROUPS], other[LOOM_MESH_NGROUPS];
+            loom_mesh_splits(&n, r, mine);
+            for (int g = 0; g < LOOM_MESH_NGROUPS; g++) {
+                if (mine[g].color < 0) continue;
+                int count = 0;
+                for (int q = 0; q < world; q++) {
+                    loom_mesh_splits(&n, q, other);
+                    count += other[g].color == mine[g].color;
+                }
+                if (mine[g].size != count)
+                    fprintf(stderr, "  shape %zu rank %d group %s: size %d, %d members\n", k, r,
+                            mine[g].name, mine[g].size, count);
+                CHECK_EQ_INT(mine[g].size, count);
+                ones += count == 1;
+            }
+        }
+    }
+    CHECK(ones > 0);
+}
+
 /* Megatron's MoE parallel folding, group by group, for foldings where ep
  * and etp cut across tp, cp and dp (the MPI test builds the same groups
  * over real ranks, up to 4). */

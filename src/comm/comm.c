@@ -391,8 +391,7 @@ void *loom_comm_stream(const loom_comm *c) {
     return c && c->vt->stream ? c->vt->stream(c) : NULL;
 }
 
-loom_status loom_comm_split(loom_comm *parent, int color, int key, const char *name,
-                            loom_comm **out) {
+static loom_status split_args(loom_comm *parent, loom_comm **out) {
     if (!parent || !out) return LOOM_ERR_INVALID_ARG;
     *out = NULL;
     loom_status st = check_common(parent, "split", LOOM_U8, 0, 1, NULL, NULL);
@@ -400,7 +399,20 @@ loom_status loom_comm_split(loom_comm *parent, int color, int key, const char *n
     if (parent->group_depth > 0)
         return loom_errf(parent->ctx, LOOM_ERR_INVALID_ARG,
                          "split of group '%s' inside group_start/group_end", parent->name);
-    return parent->vt->split(parent, color, key, name, out);
+    return LOOM_OK;
+}
+
+loom_status loom_comm_split(loom_comm *parent, int color, int key, const char *name,
+                            loom_comm **out) {
+    loom_status st = split_args(parent, out);
+    return st ? st : parent->vt->split(parent, color, key, name, out);
+}
+
+loom_status loom_comm_split_self(loom_comm *parent, const char *name, loom_comm **out) {
+    loom_status st = split_args(parent, out);
+    if (st) return st;
+    if (parent->vt->split_self) return parent->vt->split_self(parent, name, out);
+    return parent->vt->split(parent, parent->rank, 0, name, out);
 }
 
 static loom_status allreduce(loom_comm *c, void *buf, size_t n, loom_dtype dt, loom_red_op op,

@@ -114,6 +114,14 @@ void *loom_comm_stream(const loom_comm *c);
  * labels the group in messages ("tp", "dp", ...). */
 loom_status loom_comm_split(loom_comm *parent, int color, int key, const char *name,
                             loom_comm **out);
+/* A group of this rank alone: what loom_comm_split with a color of each
+ * rank's own returns, made as cheaply as the backend can. Called by every
+ * rank of the parent, as split is (a backend without a cheaper way splits).
+ * On NCCL it is no communicator at all: no collective to make it and none of
+ * the device memory an NCCL communicator holds (hundreds of MiB each, even
+ * for one rank); its collectives are copies on its stream, and send/recv to
+ * itself is refused, as on the single backend. */
+loom_status loom_comm_split_self(loom_comm *parent, const char *name, loom_comm **out);
 
 /* In place: buf (n) = op over ranks of buf. */
 loom_status loom_comm_allreduce(loom_comm *c, void *buf, size_t n, loom_dtype dt, loom_red_op op);

@@ -810,7 +810,7 @@ __attribute__((noreturn)) void g_abort(loom_comm *c, int code) {
 const loom_comm_vt gloo_vt = {
     "gloo",       g_free,     g_split,   g_allreduce, g_reduce_scatter, g_allgather,
     g_broadcast,  g_alltoall, g_send,    g_recv,      g_group_end,      g_barrier,
-    g_wait,       g_abort,    nullptr,   nullptr,          nullptr,
+    g_wait,       g_abort,    nullptr,   nullptr,          nullptr,          nullptr,
 };
 
 /* ---- split ---- */

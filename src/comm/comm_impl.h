@@ -37,6 +37,8 @@ typedef struct loom_comm_vt {
     void *(*stream)(const loom_comm *c);
     /* Optional (NULL: nothing is ever deferred): loom_comm_settle. */
     loom_status (*settle)(loom_comm *c);
+    /* Optional (NULL: split with color = parent rank): loom_comm_split_self. */
+    loom_status (*split_self)(loom_comm *parent, const char *name, loom_comm **out);
 } loom_comm_vt;
 
 struct loom_comm {

@@ -81,7 +81,9 @@ typedef struct staged {
 } staged;
 
 struct nccl_state {
-    ncclComm_t comm;     /* NULL once aborted */
+    ncclComm_t comm;     /* NULL once aborted, or for a solo group */
+    bool solo;           /* one rank and no NCCL communicator (loom_comm_split_self, a world
+                          * of one): collectives are copies on the stream; false once aborted */
     cudaStream_t stream;
     cudaEvent_t done;    /* recorded after each blocking operation */
     int *scratch;        /* device int[2]: the barrier's allreduce */
@@ -106,6 +108,7 @@ typedef struct nccl_req {
 static const loom_comm_vt nccl_vt;
 
 static nccl_state *S(const loom_comm *c) { return (nccl_state *)c->impl; }
+static bool live(const nccl_state *s) { return s->comm || s->solo; }
 
 /* Frees (stream-ordered, after what was queued) the staging copies of the
  * host send/recv posted in the current group, without copying out. */
@@ -140,6 +143,7 @@ static void kill_comm(loom_comm *c) {
         ncclCommAbort(s->comm);
         s->comm = NULL;
     }
+    s->solo = false;
     drop_pending(c);
 }
 
@@ -333,7 +337,7 @@ static loom_status check_buf(loom_comm *c, const char *what, const void *p, bool
 static loom_status follow_deferred(loom_comm *c) {
     nccl_state *me = S(c);
     for (nccl_state *s = live_list; s; s = s->next) {
-        if (s == me || !s->unsettled || !s->comm)
+        if (s == me || !s->unsettled || !live(s))
             continue;
         cudaError_t e = cudaStreamWaitEvent(me->stream, s->done, 0);
         if (e != cudaSuccess)
@@ -485,17 +489,20 @@ static loom_comm *wrap(loom_ctx *ctx, ncclComm_t comm, int device, const char *n
                        const loom_comm *like, loom_status *st) {
     int rank = 0, size = 1;
     *st = LOOM_OK;
-    ncclCommUserRank(comm, &rank);
-    ncclCommCount(comm, &size);
+    if (comm) {
+        ncclCommUserRank(comm, &rank);
+        ncclCommCount(comm, &size);
+    }
     loom_comm *c = loom_comm_new(ctx, &nccl_vt, name, rank, size, like);
     nccl_state *s = c ? loom_calloc(ctx, 1, sizeof *s, "NCCL group") : NULL;
     if (!s) {
         free(c);
-        ncclCommAbort(comm);
+        if (comm) ncclCommAbort(comm);
         *st = LOOM_ERR_OOM;
         return NULL;
     }
     s->comm = comm;
+    s->solo = !comm;
     s->device = device;
     s->self = c;
     c->impl = s;
@@ -506,7 +513,7 @@ static loom_comm *wrap(loom_ctx *ctx, ncclComm_t comm, int device, const char *n
         *st = loom_errf(ctx, LOOM_ERR_DEVICE, "NCCL group '%s': cannot create its stream, event "
                         "or scratch on GPU %d: %s",
                         c->name, device, cudaGetErrorString(e));
-        ncclCommAbort(comm);
+        if (comm) ncclCommAbort(comm);
         if (s->scratch) cudaFree(s->scratch);
         if (s->done) cudaEventDestroy(s->done);
         if (s->stream) cudaStreamDestroy(s->stream);
@@ -667,6 +674,31 @@ static loom_status mpi_exchange(loom_ctx *ctx, loom_comm *boot, const loom_launc
 }
 #endif
 
+/* The world's communicator, settled against the deadline. */
+static loom_status init_world(loom_ctx *ctx, ncclUniqueId id, int rank, int size,
+                              double timeout, ncclComm_t *out) {
+    ncclConfig_t cfg = make_config();
+    ncclComm_t comm = NULL;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &cfg);
+    /* a provisional group for messages */
+    loom_comm probe;
+    nccl_state ps;
+    memset(&probe, 0, sizeof probe);
+    memset(&ps, 0, sizeof ps);
+    probe.ctx = ctx;
+    snprintf(probe.name, sizeof probe.name, "world");
+    probe.rank = rank;
+    probe.size = size;
+    probe.timeout_s = timeout;
+    probe.impl = &ps;
+    ps.comm = comm;
+    loom_status st = r != ncclSuccess && r != ncclInProgress
+                         ? nccl_fail(&probe, "ncclCommInitRank", r)
+                         : settle_comm(&probe, comm, "ncclCommInitRank");
+    *out = st ? NULL : comm;
+    return st;
+}
+
 loom_status loom_comm_nccl_world(loom_ctx *ctx, loom_comm **out) {
     set_nvls_default();
     double timeout;
@@ -722,7 +754,7 @@ loom_status loom_comm_nccl_world(loom_ctx *ctx, loom_comm **out) {
             );
         char why[192] = "";
         bool ok = pick_device(env.local_rank, env.local_var, &device, why, sizeof why);
-        if (ok && rank == 0) {
+        if (ok && rank == 0 && size > 1) { /* a world of one needs no communicator */
             ncclResult_t r = ncclGetUniqueId(&id);
             if (r != ncclSuccess) {
                 ok = false;
@@ -750,27 +782,8 @@ loom_status loom_comm_nccl_world(loom_ctx *ctx, loom_comm **out) {
                        device, cudaGetErrorString(e));
         goto fail_boot;
     }
-    ncclConfig_t cfg = make_config();
-    ncclComm_t comm = NULL;
-    ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &cfg);
-    /* settle against the deadline with a provisional group for messages */
-    loom_comm probe;
-    nccl_state ps;
-    memset(&probe, 0, sizeof probe);
-    memset(&ps, 0, sizeof ps);
-    probe.ctx = ctx;
-    snprintf(probe.name, sizeof probe.name, "world");
-    probe.rank = rank;
-    probe.size = size;
-    probe.timeout_s = timeout;
-    probe.impl = &ps;
-    ps.comm = comm;
-    if (r != ncclSuccess && r != ncclInProgress) {
-        st = nccl_fail(&probe, "ncclCommInitRank", r);
-    } else {
-        st = settle_comm(&probe, comm, "ncclCommInitRank");
-    }
-    if (st) goto fail_boot;
+    ncclComm_t comm = NULL; /* a world of one is solo: no communicator */
+    if (size > 1 && (st = init_world(ctx, id, rank, size, timeout, &comm))) goto fail_boot;
     if (boot) {
         if (boot_mpi)
             loom_comm_free(boot); /* a second NCCL world: the first one's MPI world stays */
@@ -797,6 +810,11 @@ static loom_status nccl_split(loom_comm *parent, int color, int key, const char 
     nccl_state *ps = S(parent);
     loom_status st = check_no_group(parent, "split");
     if (st) return st;
+    if (ps->solo) { /* a split of one rank: that rank alone, or nothing */
+        loom_comm *c = color < 0 ? NULL : wrap(parent->ctx, NULL, ps->device, name, parent, &st);
+        *out = c;
+        return st;
+    }
     ncclConfig_t cfg = make_config();
     ncclComm_t child = NULL;
     ncclResult_t r =
@@ -821,7 +839,22 @@ static loom_status nccl_split(loom_comm *parent, int color, int key, const char 
     return LOOM_OK;
 }
 
+static loom_status nccl_split_self(loom_comm *parent, const char *name, loom_comm **out) {
+    loom_status st = check_no_group(parent, "split");
+    if (st) return st;
+    *out = wrap(parent->ctx, NULL, S(parent)->device, name, parent, &st);
+    return st;
+}
+
 /* ---- collectives ---- */
+
+/* A solo group's data movement: its one block, dst = src, on its stream. */
+static loom_status solo_copy(loom_comm *c, const char *what, void *dst, const void *src,
+                             size_t bytes) {
+    if (dst == src || bytes == 0) return LOOM_OK;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, S(c)->stream);
+    return e == cudaSuccess ? LOOM_OK : cuda_fail(c, what, e);
+}
 
 /* Each collective: the device path (buffers of this GPU; the caller ran
  * prologue), then the entry point, which stages host buffers around a
@@ -832,9 +865,10 @@ static loom_status allreduce_dev(loom_comm *c, void *buf, size_t n, loom_dtype d
     nccl_req *q;
     loom_status st = new_req(c, req, &q);
     if (st) return st;
-    ncclResult_t r =
-        ncclAllReduce(buf, buf, n, red_type(dt), red_op(op), S(c)->comm, S(c)->stream);
-    st = after(c, r, "allreduce");
+    if (!S(c)->solo)
+        st = after(c, ncclAllReduce(buf, buf, n, red_type(dt), red_op(op), S(c)->comm,
+                                    S(c)->stream),
+                   "allreduce");
     if (st) {
         drop_req(q);
         return st;
@@ -872,9 +906,10 @@ static loom_status reduce_scatter_dev(loom_comm *c, const void *send, void *recv
         }
         send = tmp;
     }
-    ncclResult_t r = ncclReduceScatter(send, recv, n, red_type(dt), red_op(op), S(c)->comm,
-                                       S(c)->stream);
-    st = after(c, r, "reduce_scatter");
+    st = S(c)->solo ? solo_copy(c, "reduce_scatter", recv, send, n * es)
+                    : after(c, ncclReduceScatter(send, recv, n, red_type(dt), red_op(op),
+                                                 S(c)->comm, S(c)->stream),
+                            "reduce_scatter");
     tmp_free(c, tmp);
     if (st) {
         drop_req(q);
@@ -918,8 +953,10 @@ static loom_status allgather_dev(loom_comm *c, const void *send, void *recv, siz
         send = tmp;
     }
     /* data movement: bytes, whatever the dtype */
-    ncclResult_t r = ncclAllGather(send, recv, block, ncclUint8, S(c)->comm, S(c)->stream);
-    st = after(c, r, "allgather");
+    st = S(c)->solo ? solo_copy(c, "allgather", recv, send, block)
+                    : after(c, ncclAllGather(send, recv, block, ncclUint8, S(c)->comm,
+                                             S(c)->stream),
+                            "allgather");
     tmp_free(c, tmp);
     if (st) {
         drop_req(q);
@@ -944,9 +981,11 @@ static loom_status nccl_allgather(loom_comm *c, const void *send, void *recv, si
 }
 
 static loom_status broadcast_dev(loom_comm *c, void *buf, size_t n, loom_dtype dt, int root) {
-    ncclResult_t r = ncclBroadcast(buf, buf, n * loom_dtype_size(dt), ncclUint8, root,
-                                   S(c)->comm, S(c)->stream);
-    loom_status st = after(c, r, "broadcast");
+    loom_status st = LOOM_OK;
+    if (!S(c)->solo)
+        st = after(c, ncclBroadcast(buf, buf, n * loom_dtype_size(dt), ncclUint8, root,
+                                    S(c)->comm, S(c)->stream),
+                   "broadcast");
     return st ? st : finish(c, "broadcast", NULL, NULL);
 }
 
@@ -984,6 +1023,10 @@ static loom_status alltoall_dev(loom_comm *c, const void *send, void *recv, size
         tmp_free(c, tmp);
         return cuda_fail(c, "alltoall", e);
     }
+    if (s->solo) { /* its own block was all */
+        tmp_free(c, tmp);
+        return finish(c, "alltoall", NULL, NULL);
+    }
     ncclResult_t r = ncclGroupStart();
     for (int p = 0; p < c->size && r == ncclSuccess; p++) {
         if (p == c->rank) continue;
@@ -1017,16 +1060,17 @@ static loom_status nccl_barrier(loom_comm *c) {
     loom_status st = check_no_group(c, "barrier");
     if (st) return st;
     nccl_state *s = S(c);
-    ncclResult_t r = ncclAllReduce(s->scratch, s->scratch, 1, ncclInt32, ncclSum, s->comm,
-                                   s->stream);
-    st = after(c, r, "barrier");
+    if (!s->solo)
+        st = after(c, ncclAllReduce(s->scratch, s->scratch, 1, ncclInt32, ncclSum, s->comm,
+                                    s->stream),
+                   "barrier");
     return st ? st : finish(c, "barrier", NULL, NULL);
 }
 
 static loom_status nccl_wait(loom_comm *c, loom_comm_req *req) {
     nccl_req *q = (nccl_req *)req;
     loom_status st = LOOM_OK;
-    if (c->broken && !S(c)->comm) {
+    if (c->broken && !live(S(c))) {
         char w[96];
         st = loom_errf(c->ctx, LOOM_ERR_COMM,
                        "wait for %s on %s: the group was aborted after an earlier operation "
@@ -1161,6 +1205,11 @@ static loom_status p2p_host(loom_comm *c, bool is_send, void *buf, size_t n, loo
 static loom_status p2p(loom_comm *c, bool is_send, void *buf, size_t n, loom_dtype dt, int peer,
                        int tag) {
     if (n == 0) return LOOM_OK;
+    if (S(c)->solo)
+        return loom_errf(c->ctx, LOOM_ERR_UNSUPPORTED,
+                         "%s to self on group '%s': it has one rank and no NCCL communicator "
+                         "(loom_comm_split_self)",
+                         is_send ? "send" : "recv", c->name);
     bool host;
     loom_status st = check_buf(c, is_send ? "send" : "recv", buf, &host);
     if (st) return st;
@@ -1229,6 +1278,7 @@ static const loom_comm_vt nccl_vt = {
     .name = "nccl",
     .free = nccl_free,
     .split = nccl_split,
+    .split_self = nccl_split_self,
     .allreduce = nccl_allreduce,
     .reduce_scatter = nccl_reduce_scatter,
     .allgather = nccl_allgather,

@@ -276,18 +276,18 @@ void loom_mesh_splits(const loom_mesh_sizes *n, int rank, loom_mesh_split *out) 
     /* Colors number the other coordinates; keys order by the group's own
      * (fastest first, as in the world). */
     const loom_mesh_split g[LOOM_MESH_NGROUPS] = {
-        {"tp", c + C * (d + D * p), t},
-        {"cp", t + T * (d + D * p), c},
-        {"dp", t + T * (c + C * p), d},
-        {"pp", t + T * (c + C * d), p},
-        {"dpcp", t + T * p, c + C * d},
-        {"tpcp", d + D * p, t + T * c},
-        {"mp", d, t + T * (c + C * p)},
-        {"embed", P > 1 && (p == 0 || p == P - 1) ? t + T * (c + C * d) : -1, p},
-        {"etp", e + EP * (ed + ED * p), et},
-        {"ep", et + ET * (ed + ED * p), e},
-        {"edp", et + ET * (e + EP * p), ed},
-        {"etpep", ed + ED * p, et + ET * e},
+        {"tp", c + C * (d + D * p), t, T},
+        {"cp", t + T * (d + D * p), c, C},
+        {"dp", t + T * (c + C * p), d, D},
+        {"pp", t + T * (c + C * d), p, P},
+        {"dpcp", t + T * p, c + C * d, C * D},
+        {"tpcp", d + D * p, t + T * c, T * C},
+        {"mp", d, t + T * (c + C * p), T * C * P},
+        {"embed", P > 1 && (p == 0 || p == P - 1) ? t + T * (c + C * d) : -1, p, 2},
+        {"etp", e + EP * (ed + ED * p), et, ET},
+        {"ep", et + ET * (ed + ED * p), e, EP},
+        {"edp", et + ET * (e + EP * p), ed, ED},
+        {"etpep", ed + ED * p, et + ET * e, ET * EP},
     };
     memcpy(out, g, sizeof g);
 }
@@ -373,7 +373,9 @@ loom_status loom_mesh_create(loom_ctx *ctx, loom_comm *world, const loom_mesh_si
                                              &m->dpcp, &m->tpcp, &m->mp,  &m->embed,
                                              &m->etp,  &m->ep,   &m->edp, &m->etpep};
     for (int i = 0; i < LOOM_MESH_NGROUPS; i++) {
-        st = loom_comm_split(world, sp[i].color, sp[i].key, sp[i].name, groups[i]);
+        /* a group of one rank (tp=1: every tp group) costs no NCCL communicator */
+        st = sp[i].size == 1 ? loom_comm_split_self(world, sp[i].name, groups[i])
+                             : loom_comm_split(world, sp[i].color, sp[i].key, sp[i].name, groups[i]);
         if (st) {
             loom_mesh_free(m);
             return comm_error(ctx, world, st);

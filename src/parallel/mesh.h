@@ -124,6 +124,7 @@ enum { LOOM_MESH_NGROUPS = 12 };
 typedef struct loom_mesh_split {
     const char *name;
     int color, key;
+    int size; /* the group's ranks (a member's; embed: 2 when it exists) */
 } loom_mesh_split;
 void loom_mesh_splits(const loom_mesh_sizes *n, int rank, loom_mesh_split *out);
 /* edp of resolved sizes, tp*cp*dp / (etp*ep); 0 when that does not divide. */

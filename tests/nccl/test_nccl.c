@@ -610,6 +610,112 @@ TEST(nccl_split) {
     cudaFree(ds);
 }
 
+/* loom_comm_split_self, on any world size: a one-rank group without an
+ * NCCL communicator. Twelve of them (a mesh's groups on one GPU) cost next
+ * to no device memory, where one NCCL communicator costs hundreds of MiB;
+ * its collectives are copies (or nothing) on its own stream, ordered after
+ * the legacy stream's work; async, deferred and host-buffer calls work;
+ * send/recv to itself is refused; a split of it is itself alone or
+ * nothing. */
+TEST(nccl_split_self) {
+    loom_comm *w = nt_world();
+    int rank = nt_rank();
+    enum { G = 12, N = 5000 };
+    size_t free0 = 0, free1 = 0, total = 0;
+    cudaDeviceSynchronize();
+    cudaMemGetInfo(&free0, &total);
+    loom_comm *g[G] = {0};
+    for (int i = 0; i < G; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "self%d", i);
+        CHECK_OK(nt_ctx(), loom_comm_split_self(w, name, &g[i]));
+        REQUIRE(g[i]);
+    }
+    cudaDeviceSynchronize();
+    cudaMemGetInfo(&free1, &total);
+    const double grew = ((double)free0 - (double)free1) / (1 << 20);
+    if (rank == 0) {
+        printf("    %d one-rank groups: %.1f MiB of device memory\n", G, grew);
+        fflush(stdout);
+    }
+    CHECK(grew < 64.0);
+    loom_comm *s = g[3];
+    CHECK_EQ_INT(loom_comm_size(s), 1);
+    CHECK_EQ_INT(loom_comm_rank(s), 0);
+    CHECK_STR(loom_comm_name(s), "self3");
+    CHECK_STR(loom_comm_backend_name(s), "nccl");
+    CHECK_EQ_INT(loom_comm_device(s), loom_comm_device(w));
+    CHECK(loom_comm_stream(s) != NULL && loom_comm_stream(s) != loom_comm_stream(w));
+    int32_t *h = host(sizeof(int32_t) * 2 * N), *got = host(sizeof(int32_t) * 2 * N);
+    int32_t *a = dev(sizeof(int32_t) * 2 * N), *b = dev(sizeof(int32_t) * 2 * N);
+    for (int i = 0; i < 2 * N; i++) h[i] = rank * 1000003 + 7 * i;
+    h2d(a, h, sizeof(int32_t) * 2 * N);
+    size_t bad = 0;
+#define SAME_AS(buf, src, n)                                                                  \
+    do {                                                                                      \
+        d2h(got, buf, sizeof(int32_t) * (n));                                                 \
+        for (int i_ = 0; i_ < (n); i_++) bad += got[i_] != (src)[i_];                         \
+    } while (0)
+    /* each copy follows a memset queued on the legacy stream just before */
+    cudaMemsetAsync(b, 0xff, sizeof(int32_t) * N, 0);
+    CHECK_OK(nt_ctx(), loom_comm_allgather(s, a, b, N, LOOM_I32));
+    SAME_AS(b, h, N);
+    cudaMemsetAsync(b, 0, sizeof(int32_t) * N, 0);
+    CHECK_OK(nt_ctx(), loom_comm_reduce_scatter(s, a, b, N, LOOM_I32, LOOM_RED_SUM));
+    SAME_AS(b, h, N);
+    cudaMemsetAsync(b, 0x7f, sizeof(int32_t) * N, 0);
+    CHECK_OK(nt_ctx(), loom_comm_alltoall(s, a, b, N, LOOM_I32));
+    SAME_AS(b, h, N);
+    /* in place, reductions and broadcast leave the data as it is */
+    CHECK_OK(nt_ctx(), loom_comm_allreduce(s, a, N, LOOM_I32, LOOM_RED_SUM));
+    CHECK_OK(nt_ctx(), loom_comm_allgather(s, a, a, N, LOOM_I32));
+    CHECK_OK(nt_ctx(), loom_comm_reduce_scatter(s, a, a, N, LOOM_I32, LOOM_RED_MAX));
+    CHECK_OK(nt_ctx(), loom_comm_broadcast(s, a, N, LOOM_I32, 0));
+    SAME_AS(a, h, 2 * N);
+    /* overlapping send and recv: the data moves as if copied first */
+    h2d(b, h, sizeof(int32_t) * 2 * N);
+    CHECK_OK(nt_ctx(), loom_comm_reduce_scatter(s, b, b + 1, N, LOOM_I32, LOOM_RED_SUM));
+    d2h(got, b, sizeof(int32_t) * (N + 1));
+    bad += got[0] != h[0];
+    for (int i = 0; i < N; i++) bad += got[i + 1] != h[i];
+    /* async and deferred */
+    loom_comm_req *req = NULL;
+    CHECK_OK(nt_ctx(), loom_comm_allreduce_async(s, a, N, LOOM_I32, LOOM_RED_MAX, &req));
+    CHECK_EQ_INT(loom_comm_wait(w, req), LOOM_ERR_INVALID_ARG);
+    CHECK_OK(nt_ctx(), loom_comm_wait(s, req));
+    cudaMemsetAsync(b, 0, sizeof(int32_t) * N, 0);
+    loom_comm_defer(s);
+    CHECK_OK(nt_ctx(), loom_comm_allgather(s, a + N, b, N, LOOM_I32));
+    SAME_AS(b, h + N, N); /* the legacy stream's copy waits for it */
+    CHECK_OK(nt_ctx(), loom_comm_settle(s));
+    /* host buffers */
+    for (int i = 0; i < N; i++) got[i] = -1;
+    CHECK_OK(nt_ctx(), loom_comm_allgather(s, h, got, N, LOOM_I32));
+    for (int i = 0; i < N; i++) bad += got[i] != h[i];
+    CHECK_OK(nt_ctx(), loom_comm_barrier(s));
+    CHECK_EQ_INT(bad, 0);
+#undef SAME_AS
+    /* no send/recv to itself */
+    CHECK_EQ_INT(loom_comm_send(s, a, 1, LOOM_I32, 0, 0), LOOM_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(loom_last_error(nt_ctx()), "send to self on group 'self3'");
+    CHECK_EQ_INT(loom_comm_recv(s, a, 1, LOOM_I32, 0, 0), LOOM_ERR_UNSUPPORTED);
+    /* its splits */
+    loom_comm *t = NULL, *u = (loom_comm *)1;
+    CHECK_OK(nt_ctx(), loom_comm_split(s, 7, 0, "again", &t));
+    REQUIRE(t);
+    CHECK_EQ_INT(loom_comm_size(t), 1);
+    CHECK_OK(nt_ctx(), loom_comm_allgather(t, a, b, N, LOOM_I32));
+    loom_comm_free(t);
+    CHECK_OK(nt_ctx(), loom_comm_split(s, -1, 0, "none", &u));
+    CHECK(u == NULL);
+    for (int i = 0; i < G; i++) loom_comm_free(g[i]);
+    CHECK_OK(nt_ctx(), loom_comm_barrier(w));
+    free(h);
+    free(got);
+    cudaFree(a);
+    cudaFree(b);
+}
+
 /* ---- host buffers (staged through device memory) and mixed kinds ---- */
 
 /* Where a test buffer lives. */
