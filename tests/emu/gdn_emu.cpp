@@ -57,14 +57,15 @@ static void rule_case(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, std::vecto
     cmp("o", r[0].o, o, tol); cmp("dqkv", r[0].dq, dq, tol); cmp("dg", r[0].dg, dg, tol); cmp("dbeta", r[0].db, db, tol);
     for (int ord = 1; ord < 3; ord++) if (!same_bits(r[0], r[ord])) { printf("  ORDER %d differs from ascending: a race <<<<< FAIL\n", ord); fails++; }
 }
-void small_ops();
+void small_ops(int64_t D);
 static void conv_case(int64_t K);
 static void *scr(size_t b);
 int main(int argc, char **argv) {
     loom_ctx_create(&ctx);
     for (int b = 0; b < 2; b++) {
         BF = b;
-        small_ops();
+        for (int64_t D : {48, 160}) /* the norm's rows in registers (D <= 128), and in passes */
+            small_ops(D);
         for (int64_t K : {4, 3, 6})
             conv_case(K);
         rule_case(2, 4, 32, 48, {0, 3, 70, 150});
@@ -72,6 +73,7 @@ int main(int argc, char **argv) {
         rule_case(1, 2, 128, 160, {0, 130, 197});
         rule_case(2, 2, 64, 64, {0, 1, 65, 100});
         rule_case(1, 2, 20, 18, {0, 70, 90}); /* sizes not a multiple of 4: the staging's plain loads */
+        rule_case(1, 1, 136, 24, {0, 40, 70}); /* dk > 128: no tensor cores, l2_bwd in passes */
         if (argc > 1) {
             rule_case(1, 2, 128, 144, {0, 64, 65, 129, 200});
             rule_case(1, 2, 128, 128, {0, 250});
@@ -106,11 +108,11 @@ static void conv_case(int64_t K) {
     }
     free(CU);
 }
-void small_ops() {
-    const int64_t T = 150, H = 6, N = T * H, D = 48;
+void small_ops(int64_t D) {
+    const int64_t T = 150, H = 6, N = T * H;
     loom_dtype dt = BF ? LOOM_BF16 : LOOM_F32;
     double tol = BF ? 3e-2 : 1e-4;
-    printf("small ops %s\n", BF ? "bf16" : "f32");
+    printf("small ops D %lld %s\n", (long long)D, BF ? "bf16" : "f32");
     auto a = rnd(T * H, -4, 4, true), b = rnd(T * H, -4, 4, true), al = rnd(H, -1, 1, true), dtb = rnd(H, -1, 1, true);
     a[0] = 25, a[1] = 21;
     auto dg = rnd(T * H, -1, 1, false), dbe = rnd(T * H, -1, 1, false), dal0 = rnd(H, -1, 1, false), ddt0 = rnd(H, -1, 1, false);

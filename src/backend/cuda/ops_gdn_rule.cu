@@ -117,7 +117,11 @@ __global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, float *qn, 
 
 // d of the normalised rows (the group's value heads summed in order) ->
 // d of the raw ones: y = sc x r, r = (|x|^2 + 1e-6)^-1/2: dx = sc (r dy - r^3
-// (x . dy) x). A warp per (t, hk); q (sc = dk^-1/2), then k (sc = 1).
+// (x . dy) x). A warp per (t, hk); q (sc = dk^-1/2), then k (sc = 1). NA > 0
+// (dk <= 32 NA): a lane's NA elements of x and dy are read once, into
+// registers, all of them in flight together (read again for the output, the
+// summed dy cost a second pass over dqh and dkh); NA = 0: any dk, in passes.
+template <int NA>
 __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float *dqh,
                               const float *dkh, void *dqkv) {
     const int lane = threadIdx.x & 31;
@@ -125,27 +129,49 @@ __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float
     if (r >= z.T * z.Hk)
         return;
     const int64_t t = r / z.Hk, hk = r % z.Hk, h0 = hk * z.grp;
+#pragma unroll
     for (int which = 0; which < 2; which++) {
         const int64_t off = t * z.C + which * z.Hk * z.dk + hk * z.dk;
-        const float *src = which ? dkh : dqh;
+        const float *src = (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk;
         const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
         auto dyn = [&](int64_t a) {
             float s = 0.0f;
-            for (int64_t h = h0; h < h0 + z.grp; h++)
-                s += src[(t * z.Hv + h) * z.dk + a];
+            for (int64_t h = 0; h < z.grp; h++)
+                s += src[h * z.dk + a];
             return s;
         };
         float ss = 0.0f, xd = 0.0f;
-        for (int64_t a = lane; a < z.dk; a += 32) {
-            const float x = ld(qkv, dt, off + a);
-            ss += x * x;
-            xd += x * dyn(a);
+        if constexpr (NA > 0) {
+            float xv[NA], dv[NA];
+#pragma unroll
+            for (int i = 0; i < NA; i++) {
+                const int64_t a = lane + 32 * i;
+                xv[i] = a < z.dk ? ld(qkv, dt, off + a) : 0.0f;
+                dv[i] = a < z.dk ? dyn(a) : 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < NA; i++)
+                if (lane + 32 * i < z.dk)
+                    ss += xv[i] * xv[i], xd += xv[i] * dv[i];
+            ss = warp_sum(ss);
+            xd = warp_sum(xd);
+            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
+#pragma unroll
+            for (int i = 0; i < NA; i++)
+                if (lane + 32 * i < z.dk)
+                    st(dqkv, dt, off + lane + 32 * i, sc * (rr * dv[i] - c * xv[i]));
+        } else {
+            for (int64_t a = lane; a < z.dk; a += 32) {
+                const float x = ld(qkv, dt, off + a);
+                ss += x * x;
+                xd += x * dyn(a);
+            }
+            ss = warp_sum(ss);
+            xd = warp_sum(xd);
+            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
+            for (int64_t a = lane; a < z.dk; a += 32)
+                st(dqkv, dt, off + a, sc * (rr * dyn(a) - c * ld(qkv, dt, off + a)));
         }
-        ss = warp_sum(ss);
-        xd = warp_sum(xd);
-        const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
-        for (int64_t a = lane; a < z.dk; a += 32)
-            st(dqkv, dt, off + a, sc * (rr * dyn(a) - c * ld(qkv, dt, off + a)));
     }
 }
 
@@ -774,7 +800,8 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
         if ((st = check_launch(ctx, op)))
             return st;
     }
-    l2_bwd_kernel<<<(unsigned)((T * Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dtype, z, w.dqh,
+    auto l2b = z.dk <= 128 ? l2_bwd_kernel<4> : l2_bwd_kernel<0>;
+    l2b<<<(unsigned)((T * Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dtype, z, w.dqh,
                                                                           w.dkh, dqkv);
     return check_launch(ctx, op);
 }
