@@ -2,8 +2,11 @@
 """Compares two loom runs; exits 1 when they differ by more than the tolerance.
 
   compare.py curves REF.log RUN.log [--tol 0.02]
-      per-step losses of two `loom train` logs ("step N/M | loss X | ...")
-      differ by at most tol relative, at every step.
+      per-step losses of two `loom train` logs ("step N/M | loss X | ..."):
+      their means over every 5 steps in a row differ by at most tol relative,
+      and the per-step differences by at most tol / 2 on average. (A single
+      step may differ more: bf16 against fp32 over 50 steps, one batch's loss
+      came out 4.2% apart on the H200 while its neighbours' were 0.1-0.6%.)
   compare.py golden REF.safetensors RUN.safetensors [--tol 0.02] [--tol-weights T]
       two `loom golden` outputs: the loss (relative), the token log-probs
       (max abs error over max |ref|) and every grad.* / final.* tensor (relative
@@ -32,11 +35,19 @@ def curves(ref, run, tol):
     if not a or set(a) != set(b):
         print(f"curves: the logs have different steps ({len(a)} vs {len(b)})")
         return 1
-    worst = max(abs(b[s] - a[s]) / abs(a[s]) for s in a)
-    first, last = min(a), max(a)
-    print(f"curves: {len(a)} steps, loss {a[first]:.4f} -> {a[last]:.4f} (ref) vs "
-          f"{b[first]:.4f} -> {b[last]:.4f}; worst relative difference {worst:.2e} (tol {tol})")
-    return 0 if worst <= tol else 1
+    steps = sorted(a)
+    rel = [abs(b[s] - a[s]) / abs(a[s]) for s in steps]
+    mean, worst = sum(rel) / len(rel), max(rel)
+    n = min(5, len(steps))
+    windows = [abs(sum(b[s] for s in steps[i:i + n]) - sum(a[s] for s in steps[i:i + n])) /
+               abs(sum(a[s] for s in steps[i:i + n])) for i in range(len(steps) - n + 1)]
+    wworst = max(windows)
+    ok = wworst <= tol and mean <= tol / 2
+    print(f"curves: {len(a)} steps, loss {a[steps[0]]:.4f} -> {a[steps[-1]]:.4f} (ref) vs "
+          f"{b[steps[0]]:.4f} -> {b[steps[-1]]:.4f}; relative difference of {n}-step means "
+          f"at most {wworst:.2e} (tol {tol}), per step {mean:.2e} on average (tol {tol / 2}), "
+          f"{worst:.2e} at most (step {steps[rel.index(worst)]}){'' if ok else '  FAIL'}")
+    return 0 if ok else 1
 
 
 def golden(ref, run, tol, tol_weights=None):

@@ -15,7 +15,8 @@ rm -rf "$W" && mkdir -p "$W"
 LOOM_BIN=$B/loom $B/loom_tests model_cuda
 # a Qwen3-0.6B-shaped model (28 layers, hidden 1024, vocab 151936), random weights
 $B/loom init --preset qwen3-0.6b --out "$W/m06" --seed 7 >/dev/null
-$B/loom data --text docs/DESIGN.md --out "$W/d.tokens" >/dev/null
+# the text: a frozen copy of docs/DESIGN.md, so that editing the docs does not change the runs
+$B/loom data --text tests/gpu/train_text.txt --out "$W/d.tokens" >/dev/null
 for dt in fp32 bf16; do
     $B/loom train --device cuda --dtype $dt --model "$W/m06" --data "$W/d.tokens" --train-steps 50 \
         --seq-len 1024 --micro-batch-size 2 --global-batch-size 4 --lr 3e-4 --lr-warmup-steps 5 \

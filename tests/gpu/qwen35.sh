@@ -7,7 +7,8 @@
 #     qwen35_cuda_*: logits, log-probs, entropy, every gradient, packed
 #     documents; dense and MoE) and the memory prediction against the run;
 #  3. Qwen3.5-0.8B shapes (random weights) trained 50 steps in bf16 and in
-#     fp32 on the same data: the curves agree within bf16 noise
+#     fp32 on the same data (tests/gpu/train_text.txt, a frozen copy of
+#     docs/DESIGN.md): the curves agree within bf16 noise
 #     (tests/gpu/compare.py curves);
 #  4. with QWEN35_BENCH=1, bench/train_bench.sh q35-4b-lora q35-0.8b-full
 #     against transformers + PEFT on the same GPU (peft from .whl).
@@ -44,7 +45,7 @@ step 2 && echo "== 2. the model in fp32 against transformers, and the memory pre
 if step 3; then
 echo "== 3. Qwen3.5-0.8B shapes, 50 steps, bf16 against fp32"
 "$B/loom" init --preset qwen3.5-0.8b --out "$W/m08" --seed 7 >/dev/null &&
-    "$B/loom" data --text docs/DESIGN.md --out "$W/d.tokens" >/dev/null || fails=$((fails + 1))
+    "$B/loom" data --text tests/gpu/train_text.txt --out "$W/d.tokens" >/dev/null || fails=$((fails + 1))
 for dt in fp32 bf16; do
     timeout "$T" "$B/loom" train --device cuda --dtype $dt --model "$W/m08" --data "$W/d.tokens" \
         --train-steps 50 --seq-len 1024 --micro-batch-size 2 --global-batch-size 4 --lr 3e-4 \

@@ -22,7 +22,7 @@ W=${LOOM_GPU_WORK:-/tmp/loom-same-bits}
 rm -rf "$W" && mkdir -p "$W/dad"
 "$A" init --preset qwen3-0.6b --config-override '{"num_hidden_layers": 4}' --out "$W/m06" --seed 7 \
     --save-dtype bfloat16 --log-level warn >/dev/null || exit 1
-"$A" data --text docs/DESIGN.md --out "$W/d.tokens" --log-level warn >/dev/null || exit 1
+"$A" data --text tests/gpu/train_text.txt --out "$W/d.tokens" --log-level warn >/dev/null || exit 1
 cp "$F/models/tiny-qwen3-lora/adapter_model.safetensors" "$W/dad/"
 echo '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.2, "target_modules": "all-linear"}' \
     >"$W/dad/adapter_config.json"
