@@ -374,8 +374,9 @@ loom_status loom_mesh_create(loom_ctx *ctx, loom_comm *world, const loom_mesh_si
                                              &m->etp,  &m->ep,   &m->edp, &m->etpep};
     for (int i = 0; i < LOOM_MESH_NGROUPS; i++) {
         /* a group of one rank (tp=1: every tp group) costs no NCCL communicator */
-        st = sp[i].size == 1 ? loom_comm_split_self(world, sp[i].name, groups[i])
-                             : loom_comm_split(world, sp[i].color, sp[i].key, sp[i].name, groups[i]);
+        const loom_mesh_split *g = &sp[i];
+        st = g->size == 1 ? loom_comm_split_self(world, g->name, groups[i])
+                          : loom_comm_split(world, g->color, g->key, g->name, groups[i]);
         if (st) {
             loom_mesh_free(m);
             return comm_error(ctx, world, st);

@@ -219,11 +219,12 @@ __global__ void __launch_bounds__(CONV_TILE_C)
 //   partial[ch][c K + j] = sum over the chunk's t of dpre[t, c] x[t - K + 1 + j, c]
 //                          (that token in t's document).
 // Sums in j's and t's order, as the CPU's. partial NULL: dx only.
-template <int KM, class X>
-__device__ __forceinline__ void conv_bwd_rows(X x, X dy, const void *w, loom_dtype dt, int64_t T,
-                                              int64_t C, int64_t K, int64_t c, int64_t ch,
-                                              int64_t r0, int64_t r1, const int32_t *cu,
-                                              int64_t ndocs, void *dx, double *partial) {
+template <int KM>
+__device__ __forceinline__ void conv_bwd_rows(glob_rows x, glob_rows dy, const void *w,
+                                              loom_dtype dt, int64_t T, int64_t C, int64_t K,
+                                              int64_t c, int64_t ch, int64_t r0, int64_t r1,
+                                              const int32_t *cu, int64_t ndocs, void *dx,
+                                              double *partial) {
     // at token t: xw[j] = x[t - K + 1 + j]; dp[j] = dpre[t - j], of document dd[j]
     float wk[KM], xw[KM], dp[KM];
     int dd[KM]; // documents as offsets from r0's (-1: none)
