@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "../src/backend/backend.h"
+#include "../src/backend/gdn_ws.h"
 #include "../src/core/core.h"
 #include "../src/core/rng.h"
 #include "common/backend_pair.h"
@@ -93,6 +94,52 @@ typedef struct rule_case {
     int32_t cu[6];
 } rule_case;
 
+/* Side 1's n values at p and q: the same bits. */
+static bool same_bits(bp_run *r, const void *p, const void *q, int64_t n, bool act) {
+    float *a = bp_get(r, 1, p, n, act), *b = bp_get(r, 1, q, n, act);
+    const bool same = !memcmp(a, b, (size_t)n * sizeof(float));
+    free(a), free(b);
+    return same;
+}
+
+/* The CUDA rule with a keep buffer (gdn_ws.h; bf16, dk <= 128) against
+ * itself without one (o, dq, dg, db): the same bits; the backward reads
+ * the buffer (poisoned, its outputs are not finite); a buffer with room for
+ * fewer chunks than the documents can make is refused. */
+static void rule_kept(bp_run *r, const rule_case *rc, void *Q, void *G, void *BE, void *DO,
+                      void *CU, void *o, void *dq, void *dg, void *db) {
+    const int64_t Hk = rc->Hk, Hv = rc->Hv, dk = rc->dk, dv = rc->dv, nd = rc->ndocs;
+    const int64_t T = rc->cu[nd], C = 2 * Hk * dk + Hv * dv, kc = loom_gdn_ws_chunks(T, nd);
+    const size_t bytes = loom_gdn_keep_bytes(T, Hk, Hv, dk, dv, loom_gdn_ws_tc(r->t, dk), kc);
+    if (!bytes) return; /* fp32, or dk past the tensor-core kernels: nothing kept */
+    const loom_backend *B = r->be[1];
+    loom_dev *d = &r->d[1];
+    void *K = bp_keep(r, 1, bytes);
+    void *o2 = bp_outbuf(r, 1, T * Hv * dv, true), *dq2 = bp_outbuf(r, 1, T * C, true);
+    void *dg2 = bp_outbuf(r, 1, T * Hv, false), *db2 = bp_outbuf(r, 1, T * Hv, false);
+    REQUIRE_OK(r->ctx, B->gdn_fwd(d, r->ctx, Q, G, BE, T, Hk, Hv, dk, dv, CU, nd, o2, K, kc));
+    REQUIRE_OK(r->ctx, B->gdn_bwd(d, r->ctx, DO, Q, G, BE, T, Hk, Hv, dk, dv, CU, nd, dq2, dg2,
+                                  db2, K, kc));
+    CHECK_MSG(same_bits(r, o, o2, T * Hv * dv, true) && same_bits(r, dq, dq2, T * C, true) &&
+                  same_bits(r, dg, dg2, T * Hv, false) && same_bits(r, db, db2, T * Hv, false),
+              "T %lld dk %lld: the rule with a keep buffer differs from it without",
+              (long long)T, (long long)dk);
+    uint8_t *junk = malloc(bytes);
+    REQUIRE(junk);
+    memset(junk, 0xff, bytes); /* NaN in every fp32 and bf16 element */
+    REQUIRE_OK(r->ctx, B->upload(d, r->ctx, K, junk, bytes));
+    free(junk);
+    REQUIRE_OK(r->ctx, B->gdn_bwd(d, r->ctx, DO, Q, G, BE, T, Hk, Hv, dk, dv, CU, nd, dq2, dg2,
+                                  db2, K, kc));
+    float *x = bp_get(r, 1, dq2, T * C, true);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < T * C; i++) bad += !isfinite(x[i]);
+    free(x);
+    CHECK_MSG(bad > 0, "dk %lld: the backward did not read its keep buffer", (long long)dk);
+    CHECK(B->gdn_fwd(d, r->ctx, Q, G, BE, T, Hk, Hv, dk, dv, CU, nd, o2, K, kc - 1) ==
+          LOOM_ERR_INVALID_ARG);
+}
+
 static void rule_family(bp_run *r, const rule_case *rc) {
     const int64_t Hk = rc->Hk, Hv = rc->Hv, dk = rc->dk, dv = rc->dv, nd = rc->ndocs;
     const int64_t T = rc->cu[nd], C = 2 * Hk * dk + Hv * dv;
@@ -109,9 +156,11 @@ static void rule_family(bp_run *r, const rule_case *rc) {
         void *DO = bp_in(r, k, dout, T * Hv * dv, true);
         o[k] = bp_outbuf(r, k, T * Hv * dv, true), dq[k] = bp_outbuf(r, k, T * C, true);
         dg[k] = bp_outbuf(r, k, T * Hv, false), db[k] = bp_outbuf(r, k, T * Hv, false);
-        REQUIRE_OK(r->ctx, B->gdn_fwd(d, r->ctx, Q, G, BE, T, Hk, Hv, dk, dv, CU, nd, o[k]));
+        REQUIRE_OK(r->ctx, B->gdn_fwd(d, r->ctx, Q, G, BE, T, Hk, Hv, dk, dv, CU, nd, o[k], NULL,
+                                      0));
         REQUIRE_OK(r->ctx, B->gdn_bwd(d, r->ctx, DO, Q, G, BE, T, Hk, Hv, dk, dv, CU, nd, dq[k],
-                                      dg[k], db[k]));
+                                      dg[k], db[k], NULL, 0));
+        if (k == 1) rule_kept(r, rc, Q, G, BE, DO, CU, o[1], dq[1], dg[1], db[1]);
     }
     /* fp32: chunks of 64 in fp32 (a triangular solve, states carried over
      * the chunks) against the CPU's double */

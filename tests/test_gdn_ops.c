@@ -273,12 +273,12 @@ TEST(gdn_kern_wrappers_need_the_ops) {
     const int32_t cu[2] = {0, 5};
     float qkv[5 * 12] = {0}, g[5] = {0}, beta[5] = {0}, o[5 * 4], x[5 * 3] = {0}, y[5 * 3];
     float w[3 * 2] = {0};
-    CHECK_OK(m->ctx, loom_k_gdn_fwd(m, qkv, g, beta, 5, 1, 1, 4, 4, cu, 1, o));
+    CHECK_OK(m->ctx, loom_k_gdn_fwd(m, qkv, g, beta, 5, 1, 1, 4, 4, cu, 1, o, NULL, 0));
     CHECK_OK(m->ctx, loom_k_gdn_conv_fwd(m, x, w, 5, 3, 2, cu, 1, y));
     be.gdn_conv_fwd = NULL, be.gdn_conv_bwd = NULL, be.gdn_gate_fwd = NULL, be.gdn_gate_bwd = NULL;
     be.gdn_fwd = NULL, be.gdn_bwd = NULL, be.gdn_norm_fwd = NULL, be.gdn_norm_bwd = NULL;
     m->dev.cuda = true;
-    CHECK(loom_k_gdn_fwd(m, qkv, g, beta, 5, 1, 1, 4, 4, cu, 1, o) == LOOM_ERR_UNSUPPORTED);
+    CHECK(loom_k_gdn_fwd(m, qkv, g, beta, 5, 1, 1, 4, 4, cu, 1, o, NULL, 0) == LOOM_ERR_UNSUPPORTED);
     CHECK_CONTAINS(loom_last_error(m->ctx), "Gated DeltaNet ops are not on the CUDA backend yet");
     CHECK(loom_k_gdn_norm_bwd(m, o, o, o, w, g, 5, 4, o, o, NULL) == LOOM_ERR_UNSUPPORTED);
     CHECK(loom_k_gdn_conv_bwd(m, x, x, w, 5, 3, 2, cu, 1, y, NULL) == LOOM_ERR_UNSUPPORTED);

@@ -7,6 +7,7 @@
 
 #include "../include/loom.h"
 #include "../src/backend/gdn_ws.h"
+#include "../src/model/block.h"
 #include "../src/model/model.h"
 #include "harness.h"
 
@@ -437,17 +438,44 @@ TEST(memory_prediction_gdn_workspace) {
     cfg.linear_attn = lin;
     const int64_t Hv = cfg.lin_v_heads, dk = cfg.lin_k_dim, dv = cfg.lin_v_dim;
     const uint64_t state = (uint64_t)(NC * Hv * dk * dv * 4);
-    /* training: the chunks' states and their gradients at least; a forward
-     * keeps no gradient; tp halves the heads; cp keeps the whole sequence */
-    CHECK_MSG(delta[0] >= 2 * state && delta[0] < 2 * state + (uint64_t)T * 1024 * 64,
+    /* bf16 with tiny heads: the tensor-core kernels, the forward's arrays in
+     * the layers' keep buffers (room for this batch's chunks), so the
+     * workspace holds the states' gradients (fp32) but not the states;
+     * a forward keeps no gradient; tp halves the heads; cp keeps the whole
+     * sequence */
+    const int64_t kc = loom_gdn_keep_chunks(T);
+    REQUIRE(loom_gdn_ws_tc(LOOM_BF16, dk) && loom_gdn_ws_chunks(T, mbs) <= kc);
+    CHECK_MSG(delta[0] >= state && delta[0] < state + (uint64_t)T * 1024 * 64,
               "GDN workspace %llu bytes, states %llu", (unsigned long long)delta[0],
               (unsigned long long)state);
     CHECK_EQ_INT((int64_t)delta[0], (int64_t)loom_gdn_ws_bytes(T, cfg.lin_k_heads, Hv, dk, dv,
-                                                               mbs, 1));
+                                                               mbs, 1, 1, kc));
+    /* without the keep buffers the workspace would hold the bf16 states too */
+    CHECK(delta[0] + state / 2 <= loom_gdn_ws_bytes(T, cfg.lin_k_heads, Hv, dk, dv, mbs, 1, 1, 0));
     CHECK(delta[1] < delta[0] && delta[1] * 2 >= delta[0] - 4096);
     CHECK_EQ_INT((int64_t)delta[2], (int64_t)delta[0]);
-    CHECK(delta[3] >= state && delta[3] < delta[0] - state + 4096);
+    CHECK(delta[3] < delta[0] - state + 4096);
     CHECK_EQ_INT((int64_t)delta[4], 0);
+    /* the keep buffer: a linear-attention layer's activations on CUDA in
+     * bf16 hold it (the states in bf16 and T = (I + A)^-1 for kc chunks at
+     * least), on the CPU nothing */
+    loom_model m;
+    memset(&m, 0, sizeof m);
+    m.cfg = cfg;
+    m.tp = 1;
+    m.dev.adt = LOOM_BF16;
+    m.dev.esz = 2;
+    size_t acts[2] = {0, 0};
+    for (int cuda = 0; cuda < 2; cuda++) {
+        loom_block_buf buf[LOOM_BLOCK_MAX_BUFS];
+        memset(buf, 0, sizeof buf);
+        m.dev.cuda = cuda;
+        const int n = loom_block_gdn.acts(&m, T, T, T, buf);
+        for (int k = 0; k < n; k++) acts[cuda] += buf[k].bytes;
+    }
+    const size_t keep = loom_gdn_keep_bytes(T, cfg.lin_k_heads, Hv, dk, dv, 1, kc);
+    CHECK_EQ_INT((int64_t)(acts[1] - acts[0]), (int64_t)keep);
+    CHECK(keep >= (size_t)(kc * Hv * (dk * dv + 64 * 64)) * 2);
     /* the chunk bound, against counted chunks of random document splits */
     uint32_t s = 7;
     for (int trial = 0; trial < 200; trial++) {

@@ -375,14 +375,20 @@ typedef struct loom_backend {
     /* the gated delta rule, q and k L2-normalised inside: qkv (T, 2 Hk dk +
      * Hv dv) the convolution's output (q, k, v), o (T, Hv, dv); the
      * backward recomputes what it needs from the inputs: dqkv (qkv's
-     * layout), dg, dbeta (T, Hv) */
+     * layout), dg, dbeta (T, Hv). keep (NULL: none): gdn_ws.h's
+     * loom_gdn_keep_bytes for keep_chunks chunks where the backend keeps
+     * (CUDA in bf16, dk <= 128; elsewhere 0 bytes, and keep is not read),
+     * filled by the forward and read by the backward of the same inputs in
+     * place of recomputing the forward's chunk passes; only for documents
+     * whose chunk bound (loom_gdn_ws_chunks) is within keep_chunks */
     loom_status (*gdn_fwd)(loom_dev *d, loom_ctx *ctx, const void *qkv, const float *g,
                            const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
-                           int64_t dv, const int32_t *cu, int64_t ndocs, void *o);
+                           int64_t dv, const int32_t *cu, int64_t ndocs, void *o, void *keep,
+                           int64_t keep_chunks);
     loom_status (*gdn_bwd)(loom_dev *d, loom_ctx *ctx, const void *dout, const void *qkv,
                            const float *g, const float *beta, int64_t T, int64_t Hk, int64_t Hv,
                            int64_t dk, int64_t dv, const int32_t *cu, int64_t ndocs, void *dqkv,
-                           float *dg, float *dbeta);
+                           float *dg, float *dbeta, const void *keep, int64_t keep_chunks);
     /* y = w rmsnorm(x) silu(z) over N rows of D; rstd (N) kept for the
      * backward: dx, dz (N, D), dw (D) */
     loom_status (*gdn_norm_fwd)(loom_dev *d, loom_ctx *ctx, const void *x, const void *z,

@@ -32,8 +32,13 @@
  * ranks would not repeat it). The conv1d weight, [C, 1, K] in the
  * checkpoint, is (C, K) here (export.c presents it so). Kept for the
  * backward: the projections' outputs, the convolution's, the gates, the
- * rule's output, the norm's rstd and output (out_proj's input); the rule's
- * backward recomputes what it needs from its inputs (cpu_gdn.h). */
+ * rule's output, the norm's rstd and output (out_proj's input), and where
+ * the backend keeps (gdn_ws.h: CUDA in bf16, dk <= 128) the rule's keep
+ * buffer: its chunks' inverses, states, W, U and U0, which its backward
+ * reads instead of running those passes again, with room for documents
+ * of 128 tokens on average (a micro-batch of shorter ones goes without:
+ * its backward recomputes them, as the CPU's always does). */
+#include "../backend/gdn_ws.h"
 #include "block.h"
 #include "model.h"
 
@@ -81,7 +86,7 @@ static loom_status gdn_params(const loom_model_config *c, int64_t l, loom_param_
  * rows under cp), scratch (the last ones only under cp: this rank's
  * projections and gates before the exchange, the whole micro-batch's
  * output and gradients, the exchange's blocks) */
-enum { PRE, QKV, Z, A, B, G, BETA, O, RSTD, Y, NBUF };
+enum { PRE, QKV, Z, A, B, G, BETA, O, RSTD, Y, KEEP, NBUF };
 enum { DY, DO, DZ, DQKV, DPRE, DG, DBETA, DA, DB, PL, GL, BL, OF, DOF, DQF, DPF, DGF, DBF, XBLK,
        NSCRATCH };
 
@@ -98,6 +103,12 @@ static gdims dims(const loom_model *m) {
     d.hv = d.Hv * d.dv;
     d.C = 2 * d.Hk * d.dk + d.hv;
     return d;
+}
+
+/* The rule's keep buffer for micro-batches of T tokens (0: none). */
+static size_t keep_bytes(const loom_model *m, const gdims *d, int64_t T) {
+    const int tc = m->dev.cuda && loom_gdn_ws_tc(m->dev.adt, d->dk);
+    return loom_gdn_keep_bytes(T, d->Hk, d->Hv, d->dk, d->dv, tc, loom_gdn_keep_chunks(T));
 }
 
 static loom_status gdn_fwd(const loom_blk *b, const void *h, void *out) {
@@ -123,7 +134,8 @@ static loom_status gdn_fwd(const loom_blk *b, const void *h, void *out) {
         CK(loom_cp_gather(m, be, d.Hv, LOOM_F32, a[BETA], sc[XBLK]));
     }
     CK(loom_k_gdn_conv_fwd(m, a[PRE], loom_wc(m, w[CONV]), T, d.C, d.K, cu, nd, a[QKV]));
-    CK(loom_k_gdn_fwd(m, a[QKV], a[G], a[BETA], T, d.Hk, d.Hv, d.dk, d.dv, cu, nd, o));
+    CK(loom_k_gdn_fwd(m, a[QKV], a[G], a[BETA], T, d.Hk, d.Hv, d.dk, d.dv, cu, nd, o, a[KEEP],
+                      loom_gdn_keep_chunks(T)));
     if (cpx) CK(loom_cp_take(m, o, d.hv, a[O]));
     CK(loom_k_gdn_norm_fwd(m, a[O], a[Z], loom_wc(m, w[NORMW]), Tc * d.Hv, d.dv,
                            (float)m->cfg.rms_norm_eps, a[Y], a[RSTD]));
@@ -158,7 +170,7 @@ static loom_status gdn_bwd(const loom_blk *b, const void *h, const void *dy, voi
                            d.dv, sc[DO], sc[DZ], loom_g(m, w[NORMW])));
     if (cpx) CK(loom_cp_place(m, sc[DO], d.hv, dof));
     CK(loom_k_gdn_bwd(m, dof, a[QKV], a[G], a[BETA], T, d.Hk, d.Hv, d.dk, d.dv, cu, nd, dq, dg,
-                      db));
+                      db, a[KEEP], loom_gdn_keep_chunks(T)));
     CK(loom_k_gdn_conv_bwd(m, dq, a[PRE], loom_wc(m, w[CONV]), T, d.C, d.K, cu, nd, dp,
                            loom_g(m, w[CONV])));
     if (cpx) {
@@ -202,6 +214,7 @@ static int gdn_acts(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn, loom
     out[A].bytes = out[B].bytes = any ? (size_t)(Tc * d.Hv) * e : 0;
     out[G].bytes = out[BETA].bytes = any ? (size_t)(T * d.Hv) * f : 0;
     out[RSTD].bytes = any ? (size_t)(Tc * d.Hv) * f : 0;
+    out[KEEP].bytes = any ? keep_bytes(m, &d, T) : 0;
     return NBUF; /* all kept under selective recomputation */
 }
 

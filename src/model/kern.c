@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../backend/gdn_ws.h"
 #include "../comm/comm.h"
 #include "model.h"
 
@@ -514,20 +515,29 @@ loom_status loom_k_gdn_gate_bwd(loom_model *m, const float *dg, const float *dbe
                                    dA_log, ddt_bias);
 }
 
+/* The keep buffer where it has room for the documents' chunks, else none
+ * (the backward recomputes): the forward and the backward decide alike. */
+static void *gdn_keep(void *keep, int64_t keep_chunks, int64_t T, int64_t ndocs) {
+    return keep && loom_gdn_ws_chunks(T, ndocs) <= keep_chunks ? keep : NULL;
+}
+
 loom_status loom_k_gdn_fwd(loom_model *m, const void *qkv, const float *g, const float *beta,
                            int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
-                           const int32_t *cu, int64_t ndocs, void *o) {
+                           const int32_t *cu, int64_t ndocs, void *o, void *keep,
+                           int64_t keep_chunks) {
     GDN_OP(m, gdn_fwd);
-    return m->dev.be->gdn_fwd(&m->dev, m->ctx, qkv, g, beta, T, Hk, Hv, dk, dv, cu, ndocs, o);
+    return m->dev.be->gdn_fwd(&m->dev, m->ctx, qkv, g, beta, T, Hk, Hv, dk, dv, cu, ndocs, o,
+                              gdn_keep(keep, keep_chunks, T, ndocs), keep_chunks);
 }
 
 loom_status loom_k_gdn_bwd(loom_model *m, const void *dout, const void *qkv, const float *g,
                            const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
                            int64_t dv, const int32_t *cu, int64_t ndocs, void *dqkv, float *dg,
-                           float *dbeta) {
+                           float *dbeta, const void *keep, int64_t keep_chunks) {
     GDN_OP(m, gdn_bwd);
     return m->dev.be->gdn_bwd(&m->dev, m->ctx, dout, qkv, g, beta, T, Hk, Hv, dk, dv, cu, ndocs,
-                              dqkv, dg, dbeta);
+                              dqkv, dg, dbeta, gdn_keep((void *)keep, keep_chunks, T, ndocs),
+                              keep_chunks);
 }
 
 loom_status loom_k_gdn_norm_fwd(loom_model *m, const void *x, const void *z, const void *w,

@@ -298,7 +298,9 @@ loom_status loom_k_gemm_grouped(loom_model *m, bool ta, bool tb, int G, const lo
  * rule: o (T, Hv, dv) from qkv (T, 2 Hk dk + Hv dv: the convolution's q, k,
  *   v, q and k L2-normalised inside), the state restarting at each
  *   document; bwd dqkv (qkv's layout), dg, dbeta (T, Hv), from the inputs
- *   alone (nothing saved).
+ *   and, where the backend keeps (gdn_ws.h), the forward's keep buffer of
+ *   loom_gdn_keep_bytes for keep_chunks chunks (NULL: none); a batch whose
+ *   documents can make more chunks goes without (recomputed).
  * norm: y = w rmsnorm(x) silu(z) over N rows of D, rstd (N) for the
  *   backward: dx, dz (N, D), dw (D). */
 loom_status loom_k_gdn_conv_fwd(loom_model *m, const void *x, const void *w, int64_t T, int64_t C,
@@ -313,11 +315,12 @@ loom_status loom_k_gdn_gate_bwd(loom_model *m, const float *dg, const float *dbe
                                 int64_t H, void *da, void *db, float *dA_log, float *ddt_bias);
 loom_status loom_k_gdn_fwd(loom_model *m, const void *qkv, const float *g, const float *beta,
                            int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
-                           const int32_t *cu, int64_t ndocs, void *o);
+                           const int32_t *cu, int64_t ndocs, void *o, void *keep,
+                           int64_t keep_chunks);
 loom_status loom_k_gdn_bwd(loom_model *m, const void *dout, const void *qkv, const float *g,
                            const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
                            int64_t dv, const int32_t *cu, int64_t ndocs, void *dqkv, float *dg,
-                           float *dbeta);
+                           float *dbeta, const void *keep, int64_t keep_chunks);
 loom_status loom_k_gdn_norm_fwd(loom_model *m, const void *x, const void *z, const void *w,
                                 int64_t N, int64_t D, float eps, void *y, float *rstd);
 loom_status loom_k_gdn_norm_bwd(loom_model *m, const void *dy, const void *x, const void *z,

@@ -238,15 +238,20 @@ static uint64_t moe_share(const loom_model *m, int64_t T, int64_t Tc, int64_t Tn
 /* The CUDA Gated DeltaNet rule's workspace (gdn_ws.h), once per rank when
  * the stage holds such a layer: its heads over tp, the whole sequence
  * under cp (each cp rank runs the rule over all of it), one document per
- * sequence (packed documents add up to one chunk each). */
+ * sequence (packed documents add up to one chunk each), and the arrays the
+ * layers' keep buffers hold (block_gdn.c, counted with the activations)
+ * left out of it where the model keeps them. */
 static size_t gdn_work(const loom_model *m, const loom_mem_in *in, int64_t T) {
     const loom_model_config *c = &m->cfg;
     bool held = false;
     for (int64_t l = 0; l < m->L && c->linear_attn; l++)
         held |= m->layer[l].held && c->linear_attn[l];
     if (!in->cuda || !held) return 0;
+    const int tc = loom_gdn_ws_tc(in->adt, c->lin_k_dim);
+    const int64_t nd = in->micro_batch_size, kc = loom_gdn_keep_chunks(T);
     return loom_gdn_ws_bytes(T, c->lin_k_heads / m->tp, c->lin_v_heads / m->tp, c->lin_k_dim,
-                             c->lin_v_dim, in->micro_batch_size, in->training);
+                             c->lin_v_dim, nd, in->training, tc,
+                             tc && loom_gdn_ws_chunks(T, nd) <= kc ? kc : 0);
 }
 
 static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,

@@ -11,30 +11,38 @@
 #include <cuda_runtime.h>
 
 #include "src/backend/cuda/cuda_ops.h"
+#include "src/backend/gdn_ws.h"
 extern "C" {
 #include "src/backend/cpu/cpu_gdn.h"
 }
 #include "tests/emu/emu_util.h"
 
 static loom_ctx *ctx;
+static void *scr(size_t b) { void *p = malloc(b + 1); memset(p, 0xff, b + 1); return p; }
 struct res { std::vector<float> o, dq, dg, db; };
+// keep: the forward's arrays in a keep buffer (gdn_ws.h) for the backward, with room for the
+// documents' chunk bound; its bytes start as NaN
 static res rule_gpu(const std::vector<float> &qkv, const std::vector<float> &g, const std::vector<float> &be, const std::vector<float> &dout,
-                    int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, const std::vector<int32_t> &cu) {
+                    int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, const std::vector<int32_t> &cu, bool keep = false) {
     int64_t nd = cu.size() - 1, C = 2 * Hk * dk + Hv * dv;
     loom_dtype dt = BF ? LOOM_BF16 : LOOM_F32;
     int32_t *CU = (int32_t *)malloc(cu.size() * 4); memcpy(CU, cu.data(), cu.size() * 4);
     void *Q = dev(qkv, true), *G = dev(g, false), *B = dev(be, false), *DO = dev(dout, true);
     void *O = outb(T * Hv * dv, true), *DQ = outb(T * C, true), *DG = outb(T * Hv, false), *DB = outb(T * Hv, false);
-    size_t sb = loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, nd, false);
-    void *S = malloc(sb); memset(S, 0xff, sb);
-    loom_status st = loom_cuda_gdn_fwd(ctx, Q, dt, (float *)G, (float *)B, T, Hk, Hv, dk, dv, CU, nd, O, S, nullptr);
+    const int64_t kc = keep ? loom_gdn_ws_chunks(T, nd) : 0;
+    const size_t kb = keep ? loom_cuda_gdn_keep_bytes(T, Hk, Hv, dk, dv, dt, kc) : 0;
+    void *K = kb ? scr(kb) : nullptr;
+    size_t sb = loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, nd, false, dt, K ? kc : 0);
+    void *S = scr(sb);
+    loom_status st = loom_cuda_gdn_fwd(ctx, Q, dt, (float *)G, (float *)B, T, Hk, Hv, dk, dv, CU, nd, O, S, K, kc, nullptr);
     if (st) { printf("fwd: %s\n", loom_last_error(ctx)); exit(1); }
     free(S);
-    sb = loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, nd, true);
-    S = malloc(sb); memset(S, 0xff, sb);
-    st = loom_cuda_gdn_bwd(ctx, DO, Q, dt, (float *)G, (float *)B, T, Hk, Hv, dk, dv, CU, nd, DQ, (float *)DG, (float *)DB, S, nullptr);
+    sb = loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, nd, true, dt, K ? kc : 0);
+    S = scr(sb);
+    st = loom_cuda_gdn_bwd(ctx, DO, Q, dt, (float *)G, (float *)B, T, Hk, Hv, dk, dv, CU, nd, DQ, (float *)DG, (float *)DB, S, K, kc, nullptr);
     if (st) { printf("bwd: %s\n", loom_last_error(ctx)); exit(1); }
     free(S);
+    free(K);
     res r{back(O, T * Hv * dv, true), back(DQ, T * C, true), back(DG, T * Hv, false), back(DB, T * Hv, false)};
     free(CU); free(Q); free(G); free(B); free(DO); free(O); free(DQ); free(DG); free(DB);
     return r;
@@ -56,10 +64,15 @@ static void rule_case(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, std::vecto
     double tol = BF ? 3e-2 : 1e-3;
     cmp("o", r[0].o, o, tol); cmp("dqkv", r[0].dq, dq, tol); cmp("dg", r[0].dg, dg, tol); cmp("dbeta", r[0].db, db, tol);
     for (int ord = 1; ord < 3; ord++) if (!same_bits(r[0], r[ord])) { printf("  ORDER %d differs from ascending: a race <<<<< FAIL\n", ord); fails++; }
+    if (loom_cuda_gdn_keep_bytes(T, Hk, Hv, dk, dv, BF ? LOOM_BF16 : LOOM_F32, 1)) { // the keep buffer: the same bits
+        emu_order = 2;
+        const res k = rule_gpu(qkv, g, be, dout, T, Hk, Hv, dk, dv, cu, true);
+        printf("  with a keep buffer: %s\n", same_bits(r[0], k) ? "the same bits" : "DIFFERENT <<<<< FAIL");
+        fails += !same_bits(r[0], k);
+    }
 }
 void small_ops(int64_t D);
 static void conv_case(int64_t K);
-static void *scr(size_t b);
 int main(int argc, char **argv) {
     loom_ctx_create(&ctx);
     for (int b = 0; b < 2; b++) {
@@ -83,7 +96,6 @@ int main(int argc, char **argv) {
     printf("%d failures\n", fails);
     return fails != 0;
 }
-static void *scr(size_t b) { void *p = malloc(b + 1); memset(p, 0xff, b + 1); return p; }
 // the convolution with kernel K (4: Qwen3.5's, its own kernels; 3: K below
 // that bound; 6: the wider kernels) over documents shorter and longer than K
 static void conv_case(int64_t K) {

@@ -563,16 +563,17 @@ static loom_status cpu_gdn_gate_bwd(loom_dev *d, loom_ctx *ctx, const float *dg,
 
 static loom_status cpu_gdn_fwd(loom_dev *d, loom_ctx *ctx, const void *qkv, const float *g,
                                const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
-                               int64_t dv, const int32_t *cu, int64_t ndocs, void *o) {
-    (void)d;
+                               int64_t dv, const int32_t *cu, int64_t ndocs, void *o, void *keep,
+                               int64_t keep_chunks) {
+    (void)d, (void)keep, (void)keep_chunks; /* keeps nothing: the backward recomputes */
     return loom_cpu_gdn_fwd(ctx, CF(qkv), g, beta, T, Hk, Hv, dk, dv, cu, ndocs, F(o));
 }
 
 static loom_status cpu_gdn_bwd(loom_dev *d, loom_ctx *ctx, const void *dout, const void *qkv,
                                const float *g, const float *beta, int64_t T, int64_t Hk, int64_t Hv,
                                int64_t dk, int64_t dv, const int32_t *cu, int64_t ndocs, void *dqkv,
-                               float *dg, float *dbeta) {
-    (void)d;
+                               float *dg, float *dbeta, const void *keep, int64_t keep_chunks) {
+    (void)d, (void)keep, (void)keep_chunks;
     return loom_cpu_gdn_bwd(ctx, CF(dout), CF(qkv), g, beta, T, Hk, Hv, dk, dv, cu, ndocs, F(dqkv),
                             dg, dbeta);
 }

@@ -674,9 +674,8 @@ static loom_status cuda_gemm_grouped(loom_dev *d, loom_ctx *ctx, bool ta, bool t
                                   d->stream);
 }
 
-/* ---- Gated DeltaNet (ops_gdn.cu, ops_gdn_rule.cu; compiled, not yet run on
- * a GPU: tests/test_backend_gdn.c), on the model's stream, the workspace in
- * d->gdn_scratch ---- */
+/* ---- Gated DeltaNet (ops_gdn.cu, ops_gdn_rule.cu; tests/test_backend_gdn.c),
+ * on the model's stream, the workspace in d->gdn_scratch ---- */
 
 /* d->gdn_scratch grown to `need` bytes (at the first call of a larger shape:
  * the rule's backward at a model's first step) */
@@ -726,23 +725,27 @@ static loom_status cuda_gdn_gate_bwd(loom_dev *d, loom_ctx *ctx, const float *dg
 
 static loom_status cuda_gdn_fwd(loom_dev *d, loom_ctx *ctx, const void *qkv, const float *g,
                                 const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
-                                int64_t dv, const int32_t *cu, int64_t ndocs, void *o) {
-    loom_status st =
-        gdn_scratch(d, ctx, loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, ndocs, false));
+                                int64_t dv, const int32_t *cu, int64_t ndocs, void *o, void *keep,
+                                int64_t keep_chunks) {
+    const int64_t kc = keep ? keep_chunks : 0;
+    loom_status st = gdn_scratch(
+        d, ctx, loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, ndocs, false, d->adt, kc));
     return st ? st
               : loom_cuda_gdn_fwd(ctx, qkv, d->adt, g, beta, T, Hk, Hv, dk, dv, cu, ndocs, o,
-                                  d->gdn_scratch, d->stream);
+                                  d->gdn_scratch, keep, kc, d->stream);
 }
 
 static loom_status cuda_gdn_bwd(loom_dev *d, loom_ctx *ctx, const void *dout, const void *qkv,
                                 const float *g, const float *beta, int64_t T, int64_t Hk,
                                 int64_t Hv, int64_t dk, int64_t dv, const int32_t *cu,
-                                int64_t ndocs, void *dqkv, float *dg, float *dbeta) {
-    loom_status st =
-        gdn_scratch(d, ctx, loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, ndocs, true));
+                                int64_t ndocs, void *dqkv, float *dg, float *dbeta,
+                                const void *keep, int64_t keep_chunks) {
+    const int64_t kc = keep ? keep_chunks : 0;
+    loom_status st = gdn_scratch(
+        d, ctx, loom_cuda_gdn_scratch_bytes(T, Hk, Hv, dk, dv, ndocs, true, d->adt, kc));
     return st ? st
               : loom_cuda_gdn_bwd(ctx, dout, qkv, d->adt, g, beta, T, Hk, Hv, dk, dv, cu, ndocs,
-                                  dqkv, dg, dbeta, d->gdn_scratch, d->stream);
+                                  dqkv, dg, dbeta, d->gdn_scratch, keep, kc, d->stream);
 }
 
 static loom_status cuda_gdn_norm_fwd(loom_dev *d, loom_ctx *ctx, const void *x, const void *z,

@@ -319,17 +319,27 @@ loom_status loom_cuda_gdn_norm_bwd(loom_ctx *ctx, const void *dy, const void *x,
 /* The rule: qkv (T, 2 Hk dk + Hv dv), o (T, Hv, dv); bwd: dqkv (qkv's
  * layout), dg, dbeta (T, Hv). dk <= 256, Hv a multiple of Hk. The scratch
  * (forward's, or backward's with bwd) holds the normalised q and k, each
- * chunk's matrices and starting states: loom_cuda_gdn_scratch_bytes. */
+ * chunk's matrices and starting states: loom_cuda_gdn_scratch_bytes (with
+ * the keep_chunks passed to the call, 0 without a keep buffer). keep: NULL,
+ * or loom_cuda_gdn_keep_bytes for keep_chunks chunks (0 bytes: this dtype
+ * and dk keep nothing, and keep is not read), which the forward fills and
+ * the backward of the same inputs reads instead of running the forward's
+ * chunk passes again; refused when the documents can make more chunks than
+ * that (gdn_ws.h's loom_gdn_ws_chunks). */
 size_t loom_cuda_gdn_scratch_bytes(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
-                                   int64_t ndocs, bool bwd);
+                                   int64_t ndocs, bool bwd, loom_dtype dtype,
+                                   int64_t keep_chunks);
+size_t loom_cuda_gdn_keep_bytes(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
+                                loom_dtype dtype, int64_t keep_chunks);
 loom_status loom_cuda_gdn_fwd(loom_ctx *ctx, const void *qkv, loom_dtype dtype, const float *g,
                               const float *beta, int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
                               int64_t dv, const int32_t *cu, int64_t ndocs, void *o,
-                              void *scratch, void *stream);
+                              void *scratch, void *keep, int64_t keep_chunks, void *stream);
 loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const void *qkv, loom_dtype dtype,
                               const float *g, const float *beta, int64_t T, int64_t Hk, int64_t Hv,
                               int64_t dk, int64_t dv, const int32_t *cu, int64_t ndocs,
-                              void *dqkv, float *dg, float *dbeta, void *scratch, void *stream);
+                              void *dqkv, float *dg, float *dbeta, void *scratch,
+                              const void *keep, int64_t keep_chunks, void *stream);
 
 /* ---- RoPE (ops_rope.cu) ----
  * In place on x: (T, nh, D) in dtype, the first rd dimensions of a head

@@ -15,7 +15,8 @@
 //   state_fwd_kernel  per (document, head, 32 columns of dv): the chunks in
 //                     order, storing each chunk's starting state and its U
 //   out_kernel        per (chunk, head, 64 columns of dv): O
-// and for the backward, after the forward's first four again:
+// and for the backward, after the forward's first two (and prep and the
+// state pass again, unless the forward left their arrays in a keep buffer):
 //   dul_kernel        per (chunk, head, 64 columns): P^T dO, dU's local part
 //   state_bwd_kernel  per (document, head, 32 columns): the chunks in reverse,
 //                     storing the gradient of each chunk's end state and dU
@@ -26,7 +27,11 @@
 // Everything in fp32 (the CPU's in double); the states fp32. Each output
 // element has one writer: no atomics, the same bits run to run. In bf16
 // (dk <= 128) prep_kernel, out_kernel, dul_kernel, the two state passes and
-// chunk_bwd_kernel run as their tensor-core twins (ops_gdn_tc.cu).
+// chunk_bwd_kernel run as their tensor-core twins (ops_gdn_tc.cu), which
+// keep the operands of their products in bf16: W, U, the states (also in
+// dG's sum(S0 dS)), T = (I + A)^-1 and U0's copy; those arrays and G can
+// stay from the forward to the backward in the caller's keep buffer
+// (gdn_ws.h), the same bits as recomputing them.
 //
 // tests/test_backend_gdn.c holds these kernels to the CPU's on a GPU (run on
 // an H200, tests/gpu/qwen35.sh); `make test-emu` (tools/cuda_emu) runs them
@@ -41,26 +46,42 @@ int64_t max_chunks(int64_t T, int64_t ndocs) { return loom_gdn_ws_chunks(T, ndoc
 
 size_t al(size_t b) { return loom_gdn_ws_align(b); }
 
-// The workspace's layout from base (NULL: the sizes only); returns its bytes.
-// The sizes are gdn_ws.h's, which the memory predictor reads too.
-size_t ws_layout(const geo &z, bool bwd, char *base, gdn_ws *w) {
-    size_t sizes[LOOM_GDN_WS_ARRAYS];
-    loom_gdn_ws_sizes(z.T, z.Hk, z.Hv, z.dk, z.dv, z.ndocs, bwd, sizes);
+// The workspace's layout from base and the kept arrays' from keep (NULL:
+// the sizes only; keep_chunks > 0 under tc: gdn_ws.h's kept arrays in
+// keep, laid out alike in the forward and the backward); returns the
+// workspace's bytes. The sizes are gdn_ws.h's, which the memory predictor
+// reads too.
+size_t ws_layout(const geo &z, bool bwd, bool tc, int64_t keep_chunks, char *base, char *keep,
+                 gdn_ws *w) {
+    size_t sizes[LOOM_GDN_WS_ARRAYS], kept[LOOM_GDN_WS_ARRAYS];
+    loom_gdn_ws_sizes(z.T, z.Hk, z.Hv, z.dk, z.dv, z.ndocs, bwd, tc, keep_chunks, sizes, kept);
     void *p[LOOM_GDN_WS_ARRAYS];
-    size_t off = 0;
+    size_t off = 0, koff = 0;
     for (int i = 0; i < LOOM_GDN_WS_ARRAYS; i++) {
-        p[i] = base && sizes[i] ? base + off : nullptr;
-        off += al(sizes[i]);
+        if (kept[i]) {
+            p[i] = keep ? keep + koff : nullptr;
+            koff += al(kept[i]);
+        } else {
+            p[i] = base && sizes[i] ? base + off : nullptr;
+            off += al(sizes[i]);
+        }
     }
     if (w) {
-        w->cfirst = (int32_t *)p[0], w->ct0 = (int32_t *)p[1], w->clen = (int32_t *)p[2];
-        w->qn = (float *)p[3], w->kn = (float *)p[4], w->G = (float *)p[5], w->A = (float *)p[6];
-        w->W = (float *)p[7], w->U0 = (float *)p[8], w->U = (float *)p[9], w->S = (float *)p[10];
-        w->dS = (float *)p[11], w->dU = (float *)p[12], w->dqh = (float *)p[13];
-        w->dkh = (float *)p[14];
-        w->qb = (__nv_bfloat16 *)p[15], w->kb = (__nv_bfloat16 *)p[16];
-        w->Wh = (__nv_bfloat16 *)p[7], w->Uh = (__nv_bfloat16 *)p[9];
-        w->Tb = (__nv_bfloat16 *)p[17];
+        typedef __nv_bfloat16 bf;
+        *w = gdn_ws{};
+        w->cfirst = (int32_t *)p[LOOM_GW_CFIRST], w->ct0 = (int32_t *)p[LOOM_GW_CT0];
+        w->clen = (int32_t *)p[LOOM_GW_CLEN];
+        w->qn = (float *)p[LOOM_GW_QN], w->kn = (float *)p[LOOM_GW_KN];
+        w->G = (float *)p[LOOM_GW_G], w->A = (float *)p[LOOM_GW_A];
+        w->U0 = (float *)p[LOOM_GW_U0];
+        w->dS = (float *)p[LOOM_GW_DS], w->dU = (float *)p[LOOM_GW_DU];
+        w->dqh = (float *)p[LOOM_GW_DQH], w->dkh = (float *)p[LOOM_GW_DKH];
+        w->qb = (bf *)p[LOOM_GW_QB], w->kb = (bf *)p[LOOM_GW_KB];
+        w->Tb = (bf *)p[LOOM_GW_TB], w->U0b = (bf *)p[LOOM_GW_U0B];
+        if (tc) // W, U and S hold bf16
+            w->Wh = (bf *)p[LOOM_GW_W], w->Uh = (bf *)p[LOOM_GW_U], w->Sb = (bf *)p[LOOM_GW_S];
+        else
+            w->W = (float *)p[LOOM_GW_W], w->U = (float *)p[LOOM_GW_U], w->S = (float *)p[LOOM_GW_S];
     }
     return off;
 }
@@ -682,7 +703,7 @@ geo make_geo(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t 
 }
 
 loom_status rule_args(loom_ctx *ctx, const char *op, loom_dtype dt, const geo &z,
-                      const void *scratch) {
+                      const void *scratch, const void *keep, int64_t keep_chunks) {
     loom_status st = need_float(ctx, dt, op, "qkv");
     if (st)
         return st;
@@ -695,23 +716,34 @@ loom_status rule_args(loom_ctx *ctx, const char *op, loom_dtype dt, const geo &z
     if (z.T > 0 && !scratch)
         return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
                          "cuda %s: needs loom_cuda_gdn_scratch_bytes of scratch", op);
+    if (keep && use_tc(dt, z.dk) && z.NC > keep_chunks)
+        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                         "cuda %s: %lld documents of %lld tokens can make %lld chunks, the keep "
+                         "buffer has room for %lld (pass none: the backward recomputes)",
+                         op, (long long)z.ndocs, (long long)z.T, (long long)z.NC,
+                         (long long)keep_chunks);
     return LOOM_OK;
 }
 
-// Lets kern take `bytes` of dynamic shared memory (refused past the device's limit).
+// The chunks a keep buffer is laid out for: none where the shape does not
+// keep (no buffer, or the fp32 kernels).
+int64_t kept_chunks(loom_dtype dt, const geo &z, const void *keep, int64_t keep_chunks) {
+    return keep && use_tc(dt, z.dk) ? keep_chunks : 0;
+}
 
-// The forward's first four steps (both directions need them): the chunk
-// table, q and k normalised, each chunk's G, A, W, U0, then the states and U.
+// The forward's first steps (both directions need them): the chunk table,
+// q and k normalised, then (passes: unless the backward reads them from a
+// keep buffer) each chunk's G, A or T, W, U0, and the states and U.
 loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt, const float *g,
                       const float *beta, const int32_t *cu, const geo &z, const gdn_ws &w,
-                      cudaStream_t s) {
+                      bool passes, cudaStream_t s) {
     loom_status st;
     chunks_kernel<<<1, NT, 0, s>>>(cu, z.ndocs, w.cfirst, w.ct0, w.clen);
     if ((st = check_launch(ctx, op)))
         return st;
     l2_fwd_kernel<<<(unsigned)((z.T * z.Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dt, z, w.qn,
                                                                               w.kn, w.qb, w.kb);
-    if ((st = check_launch(ctx, op)))
+    if ((st = check_launch(ctx, op)) || !passes)
         return st;
     if (use_tc(dt, z.dk))
         return (st = tc_prep(ctx, op, qkv, dt, g, beta, z, w, s)) ? st
@@ -733,23 +765,31 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
 } // namespace
 
 extern "C" size_t loom_cuda_gdn_scratch_bytes(int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
-                                              int64_t dv, int64_t ndocs, bool bwd) {
-    return ws_layout(make_geo(T, Hk, Hv, dk, dv, ndocs), bwd, nullptr, nullptr);
+                                              int64_t dv, int64_t ndocs, bool bwd,
+                                              loom_dtype dtype, int64_t keep_chunks) {
+    return loom_gdn_ws_bytes(T, Hk, Hv, dk, dv, ndocs, bwd, use_tc(dtype, dk), keep_chunks);
+}
+
+extern "C" size_t loom_cuda_gdn_keep_bytes(int64_t T, int64_t Hk, int64_t Hv, int64_t dk,
+                                           int64_t dv, loom_dtype dtype, int64_t keep_chunks) {
+    return loom_gdn_keep_bytes(T, Hk, Hv, dk, dv, use_tc(dtype, dk), keep_chunks);
 }
 
 extern "C" loom_status loom_cuda_gdn_fwd(loom_ctx *ctx, const void *qkv, loom_dtype dtype,
                                          const float *g, const float *beta, int64_t T, int64_t Hk,
                                          int64_t Hv, int64_t dk, int64_t dv, const int32_t *cu,
-                                         int64_t ndocs, void *o, void *scratch, void *stream) {
+                                         int64_t ndocs, void *o, void *scratch, void *keep,
+                                         int64_t keep_chunks, void *stream) {
     const char *op = "gdn_fwd";
     const geo z = make_geo(T, Hk, Hv, dk, dv, ndocs);
-    loom_status st = rule_args(ctx, op, dtype, z, scratch);
+    loom_status st = rule_args(ctx, op, dtype, z, scratch, keep, keep_chunks);
     if (st || T <= 0)
         return st;
     gdn_ws w;
-    ws_layout(z, false, (char *)scratch, &w);
+    const int64_t kc = kept_chunks(dtype, z, keep, keep_chunks);
+    ws_layout(z, false, use_tc(dtype, dk), kc, (char *)scratch, (char *)keep, &w);
     cudaStream_t s = as_stream(stream);
-    if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, s)))
+    if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, true, s)))
         return st;
     if (use_tc(dtype, dk))
         return tc_out(ctx, op, z, w, dtype, o, s);
@@ -765,16 +805,18 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
                                          loom_dtype dtype, const float *g, const float *beta,
                                          int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv,
                                          const int32_t *cu, int64_t ndocs, void *dqkv, float *dg,
-                                         float *dbeta, void *scratch, void *stream) {
+                                         float *dbeta, void *scratch, const void *keep,
+                                         int64_t keep_chunks, void *stream) {
     const char *op = "gdn_bwd";
     const geo z = make_geo(T, Hk, Hv, dk, dv, ndocs);
-    loom_status st = rule_args(ctx, op, dtype, z, scratch);
+    loom_status st = rule_args(ctx, op, dtype, z, scratch, keep, keep_chunks);
     if (st || T <= 0)
         return st;
     gdn_ws w;
-    ws_layout(z, true, (char *)scratch, &w);
+    const int64_t kc = kept_chunks(dtype, z, keep, keep_chunks);
+    ws_layout(z, true, use_tc(dtype, dk), kc, (char *)scratch, (char *)keep, &w);
     cudaStream_t s = as_stream(stream);
-    if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, s)))
+    if ((st = fwd_parts(ctx, op, qkv, dtype, g, beta, cu, z, w, kc == 0, s)))
         return st;
     const size_t pb = p_smem(dk), sb = state_smem(dk), bb = bwd_smem(dk);
     if (use_tc(dtype, dk)) {

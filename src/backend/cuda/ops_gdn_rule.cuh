@@ -14,7 +14,7 @@ using namespace loom_cuda;
 
 constexpr int CH = LOOM_GDN_CHUNK; // tokens per chunk
 static_assert(CH == 64, "the chunk kernels' shared arrays are laid out for 64-token chunks");
-static_assert(LOOM_GDN_WS_ARRAYS == 18, "ws_layout assigns 18 arrays");
+static_assert(LOOM_GDN_WS_ARRAYS == 19, "ws_layout assigns 19 arrays");
 constexpr int NT = 256; // threads per block
 constexpr int WARPS = NT / 32;
 constexpr int LDA = CH + 1; // row stride of the (CH, CH) shared matrices (no bank conflicts)
@@ -28,28 +28,29 @@ struct geo {
     int64_t T, Hk, Hv, dk, dv, C, grp, ndocs, NC;
 };
 
-// The workspace (loom_cuda_gdn_scratch_bytes), fp32 unless said. Rows of
-// (T, H, d) tensors are token-major, as o.
+// The workspace (loom_cuda_gdn_scratch_bytes; gdn_ws.h's arrays), fp32
+// unless said, some of it in the caller's keep buffer. Rows of (T, H, d)
+// tensors are token-major, as o.
 struct gdn_ws {
     int32_t *cfirst;  // (ndocs + 1): a document's first chunk; cfirst[ndocs] the chunks
     int32_t *ct0;     // (NC): a chunk's first token
     int32_t *clen;    // (NC): its length
     float *qn, *kn;   // (T, Hk, dk): q / |q| / sqrt(dk), k / |k|
     float *G;         // (T, Hv): the log decay since the chunk's start (inclusive)
-    float *A;         // (NC, Hv, CH, CH): strictly lower beta_i k_i.k_j M_ij
+    float *A;         // (NC, Hv, CH, CH): strictly lower beta_i k_i.k_j M_ij (fp32 kernels)
     float *W;         // (T, Hv, dk): X's right part
     float *U0, *U;    // (T, Hv, dv): X's left part; U0 - W S0
     float *S;         // (NC, Hv, dk, dv): each chunk's starting state
     float *dS;        // (NC, Hv, dk, dv): the gradient of each chunk's end state (bwd)
     float *dU;        // (T, Hv, dv): the gradient of U (bwd)
     float *dqh, *dkh; // (T, Hv, dk): the normalised q's and k's gradients per value head (bwd)
-    // The tensor-core kernels' bf16 operands: qn and kn rounded (T, Hk, dk),
-    // and W and U, which those kernels keep as bf16 in W's and U's arrays
-    // (only ever operands of products, which round them to bf16 anyway);
-    // Tb (NC, Hv, CH, CH): T = (I + A)^-1 rounded, prep's for chunk_bwd's.
-    __nv_bfloat16 *qb, *kb, *Wh, *Uh, *Tb;
+    // The tensor-core kernels' bf16 operands: qn and kn rounded (T, Hk, dk);
+    // W, U and S, which those kernels keep as bf16 in their arrays (Wh, Uh,
+    // Sb: only ever operands of products, which round them to bf16 anyway);
+    // Tb (NC, Hv, CH, CH): T = (I + A)^-1 rounded, prep's for chunk_bwd's;
+    // U0b: U0 rounded, chunk_bwd's operand.
+    __nv_bfloat16 *qb, *kb, *Wh, *Uh, *Sb, *Tb, *U0b;
 };
-
 // The chunk of block x (false for the grid's spare blocks: NC is a bound).
 __device__ __forceinline__ bool chunk_of(const geo &z, const gdn_ws &w, int64_t c, int64_t *t0,
                                          int *L) {
@@ -91,35 +92,6 @@ __device__ __forceinline__ void fill(T *dst, int ld, int R, int W, F get) {
         for (int u = 0; u < B; u++)
             if (at[u] >= 0)
                 put(dst + at[u], v[u]);
-    }
-}
-
-// fill for two (R, W) arrays at once (d1 from g1, d2 from g2), 8 loads of
-// each in flight a thread: one round trip where two fills take two.
-template <typename T1, typename F1, typename T2, typename F2>
-__device__ __forceinline__ void fill2(T1 *d1, int ld1, F1 g1, T2 *d2, int ld2, F2 g2, int R,
-                                      int W) {
-    constexpr int B = 8;
-    const int di = NT / W, dc = NT % W;
-    int i = (int)threadIdx.x / W, c = (int)threadIdx.x % W;
-    while (i < R) {
-        float v1[B], v2[B];
-        int ii[B], cc[B];
-#pragma unroll
-        for (int u = 0; u < B; u++) {
-            ii[u] = i, cc[u] = c;
-            v1[u] = i < R ? g1(i, c) : 0.0f;
-            v2[u] = i < R ? g2(i, c) : 0.0f;
-            i += di, c += dc;
-            if (c >= W)
-                c -= W, i++;
-        }
-#pragma unroll
-        for (int u = 0; u < B; u++)
-            if (ii[u] < R) {
-                put(d1 + ii[u] * ld1 + cc[u], v1[u]);
-                put(d2 + ii[u] * ld2 + cc[u], v2[u]);
-            }
     }
 }
 
@@ -177,7 +149,7 @@ __device__ __forceinline__ void put_dg_dbeta(const float *DGs, const float *DBE,
 
 // Whether the bf16 path's tensor-core kernels take this shape (their shared
 // memory holds dk up to 128).
-inline bool use_tc(loom_dtype dt, int64_t dk) { return dt == LOOM_BF16 && dk <= 128; }
+inline bool use_tc(loom_dtype dt, int64_t dk) { return loom_gdn_ws_tc(dt, dk); }
 
 // The dynamic shared memory a kernel is launched with (refused past the device's opt-in).
 template <typename K>

@@ -166,20 +166,20 @@ __device__ __forceinline__ void stage_rows(T *dst, int ld, const T *src, int64_t
 }
 
 // The warp's keys of the state (S^T's, as accumulators) to the chunk's (dk,
-// dv) block Sg (fp32, the block's columns on) and, rounded, to its unit's
-// Sh: keys < dk and columns < nb to Sg, keys < dk16 to Sh (FULL: dk = 128
-// and every column).
-template <bool FULL, int NU>
-__device__ __forceinline__ void put_state(float *Sg, const float (&S)[4][4],
-                                          const pass_at<NU> &p, int dk, int dv) {
+// dv) block Sg (fp32, or bf16 rounded: the forward's states; the block's
+// columns on) and, rounded, to its unit's Sh: keys < dk and columns < nb
+// to Sg, keys < dk16 to Sh (FULL: dk = 128 and every column).
+template <bool FULL, int NU, typename T>
+__device__ __forceinline__ void put_state(T *Sg, const float (&S)[4][4], const pass_at<NU> &p,
+                                          int dk, int dv) {
     const int d16 = (int)pad16(dk);
-    float *base = Sg + p.key(0, 0) * dv + p.col(0); // offsets in int: a block's fit
+    T *base = Sg + p.key(0, 0) * dv + p.col(0); // offsets in int: a block's fit
 #pragma unroll
     for (int nn = 0; nn < 4; nn++) {
 #pragma unroll
         for (int e = 0; e < 4; e++)
             if (FULL || (p.key(nn, e) < dk && p.col(e) < p.nb))
-                base[(8 * nn + (e & 1)) * dv + 8 * (e >> 1)] = S[nn][e];
+                put(base + (8 * nn + (e & 1)) * dv + 8 * (e >> 1), S[nn][e]);
         if (FULL || p.key(nn, 0) < d16)
 #pragma unroll
             for (int r = 0; r < 2; r++) // keys 2t, 2t + 1 of rows g and g + 8
@@ -282,8 +282,8 @@ template <int NU> struct pass_base {
     }
 };
 
-// The forward pass: stores each chunk's starting state (w.S) and U = U0 -
-// W S0 (w.Uh, bf16).
+// The forward pass: stores each chunk's starting state (w.Sb, bf16) and U =
+// U0 - W S0 (w.Uh, bf16).
 template <int NU>
 __global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, gdn_ws w) {
     using SH = shape<NU>;
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, 
         const int c = dc.c1 + s, L = cur.L;
         const int64_t t0 = dc.t0(c);
         const stage_ptrs<NU> q = b.slot(s % ST);
-        float *Sg = w.S + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
+        bf16 *Sg = w.Sb + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
         if (keys)
             put_state<true>(Sg, S, p, (int)dk, (int)dv);
         else

@@ -80,10 +80,9 @@ __global__ void __launch_bounds__(NT) out_tc_kernel(geo z, gdn_ws w, loom_dtype 
     const int64_t urs = z.Hv * dv;
     const bf16 *Uc = w.Uh + (t0 * z.Hv + h) * dv + b0; // row i at Uc + i Hv dv
     stage_async(m.Us, LDH, Uc, urs, L, dv - b0 < BO ? dv - b0 : BO, BO, vec_ok(Uc, dv, urs));
-    const float *S0 = w.S + (c * z.Hv + h) * dk * dv;
-    fill(m.Bs, LDH, (int)d16, BO,
-         [&](int a, int b) { return a < dk && b0 + b < dv ? S0[a * dv + b0 + b] : 0.0f; });
-    chunk_p_tc(z, w, t0, L, h, m); // its barriers cover the staging above
+    const bf16 *S0 = w.Sb + (c * z.Hv + h) * dk * dv + b0; // key a's row at S0 + a dv
+    stage_async(m.Bs, LDH, S0, dv, (int)dk, dv - b0, BO, vec_ok(S0, dv, dv), (int)d16);
+    chunk_p_tc(z, w, t0, L, h, m); // its barriers and wait cover the staging above
     const tile f;
     float acc[1][4][4] = {};
     warp_mma<1, 4>(acc, m.Qs + f.r0 * ldq, (int)ldq, 1, m.Bs + f.c0, LDH, 1, (int)d16);
@@ -183,16 +182,14 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
     cp_wait<0>();
     __syncthreads();
     const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
-    { // A by tensor cores
+    { // A by tensor cores (chunk_bwd's twin makes it again from its own K K^T: the same bits)
         float acc[1][4][4] = {};
         warp_mma<1, 4>(acc, m.Ks + r0 * ldq, (int)ldq, 1, m.Ks + c0 * ldq, 1, (int)ldq, (int)d16);
-        float *Ag = w.A + (c * z.Hv + h) * CH * CH;
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 const int i = r0 + gq + 8 * (e >> 1), j = c0 + 8 * n + 2 * t + (e & 1);
-                const float a = i < L && j < i ? Bs[i] * acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
-                As[i * LDA + j] = a;
-                Ag[i * CH + j] = a;
+                As[i * LDA + j] =
+                    i < L && j < i ? Bs[i] * acc[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
             }
     }
     __syncthreads();
@@ -229,9 +226,10 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
                 const int64_t col = b0 + c0 + 8 * n + 2 * t + (e & 1), row = (t0 + i) * z.Hv + h;
                 if (i >= L || col >= dv + dk)
                     continue;
-                if (col < dv)
+                if (col < dv) {
                     w.U0[row * dv + col] = acc[0][n][e];
-                else
+                    w.U0b[row * dv + col] = __float2bfloat16_rn(acc[0][n][e]);
+                } else
                     w.Wh[row * dk + (col - dv)] = __float2bfloat16_rn(acc[0][n][e]);
             }
     }

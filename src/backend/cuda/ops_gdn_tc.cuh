@@ -106,16 +106,17 @@ constexpr int LDH = BO + 8; // row stride of bf16 (CH, BO) and (CH, CH) blocks: 
 __host__ __device__ inline int64_t ldk(int64_t dk) { return pad16(dk) + 8; } // bf16 (CH, dk16)
 
 
-// Rows [0, CH) x columns [0, W) (W a multiple of 16 bytes' elements) of dst
-// (row stride ld) from src (row i at src + i rs), zero where i >= L or c >=
-// n: by cp.async when vec (n, rs and src 16-byte multiples), else by plain
-// loads, by the block's NTH threads. Neither committed nor waited for.
+// Rows [0, R) (a chunk's by default) x columns [0, W) (W a multiple of 16
+// bytes' elements) of dst (row stride ld) from src (row i at src + i rs),
+// zero where i >= L or c >= n: by cp.async when vec (n, rs and src 16-byte
+// multiples), else by plain loads, by the block's NTH threads. Neither
+// committed nor waited for.
 template <typename T, int NTH = NT>
 __device__ __forceinline__ void stage_async(T *dst, int ld, const T *src, int64_t rs, int L,
-                                            int64_t n, int W, bool vec) {
+                                            int64_t n, int W, bool vec, int R = CH) {
     constexpr int E = 16 / sizeof(T);
     const int q = W / E;
-    for (int p = threadIdx.x; p < CH * q; p += NTH) {
+    for (int p = threadIdx.x; p < R * q; p += NTH) {
         const int i = p / q, c = (p % q) * E;
         T *d = dst + i * ld + c;
         const T *s = src + i * rs + c;

@@ -19,14 +19,17 @@ namespace {
 // chunk by chunk or chunk by head size on mma.sync:
 //   QK = Q K^T, KK = K K^T, dp = dO U^T        (DQ = dp M, lower)
 //   dX = [dU | -dU S0^T], dB = T^T dX            (T = (I + A)^-1: prep's, w.Tb)
-//   DA = -dB X^T (X = [U0 | W]), then C = DA beta M
+//   DA = -dB X^T (X = [U0 | W]), then C = DA beta M  (A = beta KK M, prep's bits)
 //   SD = e^G dO S0^T, TM = e^(G_L - G) U dS^T
 //   dq = SD + DQ K, dk = beta e^G dBk + TM + DQ^T Q + (C + C^T) K
 // a column block of 64 at a time. QK, KK, DQ, DA and dB stay in the warps'
 // accumulators, where their row and column sums (dbeta's, dG's parts) are
 // taken (row_sums, col_sums); shared memory holds C and the products' bf16
 // operands: 94 KB at dk 128, two blocks an SM (one block of 192 KB had been
-// latency-bound at 12% occupancy on an H200).
+// latency-bound at 12% occupancy on an H200). The forward's bf16 arrays (T,
+// U0, W, S0, U: from a keep buffer, in DRAM) come by cp.async, under the
+// fp32 gradients' synchronous loads (an H200, 4B shapes: 1017 us a layer
+// where the same loads synchronous took 1180).
 constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
 struct bwd_smem {
     float *Cm, *V, *RP, *CP; // C (CH, LDA); the vectors; row partials (2, CH), columns' (4, CH)
@@ -103,10 +106,10 @@ __global__ void __launch_bounds__(NT, 2)
         return;
     const int tid = threadIdx.x, warp = tid >> 5;
     const tile f;
-    const float *S0 = w.S + (c * Hv + h) * dk * dv, *dS = w.dS + (c * Hv + h) * dk * dv;
+    const bf16 *S0 = w.Sb + (c * Hv + h) * dk * dv; // the forward's state, rounded
+    const float *dS = w.dS + (c * Hv + h) * dk * dv;
     const int64_t qs = z.Hk * dk; // q's and k's row stride
     const float *qn = w.qn + (t0 * z.Hk + hk) * dk, *kn = w.kn + (t0 * z.Hk + hk) * dk;
-    const float *Ag = w.A + (c * Hv + h) * CH * CH;
     auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
     auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
     // the keys [a0, a0 + BO) of q and k into Qs, Ks by cp.async (committed)
@@ -164,15 +167,13 @@ __global__ void __launch_bounds__(NT, 2)
         const bool isv = cb < nbv;
         const int64_t b0 = (isv ? cb : cb - nbv) * BO, ncol = isv ? dv : dk;
         __syncthreads(); // S2, S5 free
-        if (isv) { // dX = dU's block (S5) with X = U0's (S2) in one round trip
-            const auto in = [&](int i, int b) { return i < L && b0 + b < dv; };
-            const auto du = [&](int i, int b) {
-                return in(i, b) ? w.dU[row(i) * dv + b0 + b] : 0.0f;
-            };
-            const auto u0 = [&](int i, int b) {
-                return in(i, b) ? w.U0[row(i) * dv + b0 + b] : 0.0f;
-            };
-            fill2(S5, LDH, du, S2, LDH, u0, CH, BO);
+        if (isv) { // X = U0's block (S2) by cp.async, under dX = dU's (S5)
+            const bf16 *Xc = w.U0b + row(0) * dv + b0;
+            stage_async(S2, LDH, Xc, vrs, L, dv - b0, BO, vec_ok(Xc, dv, vrs));
+            cp_commit();
+            fill(S5, LDH, CH, BO, [&](int i, int b) {
+                return i < L && b0 + b < dv ? w.dU[row(i) * dv + b0 + b] : 0.0f;
+            });
         } else { // X = W's block by cp.async, under dX = -dU S0^T over this block's keys
             const bf16 *Wc = w.Wh + row(0) * dk + b0;
             stage_async(S2, LDH, Wc, Hv * dk, L, dk - b0, BO, vec_ok(Wc, dk, Hv * dk));
@@ -180,15 +181,13 @@ __global__ void __launch_bounds__(NT, 2)
             float x[1][4][4] = {};
             for (int64_t e0 = 0; e0 < dv; e0 += BO) {
                 __syncthreads(); // S1, S3 free
-                const auto in = [&](int i, int b) { return i < L && e0 + b < dv; };
-                const auto ain = [&](int a, int b) { return b0 + a < dk && e0 + b < dv; };
-                const auto du = [&](int i, int b) {
-                    return in(i, b) ? w.dU[row(i) * dv + e0 + b] : 0.0f;
-                };
-                const auto s0 = [&](int a, int b) {
-                    return ain(a, b) ? S0[(b0 + a) * dv + e0 + b] : 0.0f;
-                };
-                fill2(S1, LDH, du, S3, LDH, s0, CH, BO);
+                const bf16 *Sc = S0 + b0 * dv + e0; // S0's keys b0.. by cp.async, under dU's
+                stage_async(S3, LDH, Sc, dv, (int)(dk - b0), dv - e0, BO, vec_ok(Sc, dv, dv));
+                cp_commit();
+                fill(S1, LDH, CH, BO, [&](int i, int b) {
+                    return i < L && e0 + b < dv ? w.dU[row(i) * dv + e0 + b] : 0.0f;
+                });
+                cp_wait<0>();
                 __syncthreads();
                 warp_mma<1, 4>(x, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
             }
@@ -230,16 +229,17 @@ __global__ void __launch_bounds__(NT, 2)
     }
     for (int n = 0; n < 4; n++)
         for (int e = 0; e < 4; e++) da[0][n][e] = lower(n, e) ? -da[0][n][e] : 0.0f; // DA
-    // dbeta (DA KK M's row sums); R's second part (DA A, A from the
-    // workspace): its row and column sums
+    // dbeta (DA KK M's row sums); R's second part (DA A, A = beta KK M as
+    // prep makes it): its row and column sums
     row_sums(f, m.RP,
              [&](int n, int e) {
                  return lower(n, e) ? da[0][n][e] * kk[0][n][e] * decay(n, e) : 0.0f;
              },
              [&](int i, float v) { DBE[i] = SV[i] + Es[i] * SK[i] + v; });
-    float av[4][4];
+    float av[4][4]; // A, as the forward's prep made it (the same product, the same bits)
     for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) av[n][e] = lower(n, e) ? Ag[f.i(e) * CH + f.j(n, e)] : 0.0f;
+        for (int e = 0; e < 4; e++)
+            av[n][e] = lower(n, e) ? Bs[f.i(e)] * kk[0][n][e] * decay(n, e) : 0.0f;
     const auto r2 = [&](int n, int e) { return da[0][n][e] * av[n][e]; };
     row_sums(f, m.RP, r2, [&](int i, float v) { RS[i] += v; });
     col_sums(f, m.CP, r2, [&](int j, float v) { CS[j] += v; });
@@ -262,30 +262,39 @@ __global__ void __launch_bounds__(NT, 2)
             __syncthreads(); // the blocks free (and Tb complete)
             if (e0 == 0)
                 stage_qk64(a0);
-            stage_ou(e0);
-            // S0's and dS's blocks (S3, S5), 8 elements a thread a round;
-            // sum(S0 dS) from the fp32 values
+            const bf16 *Sc = S0 + a0 * dv + e0; // S0's block (S3) by cp.async
+            stage_async(S3, LDH, Sc, dv, (int)(dk - a0), dv - e0, BO, vec_ok(Sc, dv, dv));
+            stage_ou(e0); // commits S3's copy with its group
+            // dS's block (S5), 8 elements a thread a round
+            const auto ds_at = [&](int p) { // element p of the block: its offset, or -1
+                const int a = p / BO, b = p % BO;
+                return p < CH * BO && a0 + a < dk && e0 + b < dv ? (a0 + a) * dv + e0 + b : -1;
+            };
             for (int p0 = 0; p0 < CH * BO; p0 += 8 * NT) {
-                float s0[8], ds[8];
+                float ds[8];
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
-                    const int p = p0 + u * NT + tid, a = p / BO, b = p % BO;
-                    const bool ok = p < CH * BO && a0 + a < dk && e0 + b < dv;
-                    s0[u] = ok ? S0[(a0 + a) * dv + e0 + b] : 0.0f;
-                    ds[u] = ok ? dS[(a0 + a) * dv + e0 + b] : 0.0f;
+                    const int64_t o = ds_at(p0 + u * NT + tid);
+                    ds[u] = o >= 0 ? dS[o] : 0.0f;
                 }
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
-                    const int p = p0 + u * NT + tid, a = p / BO, b = p % BO;
-                    if (p >= CH * BO)
-                        continue;
-                    S3[a * LDH + b] = __float2bfloat16_rn(s0[u]);
-                    S5[a * LDH + b] = __float2bfloat16_rn(ds[u]);
-                    ss += (double)s0[u] * (double)ds[u];
+                    const int p = p0 + u * NT + tid;
+                    if (p < CH * BO)
+                        S5[(p / BO) * LDH + p % BO] = __float2bfloat16_rn(ds[u]);
                 }
             }
             cp_wait<0>();
             __syncthreads();
+            // sum(S0 dS): the rounded state's elements (the forward's) by dS's
+            for (int p0 = 0; p0 < CH * BO; p0 += 8 * NT)
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int p = p0 + u * NT + tid;
+                    const int64_t o = ds_at(p);
+                    if (o >= 0)
+                        ss += (double)__bfloat162float(S3[(p / BO) * LDH + p % BO]) * (double)dS[o];
+                }
             warp_mma<1, 4>(sd, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
             warp_mma<1, 4>(tm, S2 + f.r0 * LDH, LDH, 1, S5 + f.c0 * LDH, 1, LDH, BO);
         }
