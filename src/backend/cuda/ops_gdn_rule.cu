@@ -78,10 +78,13 @@ size_t ws_layout(const geo &z, bool bwd, bool tc, int64_t keep_chunks, char *bas
         w->dqh = (float *)p[LOOM_GW_DQH], w->dkh = (float *)p[LOOM_GW_DKH];
         w->qb = (bf *)p[LOOM_GW_QB], w->kb = (bf *)p[LOOM_GW_KB];
         w->Tb = (bf *)p[LOOM_GW_TB], w->U0b = (bf *)p[LOOM_GW_U0B];
-        if (tc) // W, U and S hold bf16
-            w->Wh = (bf *)p[LOOM_GW_W], w->Uh = (bf *)p[LOOM_GW_U], w->Sb = (bf *)p[LOOM_GW_S];
-        else
-            w->W = (float *)p[LOOM_GW_W], w->U = (float *)p[LOOM_GW_U], w->S = (float *)p[LOOM_GW_S];
+        if (tc) { // W, U and S hold bf16
+            w->Wh = (bf *)p[LOOM_GW_W], w->Uh = (bf *)p[LOOM_GW_U];
+            w->Sb = (bf *)p[LOOM_GW_S];
+        } else {
+            w->W = (float *)p[LOOM_GW_W], w->U = (float *)p[LOOM_GW_U];
+            w->S = (float *)p[LOOM_GW_S];
+        }
     }
     return off;
 }
