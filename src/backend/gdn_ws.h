@@ -60,6 +60,13 @@ static inline int64_t loom_gdn_ws_chunks(int64_t T, int64_t ndocs) {
 /* The chunks a keep buffer for micro-batches of T tokens has room for. */
 static inline int64_t loom_gdn_keep_chunks(int64_t T) { return (T + 63) / 64 + T / 128; }
 
+/* The keep buffer's chunks where a micro-batch's documents fit in them (its
+ * chunk bound within keep_chunks), else 0: the forward and the backward of a
+ * batch, and the memory predictor, decide by this alike. */
+static inline int64_t loom_gdn_keep_fits(int64_t T, int64_t ndocs, int64_t keep_chunks) {
+    return loom_gdn_ws_chunks(T, ndocs) <= keep_chunks ? keep_chunks : 0;
+}
+
 static inline size_t loom_gdn_ws_align(size_t b) { return (b + 255) / 256 * 256; }
 
 /* The arrays' bytes (unaligned) in the order above: in the workspace

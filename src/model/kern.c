@@ -516,9 +516,9 @@ loom_status loom_k_gdn_gate_bwd(loom_model *m, const float *dg, const float *dbe
 }
 
 /* The keep buffer where it has room for the documents' chunks, else none
- * (the backward recomputes): the forward and the backward decide alike. */
+ * (the backward recomputes). */
 static void *gdn_keep(void *keep, int64_t keep_chunks, int64_t T, int64_t ndocs) {
-    return keep && loom_gdn_ws_chunks(T, ndocs) <= keep_chunks ? keep : NULL;
+    return loom_gdn_keep_fits(T, ndocs, keep_chunks) ? keep : NULL;
 }
 
 loom_status loom_k_gdn_fwd(loom_model *m, const void *qkv, const float *g, const float *beta,

@@ -251,7 +251,7 @@ static size_t gdn_work(const loom_model *m, const loom_mem_in *in, int64_t T) {
     const int64_t nd = in->micro_batch_size, kc = loom_gdn_keep_chunks(T);
     return loom_gdn_ws_bytes(T, c->lin_k_heads / m->tp, c->lin_v_heads / m->tp, c->lin_k_dim,
                              c->lin_v_dim, nd, in->training, tc,
-                             tc && loom_gdn_ws_chunks(T, nd) <= kc ? kc : 0);
+                             tc ? loom_gdn_keep_fits(T, nd, kc) : 0);
 }
 
 static loom_status predict_stage(loom_ctx *ctx, const loom_model_config *cfg,

@@ -46,47 +46,43 @@ int64_t max_chunks(int64_t T, int64_t ndocs) { return loom_gdn_ws_chunks(T, ndoc
 
 size_t al(size_t b) { return loom_gdn_ws_align(b); }
 
-// The workspace's layout from base and the kept arrays' from keep (NULL:
-// the sizes only; keep_chunks > 0 under tc: gdn_ws.h's kept arrays in
-// keep, laid out alike in the forward and the backward); returns the
-// workspace's bytes. The sizes are gdn_ws.h's, which the memory predictor
-// reads too.
-size_t ws_layout(const geo &z, bool bwd, bool tc, int64_t keep_chunks, char *base, char *keep,
-                 gdn_ws *w) {
+// The workspace's arrays in base and the kept ones in keep (keep_chunks > 0
+// under tc: gdn_ws.h's kept arrays, laid out alike in the forward and the
+// backward). The sizes are gdn_ws.h's, which loom_cuda_gdn_scratch_bytes and
+// the memory predictor read too.
+void ws_layout(const geo &z, bool bwd, bool tc, int64_t keep_chunks, char *base, char *keep,
+               gdn_ws *w) {
     size_t sizes[LOOM_GDN_WS_ARRAYS], kept[LOOM_GDN_WS_ARRAYS];
     loom_gdn_ws_sizes(z.T, z.Hk, z.Hv, z.dk, z.dv, z.ndocs, bwd, tc, keep_chunks, sizes, kept);
     void *p[LOOM_GDN_WS_ARRAYS];
     size_t off = 0, koff = 0;
     for (int i = 0; i < LOOM_GDN_WS_ARRAYS; i++) {
         if (kept[i]) {
-            p[i] = keep ? keep + koff : nullptr;
+            p[i] = keep + koff;
             koff += al(kept[i]);
         } else {
-            p[i] = base && sizes[i] ? base + off : nullptr;
+            p[i] = sizes[i] ? base + off : nullptr;
             off += al(sizes[i]);
         }
     }
-    if (w) {
-        typedef __nv_bfloat16 bf;
-        *w = gdn_ws{};
-        w->cfirst = (int32_t *)p[LOOM_GW_CFIRST], w->ct0 = (int32_t *)p[LOOM_GW_CT0];
-        w->clen = (int32_t *)p[LOOM_GW_CLEN];
-        w->qn = (float *)p[LOOM_GW_QN], w->kn = (float *)p[LOOM_GW_KN];
-        w->G = (float *)p[LOOM_GW_G], w->A = (float *)p[LOOM_GW_A];
-        w->U0 = (float *)p[LOOM_GW_U0];
-        w->dS = (float *)p[LOOM_GW_DS], w->dU = (float *)p[LOOM_GW_DU];
-        w->dqh = (float *)p[LOOM_GW_DQH], w->dkh = (float *)p[LOOM_GW_DKH];
-        w->qb = (bf *)p[LOOM_GW_QB], w->kb = (bf *)p[LOOM_GW_KB];
-        w->Tb = (bf *)p[LOOM_GW_TB], w->U0b = (bf *)p[LOOM_GW_U0B];
-        if (tc) { // W, U and S hold bf16
-            w->Wh = (bf *)p[LOOM_GW_W], w->Uh = (bf *)p[LOOM_GW_U];
-            w->Sb = (bf *)p[LOOM_GW_S];
-        } else {
-            w->W = (float *)p[LOOM_GW_W], w->U = (float *)p[LOOM_GW_U];
-            w->S = (float *)p[LOOM_GW_S];
-        }
+    typedef __nv_bfloat16 bf;
+    *w = gdn_ws{};
+    w->cfirst = (int32_t *)p[LOOM_GW_CFIRST], w->ct0 = (int32_t *)p[LOOM_GW_CT0];
+    w->clen = (int32_t *)p[LOOM_GW_CLEN];
+    w->qn = (float *)p[LOOM_GW_QN], w->kn = (float *)p[LOOM_GW_KN];
+    w->G = (float *)p[LOOM_GW_G], w->A = (float *)p[LOOM_GW_A];
+    w->U0 = (float *)p[LOOM_GW_U0];
+    w->dS = (float *)p[LOOM_GW_DS], w->dU = (float *)p[LOOM_GW_DU];
+    w->dqh = (float *)p[LOOM_GW_DQH], w->dkh = (float *)p[LOOM_GW_DKH];
+    w->qb = (bf *)p[LOOM_GW_QB], w->kb = (bf *)p[LOOM_GW_KB];
+    w->Tb = (bf *)p[LOOM_GW_TB], w->U0b = (bf *)p[LOOM_GW_U0B];
+    if (tc) { // W, U and S hold bf16
+        w->Wh = (bf *)p[LOOM_GW_W], w->Uh = (bf *)p[LOOM_GW_U];
+        w->Sb = (bf *)p[LOOM_GW_S];
+    } else {
+        w->W = (float *)p[LOOM_GW_W], w->U = (float *)p[LOOM_GW_U];
+        w->S = (float *)p[LOOM_GW_S];
     }
-    return off;
 }
 
 // ---- the chunk table and the normalisation ----
