@@ -137,10 +137,14 @@ __global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, float *qn, 
 
 // d of the normalised rows (the group's value heads summed in order) ->
 // d of the raw ones: y = sc x r, r = (|x|^2 + 1e-6)^-1/2: dx = sc (r dy - r^3
-// (x . dy) x). A warp per (t, hk); q (sc = dk^-1/2), then k (sc = 1). NA > 0
-// (dk <= 32 NA): a lane's NA elements of x and dy are read once, into
-// registers, all of them in flight together (read again for the output, the
-// summed dy cost a second pass over dqh and dkh); NA = 0: any dk, in passes.
+// (x . dy) x). A warp per (t, hk); q (sc = dk^-1/2), then k (sc = 1).
+// NA > 0 (dk <= 32 NA, grp <= L2_GRP): a lane's NA elements of x and of each
+// of the group's dy rows, q's and k's, are loaded into registers before any
+// is used, all of them in flight together (the group's rows summed in a loop
+// of dependent loads took 163 us a layer at Qwen3.5-4B's shapes on an H200,
+// about 1.2 TB/s); NA = 0: any dk and grp, in passes. The same sums in the
+// same order either way.
+constexpr int L2_GRP = 4;
 template <int NA>
 __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float *dqh,
                               const float *dkh, void *dqkv) {
@@ -149,40 +153,60 @@ __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float
     if (r >= z.T * z.Hk)
         return;
     const int64_t t = r / z.Hk, hk = r % z.Hk, h0 = hk * z.grp;
+    auto off = [&](int which) { return t * z.C + which * z.Hk * z.dk + hk * z.dk; };
+    auto src = [&](int which) { return (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk; };
+    if constexpr (NA > 0) {
+        float xv[2][NA], yv[2][NA][L2_GRP];
 #pragma unroll
-    for (int which = 0; which < 2; which++) {
-        const int64_t off = t * z.C + which * z.Hk * z.dk + hk * z.dk;
-        const float *src = (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk;
-        const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
-        auto dyn = [&](int64_t a) {
-            float s = 0.0f;
-            for (int64_t h = 0; h < z.grp; h++)
-                s += src[h * z.dk + a];
-            return s;
-        };
-        float ss = 0.0f, xd = 0.0f;
-        if constexpr (NA > 0) {
-            float xv[NA], dv[NA];
+        for (int which = 0; which < 2; which++)
 #pragma unroll
             for (int i = 0; i < NA; i++) {
                 const int64_t a = lane + 32 * i;
-                xv[i] = a < z.dk ? ld(qkv, dt, off + a) : 0.0f;
-                dv[i] = a < z.dk ? dyn(a) : 0.0f;
+                xv[which][i] = a < z.dk ? ld(qkv, dt, off(which) + a) : 0.0f;
+#pragma unroll
+                for (int h = 0; h < L2_GRP; h++)
+                    yv[which][i][h] = a < z.dk && h < z.grp ? src(which)[h * z.dk + a] : 0.0f;
+            }
+#pragma unroll
+        for (int which = 0; which < 2; which++) {
+            const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
+            float dv[NA], ss = 0.0f, xd = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NA; i++) {
+                dv[i] = 0.0f;
+#pragma unroll
+                for (int h = 0; h < L2_GRP; h++)
+                    if (h < z.grp)
+                        dv[i] += yv[which][i][h];
             }
 #pragma unroll
             for (int i = 0; i < NA; i++)
                 if (lane + 32 * i < z.dk)
-                    ss += xv[i] * xv[i], xd += xv[i] * dv[i];
+                    ss += xv[which][i] * xv[which][i], xd += xv[which][i] * dv[i];
             ss = warp_sum(ss);
             xd = warp_sum(xd);
             const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
 #pragma unroll
             for (int i = 0; i < NA; i++)
                 if (lane + 32 * i < z.dk)
-                    st(dqkv, dt, off + lane + 32 * i, sc * (rr * dv[i] - c * xv[i]));
-        } else {
+                    st(dqkv, dt, off(which) + lane + 32 * i,
+                       sc * (rr * dv[i] - c * xv[which][i]));
+        }
+    } else {
+#pragma unroll
+        for (int which = 0; which < 2; which++) {
+            const int64_t o = off(which);
+            const float *y = src(which);
+            const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
+            auto dyn = [&](int64_t a) {
+                float s = 0.0f;
+                for (int64_t h = 0; h < z.grp; h++)
+                    s += y[h * z.dk + a];
+                return s;
+            };
+            float ss = 0.0f, xd = 0.0f;
             for (int64_t a = lane; a < z.dk; a += 32) {
-                const float x = ld(qkv, dt, off + a);
+                const float x = ld(qkv, dt, o + a);
                 ss += x * x;
                 xd += x * dyn(a);
             }
@@ -190,7 +214,7 @@ __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float
             xd = warp_sum(xd);
             const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
             for (int64_t a = lane; a < z.dk; a += 32)
-                st(dqkv, dt, off + a, sc * (rr * dyn(a) - c * ld(qkv, dt, off + a)));
+                st(dqkv, dt, o + a, sc * (rr * dyn(a) - c * ld(qkv, dt, o + a)));
         }
     }
 }
@@ -841,7 +865,7 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
         if ((st = check_launch(ctx, op)))
             return st;
     }
-    auto l2b = z.dk <= 128 ? l2_bwd_kernel<4> : l2_bwd_kernel<0>;
+    auto l2b = z.dk <= 128 && z.grp <= L2_GRP ? l2_bwd_kernel<4> : l2_bwd_kernel<0>;
     l2b<<<(unsigned)((T * Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dtype, z, w.dqh,
                                                                           w.dkh, dqkv);
     return check_launch(ctx, op);
