@@ -72,7 +72,8 @@ static void rule_case(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, std::vecto
     }
 }
 void small_ops(int64_t D);
-static void conv_case(int64_t K);
+static void conv_case(int64_t K, int64_t T = 150, int64_t C = 40,
+                      std::vector<int32_t> cu = {0, 2, 3, 70, 101, 150});
 int main(int argc, char **argv) {
     loom_ctx_create(&ctx);
     for (int b = 0; b < 2; b++) {
@@ -81,6 +82,8 @@ int main(int argc, char **argv) {
             small_ops(D);
         for (int64_t K : {4, 3, 6})
             conv_case(K);
+        conv_case(4, 300, 48, {0, 260, 300}); /* rows [64, 256) in one document: unchecked */
+        conv_case(4, 300, 41, {0, 5, 70, 300}); /* an odd C: no channel pairs */
         rule_case(2, 4, 32, 48, {0, 3, 70, 150});
         rule_case(1, 1, 16, 16, {0, 128});
         rule_case(1, 2, 128, 160, {0, 130, 197});
@@ -98,12 +101,12 @@ int main(int argc, char **argv) {
 }
 // the convolution with kernel K (4: Qwen3.5's, its own kernels; 3: K below
 // that bound; 6: the wider kernels) over documents shorter and longer than K
-static void conv_case(int64_t K) {
-    const int64_t T = 150, C = 40, nd = 5;
-    std::vector<int32_t> cu = {0, 2, 3, 70, 101, 150};
+static void conv_case(int64_t K, int64_t T, int64_t C, std::vector<int32_t> cu) {
+    const int64_t nd = (int64_t)cu.size() - 1;
     loom_dtype dt = BF ? LOOM_BF16 : LOOM_F32;
     double tol = BF ? 3e-2 : 1e-4;
-    printf("conv K %lld %s\n", (long long)K, BF ? "bf16" : "f32");
+    printf("conv K %lld T %lld C %lld %s\n", (long long)K, (long long)T, (long long)C,
+           BF ? "bf16" : "f32");
     auto x = rnd(T * C, -1, 1, true), w = rnd(C * K, -1, 1, true), dy = rnd(T * C, -1, 1, true), dw0 = rnd(C * K, -1, 1, false);
     std::vector<float> y(T * C), dx(T * C), dw = dw0;
     loom_cpu_gdn_conv_fwd(ctx, x.data(), w.data(), T, C, K, cu.data(), nd, y.data());

@@ -283,10 +283,11 @@ loom_status loom_cuda_qknorm_rope_bwd(loom_ctx *ctx, const void *dy, const void 
  * reductions over tokens in double); every reduction in a fixed order (no
  * atomics). `scratch`: device memory of the size the matching
  * *_scratch_bytes gives (nothing kept in it between calls).
- * NOTE: written and compiled without a GPU: these kernels have not run yet;
- * tests/test_backend_gdn.c compares them with the CPU's. */
+ * tests/test_backend_gdn.c compares them with the CPU's on a GPU (run on an
+ * H200 by tests/gpu/qwen35.sh); `make test-emu` runs them on the CPU. */
 /* y (T, C) = silu(causal depthwise conv of x (T, C) by w (C, K)), K <= 16;
- * bwd: dx (T, C), dw (C, K) += (scratch only with dw). */
+ * bwd: dx (T, C), dw (C, K) += (scratch only with dw). 16-bit data takes the
+ * sigmoid's hardware approximations (ops_gdn.cu). */
 size_t loom_cuda_gdn_conv_scratch_bytes(int64_t T, int64_t C, int64_t K);
 loom_status loom_cuda_gdn_conv_fwd(loom_ctx *ctx, const void *x, const void *w, loom_dtype dtype,
                                    int64_t T, int64_t C, int64_t K, const int32_t *cu,

@@ -82,63 +82,68 @@ loom_status col_final(loom_ctx *ctx, const char *op, const void *partial, int64_
 
 // ---- the causal depthwise convolution, SiLU fused ----
 
-// Both directions run a thread per channel over a run of rows, the window of
-// the K latest inputs in registers and the document followed from the run's
-// first token (a thread per output with a search for its document and K
-// loads made the forward compute-bound on an H200). KM, a compile-time
+// Both directions run a thread over a run of rows of V channels, the window
+// of the K latest inputs in registers and the document followed from the
+// run's first token (a thread per output with a search for its document and
+// K loads made the forward compute-bound on an H200). KM, a compile-time
 // bound on K, sizes the windows: 4 (Qwen3.5's kernel) keeps them in few
 // registers; the wider case spilled none but ran one block an SM.
 //
-// A thread reads its channel's rows through X: from global memory (glob_rows),
-// or in the forward, for 16-bit data with whole 16-byte groups of channels and
-// K <= 4, from a tile of the block's rows staged in shared memory by cp.async
-// first (tile_rows): a row at a time from global memory a thread had one 2-byte
-// load in flight. On the H200 at Qwen3.5-4B's shapes (4096 tokens, 8192
-// channels) the tile took the forward 157 -> 133 us; the backward's (both
-// inputs, 70 KB a block, 3 blocks an SM) was slower, 296 -> 319 us, and is not
-// used. The arithmetic is the same either way.
-constexpr int CONV_FWD_ROWS = 32; // the forward's rows per thread (global rows)
-constexpr int CONV_TILE_C = NT;   // channels a tile block
-constexpr int CONV_TILE_ROWS = 64; // the tiled forward's rows a block
+// The rows are read CONV_BATCH at a time, every load of a batch issued before
+// the first is used: a thread that loaded one row ahead had one or two loads
+// in flight, and the backward moved 0.65 TB/s on an H200 (296 us at
+// Qwen3.5-4B's 4096 tokens and 8192 channels; the forward, with its rows
+// staged in shared memory, 133 us); with the batches, pairs of channels,
+// unchecked runs inside a document (IN) and the fast sigmoid (pair_rows)
+// they take 141 and 49 us there. V is 2 (pair_rows: one 4-byte access a
+// row) for 16-bit data with an even C, 4-byte aligned tensors and K = 4,
+// else 1 (glob_rows, any float dtype). Each channel's sums run in the CPU's
+// order either way.
+constexpr int CONV_FWD_ROWS = 64; // the forward's rows per thread
+constexpr int CONV_BATCH = 8;     // rows loaded ahead of their use
 
+// Row u of a thread's V channels from c, as floats (get) or stored from them
+// (put, rounded to nearest even); sg(x), the SiLU's sigmoid: IEEE division
+// and expf in fp32, the hardware's approximations (__expf, __fdividef: a few
+// ulp) for 16-bit data, whose rounding is 2^-8 or 2^-11 of the value (on an
+// H200 at Qwen3.5-4B's shapes the backward 161 -> 141 us, the forward 66 ->
+// 49 us: the forward issued an instruction 3 cycles in 4).
 struct glob_rows {
-    const void *p;
+    static constexpr int V = 1;
+    __device__ static float sg(float x) { return sigm(x); }
+    void *p;
     loom_dtype dt;
     int64_t C, c;
-    __device__ __forceinline__ float operator()(int64_t u) const { return ld(p, dt, u * C + c); }
-};
-template <typename E> struct tile_rows {
-    const E *s; // row u0 of the tile, at this thread's channel
-    int64_t u0;
-    __device__ __forceinline__ float operator()(int64_t u) const {
-        return to_f(s[(u - u0) * CONV_TILE_C]);
+    __device__ __forceinline__ void get(int64_t u, float (&f)[1]) const { f[0] = ld(p, dt, u * C + c); }
+    __device__ __forceinline__ void put(int64_t u, const float (&f)[1]) const {
+        st(p, dt, u * C + c, f[0]);
     }
 };
-
-// Rows [u0, u0 + n) of the CONV_TILE_C channels from c0 into s (rows outside
-// [0, T) and channels past C zero); every thread of the block takes part.
-template <typename E>
-__device__ __forceinline__ void stage_tile(E *s, const void *g, int64_t T, int64_t C, int64_t c0,
-                                           int64_t u0, int n) {
-    constexpr int PER = CONV_TILE_C * (int)sizeof(E) / 16; // 16-byte copies a row
-    constexpr int EPC = 16 / (int)sizeof(E);
-    for (int i = threadIdx.x; i < n * PER; i += blockDim.x) {
-        const int r = i / PER, k = i % PER;
-        const int64_t u = u0 + r, c = c0 + (int64_t)EPC * k;
-        const bool ok = u >= 0 && u < T && c < C;
-        cp_async16(s + r * CONV_TILE_C + EPC * k, ok ? (const E *)g + u * C + c : g, ok);
+template <typename E> struct pair_rows {
+    static constexpr int V = 2;
+    __device__ static float sg(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+    void *p;
+    loom_dtype dt; // E's
+    int64_t C, c;  // c even
+    __device__ __forceinline__ uint32_t *at(int64_t u) const {
+        return (uint32_t *)p + (u * (C / 2) + c / 2);
     }
-}
-
-// Whether the forward's tile takes x: 16-bit data in whole 16-byte groups of
-// channels, 16-byte aligned, K <= 4.
-inline bool conv_tiled(loom_dtype dt, int64_t C, int64_t K, const void *x) {
-    return (dt == LOOM_BF16 || dt == LOOM_F16) && C % 8 == 0 && K <= 4 && aligned16(x);
-}
+    __device__ __forceinline__ void get(int64_t u, float (&f)[2]) const {
+        const uint32_t w = *at(u);
+        const E *e = (const E *)&w;
+        f[0] = to_f(e[0]), f[1] = to_f(e[1]);
+    }
+    __device__ __forceinline__ void put(int64_t u, const float (&f)[2]) const {
+        uint32_t w;
+        E *e = (E *)&w;
+        e[0] = from_f<E>(f[0]), e[1] = from_f<E>(f[1]);
+        *at(u) = w;
+    }
+};
 
 // Token t (its document from s, its input xt) into the window xw (xw[j] =
 // x[t - K + 1 + j]); its pre-activation, the sum in j's order as the CPU's.
-template <int KM>
+template <bool IN, int KM>
 __device__ __forceinline__ float conv_step(float (&xw)[KM], const float (&wk)[KM], float xt,
                                            int64_t K, int64_t t, int64_t s) {
 #pragma unroll
@@ -151,153 +156,218 @@ __device__ __forceinline__ float conv_step(float (&xw)[KM], const float (&wk)[KM
     float p = 0.0f;
 #pragma unroll
     for (int j = 0; j < KM; j++)
-        if (j < K && t - K + 1 + j >= s)
+        if (j < K && (IN || t - K + 1 + j >= s))
             p = fmaf(wk[j], xw[j], p);
     return p;
 }
 
-// The rows [r0, r1) of channel c of y.
-template <int KM, class X>
-__device__ __forceinline__ void conv_fwd_rows(X x, const void *w, loom_dtype dt, int64_t C,
-                                              int64_t K, int64_t c, int64_t r0, int64_t r1,
-                                              const int32_t *cu, int64_t ndocs, void *y) {
-    float wk[KM], xw[KM]; // xw[j] = x[t - K + 1 + j] at token t
+// Whether the tokens [r0 - K + 1, r1) lie in one document: then no tap of
+// the rows [r0, r1) reaches before its document's start, nor, in the
+// backward (r1 past its rows by K - 1), a dx sum past its end.
+__device__ __forceinline__ bool conv_inner(const int32_t *cu, int64_t ndocs, int64_t K, int64_t r0,
+                                           int64_t r1) {
+    const int64_t n = doc_of(cu, ndocs, r0);
+    return r0 - K + 1 >= cu[n] && r1 <= cu[n + 1];
+}
+
+// The taps of channels x.c.. and their window at t = r0 - 1.
+template <int KM, class R>
+__device__ __forceinline__ void conv_init(const R &x, const void *w, loom_dtype dt, int64_t K,
+                                          int64_t r0, float (&wk)[R::V][KM],
+                                          float (&xw)[R::V][KM]) {
 #pragma unroll
     for (int j = 0; j < KM; j++) {
-        const int64_t u = r0 - K + j; // the window at t = r0 - 1
-        wk[j] = j < K ? ld(w, dt, c * K + j) : 0.0f;
-        xw[j] = j < K && u >= 0 ? x(u) : 0.0f;
-    }
-    int64_t n = doc_of(cu, ndocs, r0), s = cu[n], e = cu[n + 1];
-    float xnext = r0 < r1 ? x(r0) : 0.0f; // loaded a row ahead
-    for (int64_t t = r0; t < r1; t++) {
-        const float xt = xnext;
-        if (t + 1 < r1)
-            xnext = x(t + 1);
-        while (t >= e)
-            s = e, e = cu[++n + 1];
-        const float p = conv_step(xw, wk, xt, K, t, s);
-        st(y, dt, t * C + c, p * sigm(p));
+        const int64_t u = r0 - K + j;
+        float f[R::V] = {};
+        if (j < K && u >= 0)
+            x.get(u, f);
+#pragma unroll
+        for (int v = 0; v < R::V; v++) {
+            wk[v][j] = j < K ? ld(w, dt, (x.c + v) * K + j) : 0.0f;
+            xw[v][j] = f[v];
+        }
     }
 }
 
-template <int KM>
-__global__ void conv_fwd_kernel(const void *x, const void *w, loom_dtype dt, int64_t T, int64_t C,
-                                int64_t K, const int32_t *cu, int64_t ndocs, void *y) {
-    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+// The rows [r0, r1) of y's channels x.c.. (y.c the same). IN: the rows and
+// their windows lie in one document (conv_inner), so no token's taps cross a
+// start: the same sums without the checks.
+template <bool IN, int KM, class R>
+__device__ __forceinline__ void conv_fwd_rows(const R &x, const R &y, const void *w,
+                                              loom_dtype dt, int64_t K, int64_t r0, int64_t r1,
+                                              const int32_t *cu, int64_t ndocs) {
+    constexpr int V = R::V;
+    float wk[V][KM], xw[V][KM]; // xw[v][j] = x[t - K + 1 + j] at token t
+    conv_init<KM>(x, w, dt, K, r0, wk, xw);
+    int64_t n = IN ? 0 : doc_of(cu, ndocs, r0), s = IN ? 0 : cu[n], e = IN ? 0 : cu[n + 1];
+    for (int64_t tb = r0; tb < r1; tb += CONV_BATCH) {
+        float xb[CONV_BATCH][V] = {};
+#pragma unroll
+        for (int i = 0; i < CONV_BATCH; i++)
+            if (tb + i < r1)
+                x.get(tb + i, xb[i]);
+#pragma unroll
+        for (int i = 0; i < CONV_BATCH; i++) {
+            const int64_t t = tb + i;
+            if (t < r1) {
+                while (!IN && t >= e)
+                    s = e, e = cu[++n + 1];
+                float out[V];
+#pragma unroll
+                for (int v = 0; v < V; v++) {
+                    const float p = conv_step<IN>(xw[v], wk[v], xb[i][v], K, t, s);
+                    out[v] = p * R::sg(p);
+                }
+                y.put(t, out);
+            }
+        }
+    }
+}
+
+template <int KM, class R>
+__global__ void __launch_bounds__(NT, KM == 4 ? 4 : 1)
+    conv_fwd_kernel(R x, R y, const void *w, loom_dtype dt, int64_t T, int64_t C, int64_t K,
+                    const int32_t *cu, int64_t ndocs) {
+    const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * R::V;
     if (c >= C)
         return;
+    x.c = y.c = c;
+    if constexpr (R::V > 1)
+        K = KM; // conv_pairs: exactly KM taps, a constant here
     const int64_t r0 = (int64_t)blockIdx.y * CONV_FWD_ROWS;
     const int64_t r1 = r0 + CONV_FWD_ROWS < T ? r0 + CONV_FWD_ROWS : T;
-    conv_fwd_rows<KM>(glob_rows{x, dt, C, c}, w, dt, C, K, c, r0, r1, cu, ndocs, y);
+    if (conv_inner(cu, ndocs, K, r0, r1))
+        conv_fwd_rows<true, KM>(x, y, w, dt, K, r0, r1, cu, ndocs);
+    else
+        conv_fwd_rows<false, KM>(x, y, w, dt, K, r0, r1, cu, ndocs);
 }
 
-// Shared memory: rows [r0 - K, r1) of the block's channels.
-template <typename E>
-__global__ void __launch_bounds__(CONV_TILE_C)
-    conv_fwd_tile_kernel(const void *x, const void *w, loom_dtype dt, int64_t T, int64_t C,
-                         int64_t K, const int32_t *cu, int64_t ndocs, void *y) {
-    extern __shared__ __align__(16) unsigned char conv_sm[];
-    E *xs = (E *)conv_sm;
-    const int64_t c0 = (int64_t)blockIdx.x * CONV_TILE_C, c = c0 + threadIdx.x;
-    const int64_t r0 = (int64_t)blockIdx.y * CONV_TILE_ROWS;
-    const int64_t r1 = r0 + CONV_TILE_ROWS < T ? r0 + CONV_TILE_ROWS : T;
-    stage_tile(xs, x, T, C, c0, r0 - K, (int)(r1 - r0 + K));
-    cp_commit();
-    cp_wait<0>();
-    __syncthreads();
-    if (c < C)
-        conv_fwd_rows<4>(tile_rows<E>{xs + threadIdx.x, r0 - K}, w, dt, C, K, c, r0, r1, cu,
-                         ndocs, y);
-}
-
-// dx and dw's partial sums in one pass, a thread per channel over the rows
-// [r0, r1) of dw's chunk ch: each token's dL/dpre = dy silu'(pre) is formed
-// once and kept for the K tokens whose dx needs it (a kernel per output had
-// formed it K times, each from K taps):
+// dx and dw's partial sums in one pass, a thread over the rows [r0, r1) of
+// dw's chunk ch: each token's dL/dpre = dy silu'(pre) is formed once and kept
+// for the K tokens whose dx needs it (a kernel per output had formed it K
+// times, each from K taps):
 //   dx[u, c] = sum_j w[c, j] dpre[u + K - 1 - j, c] over the tokens of u's document
 //   partial[ch][c K + j] = sum over the chunk's t of dpre[t, c] x[t - K + 1 + j, c]
 //                          (that token in t's document).
-// Sums in j's and t's order, as the CPU's. partial NULL: dx only.
-template <int KM>
-__device__ __forceinline__ void conv_bwd_rows(glob_rows x, glob_rows dy, const void *w,
-                                              loom_dtype dt, int64_t T, int64_t C, int64_t K,
-                                              int64_t c, int64_t ch, int64_t r0, int64_t r1,
-                                              const int32_t *cu, int64_t ndocs, void *dx,
-                                              double *partial) {
-    // at token t: xw[j] = x[t - K + 1 + j]; dp[j] = dpre[t - j], of document dd[j]
-    float wk[KM], xw[KM], dp[KM];
+// Sums in j's and t's order, as the CPU's. DW false: dx only (partial
+// unused). IN: as the forward's, the rows [r0 - K + 1, r1 + K - 1) in one
+// document.
+template <bool IN, bool DW, int KM, class R>
+__device__ __forceinline__ void conv_bwd_rows(const R &x, const R &dy, const R &dx,
+                                              const void *w, loom_dtype dt, int64_t T, int64_t C,
+                                              int64_t K, int64_t ch, int64_t r0, int64_t r1,
+                                              const int32_t *cu, int64_t ndocs, double *partial) {
+    constexpr int V = R::V;
+    // at token t: xw[v][j] = x[t - K + 1 + j]; dp[v][j] = dpre[t - j], of document dd[j]
+    float wk[V][KM], xw[V][KM], dp[V][KM] = {};
     int dd[KM]; // documents as offsets from r0's (-1: none)
-    double acc[KM];
+    double acc[DW ? V : 1][DW ? KM : 1] = {};
+    conv_init<KM>(x, w, dt, K, r0, wk, xw);
 #pragma unroll
-    for (int j = 0; j < KM; j++) {
-        const int64_t u = r0 - K + j; // xw at t = r0 - 1
-        wk[j] = j < K ? ld(w, dt, c * K + j) : 0.0f;
-        xw[j] = j < K && u >= 0 ? x(u) : 0.0f;
-        dp[j] = 0.0f, dd[j] = -1, acc[j] = 0.0;
-    }
-    const int64_t n0 = doc_of(cu, ndocs, r0);
-    int64_t n = n0, s = cu[n], e = cu[n + 1];
-    float xnext = 0.0f, dynext = 0.0f; // x and dy loaded a row ahead
-    if (r0 < T)
-        xnext = x(r0), dynext = dy(r0);
-    for (int64_t t = r0; t < r1 + K - 1; t++) {
-        float dpt = 0.0f;
-        int dt_doc = -1;
-        if (t < T) {
-            const float xt = xnext, dyt = dynext;
-            if (t + 1 < T && t + 1 < r1 + K - 1)
-                xnext = x(t + 1), dynext = dy(t + 1);
-            while (t >= e)
-                s = e, e = cu[++n + 1];
-            const float pre = conv_step(xw, wk, xt, K, t, s);
-            const float sg = sigm(pre);
-            dpt = dyt * sg * (1.0f + pre * (1.0f - sg));
-            dt_doc = (int)(n - n0);
-            if (partial && t < r1) {
+    for (int j = 0; j < KM; j++)
+        dd[j] = -1;
+    const int64_t n0 = IN ? 0 : doc_of(cu, ndocs, r0);
+    int64_t n = n0, s = IN ? 0 : cu[n], e = IN ? 0 : cu[n + 1];
+    const int64_t tend = r1 + K - 1, lend = tend < T ? tend : T;
+    for (int64_t tb = r0; tb < tend; tb += CONV_BATCH) {
+        float xb[CONV_BATCH][V] = {}, yb[CONV_BATCH][V] = {};
+#pragma unroll
+        for (int i = 0; i < CONV_BATCH; i++)
+            if (tb + i < lend)
+                x.get(tb + i, xb[i]), dy.get(tb + i, yb[i]);
+#pragma unroll
+        for (int i = 0; i < CONV_BATCH; i++) {
+            const int64_t t = tb + i;
+            if (t >= tend)
+                break;
+            float dpt[V] = {};
+            int dt_doc = -1;
+            if (IN || t < T) {
+                while (!IN && t >= e)
+                    s = e, e = cu[++n + 1];
+#pragma unroll
+                for (int v = 0; v < V; v++) {
+                    const float pre = conv_step<IN>(xw[v], wk[v], xb[i][v], K, t, s);
+                    const float sg = R::sg(pre);
+                    dpt[v] = yb[i][v] * sg * (1.0f + pre * (1.0f - sg));
+                }
+                dt_doc = (int)(n - n0);
+                if (DW && t < r1) {
+#pragma unroll
+                    for (int v = 0; v < V; v++)
+#pragma unroll
+                        for (int j = 0; j < KM; j++)
+                            if (j < K && (IN || t - K + 1 + j >= s))
+                                acc[DW ? v : 0][DW ? j : 0] += (double)dpt[v] * (double)xw[v][j];
+                }
+            }
+#pragma unroll
+            for (int j = KM - 1; j > 0; j--) {
+                dd[j] = dd[j - 1];
+#pragma unroll
+                for (int v = 0; v < V; v++)
+                    dp[v][j] = dp[v][j - 1];
+            }
+            dd[0] = dt_doc;
+#pragma unroll
+            for (int v = 0; v < V; v++)
+                dp[v][0] = dpt[v];
+            const int64_t u = t - K + 1; // dp[v][K - 1] is dpre[u]
+            if (u >= r0 && u < r1) {
+                int du = -1;
 #pragma unroll
                 for (int j = 0; j < KM; j++)
-                    if (j < K && t - K + 1 + j >= s)
-                        acc[j] += (double)dpt * (double)xw[j];
+                    if (j == K - 1)
+                        du = dd[j];
+                float a[V];
+#pragma unroll
+                for (int v = 0; v < V; v++) {
+                    a[v] = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < KM; j++)
+                        if (j < K && (IN || dd[j] == du))
+                            a[v] = fmaf(wk[v][j], dp[v][j], a[v]);
+                }
+                dx.put(u, a);
             }
         }
-#pragma unroll
-        for (int j = KM - 1; j > 0; j--)
-            dp[j] = dp[j - 1], dd[j] = dd[j - 1];
-        dp[0] = dpt, dd[0] = dt_doc;
-        const int64_t u = t - K + 1; // dp[K - 1] is dpre[u]
-        if (u >= r0 && u < r1) {
-            int du = -1;
-#pragma unroll
-            for (int j = 0; j < KM; j++)
-                if (j == K - 1)
-                    du = dd[j];
-            float a = 0.0f;
-#pragma unroll
-            for (int j = 0; j < KM; j++)
-                if (j < K && dd[j] == du)
-                    a = fmaf(wk[j], dp[j], a);
-            st(dx, dt, u * C + c, a);
-        }
     }
-    if (partial) {
+    if (DW) {
 #pragma unroll
-        for (int j = 0; j < KM; j++)
-            if (j < K)
-                partial[ch * C * K + c * K + j] = acc[j];
+        for (int v = 0; v < V; v++)
+#pragma unroll
+            for (int j = 0; j < KM; j++)
+                if (j < K)
+                    partial[ch * C * K + (x.c + v) * K + j] = acc[DW ? v : 0][DW ? j : 0];
     }
 }
 
-template <int KM>
-__global__ void conv_bwd_kernel(const void *dy, const void *x, const void *w, loom_dtype dt,
-                                int64_t T, int64_t C, int64_t K, const int32_t *cu, int64_t ndocs,
-                                int64_t rows, void *dx, double *partial) {
-    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, ch = blockIdx.y;
+template <int KM, bool DW, class R>
+__global__ void __launch_bounds__(NT, KM == 4 ? (DW ? 2 : 3) : 1)
+    conv_bwd_kernel(R dy, R x, R dx, const void *w, loom_dtype dt, int64_t T, int64_t C,
+                    int64_t K, const int32_t *cu, int64_t ndocs, int64_t rows, double *partial) {
+    const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * R::V, ch = blockIdx.y;
     if (c >= C)
         return;
+    x.c = dy.c = dx.c = c;
+    if constexpr (R::V > 1)
+        K = KM;
     const int64_t r0 = ch * rows, r1 = r0 + rows < T ? r0 + rows : T;
-    conv_bwd_rows<KM>(glob_rows{x, dt, C, c}, glob_rows{dy, dt, C, c}, w, dt, T, C, K, c, ch, r0,
-                      r1, cu, ndocs, dx, partial);
+    if (conv_inner(cu, ndocs, K, r0, r1 + K - 1))
+        conv_bwd_rows<true, DW, KM>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial);
+    else
+        conv_bwd_rows<false, DW, KM>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial);
+}
+
+// Whether a thread takes a pair of channels (pair_rows): 16-bit data, an even
+// C, 4-byte aligned tensors, K = 4 (Qwen3.5's).
+inline bool conv_pairs(loom_dtype dt, int64_t C, int64_t K, const void *a, const void *b,
+                       const void *c) {
+    const uintptr_t al = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c;
+    return (dt == LOOM_BF16 || dt == LOOM_F16) && C % 2 == 0 && K == 4 && (al & 3) == 0;
+}
+template <class R> R conv_rows(const void *p, loom_dtype dt, int64_t C) {
+    return R{const_cast<void *>(p), dt, C, 0};
 }
 
 // ---- the gates ----
@@ -512,6 +582,36 @@ static loom_status conv_args(loom_ctx *ctx, const char *op, loom_dtype dt, int64
     return LOOM_OK;
 }
 
+template <class R>
+static loom_status conv_fwd_launch(loom_ctx *ctx, const void *x, const void *w, loom_dtype dt,
+                                   int64_t T, int64_t C, int64_t K, const int32_t *cu,
+                                   int64_t ndocs, void *y, cudaStream_t s) {
+    constexpr int KW = R::V > 1 ? 4 : CONV_MAX_K; // pairs: K <= 4 (conv_pairs)
+    const int64_t per = NT * R::V;
+    const dim3 grid((unsigned)((C + per - 1) / per),
+                    (unsigned)((T + CONV_FWD_ROWS - 1) / CONV_FWD_ROWS));
+    auto kern = K <= 4 || R::V > 1 ? conv_fwd_kernel<4, R> : conv_fwd_kernel<KW, R>;
+    kern<<<grid, NT, 0, s>>>(conv_rows<R>(x, dt, C), conv_rows<R>(y, dt, C), w, dt, T, C, K, cu,
+                             ndocs);
+    return check_launch(ctx, "gdn_conv_fwd");
+}
+
+template <class R>
+static loom_status conv_bwd_launch(loom_ctx *ctx, const void *dy, const void *x, const void *w,
+                                   loom_dtype dt, int64_t T, int64_t C, int64_t K,
+                                   const int32_t *cu, int64_t ndocs, void *dx, double *partial,
+                                   cudaStream_t s) {
+    constexpr int KW = R::V > 1 ? 4 : CONV_MAX_K; // pairs: K <= 4 (conv_pairs)
+    const int64_t per = NT * R::V;
+    const dim3 grid((unsigned)((C + per - 1) / per), (unsigned)red_chunks(T));
+    auto kern = K <= 4 || R::V > 1 ? (partial ? conv_bwd_kernel<4, true, R> : conv_bwd_kernel<4, false, R>)
+                                   : (partial ? conv_bwd_kernel<KW, true, R> : conv_bwd_kernel<KW, false, R>);
+    kern<<<grid, NT, 0, s>>>(conv_rows<R>(dy, dt, C), conv_rows<R>(x, dt, C),
+                             conv_rows<R>(dx, dt, C), w, dt, T, C, K, cu, ndocs, red_rows(T),
+                             partial);
+    return check_launch(ctx, "gdn_conv_bwd");
+}
+
 extern "C" loom_status loom_cuda_gdn_conv_fwd(loom_ctx *ctx, const void *x, const void *w,
                                               loom_dtype dtype, int64_t T, int64_t C, int64_t K,
                                               const int32_t *cu, int64_t ndocs, void *y,
@@ -519,20 +619,13 @@ extern "C" loom_status loom_cuda_gdn_conv_fwd(loom_ctx *ctx, const void *x, cons
     loom_status st = conv_args(ctx, "gdn_conv_fwd", dtype, C, K, ndocs);
     if (st || T <= 0)
         return st;
-    if (conv_tiled(dtype, C, K, x)) {
-        const dim3 grid((unsigned)((C + CONV_TILE_C - 1) / CONV_TILE_C),
-                        (unsigned)((T + CONV_TILE_ROWS - 1) / CONV_TILE_ROWS));
-        const size_t bytes = (size_t)(CONV_TILE_ROWS + K) * CONV_TILE_C * 2;
-        auto kern = dtype == LOOM_BF16 ? conv_fwd_tile_kernel<__nv_bfloat16>
-                                       : conv_fwd_tile_kernel<__half>;
-        kern<<<grid, CONV_TILE_C, bytes, as_stream(stream)>>>(x, w, dtype, T, C, K, cu, ndocs, y);
-        return check_launch(ctx, "gdn_conv_fwd");
-    }
-    const dim3 grid((unsigned)((C + NT - 1) / NT),
-                    (unsigned)((T + CONV_FWD_ROWS - 1) / CONV_FWD_ROWS));
-    auto kern = K <= 4 ? conv_fwd_kernel<4> : conv_fwd_kernel<CONV_MAX_K>;
-    kern<<<grid, NT, 0, as_stream(stream)>>>(x, w, dtype, T, C, K, cu, ndocs, y);
-    return check_launch(ctx, "gdn_conv_fwd");
+    cudaStream_t s = as_stream(stream);
+    if (!conv_pairs(dtype, C, K, x, y, y))
+        return conv_fwd_launch<glob_rows>(ctx, x, w, dtype, T, C, K, cu, ndocs, y, s);
+    return dtype == LOOM_BF16
+               ? conv_fwd_launch<pair_rows<__nv_bfloat16>>(ctx, x, w, dtype, T, C, K, cu, ndocs,
+                                                           y, s)
+               : conv_fwd_launch<pair_rows<__half>>(ctx, x, w, dtype, T, C, K, cu, ndocs, y, s);
 }
 
 extern "C" loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, const void *x,
@@ -545,14 +638,18 @@ extern "C" loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, con
     if (dw && !scratch)
         return no_scratch(ctx, "gdn_conv_bwd");
     cudaStream_t s = as_stream(stream);
-    const int64_t rows = red_rows(T), nch = red_chunks(T);
-    dim3 grid((unsigned)((C + NT - 1) / NT), (unsigned)nch);
-    auto kern = K <= 4 ? conv_bwd_kernel<4> : conv_bwd_kernel<CONV_MAX_K>;
-    kern<<<grid, NT, 0, s>>>(dy, x, w, dtype, T, C, K, cu, ndocs, rows, dx,
-                             dw ? (double *)scratch : nullptr);
-    if ((st = check_launch(ctx, "gdn_conv_bwd")) || !dw)
+    double *part = dw ? (double *)scratch : nullptr;
+    if (!conv_pairs(dtype, C, K, dy, x, dx))
+        st = conv_bwd_launch<glob_rows>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs, dx, part, s);
+    else if (dtype == LOOM_BF16)
+        st = conv_bwd_launch<pair_rows<__nv_bfloat16>>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs,
+                                                       dx, part, s);
+    else
+        st = conv_bwd_launch<pair_rows<__half>>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs, dx,
+                                                part, s);
+    if (st || !dw)
         return st;
-    return col_final(ctx, "gdn_conv_bwd", scratch, nch, C * K, C * K, dw, nullptr, s);
+    return col_final(ctx, "gdn_conv_bwd", scratch, red_chunks(T), C * K, C * K, dw, nullptr, s);
 }
 
 extern "C" loom_status loom_cuda_gdn_gate_fwd(loom_ctx *ctx, const void *a, const void *b,
