@@ -88,6 +88,45 @@ __device__ __forceinline__ void col_sums(const tile &f, float *CP, F v, O out) {
     __syncthreads();
 }
 
+// An accumulator pair (e, e + 1: one row, columns j and j + 1) to global
+// memory as one 8-byte (fp32) or 4-byte (bf16) access where both columns
+// are in range and the pair is aligned (even, 2: an even row length): a
+// lane's pair and its quad's fill a 32-byte sector in one instruction,
+// where two 4-byte stores each left the sector half written (ncu on an
+// H200: 61% more L2 sectors than the ideal). dqkv is bf16 here (use_tc).
+__device__ __forceinline__ void put2(float *p, bool even, bool two, float a, float b) {
+    if (even && two) {
+        *reinterpret_cast<float2 *>(p) = make_float2(a, b);
+    } else {
+        p[0] = a;
+        if (two)
+            p[1] = b;
+    }
+}
+__device__ __forceinline__ void add2(float *p, bool even, bool two, float a, float b) {
+    if (even && two) {
+        float2 o = *reinterpret_cast<float2 *>(p);
+        o.x += a, o.y += b;
+        *reinterpret_cast<float2 *>(p) = o;
+    } else {
+        p[0] += a;
+        if (two)
+            p[1] += b;
+    }
+}
+__device__ __forceinline__ void put2(bf16 *p, bool even, bool two, float a, float b) {
+    if (even && two) {
+        uint32_t u;
+        bf16 *e = reinterpret_cast<bf16 *>(&u);
+        e[0] = __float2bfloat16_rn(a), e[1] = __float2bfloat16_rn(b);
+        *reinterpret_cast<uint32_t *>(p) = u;
+    } else {
+        p[0] = __float2bfloat16_rn(a);
+        if (two)
+            p[1] = __float2bfloat16_rn(b);
+    }
+}
+
 __global__ void __launch_bounds__(NT, 2)
     chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
                         geo z, gdn_ws w, void *dqkv, float *dg, float *dbeta) {
@@ -116,6 +155,9 @@ __global__ void __launch_bounds__(NT, 2)
     auto stage_qk64 = [&](int64_t a0) { stage_qk(z, w, t0, L, hk, m.Qs, m.Ks, LDH, a0, BO); };
     // dO's and U's rows of columns [b0, b0 + BO) into S1, S2 by cp.async (committed)
     const int64_t vrs = Hv * dv;
+    // put2's pairs aligned: dk even (dqh, dkh); dv, C and the base even (dqkv's v)
+    const bool keven = dk % 2 == 0;
+    const bool veven = dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)dqkv & 3) == 0 && dt == LOOM_BF16;
     const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
     const bool ouv = vec_ok(Oc, dv, vrs) && vec_ok(Uc, dv, vrs);
     auto stage_ou = [&](int64_t b0) {
@@ -211,15 +253,18 @@ __global__ void __launch_bounds__(NT, 2)
                                                  : kn[i * qs + col];
             }
         for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++) {
+            for (int e = 0; e < 4; e += 2) { // pairs of columns (put2)
                 const int i = f.i(e);
                 const int64_t col = b0 + f.j(n, e);
                 if (i >= L || col >= ncol)
                     continue;
+                const bool two = col + 1 < ncol;
                 if (isv)
-                    st(dqkv, dt, vcol(i) + col, Bs[i] * db[0][n][e]);
+                    put2((bf16 *)dqkv + vcol(i) + col, veven, two, Bs[i] * db[0][n][e],
+                         Bs[i] * db[0][n][e + 1]);
                 else
-                    w.dkh[row(i) * dk + col] = Bs[i] * Es[i] * db[0][n][e];
+                    put2(w.dkh + row(i) * dk + col, keven, two, Bs[i] * Es[i] * db[0][n][e],
+                         Bs[i] * Es[i] * db[0][n][e + 1]);
             }
         row_sums(f, m.RP, [&](int n, int e) { return y[n][e] * db[0][n][e]; },
                  [&](int i, float v) { (isv ? SV : SK)[i] += v; });
@@ -325,12 +370,13 @@ __global__ void __launch_bounds__(NT, 2)
         warp_mma<1, 4>(tm, DQb + f.r0, 1, LDH, Qb, LDH, 1, CH);       // + DQ^T Q
         warp_mma<1, 4>(tm, Tb + f.r0 * LDH, LDH, 1, Kb, LDH, 1, CH);  // + (C + C^T) K
         for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++) {
+            for (int e = 0; e < 4; e += 2) {
                 const int i = f.i(e);
                 const int64_t a = a0 + f.j(n, e);
                 if (i < L && a < dk) {
-                    w.dqh[row(i) * dk + a] = sd[0][n][e];
-                    w.dkh[row(i) * dk + a] += tm[0][n][e];
+                    const bool two = a + 1 < dk;
+                    put2(w.dqh + row(i) * dk + a, keven, two, sd[0][n][e], sd[0][n][e + 1]);
+                    add2(w.dkh + row(i) * dk + a, keven, two, tm[0][n][e], tm[0][n][e + 1]);
                 }
             }
     }
