@@ -114,7 +114,9 @@ struct glob_rows {
     void *p;
     loom_dtype dt;
     int64_t C, c;
-    __device__ __forceinline__ void get(int64_t u, float (&f)[1]) const { f[0] = ld(p, dt, u * C + c); }
+    __device__ __forceinline__ void get(int64_t u, float (&f)[1]) const {
+        f[0] = ld(p, dt, u * C + c);
+    }
     __device__ __forceinline__ void put(int64_t u, const float (&f)[1]) const {
         st(p, dt, u * C + c, f[0]);
     }
@@ -604,8 +606,9 @@ static loom_status conv_bwd_launch(loom_ctx *ctx, const void *dy, const void *x,
     constexpr int KW = R::V > 1 ? 4 : CONV_MAX_K; // pairs: K <= 4 (conv_pairs)
     const int64_t per = NT * R::V;
     const dim3 grid((unsigned)((C + per - 1) / per), (unsigned)red_chunks(T));
-    auto kern = K <= 4 || R::V > 1 ? (partial ? conv_bwd_kernel<4, true, R> : conv_bwd_kernel<4, false, R>)
-                                   : (partial ? conv_bwd_kernel<KW, true, R> : conv_bwd_kernel<KW, false, R>);
+    const bool narrow = K <= 4 || R::V > 1;
+    auto kern = narrow ? (partial ? conv_bwd_kernel<4, true, R> : conv_bwd_kernel<4, false, R>)
+                       : (partial ? conv_bwd_kernel<KW, true, R> : conv_bwd_kernel<KW, false, R>);
     kern<<<grid, NT, 0, s>>>(conv_rows<R>(dy, dt, C), conv_rows<R>(x, dt, C),
                              conv_rows<R>(dx, dt, C), w, dt, T, C, K, cu, ndocs, red_rows(T),
                              partial);

@@ -90,10 +90,11 @@ __device__ __forceinline__ void col_sums(const tile &f, float *CP, F v, O out) {
 
 // An accumulator pair (e, e + 1: one row, columns j and j + 1) to global
 // memory as one 8-byte (fp32) or 4-byte (bf16) access where both columns
-// are in range and the pair is aligned (even, 2: an even row length): a
-// lane's pair and its quad's fill a 32-byte sector in one instruction,
-// where two 4-byte stores each left the sector half written (ncu on an
-// H200: 61% more L2 sectors than the ideal). dqkv is bf16 here (use_tc).
+// are in range (two) and the pair is aligned (even: the caller's rows have
+// even lengths and offsets): a lane's pair and its quad's fill a 32-byte
+// sector in one instruction, where two 4-byte stores each left the sector
+// half written (ncu on an H200: 61% more L2 sectors than the ideal). dqkv
+// is bf16 here (use_tc).
 __device__ __forceinline__ void put2(float *p, bool even, bool two, float a, float b) {
     if (even && two) {
         *reinterpret_cast<float2 *>(p) = make_float2(a, b);
