@@ -371,6 +371,15 @@ inline bool conv_pairs(loom_dtype dt, int64_t C, int64_t K, const void *a, const
 template <class R> R conv_rows(const void *p, loom_dtype dt, int64_t C) {
     return R{const_cast<void *>(p), dt, C, 0};
 }
+// f(R()) with R the rows' type for tensors a, b, c: pair_rows of the 16-bit
+// type where conv_pairs takes them, else glob_rows.
+template <class F>
+loom_status conv_rows_for(loom_dtype dt, int64_t C, int64_t K, const void *a, const void *b,
+                          const void *c, F f) {
+    if (!conv_pairs(dt, C, K, a, b, c))
+        return f(glob_rows());
+    return dt == LOOM_BF16 ? f(pair_rows<__nv_bfloat16>()) : f(pair_rows<__half>());
+}
 
 // ---- the gates ----
 
@@ -588,11 +597,11 @@ template <class R>
 static loom_status conv_fwd_launch(loom_ctx *ctx, const void *x, const void *w, loom_dtype dt,
                                    int64_t T, int64_t C, int64_t K, const int32_t *cu,
                                    int64_t ndocs, void *y, cudaStream_t s) {
-    constexpr int KW = R::V > 1 ? 4 : CONV_MAX_K; // pairs: K <= 4 (conv_pairs)
+    constexpr int KW = R::V > 1 ? 4 : CONV_MAX_K; // pairs: K = 4 (conv_pairs)
     const int64_t per = NT * R::V;
     const dim3 grid((unsigned)((C + per - 1) / per),
                     (unsigned)((T + CONV_FWD_ROWS - 1) / CONV_FWD_ROWS));
-    auto kern = K <= 4 || R::V > 1 ? conv_fwd_kernel<4, R> : conv_fwd_kernel<KW, R>;
+    auto kern = K <= 4 ? conv_fwd_kernel<4, R> : conv_fwd_kernel<KW, R>;
     kern<<<grid, NT, 0, s>>>(conv_rows<R>(x, dt, C), conv_rows<R>(y, dt, C), w, dt, T, C, K, cu,
                              ndocs);
     return check_launch(ctx, "gdn_conv_fwd");
@@ -603,11 +612,10 @@ static loom_status conv_bwd_launch(loom_ctx *ctx, const void *dy, const void *x,
                                    loom_dtype dt, int64_t T, int64_t C, int64_t K,
                                    const int32_t *cu, int64_t ndocs, void *dx, double *partial,
                                    cudaStream_t s) {
-    constexpr int KW = R::V > 1 ? 4 : CONV_MAX_K; // pairs: K <= 4 (conv_pairs)
+    constexpr int KW = R::V > 1 ? 4 : CONV_MAX_K; // pairs: K = 4 (conv_pairs)
     const int64_t per = NT * R::V;
     const dim3 grid((unsigned)((C + per - 1) / per), (unsigned)red_chunks(T));
-    const bool narrow = K <= 4 || R::V > 1;
-    auto kern = narrow ? (partial ? conv_bwd_kernel<4, true, R> : conv_bwd_kernel<4, false, R>)
+    auto kern = K <= 4 ? (partial ? conv_bwd_kernel<4, true, R> : conv_bwd_kernel<4, false, R>)
                        : (partial ? conv_bwd_kernel<KW, true, R> : conv_bwd_kernel<KW, false, R>);
     kern<<<grid, NT, 0, s>>>(conv_rows<R>(dy, dt, C), conv_rows<R>(x, dt, C),
                              conv_rows<R>(dx, dt, C), w, dt, T, C, K, cu, ndocs, red_rows(T),
@@ -623,12 +631,9 @@ extern "C" loom_status loom_cuda_gdn_conv_fwd(loom_ctx *ctx, const void *x, cons
     if (st || T <= 0)
         return st;
     cudaStream_t s = as_stream(stream);
-    if (!conv_pairs(dtype, C, K, x, y, y))
-        return conv_fwd_launch<glob_rows>(ctx, x, w, dtype, T, C, K, cu, ndocs, y, s);
-    return dtype == LOOM_BF16
-               ? conv_fwd_launch<pair_rows<__nv_bfloat16>>(ctx, x, w, dtype, T, C, K, cu, ndocs,
-                                                           y, s)
-               : conv_fwd_launch<pair_rows<__half>>(ctx, x, w, dtype, T, C, K, cu, ndocs, y, s);
+    return conv_rows_for(dtype, C, K, x, y, y, [&](auto r) {
+        return conv_fwd_launch<decltype(r)>(ctx, x, w, dtype, T, C, K, cu, ndocs, y, s);
+    });
 }
 
 extern "C" loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, const void *x,
@@ -642,14 +647,9 @@ extern "C" loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, con
         return no_scratch(ctx, "gdn_conv_bwd");
     cudaStream_t s = as_stream(stream);
     double *part = dw ? (double *)scratch : nullptr;
-    if (!conv_pairs(dtype, C, K, dy, x, dx))
-        st = conv_bwd_launch<glob_rows>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs, dx, part, s);
-    else if (dtype == LOOM_BF16)
-        st = conv_bwd_launch<pair_rows<__nv_bfloat16>>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs,
-                                                       dx, part, s);
-    else
-        st = conv_bwd_launch<pair_rows<__half>>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs, dx,
-                                                part, s);
+    st = conv_rows_for(dtype, C, K, dy, x, dx, [&](auto r) {
+        return conv_bwd_launch<decltype(r)>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs, dx, part, s);
+    });
     if (st || !dw)
         return st;
     return col_final(ctx, "gdn_conv_bwd", scratch, red_chunks(T), C * K, C * K, dw, nullptr, s);

@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(NT, 2)
     const int64_t vrs = Hv * dv;
     // put2's pairs aligned: dk even (dqh, dkh); dv, C and the base even (dqkv's v)
     const bool keven = dk % 2 == 0;
-    const bool veven = dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)dqkv & 3) == 0 && dt == LOOM_BF16;
+    const bool veven = dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)dqkv & 3) == 0;
     const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
     const bool ouv = vec_ok(Oc, dv, vrs) && vec_ok(Uc, dv, vrs);
     auto stage_ou = [&](int64_t b0) {
