@@ -241,6 +241,9 @@ TEST(backend_gdn_rule_equals_cpu) {
         {1, 2, 128, 144, 2, {0, 130, 197}},
         /* a document of 1 token among others */
         {2, 2, 64, 64, 3, {0, 1, 65, 100}},
+        /* Qwen3.5's dk = dv = 128: prep's X in whole v and k blocks of 64,
+         * the later ones copied a block ahead (cp.async) */
+        {1, 2, 128, 128, 2, {0, 130, 197}},
     };
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++)

@@ -91,6 +91,7 @@ int main(int argc, char **argv) {
         rule_case(1, 2, 20, 18, {0, 70, 90}); /* sizes not a multiple of 4: the staging's plain loads */
         rule_case(1, 1, 136, 24, {0, 40, 70}); /* dk > 128: no tensor cores, l2_bwd in passes */
         rule_case(1, 2, 17, 15, {0, 70, 90}); /* odd dk and dv: chunk_bwd's column pairs split */
+        rule_case(1, 2, 32, 128, {0, 70, 90}); /* dv a multiple of 64: prep's raw blocks a block ahead */
         if (argc > 1) {
             rule_case(1, 2, 128, 144, {0, 64, 65, 129, 200});
             rule_case(1, 2, 128, 128, {0, 250});

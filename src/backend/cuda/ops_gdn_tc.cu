@@ -128,9 +128,15 @@ __global__ void __launch_bounds__(NT)
 // rounding kept in w.Tb for chunk_bwd), then X = [U0 | W] = T [diag(beta)
 // V | diag(beta e^G) K] by mma.sync, BO columns at a time (W kept as bf16),
 // the first block's inputs loaded into registers during A and the
-// inversion (loading each next one so during the block before's product
-// took 124 registers or spilled). Shared: As, Ts (CH, LDA); Gs, Bs (CH); bf16 Ks, Tb (T's
-// rounding), Xs (CH, BO).
+// inversion, each later block's raw rows (v's bf16, k's fp32) by cp.async
+// into As (free after the inversion) under the block before's product
+// (loading them into registers so took 124 registers or spilled; loading
+// them when needed left prep waiting on memory for 40% of its time, ncu on
+// an H200). Three blocks an SM (80 registers, a few spilled): at the 4B
+// shapes on an H200 the same code at two blocks (128 registers, none
+// spilled) took 383 us a layer, at three 346, the synchronous loads 403.
+// Shared: As, Ts (CH, LDA); Gs, Bs (CH); bf16 Ks, Tb (T's rounding), Xs
+// (CH, BO).
 struct prep_smem {
     float *As, *Ts, *Gs, *Bs;
     bf16 *Ks, *Tb, *Xs;
@@ -145,7 +151,7 @@ struct prep_smem {
     }
 };
 
-__global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype dt,
+__global__ void __launch_bounds__(NT, 3) prep_tc_kernel(const void *qkv, loom_dtype dt,
                                                      const float *g, const float *beta, geo z,
                                                      gdn_ws w) {
     extern __shared__ __align__(16) float sm[];
@@ -179,6 +185,17 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
         }
     };
     load_x(0); // in flight during A and the inversion
+    // the raw rows of X's block b0 > 0 into As (row stride BO) by cp.async,
+    // committed, where a block is all v or all k (dv a multiple of BO) and
+    // the rows go by cp.async (else fill loads them when needed)
+    const bool pure = dv % BO == 0 && vec_ok(vc, dv, z.C) && vec_ok(kc, dk, z.Hk * dk);
+    const auto stage_raw = [&](int64_t b0) {
+        if (b0 < dv)
+            stage_async((bf16 *)As, BO, vc + b0, z.C, L, dv - b0, BO, true);
+        else
+            stage_async(As, BO, kc + (b0 - dv), z.Hk * dk, L, dk - (b0 - dv), BO, true);
+        cp_commit();
+    };
     cp_wait<0>();
     __syncthreads();
     const int r0 = 16 * (warp >> 1), c0 = 32 * (warp & 1);
@@ -193,7 +210,9 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
             }
     }
     __syncthreads();
-    invert_unit_lower(As, Ts);
+    invert_unit_lower(As, Ts); // ends with a barrier: As free
+    if (pure && BO < dv + dk)
+        stage_raw(BO);
     bf16 *Tg = w.Tb + (c * z.Hv + h) * CH * CH; // T's rounding, kept for chunk_bwd's products
     for (int p = tid; p < CH * CH; p += NT) {
         const bf16 v = __float2bfloat16_rn(Ts[(p / CH) * LDA + p % CH]);
@@ -207,9 +226,15 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
                 return Bs[i] * raw;
             return i < L && col < dv + dk ? Bs[i] * expf(Gs[i]) * raw : 0.0f;
         };
-        if (b0 == 0)
+        if (b0 == 0) {
             xr.store(m.Xs, LDH, [&](int i, int b, float raw) { return x(i, b, raw); });
-        else
+        } else if (pure) {
+            cp_wait<0>();
+            __syncthreads(); // the raw rows in
+            const bf16 *rv = (const bf16 *)As;
+            xr.load([&](int i, int b) { return b0 < dv ? to_f(rv[i * BO + b]) : As[i * BO + b]; });
+            xr.store(m.Xs, LDH, [&](int i, int b, float raw) { return x(i, b0 + b, raw); });
+        } else {
             fill(m.Xs, LDH, CH, BO, [&](int i, int b) {
                 const int64_t col = b0 + b;
                 if (i >= L || col >= dv + dk)
@@ -217,7 +242,10 @@ __global__ void __launch_bounds__(NT) prep_tc_kernel(const void *qkv, loom_dtype
                 return x(i, col, col < dv ? __bfloat162float(vc[i * z.C + col])
                                           : kc[i * z.Hk * dk + (col - dv)]);
             });
-        __syncthreads();
+        }
+        __syncthreads(); // Xs complete; the raw rows read
+        if (pure && b0 > 0 && b0 + BO < dv + dk)
+            stage_raw(b0 + BO); // under this block's product
         float acc[1][4][4] = {};
         warp_mma<1, 4>(acc, m.Tb + r0 * LDH, LDH, 1, m.Xs + c0, LDH, 1, CH);
         for (int n = 0; n < 4; n++)

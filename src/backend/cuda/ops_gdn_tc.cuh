@@ -106,6 +106,56 @@ constexpr int LDH = BO + 8; // row stride of bf16 (CH, BO) and (CH, CH) blocks: 
 __host__ __device__ inline int64_t ldk(int64_t dk) { return pad16(dk) + 8; } // bf16 (CH, dk16)
 
 
+// An accumulator pair (e, e + 1: one row, columns j and j + 1) to global
+// memory as one 8-byte (fp32) or 4-byte (bf16) access where both columns
+// are in range (two) and the pair is aligned (even: the caller's rows have
+// even lengths and offsets): a lane's pair and its quad's fill a 32-byte
+// sector in one instruction, where two 4-byte stores each left the sector
+// half written (ncu on an H200: 61% more L2 sectors than the ideal).
+__device__ __forceinline__ void put2(float *p, bool even, bool two, float a, float b) {
+    if (even && two) {
+        *reinterpret_cast<float2 *>(p) = make_float2(a, b);
+    } else {
+        p[0] = a;
+        if (two)
+            p[1] = b;
+    }
+}
+__device__ __forceinline__ void put2(bf16 *p, bool even, bool two, float a, float b) {
+    if (even && two) {
+        uint32_t u;
+        bf16 *e = reinterpret_cast<bf16 *>(&u);
+        e[0] = __float2bfloat16_rn(a), e[1] = __float2bfloat16_rn(b);
+        *reinterpret_cast<uint32_t *>(p) = u;
+    } else {
+        p[0] = __float2bfloat16_rn(a);
+        if (two)
+            p[1] = __float2bfloat16_rn(b);
+    }
+}
+
+// A pair of columns (j, j + 1) of one row, both in range (two) and aligned
+// (even), as one 8-byte (fp32) or 4-byte (bf16) load, as put2; the second
+// zero where not two.
+__device__ __forceinline__ float2 ld2(const float *p, bool even, bool two) {
+    if (even && two)
+        return *reinterpret_cast<const float2 *>(p);
+    return make_float2(p[0], two ? p[1] : 0.0f);
+}
+__device__ __forceinline__ float2 ld2(const bf16 *p, bool even, bool two) {
+    if (even && two) {
+        const uint32_t u = *reinterpret_cast<const uint32_t *>(p);
+        const bf16 *e = reinterpret_cast<const bf16 *>(&u);
+        return make_float2(__bfloat162float(e[0]), __bfloat162float(e[1]));
+    }
+    return make_float2(__bfloat162float(p[0]), two ? __bfloat162float(p[1]) : 0.0f);
+}
+// An accumulator pair rounded to bf16 into shared memory as one 4-byte store
+// (the pair's column even, the rows' stride even).
+__device__ __forceinline__ void sts2(bf16 *p, float a, float b) {
+    *reinterpret_cast<uint32_t *>(p) = M16::pack(a, b);
+}
+
 // Rows [0, R) (a chunk's by default) x columns [0, W) (W a multiple of 16
 // bytes' elements) of dst (row stride ld) from src (row i at src + i rs),
 // zero where i >= L or c >= n: by cp.async when vec (n, rs and src 16-byte
@@ -175,6 +225,54 @@ struct block_regs {
     }
 };
 static_assert(CH * BO % NT == 0 && NT % BO == 0, "block_regs' split");
+
+// A (CH, BO) fp32 block's elements of a thread as float4s (rows tid / 16 +
+// 16 u, columns 4 (tid % 16) on), every load issued before any is used:
+// rows i < R of src (row i at src + i rs), columns c < n, zero elsewhere;
+// vec: n and rs multiples of 4 and src 16-byte aligned (a 16-byte load),
+// else element by element. store_bf16 puts them to shared memory rounded,
+// four to an 8-byte store (dst's rows 8-byte aligned). A thread's rows and
+// column are fixed, so there is no index arithmetic an element: fill's
+// stepping and an element's 64-bit offset had been most of chunk_bwd's
+// instructions (ncu on an H200: two thirds of them integer).
+struct quad_regs {
+    static constexpr int Q = BO / 4, N = CH * BO / (4 * NT);
+    float4 v[N];
+    __device__ static int row(int u) { return (int)threadIdx.x / Q + u * (NT / Q); }
+    __device__ static int col() { return 4 * ((int)threadIdx.x % Q); }
+    __device__ __forceinline__ void load(const float *src, int64_t rs, int R, int64_t n,
+                                         bool vec) {
+        const int c = col();
+#pragma unroll
+        for (int u = 0; u < N; u++) {
+            const int i = row(u);
+            const float *p = src + i * rs + c;
+            float4 x = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (vec) {
+                if (i < R && c < n)
+                    x = *reinterpret_cast<const float4 *>(p);
+            } else if (i < R) {
+                x.x = c < n ? p[0] : 0.0f;
+                x.y = c + 1 < n ? p[1] : 0.0f;
+                x.z = c + 2 < n ? p[2] : 0.0f;
+                x.w = c + 3 < n ? p[3] : 0.0f;
+            }
+            v[u] = x;
+        }
+    }
+    __device__ __forceinline__ void store_bf16(bf16 *dst, int ld) const {
+#pragma unroll
+        for (int u = 0; u < N; u++) {
+            const uint2 o = {M16::pack(v[u].x, v[u].y), M16::pack(v[u].z, v[u].w)};
+            *reinterpret_cast<uint2 *>(dst + row(u) * ld + col()) = o;
+        }
+    }
+};
+static_assert(NT % quad_regs::Q == 0 && CH * BO % (4 * NT) == 0, "quad_regs' split");
+// Whether fp32 rows of n elements at src with row stride rs can go by float4.
+__device__ __forceinline__ bool vec4_ok(const float *src, int64_t n, int64_t rs) {
+    return n % 4 == 0 && rs % 4 == 0 && aligned16(src);
+}
 
 // T = (I + A)^-1 for the strictly lower A (CH x CH, row stride LDA) by
 // blocks of 16: each diagonal block by forward substitution (a column a

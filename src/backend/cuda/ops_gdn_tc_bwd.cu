@@ -88,46 +88,6 @@ __device__ __forceinline__ void col_sums(const tile &f, float *CP, F v, O out) {
     __syncthreads();
 }
 
-// An accumulator pair (e, e + 1: one row, columns j and j + 1) to global
-// memory as one 8-byte (fp32) or 4-byte (bf16) access where both columns
-// are in range (two) and the pair is aligned (even: the caller's rows have
-// even lengths and offsets): a lane's pair and its quad's fill a 32-byte
-// sector in one instruction, where two 4-byte stores each left the sector
-// half written (ncu on an H200: 61% more L2 sectors than the ideal). dqkv
-// is bf16 here (use_tc).
-__device__ __forceinline__ void put2(float *p, bool even, bool two, float a, float b) {
-    if (even && two) {
-        *reinterpret_cast<float2 *>(p) = make_float2(a, b);
-    } else {
-        p[0] = a;
-        if (two)
-            p[1] = b;
-    }
-}
-__device__ __forceinline__ void add2(float *p, bool even, bool two, float a, float b) {
-    if (even && two) {
-        float2 o = *reinterpret_cast<float2 *>(p);
-        o.x += a, o.y += b;
-        *reinterpret_cast<float2 *>(p) = o;
-    } else {
-        p[0] += a;
-        if (two)
-            p[1] += b;
-    }
-}
-__device__ __forceinline__ void put2(bf16 *p, bool even, bool two, float a, float b) {
-    if (even && two) {
-        uint32_t u;
-        bf16 *e = reinterpret_cast<bf16 *>(&u);
-        e[0] = __float2bfloat16_rn(a), e[1] = __float2bfloat16_rn(b);
-        *reinterpret_cast<uint32_t *>(p) = u;
-    } else {
-        p[0] = __float2bfloat16_rn(a);
-        if (two)
-            p[1] = __float2bfloat16_rn(b);
-    }
-}
-
 __global__ void __launch_bounds__(NT, 2)
     chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
                         geo z, gdn_ws w, void *dqkv, float *dg, float *dbeta) {
@@ -159,6 +119,10 @@ __global__ void __launch_bounds__(NT, 2)
     // put2's pairs aligned: dk even (dqh, dkh); dv, C and the base even (dqkv's v)
     const bool keven = dk % 2 == 0;
     const bool veven = dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)dqkv & 3) == 0;
+    const bool qeven = dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)qkv & 3) == 0; // v's pairs
+    // dU's and dS's blocks by float4 (quad_regs)
+    const float *dUc = w.dU + row(0) * dv;
+    const bool duv = vec4_ok(dUc, dv, vrs), dsv = vec4_ok(dS, dv, dv);
     const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
     const bool ouv = vec_ok(Oc, dv, vrs) && vec_ok(Uc, dv, vrs);
     auto stage_ou = [&](int64_t b0) {
@@ -166,9 +130,8 @@ __global__ void __launch_bounds__(NT, 2)
         stage_async(S2, LDH, Uc + b0, vrs, L, dv - b0, BO, ouv);
         cp_commit();
     };
-    // whether accumulator (n, e) is strictly lower within the chunk, and M there
+    // whether accumulator (n, e) is strictly lower within the chunk
     auto lower = [&](int n, int e) { return f.i(e) < L && f.j(n, e) < f.i(e); };
-    auto decay = [&](int n, int e) { return expf(Gs[f.i(e)] - Gs[f.j(n, e)]); };
 
     chunk_vectors(w.G, beta, t0, L, Hv, h, Gs, Es, Dj, Bs, SV, SK);
     stage_async(Tb, LDH, w.Tb + (c * Hv + h) * CH * CH, CH, CH, CH, CH, true); // prep's T
@@ -195,8 +158,10 @@ __global__ void __launch_bounds__(NT, 2)
         for (int e = 0; e < 4; e++) {
             const int i = f.i(e), j = f.j(n, e);
             dq[0][n][e] = i < L && j <= i ? dq[0][n][e] * expf(Gs[i] - Gs[j]) : 0.0f;
-            DQb[i * LDH + j] = __float2bfloat16_rn(dq[0][n][e]);
         }
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e += 2)
+            sts2(DQb + f.i(e) * LDH + f.j(n, e), dq[0][n][e], dq[0][n][e + 1]);
     // R's first part (DQ QK, strictly lower): its row sums and column sums
     const auto r1 = [&](int n, int e) { return lower(n, e) ? dq[0][n][e] * qk[0][n][e] : 0.0f; };
     row_sums(f, m.RP, r1, [&](int i, float v) { RS[i] = v; });
@@ -214,9 +179,9 @@ __global__ void __launch_bounds__(NT, 2)
             const bf16 *Xc = w.U0b + row(0) * dv + b0;
             stage_async(S2, LDH, Xc, vrs, L, dv - b0, BO, vec_ok(Xc, dv, vrs));
             cp_commit();
-            fill(S5, LDH, CH, BO, [&](int i, int b) {
-                return i < L && b0 + b < dv ? w.dU[row(i) * dv + b0 + b] : 0.0f;
-            });
+            quad_regs du;
+            du.load(dUc + b0, vrs, L, dv - b0, duv);
+            du.store_bf16(S5, LDH);
         } else { // X = W's block by cp.async, under dX = -dU S0^T over this block's keys
             const bf16 *Wc = w.Wh + row(0) * dk + b0;
             stage_async(S2, LDH, Wc, Hv * dk, L, dk - b0, BO, vec_ok(Wc, dk, Hv * dk));
@@ -227,32 +192,37 @@ __global__ void __launch_bounds__(NT, 2)
                 const bf16 *Sc = S0 + b0 * dv + e0; // S0's keys b0.. by cp.async, under dU's
                 stage_async(S3, LDH, Sc, dv, (int)(dk - b0), dv - e0, BO, vec_ok(Sc, dv, dv));
                 cp_commit();
-                fill(S1, LDH, CH, BO, [&](int i, int b) {
-                    return i < L && e0 + b < dv ? w.dU[row(i) * dv + e0 + b] : 0.0f;
-                });
+                quad_regs du;
+                du.load(dUc + e0, vrs, L, dv - e0, duv);
+                du.store_bf16(S1, LDH);
                 cp_wait<0>();
                 __syncthreads();
                 warp_mma<1, 4>(x, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
             }
             for (int n = 0; n < 4; n++)
-                for (int e = 0; e < 4; e++)
-                    S5[f.i(e) * LDH + f.j(n, e)] = __float2bfloat16_rn(-x[0][n][e]);
+                for (int e = 0; e < 4; e += 2)
+                    sts2(S5 + f.i(e) * LDH + f.j(n, e), -x[0][n][e], -x[0][n][e + 1]);
         }
+        // v's or k's elements at the accumulators' places (bf16 v: use_tc), in
+        // flight during the product
+        float2 y[4][2];
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e += 2) {
+                const int i = f.i(e);
+                const int64_t col = b0 + f.j(n, e);
+                const bool in = i < L && col < ncol, two = col + 1 < ncol;
+                y[n][e >> 1] = !in ? make_float2(0.0f, 0.0f)
+                               : isv ? ld2((const bf16 *)qkv + vcol(i) + col, qeven, two)
+                                     : ld2(kn + i * qs + col, keven, two);
+            }
         __syncthreads(); // dX complete
         float db[1][4][4] = {};
         warp_mma<1, 4>(db, Tb + f.r0, 1, LDH, S5 + f.c0, LDH, 1, CH); // T^T dX
         __syncthreads(); // dX read
         // dB's rounding; dv or dk's B part and the rows' dots with v or k, from the accumulators
-        float y[4][4];
         for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++) {
-                const int i = f.i(e);
-                const int64_t col = b0 + f.j(n, e);
-                S5[i * LDH + f.j(n, e)] = __float2bfloat16_rn(db[0][n][e]);
-                y[n][e] = !(i < L && col < ncol) ? 0.0f
-                          : isv                  ? ld(qkv, dt, vcol(i) + col)
-                                                 : kn[i * qs + col];
-            }
+            for (int e = 0; e < 4; e += 2)
+                sts2(S5 + f.i(e) * LDH + f.j(n, e), db[0][n][e], db[0][n][e + 1]);
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e += 2) { // pairs of columns (put2)
                 const int i = f.i(e);
@@ -267,7 +237,11 @@ __global__ void __launch_bounds__(NT, 2)
                     put2(w.dkh + row(i) * dk + col, keven, two, Bs[i] * Es[i] * db[0][n][e],
                          Bs[i] * Es[i] * db[0][n][e + 1]);
             }
-        row_sums(f, m.RP, [&](int n, int e) { return y[n][e] * db[0][n][e]; },
+        row_sums(f, m.RP,
+                 [&](int n, int e) {
+                     const float2 v = y[n][e >> 1];
+                     return (e & 1 ? v.y : v.x) * db[0][n][e];
+                 },
                  [&](int i, float v) { (isv ? SV : SK)[i] += v; });
         cp_wait<0>();
         __syncthreads(); // X complete
@@ -277,32 +251,47 @@ __global__ void __launch_bounds__(NT, 2)
         for (int e = 0; e < 4; e++) da[0][n][e] = lower(n, e) ? -da[0][n][e] : 0.0f; // DA
     // dbeta (DA KK M's row sums); R's second part (DA A, A = beta KK M as
     // prep makes it): its row and column sums
+    float dec[4][4]; // M's decays, zero where not strictly lower
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++)
+            dec[n][e] = lower(n, e) ? expf(Gs[f.i(e)] - Gs[f.j(n, e)]) : 0.0f;
     row_sums(f, m.RP,
              [&](int n, int e) {
-                 return lower(n, e) ? da[0][n][e] * kk[0][n][e] * decay(n, e) : 0.0f;
+                 return lower(n, e) ? da[0][n][e] * kk[0][n][e] * dec[n][e] : 0.0f;
              },
              [&](int i, float v) { DBE[i] = SV[i] + Es[i] * SK[i] + v; });
     float av[4][4]; // A, as the forward's prep made it (the same product, the same bits)
     for (int n = 0; n < 4; n++)
         for (int e = 0; e < 4; e++)
-            av[n][e] = lower(n, e) ? Bs[f.i(e)] * kk[0][n][e] * decay(n, e) : 0.0f;
+            av[n][e] = lower(n, e) ? Bs[f.i(e)] * kk[0][n][e] * dec[n][e] : 0.0f;
     const auto r2 = [&](int n, int e) { return da[0][n][e] * av[n][e]; };
     row_sums(f, m.RP, r2, [&](int i, float v) { RS[i] += v; });
     col_sums(f, m.CP, r2, [&](int j, float v) { CS[j] += v; });
     for (int n = 0; n < 4; n++) // C = DA beta_i M
         for (int e = 0; e < 4; e++)
             m.Cm[f.i(e) * LDA + f.j(n, e)] =
-                lower(n, e) ? da[0][n][e] * Bs[f.i(e)] * decay(n, e) : 0.0f;
+                lower(n, e) ? da[0][n][e] * Bs[f.i(e)] * dec[n][e] : 0.0f;
     __syncthreads();
-    for (int p = tid; p < CH * CH; p += NT) { // Tb <- C + C^T
+    for (int p = 2 * tid; p < CH * CH; p += 2 * NT) { // Tb <- C + C^T, a pair at a time
         const int i = p / CH, j = p % CH;
-        Tb[i * LDH + j] = __float2bfloat16_rn(m.Cm[i * LDA + j] + m.Cm[j * LDA + i]);
+        sts2(Tb + i * LDH + j, m.Cm[i * LDA + j] + m.Cm[j * LDA + i],
+             m.Cm[i * LDA + j + 1] + m.Cm[(j + 1) * LDA + i]);
     }
 
     // dq and dk, 64 keys at a time; SD's and TM's row dots with q and k as
     // partial sums (PG, PD: a slot per warp column and key block)
     double ss = 0.0;
     for (int64_t a0 = 0; a0 < dk; a0 += BO) {
+        // q's and k's elements at the accumulators' places, in flight during the products
+        float2 qv[4][2], kv[4][2];
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e += 2) {
+                const int i = f.i(e);
+                const int64_t a = a0 + f.j(n, e);
+                const bool in = i < L && a < dk, two = a + 1 < dk;
+                qv[n][e >> 1] = in ? ld2(qn + i * qs + a, keven, two) : make_float2(0.0f, 0.0f);
+                kv[n][e >> 1] = in ? ld2(kn + i * qs + a, keven, two) : make_float2(0.0f, 0.0f);
+            }
         float sd[1][4][4] = {}, tm[1][4][4] = {};
         for (int64_t e0 = 0; e0 < dv; e0 += BO) {
             __syncthreads(); // the blocks free (and Tb complete)
@@ -311,49 +300,41 @@ __global__ void __launch_bounds__(NT, 2)
             const bf16 *Sc = S0 + a0 * dv + e0; // S0's block (S3) by cp.async
             stage_async(S3, LDH, Sc, dv, (int)(dk - a0), dv - e0, BO, vec_ok(Sc, dv, dv));
             stage_ou(e0); // commits S3's copy with its group
-            // dS's block (S5), 8 elements a thread a round
-            const auto ds_at = [&](int p) { // element p of the block: its offset, or -1
-                const int a = p / BO, b = p % BO;
-                return p < CH * BO && a0 + a < dk && e0 + b < dv ? (a0 + a) * dv + e0 + b : -1;
-            };
-            for (int p0 = 0; p0 < CH * BO; p0 += 8 * NT) {
-                float ds[8];
-#pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const int64_t o = ds_at(p0 + u * NT + tid);
-                    ds[u] = o >= 0 ? dS[o] : 0.0f;
-                }
-#pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const int p = p0 + u * NT + tid;
-                    if (p < CH * BO)
-                        S5[(p / BO) * LDH + p % BO] = __float2bfloat16_rn(ds[u]);
-                }
-            }
+            quad_regs ds; // dS's block (S5), kept for sum(S0 dS)
+            ds.load(dS + a0 * dv + e0, dv, (int)(dk - a0), dv - e0, dsv);
+            ds.store_bf16(S5, LDH);
             cp_wait<0>();
             __syncthreads();
-            // sum(S0 dS): the rounded state's elements (the forward's) by dS's
-            for (int p0 = 0; p0 < CH * BO; p0 += 8 * NT)
-#pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const int p = p0 + u * NT + tid;
-                    const int64_t o = ds_at(p);
-                    if (o >= 0)
-                        ss += (double)__bfloat162float(S3[(p / BO) * LDH + p % BO]) * (double)dS[o];
-                }
+            // sum(S0 dS): the rounded state's elements (the forward's) by dS's,
+            // both zero outside the state
+            for (int u = 0; u < quad_regs::N; u++) {
+                const uint2 p = *reinterpret_cast<const uint2 *>(
+                    S3 + quad_regs::row(u) * LDH + quad_regs::col());
+                const bf16 *s0 = reinterpret_cast<const bf16 *>(&p);
+                const float4 d = ds.v[u];
+                ss += (double)__bfloat162float(s0[0]) * (double)d.x;
+                ss += (double)__bfloat162float(s0[1]) * (double)d.y;
+                ss += (double)__bfloat162float(s0[2]) * (double)d.z;
+                ss += (double)__bfloat162float(s0[3]) * (double)d.w;
+            }
             warp_mma<1, 4>(sd, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
             warp_mma<1, 4>(tm, S2 + f.r0 * LDH, LDH, 1, S5 + f.c0 * LDH, 1, LDH, BO);
         }
         float pg[2] = {0.0f, 0.0f}, pd[2] = {0.0f, 0.0f};
         for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++) {
+            for (int e = 0; e < 4; e += 2) {
                 const int i = f.i(e);
                 const int64_t a = a0 + f.j(n, e);
-                sd[0][n][e] *= Es[i];
-                tm[0][n][e] *= Dj[i];
+                for (int b = 0; b < 2; b++)
+                    sd[0][n][e + b] *= Es[i], tm[0][n][e + b] *= Dj[i];
                 if (i < L && a < dk) {
-                    pg[e >> 1] += qn[i * qs + a] * sd[0][n][e];
-                    pd[e >> 1] += kn[i * qs + a] * tm[0][n][e];
+                    const float2 q = qv[n][e >> 1], k = kv[n][e >> 1];
+                    pg[e >> 1] += q.x * sd[0][n][e];
+                    pd[e >> 1] += k.x * tm[0][n][e];
+                    if (a + 1 < dk) {
+                        pg[e >> 1] += q.y * sd[0][n][e + 1];
+                        pd[e >> 1] += k.y * tm[0][n][e + 1];
+                    }
                 }
             }
         for (int k = 0; k < 2; k++)
@@ -366,6 +347,15 @@ __global__ void __launch_bounds__(NT, 2)
             PG[(f.r0 + f.g) * 4 + slot] = pg[0], PG[(f.r0 + f.g + 8) * 4 + slot] = pg[1];
             PD[(f.r0 + f.g) * 4 + slot] = pd[0], PD[(f.r0 + f.g + 8) * 4 + slot] = pd[1];
         }
+        // dk's B part (the dB loop's, this thread's places), in flight during the products
+        float2 kb[4][2];
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e += 2) {
+                const int i = f.i(e);
+                const int64_t a = a0 + f.j(n, e);
+                kb[n][e >> 1] = i < L && a < dk ? ld2(w.dkh + row(i) * dk + a, keven, a + 1 < dk)
+                                                : make_float2(0.0f, 0.0f);
+            }
         const bf16 *Qb = m.Qs + f.c0, *Kb = m.Ks + f.c0;
         warp_mma<1, 4>(sd, DQb + f.r0 * LDH, LDH, 1, Kb, LDH, 1, CH); // + DQ K
         warp_mma<1, 4>(tm, DQb + f.r0, 1, LDH, Qb, LDH, 1, CH);       // + DQ^T Q
@@ -377,7 +367,9 @@ __global__ void __launch_bounds__(NT, 2)
                 if (i < L && a < dk) {
                     const bool two = a + 1 < dk;
                     put2(w.dqh + row(i) * dk + a, keven, two, sd[0][n][e], sd[0][n][e + 1]);
-                    add2(w.dkh + row(i) * dk + a, keven, two, tm[0][n][e], tm[0][n][e + 1]);
+                    const float2 b = kb[n][e >> 1];
+                    put2(w.dkh + row(i) * dk + a, keven, two, b.x + tm[0][n][e],
+                         b.y + tm[0][n][e + 1]);
                 }
             }
     }
