@@ -88,6 +88,7 @@ __device__ __forceinline__ void col_sums(const tile &f, float *CP, F v, O out) {
     __syncthreads();
 }
 
+template <bool FULL>
 __global__ void __launch_bounds__(NT, 2)
     chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
                         geo z, gdn_ws w, void *dqkv, float *dg, float *dbeta) {
@@ -117,9 +118,12 @@ __global__ void __launch_bounds__(NT, 2)
     // dO's and U's rows of columns [b0, b0 + BO) into S1, S2 by cp.async (committed)
     const int64_t vrs = Hv * dv;
     // put2's pairs aligned: dk even (dqh, dkh); dv, C and the base even (dqkv's v)
-    const bool keven = dk % 2 == 0;
-    const bool veven = dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)dqkv & 3) == 0;
-    const bool qeven = dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)qkv & 3) == 0; // v's pairs
+    // FULL (the launcher's full_tiles): dk and dv multiples of BO, every pair aligned
+    const bool keven = FULL || dk % 2 == 0;
+    const bool veven = FULL || (dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)dqkv & 3) == 0);
+    const bool qeven = FULL || (dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)qkv & 3) == 0);
+    // whether column col of a row of n is in range (FULL: every column is)
+    const auto cin = [&](int64_t col, int64_t n) { return FULL || col < n; };
     // dU's and dS's blocks by float4 (quad_regs)
     const float *dUc = w.dU + row(0) * dv;
     const bool duv = vec4_ok(dUc, dv, vrs), dsv = vec4_ok(dS, dv, dv);
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(NT, 2)
             for (int e = 0; e < 4; e += 2) {
                 const int i = f.i(e);
                 const int64_t col = b0 + f.j(n, e);
-                const bool in = i < L && col < ncol, two = col + 1 < ncol;
+                const bool in = i < L && cin(col, ncol), two = cin(col + 1, ncol);
                 y[n][e >> 1] = !in ? make_float2(0.0f, 0.0f)
                                : isv ? ld2((const bf16 *)qkv + vcol(i) + col, qeven, two)
                                      : ld2(kn + i * qs + col, keven, two);
@@ -227,9 +231,9 @@ __global__ void __launch_bounds__(NT, 2)
             for (int e = 0; e < 4; e += 2) { // pairs of columns (put2)
                 const int i = f.i(e);
                 const int64_t col = b0 + f.j(n, e);
-                if (i >= L || col >= ncol)
+                if (i >= L || !cin(col, ncol))
                     continue;
-                const bool two = col + 1 < ncol;
+                const bool two = cin(col + 1, ncol);
                 if (isv)
                     put2((bf16 *)dqkv + vcol(i) + col, veven, two, Bs[i] * db[0][n][e],
                          Bs[i] * db[0][n][e + 1]);
@@ -288,7 +292,7 @@ __global__ void __launch_bounds__(NT, 2)
             for (int e = 0; e < 4; e += 2) {
                 const int i = f.i(e);
                 const int64_t a = a0 + f.j(n, e);
-                const bool in = i < L && a < dk, two = a + 1 < dk;
+                const bool in = i < L && cin(a, dk), two = cin(a + 1, dk);
                 qv[n][e >> 1] = in ? ld2(qn + i * qs + a, keven, two) : make_float2(0.0f, 0.0f);
                 kv[n][e >> 1] = in ? ld2(kn + i * qs + a, keven, two) : make_float2(0.0f, 0.0f);
             }
@@ -327,11 +331,11 @@ __global__ void __launch_bounds__(NT, 2)
                 const int64_t a = a0 + f.j(n, e);
                 for (int b = 0; b < 2; b++)
                     sd[0][n][e + b] *= Es[i], tm[0][n][e + b] *= Dj[i];
-                if (i < L && a < dk) {
+                if (i < L && cin(a, dk)) {
                     const float2 q = qv[n][e >> 1], k = kv[n][e >> 1];
                     pg[e >> 1] += q.x * sd[0][n][e];
                     pd[e >> 1] += k.x * tm[0][n][e];
-                    if (a + 1 < dk) {
+                    if (cin(a + 1, dk)) {
                         pg[e >> 1] += q.y * sd[0][n][e + 1];
                         pd[e >> 1] += k.y * tm[0][n][e + 1];
                     }
@@ -353,8 +357,9 @@ __global__ void __launch_bounds__(NT, 2)
             for (int e = 0; e < 4; e += 2) {
                 const int i = f.i(e);
                 const int64_t a = a0 + f.j(n, e);
-                kb[n][e >> 1] = i < L && a < dk ? ld2(w.dkh + row(i) * dk + a, keven, a + 1 < dk)
-                                                : make_float2(0.0f, 0.0f);
+                kb[n][e >> 1] = i < L && cin(a, dk)
+                                    ? ld2(w.dkh + row(i) * dk + a, keven, cin(a + 1, dk))
+                                    : make_float2(0.0f, 0.0f);
             }
         const bf16 *Qb = m.Qs + f.c0, *Kb = m.Ks + f.c0;
         warp_mma<1, 4>(sd, DQb + f.r0 * LDH, LDH, 1, Kb, LDH, 1, CH); // + DQ K
@@ -364,8 +369,8 @@ __global__ void __launch_bounds__(NT, 2)
             for (int e = 0; e < 4; e += 2) {
                 const int i = f.i(e);
                 const int64_t a = a0 + f.j(n, e);
-                if (i < L && a < dk) {
-                    const bool two = a + 1 < dk;
+                if (i < L && cin(a, dk)) {
+                    const bool two = cin(a + 1, dk);
                     put2(w.dqh + row(i) * dk + a, keven, two, sd[0][n][e], sd[0][n][e + 1]);
                     const float2 b = kb[n][e >> 1];
                     put2(w.dkh + row(i) * dk + a, keven, two, b.x + tm[0][n][e],
@@ -404,11 +409,15 @@ loom_status tc_chunk_bwd(loom_ctx *ctx, const char *op, const void *qkv, const v
                          loom_dtype dt, const float *beta, const geo &z, const gdn_ws &w,
                          void *dqkv, float *dg, float *dbeta, cudaStream_t s) {
     const size_t b = bwd_smem(nullptr, z.dk).bytes;
-    const loom_status st = smem_for(ctx, op, chunk_bwd_tc_kernel, b);
+    // full tiles: no column of a block past dk or dv, every pair aligned (put2, ld2)
+    const bool full = z.dk % BO == 0 && z.dv % BO == 0 && z.C % 2 == 0 &&
+                      ((uintptr_t)qkv & 3) == 0 && ((uintptr_t)dqkv & 3) == 0;
+    const auto kern = full ? chunk_bwd_tc_kernel<true> : chunk_bwd_tc_kernel<false>;
+    const loom_status st = smem_for(ctx, op, kern, b);
     if (st)
         return st;
-    chunk_bwd_tc_kernel<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, b, s>>>(
-        qkv, dout, dt, beta, z, w, dqkv, dg, dbeta);
+    kern<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, b, s>>>(qkv, dout, dt, beta, z, w, dqkv,
+                                                             dg, dbeta);
     return check_launch(ctx, op);
 }
 
