@@ -95,8 +95,8 @@ __device__ __forceinline__ void col_sums(const tile &f, float *CP, F v, O out) {
 
 template <bool FULL>
 __global__ void __launch_bounds__(NT, 2)
-    chunk_bwd_tc_kernel(const void *qkv, const void *dout, loom_dtype dt, const float *beta,
-                        geo z, gdn_ws w, void *dqkv, float *dg, float *dbeta) {
+    chunk_bwd_tc_kernel(const void *qkv, const void *dout, const float *beta, geo z, gdn_ws w,
+                        void *dqkv, float *dg, float *dbeta) {
     extern __shared__ __align__(16) float sm[];
     __shared__ double red[WARPS];
     const int64_t dk = z.dk, dv = z.dv, Hv = z.Hv;
@@ -413,6 +413,7 @@ namespace loom_gdn {
 loom_status tc_chunk_bwd(loom_ctx *ctx, const char *op, const void *qkv, const void *dout,
                          loom_dtype dt, const float *beta, const geo &z, const gdn_ws &w,
                          void *dqkv, float *dg, float *dbeta, cudaStream_t s) {
+    (void)dt; // bf16: use_tc's
     const size_t b = bwd_smem(nullptr, z.dk).bytes;
     // full tiles: no column of a block past dk or dv, every pair aligned (put2, ld2)
     const bool full = z.dk % BO == 0 && z.dv % BO == 0 && z.C % 2 == 0 &&
@@ -421,8 +422,8 @@ loom_status tc_chunk_bwd(loom_ctx *ctx, const char *op, const void *qkv, const v
     const loom_status st = smem_for(ctx, op, kern, b);
     if (st)
         return st;
-    kern<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, b, s>>>(qkv, dout, dt, beta, z, w, dqkv,
-                                                             dg, dbeta);
+    kern<<<dim3((unsigned)z.NC, (unsigned)z.Hv), NT, b, s>>>(qkv, dout, beta, z, w, dqkv, dg,
+                                                             dbeta);
     return check_launch(ctx, op);
 }
 
