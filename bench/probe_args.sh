@@ -1,6 +1,7 @@
 #!/bin/bash
-# The GPU probes' and bench/profile.sh's argument checks, which run before
-# any device work and so on any machine, and bench/kprof_table.py's self-test
+# The GPU probes', bench/profile.sh's and bench/ncu_source.sh's argument
+# checks, which run before any device work and so on any machine, and
+# bench/kprof_table.py's and bench/ncu_source.py's self-tests
 # (CI runs this after the CUDA build):
 #   bash bench/probe_args.sh [build dir, default build-cuda]
 # Each bad command line must exit 2 with its message on stderr.
@@ -38,5 +39,14 @@ expect "no tracer at /nonexistent/kprof.so" env LOOM_BIN="$B/loom" LOOM_KPROF_LI
 expect "give LOG and --steps N" python3 bench/kprof_table.py
 expect "no kprof report" python3 bench/kprof_table.py /dev/null --steps 2
 python3 bench/kprof_table.py --self-test || fail=1
+expect "usage: bash bench/ncu_source.sh" bash bench/ncu_source.sh q35-4b-lora
+expect "unknown case 'foo'" bash bench/ncu_source.sh foo chunk_bwd
+expect "give the kernel's name" bash bench/ncu_source.sh q35-4b-lora ""
+expect "skip is a count of launches" bash bench/ncu_source.sh q35-4b-lora chunk_bwd 1x
+expect "no loom binary at /nonexistent/loom" env LOOM_BIN=/nonexistent/loom bash bench/ncu_source.sh q35-4b-lora chunk_bwd
+expect "no Nsight Compute ('/nonexistent/ncu'" env LOOM_BIN="$B/loom" NCU=/nonexistent/ncu bash bench/ncu_source.sh q35-4b-lora chunk_bwd
+expect "give the CSV of ncu's source page" python3 bench/ncu_source.py
+expect "not an ncu source page" python3 bench/ncu_source.py /dev/null
+python3 bench/ncu_source.py --self-test || fail=1
 [ $fail -eq 0 ] && echo "probe and profile arguments: $n checks passed"
 exit $fail
