@@ -123,10 +123,7 @@ __device__ __forceinline__ void put2(float *p, bool even, bool two, float a, flo
 }
 __device__ __forceinline__ void put2(bf16 *p, bool even, bool two, float a, float b) {
     if (even && two) {
-        uint32_t u;
-        bf16 *e = reinterpret_cast<bf16 *>(&u);
-        e[0] = __float2bfloat16_rn(a), e[1] = __float2bfloat16_rn(b);
-        *reinterpret_cast<uint32_t *>(p) = u;
+        *reinterpret_cast<uint32_t *>(p) = M16::pack(a, b);
     } else {
         p[0] = __float2bfloat16_rn(a);
         if (two)
@@ -229,7 +226,7 @@ static_assert(CH * BO % NT == 0 && NT % BO == 0, "block_regs' split");
 // A (CH, BO) fp32 block's elements of a thread as float4s (rows tid / 16 +
 // 16 u, columns 4 (tid % 16) on), every load issued before any is used:
 // rows i < R of src (row i at src + i rs), columns c < n, zero elsewhere;
-// vec: n and rs multiples of 4 and src 16-byte aligned (a 16-byte load),
+// vec: n and rs multiples of 4 and src 16-byte aligned (vec_ok: a 16-byte load),
 // else element by element. store_bf16 puts them to shared memory rounded,
 // four to an 8-byte store (dst's rows 8-byte aligned). A thread's rows and
 // column are fixed, so there is no index arithmetic an element: fill's
@@ -269,10 +266,6 @@ struct quad_regs {
     }
 };
 static_assert(NT % quad_regs::Q == 0 && CH * BO % (4 * NT) == 0, "quad_regs' split");
-// Whether fp32 rows of n elements at src with row stride rs can go by float4.
-__device__ __forceinline__ bool vec4_ok(const float *src, int64_t n, int64_t rs) {
-    return n % 4 == 0 && rs % 4 == 0 && aligned16(src);
-}
 
 // T = (I + A)^-1 for the strictly lower A (CH x CH, row stride LDA) by
 // blocks of 16: each diagonal block by forward substitution (a column a

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(NT, 2)
     const auto cin = [&](int64_t col, int64_t n) { return FULL || col < n; };
     // dU's and dS's blocks by float4 (quad_regs)
     const float *dUc = w.dU + row(0) * dv;
-    const bool duv = vec4_ok(dUc, dv, vrs), dsv = vec4_ok(dS, dv, dv);
+    const bool duv = vec_ok(dUc, dv, vrs), dsv = vec_ok(dS, dv, dv);
     const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
     const bool ouv = vec_ok(Oc, dv, vrs) && vec_ok(Uc, dv, vrs);
     auto stage_ou = [&](int64_t b0) {
