@@ -81,6 +81,29 @@ def load_model(args, device):
     return model
 
 
+def delta_rule_impl(model):
+    """Which Gated DeltaNet kernels transformers bound for this model: it takes
+    flash-linear-attention's `chunk_gated_delta_rule` when `import fla`
+    succeeds when its modeling file loads (fla needs Triton >= 3.7.1 on
+    Hopper), else its torch reference. None for a model without such layers.
+    The same import, repeated here, names the reason when it fails."""
+    types = getattr(getattr(model, "config", None), "layer_types", None) or []
+    tc = getattr(model.config, "text_config", None)
+    types = types or getattr(tc, "layer_types", None) or []
+    if "linear_attention" not in types:
+        return None, ""
+    try:
+        import importlib
+        fla = importlib.import_module("fla")
+        if getattr(fla, "chunk_gated_delta_rule", None) is None:
+            importlib.import_module("fla.ops.gated_delta_rule")
+        import triton
+        return "fla", f"flash-linear-attention {getattr(fla, '__version__', '?')}, " \
+                      f"triton {triton.__version__}"
+    except Exception as e:  # what transformers' fallback swallows
+        return "torch", f"torch reference (import fla: {type(e).__name__}: {e})"
+
+
 def main():
     ap = argparse.ArgumentParser(description="HF transformers/PEFT peer of loom train")
     ap.add_argument("--model", required=True, help="HF model directory (loom init --out)")
@@ -102,6 +125,9 @@ def main():
     ap.add_argument("--no-fused", action="store_true", help="AdamW without fused=True")
     ap.add_argument("--grad-ckpt", action="store_true",
                     help="gradient checkpointing (a MoE model too large for the GPU without it)")
+    ap.add_argument("--require-fla", action="store_true",
+                    help="refuse to run a Gated DeltaNet model on transformers' torch reference "
+                         "(the transformers + flash-linear-attention peer)")
     args = ap.parse_args()
     if args.base_dtype is None:
         args.base_dtype = "bf16" if args.lora_r else "fp32"
@@ -181,6 +207,12 @@ def main():
         if args.lora_r:
             model.enable_input_require_grads()
         log("peer: gradient checkpointing on")
+    impl, why = delta_rule_impl(model)
+    if impl is not None:
+        log(f"peer: gated delta rule: {why}")
+        if args.require_fla and impl != "fla":
+            sys.exit("peer: --require-fla, but transformers runs its torch reference: install "
+                     "fla-core with a Triton >= 3.7.1")
     ei = getattr(model.config, "_experts_implementation", None)
     if ei is not None:
         log(f"peer: experts implementation {ei}")

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU probes', bench/profile.sh's and bench/ncu_source.sh's argument
+# The GPU probes', bench/profile.sh's, bench/ncu_source.sh's and bench/fla_site.sh's argument
 # checks, which run before any device work and so on any machine, and
 # bench/kprof_table.py's and bench/ncu_source.py's self-tests
 # (CI runs this after the CUDA build):
@@ -48,5 +48,10 @@ expect "no Nsight Compute ('/nonexistent/ncu'" env LOOM_BIN="$B/loom" NCU=/nonex
 expect "give the CSV of ncu's source page" python3 bench/ncu_source.py
 expect "not an ncu source page" python3 bench/ncu_source.py /dev/null
 python3 bench/ncu_source.py --self-test || fail=1
+expect "usage: bash bench/fla_site.sh pack" bash bench/fla_site.sh
+expect "usage: bash bench/fla_site.sh pack" bash bench/fla_site.sh unzip x
+expect "usage: bash bench/fla_site.sh pack" bash bench/fla_site.sh unpack x
+expect "must end in .tar.xz (got 'x.zip')" bash bench/fla_site.sh pack x.zip
+expect "no archive at /nonexistent/a.tar.xz" bash bench/fla_site.sh unpack /nonexistent/a.tar.xz /tmp
 [ $fail -eq 0 ] && echo "probe and profile arguments: $n checks passed"
 exit $fail
