@@ -4,12 +4,14 @@
 // Per (document, value head, 16 columns of dv: a unit), the document's
 // chunks in order (in reverse for the backward): each chunk's step waits
 // for the last, so a step's latency is the pass's time, and the work of a
-// step is spread over a unit's four warps.
+// step is spread over a unit's KS warps (four, or eight where a block holds
+// one unit: slices<KS>).
 //
 // The state is kept transposed (S^T: 16 columns x dk16 keys) in the warps'
-// mma accumulators, warp ks holding keys [32 ks, 32 ks + 32), and rounded
-// to bf16 into shared memory (Sh) for the product over all keys. Warp ks
-// also owns the chunk's tokens [16 ks, 16 ks + 16) in that product:
+// mma accumulators, warp ks holding keys [KW ks, KW ks + KW) (KW = 128 /
+// KS), and rounded to bf16 into shared memory (Sh) for the product over all
+// keys. Warp ks also owns the chunk's tokens [TW ks, TW ks + TW) (TW = 64 /
+// KS) in that product:
 //   forward   U^T = U0^T - S^T W^T over its tokens (A: Sh, B: W's rows),
 //             then its keys of S^T <- e^G_L S^T + (Ds U)^T K
 //   backward  dU^T = Ds (dS^T K^T) + (dU's local part)^T over its tokens,
@@ -37,19 +39,30 @@ using namespace loom_gdn;
 
 namespace {
 constexpr int SW = 16;       // dv columns a unit (the products' m)
-constexpr int KS = 4;        // warps a unit: key slices of 32, token slices of 16
 constexpr int ST = 3;        // stages of the ring
 constexpr int MK = 8;        // k-steps of 16 over dk16 at most (dk <= 128)
+constexpr int DKM = 16 * MK; // the largest dk (and FULL's dk and dv)
 constexpr int LDU = CH + 8;  // row stride of a unit's Us (bf16, 16 x CH)
-static_assert(KS * 32 >= 128 && KS * 16 == CH, "a unit's warps cover dk <= 128 and a chunk");
 
 // The sizes of a block of NU units.
 template <int NU> struct shape {
-    static constexpr int NTH = 32 * KS * NU; // threads
-    static constexpr int BW = SW * NU;       // dv columns
-    static constexpr int LDV = BW + 4;       // row stride of the fp32 (CH, BW) block
-    static constexpr int LDO = BW + 8;       // row stride of the bf16 (CH, BW) block
+    static constexpr int BW = SW * NU; // dv columns
+    static constexpr int LDV = BW + 4; // row stride of the fp32 (CH, BW) block
+    static constexpr int LDO = BW + 8; // row stride of the bf16 (CH, BW) block
 };
+
+// A unit's KS warps: warp ks owns keys [KW ks, KW ks + KW) of the state
+// (KN n-tiles of 8, KJ blocks of 16) and tokens [TW ks, TW ks + TW) of a
+// chunk (TN n-tiles). Four warps (32 keys, 16 tokens each) where a block
+// holds two units; eight (16 keys, 8 tokens) where it holds one, so that a
+// chunk's step, the chain's link, is spread over twice the warps.
+template <int KS> struct slices {
+    static_assert(KS == 4 || KS == 8, "four or eight warps a unit");
+    static constexpr int KW = DKM / KS, KN = KW / 8, KJ = KW / 16;
+    static constexpr int TW = CH / KS, TN = TW / 8;
+};
+// a block's threads
+template <int NU, int KS> __host__ __device__ constexpr int threads() { return 32 * KS * NU; }
 
 // A stage: the bf16 (CH, dk16) row blocks X (W, K; and Q for the
 // backward), the fp32 (CH, BW) block V (U0, or dU's local part), the bf16
@@ -99,7 +112,8 @@ struct doc_chunks {
 // A thread's place: value head h (key head hk), the block's dv columns b0
 // on (nb valid), its unit u (columns v0 = 16 u on of the block's), key and
 // token slice ks, lane's g and t; its unit's Sh and Us.
-template <int NU> struct pass_at {
+template <int NU, int KS> struct pass_at {
+    using SL = slices<KS>;
     int64_t h, hk, b0;
     int nb, u, ks, lane, g, t, v0, ldq;
     bf16 *Sh, *Us;
@@ -113,10 +127,10 @@ template <int NU> struct pass_at {
         Us = Sh + SW * ldq;
     }
     // accumulator e of a 16 x 8 tile: the block's dv column, a key (n-tile
-    // nn of the warp's 4) or a token (n-tile nt of its 2)
+    // nn of the warp's KN) or a token (n-tile nt of its TN)
     __device__ int col(int e) const { return v0 + g + 8 * (e >> 1); }
-    __device__ int key(int nn, int e) const { return 32 * ks + 8 * nn + 2 * t + (e & 1); }
-    __device__ int tok(int nt, int e) const { return 16 * ks + 8 * nt + 2 * t + (e & 1); }
+    __device__ int key(int nn, int e) const { return SL::KW * ks + 8 * nn + 2 * t + (e & 1); }
+    __device__ int tok(int nt, int e) const { return SL::TW * ks + 8 * nt + 2 * t + (e & 1); }
 };
 
 // A chunk's G at its last token and at this thread's token (threads < CH),
@@ -169,13 +183,13 @@ __device__ __forceinline__ void stage_rows(T *dst, int ld, const T *src, int64_t
 // dv) block Sg (fp32, or bf16 rounded: the forward's states; the block's
 // columns on) and, rounded, to its unit's Sh: keys < dk and columns < nb
 // to Sg, keys < dk16 to Sh (FULL: dk = 128 and every column).
-template <bool FULL, int NU, typename T>
-__device__ __forceinline__ void put_state(T *Sg, const float (&S)[4][4], const pass_at<NU> &p,
-                                          int dk, int dv) {
+template <bool FULL, int NU, int KS, typename T>
+__device__ __forceinline__ void put_state(T *Sg, const float (&S)[slices<KS>::KN][4],
+                                          const pass_at<NU, KS> &p, int dk, int dv) {
     const int d16 = (int)pad16(dk);
     T *base = Sg + p.key(0, 0) * dv + p.col(0); // offsets in int: a block's fit
 #pragma unroll
-    for (int nn = 0; nn < 4; nn++) {
+    for (int nn = 0; nn < slices<KS>::KN; nn++) {
 #pragma unroll
         for (int e = 0; e < 4; e++)
             if (FULL || (p.key(nn, e) < dk && p.col(e) < p.nb))
@@ -192,27 +206,36 @@ __device__ __forceinline__ void put_state(T *Sg, const float (&S)[4][4], const p
 __device__ __forceinline__ float lo_of(uint32_t r) { return __uint_as_float(r << 16); }
 __device__ __forceinline__ float hi_of(uint32_t r) { return __uint_as_float(r & 0xffff0000u); }
 
-// The warp's 16 tokens of Y^T (16 x CH) = Sh R^T: the unit's Sh (16 x
+// The warp's TW tokens of Y^T (16 x CH) = Sh R^T: the unit's Sh (16 x
 // dk16, nk k-steps) and the chunk's rows R (CH, dk16) in shared memory.
-template <int NU>
-__device__ __forceinline__ void state_times_rows(float (&y)[2][4], const pass_at<NU> &p,
-                                                 const bf16 *R, int nk) {
+template <int NU, int KS>
+__device__ __forceinline__ void state_times_rows(float (&y)[slices<KS>::TN][4],
+                                                 const pass_at<NU, KS> &p, const bf16 *R, int nk) {
+    constexpr int TW = slices<KS>::TW;
 #pragma unroll
     for (int kk = 0; kk < MK; kk++)
         if (kk < nk) {
-            uint32_t a[4], b[4];
+            uint32_t a[4];
             ldsm_x4(a, a_addr(p.Sh, p.ldq, 0, 16 * kk, p.lane));
-            ldsm_x4(b, b_addr(R, p.ldq, 16 * p.ks, 16 * kk, p.lane));
-            M16::mma(y[0], a, b[0], b[1]);
-            M16::mma(y[1], a, b[2], b[3]);
+            if constexpr (TW == 16) {
+                uint32_t b[4];
+                ldsm_x4(b, b_addr(R, p.ldq, TW * p.ks, 16 * kk, p.lane));
+                M16::mma(y[0], a, b[0], b[1]);
+                M16::mma(y[1], a, b[2], b[3]);
+            } else {
+                uint32_t b[2];
+                ldsm_x2(b, b1_addr(R, p.ldq, TW * p.ks, 16 * kk, p.lane));
+                M16::mma(y[0], a, b[0], b[1]);
+            }
         }
 }
 
-// The warp's 16 tokens of Y^T (as accumulators, rounded) to its unit's Us.
-template <int NU>
-__device__ __forceinline__ void put_us(const float (&y)[2][4], const pass_at<NU> &p) {
+// The warp's TW tokens of Y^T (as accumulators, rounded) to its unit's Us.
+template <int NU, int KS>
+__device__ __forceinline__ void put_us(const float (&y)[slices<KS>::TN][4],
+                                       const pass_at<NU, KS> &p) {
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
+    for (int nt = 0; nt < slices<KS>::TN; nt++)
 #pragma unroll
         for (int r = 0; r < 2; r++)
             *(uint32_t *)(p.Us + (p.g + 8 * r) * LDU + p.tok(nt, 0)) =
@@ -261,13 +284,13 @@ template <bool B> struct flag {
 // from the shared memory's start, the units' Sh and Us after them), the
 // thread's place, the document's chunks, the rows' strides, and whether
 // the block's tiles are full (dk = 128, every column: no bounds to check).
-template <int NU> struct pass_base {
+template <int NU, int KS> struct pass_base {
     int64_t dk, dv, d16, wrs, krs, ors;
     int nk, ldq;
     size_t bytes;
     bool bwd;
     char *sm;
-    pass_at<NU> p;
+    pass_at<NU, KS> p;
     doc_chunks dc;
     int nc;
     bool keys;
@@ -276,26 +299,43 @@ template <int NU> struct pass_base {
           ors(z.Hv * z.dv), nk((int)(pad16(z.dk) / 16)), ldq((int)ldk(z.dk)),
           bytes(stage_ptrs<NU>(nullptr, z.dk, bwd_).bytes), bwd(bwd_), sm(smem),
           p(z, smem + ST * bytes), dc(w, blockIdx.x), nc(dc.c2 - dc.c1),
-          keys(z.dk == 32 * KS && p.nb == shape<NU>::BW) {}
+          keys(z.dk == DKM && p.nb == shape<NU>::BW) {}
     __device__ stage_ptrs<NU> slot(int s) const {
         return stage_ptrs<NU>(sm + s * bytes, dk, bwd);
     }
 };
 
+// FULL (the launchers' full_dims_ok: dk = dv = 128, Qwen3.5's heads): the
+// kernel's copy of the dimensions made the constants they are, so that
+// every stride, bound and k-step count below folds at compile time (the
+// state passes were issue-bound on their integer work: ncu on an H200 had
+// 26% of state_fwd's instructions IMAD, 12% ISETP, 4% HMMA); the blocks'
+// columns are then all in range (128 is a multiple of BW) and every key a
+// warp owns is one.
+template <bool FULL> __device__ __forceinline__ void full_dims(geo &z) {
+    if constexpr (FULL) {
+        z.dk = DKM;
+        z.dv = DKM;
+    }
+}
+inline bool full_dims_ok(const geo &z) { return z.dk == DKM && z.dv == DKM; }
+
 // The forward pass: stores each chunk's starting state (w.Sb, bf16) and U =
 // U0 - W S0 (w.Uh, bf16).
-template <int NU>
-__global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, gdn_ws w) {
+template <int NU, int KS, bool FULL>
+__global__ void __launch_bounds__(threads<NU, KS>(), 1) state_fwd_tc_kernel(geo z, gdn_ws w) {
     using SH = shape<NU>;
-    constexpr int NTH = SH::NTH;
+    using SL = slices<KS>;
+    constexpr int NTH = threads<NU, KS>();
     extern __shared__ __align__(16) float sm[];
-    const pass_base<NU> b(z, w, (char *)sm, false);
-    const pass_at<NU> &p = b.p;
+    full_dims<FULL>(z);
+    const pass_base<NU, KS> b(z, w, (char *)sm, false);
+    const pass_at<NU, KS> &p = b.p;
     const doc_chunks &dc = b.dc;
     const int64_t dk = b.dk, dv = b.dv, d16 = b.d16, wrs = b.wrs, krs = b.krs, ors = b.ors;
     const int nk = b.nk, nc = b.nc, ldq = b.ldq;
     const bool wv = vec_ok(w.Wh, dk, wrs), kv = vec_ok(w.kb, dk, krs);
-    const bool ov = vec_ok(w.U0 + p.b0, dv, ors), keys = b.keys;
+    const bool ov = vec_ok(w.U0 + p.b0, dv, ors), keys = FULL || b.keys;
     const auto stage = [&](int s, int slot) {
         const int c = dc.c1 + s, L = dc.len(c);
         const int64_t t0 = dc.t0(c);
@@ -306,7 +346,7 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, 
         stage_rows<NTH>(q.V, SH::LDV, w.U0 + (t0 * z.Hv + p.h) * dv + p.b0, ors, L, p.nb,
                         SH::BW, ov);
     };
-    float S[4][4] = {};
+    float S[SL::KN][4] = {};
     decay_ahead cur, nxt;
     if (nc > 0)
         cur.load(z, w, dc, dc.c1, p.h);
@@ -325,13 +365,13 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, 
         if (s + 1 < nc)
             nxt.load(z, w, dc, c + 1, p.h);
         ring_step(s, nc, stage); // the stage, D and Sh seen
-        float u[2][4] = {};
+        float u[SL::TN][4] = {};
         state_times_rows(u, p, q.X[0], nk); // (W S)^T, the warp's tokens
         bf16 *Ug = w.Uh + (t0 * z.Hv + p.h) * dv + p.b0 + p.col(0);
         const int urs = (int)ors; // a row of U (int: a chunk's rows fit)
         const auto epilogue = [&](auto full) { // U = U0 - W S to Uh; u <- Ds U
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++)
+            for (int nt = 0; nt < SL::TN; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int i = p.tok(nt, e), v = p.col(e);
@@ -354,10 +394,10 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, 
         for (int kt = 0; kt < 4; kt++)
             ldsm_x4(ua[kt], a_addr(p.Us, LDU, 0, 16 * kt, p.lane));
 #pragma unroll
-        for (int j = 0; j < 2; j++) // its keys: S^T <- e^G_L S^T + (Ds U)^T K
-            if (2 * p.ks + j < nk) {
+        for (int j = 0; j < SL::KJ; j++) // its keys: S^T <- e^G_L S^T + (Ds U)^T K
+            if (SL::KJ * p.ks + j < nk) {
                 float y[2][4] = {};
-                times_rows(y, ua, q.X[1], ldq, 2 * p.ks + j, p.lane);
+                times_rows(y, ua, q.X[1], ldq, SL::KJ * p.ks + j, p.lane);
 #pragma unroll
                 for (int r = 0; r < 2; r++)
 #pragma unroll
@@ -370,21 +410,23 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1) state_fwd_tc_kernel(geo z, 
 
 // The backward pass: from dS = 0 after the document, stores each chunk's
 // end state's gradient (w.dS) and the complete dU (w.dU, over its local part).
-template <int NU>
-__global__ void __launch_bounds__(shape<NU>::NTH, 1)
+template <int NU, int KS, bool FULL>
+__global__ void __launch_bounds__(threads<NU, KS>(), 1)
     state_bwd_tc_kernel(geo z, gdn_ws w, const void *dout) {
     using SH = shape<NU>;
-    constexpr int NTH = SH::NTH;
+    using SL = slices<KS>;
+    constexpr int NTH = threads<NU, KS>();
     extern __shared__ __align__(16) float sm[];
-    const pass_base<NU> b(z, w, (char *)sm, true);
-    const pass_at<NU> &p = b.p;
+    full_dims<FULL>(z);
+    const pass_base<NU, KS> b(z, w, (char *)sm, true);
+    const pass_at<NU, KS> &p = b.p;
     const doc_chunks &dc = b.dc;
     const int64_t dk = b.dk, dv = b.dv, d16 = b.d16, wrs = b.wrs, krs = b.krs, ors = b.ors;
     const int nk = b.nk, nc = b.nc, ldq = b.ldq;
     const bf16 *dO = (const bf16 *)dout; // bf16, as use_tc asks
     const bool wv = vec_ok(w.Wh, dk, wrs), kv = vec_ok(w.kb, dk, krs) && vec_ok(w.qb, dk, krs);
     const bool uv = vec_ok(w.dU + p.b0, dv, ors), ov = vec_ok(dO + p.b0, dv, ors);
-    const bool keys = b.keys;
+    const bool keys = FULL || b.keys;
     const auto stage = [&](int s, int slot) { // chunk number s from the document's end
         const int c = dc.c2 - 1 - s, L = dc.len(c);
         const int64_t t0 = dc.t0(c), o = (t0 * z.Hv + p.h) * dv + p.b0;
@@ -397,7 +439,7 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1)
         stage_rows<NTH>(q.V, SH::LDV, w.dU + o, ors, L, p.nb, SH::BW, uv);
         stage_rows<NTH>(q.O, SH::LDO, dO + o, ors, L, p.nb, SH::BW, ov);
     };
-    float dS[4][4] = {};
+    float dS[SL::KN][4] = {};
     decay_ahead cur, nxt;
     if (nc > 0)
         cur.load(z, w, dc, dc.c2 - 1, p.h);
@@ -416,13 +458,13 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1)
         if (s + 1 < nc)
             nxt.load(z, w, dc, c - 1, p.h);
         ring_step(s, nc, stage); // the stage, D, E and Sh seen
-        float x[2][4] = {};
+        float x[SL::TN][4] = {};
         state_times_rows(x, p, q.X[1], nk); // (K dS)^T, the warp's tokens
         float *Ug = w.dU + (t0 * z.Hv + p.h) * dv + p.b0 + p.col(0);
         const int urs = (int)ors; // a row of dU (int: a chunk's rows fit)
         const auto epilogue = [&](auto full) { // dU = Ds (K dS) + its local part, to w.dU
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++)
+            for (int nt = 0; nt < SL::TN; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int j = p.tok(nt, e), v = p.col(e);
@@ -453,11 +495,11 @@ __global__ void __launch_bounds__(shape<NU>::NTH, 1)
             }
         }
 #pragma unroll
-        for (int j = 0; j < 2; j++) // its keys: dS^T <- e^G_L dS^T + (Es dO)^T Q - dU^T W
-            if (2 * p.ks + j < nk) {
+        for (int j = 0; j < SL::KJ; j++) // its keys: dS^T <- e^G_L dS^T + (Es dO)^T Q - dU^T W
+            if (SL::KJ * p.ks + j < nk) {
                 float aq[2][4] = {}, aw[2][4] = {};
-                times_rows(aq, oa, q.X[2], ldq, 2 * p.ks + j, p.lane);
-                times_rows(aw, da, q.X[0], ldq, 2 * p.ks + j, p.lane);
+                times_rows(aq, oa, q.X[2], ldq, SL::KJ * p.ks + j, p.lane);
+                times_rows(aw, da, q.X[0], ldq, SL::KJ * p.ks + j, p.lane);
 #pragma unroll
                 for (int r = 0; r < 2; r++)
 #pragma unroll
@@ -478,10 +520,11 @@ loom_status pass_fits(loom_ctx *ctx, const char *op, const geo &z) {
                      op, (long long)z.Hv, (long long)z.dv);
 }
 
-// Two units a block (sharing the chunk's staged rows) where that still
-// gives half the multiprocessors a block, else one: twice the blocks for
-// few heads and documents (a block a multiprocessor: the ring's shared
-// memory).
+// Two units of four warps a block (sharing the chunk's staged rows) where
+// that still gives half the multiprocessors a block, else one unit of
+// eight warps: twice the blocks for few heads and documents (a block a
+// multiprocessor: the ring's shared memory), each chunk's step over as many
+// warps.
 loom_status pick_nu(loom_ctx *ctx, const char *op, const geo &z, int *nu) {
     int dev = 0, sms = 0;
     loom_status st = check(ctx, cudaGetDevice(&dev), op);
@@ -498,25 +541,29 @@ template <int NU> dim3 pass_grid(const geo &z) {
                 (unsigned)((z.dv + shape<NU>::BW - 1) / shape<NU>::BW));
 }
 
-template <int NU>
+template <int NU, int KS>
 loom_status launch_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                        cudaStream_t s) {
     const size_t b = ring_bytes<NU>(z.dk, false);
-    const loom_status st = smem_for(ctx, op, state_fwd_tc_kernel<NU>, b);
+    const auto kern = full_dims_ok(z) ? state_fwd_tc_kernel<NU, KS, true>
+                                      : state_fwd_tc_kernel<NU, KS, false>;
+    const loom_status st = smem_for(ctx, op, kern, b);
     if (st)
         return st;
-    state_fwd_tc_kernel<NU><<<pass_grid<NU>(z), shape<NU>::NTH, b, s>>>(z, w);
+    kern<<<pass_grid<NU>(z), threads<NU, KS>(), b, s>>>(z, w);
     return check_launch(ctx, op);
 }
 
-template <int NU>
+template <int NU, int KS>
 loom_status launch_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                        const void *dout, cudaStream_t s) {
     const size_t b = ring_bytes<NU>(z.dk, true);
-    const loom_status st = smem_for(ctx, op, state_bwd_tc_kernel<NU>, b);
+    const auto kern = full_dims_ok(z) ? state_bwd_tc_kernel<NU, KS, true>
+                                      : state_bwd_tc_kernel<NU, KS, false>;
+    const loom_status st = smem_for(ctx, op, kern, b);
     if (st)
         return st;
-    state_bwd_tc_kernel<NU><<<pass_grid<NU>(z), shape<NU>::NTH, b, s>>>(z, w, dout);
+    kern<<<pass_grid<NU>(z), threads<NU, KS>(), b, s>>>(z, w, dout);
     return check_launch(ctx, op);
 }
 } // namespace
@@ -529,7 +576,7 @@ loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_
     const loom_status st = pick_nu(ctx, op, z, &nu);
     if (st)
         return st;
-    return nu == 2 ? launch_fwd<2>(ctx, op, z, w, s) : launch_fwd<1>(ctx, op, z, w, s);
+    return nu == 2 ? launch_fwd<2, 4>(ctx, op, z, w, s) : launch_fwd<1, 8>(ctx, op, z, w, s);
 }
 
 loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
@@ -539,7 +586,8 @@ loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_
     const loom_status st = pick_nu(ctx, op, z, &nu);
     if (st)
         return st;
-    return nu == 2 ? launch_bwd<2>(ctx, op, z, w, dout, s) : launch_bwd<1>(ctx, op, z, w, dout, s);
+    return nu == 2 ? launch_bwd<2, 4>(ctx, op, z, w, dout, s)
+                   : launch_bwd<1, 8>(ctx, op, z, w, dout, s);
 }
 
 } // namespace loom_gdn
