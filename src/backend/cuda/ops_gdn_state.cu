@@ -4,8 +4,7 @@
 // Per (document, value head, 16 columns of dv: a unit), the document's
 // chunks in order (in reverse for the backward): each chunk's step waits
 // for the last, so a step's latency is the pass's time, and the work of a
-// step is spread over a unit's KS warps (four, or eight where a block holds
-// one unit: slices<KS>).
+// step is spread over a unit's KS warps (eight, or four: slices<KS>).
 //
 // The state is kept transposed (S^T: 16 columns x dk16 keys) in the warps'
 // mma accumulators, warp ks holding keys [KW ks, KW ks + KW) (KW = 128 /
@@ -53,9 +52,10 @@ template <int NU> struct shape {
 
 // A unit's KS warps: warp ks owns keys [KW ks, KW ks + KW) of the state
 // (KN n-tiles of 8, KJ blocks of 16) and tokens [TW ks, TW ks + TW) of a
-// chunk (TN n-tiles). Four warps (32 keys, 16 tokens each) where a block
-// holds two units; eight (16 keys, 8 tokens) where it holds one, so that a
-// chunk's step, the chain's link, is spread over twice the warps.
+// chunk (TN n-tiles). Eight warps (16 keys, 8 tokens each), so that a
+// chunk's step, the chain's link, is spread over as many; four (32 keys,
+// 16 tokens) for two units a block without FULL's constant dimensions,
+// whose registers (140-180) sixteen warps a block could not hold.
 template <int KS> struct slices {
     static_assert(KS == 4 || KS == 8, "four or eight warps a unit");
     static constexpr int KW = DKM / KS, KN = KW / 8, KJ = KW / 16;
@@ -520,11 +520,10 @@ loom_status pass_fits(loom_ctx *ctx, const char *op, const geo &z) {
                      op, (long long)z.Hv, (long long)z.dv);
 }
 
-// Two units of four warps a block (sharing the chunk's staged rows) where
-// that still gives half the multiprocessors a block, else one unit of
-// eight warps: twice the blocks for few heads and documents (a block a
-// multiprocessor: the ring's shared memory), each chunk's step over as many
-// warps.
+// Two units a block (sharing the chunk's staged rows) where that still
+// gives half the multiprocessors a block, else one: twice the blocks for
+// few heads and documents (a block a multiprocessor: the ring's shared
+// memory).
 loom_status pick_nu(loom_ctx *ctx, const char *op, const geo &z, int *nu) {
     int dev = 0, sms = 0;
     loom_status st = check(ctx, cudaGetDevice(&dev), op);
@@ -541,12 +540,11 @@ template <int NU> dim3 pass_grid(const geo &z) {
                 (unsigned)((z.dv + shape<NU>::BW - 1) / shape<NU>::BW));
 }
 
-template <int NU, int KS>
+template <int NU, int KS, bool FULL>
 loom_status launch_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                        cudaStream_t s) {
     const size_t b = ring_bytes<NU>(z.dk, false);
-    const auto kern = full_dims_ok(z) ? state_fwd_tc_kernel<NU, KS, true>
-                                      : state_fwd_tc_kernel<NU, KS, false>;
+    const auto kern = state_fwd_tc_kernel<NU, KS, FULL>;
     const loom_status st = smem_for(ctx, op, kern, b);
     if (st)
         return st;
@@ -554,12 +552,11 @@ loom_status launch_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws
     return check_launch(ctx, op);
 }
 
-template <int NU, int KS>
+template <int NU, int KS, bool FULL>
 loom_status launch_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                        const void *dout, cudaStream_t s) {
     const size_t b = ring_bytes<NU>(z.dk, true);
-    const auto kern = full_dims_ok(z) ? state_bwd_tc_kernel<NU, KS, true>
-                                      : state_bwd_tc_kernel<NU, KS, false>;
+    const auto kern = state_bwd_tc_kernel<NU, KS, FULL>;
     const loom_status st = smem_for(ctx, op, kern, b);
     if (st)
         return st;
@@ -576,7 +573,11 @@ loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_
     const loom_status st = pick_nu(ctx, op, z, &nu);
     if (st)
         return st;
-    return nu == 2 ? launch_fwd<2, 4>(ctx, op, z, w, s) : launch_fwd<1, 8>(ctx, op, z, w, s);
+    if (full_dims_ok(z))
+        return nu == 2 ? launch_fwd<2, 8, true>(ctx, op, z, w, s)
+                       : launch_fwd<1, 8, true>(ctx, op, z, w, s);
+    return nu == 2 ? launch_fwd<2, 4, false>(ctx, op, z, w, s)
+                   : launch_fwd<1, 8, false>(ctx, op, z, w, s);
 }
 
 loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
@@ -586,8 +587,11 @@ loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_
     const loom_status st = pick_nu(ctx, op, z, &nu);
     if (st)
         return st;
-    return nu == 2 ? launch_bwd<2, 4>(ctx, op, z, w, dout, s)
-                   : launch_bwd<1, 8>(ctx, op, z, w, dout, s);
+    if (full_dims_ok(z))
+        return nu == 2 ? launch_bwd<2, 8, true>(ctx, op, z, w, dout, s)
+                       : launch_bwd<1, 8, true>(ctx, op, z, w, dout, s);
+    return nu == 2 ? launch_bwd<2, 4, false>(ctx, op, z, w, dout, s)
+                   : launch_bwd<1, 8, false>(ctx, op, z, w, dout, s);
 }
 
 } // namespace loom_gdn
