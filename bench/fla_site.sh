@@ -53,8 +53,13 @@ unpack)
     [ $# -eq 3 ] || die "$usage"
     [ -f "$2" ] || die "no archive at $2 (make it with: bash bench/fla_site.sh pack $2)"
     mkdir -p "$3" || die "cannot make $3"
-    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$2" "$3" \
-        || die "could not extract $2"
+    # the "data" filter (Python >= 3.12, and 3.8.17+): no member outside DIR, no device files
+    "$PY" -c 'import sys, tarfile
+t = tarfile.open(sys.argv[1])
+try:
+    t.extractall(sys.argv[2], filter="data")
+except TypeError:
+    t.extractall(sys.argv[2])' "$2" "$3" || die "could not extract $2"
     chmod +x "$3"/triton/backends/nvidia/bin/* 2> /dev/null
     PYTHONPATH=$3 "$PY" -c 'import triton, fla; print("fla_site.sh: triton", triton.__version__,
 "fla", fla.__version__, "from", triton.__file__.rsplit("/", 2)[0])' \
