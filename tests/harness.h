@@ -43,6 +43,7 @@ void loom_ranks_verdict(const loom_test_entry *t, double t0_ms, int n_bad, bool 
  * program (argv[0] = prog) with them, waited for (limit_var: the seconds
  * before they are killed, default 900); 0 when every rank succeeded. */
 int loom_test_free_port(void);
+int loom_test_hold_port(int *held); /* the port, its socket kept bound in *held till closed */
 void loom_test_rank_env(int rank, int n, int port);
 int loom_test_spawn(int n, int argc, char **argv, const char *prog, const char *limit_var);
 void loom_test_fail(const char *file, int line, const char *fmt, ...)

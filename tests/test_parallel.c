@@ -26,9 +26,12 @@ static int run_ranks(int np, char **log, const char *const argv[], double grace_
                      double kill_after_s, int codes[]) {
     char path[1024];
     snprintf(path, sizeof path, "%s/ranks-out-XXXXXX", loom_test_tmpdir());
-    int fd = mkstemp(path), port = loom_test_free_port(), first = 0, left = np;
+    int held = -1, fd = mkstemp(path), port = loom_test_hold_port(&held), first = 0, left = np;
     pid_t pids[16];
-    if (fd < 0 || np > 16) return -1;
+    if (fd < 0 || np > 16) {
+        if (held >= 0) close(held);
+        return -1;
+    }
     for (int r = 0; r < np; r++) {
         pids[r] = fork();
         if (pids[r] == 0) {
@@ -70,6 +73,7 @@ static int run_ranks(int np, char **log, const char *const argv[], double grace_
         nanosleep(&ts, NULL);
     }
     close(fd);
+    if (held >= 0) close(held);
     size_t len;
     if (loom_read_file(NULL, path, 0, log, &len) != LOOM_OK) *log = NULL;
     unlink(path);

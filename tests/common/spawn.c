@@ -13,19 +13,37 @@
 
 #include "../harness.h"
 
-int loom_test_free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+/* A port on 127.0.0.1 the system gave, its socket kept bound (not
+ * listening, SO_REUSEADDR, close-on-exec) in *held: rank 0's listener binds
+ * it all the same (the rendezvous sets SO_REUSEADDR too), while no other
+ * bind to port 0 and no connect's ephemeral port can take it in between.
+ * Close *held once the ranks are done. (Choosing a free port and closing
+ * it left that gap: once, under other processes' connections, rank 0 found
+ * it taken.) */
+int loom_test_hold_port(int *held) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
     struct sockaddr_in a;
     memset(&a, 0, sizeof a);
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t len = sizeof a;
     int port = 0;
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+    if (fd >= 0 && setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) == 0 &&
+        bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
         getsockname(fd, (struct sockaddr *)&a, &len) == 0)
         port = ntohs(a.sin_port);
-    if (fd >= 0) close(fd);
+    if (!port && fd >= 0) {
+        close(fd);
+        fd = -1;
+    }
+    *held = fd;
     return port ? port : 29500 + (int)(getpid() % 1000);
+}
+
+int loom_test_free_port(void) {
+    int fd = -1, port = loom_test_hold_port(&fd);
+    if (fd >= 0) close(fd);
+    return port;
 }
 
 void loom_test_rank_env(int rank, int n, int port) {
@@ -51,7 +69,7 @@ int loom_test_spawn(int n, int argc, char **argv, const char *prog, const char *
         fprintf(stderr, "--spawn N: N in 1..1024\n");
         return 2;
     }
-    int port = loom_test_free_port();
+    int held = -1, port = loom_test_hold_port(&held);
     printf("spawn: %d rank(s), MASTER_ADDR=127.0.0.1 MASTER_PORT=%d\n", n, port);
     fflush(stdout);
     pid_t *pids = calloc((size_t)n, sizeof *pids);
@@ -107,6 +125,7 @@ int loom_test_spawn(int n, int argc, char **argv, const char *prog, const char *
     for (int r = 0; r < n; r++)
         if (codes[r]) printf("spawn: rank %d exited with status %d\n", r, codes[r]);
     printf("spawn: %d of %d rank(s) succeeded\n", n - failed, n);
+    if (held >= 0) close(held);
     free(pids);
     free(codes);
     free(args);
