@@ -563,35 +563,44 @@ loom_status launch_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws
     kern<<<pass_grid<NU>(z), threads<NU, KS>(), b, s>>>(z, w, dout);
     return check_launch(ctx, op);
 }
+
+// A block of the passes: NU units of KS warps, FULL (constant dimensions).
+template <int NU_, int KS_, bool FULL_> struct layout {
+    static constexpr int NU = NU_, KS = KS_;
+    static constexpr bool FULL = FULL_;
+};
+// f(layout) for z, the one choice both passes make: two units a block or
+// one (pick_nu); eight warps a unit, but four for two units of the general
+// kernels (their registers).
+template <class F>
+loom_status with_layout(loom_ctx *ctx, const char *op, const geo &z, F f) {
+    int nu = 1;
+    const loom_status st = pick_nu(ctx, op, z, &nu);
+    if (st)
+        return st;
+    if (full_dims_ok(z))
+        return nu == 2 ? f(layout<2, 8, true>()) : f(layout<1, 8, true>());
+    return nu == 2 ? f(layout<2, 4, false>()) : f(layout<1, 8, false>());
+}
 } // namespace
 
 namespace loom_gdn {
 
 loom_status tc_state_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          cudaStream_t s) {
-    int nu = 1;
-    const loom_status st = pick_nu(ctx, op, z, &nu);
-    if (st)
-        return st;
-    if (full_dims_ok(z))
-        return nu == 2 ? launch_fwd<2, 8, true>(ctx, op, z, w, s)
-                       : launch_fwd<1, 8, true>(ctx, op, z, w, s);
-    return nu == 2 ? launch_fwd<2, 4, false>(ctx, op, z, w, s)
-                   : launch_fwd<1, 8, false>(ctx, op, z, w, s);
+    return with_layout(ctx, op, z, [&](auto l) {
+        using L = decltype(l);
+        return launch_fwd<L::NU, L::KS, L::FULL>(ctx, op, z, w, s);
+    });
 }
 
 loom_status tc_state_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                          const void *dout, loom_dtype dt, cudaStream_t s) {
     (void)dt; // bf16: use_tc's
-    int nu = 1;
-    const loom_status st = pick_nu(ctx, op, z, &nu);
-    if (st)
-        return st;
-    if (full_dims_ok(z))
-        return nu == 2 ? launch_bwd<2, 8, true>(ctx, op, z, w, dout, s)
-                       : launch_bwd<1, 8, true>(ctx, op, z, w, dout, s);
-    return nu == 2 ? launch_bwd<2, 4, false>(ctx, op, z, w, dout, s)
-                   : launch_bwd<1, 8, false>(ctx, op, z, w, dout, s);
+    return with_layout(ctx, op, z, [&](auto l) {
+        using L = decltype(l);
+        return launch_bwd<L::NU, L::KS, L::FULL>(ctx, op, z, w, dout, s);
+    });
 }
 
 } // namespace loom_gdn
