@@ -87,9 +87,9 @@ def delta_rule_impl(model):
     succeeds when its modeling file loads (fla needs Triton >= 3.7.1 on
     Hopper), else its torch reference. None for a model without such layers.
     The same import, repeated here, names the reason when it fails."""
-    types = getattr(getattr(model, "config", None), "layer_types", None) or []
-    tc = getattr(model.config, "text_config", None)
-    types = types or getattr(tc, "layer_types", None) or []
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or \
+        getattr(getattr(cfg, "text_config", None), "layer_types", None) or []
     if "linear_attention" not in types:
         return None, ""
     try:
