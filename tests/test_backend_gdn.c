@@ -244,6 +244,10 @@ TEST(backend_gdn_rule_equals_cpu) {
         /* Qwen3.5's dk = dv = 128: prep's X in whole v and k blocks of 64,
          * the later ones copied a block ahead (cp.async) */
         {1, 2, 128, 128, 2, {0, 130, 197}},
+        /* 16 value heads over 3 documents: enough units that the state passes
+         * put two in a block (of eight warps each at dk = dv = 128); the cases
+         * above have one a block on a GPU of 100 or more multiprocessors */
+        {4, 16, 128, 128, 3, {0, 64, 65, 150}},
     };
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++)
