@@ -107,6 +107,12 @@ int main(int argc, char **argv) {
         rule_case(1, 1, 64, 48, {0, 10, 140});
         rule_case(1, 2, 128, 128, {0, 64, 65, 150});
     }
+    /* the backward's staged rows (conv_bwd_staged_kernel: 256 channels a block) over two
+       blocks, the second with 8 channels and threads past C */
+    for (int b = 0; b < 2; b++) {
+        BF = b;
+        conv_case(4, 200, 264, {0, 3, 130, 200});
+    }
     printf("%d failures\n", fails);
     return fails != 0;
 }

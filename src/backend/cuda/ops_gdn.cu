@@ -43,40 +43,55 @@ __device__ __forceinline__ int64_t doc_of(const int32_t *cu, int64_t ndocs, int6
     return lo;
 }
 
-// out0[col] += the sum over the nchunk chunks of partial[chunk][col] (in
-// chunk order) for col < n0, out1[col - n0] for the columns after; a NULL
-// output's columns are skipped. Loads go out FB at a time: one at a time a
-// thread waited on each (39 us for the gated norm's 1024 chunks of 128
-// columns on the H200).
-constexpr int FB = 16;
+// out0[col] += the sum over the nchunk chunks of partial[chunk][col] for
+// col < n0, out1[col - n0] for the columns after; a NULL output's columns are
+// skipped. A block takes 32 columns (a lane each, a warp's loads one 256-byte
+// run) with blockDim.y warps, warp w summing the chunks w, w + G, ... (FB
+// loads in flight), then warp 0 the warps' sums in warp order: a fixed order
+// for the shape. One thread a column over all the chunks in turn had taken 30
+// us for the gated norm's 1024 chunks of 128 columns on an H200 (latency:
+// four blocks of serial loads); G is 32 where the columns make few blocks.
+constexpr int FB = 8;
+constexpr int CF_WARPS = 32; // the most warps a col_final block has
 __global__ void col_final_kernel(const double *partial, int64_t nchunk, int64_t ncols, int64_t n0,
                                  float *out0, float *out1) {
-    const int64_t col = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= ncols)
+    __shared__ double sums[CF_WARPS][32];
+    const int lane = threadIdx.x, wp = threadIdx.y, G = blockDim.y;
+    const int64_t col = (int64_t)blockIdx.x * 32 + lane;
+    double acc = 0;
+    if (col < ncols) {
+        int64_t c = wp;
+        for (; c + (FB - 1) * G < nchunk; c += FB * G) {
+            double v[FB];
+#pragma unroll
+            for (int i = 0; i < FB; i++)
+                v[i] = partial[(c + i * G) * ncols + col];
+#pragma unroll
+            for (int i = 0; i < FB; i++)
+                acc += v[i];
+        }
+        for (; c < nchunk; c += G)
+            acc += partial[c * ncols + col];
+    }
+    sums[wp][lane] = acc;
+    __syncthreads();
+    if (wp != 0 || col >= ncols)
         return;
     float *out = col < n0 ? out0 : out1;
     if (!out)
         return;
-    double acc = 0;
-    int64_t c = 0;
-    for (; c + FB <= nchunk; c += FB) {
-        double v[FB];
-#pragma unroll
-        for (int i = 0; i < FB; i++)
-            v[i] = partial[(c + i) * ncols + col];
-#pragma unroll
-        for (int i = 0; i < FB; i++)
-            acc += v[i];
-    }
-    for (; c < nchunk; c++)
-        acc += partial[c * ncols + col];
+    acc = 0;
+    for (int i = 0; i < G; i++)
+        acc += sums[i][lane];
     out[col < n0 ? col : col - n0] += (float)acc;
 }
 
 loom_status col_final(loom_ctx *ctx, const char *op, const void *partial, int64_t nchunk,
                       int64_t ncols, int64_t n0, float *out0, float *out1, cudaStream_t s) {
-    col_final_kernel<<<(unsigned)((ncols + NT - 1) / NT), NT, 0, s>>>(
-        (const double *)partial, nchunk, ncols, n0, out0, out1);
+    const int64_t blocks = (ncols + 31) / 32;
+    const dim3 block(32, blocks >= 128 ? 8 : CF_WARPS);
+    col_final_kernel<<<(unsigned)blocks, block, 0, s>>>((const double *)partial, nchunk, ncols,
+                                                        n0, out0, out1);
     return check_launch(ctx, op);
 }
 
@@ -244,6 +259,66 @@ __global__ void __launch_bounds__(NT, KM == 4 ? 4 : 1)
         conv_fwd_rows<false, KM>(x, y, w, dt, K, r0, r1, cu, ndocs);
 }
 
+// Where conv_bwd_rows reads its rows of x and dy. direct_src: each thread
+// loads its own (R's get), a batch at a time. ring_src: the block's rows come
+// through shared memory, CONV_STAGES batches of CONV_BATCH rows in a ring
+// filled by cp.async (16-byte pieces of the block's 2 CONV_BT channels, 16-bit
+// data), CONV_STAGES - 1 batches in flight while one is used: a thread's own
+// 4-byte loads had at most a batch in flight, and the backward waited on
+// memory (ncu on an H200 at Qwen3.5-0.8B's shapes: 127 registers, 25%
+// occupancy, long_sb 63% of the stalls, 159 us where its bytes take ~40).
+struct direct_src {
+    __device__ void start(int64_t) {}
+    __device__ void batch(int64_t) {}
+    template <class R>
+    __device__ __forceinline__ void get(const R &r, int, int64_t tb, int i,
+                                        float (&f)[R::V]) const {
+        r.get(tb + i, f);
+    }
+};
+constexpr int CONV_BT = 128;   // threads of the staged backward's blocks
+constexpr int CONV_STAGES = 4; // its ring's batches
+template <typename E> struct ring_src {
+    static constexpr int Q = 2 * CONV_BT * 2 / 16; // 16-byte pieces of a row's span
+    uint32_t *ring;   // [CONV_STAGES][2 (x, dy)][CONV_BATCH][CONV_BT] channel pairs
+    const E *x, *dy;  // the tensors (C channels a row)
+    int64_t C, cb, n; // the block's first channel; rows past n read as zeros
+    int64_t tb0;      // the first batch's row
+    __device__ int slot(int64_t tb) const {
+        return (int)((tb - tb0) / CONV_BATCH) % CONV_STAGES;
+    }
+    __device__ void issue(int64_t tb) { // the batch at row tb into its slot, committed
+        const int sl = slot(tb);
+        for (int p = threadIdx.x; tb < n && p < 2 * CONV_BATCH * Q; p += CONV_BT) {
+            const int q = p % Q, i = (p / Q) % CONV_BATCH, which = p / (Q * CONV_BATCH);
+            const int64_t u = tb + i, c = cb + 8 * q;
+            const E *src = which ? dy : x;
+            const bool ok = u < n && c < C;
+            cp_async16(ring + ((sl * 2 + which) * CONV_BATCH + i) * CONV_BT + 4 * q,
+                       ok ? src + u * C + c : src, ok);
+        }
+        cp_commit();
+    }
+    __device__ void start(int64_t tb) {
+        tb0 = tb;
+        for (int k = 0; k < CONV_STAGES - 1; k++)
+            issue(tb + k * CONV_BATCH);
+    }
+    // the batch at tb landed for every thread; the slot the batch before used refilled
+    __device__ void batch(int64_t tb) {
+        cp_wait<CONV_STAGES - 2>();
+        __syncthreads();
+        issue(tb + (CONV_STAGES - 1) * CONV_BATCH);
+    }
+    template <class R>
+    __device__ __forceinline__ void get(const R &, int which, int64_t tb, int i,
+                                        float (&f)[2]) const {
+        const uint32_t w = ring[((slot(tb) * 2 + which) * CONV_BATCH + i) * CONV_BT + threadIdx.x];
+        const E *e = (const E *)&w;
+        f[0] = to_f(e[0]), f[1] = to_f(e[1]);
+    }
+};
+
 // dx and dw's partial sums in one pass, a thread over the rows [r0, r1) of
 // dw's chunk ch: each token's dL/dpre = dy silu'(pre) is formed once and kept
 // for the K tokens whose dx needs it (a kernel per output had formed it K
@@ -253,12 +328,14 @@ __global__ void __launch_bounds__(NT, KM == 4 ? 4 : 1)
 //                          (that token in t's document).
 // Sums in j's and t's order, as the CPU's. DW false: dx only (partial
 // unused). IN: as the forward's, the rows [r0 - K + 1, r1 + K - 1) in one
-// document.
-template <bool IN, bool DW, int KM, class R>
+// document. The rows come from src (direct_src or ring_src); act false: a
+// thread past C that only helps ring_src's staging (no stores).
+template <bool IN, bool DW, int KM, class R, class SRC>
 __device__ __forceinline__ void conv_bwd_rows(const R &x, const R &dy, const R &dx,
                                               const void *w, loom_dtype dt, int64_t T, int64_t C,
                                               int64_t K, int64_t ch, int64_t r0, int64_t r1,
-                                              const int32_t *cu, int64_t ndocs, double *partial) {
+                                              const int32_t *cu, int64_t ndocs, double *partial,
+                                              SRC &src, bool act) {
     constexpr int V = R::V;
     // at token t: xw[v][j] = x[t - K + 1 + j]; dp[v][j] = dpre[t - j], of document dd[j]
     float wk[V][KM], xw[V][KM], dp[V][KM] = {};
@@ -271,12 +348,14 @@ __device__ __forceinline__ void conv_bwd_rows(const R &x, const R &dy, const R &
     const int64_t n0 = IN ? 0 : doc_of(cu, ndocs, r0);
     int64_t n = n0, s = IN ? 0 : cu[n], e = IN ? 0 : cu[n + 1];
     const int64_t tend = r1 + K - 1, lend = tend < T ? tend : T;
+    src.start(r0);
     for (int64_t tb = r0; tb < tend; tb += CONV_BATCH) {
         float xb[CONV_BATCH][V] = {}, yb[CONV_BATCH][V] = {};
+        src.batch(tb);
 #pragma unroll
         for (int i = 0; i < CONV_BATCH; i++)
             if (tb + i < lend)
-                x.get(tb + i, xb[i]), dy.get(tb + i, yb[i]);
+                src.get(x, 0, tb, i, xb[i]), src.get(dy, 1, tb, i, yb[i]);
 #pragma unroll
         for (int i = 0; i < CONV_BATCH; i++) {
             const int64_t t = tb + i;
@@ -330,11 +409,12 @@ __device__ __forceinline__ void conv_bwd_rows(const R &x, const R &dy, const R &
                         if (j < K && (IN || dd[j] == du))
                             a[v] = fmaf(wk[v][j], dp[v][j], a[v]);
                 }
-                dx.put(u, a);
+                if (act)
+                    dx.put(u, a);
             }
         }
     }
-    if (DW) {
+    if (DW && act) {
 #pragma unroll
         for (int v = 0; v < V; v++)
 #pragma unroll
@@ -355,10 +435,38 @@ __global__ void __launch_bounds__(NT, KM == 4 ? (DW ? 2 : 3) : 1)
     if constexpr (R::V > 1)
         K = KM;
     const int64_t r0 = ch * rows, r1 = r0 + rows < T ? r0 + rows : T;
+    direct_src src;
     if (conv_inner(cu, ndocs, K, r0, r1 + K - 1))
-        conv_bwd_rows<true, DW, KM>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial);
+        conv_bwd_rows<true, DW, KM>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial, src,
+                                    true);
     else
-        conv_bwd_rows<false, DW, KM>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial);
+        conv_bwd_rows<false, DW, KM>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial, src,
+                                     true);
+}
+
+// conv_bwd_kernel with the rows staged (ring_src): pairs of 16-bit channels,
+// K = 4, C a multiple of 8 and x, dy 16-byte aligned (conv_staged). Every
+// thread of a block runs the rows' loop for the ring's barriers; those past C
+// read channel 0's taps and store nothing.
+template <bool DW, typename E>
+__global__ void __launch_bounds__(CONV_BT, 4)
+    conv_bwd_staged_kernel(pair_rows<E> dy, pair_rows<E> x, pair_rows<E> dx, const void *w,
+                           loom_dtype dt, int64_t T, int64_t C, const int32_t *cu, int64_t ndocs,
+                           int64_t rows, double *partial) {
+    __shared__ uint4 ring[CONV_STAGES * 2 * CONV_BATCH * CONV_BT / 4]; // 16-byte aligned
+    constexpr int64_t K = 4;
+    const int64_t cb = (int64_t)blockIdx.x * 2 * CONV_BT, c = cb + 2 * threadIdx.x;
+    const int64_t ch = blockIdx.y, r0 = ch * rows, r1 = r0 + rows < T ? r0 + rows : T;
+    const bool act = c < C;
+    x.c = dy.c = dx.c = act ? c : 0;
+    const int64_t tend = r1 + K - 1;
+    ring_src<E> src{(uint32_t *)ring, (const E *)x.p, (const E *)dy.p, C, cb, tend < T ? tend : T, 0};
+    if (conv_inner(cu, ndocs, K, r0, r1 + K - 1))
+        conv_bwd_rows<true, DW, 4>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial, src,
+                                   act);
+    else
+        conv_bwd_rows<false, DW, 4>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial, src,
+                                    act);
 }
 
 // Whether a thread takes a pair of channels (pair_rows): 16-bit data, an even
@@ -411,22 +519,39 @@ __global__ void gate_bwd_kernel(const float *dg, const float *dbeta, const void 
 
 // partial[chunk][h] = sum of dg g / ... over the chunk's tokens: dA_log's
 // terms (dg * -exp(A_log) softplus) at h, ddt_bias's (dg * -exp(A_log)
-// sigmoid) at H + h
+// sigmoid) at H + h. The block's threads split the chunk's rows S ways (S =
+// NT / H where H < NT): thread (s, h) sums rows s, s + S, ... in order, then
+// thread h the S sums in order. A thread a head over all the rows had left
+// 240 of the 256 threads idle at Qwen3.5's 16 heads (30 us a layer, H200).
 __global__ void gate_partial_kernel(const float *dg, const void *a, const void *A_log,
                                     const void *dt_bias, loom_dtype dt, int64_t T, int64_t H,
                                     int64_t rows, double *partial) {
+    __shared__ double ps[2][NT];
     const int64_t ch = blockIdx.x, r0 = ch * rows, r1 = r0 + rows < T ? r0 + rows : T;
-    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-        const float eA = expf(ld(A_log, dt, h)), bias = ld(dt_bias, dt, h);
+    const int S = H < NT ? NT / (int)H : 1, P = NT / S; // row groups; heads a pass
+    const int sg = threadIdx.x / P, hp = threadIdx.x % P;
+    for (int64_t h0 = 0; h0 < H; h0 += P) {
+        const int64_t h = h0 + hp;
         double sa = 0, sd = 0;
-        for (int64_t t = r0; t < r1; t++) {
-            const float x = ld(a, dt, t * H + h), d = dg[t * H + h];
-            const float xx = x + bias;
-            sa += (double)(d * -eA * softplus(xx));
-            sd += (double)(d * -eA * (xx > 20.0f ? 1.0f : sigm(xx)));
+        if (sg < S && h < H) {
+            const float eA = expf(ld(A_log, dt, h)), bias = ld(dt_bias, dt, h);
+            for (int64_t t = r0 + sg; t < r1; t += S) {
+                const float x = ld(a, dt, t * H + h), d = dg[t * H + h];
+                const float xx = x + bias;
+                sa += (double)(d * -eA * softplus(xx));
+                sd += (double)(d * -eA * (xx > 20.0f ? 1.0f : sigm(xx)));
+            }
         }
-        partial[ch * 2 * H + h] = sa;
-        partial[ch * 2 * H + H + h] = sd;
+        ps[0][threadIdx.x] = sa, ps[1][threadIdx.x] = sd;
+        __syncthreads();
+        if (threadIdx.x < P && h < H) {
+            sa = sd = 0;
+            for (int g = 0; g < S; g++)
+                sa += ps[0][g * P + hp], sd += ps[1][g * P + hp];
+            partial[ch * 2 * H + h] = sa;
+            partial[ch * 2 * H + H + h] = sd;
+        }
+        __syncthreads();
     }
 }
 
@@ -481,17 +606,17 @@ __global__ void norm_fwd_kernel(const void *x, const void *z, const void *w, loo
 }
 
 // dn = dy w silu(z), dx = rstd dn - rstd^3 / D (dn . x) x, dz = dy w (x rstd) silu'(z)
-template <int NA>
-__global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, const void *w,
-                                loom_dtype dt, const float *rstd, int64_t N, int64_t D, void *dx,
-                                void *dz) {
+// of row r (a warp's), with dw's terms dy (x rstd) silu(z) added to dwa
+// (DW: a lane's columns, NA > 0).
+template <int NA, bool DW>
+__device__ __forceinline__ void norm_bwd_row(const void *dy, const void *x, const void *z,
+                                             const void *w, loom_dtype dt, const float *rstd,
+                                             int64_t r, int64_t D, void *dx, void *dz,
+                                             double (&dwa)[NA > 0 ? NA : 1]) {
     const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (r >= N)
-        return;
     const int64_t base = r * D;
     constexpr int M = NA > 0 ? NA : 1;
-    float gv[M], xv[M], zv[M]; // dy w, x, z
+    float gv[M], xv[M], zv[M], dv[M]; // dy w, x, z, dy
     auto dterm = [&](float gw, float xx, float zz) {
         return (double)(gw * zz * sigm(zz)) * (double)xx;
     };
@@ -502,7 +627,8 @@ __global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, co
             const int64_t j = lane + 32 * i;
             const bool in = j < D;
             zv[i] = in ? ld(z, dt, base + j) : 0.0f;
-            gv[i] = in ? ld(dy, dt, base + j) * ld(w, dt, j) : 0.0f;
+            dv[i] = in ? ld(dy, dt, base + j) : 0.0f;
+            gv[i] = dv[i] * (in ? ld(w, dt, j) : 0.0f);
             xv[i] = in ? ld(x, dt, base + j) : 0.0f;
         }
 #pragma unroll
@@ -517,6 +643,12 @@ __global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, co
     dot = warp_sum(dot);
     const float rs = rstd[r];
     const float c = (float)(dot * (double)rs * (double)rs * (double)rs / (double)D);
+    if constexpr (DW && NA > 0) { // as norm_dw_partial_kernel's term
+#pragma unroll
+        for (int i = 0; i < NA; i++)
+            if (lane + 32 * i < D)
+                dwa[i] += (double)dv[i] * (double)(xv[i] * rs) * (double)(zv[i] * sigm(zv[i]));
+    }
     auto out = [&](int64_t j, float gw, float xx, float zz) {
         const float sg = sigm(zz);
         st(dx, dt, base + j, rs * (gw * zz * sg) - c * xx);
@@ -530,6 +662,45 @@ __global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, co
     } else {
         for (int64_t j = lane; j < D; j += 32)
             out(j, ld(dy, dt, base + j) * ld(w, dt, j), ld(x, dt, base + j), ld(z, dt, base + j));
+    }
+}
+
+// A warp a row (norm_bwd_row), WARPS rows a block.
+template <int NA>
+__global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, const void *w,
+                                loom_dtype dt, const float *rstd, int64_t N, int64_t D, void *dx,
+                                void *dz) {
+    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    double none[NA > 0 ? NA : 1];
+    if (r < N)
+        norm_bwd_row<NA, false>(dy, x, z, w, dt, rstd, r, D, dx, dz, none);
+}
+
+// norm_bwd_kernel with dw's partial sums fused (D <= 32 NA): a block a chunk
+// of rows [ch rows, ..) (red_rows), warp u over its rows u, u + WARPS, ...,
+// then partial[ch][j] = the warps' sums in warp order. The rows' dy, x and z
+// are read once for dx, dz and dw, where a kernel of its own for dw's partials
+// read them again (37 us a layer at Qwen3.5-0.8B's shapes on an H200).
+template <int NA>
+__global__ void norm_bwd_dw_kernel(const void *dy, const void *x, const void *z, const void *w,
+                                   loom_dtype dt, const float *rstd, int64_t N, int64_t D,
+                                   int64_t rows, void *dx, void *dz, double *partial) {
+    static_assert(NA > 0, "a lane's columns in registers");
+    __shared__ double sums[WARPS][32 * NA];
+    const int lane = threadIdx.x & 31, u = threadIdx.x >> 5;
+    const int64_t ch = blockIdx.x, r0 = ch * rows, r1 = r0 + rows < N ? r0 + rows : N;
+    double dwa[NA] = {};
+    for (int64_t r = r0 + u; r < r1; r += WARPS)
+        norm_bwd_row<NA, true>(dy, x, z, w, dt, rstd, r, D, dx, dz, dwa);
+#pragma unroll
+    for (int i = 0; i < NA; i++)
+        sums[u][lane + 32 * i] = dwa[i];
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < D; j += NT) {
+        double acc = 0;
+        for (int k = 0; k < WARPS; k++)
+            acc += sums[k][j];
+        partial[ch * D + j] = acc;
     }
 }
 
@@ -623,6 +794,27 @@ static loom_status conv_bwd_launch(loom_ctx *ctx, const void *dy, const void *x,
     return check_launch(ctx, "gdn_conv_bwd");
 }
 
+// Whether the backward stages its rows (conv_bwd_staged_kernel): channel
+// pairs (conv_pairs) whose rows are whole 16-byte pieces at 16-byte aligned x and dy.
+static bool conv_staged(loom_dtype dt, int64_t C, int64_t K, const void *dy, const void *x,
+                        const void *dx) {
+    return conv_pairs(dt, C, K, dy, x, dx) && C % 8 == 0 &&
+           (((uintptr_t)dy | (uintptr_t)x) & 15) == 0;
+}
+
+template <typename E>
+static loom_status conv_bwd_staged_launch(loom_ctx *ctx, const void *dy, const void *x,
+                                          const void *w, loom_dtype dt, int64_t T, int64_t C,
+                                          const int32_t *cu, int64_t ndocs, void *dx,
+                                          double *partial, cudaStream_t s) {
+    const dim3 grid((unsigned)((C + 2 * CONV_BT - 1) / (2 * CONV_BT)), (unsigned)red_chunks(T));
+    auto kern = partial ? conv_bwd_staged_kernel<true, E> : conv_bwd_staged_kernel<false, E>;
+    const auto rows = [&](const void *p) { return conv_rows<pair_rows<E>>(p, dt, C); };
+    kern<<<grid, CONV_BT, 0, s>>>(rows(dy), rows(x), rows(dx), w, dt, T, C, cu, ndocs,
+                                  red_rows(T), partial);
+    return check_launch(ctx, "gdn_conv_bwd");
+}
+
 extern "C" loom_status loom_cuda_gdn_conv_fwd(loom_ctx *ctx, const void *x, const void *w,
                                               loom_dtype dtype, int64_t T, int64_t C, int64_t K,
                                               const int32_t *cu, int64_t ndocs, void *y,
@@ -647,9 +839,17 @@ extern "C" loom_status loom_cuda_gdn_conv_bwd(loom_ctx *ctx, const void *dy, con
         return no_scratch(ctx, "gdn_conv_bwd");
     cudaStream_t s = as_stream(stream);
     double *part = dw ? (double *)scratch : nullptr;
-    st = conv_rows_for(dtype, C, K, dy, x, dx, [&](auto r) {
-        return conv_bwd_launch<decltype(r)>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs, dx, part, s);
-    });
+    if (conv_staged(dtype, C, K, dy, x, dx))
+        st = dtype == LOOM_BF16
+                 ? conv_bwd_staged_launch<__nv_bfloat16>(ctx, dy, x, w, dtype, T, C, cu, ndocs,
+                                                         dx, part, s)
+                 : conv_bwd_staged_launch<__half>(ctx, dy, x, w, dtype, T, C, cu, ndocs, dx, part,
+                                                  s);
+    else
+        st = conv_rows_for(dtype, C, K, dy, x, dx, [&](auto r) {
+            return conv_bwd_launch<decltype(r)>(ctx, dy, x, w, dtype, T, C, K, cu, ndocs, dx, part,
+                                                s);
+        });
     if (st || !dw)
         return st;
     return col_final(ctx, "gdn_conv_bwd", scratch, red_chunks(T), C * K, C * K, dw, nullptr, s);
@@ -715,6 +915,14 @@ extern "C" loom_status loom_cuda_gdn_norm_bwd(loom_ctx *ctx, const void *dy, con
     if (dw && !scratch)
         return no_scratch(ctx, "gdn_norm_bwd");
     cudaStream_t s = as_stream(stream);
+    if (dw && D <= 128) { // dx, dz and dw's partials in one pass
+        const int64_t rows = red_rows(N), nch = red_chunks(N);
+        norm_bwd_dw_kernel<4><<<(unsigned)nch, NT, 0, s>>>(dy, x, z, w, dtype, rstd, N, D, rows,
+                                                            dx, dz, (double *)scratch);
+        if ((st = check_launch(ctx, "gdn_norm_bwd")))
+            return st;
+        return col_final(ctx, "gdn_norm_bwd", scratch, nch, D, D, dw, nullptr, s);
+    }
     if (dw) { // the partials first (they read dy), though dx and dz never alias it
         const int64_t rows = red_rows(N), nch = red_chunks(N);
         dim3 grid((unsigned)((D + NT - 1) / NT), (unsigned)nch);
