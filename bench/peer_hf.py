@@ -8,7 +8,7 @@ train`, printing the same per-step line:
 and at the end `peak GPU memory X GiB` (torch.cuda.max_memory_reserved).
 
   peer_hf.py --model DIR --data DOCS.npy --steps N --micro-batch-size B
-             [--lora-r 8 --lora-alpha 16] [--base-dtype bf16|fp32]
+             [--grad-accum G] [--lora-r 8 --lora-alpha 16] [--base-dtype bf16|fp32]
 
 Setup (bench/README.md): AutoModelForCausalLM.from_pretrained(DIR, dtype
 fp32 for full fine-tuning / bf16 for a frozen LoRA base,
@@ -17,9 +17,11 @@ forward and loss under torch.autocast(bfloat16), backward outside it;
 gradient checkpointing off; PEFT LoraConfig(r, lora_alpha,
 target_modules="all-linear", lora_dropout=0.0) with fp32 adapter weights;
 torch.optim.AdamW(fused=True, betas (0.9, 0.999), eps 1e-8, weight decay 0),
-constant lr; clip_grad_norm_(1.0). Step s takes rows (s-1)*B .. s*B-1 of
-DOCS.npy (wrapping at the end, as loom's packer does), labels = input_ids
-(HF shifts them: the mean loss over the S-1 next-token targets of each row).
+constant lr; clip_grad_norm_(1.0). Step s takes rows (s-1)*G*B .. s*G*B-1
+of DOCS.npy (wrapping at the end, as loom's packer does) as G micro-batches
+of B rows (G = --grad-accum, default 1), each micro-batch's loss divided by
+G and backpropagated before the next, labels = input_ids (HF shifts them:
+the mean loss over the S-1 next-token targets of each row).
 Each step is timed from the batch upload to the optimizer step's end with
 torch.cuda.synchronize() on both sides.
 """
@@ -110,6 +112,8 @@ def main():
     ap.add_argument("--data", required=True, help="int32 (N, S) .npy from bench/make_data.py")
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="micro-batches a step (loom's --global-batch-size / micro-batch size)")
     ap.add_argument("--seq-len", type=int, default=0, help="check the rows have this length")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip-grad", type=float, default=1.0)
@@ -161,6 +165,9 @@ def main():
     if args.seq_len and S != args.seq_len:
         sys.exit(f"peer: {args.data} has rows of {S} tokens, --seq-len is {args.seq_len}")
     B = args.micro_batch_size
+    GA = args.grad_accum
+    if B < 1 or GA < 1:
+        sys.exit(f"peer: --micro-batch-size {B}, --grad-accum {GA}: give counts of at least 1")
 
     def sync():
         if cuda:
@@ -255,27 +262,31 @@ def main():
     t_start = time.perf_counter()
     try:
         for step in range(1, args.steps + 1):
-            rows = [((step - 1) * B + i) % n_docs for i in range(B)]
             sync()
             t0 = time.perf_counter()
-            x = torch.from_numpy(docs[rows]).to(device=device, dtype=torch.long)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16,
-                                enabled=ac_enabled):
-                loss = model(input_ids=x, labels=x, use_cache=False).loss
-            loss.backward()
+            lsum = 0.0
+            for k in range(GA):  # the step's micro-batches, each loss 1/GA of the mean
+                first_row = ((step - 1) * GA + k) * B
+                rows = [(first_row + i) % n_docs for i in range(B)]
+                x = torch.from_numpy(docs[rows]).to(device=device, dtype=torch.long)
+                with torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                                    enabled=ac_enabled):
+                    loss = model(input_ids=x, labels=x, use_cache=False).loss / GA
+                loss.backward()
+                lsum = lsum + loss.detach()
             gn = torch.nn.utils.clip_grad_norm_(params, args.clip_grad) if args.clip_grad > 0 \
                 else torch.nn.utils.clip_grad_norm_(params, float("inf"))
             opt.step()
             opt.zero_grad(set_to_none=True)
-            lv, gv = loss.item(), float(gn)
+            lv, gv = float(lsum), float(gn)
             sync()
             dt = time.perf_counter() - t0
-            tokens_total += B * S
+            tokens_total += GA * B * S
             if step == 1:
                 first = lv
             last = lv
             log(f"step {step}/{args.steps} | loss {lv:.4f} | grad norm {gv:.3f} | "
-                f"lr {opt.param_groups[0]['lr']:.3e} | {B * S / dt:.0f} tokens/s")
+                f"lr {opt.param_groups[0]['lr']:.3e} | {GA * B * S / dt:.0f} tokens/s")
     except torch.cuda.OutOfMemoryError as e:
         log(f"peer: OOM (CUDA out of memory) at step {step}: {str(e).splitlines()[0]}")
         report_memory()

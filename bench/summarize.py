@@ -18,8 +18,8 @@ failed (the row says so); 2 on bad arguments.
 
 Definitions (bench/README.md):
   tokens/s   mean of the per-step tokens/s of the steps after the first
-             --warmup steps (rows x seq_len tokens per step, the last
-             position of each row included).
+             --warmup steps (rows x seq_len tokens per step, over all of a
+             step's micro-batches; the last position of each row included).
   N          parameters of the matrices a token goes through: attention
              (q, k, v, o and the q/k norms), MLP (gate, up, down), the
              RMSNorm weights, and the output layer V x H -- counted once
@@ -191,6 +191,7 @@ def main():
     ap.add_argument("--lora-r", type=int, default=0, help="0: full fine-tuning")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches a step (report only)")
     ap.add_argument("--steps", type=int, help="steps each side should have logged")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--parity-steps", type=int, default=20)
@@ -229,7 +230,8 @@ def main():
     peer = Run("peer", a.peer_log, a.peer_rc, a.steps)
 
     mode = f"LoRA r={a.lora_r} all-linear" if lora else "full fine-tuning"
-    print(f"=== {a.case}: {mode}, seq {S}, micro-batch {a.micro_batch_size} ===")
+    ga = f", {a.grad_accum} micro-batches a step" if a.grad_accum > 1 else ""
+    print(f"=== {a.case}: {mode}, seq {S}, micro-batch {a.micro_batch_size}{ga} ===")
     if a.note:
         print(f"note: {a.note}")
     if shape:
@@ -318,7 +320,8 @@ def main():
         parity = f"{100 * worst:.2f}% (steps 1–{max(par)}){' FLAG' if flag == 'FLAG' else ''}"
     else:
         parity = "n/a"
-    case = f"{a.case} ({a.note})" if a.note else a.case
+    case = a.case + (f", {a.grad_accum} micro-batches a step" if a.grad_accum > 1 else "")
+    case = f"{case} ({a.note})" if a.note else case
     row = (f"| {case} | {cell_tps(loom)} | {cell_tps(peer)} | {ratio} | {cell_tf(loom)} | "
            f"{cell_tf(peer)} | {cell_mem(loom)} | {cell_mem(peer)} | {mratio} | "
            f"{first_last(loom)} / {first_last(peer)} | {parity} |")

@@ -12,6 +12,9 @@
 #   LOOM_BIN=PATH            use this loom binary (default: build build-cuda/loom)
 #   LOOM_BENCH_DIR=DIR       work dir (default /tmp/loom-bench); logs under DIR/CASE/
 #   LOOM_BENCH_STEPS=N       steps of every case (default 30; 25 for 8b-lora)
+#   LOOM_BENCH_GA=G          micro-batches an optimizer step (default 1): loom
+#                            --global-batch-size G x micro-batch, the peer
+#                            --grad-accum G; tokens/s counts all of a step's
 #   LOOM_BENCH_SEQ_LEN=S     tokens per row (default 4096)
 #   LOOM_BENCH_LR=X          learning rate, constant (default 1e-4)
 #   LOOM_BENCH_WARMUP=N      steps left out of the tokens/s mean (default 3)
@@ -46,6 +49,8 @@ KEEP=${LOOM_BENCH_KEEP_MODELS:-0}
 RUN_TIMEOUT=${LOOM_BENCH_RUN_TIMEOUT:-300}
 OUTDIR=${LOOM_BENCH_OUT:-${OUT:-}}
 LAYERS=${LOOM_BENCH_LAYERS:-}
+GA=${LOOM_BENCH_GA:-1}
+[[ $GA =~ ^[1-9][0-9]*$ ]] && [ "$GA" -le 1024 ] || { echo "train_bench.sh: LOOM_BENCH_GA=$GA: give the micro-batches an optimizer step takes, 1 to 1024"; exit 2; }
 [[ -z $LAYERS || $LAYERS =~ ^[1-9][0-9]*$ ]] || { echo "train_bench.sh: LOOM_BENCH_LAYERS=$LAYERS: give a number of layers"; exit 2; }
 INIT_EXTRA=()
 [ -n "$LAYERS" ] && INIT_EXTRA=(--config-override "{\"num_hidden_layers\": $LAYERS}")
@@ -85,7 +90,7 @@ for c in "${CASES[@]}"; do
         exit 2
     fi
     case "$PRESET" in tiny-*) VOCAB=1024 ;; esac # the tiny models' vocabulary
-    [ $((STEPS * MB)) -gt "$NDOCS" ] && NDOCS=$((STEPS * MB))
+    [ $((STEPS * MB * GA)) -gt "$NDOCS" ] && NDOCS=$((STEPS * MB * GA))
 done
 
 mkdir -p "$W" || exit 1
@@ -164,7 +169,7 @@ for c in "${CASES[@]}"; do
     M=$W/models/$c
     rm -rf "$D" && mkdir -p "$D"
     echo
-    say "=== case $c: $PRESET, $([ "$LORA_R" -gt 0 ] && echo "LoRA r=$LORA_R alpha=$LORA_ALPHA all-linear" || echo "full fine-tuning"), micro-batch $MB, $STEPS steps ==="
+    say "=== case $c: $PRESET, $([ "$LORA_R" -gt 0 ] && echo "LoRA r=$LORA_R alpha=$LORA_ALPHA all-linear" || echo "full fine-tuning"), micro-batch $MB, $GA a step, $STEPS steps ==="
     LOOM_RC=1
     PEER_RC=1
     NOTE=""
@@ -190,7 +195,7 @@ for c in "${CASES[@]}"; do
             say "loom"
             run_logged "$D/loom.log" "$LOOM" train --device "$DEVICE" --dtype "$LDTYPE" --model "$M" \
                 --data "$DATA.tokens" --seq-len "$SEQ" --micro-batch-size "$MB" \
-                --global-batch-size "$MB" --train-steps "$STEPS" --lr "$LR" --lr-warmup-steps 0 \
+                --global-batch-size "$((MB * GA))" --train-steps "$STEPS" --lr "$LR" --lr-warmup-steps 0 \
                 --lr-decay-style constant --clip-grad 1.0 --weight-decay 0.0 --log-interval 1 \
                 "${LORA_LOOM[@]}" "${LOOM_EXTRA[@]}"
             LOOM_RC=$?
@@ -198,7 +203,7 @@ for c in "${CASES[@]}"; do
         if [[ " $SIDES " == *" peer "* ]]; then
             say "peer (transformers$([ "$LORA_R" -gt 0 ] && echo " + PEFT"))"
             run_logged "$D/peer.log" "$PY" bench/peer_hf.py --model "$M" --data "$DATA.npy" \
-                --steps "$STEPS" --micro-batch-size "$MB" --seq-len "$SEQ" --lr "$LR" \
+                --steps "$STEPS" --micro-batch-size "$MB" --grad-accum "$GA" --seq-len "$SEQ" --lr "$LR" \
                 --clip-grad 1.0 --weight-decay 0.0 --device "$DEVICE" \
                 "${LORA_PEER[@]}" "${PEER_EXTRA[@]}"
             PEER_RC=$?
@@ -206,7 +211,7 @@ for c in "${CASES[@]}"; do
     fi
     say "summary of $c"
     "$PY" bench/summarize.py "$D/loom.log" "$D/peer.log" --case "$c" --config "$M/config.json" \
-        --lora-r "$LORA_R" --seq-len "$SEQ" --micro-batch-size "$MB" --steps "$STEPS" \
+        --lora-r "$LORA_R" --seq-len "$SEQ" --micro-batch-size "$MB" --grad-accum "$GA" --steps "$STEPS" \
         --warmup "$WARMUP" --peak-tflops "$PEAK" --loom-rc "$LOOM_RC" --peer-rc "$PEER_RC" \
         ${NOTE:+--note "$NOTE"} --row-out "$ROWS" 2>&1 | tee "$D/summary.txt" | tee -a "$REPORTS"
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
