@@ -3,8 +3,9 @@
 // gates g and beta, and the gated RMSNorm. The chunked rule is in
 // ops_gdn_rule.cu. Arithmetic in fp32 (the norms' sums of squares and dots
 // in double, as the CPU); a parameter gradient's sum over tokens or rows is
-// taken as per-chunk partials in double, then the chunks added in order by
-// one thread per column: a fixed order, no atomics.
+// taken as per-chunk partials in double (the convolution's summed in fp32
+// over the chunk's rows, red_rows of them), then the chunks added by
+// col_final in an order fixed by the shape: no atomics.
 //
 // tests/test_backend_gdn.c holds them to the CPU's (run on an H200);
 // `make test-emu` runs them on the CPU in CI.
@@ -268,6 +269,7 @@ __global__ void __launch_bounds__(NT, KM == 4 ? 4 : 1)
 // memory (ncu on an H200 at Qwen3.5-0.8B's shapes: 127 registers, 25%
 // occupancy, long_sb 63% of the stalls, 159 us where its bytes take ~40).
 struct direct_src {
+    static constexpr bool LAZY = false; // get a batch's rows before using them
     __device__ void start(int64_t) {}
     __device__ void batch(int64_t) {}
     template <class R>
@@ -279,16 +281,14 @@ struct direct_src {
 constexpr int CONV_BT = 128;   // threads of the staged backward's blocks
 constexpr int CONV_STAGES = 4; // its ring's batches
 template <typename E> struct ring_src {
+    static constexpr bool LAZY = true; // get a row as it is used
     static constexpr int Q = 2 * CONV_BT * 2 / 16; // 16-byte pieces of a row's span
+    static_assert((CONV_STAGES & (CONV_STAGES - 1)) == 0, "slots by a mask");
     uint32_t *ring;   // [CONV_STAGES][2 (x, dy)][CONV_BATCH][CONV_BT] channel pairs
     const E *x, *dy;  // the tensors (C channels a row)
     int64_t C, cb, n; // the block's first channel; rows past n read as zeros
-    int64_t tb0;      // the first batch's row
-    __device__ int slot(int64_t tb) const {
-        return (int)((tb - tb0) / CONV_BATCH) % CONV_STAGES;
-    }
-    __device__ void issue(int64_t tb) { // the batch at row tb into its slot, committed
-        const int sl = slot(tb);
+    int used = 0;     // batches begun (batch's); the current one's slot is (used - 1) % S
+    __device__ void issue(int64_t tb, int sl) { // the batch at row tb into slot sl, committed
         for (int p = threadIdx.x; tb < n && p < 2 * CONV_BATCH * Q; p += CONV_BT) {
             const int q = p % Q, i = (p / Q) % CONV_BATCH, which = p / (Q * CONV_BATCH);
             const int64_t u = tb + i, c = cb + 8 * q;
@@ -300,20 +300,22 @@ template <typename E> struct ring_src {
         cp_commit();
     }
     __device__ void start(int64_t tb) {
-        tb0 = tb;
         for (int k = 0; k < CONV_STAGES - 1; k++)
-            issue(tb + k * CONV_BATCH);
+            issue(tb + k * CONV_BATCH, k);
     }
-    // the batch at tb landed for every thread; the slot the batch before used refilled
+    // the batch at tb (the next in turn) landed for every thread; the slot the
+    // batch before used refilled
     __device__ void batch(int64_t tb) {
         cp_wait<CONV_STAGES - 2>();
         __syncthreads();
-        issue(tb + (CONV_STAGES - 1) * CONV_BATCH);
+        issue(tb + (CONV_STAGES - 1) * CONV_BATCH, (used + CONV_STAGES - 1) & (CONV_STAGES - 1));
+        used++;
     }
     template <class R>
-    __device__ __forceinline__ void get(const R &, int which, int64_t tb, int i,
+    __device__ __forceinline__ void get(const R &, int which, int64_t, int i,
                                         float (&f)[2]) const {
-        const uint32_t w = ring[((slot(tb) * 2 + which) * CONV_BATCH + i) * CONV_BT + threadIdx.x];
+        const int sl = (used - 1) & (CONV_STAGES - 1);
+        const uint32_t w = ring[((sl * 2 + which) * CONV_BATCH + i) * CONV_BT + threadIdx.x];
         const E *e = (const E *)&w;
         f[0] = to_f(e[0]), f[1] = to_f(e[1]);
     }
@@ -340,7 +342,7 @@ __device__ __forceinline__ void conv_bwd_rows(const R &x, const R &dy, const R &
     // at token t: xw[v][j] = x[t - K + 1 + j]; dp[v][j] = dpre[t - j], of document dd[j]
     float wk[V][KM], xw[V][KM], dp[V][KM] = {};
     int dd[KM]; // documents as offsets from r0's (-1: none)
-    double acc[DW ? V : 1][DW ? KM : 1] = {};
+    float acc[DW ? V : 1][DW ? KM : 1] = {}; // the run's dw terms (fp32: red_rows of them)
     conv_init<KM>(x, w, dt, K, r0, wk, xw);
 #pragma unroll
     for (int j = 0; j < KM; j++)
@@ -353,14 +355,16 @@ __device__ __forceinline__ void conv_bwd_rows(const R &x, const R &dy, const R &
         float xb[CONV_BATCH][V] = {}, yb[CONV_BATCH][V] = {};
         src.batch(tb);
 #pragma unroll
-        for (int i = 0; i < CONV_BATCH; i++)
-            if (tb + i < lend)
+        for (int i = 0; i < CONV_BATCH; i++) // global rows: all in flight before any is used
+            if (!SRC::LAZY && tb + i < lend)
                 src.get(x, 0, tb, i, xb[i]), src.get(dy, 1, tb, i, yb[i]);
 #pragma unroll
         for (int i = 0; i < CONV_BATCH; i++) {
             const int64_t t = tb + i;
             if (t >= tend)
                 break;
+            if (SRC::LAZY && t < lend) // shared memory's: a row when used (fewer registers)
+                src.get(x, 0, tb, i, xb[i]), src.get(dy, 1, tb, i, yb[i]);
             float dpt[V] = {};
             int dt_doc = -1;
             if (IN || t < T) {
@@ -379,7 +383,8 @@ __device__ __forceinline__ void conv_bwd_rows(const R &x, const R &dy, const R &
 #pragma unroll
                         for (int j = 0; j < KM; j++)
                             if (j < K && (IN || t - K + 1 + j >= s))
-                                acc[DW ? v : 0][DW ? j : 0] += (double)dpt[v] * (double)xw[v][j];
+                                acc[DW ? v : 0][DW ? j : 0] =
+                                    fmaf(dpt[v], xw[v][j], acc[DW ? v : 0][DW ? j : 0]);
                 }
             }
 #pragma unroll
@@ -460,7 +465,7 @@ __global__ void __launch_bounds__(CONV_BT, 4)
     const bool act = c < C;
     x.c = dy.c = dx.c = act ? c : 0;
     const int64_t tend = r1 + K - 1;
-    ring_src<E> src{(uint32_t *)ring, (const E *)x.p, (const E *)dy.p, C, cb, tend < T ? tend : T, 0};
+    ring_src<E> src{(uint32_t *)ring, (const E *)x.p, (const E *)dy.p, C, cb, tend < T ? tend : T};
     if (conv_inner(cu, ndocs, K, r0, r1 + K - 1))
         conv_bwd_rows<true, DW, 4>(x, dy, dx, w, dt, T, C, K, ch, r0, r1, cu, ndocs, partial, src,
                                    act);
@@ -605,79 +610,103 @@ __global__ void norm_fwd_kernel(const void *x, const void *z, const void *w, loo
     }
 }
 
-// dn = dy w silu(z), dx = rstd dn - rstd^3 / D (dn . x) x, dz = dy w (x rstd) silu'(z)
-// of row r (a warp's), with dw's terms dy (x rstd) silu(z) added to dwa
-// (DW: a lane's columns, NA > 0).
-template <int NA, bool DW>
+// dn = dy w silu(z), dx = rstd dn - rstd^3 / D (dn . x) x, dz = dy w (x rstd) silu'(z).
+// A row's terms of dn . x:
+__device__ __forceinline__ double norm_dterm(float gw, float xx, float zz) {
+    return (double)(gw * zz * sigm(zz)) * (double)xx;
+}
+// dx and dz of row r's column j from dn's factors and c = rstd^3 / D (dn . x)
+__device__ __forceinline__ void norm_bwd_out(void *dx, void *dz, loom_dtype dt, int64_t r,
+                                             int64_t D, int64_t j, float rs, float c, float gw,
+                                             float xx, float zz) {
+    const float sg = sigm(zz);
+    st(dx, dt, r * D + j, rs * (gw * zz * sg) - c * xx);
+    st(dz, dt, r * D + j, gw * (xx * rs) * sg * (1.0f + zz * (1.0f - sg)));
+}
+
+// Any D: a warp a row, each pass over the row reading it again.
 __device__ __forceinline__ void norm_bwd_row(const void *dy, const void *x, const void *z,
                                              const void *w, loom_dtype dt, const float *rstd,
-                                             int64_t r, int64_t D, void *dx, void *dz,
-                                             double (&dwa)[NA > 0 ? NA : 1]) {
+                                             int64_t r, int64_t D, void *dx, void *dz) {
     const int lane = threadIdx.x & 31;
     const int64_t base = r * D;
-    constexpr int M = NA > 0 ? NA : 1;
-    float gv[M], xv[M], zv[M], dv[M]; // dy w, x, z, dy
-    auto dterm = [&](float gw, float xx, float zz) {
-        return (double)(gw * zz * sigm(zz)) * (double)xx;
-    };
     double dot = 0;
-    if constexpr (NA > 0) {
+    for (int64_t j = lane; j < D; j += 32)
+        dot += norm_dterm(ld(dy, dt, base + j) * ld(w, dt, j), ld(x, dt, base + j),
+                          ld(z, dt, base + j));
+    dot = warp_sum(dot);
+    const float rs = rstd[r];
+    const float c = (float)(dot * (double)rs * (double)rs * (double)rs / (double)D);
+    for (int64_t j = lane; j < D; j += 32)
+        norm_bwd_out(dx, dz, dt, r, D, j, rs, c, ld(dy, dt, base + j) * ld(w, dt, j),
+                     ld(x, dt, base + j), ld(z, dt, base + j));
+}
+
+// D <= 32 NA: a lane's elements j = lane + 32 i of row r in registers, each
+// read once (load), so that the next row's loads can be in flight while this
+// one is worked on (bwd: dx, dz, and with DW dw's terms dy (x rstd) silu(z)
+// added to dwa, as norm_dw_partial_kernel's).
+template <int NA> struct norm_row {
+    float d[NA], x[NA], z[NA], rs; // dy, x, z, rstd
+    __device__ __forceinline__ void load(const void *dy, const void *xp, const void *zp,
+                                         loom_dtype dt, const float *rstd, int64_t r, int64_t D) {
+        const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int i = 0; i < NA; i++) {
             const int64_t j = lane + 32 * i;
             const bool in = j < D;
-            zv[i] = in ? ld(z, dt, base + j) : 0.0f;
-            dv[i] = in ? ld(dy, dt, base + j) : 0.0f;
-            gv[i] = dv[i] * (in ? ld(w, dt, j) : 0.0f);
-            xv[i] = in ? ld(x, dt, base + j) : 0.0f;
+            z[i] = in ? ld(zp, dt, r * D + j) : 0.0f;
+            d[i] = in ? ld(dy, dt, r * D + j) : 0.0f;
+            x[i] = in ? ld(xp, dt, r * D + j) : 0.0f;
         }
+        rs = rstd[r];
+    }
+    template <bool DW>
+    __device__ __forceinline__ void bwd(const void *w, loom_dtype dt, int64_t r, int64_t D,
+                                        void *dx, void *dz, double (&dwa)[NA]) const {
+        const int lane = threadIdx.x & 31;
+        float gv[NA]; // dy w
+        double dot = 0;
+#pragma unroll
+        for (int i = 0; i < NA; i++) {
+            const bool in = lane + 32 * i < D;
+            gv[i] = d[i] * (in ? ld(w, dt, lane + 32 * i) : 0.0f);
+            if (in)
+                dot += norm_dterm(gv[i], x[i], z[i]);
+        }
+        dot = warp_sum(dot);
+        const float c = (float)(dot * (double)rs * (double)rs * (double)rs / (double)D);
 #pragma unroll
         for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < D)
-                dot += dterm(gv[i], xv[i], zv[i]);
-    } else {
-        for (int64_t j = lane; j < D; j += 32)
-            dot += dterm(ld(dy, dt, base + j) * ld(w, dt, j), ld(x, dt, base + j),
-                         ld(z, dt, base + j));
+            if (lane + 32 * i < D) {
+                if (DW)
+                    dwa[i] += (double)d[i] * (double)(x[i] * rs) * (double)(z[i] * sigm(z[i]));
+                norm_bwd_out(dx, dz, dt, r, D, lane + 32 * i, rs, c, gv[i], x[i], z[i]);
+            }
     }
-    dot = warp_sum(dot);
-    const float rs = rstd[r];
-    const float c = (float)(dot * (double)rs * (double)rs * (double)rs / (double)D);
-    if constexpr (DW && NA > 0) { // as norm_dw_partial_kernel's term
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < D)
-                dwa[i] += (double)dv[i] * (double)(xv[i] * rs) * (double)(zv[i] * sigm(zv[i]));
-    }
-    auto out = [&](int64_t j, float gw, float xx, float zz) {
-        const float sg = sigm(zz);
-        st(dx, dt, base + j, rs * (gw * zz * sg) - c * xx);
-        st(dz, dt, base + j, gw * (xx * rs) * sg * (1.0f + zz * (1.0f - sg)));
-    };
-    if constexpr (NA > 0) {
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < D)
-                out(lane + 32 * i, gv[i], xv[i], zv[i]);
-    } else {
-        for (int64_t j = lane; j < D; j += 32)
-            out(j, ld(dy, dt, base + j) * ld(w, dt, j), ld(x, dt, base + j), ld(z, dt, base + j));
-    }
-}
+};
 
-// A warp a row (norm_bwd_row), WARPS rows a block.
+// A warp a row, WARPS rows a block (NA > 0: norm_row, else norm_bwd_row).
 template <int NA>
 __global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, const void *w,
                                 loom_dtype dt, const float *rstd, int64_t N, int64_t D, void *dx,
                                 void *dz) {
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    double none[NA > 0 ? NA : 1];
-    if (r < N)
-        norm_bwd_row<NA, false>(dy, x, z, w, dt, rstd, r, D, dx, dz, none);
+    if (r >= N)
+        return;
+    if constexpr (NA > 0) {
+        norm_row<NA> v;
+        double none[NA];
+        v.load(dy, x, z, dt, rstd, r, D);
+        v.template bwd<false>(w, dt, r, D, dx, dz, none);
+    } else {
+        norm_bwd_row(dy, x, z, w, dt, rstd, r, D, dx, dz);
+    }
 }
 
 // norm_bwd_kernel with dw's partial sums fused (D <= 32 NA): a block a chunk
-// of rows [ch rows, ..) (red_rows), warp u over its rows u, u + WARPS, ...,
+// of rows [ch rows, ..) (red_rows), warp u over its rows u, u + WARPS, ...
+// (each row's loads issued before the row before is worked on),
 // then partial[ch][j] = the warps' sums in warp order. The rows' dy, x and z
 // are read once for dx, dz and dw, where a kernel of its own for dw's partials
 // read them again (37 us a layer at Qwen3.5-0.8B's shapes on an H200).
@@ -690,8 +719,15 @@ __global__ void norm_bwd_dw_kernel(const void *dy, const void *x, const void *z,
     const int lane = threadIdx.x & 31, u = threadIdx.x >> 5;
     const int64_t ch = blockIdx.x, r0 = ch * rows, r1 = r0 + rows < N ? r0 + rows : N;
     double dwa[NA] = {};
-    for (int64_t r = r0 + u; r < r1; r += WARPS)
-        norm_bwd_row<NA, true>(dy, x, z, w, dt, rstd, r, D, dx, dz, dwa);
+    norm_row<NA> v, next; // a row and the one after it (its loads in flight)
+    if (r0 + u < r1)
+        v.load(dy, x, z, dt, rstd, r0 + u, D);
+    for (int64_t r = r0 + u; r < r1; r += WARPS) {
+        if (r + WARPS < r1)
+            next.load(dy, x, z, dt, rstd, r + WARPS, D);
+        v.template bwd<true>(w, dt, r, D, dx, dz, dwa);
+        v = next;
+    }
 #pragma unroll
     for (int i = 0; i < NA; i++)
         sums[u][lane + 32 * i] = dwa[i];
