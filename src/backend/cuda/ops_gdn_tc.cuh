@@ -269,20 +269,31 @@ static_assert(NT % quad_regs::Q == 0 && CH * BO % (4 * NT) == 0, "quad_regs' spl
 
 // T = (I + A)^-1 for the strictly lower A (CH x CH, row stride LDA) by
 // blocks of 16: each diagonal block by forward substitution (a column a
-// thread), then a block row at a time T_IJ = -T_II sum_J<=K<I A_IK T_KJ (an
-// element a thread). Its longest chain is 16 + 3 (48 + 16) steps where a
-// column a thread over the whole chunk takes 64 x 32. All threads; ends with
-// a barrier.
+// thread, kept in registers), then a block row at a time T_IJ = -T_II
+// sum_J<=K<I A_IK T_KJ (an element a thread). Its longest chain is 16 + 3
+// (48 + 16) steps where a column a thread over the whole chunk takes 64 x
+// 32. All threads; ends with a barrier. Every loop runs a count fixed at
+// compile time: a sum that began at a thread's own index (k from j, k up to
+// r) runs from 0 or to 15 instead, the terms added being products with the
+// zeros above T's diagonal (the same sums, bit for bit), so the loops unroll
+// and a product is two shared loads and an FMA (the loops' index and bound
+// arithmetic had been most of prep's instructions: ncu on an H200, IMAD and
+// ISETP 25% of them, LDS 12%, FFMA 7%).
 __device__ inline void invert_unit_lower(const float *As, float *Ts) {
     static_assert(NT == 256 && CH == 64, "a 16 x 16 block an element a thread");
     const int tid = threadIdx.x;
     if (tid < CH) {
         const int b = 16 * (tid / 16), j = tid % 16;
+        float col[16]; // T's column j of the diagonal block, zero above the diagonal
+#pragma unroll
         for (int i = 0; i < 16; i++) {
+            const float *a = As + (b + i) * LDA + b;
             float x = i == j ? 1.0f : 0.0f;
-            for (int k = j; k < i; k++)
-                x -= As[(b + i) * LDA + b + k] * Ts[(b + k) * LDA + b + j];
-            Ts[(b + i) * LDA + b + j] = i < j ? 0.0f : x;
+#pragma unroll
+            for (int k = 0; k < i; k++)
+                x -= a[k] * col[k];
+            col[i] = i < j ? 0.0f : x;
+            Ts[(b + i) * LDA + b + j] = col[i];
         }
     }
     for (int p = tid; p < CH * CH; p += NT) // zero above the diagonal blocks
@@ -290,10 +301,13 @@ __device__ inline void invert_unit_lower(const float *As, float *Ts) {
             Ts[(p / CH) * LDA + p % CH] = 0.0f;
     __syncthreads();
     const int r = tid / 16, c = tid % 16;
+#pragma unroll
     for (int I = 1; I < 4; I++) {
         const int ri = 16 * I + r;
+#pragma unroll
         for (int J = 0; J < I; J++) { // sum_K A_IK T_KJ into T_IJ's place
             float x = 0.0f;
+#pragma unroll
             for (int k = 16 * J; k < 16 * I; k++)
                 x += As[ri * LDA + k] * Ts[k * LDA + 16 * J + c];
             Ts[ri * LDA + 16 * J + c] = x;
@@ -303,7 +317,8 @@ __device__ inline void invert_unit_lower(const float *As, float *Ts) {
 #pragma unroll
         for (int J = 0; J < 3; J++)
             if (J < I)
-                for (int k = 0; k <= r; k++)
+#pragma unroll
+                for (int k = 0; k < 16; k++) // T_II's row r: zero past k = r
                     y[J] -= Ts[ri * LDA + 16 * I + k] * Ts[(16 * I + k) * LDA + 16 * J + c];
         __syncthreads();
 #pragma unroll
