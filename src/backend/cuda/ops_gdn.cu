@@ -643,9 +643,8 @@ __device__ __forceinline__ void norm_bwd_row(const void *dy, const void *x, cons
 }
 
 // D <= 32 NA: a lane's elements j = lane + 32 i of row r in registers, each
-// read once (load), so that the next row's loads can be in flight while this
-// one is worked on (bwd: dx, dz, and with DW dw's terms dy (x rstd) silu(z)
-// added to dwa, as norm_dw_partial_kernel's).
+// read once (load), all in flight together; bwd: dx, dz, and with DW dw's
+// terms dy (x rstd) silu(z) added to dwa, as norm_dw_partial_kernel's.
 template <int NA> struct norm_row {
     float d[NA], x[NA], z[NA], rs; // dy, x, z, rstd
     __device__ __forceinline__ void load(const void *dy, const void *xp, const void *zp,
@@ -705,28 +704,26 @@ __global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, co
 }
 
 // norm_bwd_kernel with dw's partial sums fused (D <= 32 NA): a block a chunk
-// of rows [ch rows, ..) (red_rows), warp u over its rows u, u + WARPS, ...
-// (each row's loads issued before the row before is worked on),
+// of rows [ch rows, ..) (red_rows), warp u over its rows u, u + WARPS, ...,
 // then partial[ch][j] = the warps' sums in warp order. The rows' dy, x and z
 // are read once for dx, dz and dw, where a kernel of its own for dw's partials
-// read them again (37 us a layer at Qwen3.5-0.8B's shapes on an H200).
+// read them again (at Qwen3.5-0.8B's shapes on an H200, 35 + 37 us a layer ->
+// 54 at 64 registers, four blocks an SM; loading a warp's next row while
+// working on one took 62 at 78 registers).
 template <int NA>
-__global__ void norm_bwd_dw_kernel(const void *dy, const void *x, const void *z, const void *w,
-                                   loom_dtype dt, const float *rstd, int64_t N, int64_t D,
-                                   int64_t rows, void *dx, void *dz, double *partial) {
+__global__ void __launch_bounds__(NT, 4)
+    norm_bwd_dw_kernel(const void *dy, const void *x, const void *z, const void *w, loom_dtype dt,
+                       const float *rstd, int64_t N, int64_t D, int64_t rows, void *dx, void *dz,
+                       double *partial) {
     static_assert(NA > 0, "a lane's columns in registers");
     __shared__ double sums[WARPS][32 * NA];
     const int lane = threadIdx.x & 31, u = threadIdx.x >> 5;
     const int64_t ch = blockIdx.x, r0 = ch * rows, r1 = r0 + rows < N ? r0 + rows : N;
     double dwa[NA] = {};
-    norm_row<NA> v, next; // a row and the one after it (its loads in flight)
-    if (r0 + u < r1)
-        v.load(dy, x, z, dt, rstd, r0 + u, D);
     for (int64_t r = r0 + u; r < r1; r += WARPS) {
-        if (r + WARPS < r1)
-            next.load(dy, x, z, dt, rstd, r + WARPS, D);
+        norm_row<NA> v;
+        v.load(dy, x, z, dt, rstd, r, D);
         v.template bwd<true>(w, dt, r, D, dx, dz, dwa);
-        v = next;
     }
 #pragma unroll
     for (int i = 0; i < NA; i++)
