@@ -4,7 +4,8 @@
  * will ask for, in any build. Nineteen arrays, each 256-byte aligned, fp32
  * unless said; NC the most chunks ndocs documents of T tokens can make:
  *   chunk table   cfirst (ndocs + 1), ct0 (NC), clen (NC)          int32
- *   qn, kn        (T, Hk, dk)   the normalised q and k
+ *   qn, kn        (T, Hk, dk)   the normalised q and k; under tc (T, Hk):
+ *                 each row's factor (q = qkv's q by it, l2_fwd's product)
  *   G             (T, Hv)       the log decay since the chunk's start
  *   A             (NC, Hv, 64, 64)  fp32 kernels only
  *   W             (T, Hv, dk);  U0, U (T, Hv, dv)
@@ -85,8 +86,8 @@ static inline void loom_gdn_ws_sizes(int64_t T, int64_t Hk, int64_t Hv, int64_t 
         (size_t)(ndocs + 1) * 4,
         (size_t)NC * 4,
         (size_t)NC * 4,
-        (size_t)(T * Hk * dk) * f,
-        (size_t)(T * Hk * dk) * f,
+        (size_t)(T * Hk * (tc ? 1 : dk)) * f,
+        (size_t)(T * Hk * (tc ? 1 : dk)) * f,
         (size_t)(T * Hv) * f,
         tc ? 0 : (size_t)(NC * Hv * 64 * 64) * f,
         tk * o,

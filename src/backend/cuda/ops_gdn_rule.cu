@@ -110,28 +110,62 @@ __global__ void chunks_kernel(const int32_t *cu, int64_t ndocs, int32_t *cfirst,
     }
 }
 
-// qn, kn of row r = (t, hk), and their bf16 roundings qb, kb: a warp per row
+// qn, kn of row r = (t, hk), and their bf16 roundings qb, kb: a warp per row.
+// tc: qn[r], kn[r] are the row's factors instead (q = raw q qn[r]: the
+// tensor-core kernels multiply qkv's bf16 value by it where they need the
+// fp32 value, the same product; the fp32 rows had been half of the bytes
+// this kernel moved). NA > 0 (dk <= 32 NA): a lane's elements loaded once,
+// all in flight together (a loop of loads, read twice, took 32 us a layer
+// at Qwen3.5-0.8B on an H200); NA = 0: any dk. The same sums either way.
+template <int NA>
 __global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, float *qn, float *kn,
-                              __nv_bfloat16 *qb, __nv_bfloat16 *kb) {
+                              __nv_bfloat16 *qb, __nv_bfloat16 *kb, bool tc) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= z.T * z.Hk)
         return;
     const int64_t t = r / z.Hk, hk = r % z.Hk;
     const int64_t qo = t * z.C + hk * z.dk, ko = qo + z.Hk * z.dk;
+    constexpr int M = NA > 0 ? NA : 1;
+    float qv[M], kv[M];
     float sq = 0.0f, sk = 0.0f;
-    for (int64_t a = lane; a < z.dk; a += 32) {
-        const float q = ld(qkv, dt, qo + a), k = ld(qkv, dt, ko + a);
-        sq += q * q;
-        sk += k * k;
+    if constexpr (NA > 0) {
+#pragma unroll
+        for (int i = 0; i < NA; i++) {
+            const int64_t a = lane + 32 * i;
+            qv[i] = a < z.dk ? ld(qkv, dt, qo + a) : 0.0f;
+            kv[i] = a < z.dk ? ld(qkv, dt, ko + a) : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < NA; i++)
+            if (lane + 32 * i < z.dk)
+                sq += qv[i] * qv[i], sk += kv[i] * kv[i];
+    } else {
+        for (int64_t a = lane; a < z.dk; a += 32) {
+            const float q = ld(qkv, dt, qo + a), k = ld(qkv, dt, ko + a);
+            sq += q * q;
+            sk += k * k;
+        }
     }
     sq = warp_sum(sq);
     sk = warp_sum(sk);
     const float rq = 1.0f / sqrtf(sq + 1e-6f) / sqrtf((float)z.dk), rk = 1.0f / sqrtf(sk + 1e-6f);
-    for (int64_t a = lane; a < z.dk; a += 32) {
-        const float q = ld(qkv, dt, qo + a) * rq, k = ld(qkv, dt, ko + a) * rk;
-        qn[r * z.dk + a] = q, kn[r * z.dk + a] = k;
+    if (tc && lane == 0)
+        qn[r] = rq, kn[r] = rk;
+    const auto out = [&](int64_t a, float rawq, float rawk) {
+        const float q = rawq * rq, k = rawk * rk;
+        if (!tc)
+            qn[r * z.dk + a] = q, kn[r * z.dk + a] = k;
         qb[r * z.dk + a] = __float2bfloat16_rn(q), kb[r * z.dk + a] = __float2bfloat16_rn(k);
+    };
+    if constexpr (NA > 0) {
+#pragma unroll
+        for (int i = 0; i < NA; i++)
+            if (lane + 32 * i < z.dk)
+                out(lane + 32 * i, qv[i], kv[i]);
+    } else {
+        for (int64_t a = lane; a < z.dk; a += 32)
+            out(a, ld(qkv, dt, qo + a), ld(qkv, dt, ko + a));
     }
 }
 
@@ -764,8 +798,9 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
     chunks_kernel<<<1, NT, 0, s>>>(cu, z.ndocs, w.cfirst, w.ct0, w.clen);
     if ((st = check_launch(ctx, op)))
         return st;
-    l2_fwd_kernel<<<(unsigned)((z.T * z.Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dt, z, w.qn,
-                                                                              w.kn, w.qb, w.kb);
+    auto l2f = z.dk <= 128 ? l2_fwd_kernel<4> : l2_fwd_kernel<0>;
+    l2f<<<(unsigned)((z.T * z.Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dt, z, w.qn, w.kn, w.qb,
+                                                                  w.kb, use_tc(dt, z.dk));
     if ((st = check_launch(ctx, op)) || !passes)
         return st;
     if (use_tc(dt, z.dk))

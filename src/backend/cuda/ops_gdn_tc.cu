@@ -128,23 +128,24 @@ __global__ void __launch_bounds__(NT)
 // rounding kept in w.Tb for chunk_bwd), then X = [U0 | W] = T [diag(beta)
 // V | diag(beta e^G) K] by mma.sync, BO columns at a time (W kept as bf16),
 // the first block's inputs loaded into registers during A and the
-// inversion, each later block's raw rows (v's bf16, k's fp32) by cp.async
+// inversion, each later block's raw bf16 rows of qkv (k's times its row's
+// factor from l2_fwd when used, Rs) by cp.async
 // into As (free after the inversion) under the block before's product
 // (loading them into registers so took 124 registers or spilled; loading
 // them when needed left prep waiting on memory for 40% of its time, ncu on
 // an H200). Three blocks an SM (80 registers, a few spilled): at the 4B
 // shapes on an H200 the same code at two blocks (128 registers, none
 // spilled) took 383 us a layer, at three 346, the synchronous loads 403.
-// Shared: As, Ts (CH, LDA); Gs, Bs (CH); bf16 Ks, Tb (T's rounding), Xs
+// Shared: As, Ts (CH, LDA); Gs, Bs, Rs (CH); bf16 Ks, Tb (T's rounding), Xs
 // (CH, BO).
 struct prep_smem {
-    float *As, *Ts, *Gs, *Bs;
+    float *As, *Ts, *Gs, *Bs, *Rs;
     bf16 *Ks, *Tb, *Xs;
     size_t bytes;
     __host__ __device__ prep_smem(void *base, int64_t dk) {
         carve c(base);
         As = c.take<float>(CH * LDA), Ts = c.take<float>(CH * LDA);
-        Gs = c.take<float>(CH), Bs = c.take<float>(CH);
+        Gs = c.take<float>(CH), Bs = c.take<float>(CH), Rs = c.take<float>(CH);
         Ks = c.take<bf16>(CH * ldk(dk)), Tb = c.take<bf16>(CH * LDH);
         Xs = c.take<bf16>(CH * LDH);
         bytes = c.off;
@@ -165,12 +166,17 @@ __global__ void __launch_bounds__(NT, 3) prep_tc_kernel(const void *qkv, loom_dt
         return;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t = lane & 3;
     stage_qk(z, w, t0, L, hk, nullptr, m.Ks);
-    for (int i = tid; i < CH; i += NT)
+    for (int i = tid; i < CH; i += NT) {
         Bs[i] = i < L ? beta[(t0 + i) * z.Hv + h] : 0.0f;
+        m.Rs[i] = i < L ? w.kn[(t0 + i) * z.Hk + hk] : 0.0f;
+    }
     chunk_g(g, t0, L, z.Hv, h, Gs, w.G);
-    const float *kc = w.kn + (t0 * z.Hk + hk) * dk; // row i at kc + i Hk dk
-    // X's inputs of columns [b0, b0 + BO) of [v | k] (raw: beta and e^G at the store)
-    const bf16 *vc = (const bf16 *)qkv + t0 * z.C + 2 * z.Hk * dk + h * dv; // bf16: use_tc's
+    // X's inputs of columns [b0, b0 + BO) of [v | k] (raw: beta and e^G at the store);
+    // bf16 (use_tc's) rows of qkv, row i at vc, kc + i C; k normalised as l2_fwd
+    // made it, the raw value by the row's factor (rk[i Hk]): the same product
+    const bf16 *vc = (const bf16 *)qkv + t0 * z.C + 2 * z.Hk * dk + h * dv;
+    const bf16 *kc = (const bf16 *)qkv + t0 * z.C + z.Hk * dk + hk * dk;
+    const float *rk = w.kn + t0 * z.Hk + hk;
     block_regs xr;
     const auto load_x = [&](int64_t b0) { // a thread's column is v's or k's for all its rows
         const int64_t col = b0 + block_regs::col();
@@ -178,8 +184,10 @@ __global__ void __launch_bounds__(NT, 3) prep_tc_kernel(const void *qkv, loom_dt
             const bf16 *p = vc + col;
             xr.load([&](int i, int) { return i < L ? __bfloat162float(p[i * z.C]) : 0.0f; });
         } else if (col < dv + dk) {
-            const float *p = kc + (col - dv);
-            xr.load([&](int i, int) { return i < L ? p[i * z.Hk * dk] : 0.0f; });
+            const bf16 *p = kc + (col - dv);
+            xr.load([&](int i, int) {
+                return i < L ? __bfloat162float(p[i * z.C]) * rk[i * z.Hk] : 0.0f;
+            });
         } else {
             xr.load([](int, int) { return 0.0f; });
         }
@@ -188,12 +196,12 @@ __global__ void __launch_bounds__(NT, 3) prep_tc_kernel(const void *qkv, loom_dt
     // the raw rows of X's block b0 > 0 into As (row stride BO) by cp.async,
     // committed, where a block is all v or all k (dv a multiple of BO) and
     // the rows go by cp.async (else fill loads them when needed)
-    const bool pure = dv % BO == 0 && vec_ok(vc, dv, z.C) && vec_ok(kc, dk, z.Hk * dk);
+    const bool pure = dv % BO == 0 && vec_ok(vc, dv, z.C) && vec_ok(kc, dk, z.C);
     const auto stage_raw = [&](int64_t b0) {
         if (b0 < dv)
             stage_async((bf16 *)As, BO, vc + b0, z.C, L, dv - b0, BO, true);
         else
-            stage_async(As, BO, kc + (b0 - dv), z.Hk * dk, L, dk - (b0 - dv), BO, true);
+            stage_async((bf16 *)As, BO, kc + (b0 - dv), z.C, L, dk - (b0 - dv), BO, true);
         cp_commit();
     };
     cp_wait<0>();
@@ -232,15 +240,18 @@ __global__ void __launch_bounds__(NT, 3) prep_tc_kernel(const void *qkv, loom_dt
             cp_wait<0>();
             __syncthreads(); // the raw rows in
             const bf16 *rv = (const bf16 *)As;
-            xr.load([&](int i, int b) { return b0 < dv ? to_f(rv[i * BO + b]) : As[i * BO + b]; });
+            xr.load([&](int i, int b) {
+                return b0 < dv ? to_f(rv[i * BO + b]) : to_f(rv[i * BO + b]) * m.Rs[i];
+            });
             xr.store(m.Xs, LDH, [&](int i, int b, float raw) { return x(i, b0 + b, raw); });
         } else {
             fill(m.Xs, LDH, CH, BO, [&](int i, int b) {
                 const int64_t col = b0 + b;
                 if (i >= L || col >= dv + dk)
                     return 0.0f;
-                return x(i, col, col < dv ? __bfloat162float(vc[i * z.C + col])
-                                          : kc[i * z.Hk * dk + (col - dv)]);
+                const float raw = col < dv ? __bfloat162float(vc[i * z.C + col])
+                                           : __bfloat162float(kc[i * z.C + (col - dv)]) * m.Rs[i];
+                return x(i, col, raw);
             });
         }
         __syncthreads(); // Xs complete; the raw rows read

@@ -114,8 +114,10 @@ __global__ void __launch_bounds__(NT, 2)
     const tile f;
     const bf16 *S0 = w.Sb + (c * Hv + h) * dk * dv; // the forward's state, rounded
     const float *dS = w.dS + (c * Hv + h) * dk * dv;
-    const int64_t qs = z.Hk * dk; // q's and k's row stride
-    const float *qn = w.qn + (t0 * z.Hk + hk) * dk, *kn = w.kn + (t0 * z.Hk + hk) * dk;
+    // q and k normalised as l2_fwd made them: the raw bf16 row i of qkv (at qr,
+    // kr + i C) by its factor (rq, rk[i Hk]), the same product, the same bits
+    const bf16 *qr = (const bf16 *)qkv + t0 * z.C + hk * dk, *kr = qr + z.Hk * dk;
+    const float *rq = w.qn + t0 * z.Hk + hk, *rk = w.kn + t0 * z.Hk + hk;
     auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
     auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
     // the keys [a0, a0 + BO) of q and k into Qs, Ks by cp.async (committed)
@@ -127,6 +129,12 @@ __global__ void __launch_bounds__(NT, 2)
     const bool keven = FULL || dk % 2 == 0;
     const bool veven = FULL || (dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)dqkv & 3) == 0);
     const bool qeven = FULL || (dv % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)qkv & 3) == 0);
+    const bool qkeven = FULL || (dk % 2 == 0 && z.C % 2 == 0 && ((uintptr_t)qkv & 3) == 0);
+    const auto qk2 = [&](const bf16 *raw, const float *r, int i, int64_t a, bool two) {
+        const float2 x = ld2(raw + i * z.C + a, qkeven, two);
+        const float f = r[i * z.Hk];
+        return make_float2(x.x * f, x.y * f);
+    };
     // whether column col of a row of n is in range (FULL: every column is)
     const auto cin = [&](int64_t col, int64_t n) { return FULL || col < n; };
     // dU's and dS's blocks by float4 (quad_regs)
@@ -222,7 +230,7 @@ __global__ void __launch_bounds__(NT, 2)
                 const bool in = i < L && cin(col, ncol), two = cin(col + 1, ncol);
                 y[n][e >> 1] = !in ? make_float2(0.0f, 0.0f)
                                : isv ? ld2((const bf16 *)qkv + vcol(i) + col, qeven, two)
-                                     : ld2(kn + i * qs + col, keven, two);
+                                     : qk2(kr, rk, i, col, two);
             }
         __syncthreads(); // dX complete
         float db[1][4][4] = {};
@@ -298,8 +306,8 @@ __global__ void __launch_bounds__(NT, 2)
                 const int i = f.i(e);
                 const int64_t a = a0 + f.j(n, e);
                 const bool in = i < L && cin(a, dk), two = cin(a + 1, dk);
-                qv[n][e >> 1] = in ? ld2(qn + i * qs + a, keven, two) : make_float2(0.0f, 0.0f);
-                kv[n][e >> 1] = in ? ld2(kn + i * qs + a, keven, two) : make_float2(0.0f, 0.0f);
+                qv[n][e >> 1] = in ? qk2(qr, rq, i, a, two) : make_float2(0.0f, 0.0f);
+                kv[n][e >> 1] = in ? qk2(kr, rk, i, a, two) : make_float2(0.0f, 0.0f);
             }
         float sd[1][4][4] = {}, tm[1][4][4] = {};
         for (int64_t e0 = 0; e0 < dv; e0 += BO) {
