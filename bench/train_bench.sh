@@ -15,6 +15,7 @@
 #   LOOM_BENCH_GA=G          micro-batches an optimizer step (default 1): loom
 #                            --global-batch-size G x micro-batch, the peer
 #                            --grad-accum G; tokens/s counts all of a step's
+#                            micro-batches
 #   LOOM_BENCH_SEQ_LEN=S     tokens per row (default 4096)
 #   LOOM_BENCH_LR=X          learning rate, constant (default 1e-4)
 #   LOOM_BENCH_WARMUP=N      steps left out of the tokens/s mean (default 3)
@@ -169,7 +170,7 @@ for c in "${CASES[@]}"; do
     M=$W/models/$c
     rm -rf "$D" && mkdir -p "$D"
     echo
-    say "=== case $c: $PRESET, $([ "$LORA_R" -gt 0 ] && echo "LoRA r=$LORA_R alpha=$LORA_ALPHA all-linear" || echo "full fine-tuning"), micro-batch $MB, $GA a step, $STEPS steps ==="
+    say "=== case $c: $PRESET, $([ "$LORA_R" -gt 0 ] && echo "LoRA r=$LORA_R alpha=$LORA_ALPHA all-linear" || echo "full fine-tuning"), micro-batch $MB, $GA of them a step, $STEPS steps ==="
     LOOM_RC=1
     PEER_RC=1
     NOTE=""
