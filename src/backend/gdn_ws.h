@@ -4,8 +4,8 @@
  * will ask for, in any build. Nineteen arrays, each 256-byte aligned, fp32
  * unless said; NC the most chunks ndocs documents of T tokens can make:
  *   chunk table   cfirst (ndocs + 1), ct0 (NC), clen (NC)          int32
- *   qn, kn        (T, Hk, dk)   the normalised q and k; under tc (T, Hk):
- *                 each row's factor (q = qkv's q by it, l2_fwd's product)
+ *   qn, kn        (T, Hk, dk)   the normalised q and k; under tc rq, rk
+ *                 (T, Hk) in their place: each row's factor (q = qkv's q by it)
  *   G             (T, Hv)       the log decay since the chunk's start
  *   A             (NC, Hv, 64, 64)  fp32 kernels only
  *   W             (T, Hv, dk);  U0, U (T, Hv, dv)

@@ -69,19 +69,20 @@ void ws_layout(const geo &z, bool bwd, bool tc, int64_t keep_chunks, char *base,
     *w = gdn_ws{};
     w->cfirst = (int32_t *)p[LOOM_GW_CFIRST], w->ct0 = (int32_t *)p[LOOM_GW_CT0];
     w->clen = (int32_t *)p[LOOM_GW_CLEN];
-    w->qn = (float *)p[LOOM_GW_QN], w->kn = (float *)p[LOOM_GW_KN];
     w->G = (float *)p[LOOM_GW_G], w->A = (float *)p[LOOM_GW_A];
     w->U0 = (float *)p[LOOM_GW_U0];
     w->dS = (float *)p[LOOM_GW_DS], w->dU = (float *)p[LOOM_GW_DU];
     w->dqh = (float *)p[LOOM_GW_DQH], w->dkh = (float *)p[LOOM_GW_DKH];
     w->qb = (bf *)p[LOOM_GW_QB], w->kb = (bf *)p[LOOM_GW_KB];
     w->Tb = (bf *)p[LOOM_GW_TB], w->U0b = (bf *)p[LOOM_GW_U0B];
-    if (tc) { // W, U and S hold bf16
+    if (tc) { // W, U and S hold bf16; QN and KN the rows' factors
         w->Wh = (bf *)p[LOOM_GW_W], w->Uh = (bf *)p[LOOM_GW_U];
         w->Sb = (bf *)p[LOOM_GW_S];
+        w->rq = (float *)p[LOOM_GW_QN], w->rk = (float *)p[LOOM_GW_KN];
     } else {
         w->W = (float *)p[LOOM_GW_W], w->U = (float *)p[LOOM_GW_U];
         w->S = (float *)p[LOOM_GW_S];
+        w->qn = (float *)p[LOOM_GW_QN], w->kn = (float *)p[LOOM_GW_KN];
     }
 }
 
@@ -110,16 +111,15 @@ __global__ void chunks_kernel(const int32_t *cu, int64_t ndocs, int32_t *cfirst,
     }
 }
 
-// qn, kn of row r = (t, hk), and their bf16 roundings qb, kb: a warp per row.
-// tc: qn[r], kn[r] are the row's factors instead (q = raw q qn[r]: the
-// tensor-core kernels multiply qkv's bf16 value by it where they need the
-// fp32 value, the same product; the fp32 rows had been half of the bytes
-// this kernel moved). NA > 0 (dk <= 32 NA): a lane's elements loaded once,
+// qn, kn of row r = (t, hk) (where w has them: the fp32 kernels), or the
+// row's factors rq, rk (the tensor-core kernels': they multiply qkv's bf16
+// value by it where they need the fp32 one, the same product; the fp32 rows
+// had been half of the bytes this kernel moved), and the bf16 roundings qb,
+// kb: a warp per row. NA > 0 (dk <= 32 NA): a lane's elements loaded once,
 // all in flight together (a loop of loads, read twice, took 32 us a layer
 // at Qwen3.5-0.8B on an H200); NA = 0: any dk. The same sums either way.
 template <int NA>
-__global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, float *qn, float *kn,
-                              __nv_bfloat16 *qb, __nv_bfloat16 *kb, bool tc) {
+__global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, gdn_ws w) {
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= z.T * z.Hk)
@@ -150,13 +150,13 @@ __global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, float *qn, 
     sq = warp_sum(sq);
     sk = warp_sum(sk);
     const float rq = 1.0f / sqrtf(sq + 1e-6f) / sqrtf((float)z.dk), rk = 1.0f / sqrtf(sk + 1e-6f);
-    if (tc && lane == 0)
-        qn[r] = rq, kn[r] = rk;
+    if (w.rq && lane == 0)
+        w.rq[r] = rq, w.rk[r] = rk;
     const auto out = [&](int64_t a, float rawq, float rawk) {
         const float q = rawq * rq, k = rawk * rk;
-        if (!tc)
-            qn[r * z.dk + a] = q, kn[r * z.dk + a] = k;
-        qb[r * z.dk + a] = __float2bfloat16_rn(q), kb[r * z.dk + a] = __float2bfloat16_rn(k);
+        if (w.qn)
+            w.qn[r * z.dk + a] = q, w.kn[r * z.dk + a] = k;
+        w.qb[r * z.dk + a] = __float2bfloat16_rn(q), w.kb[r * z.dk + a] = __float2bfloat16_rn(k);
     };
     if constexpr (NA > 0) {
 #pragma unroll
@@ -799,8 +799,7 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
     if ((st = check_launch(ctx, op)))
         return st;
     auto l2f = z.dk <= 128 ? l2_fwd_kernel<4> : l2_fwd_kernel<0>;
-    l2f<<<(unsigned)((z.T * z.Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dt, z, w.qn, w.kn, w.qb,
-                                                                  w.kb, use_tc(dt, z.dk));
+    l2f<<<(unsigned)((z.T * z.Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dt, z, w);
     if ((st = check_launch(ctx, op)) || !passes)
         return st;
     if (use_tc(dt, z.dk))

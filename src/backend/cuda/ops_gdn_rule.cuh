@@ -35,7 +35,9 @@ struct gdn_ws {
     int32_t *cfirst;  // (ndocs + 1): a document's first chunk; cfirst[ndocs] the chunks
     int32_t *ct0;     // (NC): a chunk's first token
     int32_t *clen;    // (NC): its length
-    float *qn, *kn;   // (T, Hk, dk): q / |q| / sqrt(dk), k / |k|
+    float *qn, *kn;   // (T, Hk, dk): q / |q| / sqrt(dk), k / |k| (fp32 kernels)
+    float *rq, *rk;   // (T, Hk): those rows' factors 1 / |q| / sqrt(dk), 1 / |k| (tc:
+                      // qn = qkv's bf16 q by rq, l2_fwd's product, where a kernel needs it)
     float *G;         // (T, Hv): the log decay since the chunk's start (inclusive)
     float *A;         // (NC, Hv, CH, CH): strictly lower beta_i k_i.k_j M_ij (fp32 kernels)
     float *W;         // (T, Hv, dk): X's right part

@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(NT, 3) prep_tc_kernel(const void *qkv, loom_dt
     stage_qk(z, w, t0, L, hk, nullptr, m.Ks);
     for (int i = tid; i < CH; i += NT) {
         Bs[i] = i < L ? beta[(t0 + i) * z.Hv + h] : 0.0f;
-        m.Rs[i] = i < L ? w.kn[(t0 + i) * z.Hk + hk] : 0.0f;
+        m.Rs[i] = i < L ? w.rk[(t0 + i) * z.Hk + hk] : 0.0f;
     }
     chunk_g(g, t0, L, z.Hv, h, Gs, w.G);
     // X's inputs of columns [b0, b0 + BO) of [v | k] (raw: beta and e^G at the store);
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(NT, 3) prep_tc_kernel(const void *qkv, loom_dt
     // made it, the raw value by the row's factor (rk[i Hk]): the same product
     const bf16 *vc = (const bf16 *)qkv + t0 * z.C + 2 * z.Hk * dk + h * dv;
     const bf16 *kc = (const bf16 *)qkv + t0 * z.C + z.Hk * dk + hk * dk;
-    const float *rk = w.kn + t0 * z.Hk + hk;
+    const float *rk = w.rk + t0 * z.Hk + hk;
     block_regs xr;
     const auto load_x = [&](int64_t b0) { // a thread's column is v's or k's for all its rows
         const int64_t col = b0 + block_regs::col();

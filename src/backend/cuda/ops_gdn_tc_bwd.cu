@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(NT, 2)
     // q and k normalised as l2_fwd made them: the raw bf16 row i of qkv (at qr,
     // kr + i C) by its factor (rq, rk[i Hk]), the same product, the same bits
     const bf16 *qr = (const bf16 *)qkv + t0 * z.C + hk * dk, *kr = qr + z.Hk * dk;
-    const float *rq = w.qn + t0 * z.Hk + hk, *rk = w.kn + t0 * z.Hk + hk;
+    const float *rq = w.rq + t0 * z.Hk + hk, *rk = w.rk + t0 * z.Hk + hk;
     auto row = [&](int i) { return (t0 + i) * Hv + h; }; // the row of (T, Hv, .) tensors
     auto vcol = [&](int i) { return (t0 + i) * z.C + 2 * z.Hk * dk + h * dv; }; // v_i in qkv
     // the keys [a0, a0 + BO) of q and k into Qs, Ks by cp.async (committed)
