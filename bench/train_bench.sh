@@ -52,7 +52,7 @@ OUTDIR=${LOOM_BENCH_OUT:-${OUT:-}}
 LAYERS=${LOOM_BENCH_LAYERS:-}
 GA=${LOOM_BENCH_GA:-1}
 [[ $GA =~ ^[1-9][0-9]*$ ]] && [ "$GA" -le 1024 ] || { echo "train_bench.sh: LOOM_BENCH_GA=$GA: give the micro-batches an optimizer step takes, 1 to 1024" >&2; exit 2; }
-[[ -z $LAYERS || $LAYERS =~ ^[1-9][0-9]*$ ]] || { echo "train_bench.sh: LOOM_BENCH_LAYERS=$LAYERS: give a number of layers"; exit 2; }
+[[ -z $LAYERS || $LAYERS =~ ^[1-9][0-9]*$ ]] || { echo "train_bench.sh: LOOM_BENCH_LAYERS=$LAYERS: give a number of layers" >&2; exit 2; }
 INIT_EXTRA=()
 [ -n "$LAYERS" ] && INIT_EXTRA=(--config-override "{\"num_hidden_layers\": $LAYERS}")
 EMBED_STD=${LOOM_BENCH_EMBED_STD:-}
