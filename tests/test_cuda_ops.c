@@ -545,6 +545,44 @@ TEST(cuda_ops_swiglu) {
     gpu_close(&g);
 }
 
+/* The gated attention's output gate, y = o sigmoid(g), and its backward with
+ * dout over dy and dg over g (the model's aliases). */
+TEST(cuda_ops_gate) {
+    gpu g;
+    REQUIRE(gpu_open(&g));
+    const loom_dtype types[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
+    for (int ti = 0; ti < 6; ti++) { /* n % 8 != 0, then n % 8 == 0 (16-bit vector path) */
+        const loom_dtype dt = types[ti % 3];
+        const int64_t n = ti < 3 ? 100037 : 100032;
+        float *o = falloc(n), *gg = falloc(n), *dy = falloc(n), *y = falloc(n), *dout = falloc(n),
+              *dg = falloc(n), *got = falloc(n);
+        fill(o, n, 71, 2);
+        fill(gg, n, 72, 4);
+        fill(dy, n, 73, 1);
+        round_to(&g, o, n, dt);
+        round_to(&g, gg, n, dt);
+        round_to(&g, dy, n, dt);
+        void *d_o = up(&g, o, n, dt), *d_g = up(&g, gg, n, dt), *d_dy = up(&g, dy, n, dt);
+        void *d_y = dalloc(&g, (size_t)n * 4);
+        REQUIRE(!g.bad);
+        loom_cpu_gate_fwd(o, gg, n, y);
+        round_to(&g, y, n, dt);
+        CHECK_OK(g.ctx, loom_cuda_gate_fwd(g.ctx, d_o, d_g, n, d_y, dt, NULL));
+        down(&g, got, d_y, n, dt);
+        CHECK_CLOSE(got, y, n, dt, "gate_fwd %s n=%lld", dn(dt), (long long)n);
+        loom_cpu_gate_bwd(dy, o, gg, n, dout, dg);
+        round_to(&g, dout, n, dt);
+        round_to(&g, dg, n, dt);
+        CHECK_OK(g.ctx, loom_cuda_gate_bwd(g.ctx, d_dy, d_o, d_g, n, d_dy, d_g, dt, NULL));
+        down(&g, got, d_dy, n, dt);
+        CHECK_CLOSE(got, dout, n, dt, "gate_bwd dout %s n=%lld", dn(dt), (long long)n);
+        down(&g, got, d_g, n, dt);
+        CHECK_CLOSE(got, dg, n, dt, "gate_bwd dg %s n=%lld", dn(dt), (long long)n);
+        free(o), free(gg), free(dy), free(y), free(dout), free(dg), free(got);
+    }
+    gpu_close(&g);
+}
+
 TEST(cuda_ops_residual_and_bias) {
     gpu g;
     REQUIRE(gpu_open(&g));

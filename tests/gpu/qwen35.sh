@@ -38,7 +38,7 @@ tests() { # tests NAME... : loom_tests on these (log $W/tests-N.log), its summar
 }
 step() { [[ "$STEPS" == *" $1 "* ]]; }
 step 1 && echo "== 1. the ops against the CPU's" &&
-tests backend_gdn backend_norm backend_elementwise cuda_ops_rmsnorm cuda_ops_fused_norms \
+tests backend_gdn backend_norm backend_elementwise cuda_ops_gate cuda_ops_rmsnorm cuda_ops_fused_norms \
     cuda_ops_attention
 step 2 && echo "== 2. the model in fp32 against transformers, and the memory prediction" &&
     tests qwen35_cuda memory_prediction

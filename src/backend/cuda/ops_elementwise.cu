@@ -139,19 +139,57 @@ extern "C" loom_status loom_cuda_swiglu_bwd(loom_ctx *ctx, const void *dh, const
     return check_launch(ctx, "swiglu_bwd");
 }
 
+// The gated attention's output gate, y = o sigmoid(g), and its backward, one
+// element's arithmetic for both the scalar and the 16-bit vector kernels (the
+// same bits).
+__device__ __forceinline__ float gate1(float o, float g) { return __fmul_rn(o, sigmoid1(g, false)); }
+__device__ __forceinline__ void gate1_bwd(float d, float o, float g, float &dout, float &dg) {
+    const float s = sigmoid1(g, false);
+    dout = __fmul_rn(d, s);
+    dg = __fmul_rn(__fmul_rn(__fmul_rn(d, o), s), __fsub_rn(1.0f, s));
+}
+
 __global__ void gate_fwd_kernel(const void *o, const void *g, int64_t n, void *y, loom_dtype dt) {
-    grid_each(n, [&](int64_t i) {
-        st(y, dt, i, __fmul_rn(ld(o, dt, i), sigmoid1(ld(g, dt, i), false)));
-    });
+    grid_each(n, [&](int64_t i) { st(y, dt, i, gate1(ld(o, dt, i), ld(g, dt, i))); });
 }
 
 __global__ void gate_bwd_kernel(const void *dy, const void *o, const void *g, int64_t n, void *dout,
                                 void *dg, loom_dtype dt) {
     grid_each(n, [&](int64_t i) {
-        const float s = sigmoid1(ld(g, dt, i), false), d = ld(dy, dt, i), oi = ld(o, dt, i);
+        float a, b;
+        gate1_bwd(ld(dy, dt, i), ld(o, dt, i), ld(g, dt, i), a, b);
         // every read of element i is done: dout may alias dy, dg may alias g
-        st(dout, dt, i, __fmul_rn(d, s));
-        st(dg, dt, i, __fmul_rn(__fmul_rn(__fmul_rn(d, oi), s), __fsub_rn(1.0f, s)));
+        st(dout, dt, i, a);
+        st(dg, dt, i, b);
+    });
+}
+
+// The same on BF16/F16, 8 elements per 16-byte access (n8 = n / 8): the
+// scalar kernels' loads and stores of 2 bytes took twice the time of the
+// bytes they move (Qwen3.5-0.8B, 16384 tokens, on an H200: 123 and 189 us).
+template <typename T>
+__global__ void gate_fwd_vec_kernel(const T *o, const T *g, int64_t n8, T *y) {
+    grid_each(n8, [&](int64_t i) {
+        float ov[8], gv[8];
+        ld8(o + 8 * i, ov);
+        ld8(g + 8 * i, gv);
+#pragma unroll
+        for (int k = 0; k < 8; k++) ov[k] = gate1(ov[k], gv[k]);
+        st8(y + 8 * i, ov);
+    });
+}
+
+template <typename T>
+__global__ void gate_bwd_vec_kernel(const T *dy, const T *o, const T *g, int64_t n8, T *dout, T *dg) {
+    grid_each(n8, [&](int64_t i) {
+        float dv[8], ov[8], gv[8];
+        ld8(dy + 8 * i, dv);
+        ld8(o + 8 * i, ov);
+        ld8(g + 8 * i, gv);
+#pragma unroll
+        for (int k = 0; k < 8; k++) gate1_bwd(dv[k], ov[k], gv[k], dv[k], gv[k]);
+        st8(dout + 8 * i, dv); // all 8 elements were read: dout may alias dy, dg g
+        st8(dg + 8 * i, gv);
     });
 }
 
@@ -160,6 +198,15 @@ extern "C" loom_status loom_cuda_gate_fwd(loom_ctx *ctx, const void *o, const vo
     loom_status st;
     if ((st = need_float(ctx, dtype, "gate_fwd", "o, g, y"))) return st;
     if (n <= 0) return LOOM_OK;
+    if (vec8_ok(dtype, n, o, g) && vec8_ok(dtype, n, y, y)) {
+        if (dtype == LOOM_BF16)
+            gate_fwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
+                (const __nv_bfloat16 *)o, (const __nv_bfloat16 *)g, n / 8, (__nv_bfloat16 *)y);
+        else
+            gate_fwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
+                (const __half *)o, (const __half *)g, n / 8, (__half *)y);
+        return check_launch(ctx, "gate_fwd");
+    }
     gate_fwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(o, g, n, y, dtype);
     return check_launch(ctx, "gate_fwd");
 }
@@ -170,6 +217,17 @@ extern "C" loom_status loom_cuda_gate_bwd(loom_ctx *ctx, const void *dy, const v
     loom_status st;
     if ((st = need_float(ctx, dtype, "gate_bwd", "dy, o, g, do, dg"))) return st;
     if (n <= 0) return LOOM_OK;
+    if (vec8_ok(dtype, n, dy, o) && vec8_ok(dtype, n, g, dout) && vec8_ok(dtype, n, dg, dg)) {
+        if (dtype == LOOM_BF16)
+            gate_bwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
+                (const __nv_bfloat16 *)dy, (const __nv_bfloat16 *)o, (const __nv_bfloat16 *)g,
+                n / 8, (__nv_bfloat16 *)dout, (__nv_bfloat16 *)dg);
+        else
+            gate_bwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
+                (const __half *)dy, (const __half *)o, (const __half *)g, n / 8, (__half *)dout,
+                (__half *)dg);
+        return check_launch(ctx, "gate_bwd");
+    }
     gate_bwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(dy, o, g, n, dout, dg, dtype);
     return check_launch(ctx, "gate_bwd");
 }
