@@ -1,7 +1,7 @@
 /* The CUDA Gated DeltaNet rule's workspace (ops_gdn_rule.cu) and what its
  * forward keeps for its backward, sized here so that the memory predictor
  * (src/model/meta.c) and the model (block_gdn.c) count what the kernels
- * will ask for, in any build. Nineteen arrays, each 256-byte aligned, fp32
+ * will ask for, in any build. Twenty arrays, each 256-byte aligned, fp32
  * unless said; NC the most chunks ndocs documents of T tokens can make:
  *   chunk table   cfirst (ndocs + 1), ct0 (NC), clen (NC)          int32
  *   qn, kn        (T, Hk, dk)   the normalised q and k; under tc rq, rk
@@ -11,13 +11,17 @@
  *   W             (T, Hv, dk);  U0, U (T, Hv, dv)
  *   S             (NC, Hv, dk, dv)  each chunk's starting state
  * and for the backward only
- *   dS            (NC, Hv, dk, dv); dU (T, Hv, dv); dqh, dkh (T, Hv, dk)
+ *   dS            (NC, Hv, dk, dv), bf16 under tc; dU (T, Hv, dv); dqh, dkh
+ *                 (T, Hv, dk)
  * then qb, kb (T, Hk, dk) bf16: qn and kn rounded, the tensor-core
  * kernels' operands; and for those kernels (bf16, dk <= 128: "tc") only
  * Tb (NC, Hv, 64, 64) bf16: (I + A)^-1 rounded, as prep made it for its
- * products, for the backward's; U0b (T, Hv, dv) bf16: U0 rounded. Under tc
- * W, U and S are bf16 (operands of products only; the backward's A is
- * remade from its own K K^T, the same bits), so A is not there.
+ * products, for the backward's; U0b (T, Hv, dv) bf16: U0 rounded; and for
+ * the backward dUb (T, Hv, dv) bf16: the complete dU rounded (dU then holds
+ * its local part only). Under tc W, U, S and dS are bf16 (operands of
+ * products only, and the sum of S0 dS over the state for dG; the
+ * backward's A is remade from its own K K^T, the same bits), so A is not
+ * there.
  *
  * Kept (tc only): the arrays the backward reads from the forward's chunk
  * passes (G, W, U, S, Tb, U0b) can live in a caller's buffer of
@@ -39,7 +43,7 @@
 enum {
     LOOM_GW_CFIRST, LOOM_GW_CT0, LOOM_GW_CLEN, LOOM_GW_QN, LOOM_GW_KN, LOOM_GW_G, LOOM_GW_A,
     LOOM_GW_W, LOOM_GW_U0, LOOM_GW_U, LOOM_GW_S, LOOM_GW_DS, LOOM_GW_DU, LOOM_GW_DQH,
-    LOOM_GW_DKH, LOOM_GW_QB, LOOM_GW_KB, LOOM_GW_TB, LOOM_GW_U0B, LOOM_GDN_WS_ARRAYS
+    LOOM_GW_DKH, LOOM_GW_QB, LOOM_GW_KB, LOOM_GW_TB, LOOM_GW_U0B, LOOM_GW_DUB, LOOM_GDN_WS_ARRAYS
 };
 
 /* The arrays a forward keeps for its backward (a bit each). */
@@ -80,7 +84,7 @@ static inline void loom_gdn_ws_sizes(int64_t T, int64_t Hk, int64_t Hv, int64_t 
     const int64_t NC = loom_gdn_ws_chunks(T, ndocs), KC = keep_chunks;
     const int keep = tc && KC > 0;
     const size_t f = sizeof(float), o = tc ? 2 : f; /* an operand: bf16 under tc */
-    const size_t st = (size_t)(NC * Hv * dk * dv) * f;
+    const size_t st = (size_t)(NC * Hv * dk * dv) * o;
     const size_t tv = (size_t)(T * Hv * dv), tk = (size_t)(T * Hv * dk);
     const size_t s[LOOM_GDN_WS_ARRAYS] = {
         (size_t)(ndocs + 1) * 4,
@@ -102,6 +106,7 @@ static inline void loom_gdn_ws_sizes(int64_t T, int64_t Hk, int64_t Hv, int64_t 
         (size_t)(T * Hk * dk) * 2,
         tc ? (size_t)((keep ? KC : NC) * Hv * 64 * 64) * 2 : 0,
         tc ? tv * 2 : 0,
+        tc && bwd ? tv * 2 : 0,
     };
     for (int i = 0; i < LOOM_GDN_WS_ARRAYS; i++) {
         const int in_keep = keep && (LOOM_GDN_KEPT >> i & 1u);

@@ -71,17 +71,18 @@ void ws_layout(const geo &z, bool bwd, bool tc, int64_t keep_chunks, char *base,
     w->clen = (int32_t *)p[LOOM_GW_CLEN];
     w->G = (float *)p[LOOM_GW_G], w->A = (float *)p[LOOM_GW_A];
     w->U0 = (float *)p[LOOM_GW_U0];
-    w->dS = (float *)p[LOOM_GW_DS], w->dU = (float *)p[LOOM_GW_DU];
+    w->dU = (float *)p[LOOM_GW_DU];
     w->dqh = (float *)p[LOOM_GW_DQH], w->dkh = (float *)p[LOOM_GW_DKH];
     w->qb = (bf *)p[LOOM_GW_QB], w->kb = (bf *)p[LOOM_GW_KB];
     w->Tb = (bf *)p[LOOM_GW_TB], w->U0b = (bf *)p[LOOM_GW_U0B];
-    if (tc) { // W, U and S hold bf16; QN and KN the rows' factors
+    if (tc) { // W, U, S and dS hold bf16; QN and KN the rows' factors
         w->Wh = (bf *)p[LOOM_GW_W], w->Uh = (bf *)p[LOOM_GW_U];
-        w->Sb = (bf *)p[LOOM_GW_S];
+        w->Sb = (bf *)p[LOOM_GW_S], w->dSb = (bf *)p[LOOM_GW_DS];
+        w->dUb = (bf *)p[LOOM_GW_DUB];
         w->rq = (float *)p[LOOM_GW_QN], w->rk = (float *)p[LOOM_GW_KN];
     } else {
         w->W = (float *)p[LOOM_GW_W], w->U = (float *)p[LOOM_GW_U];
-        w->S = (float *)p[LOOM_GW_S];
+        w->S = (float *)p[LOOM_GW_S], w->dS = (float *)p[LOOM_GW_DS];
         w->qn = (float *)p[LOOM_GW_QN], w->kn = (float *)p[LOOM_GW_KN];
     }
 }

@@ -14,7 +14,7 @@ using namespace loom_cuda;
 
 constexpr int CH = LOOM_GDN_CHUNK; // tokens per chunk
 static_assert(CH == 64, "the chunk kernels' shared arrays are laid out for 64-token chunks");
-static_assert(LOOM_GDN_WS_ARRAYS == 19, "ws_layout assigns 19 arrays");
+static_assert(LOOM_GDN_WS_ARRAYS == 20, "ws_layout assigns 20 arrays");
 constexpr int NT = 256; // threads per block
 constexpr int WARPS = NT / 32;
 constexpr int LDA = CH + 1; // row stride of the (CH, CH) shared matrices (no bank conflicts)
@@ -44,14 +44,16 @@ struct gdn_ws {
     float *U0, *U;    // (T, Hv, dv): X's left part; U0 - W S0
     float *S;         // (NC, Hv, dk, dv): each chunk's starting state
     float *dS;        // (NC, Hv, dk, dv): the gradient of each chunk's end state (bwd)
-    float *dU;        // (T, Hv, dv): the gradient of U (bwd)
+    float *dU;        // (T, Hv, dv): the gradient of U (bwd; tc: its local part, dul's)
     float *dqh, *dkh; // (T, Hv, dk): the normalised q's and k's gradients per value head (bwd)
     // The tensor-core kernels' bf16 operands: qn and kn rounded (T, Hk, dk);
     // W, U and S, which those kernels keep as bf16 in their arrays (Wh, Uh,
     // Sb: only ever operands of products, which round them to bf16 anyway);
     // Tb (NC, Hv, CH, CH): T = (I + A)^-1 rounded, prep's for chunk_bwd's;
-    // U0b: U0 rounded, chunk_bwd's operand.
-    __nv_bfloat16 *qb, *kb, *Wh, *Uh, *Sb, *Tb, *U0b;
+    // U0b: U0 rounded, chunk_bwd's operand; and the backward's dS and
+    // complete dU rounded (dSb in dS's array, dUb), state_bwd's for chunk_bwd,
+    // which rounds both to bf16 where it uses them (dS's sum with S0 too).
+    __nv_bfloat16 *qb, *kb, *Wh, *Uh, *Sb, *Tb, *U0b, *dSb, *dUb;
 };
 // The chunk of block x (false for the grid's spare blocks: NC is a bound).
 __device__ __forceinline__ bool chunk_of(const geo &z, const gdn_ws &w, int64_t c, int64_t *t0,

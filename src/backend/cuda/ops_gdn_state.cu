@@ -202,10 +202,6 @@ __device__ __forceinline__ void put_state(T *Sg, const float (&S)[slices<KS>::KN
     }
 }
 
-// The two bf16 of a fragment's register, widened (exact).
-__device__ __forceinline__ float lo_of(uint32_t r) { return __uint_as_float(r << 16); }
-__device__ __forceinline__ float hi_of(uint32_t r) { return __uint_as_float(r & 0xffff0000u); }
-
 // The warp's TW tokens of Y^T (16 x CH) = Sh R^T: the unit's Sh (16 x
 // dk16, nk k-steps) and the chunk's rows R (CH, dk16) in shared memory.
 template <int NU, int KS>
@@ -409,7 +405,9 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1) state_fwd_tc_kernel(geo 
 }
 
 // The backward pass: from dS = 0 after the document, stores each chunk's
-// end state's gradient (w.dS) and the complete dU (w.dU, over its local part).
+// end state's gradient (w.dSb) and the complete dU (w.dUb; w.dU holds its
+// local part), both bf16 (chunk_bwd's operands: it rounds them as it uses
+// them), half the bytes of fp32 to write here and read there.
 template <int NU, int KS, bool FULL>
 __global__ void __launch_bounds__(threads<NU, KS>(), 1)
     state_bwd_tc_kernel(geo z, gdn_ws w, const void *dout) {
@@ -448,7 +446,7 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1)
         const int c = dc.c2 - 1 - s, L = cur.L;
         const int64_t t0 = dc.t0(c);
         const stage_ptrs<NU> q = b.slot(s % ST);
-        float *Sg = w.dS + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
+        bf16 *Sg = w.dSb + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
         if (keys)
             put_state<true>(Sg, dS, p, (int)dk, (int)dv);
         else
@@ -460,9 +458,9 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1)
         ring_step(s, nc, stage); // the stage, D, E and Sh seen
         float x[SL::TN][4] = {};
         state_times_rows(x, p, q.X[1], nk); // (K dS)^T, the warp's tokens
-        float *Ug = w.dU + (t0 * z.Hv + p.h) * dv + p.b0 + p.col(0);
+        bf16 *Ug = w.dUb + (t0 * z.Hv + p.h) * dv + p.b0 + p.col(0);
         const int urs = (int)ors; // a row of dU (int: a chunk's rows fit)
-        const auto epilogue = [&](auto full) { // dU = Ds (K dS) + its local part, to w.dU
+        const auto epilogue = [&](auto full) { // dU = Ds (K dS) + its local part, to w.dUb
 #pragma unroll
             for (int nt = 0; nt < SL::TN; nt++)
 #pragma unroll
@@ -471,7 +469,7 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1)
                     float du = 0.0f;
                     if (full.v || (j < L && v < p.nb)) {
                         du = q.D[j] * x[nt][e] + q.V[j * SH::LDV + v];
-                        Ug[j * urs + 8 * (e >> 1)] = du;
+                        Ug[j * urs + 8 * (e >> 1)] = __float2bfloat16_rn(du);
                     }
                     x[nt][e] = du;
                 }

@@ -153,6 +153,11 @@ __device__ __forceinline__ void sts2(bf16 *p, float a, float b) {
     *reinterpret_cast<uint32_t *>(p) = M16::pack(a, b);
 }
 
+// The two bf16 of a 4-byte pair (a fragment's register), widened (exact):
+// the first (low half) and the second.
+__device__ __forceinline__ float lo_of(uint32_t r) { return __uint_as_float(r << 16); }
+__device__ __forceinline__ float hi_of(uint32_t r) { return __uint_as_float(r & 0xffff0000u); }
+
 // Rows [0, R) (a chunk's by default) x columns [0, W) (W a multiple of 16
 // bytes' elements) of dst (row stride ld) from src (row i at src + i rs),
 // zero where i >= L or c >= n: by cp.async when vec (n, rs and src 16-byte
@@ -222,50 +227,6 @@ struct block_regs {
     }
 };
 static_assert(CH * BO % NT == 0 && NT % BO == 0, "block_regs' split");
-
-// A (CH, BO) fp32 block's elements of a thread as float4s (rows tid / 16 +
-// 16 u, columns 4 (tid % 16) on), every load issued before any is used:
-// rows i < R of src (row i at src + i rs), columns c < n, zero elsewhere;
-// vec: n and rs multiples of 4 and src 16-byte aligned (vec_ok: a 16-byte load),
-// else element by element. store_bf16 puts them to shared memory rounded,
-// four to an 8-byte store (dst's rows 8-byte aligned). A thread's rows and
-// column are fixed, so there is no index arithmetic an element: fill's
-// stepping and an element's 64-bit offset had been most of chunk_bwd's
-// instructions (ncu on an H200: two thirds of them integer).
-struct quad_regs {
-    static constexpr int Q = BO / 4, N = CH * BO / (4 * NT);
-    float4 v[N];
-    __device__ static int row(int u) { return (int)threadIdx.x / Q + u * (NT / Q); }
-    __device__ static int col() { return 4 * ((int)threadIdx.x % Q); }
-    __device__ __forceinline__ void load(const float *src, int64_t rs, int R, int64_t n,
-                                         bool vec) {
-        const int c = col();
-#pragma unroll
-        for (int u = 0; u < N; u++) {
-            const int i = row(u);
-            const float *p = src + i * rs + c;
-            float4 x = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (vec) {
-                if (i < R && c < n)
-                    x = *reinterpret_cast<const float4 *>(p);
-            } else if (i < R) {
-                x.x = c < n ? p[0] : 0.0f;
-                x.y = c + 1 < n ? p[1] : 0.0f;
-                x.z = c + 2 < n ? p[2] : 0.0f;
-                x.w = c + 3 < n ? p[3] : 0.0f;
-            }
-            v[u] = x;
-        }
-    }
-    __device__ __forceinline__ void store_bf16(bf16 *dst, int ld) const {
-#pragma unroll
-        for (int u = 0; u < N; u++) {
-            const uint2 o = {M16::pack(v[u].x, v[u].y), M16::pack(v[u].z, v[u].w)};
-            *reinterpret_cast<uint2 *>(dst + row(u) * ld + col()) = o;
-        }
-    }
-};
-static_assert(NT % quad_regs::Q == 0 && CH * BO % (4 * NT) == 0, "quad_regs' split");
 
 // T = (I + A)^-1 for the strictly lower A (CH x CH, row stride LDA) by
 // blocks of 16: each diagonal block by forward substitution (a column a

@@ -27,14 +27,14 @@ namespace {
 // taken (row_sums, col_sums); shared memory holds C and the products' bf16
 // operands: 94 KB at dk 128, two blocks an SM (one block of 192 KB had been
 // latency-bound at 12% occupancy on an H200). The forward's bf16 arrays (T,
-// U0, W, S0, U: from a keep buffer, in DRAM) come by cp.async, under the
-// fp32 gradients' synchronous loads (an H200, 4B shapes: 1017 us a layer
-// where the same loads synchronous took 1180). Those (dU, dS) come by
-// float4 into fixed places of a thread (quad_regs), the accesses at the
-// accumulators' places as column pairs issued before the products that
-// hide them, and FULL (dk and dv multiples of BO, pairs aligned) drops the
-// column tests: 1019 -> 526 us, the element-wise fills' index arithmetic
-// having been two thirds of the instructions (ncu).
+// U0, W, S0, U: from a keep buffer, in DRAM) and state_bwd's bf16 dS and dU
+// come by cp.async (an H200, 4B shapes: 1017 us a layer where the forward's
+// came by synchronous loads took 1180); v, k, q and dkh by column pairs at
+// the accumulators' places, issued before the products that hide them; and
+// FULL (dk and dv multiples of BO, pairs aligned) drops the column tests
+// (dU and dS had come as fp32 by float4 into fixed places of a thread and
+// element-wise fills before that, whose index arithmetic had been two
+// thirds of the instructions (ncu): 1019 -> 526 us).
 constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
 struct bwd_smem {
     float *Cm, *V, *RP, *CP; // C (CH, LDA); the vectors; row partials (2, CH), columns' (4, CH)
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(NT, 2)
     const int tid = threadIdx.x, warp = tid >> 5;
     const tile f;
     const bf16 *S0 = w.Sb + (c * Hv + h) * dk * dv; // the forward's state, rounded
-    const float *dS = w.dS + (c * Hv + h) * dk * dv;
+    const bf16 *dS = w.dSb + (c * Hv + h) * dk * dv; // state_bwd's, rounded
     // q and k normalised as l2_fwd made them: the raw bf16 row i of qkv (at qr,
     // kr + i C) by its factor (rq, rk[i Hk]), the same product, the same bits
     const bf16 *qr = (const bf16 *)qkv + t0 * z.C + hk * dk, *kr = qr + z.Hk * dk;
@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(NT, 2)
     };
     // whether column col of a row of n is in range (FULL: every column is)
     const auto cin = [&](int64_t col, int64_t n) { return FULL || col < n; };
-    // dU's and dS's blocks by float4 (quad_regs)
-    const float *dUc = w.dU + row(0) * dv;
+    // dU's (complete, state_bwd's, rounded) and dS's blocks by cp.async
+    const bf16 *dUc = w.dUb + row(0) * dv;
     const bool duv = vec_ok(dUc, dv, vrs), dsv = vec_ok(dS, dv, dv);
     const bf16 *Oc = (const bf16 *)dout + row(0) * dv, *Uc = w.Uh + row(0) * dv;
     const bool ouv = vec_ok(Oc, dv, vrs) && vec_ok(Uc, dv, vrs);
@@ -192,13 +192,12 @@ __global__ void __launch_bounds__(NT, 2)
         const bool isv = cb < nbv;
         const int64_t b0 = (isv ? cb : cb - nbv) * BO, ncol = isv ? dv : dk;
         __syncthreads(); // S2, S5 free
-        if (isv) { // X = U0's block (S2) by cp.async, under dX = dU's (S5)
+        if (isv) { // dX = dU's block (S5), then X = U0's (S2), by cp.async
+            stage_async(S5, LDH, dUc + b0, vrs, L, dv - b0, BO, duv);
+            cp_commit();
             const bf16 *Xc = w.U0b + row(0) * dv + b0;
             stage_async(S2, LDH, Xc, vrs, L, dv - b0, BO, vec_ok(Xc, dv, vrs));
             cp_commit();
-            quad_regs du;
-            du.load(dUc + b0, vrs, L, dv - b0, duv);
-            du.store_bf16(S5, LDH);
         } else { // X = W's block by cp.async, under dX = -dU S0^T over this block's keys
             const bf16 *Wc = w.Wh + row(0) * dk + b0;
             stage_async(S2, LDH, Wc, Hv * dk, L, dk - b0, BO, vec_ok(Wc, dk, Hv * dk));
@@ -206,12 +205,10 @@ __global__ void __launch_bounds__(NT, 2)
             float x[1][4][4] = {};
             for (int64_t e0 = 0; e0 < dv; e0 += BO) {
                 __syncthreads(); // S1, S3 free
-                const bf16 *Sc = S0 + b0 * dv + e0; // S0's keys b0.. by cp.async, under dU's
+                const bf16 *Sc = S0 + b0 * dv + e0; // S0's keys b0.., and dU's block, by cp.async
                 stage_async(S3, LDH, Sc, dv, (int)(dk - b0), dv - e0, BO, vec_ok(Sc, dv, dv));
+                stage_async(S1, LDH, dUc + e0, vrs, L, dv - e0, BO, duv);
                 cp_commit();
-                quad_regs du;
-                du.load(dUc + e0, vrs, L, dv - e0, duv);
-                du.store_bf16(S1, LDH);
                 cp_wait<0>();
                 __syncthreads();
                 warp_mma<1, 4>(x, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
@@ -232,6 +229,8 @@ __global__ void __launch_bounds__(NT, 2)
                                : isv ? ld2((const bf16 *)qkv + vcol(i) + col, qeven, two)
                                      : qk2(kr, rk, i, col, two);
             }
+        if (isv)
+            cp_wait<1>(); // dX's group (X's may be in flight)
         __syncthreads(); // dX complete
         float db[1][4][4] = {};
         warp_mma<1, 4>(db, Tb + f.r0, 1, LDH, S5 + f.c0, LDH, 1, CH); // T^T dX
@@ -314,25 +313,23 @@ __global__ void __launch_bounds__(NT, 2)
             __syncthreads(); // the blocks free (and Tb complete)
             if (e0 == 0)
                 stage_qk64(a0);
-            const bf16 *Sc = S0 + a0 * dv + e0; // S0's block (S3) by cp.async
+            const bf16 *Sc = S0 + a0 * dv + e0; // S0's block (S3) and dS's (S5) by cp.async
             stage_async(S3, LDH, Sc, dv, (int)(dk - a0), dv - e0, BO, vec_ok(Sc, dv, dv));
-            stage_ou(e0); // commits S3's copy with its group
-            quad_regs ds; // dS's block (S5), kept for sum(S0 dS)
-            ds.load(dS + a0 * dv + e0, dv, (int)(dk - a0), dv - e0, dsv);
-            ds.store_bf16(S5, LDH);
+            stage_async(S5, LDH, dS + a0 * dv + e0, dv, (int)(dk - a0), dv - e0, BO, dsv);
+            stage_ou(e0); // commits S3's and S5's copies with its group
             cp_wait<0>();
             __syncthreads();
             // sum(S0 dS): the rounded state's elements (the forward's) by dS's,
-            // both zero outside the state
-            for (int u = 0; u < quad_regs::N; u++) {
-                const uint2 p = *reinterpret_cast<const uint2 *>(
-                    S3 + quad_regs::row(u) * LDH + quad_regs::col());
-                const bf16 *s0 = reinterpret_cast<const bf16 *>(&p);
-                const float4 d = ds.v[u];
-                ss += (double)__bfloat162float(s0[0]) * (double)d.x;
-                ss += (double)__bfloat162float(s0[1]) * (double)d.y;
-                ss += (double)__bfloat162float(s0[2]) * (double)d.z;
-                ss += (double)__bfloat162float(s0[3]) * (double)d.w;
+            // both zero outside the state; four at a time, a thread's own
+            for (int u = 0; u < CH * BO / (4 * NT); u++) {
+                const int o = ((int)threadIdx.x / (BO / 4) + u * (4 * NT / BO)) * LDH +
+                              4 * ((int)threadIdx.x % (BO / 4));
+                const uint2 p = *reinterpret_cast<const uint2 *>(S3 + o);
+                const uint2 d = *reinterpret_cast<const uint2 *>(S5 + o);
+                ss += (double)lo_of(p.x) * (double)lo_of(d.x);
+                ss += (double)hi_of(p.x) * (double)hi_of(d.x);
+                ss += (double)lo_of(p.y) * (double)lo_of(d.y);
+                ss += (double)hi_of(p.y) * (double)hi_of(d.y);
             }
             warp_mma<1, 4>(sd, S1 + f.r0 * LDH, LDH, 1, S3 + f.c0 * LDH, 1, LDH, BO);
             warp_mma<1, 4>(tm, S2 + f.r0 * LDH, LDH, 1, S5 + f.c0 * LDH, 1, LDH, BO);
