@@ -16,6 +16,7 @@
 #                            --global-batch-size G x micro-batch, the peer
 #                            --grad-accum G; tokens/s counts all of a step's
 #                            micro-batches
+#   LOOM_BENCH_MB=B          sequences a micro-batch (default: the case's, 1 or 2)
 #   LOOM_BENCH_SEQ_LEN=S     tokens per row (default 4096)
 #   LOOM_BENCH_LR=X          learning rate, constant (default 1e-4)
 #   LOOM_BENCH_WARMUP=N      steps left out of the tokens/s mean (default 3)
@@ -51,6 +52,8 @@ RUN_TIMEOUT=${LOOM_BENCH_RUN_TIMEOUT:-300}
 OUTDIR=${LOOM_BENCH_OUT:-${OUT:-}}
 LAYERS=${LOOM_BENCH_LAYERS:-}
 GA=${LOOM_BENCH_GA:-1}
+MB_SET=${LOOM_BENCH_MB:-}
+[[ -z $MB_SET || ( $MB_SET =~ ^[1-9][0-9]*$ && $MB_SET -le 1024 ) ]] || { echo "train_bench.sh: LOOM_BENCH_MB=$MB_SET: give the sequences a micro-batch, 1 to 1024" >&2; exit 2; }
 [[ $GA =~ ^[1-9][0-9]*$ ]] && [ "$GA" -le 1024 ] || { echo "train_bench.sh: LOOM_BENCH_GA=$GA: give the micro-batches an optimizer step takes, 1 to 1024" >&2; exit 2; }
 [[ -z $LAYERS || $LAYERS =~ ^[1-9][0-9]*$ ]] || { echo "train_bench.sh: LOOM_BENCH_LAYERS=$LAYERS: give a number of layers" >&2; exit 2; }
 INIT_EXTRA=()
@@ -78,6 +81,7 @@ case_cfg() {
         *) return 1 ;;
     esac
     STEPS=${LOOM_BENCH_STEPS:-$STEPS}
+    MB=${MB_SET:-$MB}
     LORA_ALPHA=16
 }
 
