@@ -30,6 +30,8 @@
 // Checked against the CPU reference on the CPU emulator (make test-emu,
 // both NU) and, on an H200, by tests/test_backend_gdn.c and the Qwen3.5
 // model tests (tests/gpu/qwen35.sh).
+#include <type_traits>
+
 #include "mma.cuh"
 #include "ops_gdn_tc.cuh"
 
@@ -179,27 +181,72 @@ __device__ __forceinline__ void stage_rows(T *dst, int ld, const T *src, int64_t
         cp_async16(d, i < L && cv ? s : src, i < L && cv);
 }
 
+// A lane's two accumulators a = (row 2t, column g) and b = (row 2t + 1,
+// column g) of a 16 x 8 tile's column pair, to bf16 rows (stride rs) at base
+// = (row 2t, column g): lanes g and g ^ 1 swap a value so that each stores
+// two adjacent columns of one row in one 4-byte store (even g row 2t, odd g
+// row 2t + 1), instead of two 2-byte stores to two rows. Every lane of the
+// warp takes part (the shuffle); base's column pair 4-byte aligned for even g.
+__device__ __forceinline__ void put_pair(bf16 *base, int rs, float a, float b, int g) {
+    const bool odd = g & 1;
+    const float got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 4); // lane g ^ 1's
+    *reinterpret_cast<uint32_t *>(odd ? base + rs - 1 : base) =
+        odd ? M16::pack(got, b) : M16::pack(a, got);
+}
+
 // The warp's keys of the state (S^T's, as accumulators) to the chunk's (dk,
-// dv) block Sg (fp32, or bf16 rounded: the forward's states; the block's
-// columns on) and, rounded, to its unit's Sh: keys < dk and columns < nb
-// to Sg, keys < dk16 to Sh (FULL: dk = 128 and every column).
-template <bool FULL, int NU, int KS, typename T>
+// dv) block Sg (fp32, or bf16 rounded: the forward's states, the backward's
+// gradients; the block's columns on) and, rounded, to its unit's Sh: keys <
+// dk and columns < nb to Sg, keys < dk16 to Sh (FULL: dk = 128 and every
+// column). PAIRS (bf16, the kernels' FULL: dv = 128, pairs aligned): Sg by
+// put_pair.
+template <bool FULL, bool PAIRS, int NU, int KS, typename T>
 __device__ __forceinline__ void put_state(T *Sg, const float (&S)[slices<KS>::KN][4],
                                           const pass_at<NU, KS> &p, int dk, int dv) {
     const int d16 = (int)pad16(dk);
     T *base = Sg + p.key(0, 0) * dv + p.col(0); // offsets in int: a block's fit
 #pragma unroll
     for (int nn = 0; nn < slices<KS>::KN; nn++) {
+        if constexpr (PAIRS && FULL && std::is_same<T, bf16>::value) {
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            if (FULL || (p.key(nn, e) < dk && p.col(e) < p.nb))
-                put(base + (8 * nn + (e & 1)) * dv + 8 * (e >> 1), S[nn][e]);
+            for (int r = 0; r < 2; r++)
+                put_pair(base + 8 * nn * dv + 8 * r, dv, S[nn][2 * r], S[nn][2 * r + 1], p.g);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                if (FULL || (p.key(nn, e) < dk && p.col(e) < p.nb))
+                    put(base + (8 * nn + (e & 1)) * dv + 8 * (e >> 1), S[nn][e]);
+        }
         if (FULL || p.key(nn, 0) < d16)
 #pragma unroll
             for (int r = 0; r < 2; r++) // keys 2t, 2t + 1 of rows g and g + 8
                 *(uint32_t *)(p.Sh + (p.g + 8 * r) * p.ldq + p.key(nn, 0)) =
                     M16::pack(S[nn][2 * r], S[nn][2 * r + 1]);
     }
+}
+
+// The warp's TW tokens of a (CH, BW) bf16 block Ug (at the rows' and the
+// lane's column: row stride rs) from y (tokens 2t, 2t + 1 of n-tile nt,
+// columns g and g + 8): PAIRS (the kernels' FULL, a whole chunk) by
+// put_pair, else element by element where token i < L and column < nb.
+template <bool PAIRS, int NU, int KS>
+__device__ __forceinline__ void put_tokens(bf16 *Ug, int rs, const float (&y)[slices<KS>::TN][4],
+                                           const pass_at<NU, KS> &p, int L) {
+#pragma unroll
+    for (int nt = 0; nt < slices<KS>::TN; nt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if constexpr (PAIRS) {
+                put_pair(Ug + p.tok(nt, 0) * rs + 8 * r, rs, y[nt][2 * r], y[nt][2 * r + 1], p.g);
+            } else {
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    const int e = 2 * r + b, i = p.tok(nt, e);
+                    if (i < L && p.col(e) < p.nb)
+                        Ug[i * rs + 8 * r] = __float2bfloat16_rn(y[nt][e]);
+                }
+            }
+        }
 }
 
 // The warp's TW tokens of Y^T (16 x CH) = Sh R^T: the unit's Sh (16 x
@@ -353,9 +400,9 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1) state_fwd_tc_kernel(geo 
         const stage_ptrs<NU> q = b.slot(s % ST);
         bf16 *Sg = w.Sb + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
         if (keys)
-            put_state<true>(Sg, S, p, (int)dk, (int)dv);
+            put_state<true, FULL>(Sg, S, p, (int)dk, (int)dv);
         else
-            put_state<false>(Sg, S, p, (int)dk, (int)dv);
+            put_state<false, false>(Sg, S, p, (int)dk, (int)dv);
         cur.put(q.D, nullptr);
         const float eL = expf(cur.GL);
         if (s + 1 < nc)
@@ -371,13 +418,15 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1) state_fwd_tc_kernel(geo 
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int i = p.tok(nt, e), v = p.col(e);
-                    float x = 0.0f;
-                    if (full.v || (i < L && v < p.nb)) {
-                        x = q.V[i * SH::LDV + v] - u[nt][e];
-                        Ug[i * urs + 8 * (e >> 1)] = __float2bfloat16_rn(x);
-                    }
-                    u[nt][e] = q.D[i] * x;
+                    u[nt][e] = full.v || (i < L && v < p.nb) ? q.V[i * SH::LDV + v] - u[nt][e]
+                                                             : 0.0f;
                 }
+            put_tokens<FULL && decltype(full)::v>(Ug, urs, u, p, L);
+#pragma unroll
+            for (int nt = 0; nt < SL::TN; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    u[nt][e] *= q.D[p.tok(nt, e)];
         };
         if (keys && L == CH)
             epilogue(flag<true>{});
@@ -448,9 +497,9 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1)
         const stage_ptrs<NU> q = b.slot(s % ST);
         bf16 *Sg = w.dSb + ((int64_t)c * z.Hv + p.h) * dk * dv + p.b0;
         if (keys)
-            put_state<true>(Sg, dS, p, (int)dk, (int)dv);
+            put_state<true, FULL>(Sg, dS, p, (int)dk, (int)dv);
         else
-            put_state<false>(Sg, dS, p, (int)dk, (int)dv);
+            put_state<false, false>(Sg, dS, p, (int)dk, (int)dv);
         cur.put(q.D, q.E);
         const float eL = expf(cur.GL);
         if (s + 1 < nc)
@@ -466,13 +515,11 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int j = p.tok(nt, e), v = p.col(e);
-                    float du = 0.0f;
-                    if (full.v || (j < L && v < p.nb)) {
-                        du = q.D[j] * x[nt][e] + q.V[j * SH::LDV + v];
-                        Ug[j * urs + 8 * (e >> 1)] = __float2bfloat16_rn(du);
-                    }
-                    x[nt][e] = du;
+                    x[nt][e] = full.v || (j < L && v < p.nb)
+                                   ? q.D[j] * x[nt][e] + q.V[j * SH::LDV + v]
+                                   : 0.0f;
                 }
+            put_tokens<FULL && decltype(full)::v>(Ug, urs, x, p, L);
         };
         if (keys && L == CH)
             epilogue(flag<true>{});
