@@ -24,10 +24,10 @@
  * there.
  *
  * Kept (tc only): the arrays the backward reads from the forward's chunk
- * passes (G, W, U, S, Tb, U0b) can live in a caller's buffer of
- * loom_gdn_keep_bytes, sized for keep_chunks chunks, that the forward fills
- * and the backward of the same inputs reads instead of running prep and the
- * state pass again; then the workspace leaves them out (and U0 from the
+ * passes and normalisation (G, W, U, S, Tb, U0b; rq, rk, qb, kb) can live
+ * in a caller's buffer of loom_gdn_keep_bytes, sized for keep_chunks
+ * chunks, that the forward fills and the backward of the same inputs reads
+ * instead of running the L2 norm, prep and the state pass again; then the workspace leaves them out (and U0 from the
  * backward's). Room for loom_gdn_keep_chunks(T) chunks: documents of 128
  * tokens on average; a batch whose bound (loom_gdn_ws_chunks) is past it
  * goes without.
@@ -46,10 +46,13 @@ enum {
     LOOM_GW_DKH, LOOM_GW_QB, LOOM_GW_KB, LOOM_GW_TB, LOOM_GW_U0B, LOOM_GW_DUB, LOOM_GDN_WS_ARRAYS
 };
 
-/* The arrays a forward keeps for its backward (a bit each). */
+/* The arrays a forward keeps for its backward (a bit each): the chunk
+ * passes' and the normalised q and k (their bf16 roundings and the rows'
+ * factors), so that the backward does not normalise them again. */
 #define LOOM_GDN_KEPT                                                                            \
     ((1u << LOOM_GW_G) | (1u << LOOM_GW_W) | (1u << LOOM_GW_U) | (1u << LOOM_GW_S) |            \
-     (1u << LOOM_GW_TB) | (1u << LOOM_GW_U0B))
+     (1u << LOOM_GW_TB) | (1u << LOOM_GW_U0B) | (1u << LOOM_GW_QN) | (1u << LOOM_GW_KN) |       \
+     (1u << LOOM_GW_QB) | (1u << LOOM_GW_KB))
 
 /* Whether the rule runs its bf16 tensor-core kernels (their shared memory
  * holds key heads up to 128). */

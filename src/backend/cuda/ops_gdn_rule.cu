@@ -790,18 +790,18 @@ int64_t kept_chunks(loom_dtype dt, const geo &z, const void *keep, int64_t keep_
 }
 
 // The forward's first steps (both directions need them): the chunk table,
-// q and k normalised, then (passes: unless the backward reads them from a
-// keep buffer) each chunk's G, A or T, W, U0, and the states and U.
+// then (passes: unless the backward reads them from a keep buffer) q and k
+// normalised, each chunk's G, A or T, W, U0, and the states and U.
 loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt, const float *g,
                       const float *beta, const int32_t *cu, const geo &z, const gdn_ws &w,
                       bool passes, cudaStream_t s) {
     loom_status st;
     chunks_kernel<<<1, NT, 0, s>>>(cu, z.ndocs, w.cfirst, w.ct0, w.clen);
-    if ((st = check_launch(ctx, op)))
+    if ((st = check_launch(ctx, op)) || !passes) // (kept: the normalised q and k too)
         return st;
     auto l2f = z.dk <= 128 ? l2_fwd_kernel<4> : l2_fwd_kernel<0>;
     l2f<<<(unsigned)((z.T * z.Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dt, z, w);
-    if ((st = check_launch(ctx, op)) || !passes)
+    if ((st = check_launch(ctx, op)))
         return st;
     if (use_tc(dt, z.dk))
         return (st = tc_prep(ctx, op, qkv, dt, g, beta, z, w, s)) ? st
