@@ -215,12 +215,13 @@ for c in "${CASES[@]}"; do
         fi
     fi
     say "summary of $c"
-    "$PY" bench/summarize.py "$D/loom.log" "$D/peer.log" --case "$c" --config "$M/config.json" \
+    LABEL=$c${MB_SET:+, micro-batch $MB} # (the case's own micro-batch unnamed)
+    "$PY" bench/summarize.py "$D/loom.log" "$D/peer.log" --case "$LABEL" --config "$M/config.json" \
         --lora-r "$LORA_R" --seq-len "$SEQ" --micro-batch-size "$MB" --grad-accum "$GA" --steps "$STEPS" \
         --warmup "$WARMUP" --peak-tflops "$PEAK" --loom-rc "$LOOM_RC" --peer-rc "$PEER_RC" \
         ${NOTE:+--note "$NOTE"} --row-out "$ROWS" 2>&1 | tee "$D/summary.txt" | tee -a "$REPORTS"
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-        echo "| $c | summarize.py failed (see $D/summary.txt) | | | | | | | | | |" >> "$ROWS"
+        echo "| $LABEL | summarize.py failed (see $D/summary.txt) | | | | | | | | | |" >> "$ROWS"
     fi
     if [ "$KEEP" != 1 ]; then
         rm -rf "$M"
