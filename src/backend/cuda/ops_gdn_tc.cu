@@ -66,61 +66,90 @@ __device__ void chunk_p_tc(const geo &z, const gdn_ws &w, int64_t t0, int L, int
     __syncthreads();
 }
 
-// out_kernel on tensor cores (bf16, dk <= 128): O = diag(e^G) Q S0 + P U
-// over BO columns of dv.
+// out_kernel on tensor cores (bf16, dk <= 128): O = diag(e^G) Q S0 + P U,
+// a block per (chunk, head) over dv BO columns at a time, P made once (a
+// block per column block had made it twice at Qwen3.5's dv = 128, and
+// staged q and k twice).
 __global__ void __launch_bounds__(NT) out_tc_kernel(geo z, gdn_ws w, loom_dtype dt, void *o) {
     extern __shared__ __align__(16) float sm[];
     const int64_t dk = z.dk, dv = z.dv, d16 = pad16(dk), ldq = ldk(dk);
     const p_smem m(sm, dk);
-    const int64_t c = blockIdx.x, h = blockIdx.y, b0 = (int64_t)blockIdx.z * BO;
+    const int64_t c = blockIdx.x, h = blockIdx.y;
     int64_t t0;
     int L;
     if (!chunk_of(z, w, c, &t0, &L))
         return;
     const int64_t urs = z.Hv * dv;
-    const bf16 *Uc = w.Uh + (t0 * z.Hv + h) * dv + b0; // row i at Uc + i Hv dv
-    stage_async(m.Us, LDH, Uc, urs, L, dv - b0 < BO ? dv - b0 : BO, BO, vec_ok(Uc, dv, urs));
-    const bf16 *S0 = w.Sb + (c * z.Hv + h) * dk * dv + b0; // key a's row at S0 + a dv
-    stage_async(m.Bs, LDH, S0, dv, (int)dk, dv - b0, BO, vec_ok(S0, dv, dv), (int)d16);
+    const bf16 *Uc = w.Uh + (t0 * z.Hv + h) * dv; // row i at Uc + i Hv dv
+    const bf16 *S0 = w.Sb + (c * z.Hv + h) * dk * dv; // key a's row at S0 + a dv
+    const bool uv = vec_ok(Uc, dv, urs), sv = vec_ok(S0, dv, dv);
+    auto stage = [&](int64_t b0) { // U's and S0's blocks of columns [b0, b0 + BO)
+        stage_async(m.Us, LDH, Uc + b0, urs, L, dv - b0 < BO ? dv - b0 : BO, BO, uv);
+        stage_async(m.Bs, LDH, S0 + b0, dv, (int)dk, dv - b0, BO, sv, (int)d16);
+    };
+    stage(0);
     chunk_p_tc(z, w, t0, L, h, m); // its barriers and wait cover the staging above
     const tile f;
-    float acc[1][4][4] = {};
-    warp_mma<1, 4>(acc, m.Qs + f.r0 * ldq, (int)ldq, 1, m.Bs + f.c0, LDH, 1, (int)d16);
-    for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) acc[0][n][e] *= m.Es[f.i(e)];
-    warp_mma<1, 4>(acc, m.Ps + f.r0 * LDH, LDH, 1, m.Us + f.c0, LDH, 1, CH);
-    for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) {
-            const int i = f.i(e);
-            const int64_t b = b0 + f.j(n, e);
-            if (i < L && b < dv) st(o, dt, ((t0 + i) * z.Hv + h) * dv + b, acc[0][n][e]);
+    for (int64_t b0 = 0; b0 < dv; b0 += BO) {
+        if (b0) {
+            __syncthreads(); // Us, Bs read
+            stage(b0);
+            cp_commit();
+            cp_wait<0>();
+            __syncthreads();
         }
+        float acc[1][4][4] = {};
+        warp_mma<1, 4>(acc, m.Qs + f.r0 * ldq, (int)ldq, 1, m.Bs + f.c0, LDH, 1, (int)d16);
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) acc[0][n][e] *= m.Es[f.i(e)];
+        warp_mma<1, 4>(acc, m.Ps + f.r0 * LDH, LDH, 1, m.Us + f.c0, LDH, 1, CH);
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int i = f.i(e);
+                const int64_t b = b0 + f.j(n, e);
+                if (i < L && b < dv) st(o, dt, ((t0 + i) * z.Hv + h) * dv + b, acc[0][n][e]);
+            }
+    }
 }
 
-// dul_kernel on tensor cores: dU's local part P^T dO over BO columns (dO bf16).
+// dul_kernel on tensor cores: dU's local part P^T dO (dO bf16), a block per
+// (chunk, head) over dv BO columns at a time, P made once.
 __global__ void __launch_bounds__(NT)
     dul_tc_kernel(geo z, gdn_ws w, const void *dout, loom_dtype dt) {
     extern __shared__ __align__(16) float sm[];
     const int64_t dv = z.dv;
     const p_smem m(sm, z.dk);
-    const int64_t c = blockIdx.x, h = blockIdx.y, b0 = (int64_t)blockIdx.z * BO;
+    const int64_t c = blockIdx.x, h = blockIdx.y;
     int64_t t0;
     int L;
     if (!chunk_of(z, w, c, &t0, &L))
         return;
     const int64_t ors = z.Hv * dv;
-    const bf16 *Oc = (const bf16 *)dout + (t0 * z.Hv + h) * dv + b0;
-    stage_async(m.Bs, LDH, Oc, ors, L, dv - b0 < BO ? dv - b0 : BO, BO, vec_ok(Oc, dv, ors));
+    const bf16 *Oc = (const bf16 *)dout + (t0 * z.Hv + h) * dv;
+    const bool ov = vec_ok(Oc, dv, ors);
+    auto stage = [&](int64_t b0) { // dO's block of columns [b0, b0 + BO)
+        stage_async(m.Bs, LDH, Oc + b0, ors, L, dv - b0 < BO ? dv - b0 : BO, BO, ov);
+    };
+    stage(0);
     chunk_p_tc(z, w, t0, L, h, m);
     const tile f;
-    float acc[1][4][4] = {};
-    warp_mma<1, 4>(acc, m.Ps + f.r0, 1, LDH, m.Bs + f.c0, LDH, 1, CH); // A = P^T
-    for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) {
-            const int j = f.i(e);
-            const int64_t b = b0 + f.j(n, e);
-            if (j < L && b < dv) w.dU[((t0 + j) * z.Hv + h) * dv + b] = acc[0][n][e];
+    for (int64_t b0 = 0; b0 < dv; b0 += BO) {
+        if (b0) {
+            __syncthreads(); // Bs read
+            stage(b0);
+            cp_commit();
+            cp_wait<0>();
+            __syncthreads();
         }
+        float acc[1][4][4] = {};
+        warp_mma<1, 4>(acc, m.Ps + f.r0, 1, LDH, m.Bs + f.c0, LDH, 1, CH); // A = P^T
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) {
+                const int j = f.i(e);
+                const int64_t b = b0 + f.j(n, e);
+                if (j < L && b < dv) w.dU[((t0 + j) * z.Hv + h) * dv + b] = acc[0][n][e];
+            }
+    }
 }
 
 // prep_kernel on tensor cores: G, A = strictly lower (beta_i k_i.k_j M_ij)
@@ -285,10 +314,8 @@ loom_status launch(loom_ctx *ctx, const char *op, void (*kern)(P...), dim3 grid,
     return check_launch(ctx, op);
 }
 
-// per (chunk, head, BO columns)
-dim3 chunk_grid(const geo &z) {
-    return dim3((unsigned)z.NC, (unsigned)z.Hv, (unsigned)((z.dv + BO - 1) / BO));
-}
+// per (chunk, head): the blocks loop over dv's column blocks
+dim3 chunk_grid(const geo &z) { return dim3((unsigned)z.NC, (unsigned)z.Hv); }
 } // namespace
 
 namespace loom_gdn {
