@@ -508,79 +508,72 @@ TEST(cuda_ops_fused_norms) {
 
 /* ---------------- SwiGLU, residual, bias ---------------- */
 
-TEST(cuda_ops_swiglu) {
+/* An element-wise op of two inputs (a, b) with its backward (d, a, b ->
+ * two gradients), the CUDA one against the CPU's in fp32, bf16 and f16, at
+ * n % 8 != 0 and n % 8 == 0 (16-bit vector paths); the backward writes its
+ * outputs over the inputs the model lets them alias (over[k]: 0 d, 1 a, 2 b). */
+typedef struct {
+    const char *name;
+    float sd_a, sd_b; /* the random inputs' scales */
+    void (*cpu_fwd)(const float *a, const float *b, int64_t n, float *y);
+    void (*cpu_bwd)(const float *d, const float *a, const float *b, int64_t n, float *o1, float *o2);
+    loom_status (*cuda_fwd)(loom_ctx *, const void *a, const void *b, int64_t n, void *y,
+                            loom_dtype, void *stream);
+    loom_status (*cuda_bwd)(loom_ctx *, const void *d, const void *a, const void *b, int64_t n,
+                            void *o1, void *o2, loom_dtype, void *stream);
+    int over[2];
+} pair_op;
+
+static void check_pair_op(const pair_op *op) {
     gpu g;
     REQUIRE(gpu_open(&g));
     const loom_dtype types[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
-    for (int ti = 0; ti < 6; ti++) { /* n % 8 != 0, then n % 8 == 0 (16-bit vector path) */
+    for (int ti = 0; ti < 6; ti++) {
         const loom_dtype dt = types[ti % 3];
         const int64_t n = ti < 3 ? 100037 : 100032;
-        float *gg = falloc(n), *u = falloc(n), *h = falloc(n), *dh = falloc(n), *dg = falloc(n),
-              *du = falloc(n), *got = falloc(n);
-        fill(gg, n, 61, 3);
-        fill(u, n, 62, 1);
-        fill(dh, n, 63, 1);
-        round_to(&g, gg, n, dt);
-        round_to(&g, u, n, dt);
-        round_to(&g, dh, n, dt);
-        void *d_g = up(&g, gg, n, dt), *d_u = up(&g, u, n, dt), *d_dh = up(&g, dh, n, dt);
-        void *d_h = dalloc(&g, (size_t)n * 4);
+        float *in[3] = {falloc(n), falloc(n), falloc(n)}, *y = falloc(n), *o[2] = {falloc(n), falloc(n)},
+              *got = falloc(n);
+        const float sd[3] = {1, op->sd_a, op->sd_b};
+        void *d_in[3];
+        for (int k = 0; k < 3; k++) {
+            fill(in[k], n, 61 + (uint64_t)k, sd[k]);
+            round_to(&g, in[k], n, dt);
+            d_in[k] = up(&g, in[k], n, dt);
+        }
+        void *d_y = dalloc(&g, (size_t)n * 4);
         REQUIRE(!g.bad);
-        loom_cpu_swiglu_fwd(gg, u, n, h);
-        round_to(&g, h, n, dt);
-        CHECK_OK(g.ctx, loom_cuda_swiglu_fwd(g.ctx, d_g, d_u, n, d_h, dt, NULL));
-        down(&g, got, d_h, n, dt);
-        CHECK_CLOSE(got, h, n, dt, "swiglu_fwd %s n=%lld", dn(dt), (long long)n);
-        /* dg over g, du over u (aliases) */
-        loom_cpu_swiglu_bwd(dh, gg, u, n, dg, du);
-        round_to(&g, dg, n, dt);
-        round_to(&g, du, n, dt);
-        CHECK_OK(g.ctx, loom_cuda_swiglu_bwd(g.ctx, d_dh, d_g, d_u, n, d_g, d_u, dt, NULL));
-        down(&g, got, d_g, n, dt);
-        CHECK_CLOSE(got, dg, n, dt, "swiglu_bwd dg %s n=%lld", dn(dt), (long long)n);
-        down(&g, got, d_u, n, dt);
-        CHECK_CLOSE(got, du, n, dt, "swiglu_bwd du %s n=%lld", dn(dt), (long long)n);
-        free(gg), free(u), free(h), free(dh), free(dg), free(du), free(got);
+        op->cpu_fwd(in[1], in[2], n, y);
+        round_to(&g, y, n, dt);
+        CHECK_OK(g.ctx, op->cuda_fwd(g.ctx, d_in[1], d_in[2], n, d_y, dt, NULL));
+        down(&g, got, d_y, n, dt);
+        CHECK_CLOSE(got, y, n, dt, "%s fwd %s n=%lld", op->name, dn(dt), (long long)n);
+        op->cpu_bwd(in[0], in[1], in[2], n, o[0], o[1]);
+        CHECK_OK(g.ctx, op->cuda_bwd(g.ctx, d_in[0], d_in[1], d_in[2], n, d_in[op->over[0]],
+                                     d_in[op->over[1]], dt, NULL));
+        for (int k = 0; k < 2; k++) {
+            round_to(&g, o[k], n, dt);
+            down(&g, got, d_in[op->over[k]], n, dt);
+            CHECK_CLOSE(got, o[k], n, dt, "%s bwd output %d %s n=%lld", op->name, k, dn(dt),
+                        (long long)n);
+        }
+        for (int k = 0; k < 3; k++) free(in[k]);
+        free(y), free(o[0]), free(o[1]), free(got);
     }
     gpu_close(&g);
 }
 
-/* The gated attention's output gate, y = o sigmoid(g), and its backward with
- * dout over dy and dg over g (the model's aliases). */
+/* SwiGLU h = silu(g) u: dg over g, du over u */
+TEST(cuda_ops_swiglu) {
+    const pair_op op = {"swiglu", 3, 1, loom_cpu_swiglu_fwd, loom_cpu_swiglu_bwd,
+                        loom_cuda_swiglu_fwd, loom_cuda_swiglu_bwd, {1, 2}};
+    check_pair_op(&op);
+}
+
+/* The gated attention's output gate, y = o sigmoid(g): dout over dy, dg over g */
 TEST(cuda_ops_gate) {
-    gpu g;
-    REQUIRE(gpu_open(&g));
-    const loom_dtype types[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
-    for (int ti = 0; ti < 6; ti++) { /* n % 8 != 0, then n % 8 == 0 (16-bit vector path) */
-        const loom_dtype dt = types[ti % 3];
-        const int64_t n = ti < 3 ? 100037 : 100032;
-        float *o = falloc(n), *gg = falloc(n), *dy = falloc(n), *y = falloc(n), *dout = falloc(n),
-              *dg = falloc(n), *got = falloc(n);
-        fill(o, n, 71, 2);
-        fill(gg, n, 72, 4);
-        fill(dy, n, 73, 1);
-        round_to(&g, o, n, dt);
-        round_to(&g, gg, n, dt);
-        round_to(&g, dy, n, dt);
-        void *d_o = up(&g, o, n, dt), *d_g = up(&g, gg, n, dt), *d_dy = up(&g, dy, n, dt);
-        void *d_y = dalloc(&g, (size_t)n * 4);
-        REQUIRE(!g.bad);
-        loom_cpu_gate_fwd(o, gg, n, y);
-        round_to(&g, y, n, dt);
-        CHECK_OK(g.ctx, loom_cuda_gate_fwd(g.ctx, d_o, d_g, n, d_y, dt, NULL));
-        down(&g, got, d_y, n, dt);
-        CHECK_CLOSE(got, y, n, dt, "gate_fwd %s n=%lld", dn(dt), (long long)n);
-        loom_cpu_gate_bwd(dy, o, gg, n, dout, dg);
-        round_to(&g, dout, n, dt);
-        round_to(&g, dg, n, dt);
-        CHECK_OK(g.ctx, loom_cuda_gate_bwd(g.ctx, d_dy, d_o, d_g, n, d_dy, d_g, dt, NULL));
-        down(&g, got, d_dy, n, dt);
-        CHECK_CLOSE(got, dout, n, dt, "gate_bwd dout %s n=%lld", dn(dt), (long long)n);
-        down(&g, got, d_g, n, dt);
-        CHECK_CLOSE(got, dg, n, dt, "gate_bwd dg %s n=%lld", dn(dt), (long long)n);
-        free(o), free(gg), free(dy), free(y), free(dout), free(dg), free(got);
-    }
-    gpu_close(&g);
+    const pair_op op = {"gate", 2, 4, loom_cpu_gate_fwd, loom_cpu_gate_bwd, loom_cuda_gate_fwd,
+                        loom_cuda_gate_bwd, {0, 2}};
+    check_pair_op(&op);
 }
 
 TEST(cuda_ops_residual_and_bias) {
