@@ -36,8 +36,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+np = None  # numpy and torch, imported by run() once the arguments are checked
+torch = None
 
 GiB = float(1 << 30)
 
@@ -106,7 +106,7 @@ def delta_rule_impl(model):
         return "torch", f"torch reference (import fla: {type(e).__name__}: {e})"
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="HF transformers/PEFT peer of loom train")
     ap.add_argument("--model", required=True, help="HF model directory (loom init --out)")
     ap.add_argument("--data", required=True, help="int32 (N, S) .npy from bench/make_data.py")
@@ -132,7 +132,16 @@ def main():
     ap.add_argument("--require-fla", action="store_true",
                     help="refuse to run a Gated DeltaNet model on transformers' torch reference "
                          "(the transformers + flash-linear-attention peer)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # counts refused here, before torch is imported (bench/probe_args.sh runs these anywhere)
+    for name, v, low in (("--steps", args.steps, 1), ("--micro-batch-size", args.micro_batch_size, 1),
+                         ("--grad-accum", args.grad_accum, 1), ("--lora-r", args.lora_r, 0)):
+        if v < low:
+            ap.error(f"{name} {v}: give a count of at least {low}")
+    return args
+
+
+def main(args):
     if args.base_dtype is None:
         args.base_dtype = "bf16" if args.lora_r else "fp32"
 
@@ -166,8 +175,6 @@ def main():
         sys.exit(f"peer: {args.data} has rows of {S} tokens, --seq-len is {args.seq_len}")
     B = args.micro_batch_size
     GA = args.grad_accum
-    if B < 1 or GA < 1:
-        sys.exit(f"peer: --micro-batch-size {B}, --grad-accum {GA}: give counts of at least 1")
 
     def sync():
         if cuda:
@@ -298,12 +305,20 @@ def main():
     return 0
 
 
-if __name__ == "__main__":
+def run():
+    global np, torch
+    args = parse_args()
+    import numpy as np
+    import torch
     try:
-        sys.exit(main())
+        return main(args)
     except torch.cuda.OutOfMemoryError as e:  # while loading or setting up
         log(f"peer: OOM (CUDA out of memory) before the first step: {str(e).splitlines()[0]}")
         if torch.cuda.is_available():
             log(f"peak GPU memory {torch.cuda.max_memory_reserved() / GiB:.2f} GiB "
                 f"(torch max_memory_reserved, before training)")
         sys.exit(3)
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,6 +1,6 @@
 #!/bin/bash
-# The GPU probes', bench/profile.sh's, bench/ncu_source.sh's, bench/fla_site.sh's and
-# bench/train_bench.sh's (LOOM_BENCH_GA, _MB, _LAYERS) argument checks, which run before any
+# The GPU probes', bench/profile.sh's, bench/ncu_source.sh's, bench/fla_site.sh's,
+# bench/peer_hf.py's counts and bench/train_bench.sh's (LOOM_BENCH_GA, _MB, _LAYERS) argument checks, which run before any
 # device work and so on any machine, and
 # bench/kprof_table.py's and bench/ncu_source.py's self-tests
 # (CI runs this after the CUDA build):
@@ -41,6 +41,8 @@ expect "LOOM_BENCH_GA=0: give the micro-batches" env LOOM_BENCH_GA=0 bash bench/
 expect "LOOM_BENCH_GA=2x: give the micro-batches" env LOOM_BENCH_GA=2x bash bench/train_bench.sh tiny-full
 expect "LOOM_BENCH_MB=0: give the sequences a micro-batch" env LOOM_BENCH_MB=0 bash bench/train_bench.sh tiny-full
 expect "LOOM_BENCH_MB=1.5: give the sequences a micro-batch" env LOOM_BENCH_MB=1.5 bash bench/train_bench.sh tiny-full
+expect "--grad-accum 0: give a count of at least 1" python3 bench/peer_hf.py --model m --data d --steps 2 --grad-accum 0
+expect "--micro-batch-size 0: give a count of at least 1" python3 bench/peer_hf.py --model m --data d --steps 2 --micro-batch-size 0
 expect "LOOM_BENCH_LAYERS=x: give a number of layers" env LOOM_BENCH_LAYERS=x bash bench/train_bench.sh tiny-full
 expect "give LOG and --steps N" python3 bench/kprof_table.py
 expect "no kprof report" python3 bench/kprof_table.py /dev/null --steps 2
