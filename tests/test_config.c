@@ -210,6 +210,10 @@ TEST(config_bad_input) {
          "\"intermediate_size\": 8, \"num_hidden_layers\": 0, \"num_attention_heads\": 2}",
          "'num_hidden_layers' must be a positive integer", LOOM_ERR_CONFIG},
         {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
+         "\"intermediate_size\": 8, \"num_hidden_layers\": 377777777777777, "
+         "\"num_attention_heads\": 2}",
+         "num_hidden_layers=377777777777777 is more than the 65536 layers", LOOM_ERR_CONFIG},
+        {"{\"model_type\": \"qwen3\", \"vocab_size\": 10, \"hidden_size\": 8, "
          "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, "
          "\"num_key_value_heads\": 3}",
          "not a multiple of num_key_value_heads=3", LOOM_ERR_CONFIG},

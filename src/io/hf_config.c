@@ -49,6 +49,9 @@ bool loom_config_layer_is_moe(const loom_model_config *cfg, int64_t layer) {
 }
 
 /* A positive integer field; `required` says whether absence is an error. */
+/* The most layers a config may have (real models have a few hundred at most). */
+enum { LOOM_CONFIG_MAX_LAYERS = 1 << 16 };
+
 static loom_status get_pos(loom_ctx *ctx, const loom_json *doc, const char *key, const char *what,
                            bool required, int64_t *out) {
     loom_status st = required ? loom_json_get_int(ctx, doc, key, what, out)
@@ -342,6 +345,12 @@ static loom_status parse_config(loom_ctx *ctx, const loom_json *doc, const char 
         (st = get_pos(ctx, doc, "num_hidden_layers", what, true, &cfg->num_layers)) ||
         (st = get_pos(ctx, doc, "num_attention_heads", what, true, &cfg->num_heads)))
         return st;
+    /* per-layer tables (layer_types, mlp_only_layers) are sized by it before any weight is read */
+    if (cfg->num_layers > LOOM_CONFIG_MAX_LAYERS)
+        return loom_errf(ctx, LOOM_ERR_CONFIG,
+                         "%s: num_hidden_layers=%lld is more than the %d layers loom supports: is "
+                         "the config right?",
+                         what, (long long)cfg->num_layers, LOOM_CONFIG_MAX_LAYERS);
     cfg->num_kv_heads = cfg->num_heads;
     if ((st = get_pos(ctx, doc, "num_key_value_heads", what, false, &cfg->num_kv_heads))) return st;
     if (cfg->num_heads % cfg->num_kv_heads != 0)
