@@ -25,35 +25,51 @@ __global__ void swiglu_bwd_kernel(const void *dh, const void *g, const void *u, 
     }
 }
 
-// The same three ops on BF16/F16, 8 elements per 16-byte access (n8 = n / 8).
+// Element maps on BF16/F16, 8 elements per 16-byte access (n8 = n / 8),
+// the vector kernels' bodies: y = f(a, b); and (o1, o2) = f(d, a, b), every
+// element of the 8 read before any is written (the outputs may alias the inputs).
+template <typename T, typename F>
+__device__ __forceinline__ void map8(const T *a, const T *b, int64_t n8, T *y, F f) {
+    grid_each(n8, [&](int64_t i) {
+        float av[8], bv[8];
+        ld8(a + 8 * i, av);
+        ld8(b + 8 * i, bv);
+#pragma unroll
+        for (int k = 0; k < 8; k++) av[k] = f(av[k], bv[k]);
+        st8(y + 8 * i, av);
+    });
+}
+template <typename T, typename F>
+__device__ __forceinline__ void map8_2(const T *d, const T *a, const T *b, int64_t n8, T *o1,
+                                       T *o2, F f) {
+    grid_each(n8, [&](int64_t i) {
+        float av[8], bv[8], dv[8];
+        ld8(a + 8 * i, av);
+        ld8(b + 8 * i, bv);
+        ld8(d + 8 * i, dv);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float x, y;
+            f(dv[k], av[k], bv[k], x, y);
+            av[k] = x;
+            bv[k] = y;
+        }
+        st8(o1 + 8 * i, av);
+        st8(o2 + 8 * i, bv);
+    });
+}
+
+// The same three ops on BF16/F16 (SwiGLU's and the residual's by their own
+// names: bench/kprof_table.py files the kernels by them).
 template <typename T>
 __global__ void swiglu_fwd_vec_kernel(const T *g, const T *u, int64_t n8, T *h) {
-    grid_each(n8, [&](int64_t i) {
-        float gv[8], uv[8];
-        ld8(g + 8 * i, gv);
-        ld8(u + 8 * i, uv);
-#pragma unroll
-        for (int k = 0; k < 8; k++) gv[k] = swiglu1(gv[k], uv[k], true);
-        st8(h + 8 * i, gv);
-    });
+    map8(g, u, n8, h, [](float gi, float ui) { return swiglu1(gi, ui, true); });
 }
 
 template <typename T>
 __global__ void swiglu_bwd_vec_kernel(const T *dh, const T *g, const T *u, int64_t n8, T *dg, T *du) {
-    grid_each(n8, [&](int64_t i) {
-        float gv[8], uv[8], dv[8];
-        ld8(g + 8 * i, gv);
-        ld8(u + 8 * i, uv);
-        ld8(dh + 8 * i, dv);
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            float dgi, dui;
-            swiglu1_bwd(dv[k], gv[k], uv[k], dgi, dui, true);
-            gv[k] = dgi;
-            uv[k] = dui;
-        }
-        st8(dg + 8 * i, gv); // all 8 elements were read: dg/du may alias g/u/dh
-        st8(du + 8 * i, uv);
+    map8_2(dh, g, u, n8, dg, du, [](float d, float gi, float ui, float &dgi, float &dui) {
+        swiglu1_bwd(d, gi, ui, dgi, dui, true);
     });
 }
 
@@ -100,18 +116,26 @@ __global__ void bias_bwd_kernel(const void *dy, loom_dtype dt, int64_t T, int64_
     }
 }
 
+// f(T{}) with T the 16-bit type of dt (BF16 or F16: vec8_ok's), for the
+// vector kernels' launches.
+template <typename F> static void on_16bit(loom_dtype dt, F f) {
+    if (dt == LOOM_BF16)
+        f(__nv_bfloat16{});
+    else
+        f(__half{});
+}
+
 extern "C" loom_status loom_cuda_swiglu_fwd(loom_ctx *ctx, const void *g, const void *u, int64_t n,
                                             void *h, loom_dtype dtype, void *stream) {
     loom_status st;
     if ((st = need_float(ctx, dtype, "swiglu_fwd", "g, u, h"))) return st;
     if (n <= 0) return LOOM_OK;
     if (vec8_ok(dtype, n, g, u) && vec8_ok(dtype, n, h, h)) {
-        if (dtype == LOOM_BF16)
+        on_16bit(dtype, [&](auto t) {
+            using T = decltype(t);
             swiglu_fwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (const __nv_bfloat16 *)g, (const __nv_bfloat16 *)u, n / 8, (__nv_bfloat16 *)h);
-        else
-            swiglu_fwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (const __half *)g, (const __half *)u, n / 8, (__half *)h);
+                (const T *)g, (const T *)u, n / 8, (T *)h);
+        });
         return check_launch(ctx, "swiglu_fwd");
     }
     swiglu_fwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(g, u, n, h, dtype);
@@ -125,14 +149,11 @@ extern "C" loom_status loom_cuda_swiglu_bwd(loom_ctx *ctx, const void *dh, const
     if ((st = need_float(ctx, dtype, "swiglu_bwd", "dh, g, u, dg, du"))) return st;
     if (n <= 0) return LOOM_OK;
     if (vec8_ok(dtype, n, dh, g) && vec8_ok(dtype, n, u, dg) && vec8_ok(dtype, n, du, du)) {
-        if (dtype == LOOM_BF16)
+        on_16bit(dtype, [&](auto t) {
+            using T = decltype(t);
             swiglu_bwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (const __nv_bfloat16 *)dh, (const __nv_bfloat16 *)g, (const __nv_bfloat16 *)u, n / 8,
-                (__nv_bfloat16 *)dg, (__nv_bfloat16 *)du);
-        else
-            swiglu_bwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (const __half *)dh, (const __half *)g, (const __half *)u, n / 8, (__half *)dg,
-                (__half *)du);
+                (const T *)dh, (const T *)g, (const T *)u, n / 8, (T *)dg, (T *)du);
+        });
         return check_launch(ctx, "swiglu_bwd");
     }
     swiglu_bwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(dh, g, u, n, dg, du, dtype);
@@ -164,32 +185,18 @@ __global__ void gate_bwd_kernel(const void *dy, const void *o, const void *g, in
     });
 }
 
-// The same on BF16/F16, 8 elements per 16-byte access (n8 = n / 8): the
-// scalar kernels' loads and stores of 2 bytes took twice the time of the
-// bytes they move (Qwen3.5-0.8B, 16384 tokens, on an H200: 123 and 189 us).
+// The same on BF16/F16 (map8): the scalar kernels' loads and stores of 2
+// bytes took twice the time of the bytes they move (Qwen3.5-0.8B, 16384
+// tokens, on an H200: 123 and 189 us).
 template <typename T>
 __global__ void gate_fwd_vec_kernel(const T *o, const T *g, int64_t n8, T *y) {
-    grid_each(n8, [&](int64_t i) {
-        float ov[8], gv[8];
-        ld8(o + 8 * i, ov);
-        ld8(g + 8 * i, gv);
-#pragma unroll
-        for (int k = 0; k < 8; k++) ov[k] = gate1(ov[k], gv[k]);
-        st8(y + 8 * i, ov);
-    });
+    map8(o, g, n8, y, [](float oi, float gi) { return gate1(oi, gi); });
 }
 
 template <typename T>
 __global__ void gate_bwd_vec_kernel(const T *dy, const T *o, const T *g, int64_t n8, T *dout, T *dg) {
-    grid_each(n8, [&](int64_t i) {
-        float dv[8], ov[8], gv[8];
-        ld8(dy + 8 * i, dv);
-        ld8(o + 8 * i, ov);
-        ld8(g + 8 * i, gv);
-#pragma unroll
-        for (int k = 0; k < 8; k++) gate1_bwd(dv[k], ov[k], gv[k], dv[k], gv[k]);
-        st8(dout + 8 * i, dv); // all 8 elements were read: dout may alias dy, dg g
-        st8(dg + 8 * i, gv);
+    map8_2(dy, o, g, n8, dout, dg, [](float d, float oi, float gi, float &a, float &b) {
+        gate1_bwd(d, oi, gi, a, b);
     });
 }
 
@@ -199,12 +206,11 @@ extern "C" loom_status loom_cuda_gate_fwd(loom_ctx *ctx, const void *o, const vo
     if ((st = need_float(ctx, dtype, "gate_fwd", "o, g, y"))) return st;
     if (n <= 0) return LOOM_OK;
     if (vec8_ok(dtype, n, o, g) && vec8_ok(dtype, n, y, y)) {
-        if (dtype == LOOM_BF16)
+        on_16bit(dtype, [&](auto t) {
+            using T = decltype(t);
             gate_fwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (const __nv_bfloat16 *)o, (const __nv_bfloat16 *)g, n / 8, (__nv_bfloat16 *)y);
-        else
-            gate_fwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (const __half *)o, (const __half *)g, n / 8, (__half *)y);
+                (const T *)o, (const T *)g, n / 8, (T *)y);
+        });
         return check_launch(ctx, "gate_fwd");
     }
     gate_fwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(o, g, n, y, dtype);
@@ -218,14 +224,11 @@ extern "C" loom_status loom_cuda_gate_bwd(loom_ctx *ctx, const void *dy, const v
     if ((st = need_float(ctx, dtype, "gate_bwd", "dy, o, g, do, dg"))) return st;
     if (n <= 0) return LOOM_OK;
     if (vec8_ok(dtype, n, dy, o) && vec8_ok(dtype, n, g, dout) && vec8_ok(dtype, n, dg, dg)) {
-        if (dtype == LOOM_BF16)
+        on_16bit(dtype, [&](auto t) {
+            using T = decltype(t);
             gate_bwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (const __nv_bfloat16 *)dy, (const __nv_bfloat16 *)o, (const __nv_bfloat16 *)g,
-                n / 8, (__nv_bfloat16 *)dout, (__nv_bfloat16 *)dg);
-        else
-            gate_bwd_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (const __half *)dy, (const __half *)o, (const __half *)g, n / 8, (__half *)dout,
-                (__half *)dg);
+                (const T *)dy, (const T *)o, (const T *)g, n / 8, (T *)dout, (T *)dg);
+        });
         return check_launch(ctx, "gate_bwd");
     }
     gate_bwd_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(dy, o, g, n, dout, dg, dtype);
@@ -241,12 +244,11 @@ extern "C" loom_status loom_cuda_residual_add(loom_ctx *ctx, void *y, loom_dtype
         return st;
     if (n <= 0) return LOOM_OK;
     if (x_dtype == y_dtype && vec8_ok(y_dtype, n, y, x)) {
-        if (y_dtype == LOOM_BF16)
+        on_16bit(y_dtype, [&](auto t) {
+            using T = decltype(t);
             residual_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (__nv_bfloat16 *)y, (const __nv_bfloat16 *)x, n / 8);
-        else
-            residual_vec_kernel<<<grid_for(n / 8, 256), 256, 0, as_stream(stream)>>>(
-                (__half *)y, (const __half *)x, n / 8);
+                (T *)y, (const T *)x, n / 8);
+        });
         return check_launch(ctx, "residual_add");
     }
     residual_kernel<<<grid_for(n, 256), 256, 0, as_stream(stream)>>>(y, y_dtype, x, x_dtype, n);
