@@ -1333,17 +1333,21 @@ TEST(cuda_ops_bench) {
 
 /* LOOM_CUDA_OPS_BENCH=1: every engine config cuDNN offers for the attention
  * of the benchmarked models (one 4096-token document a row: 0.6B with two
- * rows, 16 query heads; 8B and 4B with one, 32 heads), timed against the
- * heuristics' choice (loom_cuda_attn_survey prints them to stderr). */
+ * rows, 16 query heads; 8B and 4B with one, 32 heads, 8 KV heads of 128;
+ * Qwen3.5-0.8B with four rows, 8 query heads, 2 KV heads of 256, and
+ * Qwen3.5-4B with one, 16 and 4), timed against the heuristics' choice
+ * (loom_cuda_attn_survey prints them to stderr). */
 TEST(cuda_ops_attention_cudnn_survey) {
     if (!getenv("LOOM_CUDA_OPS_BENCH")) return;
     gpu g;
     REQUIRE(gpu_open(&g));
-    const struct { int64_t T, Hq; } sh[] = {{8192, 16}, {4096, 32}};
-    const int64_t Hkv = 8, D = 128, L = 4096;
+    const struct { int64_t T, Hq, Hkv, D; } sh[] = {
+        {8192, 16, 8, 128}, {4096, 32, 8, 128}, {16384, 8, 2, 256}, {4096, 16, 4, 256}};
+    const int64_t L = 4096;
     const loom_dtype dt = LOOM_BF16;
     for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++) {
-        const int64_t T = sh[i].T, Hq = sh[i].Hq;
+        const int64_t T = sh[i].T, Hq = sh[i].Hq, Hkv = sh[i].Hkv, D = sh[i].D;
+        const float sc = 1.0f / sqrtf((float)D);
         loom_cuda_attn_handle *h = NULL;
         bool tk = false;
         REQUIRE_OK(g.ctx, loom_cuda_attn_create(g.ctx, &h));
@@ -1355,10 +1359,10 @@ TEST(cuda_ops_attention_cudnn_survey) {
         float *lse = ab.lse;
         REQUIRE(!g.bad);
         CHECK_OK(g.ctx, loom_cuda_attention_cudnn_fwd(g.ctx, h, q, k, v, dt, T, Hq, Hkv, D, NULL, T / L,
-                                                      L, 0.0883883f, o, lse, NULL, &tk));
+                                                      L, sc, o, lse, NULL, &tk));
         CHECK(tk);
         CHECK_OK(g.ctx, loom_cuda_attention_cudnn_bwd(g.ctx, h, dout, q, k, v, o, lse, dt, T, Hq, Hkv,
-                                                      D, NULL, T / L, L, 0.0883883f, dq, dk, dv, NULL,
+                                                      D, NULL, T / L, L, sc, dq, dk, dv, NULL,
                                                       &tk));
         CHECK(tk);
         loom_cuda_attn_free(h);

@@ -23,7 +23,9 @@
 //   chunk_bwd_kernel  per (chunk, head): the gradients of q, k (per value
 //                     head), v, g and beta (the triangular solve's by back
 //                     substitution with A^T)
-//   l2_bwd_kernel     the key heads' groups summed, the normalisation's backward.
+//   l2_bwd_kernel     the key heads' groups summed, the normalisation's backward
+//                     (chunk_bwd's tensor-core twin ends with it instead where
+//                     a key head has one value head: l2_in_chunk_bwd).
 // Everything in fp32 (the CPU's in double); the states fp32. Each output
 // element has one writer: no atomics, the same bits run to run. In bf16
 // (dk <= 128) prep_kernel, out_kernel, dul_kernel, the two state passes and
@@ -170,16 +172,11 @@ __global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, gdn_ws w) {
     }
 }
 
-// d of the normalised rows (the group's value heads summed in order) ->
-// d of the raw ones: y = sc x r, r = (|x|^2 + 1e-6)^-1/2: dx = sc (r dy - r^3
-// (x . dy) x). A warp per (t, hk); q (sc = dk^-1/2), then k (sc = 1).
-// NA > 0 (dk <= 32 NA, grp <= L2_GRP): a lane's NA elements of x and of each
-// of the group's dy rows, q's and k's, are loaded into registers before any
-// is used, all of them in flight together (the group's rows summed in a loop
-// of dependent loads took 163 us a layer at Qwen3.5-4B's shapes on an H200,
-// about 1.2 TB/s); NA = 0: any dk and grp, in passes. The same sums in the
-// same order either way.
-constexpr int L2_GRP = 4;
+// d of the normalised rows -> d of the raw ones (ops_gdn_rule.cuh's
+// l2_bwd_row), a warp per (t, hk): NA > 0 (dk <= 32 NA, grp <= L2_GRP) its
+// row function; NA = 0: any dk and grp, in passes. The same sums in the
+// same order either way. The tensor-core chunk_bwd runs l2_bwd_row itself
+// where grp is 1 (l2_in_chunk_bwd), and this kernel is not launched.
 template <int NA>
 __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float *dqh,
                               const float *dkh, void *dqkv) {
@@ -188,46 +185,11 @@ __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float
     if (r >= z.T * z.Hk)
         return;
     const int64_t t = r / z.Hk, hk = r % z.Hk, h0 = hk * z.grp;
-    auto off = [&](int which) { return t * z.C + which * z.Hk * z.dk + hk * z.dk; };
-    auto src = [&](int which) { return (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk; };
     if constexpr (NA > 0) {
-        float xv[2][NA], yv[2][NA][L2_GRP];
-#pragma unroll
-        for (int which = 0; which < 2; which++)
-#pragma unroll
-            for (int i = 0; i < NA; i++) {
-                const int64_t a = lane + 32 * i;
-                xv[which][i] = a < z.dk ? ld(qkv, dt, off(which) + a) : 0.0f;
-#pragma unroll
-                for (int h = 0; h < L2_GRP; h++)
-                    yv[which][i][h] = a < z.dk && h < z.grp ? src(which)[h * z.dk + a] : 0.0f;
-            }
-#pragma unroll
-        for (int which = 0; which < 2; which++) {
-            const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
-            float dv[NA], ss = 0.0f, xd = 0.0f;
-#pragma unroll
-            for (int i = 0; i < NA; i++) {
-                dv[i] = 0.0f;
-#pragma unroll
-                for (int h = 0; h < L2_GRP; h++)
-                    if (h < z.grp)
-                        dv[i] += yv[which][i][h];
-            }
-#pragma unroll
-            for (int i = 0; i < NA; i++)
-                if (lane + 32 * i < z.dk)
-                    ss += xv[which][i] * xv[which][i], xd += xv[which][i] * dv[i];
-            ss = warp_sum(ss);
-            xd = warp_sum(xd);
-            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
-#pragma unroll
-            for (int i = 0; i < NA; i++)
-                if (lane + 32 * i < z.dk)
-                    st(dqkv, dt, off(which) + lane + 32 * i,
-                       sc * (rr * dv[i] - c * xv[which][i]));
-        }
+        l2_bwd_row<NA>(qkv, dt, z, t, hk, dqh, dkh, dqkv);
     } else {
+        auto off = [&](int which) { return t * z.C + which * z.Hk * z.dk + hk * z.dk; };
+        auto src = [&](int which) { return (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk; };
 #pragma unroll
         for (int which = 0; which < 2; which++) {
             const int64_t o = off(which);
@@ -900,6 +862,8 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
         if ((st = check_launch(ctx, op)))
             return st;
     }
+    if (use_tc(dtype, dk) && l2_in_chunk_bwd(z))
+        return LOOM_OK; // chunk_bwd's tensor-core twin ran the normalisation's backward
     auto l2b = z.dk <= 128 && z.grp <= L2_GRP ? l2_bwd_kernel<4> : l2_bwd_kernel<0>;
     l2b<<<(unsigned)((T * Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dtype, z, w.dqh,
                                                                           w.dkh, dqkv);
