@@ -229,10 +229,11 @@ EMU_CXXFLAGS := -std=c++17 -O1 -g -I. -Iinclude -Itools/cuda_emu/fake -w
 $(EMU_DIR)/%.cpp: src/backend/cuda/%.cu tools/cuda_emu/pre.py
 	@mkdir -p $(EMU_DIR)
 	$(PYTHON) tools/cuda_emu/pre.py $< $@
-$(EMU_DIR)/gdn_emu: $(EMU_DIR)/ops_gdn.cpp $(EMU_DIR)/ops_gdn_rule.cpp $(EMU_DIR)/ops_gdn_tc.cpp \
-                    $(EMU_DIR)/ops_gdn_tc_bwd.cpp $(EMU_DIR)/ops_gdn_state.cpp \
+$(EMU_DIR)/gdn_emu: $(EMU_DIR)/ops_gdn.cpp $(EMU_DIR)/ops_gdn_norm.cpp $(EMU_DIR)/ops_gdn_rule.cpp \
+                    $(EMU_DIR)/ops_gdn_tc.cpp $(EMU_DIR)/ops_gdn_tc_bwd.cpp $(EMU_DIR)/ops_gdn_state.cpp \
                     tools/cuda_emu/emu.cpp tests/emu/gdn_emu.cpp \
                     $(EMU_DEPS) src/backend/cuda/ops_gdn_rule.cuh src/backend/cuda/ops_gdn_tc.cuh \
+                    src/backend/cuda/ops_gdn_small.cuh \
                     src/backend/cuda/mma_addr.cuh $(BUILD)/libloom.a
 	$(CXX) $(EMU_CXXFLAGS) -o $@ $(filter %.cpp,$^) $(BUILD)/libloom.a $(LDLIBS)
 $(EMU_DIR)/attn_emu: $(EMU_DIR)/ops_attention.cpp $(EMU_DIR)/ops_attention_mma.cpp \

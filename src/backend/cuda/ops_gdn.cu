@@ -1,35 +1,22 @@
 // Gated DeltaNet's small ops (cuda_ops.h; the CPU reference is
-// src/backend/cpu/gdn.c): the causal depthwise convolution with SiLU, the
-// gates g and beta, and the gated RMSNorm. The chunked rule is in
-// ops_gdn_rule.cu. Arithmetic in fp32 (the norms' sums of squares and dots
-// in double, as the CPU); a parameter gradient's sum over tokens or rows is
-// taken as per-chunk partials in double (the convolution's summed in fp32
-// over the chunk's rows, red_rows of them), then the chunks added by
-// col_final in an order fixed by the shape: no atomics.
+// src/backend/cpu/gdn.c): the causal depthwise convolution with SiLU and the
+// gates g and beta (the gated RMSNorm is ops_gdn_norm.cu's, the chunked rule
+// ops_gdn_rule.cu's). Arithmetic in fp32; a parameter gradient's sum over
+// tokens or rows is taken as per-chunk partials in double (the
+// convolution's summed in fp32 over the chunk's rows, red_rows of them),
+// then the chunks added by col_final in an order fixed by the shape: no
+// atomics.
 //
 // tests/test_backend_gdn.c holds them to the CPU's (run on an H200);
 // `make test-emu` runs them on the CPU in CI.
 #include "mma.cuh"
-#include "ops_common.cuh"
+#include "ops_gdn_small.cuh"
 
 using namespace loom_cuda;
+using namespace loom_gdn_small;
 
 namespace {
-constexpr int NT = 256;        // threads per block
-constexpr int WARPS = NT / 32; // rows per block of the norm's row kernels
 constexpr int CONV_MAX_K = 16; // the convolution's widest kernel here (Qwen3.5's is 4)
-
-// Rows per chunk of a reduction over n rows: 64, or more so that there are
-// at most 1024 chunks. A function of n only: the sums' order is fixed.
-int64_t red_rows(int64_t n) {
-    int64_t r = 64;
-    if ((n + r - 1) / r > 1024)
-        r = (n + 1023) / 1024;
-    return r;
-}
-int64_t red_chunks(int64_t n) { return n > 0 ? (n + red_rows(n) - 1) / red_rows(n) : 0; }
-
-__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // The document n of token t: cu[n] <= t < cu[n + 1] (cu ascending from 0 to T).
 __device__ __forceinline__ int64_t doc_of(const int32_t *cu, int64_t ndocs, int64_t t) {
@@ -87,6 +74,9 @@ __global__ void col_final_kernel(const double *partial, int64_t nchunk, int64_t 
     out[col < n0 ? col : col - n0] += (float)acc;
 }
 
+} // namespace
+
+namespace loom_gdn_small {
 loom_status col_final(loom_ctx *ctx, const char *op, const void *partial, int64_t nchunk,
                       int64_t ncols, int64_t n0, float *out0, float *out1, cudaStream_t s) {
     const int64_t blocks = (ncols + 31) / 32;
@@ -95,6 +85,14 @@ loom_status col_final(loom_ctx *ctx, const char *op, const void *partial, int64_
                                                         n0, out0, out1);
     return check_launch(ctx, op);
 }
+
+loom_status no_scratch(loom_ctx *ctx, const char *op) {
+    return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
+                     "cuda %s: a parameter gradient needs the op's scratch (cuda_ops.h)", op);
+}
+} // namespace loom_gdn_small
+
+namespace {
 
 // ---- the causal depthwise convolution, SiLU fused ----
 
@@ -139,7 +137,7 @@ struct glob_rows {
 };
 template <typename E> struct pair_rows {
     static constexpr int V = 2;
-    __device__ static float sg(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+    __device__ static float sg(float x) { return sigm_fast(x); }
     void *p;
     loom_dtype dt; // E's
     int64_t C, c;  // c even
@@ -560,216 +558,6 @@ __global__ void gate_partial_kernel(const float *dg, const void *a, const void *
     }
 }
 
-// ---- the gated RMSNorm: a warp per row ----
-
-// A lane's elements j = lane + 32 i of a row: with NA > 0 (D <= 32 NA) in
-// registers, each read once, all in flight together; NA = 0: any D, each
-// pass over the row reading it again. The same sums in the same order.
-template <int NA>
-__global__ void norm_fwd_kernel(const void *x, const void *z, const void *w, loom_dtype dt,
-                                int64_t N, int64_t D, float eps, void *y, float *rstd) {
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (r >= N)
-        return;
-    const int64_t base = r * D;
-    double ss = 0;
-    float xv[NA > 0 ? NA : 1], zv[NA > 0 ? NA : 1];
-    if constexpr (NA > 0) {
-#pragma unroll
-        for (int i = 0; i < NA; i++) {
-            const int64_t j = lane + 32 * i;
-            xv[i] = j < D ? ld(x, dt, base + j) : 0.0f;
-            zv[i] = j < D ? ld(z, dt, base + j) : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < D)
-                ss += (double)xv[i] * (double)xv[i];
-    } else {
-        for (int64_t j = lane; j < D; j += 32) {
-            const double v = ld(x, dt, base + j);
-            ss += v * v;
-        }
-    }
-    ss = warp_sum(ss);
-    const float rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
-    if (lane == 0)
-        rstd[r] = rs;
-    auto out = [&](int64_t j, float xx, float zz) { // nx rounded as HF's
-        st(y, dt, base + j, ld(w, dt, j) * (xx * rs) * (zz * sigm(zz)));
-    };
-    if constexpr (NA > 0) {
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < D)
-                out(lane + 32 * i, xv[i], zv[i]);
-    } else {
-        for (int64_t j = lane; j < D; j += 32)
-            out(j, ld(x, dt, base + j), ld(z, dt, base + j));
-    }
-}
-
-// dn = dy w silu(z), dx = rstd dn - rstd^3 / D (dn . x) x, dz = dy w (x rstd) silu'(z).
-// A row's terms of dn . x:
-__device__ __forceinline__ double norm_dterm(float gw, float xx, float zz) {
-    return (double)(gw * zz * sigm(zz)) * (double)xx;
-}
-// dx and dz of row r's column j from dn's factors and c = rstd^3 / D (dn . x)
-__device__ __forceinline__ void norm_bwd_out(void *dx, void *dz, loom_dtype dt, int64_t r,
-                                             int64_t D, int64_t j, float rs, float c, float gw,
-                                             float xx, float zz) {
-    const float sg = sigm(zz);
-    st(dx, dt, r * D + j, rs * (gw * zz * sg) - c * xx);
-    st(dz, dt, r * D + j, gw * (xx * rs) * sg * (1.0f + zz * (1.0f - sg)));
-}
-
-// Any D: a warp a row, each pass over the row reading it again.
-__device__ __forceinline__ void norm_bwd_row(const void *dy, const void *x, const void *z,
-                                             const void *w, loom_dtype dt, const float *rstd,
-                                             int64_t r, int64_t D, void *dx, void *dz) {
-    const int lane = threadIdx.x & 31;
-    const int64_t base = r * D;
-    double dot = 0;
-    for (int64_t j = lane; j < D; j += 32)
-        dot += norm_dterm(ld(dy, dt, base + j) * ld(w, dt, j), ld(x, dt, base + j),
-                          ld(z, dt, base + j));
-    dot = warp_sum(dot);
-    const float rs = rstd[r];
-    const float c = (float)(dot * (double)rs * (double)rs * (double)rs / (double)D);
-    for (int64_t j = lane; j < D; j += 32)
-        norm_bwd_out(dx, dz, dt, r, D, j, rs, c, ld(dy, dt, base + j) * ld(w, dt, j),
-                     ld(x, dt, base + j), ld(z, dt, base + j));
-}
-
-// D <= 32 NA: a lane's elements j = lane + 32 i of row r in registers, each
-// read once (load), all in flight together; bwd: dx, dz, and with DW dw's
-// terms dy (x rstd) silu(z) added to dwa, as norm_dw_partial_kernel's.
-template <int NA> struct norm_row {
-    float d[NA], x[NA], z[NA], rs; // dy, x, z, rstd
-    __device__ __forceinline__ void load(const void *dy, const void *xp, const void *zp,
-                                         loom_dtype dt, const float *rstd, int64_t r, int64_t D) {
-        const int lane = threadIdx.x & 31;
-#pragma unroll
-        for (int i = 0; i < NA; i++) {
-            const int64_t j = lane + 32 * i;
-            const bool in = j < D;
-            z[i] = in ? ld(zp, dt, r * D + j) : 0.0f;
-            d[i] = in ? ld(dy, dt, r * D + j) : 0.0f;
-            x[i] = in ? ld(xp, dt, r * D + j) : 0.0f;
-        }
-        rs = rstd[r];
-    }
-    template <bool DW>
-    __device__ __forceinline__ void bwd(const void *w, loom_dtype dt, int64_t r, int64_t D,
-                                        void *dx, void *dz, double (&dwa)[NA]) const {
-        const int lane = threadIdx.x & 31;
-        float gv[NA]; // dy w
-        double dot = 0;
-#pragma unroll
-        for (int i = 0; i < NA; i++) {
-            const bool in = lane + 32 * i < D;
-            gv[i] = d[i] * (in ? ld(w, dt, lane + 32 * i) : 0.0f);
-            if (in)
-                dot += norm_dterm(gv[i], x[i], z[i]);
-        }
-        dot = warp_sum(dot);
-        const float c = (float)(dot * (double)rs * (double)rs * (double)rs / (double)D);
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < D) {
-                if (DW)
-                    dwa[i] += (double)d[i] * (double)(x[i] * rs) * (double)(z[i] * sigm(z[i]));
-                norm_bwd_out(dx, dz, dt, r, D, lane + 32 * i, rs, c, gv[i], x[i], z[i]);
-            }
-    }
-};
-
-// A warp a row, WARPS rows a block (NA > 0: norm_row, else norm_bwd_row).
-template <int NA>
-__global__ void norm_bwd_kernel(const void *dy, const void *x, const void *z, const void *w,
-                                loom_dtype dt, const float *rstd, int64_t N, int64_t D, void *dx,
-                                void *dz) {
-    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (r >= N)
-        return;
-    if constexpr (NA > 0) {
-        norm_row<NA> v;
-        double none[NA];
-        v.load(dy, x, z, dt, rstd, r, D);
-        v.template bwd<false>(w, dt, r, D, dx, dz, none);
-    } else {
-        norm_bwd_row(dy, x, z, w, dt, rstd, r, D, dx, dz);
-    }
-}
-
-// norm_bwd_kernel with dw's partial sums fused (D <= 32 NA): a block a chunk
-// of rows [ch rows, ..) (red_rows), warp u over its rows u, u + WARPS, ...,
-// then partial[ch][j] = the warps' sums in warp order. The rows' dy, x and z
-// are read once for dx, dz and dw, where a kernel of its own for dw's partials
-// read them again (at Qwen3.5-0.8B's shapes on an H200, 35 + 37 us a layer ->
-// 54 at 64 registers, four blocks an SM; loading a warp's next row while
-// working on one took 62 at 78 registers).
-template <int NA>
-__global__ void __launch_bounds__(NT, 4)
-    norm_bwd_dw_kernel(const void *dy, const void *x, const void *z, const void *w, loom_dtype dt,
-                       const float *rstd, int64_t N, int64_t D, int64_t rows, void *dx, void *dz,
-                       double *partial) {
-    static_assert(NA > 0, "a lane's columns in registers");
-    __shared__ double sums[WARPS][32 * NA];
-    const int lane = threadIdx.x & 31, u = threadIdx.x >> 5;
-    const int64_t ch = blockIdx.x, r0 = ch * rows, r1 = r0 + rows < N ? r0 + rows : N;
-    double dwa[NA] = {};
-    for (int64_t r = r0 + u; r < r1; r += WARPS) {
-        norm_row<NA> v;
-        v.load(dy, x, z, dt, rstd, r, D);
-        v.template bwd<true>(w, dt, r, D, dx, dz, dwa);
-    }
-#pragma unroll
-    for (int i = 0; i < NA; i++)
-        sums[u][lane + 32 * i] = dwa[i];
-    __syncthreads();
-    for (int64_t j = threadIdx.x; j < D; j += NT) {
-        double acc = 0;
-        for (int k = 0; k < WARPS; k++)
-            acc += sums[k][j];
-        partial[ch * D + j] = acc;
-    }
-}
-
-// partial[chunk][j] = sum over the chunk's rows of dy (x rstd) silu(z) at column j
-__global__ void norm_dw_partial_kernel(const void *dy, const void *x, const void *z, loom_dtype dt,
-                                       const float *rstd, int64_t N, int64_t D, int64_t rows,
-                                       double *partial) {
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, ch = blockIdx.y;
-    if (j >= D)
-        return;
-    const int64_t r0 = ch * rows, r1 = r0 + rows < N ? r0 + rows : N;
-    auto term = [&](float d, float xx, float rs, float zz) {
-        return (double)d * (double)(xx * rs) * (double)(zz * sigm(zz));
-    };
-    double acc = 0;
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) { // the loads of 4 rows in flight together, summed in order
-        float d[4], xx[4], rs[4], zz[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int64_t o = (r + i) * D + j;
-            d[i] = ld(dy, dt, o), xx[i] = ld(x, dt, o), rs[i] = rstd[r + i], zz[i] = ld(z, dt, o);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            acc += term(d[i], xx[i], rs[i], zz[i]);
-    }
-    for (; r < r1; r++)
-        acc += term(ld(dy, dt, r * D + j), ld(x, dt, r * D + j), rstd[r], ld(z, dt, r * D + j));
-    partial[ch * D + j] = acc;
-}
-
-loom_status no_scratch(loom_ctx *ctx, const char *op) {
-    return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
-                     "cuda %s: a parameter gradient needs the op's scratch (cuda_ops.h)", op);
-}
 } // namespace
 
 extern "C" size_t loom_cuda_gdn_conv_scratch_bytes(int64_t T, int64_t C, int64_t K) {
@@ -778,10 +566,6 @@ extern "C" size_t loom_cuda_gdn_conv_scratch_bytes(int64_t T, int64_t C, int64_t
 
 extern "C" size_t loom_cuda_gdn_gate_scratch_bytes(int64_t T, int64_t H) {
     return (size_t)(red_chunks(T) * 2 * H) * sizeof(double);
-}
-
-extern "C" size_t loom_cuda_gdn_norm_scratch_bytes(int64_t N, int64_t D) {
-    return (size_t)(red_chunks(N) * D) * sizeof(double);
 }
 
 static loom_status conv_args(loom_ctx *ctx, const char *op, loom_dtype dt, int64_t C, int64_t K,
@@ -921,51 +705,4 @@ extern "C" loom_status loom_cuda_gdn_gate_bwd(loom_ctx *ctx, const float *dg, co
     if ((st = check_launch(ctx, "gdn_gate_bwd")))
         return st;
     return col_final(ctx, "gdn_gate_bwd", scratch, nch, 2 * H, H, dA_log, ddt_bias, s);
-}
-
-extern "C" loom_status loom_cuda_gdn_norm_fwd(loom_ctx *ctx, const void *x, const void *z,
-                                              const void *w, loom_dtype dtype, int64_t N, int64_t D,
-                                              float eps, void *y, float *rstd, void *stream) {
-    loom_status st = need_float(ctx, dtype, "gdn_norm_fwd", "x");
-    if (st || N <= 0 || D <= 0)
-        return st;
-    auto kern = D <= 128 ? norm_fwd_kernel<4> : norm_fwd_kernel<0>;
-    kern<<<(unsigned)((N + WARPS - 1) / WARPS), NT, 0, as_stream(stream)>>>(x, z, w, dtype, N, D,
-                                                                           eps, y, rstd);
-    return check_launch(ctx, "gdn_norm_fwd");
-}
-
-extern "C" loom_status loom_cuda_gdn_norm_bwd(loom_ctx *ctx, const void *dy, const void *x,
-                                              const void *z, const void *w, loom_dtype dtype,
-                                              const float *rstd, int64_t N, int64_t D, void *dx,
-                                              void *dz, float *dw, void *scratch, void *stream) {
-    loom_status st = need_float(ctx, dtype, "gdn_norm_bwd", "x");
-    if (st || N <= 0 || D <= 0)
-        return st;
-    if (dx == dy || dz == dy)
-        return loom_errf(ctx, LOOM_ERR_INVALID_ARG,
-                         "cuda gdn_norm_bwd: dx and dz must not alias dy");
-    if (dw && !scratch)
-        return no_scratch(ctx, "gdn_norm_bwd");
-    cudaStream_t s = as_stream(stream);
-    if (dw && D <= 128) { // dx, dz and dw's partials in one pass
-        const int64_t rows = red_rows(N), nch = red_chunks(N);
-        norm_bwd_dw_kernel<4><<<(unsigned)nch, NT, 0, s>>>(dy, x, z, w, dtype, rstd, N, D, rows,
-                                                            dx, dz, (double *)scratch);
-        if ((st = check_launch(ctx, "gdn_norm_bwd")))
-            return st;
-        return col_final(ctx, "gdn_norm_bwd", scratch, nch, D, D, dw, nullptr, s);
-    }
-    if (dw) { // the partials first (they read dy), though dx and dz never alias it
-        const int64_t rows = red_rows(N), nch = red_chunks(N);
-        dim3 grid((unsigned)((D + NT - 1) / NT), (unsigned)nch);
-        norm_dw_partial_kernel<<<grid, NT, 0, s>>>(dy, x, z, dtype, rstd, N, D, rows,
-                                                   (double *)scratch);
-        if ((st = check_launch(ctx, "gdn_norm_bwd")) ||
-            (st = col_final(ctx, "gdn_norm_bwd", scratch, nch, D, D, dw, nullptr, s)))
-            return st;
-    }
-    auto kern = D <= 128 ? norm_bwd_kernel<4> : norm_bwd_kernel<0>;
-    kern<<<(unsigned)((N + WARPS - 1) / WARPS), NT, 0, s>>>(dy, x, z, w, dtype, rstd, N, D, dx, dz);
-    return check_launch(ctx, "gdn_norm_bwd");
 }
