@@ -230,6 +230,7 @@ $(EMU_DIR)/%.cpp: src/backend/cuda/%.cu tools/cuda_emu/pre.py
 	@mkdir -p $(EMU_DIR)
 	$(PYTHON) tools/cuda_emu/pre.py $< $@
 $(EMU_DIR)/gdn_emu: $(EMU_DIR)/ops_gdn.cpp $(EMU_DIR)/ops_gdn_norm.cpp $(EMU_DIR)/ops_gdn_rule.cpp \
+                    $(EMU_DIR)/ops_gdn_l2.cpp \
                     $(EMU_DIR)/ops_gdn_tc.cpp $(EMU_DIR)/ops_gdn_tc_bwd.cpp $(EMU_DIR)/ops_gdn_state.cpp \
                     tools/cuda_emu/emu.cpp tests/emu/gdn_emu.cpp \
                     $(EMU_DEPS) src/backend/cuda/ops_gdn_rule.cuh src/backend/cuda/ops_gdn_tc.cuh \

@@ -41,7 +41,7 @@ KINDS = [
      or "::attn_" in n or " attn_" in n or "stats_layout" in n),
     ("Gated DeltaNet (delta rule, conv1d, q/k L2 norm, gated norm)",
      lambda n: re.search(r"\b(prep|out|dul|state_fwd|state_bwd|chunk_bwd|chunks|conv_fwd|conv_bwd|l2_fwd"
-                         r"|l2_bwd|col_final|norm_fwd|norm_bwd|norm_dw_partial)(_tc|_tile|_staged|_dw)?_kernel", n)
+                         r"|l2_bwd|col_final|norm_fwd|norm_bwd|norm_dw_partial)(_tc|_tile|_staged|_dw|_h)?_kernel", n)
      or re.search(r"anonymous namespace\)::gate_(fwd|bwd|partial)_kernel", n)),
     ("GEMMs, cuBLASLt's (the output layer; LoRA's x A^T and dA)",
      lambda n: "gemm_sm90" not in n and "gemm_scale" not in n and any(s in n for s in ("nvjet", "cutlass", "cublas", "xmma", "gemm", "splitk"))),

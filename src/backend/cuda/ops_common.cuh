@@ -191,6 +191,15 @@ __device__ __forceinline__ double warp_sum(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+// The sum over the 16 lanes of each half of the warp (every lane calls it)
+__device__ __forceinline__ float half_sum(float v) {
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double half_sum(double v) {
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
 
 // Fixed-order tree sum of one double per thread over a block of NT threads
 // (NT a power of two, >= 32); sh: NT/32 doubles of shared memory. The

@@ -237,13 +237,6 @@ __global__ void norm_dw_partial_kernel(const void *dy, const void *x, const void
 constexpr int HR = 2;            // rows of a half in flight
 constexpr int HALVES = NT / 16;  // halves a block
 
-__device__ __forceinline__ double half_sum(double v) {
-#pragma unroll
-    for (int o = 1; o < 16; o <<= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // HALVES * HR rows a block: half u's rows u, u + HALVES, ...
 template <typename T>
 __global__ void __launch_bounds__(NT) norm_fwd_h_kernel(const T *x, const T *z, const T *w,

@@ -10,7 +10,8 @@
 // The work is split as flash-linear-attention's chunked kernels (written
 // anew here):
 //   chunks_kernel     the chunk table from cu (each document's chunks)
-//   l2_fwd_kernel     the normalised q and k (fp32), a warp per (token, key head)
+//   l2_fwd_kernel     the normalised q and k, a warp per (token, key head)
+//                     (ops_gdn_l2.cu, as the backward's)
 //   prep_kernel       per (chunk, head): G, A, and X by forward substitution
 //   state_fwd_kernel  per (document, head, 32 columns of dv): the chunks in
 //                     order, storing each chunk's starting state and its U
@@ -24,8 +25,7 @@
 //                     head), v, g and beta (the triangular solve's by back
 //                     substitution with A^T)
 //   l2_bwd_kernel     the key heads' groups summed, the normalisation's backward
-//                     (chunk_bwd's tensor-core twin ends with it instead where
-//                     a key head has one value head: l2_in_chunk_bwd).
+//                     (l2_bwd_h_kernel by half-warps for bf16 rows).
 // Everything in fp32 (the CPU's in double); the states fp32. Each output
 // element has one writer: no atomics, the same bits run to run. In bf16
 // (dk <= 128) prep_kernel, out_kernel, dul_kernel, the two state passes and
@@ -89,7 +89,7 @@ void ws_layout(const geo &z, bool bwd, bool tc, int64_t keep_chunks, char *base,
     }
 }
 
-// ---- the chunk table and the normalisation ----
+// ---- the chunk table ----
 
 // One block: a document's first chunk (thread 0, in order), then each
 // document's chunks (first token, length).
@@ -110,108 +110,6 @@ __global__ void chunks_kernel(const int32_t *cu, int64_t ndocs, int32_t *cfirst,
         for (int32_t t = cu[n]; t < e; t += CH, c++) {
             ct0[c] = t;
             clen[c] = e - t < CH ? e - t : CH;
-        }
-    }
-}
-
-// qn, kn of row r = (t, hk) (where w has them: the fp32 kernels), or the
-// row's factors rq, rk (the tensor-core kernels': they multiply qkv's bf16
-// value by it where they need the fp32 one, the same product; the fp32 rows
-// had been half of the bytes this kernel moved), and the bf16 roundings qb,
-// kb: a warp per row. NA > 0 (dk <= 32 NA): a lane's elements loaded once,
-// all in flight together (a loop of loads, read twice, took 32 us a layer
-// at Qwen3.5-0.8B on an H200); NA = 0: any dk. The same sums either way.
-template <int NA>
-__global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, gdn_ws w) {
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (r >= z.T * z.Hk)
-        return;
-    const int64_t t = r / z.Hk, hk = r % z.Hk;
-    const int64_t qo = t * z.C + hk * z.dk, ko = qo + z.Hk * z.dk;
-    constexpr int M = NA > 0 ? NA : 1;
-    float qv[M], kv[M];
-    float sq = 0.0f, sk = 0.0f;
-    if constexpr (NA > 0) {
-#pragma unroll
-        for (int i = 0; i < NA; i++) {
-            const int64_t a = lane + 32 * i;
-            qv[i] = a < z.dk ? ld(qkv, dt, qo + a) : 0.0f;
-            kv[i] = a < z.dk ? ld(qkv, dt, ko + a) : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < z.dk)
-                sq += qv[i] * qv[i], sk += kv[i] * kv[i];
-    } else {
-        for (int64_t a = lane; a < z.dk; a += 32) {
-            const float q = ld(qkv, dt, qo + a), k = ld(qkv, dt, ko + a);
-            sq += q * q;
-            sk += k * k;
-        }
-    }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    const float rq = 1.0f / sqrtf(sq + 1e-6f) / sqrtf((float)z.dk), rk = 1.0f / sqrtf(sk + 1e-6f);
-    if (w.rq && lane == 0)
-        w.rq[r] = rq, w.rk[r] = rk;
-    const auto out = [&](int64_t a, float rawq, float rawk) {
-        const float q = rawq * rq, k = rawk * rk;
-        if (w.qn)
-            w.qn[r * z.dk + a] = q, w.kn[r * z.dk + a] = k;
-        w.qb[r * z.dk + a] = __float2bfloat16_rn(q), w.kb[r * z.dk + a] = __float2bfloat16_rn(k);
-    };
-    if constexpr (NA > 0) {
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < z.dk)
-                out(lane + 32 * i, qv[i], kv[i]);
-    } else {
-        for (int64_t a = lane; a < z.dk; a += 32)
-            out(a, ld(qkv, dt, qo + a), ld(qkv, dt, ko + a));
-    }
-}
-
-// d of the normalised rows -> d of the raw ones (ops_gdn_rule.cuh's
-// l2_bwd_row), a warp per (t, hk): NA > 0 (dk <= 32 NA, grp <= L2_GRP) its
-// row function; NA = 0: any dk and grp, in passes. The same sums in the
-// same order either way. The tensor-core chunk_bwd runs l2_bwd_row itself
-// where grp is 1 (l2_in_chunk_bwd), and this kernel is not launched.
-template <int NA>
-__global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float *dqh,
-                              const float *dkh, void *dqkv) {
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (r >= z.T * z.Hk)
-        return;
-    const int64_t t = r / z.Hk, hk = r % z.Hk, h0 = hk * z.grp;
-    if constexpr (NA > 0) {
-        l2_bwd_row<NA>(qkv, dt, z, t, hk, dqh, dkh, dqkv);
-    } else {
-        auto off = [&](int which) { return t * z.C + which * z.Hk * z.dk + hk * z.dk; };
-        auto src = [&](int which) { return (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk; };
-#pragma unroll
-        for (int which = 0; which < 2; which++) {
-            const int64_t o = off(which);
-            const float *y = src(which);
-            const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
-            auto dyn = [&](int64_t a) {
-                float s = 0.0f;
-                for (int64_t h = 0; h < z.grp; h++)
-                    s += y[h * z.dk + a];
-                return s;
-            };
-            float ss = 0.0f, xd = 0.0f;
-            for (int64_t a = lane; a < z.dk; a += 32) {
-                const float x = ld(qkv, dt, o + a);
-                ss += x * x;
-                xd += x * dyn(a);
-            }
-            ss = warp_sum(ss);
-            xd = warp_sum(xd);
-            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
-            for (int64_t a = lane; a < z.dk; a += 32)
-                st(dqkv, dt, o + a, sc * (rr * dyn(a) - c * ld(qkv, dt, o + a)));
         }
     }
 }
@@ -761,9 +659,7 @@ loom_status fwd_parts(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype
     chunks_kernel<<<1, NT, 0, s>>>(cu, z.ndocs, w.cfirst, w.ct0, w.clen);
     if ((st = check_launch(ctx, op)) || !passes) // (kept: the normalised q and k too)
         return st;
-    auto l2f = z.dk <= 128 ? l2_fwd_kernel<4> : l2_fwd_kernel<0>;
-    l2f<<<(unsigned)((z.T * z.Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dt, z, w);
-    if ((st = check_launch(ctx, op)))
+    if ((st = l2_fwd(ctx, op, qkv, dt, z, w, s)))
         return st;
     if (use_tc(dt, z.dk))
         return (st = tc_prep(ctx, op, qkv, dt, g, beta, z, w, s)) ? st
@@ -862,10 +758,5 @@ extern "C" loom_status loom_cuda_gdn_bwd(loom_ctx *ctx, const void *dout, const 
         if ((st = check_launch(ctx, op)))
             return st;
     }
-    if (use_tc(dtype, dk) && l2_in_chunk_bwd(z))
-        return LOOM_OK; // chunk_bwd's tensor-core twin ran the normalisation's backward
-    auto l2b = z.dk <= 128 && z.grp <= L2_GRP ? l2_bwd_kernel<4> : l2_bwd_kernel<0>;
-    l2b<<<(unsigned)((T * Hk + WARPS - 1) / WARPS), NT, 0, s>>>(qkv, dtype, z, w.dqh,
-                                                                          w.dkh, dqkv);
-    return check_launch(ctx, op);
+    return l2_bwd(ctx, op, qkv, dtype, z, w, dqkv, s);
 }

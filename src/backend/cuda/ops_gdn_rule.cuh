@@ -55,67 +55,6 @@ struct gdn_ws {
     // which rounds both to bf16 where it uses them (dS's sum with S0 too).
     __nv_bfloat16 *qb, *kb, *Wh, *Uh, *Sb, *Tb, *U0b, *dSb, *dUb;
 };
-// d of the normalised rows (the group's value heads summed in order) ->
-// d of the raw ones for row (t, hk), a warp: y = sc x r, r = (|x|^2 +
-// 1e-6)^-1/2: dx = sc (r dy - r^3 (x . dy) x); q (sc = dk^-1/2), then k (sc =
-// 1). dk <= 32 NA, grp <= L2_GRP: a lane's NA elements of x and of each of
-// the group's dy rows, q's and k's, are loaded into registers before any is
-// used, all of them in flight together (the group's rows summed in a loop
-// of dependent loads took 163 us a layer at Qwen3.5-4B's shapes on an H200,
-// about 1.2 TB/s).
-constexpr int L2_GRP = 4;
-template <int NA>
-__device__ __forceinline__ void l2_bwd_row(const void *qkv, loom_dtype dt, const geo &z,
-                                           int64_t t, int64_t hk, const float *dqh,
-                                           const float *dkh, void *dqkv) {
-    const int lane = threadIdx.x & 31;
-    const int64_t h0 = hk * z.grp;
-    auto off = [&](int which) { return t * z.C + which * z.Hk * z.dk + hk * z.dk; };
-    auto src = [&](int which) { return (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk; };
-    float xv[2][NA], yv[2][NA][L2_GRP];
-#pragma unroll
-    for (int which = 0; which < 2; which++)
-#pragma unroll
-        for (int i = 0; i < NA; i++) {
-            const int64_t a = lane + 32 * i;
-            xv[which][i] = a < z.dk ? ld(qkv, dt, off(which) + a) : 0.0f;
-#pragma unroll
-            for (int h = 0; h < L2_GRP; h++)
-                yv[which][i][h] = a < z.dk && h < z.grp ? src(which)[h * z.dk + a] : 0.0f;
-        }
-#pragma unroll
-    for (int which = 0; which < 2; which++) {
-        const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
-        float dv[NA], ss = 0.0f, xd = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NA; i++) {
-            dv[i] = 0.0f;
-#pragma unroll
-            for (int h = 0; h < L2_GRP; h++)
-                if (h < z.grp)
-                    dv[i] += yv[which][i][h];
-        }
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < z.dk)
-                ss += xv[which][i] * xv[which][i], xd += xv[which][i] * dv[i];
-        ss = warp_sum(ss);
-        xd = warp_sum(xd);
-        const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
-#pragma unroll
-        for (int i = 0; i < NA; i++)
-            if (lane + 32 * i < z.dk)
-                st(dqkv, dt, off(which) + lane + 32 * i, sc * (rr * dv[i] - c * xv[which][i]));
-    }
-}
-
-// Whether the tensor-core chunk_bwd ends with its rows' l2_bwd_row (one
-// value head a key head, dk <= 128): its dq and dk rows, just stored, are
-// read back from L2 by the block that stored them instead of from DRAM by
-// l2_bwd_kernel (at Qwen3.5-0.8B's shapes that kernel moved 536 MB a layer at
-// 16384 tokens).
-__host__ __device__ inline bool l2_in_chunk_bwd(const geo &z) { return z.grp == 1 && z.dk <= 128; }
-
 // The chunk of block x (false for the grid's spare blocks: NC is a bound).
 __device__ __forceinline__ bool chunk_of(const geo &z, const gdn_ws &w, int64_t c, int64_t *t0,
                                          int *L) {
@@ -234,6 +173,14 @@ inline loom_status smem_for(loom_ctx *ctx, const char *op, K *kern, size_t bytes
         ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
         op);
 }
+
+// The q and k normalisation (ops_gdn_l2.cu), launched on s: the forward's
+// rq, rk, qb, kb (and qn, kn where w has them), the backward's d of the raw
+// q and k from w.dqh, w.dkh into dqkv.
+loom_status l2_fwd(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt, const geo &z,
+                   const gdn_ws &w, cudaStream_t s);
+loom_status l2_bwd(loom_ctx *ctx, const char *op, const void *qkv, loom_dtype dt, const geo &z,
+                   const gdn_ws &w, void *dqkv, cudaStream_t s);
 
 // The tensor-core kernels (ops_gdn_tc.cu), launched on s: prep_kernel's,
 // out_kernel's, dul_kernel's, the two state passes' and chunk_bwd_kernel's twins.

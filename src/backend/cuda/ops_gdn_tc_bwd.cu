@@ -35,9 +35,13 @@ namespace {
 // (dU and dS had come as fp32 by float4 into fixed places of a thread and
 // element-wise fills before that, whose index arithmetic had been two
 // thirds of the instructions (ncu): 1019 -> 526 us).
-// Where a key head has one value head (l2_in_chunk_bwd) the block ends with
-// the normalisation's backward of its rows (l2_bwd_row), dq and dk read back
-// from L2 rather than by l2_bwd_kernel from DRAM.
+// (Ending the block with the q/k normalisation's backward of its rows, dq
+// and dk read back from L2 instead of by l2_bwd_kernel from DRAM, made the
+// kernel slower than the two kernels apart at Qwen3.5-0.8B's shapes on an
+// H200: 1234 and 1293 us a layer for a warp a row and for half-warps, where
+// chunk_bwd took 1056 and l2_bwd_h 125; its code grew from 7,472 SASS
+// instructions to 8,040 and 8,824, an inlined epilogue the compiler copied
+// three times, and a non-inlined one spilled the caller's registers.)
 constexpr int BWD_VECS = 18; // Gs Es Dj Bs SV SK RS CS DBE DGs, PG and PD (4 each)
 struct bwd_smem {
     float *Cm, *V, *RP, *CP; // C (CH, LDA); the vectors; row partials (2, CH), columns' (4, CH)
@@ -412,12 +416,6 @@ __global__ void __launch_bounds__(NT, 2)
     }
     __syncthreads();
     put_dg_dbeta(DGs, DBE, L, t0, Hv, h, dg, dbeta);
-    // one value head a key head: the normalisation's backward of the chunk's
-    // rows here (l2_in_chunk_bwd), their dq and dk stored by this block
-    // before the barriers above, so read back from L2
-    if (l2_in_chunk_bwd(z))
-        for (int i = warp; i < L; i += WARPS)
-            l2_bwd_row<4>(qkv, LOOM_BF16, z, t0 + i, hk, w.dqh, w.dkh, dqkv);
 }
 
 } // namespace
