@@ -121,6 +121,11 @@ template <typename T, int V> __device__ __forceinline__ void st_vec(T *p, const 
     }
 }
 
+// The 16 bytes at p (16-byte aligned), or zeros where !in
+template <typename T> __device__ __forceinline__ uint4 ld16_or0(const T *p, bool in) {
+    return in ? *(const uint4 *)p : make_uint4(0, 0, 0, 0);
+}
+
 // 8 16-bit values of one 16-byte access, as floats
 template <typename T>
 __device__ __forceinline__ void cvt8(const uint4 &u, float (&v)[8]) {
@@ -183,23 +188,16 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+// The sum over each aligned group of W lanes (W a power of two up to 32;
+// every lane of the warp calls it), by shuffles W/2 lanes apart down to 1
+template <int W, typename T> __device__ __forceinline__ T lanes_sum(T v) {
+    for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-__device__ __forceinline__ double warp_sum(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-// The sum over the 16 lanes of each half of the warp (every lane calls it)
-__device__ __forceinline__ float half_sum(float v) {
-    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ double half_sum(double v) {
-    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+__device__ __forceinline__ float warp_sum(float v) { return lanes_sum<32>(v); }
+__device__ __forceinline__ double warp_sum(double v) { return lanes_sum<32>(v); }
+// over the 16 lanes of each half of the warp
+template <typename T> __device__ __forceinline__ T half_sum(T v) { return lanes_sum<16>(v); }
 
 // Fixed-order tree sum of one double per thread over a block of NT threads
 // (NT a power of two, >= 32); sh: NT/32 doubles of shared memory. The

@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(NT) l2_fwd_h_kernel(const void *qkv, geo z, gd
         const int64_t r = r0 + k * HV, t = r / z.Hk, hk = r % z.Hk;
         const bool on = r < n && j < z.dk;
         const int64_t qo = t * z.C + hk * z.dk + j, ko = qo + z.Hk * z.dk;
-        qr[k] = on ? *(const uint4 *)(x + qo) : make_uint4(0, 0, 0, 0);
-        kr[k] = on ? *(const uint4 *)(x + ko) : make_uint4(0, 0, 0, 0);
+        qr[k] = ld16_or0(x + qo, on);
+        kr[k] = ld16_or0(x + ko, on);
     }
 #pragma unroll
     for (int k = 0; k < 2; k++) {
@@ -208,8 +208,7 @@ template <int G> struct l2_bwd_half {
 #pragma unroll
         for (int which = 0; which < 2; which++) {
             const float *src = (which ? dkh : dqh) + (t * z.Hv + hk * z.grp) * z.dk + j;
-            xr[which] = on ? *(const uint4 *)((const __nv_bfloat16 *)qkv + off(z, which))
-                           : make_uint4(0, 0, 0, 0);
+            xr[which] = ld16_or0((const __nv_bfloat16 *)qkv + off(z, which), on);
 #pragma unroll
             for (int h = 0; h < G; h++) {
                 const bool in = on && h < z.grp;

@@ -242,7 +242,8 @@ template <typename T>
 __global__ void __launch_bounds__(NT) norm_fwd_h_kernel(const T *x, const T *z, const T *w,
                                                         int64_t N, int64_t D, float eps, T *y,
                                                         float *rstd) {
-    const int64_t j = 8 * (threadIdx.x & 15), b0 = (int64_t)blockIdx.x * HALVES * HR + (threadIdx.x >> 4);
+    const int64_t j = 8 * (threadIdx.x & 15);
+    const int64_t b0 = (int64_t)blockIdx.x * HALVES * HR + (threadIdx.x >> 4);
     const bool act = j < D;
     float wv[8] = {};
     if (act)
@@ -252,8 +253,8 @@ __global__ void __launch_bounds__(NT) norm_fwd_h_kernel(const T *x, const T *z, 
     for (int k = 0; k < HR; k++) {
         const int64_t r = b0 + k * HALVES;
         const bool in = act && r < N;
-        xr[k] = in ? *(const uint4 *)(x + r * D + j) : make_uint4(0, 0, 0, 0);
-        zr[k] = in ? *(const uint4 *)(z + r * D + j) : make_uint4(0, 0, 0, 0);
+        xr[k] = ld16_or0(x + r * D + j, in);
+        zr[k] = ld16_or0(z + r * D + j, in);
     }
 #pragma unroll
     for (int k = 0; k < HR; k++) {
@@ -305,9 +306,9 @@ __global__ void __launch_bounds__(NT) norm_bwd_h_kernel(const T *dy, const T *x,
         for (int k = 0; k < HR; k++) {
             const int64_t r = b + k * HALVES;
             const bool in = act && r < r1;
-            dr[k] = in ? *(const uint4 *)(dy + r * D + j) : make_uint4(0, 0, 0, 0);
-            xr[k] = in ? *(const uint4 *)(x + r * D + j) : make_uint4(0, 0, 0, 0);
-            zr[k] = in ? *(const uint4 *)(z + r * D + j) : make_uint4(0, 0, 0, 0);
+            dr[k] = ld16_or0(dy + r * D + j, in);
+            xr[k] = ld16_or0(x + r * D + j, in);
+            zr[k] = ld16_or0(z + r * D + j, in);
             rs[k] = r < r1 ? rstd[r] : 0.0f;
         }
 #pragma unroll
