@@ -256,6 +256,12 @@ static pid_t spawn(const char *env, int *err_fd, const char *const argv[]) {
         dup2(nul, 1);
         dup2(fds[1], 2);
         close(fds[0]);
+        /* the signals the tests send at their default action: a shell's
+         * background job inherits SIGINT and SIGQUIT ignored, and the paused
+         * save would then outlive its SIGINT while the test waits for it */
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+        signal(SIGQUIT, SIG_DFL);
         execvp(argv[0], (char *const *)argv);
         _exit(127);
     }

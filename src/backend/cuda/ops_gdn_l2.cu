@@ -124,74 +124,13 @@ bool l2_fwd_half_ok(loom_dtype dt, const geo &z, const void *qkv, const gdn_ws &
            aligned16(qkv) && aligned16(w.qb) && aligned16(w.kb);
 }
 
-// d of the normalised rows (the group's value heads summed in order) ->
-// d of the raw ones for row (t, hk), a warp: y = sc x r, r = (|x|^2 +
-// 1e-6)^-1/2: dx = sc (r dy - r^3 (x . dy) x); q (sc = dk^-1/2), then k (sc =
-// 1). dk <= 32 NA, grp <= G: load puts a lane's NA elements of x and of each
-// of the group's dy rows, q's and k's, in registers (all of them in flight
-// together: the group's rows summed in a loop of dependent loads took 163 us
-// a layer at Qwen3.5-4B's shapes on an H200, about 1.2 TB/s); out stores the
-// row's dx. Callers may load several rows before the first out.
-constexpr int L2_GRP = 4; // the most value heads a key head l2_bwd_kernel's rows take
-template <int NA, int G> struct l2_bwd_row {
-    float xv[2][NA], yv[2][NA][G];
-    int64_t t, hk;
-    __device__ __forceinline__ int64_t off(const geo &z, int which) const {
-        return t * z.C + which * z.Hk * z.dk + hk * z.dk;
-    }
-    __device__ __forceinline__ void load(const void *qkv, loom_dtype dt, const geo &z, int64_t t_,
-                                         int64_t hk_, const float *dqh, const float *dkh) {
-        const int lane = threadIdx.x & 31;
-        t = t_, hk = hk_;
-#pragma unroll
-        for (int which = 0; which < 2; which++) {
-            const float *src = (which ? dkh : dqh) + (t * z.Hv + hk * z.grp) * z.dk;
-#pragma unroll
-            for (int i = 0; i < NA; i++) {
-                const int64_t a = lane + 32 * i;
-                xv[which][i] = a < z.dk ? ld(qkv, dt, off(z, which) + a) : 0.0f;
-#pragma unroll
-                for (int h = 0; h < G; h++)
-                    yv[which][i][h] = a < z.dk && h < z.grp ? src[h * z.dk + a] : 0.0f;
-            }
-        }
-    }
-    __device__ __forceinline__ void out(loom_dtype dt, const geo &z, void *dqkv) const {
-        const int lane = threadIdx.x & 31;
-#pragma unroll
-        for (int which = 0; which < 2; which++) {
-            const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
-            float dv[NA], ss = 0.0f, xd = 0.0f;
-#pragma unroll
-            for (int i = 0; i < NA; i++) {
-                dv[i] = 0.0f;
-#pragma unroll
-                for (int h = 0; h < G; h++)
-                    if (h < z.grp)
-                        dv[i] += yv[which][i][h];
-            }
-#pragma unroll
-            for (int i = 0; i < NA; i++)
-                if (lane + 32 * i < z.dk)
-                    ss += xv[which][i] * xv[which][i], xd += xv[which][i] * dv[i];
-            ss = warp_sum(ss);
-            xd = warp_sum(xd);
-            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
-#pragma unroll
-            for (int i = 0; i < NA; i++)
-                if (lane + 32 * i < z.dk)
-                    st(dqkv, dt, off(z, which) + lane + 32 * i,
-                       sc * (rr * dv[i] - c * xv[which][i]));
-        }
-    }
-};
-
-// l2_bwd_row's sums for bf16 rows by a half-warp: lane l of a half takes
-// the columns 8 (l % 16).. of its row, one 16-byte access of x and two of
-// each dy row (G, a bound on grp), the row's sums by shuffles over the half
-// (so they round otherwise than l2_bwd_row's). l2_half_ok says where it
-// applies. (l2_bwd_row's 2-byte x and 4-byte dy loads, 32 lanes a row, moved
-// 2.2 TB/s: 242 us a layer at Qwen3.5-0.8B's 16384 tokens on an H200.)
+// l2_bwd_kernel's sums (below) for bf16 rows by a half-warp: lane l of a
+// half takes the columns 8 (l % 16).. of its row, one 16-byte access of x
+// and two of each dy row (G, a bound on grp), the row's sums by shuffles
+// over the half (so they round otherwise than l2_bwd_kernel's). l2_half_ok
+// says where it applies. (l2_bwd_kernel's 2-byte x and 4-byte dy loads, 32
+// lanes a row, moved 2.2 TB/s: 242 us a layer at Qwen3.5-0.8B's 16384
+// tokens on an H200.)
 template <int G> struct l2_bwd_half {
     uint4 xr[2];
     float4 yr[2][G][2];
@@ -259,9 +198,16 @@ inline bool l2_half_ok(loom_dtype dt, const geo &z, const void *qkv, const void 
            (z.grp == 1 || z.grp == 2 || z.grp == 4);
 }
 
-// d of the normalised rows -> d of the raw ones, a warp per (t, hk): NA > 0 (dk <= 32 NA, grp <= L2_GRP) its
-// row function; NA = 0: any dk and grp, in passes. The same sums in the
+// d of the normalised rows (the group's value heads summed in order) ->
+// d of the raw ones: y = sc x r, r = (|x|^2 + 1e-6)^-1/2: dx = sc (r dy - r^3
+// (x . dy) x). A warp per (t, hk); q (sc = dk^-1/2), then k (sc = 1).
+// NA > 0 (dk <= 32 NA, grp <= L2_GRP): a lane's NA elements of x and of each
+// of the group's dy rows, q's and k's, are loaded into registers before any
+// is used, all of them in flight together (the group's rows summed in a loop
+// of dependent loads took 163 us a layer at Qwen3.5-4B's shapes on an H200,
+// about 1.2 TB/s); NA = 0: any dk and grp, in passes. The same sums in the
 // same order either way.
+constexpr int L2_GRP = 4;
 template <int NA>
 __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float *dqh,
                               const float *dkh, void *dqkv) {
@@ -270,13 +216,46 @@ __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float
     if (r >= z.T * z.Hk)
         return;
     const int64_t t = r / z.Hk, hk = r % z.Hk, h0 = hk * z.grp;
+    auto off = [&](int which) { return t * z.C + which * z.Hk * z.dk + hk * z.dk; };
+    auto src = [&](int which) { return (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk; };
     if constexpr (NA > 0) {
-        l2_bwd_row<NA, L2_GRP> row;
-        row.load(qkv, dt, z, t, hk, dqh, dkh);
-        row.out(dt, z, dqkv);
+        float xv[2][NA], yv[2][NA][L2_GRP];
+#pragma unroll
+        for (int which = 0; which < 2; which++)
+#pragma unroll
+            for (int i = 0; i < NA; i++) {
+                const int64_t a = lane + 32 * i;
+                xv[which][i] = a < z.dk ? ld(qkv, dt, off(which) + a) : 0.0f;
+#pragma unroll
+                for (int h = 0; h < L2_GRP; h++)
+                    yv[which][i][h] = a < z.dk && h < z.grp ? src(which)[h * z.dk + a] : 0.0f;
+            }
+#pragma unroll
+        for (int which = 0; which < 2; which++) {
+            const float sc = which ? 1.0f : 1.0f / sqrtf((float)z.dk);
+            float dv[NA], ss = 0.0f, xd = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NA; i++) {
+                dv[i] = 0.0f;
+#pragma unroll
+                for (int h = 0; h < L2_GRP; h++)
+                    if (h < z.grp)
+                        dv[i] += yv[which][i][h];
+            }
+#pragma unroll
+            for (int i = 0; i < NA; i++)
+                if (lane + 32 * i < z.dk)
+                    ss += xv[which][i] * xv[which][i], xd += xv[which][i] * dv[i];
+            ss = warp_sum(ss);
+            xd = warp_sum(xd);
+            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
+#pragma unroll
+            for (int i = 0; i < NA; i++)
+                if (lane + 32 * i < z.dk)
+                    st(dqkv, dt, off(which) + lane + 32 * i,
+                       sc * (rr * dv[i] - c * xv[which][i]));
+        }
     } else {
-        auto off = [&](int which) { return t * z.C + which * z.Hk * z.dk + hk * z.dk; };
-        auto src = [&](int which) { return (which ? dkh : dqh) + (t * z.Hv + h0) * z.dk; };
 #pragma unroll
         for (int which = 0; which < 2; which++) {
             const int64_t o = off(which);
