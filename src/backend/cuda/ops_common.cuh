@@ -151,6 +151,15 @@ __device__ __forceinline__ void st8(T *p, const float (&v)[8]) {
     *(uint4 *)p = pack8<T>(v);
 }
 
+// f(T{}) with T the 16-bit type of dt (BF16, else F16: the vector paths'
+// dtypes), for their kernels' launches.
+template <typename F> static inline void on_16bit(loom_dtype dt, F f) {
+    if (dt == LOOM_BF16)
+        f(__nv_bfloat16{});
+    else
+        f(__half{});
+}
+
 // Bytes of an element of a float dtype (F32, BF16, F16).
 __host__ __device__ __forceinline__ size_t float_size(loom_dtype dt) { return dt == LOOM_F32 ? 4 : 2; }
 // v rounded to T and widened back: what a store to T and a load give.

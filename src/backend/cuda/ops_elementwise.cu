@@ -116,15 +116,6 @@ __global__ void bias_bwd_kernel(const void *dy, loom_dtype dt, int64_t T, int64_
     }
 }
 
-// f(T{}) with T the 16-bit type of dt (BF16 or F16: vec8_ok's), for the
-// vector kernels' launches.
-template <typename F> static void on_16bit(loom_dtype dt, F f) {
-    if (dt == LOOM_BF16)
-        f(__nv_bfloat16{});
-    else
-        f(__half{});
-}
-
 extern "C" loom_status loom_cuda_swiglu_fwd(loom_ctx *ctx, const void *g, const void *u, int64_t n,
                                             void *h, loom_dtype dtype, void *stream) {
     loom_status st;

@@ -369,18 +369,6 @@ bool norm_h_ok(loom_dtype dt, int64_t D, std::initializer_list<const void *> ps)
 }
 } // namespace
 
-namespace {
-// norm_bwd_h_kernel for T, with dw's partials (dw) or without
-template <typename T>
-void norm_bwd_h(bool dw, int64_t nch, cudaStream_t s, const void *dy, const void *x, const void *z,
-                const void *w, const float *rstd, int64_t N, int64_t D, int64_t rows, void *dx,
-                void *dz, double *part) {
-    auto k = dw ? norm_bwd_h_kernel<T, true> : norm_bwd_h_kernel<T, false>;
-    k<<<(unsigned)nch, NT, 0, s>>>((const T *)dy, (const T *)x, (const T *)z, (const T *)w, rstd, N,
-                                   D, rows, (T *)dx, (T *)dz, part);
-}
-} // namespace
-
 extern "C" size_t loom_cuda_gdn_norm_scratch_bytes(int64_t N, int64_t D) {
     return (size_t)(red_chunks(N) * D) * sizeof(double);
 }
@@ -394,12 +382,11 @@ extern "C" loom_status loom_cuda_gdn_norm_fwd(loom_ctx *ctx, const void *x, cons
     const cudaStream_t s = as_stream(stream);
     if (norm_h_ok(dtype, D, {x, z, w, y})) {
         const unsigned grid = (unsigned)((N + HALVES * HR - 1) / (HALVES * HR));
-        if (dtype == LOOM_BF16)
-            norm_fwd_h_kernel<__nv_bfloat16><<<grid, NT, 0, s>>>((const __nv_bfloat16 *)x, (const __nv_bfloat16 *)z, (const __nv_bfloat16 *)w,
-                                                  N, D, eps, (__nv_bfloat16 *)y, rstd);
-        else
-            norm_fwd_h_kernel<__half><<<grid, NT, 0, s>>>((const __half *)x, (const __half *)z,
-                                                  (const __half *)w, N, D, eps, (__half *)y, rstd);
+        on_16bit(dtype, [&](auto t) {
+            using T = decltype(t);
+            norm_fwd_h_kernel<T><<<grid, NT, 0, s>>>((const T *)x, (const T *)z, (const T *)w, N,
+                                                     D, eps, (T *)y, rstd);
+        });
         return check_launch(ctx, "gdn_norm_fwd");
     }
     auto kern = D <= 128 ? norm_fwd_kernel<4> : norm_fwd_kernel<0>;
@@ -422,11 +409,13 @@ extern "C" loom_status loom_cuda_gdn_norm_bwd(loom_ctx *ctx, const void *dy, con
     cudaStream_t s = as_stream(stream);
     if (norm_h_ok(dtype, D, {dy, x, z, w, dx, dz})) { // dx, dz and dw's partials in one pass
         const int64_t rows = red_rows(N), nch = red_chunks(N);
-        double *part = dw ? (double *)scratch : nullptr;
-        if (dtype == LOOM_BF16)
-            norm_bwd_h<__nv_bfloat16>(dw != nullptr, nch, s, dy, x, z, w, rstd, N, D, rows, dx, dz, part);
-        else
-            norm_bwd_h<__half>(dw != nullptr, nch, s, dy, x, z, w, rstd, N, D, rows, dx, dz, part);
+        on_16bit(dtype, [&](auto t) {
+            using T = decltype(t);
+            auto k = dw ? norm_bwd_h_kernel<T, true> : norm_bwd_h_kernel<T, false>;
+            k<<<(unsigned)nch, NT, 0, s>>>((const T *)dy, (const T *)x, (const T *)z, (const T *)w,
+                                           rstd, N, D, rows, (T *)dx, (T *)dz,
+                                           dw ? (double *)scratch : nullptr);
+        });
         if ((st = check_launch(ctx, "gdn_norm_bwd")) || !dw)
             return st;
         return col_final(ctx, "gdn_norm_bwd", scratch, nch, D, D, dw, nullptr, s);
