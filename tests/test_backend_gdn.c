@@ -265,9 +265,12 @@ TEST(backend_gdn_rule_equals_cpu) {
          * the later ones copied a block ahead (cp.async) */
         {1, 2, 128, 128, 2, {0, 130, 197}},
         /* 16 value heads over 3 documents: enough units that the state passes
-         * put two in a block (of eight warps each at dk = dv = 128); the cases
-         * above have one a block on a GPU of 100 or more multiprocessors */
+         * put four in a block (of four warps each at dk = dv = 128: 192 blocks
+         * of two would be more than the multiprocessors of an H100 or H200) */
         {4, 16, 128, 128, 3, {0, 64, 65, 150}},
+        /* 8 over 3: two a block (of eight warps: 96 blocks); the cases above
+         * have one a block on a GPU of 100 or more multiprocessors */
+        {2, 8, 128, 128, 3, {0, 64, 65, 150}},
     };
     const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
     for (int i = 0; i < 2; i++)

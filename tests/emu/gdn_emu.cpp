@@ -107,13 +107,16 @@ int main(int argc, char **argv) {
         }
     }
     /* the state passes' units of eight warps: one a block (one head), at Qwen3.5's dk = dv =
-       128 (FULL: constant dimensions) and around it; two a block (FULL). After the cases above,
-       whose inputs stay those they had before these (one random stream). */
+       128 (FULL: constant dimensions) and around it; four units of four warps a block (FULL:
+       blocks of two would be 24, more than the emulator's 16 multiprocessors); two a block
+       (FULL: 8 blocks of two). After the cases above, whose inputs stay those they had before
+       these (one random stream). */
     for (int b = 0; b < 2; b++) {
         BF = b;
         rule_case(1, 1, 128, 128, {0, 150});
         rule_case(1, 1, 64, 48, {0, 10, 140});
         rule_case(1, 2, 128, 128, {0, 64, 65, 150});
+        rule_case(1, 1, 128, 128, {0, 70, 150});
     }
     /* the backward's staged rows (conv_bwd_staged_kernel: 256 channels a block) over two
        blocks, the second with 8 channels and threads past C */

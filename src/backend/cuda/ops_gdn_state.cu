@@ -20,15 +20,15 @@
 // staged operands and Sh, one for Us. The same products and roundings as
 // the fp32 kernels' operands take: the state rounded as an operand, U and
 // dU rounded after their decay; each sum over keys in one accumulator in
-// key order. A block holds NU units (the 16-column blocks of a head side
-// by side) sharing a chunk's operands (W, K, Q as bf16 rows; U0 or dU's
-// local part, dO; the decays), copied by cp.async ST - 1 chunks ahead into
-// a ring of ST stages. A document's chunks are its 64-token runs from its
+// key order. A block holds NU units (1, 2 or 4: the 16-column blocks of a
+// head side by side) sharing a chunk's operands (W, K, Q as bf16 rows; U0
+// or dU's local part, dO; the decays), copied by cp.async ST - 1 chunks
+// ahead into a ring of ST stages. A document's chunks are its 64-token runs from its
 // first token, so their rows follow from its bounds, with no table loads in
 // the chain.
 //
 // Checked against the CPU reference on the CPU emulator (make test-emu,
-// both NU) and, on an H200, by tests/test_backend_gdn.c and the Qwen3.5
+// every NU) and, on an H200, by tests/test_backend_gdn.c and the Qwen3.5
 // model tests (tests/gpu/qwen35.sh).
 #include <type_traits>
 
@@ -40,7 +40,6 @@ using namespace loom_gdn;
 
 namespace {
 constexpr int SW = 16;       // dv columns a unit (the products' m)
-constexpr int ST = 3;        // stages of the ring
 constexpr int MK = 8;        // k-steps of 16 over dk16 at most (dk <= 128)
 constexpr int DKM = 16 * MK; // the largest dk (and FULL's dk and dv)
 constexpr int LDU = CH + 8;  // row stride of a unit's Us (bf16, 16 x CH)
@@ -56,8 +55,9 @@ template <int NU> struct shape {
 // (KN n-tiles of 8, KJ blocks of 16) and tokens [TW ks, TW ks + TW) of a
 // chunk (TN n-tiles). Eight warps (16 keys, 8 tokens each), so that a
 // chunk's step, the chain's link, is spread over as many; four (32 keys,
-// 16 tokens) for two units a block without FULL's constant dimensions,
-// whose registers (140-180) sixteen warps a block could not hold.
+// 16 tokens) for four units a block (FULL: 124 and 128 registers, no
+// spills), and for two units without FULL's constant dimensions, whose
+// registers (140-180) sixteen warps a block could not hold.
 template <int KS> struct slices {
     static_assert(KS == 4 || KS == 8, "four or eight warps a unit");
     static constexpr int KW = DKM / KS, KN = KW / 8, KJ = KW / 16;
@@ -65,6 +65,12 @@ template <int KS> struct slices {
 };
 // a block's threads
 template <int NU, int KS> __host__ __device__ constexpr int threads() { return 32 * KS * NU; }
+// Stages of the ring: three (two chunks staged ahead of the one in use);
+// two for the backward's blocks of four units, whose three would pass the
+// 227 KB of shared memory a block can have.
+template <int NU, bool BWD> __host__ __device__ constexpr int stages() {
+    return NU == 4 && BWD ? 2 : 3;
+}
 
 // A stage: the bf16 (CH, dk16) row blocks X (W, K; and Q for the
 // backward), the fp32 (CH, BW) block V (U0, or dU's local part), the bf16
@@ -92,8 +98,8 @@ template <int NU> struct stage_ptrs {
 __host__ __device__ inline size_t unit_bytes(int64_t dk) {
     return (size_t)(SW * ldk(dk) + SW * LDU) * sizeof(bf16);
 }
-template <int NU> __host__ __device__ inline size_t ring_bytes(int64_t dk, bool bwd) {
-    return ST * stage_ptrs<NU>(nullptr, dk, bwd).bytes + NU * unit_bytes(dk);
+template <int NU, bool BWD> __host__ __device__ inline size_t ring_bytes(int64_t dk) {
+    return stages<NU, BWD>() * stage_ptrs<NU>(nullptr, dk, BWD).bytes + NU * unit_bytes(dk);
 }
 
 // Document n's chunks c1 <= c < c2: first token t0(c), length len(c).
@@ -302,14 +308,15 @@ __device__ __forceinline__ void times_rows(float (&y)[2][4], const uint32_t (&a)
 // stage waited for and seen by the block (and the units' Sh), then number
 // s + ST - 1 staged in the slot number s - 1 used. A group is committed
 // for every number, staged or not, so that the wait's count holds at the end.
-template <typename F> __device__ __forceinline__ void ring_start(int nc, F stage) {
+template <int ST, typename F> __device__ __forceinline__ void ring_start(int nc, F stage) {
     for (int s = 0; s < ST - 1; s++) {
         if (s < nc)
             stage(s, s % ST);
         cp_commit();
     }
 }
-template <typename F> __device__ __forceinline__ void ring_step(int s, int nc, F stage) {
+template <int ST, typename F>
+__device__ __forceinline__ void ring_step(int s, int nc, F stage) {
     cp_wait<ST - 2>();
     __syncthreads();
     if (s + ST - 1 < nc)
@@ -327,24 +334,24 @@ template <bool B> struct flag {
 // from the shared memory's start, the units' Sh and Us after them), the
 // thread's place, the document's chunks, the rows' strides, and whether
 // the block's tiles are full (dk = 128, every column: no bounds to check).
-template <int NU, int KS> struct pass_base {
+template <int NU, int KS, bool BWD> struct pass_base {
+    static constexpr int ST = stages<NU, BWD>();
     int64_t dk, dv, d16, wrs, krs, ors;
     int nk, ldq;
     size_t bytes;
-    bool bwd;
     char *sm;
     pass_at<NU, KS> p;
     doc_chunks dc;
     int nc;
     bool keys;
-    __device__ pass_base(const geo &z, const gdn_ws &w, char *smem, bool bwd_)
+    __device__ pass_base(const geo &z, const gdn_ws &w, char *smem)
         : dk(z.dk), dv(z.dv), d16(pad16(z.dk)), wrs(z.Hv * z.dk), krs(z.Hk * z.dk),
           ors(z.Hv * z.dv), nk((int)(pad16(z.dk) / 16)), ldq((int)ldk(z.dk)),
-          bytes(stage_ptrs<NU>(nullptr, z.dk, bwd_).bytes), bwd(bwd_), sm(smem),
+          bytes(stage_ptrs<NU>(nullptr, z.dk, BWD).bytes), sm(smem),
           p(z, smem + ST * bytes), dc(w, blockIdx.x), nc(dc.c2 - dc.c1),
           keys(z.dk == DKM && p.nb == shape<NU>::BW) {}
     __device__ stage_ptrs<NU> slot(int s) const {
-        return stage_ptrs<NU>(sm + s * bytes, dk, bwd);
+        return stage_ptrs<NU>(sm + s * bytes, dk, BWD);
     }
 };
 
@@ -372,7 +379,8 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1) state_fwd_tc_kernel(geo 
     constexpr int NTH = threads<NU, KS>();
     extern __shared__ __align__(16) float sm[];
     full_dims<FULL>(z);
-    const pass_base<NU, KS> b(z, w, (char *)sm, false);
+    constexpr int ST = stages<NU, false>();
+    const pass_base<NU, KS, false> b(z, w, (char *)sm);
     const pass_at<NU, KS> &p = b.p;
     const doc_chunks &dc = b.dc;
     const int64_t dk = b.dk, dv = b.dv, d16 = b.d16, wrs = b.wrs, krs = b.krs, ors = b.ors;
@@ -393,7 +401,7 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1) state_fwd_tc_kernel(geo 
     decay_ahead cur, nxt;
     if (nc > 0)
         cur.load(z, w, dc, dc.c1, p.h);
-    ring_start(nc, stage);
+    ring_start<ST>(nc, stage);
     for (int s = 0; s < nc; s++) {
         const int c = dc.c1 + s, L = cur.L;
         const int64_t t0 = dc.t0(c);
@@ -407,7 +415,7 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1) state_fwd_tc_kernel(geo 
         const float eL = expf(cur.GL);
         if (s + 1 < nc)
             nxt.load(z, w, dc, c + 1, p.h);
-        ring_step(s, nc, stage); // the stage, D and Sh seen
+        ring_step<ST>(s, nc, stage); // the stage, D and Sh seen
         float u[SL::TN][4] = {};
         state_times_rows(u, p, q.X[0], nk); // (W S)^T, the warp's tokens
         bf16 *Ug = w.Uh + (t0 * z.Hv + p.h) * dv + p.b0 + p.col(0);
@@ -465,7 +473,8 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1)
     constexpr int NTH = threads<NU, KS>();
     extern __shared__ __align__(16) float sm[];
     full_dims<FULL>(z);
-    const pass_base<NU, KS> b(z, w, (char *)sm, true);
+    constexpr int ST = stages<NU, true>();
+    const pass_base<NU, KS, true> b(z, w, (char *)sm);
     const pass_at<NU, KS> &p = b.p;
     const doc_chunks &dc = b.dc;
     const int64_t dk = b.dk, dv = b.dv, d16 = b.d16, wrs = b.wrs, krs = b.krs, ors = b.ors;
@@ -490,7 +499,7 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1)
     decay_ahead cur, nxt;
     if (nc > 0)
         cur.load(z, w, dc, dc.c2 - 1, p.h);
-    ring_start(nc, stage);
+    ring_start<ST>(nc, stage);
     for (int s = 0; s < nc; s++) {
         const int c = dc.c2 - 1 - s, L = cur.L;
         const int64_t t0 = dc.t0(c);
@@ -504,7 +513,7 @@ __global__ void __launch_bounds__(threads<NU, KS>(), 1)
         const float eL = expf(cur.GL);
         if (s + 1 < nc)
             nxt.load(z, w, dc, c - 1, p.h);
-        ring_step(s, nc, stage); // the stage, D, E and Sh seen
+        ring_step<ST>(s, nc, stage); // the stage, D, E and Sh seen
         float x[SL::TN][4] = {};
         state_times_rows(x, p, q.X[1], nk); // (K dS)^T, the warp's tokens
         bf16 *Ug = w.dUb + (t0 * z.Hv + p.h) * dv + p.b0 + p.col(0);
@@ -565,10 +574,13 @@ loom_status pass_fits(loom_ctx *ctx, const char *op, const geo &z) {
                      op, (long long)z.Hv, (long long)z.dv);
 }
 
-// Two units a block (sharing the chunk's staged rows) where that still
-// gives half the multiprocessors a block, else one: twice the blocks for
-// few heads and documents (a block a multiprocessor: the ring's shared
-// memory).
+// Units a block (a block a multiprocessor: the ring's shared memory). Two
+// (sharing the chunk's staged rows) where that still gives half the
+// multiprocessors a block, else one: twice the blocks for few heads and
+// documents. Four (FULL) where blocks of two would take more than one wave:
+// a chunk's step takes about 1.4x as long with four units of four warps as
+// with two of eight (an H200, 0.8B's layers: 3.8 against 2.8 us forward,
+// 5.3 against 3.6 backward), half as many steps in a row.
 loom_status pick_nu(loom_ctx *ctx, const char *op, const geo &z, int *nu) {
     int dev = 0, sms = 0;
     loom_status st = check(ctx, cudaGetDevice(&dev), op);
@@ -576,7 +588,8 @@ loom_status pick_nu(loom_ctx *ctx, const char *op, const geo &z, int *nu) {
         st = check(ctx, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op);
     if (!st)
         st = pass_fits(ctx, op, z);
-    *nu = 2 * z.ndocs * z.Hv * ((z.dv + 2 * SW - 1) / (2 * SW)) >= sms ? 2 : 1;
+    const auto blocks = [&](int u) { return z.ndocs * z.Hv * ((z.dv + SW * u - 1) / (SW * u)); };
+    *nu = full_dims_ok(z) && blocks(2) > sms ? 4 : 2 * blocks(2) >= sms ? 2 : 1;
     return st;
 }
 
@@ -588,7 +601,7 @@ template <int NU> dim3 pass_grid(const geo &z) {
 template <int NU, int KS, bool FULL>
 loom_status launch_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                        cudaStream_t s) {
-    const size_t b = ring_bytes<NU>(z.dk, false);
+    const size_t b = ring_bytes<NU, false>(z.dk);
     const auto kern = state_fwd_tc_kernel<NU, KS, FULL>;
     const loom_status st = smem_for(ctx, op, kern, b);
     if (st)
@@ -600,7 +613,7 @@ loom_status launch_fwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws
 template <int NU, int KS, bool FULL>
 loom_status launch_bwd(loom_ctx *ctx, const char *op, const geo &z, const gdn_ws &w,
                        const void *dout, cudaStream_t s) {
-    const size_t b = ring_bytes<NU>(z.dk, true);
+    const size_t b = ring_bytes<NU, true>(z.dk);
     const auto kern = state_bwd_tc_kernel<NU, KS, FULL>;
     const loom_status st = smem_for(ctx, op, kern, b);
     if (st)
@@ -614,9 +627,10 @@ template <int NU_, int KS_, bool FULL_> struct layout {
     static constexpr int NU = NU_, KS = KS_;
     static constexpr bool FULL = FULL_;
 };
-// f(layout) for z, the one choice both passes make: two units a block or
-// one (pick_nu); eight warps a unit, but four for two units of the general
-// kernels (their registers).
+// f(layout) for z, the one choice both passes make: four units a block, two
+// or one (pick_nu); eight warps a unit, but four for four units (512
+// threads, 128 registers at most) and for two units of the general kernels
+// (their registers).
 template <class F>
 loom_status with_layout(loom_ctx *ctx, const char *op, const geo &z, F f) {
     int nu = 1;
@@ -624,7 +638,9 @@ loom_status with_layout(loom_ctx *ctx, const char *op, const geo &z, F f) {
     if (st)
         return st;
     if (full_dims_ok(z))
-        return nu == 2 ? f(layout<2, 8, true>()) : f(layout<1, 8, true>());
+        return nu == 4   ? f(layout<4, 4, true>())
+               : nu == 2 ? f(layout<2, 8, true>())
+                         : f(layout<1, 8, true>());
     return nu == 2 ? f(layout<2, 4, false>()) : f(layout<1, 8, false>());
 }
 } // namespace
