@@ -162,26 +162,29 @@ __global__ void __launch_bounds__(NT)
 // into As (free after the inversion) under the block before's product
 // (loading them into registers so took 124 registers or spilled; loading
 // them when needed left prep waiting on memory for 40% of its time, ncu on
-// an H200). Three blocks an SM (80 registers, a few spilled): at the 4B
-// shapes on an H200 the same code at two blocks (128 registers, none
-// spilled) took 383 us a layer, at three 346, the synchronous loads 403.
-// Shared: As, Ts (CH, LDA); Gs, Bs, Rs (CH); bf16 Ks, Tb (T's rounding), Xs
-// (CH, BO).
+// an H200). Four blocks an SM (64 registers, 84 bytes spilled; T's fp32
+// block over K's rows, which A's product is done with before the inversion
+// writes it): 503 us a layer at 0.8B's micro-batch 4 on an H200 against
+// 521 at three (80 registers); at the 4B shapes two blocks (128 registers,
+// none spilled) had taken 383 us a layer, three 346, the synchronous loads
+// 403. Shared: As (CH, LDA); Gs, Bs, Rs (CH); bf16 Ks (CH, dk16) and over
+// them Ts (CH, LDA, fp32); bf16 Tb (T's rounding), Xs (CH, BO).
 struct prep_smem {
     float *As, *Ts, *Gs, *Bs, *Rs;
     bf16 *Ks, *Tb, *Xs;
     size_t bytes;
     __host__ __device__ prep_smem(void *base, int64_t dk) {
         carve c(base);
-        As = c.take<float>(CH * LDA), Ts = c.take<float>(CH * LDA);
+        As = c.take<float>(CH * LDA);
         Gs = c.take<float>(CH), Bs = c.take<float>(CH), Rs = c.take<float>(CH);
-        Ks = c.take<bf16>(CH * ldk(dk)), Tb = c.take<bf16>(CH * LDH);
+        const int64_t kt = CH * ldk(dk) * 2 > CH * LDA * 4 ? CH * ldk(dk) : CH * LDA * 2;
+        Ks = c.take<bf16>(kt), Ts = (float *)Ks, Tb = c.take<bf16>(CH * LDH);
         Xs = c.take<bf16>(CH * LDH);
         bytes = c.off;
     }
 };
 
-__global__ void __launch_bounds__(NT, 3) prep_tc_kernel(const void *qkv, loom_dtype dt,
+__global__ void __launch_bounds__(NT, 4) prep_tc_kernel(const void *qkv, loom_dtype dt,
                                                      const float *g, const float *beta, geo z,
                                                      gdn_ws w) {
     extern __shared__ __align__(16) float sm[];
