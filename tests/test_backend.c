@@ -203,7 +203,7 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
           *b = frand(N, seed + 3 * n), *W = frand(rows * H, seed + 4 * n);
     int32_t ids[37];
     for (int64_t t = 0; t < T; t++) ids[t] = (int32_t)(loom_splitmix64(seed + 99 + (uint64_t)t) % V);
-    float *out[2][15];
+    float *out[2][16];
     for (int k = 0; k < 2; k++) {
         side s = sides[k];
         void *G = put(ctx, s, g, n * 4), *U = put(ctx, s, u, n * 4), *DH = put(ctx, s, dh, n * 4),
@@ -245,18 +245,23 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
         REQUIRE_OK(ctx, s.be->fill_randn(s.d, ctx, rn, n, seed));
         /* the gated attention's gate (o = u, g = g) and its backward; 20
          * columns of every row of g (the q_proj split into query and gate) */
-        void *gy = NULL, *gdo = NULL, *gdg = NULL, *c2 = NULL;
+        void *gy = NULL, *gdo = NULL, *gdg = NULL, *c2 = NULL, *c3 = NULL;
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &gy, n * 4, "gy"));
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &gdo, n * 4, "gdo"));
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &gdg, n * 4, "gdg"));
         REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &c2, T * 20 * 4, "c2"));
+        REQUIRE_OK(ctx, s.be->alloc(s.d, ctx, &c3, T * 16 * 4, "c3"));
         REQUIRE_OK(ctx, s.be->gate_fwd(s.d, ctx, U, G, n, gy));
         REQUIRE_OK(ctx, s.be->gate_bwd(s.d, ctx, DH, U, G, n, gdo, gdg));
         REQUIRE_OK(ctx, s.be->copy2d(s.d, ctx, c2, 20 * 4, (const float *)G + 5, (size_t)N * 4,
                                      20 * 4, (size_t)T));
-        void *dev[15] = {h, dg, du, db, e, dW, pg, ps, dr, dq, rn, gy, gdo, gdg, c2};
-        const int64_t len[15] = {n, n, n, N, T * H, rows * H, n, n, n, n, n, n, n, n, T * 20};
-        for (int j = 0; j < 15; j++) {
+        /* 16-byte rows, strides and addresses (CUDA: its own kernel): 16 floats
+         * of every 52 of g from float 4 */
+        REQUIRE_OK(ctx, s.be->copy2d(s.d, ctx, c3, 16 * 4, (const float *)G + 4, 52 * 4, 16 * 4,
+                                     (size_t)T));
+        void *dev[16] = {h, dg, du, db, e, dW, pg, ps, dr, dq, rn, gy, gdo, gdg, c2, c3};
+        const int64_t len[16] = {n, n, n, N, T * H, rows * H, n, n, n, n, n, n, n, n, T * 20, T * 16};
+        for (int j = 0; j < 16; j++) {
             out[k][j] = malloc((size_t)len[j] * 4);
             REQUIRE_OK(ctx, s.be->download(s.d, ctx, out[k][j], dev[j], (size_t)len[j] * 4));
             s.be->free(s.d, dev[j]);
@@ -264,17 +269,19 @@ static void elementwise_ops(loom_ctx *ctx, side x) {
         void *in[6] = {G, U, DH, B, WW, ID};
         for (int j = 0; j < 6; j++) s.be->free(s.d, in[j]);
     }
-    static const char *const what[15] = {
+    static const char *const what[16] = {
         "swiglu_fwd + add + bias_fwd", "swiglu_bwd dg", "swiglu_bwd du", "bias_bwd", "embed_fwd",
         "embed_bwd", "rows_gather", "rows_scatter", "dropout", "dropout (token index)",
-        "fill_randn", "gate_fwd", "gate_bwd do", "gate_bwd dg", "copy2d"};
-    const int64_t len[15] = {n, n, n, N, T * H, rows * H, n, n, n, n, n, n, n, n, T * 20};
-    for (int64_t t = 0; t < T; t++) /* copy2d moved the right bytes */
+        "fill_randn", "gate_fwd", "gate_bwd do", "gate_bwd dg", "copy2d", "copy2d (16-byte rows)"};
+    const int64_t len[16] = {n, n, n, N, T * H, rows * H, n, n, n, n, n, n, n, n, T * 20, T * 16};
+    for (int64_t t = 0; t < T; t++) { /* copy2d moved the right bytes */
         CHECK(!memcmp(out[1][14] + t * 20, g + t * N + 5, 20 * 4));
+        CHECK(!memcmp(out[1][15] + t * 16, g + t * 52 + 4, 16 * 4));
+    }
     CHECK(!memcmp(out[1][7], g, (size_t)n * 4)); /* scatter undid gather */
     CHECK_MSG(!memcmp(out[1][10], out[0][10], (size_t)n * 4), "%s: fill_randn is not the CPU's "
               "bits", x.be->name);
-    for (int j = 0; j < 15; j++) {
+    for (int j = 0; j < 16; j++) {
         CHECK_MSG(close_to(out[1][j], out[0][j], len[j], 1e-5), "%s: %s differs from the CPU's",
                   x.be->name, what[j]);
         free(out[0][j]);

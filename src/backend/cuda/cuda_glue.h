@@ -95,8 +95,10 @@ loom_status loom_cuda_lora_dropout(loom_ctx *ctx, void *out, const void *x, int6
 loom_status loom_cuda_memset_async(loom_ctx *ctx, void *ptr, size_t bytes, void *stream);
 loom_status loom_cuda_memcpy_async(loom_ctx *ctx, void *dst, const void *src, size_t bytes,
                                    void *stream);
-/* rows of width bytes, src rows lds bytes apart, dst rows ldd apart
- * (cudaMemcpy2DAsync, cudaMemcpyDefault); nothing when width or rows is 0 */
+/* rows of width bytes, src rows lds bytes apart, dst rows ldd apart, both
+ * on the device (a kernel of 16-byte pieces where the pointers, strides and
+ * width are multiples of 16, else cudaMemcpy2DAsync); nothing when width or
+ * rows is 0 */
 loom_status loom_cuda_memcpy2d_async(loom_ctx *ctx, void *dst, size_t ldd, const void *src,
                                      size_t lds, size_t width, size_t rows, void *stream);
 

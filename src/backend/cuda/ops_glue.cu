@@ -584,10 +584,34 @@ extern "C" loom_status loom_cuda_memcpy_async(loom_ctx *ctx, void *dst, const vo
                  "memcpy_async");
 }
 
+// copy2d's rows by 16-byte pieces: a warp a row (its lanes across the row,
+// looped past 32 pieces), eight rows a block, rows looped past the grid.
+// Qwen3.5-0.8B's gated q_proj split at micro-batch 4 on an H200 (each half
+// 33.5 MB each way, 512-byte rows 1 KB apart): 41.9 us a copy against about
+// 47 for cudaMemcpy2DAsync (kprof).
+constexpr int C2D_ROWS = 8;
+__global__ void __launch_bounds__(32 * C2D_ROWS)
+    copy2d16_kernel(uint4 *__restrict__ dst, size_t ldd, const uint4 *__restrict__ src,
+                    size_t lds, int64_t per, int64_t rows) {
+    const int64_t stride = (int64_t)gridDim.x * C2D_ROWS;
+    for (int64_t r = (int64_t)blockIdx.x * C2D_ROWS + threadIdx.y; r < rows; r += stride) {
+        uint4 *d = dst + r * ldd;
+        const uint4 *s = src + r * lds;
+        for (int64_t k = threadIdx.x; k < per; k += 32) d[k] = s[k];
+    }
+}
+
 extern "C" loom_status loom_cuda_memcpy2d_async(loom_ctx *ctx, void *dst, size_t ldd,
                                                 const void *src, size_t lds, size_t width,
                                                 size_t rows, void *stream) {
     if (width == 0 || rows == 0) return LOOM_OK;
+    if ((((uintptr_t)dst | (uintptr_t)src | ldd | lds | width) & 15) == 0) {
+        const dim3 block(32, C2D_ROWS);
+        copy2d16_kernel<<<grid_for((int64_t)rows, C2D_ROWS), block, 0, as_stream(stream)>>>(
+            (uint4 *)dst, ldd / 16, (const uint4 *)src, lds / 16, (int64_t)(width / 16),
+            (int64_t)rows);
+        return check_launch(ctx, "copy2d");
+    }
     return check(ctx,
                  cudaMemcpy2DAsync(dst, ldd, src, lds, width, rows, cudaMemcpyDefault,
                                    as_stream(stream)),
