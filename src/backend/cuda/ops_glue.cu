@@ -588,7 +588,7 @@ extern "C" loom_status loom_cuda_memcpy_async(loom_ctx *ctx, void *dst, const vo
 // looped past 32 pieces), eight rows a block, rows looped past the grid.
 // Qwen3.5-0.8B's gated q_proj split at micro-batch 4 on an H200 (each half
 // 33.5 MB each way, 512-byte rows 1 KB apart): 41.9 us a copy against about
-// 47 for cudaMemcpy2DAsync (kprof).
+// 46 for cudaMemcpy2DAsync (kprof).
 constexpr int C2D_ROWS = 8;
 __global__ void __launch_bounds__(32 * C2D_ROWS)
     copy2d16_kernel(uint4 *__restrict__ dst, size_t ldd, const uint4 *__restrict__ src,
