@@ -12,6 +12,10 @@ using namespace loom_gdn;
 
 namespace {
 
+// A row's factor 1 / sqrt(|x|^2 + eps) from its sum of squares (the CPU's
+// eps, cpu_gdn's L2 normalisation); q's is further divided by sqrt(dk).
+__device__ __forceinline__ float inv_norm(float ss) { return 1.0f / sqrtf(ss + 1e-6f); }
+
 // qn, kn of row r = (t, hk) (where w has them: the fp32 kernels), or the
 // row's factors rq, rk (the tensor-core kernels': they multiply qkv's bf16
 // value by it where they need the fp32 one, the same product; the fp32 rows
@@ -50,7 +54,7 @@ __global__ void l2_fwd_kernel(const void *qkv, loom_dtype dt, geo z, gdn_ws w) {
     }
     sq = warp_sum(sq);
     sk = warp_sum(sk);
-    const float rq = 1.0f / sqrtf(sq + 1e-6f) / sqrtf((float)z.dk), rk = 1.0f / sqrtf(sk + 1e-6f);
+    const float rq = inv_norm(sq) / sqrtf((float)z.dk), rk = inv_norm(sk);
     if (w.rq && lane == 0)
         w.rq[r] = rq, w.rk[r] = rk;
     const auto out = [&](int64_t a, float rawq, float rawk) {
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(NT) l2_fwd_h_kernel(const void *qkv, geo z, gd
             sq += q[i] * q[i], sk += kv[i] * kv[i];
         sq = half_sum(sq);
         sk = half_sum(sk);
-        const float rq = 1.0f / sqrtf(sq + 1e-6f) / sqrtf((float)z.dk), rk = 1.0f / sqrtf(sk + 1e-6f);
+        const float rq = inv_norm(sq) / sqrtf((float)z.dk), rk = inv_norm(sk);
         if (r >= n)
             continue;
         if (w.rq && j == 0)
@@ -177,7 +181,7 @@ template <int G> struct l2_bwd_half {
             }
             ss = half_sum(ss);
             xd = half_sum(xd);
-            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
+            const float rr = inv_norm(ss), c = rr * rr * rr * xd;
             if (on) {
                 float o[8];
 #pragma unroll
@@ -248,7 +252,7 @@ __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float
                     ss += xv[which][i] * xv[which][i], xd += xv[which][i] * dv[i];
             ss = warp_sum(ss);
             xd = warp_sum(xd);
-            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
+            const float rr = inv_norm(ss), c = rr * rr * rr * xd;
 #pragma unroll
             for (int i = 0; i < NA; i++)
                 if (lane + 32 * i < z.dk)
@@ -275,7 +279,7 @@ __global__ void l2_bwd_kernel(const void *qkv, loom_dtype dt, geo z, const float
             }
             ss = warp_sum(ss);
             xd = warp_sum(xd);
-            const float rr = 1.0f / sqrtf(ss + 1e-6f), c = rr * rr * rr * xd;
+            const float rr = inv_norm(ss), c = rr * rr * rr * xd;
             for (int64_t a = lane; a < z.dk; a += 32)
                 st(dqkv, dt, o + a, sc * (rr * dyn(a) - c * ld(qkv, dt, o + a)));
         }
